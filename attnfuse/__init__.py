@@ -1,0 +1,51 @@
+"""AttnFuse: compose attention from combinators; get one fused Triton kernel for the whole program.
+
+    import attnfuse as af
+
+    @af.attention
+    def llama(q, k, v):
+        s = af.rope(q, k)
+        s = af.causal(s)
+        return af.softmax(s) @ v
+
+Every registered combinator (built-in or from an installed plugin) is an attribute: ``af.<name>``.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from .combinator import Combinator, Role
+from .errors import AttnFuseError, InputError, PluginError, ProgramError
+from .hookspecs import hookimpl
+from .plugin_manager import combinators, register_plugin, unregister_plugin
+from .program import AttentionProgram, attention
+from .runtime.launch import run_attention
+
+__all__ = [
+    "AttentionProgram", "AttnFuseError", "Combinator", "InputError", "PluginError", "ProgramError", "Role",
+    "attention", "combinators", "hookimpl", "register_plugin", "run_attention", "unregister_plugin",
+]
+__version__ = "0.1.0"
+
+_functions: dict[Combinator, Callable] = {}
+
+
+def __getattr__(name: str) -> Any:
+    """``af.<combinator>``: the DSL function of a registered combinator."""
+    from .dsl import dsl_function
+    from .plugin_manager import combinators as registered
+
+    if name.startswith("__"):
+        raise AttributeError(name)
+    entry = registered().get(name)
+    if entry is None:
+        raise AttributeError(f"module 'attnfuse' has no attribute {name!r} (no combinator of that name is "
+                             f"registered; `attnfuse list` shows those that are)")
+    fn = _functions.get(entry.combinator)
+    if fn is None:
+        fn = _functions[entry.combinator] = dsl_function(entry.combinator)
+    return fn
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(combinators()))

@@ -1,0 +1,100 @@
+"""Block masks for ``af.block_sparse``: which (query block, key block) pairs are active, in CSR form.
+
+Only the (Nq/bs) x (Nk/bs) block grid is ever built, never an Nq x Nk element mask, so a 128k-token mask
+with B and H broadcast takes a few MB. Blocks index query and key *indices* (not positions).
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from attrs import field, frozen
+
+from .errors import InputError
+
+
+def _block_size(_, __, value: int) -> None:
+    if not isinstance(value, int) or value < 16 or value & (value - 1):
+        raise InputError(f"block_size must be a power of two >= 16, got {value!r}")
+
+
+@frozen(kw_only=True, eq=False)
+class BlockMask:
+    """Active blocks of a (B, H, Nq, Nk) attention, B and H possibly broadcast (size 1).
+
+    ``active`` (Bm, Hm, QB, KB) bool, QB = ceil(Nq / block_size), KB = ceil(Nk / block_size).
+    Row CSR (forward and dQ): ``kv_num_blocks`` (Bm, Hm, QB) int32 and ``kv_indices`` (Bm, Hm, QB, KB)
+    int32, the active key blocks of each query block first, ascending. Column CSR (dK, dV):
+    ``q_num_blocks`` (Bm, Hm, KB) and ``q_indices`` (Bm, Hm, KB, QB).
+    """
+
+    __attnfuse_runtime_input__ = True
+
+    Nq: int
+    Nk: int
+    block_size: int = field(validator=_block_size)
+    active: torch.Tensor
+    kv_num_blocks: torch.Tensor
+    kv_indices: torch.Tensor
+    q_num_blocks: torch.Tensor
+    q_indices: torch.Tensor
+
+    @classmethod
+    def from_blocks(cls, active: torch.Tensor, Nq: int, Nk: int, block_size: int = 128) -> "BlockMask":
+        """From a boolean block grid (QB, KB), (H, QB, KB) or (B, H, QB, KB)."""
+        _block_size(None, None, block_size)
+        if not isinstance(active, torch.Tensor) or active.dtype != torch.bool or not 2 <= active.dim() <= 4:
+            raise InputError("active must be a bool tensor (QB, KB), (H, QB, KB) or (B, H, QB, KB)")
+        qb, kb = -(-Nq // block_size), -(-Nk // block_size)
+        if tuple(active.shape[-2:]) != (qb, kb):
+            raise InputError(f"active must end in (ceil(Nq/block_size), ceil(Nk/block_size)) = ({qb}, {kb}), "
+                             f"got {tuple(active.shape)}")
+        active = active.reshape((1,) * (4 - active.dim()) + tuple(active.shape))
+        kv_num, kv_idx = _csr(active)
+        q_num, q_idx = _csr(active.transpose(-1, -2))
+        return cls(Nq=Nq, Nk=Nk, block_size=block_size, active=active, kv_num_blocks=kv_num,
+                   kv_indices=kv_idx, q_num_blocks=q_num, q_indices=q_idx)
+
+    def sparsity(self) -> float:
+        """Fraction of blocks that are inactive."""
+        return 1.0 - self.active.float().mean().item()
+
+    def to_dense(self) -> torch.Tensor:
+        """The element mask (Bm, Hm, Nq, Nk): for tests and small shapes only."""
+        bs = self.block_size
+        dense = self.active.repeat_interleave(bs, dim=-2).repeat_interleave(bs, dim=-1)
+        return dense[..., : self.Nq, : self.Nk]
+
+    def __repr__(self) -> str:
+        return (f"BlockMask(Nq={self.Nq}, Nk={self.Nk}, block_size={self.block_size}, "
+                f"shape={tuple(self.active.shape)}, sparsity={self.sparsity():.1%})")
+
+
+def _csr(active: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row of the last two dims: the count of active columns, and their indices first, ascending."""
+    counts = active.sum(dim=-1, dtype=torch.int32)
+    order = torch.argsort((~active).to(torch.int8), dim=-1, stable=True).to(torch.int32)
+    return counts, order
+
+
+def create_block_mask(predicate: Callable, B: int | None, H: int | None, Nq: int, Nk: int,
+                      block_size: int = 128, device: torch.device | str | None = None) -> BlockMask:
+    """Evaluate ``predicate(b, h, q_block, kv_block)`` once over the block grid.
+
+    The predicate gets broadcastable int64 tensors b (B', 1, 1, 1), h (1, H', 1, 1), q_block (1, 1, QB, 1)
+    and kv_block (1, 1, 1, KB) — B' = 1 when B is None, likewise H — and returns which blocks are active.
+    """
+    _block_size(None, None, block_size)
+    for name, n in (("Nq", Nq), ("Nk", Nk)):
+        if not isinstance(n, int) or n < 1:
+            raise InputError(f"{name} must be a positive int, got {n!r}")
+    qb, kb = -(-Nq // block_size), -(-Nk // block_size)
+    b = torch.arange(B or 1, device=device).view(-1, 1, 1, 1)
+    h = torch.arange(H or 1, device=device).view(1, -1, 1, 1)
+    q_block = torch.arange(qb, device=device).view(1, 1, -1, 1)
+    kv_block = torch.arange(kb, device=device).view(1, 1, 1, -1)
+    active = torch.as_tensor(predicate(b, h, q_block, kv_block), device=device)
+    if active.dtype != torch.bool:
+        raise InputError(f"the block predicate must return a bool tensor, got {active.dtype}")
+    active = torch.broadcast_to(active, (B or 1, H or 1, qb, kb)).contiguous()
+    return BlockMask.from_blocks(active, Nq, Nk, block_size)

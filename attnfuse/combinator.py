@@ -1,0 +1,227 @@
+"""What a plugin declares about one combinator: semantics, reference, and the Triton fragment for its slot.
+
+A combinator is one building block of the DSL. Its declaration is a frozen record; the compiler never
+imports plugin code beyond it. Fragments are Triton source with ``$name`` placeholders (``string.Template``):
+
+* ``$<param>`` for a static parameter is replaced by its value (a literal baked into the kernel);
+* ``$<tensor>`` and ``$<tensor>_s0`` ... ``$<tensor>_s<rank-1>`` for a tensor the plugin's ``prepare``
+  returns: its pointer and strides, as kernel arguments;
+* ``$<scalar>`` for a number ``prepare`` returns: a kernel argument;
+* ``$self``: a prefix unique to this application, for names a prologue defines and a body reads.
+
+Fragments may also read the template's variables, documented in docs/writing-a-combinator.md:
+``b``, ``h``, ``hk`` (batch, query head, key/value head), ``q_idx``, ``q_pos`` (BLOCK_M,),
+``k_pos`` (BLOCK_N,), ``in_bounds`` (BLOCK_M, BLOCK_N), ``Nq``, ``Nk``, ``d`` (BLOCK_D,), ``D``,
+``s`` (the score tile, float32), ``acc``, ``p``.
+"""
+from __future__ import annotations
+
+import enum
+import keyword
+from typing import Any, Callable
+
+from attrs import field, frozen
+
+
+class Role(enum.Enum):
+    """The slot of the kernel template a combinator fills."""
+
+    QK_TRANSFORM = "qk transform"
+    SCORE_SOURCE = "score source"
+    SCORE_MOD = "score modification"
+    MASK = "mask"
+    NORMALISER = "normaliser"
+
+
+class _Required:
+    def __repr__(self) -> str:
+        return "REQUIRED"
+
+
+REQUIRED: Any = _Required()
+"""Default of a parameter that has none."""
+
+
+def _identifier(_, attribute, value: str) -> None:
+    if not value.isidentifier() or keyword.iskeyword(value):
+        raise ValueError(f"{attribute.name} must be a Python identifier, got {value!r}")
+
+
+@frozen(kw_only=True)
+class Param:
+    """One parameter of a combinator, after the score (or q, k) it takes.
+
+    ``runtime=False``: a static value (number, bool, None) baked into the kernel; a new value compiles a new
+    kernel. ``runtime=True``: a runtime input (a tensor or a BlockMask) that must be an argument of the
+    decorated function, so it is passed at every call. ``check`` raises ValueError naming what is allowed.
+    """
+
+    name: str = field(validator=_identifier)
+    runtime: bool = False
+    default: Any = REQUIRED
+    check: Callable[[Any], None] | None = None
+    doc: str = ""
+
+
+@frozen(kw_only=True)
+class TensorArg:
+    """A tensor the fragment reads: ``prepare`` returns it with exactly ``rank`` dimensions."""
+
+    name: str = field(validator=_identifier)
+    rank: int
+
+
+@frozen(kw_only=True)
+class ScalarArg:
+    """A number the fragment reads as a kernel argument; ``prepare`` returns it."""
+
+    name: str = field(validator=_identifier)
+
+
+@frozen(kw_only=True)
+class QKTransformFragment:
+    """Rewrites a q tile once before the key loop and each k tile inside it (float32, (rows, BLOCK_D)).
+
+    In ``q`` and ``k``: ``$x`` is the tile to rewrite in place, ``$pos`` its positions (rows,),
+    ``$ptrs`` the pointers it was loaded from, ``$ok`` the load mask, ``$stride_d`` the column stride.
+    An empty string leaves that operand unchanged.
+    """
+
+    q: str = ""
+    k: str = ""
+
+
+@frozen(kw_only=True)
+class ScoreSourceFragment:
+    """A score source computes (q·kᵀ)·scale after an optional transform of q and k."""
+
+    transform: QKTransformFragment | None = None
+
+
+@frozen(kw_only=True)
+class ScoreModFragment:
+    """Rewrites the score tile ``s`` (float32, (BLOCK_M, BLOCK_N), natural units) inside the key loop."""
+
+    body: str
+    prologue: str = ""
+
+
+@frozen(kw_only=True)
+class MaskFragment:
+    """Which keys a query keeps, plus block facts the compiler uses to bound and split the key loop.
+
+    ``keep``: a boolean expression broadcastable to (BLOCK_M, BLOCK_N), of ``q_pos[:, None]``,
+    ``k_pos[None, :]``, ``q_idx``, ``b``, ``h``. ``None`` keeps every key.
+    ``kv_range``: (lo, hi) key positions outside of which no query of a block with positions
+    ``$q_lo`` ... ``$q_hi`` keeps anything; ``None`` when unknown. Blocks outside are never visited.
+    ``full_range``: (lo, hi) key positions every query of such a block keeps; blocks inside run with no
+    mask arithmetic. ``None`` when unknown (every visited block then evaluates ``keep``).
+    """
+
+    keep: str | None
+    kv_range: tuple[str, str] | None = None
+    full_range: tuple[str, str] | None = None
+
+
+@frozen(kw_only=True)
+class NormaliserFragment:
+    """Turns scores into the weights ``p`` that multiply V, with its own running state.
+
+    ``score_factor``: the template multiplies scores by it before ``update`` (log2(e) for an exp2 softmax).
+    ``masked_score``: the value an excluded key's score takes before ``update``; it must give weight 0.
+    ``init`` declares the state; ``update`` reads ``s`` and writes ``p`` (BLOCK_M, BLOCK_N) float32,
+    rescaling ``acc`` if it must; ``finalize`` writes ``out`` from ``acc`` and, when ``has_lse``, ``lse``
+    (BLOCK_M,) in natural log.
+    """
+
+    init: str
+    update: str
+    finalize: str
+    masked_score: str = 'float("-inf")'
+    score_factor: float = 1.0
+    has_lse: bool = False
+
+
+_FRAGMENT_TYPES = {
+    Role.QK_TRANSFORM: QKTransformFragment,
+    Role.SCORE_SOURCE: ScoreSourceFragment,
+    Role.SCORE_MOD: ScoreModFragment,
+    Role.MASK: MaskFragment,
+    Role.NORMALISER: NormaliserFragment,
+}
+
+
+def _fragment_matches_role(instance: "Combinator", _, fragment) -> None:
+    expected = _FRAGMENT_TYPES[instance.role]
+    if not isinstance(fragment, expected):
+        raise TypeError(
+            f"combinator {instance.name!r} has role {instance.role.value!r}, so its fragment must be a "
+            f"{expected.__name__}, got {type(fragment).__name__}"
+        )
+
+
+@frozen(kw_only=True)
+class Combinator:
+    """A DSL building block.
+
+    ``reference`` is the naive PyTorch meaning, by role (``ctx`` is a ``attnfuse.reference.Context``):
+      qk transform  ``(q, k, ctx, **params) -> (q, k)``        q (B, Hq, Nq, D), k (B, Hq, Nk, D)
+      score source  ``(q, k, ctx, **params) -> s``             s (B, Hq, Nq, Nk)
+      score mod     ``(s, ctx, **params) -> s``
+      mask          ``(ctx, **params) -> keep``                bool, broadcastable to (B, Hq, Nq, Nk), or None
+      normaliser    ``(s, keep, ctx) -> (weights, lse)``       lse (B, Hq, Nq) or None
+    ``prepare(ctx, **params) -> {name: tensor or number}`` gives the kernel the ``tensors`` and ``scalars``
+    its fragment reads (``ctx`` is a ``attnfuse.runtime.launch.LaunchContext``).
+    ``examples(draw, shape) -> {param: value}`` draws valid parameters for the conformance fuzzer.
+    """
+
+    name: str = field(validator=_identifier)
+    role: Role
+    doc: str
+    reference: Callable[..., Any]
+    fragment: Any = field(validator=_fragment_matches_role)
+    params: tuple[Param, ...] = field(default=(), converter=tuple)
+    tensors: tuple[TensorArg, ...] = field(default=(), converter=tuple)
+    scalars: tuple[ScalarArg, ...] = field(default=(), converter=tuple)
+    prepare: Callable[..., dict[str, Any]] | None = field(default=None)
+    examples: Callable[..., dict[str, Any]] | None = None
+
+    @params.validator
+    def _check_params(self, _, params) -> None:
+        names = [p.name for p in params]
+        if len(set(names)) != len(names):
+            raise ValueError(f"combinator {self.name!r} declares a parameter twice: {names}")
+        if self.role in (Role.SCORE_SOURCE,) and "scale" not in names:
+            raise ValueError(f"score source {self.name!r} must declare a 'scale' parameter")
+
+    @prepare.validator
+    def _check_prepare(self, _, prepare) -> None:
+        if (self.tensors or self.scalars) and prepare is None:
+            raise ValueError(f"combinator {self.name!r} declares kernel tensors or scalars but no prepare()")
+
+    def param(self, name: str) -> Param:
+        for p in self.params:
+            if p.name == name:
+                return p
+        raise KeyError(name)
+
+    def bind(self, args: tuple, kwargs: dict) -> dict[str, Any]:
+        """Match a DSL call's parameters to the declaration; fill defaults; run the checks."""
+        if len(args) > len(self.params):
+            raise TypeError(f"{self.name}() takes {len(self.params)} parameter(s) after its inputs, "
+                            f"got {len(args)}: {[p.name for p in self.params]}")
+        values = {p.name: a for p, a in zip(self.params, args)}
+        for name, value in kwargs.items():
+            if name in values:
+                raise TypeError(f"{self.name}() got parameter {name!r} twice")
+            if not any(p.name == name for p in self.params):
+                allowed = ", ".join(p.name for p in self.params) or "none"
+                raise TypeError(f"{self.name}() got an unknown parameter {name!r}; allowed: {allowed}")
+            values[name] = value
+        for p in self.params:
+            if p.name not in values:
+                if p.default is REQUIRED:
+                    raise TypeError(f"{self.name}() is missing its parameter {p.name!r}")
+                values[p.name] = p.default
+        return values
+

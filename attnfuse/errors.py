@@ -1,0 +1,17 @@
+"""Exceptions AttnFuse raises. Each message names the argument or combinator and what is allowed."""
+
+
+class AttnFuseError(Exception):
+    """Base of every AttnFuse error."""
+
+
+class PluginError(AttnFuseError):
+    """A plugin is broken or two plugins clash."""
+
+
+class ProgramError(AttnFuseError, TypeError):
+    """An ill-formed attention program, raised while tracing it."""
+
+
+class InputError(AttnFuseError, ValueError):
+    """A call with inputs the program cannot take (shapes, dtypes, devices, parameters)."""

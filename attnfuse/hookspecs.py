@@ -1,0 +1,37 @@
+"""The hooks an AttnFuse plugin may implement.
+
+A plugin is a module (or any object) with functions marked ``@attnfuse.hookimpl``, registered under the
+``attnfuse`` entry-point group of its distribution::
+
+    [project.entry-points.attnfuse]
+    softcap = "attnfuse_softcap"
+
+The built-in combinators in ``attnfuse_plugins`` are registered exactly this way.
+"""
+from __future__ import annotations
+
+import pluggy
+
+NAME = "attnfuse"
+"""One name for the hook markers, the plugin manager and the entry-point group."""
+
+hookspec = pluggy.HookspecMarker(NAME)
+hookimpl = pluggy.HookimplMarker(NAME)
+
+
+@hookspec
+def attnfuse_combinators() -> list:
+    """Return the combinators this plugin provides.
+
+    :return: a list of :class:`attnfuse.combinator.Combinator` declarations. Each becomes ``af.<name>``.
+        A name already provided by another plugin is an error naming both distributions.
+    """
+
+
+@hookspec
+def attnfuse_tile_configs() -> list:
+    """Return tile configurations that take precedence over the built-in tuning table.
+
+    :return: a list of :class:`attnfuse.passes.tile.TileRule`; the most specific rule matching an
+        (arch, variant, head dim) wins, and among equally specific rules a plugin's beats the table's.
+    """

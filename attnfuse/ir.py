@@ -1,0 +1,142 @@
+"""The high-level IR: frozen nodes, one graph per traced program, rooted at its ``MatMulPV``.
+
+A graph is a chain: ``ScoreOp`` -> any ``BiasOp``/``MaskOp`` -> ``NormOp`` -> ``MatMulPV``. Its SHA-1
+structural signature (over the nodes' canonical repr) is the kernel-cache key.
+"""
+from __future__ import annotations
+
+import hashlib
+from typing import Any, Union
+
+from attrs import field, frozen
+from attrs.validators import deep_iterable, in_, instance_of
+
+_STATIC_TYPES = (type(None), bool, int, float, str)
+
+
+def _static_value(value: Any) -> bool:
+    if isinstance(value, tuple):
+        return all(_static_value(v) for v in value)
+    return isinstance(value, _STATIC_TYPES)
+
+
+@frozen(kw_only=True)
+class TensorSym:
+    """An argument of the traced function: ``q``, ``k``, ``v`` or a runtime ``input`` (bias, tables, ...)."""
+
+    name: str
+    kind: str = field(validator=in_(("q", "k", "v", "input")))
+
+
+def _check_params(_, __, params: tuple) -> None:
+    for name, value in params:
+        if not (isinstance(value, TensorSym) or _static_value(value)):
+            raise ValueError(f"parameter {name!r}: a static value must be None, bool, int, float, str or a "
+                             f"tuple of those, got {type(value).__name__}")
+
+
+@frozen(kw_only=True)
+class Apply:
+    """One application of a combinator: its name and parameters, in declaration order.
+
+    Static parameters hold their values; runtime inputs hold the ``TensorSym`` they are read from.
+    """
+
+    combinator: str
+    params: tuple[tuple[str, Any], ...] = field(converter=tuple, validator=_check_params)
+
+    def static(self) -> dict[str, Any]:
+        return {n: v for n, v in self.params if not isinstance(v, TensorSym)}
+
+    def inputs(self) -> dict[str, TensorSym]:
+        return {n: v for n, v in self.params if isinstance(v, TensorSym)}
+
+    def values(self, inputs: dict[str, Any]) -> dict[str, Any]:
+        """Every parameter's value, runtime inputs looked up by argument name in ``inputs``."""
+        return {n: inputs[v.name] if isinstance(v, TensorSym) else v for n, v in self.params}
+
+    def __str__(self) -> str:
+        args = ", ".join(f"{n}={v.name if isinstance(v, TensorSym) else repr(v)}" for n, v in self.params)
+        return f"{self.combinator}({args})"
+
+
+@frozen(kw_only=True)
+class ScoreOp:
+    """s = (T(q)·T(k)ᵀ)·scale: the qk transforms T applied in order, then the source's own (rope's rotation)."""
+
+    q: TensorSym
+    k: TensorSym
+    transforms: tuple[Apply, ...] = field(converter=tuple, validator=deep_iterable(instance_of(Apply)))
+    source: Apply
+
+
+Score = Union[ScoreOp, "BiasOp", "MaskOp"]
+
+
+def _score_node(_, attribute, value) -> None:
+    if not isinstance(value, (ScoreOp, BiasOp, MaskOp)):
+        raise TypeError(f"{attribute.name} must be a score node (ScoreOp, BiasOp, MaskOp), "
+                        f"got {type(value).__name__}")
+
+
+@frozen(kw_only=True)
+class BiasOp:
+    """A score modification: s <- g(s, ...)."""
+
+    input: Score = field(validator=_score_node)
+    apply: Apply
+
+
+@frozen(kw_only=True)
+class MaskOp:
+    """A mask: keys it does not keep get weight 0, whatever comes after."""
+
+    input: Score = field(validator=_score_node)
+    apply: Apply
+
+
+@frozen(kw_only=True)
+class NormOp:
+    """The normaliser turning scores into weights."""
+
+    input: Score = field(validator=_score_node)
+    apply: Apply
+
+
+@frozen(kw_only=True)
+class MatMulPV:
+    """out = weights @ v: the root of every graph."""
+
+    weights: NormOp = field(validator=instance_of(NormOp))
+    v: TensorSym
+
+
+def signature(graph: MatMulPV) -> str:
+    """SHA-1 over the graph's structure and static parameters."""
+    return hashlib.sha1(repr(graph).encode()).hexdigest()
+
+
+def chain(graph: MatMulPV) -> list:
+    """The graph's nodes from the ScoreOp to the MatMulPV."""
+    nodes: list = [graph, graph.weights]
+    node = graph.weights.input
+    while not isinstance(node, ScoreOp):
+        nodes.append(node)
+        node = node.input
+    nodes.append(node)
+    return nodes[::-1]
+
+
+def render(graph: MatMulPV) -> str:
+    """A readable listing of the graph, one node a line."""
+    lines = []
+    for i, node in enumerate(chain(graph)):
+        if isinstance(node, ScoreOp):
+            transforms = "".join(f" ∘ {t}" for t in node.transforms)
+            lines.append(f"%0 = ScoreOp {node.source} on ({node.q.name}, {node.k.name}){transforms}")
+        elif isinstance(node, MatMulPV):
+            lines.append(f"%{i} = MatMulPV %{i - 1} @ {node.v.name}")
+        else:
+            lines.append(f"%{i} = {type(node).__name__} {node.apply} on %{i - 1}")
+    lines.append(f"signature {signature(graph)}")
+    return "\n".join(lines)

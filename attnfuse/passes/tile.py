@@ -1,0 +1,63 @@
+"""Pass 2, tile: block sizes, warps and pipeline stages from a table keyed by arch, variant and head dim.
+
+Plugins may put rules ahead of the table (hook ``attnfuse_tile_configs``). The first rule that matches
+wins; the table runs from specific to general and ends with a rule that matches everything.
+"""
+from __future__ import annotations
+
+from attrs import field, frozen
+
+from ..plugin_manager import tile_rules
+
+
+def _tile_size(_, attribute, value: int) -> None:
+    if value < 16 or value & (value - 1):
+        raise ValueError(f"{attribute.name} must be a power of two >= 16, got {value}")
+
+
+@frozen(kw_only=True)
+class TileConfig:
+    """Launch shape of one kernel: BLOCK_M query rows by BLOCK_N keys per step."""
+
+    block_m: int = field(validator=_tile_size)
+    block_n: int = field(validator=_tile_size)
+    num_warps: int = 4
+    num_stages: int = 2
+
+
+@frozen(kw_only=True)
+class TileRule:
+    """Use ``config`` for kernels on ``arch`` ("sm90", "sm80", ..., "interpreter", "*"), of ``variant``
+    ("dense", "masked", "rope", "*") and a head dim (padded to a power of two) in ``head_dim``."""
+
+    config: TileConfig
+    arch: str = "*"
+    variant: str = "*"
+    head_dim: tuple[int, int] = (1, 512)
+    kernel: str = "forward"
+
+    def matches(self, kernel: str, arch: str, variant: str, head_dim: int) -> bool:
+        return (self.kernel == kernel and self.arch in ("*", arch) and self.variant in ("*", variant)
+                and self.head_dim[0] <= head_dim <= self.head_dim[1])
+
+
+T = TileConfig
+TABLE: tuple[TileRule, ...] = (
+    # Interpreter: small tiles keep CPU runs quick and put several blocks in small test shapes.
+    TileRule(arch="interpreter", config=T(block_m=32, block_n=32, num_warps=1, num_stages=1)),
+    # H100/H200, from sweeps on an H200 (docs/benchmarks.md).
+    TileRule(arch="sm90", head_dim=(1, 64), config=T(block_m=64, block_n=64, num_warps=4, num_stages=3)),
+    TileRule(arch="sm90", head_dim=(65, 128), config=T(block_m=128, block_n=128, num_warps=8, num_stages=3)),
+    TileRule(arch="sm90", head_dim=(129, 256), config=T(block_m=64, block_n=64, num_warps=4, num_stages=2)),
+    # Any other GPU: conservative tiles that fit every recent part's shared memory.
+    TileRule(head_dim=(1, 128), config=T(block_m=64, block_n=64, num_warps=4, num_stages=2)),
+    TileRule(config=T(block_m=64, block_n=32, num_warps=4, num_stages=1)),
+)
+
+
+def choose_tiles(arch: str, variant: str, head_dim: int, kernel: str = "forward") -> TileConfig:
+    """The first matching rule's config: plugin rules first, then the table."""
+    for rule in (*tile_rules(), *TABLE):
+        if rule.matches(kernel, arch, variant, head_dim):
+            return rule.config
+    raise LookupError(f"no tile rule for kernel={kernel} arch={arch} variant={variant} head_dim={head_dim}")

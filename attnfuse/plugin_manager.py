@@ -1,0 +1,143 @@
+"""The plugin manager: finds plugins through the ``attnfuse`` entry points and collects their combinators.
+
+Order, as in pytest and tox: add the hookspecs, load the entry points (the built-ins are entry points of
+the ``attnfuse`` distribution itself), check for hook implementations no hookspec knows. Setting
+``ATTNFUSE_DISABLE_PLUGIN_AUTOLOAD=1`` loads the built-ins only.
+"""
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import threading
+from typing import Any
+
+import pluggy
+from attrs import frozen
+
+from . import hookspecs
+from .combinator import Combinator
+from .errors import PluginError
+from .hookspecs import NAME
+
+DISABLE_AUTOLOAD_ENV = "ATTNFUSE_DISABLE_PLUGIN_AUTOLOAD"
+BUILTIN_DISTRIBUTION = "attnfuse"
+RESERVED_NAMES = frozenset({
+    "attention", "AttentionProgram", "hookimpl", "hookspec", "register_plugin", "combinators",
+    "BlockMask", "create_block_mask", "Combinator", "Role", "reference", "run_attention",
+})
+
+
+@frozen
+class Registered:
+    """A combinator and where it comes from."""
+
+    combinator: Combinator
+    distribution: str
+    plugin: str
+
+
+_lock = threading.RLock()
+_manager: pluggy.PluginManager | None = None
+_distributions: dict[str, str] = {}
+_registry: dict[str, Registered] | None = None
+
+
+def _autoload_disabled() -> bool:
+    return os.environ.get(DISABLE_AUTOLOAD_ENV, "").strip().lower() not in ("", "0", "false", "no")
+
+
+def plugin_manager() -> pluggy.PluginManager:
+    """The process-wide plugin manager, created on first use."""
+    global _manager
+    with _lock:
+        if _manager is None:
+            pm = pluggy.PluginManager(NAME)
+            pm.add_hookspecs(hookspecs)
+            skip_third_party = _autoload_disabled()
+            for ep in importlib.metadata.entry_points(group=NAME):
+                dist = ep.dist.name if ep.dist is not None else "unknown"
+                if skip_third_party and dist != BUILTIN_DISTRIBUTION:
+                    continue
+                name = f"{dist}:{ep.name}"
+                if pm.has_plugin(name):  # the same distribution seen twice on sys.path
+                    continue
+                try:
+                    plugin = ep.load()
+                except Exception as exc:
+                    raise PluginError(f"plugin {ep.name!r} of distribution {dist!r} failed to import "
+                                      f"({ep.value}): {exc}") from exc
+                pm.register(plugin, name=name)
+                _distributions[name] = dist
+            pm.check_pending()
+            _manager = pm
+        return _manager
+
+
+def register_plugin(plugin: Any, name: str | None = None) -> None:
+    """Register a plugin object from code (a notebook, a test) as if a distribution had shipped it."""
+    global _registry
+    with _lock:
+        pm = plugin_manager()
+        name = pm.register(plugin, name=name)
+        pm.check_pending()
+        _distributions[name] = f"<registered in code: {name}>"
+        _registry = None
+
+
+def unregister_plugin(name: str) -> None:
+    """Undo :func:`register_plugin`."""
+    global _registry
+    with _lock:
+        plugin_manager().unregister(name=name)
+        _distributions.pop(name, None)
+        _registry = None
+
+
+def combinators() -> dict[str, Registered]:
+    """Every registered combinator by name."""
+    global _registry
+    with _lock:
+        if _registry is None:
+            _registry = _collect(plugin_manager())
+        return _registry
+
+
+def _collect(pm: pluggy.PluginManager) -> dict[str, Registered]:
+    found: dict[str, Registered] = {}
+    for impl in pm.hook.attnfuse_combinators.get_hookimpls():
+        plugin_name = impl.plugin_name
+        dist = _distributions.get(plugin_name, "unknown")
+        for comb in impl.function() or ():
+            if not isinstance(comb, Combinator):
+                raise PluginError(f"plugin {plugin_name!r} of distribution {dist!r} returned "
+                                  f"{type(comb).__name__} from attnfuse_combinators(), not a Combinator")
+            if comb.name in RESERVED_NAMES:
+                raise PluginError(f"plugin {plugin_name!r} of distribution {dist!r} declares combinator "
+                                  f"{comb.name!r}, a name attnfuse's own API uses; choose another")
+            if comb.name in found:
+                other = found[comb.name]
+                raise PluginError(
+                    f"combinator {comb.name!r} is declared twice: by plugin {other.plugin!r} of distribution "
+                    f"{other.distribution!r} and by plugin {plugin_name!r} of distribution {dist!r}; "
+                    f"uninstall one, or set {DISABLE_AUTOLOAD_ENV}=1 to load the built-ins only")
+            found[comb.name] = Registered(comb, dist, plugin_name)
+    if not any(r.distribution == BUILTIN_DISTRIBUTION for r in found.values()):
+        raise PluginError("no built-in combinators found: attnfuse's entry points are missing. Install the "
+                          "package (pip install -e .) rather than importing it from a source tree.")
+    return found
+
+
+def lookup(name: str) -> Combinator:
+    """The combinator registered under ``name``."""
+    registry = combinators()
+    if name not in registry:
+        raise PluginError(f"no combinator named {name!r}; registered: {', '.join(sorted(registry))}")
+    return registry[name].combinator
+
+
+def tile_rules() -> list:
+    """Tile rules contributed by plugins (see ``attnfuse_tile_configs``)."""
+    rules: list = []
+    for result in plugin_manager().hook.attnfuse_tile_configs():
+        rules.extend(result or ())
+    return rules

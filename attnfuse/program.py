@@ -1,0 +1,127 @@
+"""``@af.attention``: a Python function of q, k, v becomes an ``AttentionProgram``."""
+from __future__ import annotations
+
+import functools
+import inspect
+from typing import Any, Callable
+
+import torch
+
+from . import ir
+from .dsl import RUNTIME, trace
+from .errors import InputError, ProgramError
+from .reference import evaluate
+from .runtime.launch import check_inputs, compile_forward, kernel_config, run_attention
+
+RESERVED_ARGUMENTS = ("return_lse", "kv_lens", "block_table")
+
+
+def _is_runtime_input(value: Any) -> bool:
+    return isinstance(value, torch.Tensor) or getattr(value, "__attnfuse_runtime_input__", False)
+
+
+class AttentionProgram:
+    """An attention variant, traced once per configuration of its extra arguments.
+
+    Call it as ``program(q, k, v, *extra, return_lse=False)`` with q (B, Hq, Nq, D), k (B, Hkv, Nk, D),
+    v (B, Hkv, Nk, DV). Extra tensor (or BlockMask) arguments are runtime inputs; other extra arguments
+    are static and part of the trace.
+    """
+
+    def __init__(self, fn: Callable):
+        params = list(inspect.signature(fn).parameters.values())
+        plain = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD,
+                 inspect.Parameter.KEYWORD_ONLY)
+        if len(params) < 3 or any(p.kind not in plain for p in params) or any(
+                p.kind is inspect.Parameter.KEYWORD_ONLY for p in params[:3]):
+            raise ProgramError(f"@af.attention function {fn.__name__} must take q, k, v as its first three "
+                               f"arguments, then any named extra arguments (no *args or **kwargs)")
+        clash = [p.name for p in params if p.name in RESERVED_ARGUMENTS]
+        if clash:
+            raise ProgramError(f"@af.attention function {fn.__name__}: argument name(s) {clash} are reserved "
+                               f"for the call ({', '.join(RESERVED_ARGUMENTS)})")
+        self.fn = fn
+        self._qkv = tuple(p.name for p in params[:3])
+        self._extra = tuple((p.name, p.default) for p in params[3:])
+        self._traces: dict[tuple, ir.MatMulPV] = {}
+        functools.update_wrapper(self, fn)
+
+    def _bind(self, args: tuple, kwargs: dict) -> tuple[tuple, dict[str, Any]]:
+        name = self.fn.__name__
+        if len(args) > len(self._extra):
+            raise TypeError(f"{name}() takes q, k, v and {len(self._extra)} extra argument(s), "
+                            f"got {len(args)} extra")
+        values = {n: a for (n, _), a in zip(self._extra, args)}
+        for n, a in kwargs.items():
+            if n in values or n in self._qkv:
+                raise TypeError(f"{name}() got argument {n!r} twice")
+            if not any(n == e for e, _ in self._extra):
+                raise TypeError(f"{name}() got an unexpected argument {n!r}")
+            values[n] = a
+        key, inputs = [], {}
+        for n, default in self._extra:
+            if n not in values:
+                if default is inspect.Parameter.empty:
+                    raise TypeError(f"{name}() is missing the argument {n!r}")
+                values[n] = default
+            value = values[n]
+            if _is_runtime_input(value):
+                inputs[n] = value
+                key.append(RUNTIME)
+            else:
+                if not ir._static_value(value):
+                    raise InputError(f"{name}(): argument {n!r} must be a tensor, a BlockMask, or a static "
+                                     f"None/bool/int/float/str, got {type(value).__name__}")
+                key.append(value)
+        return tuple(key), inputs
+
+    def graph(self, *args: Any, **kwargs: Any) -> ir.MatMulPV:
+        """The IR graph traced for these extra arguments (static values matter; tensors do not)."""
+        return self._trace(self._bind(args, kwargs)[0])
+
+    def _trace(self, key: tuple) -> ir.MatMulPV:
+        graph = self._traces.get(key)
+        if graph is None:
+            extras = {n: value for (n, _), value in zip(self._extra, key)}
+            graph = self._traces[key] = trace(self.fn, self._qkv, extras)
+        return graph
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *args: Any,
+                 return_lse: bool = False, **kwargs: Any):
+        """The fused kernel's result: out (B, Hq, Nq, DV), or (out, lse) when ``return_lse``."""
+        key, inputs = self._bind(args, kwargs) if args or kwargs or self._extra else ((), {})
+        return run_attention(self._trace(key), q, k, v, inputs, return_lse=return_lse)
+
+    def reference(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *args: Any,
+                  return_lse: bool = False, dtype: torch.dtype = torch.float64, **kwargs: Any):
+        """The naive PyTorch result computed in ``dtype`` (float64 by default), as the oracle for tests."""
+        check_inputs(q, k, v)
+        key, inputs = self._bind(args, kwargs)
+        out, lse = evaluate(self._trace(key), q, k, v, inputs, dtype=dtype)
+        if not return_lse:
+            return out
+        if lse is None:
+            raise InputError("return_lse=True needs a normaliser with a log-sum-exp (softmax has one)")
+        return out, lse
+
+    def source(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *args: Any,
+               return_lse: bool = False, **kwargs: Any) -> str:
+        """The generated Triton source of the kernel these inputs run."""
+        check_inputs(q, k, v)
+        graph = self._trace(self._bind(args, kwargs)[0])
+        return compile_forward(graph, kernel_config(q, k, v, save_lse=return_lse)).source
+
+    def __repr__(self) -> str:
+        return f"<attnfuse program {self.fn.__qualname__}>"
+
+
+def attention(fn: Callable) -> AttentionProgram:
+    """Decorator: compile an attention program written with AttnFuse combinators.
+
+    >>> @attention
+    ... def llama(q, k, v):
+    ...     s = rope(q, k)
+    ...     s = causal(s)
+    ...     return softmax(s) @ v
+    """
+    return AttentionProgram(fn)

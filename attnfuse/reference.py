@@ -1,0 +1,85 @@
+"""The reference evaluator: runs a program naively in PyTorch by composing the plugins' references.
+
+It materialises the (B, Hq, Nq, Nk) score matrix, so it is for testing and small shapes: the oracle every
+test compares the fused kernels against, in float64 when asked.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from attrs import frozen
+
+from . import ir
+from .plugin_manager import lookup
+
+
+@frozen(kw_only=True, eq=False)
+class Context:
+    """What a reference implementation may read besides its own parameters.
+
+    Positions follow bottom-right alignment: query i sits at position ``i + Nk - Nq``, key j at ``j``.
+    ``q_pos`` and ``q_idx`` are (1, 1, Nq, 1); ``k_pos`` is (1, 1, 1, Nk); all int64, so that they
+    broadcast against scores (B, Hq, Nq, Nk). ``dtype`` is the precision the evaluator computes in.
+    """
+
+    B: int
+    Hq: int
+    Hkv: int
+    Nq: int
+    Nk: int
+    D: int
+    DV: int
+    q_idx: torch.Tensor
+    q_pos: torch.Tensor
+    k_pos: torch.Tensor
+    dtype: torch.dtype
+    device: torch.device
+
+
+def make_context(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dtype: torch.dtype) -> Context:
+    """The context of inputs q (B, Hq, Nq, D), k (B, Hkv, Nk, D), v (B, Hkv, Nk, DV)."""
+    B, Hq, Nq, D = q.shape
+    Hkv, Nk, DV = k.shape[1], k.shape[2], v.shape[3]
+    q_idx = torch.arange(Nq, device=q.device).view(1, 1, Nq, 1)
+    k_pos = torch.arange(Nk, device=q.device).view(1, 1, 1, Nk)
+    return Context(B=B, Hq=Hq, Hkv=Hkv, Nq=Nq, Nk=Nk, D=D, DV=DV, q_idx=q_idx, q_pos=q_idx + (Nk - Nq),
+                   k_pos=k_pos, dtype=dtype, device=q.device)
+
+
+def _values(app: ir.Apply, inputs: dict[str, Any], dtype: torch.dtype) -> dict[str, Any]:
+    return {name: value.to(dtype) if isinstance(value, torch.Tensor) and value.is_floating_point() else value
+            for name, value in app.values(inputs).items()}
+
+
+def evaluate(graph: ir.MatMulPV, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             inputs: dict[str, Any], dtype: torch.dtype = torch.float64
+             ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Run ``graph`` naively in ``dtype``.
+
+    :param inputs: the runtime inputs by argument name (bias, cos/sin tables, block masks).
+    :return: out (B, Hq, Nq, DV) and lse (B, Hq, Nq), natural log, or None if the normaliser has none.
+    """
+    ctx = make_context(q, k, v, dtype)
+    group = ctx.Hq // ctx.Hkv
+    q = q.to(dtype)
+    k = k.to(dtype).repeat_interleave(group, dim=1)
+    v = v.to(dtype).repeat_interleave(group, dim=1)
+    nodes = ir.chain(graph)
+    score: ir.ScoreOp = nodes[0]
+    for t in score.transforms:
+        q, k = lookup(t.combinator).reference(q, k, ctx, **_values(t, inputs, dtype))
+    s = lookup(score.source.combinator).reference(q, k, ctx, **_values(score.source, inputs, dtype))
+    keep = None
+    for node in nodes[1:-2]:
+        comb = lookup(node.apply.combinator)
+        values = _values(node.apply, inputs, dtype)
+        if isinstance(node, ir.MaskOp):
+            kept = comb.reference(ctx, **values)
+            if kept is not None:
+                keep = kept if keep is None else keep & kept
+        else:
+            s = comb.reference(s, ctx, **values)
+    norm: ir.NormOp = nodes[-2]
+    weights, lse = lookup(norm.apply.combinator).reference(s, keep, ctx, **_values(norm.apply, inputs, dtype))
+    return weights @ v, lse

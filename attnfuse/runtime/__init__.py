@@ -1,0 +1,1 @@
+"""The runtime: compiled-kernel cache, launchers, autograd."""

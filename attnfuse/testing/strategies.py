@@ -1,0 +1,159 @@
+"""Hypothesis strategies: shapes, random tensors, and programs drawn from every registered combinator."""
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import torch
+from attrs import frozen
+from hypothesis import strategies as st
+
+from ..combinator import REQUIRED, Combinator, Role
+from ..plugin_manager import combinators
+from ..program import AttentionProgram
+
+
+@frozen(kw_only=True)
+class Shape:
+    """Sizes of one problem: q (B, Hq, Nq, D), k (B, Hkv, Nk, D), v (B, Hkv, Nk, DV)."""
+
+    B: int
+    Hq: int
+    Hkv: int
+    Nq: int
+    Nk: int
+    D: int
+    DV: int
+
+
+def random_tensor(draw, *size: int) -> torch.Tensor:
+    """A float32 CPU tensor of standard normal values, reproducible from a drawn seed."""
+    seed = draw(st.integers(0, 2**31 - 1))
+    return torch.randn(size, generator=torch.Generator().manual_seed(seed))
+
+
+@st.composite
+def shapes(draw, max_n: int = 80, head_dims: tuple[int, ...] = (16, 32, 64, 80, 128), max_batch: int = 2,
+           max_kv_heads: int = 2, max_group: int = 3) -> Shape:
+    """Shapes with GQA groups, Nq != Nk, N not a multiple of the block, and sometimes DV != D."""
+    D = draw(st.sampled_from(head_dims))
+    Hkv = draw(st.integers(1, max_kv_heads))
+    return Shape(B=draw(st.integers(1, max_batch)), Hq=Hkv * draw(st.integers(1, max_group)), Hkv=Hkv,
+                 Nq=draw(st.integers(1, max_n)), Nk=draw(st.integers(1, max_n)), D=D,
+                 DV=draw(st.sampled_from([D, D, draw(st.sampled_from(head_dims))])))
+
+
+@frozen(kw_only=True, eq=False)
+class ProgramCase:
+    """A drawn program, its shape and the extra arguments (runtime inputs) to call it with."""
+
+    program: AttentionProgram
+    text: str
+    shape: Shape
+    extras: dict[str, Any]
+
+    def inputs(self, dtype: torch.dtype, device: str, seed: int) -> tuple[torch.Tensor, ...]:
+        """Fresh random q, k, v (not contiguous when the seed is odd: a (B, N, H, D) layout, transposed)."""
+        g = torch.Generator().manual_seed(seed)
+        s = self.shape
+
+        def make(h, n, d):
+            if seed % 2:
+                return torch.randn(s.B, n, h, d, generator=g).to(dtype).to(device).transpose(1, 2)
+            return torch.randn(s.B, h, n, d, generator=g).to(dtype).to(device)
+        return make(s.Hq, s.Nq, s.D), make(s.Hkv, s.Nk, s.D), make(s.Hkv, s.Nk, s.DV)
+
+    def extras_on(self, device: str) -> dict[str, Any]:
+        return {n: v.to(device) if isinstance(v, torch.Tensor) else v for n, v in self.extras.items()}
+
+
+def _drawable(comb: Combinator) -> bool:
+    return comb.examples is not None or all(p.default is not REQUIRED for p in comb.params)
+
+
+def _params(draw, comb: Combinator, shape: Shape) -> dict[str, Any]:
+    if comb.examples is not None:
+        return comb.examples(draw, shape)
+    return {p.name: p.default for p in comb.params}
+
+
+def _compatible(comb: Combinator, shape: Shape) -> bool:
+    return comb.name != "rope" or shape.D % 2 == 0
+
+
+@st.composite
+def program_cases(draw, shape: Shape, include: str | None = None, max_mods: int = 2, max_masks: int = 2
+                  ) -> ProgramCase:
+    """A program drawn from every registered combinator (``include`` forced in), with its runtime inputs."""
+    by_role: dict[Role, list[Combinator]] = {role: [] for role in Role}
+    for entry in combinators().values():
+        if _drawable(entry.combinator) and _compatible(entry.combinator, shape):
+            by_role[entry.combinator.role].append(entry.combinator)
+    for role in by_role:
+        by_role[role].sort(key=lambda c: c.name)
+
+    def pick(role: Role, lo: int, hi: int) -> list[Combinator]:
+        return [draw(st.sampled_from(by_role[role])) for _ in range(draw(st.integers(lo, hi)))] \
+            if by_role[role] else []
+
+    chosen = {
+        Role.QK_TRANSFORM: pick(Role.QK_TRANSFORM, 0, 1),
+        Role.SCORE_SOURCE: pick(Role.SCORE_SOURCE, 1, 1),
+        Role.SCORE_MOD: pick(Role.SCORE_MOD, 0, max_mods),
+        Role.MASK: pick(Role.MASK, 0, max_masks),
+        Role.NORMALISER: pick(Role.NORMALISER, 1, 1),
+    }
+    if include is not None:
+        comb = combinators()[include].combinator
+        if comb.role in (Role.SCORE_SOURCE, Role.NORMALISER):
+            chosen[comb.role] = [comb]
+        elif comb not in chosen[comb.role]:
+            chosen[comb.role].append(comb)
+    steps, extras = [], {}
+    for role in (Role.QK_TRANSFORM, Role.SCORE_SOURCE, Role.SCORE_MOD, Role.MASK, Role.NORMALISER):
+        for comb in chosen[role]:
+            params = {}
+            for name, value in _params(draw, comb, shape).items():
+                if getattr(value, "__attnfuse_runtime_input__", False) or isinstance(value, torch.Tensor):
+                    arg = f"{comb.name}_{len(steps)}_{name}"
+                    extras[arg] = value
+                    value = _Arg(arg)
+                params[name] = value
+            steps.append((comb, params))
+    return ProgramCase(program=_build(steps, extras), text=_text(steps), shape=shape, extras=extras)
+
+
+class _Arg:
+    """Stands for an extra argument of the built program."""
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def __repr__(self) -> str:
+        return self.name
+
+
+def _text(steps: list) -> str:
+    text = "q, k"
+    for comb, params in steps:
+        args = "".join(f", {n}={v!r}" for n, v in params.items())
+        text = f"{comb.name}({text}{args})"
+    return f"{text} @ v"
+
+
+def _build(steps: list, extras: dict[str, Any]) -> AttentionProgram:
+    import attnfuse as af
+
+    def program(q, k, v, **inputs):
+        x: Any = (q, k)
+        for comb, params in steps:
+            values = {n: inputs[p.name] if isinstance(p, _Arg) else p for n, p in params.items()}
+            fn = getattr(af, comb.name)
+            x = fn(*x, **values) if isinstance(x, tuple) else fn(x, **values)
+        return x @ v
+
+    kind = inspect.Parameter.POSITIONAL_OR_KEYWORD
+    program.__signature__ = inspect.Signature(
+        [inspect.Parameter(n, kind) for n in ("q", "k", "v", *extras)])
+    program.__name__ = program.__qualname__ = "drawn_program"
+    return AttentionProgram(program)

@@ -1,0 +1,68 @@
+"""block_sparse(s, block_mask): keep only the (query block, key block) pairs a BlockMask marks active."""
+from __future__ import annotations
+
+import torch
+
+import attnfuse
+from attnfuse.block_mask import BlockMask
+from attnfuse.combinator import Combinator, MaskFragment, Param, Role, ScalarArg, TensorArg
+from attnfuse.errors import InputError
+
+
+def _check(block_mask, B: int, Hq: int, Nq: int, Nk: int) -> BlockMask:
+    if not isinstance(block_mask, BlockMask):
+        raise InputError(f"block_sparse: block_mask must be an attnfuse BlockMask (af.create_block_mask), "
+                         f"got {type(block_mask).__name__}")
+    Bm, Hm = block_mask.active.shape[:2]
+    if (block_mask.Nq, block_mask.Nk) != (Nq, Nk) or Bm not in (1, B) or Hm not in (1, Hq):
+        raise InputError(f"block_sparse: block_mask was built for B={Bm}, H={Hm}, Nq={block_mask.Nq}, "
+                         f"Nk={block_mask.Nk}; the call has B={B}, Hq={Hq}, Nq={Nq}, Nk={Nk}")
+    return block_mask
+
+
+def reference(ctx, block_mask):
+    """keep (Bm, Hm, Nq, Nk) from the block grid."""
+    return _check(block_mask, ctx.B, ctx.Hq, ctx.Nq, ctx.Nk).to_dense().to(ctx.device)
+
+
+def prepare(ctx, block_mask):
+    bm = _check(block_mask, ctx.B, ctx.Hq, ctx.Nq, ctx.Nk)
+    active = bm.active.to(ctx.device).view(torch.uint8)
+    return {"active": active.expand(ctx.B, ctx.Hq, *active.shape[2:]), "block_size": bm.block_size}
+
+
+def examples(draw, shape):
+    from hypothesis import strategies as st
+
+    from attnfuse.block_mask import create_block_mask
+    from attnfuse.testing import random_tensor
+
+    bs = draw(st.sampled_from([16, 32]))
+    scores = random_tensor(draw, shape.B, 1, -(-shape.Nq // bs), -(-shape.Nk // bs))
+    threshold = draw(st.floats(-1.0, 1.0))
+    mask = create_block_mask(lambda b, h, qb, kb: scores[b, h, qb, kb] > threshold,
+                             shape.B, None, shape.Nq, shape.Nk, block_size=bs)
+    return {"block_mask": mask}
+
+
+COMBINATOR = Combinator(
+    name="block_sparse",
+    role=Role.MASK,
+    doc="Keep only the blocks a BlockMask (af.create_block_mask) marks active.",
+    params=[Param(name="block_mask", runtime=True, doc="an af.BlockMask for these B, H, Nq, Nk")],
+    reference=reference,
+    tensors=[TensorArg(name="active", rank=4)],
+    scalars=[ScalarArg(name="block_size")],
+    prepare=prepare,
+    fragment=MaskFragment(
+        keep="""(tl.load($active + b.to(tl.int64) * $active_s0 + h.to(tl.int64) * $active_s1
+                         + (q_idx // $block_size)[:, None] * $active_s2 + (k_pos // $block_size)[None, :] * $active_s3,
+                         mask=in_bounds, other=0) != 0)""",
+    ),
+    examples=examples,
+)
+
+
+@attnfuse.hookimpl
+def attnfuse_combinators():
+    return [COMBINATOR]

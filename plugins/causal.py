@@ -1,0 +1,28 @@
+"""causal(s): query i at position q' = i + Nk - Nq keeps keys j <= q'."""
+from __future__ import annotations
+
+import attnfuse
+from attnfuse.combinator import Combinator, MaskFragment, Role
+
+
+def reference(ctx):
+    """keep (1, 1, Nq, Nk)."""
+    return ctx.k_pos <= ctx.q_pos
+
+
+COMBINATOR = Combinator(
+    name="causal",
+    role=Role.MASK,
+    doc="Keep keys at or before the query's position (bottom-right aligned when Nq != Nk).",
+    reference=reference,
+    fragment=MaskFragment(
+        keep="k_pos[None, :] <= q_pos[:, None]",
+        kv_range=("0", "$q_hi + 1"),
+        full_range=("0", "$q_lo + 1"),
+    ),
+)
+
+
+@attnfuse.hookimpl
+def attnfuse_combinators():
+    return [COMBINATOR]

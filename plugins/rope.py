@@ -1,0 +1,133 @@
+"""rope(q, k, theta=10000.0, scale=None, cos=None, sin=None): rotary embedding, then the scaled product.
+
+NeoX/Llama half-split rotation (HF ``rotate_half``): x·cos + rotate_half(x)·sin, q at its position
+q' = i + Nk - Nq and k at j. ``cos``/``sin`` tables of shape (Nk, D) or (B, Nk, D), row = position, as HF
+builds them, override ``theta`` (so any RoPE scaling works). Fused: the kernel rotates the q tile once
+before the key loop and each k tile inside it.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+import attnfuse
+from attnfuse.checks import finite_number_or_none, positive_number
+from attnfuse.combinator import (Combinator, Param, QKTransformFragment, Role, ScalarArg, ScoreSourceFragment,
+                                 TensorArg)
+from attnfuse.errors import InputError
+
+
+def _rotate_half(x):
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def _theta_angles(positions: torch.Tensor, theta: float, D: int, dtype) -> torch.Tensor:
+    """(..., P) positions -> (..., P, D) angles, HF's cat(freqs, freqs)."""
+    inv_freq = theta ** (-torch.arange(0, D, 2, dtype=dtype, device=positions.device) / D)
+    freqs = positions.to(dtype)[..., None] * inv_freq
+    return torch.cat((freqs, freqs), dim=-1)
+
+
+def _check_tables(cos, sin, ctx):
+    if (cos is None) != (sin is None):
+        raise InputError("rope: pass both cos and sin, or neither")
+    if ctx.D % 2:
+        raise InputError(f"rope: the head dim must be even to rotate halves, got D={ctx.D}")
+    if cos is None:
+        return
+    if ctx.Nq > ctx.Nk:
+        raise InputError(f"rope: cos/sin tables are indexed by position, so they need Nq <= Nk "
+                         f"(got Nq={ctx.Nq}, Nk={ctx.Nk}); pass theta instead")
+    for name, t in (("cos", cos), ("sin", sin)):
+        if not isinstance(t, torch.Tensor) or not t.is_floating_point():
+            raise InputError(f"rope: {name} must be a float tensor")
+        ok = (t.dim() == 2 or (t.dim() == 3 and t.shape[0] in (1, ctx.B))) and t.shape[-2] >= ctx.Nk \
+            and t.shape[-1] == ctx.D
+        if not ok:
+            raise InputError(f"rope: {name} must have shape (Nk, D) or (B, Nk, D) = ({ctx.Nk}, {ctx.D}) or "
+                             f"({ctx.B}, {ctx.Nk}, {ctx.D}) (more rows are allowed), got {tuple(t.shape)}")
+
+
+def reference(q, k, ctx, theta, scale, cos, sin):
+    """Rotate q (B, Hq, Nq, D) and k (B, Hq, Nk, D), then s = q·kᵀ·scale (B, Hq, Nq, Nk)."""
+    _check_tables(cos, sin, ctx)
+    q_pos, k_pos = ctx.q_pos[0, 0, :, 0], ctx.k_pos[0, 0, 0, :]
+    if cos is None:
+        q_angle, k_angle = (_theta_angles(p, theta, ctx.D, q.dtype) for p in (q_pos, k_pos))
+        cq, sq, ck, sk = q_angle.cos(), q_angle.sin(), k_angle.cos(), k_angle.sin()
+    else:
+        def rows(table, pos):  # -> (1 or B, 1, P, D)
+            table = table[..., pos, :]
+            return table.unsqueeze(1) if table.dim() == 3 else table
+        cq, sq, ck, sk = rows(cos, q_pos), rows(sin, q_pos), rows(cos, k_pos), rows(sin, k_pos)
+    q = q * cq + _rotate_half(q) * sq
+    k = k * ck + _rotate_half(k) * sk
+    scale = ctx.D ** -0.5 if scale is None else scale
+    return q @ k.transpose(-1, -2) * scale
+
+
+@functools.lru_cache(maxsize=32)
+def _theta_tables(theta: float, first: int, last: int, D: int, device: torch.device):
+    """float32 cos and sin (1, last - first, D) for positions first .. last - 1."""
+    angles = _theta_angles(torch.arange(first, last, device=device), theta, D, torch.float64)
+    return angles.cos().float()[None], angles.sin().float()[None]
+
+
+def prepare(ctx, theta, scale, cos, sin):
+    _check_tables(cos, sin, ctx)
+    if cos is None:
+        first = min(0, ctx.Nk - ctx.Nq)
+        cos, sin = _theta_tables(float(theta), first, ctx.Nk, ctx.D, ctx.device)
+    else:
+        first = 0
+    cos, sin = (t.expand(ctx.B, *t.shape[-2:]) for t in (cos, sin))
+    return {"cos": cos, "sin": sin, "first": first}
+
+
+def examples(draw, shape):
+    from hypothesis import strategies as st
+
+    from attnfuse.testing import random_tensor
+
+    params = {"theta": draw(st.sampled_from([10000.0, 500.0])), "scale": draw(st.sampled_from([None, 0.2])),
+              "cos": None, "sin": None}
+    if shape.Nq <= shape.Nk and draw(st.booleans()):  # arbitrary tables, as a scaled RoPE would build
+        angles = random_tensor(draw, draw(st.sampled_from([1, shape.B])), shape.Nk, shape.D // 2) * 3
+        angles = torch.cat((angles, angles), dim=-1)
+        params.update(cos=angles.cos(), sin=angles.sin())
+    return params
+
+
+_ROTATE = """
+    $x = ($x * tl.load($cos + b.to(tl.int64) * $cos_s0 + ($pos - $first)[:, None] * $cos_s1 + d[None, :] * $cos_s2,
+                       mask=$ok, other=0.0).to(tl.float32)
+          + tl.load($ptrs + ((d + D // 2) % D - d)[None, :] * $stride_d, mask=$ok, other=0.0).to(tl.float32)
+          * tl.where(d < D // 2, -1.0, 1.0)[None, :]
+          * tl.load($sin + b.to(tl.int64) * $sin_s0 + ($pos - $first)[:, None] * $sin_s1 + d[None, :] * $sin_s2,
+                    mask=$ok, other=0.0).to(tl.float32))
+"""
+
+COMBINATOR = Combinator(
+    name="rope",
+    role=Role.SCORE_SOURCE,
+    doc="Rotary position embedding of q and k (NeoX/Llama half split), then s = q·kᵀ·scale.",
+    params=[
+        Param(name="theta", default=10000.0, check=positive_number, doc="base of the rotation frequencies"),
+        Param(name="scale", default=None, check=finite_number_or_none, doc="None means 1/√D"),
+        Param(name="cos", runtime=True, default=None, doc="(Nk, D) or (B, Nk, D) table; overrides theta"),
+        Param(name="sin", runtime=True, default=None, doc="(Nk, D) or (B, Nk, D) table; overrides theta"),
+    ],
+    reference=reference,
+    tensors=[TensorArg(name="cos", rank=3), TensorArg(name="sin", rank=3)],
+    scalars=[ScalarArg(name="first")],
+    prepare=prepare,
+    fragment=ScoreSourceFragment(transform=QKTransformFragment(q=_ROTATE, k=_ROTATE)),
+    examples=examples,
+)
+
+
+@attnfuse.hookimpl
+def attnfuse_combinators():
+    return [COMBINATOR]
