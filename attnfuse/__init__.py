@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+from .block_mask import BlockMask, create_block_mask
 from .combinator import Combinator, Role
 from .errors import AttnFuseError, InputError, PluginError, ProgramError
 from .hookspecs import hookimpl
@@ -22,8 +23,9 @@ from .program import AttentionProgram, attention
 from .runtime.launch import run_attention
 
 __all__ = [
-    "AttentionProgram", "AttnFuseError", "Combinator", "InputError", "PluginError", "ProgramError", "Role",
-    "attention", "combinators", "hookimpl", "register_plugin", "run_attention", "unregister_plugin",
+    "AttentionProgram", "AttnFuseError", "BlockMask", "Combinator", "InputError", "PluginError", "ProgramError",
+    "Role", "attention", "combinators", "create_block_mask", "hookimpl", "register_plugin", "run_attention",
+    "unregister_plugin",
 ]
 __version__ = "0.1.0"
 

@@ -42,6 +42,15 @@ REQUIRED: Any = _Required()
 """Default of a parameter that has none."""
 
 
+class _Input:
+    def __repr__(self) -> str:
+        return "INPUT"
+
+
+INPUT: Any = _Input()
+"""What a fragment function receives for a runtime input that was given (its value comes at each call)."""
+
+
 def _identifier(_, attribute, value: str) -> None:
     if not value.isidentifier() or keyword.iskeyword(value):
         raise ValueError(f"{attribute.name} must be a Python identifier, got {value!r}")
@@ -80,11 +89,13 @@ class ScalarArg:
 
 @frozen(kw_only=True)
 class QKTransformFragment:
-    """Rewrites a q tile once before the key loop and each k tile inside it (float32, (rows, BLOCK_D)).
+    """Rewrites the q tile once before the key loop and each k tile inside it.
 
-    In ``q`` and ``k``: ``$x`` is the tile to rewrite in place, ``$pos`` its positions (rows,),
-    ``$ptrs`` the pointers it was loaded from, ``$ok`` the load mask, ``$stride_d`` the column stride.
-    An empty string leaves that operand unchanged.
+    The tile arrives as its two halves, float32 (rows, BLOCK_H): ``$x1`` holds columns [0, D/2) and
+    ``$x2`` columns [D/2, D); the fragment rewrites both in place. ``$pos`` are the rows' positions (rows,),
+    ``$ok`` the (rows, BLOCK_H) mask of real elements; ``dh`` is ``tl.arange(0, BLOCK_H)`` and ``HALF``
+    is D/2. Name temporaries ``${tmp}_<name>``: ``$tmp`` differs between the q site (before the loop) and
+    the k site (inside it), whose tiles differ in shape. An empty string leaves that operand unchanged.
     """
 
     q: str = ""
@@ -153,6 +164,8 @@ _FRAGMENT_TYPES = {
 
 def _fragment_matches_role(instance: "Combinator", _, fragment) -> None:
     expected = _FRAGMENT_TYPES[instance.role]
+    if callable(fragment) and not isinstance(fragment, expected):
+        return  # a function of the static parameters; checked when called
     if not isinstance(fragment, expected):
         raise TypeError(
             f"combinator {instance.name!r} has role {instance.role.value!r}, so its fragment must be a "
@@ -173,6 +186,9 @@ class Combinator:
     ``prepare(ctx, **params) -> {name: tensor or number}`` gives the kernel the ``tensors`` and ``scalars``
     its fragment reads (``ctx`` is a ``attnfuse.runtime.launch.LaunchContext``).
     ``examples(draw, shape) -> {param: value}`` draws valid parameters for the conformance fuzzer.
+    ``fragment`` may also be a function of the parameters returning the fragment (static values, and
+    ``INPUT`` for a runtime input that was given): a specialisation chosen at compile time (rope picks its
+    table layout this way).
     """
 
     name: str = field(validator=_identifier)
@@ -198,6 +214,15 @@ class Combinator:
     def _check_prepare(self, _, prepare) -> None:
         if (self.tensors or self.scalars) and prepare is None:
             raise ValueError(f"combinator {self.name!r} declares kernel tensors or scalars but no prepare()")
+
+    def fragment_for(self, params: dict[str, Any]) -> Any:
+        """The fragment for these parameters: static values, and ``INPUT`` for each runtime input given
+        (``fragment`` may be a function of them)."""
+        fragment = self.fragment
+        if callable(fragment) and not isinstance(fragment, _FRAGMENT_TYPES[self.role]):
+            fragment = fragment(**params)
+            _fragment_matches_role(self, None, fragment)
+        return fragment
 
     def param(self, name: str) -> Param:
         for p in self.params:

@@ -26,9 +26,13 @@ class Symbol:
             f"{operation} on {self.what} is not part of the AttnFuse DSL: a program may only apply "
             f"combinators (af.{', af.'.join(_builtin_hint())}) and end with `weights @ v`")
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        name = getattr(func, "__name__", str(func))
-        self._refuse(f"torch.{name}")
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        symbol = next((a for a in (*args, *(kwargs or {}).values()) if isinstance(a, Symbol)), None)
+        name = f"torch.{getattr(func, '__name__', func)}"
+        if symbol is None:
+            raise ProgramError(f"{name} on a traced value is not part of the AttnFuse DSL")
+        symbol._refuse(name)
 
     def __bool__(self):
         self._refuse("a truth test (if/while/and/or)")
@@ -152,7 +156,10 @@ def _expect_score(comb: Combinator, s: Any) -> ScoreSymbol:
 
 
 def _apply(comb: Combinator, args: tuple, kwargs: dict) -> Apply:
-    values = comb.bind(args, kwargs)
+    try:
+        values = comb.bind(args, kwargs)
+    except TypeError as exc:
+        raise ProgramError(str(exc)) from None
     params = []
     for p in comb.params:
         value = values[p.name]

@@ -21,10 +21,6 @@ from .hookspecs import NAME
 
 DISABLE_AUTOLOAD_ENV = "ATTNFUSE_DISABLE_PLUGIN_AUTOLOAD"
 BUILTIN_DISTRIBUTION = "attnfuse"
-RESERVED_NAMES = frozenset({
-    "attention", "AttentionProgram", "hookimpl", "hookspec", "register_plugin", "combinators",
-    "BlockMask", "create_block_mask", "Combinator", "Role", "reference", "run_attention",
-})
 
 
 @frozen
@@ -74,14 +70,29 @@ def plugin_manager() -> pluggy.PluginManager:
 
 
 def register_plugin(plugin: Any, name: str | None = None) -> None:
-    """Register a plugin object from code (a notebook, a test) as if a distribution had shipped it."""
+    """Register a plugin object from code (a notebook, a test) as if a distribution had shipped it.
+
+    Nothing is left registered when the plugin is broken or clashes with another.
+    """
     global _registry
     with _lock:
         pm = plugin_manager()
-        name = pm.register(plugin, name=name)
-        pm.check_pending()
-        _distributions[name] = f"<registered in code: {name}>"
-        _registry = None
+        try:
+            name = pm.register(plugin, name=name)
+        except ValueError as exc:
+            raise PluginError(f"cannot register plugin {name or plugin!r}: a plugin of that name or that "
+                              f"object is registered already") from exc
+        except pluggy.PluginValidationError as exc:
+            raise PluginError(f"plugin {name or plugin!r}: {exc}") from exc
+        try:
+            pm.check_pending()
+            _distributions[name] = f"<registered in code: {name}>"
+            _registry = _collect(pm)
+        except (PluginError, pluggy.PluginValidationError) as exc:
+            pm.unregister(name=name)
+            _distributions.pop(name, None)
+            _registry = None
+            raise exc if isinstance(exc, PluginError) else PluginError(f"plugin {name!r}: {exc}") from exc
 
 
 def unregister_plugin(name: str) -> None:
@@ -102,8 +113,17 @@ def combinators() -> dict[str, Registered]:
         return _registry
 
 
+def _reserved_names() -> set[str]:
+    """Names the ``attnfuse`` module defines itself (API, submodules), so ``af.<name>`` cannot reach a
+    combinator of that name."""
+    import attnfuse
+
+    return set(vars(attnfuse)) | set(attnfuse.__all__)
+
+
 def _collect(pm: pluggy.PluginManager) -> dict[str, Registered]:
     found: dict[str, Registered] = {}
+    reserved = _reserved_names()
     for impl in pm.hook.attnfuse_combinators.get_hookimpls():
         plugin_name = impl.plugin_name
         dist = _distributions.get(plugin_name, "unknown")
@@ -111,7 +131,7 @@ def _collect(pm: pluggy.PluginManager) -> dict[str, Registered]:
             if not isinstance(comb, Combinator):
                 raise PluginError(f"plugin {plugin_name!r} of distribution {dist!r} returned "
                                   f"{type(comb).__name__} from attnfuse_combinators(), not a Combinator")
-            if comb.name in RESERVED_NAMES:
+            if comb.name in reserved:
                 raise PluginError(f"plugin {plugin_name!r} of distribution {dist!r} declares combinator "
                                   f"{comb.name!r}, a name attnfuse's own API uses; choose another")
             if comb.name in found:

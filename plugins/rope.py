@@ -70,8 +70,8 @@ def reference(q, k, ctx, theta, scale, cos, sin):
 
 @functools.lru_cache(maxsize=32)
 def _theta_tables(theta: float, first: int, last: int, D: int, device: torch.device):
-    """float32 cos and sin (1, last - first, D) for positions first .. last - 1."""
-    angles = _theta_angles(torch.arange(first, last, device=device), theta, D, torch.float64)
+    """float32 cos and sin (1, last - first, D/2) for positions first .. last - 1: both halves share them."""
+    angles = _theta_angles(torch.arange(first, last, device=device), theta, D, torch.float64)[..., : D // 2]
     return angles.cos().float()[None], angles.sin().float()[None]
 
 
@@ -100,14 +100,27 @@ def examples(draw, shape):
     return params
 
 
-_ROTATE = """
-    $x = ($x * tl.load($cos + b.to(tl.int64) * $cos_s0 + ($pos - $first)[:, None] * $cos_s1 + d[None, :] * $cos_s2,
-                       mask=$ok, other=0.0).to(tl.float32)
-          + tl.load($ptrs + ((d + D // 2) % D - d)[None, :] * $stride_d, mask=$ok, other=0.0).to(tl.float32)
-          * tl.where(d < D // 2, -1.0, 1.0)[None, :]
-          * tl.load($sin + b.to(tl.int64) * $sin_s0 + ($pos - $first)[:, None] * $sin_s1 + d[None, :] * $sin_s2,
-                    mask=$ok, other=0.0).to(tl.float32))
-"""
+def _table(name: str, column: str) -> str:
+    return (f"tl.load(${name} + b.to(tl.int64) * ${name}_s0 + ($$pos - $first)[:, None] * ${name}_s1"
+            f" + ({column})[None, :] * ${name}_s2, mask=$$ok, other=0.0).to(tl.float32)")
+
+
+def fragment(theta, scale, cos, sin) -> ScoreSourceFragment:
+    """x·cos + rotate_half(x)·sin on the halves: x1' = x1·cos1 - x2·sin1, x2' = x2·cos2 + x1·sin2.
+
+    With theta, the two halves of the table are equal, so the table holds one (P, D/2); with given
+    cos/sin tables (P, D), each half reads its own columns.
+    """
+    if cos is None:
+        tables = f"${{tmp}}_cos1 = {_table('cos', 'dh')}\n${{tmp}}_sin1 = {_table('sin', 'dh')}\n" \
+                 "${tmp}_cos2 = ${tmp}_cos1\n${tmp}_sin2 = ${tmp}_sin1\n"
+    else:
+        tables = "".join(f"${{tmp}}_{t}{i} = {_table(t, col)}\n"
+                         for t in ("cos", "sin") for i, col in ((1, "dh"), (2, "dh + HALF")))
+    rotate = tables + "${tmp}_x1 = $x1 * ${tmp}_cos1 - $x2 * ${tmp}_sin1\n" \
+                      "$x2 = $x2 * ${tmp}_cos2 + $x1 * ${tmp}_sin2\n$x1 = ${tmp}_x1\n"
+    return ScoreSourceFragment(transform=QKTransformFragment(q=rotate, k=rotate))
+
 
 COMBINATOR = Combinator(
     name="rope",
@@ -123,7 +136,7 @@ COMBINATOR = Combinator(
     tensors=[TensorArg(name="cos", rank=3), TensorArg(name="sin", rank=3)],
     scalars=[ScalarArg(name="first")],
     prepare=prepare,
-    fragment=ScoreSourceFragment(transform=QKTransformFragment(q=_ROTATE, k=_ROTATE)),
+    fragment=fragment,
     examples=examples,
 )
 

@@ -29,7 +29,7 @@ def $name(
     stride_ob, stride_oh, stride_om, stride_od,
     HQ, Nq, Nk,$extra_args
     GROUP: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,$split_args
 ):
     # One program per (query block, batch x query head); the longest (causal) rows start first.
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -42,10 +42,8 @@ def $name(
     q_ok = q_idx < Nq
     d = tl.arange(0, BLOCK_D)
     dv = tl.arange(0, BLOCK_DV)
-    q_ptrs = (Q + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh
-              + q_idx[:, None] * stride_qm + d[None, :] * stride_qd)
-    q = tl.load(q_ptrs, mask=q_ok[:, None]$d_mask, other=0.0)
-$q_transforms$prologues
+$split_columns    q_base = Q + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh
+$q_load$prologues
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
 $norm_init
     # Keys [lo, hi) can be kept by some row of this block; [full_lo, full_hi) by every row.
@@ -65,9 +63,7 @@ _LOOP = string.Template('''\
 for start_n in range($start, $end, BLOCK_N):
     k_pos = start_n + tl.arange(0, BLOCK_N)
     k_ok = k_pos < Nk
-    k_ptrs = k_base + k_pos[:, None] * stride_kn + d[None, :] * stride_kd
-    k = tl.load(k_ptrs$k_mask)
-$k_transforms    s = tl.dot(q, tl.trans(k)$precision)
+$k_load$qk_product
 $score
     v = tl.load(v_base + k_pos[:, None] * stride_vn + dv[None, :] * stride_vd$v_mask)
     acc = tl.dot(p.to(V.dtype.element_ty), v, acc$precision)
@@ -79,21 +75,33 @@ def _indent(code: str, spaces: int) -> str:
     return textwrap.indent(code, " " * spaces) + "\n" if code else ""
 
 
-def _transform(inst: Instance, operand: str, tile: str, ptrs: str, pos: str, ok: str, stride: str) -> str:
-    text = getattr(inst.fragment, operand)
-    if not text:
-        return ""
-    code = inst.code(text, x=tile, pos=pos, ptrs=ptrs, ok=ok, stride_d=stride)
-    return f"# {inst.prefix}: qk transform of {operand}\n{textwrap.dedent(code).strip()}\n"
+def _operand(kernel: TiledKernel, x: str, base: str, rows: str, pos: str, ok: str, stride_row: str,
+             stride_d: str, masked: bool) -> str:
+    """Load the q or k tile and run the qk transforms on it.
 
-
-def _transforms(kernel: TiledKernel, operand: str, ptrs: str, pos: str, ok: str, stride: str) -> str:
-    """Cast the tile to float32, run every transform on it, cast back for the tensor-core product."""
-    tile = f"{operand}f"
-    code = "".join(_transform(t, operand, tile, ptrs, pos, ok, stride) for t in kernel.transforms)
-    if not code:
-        return ""
-    return f"{tile} = {operand}.to(tl.float32)\n{code}{operand} = {tile}.to({operand.upper()}.dtype.element_ty)\n"
+    With no transform: one (rows, BLOCK_D) tile ``x``. With transforms: the two halves ``x1``, ``x2``
+    (rows, BLOCK_H), columns [0, D/2) and [D/2, D), rotated in float32 and cast back for the products.
+    """
+    if not kernel.transforms:
+        d_mask = "" if kernel.block_d == kernel.config.head_dim else "(d[None, :] < D)"
+        mask = " & ".join(m for m in (f"{ok}[:, None]" if masked else "", d_mask) if m)
+        load = f", mask={mask}, other=0.0" if mask else ""
+        return f"{x} = tl.load({base} + {rows}[:, None] * {stride_row} + d[None, :] * {stride_d}{load})\n"
+    h_mask = "" if kernel.block_h * 2 == kernel.config.head_dim else "(dh[None, :] < HALF)"
+    mask = " & ".join(m for m in (f"{ok}[:, None]" if masked else "", h_mask) if m)
+    load = f", mask={mask}, other=0.0" if mask else ""
+    fragment_ok = " & ".join(m for m in (f"{ok}[:, None]", h_mask) if m)
+    lines = [f"{x}_ptrs = {base} + {rows}[:, None] * {stride_row} + dh[None, :] * {stride_d}",
+             f"{x}1f = tl.load({x}_ptrs{load}).to(tl.float32)",
+             f"{x}2f = tl.load({x}_ptrs + HALF * {stride_d}{load}).to(tl.float32)"]
+    for t in kernel.transforms:
+        text = getattr(t.fragment, x)
+        if text:
+            lines.append(f"# {t.prefix}: qk transform of {x}")
+            lines.append(textwrap.dedent(t.code(text, x1=f"{x}1f", x2=f"{x}2f", pos=pos, ok=fragment_ok,
+                                                tmp=f"{x}_{t.prefix}")).strip())
+    lines += [f"{x}1 = {x}1f.to({x.upper()}.dtype.element_ty)", f"{x}2 = {x}2f.to({x.upper()}.dtype.element_ty)"]
+    return "\n".join(lines) + "\n"
 
 
 def _score(kernel: TiledKernel, masked: bool) -> str:
@@ -147,23 +155,29 @@ def _key_range(kernel: TiledKernel) -> str:
     return "\n".join(lines)
 
 
+def _precision(kernel: TiledKernel) -> str:
+    return f', input_precision="{kernel.config.fp32_precision}"' if kernel.config.dtype == "float32" else ""
+
+
 def _loop(kernel: TiledKernel, start: str, end: str, masked: bool) -> str:
-    d_mask = "" if kernel.block_d == kernel.config.head_dim else " & (d[None, :] < D)"
-    dv_mask = "" if kernel.block_dv == kernel.config.head_dim_v else " & (dv[None, :] < DV)"
-    precision = f', input_precision="{kernel.config.fp32_precision}"' if kernel.config.dtype == "float32" else ""
-    k_mask = f"k_ok[:, None]{d_mask}" if masked else d_mask.removeprefix(" & ")
-    v_mask = f"k_ok[:, None]{dv_mask}" if masked else dv_mask.removeprefix(" & ")
+    dv_mask = "" if kernel.block_dv == kernel.config.head_dim_v else "(dv[None, :] < DV)"
+    v_mask = " & ".join(m for m in ("k_ok[:, None]" if masked else "", dv_mask) if m)
+    precision = _precision(kernel)
+    if kernel.transforms:
+        product = (f"s = tl.dot(q1, tl.trans(k1){precision})\n"
+                   f"s = tl.dot(q2, tl.trans(k2), s{precision})")
+    else:
+        product = f"s = tl.dot(q, tl.trans(k){precision})"
     return _LOOP.substitute(
         start=start, end=end, precision=precision,
-        k_mask=f", mask={k_mask}, other=0.0" if k_mask else "", v_mask=f", mask={v_mask}, other=0.0" if v_mask else "",
-        k_transforms=_indent(_transforms(kernel, "k", "k_ptrs", "k_pos", f"k_ok[:, None]{d_mask}", "stride_kd"), 4),
-        score=_indent(_score(kernel, masked), 4))
+        v_mask=f", mask={v_mask}, other=0.0" if v_mask else "",
+        k_load=_indent(_operand(kernel, "k", "k_base", "k_pos", "k_pos", "k_ok", "stride_kn", "stride_kd", masked), 4),
+        qk_product=_indent(product, 4), score=_indent(_score(kernel, masked), 4))
 
 
 def generate(kernel: TiledKernel) -> str:
     """Triton source of the forward kernel (one function named ``kernel.name``, undecorated)."""
     has_masks = any(m.fragment.keep for m in kernel.masks)
-    d_mask = "" if kernel.block_d == kernel.config.head_dim else " & (d[None, :] < D)"
     dv_mask = "" if kernel.block_dv == kernel.config.head_dim_v else " & (dv[None, :] < DV)"
     loops = []
     if has_masks:
@@ -180,8 +194,10 @@ def generate(kernel: TiledKernel) -> str:
     extra = "".join(f"\n    {a}," for a in kernel.args())
     return _FORWARD.substitute(
         signature=kernel.signature, listing=kernel.listing, name=kernel.name, extra_args=extra,
-        d_mask=d_mask, dv_mask=dv_mask,
-        q_transforms=_indent(_transforms(kernel, "q", "q_ptrs", "q_pos", f"q_ok[:, None]{d_mask}", "stride_qd"), 4),
+        dv_mask=dv_mask,
+        split_args="\n    HALF: tl.constexpr, BLOCK_H: tl.constexpr," if kernel.transforms else "",
+        split_columns="    dh = tl.arange(0, BLOCK_H)\n" if kernel.transforms else "",
+        q_load=_indent(_operand(kernel, "q", "q_base", "q_idx", "q_pos", "q_ok", "stride_qm", "stride_qd", True), 4),
         prologues=_indent(prologues, 4), norm_init=_indent(norm.init, 4),
         key_range=_indent(_key_range(kernel) if has_masks else
                           "start = 0\nhi = Nk\nfull_start = 0\nfull_end = Nk // BLOCK_N * BLOCK_N", 4),

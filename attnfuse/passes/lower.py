@@ -14,7 +14,8 @@ from attrs import frozen
 
 from .. import ir
 
-from ..combinator import Role
+from ..combinator import INPUT, Role
+from ..errors import InputError
 from ..plugin_manager import lookup
 from .fuse import FusedProgram
 from .tile import TileConfig, choose_tiles
@@ -66,6 +67,7 @@ class TiledKernel:
     tiles: TileConfig
     block_d: int
     block_dv: int
+    block_h: int        # width of each half of the head dim, when qk transforms split it
     scale: float
     score_factor: float
     transforms: tuple[Instance, ...]
@@ -92,7 +94,7 @@ def _resolve(value: Any, mapping: dict[str, str]) -> Any:
     return value
 
 
-def instance(app: ir.Apply, index: int, role: Role | None = None) -> Instance:
+def instance(app: ir.Apply, index: int) -> Instance:
     """Resolve one application: ``$param`` -> literal, ``$tensor``/``$tensor_s<i>``/``$scalar`` -> argument."""
     comb = lookup(app.combinator)
     prefix = f"{comb.name}_{index}"
@@ -107,42 +109,49 @@ def instance(app: ir.Apply, index: int, role: Role | None = None) -> Instance:
     for sc in comb.scalars:
         mapping[sc.name] = f"{prefix}_{sc.name}"
         args.append(f"{prefix}_{sc.name}")
-    fragment = comb.fragment
-    if role is Role.QK_TRANSFORM and comb.role is Role.SCORE_SOURCE:
-        fragment = fragment.transform
-    return Instance(prefix=prefix, apply=app, role=role or comb.role, fragment=_resolve(fragment, mapping),
+    fragment = comb.fragment_for({n: INPUT if isinstance(v, ir.TensorSym) else v for n, v in app.params})
+    return Instance(prefix=prefix, apply=app, role=comb.role, fragment=_resolve(fragment, mapping),
                     args=tuple(args))
 
 
-def variant(fused: FusedProgram) -> str:
+def _variant(transforms: list[Instance], masks: tuple[Instance, ...]) -> str:
     """The tile table's variant key: "rope" (a qk transform), "masked" (loop bounds) or "dense"."""
-    source = lookup(fused.source.combinator)
-    if fused.transforms or source.fragment.transform is not None:
+    if transforms:
         return "rope"
-    if any(lookup(m.combinator).fragment.kv_range is not None for m in fused.masks):
+    if any(m.fragment.kv_range is not None for m in masks):
         return "masked"
     return "dense"
 
 
 def lower(fused: FusedProgram, config: KernelConfig, listing: str = "") -> TiledKernel:
     """Flatten a fused program for one configuration."""
-    block_d = max(16, 1 << (config.head_dim - 1).bit_length())
-    block_dv = max(16, 1 << (config.head_dim_v - 1).bit_length())
-    tiles = choose_tiles(config.arch, variant(fused), max(block_d, block_dv))
     counter = iter(range(1_000_000))
 
-    def inst(app: ir.Apply, role: Role | None = None) -> Instance:
-        return instance(app, next(counter), role)
+    def inst(app: ir.Apply) -> Instance:
+        return instance(app, next(counter))
 
     transforms = [inst(t) for t in fused.transforms]
-    if lookup(fused.source.combinator).fragment.transform is not None:
-        transforms.append(inst(fused.source, Role.QK_TRANSFORM))
+    source = inst(fused.source)
+    if source.fragment.transform is not None:
+        transforms.append(attrs.evolve(source, role=Role.QK_TRANSFORM, fragment=source.fragment.transform))
+    if transforms and config.head_dim % 2:
+        raise InputError(f"qk transforms ({', '.join(t.apply.combinator for t in transforms)}) act on the two "
+                           f"halves of the head dim, so it must be even; got D={config.head_dim}")
+    mods = tuple(inst(m) for m in fused.mods)
+    masks = tuple(inst(m) for m in fused.masks)
+    normaliser = inst(fused.normaliser)
+    block_d = _block(config.head_dim)
+    block_dv = _block(config.head_dim_v)
+    tiles = choose_tiles(config.arch, _variant(transforms, masks), max(block_d, block_dv))
     scale = fused.source.static()["scale"]
     scale = 1.0 / math.sqrt(config.head_dim) if scale is None else float(scale)
-    normaliser = inst(fused.normaliser)
     return TiledKernel(
         name=f"attnfuse_fwd_{fused.signature[:12]}", signature=fused.signature, listing=listing,
-        config=config, tiles=tiles, block_d=block_d, block_dv=block_dv, scale=scale,
-        score_factor=normaliser.fragment.score_factor, transforms=tuple(transforms),
-        mods=tuple(inst(m) for m in fused.mods), masks=tuple(inst(m) for m in fused.masks),
-        normaliser=normaliser)
+        config=config, tiles=tiles, block_d=block_d, block_dv=block_dv, block_h=_block(config.head_dim // 2),
+        scale=scale, score_factor=normaliser.fragment.score_factor, transforms=tuple(transforms), mods=mods,
+        masks=masks, normaliser=normaliser)
+
+
+def _block(n: int) -> int:
+    """The power-of-two tile width (at least 16, tl.dot's minimum) that holds n columns."""
+    return max(16, 1 << (max(n, 1) - 1).bit_length())

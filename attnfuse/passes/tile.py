@@ -45,9 +45,11 @@ T = TileConfig
 TABLE: tuple[TileRule, ...] = (
     # Interpreter: small tiles keep CPU runs quick and put several blocks in small test shapes.
     TileRule(arch="interpreter", config=T(block_m=32, block_n=32, num_warps=1, num_stages=1)),
-    # H100/H200, from sweeps on an H200 (docs/benchmarks.md).
+    # H100/H200, from sweeps on an H200 (benchmarks/sweep_tiles.py; docs/benchmarks.md).
     TileRule(arch="sm90", head_dim=(1, 64), config=T(block_m=64, block_n=64, num_warps=4, num_stages=3)),
-    TileRule(arch="sm90", head_dim=(65, 128), config=T(block_m=128, block_n=128, num_warps=8, num_stages=3)),
+    TileRule(arch="sm90", variant="dense", head_dim=(65, 128),
+             config=T(block_m=128, block_n=128, num_warps=8, num_stages=3)),
+    TileRule(arch="sm90", head_dim=(65, 128), config=T(block_m=64, block_n=64, num_warps=4, num_stages=3)),
     TileRule(arch="sm90", head_dim=(129, 256), config=T(block_m=64, block_n=64, num_warps=4, num_stages=2)),
     # Any other GPU: conservative tiles that fit every recent part's shared memory.
     TileRule(head_dim=(1, 128), config=T(block_m=64, block_n=64, num_warps=4, num_stages=2)),

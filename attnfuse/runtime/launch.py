@@ -6,15 +6,18 @@ import functools
 import math
 from typing import Any
 
+import attrs
 import torch
 import triton
 from attrs import frozen
+from triton.runtime.errors import OutOfResources
 
 from .. import ir
 from ..errors import InputError, PluginError
 from ..passes.codegen import generate
 from ..passes.fuse import fuse
 from ..passes.lower import KernelConfig, TiledKernel, lower
+from ..passes.tile import TileConfig
 from ..plugin_manager import lookup
 from .interpreter import InterpretedKernel
 from .source_cache import load_function, write_source
@@ -96,6 +99,17 @@ def _empty_in_layout_of(t: torch.Tensor, last_dim: int, dtype: torch.dtype) -> t
     return buffer.permute(*sorted(range(t.dim()), key=order.__getitem__))
 
 
+def smaller_tiles(tiles: TileConfig) -> TileConfig:
+    """The next configuration to try when ``tiles`` needs more shared memory than the GPU has."""
+    if tiles.num_stages > 1:
+        return attrs.evolve(tiles, num_stages=tiles.num_stages - 1)
+    if tiles.block_n > 16:
+        return attrs.evolve(tiles, block_n=tiles.block_n // 2, num_stages=2)
+    if tiles.block_m > 16:
+        return attrs.evolve(tiles, block_m=tiles.block_m // 2, num_stages=2)
+    raise InputError("no tile configuration fits this GPU's shared memory for these head dims")
+
+
 class ForwardKernel:
     """One compiled forward kernel and its launcher."""
 
@@ -106,6 +120,8 @@ class ForwardKernel:
         fn = load_function(self.path, tiled.name)
         self._kernel = InterpretedKernel(fn) if tiled.config.arch == "interpreter" else triton.jit(fn)
         self._prepared = [(i, lookup(i.apply.combinator)) for i in tiled.instances() if i.args]
+        self.tiles = tiled.tiles  # shrinks if the GPU lacks the shared memory the table assumed
+        self._split = dict(HALF=tiled.config.head_dim // 2, BLOCK_H=tiled.block_h) if tiled.transforms else {}
 
     def _plugin_args(self, ctx: LaunchContext, inputs: dict[str, Any]) -> list:
         args: list = []
@@ -138,16 +154,19 @@ class ForwardKernel:
                 lse.fill_(-math.inf)
             return out, lse
         ctx = LaunchContext(B=B, Hq=Hq, Hkv=Hkv, Nq=Nq, Nk=Nk, D=D, DV=DV, device=q.device, dtype=q.dtype)
-        grid = (triton.cdiv(Nq, t.tiles.block_m), B * Hq)
-        with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():
-            self._kernel[grid](
-                q, k, v, out, out if lse is None else lse,
-                *q.stride(), *k.stride(), *v.stride(), *out.stride(), Hq, Nq, Nk,
-                *self._plugin_args(ctx, inputs),
-                GROUP=t.config.group, D=D, DV=DV, BLOCK_D=t.block_d, BLOCK_DV=t.block_dv,
-                BLOCK_M=t.tiles.block_m, BLOCK_N=t.tiles.block_n,
-                num_warps=t.tiles.num_warps, num_stages=t.tiles.num_stages)
-        return out, lse
+        args = (q, k, v, out, out if lse is None else lse, *q.stride(), *k.stride(), *v.stride(), *out.stride(),
+                Hq, Nq, Nk, *self._plugin_args(ctx, inputs))
+        while True:
+            tiles = self.tiles
+            try:
+                with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():
+                    self._kernel[(triton.cdiv(Nq, tiles.block_m), B * Hq)](
+                        *args, GROUP=t.config.group, D=D, DV=DV, BLOCK_D=t.block_d, BLOCK_DV=t.block_dv,
+                        BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, **self._split,
+                        num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+                return out, lse
+            except OutOfResources:
+                self.tiles = smaller_tiles(tiles)  # raises when nothing smaller is left
 
 
 _compiled: dict[tuple[ir.MatMulPV, KernelConfig], ForwardKernel] = {}
@@ -180,3 +199,8 @@ def run_attention(graph: ir.MatMulPV, q: torch.Tensor, k: torch.Tensor, v: torch
     kernel = compile_forward(graph, kernel_config(q, k, v, save_lse=return_lse))
     out, lse = kernel(q, k, v, inputs or {})
     return (out, lse) if return_lse else out
+
+
+def clear_cache() -> None:
+    """Forget every compiled kernel, e.g. after registering a plugin with new tile rules."""
+    _compiled.clear()

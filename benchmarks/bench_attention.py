@@ -1,0 +1,250 @@
+"""AttnFuse against SDPA (flash, cuDNN) and compiled flex_attention, in one process, on the same inputs.
+
+    python benchmarks/bench_attention.py --suite forward [--quick] [--out table.md]
+
+Medians from triton.testing.do_bench; TFLOP/s count only the (query, key) pairs a variant keeps
+(4·B·Hq·pairs·D forward; 2.5× that forward+backward). RoPE baselines pre-rotate q and k with a
+torch.compile'd function, and that time is included. Each AttnFuse result is checked against a
+baseline on the same inputs; the max abs difference is printed.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import math
+import os
+import tempfile
+import time
+
+os.environ.setdefault("TRITON_CACHE_DIR", tempfile.mkdtemp(prefix="triton-cold-"))  # cold compiles
+os.environ.setdefault("ATTNFUSE_CACHE_DIR", tempfile.mkdtemp(prefix="attnfuse-cold-"))
+
+import torch  # noqa: E402
+import torch._dynamo  # noqa: E402
+from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
+from torch.nn.attention.flex_attention import create_block_mask, flex_attention  # noqa: E402
+from triton.testing import do_bench  # noqa: E402
+
+import attnfuse as af  # noqa: E402
+
+torch._dynamo.config.cache_size_limit = 1000
+if hasattr(torch._dynamo.config, "recompile_limit"):
+    torch._dynamo.config.recompile_limit = 1000
+flex = torch.compile(flex_attention, dynamic=False)
+
+GEOMETRIES = {"gpt2": (4, 12, 12, 64), "llama3-8b": (1, 32, 8, 128)}
+WINDOW = 256  # keys kept per query, its own included
+
+
+@af.attention
+def dense(q, k, v):
+    return af.softmax(af.scaled_dot_product(q, k)) @ v
+
+
+@af.attention
+def causal(q, k, v):
+    return af.softmax(af.causal(af.scaled_dot_product(q, k))) @ v
+
+
+@af.attention
+def sliding_window(q, k, v):
+    return af.softmax(af.sliding_window(af.scaled_dot_product(q, k), WINDOW - 1)) @ v
+
+
+@af.attention
+def causal_alibi(q, k, v):
+    return af.softmax(af.alibi(af.causal(af.scaled_dot_product(q, k)))) @ v
+
+
+@af.attention
+def rope_causal(q, k, v):
+    return af.softmax(af.causal(af.rope(q, k))) @ v
+
+
+PROGRAMS = {p.__name__: p for p in (dense, causal, sliding_window, causal_alibi, rope_causal)}
+
+
+def pairs(variant: str, N: int) -> int:
+    if variant == "dense":
+        return N * N
+    if variant == "sliding_window":
+        return sum(min(i + 1, WINDOW) for i in range(N))
+    return N * (N + 1) // 2
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return (x * cos + torch.cat((-x2, x1), dim=-1) * sin).to(x.dtype)
+
+
+pre_rotate = torch.compile(lambda q, k, cos, sin: (_rotate(q, cos, sin), _rotate(k, cos, sin)))
+
+
+def rope_tables(N: int, D: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    inv_freq = 10000.0 ** (-torch.arange(0, D, 2, dtype=torch.float64, device=device) / D)
+    emb = torch.arange(N, device=device, dtype=torch.float64)[:, None] * inv_freq
+    emb = torch.cat((emb, emb), dim=-1)
+    return emb.cos().float(), emb.sin().float()
+
+
+def alibi_slopes(H: int, device) -> torch.Tensor:
+    from attnfuse_plugins.alibi import default_slopes
+
+    return torch.tensor(default_slopes(H), device=device, dtype=torch.float32)
+
+
+def flex_case(variant: str, B: int, Hq: int, N: int, device):
+    """flex_attention's score_mod and BlockMask for a variant."""
+    def causal_mask(b, h, q_idx, kv_idx):
+        return kv_idx <= q_idx
+
+    def window_mask(b, h, q_idx, kv_idx):
+        return (kv_idx <= q_idx) & (q_idx - kv_idx < WINDOW)
+
+    score_mod, mask = None, None
+    if variant in ("causal", "causal_alibi", "rope_causal"):
+        mask = create_block_mask(causal_mask, None, None, N, N, device=device)
+    elif variant == "sliding_window":
+        mask = create_block_mask(window_mask, None, None, N, N, device=device)
+    if variant == "causal_alibi":
+        slopes = alibi_slopes(Hq, device)
+
+        def score_mod(score, b, h, q_idx, kv_idx):
+            return score + slopes[h] * (kv_idx - q_idx)
+    return score_mod, mask
+
+
+def sdpa(backend, q, k, v, causal_: bool):
+    with sdpa_kernel(backend):
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal_, enable_gqa=True)
+
+
+def bench(fn) -> float:
+    return do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+
+def forward_suite(Ns: list[int], geometries: list[str], variants: list[str]) -> list[dict]:
+    rows = []
+    for geometry in geometries:
+        B, Hq, Hkv, D = GEOMETRIES[geometry]
+        for N in Ns:
+            q = torch.randn(B, Hq, N, D, device="cuda", dtype=torch.bfloat16)
+            k = torch.randn(B, Hkv, N, D, device="cuda", dtype=torch.bfloat16)
+            v = torch.randn(B, Hkv, N, D, device="cuda", dtype=torch.bfloat16)
+            cos, sin = rope_tables(N, D, "cuda")
+            for variant in variants:
+                flops = 4 * B * Hq * pairs(variant, N) * D
+                program = PROGRAMS[variant]
+                ours = lambda: program(q, k, v)  # noqa: E731
+                out = ours()
+                row = {"case": f"{geometry} N{N} {variant}", "flops": flops, "attnfuse": bench(ours)}
+                rope = variant == "rope_causal"
+
+                def inputs():
+                    return pre_rotate(q, k, cos, sin) if rope else (q, k)
+                if variant in ("dense", "causal", "rope_causal"):
+                    for name, backend in (("cudnn", SDPBackend.CUDNN_ATTENTION),
+                                          ("flash", SDPBackend.FLASH_ATTENTION)):
+                        try:
+                            fn = lambda: sdpa(backend, *inputs(), v, variant != "dense")  # noqa: E731
+                            expected = fn()
+                            row[name] = bench(fn)
+                            row["err"] = (out.float() - expected.float()).abs().max().item()
+                        except RuntimeError as exc:
+                            row[name] = f"n/a ({str(exc).splitlines()[0][:40]})"
+                score_mod, mask = flex_case(variant, B, Hq, N, "cuda")
+                fn = lambda: flex(*inputs(), v, score_mod=score_mod, block_mask=mask, enable_gqa=True)  # noqa
+                expected = fn()
+                row["flex"] = bench(fn)
+                row.setdefault("err", (out.float() - expected.float()).abs().max().item())
+                rows.append(row)
+                print(format_row(row), flush=True)
+    return rows
+
+
+def overhead_suite() -> list[str]:
+    """Warm host time per call (tiny inputs, no synchronisation) and the cold first call of a new variant."""
+    lines = []
+    q = torch.randn(1, 4, 128, 64, device="cuda", dtype=torch.bfloat16)
+    k, v = torch.randn_like(q), torch.randn_like(q)
+
+    @af.attention
+    def fresh(q, k, v):  # never compiled before in this process, and the caches start empty
+        return af.softmax(af.alibi(af.sliding_window(af.rope(q, k), 64))) @ v
+
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    fresh(q, k, v)
+    torch.cuda.synchronize()
+    lines.append(f"cold first call of a new variant (trace + codegen + Triton compile): "
+                 f"{time.perf_counter() - t0:.2f} s")
+    mask = create_block_mask(lambda b, h, qi, ki: ki <= qi, None, None, 128, 128, device="cuda")
+    calls = {
+        "attnfuse causal": lambda: causal(q, k, v),
+        "attnfuse rope+causal": lambda: rope_causal(q, k, v),
+        "SDPA causal": lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True),
+        "flex causal": lambda: flex(q, k, v, block_mask=mask),
+    }
+    for name, fn in calls.items():
+        for _ in range(20):
+            fn()
+        torch.cuda.synchronize()
+        n = 500
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn()
+        host = (time.perf_counter() - t0) / n
+        torch.cuda.synchronize()
+        lines.append(f"warm host time per call, {name}: {host * 1e6:.1f} us")
+    return lines
+
+
+def cell(row: dict, key: str) -> str:
+    value = row.get(key)
+    if value is None:
+        return "—"
+    if isinstance(value, str):
+        return value
+    return f"{value:.3f} ({row['flops'] / value / 1e9:.0f})"
+
+
+def format_row(row: dict) -> str:
+    speedup = row["flex"] / row["attnfuse"] if isinstance(row.get("flex"), float) else float("nan")
+    return (f"| {row['case']} | {cell(row, 'attnfuse')} | {cell(row, 'cudnn')} | {cell(row, 'flash')} | "
+            f"{cell(row, 'flex')} | {speedup:.2f}× | {row.get('err', float('nan')):.1e} |")
+
+
+HEADER = ("| case | AttnFuse ms (TFLOP/s) | cuDNN SDPA | FA2 SDPA | flex (compiled) | flex / AttnFuse | "
+          "max abs diff |\n|---|---|---|---|---|---|---|")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--suite", default="forward,overhead")
+    parser.add_argument("--N", default="2048,4096,8192,16384")
+    parser.add_argument("--geometries", default="gpt2,llama3-8b")
+    parser.add_argument("--variants", default=",".join(PROGRAMS))
+    parser.add_argument("--out", help="also write the table (markdown) here")
+    args = parser.parse_args()
+    props = torch.cuda.get_device_properties(0)
+    title = (f"{datetime.date.today()} · {props.name} · torch {torch.__version__} · "
+             f"triton {__import__('triton').__version__} · bf16, median ms (TFLOP/s)")
+    print(title)
+    lines = [title, ""]
+    suites = args.suite.split(",")
+    if "forward" in suites:
+        print(HEADER)
+        rows = forward_suite([int(n) for n in args.N.split(",")], args.geometries.split(","),
+                             args.variants.split(","))
+        lines += ["## Forward", "", HEADER, *map(format_row, rows), ""]
+    if "overhead" in suites:
+        overhead = overhead_suite()
+        print("\n".join(overhead))
+        lines += ["## Host overhead", "", *[f"- {line}" for line in overhead], ""]
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()

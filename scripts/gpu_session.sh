@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Everything a GPU session needs in one device call, logs under $OUT.
+#   bash scripts/gpu_session.sh install test sweep bench     (any subset of steps, in order)
+set -uo pipefail
+OUT=${OUT:-/tmp/attnfuse-out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+cd "$(dirname "$0")/.."
+for step in "$@"; do
+  echo "=== $step ($(date +%T))"
+  case $step in
+    install)
+      python3 -m pip install -q --no-deps --no-build-isolation -e . -e contrib/attnfuse-softcap \
+        >"$OUT/install.log" 2>&1 || cat "$OUT/install.log"
+      nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,clocks.mem,power.draw,temperature.gpu --format=csv \
+        | tee "$OUT/gpu.txt" ;;
+    test)
+      ATTNFUSE_FUZZ_EXAMPLES=${FUZZ:-40} python3 -m pytest -q -x -p no:cacheprovider \
+        ${TESTS:-tests/test_gpu.py tests/test_conformance.py} 2>&1 | tee "$OUT/pytest.log" | tail -25 ;;
+    sweep)
+      python3 benchmarks/sweep_tiles.py ${SWEEP_CASES:+--cases $SWEEP_CASES} 2>&1 | tee "$OUT/sweep.log" \
+        | grep -E "BEST|failed|Error" ;;
+    bench)
+      python3 benchmarks/bench_attention.py ${BENCH_ARGS:-} --out "$OUT/bench.md" 2>&1 | tee "$OUT/bench.log" ;;
+    *) echo "unknown step $step" ;;
+  esac
+done

@@ -1,0 +1,214 @@
+"""The fused forward against the float64 reference and torch SDPA, on CPU tensors (Triton's interpreter).
+
+GPU runs of the same checks, with bfloat16 and larger shapes, are in test_gpu.py.
+"""
+import pytest
+import torch
+
+import attnfuse as af
+from attnfuse.block_mask import create_block_mask
+from attnfuse.testing import assert_matches_reference
+
+
+@af.attention
+def dense(q, k, v):
+    return af.softmax(af.scaled_dot_product(q, k)) @ v
+
+
+@af.attention
+def causal(q, k, v):
+    return af.softmax(af.causal(af.scaled_dot_product(q, k))) @ v
+
+
+@af.attention
+def llama(q, k, v):
+    s = af.rope(q, k)
+    s = af.causal(s)
+    return af.softmax(s) @ v
+
+
+@af.attention
+def window(q, k, v, left, right):
+    return af.softmax(af.sliding_window(af.scaled_dot_product(q, k), left, right)) @ v
+
+
+@af.attention
+def alibi_causal(q, k, v):
+    return af.softmax(af.alibi(af.causal(af.scaled_dot_product(q, k)))) @ v
+
+
+@af.attention
+def biased(q, k, v, bias):
+    return af.softmax(af.additive_bias(af.scaled_dot_product(q, k), bias)) @ v
+
+
+@af.attention
+def rope_tables(q, k, v, cos, sin):
+    return af.softmax(af.causal(af.rope(q, k, cos=cos, sin=sin))) @ v
+
+
+@af.attention
+def relu_causal(q, k, v):
+    return af.relu_attention(af.causal(af.scaled_dot_product(q, k))) @ v
+
+
+@af.attention
+def sparse(q, k, v, block_mask):
+    return af.softmax(af.block_sparse(af.causal(af.scaled_dot_product(q, k)), block_mask)) @ v
+
+
+def _qkv(B, Hq, Hkv, Nq, Nk, D, DV, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(B, Hq, Nq, D, generator=g).to(dtype), torch.randn(B, Hkv, Nk, D, generator=g).to(dtype),
+            torch.randn(B, Hkv, Nk, DV, generator=g).to(dtype))
+
+
+def _check(program, q, k, v, *extra, return_lse=True):
+    out = program(q, k, v, *extra, return_lse=return_lse)
+    out, lse = out if return_lse else (out, None)
+    ref64 = program.reference(q, k, v, *extra, return_lse=return_lse)
+    ref_lowp = program.reference(q, k, v, *extra, return_lse=return_lse, dtype=q.dtype)
+    if return_lse:
+        assert_matches_reference(out, ref64[0], ref_lowp[0], q.dtype)
+        assert_matches_reference(lse, ref64[1], ref_lowp[1], q.dtype, what="lse")
+    else:
+        assert_matches_reference(out, ref64, ref_lowp, q.dtype)
+
+
+SHAPES = [  # B, Hq, Hkv, Nq, Nk, D, DV
+    (1, 2, 2, 64, 64, 32, 32),     # MHA, N a multiple of the interpreter's 32-blocks
+    (2, 4, 2, 50, 77, 64, 64),     # GQA, Nq != Nk, neither a multiple of the block
+    (1, 3, 1, 40, 40, 80, 80),     # MQA, head dim not a power of two
+    (1, 2, 1, 33, 65, 16, 48),     # DV != D
+]
+
+
+@pytest.mark.parametrize("program", [dense, causal, llama, alibi_causal, relu_causal], ids=lambda p: p.__name__)
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+def test_variant_matrix(program, shape, dtype):
+    q, k, v = _qkv(*shape, dtype)
+    _check(program, q, k, v, return_lse=program is not relu_causal)
+
+
+@pytest.mark.parametrize("left,right", [(0, 0), (5, 0), (17, 3), (100, 100)])
+def test_sliding_window(left, right):
+    q, k, v = _qkv(1, 2, 1, 70, 90, 32, 32, torch.float32, seed=left)
+    _check(window, q, k, v, left, right)
+
+
+@pytest.mark.parametrize("bias_shape", [(2, 4, 50, 77), (1, 4, 50, 77), (50, 77), (77,), (2, 1, 1, 77)])
+def test_additive_bias_broadcasts(bias_shape):
+    q, k, v = _qkv(2, 4, 2, 50, 77, 32, 32, torch.float32, seed=3)
+    _check(biased, q, k, v, torch.randn(bias_shape))
+
+
+def test_rope_tables_match_hf_convention():
+    """cos/sin tables as HF builds them (with a scaled RoPE: here, linear scaling by 4) override theta."""
+    q, k, v = _qkv(2, 2, 2, 40, 60, 32, 32, torch.float32, seed=5)
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, 32, 2, dtype=torch.float64) / 32)) / 4.0
+    angles = torch.arange(60, dtype=torch.float64)[:, None] * inv_freq
+    emb = torch.cat((angles, angles), dim=-1)
+    cos, sin = emb.cos().float(), emb.sin().float()
+    _check(rope_tables, q, k, v, cos, sin)
+    _check(rope_tables, q, k, v, cos[None].expand(2, 60, 32), sin[None].expand(2, 60, 32))
+
+
+def test_rope_equals_pre_rotated_sdpa():
+    """Independent of the reference evaluator: rotate q, k by hand (HF rotate_half), then torch SDPA."""
+    q, k, v = _qkv(1, 4, 2, 48, 48, 64, 64, torch.float32, seed=7)
+    pos = torch.arange(48, dtype=torch.float64)
+    inv_freq = 10000.0 ** (-torch.arange(0, 64, 2, dtype=torch.float64) / 64)
+    emb = torch.cat((pos[:, None] * inv_freq,) * 2, dim=-1)
+
+    def rotate(x):
+        x = x.double()
+        x1, x2 = x.chunk(2, dim=-1)
+        return x * emb.cos() + torch.cat((-x2, x1), dim=-1) * emb.sin()
+
+    expected = torch.nn.functional.scaled_dot_product_attention(
+        rotate(q), rotate(k).repeat_interleave(2, 1), v.double().repeat_interleave(2, 1), is_causal=True)
+    torch.testing.assert_close(llama(q, k, v).double(), expected, atol=2e-5, rtol=0)
+
+
+@pytest.mark.parametrize("program,is_causal", [(dense, False), (causal, True)])
+def test_matches_torch_sdpa(program, is_causal):
+    q, k, v = _qkv(2, 4, 2, 64, 64, 32, 32, torch.float32, seed=11)
+    expected = torch.nn.functional.scaled_dot_product_attention(
+        q.double(), k.double(), v.double(), is_causal=is_causal, enable_gqa=True)
+    torch.testing.assert_close(program(q, k, v).double(), expected, atol=2e-5, rtol=0)
+
+
+def test_block_sparse_with_causal():
+    q, k, v = _qkv(2, 2, 1, 100, 100, 32, 32, torch.float32, seed=13)
+    table = torch.rand(2, 2, 4, 4, generator=torch.Generator().manual_seed(1))
+    mask = create_block_mask(lambda b, h, qb, kb: (table[b, h, qb, kb] > 0.5) | (qb == kb), 2, 2, 100, 100,
+                             block_size=32)
+    _check(sparse, q, k, v, mask)
+
+
+def test_causal_never_visits_keys_past_the_block():
+    """Keys after a query block's last position are never loaded: NaN there must not reach its rows."""
+    q, k, v = _qkv(1, 2, 2, 128, 128, 32, 32, torch.float32, seed=17)
+    poisoned = v.clone()
+    poisoned[:, :, 64:] = float("nan")
+    out = causal(q, k, poisoned)
+    assert torch.isnan(out[:, :, 64:]).all(dim=-1).any()  # later blocks do read them
+    torch.testing.assert_close(out[:, :, :64], causal(q, k, v)[:, :, :64], atol=0, rtol=0)
+
+
+def test_sliding_window_never_visits_blocks_outside_the_window():
+    """With one query row, key blocks wholly before the window are skipped (NaN there stays unread)."""
+    q, k, v = _qkv(1, 2, 2, 1, 200, 32, 32, torch.float32, seed=19)
+    poisoned = v.clone()
+    poisoned[:, :, :160] = float("nan")  # the window of the last position 199 with left=30 starts at 169
+    torch.testing.assert_close(window(q, k, poisoned, 30, 0), window(q, k, v, 30, 0), atol=0, rtol=0)
+
+
+def test_generated_source_splits_full_and_masked_blocks():
+    q, k, v = _qkv(1, 2, 2, 64, 64, 32, 32, torch.float32)
+    source = causal.source(q, k, v)
+    full_loop = source.split("# full blocks: no mask arithmetic")[1].split("# masked tail")[0]
+    assert "for start_n in range(full_start, full_end, BLOCK_N)" in full_loop
+    assert "keep" not in full_loop and "tl.where(keep" in source
+    assert source.count("tl.dot(q, tl.trans(k)") == 3  # masked head, full middle, masked tail
+    assert "# masked head" not in dense.source(q, k, v)  # no mask: only the tail past the last full block
+
+
+def test_rope_rotates_q_once_and_each_k_tile():
+    q, k, v = _qkv(1, 2, 2, 64, 64, 32, 32, torch.float32)
+    source = llama.source(q, k, v)
+    before_loop, loops = source.split("# masked head", 1)
+    assert "qk transform of q" in before_loop and "qk transform of k" not in before_loop
+    assert loops.count("qk transform of k") == 3 and "qk transform of q" not in loops
+
+
+def test_one_kernel_launch_per_call(monkeypatch):
+    from attnfuse.runtime import launch
+
+    q, k, v = _qkv(1, 2, 2, 40, 40, 32, 32, torch.float32)
+    llama(q, k, v)
+    kernel = launch.compile_forward(llama.graph(), launch.kernel_config(q, k, v, save_lse=False))
+    calls = []
+    original = kernel._kernel.__getitem__
+    monkeypatch.setattr(type(kernel._kernel), "__getitem__", lambda self, grid: calls.append(grid) or original(grid))
+    llama(q, k, v)
+    assert len(calls) == 1
+
+
+def test_fully_masked_rows_are_zero_not_nan():
+    q, k, v = _qkv(1, 2, 2, 50, 20, 32, 32, torch.float32, seed=23)  # Nq > Nk: the first 30 rows see no key
+    out, lse = causal(q, k, v, return_lse=True)
+    assert torch.equal(out[:, :, :30], torch.zeros_like(out[:, :, :30]))
+    assert torch.isneginf(lse[:, :, :30]).all() and torch.isfinite(lse[:, :, 30:]).all()
+    _check(causal, q, k, v)
+
+
+def test_scale_parameter():
+    @af.attention
+    def scaled(q, k, v):
+        return af.softmax(af.scaled_dot_product(q, k, scale=0.3)) @ v
+
+    q, k, v = _qkv(1, 2, 2, 30, 30, 32, 32, torch.float32)
+    expected = torch.nn.functional.scaled_dot_product_attention(q.double(), k.double(), v.double(), scale=0.3)
+    torch.testing.assert_close(scaled(q, k, v).double(), expected, atol=2e-5, rtol=0)
