@@ -140,7 +140,8 @@ def cmd_show(args: argparse.Namespace, out: TextIO) -> int:
     from . import ir
     from .passes.lower import KernelConfig
     from .plugin_manager import lookup
-    from .runtime.launch import MAX_HEAD_DIM, compile_forward
+    from .runtime.inputs import MAX_HEAD_DIM
+    from .runtime.launch import compile_forward
 
     program, spec = resolve_program(args.program)
     _check_showable(program, spec)

@@ -96,10 +96,19 @@ class QKTransformFragment:
     ``$ok`` the (rows, BLOCK_H) mask of real elements; ``dh`` is ``tl.arange(0, BLOCK_H)`` and ``HALF``
     is D/2. Name temporaries ``${tmp}_<name>``: ``$tmp`` differs between the q site (before the loop) and
     the k site (inside it), whose tiles differ in shape. An empty string leaves that operand unchanged.
+
+    Backward: ``q_grad``/``k_grad`` rewrite the gradient halves ``$g1``, ``$g2`` (gradient with respect
+    to the transform's output) into the gradient with respect to its input ``$x1``, ``$x2`` (a
+    vector-Jacobian product; for a rotation, the transposed rotation). ``None``: no backward.
     """
 
     q: str = ""
     k: str = ""
+    q_grad: str | None = None
+    k_grad: str | None = None
+
+    def differentiable(self) -> bool:
+        return (not self.q or self.q_grad is not None) and (not self.k or self.k_grad is not None)
 
 
 @frozen(kw_only=True)
@@ -111,15 +120,25 @@ class ScoreSourceFragment:
 
 @frozen(kw_only=True)
 class ScoreModFragment:
-    """Rewrites the score tile ``s`` (float32, (BLOCK_M, BLOCK_N), natural units) inside the key loop."""
+    """Rewrites the score tile ``s`` (float32, (BLOCK_M, BLOCK_N), natural units) inside the key loop.
+
+    Backward: ``grad`` rewrites ``ds``, the gradient with respect to this modification's output, into the
+    gradient with respect to its input; it may read ``$s_in`` and ``$s_out``. ``""`` for a modification
+    that adds something independent of ``s`` (its derivative is 1); ``None``: no backward.
+    ``tensor_grads``: (runtime tensor parameter, expression of ``ds``, ``$s_in``, ``$s_out``) pairs giving,
+    element by element over the score tile, the gradient of a parameter broadcastable to the scores
+    (additive_bias: ``("bias", "ds")``); the runtime sums it over the dimensions the tensor broadcasts.
+    """
 
     body: str
     prologue: str = ""
+    grad: str | None = None
+    tensor_grads: tuple[tuple[str, str], ...] = field(default=(), converter=tuple)
 
 
 @frozen(kw_only=True)
 class MaskFragment:
-    """Which keys a query keeps, plus block facts the compiler uses to bound and split the key loop.
+    """Which keys a query keeps, plus block facts the compiler uses to bound and split the key loops.
 
     ``keep``: a boolean expression broadcastable to (BLOCK_M, BLOCK_N), of ``q_pos[:, None]``,
     ``k_pos[None, :]``, ``q_idx``, ``b``, ``h``. ``None`` keeps every key.
@@ -127,11 +146,16 @@ class MaskFragment:
     ``$q_lo`` ... ``$q_hi`` keeps anything; ``None`` when unknown. Blocks outside are never visited.
     ``full_range``: (lo, hi) key positions every query of such a block keeps; blocks inside run with no
     mask arithmetic. ``None`` when unknown (every visited block then evaluates ``keep``).
+    ``q_range``, ``q_full_range``: the same facts transposed, for the backward's loop over query blocks:
+    query positions that keep some / every key of a key block with positions ``$k_lo`` ... ``$k_hi``.
+    Query positions never reach ``Nk``, so ``"Nk"`` serves as an upper bound meaning "no limit".
     """
 
     keep: str | None
     kv_range: tuple[str, str] | None = None
     full_range: tuple[str, str] | None = None
+    q_range: tuple[str, str] | None = None
+    q_full_range: tuple[str, str] | None = None
 
 
 @frozen(kw_only=True)
@@ -143,6 +167,12 @@ class NormaliserFragment:
     ``init`` declares the state; ``update`` reads ``s`` and writes ``p`` (BLOCK_M, BLOCK_N) float32,
     rescaling ``acc`` if it must; ``finalize`` writes ``out`` from ``acc`` and, when ``has_lse``, ``lse``
     (BLOCK_M,) in natural log.
+
+    Backward (FlashAttention-2: weights are recomputed tile by tile): ``backward_rows`` runs once per
+    query tile and may read ``lse`` (BLOCK_M,) when ``has_lse``; ``recompute`` writes ``p`` from ``s`` (as
+    ``update`` saw it); ``grad`` writes ``ds``, the gradient with respect to the scores in natural units,
+    from ``p``, ``s``, ``dp`` (= dO·Vᵀ) and, when ``needs_delta``, ``delta`` (BLOCK_M,) = rowsum(dO∘O)
+    minus the gradient of lse. ``grad=None``: no backward.
     """
 
     init: str
@@ -151,6 +181,10 @@ class NormaliserFragment:
     masked_score: str = 'float("-inf")'
     score_factor: float = 1.0
     has_lse: bool = False
+    backward_rows: str = ""
+    recompute: str = ""
+    grad: str | None = None
+    needs_delta: bool = False
 
 
 _FRAGMENT_TYPES = {
@@ -184,7 +218,7 @@ class Combinator:
       mask          ``(ctx, **params) -> keep``                bool, broadcastable to (B, Hq, Nq, Nk), or None
       normaliser    ``(s, keep, ctx) -> (weights, lse)``       lse (B, Hq, Nq) or None
     ``prepare(ctx, **params) -> {name: tensor or number}`` gives the kernel the ``tensors`` and ``scalars``
-    its fragment reads (``ctx`` is a ``attnfuse.runtime.launch.LaunchContext``).
+    its fragment reads (``ctx`` is a ``attnfuse.runtime.inputs.LaunchContext``).
     ``examples(draw, shape) -> {param: value}`` draws valid parameters for the conformance fuzzer.
     ``fragment`` may also be a function of the parameters returning the fragment (static values, and
     ``INPUT`` for a runtime input that was given): a specialisation chosen at compile time (rope picks its

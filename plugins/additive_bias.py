@@ -53,6 +53,8 @@ COMBINATOR = Combinator(
                             + q_idx[:, None].to(tl.int64) * $bias_s2 + k_pos[None, :] * $bias_s3,
                             mask=in_bounds, other=0.0).to(tl.float32)
         """,
+        grad="",
+        tensor_grads=[("bias", "ds")],
     ),
     examples=examples,
 )

@@ -25,13 +25,13 @@ def default_slopes(num_heads: int) -> list[float]:
 
 
 @functools.lru_cache(maxsize=64)
-def _default_slopes_tensor(num_heads: int, device: torch.device) -> torch.Tensor:
-    return torch.tensor(default_slopes(num_heads), dtype=torch.float32, device=device)
+def _default_slopes_tensor(num_heads: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    return torch.tensor(default_slopes(num_heads), dtype=dtype, device=device)
 
 
-def _slopes(slopes, num_heads: int, device) -> torch.Tensor:
+def _slopes(slopes, num_heads: int, device, dtype=torch.float32) -> torch.Tensor:
     if slopes is None:
-        return _default_slopes_tensor(num_heads, device)
+        return _default_slopes_tensor(num_heads, device, dtype)
     if not isinstance(slopes, torch.Tensor) or slopes.shape != (num_heads,) or not slopes.is_floating_point():
         raise InputError(f"alibi: slopes must be a float tensor of shape (Hq,) = ({num_heads},), got "
                          f"{getattr(slopes, 'shape', type(slopes).__name__)}")
@@ -40,12 +40,13 @@ def _slopes(slopes, num_heads: int, device) -> torch.Tensor:
 
 def reference(s, ctx, slopes):
     """s (B, Hq, Nq, Nk) + slope_h·(j - q')."""
-    slopes = _slopes(slopes, ctx.Hq, s.device).to(s.dtype).view(1, ctx.Hq, 1, 1)
+    slopes = _slopes(slopes, ctx.Hq, s.device, torch.float64).to(s.dtype).view(1, ctx.Hq, 1, 1)
     return s + slopes * (ctx.k_pos - ctx.q_pos).to(s.dtype)
 
 
 def prepare(ctx, slopes):
-    return {"slopes": _slopes(slopes, ctx.Hq, ctx.device)}
+    dtype = torch.float64 if ctx.dtype == torch.float64 else torch.float32
+    return {"slopes": _slopes(slopes, ctx.Hq, ctx.device, dtype)}
 
 
 def examples(draw, shape):
@@ -69,6 +70,7 @@ COMBINATOR = Combinator(
     fragment=ScoreModFragment(
         prologue="${self}_slope = tl.load($slopes + h * $slopes_s0).to(tl.float32)",
         body="s = s + ${self}_slope * (k_pos[None, :] - q_pos[:, None]).to(tl.float32)",
+        grad="",
     ),
     examples=examples,
 )

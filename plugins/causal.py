@@ -19,6 +19,8 @@ COMBINATOR = Combinator(
         keep="k_pos[None, :] <= q_pos[:, None]",
         kv_range=("0", "$q_hi + 1"),
         full_range=("0", "$q_lo + 1"),
+        q_range=("$k_lo", "Nk"),
+        q_full_range=("$k_hi", "Nk"),
     ),
 )
 

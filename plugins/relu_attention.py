@@ -25,6 +25,8 @@ COMBINATOR = Combinator(
         init="",
         update="p = tl.maximum(s, 0.0) * (1.0 / Nk)",
         finalize="out = acc",
+        recompute="p = tl.maximum(s, 0.0) * (1.0 / Nk)",
+        grad="ds = tl.where(s > 0.0, dp * (1.0 / Nk), 0.0)",
     ),
 )
 

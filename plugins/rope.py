@@ -69,17 +69,19 @@ def reference(q, k, ctx, theta, scale, cos, sin):
 
 
 @functools.lru_cache(maxsize=32)
-def _theta_tables(theta: float, first: int, last: int, D: int, device: torch.device):
-    """float32 cos and sin (1, last - first, D/2) for positions first .. last - 1: both halves share them."""
+def _theta_tables(theta: float, first: int, last: int, D: int, device: torch.device, dtype: torch.dtype):
+    """cos and sin (1, last - first, D/2) for positions first .. last - 1 (both halves share them), float32,
+    or float64 for float64 inputs."""
     angles = _theta_angles(torch.arange(first, last, device=device), theta, D, torch.float64)[..., : D // 2]
-    return angles.cos().float()[None], angles.sin().float()[None]
+    return angles.cos().to(dtype)[None], angles.sin().to(dtype)[None]
 
 
 def prepare(ctx, theta, scale, cos, sin):
     _check_tables(cos, sin, ctx)
     if cos is None:
         first = min(0, ctx.Nk - ctx.Nq)
-        cos, sin = _theta_tables(float(theta), first, ctx.Nk, ctx.D, ctx.device)
+        dtype = torch.float64 if ctx.dtype == torch.float64 else torch.float32
+        cos, sin = _theta_tables(float(theta), first, ctx.Nk, ctx.D, ctx.device, dtype)
     else:
         first = 0
     cos, sin = (t.expand(ctx.B, *t.shape[-2:]) for t in (cos, sin))
@@ -108,6 +110,7 @@ def _table(name: str, column: str) -> str:
 def fragment(theta, scale, cos, sin) -> ScoreSourceFragment:
     """x·cos + rotate_half(x)·sin on the halves: x1' = x1·cos1 - x2·sin1, x2' = x2·cos2 + x1·sin2.
 
+    The gradient rotates back (the transpose): g1 <- g1·cos1 + g2·sin2, g2 <- g2·cos2 - g1·sin1.
     With theta, the two halves of the table are equal, so the table holds one (P, D/2); with given
     cos/sin tables (P, D), each half reads its own columns.
     """
@@ -119,7 +122,10 @@ def fragment(theta, scale, cos, sin) -> ScoreSourceFragment:
                          for t in ("cos", "sin") for i, col in ((1, "dh"), (2, "dh + HALF")))
     rotate = tables + "${tmp}_x1 = $x1 * ${tmp}_cos1 - $x2 * ${tmp}_sin1\n" \
                       "$x2 = $x2 * ${tmp}_cos2 + $x1 * ${tmp}_sin2\n$x1 = ${tmp}_x1\n"
-    return ScoreSourceFragment(transform=QKTransformFragment(q=rotate, k=rotate))
+    rotate_back = tables + "${tmp}_g1 = $g1 * ${tmp}_cos1 + $g2 * ${tmp}_sin2\n" \
+                           "$g2 = $g2 * ${tmp}_cos2 - $g1 * ${tmp}_sin1\n$g1 = ${tmp}_g1\n"
+    return ScoreSourceFragment(transform=QKTransformFragment(q=rotate, k=rotate, q_grad=rotate_back,
+                                                             k_grad=rotate_back))
 
 
 COMBINATOR = Combinator(

@@ -30,6 +30,8 @@ COMBINATOR = Combinator(
         keep="(k_pos[None, :] >= q_pos[:, None] - $left) & (k_pos[None, :] <= q_pos[:, None] + $right)",
         kv_range=("$q_lo - $left", "$q_hi + $right + 1"),
         full_range=("$q_hi - $left", "$q_lo + $right + 1"),
+        q_range=("$k_lo - $right", "$k_hi + $left + 1"),
+        q_full_range=("$k_hi - $right", "$k_lo + $left + 1"),
     ),
     examples=examples,
 )

@@ -51,6 +51,12 @@ COMBINATOR = Combinator(
             lse = tl.where(l_i == 0.0, float("-inf"), (m_i + tl.math.log2(l_use)) * 0.6931471805599453)
         """,
         has_lse=True,
+        backward_rows="""
+            lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
+        """,
+        recompute="p = tl.math.exp2(s - lse2[:, None])",
+        grad="ds = p * (dp - delta[:, None])",
+        needs_delta=True,
     ),
 )
 

@@ -20,7 +20,6 @@ from ..plugin_manager import lookup
 from .fuse import FusedProgram
 from .tile import TileConfig, choose_tiles
 
-DTYPES = ("float16", "bfloat16", "float32")
 
 
 @frozen(kw_only=True)
@@ -28,7 +27,7 @@ class KernelConfig:
     """What besides the program's structure decides the kernel: one compiled kernel per distinct value."""
 
     arch: str            # "sm90", "sm80", ... or "interpreter"
-    dtype: str           # one of DTYPES
+    dtype: str           # "float16", "bfloat16", "float32" or "float64"
     head_dim: int        # D of q and k
     head_dim_v: int      # D of v
     group: int           # Hq // Hkv
@@ -64,7 +63,9 @@ class TiledKernel:
     signature: str
     listing: str
     config: KernelConfig
-    tiles: TileConfig
+    tiles: TileConfig       # forward
+    tiles_dkdv: TileConfig  # backward, dK/dV
+    tiles_dq: TileConfig    # backward, dQ
     block_d: int
     block_dv: int
     block_h: int        # width of each half of the head dim, when qk transforms split it
@@ -142,12 +143,14 @@ def lower(fused: FusedProgram, config: KernelConfig, listing: str = "") -> Tiled
     normaliser = inst(fused.normaliser)
     block_d = _block(config.head_dim)
     block_dv = _block(config.head_dim_v)
-    tiles = choose_tiles(config.arch, _variant(transforms, masks), max(block_d, block_dv))
+    variant, widest = _variant(transforms, masks), max(block_d, block_dv)
+    tiles = {kind: choose_tiles(config.arch, variant, widest, kind) for kind in ("forward", "dkdv", "dq")}
     scale = fused.source.static()["scale"]
     scale = 1.0 / math.sqrt(config.head_dim) if scale is None else float(scale)
     return TiledKernel(
         name=f"attnfuse_fwd_{fused.signature[:12]}", signature=fused.signature, listing=listing,
-        config=config, tiles=tiles, block_d=block_d, block_dv=block_dv, block_h=_block(config.head_dim // 2),
+        config=config, tiles=tiles["forward"], tiles_dkdv=tiles["dkdv"], tiles_dq=tiles["dq"], block_d=block_d,
+        block_dv=block_dv, block_h=_block(config.head_dim // 2),
         scale=scale, score_factor=normaliser.fragment.score_factor, transforms=tuple(transforms), mods=mods,
         masks=masks, normaliser=normaliser)
 

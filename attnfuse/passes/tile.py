@@ -28,16 +28,18 @@ class TileConfig:
 @frozen(kw_only=True)
 class TileRule:
     """Use ``config`` for kernels on ``arch`` ("sm90", "sm80", ..., "interpreter", "*"), of ``variant``
-    ("dense", "masked", "rope", "*") and a head dim (padded to a power of two) in ``head_dim``."""
+    ("dense", "masked", "rope", "*") and a head dim (padded to a power of two) in ``head_dim``, for
+    ``kernel`` "forward", "dkdv" (BLOCK_M queries per step, BLOCK_N keys per program), "dq" (BLOCK_M
+    queries per program, BLOCK_N keys per step) or "*"."""
 
     config: TileConfig
     arch: str = "*"
     variant: str = "*"
     head_dim: tuple[int, int] = (1, 512)
-    kernel: str = "forward"
+    kernel: str = "*"
 
     def matches(self, kernel: str, arch: str, variant: str, head_dim: int) -> bool:
-        return (self.kernel == kernel and self.arch in ("*", arch) and self.variant in ("*", variant)
+        return (self.kernel in ("*", kernel) and self.arch in ("*", arch) and self.variant in ("*", variant)
                 and self.head_dim[0] <= head_dim <= self.head_dim[1])
 
 
@@ -46,10 +48,18 @@ TABLE: tuple[TileRule, ...] = (
     # Interpreter: small tiles keep CPU runs quick and put several blocks in small test shapes.
     TileRule(arch="interpreter", config=T(block_m=32, block_n=32, num_warps=1, num_stages=1)),
     # H100/H200, from sweeps on an H200 (benchmarks/sweep_tiles.py; docs/benchmarks.md).
-    TileRule(arch="sm90", head_dim=(1, 64), config=T(block_m=64, block_n=64, num_warps=4, num_stages=3)),
-    TileRule(arch="sm90", variant="dense", head_dim=(65, 128),
+    TileRule(arch="sm90", kernel="forward", head_dim=(1, 64),
+             config=T(block_m=64, block_n=64, num_warps=4, num_stages=3)),
+    TileRule(arch="sm90", kernel="forward", variant="rope", head_dim=(65, 128),
              config=T(block_m=128, block_n=128, num_warps=8, num_stages=3)),
-    TileRule(arch="sm90", head_dim=(65, 128), config=T(block_m=64, block_n=64, num_warps=4, num_stages=3)),
+    TileRule(arch="sm90", kernel="forward", variant="dense", head_dim=(65, 128),
+             config=T(block_m=128, block_n=128, num_warps=8, num_stages=3)),
+    TileRule(arch="sm90", kernel="forward", head_dim=(65, 128),
+             config=T(block_m=64, block_n=64, num_warps=4, num_stages=3)),
+    TileRule(arch="sm90", kernel="dkdv", head_dim=(1, 64), config=T(block_m=32, block_n=128, num_warps=4, num_stages=3)),
+    TileRule(arch="sm90", kernel="dkdv", head_dim=(65, 128), config=T(block_m=32, block_n=128, num_warps=8, num_stages=3)),
+    TileRule(arch="sm90", kernel="dq", head_dim=(1, 64), config=T(block_m=128, block_n=32, num_warps=4, num_stages=3)),
+    TileRule(arch="sm90", kernel="dq", head_dim=(65, 128), config=T(block_m=128, block_n=32, num_warps=8, num_stages=3)),
     TileRule(arch="sm90", head_dim=(129, 256), config=T(block_m=64, block_n=64, num_warps=4, num_stages=2)),
     # Any other GPU: conservative tiles that fit every recent part's shared memory.
     TileRule(head_dim=(1, 128), config=T(block_m=64, block_n=64, num_warps=4, num_stages=2)),
@@ -57,7 +67,7 @@ TABLE: tuple[TileRule, ...] = (
 )
 
 
-def choose_tiles(arch: str, variant: str, head_dim: int, kernel: str = "forward") -> TileConfig:
+def choose_tiles(arch: str, variant: str, head_dim: int, kernel: str) -> TileConfig:
     """The first matching rule's config: plugin rules first, then the table."""
     for rule in (*tile_rules(), *TABLE):
         if rule.matches(kernel, arch, variant, head_dim):

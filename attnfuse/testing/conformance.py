@@ -2,12 +2,18 @@
 from __future__ import annotations
 
 import torch
-from hypothesis import HealthCheck, given, note, settings
+from hypothesis import HealthCheck, Phase, given, note, settings
 from hypothesis import strategies as st
 
+from ..passes.lower import instance
 from ..plugin_manager import combinators, lookup
 from .strategies import ProgramCase, program_cases, shapes
 from .tolerances import assert_matches_reference
+
+
+# No shrinking: each shrink step reruns (and may recompile) kernels, which under the interpreter turns one
+# failure into minutes of work. A failure is reported as drawn, with its program text.
+_PHASES = (Phase.explicit, Phase.reuse, Phase.generate, Phase.target)
 
 
 def default_device() -> str:
@@ -21,11 +27,38 @@ def default_dtypes(device: str) -> tuple[torch.dtype, ...]:
     return (torch.float16, torch.bfloat16, torch.float32)
 
 
-def check_program_case(case: ProgramCase, dtype: torch.dtype, device: str, seed: int) -> None:
-    """Run ``case`` fused and compare out (and lse, when the normaliser has one) with the reference."""
+def differentiable(case: ProgramCase, extras: dict) -> tuple[bool, tuple[str, ...]]:
+    """Whether every combinator of the program declares a backward, and which extra tensors get gradients."""
+    graph = case.program.graph(**extras)
+    from ..passes.fuse import fuse
+
+    fused = fuse(graph)
+    grads: list[str] = []
+    for i, app in enumerate(fused.applications()):
+        fragment = instance(app, i).fragment
+        transform = getattr(fragment, "transform", fragment)
+        if hasattr(transform, "differentiable") and not transform.differentiable():
+            return False, ()
+        if getattr(fragment, "grad", "") is None:
+            return False, ()
+        for name, _ in getattr(fragment, "tensor_grads", ()):
+            if name in app.inputs():
+                grads.append(app.inputs()[name].name)
+    return True, tuple(dict.fromkeys(grads))
+
+
+def check_program_case(case: ProgramCase, dtype: torch.dtype, device: str, seed: int, grads: bool = False) -> None:
+    """Run ``case`` fused and compare out, lse (when the normaliser has one) and, with ``grads``, the
+    gradients of q, k, v and of tensor inputs with declared gradients, with the reference's."""
     q, k, v = case.inputs(dtype, device, seed)
     extras = case.extras_on(device)
-    has_lse = lookup(case.program.graph(**extras).weights.apply.combinator).fragment.has_lse
+    has_lse = lookup(case.program.graph(**extras).weights.apply.combinator).fragment_for(
+        case.program.graph(**extras).weights.apply.static()).has_lse
+    can_grad, grad_extras = differentiable(case, extras) if grads else (False, ())
+    leaves = [q, k, v] + [extras[n] for n in grad_extras]
+    if can_grad:
+        for t in leaves:
+            t.requires_grad_(True)
     result = case.program(q, k, v, return_lse=has_lse, **extras)
     out, lse = result if has_lse else (result, None)
     ref64 = case.program.reference(q, k, v, return_lse=has_lse, dtype=torch.float64, **extras)
@@ -34,14 +67,26 @@ def check_program_case(case: ProgramCase, dtype: torch.dtype, device: str, seed:
         ref64, ref_lowp = (ref64, None), (ref_lowp, None)
     assert_matches_reference(out, ref64[0], ref_lowp[0], dtype, what=f"out of {case.text}")
     if has_lse:
-        assert lse.dtype == torch.float32
+        assert lse.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
         assert_matches_reference(lse, ref64[1], ref_lowp[1], dtype, what=f"lse of {case.text}")
+    if not can_grad:
+        return
+    g = torch.Generator().manual_seed(seed + 1)
+    dout = torch.randn(out.shape, generator=g).to(dtype).to(device)
+    got = torch.autograd.grad(out, leaves, dout)
+    want64 = torch.autograd.grad(ref64[0], leaves, dout.to(torch.float64))
+    want_lowp = torch.autograd.grad(ref_lowp[0], leaves, dout)
+    scores = q.shape[0] * q.shape[1] * q.shape[2] * k.shape[2]
+    summed = [1, 1, 1, *(scores // extras[n].numel() for n in grad_extras)]
+    for name, a, b, c, n in zip(["dq", "dk", "dv", *(f"d{n}" for n in grad_extras)], got, want64, want_lowp, summed):
+        assert_matches_reference(a, b, c, dtype, what=f"{name} of {case.text}", summed=n)
 
 
 def check_combinator(name: str | None = None, *, device: str | None = None,
                      dtypes: tuple[torch.dtype, ...] | None = None, max_examples: int = 20, max_n: int = 80,
                      head_dims: tuple[int, ...] = (16, 32, 64, 80, 128)) -> None:
-    """Property test: programs that use combinator ``name`` (any program when None) match the reference.
+    """Property test: programs that use combinator ``name`` (any program when None) match the reference,
+    forward and, for about half the examples, backward.
 
     Programs are composed from every registered combinator, so a plugin is checked alongside the others.
     """
@@ -50,7 +95,7 @@ def check_combinator(name: str | None = None, *, device: str | None = None,
     device = device or default_device()
     dtypes = dtypes or default_dtypes(device)
 
-    @settings(max_examples=max_examples, deadline=None, database=None,
+    @settings(max_examples=max_examples, deadline=None, database=None, phases=_PHASES,
               suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
     @given(data=st.data())
     def conforms(data):
@@ -58,6 +103,7 @@ def check_combinator(name: str | None = None, *, device: str | None = None,
         case = data.draw(program_cases(shape, include=name), label="program")
         note(f"program: {case.text}")
         dtype = data.draw(st.sampled_from(dtypes), label="dtype")
-        check_program_case(case, dtype, device, seed=data.draw(st.integers(0, 2**31 - 1), label="seed"))
+        check_program_case(case, dtype, device, seed=data.draw(st.integers(0, 2**31 - 1), label="seed"),
+                           grads=data.draw(st.booleans(), label="grads"))
 
     conforms()

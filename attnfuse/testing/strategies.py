@@ -78,7 +78,15 @@ def _params(draw, comb: Combinator, shape: Shape) -> dict[str, Any]:
 
 
 def _compatible(comb: Combinator, shape: Shape) -> bool:
-    return comb.name != "rope" or shape.D % 2 == 0
+    """qk transforms split the head dim in halves, so they need an even D."""
+    if shape.D % 2 == 0:
+        return True
+    if comb.role is Role.QK_TRANSFORM:
+        return False
+    if comb.role is Role.SCORE_SOURCE:
+        fragment = comb.fragment_for({p.name: p.default for p in comb.params})
+        return fragment.transform is None
+    return True
 
 
 @st.composite

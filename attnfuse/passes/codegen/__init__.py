@@ -1,0 +1,9 @@
+"""Pass 4, codegen: a ``TiledKernel`` -> Triton source, one self-contained function per kernel.
+
+Every variant decision is made here, in Python, so the kernels have no runtime branch on the program's
+structure. ``forward`` writes the FlashAttention-2 forward; ``backward`` its two gradient kernels.
+"""
+from .backward import generate_dkdv, generate_dq
+from .forward import generate_forward
+
+__all__ = ["generate_dkdv", "generate_dq", "generate_forward"]

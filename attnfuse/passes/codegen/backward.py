@@ -1,0 +1,238 @@
+"""The backward kernels (FlashAttention-2): weights recomputed tile by tile from the saved log-sum-exp.
+
+``dkdv``: one program per (key block, batch x kv head) accumulates dK and dV over the query blocks that
+can see it, and over the query heads of its GQA group, so no two programs write the same rows. ``dq``: one
+program per (query block, batch x query head) accumulates dQ over key blocks, and writes the score-shaped
+gradients of tensor inputs (an additive bias). No atomics: results are bitwise identical run to run.
+Both loop over the same blocks the forward visits, split the same way into masked and unmasked loops.
+"""
+from __future__ import annotations
+
+import string
+
+import attrs
+
+from ..lower import Instance, TiledKernel
+from .common import (HEADER, block_range, finish, columns, constexpr_args, dv_mask, fragment, has_masks, indent,
+                     key_range, loops, masked_load, operand, operand_grad, precision, prologues, qk_product,
+                     scores, split, with_bounds)
+
+_DKDV = string.Template('''\
+def $name(
+    Q, K, V, DO, Lse, Delta, DKey, DValue,
+    stride_qb, stride_qh, stride_qm, stride_qd,
+    stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_vb, stride_vh, stride_vn, stride_vd,
+    stride_dob, stride_doh, stride_dom, stride_dod,
+    stride_dkb, stride_dkh, stride_dkn, stride_dkd,
+    stride_dvb, stride_dvh, stride_dvn, stride_dvd,
+    HQ, Nq, Nk,$extra_args
+    $constexprs
+):
+    # One program per (key block, batch x kv head): dK, dV of these keys, summed over the group's heads.
+    pid_n = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    HKV = HQ // GROUP
+    b = pid_bh // HKV
+    hk = pid_bh % HKV
+    k_pos = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    k_ok = k_pos < Nk
+$columns    k_base = K + b.to(tl.int64) * stride_kb + hk.to(tl.int64) * stride_kh
+$k_load    v = $v_load
+$dk_init    dv_acc = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
+    # Query rows that keep some key of this block (positions k_lo .. k_hi), and those that keep all of it.
+    k_lo = pid_n * BLOCK_N
+    k_hi = tl.minimum(pid_n * BLOCK_N + BLOCK_N, Nk) - 1
+$query_range
+    full_end = tl.where((pid_n + 1) * BLOCK_N > Nk, full_start, full_end)  # a partial key block is never full
+    for g in range(GROUP):
+        h = hk * GROUP + g
+        q_base = Q + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh
+        do_base = DO + b.to(tl.int64) * stride_dob + h.to(tl.int64) * stride_doh
+        rows = (b * HQ + h).to(tl.int64) * Nq
+$prologues$loops
+$dk_grad$dk_store
+    tl.store(DValue + b.to(tl.int64) * stride_dvb + hk.to(tl.int64) * stride_dvh + k_pos[:, None] * stride_dvn
+             + dv[None, :] * stride_dvd, dv_acc.to(DValue.dtype.element_ty), mask=k_ok[:, None]$dv_mask)
+''')
+
+_DQ = string.Template('''\
+def $name(
+    Q, K, V, DO, Lse, Delta, DQuery,
+    stride_qb, stride_qh, stride_qm, stride_qd,
+    stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_vb, stride_vh, stride_vn, stride_vd,
+    stride_dob, stride_doh, stride_dom, stride_dod,
+    stride_dqb, stride_dqh, stride_dqm, stride_dqd,
+    HQ, Nq, Nk,$extra_args
+    $constexprs
+):
+    # One program per (query block, batch x query head): dQ of these rows, over the key blocks they see.
+    pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = pid_bh // HQ
+    h = pid_bh % HQ
+    hk = h // GROUP
+    q_idx = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    q_pos = q_idx + (Nk - Nq)
+    q_ok = q_idx < Nq
+$columns    q_base = Q + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh
+$q_load    do = $do_load
+$rows$prologues$dq_init
+    q_lo = pid_m * BLOCK_M + (Nk - Nq)
+    q_hi = tl.minimum(pid_m * BLOCK_M + BLOCK_M, Nq) - 1 + (Nk - Nq)
+$key_range
+    k_base = K + b.to(tl.int64) * stride_kb + hk.to(tl.int64) * stride_kh
+    v_base = V + b.to(tl.int64) * stride_vb + hk.to(tl.int64) * stride_vh
+$loops
+$dq_grad$dq_store''')
+
+
+def _rows(kernel: TiledKernel, masked: bool) -> str:
+    """Per query tile: the saved row statistics the normaliser's backward reads."""
+    norm = kernel.normaliser.fragment
+    ok = "q_ok" if masked else ""
+    code = ""
+    if norm.has_lse:
+        code += "lse = " + masked_load("Lse + rows + q_idx", ok, other='float("-inf")') + "\n"
+    if norm.needs_delta:
+        code += f"delta = {masked_load('Delta + rows + q_idx', ok)}\n"
+    return code + (fragment(norm.backward_rows) + "\n" if norm.backward_rows else "")
+
+
+def _recompute(kernel: TiledKernel, masked: bool) -> str:
+    """Recompute the scores, keeping each modification's input, and the weights ``p``."""
+    norm = kernel.normaliser
+    code = scores(kernel, masked, rows_too=True, stages=True)
+    code += f"# {norm.prefix}: recompute the weights\n{fragment(norm.fragment.recompute)}\n"
+    return code
+
+
+def _chain(kernel: TiledKernel, masked: bool, write_tensor_grads: bool) -> str:
+    """``ds`` from ``dp`` through the normaliser, then back through every modification, last first."""
+    norm = kernel.normaliser
+    code = f"# {norm.prefix}: gradient of the scores\n{fragment(norm.fragment.grad)}\n"
+    mods = kernel.mods
+    for i in reversed(range(len(mods))):
+        m = mods[i]
+        s_in, s_out = f"s_{i}", f"s_{i + 1}" if i + 1 < len(mods) else "s_nat"
+        if write_tensor_grads:
+            for name, expr in m.fragment.tensor_grads:
+                value = m.code(expr, s_in=s_in, s_out=s_out)
+                grad = f"{m.prefix}_d{name}"
+                code += (f"tl.store({grad} + b.to(tl.int64) * {grad}_s0 + h.to(tl.int64) * {grad}_s1 + "
+                         f"q_idx[:, None].to(tl.int64) * {grad}_s2 + k_pos[None, :] * {grad}_s3, {value}, "
+                         f"mask=in_bounds)\n")
+        if m.fragment.grad:
+            code += f"# {m.prefix}: gradient through the score modification\n"
+            code += fragment(m.code(m.fragment.grad, s_in=s_in, s_out=s_out)) + "\n"
+    if masked:
+        code += "ds = tl.where(keep, ds, 0.0)\n"
+    return code + f"ds = ds * {kernel.scale!r}\n"
+
+
+def _dkdv_body(kernel: TiledKernel, masked: bool) -> str:
+    p = precision(kernel)
+    ok = "q_ok" if masked else ""
+    dtype = "Q.dtype.element_ty"
+    rows = "q_idx = start_m + tl.arange(0, BLOCK_M)\nq_pos = q_idx + (Nk - Nq)\nq_ok = q_idx < Nq\n"
+    code = (operand(kernel, "q", "q_base", "q_idx", "q_pos", "q_ok", "stride_qm", "stride_qd", masked)
+            + f"do = {masked_load('do_base + q_idx[:, None] * stride_dom + dv[None, :] * stride_dod', f'{ok}[:, None]' if masked else '', dv_mask(kernel))}\n"
+            + _rows(kernel, masked) + qk_product(kernel) + _recompute(kernel, masked)
+            + f"dv_acc = tl.dot(tl.trans(p.to({dtype})), do, dv_acc{p})\n"
+            + f"dp = tl.dot(do, tl.trans(v){p})\n" + _chain(kernel, masked, False))
+    if split(kernel):
+        code += (f"dk1 = tl.dot(tl.trans(ds.to({dtype})), q1, dk1{p})\n"
+                 f"dk2 = tl.dot(tl.trans(ds.to({dtype})), q2, dk2{p})\n")
+    else:
+        code += f"dk = tl.dot(tl.trans(ds.to({dtype})), q, dk{p})\n"
+    return rows + with_bounds(code)
+
+
+def _dq_body(kernel: TiledKernel, masked: bool) -> str:
+    p = precision(kernel)
+    dtype = "Q.dtype.element_ty"
+    v = masked_load("v_base + k_pos[:, None] * stride_vn + dv[None, :] * stride_vd",
+                    "k_ok[:, None]" if masked else "", dv_mask(kernel))
+    keys = "k_pos = start_n + tl.arange(0, BLOCK_N)\nk_ok = k_pos < Nk\n"
+    code = (operand(kernel, "k", "k_base", "k_pos", "k_pos", "k_ok", "stride_kn", "stride_kd", masked)
+            + f"v = {v}\n" + qk_product(kernel) + _recompute(kernel, masked)
+            + f"dp = tl.dot(do, tl.trans(v){p})\n" + _chain(kernel, masked, True))
+    if split(kernel):
+        code += (f"dq1 = tl.dot(ds.to({dtype}), k1, dq1{p})\n"
+                 f"dq2 = tl.dot(ds.to({dtype}), k2, dq2{p})\n")
+    else:
+        code += f"dq = tl.dot(ds.to({dtype}), k, dq{p})\n"
+    return keys + with_bounds(code)
+
+
+def _accumulators(kernel: TiledKernel, name: str, rows: str) -> str:
+    if split(kernel):
+        return (f"{name}1 = tl.zeros([{rows}, BLOCK_H], dtype=tl.float32)\n"
+                f"{name}2 = tl.zeros([{rows}, BLOCK_H], dtype=tl.float32)\n")
+    return f"{name} = tl.zeros([{rows}, BLOCK_D], dtype=tl.float32)\n"
+
+
+def _store(kernel: TiledKernel, out: str, acc: str, base: str, rows: str, ok: str, stride_row: str,
+           stride_d: str) -> str:
+    if split(kernel):
+        h_mask = "" if kernel.block_h * 2 == kernel.config.head_dim else " & (dh[None, :] < HALF)"
+        ptrs = f"{base} + {rows}[:, None] * {stride_row} + dh[None, :] * {stride_d}"
+        return (f"tl.store({ptrs}, {acc}1.to({out}.dtype.element_ty), mask={ok}[:, None]{h_mask})\n"
+                f"tl.store({ptrs} + HALF * {stride_d}, {acc}2.to({out}.dtype.element_ty), mask={ok}[:, None]{h_mask})\n")
+    d_mask = "" if kernel.block_d == kernel.config.head_dim else " & (d[None, :] < D)"
+    return (f"tl.store({base} + {rows}[:, None] * {stride_row} + d[None, :] * {stride_d}, "
+            f"{acc}.to({out}.dtype.element_ty), mask={ok}[:, None]{d_mask})\n")
+
+
+def _tensor_grad_args(kernel: TiledKernel, grads: tuple[tuple[Instance, str], ...]) -> list[str]:
+    return [f"{inst.prefix}_d{name}{suffix}" for inst, name in grads for suffix in ("", "_s0", "_s1", "_s2", "_s3")]
+
+
+def generate_dkdv(kernel: TiledKernel) -> str:
+    """Triton source of the dK/dV kernel."""
+    mask = dv_mask(kernel)
+    query_range = block_range(kernel, "q_range", "q_full_range", "BLOCK_M", "Nq", "(Nk - Nq)",
+                              {"k_lo": "k_lo", "k_hi": "k_hi"}) if has_masks(kernel) else \
+        "start = 0\nhi = Nq\nfull_start = 0\nfull_end = Nq // BLOCK_M * BLOCK_M\n"
+    body = loops(lambda masked: _dkdv_body(kernel, masked), "start_m", "BLOCK_M", has_masks(kernel))
+    dk_base = "DKey + b.to(tl.int64) * stride_dkb + hk.to(tl.int64) * stride_dkh"
+    return finish(kernel, HEADER.format(what="dK/dV kernel", signature=kernel.signature, listing=kernel.listing)
+                  + "\n" + _DKDV.substitute(
+            name=kernel.name.replace("_fwd_", "_dkdv_"), extra_args="".join(f"\n    {a}," for a in kernel.args()),
+            constexprs=constexpr_args(kernel), columns=indent(columns(kernel), 4),
+            k_load=indent(operand(kernel, "k", "k_base", "k_pos", "k_pos", "k_ok", "stride_kn", "stride_kd", True), 4),
+            v_load=masked_load("V + b.to(tl.int64) * stride_vb + hk.to(tl.int64) * stride_vh + k_pos[:, None] * "
+                               "stride_vn + dv[None, :] * stride_vd", "k_ok[:, None]", mask),
+            dk_init=indent(_accumulators(kernel, "dk", "BLOCK_N"), 4), query_range=indent(query_range, 4),
+            prologues=indent(prologues(kernel), 8), loops=indent(body, 8),
+            dk_grad=indent(operand_grad(kernel, "k", "dk", "k_pos", "k_ok"), 4),
+            dk_store=indent(_store(kernel, "DKey", "dk", dk_base, "k_pos", "k_ok", "stride_dkn", "stride_dkd"), 4),
+            dv_mask=f" & {mask}" if mask else ""))
+
+
+def generate_dq(kernel: TiledKernel, tensor_grads: tuple[tuple[Instance, str], ...] = ()) -> str:
+    """Triton source of the dQ kernel; it also writes the score-shaped gradients named in ``tensor_grads``."""
+    chained = _only(kernel, {(inst.prefix, name) for inst, name in tensor_grads})
+    body = loops(lambda masked: _dq_body(chained, masked), "start_n", "BLOCK_N", has_masks(kernel))
+    dq_base = "DQuery + b.to(tl.int64) * stride_dqb + h.to(tl.int64) * stride_dqh"
+    do = masked_load("DO + b.to(tl.int64) * stride_dob + h.to(tl.int64) * stride_doh + q_idx[:, None] * "
+                     "stride_dom + dv[None, :] * stride_dod", "q_ok[:, None]", dv_mask(kernel))
+    args = [*kernel.args(), *_tensor_grad_args(kernel, tensor_grads)]
+    return finish(kernel, HEADER.format(what="dQ kernel", signature=kernel.signature, listing=kernel.listing)
+                  + "\n" + _DQ.substitute(
+            name=kernel.name.replace("_fwd_", "_dq_"), extra_args="".join(f"\n    {a}," for a in args),
+            constexprs=constexpr_args(kernel), columns=indent(columns(kernel), 4),
+            q_load=indent(operand(kernel, "q", "q_base", "q_idx", "q_pos", "q_ok", "stride_qm", "stride_qd", True), 4),
+            do_load=do, rows=indent("rows = pid_bh.to(tl.int64) * Nq\n" + _rows(kernel, True), 4),
+            prologues=indent(prologues(kernel), 4), dq_init=indent(_accumulators(kernel, "dq", "BLOCK_M"), 4),
+            key_range=indent(key_range(kernel), 4), loops=indent(body, 4),
+            dq_grad=indent(operand_grad(kernel, "q", "dq", "q_pos", "q_ok"), 4),
+            dq_store=indent(_store(kernel, "DQuery", "dq", dq_base, "q_idx", "q_ok", "stride_dqm", "stride_dqd"), 4)))
+
+
+def _only(kernel: TiledKernel, wanted: set[tuple[str, str]]) -> TiledKernel:
+    """The kernel with each modification's tensor_grads cut down to the gradients asked for."""
+    mods = tuple(attrs.evolve(m, fragment=attrs.evolve(m.fragment, tensor_grads=tuple(
+        (name, expr) for name, expr in m.fragment.tensor_grads if (m.prefix, name) in wanted))) for m in kernel.mods)
+    return attrs.evolve(kernel, mods=mods)

@@ -1,0 +1,78 @@
+"""The forward kernel: FlashAttention-2 with an online normaliser, one program per query block and head.
+
+Key blocks are visited in up to three loops: a masked head, an unmasked middle that every row keeps in
+full, and a masked tail; blocks no row keeps are never visited.
+"""
+from __future__ import annotations
+
+import string
+
+from ..lower import TiledKernel
+from .common import (HEADER, columns, finish, constexpr_args, dv_mask, fragment, has_masks, indent, key_range, loops,
+                     masked_load, operand, precision, prologues, qk_product, scores, with_bounds)
+
+_KERNEL = string.Template('''\
+def $name(
+    Q, K, V, Out, Lse,
+    stride_qb, stride_qh, stride_qm, stride_qd,
+    stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_vb, stride_vh, stride_vn, stride_vd,
+    stride_ob, stride_oh, stride_om, stride_od,
+    HQ, Nq, Nk,$extra_args
+    $constexprs
+):
+    # One program per (query block, batch x query head); the longest (causal) rows start first.
+    pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = pid_bh // HQ
+    h = pid_bh % HQ
+    hk = h // GROUP
+    q_idx = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    q_pos = q_idx + (Nk - Nq)
+    q_ok = q_idx < Nq
+$columns    q_base = Q + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh
+$q_load$prologues
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+$norm_init
+    # Keys [lo, hi) can be kept by some row of this block (positions q_lo .. q_hi); [full_lo, full_hi) by all.
+    q_lo = pid_m * BLOCK_M + (Nk - Nq)
+    q_hi = tl.minimum(pid_m * BLOCK_M + BLOCK_M, Nq) - 1 + (Nk - Nq)
+$key_range
+    k_base = K + b.to(tl.int64) * stride_kb + hk.to(tl.int64) * stride_kh
+    v_base = V + b.to(tl.int64) * stride_vb + hk.to(tl.int64) * stride_vh
+$loops
+$norm_finalize
+    o_ptrs = (Out + b.to(tl.int64) * stride_ob + h.to(tl.int64) * stride_oh
+              + q_idx[:, None] * stride_om + dv[None, :] * stride_od)
+    tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=q_ok[:, None]$dv_mask)
+$store_lse''')
+
+
+def _body(kernel: TiledKernel, masked: bool) -> str:
+    k_ok = "k_ok" if masked else ""
+    v = masked_load("v_base + k_pos[:, None] * stride_vn + dv[None, :] * stride_vd",
+                    f"{k_ok}[:, None]" if masked else "", dv_mask(kernel))
+    norm = kernel.normaliser
+    score = scores(kernel, masked) + f"# {norm.prefix}: normaliser update\n{fragment(norm.fragment.update)}\n"
+    return ("k_pos = start_n + tl.arange(0, BLOCK_N)\nk_ok = k_pos < Nk\n"
+            + with_bounds(operand(kernel, "k", "k_base", "k_pos", "k_pos", "k_ok", "stride_kn", "stride_kd", masked)
+                          + qk_product(kernel) + score)
+            + f"v = {v}\nacc = tl.dot(p.to(V.dtype.element_ty), v, acc{precision(kernel)})\n")
+
+
+def generate_forward(kernel: TiledKernel) -> str:
+    """Triton source of the forward kernel (one undecorated function named ``kernel.name``)."""
+    norm = kernel.normaliser.fragment
+    mask = dv_mask(kernel)
+    store_lse = ""
+    if kernel.config.save_lse:
+        store_lse = indent("tl.store(Lse + pid_bh.to(tl.int64) * Nq + q_idx, lse, mask=q_ok)", 4)
+    return finish(kernel, HEADER.format(what="forward kernel", signature=kernel.signature, listing=kernel.listing)
+                  + "\n" + _KERNEL.substitute(
+            name=kernel.name, extra_args="".join(f"\n    {a}," for a in kernel.args()),
+            constexprs=constexpr_args(kernel), columns=indent(columns(kernel), 4),
+            q_load=indent(operand(kernel, "q", "q_base", "q_idx", "q_pos", "q_ok", "stride_qm", "stride_qd", True), 4),
+            prologues=indent(prologues(kernel), 4), norm_init=indent(norm.init, 4),
+            key_range=indent(key_range(kernel), 4),
+            loops=indent(loops(lambda masked: _body(kernel, masked), "start_n", "BLOCK_N", has_masks(kernel)), 4),
+            norm_finalize=indent(norm.finalize, 4), dv_mask=f" & {mask}" if mask else "", store_lse=store_lse))

@@ -1,0 +1,72 @@
+"""The backward launcher: preprocessing (delta), then the dK/dV and dQ kernels, then tensor gradients."""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import triton
+
+from ..passes.codegen import generate_dkdv, generate_dq
+from ..passes.lower import Instance, TiledKernel
+from . import preprocess
+from .forward import constexprs
+from .inputs import accumulator_dtype, empty_like_layout, launch_context, plugin_args
+from .kernel import CompiledKernel
+
+
+def _sum_to(grad: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+    """Sum a (B, Hq, Nq, Nk) gradient over the dimensions a tensor of ``shape`` was broadcast along."""
+    padded = (1,) * (4 - len(shape)) + tuple(shape)
+    dims = [i for i in range(4) if padded[i] == 1 and grad.shape[i] != 1]
+    return (grad.sum(dim=dims, keepdim=True) if dims else grad).reshape(shape)
+
+
+class BackwardKernels:
+    """The gradient kernels of one program and configuration, writing the tensor gradients asked for.
+
+    ``tensor_grads``: (modification instance, parameter) pairs whose score-shaped gradient the dQ kernel
+    writes; each is summed to its input's shape.
+    """
+
+    def __init__(self, tiled: TiledKernel, tensor_grads: tuple[tuple[Instance, str], ...]):
+        self.tiled = tiled
+        self.tensor_grads = tensor_grads
+        interpreted = tiled.config.arch == "interpreter"
+        self.dkdv = CompiledKernel(tiled.name.replace("_fwd_", "_dkdv_"), generate_dkdv(tiled), interpreted,
+                                   tiled.tiles_dkdv)
+        self.dq = CompiledKernel(tiled.name.replace("_fwd_", "_dq_"), generate_dq(tiled, tensor_grads),
+                                 interpreted, tiled.tiles_dq)
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                 lse: torch.Tensor | None, dout: torch.Tensor | None, dlse: torch.Tensor | None,
+                 inputs: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+        """dq, dk, dv in the inputs' dtypes and memory orders, and the gradients of tensor inputs by name."""
+        t = self.tiled
+        B, Hq, Nq, D = q.shape
+        Hkv, Nk, DV = k.shape[1], k.shape[2], v.shape[3]
+        dout = torch.zeros_like(out) if dout is None else dout
+        dq, dk, dv = empty_like_layout(q, D, q.dtype), empty_like_layout(k, D, k.dtype), empty_like_layout(v, DV, v.dtype)
+        buffers = [torch.zeros((B, Hq, Nq, Nk), dtype=accumulator_dtype(q.dtype), device=q.device)
+                   for _ in self.tensor_grads]
+        if q.numel() and k.numel():
+            delta = preprocess.delta(out, dout, dlse)
+            lse = delta if lse is None else lse  # a placeholder pointer when the normaliser saves none
+            common = (q, k, v, dout, lse, delta)
+            strides = (*q.stride(), *k.stride(), *v.stride(), *dout.stride())
+            pargs = plugin_args(t.instances(), launch_context(q, k, v), inputs)
+            self.dkdv.launch(lambda tiles: (triton.cdiv(Nk, tiles.block_n), B * Hkv),
+                             (*common, dk, dv, *strides, *dk.stride(), *dv.stride(), Hq, Nq, Nk, *pargs), q.device,
+                             **constexprs(t))
+            grad_args = [a for buffer in buffers for a in (buffer, *buffer.stride())]
+            self.dq.launch(lambda tiles: (triton.cdiv(Nq, tiles.block_m), B * Hq),
+                           (*common, dq, *strides, *dq.stride(), Hq, Nq, Nk, *pargs, *grad_args), q.device,
+                           **constexprs(t))
+        else:
+            for g in (dq, dk, dv):
+                g.zero_()
+        grads: dict[str, torch.Tensor] = {}
+        for (inst, name), buffer in zip(self.tensor_grads, buffers):
+            arg = inst.apply.inputs()[name].name
+            grad = _sum_to(buffer, inputs[arg].shape).to(inputs[arg].dtype)
+            grads[arg] = grads[arg] + grad if arg in grads else grad
+        return dq, dk, dv, grads

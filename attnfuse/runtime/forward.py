@@ -1,0 +1,56 @@
+"""The forward launcher: out (and lse) from q, k, v through one generated kernel."""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import triton
+
+from ..passes.codegen import generate_forward
+from ..passes.lower import TiledKernel
+from .inputs import accumulator_dtype, empty_like_layout, launch_context, plugin_args
+from .kernel import CompiledKernel
+
+
+class ForwardKernel:
+    """One compiled forward kernel and its launcher."""
+
+    def __init__(self, tiled: TiledKernel):
+        self.tiled = tiled
+        self.kernel = CompiledKernel(tiled.name, generate_forward(tiled), tiled.config.arch == "interpreter",
+                                     tiled.tiles)
+        self.source = self.kernel.source
+        self.path = self.kernel.path
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inputs: dict[str, Any]
+                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """out (B, Hq, Nq, DV) in q's dtype and memory order; lse (B, Hq, Nq) float32 (float64 for float64
+        inputs) or None."""
+        t = self.tiled
+        B, Hq, Nq, D = q.shape
+        Nk, DV = k.shape[2], v.shape[3]
+        out = empty_like_layout(q, DV, q.dtype)
+        lse = torch.empty((B, Hq, Nq), dtype=accumulator_dtype(q.dtype), device=q.device) \
+            if t.config.save_lse else None
+        if out.numel() == 0:
+            return out, lse
+        if Nk == 0:
+            out.zero_()
+            if lse is not None:
+                lse.fill_(-math.inf)
+            return out, lse
+        args = (q, k, v, out, out if lse is None else lse, *q.stride(), *k.stride(), *v.stride(), *out.stride(),
+                Hq, Nq, Nk, *plugin_args(t.instances(), launch_context(q, k, v), inputs))
+        self.kernel.launch(lambda tiles: (triton.cdiv(Nq, tiles.block_m), B * Hq), args, q.device,
+                           **constexprs(t))
+        return out, lse
+
+
+def constexprs(t: TiledKernel) -> dict[str, int]:
+    """The compile-time constants every generated kernel takes besides its tile sizes."""
+    values = dict(GROUP=t.config.group, D=t.config.head_dim, DV=t.config.head_dim_v, BLOCK_D=t.block_d,
+                  BLOCK_DV=t.block_dv)
+    if t.transforms:
+        values.update(HALF=t.config.head_dim // 2, BLOCK_H=t.block_h)
+    return values

@@ -1,0 +1,52 @@
+"""One generated kernel, ready to launch: on the GPU through ``triton.jit``, on CPU tensors through the
+interpreter. A launch that needs more shared memory than the GPU has retries with smaller tiles."""
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable
+
+import attrs
+import torch
+import triton
+from triton.runtime.errors import OutOfResources
+
+from ..errors import InputError
+from ..passes.tile import TileConfig
+from .interpreter import InterpretedKernel
+from .source_cache import load_function, write_source
+
+
+def smaller_tiles(tiles: TileConfig) -> TileConfig:
+    """The next configuration to try when ``tiles`` needs more shared memory than the GPU has."""
+    if tiles.num_stages > 1:
+        return attrs.evolve(tiles, num_stages=tiles.num_stages - 1)
+    if tiles.block_n > 16:
+        return attrs.evolve(tiles, block_n=tiles.block_n // 2, num_stages=2)
+    if tiles.block_m > 16:
+        return attrs.evolve(tiles, block_m=tiles.block_m // 2, num_stages=2)
+    raise InputError("no tile configuration fits this GPU's shared memory for these head dims")
+
+
+class CompiledKernel:
+    """A generated kernel's source (written to the on-disk cache), loaded and launchable."""
+
+    def __init__(self, name: str, source: str, interpreted: bool, tiles: TileConfig):
+        self.name = name
+        self.source = source
+        self.path = write_source(name, source)
+        fn = load_function(self.path, name)
+        self._kernel = InterpretedKernel(fn) if interpreted else triton.jit(fn)
+        self.tiles = tiles  # shrinks if the GPU lacks the shared memory the tile table assumed
+
+    def launch(self, grid: Callable[[TileConfig], tuple[int, ...]], args: tuple, device: torch.device,
+               **constexprs: Any) -> None:
+        """Launch on ``grid(tiles)`` with BLOCK_M/BLOCK_N, warps and stages from the current tiles."""
+        while True:
+            tiles = self.tiles
+            try:
+                with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
+                    self._kernel[grid(tiles)](*args, **constexprs, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
+                                              num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+                return
+            except OutOfResources:
+                self.tiles = smaller_tiles(tiles)
