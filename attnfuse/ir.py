@@ -20,7 +20,7 @@ def _static_value(value: Any) -> bool:
     return isinstance(value, _STATIC_TYPES)
 
 
-@frozen(kw_only=True)
+@frozen(kw_only=True, cache_hash=True)
 class TensorSym:
     """An argument of the traced function: ``q``, ``k``, ``v`` or a runtime ``input`` (bias, tables, ...)."""
 
@@ -35,7 +35,7 @@ def _check_params(_, __, params: tuple) -> None:
                              f"tuple of those, got {type(value).__name__}")
 
 
-@frozen(kw_only=True)
+@frozen(kw_only=True, cache_hash=True)
 class Apply:
     """One application of a combinator: its name and parameters, in declaration order.
 
@@ -60,7 +60,7 @@ class Apply:
         return f"{self.combinator}({args})"
 
 
-@frozen(kw_only=True)
+@frozen(kw_only=True, cache_hash=True)
 class ScoreOp:
     """s = (T(q)·T(k)ᵀ)·scale: the qk transforms T applied in order, then the source's own (rope's rotation)."""
 
@@ -79,7 +79,7 @@ def _score_node(_, attribute, value) -> None:
                         f"got {type(value).__name__}")
 
 
-@frozen(kw_only=True)
+@frozen(kw_only=True, cache_hash=True)
 class BiasOp:
     """A score modification: s <- g(s, ...)."""
 
@@ -87,7 +87,7 @@ class BiasOp:
     apply: Apply
 
 
-@frozen(kw_only=True)
+@frozen(kw_only=True, cache_hash=True)
 class MaskOp:
     """A mask: keys it does not keep get weight 0, whatever comes after."""
 
@@ -95,7 +95,7 @@ class MaskOp:
     apply: Apply
 
 
-@frozen(kw_only=True)
+@frozen(kw_only=True, cache_hash=True)
 class NormOp:
     """The normaliser turning scores into weights."""
 
@@ -103,7 +103,7 @@ class NormOp:
     apply: Apply
 
 
-@frozen(kw_only=True)
+@frozen(kw_only=True, cache_hash=True)
 class MatMulPV:
     """out = weights @ v: the root of every graph."""
 

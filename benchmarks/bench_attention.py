@@ -123,43 +123,128 @@ def bench(fn) -> float:
     return do_bench(fn, warmup=25, rep=100, return_mode="median")
 
 
-def forward_suite(Ns: list[int], geometries: list[str], variants: list[str]) -> list[dict]:
-    rows = []
-    for geometry in geometries:
-        B, Hq, Hkv, D = GEOMETRIES[geometry]
-        for N in Ns:
-            q = torch.randn(B, Hq, N, D, device="cuda", dtype=torch.bfloat16)
-            k = torch.randn(B, Hkv, N, D, device="cuda", dtype=torch.bfloat16)
-            v = torch.randn(B, Hkv, N, D, device="cuda", dtype=torch.bfloat16)
-            cos, sin = rope_tables(N, D, "cuda")
-            for variant in variants:
-                flops = 4 * B * Hq * pairs(variant, N) * D
-                program = PROGRAMS[variant]
-                ours = lambda: program(q, k, v)  # noqa: E731
-                out = ours()
-                row = {"case": f"{geometry} N{N} {variant}", "flops": flops, "attnfuse": bench(ours)}
-                rope = variant == "rope_causal"
+def forward_row(geometry: str, N: int, variant: str, q, k, v, cos, sin) -> dict:
+    B, Hq, _, D = GEOMETRIES[geometry]
+    program = PROGRAMS[variant]
+    rope = variant == "rope_causal"
 
-                def inputs():
-                    return pre_rotate(q, k, cos, sin) if rope else (q, k)
-                if variant in ("dense", "causal", "rope_causal"):
-                    for name, backend in (("cudnn", SDPBackend.CUDNN_ATTENTION),
-                                          ("flash", SDPBackend.FLASH_ATTENTION)):
-                        try:
-                            fn = lambda: sdpa(backend, *inputs(), v, variant != "dense")  # noqa: E731
-                            expected = fn()
-                            row[name] = bench(fn)
-                            row["err"] = (out.float() - expected.float()).abs().max().item()
-                        except RuntimeError as exc:
-                            row[name] = f"n/a ({str(exc).splitlines()[0][:40]})"
-                score_mod, mask = flex_case(variant, B, Hq, N, "cuda")
-                fn = lambda: flex(*inputs(), v, score_mod=score_mod, block_mask=mask, enable_gqa=True)  # noqa
-                expected = fn()
-                row["flex"] = bench(fn)
-                row.setdefault("err", (out.float() - expected.float()).abs().max().item())
-                rows.append(row)
-                print(format_row(row), flush=True)
+    def inputs():
+        return pre_rotate(q, k, cos, sin) if rope else (q, k)
+    out = program(q, k, v)
+    row = {"case": f"{geometry} N{N} {variant}", "flops": 4 * B * Hq * pairs(variant, N) * D,
+           "attnfuse": bench(lambda: program(q, k, v))}
+    if variant in ("dense", "causal", "rope_causal"):
+        for name, backend in (("cudnn", SDPBackend.CUDNN_ATTENTION), ("flash", SDPBackend.FLASH_ATTENTION)):
+            try:
+                fn = lambda: sdpa(backend, *inputs(), v, variant != "dense")  # noqa: E731
+                row["err"] = (out.float() - fn().float()).abs().max().item()
+                row[name] = bench(fn)
+            except RuntimeError as exc:
+                row[name] = f"n/a ({str(exc).splitlines()[0][:40]})"
+    score_mod, mask = flex_case(variant, B, Hq, N, "cuda")
+    fn = lambda: flex(*inputs(), v, score_mod=score_mod, block_mask=mask, enable_gqa=True)  # noqa: E731
+    row.setdefault("err", (out.float() - fn().float()).abs().max().item())
+    row["flex"] = bench(fn)
+    return row
+
+
+def backward_row(geometry: str, N: int, variant: str, leaves, dout, cos, sin) -> dict:
+    B, Hq, _, D = GEOMETRIES[geometry]
+    q, k, v = leaves
+    program = PROGRAMS[variant]
+    rope = variant == "rope_causal"
+
+    def train(attend):
+        return lambda: torch.autograd.grad(attend(), leaves, dout)
+
+    def inputs():
+        return pre_rotate(q, k, cos, sin) if rope else (q, k)
+    ours = train(lambda: program(q, k, v))
+    dq = ours()[0]
+    row = {"case": f"{geometry} N{N} {variant} fwd+bwd", "flops": 3.5 * 4 * B * Hq * pairs(variant, N) * D,
+           "attnfuse": bench(ours)}
+    if variant in ("causal", "rope_causal"):
+        for name, backend in (("cudnn", SDPBackend.CUDNN_ATTENTION), ("flash", SDPBackend.FLASH_ATTENTION)):
+            try:
+                fn = train(lambda: sdpa(backend, *inputs(), v, True))
+                row["err"] = (dq.float() - fn()[0].float()).abs().max().item()
+                row[name] = bench(fn)
+            except RuntimeError as exc:
+                row[name] = f"n/a ({str(exc).splitlines()[0][:40]})"
+    score_mod, mask = flex_case(variant, B, Hq, N, "cuda")
+    fn = train(lambda: flex(*inputs(), v, score_mod=score_mod, block_mask=mask, enable_gqa=True))
+    row.setdefault("err", (dq.float() - fn()[0].float()).abs().max().item())
+    row["flex"] = bench(fn)
+    return row
+
+
+def run_rows(make_row, cases) -> list[dict]:
+    """Rows in order; a failing row is printed and skipped, not the end of the run."""
+    rows = []
+    for case in cases:
+        try:
+            rows.append(make_row(*case))
+            print(format_row(rows[-1]), flush=True)
+        except Exception as exc:
+            print(f"| {' '.join(map(str, case[:3]))} | failed: {type(exc).__name__}: {str(exc)[:300]} |", flush=True)
     return rows
+
+
+def forward_suite(Ns: list[int], geometries: list[str], variants: list[str]) -> list[dict]:
+    def cases():
+        for geometry in geometries:
+            B, Hq, Hkv, D = GEOMETRIES[geometry]
+            for N in Ns:
+                q, k, v = (torch.randn(B, h, N, D, device="cuda", dtype=torch.bfloat16) for h in (Hq, Hkv, Hkv))
+                cos, sin = rope_tables(N, D, "cuda")
+                for variant in variants:
+                    yield geometry, N, variant, q, k, v, cos, sin
+    return run_rows(forward_row, cases())
+
+
+def backward_suite(Ns: list[int], geometries: list[str], variants: list[str]) -> list[dict]:
+    """Forward + backward (dq, dk, dv); each result's dq checked against a baseline's on the same inputs."""
+    def cases():
+        for geometry in geometries:
+            B, Hq, Hkv, D = GEOMETRIES[geometry]
+            for N in Ns:
+                leaves = [torch.randn(B, h, N, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+                          for h in (Hq, Hkv, Hkv)]
+                dout = torch.randn(B, Hq, N, D, device="cuda", dtype=torch.bfloat16)
+                cos, sin = rope_tables(N, D, "cuda")
+                for variant in variants:
+                    yield geometry, N, variant, leaves, dout, cos, sin
+    return run_rows(backward_row, cases())
+
+
+def memory_suite(N: int) -> list[str]:
+    """Peak GPU memory of one forward+backward, causal, Llama-3-8B geometry, against SDPA and the naive
+    reference (which materialises the scores)."""
+    B, Hq, Hkv, D = GEOMETRIES["llama3-8b"]
+    leaves = [torch.randn(B, h, N, D, device="cuda", dtype=torch.bfloat16, requires_grad=True) for h in (Hq, Hkv, Hkv)]
+    q, k, v = leaves
+    calls = {
+        "attnfuse": lambda: causal(q, k, v),
+        "cuDNN SDPA": lambda: sdpa(SDPBackend.CUDNN_ATTENTION, q, k, v, True),
+        "naive reference (bf16)": lambda: causal.reference(q, k, v, dtype=torch.bfloat16),
+    }
+    lines = []
+    for name, attend in calls.items():
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        try:
+            out = attend()
+            torch.autograd.grad(out, leaves, torch.ones_like(out))
+            del out
+            torch.cuda.synchronize()
+            peak = (torch.cuda.max_memory_allocated() - base) / 2**30
+            lines.append(f"peak memory of forward+backward, causal, llama3-8b N{N}, {name}: {peak:.2f} GiB")
+        except torch.cuda.OutOfMemoryError:
+            lines.append(f"peak memory of forward+backward, causal, llama3-8b N{N}, {name}: out of memory")
+        print(lines[-1], flush=True)
+    return lines
 
 
 def overhead_suite() -> list[str]:
@@ -220,10 +305,12 @@ HEADER = ("| case | AttnFuse ms (TFLOP/s) | cuDNN SDPA | FA2 SDPA | flex (compil
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--suite", default="forward,overhead")
+    parser.add_argument("--suite", default="forward,backward,memory,overhead")
     parser.add_argument("--N", default="2048,4096,8192,16384")
     parser.add_argument("--geometries", default="gpt2,llama3-8b")
     parser.add_argument("--variants", default=",".join(PROGRAMS))
+    parser.add_argument("--backward-N", default="2048,4096,8192")
+    parser.add_argument("--backward-variants", default="causal,rope_causal,sliding_window")
     parser.add_argument("--out", help="also write the table (markdown) here")
     args = parser.parse_args()
     props = torch.cuda.get_device_properties(0)
@@ -237,12 +324,26 @@ def main() -> None:
         rows = forward_suite([int(n) for n in args.N.split(",")], args.geometries.split(","),
                              args.variants.split(","))
         lines += ["## Forward", "", HEADER, *map(format_row, rows), ""]
+        save(args.out, lines)
+    if "backward" in suites:
+        print(HEADER)
+        rows = backward_suite([int(n) for n in args.backward_N.split(",")], args.geometries.split(","),
+                              args.backward_variants.split(","))
+        lines += ["## Forward + backward", "", HEADER, *map(format_row, rows), ""]
+        save(args.out, lines)
+    if "memory" in suites:
+        lines += ["## Memory", "", *[f"- {line}" for line in memory_suite(16384)], ""]
+        save(args.out, lines)
     if "overhead" in suites:
         overhead = overhead_suite()
         print("\n".join(overhead))
         lines += ["## Host overhead", "", *[f"- {line}" for line in overhead], ""]
-    if args.out:
-        with open(args.out, "w") as f:
+    save(args.out, lines)
+
+
+def save(path: str | None, lines: list[str]) -> None:
+    if path:
+        with open(path, "w") as f:
             f.write("\n".join(lines) + "\n")
 
 

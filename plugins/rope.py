@@ -69,11 +69,11 @@ def reference(q, k, ctx, theta, scale, cos, sin):
 
 
 @functools.lru_cache(maxsize=32)
-def _theta_tables(theta: float, first: int, last: int, D: int, device: torch.device, dtype: torch.dtype):
-    """cos and sin (1, last - first, D/2) for positions first .. last - 1 (both halves share them), float32,
-    or float64 for float64 inputs."""
+def _theta_tables(theta: float, first: int, last: int, D: int, B: int, device: torch.device, dtype: torch.dtype):
+    """cos and sin (B, last - first, D/2), broadcast over B, for positions first .. last - 1 (both halves
+    share them), float32, or float64 for float64 inputs."""
     angles = _theta_angles(torch.arange(first, last, device=device), theta, D, torch.float64)[..., : D // 2]
-    return angles.cos().to(dtype)[None], angles.sin().to(dtype)[None]
+    return tuple(t.to(dtype)[None].expand(B, *t.shape) for t in (angles.cos(), angles.sin()))
 
 
 def prepare(ctx, theta, scale, cos, sin):
@@ -81,11 +81,10 @@ def prepare(ctx, theta, scale, cos, sin):
     if cos is None:
         first = min(0, ctx.Nk - ctx.Nq)
         dtype = torch.float64 if ctx.dtype == torch.float64 else torch.float32
-        cos, sin = _theta_tables(float(theta), first, ctx.Nk, ctx.D, ctx.device, dtype)
-    else:
-        first = 0
+        cos, sin = _theta_tables(float(theta), first, ctx.Nk, ctx.D, ctx.B, ctx.device, dtype)
+        return {"cos": cos, "sin": sin, "first": first}
     cos, sin = (t.expand(ctx.B, *t.shape[-2:]) for t in (cos, sin))
-    return {"cos": cos, "sin": sin, "first": first}
+    return {"cos": cos, "sin": sin, "first": 0}
 
 
 def examples(draw, shape):

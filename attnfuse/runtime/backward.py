@@ -10,7 +10,7 @@ from ..passes.codegen import generate_dkdv, generate_dq
 from ..passes.lower import Instance, TiledKernel
 from . import preprocess
 from .forward import constexprs
-from .inputs import accumulator_dtype, empty_like_layout, launch_context, plugin_args
+from .inputs import accumulator_dtype, empty_like_layout, plugin_args
 from .kernel import CompiledKernel
 
 
@@ -53,7 +53,7 @@ class BackwardKernels:
             lse = delta if lse is None else lse  # a placeholder pointer when the normaliser saves none
             common = (q, k, v, dout, lse, delta)
             strides = (*q.stride(), *k.stride(), *v.stride(), *dout.stride())
-            pargs = plugin_args(t.instances(), launch_context(q, k, v), inputs)
+            pargs = plugin_args(t.instances(), q, k, v, inputs)
             self.dkdv.launch(lambda tiles: (triton.cdiv(Nk, tiles.block_n), B * Hkv),
                              (*common, dk, dv, *strides, *dk.stride(), *dv.stride(), Hq, Nq, Nk, *pargs), q.device,
                              **constexprs(t))

@@ -9,7 +9,7 @@ import triton
 
 from ..passes.codegen import generate_forward
 from ..passes.lower import TiledKernel
-from .inputs import accumulator_dtype, empty_like_layout, launch_context, plugin_args
+from .inputs import accumulator_dtype, empty_like_layout, plugin_args
 from .kernel import CompiledKernel
 
 
@@ -41,7 +41,7 @@ class ForwardKernel:
                 lse.fill_(-math.inf)
             return out, lse
         args = (q, k, v, out, out if lse is None else lse, *q.stride(), *k.stride(), *v.stride(), *out.stride(),
-                Hq, Nq, Nk, *plugin_args(t.instances(), launch_context(q, k, v), inputs))
+                Hq, Nq, Nk, *plugin_args(t.instances(), q, k, v, inputs))
         self.kernel.launch(lambda tiles: (triton.cdiv(Nq, tiles.block_m), B * Hq), args, q.device,
                            **constexprs(t))
         return out, lse

@@ -94,17 +94,22 @@ def kernel_config(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, save_lse: b
 def empty_like_layout(t: torch.Tensor, last_dim: int, dtype: torch.dtype) -> torch.Tensor:
     """An uninitialised tensor shaped like ``t`` but for its last dim, with ``t``'s memory order."""
     shape = (*t.shape[:-1], last_dim)
+    if t.is_contiguous():
+        return torch.empty(shape, dtype=dtype, device=t.device)
     order = sorted(range(t.dim()), key=lambda i: -t.stride(i))
     buffer = torch.empty([shape[i] for i in order], dtype=dtype, device=t.device)
     return buffer.permute(*sorted(range(t.dim()), key=order.__getitem__))
 
 
-def plugin_args(instances: tuple[Instance, ...], ctx: LaunchContext, inputs: dict[str, Any]) -> list:
+def plugin_args(instances: tuple[Instance, ...], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                inputs: dict[str, Any]) -> list:
     """The kernel arguments plugins' ``prepare`` gives: each tensor with its strides, then each scalar."""
     args: list = []
+    ctx = None
     for inst in instances:
         if not inst.args:
             continue
+        ctx = ctx or launch_context(q, k, v)
         comb = lookup(inst.apply.combinator)
         prepared = comb.prepare(ctx, **inst.apply.values(inputs))
         for t in comb.tensors:

@@ -16,6 +16,13 @@ from .interpreter import InterpretedKernel
 from .source_cache import load_function, write_source
 
 
+def _on(device: torch.device):
+    """Make ``device`` current for the launch, unless it is already (entering a device context costs µs)."""
+    if device.type == "cuda" and device.index is not None and device.index != torch.cuda.current_device():
+        return torch.cuda.device(device)
+    return contextlib.nullcontext()
+
+
 def smaller_tiles(tiles: TileConfig) -> TileConfig:
     """The next configuration to try when ``tiles`` needs more shared memory than the GPU has."""
     if tiles.num_stages > 1:
@@ -44,7 +51,7 @@ class CompiledKernel:
         while True:
             tiles = self.tiles
             try:
-                with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
+                with _on(device):
                     self._kernel[grid(tiles)](*args, **constexprs, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
                                               num_warps=tiles.num_warps, num_stages=tiles.num_stages)
                 return

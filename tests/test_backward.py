@@ -1,0 +1,172 @@
+"""Gradients through the fused kernels: against float64 autograd of the reference, gradcheck, determinism."""
+import pytest
+import torch
+
+import attnfuse as af
+from attnfuse.combinator import Combinator, Role, ScoreModFragment
+from attnfuse.testing import assert_matches_reference
+
+
+@af.attention
+def llama(q, k, v):
+    return af.softmax(af.causal(af.rope(q, k))) @ v
+
+
+@af.attention
+def causal(q, k, v):
+    return af.softmax(af.causal(af.scaled_dot_product(q, k))) @ v
+
+
+@af.attention
+def window(q, k, v):
+    return af.softmax(af.sliding_window(af.scaled_dot_product(q, k), 20, 5)) @ v
+
+
+@af.attention
+def alibi_bias(q, k, v, bias):
+    return af.softmax(af.additive_bias(af.alibi(af.causal(af.rope(q, k))), bias)) @ v
+
+
+@af.attention
+def relu_causal(q, k, v):
+    return af.relu_attention(af.causal(af.scaled_dot_product(q, k))) @ v
+
+
+@af.attention
+def rope_tables(q, k, v, cos, sin):
+    return af.softmax(af.rope(q, k, cos=cos, sin=sin)) @ v
+
+
+@af.attention
+def sparse(q, k, v, block_mask):
+    return af.softmax(af.block_sparse(af.scaled_dot_product(q, k), block_mask)) @ v
+
+
+def _qkv(B, Hq, Hkv, Nq, Nk, D, DV, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return tuple(torch.randn(*shape, generator=g).to(dtype).requires_grad_(True)
+                 for shape in ((B, Hq, Nq, D), (B, Hkv, Nk, D), (B, Hkv, Nk, DV)))
+
+
+def _check_grads(program, q, k, v, *extra, leaves=()):
+    out = program(q, k, v, *extra)
+    dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(99)).to(out.dtype)
+    inputs = (q, k, v, *leaves)
+    got = torch.autograd.grad(out, inputs, dout)
+    want64 = torch.autograd.grad(program.reference(q, k, v, *extra), inputs, dout.double())
+    want_lowp = torch.autograd.grad(program.reference(q, k, v, *extra, dtype=q.dtype), inputs, dout)
+    for name, a, b, c in zip(("dq", "dk", "dv", "dextra"), got, want64, want_lowp):
+        assert a.dtype == q.dtype and a.shape == b.shape
+        summed = out.numel() // out.shape[-1] * k.shape[2] // b.numel() if name == "dextra" else 1
+        assert_matches_reference(a, b, c, q.dtype, what=name, summed=summed)
+
+
+SHAPES = [  # B, Hq, Hkv, Nq, Nk, D, DV: GQA with Nq != Nk off the block grid; MQA, D=80; DV != D
+    (2, 4, 2, 40, 70, 32, 32), (1, 3, 1, 40, 40, 80, 80), (1, 2, 1, 33, 65, 16, 48)]
+
+
+@pytest.mark.parametrize("program", [causal, llama, window, relu_causal], ids=lambda p: p.__name__)
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_gradients_match_reference(program, shape):
+    _check_grads(program, *_qkv(*shape, torch.float32))
+
+
+@pytest.mark.parametrize("program", [causal, llama], ids=lambda p: p.__name__)
+def test_gradients_match_reference_float16(program):
+    _check_grads(program, *_qkv(*SHAPES[0], torch.float16))
+
+
+@pytest.mark.parametrize("bias_shape", [(2, 4, 30, 45), (1, 4, 30, 45), (30, 45), (45,), (2, 1, 1, 45)])
+def test_bias_gradient_is_reduced_over_broadcast_dims(bias_shape):
+    q, k, v = _qkv(2, 4, 2, 30, 45, 32, 32, torch.float32, seed=1)
+    bias = torch.randn(bias_shape, requires_grad=True)
+    _check_grads(alibi_bias, q, k, v, bias, leaves=(bias,))
+
+
+@pytest.mark.parametrize("program,extra", [
+    (alibi_bias, lambda: (torch.randn(1, 2, 9, 11, dtype=torch.float64, requires_grad=True),)),
+    (window, lambda: ()),
+    (relu_causal, lambda: ()),
+    (rope_tables, lambda: (torch.rand(11, 8, dtype=torch.float64), torch.rand(11, 8, dtype=torch.float64))),
+    (sparse, lambda: (af.create_block_mask(lambda b, h, qb, kb: qb >= kb, None, None, 9, 11, block_size=16),)),
+], ids=["rope-alibi-bias", "window", "relu", "rope-tables", "block-sparse"])
+def test_gradcheck_float64(program, extra):
+    q, k, v = _qkv(1, 2, 1, 9, 11, 8, 8, torch.float64, seed=3)
+    args = extra()
+    tensors = (q, k, v, *(a for a in args if isinstance(a, torch.Tensor) and a.requires_grad))
+
+    def f(q, k, v, *grad_args):
+        it = iter(grad_args)
+        return program(q, k, v, *(next(it) if isinstance(a, torch.Tensor) and a.requires_grad else a for a in args))
+    assert torch.autograd.gradcheck(f, tensors, fast_mode=True)
+
+
+def test_gradients_are_deterministic():
+    q, k, v = _qkv(2, 4, 2, 70, 70, 32, 32, torch.float32, seed=5)
+    bias = torch.randn(4, 70, 70, requires_grad=True)
+    runs = []
+    for _ in range(2):
+        out = alibi_bias(q, k, v, bias)
+        runs.append(torch.autograd.grad(out.square().sum(), (q, k, v, bias)))
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)
+
+
+def test_lse_gradient():
+    q, k, v = _qkv(1, 2, 2, 40, 50, 32, 32, torch.float32, seed=7)
+    out, lse = causal(q, k, v, return_lse=True)
+    ref_out, ref_lse = causal.reference(q, k, v, return_lse=True)
+    w = torch.randn(lse.shape)
+    got = torch.autograd.grad(out.sum() + (lse * w).sum(), (q, k, v))
+    want = torch.autograd.grad(ref_out.sum() + (ref_lse * w.double()).sum(), (q, k, v))
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a.double(), b.double(), atol=2e-5, rtol=0)
+
+
+def test_fully_masked_rows_have_zero_gradient():
+    q, k, v = _qkv(1, 2, 2, 50, 20, 32, 32, torch.float32, seed=9)  # Nq > Nk: 30 rows see no key
+    dq, dk, dv = torch.autograd.grad(causal(q, k, v).sum(), (q, k, v))
+    assert torch.equal(dq[:, :, :30], torch.zeros_like(dq[:, :, :30]))
+    assert torch.isfinite(dk).all() and torch.isfinite(dv).all()
+
+
+def test_backward_never_visits_masked_blocks():
+    """dQ of rows < 64 ignores keys >= 64; dK, dV of keys >= 64 ignore queries < 64 (causal)."""
+    q, k, v = _qkv(1, 2, 2, 128, 128, 32, 32, torch.float32, seed=11)
+    dout = torch.randn(1, 2, 128, 32)
+    clean = torch.autograd.grad(causal(q, k, v), (q, k, v), dout)
+    v_poisoned = v.detach().clone()
+    v_poisoned[:, :, 64:] = float("nan")
+    v_poisoned.requires_grad_(True)
+    dq = torch.autograd.grad(causal(q, k, v_poisoned), (q,), dout)[0]
+    assert torch.equal(dq[:, :, :64], clean[0][:, :, :64])
+    q_poisoned = q.detach().clone()
+    q_poisoned[:, :, :64] = float("nan")
+    q_poisoned.requires_grad_(True)
+    dk, dv = torch.autograd.grad(causal(q_poisoned, k, v), (k, v), dout)
+    assert torch.equal(dk[:, :, 64:], clean[1][:, :, 64:]) and torch.equal(dv[:, :, 64:], clean[2][:, :, 64:])
+
+
+def test_combinator_without_backward_refuses_gradients():
+    no_grad_mod = Combinator(name="scaled_by_two", role=Role.SCORE_MOD, doc="s * 2, with no backward.",
+                             reference=lambda s, ctx: s * 2, fragment=ScoreModFragment(body="s = s * 2.0"))
+
+    class Plugin:
+        @af.hookimpl
+        def attnfuse_combinators(self):
+            return [no_grad_mod]
+
+    af.register_plugin(Plugin(), name="test-no-backward")
+    try:
+        @af.attention
+        def doubled(q, k, v):
+            return af.softmax(af.scaled_by_two(af.scaled_dot_product(q, k))) @ v
+
+        q, k, v = _qkv(1, 2, 2, 16, 16, 16, 16, torch.float32)
+        with pytest.raises(af.ProgramError, match=r"gradients were asked for, but the score modification "
+                                                  r"scaled_by_two declares no backward"):
+            doubled(q, k, v)
+        with torch.no_grad():
+            torch.testing.assert_close(doubled(q, k, v).double(), doubled.reference(q, k, v), atol=2e-5, rtol=0)
+    finally:
+        af.unregister_plugin("test-no-backward")
