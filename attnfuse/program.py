@@ -11,7 +11,7 @@ from . import ir
 from .dsl import RUNTIME, trace
 from .errors import InputError, ProgramError
 from .reference import evaluate
-from .runtime.launch import check_inputs, compile_forward, kernel_config, run_attention
+from .runtime.launch import check_cache, compile_forward, kernel_config, run_attention
 
 RESERVED_ARGUMENTS = ("return_lse", "kv_lens", "block_table")
 
@@ -86,30 +86,37 @@ class AttentionProgram:
             graph = self._traces[key] = trace(self.fn, self._qkv, extras)
         return graph
 
-    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *args: Any,
-                 return_lse: bool = False, **kwargs: Any):
-        """The fused kernel's result: out (B, Hq, Nq, DV), or (out, lse) when ``return_lse``."""
-        key, inputs = self._bind(args, kwargs) if args or kwargs or self._extra else ((), {})
-        return run_attention(self._trace(key), q, k, v, inputs, return_lse=return_lse)
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *args: Any, return_lse: bool = False,
+                 kv_lens: torch.Tensor | None = None, block_table: torch.Tensor | None = None, **kwargs: Any):
+        """The fused kernel's result: out (B, Hq, Nq, DV), or (out, lse) when ``return_lse``.
 
-    def reference(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *args: Any,
-                  return_lse: bool = False, dtype: torch.dtype = torch.float64, **kwargs: Any):
+        ``kv_lens`` (B,) int32: keys per sequence of a KV cache (query i of sequence b at position
+        i + kv_lens[b] - Nq). ``block_table`` (B, max_pages) int32: k and v are a paged cache's pools
+        (pages, page_size, Hkv, D). See ``attnfuse.run_attention``.
+        """
+        key, inputs = self._bind(args, kwargs) if args or kwargs or self._extra else ((), {})
+        return run_attention(self._trace(key), q, k, v, inputs, return_lse=return_lse, kv_lens=kv_lens,
+                             block_table=block_table)
+
+    def reference(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *args: Any, return_lse: bool = False,
+                  dtype: torch.dtype = torch.float64, kv_lens: torch.Tensor | None = None,
+                  block_table: torch.Tensor | None = None, **kwargs: Any):
         """The naive PyTorch result computed in ``dtype`` (float64 by default), as the oracle for tests."""
-        check_inputs(q, k, v)
+        check_cache(q, k, v, kv_lens, block_table)
         key, inputs = self._bind(args, kwargs)
-        out, lse = evaluate(self._trace(key), q, k, v, inputs, dtype=dtype)
+        out, lse = evaluate(self._trace(key), q, k, v, inputs, dtype=dtype, kv_lens=kv_lens, block_table=block_table)
         if not return_lse:
             return out
         if lse is None:
             raise InputError("return_lse=True needs a normaliser with a log-sum-exp (softmax has one)")
         return out, lse
 
-    def source(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *args: Any,
-               return_lse: bool = False, **kwargs: Any) -> str:
-        """The generated Triton source of the kernel these inputs run."""
-        check_inputs(q, k, v)
+    def source(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *args: Any, return_lse: bool = False,
+               kv_lens: torch.Tensor | None = None, block_table: torch.Tensor | None = None, **kwargs: Any) -> str:
+        """The generated Triton source of the forward kernel these inputs run."""
+        kv = check_cache(q, k, v, kv_lens, block_table)
         graph = self._trace(self._bind(args, kwargs)[0])
-        return compile_forward(graph, kernel_config(q, k, v, save_lse=return_lse)).source
+        return compile_forward(graph, kernel_config(q, kv, save_lse=return_lse)).source
 
     def __repr__(self) -> str:
         return f"<attnfuse program {self.fn.__qualname__}>"

@@ -18,9 +18,10 @@ from .plugin_manager import lookup
 class Context:
     """What a reference implementation may read besides its own parameters.
 
-    Positions follow bottom-right alignment: query i sits at position ``i + Nk - Nq``, key j at ``j``.
-    ``q_pos`` and ``q_idx`` are (1, 1, Nq, 1); ``k_pos`` is (1, 1, 1, Nk); all int64, so that they
-    broadcast against scores (B, Hq, Nq, Nk). ``dtype`` is the precision the evaluator computes in.
+    Positions follow bottom-right alignment: query i of sequence b sits at position ``i + n_keys[b] - Nq``,
+    key j at ``j``, where ``n_keys`` (B or 1, 1, 1, 1) counts each sequence's keys (``Nk`` unless the call
+    gave kv_lens). ``q_idx`` is (1, 1, Nq, 1), ``q_pos`` (B or 1, 1, Nq, 1), ``k_pos`` (1, 1, 1, Nk); all
+    int64, so that they broadcast against scores (B, Hq, Nq, Nk). ``dtype`` is the evaluator's precision.
     """
 
     B: int
@@ -33,18 +34,29 @@ class Context:
     q_idx: torch.Tensor
     q_pos: torch.Tensor
     k_pos: torch.Tensor
+    n_keys: torch.Tensor
     dtype: torch.dtype
     device: torch.device
 
 
-def make_context(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dtype: torch.dtype) -> Context:
-    """The context of inputs q (B, Hq, Nq, D), k (B, Hkv, Nk, D), v (B, Hkv, Nk, DV)."""
+def make_context(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dtype: torch.dtype,
+                 kv_lens: torch.Tensor | None = None) -> Context:
+    """The context of inputs q (B, Hq, Nq, D), k (B, Hkv, Nk, D), v (B, Hkv, Nk, DV), kv_lens (B,) or None."""
     B, Hq, Nq, D = q.shape
     Hkv, Nk, DV = k.shape[1], k.shape[2], v.shape[3]
     q_idx = torch.arange(Nq, device=q.device).view(1, 1, Nq, 1)
     k_pos = torch.arange(Nk, device=q.device).view(1, 1, 1, Nk)
-    return Context(B=B, Hq=Hq, Hkv=Hkv, Nq=Nq, Nk=Nk, D=D, DV=DV, q_idx=q_idx, q_pos=q_idx + (Nk - Nq),
-                   k_pos=k_pos, dtype=dtype, device=q.device)
+    n_keys = torch.full((1, 1, 1, 1), Nk, device=q.device) if kv_lens is None else \
+        kv_lens.to(device=q.device, dtype=torch.int64).clamp(max=Nk).view(B, 1, 1, 1)
+    return Context(B=B, Hq=Hq, Hkv=Hkv, Nq=Nq, Nk=Nk, D=D, DV=DV, q_idx=q_idx, q_pos=q_idx + n_keys - Nq,
+                   k_pos=k_pos, n_keys=n_keys, dtype=dtype, device=q.device)
+
+
+def gather_pages(pool: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
+    """A paged pool (pages, page_size, H, D) and block table (B, max_pages) -> (B, H, max_pages·page_size, D)."""
+    B, pages = block_table.shape
+    rows = pool[block_table.long()]  # (B, max_pages, page_size, H, D)
+    return rows.reshape(B, pages * pool.shape[1], pool.shape[2], pool.shape[3]).transpose(1, 2)
 
 
 def _values(app: ir.Apply, inputs: dict[str, Any], dtype: torch.dtype) -> dict[str, Any]:
@@ -53,14 +65,17 @@ def _values(app: ir.Apply, inputs: dict[str, Any], dtype: torch.dtype) -> dict[s
 
 
 def evaluate(graph: ir.MatMulPV, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-             inputs: dict[str, Any], dtype: torch.dtype = torch.float64
-             ) -> tuple[torch.Tensor, torch.Tensor | None]:
+             inputs: dict[str, Any], dtype: torch.dtype = torch.float64, kv_lens: torch.Tensor | None = None,
+             block_table: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Run ``graph`` naively in ``dtype``.
 
     :param inputs: the runtime inputs by argument name (bias, cos/sin tables, block masks).
+    :param kv_lens: (B,) keys per sequence, or None; ``block_table``: k, v are paged pools (see run_attention).
     :return: out (B, Hq, Nq, DV) and lse (B, Hq, Nq), natural log, or None if the normaliser has none.
     """
-    ctx = make_context(q, k, v, dtype)
+    if block_table is not None:
+        k, v = gather_pages(k, block_table), gather_pages(v, block_table)
+    ctx = make_context(q, k, v, dtype, kv_lens)
     group = ctx.Hq // ctx.Hkv
     q = q.to(dtype)
     k = k.to(dtype).repeat_interleave(group, dim=1)
@@ -70,7 +85,7 @@ def evaluate(graph: ir.MatMulPV, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     for t in score.transforms:
         q, k = lookup(t.combinator).reference(q, k, ctx, **_values(t, inputs, dtype))
     s = lookup(score.source.combinator).reference(q, k, ctx, **_values(score.source, inputs, dtype))
-    keep = None
+    keep = None if kv_lens is None else ctx.k_pos < ctx.n_keys  # keys past a sequence's length do not exist
     for node in nodes[1:-2]:
         comb = lookup(node.apply.combinator)
         values = _values(node.apply, inputs, dtype)

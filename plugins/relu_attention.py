@@ -9,7 +9,7 @@ from attnfuse.combinator import Combinator, NormaliserFragment, Role
 
 def reference(s, keep, ctx):
     """s (B, Hq, Nq, Nk) -> weights (B, Hq, Nq, Nk); masked entries weigh 0."""
-    weights = torch.relu(s) / ctx.Nk
+    weights = torch.relu(s) / ctx.n_keys
     if keep is not None:
         weights = weights.masked_fill(~keep, 0.0)
     return weights, None

@@ -53,15 +53,22 @@ def _check_tables(cos, sin, ctx):
 def reference(q, k, ctx, theta, scale, cos, sin):
     """Rotate q (B, Hq, Nq, D) and k (B, Hq, Nk, D), then s = q·kᵀ·scale (B, Hq, Nq, Nk)."""
     _check_tables(cos, sin, ctx)
-    q_pos, k_pos = ctx.q_pos[0, 0, :, 0], ctx.k_pos[0, 0, 0, :]
+    q_pos, k_pos = ctx.q_pos[:, 0, :, 0], ctx.k_pos[:, 0, 0, :]  # (B or 1, Nq), (1, Nk)
+    if cos is not None and (q_pos < 0).any():
+        raise InputError("rope: cos/sin tables are indexed by position, so every sequence needs at least Nq keys "
+                         "(a query at a negative position has no row); pass theta instead")
     if cos is None:
-        q_angle, k_angle = (_theta_angles(p, theta, ctx.D, q.dtype) for p in (q_pos, k_pos))
-        cq, sq, ck, sk = q_angle.cos(), q_angle.sin(), k_angle.cos(), k_angle.sin()
+        def table(pos):
+            angles = _theta_angles(pos, theta, ctx.D, q.dtype).unsqueeze(1)  # (B or 1, 1, P, D)
+            return angles.cos(), angles.sin()
     else:
-        def rows(table, pos):  # -> (1 or B, 1, P, D)
-            table = table[..., pos, :]
-            return table.unsqueeze(1) if table.dim() == 3 else table
-        cq, sq, ck, sk = rows(cos, q_pos), rows(sin, q_pos), rows(cos, k_pos), rows(sin, k_pos)
+        def table(pos):
+            rows = max(pos.shape[0], cos.shape[0] if cos.dim() == 3 else 1)
+            batch = torch.arange(rows, device=pos.device)[:, None]
+            c, s = (t if t.dim() == 3 else t[None] for t in (cos, sin))
+            pos = pos.expand(rows, -1)
+            return (c.expand(rows, -1, -1)[batch, pos].unsqueeze(1), s.expand(rows, -1, -1)[batch, pos].unsqueeze(1))
+    (cq, sq), (ck, sk) = table(q_pos), table(k_pos)
     q = q * cq + _rotate_half(q) * sq
     k = k * ck + _rotate_half(k) * sk
     scale = ctx.D ** -0.5 if scale is None else scale
@@ -79,7 +86,7 @@ def _theta_tables(theta: float, first: int, last: int, D: int, B: int, device: t
 def prepare(ctx, theta, scale, cos, sin):
     _check_tables(cos, sin, ctx)
     if cos is None:
-        first = min(0, ctx.Nk - ctx.Nq)
+        first = -ctx.Nq if ctx.has_kv_lens else min(0, ctx.Nk - ctx.Nq)  # the lowest position a query can have
         dtype = torch.float64 if ctx.dtype == torch.float64 else torch.float32
         cos, sin = _theta_tables(float(theta), first, ctx.Nk, ctx.D, ctx.B, ctx.device, dtype)
         return {"cos": cos, "sin": sin, "first": first}
@@ -103,7 +110,7 @@ def examples(draw, shape):
 
 def _table(name: str, column: str) -> str:
     return (f"tl.load(${name} + b.to(tl.int64) * ${name}_s0 + ($$pos - $first)[:, None] * ${name}_s1"
-            f" + ({column})[None, :] * ${name}_s2, mask=$$ok, other=0.0).to(tl.float32)")
+            f" + ({column})[None, :] * ${name}_s2, mask=$$ok & ($$pos >= $first)[:, None], other=0.0).to(tl.float32)")
 
 
 def fragment(theta, scale, cos, sin) -> ScoreSourceFragment:

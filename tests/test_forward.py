@@ -188,7 +188,7 @@ def test_one_kernel_launch_per_call(monkeypatch):
 
     q, k, v = _qkv(1, 2, 2, 40, 40, 32, 32, torch.float32)
     llama(q, k, v)
-    kernel = launch.compile_forward(llama.graph(), launch.kernel_config(q, k, v, save_lse=False)).kernel
+    kernel = launch.compile_forward(llama.graph(), launch.kernel_config(q, launch.check_cache(q, k, v), save_lse=False)).kernel
     calls = []
     original = kernel.launch
     monkeypatch.setattr(kernel, "launch", lambda *args, **kwargs: calls.append(args) or original(*args, **kwargs))

@@ -33,6 +33,8 @@ class KernelConfig:
     group: int           # Hq // Hkv
     save_lse: bool       # write the log-sum-exp of each row
     fp32_precision: str  # "ieee" or "tf32": how a float32 tl.dot multiplies
+    kv_lens: bool = False  # per-sequence key counts (B,): keys past a sequence's count do not exist for it
+    paged: bool = False    # k, v are page pools (pages, page_size, Hkv, D) read through a block table
 
 
 @frozen(kw_only=True)

@@ -7,6 +7,7 @@ import torch
 
 from .backward import BackwardKernels
 from .forward import ForwardKernel
+from .inputs import KVCache
 
 
 class AttentionFunction(torch.autograd.Function):
@@ -14,16 +15,17 @@ class AttentionFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, forward: ForwardKernel, backward: BackwardKernels, inputs: dict[str, Any],
-                grad_inputs: tuple[str, ...], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                *tensor_inputs: torch.Tensor):
-        out, lse = forward(q, k, v, inputs)
+                grad_inputs: tuple[str, ...], lens: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor,
+                v: torch.Tensor, *tensor_inputs: torch.Tensor):
+        out, lse = forward(q, KVCache(k=k, v=v, capacity=k.shape[2], lens=lens), inputs)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.backward_kernels, ctx.inputs, ctx.grad_inputs = backward, inputs, grad_inputs
+        ctx.backward_kernels, ctx.inputs, ctx.grad_inputs, ctx.lens = backward, inputs, grad_inputs, lens
         ctx.set_materialize_grads(False)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout: torch.Tensor | None, dlse: torch.Tensor | None):
         q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv, grads = ctx.backward_kernels(q, k, v, out, lse, dout, dlse, ctx.inputs)
-        return (None, None, None, None, dq, dk, dv, *(grads.get(name) for name in ctx.grad_inputs))
+        kv = KVCache(k=k, v=v, capacity=k.shape[2], lens=ctx.lens)
+        dq, dk, dv, grads = ctx.backward_kernels(q, kv, out, lse, dout, dlse, ctx.inputs)
+        return (None, None, None, None, None, dq, dk, dv, *(grads.get(name) for name in ctx.grad_inputs))

@@ -9,7 +9,7 @@ import triton
 
 from ..passes.codegen import generate_forward
 from ..passes.lower import TiledKernel
-from .inputs import accumulator_dtype, empty_like_layout, plugin_args
+from .inputs import KVCache, accumulator_dtype, empty_like_layout, kv_launch_args, plugin_args
 from .kernel import CompiledKernel
 
 
@@ -23,13 +23,13 @@ class ForwardKernel:
         self.source = self.kernel.source
         self.path = self.kernel.path
 
-    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inputs: dict[str, Any]
+    def __call__(self, q: torch.Tensor, kv: KVCache, inputs: dict[str, Any]
                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """out (B, Hq, Nq, DV) in q's dtype and memory order; lse (B, Hq, Nq) float32 (float64 for float64
         inputs) or None."""
         t = self.tiled
         B, Hq, Nq, D = q.shape
-        Nk, DV = k.shape[2], v.shape[3]
+        k, v, Nk, DV = kv.k, kv.v, kv.capacity, kv.v.shape[3]
         out = empty_like_layout(q, DV, q.dtype)
         lse = torch.empty((B, Hq, Nq), dtype=accumulator_dtype(q.dtype), device=q.device) \
             if t.config.save_lse else None
@@ -41,7 +41,7 @@ class ForwardKernel:
                 lse.fill_(-math.inf)
             return out, lse
         args = (q, k, v, out, out if lse is None else lse, *q.stride(), *k.stride(), *v.stride(), *out.stride(),
-                Hq, Nq, Nk, *plugin_args(t.instances(), q, k, v, inputs))
+                Hq, Nq, *kv_launch_args(kv), *plugin_args(t.instances(), q, kv, inputs))
         self.kernel.launch(lambda tiles: (triton.cdiv(Nq, tiles.block_m), B * Hq), args, q.device,
                            **constexprs(t))
         return out, lse

@@ -4,6 +4,7 @@ from __future__ import annotations
 import functools
 from typing import Any
 
+import attrs
 import torch
 from attrs import frozen
 
@@ -21,8 +22,30 @@ MAX_HEAD_DIM = 256
 
 
 @frozen(kw_only=True, eq=False)
+class KVCache:
+    """Keys and values as the kernels read them.
+
+    ``k``, ``v``: 4-D views in (batch or page, head, row, dim) order: the inputs themselves, or a paged
+    cache's pools (pages, page_size, Hkv, D) with the head moved second. ``capacity``: key positions a
+    sequence can have (Nk, or block_table's pages times page_size). ``lens``: per-sequence key counts
+    (B,) int32, or None when every sequence has ``capacity`` keys.
+    """
+
+    k: torch.Tensor
+    v: torch.Tensor
+    capacity: int
+    lens: torch.Tensor | None = None
+    block_table: torch.Tensor | None = None
+    page_size: int = 0
+
+
+@frozen(kw_only=True, eq=False)
 class LaunchContext:
-    """What a plugin's ``prepare`` may read: the call's sizes, device and dtype."""
+    """What a plugin's ``prepare`` may read: the call's sizes, device and dtype.
+
+    ``Nk`` is the key capacity; with ``has_kv_lens``, each sequence has its own count of keys (up to it),
+    and query i of sequence b sits at position i + kv_lens[b] - Nq.
+    """
 
     B: int
     Hq: int
@@ -33,16 +56,53 @@ class LaunchContext:
     DV: int
     device: torch.device
     dtype: torch.dtype
+    has_kv_lens: bool = False
 
 
-def launch_context(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> LaunchContext:
+def launch_context(q: torch.Tensor, kv: KVCache) -> LaunchContext:
     B, Hq, Nq, D = q.shape
-    return LaunchContext(B=B, Hq=Hq, Hkv=k.shape[1], Nq=Nq, Nk=k.shape[2], D=D, DV=v.shape[3], device=q.device,
-                         dtype=q.dtype)
+    return LaunchContext(B=B, Hq=Hq, Hkv=kv.k.shape[1], Nq=Nq, Nk=kv.capacity, D=D, DV=kv.v.shape[3],
+                         device=q.device, dtype=q.dtype, has_kv_lens=kv.lens is not None)
 
 
-def check_inputs(q: Any, k: Any, v: Any) -> None:
-    """Raise InputError unless q (B, Hq, Nq, D), k (B, Hkv, Nk, D), v (B, Hkv, Nk, DV) fit together."""
+def check_cache(q: torch.Tensor, k: Any, v: Any, kv_lens: Any = None, block_table: Any = None) -> KVCache:
+    """Check q, k, v and the cache layout; return the KV view the kernels read.
+
+    Contiguous cache: k (B, Hkv, Nk, D), v (B, Hkv, Nk, DV). Paged cache (``block_table`` given): k, v
+    (num_pages, page_size, Hkv, D/DV), ``block_table`` (B, max_pages) int32 page indices, and ``kv_lens``
+    (B,) required. ``kv_lens`` values above the capacity count as the capacity.
+    """
+    if block_table is None:
+        check_inputs(q, k, v)
+        kv = KVCache(k=k, v=v, capacity=k.shape[2])
+    else:
+        check_inputs(q, k, v, paged=True)
+        if not isinstance(block_table, torch.Tensor) or block_table.dim() != 2 or block_table.shape[0] != q.shape[0] \
+                or block_table.dtype not in (torch.int32, torch.int64):
+            raise InputError(f"block_table must be an int32 tensor of shape (B, max_pages) = ({q.shape[0]}, ...), got "
+                             f"{getattr(block_table, 'dtype', type(block_table).__name__)} "
+                             f"{tuple(getattr(block_table, 'shape', ()))}")
+        if block_table.device != q.device:
+            raise InputError(f"block_table is on {block_table.device}, q on {q.device}")
+        if kv_lens is None:
+            raise InputError("a paged cache (block_table given) needs kv_lens: the number of keys of each sequence")
+        kv = KVCache(k=k.permute(0, 2, 1, 3), v=v.permute(0, 2, 1, 3), capacity=block_table.shape[1] * k.shape[1],
+                     block_table=block_table.to(torch.int32), page_size=k.shape[1])
+    if kv_lens is not None:
+        if not isinstance(kv_lens, torch.Tensor) or kv_lens.shape != (q.shape[0],) or kv_lens.dtype not in (
+                torch.int32, torch.int64):
+            raise InputError(f"kv_lens must be an int32 tensor of shape (B,) = ({q.shape[0]},), got "
+                             f"{getattr(kv_lens, 'dtype', type(kv_lens).__name__)} "
+                             f"{tuple(getattr(kv_lens, 'shape', ()))}")
+        if kv_lens.device != q.device:
+            raise InputError(f"kv_lens is on {kv_lens.device}, q on {q.device}")
+        kv = attrs.evolve(kv, lens=kv_lens.to(torch.int32).contiguous())
+    return kv
+
+
+def check_inputs(q: Any, k: Any, v: Any, paged: bool = False) -> None:
+    """Raise InputError unless q (B, Hq, Nq, D), k (B, Hkv, Nk, D), v (B, Hkv, Nk, DV) fit together
+    (with ``paged``: k (pages, page_size, Hkv, D), v (pages, page_size, Hkv, DV))."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise InputError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -59,8 +119,13 @@ def check_inputs(q: Any, k: Any, v: Any) -> None:
     if q.device.type == "cpu" and q.dtype == torch.bfloat16:
         raise InputError("bfloat16 on the CPU would run through Triton's interpreter, which computes bfloat16 "
                          "wrongly; use float16 or float32 on the CPU, or a CUDA device")
+    if paged:
+        if k.shape[:2] != v.shape[:2] or k.shape[2] != v.shape[2]:
+            raise InputError(f"paged k and v must be pools (pages, page_size, Hkv, D) with the same pages, page size "
+                             f"and heads, got {tuple(k.shape)} and {tuple(v.shape)}")
+        k, v = k.permute(0, 2, 1, 3), v.permute(0, 2, 1, 3)
     (B, Hq, Nq, D), (Bk, Hkv, Nk, Dk), (Bv, Hv, Nv, DV) = q.shape, k.shape, v.shape
-    if not B == Bk == Bv:
+    if not paged and not B == Bk == Bv:
         raise InputError(f"q, k and v must share the batch size, got {B}, {Bk}, {Bv}")
     if Hkv != Hv:
         raise InputError(f"k and v must have the same number of heads, got {Hkv} and {Hv}")
@@ -83,12 +148,23 @@ def _arch(device: torch.device) -> str:
     return f"sm{major}{minor}"
 
 
-def kernel_config(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, save_lse: bool) -> KernelConfig:
+def kernel_config(q: torch.Tensor, kv: KVCache, save_lse: bool) -> KernelConfig:
     """The configuration part of the kernel-cache key for these inputs."""
     tf32 = q.device.type == "cuda" and torch.backends.cuda.matmul.allow_tf32
     return KernelConfig(arch=_arch(q.device), dtype=DTYPES[q.dtype], head_dim=q.shape[3],
-                        head_dim_v=v.shape[3], group=q.shape[1] // k.shape[1], save_lse=save_lse,
-                        fp32_precision="tf32" if tf32 else "ieee")
+                        head_dim_v=kv.v.shape[3], group=q.shape[1] // kv.k.shape[1], save_lse=save_lse,
+                        fp32_precision="tf32" if tf32 else "ieee", kv_lens=kv.lens is not None,
+                        paged=kv.block_table is not None)
+
+
+def kv_launch_args(kv: KVCache) -> tuple:
+    """The kernel arguments after ``N_K``: lengths, then a paged cache's block table and page size."""
+    args: tuple = (kv.capacity,)
+    if kv.lens is not None:
+        args += (kv.lens,)
+    if kv.block_table is not None:
+        args += (kv.block_table, *kv.block_table.stride(), kv.page_size)
+    return args
 
 
 def empty_like_layout(t: torch.Tensor, last_dim: int, dtype: torch.dtype) -> torch.Tensor:
@@ -101,15 +177,14 @@ def empty_like_layout(t: torch.Tensor, last_dim: int, dtype: torch.dtype) -> tor
     return buffer.permute(*sorted(range(t.dim()), key=order.__getitem__))
 
 
-def plugin_args(instances: tuple[Instance, ...], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                inputs: dict[str, Any]) -> list:
+def plugin_args(instances: tuple[Instance, ...], q: torch.Tensor, kv: KVCache, inputs: dict[str, Any]) -> list:
     """The kernel arguments plugins' ``prepare`` gives: each tensor with its strides, then each scalar."""
     args: list = []
     ctx = None
     for inst in instances:
         if not inst.args:
             continue
-        ctx = ctx or launch_context(q, k, v)
+        ctx = ctx or launch_context(q, kv)
         comb = lookup(inst.apply.combinator)
         prepared = comb.prepare(ctx, **inst.apply.values(inputs))
         for t in comb.tensors:

@@ -13,9 +13,10 @@ from ..plugin_manager import lookup
 from .autograd import AttentionFunction
 from .backward import BackwardKernels
 from .forward import ForwardKernel
-from .inputs import check_inputs, kernel_config
+from .inputs import check_cache, check_inputs, kernel_config
 
-__all__ = ["check_inputs", "clear_cache", "compile_backward", "compile_forward", "kernel_config", "run_attention"]
+__all__ = ["check_cache", "check_inputs", "clear_cache", "compile_backward", "compile_forward", "kernel_config",
+           "run_attention"]
 
 _forward: dict[tuple[ir.MatMulPV, KernelConfig], ForwardKernel] = {}
 _backward: dict[tuple[ir.MatMulPV, KernelConfig, tuple], BackwardKernels] = {}
@@ -78,15 +79,19 @@ def _tensor_grads(tiled: TiledKernel, inputs: dict[str, Any]) -> tuple[tuple[Ins
 
 
 def run_attention(graph: ir.MatMulPV, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                  inputs: dict[str, Any] | None = None, *, return_lse: bool = False):
+                  inputs: dict[str, Any] | None = None, *, return_lse: bool = False,
+                  kv_lens: torch.Tensor | None = None, block_table: torch.Tensor | None = None):
     """Run a traced program on q (B, Hq, Nq, D), k (B, Hkv, Nk, D), v (B, Hkv, Nk, DV).
 
     Differentiable (q, k, v and declared tensor inputs) when autograd asks for gradients.
 
     :param inputs: runtime inputs (bias, cos/sin tables, ...) by argument name of the traced function.
+    :param kv_lens: (B,) int32 keys per sequence; query i of sequence b sits at position i + kv_lens[b] - Nq.
+    :param block_table: (B, max_pages) int32, for a paged cache: k, v are then pools (pages, page_size,
+        Hkv, D) and kv_lens is required.
     :return: out (B, Hq, Nq, DV), or (out, lse) with lse (B, Hq, Nq) float32 when ``return_lse``.
     """
-    check_inputs(q, k, v)
+    kv = check_cache(q, k, v, kv_lens, block_table)
     inputs = inputs or {}
     has_lse = lookup(graph.weights.apply.combinator).fragment_for(graph.weights.apply.static()).has_lse
     if return_lse and not has_lse:
@@ -94,13 +99,16 @@ def run_attention(graph: ir.MatMulPV, q: torch.Tensor, k: torch.Tensor, v: torch
                          f"{graph.weights.apply.combinator} has none (softmax has)")
     wants_grad = torch.is_grad_enabled() and any(
         isinstance(t, torch.Tensor) and t.requires_grad for t in (q, k, v, *inputs.values()))
-    config = kernel_config(q, k, v, save_lse=return_lse or (wants_grad and has_lse))
+    config = kernel_config(q, kv, save_lse=return_lse or (wants_grad and has_lse))
     forward = compile_forward(graph, config)
     if not wants_grad:
-        out, lse = forward(q, k, v, inputs)
+        out, lse = forward(q, kv, inputs)
     else:
+        if block_table is not None:
+            raise InputError("gradients through a paged cache are not supported; pass contiguous k and v to train")
         tensor_grads = _tensor_grads(forward.tiled, inputs)
         backward = compile_backward(graph, config, tensor_grads)
         names = tuple(dict.fromkeys(inst.apply.inputs()[name].name for inst, name in tensor_grads))
-        out, lse = AttentionFunction.apply(forward, backward, inputs, names, q, k, v, *(inputs[n] for n in names))
+        out, lse = AttentionFunction.apply(forward, backward, inputs, names, kv.lens, q, k, v,
+                                           *(inputs[n] for n in names))
     return (out, lse) if return_lse else out

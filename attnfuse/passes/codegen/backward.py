@@ -13,9 +13,9 @@ import string
 import attrs
 
 from ..lower import Instance, TiledKernel
-from .common import (HEADER, block_range, finish, columns, constexpr_args, dv_mask, fragment, has_masks, indent,
-                     key_range, loops, masked_load, operand, operand_grad, precision, prologues, qk_product,
-                     scores, split, with_bounds)
+from .common import (HEADER, block_range, columns, constexpr_args, dv_mask, finish, fragment, has_masks, indent,
+                     key_offsets, key_range, kv_args, kv_base, kv_length, loops, masked_load, operand, operand_grad,
+                     precision, prologues, qk_product, scores, split, with_bounds)
 
 _DKDV = string.Template('''\
 def $name(
@@ -26,7 +26,7 @@ def $name(
     stride_dob, stride_doh, stride_dom, stride_dod,
     stride_dkb, stride_dkh, stride_dkn, stride_dkd,
     stride_dvb, stride_dvh, stride_dvn, stride_dvd,
-    HQ, Nq, Nk,$extra_args
+    HQ, Nq, N_K,$kv_args$extra_args
     $constexprs
 ):
     # One program per (key block, batch x kv head): dK, dV of these keys, summed over the group's heads.
@@ -35,7 +35,7 @@ def $name(
     HKV = HQ // GROUP
     b = pid_bh // HKV
     hk = pid_bh % HKV
-    k_pos = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+$kv_length    k_pos = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     k_ok = k_pos < Nk
 $columns    k_base = K + b.to(tl.int64) * stride_kb + hk.to(tl.int64) * stride_kh
 $k_load    v = $v_load
@@ -51,9 +51,9 @@ $query_range
         do_base = DO + b.to(tl.int64) * stride_dob + h.to(tl.int64) * stride_doh
         rows = (b * HQ + h).to(tl.int64) * Nq
 $prologues$loops
-$dk_grad$dk_store
-    tl.store(DValue + b.to(tl.int64) * stride_dvb + hk.to(tl.int64) * stride_dvh + k_pos[:, None] * stride_dvn
-             + dv[None, :] * stride_dvd, dv_acc.to(DValue.dtype.element_ty), mask=k_ok[:, None]$dv_mask)
+    k_in = k_pos < N_K  # rows of keys past a sequence's length get zeros
+$dk_grad$dk_store    tl.store(DValue + b.to(tl.int64) * stride_dvb + hk.to(tl.int64) * stride_dvh + k_pos[:, None] * stride_dvn
+             + dv[None, :] * stride_dvd, dv_acc.to(DValue.dtype.element_ty), mask=k_in[:, None]$dv_mask)
 ''')
 
 _DQ = string.Template('''\
@@ -64,7 +64,7 @@ def $name(
     stride_vb, stride_vh, stride_vn, stride_vd,
     stride_dob, stride_doh, stride_dom, stride_dod,
     stride_dqb, stride_dqh, stride_dqm, stride_dqd,
-    HQ, Nq, Nk,$extra_args
+    HQ, Nq, N_K,$kv_args$extra_args
     $constexprs
 ):
     # One program per (query block, batch x query head): dQ of these rows, over the key blocks they see.
@@ -73,7 +73,7 @@ def $name(
     b = pid_bh // HQ
     h = pid_bh % HQ
     hk = h // GROUP
-    q_idx = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+$kv_length    q_idx = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     q_pos = q_idx + (Nk - Nq)
     q_ok = q_idx < Nq
 $columns    q_base = Q + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh
@@ -82,8 +82,8 @@ $rows$prologues$dq_init
     q_lo = pid_m * BLOCK_M + (Nk - Nq)
     q_hi = tl.minimum(pid_m * BLOCK_M + BLOCK_M, Nq) - 1 + (Nk - Nq)
 $key_range
-    k_base = K + b.to(tl.int64) * stride_kb + hk.to(tl.int64) * stride_kh
-    v_base = V + b.to(tl.int64) * stride_vb + hk.to(tl.int64) * stride_vh
+    k_base = $k_base
+    v_base = $v_base
 $loops
 $dq_grad$dq_store''')
 
@@ -136,7 +136,7 @@ def _dkdv_body(kernel: TiledKernel, masked: bool) -> str:
     ok = "q_ok" if masked else ""
     dtype = "Q.dtype.element_ty"
     rows = "q_idx = start_m + tl.arange(0, BLOCK_M)\nq_pos = q_idx + (Nk - Nq)\nq_ok = q_idx < Nq\n"
-    code = (operand(kernel, "q", "q_base", "q_idx", "q_pos", "q_ok", "stride_qm", "stride_qd", masked)
+    code = (operand(kernel, "q", "q_base", "q_idx[:, None] * stride_qm", "q_pos", "q_ok", "stride_qd", masked)
             + f"do = {masked_load('do_base + q_idx[:, None] * stride_dom + dv[None, :] * stride_dod', f'{ok}[:, None]' if masked else '', dv_mask(kernel))}\n"
             + _rows(kernel, masked) + qk_product(kernel) + _recompute(kernel, masked)
             + f"dv_acc = tl.dot(tl.trans(p.to({dtype})), do, dv_acc{p})\n"
@@ -152,10 +152,10 @@ def _dkdv_body(kernel: TiledKernel, masked: bool) -> str:
 def _dq_body(kernel: TiledKernel, masked: bool) -> str:
     p = precision(kernel)
     dtype = "Q.dtype.element_ty"
-    v = masked_load("v_base + k_pos[:, None] * stride_vn + dv[None, :] * stride_vd",
-                    "k_ok[:, None]" if masked else "", dv_mask(kernel))
-    keys = "k_pos = start_n + tl.arange(0, BLOCK_N)\nk_ok = k_pos < Nk\n"
-    code = (operand(kernel, "k", "k_base", "k_pos", "k_pos", "k_ok", "stride_kn", "stride_kd", masked)
+    v = masked_load("v_base + v_off[:, None] + dv[None, :] * stride_vd", "k_ok[:, None]" if masked else "",
+                    dv_mask(kernel))
+    keys = "k_pos = start_n + tl.arange(0, BLOCK_N)\nk_ok = k_pos < Nk\n" + key_offsets(kernel)
+    code = (operand(kernel, "k", "k_base", "k_off[:, None]", "k_pos", "k_ok", "stride_kd", masked)
             + f"v = {v}\n" + qk_product(kernel) + _recompute(kernel, masked)
             + f"dp = tl.dot(do, tl.trans(v){p})\n" + _chain(kernel, masked, True))
     if split(kernel):
@@ -201,13 +201,15 @@ def generate_dkdv(kernel: TiledKernel) -> str:
                   + "\n" + _DKDV.substitute(
             name=kernel.name.replace("_fwd_", "_dkdv_"), extra_args="".join(f"\n    {a}," for a in kernel.args()),
             constexprs=constexpr_args(kernel), columns=indent(columns(kernel), 4),
-            k_load=indent(operand(kernel, "k", "k_base", "k_pos", "k_pos", "k_ok", "stride_kn", "stride_kd", True), 4),
+            kv_args=kv_args(kernel), kv_length=indent(kv_length(kernel), 4),
+            k_load=indent(operand(kernel, "k", "k_base", "k_pos[:, None] * stride_kn", "k_pos", "k_ok", "stride_kd",
+                                  True), 4),
             v_load=masked_load("V + b.to(tl.int64) * stride_vb + hk.to(tl.int64) * stride_vh + k_pos[:, None] * "
                                "stride_vn + dv[None, :] * stride_vd", "k_ok[:, None]", mask),
             dk_init=indent(_accumulators(kernel, "dk", "BLOCK_N"), 4), query_range=indent(query_range, 4),
             prologues=indent(prologues(kernel), 8), loops=indent(body, 8),
             dk_grad=indent(operand_grad(kernel, "k", "dk", "k_pos", "k_ok"), 4),
-            dk_store=indent(_store(kernel, "DKey", "dk", dk_base, "k_pos", "k_ok", "stride_dkn", "stride_dkd"), 4),
+            dk_store=indent(_store(kernel, "DKey", "dk", dk_base, "k_pos", "k_in", "stride_dkn", "stride_dkd"), 4),
             dv_mask=f" & {mask}" if mask else ""))
 
 
@@ -223,8 +225,10 @@ def generate_dq(kernel: TiledKernel, tensor_grads: tuple[tuple[Instance, str], .
                   + "\n" + _DQ.substitute(
             name=kernel.name.replace("_fwd_", "_dq_"), extra_args="".join(f"\n    {a}," for a in args),
             constexprs=constexpr_args(kernel), columns=indent(columns(kernel), 4),
-            q_load=indent(operand(kernel, "q", "q_base", "q_idx", "q_pos", "q_ok", "stride_qm", "stride_qd", True), 4),
-            do_load=do, rows=indent("rows = pid_bh.to(tl.int64) * Nq\n" + _rows(kernel, True), 4),
+            kv_args=kv_args(kernel), kv_length=indent(kv_length(kernel), 4),
+            q_load=indent(operand(kernel, "q", "q_base", "q_idx[:, None] * stride_qm", "q_pos", "q_ok", "stride_qd",
+                                  True), 4),
+            do_load=do, k_base=kv_base(kernel, "k"), v_base=kv_base(kernel, "v"), rows=indent("rows = pid_bh.to(tl.int64) * Nq\n" + _rows(kernel, True), 4),
             prologues=indent(prologues(kernel), 4), dq_init=indent(_accumulators(kernel, "dq", "BLOCK_M"), 4),
             key_range=indent(key_range(kernel), 4), loops=indent(body, 4),
             dq_grad=indent(operand_grad(kernel, "q", "dq", "q_pos", "q_ok"), 4),

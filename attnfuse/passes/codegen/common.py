@@ -67,9 +67,9 @@ def masked_load(pointers: str, *masks: str, other: str = "0.0") -> str:
     return f"tl.load({pointers}, mask={mask}, other={other})" if mask else f"tl.load({pointers})"
 
 
-def operand(kernel: TiledKernel, x: str, base: str, rows: str, pos: str, ok: str, stride_row: str,
-            stride_d: str, masked: bool) -> str:
-    """Load the q or k tile and run the qk transforms on it.
+def operand(kernel: TiledKernel, x: str, base: str, rows: str, pos: str, ok: str, stride_d: str,
+            masked: bool) -> str:
+    """Load the q or k tile (row offsets ``rows``, (rows, 1)) and run the qk transforms on it.
 
     With no transform: one (rows, BLOCK_D) tile ``x``. With transforms: the halves ``x1``, ``x2``
     (rows, BLOCK_H), columns [0, D/2) and [D/2, D), transformed in float32 and cast back for the
@@ -78,10 +78,10 @@ def operand(kernel: TiledKernel, x: str, base: str, rows: str, pos: str, ok: str
     row_mask = f"{ok}[:, None]" if masked else ""
     if not split(kernel):
         d_mask = "" if kernel.block_d == kernel.config.head_dim else "(d[None, :] < D)"
-        return f"{x} = {masked_load(f'{base} + {rows}[:, None] * {stride_row} + d[None, :] * {stride_d}', row_mask, d_mask)}\n"
+        return f"{x} = {masked_load(f'{base} + {rows} + d[None, :] * {stride_d}', row_mask, d_mask)}\n"
     h_mask = "" if kernel.block_h * 2 == kernel.config.head_dim else "(dh[None, :] < HALF)"
     fragment_ok = " & ".join(m for m in (f"{ok}[:, None]", h_mask) if m)
-    lines = [f"{x}_ptrs = {base} + {rows}[:, None] * {stride_row} + dh[None, :] * {stride_d}",
+    lines = [f"{x}_ptrs = {base} + {rows} + dh[None, :] * {stride_d}",
              f"{x}1f = {masked_load(f'{x}_ptrs', row_mask, h_mask)}.to(tl.float32)",
              f"{x}2f = {masked_load(f'{x}_ptrs + HALF * {stride_d}', row_mask, h_mask)}.to(tl.float32)"]
     for i, t in enumerate(kernel.transforms):
@@ -150,6 +150,35 @@ def scores(kernel: TiledKernel, masked: bool, rows_too: bool = False, stages: bo
 def with_bounds(code: str) -> str:
     """Define ``in_bounds`` first when the code reads it."""
     return ("in_bounds = q_ok[:, None] & k_ok[None, :]\n" + code) if "in_bounds" in code else code
+
+
+def kv_args(kernel: TiledKernel) -> str:
+    """Kernel arguments of the key/value cache layout: per-sequence lengths, a paged cache's block table."""
+    args = "\n    KvLens," if kernel.config.kv_lens else ""
+    return args + ("\n    BlockTable, stride_btb, stride_btp, PAGE_SIZE," if kernel.config.paged else "")
+
+
+def kv_length(kernel: TiledKernel) -> str:
+    """``Nk``: the number of keys of sequence ``b`` (the cache's capacity N_K unless lengths are given)."""
+    if kernel.config.kv_lens:
+        return "Nk = tl.minimum(tl.load(KvLens + b).to(tl.int32), N_K)\n"
+    return "Nk = N_K\n"
+
+
+def kv_base(kernel: TiledKernel, x: str) -> str:
+    """The base pointer of k or v rows for (b, hk); a paged cache finds each row's page per tile."""
+    batch = "" if kernel.config.paged else f"b.to(tl.int64) * stride_{x}b + "
+    return f"{x.upper()} + {batch}hk.to(tl.int64) * stride_{x}h"
+
+
+def key_offsets(kernel: TiledKernel) -> str:
+    """Per key tile: ``k_off``, ``v_off`` (BLOCK_N,), the offsets of keys ``k_pos`` from ``kv_base``."""
+    if kernel.config.paged:
+        return ("page = tl.load(BlockTable + b.to(tl.int64) * stride_btb + (k_pos // PAGE_SIZE) * stride_btp, "
+                "mask=k_ok, other=0).to(tl.int64)\n"
+                "k_off = page * stride_kb + (k_pos % PAGE_SIZE) * stride_kn\n"
+                "v_off = page * stride_vb + (k_pos % PAGE_SIZE) * stride_vn\n")
+    return "k_off = k_pos * stride_kn\nv_off = k_pos * stride_vn\n"
 
 
 def has_masks(kernel: TiledKernel) -> bool:

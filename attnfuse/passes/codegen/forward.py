@@ -8,8 +8,9 @@ from __future__ import annotations
 import string
 
 from ..lower import TiledKernel
-from .common import (HEADER, columns, finish, constexpr_args, dv_mask, fragment, has_masks, indent, key_range, loops,
-                     masked_load, operand, precision, prologues, qk_product, scores, with_bounds)
+from .common import (HEADER, columns, constexpr_args, dv_mask, finish, fragment, has_masks, indent, key_offsets,
+                     key_range, kv_args, kv_base, kv_length, loops, masked_load, operand, precision, prologues,
+                     qk_product, scores, with_bounds)
 
 _KERNEL = string.Template('''\
 def $name(
@@ -18,7 +19,7 @@ def $name(
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
     stride_ob, stride_oh, stride_om, stride_od,
-    HQ, Nq, Nk,$extra_args
+    HQ, Nq, N_K,$kv_args$extra_args
     $constexprs
 ):
     # One program per (query block, batch x query head); the longest (causal) rows start first.
@@ -27,7 +28,7 @@ def $name(
     b = pid_bh // HQ
     h = pid_bh % HQ
     hk = h // GROUP
-    q_idx = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+$kv_length    q_idx = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     q_pos = q_idx + (Nk - Nq)
     q_ok = q_idx < Nq
 $columns    q_base = Q + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh
@@ -38,8 +39,8 @@ $norm_init
     q_lo = pid_m * BLOCK_M + (Nk - Nq)
     q_hi = tl.minimum(pid_m * BLOCK_M + BLOCK_M, Nq) - 1 + (Nk - Nq)
 $key_range
-    k_base = K + b.to(tl.int64) * stride_kb + hk.to(tl.int64) * stride_kh
-    v_base = V + b.to(tl.int64) * stride_vb + hk.to(tl.int64) * stride_vh
+    k_base = $k_base
+    v_base = $v_base
 $loops
 $norm_finalize
     o_ptrs = (Out + b.to(tl.int64) * stride_ob + h.to(tl.int64) * stride_oh
@@ -48,14 +49,14 @@ $norm_finalize
 $store_lse''')
 
 
-def _body(kernel: TiledKernel, masked: bool) -> str:
-    k_ok = "k_ok" if masked else ""
-    v = masked_load("v_base + k_pos[:, None] * stride_vn + dv[None, :] * stride_vd",
-                    f"{k_ok}[:, None]" if masked else "", dv_mask(kernel))
+def key_tile(kernel: TiledKernel, masked: bool) -> str:
+    """One step of the key loop: load the k tile (transformed), scores, normaliser update, then P·V."""
+    v = masked_load("v_base + v_off[:, None] + dv[None, :] * stride_vd", "k_ok[:, None]" if masked else "",
+                    dv_mask(kernel))
     norm = kernel.normaliser
     score = scores(kernel, masked) + f"# {norm.prefix}: normaliser update\n{fragment(norm.fragment.update)}\n"
-    return ("k_pos = start_n + tl.arange(0, BLOCK_N)\nk_ok = k_pos < Nk\n"
-            + with_bounds(operand(kernel, "k", "k_base", "k_pos", "k_pos", "k_ok", "stride_kn", "stride_kd", masked)
+    return ("k_pos = start_n + tl.arange(0, BLOCK_N)\nk_ok = k_pos < Nk\n" + key_offsets(kernel)
+            + with_bounds(operand(kernel, "k", "k_base", "k_off[:, None]", "k_pos", "k_ok", "stride_kd", masked)
                           + qk_product(kernel) + score)
             + f"v = {v}\nacc = tl.dot(p.to(V.dtype.element_ty), v, acc{precision(kernel)})\n")
 
@@ -71,8 +72,11 @@ def generate_forward(kernel: TiledKernel) -> str:
                   + "\n" + _KERNEL.substitute(
             name=kernel.name, extra_args="".join(f"\n    {a}," for a in kernel.args()),
             constexprs=constexpr_args(kernel), columns=indent(columns(kernel), 4),
-            q_load=indent(operand(kernel, "q", "q_base", "q_idx", "q_pos", "q_ok", "stride_qm", "stride_qd", True), 4),
+            kv_args=kv_args(kernel), kv_length=indent(kv_length(kernel), 4),
+            k_base=kv_base(kernel, "k"), v_base=kv_base(kernel, "v"),
+            q_load=indent(operand(kernel, "q", "q_base", "q_idx[:, None] * stride_qm", "q_pos", "q_ok", "stride_qd",
+                                  True), 4),
             prologues=indent(prologues(kernel), 4), norm_init=indent(norm.init, 4),
             key_range=indent(key_range(kernel), 4),
-            loops=indent(loops(lambda masked: _body(kernel, masked), "start_n", "BLOCK_N", has_masks(kernel)), 4),
+            loops=indent(loops(lambda masked: key_tile(kernel, masked), "start_n", "BLOCK_N", has_masks(kernel)), 4),
             norm_finalize=indent(norm.finalize, 4), dv_mask=f" & {mask}" if mask else "", store_lse=store_lse))
