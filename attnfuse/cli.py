@@ -138,8 +138,7 @@ def cmd_show(args: argparse.Namespace, out: TextIO) -> int:
     import attrs
 
     from . import ir
-    from .passes.lower import KernelConfig
-    from .plugin_manager import lookup
+    from .passes.lower import KernelConfig, fragment_of
     from .runtime.inputs import MAX_HEAD_DIM
     from .runtime.launch import compile_forward
 
@@ -152,10 +151,9 @@ def cmd_show(args: argparse.Namespace, out: TextIO) -> int:
     for name, dim in (("--head-dim", args.head_dim), ("--head-dim-v", head_dim_v)):
         if dim > MAX_HEAD_DIM:
             raise CLIError(f"{name} must be at most {MAX_HEAD_DIM}, got {dim}")
-    if args.lse:
-        norm = lookup(graph.weights.apply.combinator)
-        if not norm.fragment.has_lse:
-            raise CLIError(f"--lse needs a normaliser with a log-sum-exp; {norm.name} has none (softmax has)")
+    if args.lse and not fragment_of(graph.weights.apply).has_lse:
+        raise CLIError(f"--lse needs a normaliser with a log-sum-exp; {graph.weights.apply.combinator} has none "
+                       f"(softmax has)")
     config = KernelConfig(arch=arch, dtype=dtype, head_dim=args.head_dim, head_dim_v=head_dim_v,
                           group=args.group, save_lse=args.lse, fp32_precision="ieee")
     kernel = compile_forward(graph, config)

@@ -20,6 +20,7 @@ import enum
 import keyword
 from typing import Any, Callable
 
+import attrs
 from attrs import field, frozen
 
 
@@ -137,6 +138,24 @@ class ScoreModFragment:
 
 
 @frozen(kw_only=True)
+class BlockList:
+    """Lists of the blocks a mask keeps anything in, so the kernels visit only those (block sparsity).
+
+    Blocks are ``size`` x ``size`` in index space (``size`` names a scalar the plugin's ``prepare``
+    returns; kernel tiles shrink to at most it). ``count`` and ``index`` give, for query block ``$block``,
+    how many key blocks are listed and the ``$i``-th of them; ``q_count`` and ``q_index`` the same for the
+    query blocks of key block ``$block`` (the backward's dK/dV loop). Listed blocks still run the mask's
+    other masks; the listing mask's own ``keep`` is then implied and skipped.
+    """
+
+    size: str
+    count: str
+    index: str
+    q_count: str
+    q_index: str
+
+
+@frozen(kw_only=True)
 class MaskFragment:
     """Which keys a query keeps, plus block facts the compiler uses to bound and split the key loops.
 
@@ -149,6 +168,7 @@ class MaskFragment:
     ``q_range``, ``q_full_range``: the same facts transposed, for the backward's loop over query blocks:
     query positions that keep some / every key of a key block with positions ``$k_lo`` ... ``$k_hi``.
     Query positions never reach ``Nk``, so ``"Nk"`` serves as an upper bound meaning "no limit".
+    ``block_list``: lists of the blocks kept at all, for block-sparse iteration (see ``BlockList``).
     """
 
     keep: str | None
@@ -156,6 +176,7 @@ class MaskFragment:
     full_range: tuple[str, str] | None = None
     q_range: tuple[str, str] | None = None
     q_full_range: tuple[str, str] | None = None
+    block_list: BlockList | None = None
 
 
 @frozen(kw_only=True)
@@ -173,6 +194,15 @@ class NormaliserFragment:
     ``update`` saw it); ``grad`` writes ``ds``, the gradient with respect to the scores in natural units,
     from ``p``, ``s``, ``dp`` (= dO·Vᵀ) and, when ``needs_delta``, ``delta`` (BLOCK_M,) = rowsum(dO∘O)
     minus the gradient of lse. ``grad=None``: no backward.
+
+    Split-KV decoding: ``combine`` says how results over disjoint key splits merge: ``"logsumexp"`` (each
+    split's ``finalize`` gives its normalised ``out`` and ``lse``; softmax), ``"sum"`` (each gives its
+    ``out``; an unnormalised normaliser such as relu_attention), or None (no split path; decoding runs the
+    regular kernel).
+
+    ``smooth=False``: the weights' derivative jumps (relu at 0), so rounding a score across the jump
+    changes a gradient by a whole term; the conformance suite then compares gradients only in float32
+    and float64, where that is rare.
     """
 
     init: str
@@ -185,6 +215,8 @@ class NormaliserFragment:
     recompute: str = ""
     grad: str | None = None
     needs_delta: bool = False
+    combine: str | None = field(default=None, validator=attrs.validators.in_((None, "logsumexp", "sum")))
+    smooth: bool = True
 
 
 _FRAGMENT_TYPES = {
@@ -216,7 +248,7 @@ class Combinator:
       score source  ``(q, k, ctx, **params) -> s``             s (B, Hq, Nq, Nk)
       score mod     ``(s, ctx, **params) -> s``
       mask          ``(ctx, **params) -> keep``                bool, broadcastable to (B, Hq, Nq, Nk), or None
-      normaliser    ``(s, keep, ctx) -> (weights, lse)``       lse (B, Hq, Nq) or None
+      normaliser    ``(s, keep, ctx, **params) -> (weights, lse)``   lse (B, Hq, Nq) or None
     ``prepare(ctx, **params) -> {name: tensor or number}`` gives the kernel the ``tensors`` and ``scalars``
     its fragment reads (``ctx`` is a ``attnfuse.runtime.inputs.LaunchContext``).
     ``examples(draw, shape) -> {param: value}`` draws valid parameters for the conformance fuzzer.

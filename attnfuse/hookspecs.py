@@ -32,6 +32,7 @@ def attnfuse_combinators() -> list:
 def attnfuse_tile_configs() -> list:
     """Return tile configurations that take precedence over the built-in tuning table.
 
-    :return: a list of :class:`attnfuse.passes.tile.TileRule`; the most specific rule matching an
-        (arch, variant, head dim) wins, and among equally specific rules a plugin's beats the table's.
+    :return: a list of :class:`attnfuse.passes.tile.TileRule`. The first rule matching a kernel's
+        (kernel kind, arch, variant, head dim) wins; plugins' rules are tried before the built-in table.
+        Call ``attnfuse.runtime.launch.clear_cache()`` after registering rules at run time.
     """

@@ -1,7 +1,8 @@
 """The high-level IR: frozen nodes, one graph per traced program, rooted at its ``MatMulPV``.
 
 A graph is a chain: ``ScoreOp`` -> any ``BiasOp``/``MaskOp`` -> ``NormOp`` -> ``MatMulPV``. Its SHA-1
-structural signature (over the nodes' canonical repr) is the kernel-cache key.
+structural signature (over the nodes' canonical repr) names its kernels; the compiled-kernel caches are
+keyed by the graph (equal structure, equal key) and the launch configuration.
 """
 from __future__ import annotations
 

@@ -64,7 +64,10 @@ def plugin_manager() -> pluggy.PluginManager:
                                       f"({ep.value}): {exc}") from exc
                 pm.register(plugin, name=name)
                 _distributions[name] = dist
-            pm.check_pending()
+            try:
+                pm.check_pending()
+            except pluggy.PluginValidationError as exc:
+                raise PluginError(f"a plugin implements a hook attnfuse does not know: {exc}") from exc
             _manager = pm
         return _manager
 
@@ -116,9 +119,12 @@ def combinators() -> dict[str, Registered]:
 def _reserved_names() -> set[str]:
     """Names the ``attnfuse`` module defines itself (API, submodules), so ``af.<name>`` cannot reach a
     combinator of that name."""
+    import pkgutil
+
     import attnfuse
 
-    return set(vars(attnfuse)) | set(attnfuse.__all__)
+    submodules = {m.name for m in pkgutil.iter_modules(attnfuse.__path__)}
+    return set(vars(attnfuse)) | set(attnfuse.__all__) | submodules
 
 
 def _collect(pm: pluggy.PluginManager) -> dict[str, Registered]:

@@ -3,7 +3,7 @@
     python benchmarks/bench_attention.py --suite forward [--quick] [--out table.md]
 
 Medians from triton.testing.do_bench; TFLOP/s count only the (query, key) pairs a variant keeps
-(4·B·Hq·pairs·D forward; 2.5× that forward+backward). RoPE baselines pre-rotate q and k with a
+(4·B·Hq·pairs·D forward; 3.5× that forward+backward). RoPE baselines pre-rotate q and k with a
 torch.compile'd function, and that time is included. Each AttnFuse result is checked against a
 baseline on the same inputs; the max abs difference is printed.
 """

@@ -5,7 +5,7 @@ import torch
 
 import attnfuse
 from attnfuse.block_mask import BlockMask
-from attnfuse.combinator import Combinator, MaskFragment, Param, Role, ScalarArg, TensorArg
+from attnfuse.combinator import BlockList, Combinator, MaskFragment, Param, Role, ScalarArg, TensorArg
 from attnfuse.errors import InputError
 
 
@@ -20,6 +20,13 @@ def _check(block_mask, B: int, Hq: int, Nq: int, Nk: int) -> BlockMask:
     return block_mask
 
 
+def _csr(name: str, *indices: str) -> str:
+    """Load one entry of a per-(batch, head) CSR tensor: ``$name[b, h, *indices]``."""
+    parts = [f"b.to(tl.int64) * ${name}_s0", f"h.to(tl.int64) * ${name}_s1"]
+    parts += [f"({index}) * ${name}_s{i + 2}" for i, index in enumerate(indices)]
+    return f"tl.load(${name} + {' + '.join(parts)})"
+
+
 def reference(ctx, block_mask):
     """keep (Bm, Hm, Nq, Nk) from the block grid."""
     return _check(block_mask, ctx.B, ctx.Hq, ctx.Nq, ctx.Nk).to_dense().to(ctx.device)
@@ -27,8 +34,13 @@ def reference(ctx, block_mask):
 
 def prepare(ctx, block_mask):
     bm = _check(block_mask, ctx.B, ctx.Hq, ctx.Nq, ctx.Nk)
-    active = bm.active.to(ctx.device).view(torch.uint8)
-    return {"active": active.expand(ctx.B, ctx.Hq, *active.shape[2:]), "block_size": bm.block_size}
+
+    def per_head(t: torch.Tensor) -> torch.Tensor:  # broadcast (1 or B, 1 or Hq, ...) to (B, Hq, ...)
+        t = t.to(ctx.device)
+        return t.expand(ctx.B, ctx.Hq, *t.shape[2:])
+    return {"active": per_head(bm.active.view(torch.uint8)), "kv_num": per_head(bm.kv_num_blocks),
+            "kv_idx": per_head(bm.kv_indices), "q_num": per_head(bm.q_num_blocks), "q_idx": per_head(bm.q_indices),
+            "block_size": bm.block_size}
 
 
 def examples(draw, shape):
@@ -51,13 +63,21 @@ COMBINATOR = Combinator(
     doc="Keep only the blocks a BlockMask (af.create_block_mask) marks active.",
     params=[Param(name="block_mask", runtime=True, doc="an af.BlockMask for these B, H, Nq, Nk")],
     reference=reference,
-    tensors=[TensorArg(name="active", rank=4)],
+    tensors=[TensorArg(name="active", rank=4), TensorArg(name="kv_num", rank=3), TensorArg(name="kv_idx", rank=4),
+             TensorArg(name="q_num", rank=3), TensorArg(name="q_idx", rank=4)],
     scalars=[ScalarArg(name="block_size")],
     prepare=prepare,
     fragment=MaskFragment(
         keep="""(tl.load($active + b.to(tl.int64) * $active_s0 + h.to(tl.int64) * $active_s1
                          + (q_idx // $block_size)[:, None] * $active_s2 + (k_pos // $block_size)[None, :] * $active_s3,
                          mask=in_bounds, other=0) != 0)""",
+        block_list=BlockList(
+            size="$block_size",
+            count=_csr("kv_num", "$$block"),
+            index=_csr("kv_idx", "$$block", "$$i"),
+            q_count=_csr("q_num", "$$block"),
+            q_index=_csr("q_idx", "$$block", "$$i"),
+        ),
     ),
     examples=examples,
 )

@@ -27,6 +27,8 @@ COMBINATOR = Combinator(
         finalize="out = acc",
         recompute="p = tl.maximum(s, 0.0) * (1.0 / Nk)",
         grad="ds = tl.where(s > 0.0, dp * (1.0 / Nk), 0.0)",
+        combine="sum",
+        smooth=False,
     ),
 )
 

@@ -1,9 +1,11 @@
-"""rope(q, k, theta=10000.0, scale=None, cos=None, sin=None): rotary embedding, then the scaled product.
+"""rope(q, k, theta=10000.0, scale=None, cos=None, sin=None, rotate_keys=True): rotary embedding, then the
+scaled product.
 
 NeoX/Llama half-split rotation (HF ``rotate_half``): x·cos + rotate_half(x)·sin, q at its position
 q' = i + Nk - Nq and k at j. ``cos``/``sin`` tables of shape (Nk, D) or (B, Nk, D), row = position, as HF
 builds them, override ``theta`` (so any RoPE scaling works). Fused: the kernel rotates the q tile once
-before the key loop and each k tile inside it.
+before the key loop and each k tile inside it. ``rotate_keys=False``: the keys were rotated when they were
+written to a KV cache, so only q is rotated (the usual choice when decoding from a cache).
 """
 from __future__ import annotations
 
@@ -16,6 +18,11 @@ from attnfuse.checks import finite_number_or_none, positive_number
 from attnfuse.combinator import (Combinator, Param, QKTransformFragment, Role, ScalarArg, ScoreSourceFragment,
                                  TensorArg)
 from attnfuse.errors import InputError
+
+
+def _boolean(value) -> None:
+    if not isinstance(value, bool):
+        raise ValueError(f"must be True or False, got {value!r}")
 
 
 def _rotate_half(x):
@@ -50,7 +57,7 @@ def _check_tables(cos, sin, ctx):
                              f"({ctx.B}, {ctx.Nk}, {ctx.D}) (more rows are allowed), got {tuple(t.shape)}")
 
 
-def reference(q, k, ctx, theta, scale, cos, sin):
+def reference(q, k, ctx, theta, scale, cos, sin, rotate_keys):
     """Rotate q (B, Hq, Nq, D) and k (B, Hq, Nk, D), then s = q·kᵀ·scale (B, Hq, Nq, Nk)."""
     _check_tables(cos, sin, ctx)
     q_pos, k_pos = ctx.q_pos[:, 0, :, 0], ctx.k_pos[:, 0, 0, :]  # (B or 1, Nq), (1, Nk)
@@ -70,7 +77,8 @@ def reference(q, k, ctx, theta, scale, cos, sin):
             return (c.expand(rows, -1, -1)[batch, pos].unsqueeze(1), s.expand(rows, -1, -1)[batch, pos].unsqueeze(1))
     (cq, sq), (ck, sk) = table(q_pos), table(k_pos)
     q = q * cq + _rotate_half(q) * sq
-    k = k * ck + _rotate_half(k) * sk
+    if rotate_keys:
+        k = k * ck + _rotate_half(k) * sk
     scale = ctx.D ** -0.5 if scale is None else scale
     return q @ k.transpose(-1, -2) * scale
 
@@ -83,7 +91,7 @@ def _theta_tables(theta: float, first: int, last: int, D: int, B: int, device: t
     return tuple(t.to(dtype)[None].expand(B, *t.shape) for t in (angles.cos(), angles.sin()))
 
 
-def prepare(ctx, theta, scale, cos, sin):
+def prepare(ctx, theta, scale, cos, sin, rotate_keys):
     _check_tables(cos, sin, ctx)
     if cos is None:
         first = -ctx.Nq if ctx.has_kv_lens else min(0, ctx.Nk - ctx.Nq)  # the lowest position a query can have
@@ -100,7 +108,7 @@ def examples(draw, shape):
     from attnfuse.testing import random_tensor
 
     params = {"theta": draw(st.sampled_from([10000.0, 500.0])), "scale": draw(st.sampled_from([None, 0.2])),
-              "cos": None, "sin": None}
+              "cos": None, "sin": None, "rotate_keys": draw(st.booleans())}
     if shape.Nq <= shape.Nk and draw(st.booleans()):  # arbitrary tables, as a scaled RoPE would build
         angles = random_tensor(draw, draw(st.sampled_from([1, shape.B])), shape.Nk, shape.D // 2) * 3
         angles = torch.cat((angles, angles), dim=-1)
@@ -113,7 +121,7 @@ def _table(name: str, column: str) -> str:
             f" + ({column})[None, :] * ${name}_s2, mask=$$ok & ($$pos >= $first)[:, None], other=0.0).to(tl.float32)")
 
 
-def fragment(theta, scale, cos, sin) -> ScoreSourceFragment:
+def fragment(theta, scale, cos, sin, rotate_keys) -> ScoreSourceFragment:
     """x·cos + rotate_half(x)·sin on the halves: x1' = x1·cos1 - x2·sin1, x2' = x2·cos2 + x1·sin2.
 
     The gradient rotates back (the transpose): g1 <- g1·cos1 + g2·sin2, g2 <- g2·cos2 - g1·sin1.
@@ -130,8 +138,8 @@ def fragment(theta, scale, cos, sin) -> ScoreSourceFragment:
                       "$x2 = $x2 * ${tmp}_cos2 + $x1 * ${tmp}_sin2\n$x1 = ${tmp}_x1\n"
     rotate_back = tables + "${tmp}_g1 = $g1 * ${tmp}_cos1 + $g2 * ${tmp}_sin2\n" \
                            "$g2 = $g2 * ${tmp}_cos2 - $g1 * ${tmp}_sin1\n$g1 = ${tmp}_g1\n"
-    return ScoreSourceFragment(transform=QKTransformFragment(q=rotate, k=rotate, q_grad=rotate_back,
-                                                             k_grad=rotate_back))
+    return ScoreSourceFragment(transform=QKTransformFragment(
+        q=rotate, k=rotate if rotate_keys else "", q_grad=rotate_back, k_grad=rotate_back if rotate_keys else None))
 
 
 COMBINATOR = Combinator(
@@ -143,6 +151,8 @@ COMBINATOR = Combinator(
         Param(name="scale", default=None, check=finite_number_or_none, doc="None means 1/√D"),
         Param(name="cos", runtime=True, default=None, doc="(Nk, D) or (B, Nk, D) table; overrides theta"),
         Param(name="sin", runtime=True, default=None, doc="(Nk, D) or (B, Nk, D) table; overrides theta"),
+        Param(name="rotate_keys", default=True, check=_boolean,
+              doc="False: keys come rotated already (a RoPE'd KV cache); only q is rotated"),
     ],
     reference=reference,
     tensors=[TensorArg(name="cos", rank=3), TensorArg(name="sin", rank=3)],

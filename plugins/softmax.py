@@ -57,6 +57,7 @@ COMBINATOR = Combinator(
         recompute="p = tl.math.exp2(s - lse2[:, None])",
         grad="ds = p * (dp - delta[:, None])",
         needs_delta=True,
+        combine="logsumexp",
     ),
 )
 

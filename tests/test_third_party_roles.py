@@ -76,14 +76,15 @@ def _doc_ids(doc_ids, B: int, Nk: int) -> torch.Tensor:
 
 
 def document_reference(ctx, doc_ids):
-    """keep (B, 1, Nq, Nk): query i, at position q' = i + Nk - Nq, keeps key j when doc_ids[b, q'] ==
-    doc_ids[b, j]. A query at a negative position (Nq > Nk) belongs to no document and keeps nothing."""
+    """keep (B, 1, Nq, Nk): query i of sequence b, at position q' (i + Nk - Nq, or i + kv_lens[b] - Nq),
+    keeps key j when doc_ids[b, q'] == doc_ids[b, j]. A query at a negative position belongs to no document
+    and keeps nothing."""
     doc = _doc_ids(doc_ids, ctx.B, ctx.Nk).to(ctx.device)
-    q_pos = ctx.q_pos.view(-1)
+    q_pos = ctx.q_pos[:, 0, :, 0].expand(ctx.B, -1)  # (B, Nq)
     if ctx.Nk == 0:
         return torch.zeros(ctx.B, 1, ctx.Nq, 0, dtype=torch.bool, device=ctx.device)
-    q_doc = doc[:, q_pos.clamp(min=0)]  # (B, Nq); q' < Nk always
-    return (q_doc[:, None, :, None] == doc[:, None, None, :]) & (q_pos >= 0).view(1, 1, -1, 1)
+    q_doc = doc.gather(1, q_pos.clamp(min=0))  # (B, Nq); q' < Nk always
+    return (q_doc[:, None, :, None] == doc[:, None, None, :]) & (q_pos >= 0)[:, None, :, None]
 
 
 def document_prepare(ctx, doc_ids):

@@ -6,6 +6,7 @@ leaving only the template's own placeholders (``$x``, ``$pos``, ``$q_lo`` ...).
 from __future__ import annotations
 
 import math
+import re
 import string
 from typing import Any
 
@@ -68,6 +69,7 @@ class TiledKernel:
     tiles: TileConfig       # forward
     tiles_dkdv: TileConfig  # backward, dK/dV
     tiles_dq: TileConfig    # backward, dQ
+    tiles_decode: TileConfig  # split-KV decoding (BLOCK_M: the most rows of a program)
     block_d: int
     block_dv: int
     block_h: int        # width of each half of the head dim, when qk transforms split it
@@ -97,6 +99,40 @@ def _resolve(value: Any, mapping: dict[str, str]) -> Any:
     return value
 
 
+_SITE = {  # the template's own placeholders each fragment field may use (all others are resolved here)
+    "q": {"x1", "x2", "pos", "ok", "tmp"}, "k": {"x1", "x2", "pos", "ok", "tmp"},
+    "q_grad": {"g1", "g2", "x1", "x2", "pos", "ok", "tmp"}, "k_grad": {"g1", "g2", "x1", "x2", "pos", "ok", "tmp"},
+    "grad": {"s_in", "s_out"}, "tensor_grads": {"s_in", "s_out"},
+    "kv_range": {"q_lo", "q_hi"}, "full_range": {"q_lo", "q_hi"},
+    "q_range": {"k_lo", "k_hi"}, "q_full_range": {"k_lo", "k_hi"},
+    "count": {"block"}, "index": {"block", "i"}, "q_count": {"block"}, "q_index": {"block", "i"},
+}
+_PLACEHOLDER = re.compile(r"\$(?:\{(\w+)\}|(\w+))")
+
+
+def _check_placeholders(combinator: str, value: Any, field: str = "") -> None:
+    """Raise a clear error for a ``$name`` neither the plugin's parameters nor the template's slot defines."""
+    if isinstance(value, str):
+        for braced, plain in _PLACEHOLDER.findall(value):
+            name = braced or plain
+            if name not in _SITE.get(field, set()):
+                allowed = ", ".join(f"${p}" for p in sorted(_SITE.get(field, ()))) or "none"
+                raise ValueError(f"fragment of combinator {combinator!r}: ${name} in {field or 'its code'} is neither "
+                                 f"a parameter, tensor, scalar or $self, nor a placeholder of that slot ({allowed})")
+    elif isinstance(value, tuple):
+        for item in value:
+            _check_placeholders(combinator, item, field)
+    elif attrs.has(type(value)):
+        for f in attrs.fields(type(value)):
+            _check_placeholders(combinator, getattr(value, f.name), f.name if f.name in _SITE else field)
+
+
+def fragment_of(app: ir.Apply) -> Any:
+    """The fragment of one application, before substitution (a fragment function gets its parameters:
+    static values, and ``INPUT`` for each runtime input given)."""
+    return lookup(app.combinator).fragment_for({n: INPUT if isinstance(v, ir.TensorSym) else v for n, v in app.params})
+
+
 def instance(app: ir.Apply, index: int) -> Instance:
     """Resolve one application: ``$param`` -> literal, ``$tensor``/``$tensor_s<i>``/``$scalar`` -> argument."""
     comb = lookup(app.combinator)
@@ -112,9 +148,9 @@ def instance(app: ir.Apply, index: int) -> Instance:
     for sc in comb.scalars:
         mapping[sc.name] = f"{prefix}_{sc.name}"
         args.append(f"{prefix}_{sc.name}")
-    fragment = comb.fragment_for({n: INPUT if isinstance(v, ir.TensorSym) else v for n, v in app.params})
-    return Instance(prefix=prefix, apply=app, role=comb.role, fragment=_resolve(fragment, mapping),
-                    args=tuple(args))
+    fragment = _resolve(fragment_of(app), mapping)
+    _check_placeholders(comb.name, fragment)
+    return Instance(prefix=prefix, apply=app, role=comb.role, fragment=fragment, args=tuple(args))
 
 
 def _variant(transforms: list[Instance], masks: tuple[Instance, ...]) -> str:
@@ -141,20 +177,28 @@ def lower(fused: FusedProgram, config: KernelConfig, listing: str = "") -> Tiled
         raise InputError(f"qk transforms ({', '.join(t.apply.combinator for t in transforms)}) act on the two "
                            f"halves of the head dim, so it must be even; got D={config.head_dim}")
     mods = tuple(inst(m) for m in fused.mods)
-    masks = tuple(inst(m) for m in fused.masks)
+    masks = _one_listing(tuple(inst(m) for m in fused.masks))
     normaliser = inst(fused.normaliser)
     block_d = _block(config.head_dim)
     block_dv = _block(config.head_dim_v)
     variant, widest = _variant(transforms, masks), max(block_d, block_dv)
-    tiles = {kind: choose_tiles(config.arch, variant, widest, kind) for kind in ("forward", "dkdv", "dq")}
+    tiles = {kind: choose_tiles(config.arch, variant, widest, kind) for kind in ("forward", "dkdv", "dq", "decode")}
     scale = fused.source.static()["scale"]
     scale = 1.0 / math.sqrt(config.head_dim) if scale is None else float(scale)
     return TiledKernel(
         name=f"attnfuse_fwd_{fused.signature[:12]}", signature=fused.signature, listing=listing,
-        config=config, tiles=tiles["forward"], tiles_dkdv=tiles["dkdv"], tiles_dq=tiles["dq"], block_d=block_d,
+        config=config, tiles=tiles["forward"], tiles_dkdv=tiles["dkdv"], tiles_dq=tiles["dq"],
+        tiles_decode=tiles["decode"], block_d=block_d,
         block_dv=block_dv, block_h=_block(config.head_dim // 2),
         scale=scale, score_factor=normaliser.fragment.score_factor, transforms=tuple(transforms), mods=mods,
         masks=masks, normaliser=normaliser)
+
+
+def _one_listing(masks: tuple[Instance, ...]) -> tuple[Instance, ...]:
+    """The loops follow one mask's block lists; any further listing mask is applied element by element."""
+    listing = [m for m in masks if m.fragment.block_list is not None]
+    return tuple(attrs.evolve(m, fragment=attrs.evolve(m.fragment, block_list=None)) if m in listing[1:] else m
+                 for m in masks)
 
 
 def _block(n: int) -> int:

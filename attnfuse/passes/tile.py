@@ -30,7 +30,8 @@ class TileRule:
     """Use ``config`` for kernels on ``arch`` ("sm90", "sm80", ..., "interpreter", "*"), of ``variant``
     ("dense", "masked", "rope", "*") and a head dim (padded to a power of two) in ``head_dim``, for
     ``kernel`` "forward", "dkdv" (BLOCK_M queries per step, BLOCK_N keys per program), "dq" (BLOCK_M
-    queries per program, BLOCK_N keys per step) or "*"."""
+    queries per program, BLOCK_N keys per step), "decode" (BLOCK_M at most rows per program, BLOCK_N keys
+    per step) or "*"."""
 
     config: TileConfig
     arch: str = "*"
@@ -46,6 +47,7 @@ class TileRule:
 T = TileConfig
 TABLE: tuple[TileRule, ...] = (
     # Interpreter: small tiles keep CPU runs quick and put several blocks in small test shapes.
+    TileRule(arch="interpreter", kernel="decode", config=T(block_m=32, block_n=16, num_warps=1, num_stages=1)),
     TileRule(arch="interpreter", config=T(block_m=32, block_n=32, num_warps=1, num_stages=1)),
     # H100/H200, from sweeps on an H200 (benchmarks/sweep_tiles.py; docs/benchmarks.md).
     TileRule(arch="sm90", kernel="forward", head_dim=(1, 64),
@@ -60,6 +62,7 @@ TABLE: tuple[TileRule, ...] = (
     TileRule(arch="sm90", kernel="dkdv", head_dim=(65, 128), config=T(block_m=64, block_n=64, num_warps=4, num_stages=3)),
     TileRule(arch="sm90", kernel="dq", head_dim=(1, 64), config=T(block_m=128, block_n=32, num_warps=4, num_stages=3)),
     TileRule(arch="sm90", kernel="dq", head_dim=(65, 128), config=T(block_m=64, block_n=32, num_warps=4, num_stages=3)),
+    TileRule(arch="sm90", kernel="decode", head_dim=(1, 128), config=T(block_m=64, block_n=64, num_warps=4, num_stages=3)),
     TileRule(arch="sm90", head_dim=(129, 256), config=T(block_m=64, block_n=64, num_warps=4, num_stages=2)),
     # Any other GPU: conservative tiles that fit every recent part's shared memory.
     TileRule(head_dim=(1, 128), config=T(block_m=64, block_n=64, num_warps=4, num_stages=2)),

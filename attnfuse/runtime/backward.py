@@ -10,7 +10,7 @@ from ..passes.codegen import generate_dkdv, generate_dq
 from ..passes.lower import Instance, TiledKernel
 from . import preprocess
 from .forward import constexprs
-from .inputs import KVCache, accumulator_dtype, empty_like_layout, kv_launch_args, plugin_args
+from .inputs import KVCache, accumulator_dtype, empty_like_layout, kv_launch_args, plugin_args, tile_limit
 from .kernel import CompiledKernel
 
 
@@ -54,16 +54,15 @@ class BackwardKernels:
             lse = delta if lse is None else lse  # a placeholder pointer when the normaliser saves none
             common = (q, k, v, dout, lse, delta)
             strides = (*q.stride(), *k.stride(), *v.stride(), *dout.stride())
-            pargs = plugin_args(t.instances(), q, kv, inputs)
+            pargs, scalars = plugin_args(t.instances(), q, kv, inputs)
+            limit = tile_limit(t, scalars)
             self.dkdv.launch(lambda tiles: (triton.cdiv(Nk, tiles.block_n), B * Hkv),
                              (*common, dk, dv, *strides, *dk.stride(), *dv.stride(), Hq, Nq, *kv_launch_args(kv),
-                              *pargs), q.device,
-                             **constexprs(t))
+                              *pargs), q.device, limit=limit, **constexprs(t))
             grad_args = [a for buffer in buffers for a in (buffer, *buffer.stride())]
             self.dq.launch(lambda tiles: (triton.cdiv(Nq, tiles.block_m), B * Hq),
                            (*common, dq, *strides, *dq.stride(), Hq, Nq, *kv_launch_args(kv), *pargs, *grad_args),
-                           q.device,
-                           **constexprs(t))
+                           q.device, limit=limit, **constexprs(t))
         else:
             for g in (dq, dk, dv):
                 g.zero_()

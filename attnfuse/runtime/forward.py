@@ -9,7 +9,7 @@ import triton
 
 from ..passes.codegen import generate_forward
 from ..passes.lower import TiledKernel
-from .inputs import KVCache, accumulator_dtype, empty_like_layout, kv_launch_args, plugin_args
+from .inputs import KVCache, accumulator_dtype, empty_like_layout, kv_launch_args, plugin_args, tile_limit
 from .kernel import CompiledKernel
 
 
@@ -40,10 +40,11 @@ class ForwardKernel:
             if lse is not None:
                 lse.fill_(-math.inf)
             return out, lse
+        pargs, scalars = plugin_args(t.instances(), q, kv, inputs)
         args = (q, k, v, out, out if lse is None else lse, *q.stride(), *k.stride(), *v.stride(), *out.stride(),
-                Hq, Nq, *kv_launch_args(kv), *plugin_args(t.instances(), q, kv, inputs))
+                Hq, Nq, *kv_launch_args(kv), *pargs)
         self.kernel.launch(lambda tiles: (triton.cdiv(Nq, tiles.block_m), B * Hq), args, q.device,
-                           **constexprs(t))
+                           limit=tile_limit(t, scalars), **constexprs(t))
         return out, lse
 
 

@@ -9,7 +9,7 @@ import torch
 from attrs import frozen
 
 from ..errors import InputError, PluginError
-from ..passes.lower import Instance, KernelConfig
+from ..passes.lower import Instance, KernelConfig, TiledKernel
 from ..plugin_manager import lookup
 
 DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32", torch.float64: "float64"}
@@ -177,9 +177,12 @@ def empty_like_layout(t: torch.Tensor, last_dim: int, dtype: torch.dtype) -> tor
     return buffer.permute(*sorted(range(t.dim()), key=order.__getitem__))
 
 
-def plugin_args(instances: tuple[Instance, ...], q: torch.Tensor, kv: KVCache, inputs: dict[str, Any]) -> list:
-    """The kernel arguments plugins' ``prepare`` gives: each tensor with its strides, then each scalar."""
+def plugin_args(instances: tuple[Instance, ...], q: torch.Tensor, kv: KVCache, inputs: dict[str, Any]
+                ) -> tuple[list, dict[str, Any]]:
+    """The kernel arguments plugins' ``prepare`` gives: each tensor with its strides, then each scalar;
+    and the scalars by kernel-argument name."""
     args: list = []
+    scalars: dict[str, Any] = {}
     ctx = None
     for inst in instances:
         if not inst.args:
@@ -195,5 +198,15 @@ def plugin_args(instances: tuple[Instance, ...], q: torch.Tensor, kv: KVCache, i
             if tensor.device != ctx.device:
                 raise InputError(f"{comb.name}: {t.name!r} is on {tensor.device}, the inputs on {ctx.device}")
             args += [tensor, *tensor.stride()]
-        args += [prepared[sc.name] for sc in comb.scalars]
-    return args
+        for sc in comb.scalars:
+            args.append(prepared[sc.name])
+            scalars[f"{inst.prefix}_{sc.name}"] = prepared[sc.name]
+    return args, scalars
+
+
+def tile_limit(tiled: TiledKernel, scalars: dict[str, Any]) -> int | None:
+    """The largest tile a block-listing mask allows (its block size), if the program has one."""
+    for m in tiled.masks:
+        if m.fragment.block_list is not None:
+            return int(scalars[m.fragment.block_list.size])
+    return None

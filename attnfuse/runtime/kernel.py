@@ -46,14 +46,18 @@ class CompiledKernel:
         self.tiles = tiles  # shrinks if the GPU lacks the shared memory the tile table assumed
 
     def launch(self, grid: Callable[[TileConfig], tuple[int, ...]], args: tuple, device: torch.device,
-               **constexprs: Any) -> None:
-        """Launch on ``grid(tiles)`` with BLOCK_M/BLOCK_N, warps and stages from the current tiles."""
+               block_m: int | None = None, limit: int | None = None, **constexprs: Any) -> None:
+        """Launch on ``grid(tiles)`` with BLOCK_M (``block_m`` if given), BLOCK_N, warps and stages from the
+        current tiles; ``limit`` caps both block sizes (a block-sparse mask's block size)."""
         while True:
             tiles = self.tiles
+            if limit is not None and max(tiles.block_m, tiles.block_n) > limit:
+                tiles = attrs.evolve(tiles, block_m=min(tiles.block_m, limit), block_n=min(tiles.block_n, limit))
             try:
                 with _on(device):
-                    self._kernel[grid(tiles)](*args, **constexprs, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
-                                              num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+                    self._kernel[grid(tiles)](*args, **constexprs, BLOCK_M=block_m or tiles.block_m,
+                                              BLOCK_N=tiles.block_n, num_warps=tiles.num_warps,
+                                              num_stages=tiles.num_stages)
                 return
             except OutOfResources:
-                self.tiles = smaller_tiles(tiles)
+                self.tiles = smaller_tiles(self.tiles)

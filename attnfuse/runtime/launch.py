@@ -8,17 +8,18 @@ import torch
 from .. import ir
 from ..errors import InputError, ProgramError
 from ..passes.fuse import fuse
-from ..passes.lower import Instance, KernelConfig, TiledKernel, lower
-from ..plugin_manager import lookup
+from ..passes.lower import Instance, KernelConfig, TiledKernel, fragment_of, lower
 from .autograd import AttentionFunction
 from .backward import BackwardKernels
+from .decode import MAX_QUERIES, DecodeKernel
 from .forward import ForwardKernel
 from .inputs import check_cache, check_inputs, kernel_config
 
-__all__ = ["check_cache", "check_inputs", "clear_cache", "compile_backward", "compile_forward", "kernel_config",
-           "run_attention"]
+__all__ = ["check_cache", "check_inputs", "clear_cache", "compile_backward", "compile_decode", "compile_forward",
+           "kernel_config", "run_attention"]
 
 _forward: dict[tuple[ir.MatMulPV, KernelConfig], ForwardKernel] = {}
+_decode: dict[tuple[ir.MatMulPV, KernelConfig], DecodeKernel] = {}
 _backward: dict[tuple[ir.MatMulPV, KernelConfig, tuple], BackwardKernels] = {}
 
 
@@ -28,6 +29,15 @@ def compile_forward(graph: ir.MatMulPV, config: KernelConfig) -> ForwardKernel:
     kernel = _forward.get(key)
     if kernel is None:
         kernel = _forward[key] = ForwardKernel(lower(fuse(graph), config, listing=ir.render(graph)))
+    return kernel
+
+
+def compile_decode(graph: ir.MatMulPV, config: KernelConfig) -> DecodeKernel:
+    """The split-KV decoding kernel of ``graph`` for ``config``, generated on first use and cached."""
+    key = (graph, config)
+    kernel = _decode.get(key)
+    if kernel is None:
+        kernel = _decode[key] = DecodeKernel(compile_forward(graph, config).tiled)
     return kernel
 
 
@@ -44,6 +54,7 @@ def compile_backward(graph: ir.MatMulPV, config: KernelConfig,
 def clear_cache() -> None:
     """Forget every compiled kernel, e.g. after registering a plugin with new tile rules."""
     _forward.clear()
+    _decode.clear()
     _backward.clear()
 
 
@@ -80,7 +91,8 @@ def _tensor_grads(tiled: TiledKernel, inputs: dict[str, Any]) -> tuple[tuple[Ins
 
 def run_attention(graph: ir.MatMulPV, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                   inputs: dict[str, Any] | None = None, *, return_lse: bool = False,
-                  kv_lens: torch.Tensor | None = None, block_table: torch.Tensor | None = None):
+                  kv_lens: torch.Tensor | None = None, block_table: torch.Tensor | None = None,
+                  split_kv: bool | None = None):
     """Run a traced program on q (B, Hq, Nq, D), k (B, Hkv, Nk, D), v (B, Hkv, Nk, DV).
 
     Differentiable (q, k, v and declared tensor inputs) when autograd asks for gradients.
@@ -89,11 +101,13 @@ def run_attention(graph: ir.MatMulPV, q: torch.Tensor, k: torch.Tensor, v: torch
     :param kv_lens: (B,) int32 keys per sequence; query i of sequence b sits at position i + kv_lens[b] - Nq.
     :param block_table: (B, max_pages) int32, for a paged cache: k, v are then pools (pages, page_size,
         Hkv, D) and kv_lens is required.
+    :param split_kv: run the split-KV decoding path (None: when Nq <= 16, no gradient is wanted and the
+        normaliser can combine splits).
     :return: out (B, Hq, Nq, DV), or (out, lse) with lse (B, Hq, Nq) float32 when ``return_lse``.
     """
     kv = check_cache(q, k, v, kv_lens, block_table)
     inputs = inputs or {}
-    has_lse = lookup(graph.weights.apply.combinator).fragment_for(graph.weights.apply.static()).has_lse
+    has_lse = fragment_of(graph.weights.apply).has_lse
     if return_lse and not has_lse:
         raise InputError(f"return_lse=True needs a normaliser with a log-sum-exp; "
                          f"{graph.weights.apply.combinator} has none (softmax has)")
@@ -101,7 +115,14 @@ def run_attention(graph: ir.MatMulPV, q: torch.Tensor, k: torch.Tensor, v: torch
         isinstance(t, torch.Tensor) and t.requires_grad for t in (q, k, v, *inputs.values()))
     config = kernel_config(q, kv, save_lse=return_lse or (wants_grad and has_lse))
     forward = compile_forward(graph, config)
-    if not wants_grad:
+    if split_kv is None:
+        split_kv = (q.shape[2] <= MAX_QUERIES and not wants_grad
+                    and forward.tiled.normaliser.fragment.combine is not None)
+    if split_kv:
+        if wants_grad or forward.tiled.normaliser.fragment.combine is None:
+            raise InputError("the split-KV path has no backward, and needs a normaliser that can combine splits")
+        out, lse = compile_decode(graph, config)(q, kv, inputs)
+    elif not wants_grad:
         out, lse = forward(q, kv, inputs)
     else:
         if block_table is not None:

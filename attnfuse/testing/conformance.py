@@ -5,8 +5,9 @@ import torch
 from hypothesis import HealthCheck, Phase, given, note, settings
 from hypothesis import strategies as st
 
-from ..passes.lower import instance
-from ..plugin_manager import combinators, lookup
+from ..passes.fuse import fuse
+from ..passes.lower import fragment_of, instance
+from ..plugin_manager import combinators
 from .strategies import ProgramCase, program_cases, shapes
 from .tolerances import assert_matches_reference
 
@@ -29,10 +30,7 @@ def default_dtypes(device: str) -> tuple[torch.dtype, ...]:
 
 def differentiable(case: ProgramCase, extras: dict) -> tuple[bool, tuple[str, ...]]:
     """Whether every combinator of the program declares a backward, and which extra tensors get gradients."""
-    graph = case.program.graph(**extras)
-    from ..passes.fuse import fuse
-
-    fused = fuse(graph)
+    fused = fuse(case.program.graph(**{n: x for n, x in extras.items() if n != "kv_lens"}))
     grads: list[str] = []
     for i, app in enumerate(fused.applications()):
         fragment = instance(app, i).fragment
@@ -47,14 +45,21 @@ def differentiable(case: ProgramCase, extras: dict) -> tuple[bool, tuple[str, ..
     return True, tuple(dict.fromkeys(grads))
 
 
-def check_program_case(case: ProgramCase, dtype: torch.dtype, device: str, seed: int, grads: bool = False) -> None:
+def check_program_case(case: ProgramCase, dtype: torch.dtype, device: str, seed: int, grads: bool = False,
+                       kv_lens: list[int] | None = None) -> None:
     """Run ``case`` fused and compare out, lse (when the normaliser has one) and, with ``grads``, the
-    gradients of q, k, v and of tensor inputs with declared gradients, with the reference's."""
+    gradients of q, k, v and of tensor inputs with declared gradients, with the reference's. ``kv_lens``:
+    per-sequence key counts (a KV cache; with at most 16 queries and no gradients, the split-KV path)."""
     q, k, v = case.inputs(dtype, device, seed)
-    extras = case.extras_on(device)
-    has_lse = lookup(case.program.graph(**extras).weights.apply.combinator).fragment_for(
-        case.program.graph(**extras).weights.apply.static()).has_lse
+    extras = dict(case.extras_on(device))
+    if kv_lens is not None:
+        extras["kv_lens"] = torch.tensor(kv_lens, dtype=torch.int32, device=device)
+    graph = case.program.graph(**{n: x for n, x in extras.items() if n != "kv_lens"})
+    norm = fragment_of(graph.weights.apply)
+    has_lse = norm.has_lse
     can_grad, grad_extras = differentiable(case, extras) if grads else (False, ())
+    if dtype in (torch.float16, torch.bfloat16) and not norm.smooth:
+        can_grad = False
     leaves = [q, k, v] + [extras[n] for n in grad_extras]
     if can_grad:
         for t in leaves:
@@ -103,7 +108,11 @@ def check_combinator(name: str | None = None, *, device: str | None = None,
         case = data.draw(program_cases(shape, include=name), label="program")
         note(f"program: {case.text}")
         dtype = data.draw(st.sampled_from(dtypes), label="dtype")
+        kv_lens = None
+        if shape.Nq <= shape.Nk and data.draw(st.booleans(), label="kv cache"):
+            kv_lens = data.draw(st.lists(st.integers(shape.Nq, shape.Nk), min_size=shape.B, max_size=shape.B),
+                                label="kv_lens")
         check_program_case(case, dtype, device, seed=data.draw(st.integers(0, 2**31 - 1), label="seed"),
-                           grads=data.draw(st.booleans(), label="grads"))
+                           grads=data.draw(st.booleans(), label="grads"), kv_lens=kv_lens)
 
     conforms()

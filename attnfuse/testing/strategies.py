@@ -35,11 +35,12 @@ def random_tensor(draw, *size: int) -> torch.Tensor:
 @st.composite
 def shapes(draw, max_n: int = 80, head_dims: tuple[int, ...] = (16, 32, 64, 80, 128), max_batch: int = 2,
            max_kv_heads: int = 2, max_group: int = 3) -> Shape:
-    """Shapes with GQA groups, Nq != Nk, N not a multiple of the block, and sometimes DV != D."""
+    """Shapes with GQA groups, Nq != Nk, N not a multiple of the block, sometimes DV != D, and often few
+    queries (decoding: 1 to 16)."""
     D = draw(st.sampled_from(head_dims))
     Hkv = draw(st.integers(1, max_kv_heads))
     return Shape(B=draw(st.integers(1, max_batch)), Hq=Hkv * draw(st.integers(1, max_group)), Hkv=Hkv,
-                 Nq=draw(st.integers(1, max_n)), Nk=draw(st.integers(1, max_n)), D=D,
+                 Nq=draw(st.one_of(st.integers(1, 16), st.integers(1, max_n))), Nk=draw(st.integers(1, max_n)), D=D,
                  DV=draw(st.sampled_from([D, D, draw(st.sampled_from(head_dims))])))
 
 

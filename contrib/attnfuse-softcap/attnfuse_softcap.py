@@ -61,6 +61,8 @@ COMBINATOR = Combinator(
                               + ${self}_x2 * (-0.05396825396825397 + ${self}_x2 * 0.021869488536155203)))),
                          tl.where(s < 0.0, -$cap, $cap) * ((1.0 - ${self}_e) / (1.0 + ${self}_e)))
         """,
+        # d/ds cap·tanh(s/cap) = 1 - tanh²(s/cap) = 1 - (s_out/cap)²
+        grad="ds = ds * (1.0 - ($s_out / $cap) * ($s_out / $cap))",
     ),
     examples=examples,
 )

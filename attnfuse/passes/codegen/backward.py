@@ -14,8 +14,8 @@ import attrs
 
 from ..lower import Instance, TiledKernel
 from .common import (HEADER, block_range, columns, constexpr_args, dv_mask, finish, fragment, has_masks, indent,
-                     key_offsets, key_range, kv_args, kv_base, kv_length, loops, masked_load, operand, operand_grad,
-                     precision, prologues, qk_product, scores, split, with_bounds)
+                     key_offsets, key_range, kv_args, kv_base, kv_length, masked_load, operand, operand_grad,
+                     precision, prologues, qk_product, scores, split, visit, with_bounds)
 
 _DKDV = string.Template('''\
 def $name(
@@ -100,10 +100,10 @@ def _rows(kernel: TiledKernel, masked: bool) -> str:
     return code + (fragment(norm.backward_rows) + "\n" if norm.backward_rows else "")
 
 
-def _recompute(kernel: TiledKernel, masked: bool) -> str:
+def _recompute(kernel: TiledKernel, masked: bool, implied: str | None) -> str:
     """Recompute the scores, keeping each modification's input, and the weights ``p``."""
     norm = kernel.normaliser
-    code = scores(kernel, masked, rows_too=True, stages=True)
+    code = scores(kernel, masked, rows_too=True, stages=True, implied=implied)
     code += f"# {norm.prefix}: recompute the weights\n{fragment(norm.fragment.recompute)}\n"
     return code
 
@@ -131,14 +131,14 @@ def _chain(kernel: TiledKernel, masked: bool, write_tensor_grads: bool) -> str:
     return code + f"ds = ds * {kernel.scale!r}\n"
 
 
-def _dkdv_body(kernel: TiledKernel, masked: bool) -> str:
+def _dkdv_body(kernel: TiledKernel, masked: bool, implied: str | None) -> str:
     p = precision(kernel)
     ok = "q_ok" if masked else ""
     dtype = "Q.dtype.element_ty"
     rows = "q_idx = start_m + tl.arange(0, BLOCK_M)\nq_pos = q_idx + (Nk - Nq)\nq_ok = q_idx < Nq\n"
     code = (operand(kernel, "q", "q_base", "q_idx[:, None] * stride_qm", "q_pos", "q_ok", "stride_qd", masked)
             + f"do = {masked_load('do_base + q_idx[:, None] * stride_dom + dv[None, :] * stride_dod', f'{ok}[:, None]' if masked else '', dv_mask(kernel))}\n"
-            + _rows(kernel, masked) + qk_product(kernel) + _recompute(kernel, masked)
+            + _rows(kernel, masked) + qk_product(kernel) + _recompute(kernel, masked, implied)
             + f"dv_acc = tl.dot(tl.trans(p.to({dtype})), do, dv_acc{p})\n"
             + f"dp = tl.dot(do, tl.trans(v){p})\n" + _chain(kernel, masked, False))
     if split(kernel):
@@ -149,14 +149,14 @@ def _dkdv_body(kernel: TiledKernel, masked: bool) -> str:
     return rows + with_bounds(code)
 
 
-def _dq_body(kernel: TiledKernel, masked: bool) -> str:
+def _dq_body(kernel: TiledKernel, masked: bool, implied: str | None) -> str:
     p = precision(kernel)
     dtype = "Q.dtype.element_ty"
     v = masked_load("v_base + v_off[:, None] + dv[None, :] * stride_vd", "k_ok[:, None]" if masked else "",
                     dv_mask(kernel))
     keys = "k_pos = start_n + tl.arange(0, BLOCK_N)\nk_ok = k_pos < Nk\n" + key_offsets(kernel)
     code = (operand(kernel, "k", "k_base", "k_off[:, None]", "k_pos", "k_ok", "stride_kd", masked)
-            + f"v = {v}\n" + qk_product(kernel) + _recompute(kernel, masked)
+            + f"v = {v}\n" + qk_product(kernel) + _recompute(kernel, masked, implied)
             + f"dp = tl.dot(do, tl.trans(v){p})\n" + _chain(kernel, masked, True))
     if split(kernel):
         code += (f"dq1 = tl.dot(ds.to({dtype}), k1, dq1{p})\n"
@@ -195,7 +195,8 @@ def generate_dkdv(kernel: TiledKernel) -> str:
     query_range = block_range(kernel, "q_range", "q_full_range", "BLOCK_M", "Nq", "(Nk - Nq)",
                               {"k_lo": "k_lo", "k_hi": "k_hi"}) if has_masks(kernel) else \
         "start = 0\nhi = Nq\nfull_start = 0\nfull_end = Nq // BLOCK_M * BLOCK_M\n"
-    body = loops(lambda masked: _dkdv_body(kernel, masked), "start_m", "BLOCK_M", has_masks(kernel))
+    body = visit(kernel, lambda masked, implied: _dkdv_body(kernel, masked, implied), "start_m", "BLOCK_M",
+                 "pid_n * BLOCK_N", transposed=True)
     dk_base = "DKey + b.to(tl.int64) * stride_dkb + hk.to(tl.int64) * stride_dkh"
     return finish(kernel, HEADER.format(what="dK/dV kernel", signature=kernel.signature, listing=kernel.listing)
                   + "\n" + _DKDV.substitute(
@@ -216,7 +217,8 @@ def generate_dkdv(kernel: TiledKernel) -> str:
 def generate_dq(kernel: TiledKernel, tensor_grads: tuple[tuple[Instance, str], ...] = ()) -> str:
     """Triton source of the dQ kernel; it also writes the score-shaped gradients named in ``tensor_grads``."""
     chained = _only(kernel, {(inst.prefix, name) for inst, name in tensor_grads})
-    body = loops(lambda masked: _dq_body(chained, masked), "start_n", "BLOCK_N", has_masks(kernel))
+    body = visit(chained, lambda masked, implied: _dq_body(chained, masked, implied), "start_n", "BLOCK_N",
+                 "pid_m * BLOCK_M")
     dq_base = "DQuery + b.to(tl.int64) * stride_dqb + h.to(tl.int64) * stride_dqh"
     do = masked_load("DO + b.to(tl.int64) * stride_dob + h.to(tl.int64) * stride_doh + q_idx[:, None] * "
                      "stride_dom + dv[None, :] * stride_dod", "q_ok[:, None]", dv_mask(kernel))

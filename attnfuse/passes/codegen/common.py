@@ -121,11 +121,13 @@ def prologues(kernel: TiledKernel) -> str:
                    for m in kernel.mods if m.fragment.prologue)
 
 
-def scores(kernel: TiledKernel, masked: bool, rows_too: bool = False, stages: bool = False) -> str:
+def scores(kernel: TiledKernel, masked: bool, rows_too: bool = False, stages: bool = False,
+           implied: str | None = None) -> str:
     """The raw product ``s`` -> scaled, modified, masked scores as the normaliser takes them.
 
     ``stages``: keep ``s_<i>`` (the input of modification i) and ``s_nat`` (after the last) for the
     backward. ``rows_too``: the mask also excludes rows past Nq (the backward sums over rows).
+    ``implied``: the prefix of a mask whose keep the loop already guarantees (it lists the blocks visited).
     """
     lines = []
     if kernel.mods:
@@ -142,7 +144,7 @@ def scores(kernel: TiledKernel, masked: bool, rows_too: bool = False, stages: bo
         lines.append(f"s = s * {kernel.scale * kernel.score_factor!r}")
     if masked:
         keeps = (["q_ok[:, None]"] if rows_too else []) + ["k_ok[None, :]"]
-        keeps += [f"({m.fragment.keep})" for m in kernel.masks if m.fragment.keep]
+        keeps += [f"({m.fragment.keep})" for m in kernel.masks if m.fragment.keep and m.prefix != implied]
         lines += [f"keep = {' & '.join(keeps)}", f"s = tl.where(keep, s, {kernel.normaliser.fragment.masked_score})"]
     return "\n".join(lines) + "\n"
 
@@ -186,11 +188,12 @@ def has_masks(kernel: TiledKernel) -> bool:
 
 
 def block_range(kernel: TiledKernel, facts: str, full_facts: str, block: str, count: str, offset: str,
-                placeholders: dict[str, str]) -> str:
+                placeholders: dict[str, str], window: tuple[str, str] | None = None) -> str:
     """Loop bounds over index space [0, count): ``start``, ``full_start``, ``full_end``, ``hi``.
 
     Blocks in [start, full_start) and [full_end, hi) need the mask; [full_start, full_end) are kept whole.
-    The masks' facts are positions; an index is its position minus ``offset``.
+    The masks' facts are positions; an index is its position minus ``offset``. ``window``: (lo, hi) indices
+    this program is limited to (a split of the keys), block-aligned.
     """
     lines = ["lo = 0", f"hi = {count}", "full_lo = 0", f"full_hi = {count}"]
     for m in kernel.masks:
@@ -207,6 +210,11 @@ def block_range(kernel: TiledKernel, facts: str, full_facts: str, block: str, co
     lines += [
         f"lo = tl.minimum(tl.maximum(lo, 0), {count})",
         f"hi = tl.maximum(tl.minimum(hi, {count}), lo)",
+    ]
+    if window is not None:  # starts block-aligned, so no block is visited by two programs
+        lines += [f"w_lo = {window[0]}  # this program's split", f"w_hi = tl.maximum({window[1]}, w_lo)",
+                  "lo = tl.minimum(tl.maximum(lo, w_lo), w_hi)", "hi = tl.maximum(tl.minimum(hi, w_hi), lo)"]
+    lines += [
         "full_lo = tl.minimum(tl.maximum(full_lo, lo), hi)",
         "full_hi = tl.maximum(tl.minimum(full_hi, hi), full_lo)",
         f"start = lo // {block} * {block}",
@@ -216,11 +224,35 @@ def block_range(kernel: TiledKernel, facts: str, full_facts: str, block: str, co
     return "\n".join(lines) + "\n"
 
 
-def key_range(kernel: TiledKernel) -> str:
-    """Forward and dQ: which key blocks a query block (positions q_lo .. q_hi) visits."""
-    if not has_masks(kernel):
+def key_range(kernel: TiledKernel, window: tuple[str, str] | None = None) -> str:
+    """Forward, dQ and decode: which key blocks a query block (positions q_lo .. q_hi) visits, within
+    ``window`` (a decode program's split) when given."""
+    if not has_masks(kernel) and window is None:
         return "start = 0\nhi = Nk\nfull_start = 0\nfull_end = Nk // BLOCK_N * BLOCK_N\n"
-    return block_range(kernel, "kv_range", "full_range", "BLOCK_N", "Nk", "0", {"q_lo": "q_lo", "q_hi": "q_hi"})
+    return block_range(kernel, "kv_range", "full_range", "BLOCK_N", "Nk", "0", {"q_lo": "q_lo", "q_hi": "q_hi"},
+                       window)
+
+
+def listing_mask(kernel: TiledKernel):
+    """The mask that lists the blocks it keeps anything in (block sparsity), if the program has one."""
+    return next((m for m in kernel.masks if m.fragment.block_list is not None), None)
+
+
+def visit(kernel: TiledKernel, body, var: str, block: str, block_start: str, transposed: bool = False) -> str:
+    """The loops over key blocks (query blocks, ``transposed``, for dK/dV); ``body(masked, implied)`` gives
+    a loop body. With a listing mask: only its listed blocks of the block at ``block_start``, each clipped
+    to [start, hi); otherwise ``loops``."""
+    m = listing_mask(kernel)
+    if m is None:
+        return loops(lambda masked: body(masked, None), var, block, has_masks(kernel))
+    bl = m.fragment.block_list
+    count = m.code(bl.q_count if transposed else bl.count, block="list_block")
+    index = m.code(bl.q_index if transposed else bl.index, block="list_block", i="list_i")
+    return (f"# {m.prefix}: visit only the blocks it lists\nlist_size = {m.code(bl.size)}\n"
+            f"list_block = ({block_start}) // list_size\nfor list_i in range(0, {count}):\n"
+            f"    listed = {index}\n"
+            f"    for {var} in range(tl.maximum(listed * list_size, start), "
+            f"tl.minimum(listed * list_size + list_size, hi), {block}):\n{indent(body(True, m.prefix), 8)}")
 
 
 def loops(body, var: str, block: str, has_head: bool) -> str:

@@ -8,9 +8,9 @@ from __future__ import annotations
 import string
 
 from ..lower import TiledKernel
-from .common import (HEADER, columns, constexpr_args, dv_mask, finish, fragment, has_masks, indent, key_offsets,
-                     key_range, kv_args, kv_base, kv_length, loops, masked_load, operand, precision, prologues,
-                     qk_product, scores, with_bounds)
+from .common import (HEADER, columns, constexpr_args, dv_mask, finish, fragment, indent, key_offsets, key_range,
+                     kv_args, kv_base, kv_length, masked_load, operand, precision, prologues, qk_product, scores,
+                     visit, with_bounds)
 
 _KERNEL = string.Template('''\
 def $name(
@@ -49,12 +49,13 @@ $norm_finalize
 $store_lse''')
 
 
-def key_tile(kernel: TiledKernel, masked: bool) -> str:
+def key_tile(kernel: TiledKernel, masked: bool, implied: str | None = None) -> str:
     """One step of the key loop: load the k tile (transformed), scores, normaliser update, then P·V."""
     v = masked_load("v_base + v_off[:, None] + dv[None, :] * stride_vd", "k_ok[:, None]" if masked else "",
                     dv_mask(kernel))
     norm = kernel.normaliser
-    score = scores(kernel, masked) + f"# {norm.prefix}: normaliser update\n{fragment(norm.fragment.update)}\n"
+    score = scores(kernel, masked, implied=implied) + \
+        f"# {norm.prefix}: normaliser update\n{fragment(norm.fragment.update)}\n"
     return ("k_pos = start_n + tl.arange(0, BLOCK_N)\nk_ok = k_pos < Nk\n" + key_offsets(kernel)
             + with_bounds(operand(kernel, "k", "k_base", "k_off[:, None]", "k_pos", "k_ok", "stride_kd", masked)
                           + qk_product(kernel) + score)
@@ -78,5 +79,6 @@ def generate_forward(kernel: TiledKernel) -> str:
                                   True), 4),
             prologues=indent(prologues(kernel), 4), norm_init=indent(norm.init, 4),
             key_range=indent(key_range(kernel), 4),
-            loops=indent(loops(lambda masked: key_tile(kernel, masked), "start_n", "BLOCK_N", has_masks(kernel)), 4),
+            loops=indent(visit(kernel, lambda masked, implied: key_tile(kernel, masked, implied), "start_n", "BLOCK_N",
+                               "pid_m * BLOCK_M"), 4),
             norm_finalize=indent(norm.finalize, 4), dv_mask=f" & {mask}" if mask else "", store_lse=store_lse))

@@ -1,0 +1,74 @@
+"""The split-KV decoding kernel (phase one of two): for few queries (Nq <= 16) and long caches.
+
+One program per (split of the keys, batch x kv head, block of rows), where the rows are every query of
+every query head of the kv head's GQA group, so K and V are read once for the whole group. Each program
+runs the forward's key loop over its split and writes a partial (out, lse) per row; phase two (the
+runtime's combine kernel) merges the splits. Per-row data (``h``) is a (BLOCK_M, 1) column here. Rows may
+span several blocks of a block-listing mask, so here it masks element by element instead.
+"""
+from __future__ import annotations
+
+import string
+
+from ..lower import TiledKernel
+from .common import (HEADER, columns, constexpr_args, dv_mask, finish, has_masks, indent, key_range, kv_args,
+                     kv_base, kv_length, loops, operand, prologues)
+from .forward import key_tile
+
+_KERNEL = string.Template('''\
+def $name(
+    Q, K, V, PartOut, PartLse,
+    stride_qb, stride_qh, stride_qm, stride_qd,
+    stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_vb, stride_vh, stride_vn, stride_vd,
+    HQ, Nq, N_K,$kv_args
+    SPLIT, NUM_SPLITS,$extra_args
+    $constexprs
+):
+    # One program per (split of the keys, batch x kv head, block of rows); row r is query r % Nq of the
+    # group's query head r // Nq, so the whole group shares each K and V tile.
+    pid_s = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    pid_r = tl.program_id(2)
+    HKV = HQ // GROUP
+    b = pid_bh // HKV
+    hk = pid_bh % HKV
+$kv_length    r = pid_r * BLOCK_M + tl.arange(0, BLOCK_M)
+    q_ok = r < GROUP * Nq
+    q_idx = r % Nq
+    q_head = hk * GROUP + tl.minimum(r // Nq, GROUP - 1)
+    h = q_head[:, None]
+    q_pos = q_idx + (Nk - Nq)
+$columns    q_base = Q + b.to(tl.int64) * stride_qb
+$q_load$prologues
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+$norm_init
+    q_lo = Nk - Nq
+    q_hi = Nk - 1
+$key_range
+    k_base = $k_base
+    v_base = $v_base
+$loops
+$norm_finalize
+    part = ((b * HQ + q_head).to(tl.int64) * Nq + q_idx) * NUM_SPLITS + pid_s
+    tl.store(PartOut + part[:, None] * DV + dv[None, :], out, mask=q_ok[:, None]$dv_mask)
+$store_lse''')
+
+
+def generate_decode(kernel: TiledKernel) -> str:
+    """Triton source of the split-KV kernel; its normaliser must say how splits combine."""
+    norm = kernel.normaliser.fragment
+    mask = dv_mask(kernel)
+    store_lse = "    tl.store(PartLse + part, lse, mask=q_ok)\n" if norm.combine == "logsumexp" else ""
+    return finish(kernel, HEADER.format(what="split-KV decoding kernel", signature=kernel.signature,
+                                        listing=kernel.listing) + "\n" + _KERNEL.substitute(
+        name=kernel.name.replace("_fwd_", "_decode_"), kv_args=kv_args(kernel),
+        extra_args="".join(f"\n    {a}," for a in kernel.args()), constexprs=constexpr_args(kernel),
+        kv_length=indent(kv_length(kernel), 4), columns=indent(columns(kernel), 4),
+        q_load=indent(operand(kernel, "q", "q_base", "q_head[:, None].to(tl.int64) * stride_qh + q_idx[:, None] * "
+                              "stride_qm", "q_pos", "q_ok", "stride_qd", True), 4),
+        prologues=indent(prologues(kernel), 4), norm_init=indent(norm.init, 4),
+        key_range=indent(key_range(kernel, ("pid_s * SPLIT", "tl.minimum(pid_s * SPLIT + SPLIT, Nk)")), 4),
+        k_base=kv_base(kernel, "k"), v_base=kv_base(kernel, "v"),
+        loops=indent(loops(lambda masked: key_tile(kernel, masked), "start_n", "BLOCK_N", has_masks(kernel)), 4),
+        norm_finalize=indent(norm.finalize, 4), dv_mask=f" & {mask}" if mask else "", store_lse=store_lse))

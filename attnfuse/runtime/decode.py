@@ -1,0 +1,72 @@
+"""The split-KV decoding launcher: phase one (generated kernel) over key splits, phase two (combine)."""
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any
+
+import torch
+import triton
+
+from ..passes.codegen import generate_decode
+from ..passes.lower import TiledKernel
+from .combine import combine
+from .forward import constexprs
+from .inputs import KVCache, accumulator_dtype, empty_like_layout, kv_launch_args, plugin_args
+from .kernel import CompiledKernel
+
+MAX_QUERIES = 16  # decoding and speculative decoding: at most this many queries take the split path
+
+
+@functools.lru_cache(maxsize=None)
+def _parallelism(device: torch.device) -> int:
+    """Programs worth having in flight: two per multiprocessor on a GPU; a few under the interpreter."""
+    if device.type == "cuda":
+        return 2 * torch.cuda.get_device_properties(device).multi_processor_count
+    return 4
+
+
+def split_plan(B: int, Hkv: int, row_blocks: int, capacity: int, block_n: int, device: torch.device
+               ) -> tuple[int, int]:
+    """(keys per split, number of splits): enough programs to fill the GPU, each split whole blocks."""
+    blocks = triton.cdiv(capacity, block_n)
+    splits = max(1, min(blocks, triton.cdiv(_parallelism(device), B * Hkv * row_blocks)))
+    split_keys = triton.cdiv(blocks, splits) * block_n
+    return split_keys, triton.cdiv(capacity, split_keys)
+
+
+class DecodeKernel:
+    """The split-KV kernel of one program and configuration, and its two-phase launcher."""
+
+    def __init__(self, tiled: TiledKernel):
+        self.tiled = tiled
+        self.kernel = CompiledKernel(tiled.name.replace("_fwd_", "_decode_"), generate_decode(tiled),
+                                     tiled.config.arch == "interpreter", tiled.tiles_decode)
+        self.source = self.kernel.source
+
+    def __call__(self, q: torch.Tensor, kv: KVCache, inputs: dict[str, Any]
+                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """out (B, Hq, Nq, DV); lse (B, Hq, Nq) when the configuration saves it."""
+        t = self.tiled
+        B, Hq, Nq, D = q.shape
+        Hkv, DV = kv.k.shape[1], kv.v.shape[3]
+        acc = accumulator_dtype(q.dtype)
+        out = empty_like_layout(q, DV, q.dtype)
+        lse = torch.empty((B, Hq, Nq), dtype=acc, device=q.device) if t.config.save_lse else None
+        if out.numel() == 0 or kv.capacity == 0:
+            out.zero_()
+            if lse is not None:
+                lse.fill_(-math.inf)
+            return out, lse
+        rows = t.config.group * Nq
+        block_m = min(self.kernel.tiles.block_m, max(16, triton.next_power_of_2(rows)))
+        row_blocks = triton.cdiv(rows, block_m)
+        split_keys, splits = split_plan(B, Hkv, row_blocks, kv.capacity, self.kernel.tiles.block_n, q.device)
+        part_out = torch.empty((B * Hq * Nq, splits, DV), dtype=acc, device=q.device)
+        part_lse = torch.empty((B * Hq * Nq, splits), dtype=acc, device=q.device)
+        args = (q, kv.k, kv.v, part_out, part_lse, *q.stride(), *kv.k.stride(), *kv.v.stride(), Hq, Nq,
+                *kv_launch_args(kv), split_keys, splits, *plugin_args(t.instances(), q, kv, inputs)[0])
+        self.kernel.launch(lambda tiles: (splits, B * Hkv, row_blocks), args, q.device, block_m=block_m,
+                           **constexprs(t))
+        combine(part_out, part_lse, out, lse, t.normaliser.fragment.combine == "logsumexp")
+        return out, lse

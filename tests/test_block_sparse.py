@@ -1,0 +1,78 @@
+"""Block-sparse attention: only listed blocks are visited, forward and backward; BigBird."""
+import pytest
+import torch
+
+import attnfuse as af
+from attnfuse.testing import assert_matches_reference
+
+
+@af.attention
+def sparse(q, k, v, block_mask):
+    return af.softmax(af.block_sparse(af.scaled_dot_product(q, k), block_mask)) @ v
+
+
+@af.attention
+def sparse_llama(q, k, v, block_mask):
+    return af.softmax(af.alibi(af.block_sparse(af.causal(af.rope(q, k)), block_mask))) @ v
+
+
+def bigbird(B, H, N, block_size, window=1, globals_=2, randoms=3, seed=0):
+    """BigBird's block pattern: a band of ±window blocks, `globals_` global blocks, `randoms` random blocks
+    per query block (per batch and head)."""
+    blocks = -(-N // block_size)
+    g = torch.Generator().manual_seed(seed)
+    random = torch.zeros(B, H, blocks, blocks, dtype=torch.bool)
+    random.scatter_(-1, torch.randint(0, blocks, (B, H, blocks, randoms), generator=g), True)
+
+    def predicate(b, h, qb, kb):
+        band = (qb - kb).abs() <= window
+        glob = (qb < globals_) | (kb < globals_)
+        return band | glob | random[b, h, qb, kb]
+    return af.create_block_mask(predicate, B, H, N, N, block_size=block_size)
+
+
+def _grads_match(program, q, k, v, *extra):
+    out = program(q, k, v, *extra)
+    ref = program.reference(q, k, v, *extra)
+    assert_matches_reference(out, ref, program.reference(q, k, v, *extra, dtype=q.dtype), q.dtype)
+    dout = torch.randn_like(out)
+    for a, b in zip(torch.autograd.grad(out, (q, k, v), dout), torch.autograd.grad(ref, (q, k, v), dout.double())):
+        torch.testing.assert_close(a.double(), b.double(), atol=5e-5, rtol=0)
+
+
+@pytest.mark.parametrize("block_size", [16, 32, 64])
+@pytest.mark.parametrize("program", [sparse, sparse_llama], ids=lambda p: p.__name__)
+def test_bigbird_forward_and_backward(program, block_size):
+    q, k, v = (torch.randn(2, 4, 150, 32, requires_grad=True) for _ in range(3))  # N not a multiple of blocks
+    _grads_match(program, q, k, v, bigbird(2, 4, 150, block_size, seed=block_size))
+
+
+def test_gqa_and_broadcast_mask():
+    q = torch.randn(1, 4, 100, 32, requires_grad=True)
+    k, v = (torch.randn(1, 2, 100, 32, requires_grad=True) for _ in range(2))
+    mask = af.create_block_mask(lambda b, h, qb, kb: (qb + kb) % 3 != 0, None, None, 100, 100, block_size=32)
+    _grads_match(sparse, q, k, v, mask)
+
+
+def test_rows_with_no_active_block_are_zero():
+    q, k, v = (torch.randn(1, 2, 64, 16) for _ in range(3))
+    mask = af.create_block_mask(lambda b, h, qb, kb: qb + kb > 100, None, None, 64, 64, block_size=32)  # none
+    assert torch.equal(sparse(q, k, v, mask), torch.zeros(1, 2, 64, 16))
+
+
+def test_inactive_blocks_are_never_visited():
+    """NaN in every key block a query block does not list must not reach its rows (forward and dQ)."""
+    q, k, v = (torch.randn(1, 2, 128, 16) for _ in range(3))
+    active = torch.eye(4, dtype=torch.bool)  # each query block sees its own key block only
+    mask = af.BlockMask.from_blocks(active, 128, 128, block_size=32)
+    poisoned = v.clone()
+    poisoned[:, :, 32:] = float("nan")
+    out = sparse(q, k, poisoned, mask)
+    torch.testing.assert_close(out[:, :, :32], sparse(q, k, v, mask)[:, :, :32], atol=0, rtol=0)
+    assert torch.isnan(out[:, :, 32:]).all()
+
+
+def test_sparse_kernel_iterates_the_block_lists():
+    q, k, v = (torch.randn(1, 2, 64, 16) for _ in range(3))
+    source = sparse.source(q, k, v, bigbird(1, 2, 64, 32))
+    assert "visit only the blocks it lists" in source and "# full blocks" not in source
