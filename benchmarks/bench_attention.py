@@ -217,6 +217,73 @@ def backward_suite(Ns: list[int], geometries: list[str], variants: list[str]) ->
     return run_rows(backward_row, cases())
 
 
+DECODE_MODELS = {"llama3-8b": (32, 8, 128, 4096), "llama3-70b": (64, 8, 128, 32768), "mistral-7b": (32, 8, 128, 16384)}
+
+
+@af.attention
+def decode_program(q, k, v):
+    return af.softmax(af.scaled_dot_product(q, k)) @ v
+
+
+def decode_row(model: str, B: int) -> dict:
+    """One new token per sequence against a full cache; GB/s counts the K and V bytes read once."""
+    Hq, Hkv, D, N = DECODE_MODELS[model]
+    q = torch.randn(B, Hq, 1, D, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(B, Hkv, N, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    out = decode_program(q, k, v)
+    row = {"case": f"decode {model} B{B} cache {N}", "bytes": 2 * B * Hkv * N * D * 2,
+           "attnfuse": bench(lambda: decode_program(q, k, v))}
+    for name, backend in (("cudnn", SDPBackend.CUDNN_ATTENTION), ("flash", SDPBackend.FLASH_ATTENTION)):
+        try:
+            fn = lambda: sdpa(backend, q, k, v, False)  # noqa: E731
+            row["err"] = (out.float() - fn().float()).abs().max().item()
+            row[name] = bench(fn)
+        except RuntimeError as exc:
+            row[name] = f"n/a ({str(exc).splitlines()[0][:40]})"
+    fn = lambda: flex(q, k, v, enable_gqa=True)  # noqa: E731
+    row.setdefault("err", (out.float() - fn().float()).abs().max().item())
+    row["flex"] = bench(fn)
+    return row
+
+
+def bigbird_blocks(B: int, H: int, N: int, block: int = 128, seed: int = 0) -> torch.Tensor:
+    """BigBird's block grid: a band of ±1 blocks, 2 global blocks, 3 random blocks per query block."""
+    n = N // block
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    active = torch.zeros(B, H, n, n, dtype=torch.bool, device="cuda")
+    active.scatter_(-1, torch.randint(0, n, (B, H, n, 3), generator=g, device="cuda"), True)
+    qb, kb = torch.arange(n, device="cuda")[:, None], torch.arange(n, device="cuda")[None, :]
+    return active | ((qb - kb).abs() <= 1) | (qb < 2) | (kb < 2)
+
+
+@af.attention
+def bigbird_program(q, k, v, block_mask):
+    return af.softmax(af.block_sparse(af.scaled_dot_product(q, k), block_mask)) @ v
+
+
+def sparse_row(N: int, train: bool) -> dict:
+    """BigBird, Llama-3-8B geometry, against flex_attention with the same block grid."""
+    B, Hq, Hkv, D = GEOMETRIES["llama3-8b"]
+    active = bigbird_blocks(B, Hq, N)
+    ours_mask = af.BlockMask.from_blocks(active, N, N, block_size=128)
+    flex_mask = create_block_mask(lambda b, h, qi, ki: active[b, h, qi // 128, ki // 128], B, Hq, N, N,
+                                  device="cuda")
+    leaves = [torch.randn(B, h, N, D, device="cuda", dtype=torch.bfloat16, requires_grad=train)
+              for h in (Hq, Hkv, Hkv)]
+    q, k, v = leaves
+    dout = torch.randn(B, Hq, N, D, device="cuda", dtype=torch.bfloat16)
+
+    def run(attend):
+        return (lambda: torch.autograd.grad(attend(), leaves, dout)[0]) if train else attend
+    ours = run(lambda: bigbird_program(q, k, v, ours_mask))
+    theirs = run(lambda: flex(q, k, v, block_mask=flex_mask, enable_gqa=True))
+    pairs_kept = int(active.sum().item()) * 128 * 128 // (B * Hq)
+    return {"case": f"bigbird llama3-8b N{N} ({1 - active.float().mean().item():.0%} sparse)"
+                    f"{' fwd+bwd' if train else ''}",
+            "flops": (3.5 if train else 1.0) * 4 * B * Hq * pairs_kept * D, "attnfuse": bench(ours),
+            "flex": bench(theirs), "err": (ours().float() - theirs().float()).abs().max().item()}
+
+
 def memory_suite(N: int) -> list[str]:
     """Peak GPU memory of one forward+backward, causal, Llama-3-8B geometry, against SDPA and the naive
     reference (which materialises the scores)."""
@@ -285,11 +352,14 @@ def overhead_suite() -> list[str]:
 
 
 def cell(row: dict, key: str) -> str:
+    """ms, with TFLOP/s (compute-bound rows) or GB/s (decode rows, by bytes read) beside it."""
     value = row.get(key)
     if value is None:
         return "—"
     if isinstance(value, str):
         return value
+    if "bytes" in row:
+        return f"{value:.3f} ({row['bytes'] / value / 1e6:.0f} GB/s)"
     return f"{value:.3f} ({row['flops'] / value / 1e9:.0f})"
 
 
@@ -305,7 +375,7 @@ HEADER = ("| case | AttnFuse ms (TFLOP/s) | cuDNN SDPA | FA2 SDPA | flex (compil
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--suite", default="forward,backward,memory,overhead")
+    parser.add_argument("--suite", default="forward,backward,decode,sparse,memory,overhead")
     parser.add_argument("--N", default="2048,4096,8192,16384")
     parser.add_argument("--geometries", default="gpt2,llama3-8b")
     parser.add_argument("--variants", default=",".join(PROGRAMS))
@@ -330,6 +400,16 @@ def main() -> None:
         rows = backward_suite([int(n) for n in args.backward_N.split(",")], args.geometries.split(","),
                               args.backward_variants.split(","))
         lines += ["## Forward + backward", "", HEADER, *map(format_row, rows), ""]
+        save(args.out, lines)
+    if "decode" in suites:
+        print(HEADER)
+        rows = run_rows(decode_row, [(model, B) for model in DECODE_MODELS for B in (1, 8)])
+        lines += ["## Decoding (one query per sequence, full cache)", "", HEADER, *map(format_row, rows), ""]
+        save(args.out, lines)
+    if "sparse" in suites:
+        print(HEADER)
+        rows = run_rows(sparse_row, [(N, train) for train in (False, True) for N in (4096, 16384)])
+        lines += ["## Block-sparse (BigBird)", "", HEADER, *map(format_row, rows), ""]
         save(args.out, lines)
     if "memory" in suites:
         lines += ["## Memory", "", *[f"- {line}" for line in memory_suite(16384)], ""]

@@ -64,3 +64,52 @@ def test_bf16_fuzz_long_sequences():
     from attnfuse.testing import check_combinator
 
     check_combinator(None, dtypes=(torch.bfloat16,), max_examples=30, max_n=2000, head_dims=(64, 128))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_backward_matches_sdpa(dtype):
+    B, Hq, Hkv, N, D = 1, 8, 2, 1000, 128
+    leaves = [torch.randn(B, h, N, D, device="cuda", dtype=dtype, requires_grad=True) for h in (Hq, Hkv, Hkv)]
+    dout = torch.randn(B, Hq, N, D, device="cuda", dtype=dtype)
+    got = torch.autograd.grad(causal(*leaves), leaves, dout)
+    q, k, v = (t.detach().double().requires_grad_(True) for t in leaves)
+    ref = torch.nn.functional.scaled_dot_product_attention(q, k.repeat_interleave(4, 1), v.repeat_interleave(4, 1),
+                                                           is_causal=True)
+    want = torch.autograd.grad(ref, (q, k, v), dout.double())
+    lowp = [t.detach().requires_grad_(True) for t in leaves]
+    ref_lowp = torch.nn.functional.scaled_dot_product_attention(
+        lowp[0], lowp[1].repeat_interleave(4, 1), lowp[2].repeat_interleave(4, 1), is_causal=True)
+    want_lowp = torch.autograd.grad(ref_lowp, lowp, dout)
+    for name, a, b, c in zip(("dq", "dk", "dv"), got, want, want_lowp):
+        assert_matches_reference(a, b, c, dtype, what=name)
+
+
+@pytest.mark.parametrize("Nq", [1, 8])
+def test_decode_matches_sdpa(Nq):
+    """Split-KV decoding, bf16, Llama-3-70B heads, per-sequence lengths."""
+    B, Hq, Hkv, N, D = 2, 64, 8, 5000, 128
+    q = torch.randn(B, Hq, Nq, D, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(B, Hkv, N, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    lens = torch.tensor([5000, 3001], dtype=torch.int32, device="cuda")
+    out = dense(q, k, v, kv_lens=lens)
+    for b, n in enumerate(lens.tolist()):
+        args = (q[b:b + 1].double(), k[b:b + 1, :, :n].double().repeat_interleave(8, 1),
+                v[b:b + 1, :, :n].double().repeat_interleave(8, 1))
+        ref = torch.nn.functional.scaled_dot_product_attention(*args)
+        ref_lowp = torch.nn.functional.scaled_dot_product_attention(*(a.to(torch.bfloat16) for a in args))
+        assert_matches_reference(out[b:b + 1], ref, ref_lowp, torch.bfloat16)
+
+
+def test_block_sparse_bf16():
+    B, H, N, D = 1, 4, 1024, 128
+
+    @af.attention
+    def sparse(q, k, v, block_mask):
+        return af.softmax(af.block_sparse(af.scaled_dot_product(q, k), block_mask)) @ v
+
+    active = torch.rand(B, H, N // 128, N // 128, device="cuda") > 0.7
+    active |= torch.eye(N // 128, dtype=torch.bool, device="cuda")
+    mask = af.BlockMask.from_blocks(active, N, N, block_size=128)
+    q, k, v = (torch.randn(B, H, N, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    assert_matches_reference(sparse(q, k, v, mask), sparse.reference(q, k, v, mask),
+                             sparse.reference(q, k, v, mask, dtype=torch.bfloat16), torch.bfloat16)
