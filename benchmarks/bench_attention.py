@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import math
 import os
 import tempfile
 import time
@@ -101,17 +100,17 @@ def flex_case(variant: str, B: int, Hq: int, N: int, device):
     def window_mask(b, h, q_idx, kv_idx):
         return (kv_idx <= q_idx) & (q_idx - kv_idx < WINDOW)
 
-    score_mod, mask = None, None
+    slopes = alibi_slopes(Hq, device)
+
+    def alibi(score, b, h, q_idx, kv_idx):
+        return score + slopes[h] * (kv_idx - q_idx)
+
+    mask = None
     if variant in ("causal", "causal_alibi", "rope_causal"):
         mask = create_block_mask(causal_mask, None, None, N, N, device=device)
     elif variant == "sliding_window":
         mask = create_block_mask(window_mask, None, None, N, N, device=device)
-    if variant == "causal_alibi":
-        slopes = alibi_slopes(Hq, device)
-
-        def score_mod(score, b, h, q_idx, kv_idx):
-            return score + slopes[h] * (kv_idx - q_idx)
-    return score_mod, mask
+    return (alibi if variant == "causal_alibi" else None), mask
 
 
 def sdpa(backend, q, k, v, causal_: bool):

@@ -124,7 +124,7 @@ def check_inputs(q: Any, k: Any, v: Any, paged: bool = False) -> None:
             raise InputError(f"paged k and v must be pools (pages, page_size, Hkv, D) with the same pages, page size "
                              f"and heads, got {tuple(k.shape)} and {tuple(v.shape)}")
         k, v = k.permute(0, 2, 1, 3), v.permute(0, 2, 1, 3)
-    (B, Hq, Nq, D), (Bk, Hkv, Nk, Dk), (Bv, Hv, Nv, DV) = q.shape, k.shape, v.shape
+    (B, Hq, _, D), (Bk, Hkv, Nk, Dk), (Bv, Hv, Nv, DV) = q.shape, k.shape, v.shape
     if not paged and not B == Bk == Bv:
         raise InputError(f"q, k and v must share the batch size, got {B}, {Bk}, {Bv}")
     if Hkv != Hv:

@@ -13,16 +13,14 @@ import string
 import attrs
 
 from ..lower import Instance, TiledKernel
-from .common import (HEADER, block_range, columns, constexpr_args, dv_mask, finish, fragment, has_masks, indent,
+from .common import (HEADER, QKV_STRIDES, block_range, columns, constexpr_args, dv_mask, finish, fragment, has_masks, indent,
                      key_offsets, key_range, kv_args, kv_base, kv_length, masked_load, operand, operand_grad,
-                     precision, prologues, qk_product, scores, split, visit, with_bounds)
+                     precision, prologues, qk_product, query_block, scores, split, visit, with_bounds)
 
 _DKDV = string.Template('''\
 def $name(
     Q, K, V, DO, Lse, Delta, DKey, DValue,
-    stride_qb, stride_qh, stride_qm, stride_qd,
-    stride_kb, stride_kh, stride_kn, stride_kd,
-    stride_vb, stride_vh, stride_vn, stride_vd,
+$strides
     stride_dob, stride_doh, stride_dom, stride_dod,
     stride_dkb, stride_dkh, stride_dkn, stride_dkd,
     stride_dvb, stride_dvh, stride_dvn, stride_dvd,
@@ -59,28 +57,15 @@ $dk_grad$dk_store    tl.store(DValue + b.to(tl.int64) * stride_dvb + hk.to(tl.in
 _DQ = string.Template('''\
 def $name(
     Q, K, V, DO, Lse, Delta, DQuery,
-    stride_qb, stride_qh, stride_qm, stride_qd,
-    stride_kb, stride_kh, stride_kn, stride_kd,
-    stride_vb, stride_vh, stride_vn, stride_vd,
+$strides
     stride_dob, stride_doh, stride_dom, stride_dod,
     stride_dqb, stride_dqh, stride_dqm, stride_dqd,
     HQ, Nq, N_K,$kv_args$extra_args
     $constexprs
 ):
     # One program per (query block, batch x query head): dQ of these rows, over the key blocks they see.
-    pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    b = pid_bh // HQ
-    h = pid_bh % HQ
-    hk = h // GROUP
-$kv_length    q_idx = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    q_pos = q_idx + (Nk - Nq)
-    q_ok = q_idx < Nq
-$columns    q_base = Q + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh
-$q_load    do = $do_load
+$query_block$q_load    do = $do_load
 $rows$prologues$dq_init
-    q_lo = pid_m * BLOCK_M + (Nk - Nq)
-    q_hi = tl.minimum(pid_m * BLOCK_M + BLOCK_M, Nq) - 1 + (Nk - Nq)
 $key_range
     k_base = $k_base
     v_base = $v_base
@@ -202,7 +187,7 @@ def generate_dkdv(kernel: TiledKernel) -> str:
                   + "\n" + _DKDV.substitute(
             name=kernel.name.replace("_fwd_", "_dkdv_"), extra_args="".join(f"\n    {a}," for a in kernel.args()),
             constexprs=constexpr_args(kernel), columns=indent(columns(kernel), 4),
-            kv_args=kv_args(kernel), kv_length=indent(kv_length(kernel), 4),
+            strides=QKV_STRIDES, kv_args=kv_args(kernel), kv_length=indent(kv_length(kernel), 4),
             k_load=indent(operand(kernel, "k", "k_base", "k_pos[:, None] * stride_kn", "k_pos", "k_ok", "stride_kd",
                                   True), 4),
             v_load=masked_load("V + b.to(tl.int64) * stride_vb + hk.to(tl.int64) * stride_vh + k_pos[:, None] * "
@@ -226,11 +211,12 @@ def generate_dq(kernel: TiledKernel, tensor_grads: tuple[tuple[Instance, str], .
     return finish(kernel, HEADER.format(what="dQ kernel", signature=kernel.signature, listing=kernel.listing)
                   + "\n" + _DQ.substitute(
             name=kernel.name.replace("_fwd_", "_dq_"), extra_args="".join(f"\n    {a}," for a in args),
-            constexprs=constexpr_args(kernel), columns=indent(columns(kernel), 4),
-            kv_args=kv_args(kernel), kv_length=indent(kv_length(kernel), 4),
+            constexprs=constexpr_args(kernel), strides=QKV_STRIDES, kv_args=kv_args(kernel),
+            query_block=indent(query_block(kernel), 4),
             q_load=indent(operand(kernel, "q", "q_base", "q_idx[:, None] * stride_qm", "q_pos", "q_ok", "stride_qd",
                                   True), 4),
-            do_load=do, k_base=kv_base(kernel, "k"), v_base=kv_base(kernel, "v"), rows=indent("rows = pid_bh.to(tl.int64) * Nq\n" + _rows(kernel, True), 4),
+            do_load=do, k_base=kv_base(kernel, "k"), v_base=kv_base(kernel, "v"),
+            rows=indent("rows = pid_bh.to(tl.int64) * Nq\n" + _rows(kernel, True), 4),
             prologues=indent(prologues(kernel), 4), dq_init=indent(_accumulators(kernel, "dq", "BLOCK_M"), 4),
             key_range=indent(key_range(kernel), 4), loops=indent(body, 4),
             dq_grad=indent(operand_grad(kernel, "q", "dq", "q_pos", "q_ok"), 4),

@@ -17,6 +17,22 @@ import triton.language as tl
 '''
 
 
+QKV_STRIDES = """\
+    stride_qb, stride_qh, stride_qm, stride_qd,
+    stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_vb, stride_vh, stride_vn, stride_vd,"""
+
+
+def query_block(kernel: TiledKernel) -> str:
+    """Program -> (query block, batch, query head, kv head): the block's rows, their positions, and the span
+    ``q_lo`` .. ``q_hi`` of positions the masks' facts take. The longest (causal) rows start first."""
+    return ("pid_m = tl.num_programs(0) - 1 - tl.program_id(0)\npid_bh = tl.program_id(1)\n"
+            "b = pid_bh // HQ\nh = pid_bh % HQ\nhk = h // GROUP\n" + kv_length(kernel)
+            + "q_idx = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)\nq_pos = q_idx + (Nk - Nq)\nq_ok = q_idx < Nq\n"
+            + "q_lo = pid_m * BLOCK_M + (Nk - Nq)\nq_hi = tl.minimum(pid_m * BLOCK_M + BLOCK_M, Nq) - 1 + (Nk - Nq)\n"
+            + columns(kernel) + "q_base = Q + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh\n")
+
+
 def finish(kernel: TiledKernel, source: str) -> str:
     """Float64 inputs compute in float64: ``tl.float32``, the accumulation type in the template and in
     fragments, becomes ``tl.float64``."""

@@ -11,16 +11,14 @@ from __future__ import annotations
 import string
 
 from ..lower import TiledKernel
-from .common import (HEADER, columns, constexpr_args, dv_mask, finish, has_masks, indent, key_range, kv_args,
+from .common import (HEADER, QKV_STRIDES, columns, constexpr_args, dv_mask, finish, has_masks, indent, key_range, kv_args,
                      kv_base, kv_length, loops, operand, prologues)
 from .forward import key_tile
 
 _KERNEL = string.Template('''\
 def $name(
     Q, K, V, PartOut, PartLse,
-    stride_qb, stride_qh, stride_qm, stride_qd,
-    stride_kb, stride_kh, stride_kn, stride_kd,
-    stride_vb, stride_vh, stride_vn, stride_vd,
+$strides
     HQ, Nq, N_K,$kv_args
     SPLIT, NUM_SPLITS,$extra_args
     $constexprs
@@ -62,7 +60,7 @@ def generate_decode(kernel: TiledKernel) -> str:
     store_lse = "    tl.store(PartLse + part, lse, mask=q_ok)\n" if norm.combine == "logsumexp" else ""
     return finish(kernel, HEADER.format(what="split-KV decoding kernel", signature=kernel.signature,
                                         listing=kernel.listing) + "\n" + _KERNEL.substitute(
-        name=kernel.name.replace("_fwd_", "_decode_"), kv_args=kv_args(kernel),
+        name=kernel.name.replace("_fwd_", "_decode_"), strides=QKV_STRIDES, kv_args=kv_args(kernel),
         extra_args="".join(f"\n    {a}," for a in kernel.args()), constexprs=constexpr_args(kernel),
         kv_length=indent(kv_length(kernel), 4), columns=indent(columns(kernel), 4),
         q_load=indent(operand(kernel, "q", "q_base", "q_head[:, None].to(tl.int64) * stride_qh + q_idx[:, None] * "

@@ -8,36 +8,23 @@ from __future__ import annotations
 import string
 
 from ..lower import TiledKernel
-from .common import (HEADER, columns, constexpr_args, dv_mask, finish, fragment, indent, key_offsets, key_range,
-                     kv_args, kv_base, kv_length, masked_load, operand, precision, prologues, qk_product, scores,
-                     visit, with_bounds)
+from .common import (HEADER, QKV_STRIDES, constexpr_args, dv_mask, finish, fragment, indent, key_offsets,
+                     key_range, kv_args, kv_base, masked_load, operand, precision, prologues, qk_product,
+                     query_block, scores, visit, with_bounds)
 
 _KERNEL = string.Template('''\
 def $name(
     Q, K, V, Out, Lse,
-    stride_qb, stride_qh, stride_qm, stride_qd,
-    stride_kb, stride_kh, stride_kn, stride_kd,
-    stride_vb, stride_vh, stride_vn, stride_vd,
+$strides
     stride_ob, stride_oh, stride_om, stride_od,
     HQ, Nq, N_K,$kv_args$extra_args
     $constexprs
 ):
-    # One program per (query block, batch x query head); the longest (causal) rows start first.
-    pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    b = pid_bh // HQ
-    h = pid_bh % HQ
-    hk = h // GROUP
-$kv_length    q_idx = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    q_pos = q_idx + (Nk - Nq)
-    q_ok = q_idx < Nq
-$columns    q_base = Q + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh
-$q_load$prologues
+    # One program per (query block, batch x query head).
+$query_block$q_load$prologues
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
 $norm_init
-    # Keys [lo, hi) can be kept by some row of this block (positions q_lo .. q_hi); [full_lo, full_hi) by all.
-    q_lo = pid_m * BLOCK_M + (Nk - Nq)
-    q_hi = tl.minimum(pid_m * BLOCK_M + BLOCK_M, Nq) - 1 + (Nk - Nq)
+    # Keys [lo, hi) can be kept by some row of this block; [full_lo, full_hi) by all of them.
 $key_range
     k_base = $k_base
     v_base = $v_base
@@ -72,8 +59,8 @@ def generate_forward(kernel: TiledKernel) -> str:
     return finish(kernel, HEADER.format(what="forward kernel", signature=kernel.signature, listing=kernel.listing)
                   + "\n" + _KERNEL.substitute(
             name=kernel.name, extra_args="".join(f"\n    {a}," for a in kernel.args()),
-            constexprs=constexpr_args(kernel), columns=indent(columns(kernel), 4),
-            kv_args=kv_args(kernel), kv_length=indent(kv_length(kernel), 4),
+            constexprs=constexpr_args(kernel),
+            strides=QKV_STRIDES, kv_args=kv_args(kernel), query_block=indent(query_block(kernel), 4),
             k_base=kv_base(kernel, "k"), v_base=kv_base(kernel, "v"),
             q_load=indent(operand(kernel, "q", "q_base", "q_idx[:, None] * stride_qm", "q_pos", "q_ok", "stride_qd",
                                   True), 4),
