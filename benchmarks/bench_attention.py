@@ -309,7 +309,6 @@ def memory_suite(N: int) -> list[str]:
             lines.append(f"peak memory of forward+backward, causal, llama3-8b N{N}, {name}: {peak:.2f} GiB")
         except torch.cuda.OutOfMemoryError:
             lines.append(f"peak memory of forward+backward, causal, llama3-8b N{N}, {name}: out of memory")
-        print(lines[-1], flush=True)
     return lines
 
 
@@ -387,37 +386,29 @@ def main() -> None:
              f"triton {__import__('triton').__version__} · bf16, median ms (TFLOP/s)")
     print(title)
     lines = [title, ""]
-    suites = args.suite.split(",")
-    if "forward" in suites:
-        print(HEADER)
-        rows = forward_suite([int(n) for n in args.N.split(",")], args.geometries.split(","),
-                             args.variants.split(","))
-        lines += ["## Forward", "", HEADER, *map(format_row, rows), ""]
+    Ns, backward_Ns = [int(n) for n in args.N.split(",")], [int(n) for n in args.backward_N.split(",")]
+    geometries = args.geometries.split(",")
+    tables = {  # suite -> (title, rows)
+        "forward": ("Forward", lambda: forward_suite(Ns, geometries, args.variants.split(","))),
+        "backward": ("Forward + backward",
+                     lambda: backward_suite(backward_Ns, geometries, args.backward_variants.split(","))),
+        "decode": ("Decoding (one query per sequence, full cache)",
+                   lambda: run_rows(decode_row, [(model, B) for model in DECODE_MODELS for B in (1, 8)])),
+        "sparse": ("Block-sparse (BigBird)",
+                   lambda: run_rows(sparse_row, [(N, train) for train in (False, True) for N in (4096, 16384)])),
+    }
+    lists = {"memory": ("Memory", lambda: memory_suite(16384)), "overhead": ("Host overhead", overhead_suite)}
+    for suite in args.suite.split(","):
+        if suite in tables:
+            print(HEADER)
+            name, rows = tables[suite]
+            lines += [f"## {name}", "", HEADER, *map(format_row, rows()), ""]
+        else:
+            name, items = lists[suite]
+            found = items()
+            print("\n".join(found), flush=True)
+            lines += [f"## {name}", "", *[f"- {line}" for line in found], ""]
         save(args.out, lines)
-    if "backward" in suites:
-        print(HEADER)
-        rows = backward_suite([int(n) for n in args.backward_N.split(",")], args.geometries.split(","),
-                              args.backward_variants.split(","))
-        lines += ["## Forward + backward", "", HEADER, *map(format_row, rows), ""]
-        save(args.out, lines)
-    if "decode" in suites:
-        print(HEADER)
-        rows = run_rows(decode_row, [(model, B) for model in DECODE_MODELS for B in (1, 8)])
-        lines += ["## Decoding (one query per sequence, full cache)", "", HEADER, *map(format_row, rows), ""]
-        save(args.out, lines)
-    if "sparse" in suites:
-        print(HEADER)
-        rows = run_rows(sparse_row, [(N, train) for train in (False, True) for N in (4096, 16384)])
-        lines += ["## Block-sparse (BigBird)", "", HEADER, *map(format_row, rows), ""]
-        save(args.out, lines)
-    if "memory" in suites:
-        lines += ["## Memory", "", *[f"- {line}" for line in memory_suite(16384)], ""]
-        save(args.out, lines)
-    if "overhead" in suites:
-        overhead = overhead_suite()
-        print("\n".join(overhead))
-        lines += ["## Host overhead", "", *[f"- {line}" for line in overhead], ""]
-    save(args.out, lines)
 
 
 def save(path: str | None, lines: list[str]) -> None:
