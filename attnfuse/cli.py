@@ -140,7 +140,7 @@ def cmd_show(args: argparse.Namespace, out: TextIO) -> int:
     from . import ir
     from .passes.lower import KernelConfig, fragment_of
     from .runtime.inputs import MAX_HEAD_DIM
-    from .runtime.launch import compile_forward
+    from .runtime.launch import compile_forward, compiled_kernel
 
     program, spec = resolve_program(args.program)
     _check_showable(program, spec)
@@ -154,16 +154,18 @@ def cmd_show(args: argparse.Namespace, out: TextIO) -> int:
     if args.lse and not fragment_of(graph.weights.apply).has_lse:
         raise CLIError(f"--lse needs a normaliser with a log-sum-exp; {graph.weights.apply.combinator} has none "
                        f"(softmax has)")
-    config = KernelConfig(arch=arch, dtype=dtype, head_dim=args.head_dim, head_dim_v=head_dim_v,
-                          group=args.group, save_lse=args.lse, fp32_precision="ieee")
-    kernel = compile_forward(graph, config)
+    training = args.kernel in ("dkdv", "dq")
+    config = KernelConfig(arch=arch, dtype=dtype, head_dim=args.head_dim, head_dim_v=head_dim_v, group=args.group,
+                          save_lse=args.lse or (training and fragment_of(graph.weights.apply).has_lse),
+                          fp32_precision="ieee")
+    kernel = compiled_kernel(graph, config, args.kernel)
     if args.path_only:
         print(kernel.path, file=out)
         return 0
     if args.source_only:
         out.write(kernel.source if kernel.source.endswith("\n") else kernel.source + "\n")
         return 0
-    tiled = kernel.tiled
+    tiled = compile_forward(graph, config).tiled
     doc = _first_line(program.fn.__doc__ or "")
     listing = ir.render(graph)
     print(f"# program    {spec}" + (f"  ({doc})" if doc else ""), file=out)
@@ -173,9 +175,9 @@ def cmd_show(args: argparse.Namespace, out: TextIO) -> int:
     if ir.signature(graph) not in listing:
         print(f"    signature {ir.signature(graph)}", file=out)
     print("# kernel     " + " ".join(f"{k}={v}" for k, v in attrs.asdict(config).items()), file=out)
-    tiles = " ".join(f"{k}={v}" for k, v in attrs.asdict(tiled.tiles).items())
+    tiles = " ".join(f"{k}={v}" for k, v in attrs.asdict(kernel.tiles).items())
     print(f"# tiles      {tiles} block_d={tiled.block_d} block_dv={tiled.block_dv}", file=out)
-    print(f"# name       {tiled.name}", file=out)
+    print(f"# name       {kernel.name}", file=out)
     print(f"# path       {kernel.path}", file=out)
     print("# source", file=out)
     out.write(kernel.source if kernel.source.endswith("\n") else kernel.source + "\n")
@@ -373,6 +375,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--arch", type=_arch, metavar="ARCH",
                    help="interpreter, sm90, sm80, ... (default: the local GPU's, else interpreter)")
     p.add_argument("--lse", action="store_true", help="a kernel that also writes the log-sum-exp")
+    p.add_argument("--kernel", choices=("forward", "decode", "dkdv", "dq"), default="forward",
+                   help="which generated kernel: the forward (default), the split-KV decoding kernel, or the "
+                        "backward's dK/dV or dQ kernel")
     only = p.add_mutually_exclusive_group()
     only.add_argument("--source-only", action="store_true", help="print the generated source alone")
     only.add_argument("--path-only", action="store_true", help="print the cached source file's path alone")

@@ -11,7 +11,8 @@ from . import ir
 from .dsl import RUNTIME, trace
 from .errors import InputError, ProgramError
 from .reference import evaluate
-from .runtime.launch import check_cache, compile_forward, kernel_config, run_attention
+from .passes.lower import fragment_of
+from .runtime.launch import check_cache, compiled_kernel, kernel_config, run_attention
 
 RESERVED_ARGUMENTS = ("return_lse", "kv_lens", "block_table")
 
@@ -112,11 +113,14 @@ class AttentionProgram:
         return out, lse
 
     def source(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *args: Any, return_lse: bool = False,
-               kv_lens: torch.Tensor | None = None, block_table: torch.Tensor | None = None, **kwargs: Any) -> str:
-        """The generated Triton source of the forward kernel these inputs run."""
+               kernel: str = "forward", kv_lens: torch.Tensor | None = None,
+               block_table: torch.Tensor | None = None, **kwargs: Any) -> str:
+        """The generated Triton source of one kernel for these inputs: ``kernel`` is "forward", "decode"
+        (the split-KV path), "dkdv" or "dq" (the backward's)."""
         kv = check_cache(q, k, v, kv_lens, block_table)
         graph = self._trace(self._bind(args, kwargs)[0])
-        return compile_forward(graph, kernel_config(q, kv, save_lse=return_lse)).source
+        save_lse = return_lse or (kernel in ("dkdv", "dq") and fragment_of(graph.weights.apply).has_lse)
+        return compiled_kernel(graph, kernel_config(q, kv, save_lse=save_lse), kernel).source
 
     def __repr__(self) -> str:
         return f"<attnfuse program {self.fn.__qualname__}>"

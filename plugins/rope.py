@@ -94,10 +94,13 @@ def _theta_tables(theta: float, first: int, last: int, D: int, B: int, device: t
 def prepare(ctx, theta, scale, cos, sin, rotate_keys):
     _check_tables(cos, sin, ctx)
     if cos is None:
-        first = -ctx.Nq if ctx.has_kv_lens else min(0, ctx.Nk - ctx.Nq)  # the lowest position a query can have
+        first = -ctx.Nq if ctx.kv_lens is not None else min(0, ctx.Nk - ctx.Nq)  # the lowest query position
         dtype = torch.float64 if ctx.dtype == torch.float64 else torch.float32
         cos, sin = _theta_tables(float(theta), first, ctx.Nk, ctx.D, ctx.B, ctx.device, dtype)
         return {"cos": cos, "sin": sin, "first": first}
+    if ctx.kv_lens is not None and bool((ctx.kv_lens < ctx.Nq).any()):  # one host sync, tables only
+        raise InputError(f"rope: cos/sin tables are indexed by position, so every sequence needs at least "
+                         f"Nq={ctx.Nq} keys (kv_lens={ctx.kv_lens.tolist()}); pass theta instead")
     cos, sin = (t.expand(ctx.B, *t.shape[-2:]) for t in (cos, sin))
     return {"cos": cos, "sin": sin, "first": 0}
 

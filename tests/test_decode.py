@@ -134,12 +134,23 @@ def test_pre_rotated_keys():
 
 def test_bad_cache_inputs():
     q, k, v = _cache(2, 4, 2, 1, 32, 16)
-    with pytest.raises(af.InputError, match=r"kv_lens must be an int32 tensor of shape \(B,\) = \(2,\)"):
+    with pytest.raises(af.InputError, match=r"kv_lens must be an int32 \(or int64\) tensor of shape \(B,\) = \(2,\)"):
         llama(q, k, v, kv_lens=torch.tensor([3], dtype=torch.int32))
     with pytest.raises(af.InputError, match=r"a paged cache \(block_table given\) needs kv_lens"):
         llama(q, k.transpose(1, 2), v.transpose(1, 2), block_table=torch.zeros(2, 1, dtype=torch.int32))
-    with pytest.raises(af.InputError, match=r"block_table must be an int32 tensor of shape \(B, max_pages\)"):
+    with pytest.raises(af.InputError, match=r"block_table must be an int32 \(or int64\) tensor of shape \(B, max_pages\)"):
         llama(q, k.transpose(1, 2), v.transpose(1, 2), kv_lens=torch.tensor([1, 1], dtype=torch.int32),
               block_table=torch.zeros(3, 1, dtype=torch.int32))
     with pytest.raises(af.InputError, match=r"the split-KV path has no backward"):
         run_attention(llama.graph(), q.requires_grad_(True), k, v, split_kv=True)
+
+
+def test_rope_tables_need_every_sequence_to_hold_its_queries():
+    @af.attention
+    def tables(q, k, v, cos, sin):
+        return af.softmax(af.rope(q, k, cos=cos, sin=sin)) @ v
+
+    q, k, v = _cache(2, 2, 1, 4, 20, 16)
+    cos, sin = torch.rand(20, 16), torch.rand(20, 16)
+    with pytest.raises(af.InputError, match=r"every sequence needs at least Nq=4 keys \(kv_lens=\[20, 3\]\)"):
+        tables(q, k, v, cos, sin, kv_lens=torch.tensor([20, 3], dtype=torch.int32))

@@ -15,7 +15,7 @@ from attrs import frozen
 
 from .. import ir
 
-from ..combinator import INPUT, Role
+from ..combinator import INPUT, BlockList, MaskFragment, QKTransformFragment, Role, ScoreModFragment
 from ..errors import InputError
 from ..plugin_manager import lookup
 from .fuse import FusedProgram
@@ -99,32 +99,37 @@ def _resolve(value: Any, mapping: dict[str, str]) -> Any:
     return value
 
 
-_SITE = {  # the template's own placeholders each fragment field may use (all others are resolved here)
-    "q": {"x1", "x2", "pos", "ok", "tmp"}, "k": {"x1", "x2", "pos", "ok", "tmp"},
-    "q_grad": {"g1", "g2", "x1", "x2", "pos", "ok", "tmp"}, "k_grad": {"g1", "g2", "x1", "x2", "pos", "ok", "tmp"},
-    "grad": {"s_in", "s_out"}, "tensor_grads": {"s_in", "s_out"},
-    "kv_range": {"q_lo", "q_hi"}, "full_range": {"q_lo", "q_hi"},
-    "q_range": {"k_lo", "k_hi"}, "q_full_range": {"k_lo", "k_hi"},
-    "count": {"block"}, "index": {"block", "i"}, "q_count": {"block"}, "q_index": {"block", "i"},
+_TRANSFORM_SITE = {"x1", "x2", "pos", "ok", "tmp"}
+_SITE = {  # (fragment type, field) -> the template's own placeholders it may use (the rest are resolved here)
+    (QKTransformFragment, "q"): _TRANSFORM_SITE, (QKTransformFragment, "k"): _TRANSFORM_SITE,
+    (QKTransformFragment, "q_grad"): _TRANSFORM_SITE | {"g1", "g2"},
+    (QKTransformFragment, "k_grad"): _TRANSFORM_SITE | {"g1", "g2"},
+    (ScoreModFragment, "grad"): {"s_in", "s_out"}, (ScoreModFragment, "tensor_grads"): {"s_in", "s_out"},
+    (MaskFragment, "kv_range"): {"q_lo", "q_hi"}, (MaskFragment, "full_range"): {"q_lo", "q_hi"},
+    (MaskFragment, "q_range"): {"k_lo", "k_hi"}, (MaskFragment, "q_full_range"): {"k_lo", "k_hi"},
+    (BlockList, "count"): {"block"}, (BlockList, "index"): {"block", "i"},
+    (BlockList, "q_count"): {"block"}, (BlockList, "q_index"): {"block", "i"},
 }
 _PLACEHOLDER = re.compile(r"\$(?:\{(\w+)\}|(\w+))")
 
 
-def _check_placeholders(combinator: str, value: Any, field: str = "") -> None:
+def _check_placeholders(combinator: str, value: Any, allowed: frozenset = frozenset(), field: str = "") -> None:
     """Raise a clear error for a ``$name`` neither the plugin's parameters nor the template's slot defines."""
     if isinstance(value, str):
         for braced, plain in _PLACEHOLDER.findall(value):
             name = braced or plain
-            if name not in _SITE.get(field, set()):
-                allowed = ", ".join(f"${p}" for p in sorted(_SITE.get(field, ()))) or "none"
+            if name not in allowed:
+                slot = ", ".join(f"${p}" for p in sorted(allowed)) or "none"
                 raise ValueError(f"fragment of combinator {combinator!r}: ${name} in {field or 'its code'} is neither "
-                                 f"a parameter, tensor, scalar or $self, nor a placeholder of that slot ({allowed})")
+                                 f"a parameter, tensor, scalar or $self, nor a placeholder of that slot ({slot})")
     elif isinstance(value, tuple):
         for item in value:
-            _check_placeholders(combinator, item, field)
+            _check_placeholders(combinator, item, allowed, field)
     elif attrs.has(type(value)):
         for f in attrs.fields(type(value)):
-            _check_placeholders(combinator, getattr(value, f.name), f.name if f.name in _SITE else field)
+            site = _SITE.get((type(value), f.name))
+            _check_placeholders(combinator, getattr(value, f.name), frozenset(site) if site else allowed,
+                                f.name if site else field)
 
 
 def fragment_of(app: ir.Apply) -> Any:

@@ -43,8 +43,8 @@ class KVCache:
 class LaunchContext:
     """What a plugin's ``prepare`` may read: the call's sizes, device and dtype.
 
-    ``Nk`` is the key capacity; with ``has_kv_lens``, each sequence has its own count of keys (up to it),
-    and query i of sequence b sits at position i + kv_lens[b] - Nq.
+    ``Nk`` is the key capacity; with ``kv_lens`` (B,) int32, each sequence has its own count of keys (up
+    to it), and query i of sequence b sits at position i + kv_lens[b] - Nq.
     """
 
     B: int
@@ -56,13 +56,13 @@ class LaunchContext:
     DV: int
     device: torch.device
     dtype: torch.dtype
-    has_kv_lens: bool = False
+    kv_lens: torch.Tensor | None = None
 
 
 def launch_context(q: torch.Tensor, kv: KVCache) -> LaunchContext:
     B, Hq, Nq, D = q.shape
     return LaunchContext(B=B, Hq=Hq, Hkv=kv.k.shape[1], Nq=Nq, Nk=kv.capacity, D=D, DV=kv.v.shape[3],
-                         device=q.device, dtype=q.dtype, has_kv_lens=kv.lens is not None)
+                         device=q.device, dtype=q.dtype, kv_lens=kv.lens)
 
 
 def check_cache(q: torch.Tensor, k: Any, v: Any, kv_lens: Any = None, block_table: Any = None) -> KVCache:
@@ -79,7 +79,8 @@ def check_cache(q: torch.Tensor, k: Any, v: Any, kv_lens: Any = None, block_tabl
         check_inputs(q, k, v, paged=True)
         if not isinstance(block_table, torch.Tensor) or block_table.dim() != 2 or block_table.shape[0] != q.shape[0] \
                 or block_table.dtype not in (torch.int32, torch.int64):
-            raise InputError(f"block_table must be an int32 tensor of shape (B, max_pages) = ({q.shape[0]}, ...), got "
+            raise InputError(f"block_table must be an int32 (or int64) tensor of shape (B, max_pages) = ({q.shape[0]}, "
+                             f"...), got "
                              f"{getattr(block_table, 'dtype', type(block_table).__name__)} "
                              f"{tuple(getattr(block_table, 'shape', ()))}")
         if block_table.device != q.device:
@@ -91,7 +92,7 @@ def check_cache(q: torch.Tensor, k: Any, v: Any, kv_lens: Any = None, block_tabl
     if kv_lens is not None:
         if not isinstance(kv_lens, torch.Tensor) or kv_lens.shape != (q.shape[0],) or kv_lens.dtype not in (
                 torch.int32, torch.int64):
-            raise InputError(f"kv_lens must be an int32 tensor of shape (B,) = ({q.shape[0]},), got "
+            raise InputError(f"kv_lens must be an int32 (or int64) tensor of shape (B,) = ({q.shape[0]},), got "
                              f"{getattr(kv_lens, 'dtype', type(kv_lens).__name__)} "
                              f"{tuple(getattr(kv_lens, 'shape', ()))}")
         if kv_lens.device != q.device:

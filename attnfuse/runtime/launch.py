@@ -14,9 +14,10 @@ from .backward import BackwardKernels
 from .decode import MAX_QUERIES, DecodeKernel
 from .forward import ForwardKernel
 from .inputs import check_cache, check_inputs, kernel_config
+from .kernel import CompiledKernel
 
-__all__ = ["check_cache", "check_inputs", "clear_cache", "compile_backward", "compile_decode", "compile_forward",
-           "kernel_config", "run_attention"]
+__all__ = ["KERNEL_KINDS", "check_cache", "check_inputs", "clear_cache", "compile_backward", "compile_decode",
+           "compile_forward", "compiled_kernel", "kernel_config", "run_attention"]
 
 _forward: dict[tuple[ir.MatMulPV, KernelConfig], ForwardKernel] = {}
 _decode: dict[tuple[ir.MatMulPV, KernelConfig], DecodeKernel] = {}
@@ -49,6 +50,20 @@ def compile_backward(graph: ir.MatMulPV, config: KernelConfig,
     if kernels is None:
         kernels = _backward[key] = BackwardKernels(compile_forward(graph, config).tiled, tensor_grads)
     return kernels
+
+
+KERNEL_KINDS = ("forward", "decode", "dkdv", "dq")
+
+
+def compiled_kernel(graph: ir.MatMulPV, config: KernelConfig, kind: str) -> CompiledKernel:
+    """One generated kernel of ``graph``: ``kind`` is "forward", "decode" (split-KV), "dkdv" or "dq"."""
+    if kind == "forward":
+        return compile_forward(graph, config).kernel
+    if kind == "decode":
+        return compile_decode(graph, config).kernel
+    if kind in ("dkdv", "dq"):
+        return getattr(compile_backward(graph, config), kind)
+    raise InputError(f"kernel must be one of {', '.join(KERNEL_KINDS)}, got {kind!r}")
 
 
 def clear_cache() -> None:
