@@ -126,11 +126,7 @@ def _dkdv_body(kernel: TiledKernel, masked: bool, implied: str | None) -> str:
             + _rows(kernel, masked) + qk_product(kernel) + _recompute(kernel, masked, implied)
             + f"dv_acc = tl.dot(tl.trans(p.to({dtype})), do, dv_acc{p})\n"
             + f"dp = tl.dot(do, tl.trans(v){p})\n" + _chain(kernel, masked, False))
-    if split(kernel):
-        code += (f"dk1 = tl.dot(tl.trans(ds.to({dtype})), q1, dk1{p})\n"
-                 f"dk2 = tl.dot(tl.trans(ds.to({dtype})), q2, dk2{p})\n")
-    else:
-        code += f"dk = tl.dot(tl.trans(ds.to({dtype})), q, dk{p})\n"
+    code += _accumulate(kernel, "dk", f"tl.trans(ds.to({dtype}))", "q")
     return rows + with_bounds(code)
 
 
@@ -143,12 +139,15 @@ def _dq_body(kernel: TiledKernel, masked: bool, implied: str | None) -> str:
     code = (operand(kernel, "k", "k_base", "k_off[:, None]", "k_pos", "k_ok", "stride_kd", masked)
             + f"v = {v}\n" + qk_product(kernel) + _recompute(kernel, masked, implied)
             + f"dp = tl.dot(do, tl.trans(v){p})\n" + _chain(kernel, masked, True))
-    if split(kernel):
-        code += (f"dq1 = tl.dot(ds.to({dtype}), k1, dq1{p})\n"
-                 f"dq2 = tl.dot(ds.to({dtype}), k2, dq2{p})\n")
-    else:
-        code += f"dq = tl.dot(ds.to({dtype}), k, dq{p})\n"
+    code += _accumulate(kernel, "dq", f"ds.to({dtype})", "k")
     return keys + with_bounds(code)
+
+
+def _accumulate(kernel: TiledKernel, acc: str, weights: str, operand: str) -> str:
+    """acc += weights @ operand, on both halves of the head dim when qk transforms split it."""
+    p = precision(kernel)
+    halves = ("1", "2") if split(kernel) else ("",)
+    return "".join(f"{acc}{i} = tl.dot({weights}, {operand}{i}, {acc}{i}{p})\n" for i in halves)
 
 
 def _accumulators(kernel: TiledKernel, name: str, rows: str) -> str:
