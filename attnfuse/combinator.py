@@ -290,12 +290,6 @@ class Combinator:
             _fragment_matches_role(self, None, fragment)
         return fragment
 
-    def param(self, name: str) -> Param:
-        for p in self.params:
-            if p.name == name:
-                return p
-        raise KeyError(name)
-
     def bind(self, args: tuple, kwargs: dict) -> dict[str, Any]:
         """Match a DSL call's parameters to the declaration; fill defaults; run the checks."""
         if len(args) > len(self.params):

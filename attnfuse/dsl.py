@@ -24,7 +24,7 @@ class Symbol:
     def _refuse(self, operation: str):
         raise ProgramError(
             f"{operation} on {self.what} is not part of the AttnFuse DSL: a program may only apply "
-            f"combinators (af.{', af.'.join(_builtin_hint())}) and end with `weights @ v`")
+            f"combinators (af.scaled_dot_product, af.rope, af.causal, af.softmax, ...) and end with `weights @ v`")
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
@@ -55,10 +55,6 @@ for _name, _op in [("add", "+"), ("sub", "-"), ("mul", "*"), ("truediv", "/"), (
 for _name, _op in [("neg", "unary -"), ("pos", "unary +"), ("abs", "abs()"), ("getitem", "indexing"),
                    ("lt", "<"), ("le", "<="), ("gt", ">"), ("ge", ">=")]:
     setattr(Symbol, f"__{_name}__", _refusing(_op))
-
-
-def _builtin_hint() -> list[str]:
-    return ["scaled_dot_product", "rope", "causal", "softmax", "..."]
 
 
 class TensorSymbol(Symbol):
