@@ -1,20 +1,24 @@
-"""Tile sweep for the forward kernel: block sizes, warps and stages, through the plugin tile-rule hook.
+"""Tile sweep: block sizes, warps and stages, through the plugin tile-rule hook.
 
-    python benchmarks/sweep_tiles.py [--cases gpt2:4096:causal,llama3-8b:8192:causal,...]
+    python benchmarks/sweep_tiles.py [--kernel forward|dkdv|dq] [--cases gpt2:4096:causal,llama3-8b:8192:causal,...]
+    python benchmarks/sweep_tiles.py --kernel decode [--cases llama3-70b:1,llama3-8b:8,...]
 
-Prints the median ms of each configuration per case and the best; the winners go in attnfuse/passes/tile.py.
+Prints the median ms of each configuration per case and the best; the winners go in attnfuse/passes/tile.py
+(decode: also the split count, attnfuse.runtime.decode.PROGRAMS_PER_SM). Decode cases are timed from CUDA
+graph replays, so host time does not hide the kernels'.
 """
 from __future__ import annotations
 
 import argparse
 
 import torch
-from triton.testing import do_bench
+from triton.testing import do_bench, do_bench_cudagraph
 
 import attnfuse as af
 from attnfuse.passes.tile import TileConfig, TileRule
+from attnfuse.runtime import decode
 from attnfuse.runtime.launch import clear_cache
-from bench_attention import GEOMETRIES, PROGRAMS, pairs
+from bench_attention import DECODE_MODELS, GEOMETRIES, PROGRAMS, decode_program, pairs
 
 BACKWARD_CONFIGS = {  # per head dim: (BLOCK_M, BLOCK_N, warps, stages) for the kernel swept
     "dkdv": {64: [(32, 128, 4, 3), (64, 128, 8, 3), (32, 64, 4, 3), (64, 64, 4, 3), (16, 128, 4, 3)],
@@ -22,6 +26,8 @@ BACKWARD_CONFIGS = {  # per head dim: (BLOCK_M, BLOCK_N, warps, stages) for the 
     "dq": {64: [(128, 32, 4, 3), (64, 64, 4, 3), (128, 64, 8, 3), (64, 32, 4, 3)],
            128: [(128, 32, 8, 3), (64, 64, 4, 3), (128, 64, 8, 2), (64, 32, 4, 3)]},
 }
+DECODE_CONFIGS = [(16, bn, warps, stages, per_sm)  # and split-KV programs per multiprocessor
+                  for bn, warps in ((64, 4), (128, 4), (128, 8)) for stages in (2, 3, 4) for per_sm in (2, 4, 8)]
 CONFIGS = {
     64: [(64, 64, 4, 3), (128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (64, 128, 4, 3), (128, 32, 4, 3),
          (128, 64, 8, 4), (64, 64, 4, 4)],
@@ -40,14 +46,54 @@ class SweepPlugin:
         return [TileRule(config=self.config, kernel=self.kernel)]
 
 
+def sweep(case: str, kernel: str, configs, step, amount: float, unit: str, timer=None) -> None:
+    """Time ``step`` under each config (tiles, and for decode the programs per multiprocessor)."""
+    results = []
+    for bm, bn, warps, stages, *per_sm in configs:
+        config = TileConfig(block_m=bm, block_n=bn, num_warps=warps, num_stages=stages)
+        af.register_plugin(SweepPlugin(config, kernel), name="sweep")
+        clear_cache()
+        if per_sm:
+            decode.PROGRAMS_PER_SM = per_sm[0]
+        label = f"{case} BM{bm} BN{bn} w{warps} s{stages}" + (f" {per_sm[0]}/SM" if per_sm else "")
+        try:
+            step()
+            ms = (timer or (lambda fn: do_bench(fn, warmup=25, rep=100, return_mode="median")))(step)
+            results.append((ms, label))
+            print(f"{label}: {ms:.4f} ms {amount / ms / 1e9:.0f} {unit}", flush=True)
+        except Exception as exc:  # out of shared memory, etc.
+            print(f"{label}: failed ({str(exc).splitlines()[0][:80]})")
+        finally:
+            af.unregister_plugin("sweep")
+    best = min(results)
+    print(f"BEST {best[1]}: {best[0]:.4f} ms {amount / best[0] / 1e9:.0f} {unit}", flush=True)
+
+
+def sweep_decode(cases: str) -> None:
+    for case in cases.split(","):
+        model, B = case.split(":")
+        Hq, Hkv, D, N = DECODE_MODELS[model]
+        q = torch.randn(int(B), Hq, 1, D, device="cuda", dtype=torch.bfloat16)
+        k, v = (torch.randn(int(B), Hkv, N, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+        sweep(case, "decode", DECODE_CONFIGS, lambda: decode_program(q, k, v), 2 * k.numel() * 2 / 1e3, "GB/s",
+              timer=lambda fn: do_bench_cudagraph(fn, rep=100, return_mode="median"))
+    decode.PROGRAMS_PER_SM = 2
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--cases", default="gpt2:4096:causal,llama3-8b:8192:causal,llama3-8b:8192:rope_causal,"
-                                           "llama3-8b:8192:dense,gpt2:4096:rope_causal")
-    parser.add_argument("--kernel", default="forward", choices=["forward", "dkdv", "dq"],
+    parser.add_argument("--cases", help="forward/backward: geometry:N:variant,...; decode: model:B,... "
+                                        "(defaults: the cases the tile table was swept on)")
+    parser.add_argument("--kernel", default="forward", choices=["forward", "dkdv", "dq", "decode"],
                         help="the kernel whose tiles are swept (dkdv and dq time forward+backward)")
     args = parser.parse_args()
-    for case in args.cases.split(","):
+    if args.kernel == "decode":
+        sweep_decode(args.cases or "llama3-8b:1,llama3-70b:1,llama3-8b:8")
+        clear_cache()
+        return
+    cases = args.cases or ("gpt2:4096:causal,llama3-8b:8192:causal,llama3-8b:8192:rope_causal,llama3-8b:8192:dense,"
+                           "gpt2:4096:rope_causal")
+    for case in cases.split(","):
         geometry, N, variant = case.split(":")
         N = int(N)
         B, Hq, Hkv, D = GEOMETRIES[geometry]
@@ -60,23 +106,8 @@ def main() -> None:
         def step():
             out = program(q, k, v)
             return torch.autograd.grad(out, (q, k, v), out) if training else out
-        results = []
-        for bm, bn, warps, stages in (BACKWARD_CONFIGS[args.kernel][D] if training else CONFIGS[D]):
-            config = TileConfig(block_m=bm, block_n=bn, num_warps=warps, num_stages=stages)
-            af.register_plugin(SweepPlugin(config, args.kernel), name="sweep")
-            clear_cache()
-            try:
-                step()
-                ms = do_bench(step, warmup=25, rep=100, return_mode="median")
-                results.append((ms, (bm, bn, warps, stages)))
-                print(f"{case} BM{bm} BN{bn} w{warps} s{stages}: {ms:.3f} ms {flops / ms / 1e9:.0f} TFLOP/s",
-                      flush=True)
-            except Exception as exc:  # out of shared memory, etc.
-                print(f"{case} BM{bm} BN{bn} w{warps} s{stages}: failed ({str(exc).splitlines()[0][:80]})")
-            finally:
-                af.unregister_plugin("sweep")
-        best = min(results)
-        print(f"BEST {case}: {best[1]} {best[0]:.3f} ms {flops / best[0] / 1e9:.0f} TFLOP/s", flush=True)
+        sweep(case, args.kernel, BACKWARD_CONFIGS[args.kernel][D] if training else CONFIGS[D], step, flops,
+              "TFLOP/s")
     clear_cache()
 
 

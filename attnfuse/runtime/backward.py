@@ -10,7 +10,7 @@ from ..passes.codegen import generate_dkdv, generate_dq
 from ..passes.lower import Instance, TiledKernel
 from . import preprocess
 from .forward import constexprs
-from .inputs import KVCache, accumulator_dtype, empty_like_layout, kv_launch_args, plugin_args, tile_limit
+from .inputs import KVCache, PluginArgs, accumulator_dtype, empty_like_layout, kv_launch_args
 from .kernel import CompiledKernel
 
 
@@ -36,12 +36,13 @@ class BackwardKernels:
                                    tiled.tiles_dkdv)
         self.dq = CompiledKernel(tiled.name.replace("_fwd_", "_dq_"), generate_dq(tiled, tensor_grads),
                                  interpreted, tiled.tiles_dq)
+        self.plugin_args = PluginArgs(tiled)
+        self.constexprs = constexprs(tiled)
 
     def __call__(self, q: torch.Tensor, kv: KVCache, out: torch.Tensor,
                  lse: torch.Tensor | None, dout: torch.Tensor | None, dlse: torch.Tensor | None,
                  inputs: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
         """dq, dk, dv in the inputs' dtypes and memory orders, and the gradients of tensor inputs by name."""
-        t = self.tiled
         k, v = kv.k, kv.v
         B, Hq, Nq, D = q.shape
         Hkv, Nk, DV = k.shape[1], k.shape[2], v.shape[3]
@@ -54,15 +55,14 @@ class BackwardKernels:
             lse = delta if lse is None else lse  # a placeholder pointer when the normaliser saves none
             common = (q, k, v, dout, lse, delta)
             strides = (*q.stride(), *k.stride(), *v.stride(), *dout.stride())
-            pargs, scalars = plugin_args(t.instances(), q, kv, inputs)
-            limit = tile_limit(t, scalars)
+            pargs, limit = self.plugin_args(q, kv, inputs)
             self.dkdv.launch(lambda tiles: (triton.cdiv(Nk, tiles.block_n), B * Hkv),
                              (*common, dk, dv, *strides, *dk.stride(), *dv.stride(), Hq, Nq, *kv_launch_args(kv),
-                              *pargs), q.device, limit=limit, **constexprs(t))
+                              *pargs), q.device, limit=limit, **self.constexprs)
             grad_args = [a for buffer in buffers for a in (buffer, *buffer.stride())]
             self.dq.launch(lambda tiles: (triton.cdiv(Nq, tiles.block_m), B * Hq),
                            (*common, dq, *strides, *dq.stride(), Hq, Nq, *kv_launch_args(kv), *pargs, *grad_args),
-                           q.device, limit=limit, **constexprs(t))
+                           q.device, limit=limit, **self.constexprs)
         else:
             for g in (dq, dk, dv):
                 g.zero_()

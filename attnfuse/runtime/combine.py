@@ -6,6 +6,7 @@ import triton
 import triton.language as tl
 
 from .interpreter import InterpretedKernel
+from .launcher import Launcher
 
 
 def _combine_kernel(PartOut, PartLse, Out, Lse,
@@ -36,7 +37,7 @@ def _combine_kernel(PartOut, PartLse, Out, Lse,
              out.to(Out.dtype.element_ty), mask=cols < DV)
 
 
-_jitted = triton.jit(_combine_kernel)
+_jitted = Launcher(triton.jit(_combine_kernel))
 _interpreted = InterpretedKernel(_combine_kernel)
 
 

@@ -12,18 +12,22 @@ from ..passes.codegen import generate_decode
 from ..passes.lower import TiledKernel
 from .combine import combine
 from .forward import constexprs
-from .inputs import KVCache, accumulator_dtype, empty_like_layout, kv_launch_args, plugin_args
+from .inputs import KVCache, PluginArgs, accumulator_dtype, empty_like_layout, kv_launch_args
 from .kernel import CompiledKernel
 
 MAX_QUERIES = 16  # decoding and speculative decoding: at most this many queries take the split path
+PROGRAMS_PER_SM = 2  # split-KV programs to have in flight per multiprocessor (benchmarks/sweep_tiles.py)
 
 
 @functools.lru_cache(maxsize=None)
+def _multiprocessors(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def _parallelism(device: torch.device) -> int:
-    """Programs worth having in flight: two per multiprocessor on a GPU; a few under the interpreter."""
-    if device.type == "cuda":
-        return 2 * torch.cuda.get_device_properties(device).multi_processor_count
-    return 4
+    """Programs worth having in flight: PROGRAMS_PER_SM per multiprocessor on a GPU; a few under the
+    interpreter."""
+    return PROGRAMS_PER_SM * _multiprocessors(device) if device.type == "cuda" else 4
 
 
 def split_plan(B: int, Hkv: int, row_blocks: int, capacity: int, block_n: int, device: torch.device
@@ -43,6 +47,8 @@ class DecodeKernel:
         self.kernel = CompiledKernel(tiled.name.replace("_fwd_", "_decode_"), generate_decode(tiled),
                                      tiled.config.arch == "interpreter", tiled.tiles_decode)
         self.source = self.kernel.source
+        self.plugin_args = PluginArgs(tiled)
+        self.constexprs = constexprs(tiled)
 
     def __call__(self, q: torch.Tensor, kv: KVCache, inputs: dict[str, Any]
                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -65,8 +71,8 @@ class DecodeKernel:
         part_out = torch.empty((B * Hq * Nq, splits, DV), dtype=acc, device=q.device)
         part_lse = torch.empty((B * Hq * Nq, splits), dtype=acc, device=q.device)
         args = (q, kv.k, kv.v, part_out, part_lse, *q.stride(), *kv.k.stride(), *kv.v.stride(), Hq, Nq,
-                *kv_launch_args(kv), split_keys, splits, *plugin_args(t.instances(), q, kv, inputs)[0])
+                *kv_launch_args(kv), split_keys, splits, *self.plugin_args(q, kv, inputs)[0])
         self.kernel.launch(lambda tiles: (splits, B * Hkv, row_blocks), args, q.device, block_m=block_m,
-                           **constexprs(t))
+                           **self.constexprs)
         combine(part_out, part_lse, out, lse, t.normaliser.fragment.combine == "logsumexp")
         return out, lse

@@ -9,7 +9,7 @@ import triton
 
 from ..passes.codegen import generate_forward
 from ..passes.lower import TiledKernel
-from .inputs import KVCache, accumulator_dtype, empty_like_layout, kv_launch_args, plugin_args, tile_limit
+from .inputs import KVCache, PluginArgs, accumulator_dtype, empty_like_layout, kv_launch_args
 from .kernel import CompiledKernel
 
 
@@ -22,6 +22,8 @@ class ForwardKernel:
                                      tiled.tiles)
         self.source = self.kernel.source
         self.path = self.kernel.path
+        self.plugin_args = PluginArgs(tiled)
+        self.constexprs = constexprs(tiled)
 
     def __call__(self, q: torch.Tensor, kv: KVCache, inputs: dict[str, Any]
                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -40,11 +42,11 @@ class ForwardKernel:
             if lse is not None:
                 lse.fill_(-math.inf)
             return out, lse
-        pargs, scalars = plugin_args(t.instances(), q, kv, inputs)
+        pargs, limit = self.plugin_args(q, kv, inputs)
         args = (q, k, v, out, out if lse is None else lse, *q.stride(), *k.stride(), *v.stride(), *out.stride(),
                 Hq, Nq, *kv_launch_args(kv), *pargs)
-        self.kernel.launch(lambda tiles: (triton.cdiv(Nq, tiles.block_m), B * Hq), args, q.device,
-                           limit=tile_limit(t, scalars), **constexprs(t))
+        self.kernel.launch(lambda tiles: (triton.cdiv(Nq, tiles.block_m), B * Hq), args, q.device, limit=limit,
+                           **self.constexprs)
         return out, lse
 
 

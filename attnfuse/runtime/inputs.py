@@ -4,12 +4,11 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-import attrs
 import torch
 from attrs import frozen
 
 from ..errors import InputError, PluginError
-from ..passes.lower import Instance, KernelConfig, TiledKernel
+from ..passes.lower import KernelConfig, TiledKernel
 from ..plugin_manager import lookup
 
 DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32", torch.float64: "float64"}
@@ -72,11 +71,8 @@ def check_cache(q: torch.Tensor, k: Any, v: Any, kv_lens: Any = None, block_tabl
     (num_pages, page_size, Hkv, D/DV), ``block_table`` (B, max_pages) int32 page indices, and ``kv_lens``
     (B,) required. ``kv_lens`` values above the capacity count as the capacity.
     """
-    if block_table is None:
-        check_inputs(q, k, v)
-        kv = KVCache(k=k, v=v, capacity=k.shape[2])
-    else:
-        check_inputs(q, k, v, paged=True)
+    check_inputs(q, k, v, paged=block_table is not None)
+    if block_table is not None:
         if not isinstance(block_table, torch.Tensor) or block_table.dim() != 2 or block_table.shape[0] != q.shape[0] \
                 or block_table.dtype not in (torch.int32, torch.int64):
             raise InputError(f"block_table must be an int32 (or int64) tensor of shape (B, max_pages) = ({q.shape[0]}, "
@@ -87,8 +83,6 @@ def check_cache(q: torch.Tensor, k: Any, v: Any, kv_lens: Any = None, block_tabl
             raise InputError(f"block_table is on {block_table.device}, q on {q.device}")
         if kv_lens is None:
             raise InputError("a paged cache (block_table given) needs kv_lens: the number of keys of each sequence")
-        kv = KVCache(k=k.permute(0, 2, 1, 3), v=v.permute(0, 2, 1, 3), capacity=block_table.shape[1] * k.shape[1],
-                     block_table=block_table.to(torch.int32), page_size=k.shape[1])
     if kv_lens is not None:
         if not isinstance(kv_lens, torch.Tensor) or kv_lens.shape != (q.shape[0],) or kv_lens.dtype not in (
                 torch.int32, torch.int64):
@@ -97,8 +91,18 @@ def check_cache(q: torch.Tensor, k: Any, v: Any, kv_lens: Any = None, block_tabl
                              f"{tuple(getattr(kv_lens, 'shape', ()))}")
         if kv_lens.device != q.device:
             raise InputError(f"kv_lens is on {kv_lens.device}, q on {q.device}")
-        kv = attrs.evolve(kv, lens=kv_lens.to(torch.int32).contiguous())
-    return kv
+    return kv_cache(k, v, kv_lens, block_table)
+
+
+def kv_cache(k: torch.Tensor, v: torch.Tensor, kv_lens: torch.Tensor | None, block_table: torch.Tensor | None
+             ) -> KVCache:
+    """The KV view of inputs :func:`check_cache` accepted (it does no checks)."""
+    if kv_lens is not None and (kv_lens.dtype != torch.int32 or not kv_lens.is_contiguous()):
+        kv_lens = kv_lens.to(torch.int32).contiguous()
+    if block_table is None:
+        return KVCache(k=k, v=v, capacity=k.shape[2], lens=kv_lens)
+    return KVCache(k=k.permute(0, 2, 1, 3), v=v.permute(0, 2, 1, 3), capacity=block_table.shape[1] * k.shape[1],
+                   lens=kv_lens, block_table=block_table.to(torch.int32), page_size=k.shape[1])
 
 
 def check_inputs(q: Any, k: Any, v: Any, paged: bool = False) -> None:
@@ -178,36 +182,31 @@ def empty_like_layout(t: torch.Tensor, last_dim: int, dtype: torch.dtype) -> tor
     return buffer.permute(*sorted(range(t.dim()), key=order.__getitem__))
 
 
-def plugin_args(instances: tuple[Instance, ...], q: torch.Tensor, kv: KVCache, inputs: dict[str, Any]
-                ) -> tuple[list, dict[str, Any]]:
-    """The kernel arguments plugins' ``prepare`` gives: each tensor with its strides, then each scalar;
-    and the scalars by kernel-argument name."""
-    args: list = []
-    scalars: dict[str, Any] = {}
-    ctx = None
-    for inst in instances:
-        if not inst.args:
-            continue
-        ctx = ctx or launch_context(q, kv)
-        comb = lookup(inst.apply.combinator)
-        prepared = comb.prepare(ctx, **inst.apply.values(inputs))
-        for t in comb.tensors:
-            tensor = prepared[t.name]
-            if not isinstance(tensor, torch.Tensor) or tensor.dim() != t.rank:
-                raise PluginError(f"{comb.name}.prepare() must return {t.name!r} as a {t.rank}-D tensor, "
-                                  f"got {getattr(tensor, 'shape', type(tensor).__name__)}")
-            if tensor.device != ctx.device:
-                raise InputError(f"{comb.name}: {t.name!r} is on {tensor.device}, the inputs on {ctx.device}")
-            args += [tensor, *tensor.stride()]
-        for sc in comb.scalars:
-            args.append(prepared[sc.name])
-            scalars[f"{inst.prefix}_{sc.name}"] = prepared[sc.name]
-    return args, scalars
+class PluginArgs:
+    """The kernel arguments the plugins of one tiled kernel give through ``prepare``: each tensor with
+    its strides, then each scalar; and the largest tile a block-listing mask allows (its block size)."""
 
+    def __init__(self, tiled: TiledKernel):
+        self._plugins = tuple((inst, lookup(inst.apply.combinator)) for inst in tiled.instances() if inst.args)
+        self._limit = next((m.fragment.block_list.size for m in tiled.masks if m.fragment.block_list is not None),
+                           None)
 
-def tile_limit(tiled: TiledKernel, scalars: dict[str, Any]) -> int | None:
-    """The largest tile a block-listing mask allows (its block size), if the program has one."""
-    for m in tiled.masks:
-        if m.fragment.block_list is not None:
-            return int(scalars[m.fragment.block_list.size])
-    return None
+    def __call__(self, q: torch.Tensor, kv: KVCache, inputs: dict[str, Any]) -> tuple[list, int | None]:
+        """(arguments, tile limit or None) for one call."""
+        args: list = []
+        scalars: dict[str, Any] = {}
+        ctx = launch_context(q, kv) if self._plugins else None
+        for inst, comb in self._plugins:
+            prepared = comb.prepare(ctx, **inst.apply.values(inputs))
+            for t in comb.tensors:
+                tensor = prepared[t.name]
+                if not isinstance(tensor, torch.Tensor) or tensor.dim() != t.rank:
+                    raise PluginError(f"{comb.name}.prepare() must return {t.name!r} as a {t.rank}-D tensor, "
+                                      f"got {getattr(tensor, 'shape', type(tensor).__name__)}")
+                if tensor.device != ctx.device:
+                    raise InputError(f"{comb.name}: {t.name!r} is on {tensor.device}, the inputs on {ctx.device}")
+                args += [tensor, *tensor.stride()]
+            for sc in comb.scalars:
+                args.append(prepared[sc.name])
+                scalars[f"{inst.prefix}_{sc.name}"] = prepared[sc.name]
+        return args, None if self._limit is None else int(scalars[self._limit])

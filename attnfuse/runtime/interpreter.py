@@ -6,6 +6,9 @@ which refuse to be called outside a compiled kernel unless ``TRITON_INTERPRET=1`
 was imported, so calls to them go to interpreted copies; and a scalar used as an index (a loop bound)
 converts through ``.item()``, since numpy >= 2.4 refuses ``int()`` of a one-element array
 (triton-lang/triton#9171).
+
+Every load and store is also bounds-checked: an address outside the storages of the kernel's tensor
+arguments raises ``IndexError`` (on a GPU it would be an illegal memory access, or silent garbage).
 """
 from __future__ import annotations
 
@@ -13,7 +16,10 @@ import contextlib
 import threading
 from typing import Any, Callable
 
+import numpy as np
+import torch
 from triton.runtime import interpreter
+from triton.runtime.errors import InterpreterError
 from triton.runtime.interpreter import InterpretedFunction
 from triton.runtime.jit import JITFunction
 
@@ -36,17 +42,53 @@ def _patch_lang_tensor_with_item_index(tensor, scope) -> None:
     scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.item()))
 
 
+_builder = interpreter.interpreter_builder
+_masked_load, _masked_store = _builder.create_masked_load, _builder.create_masked_store
+
+
+def _check_bounds(ranges: np.ndarray, ptrs: Any, mask: Any, what: str) -> None:
+    """Raise unless every address ``ptrs`` touches where ``mask`` holds lies in one of ``ranges`` (n, 2)."""
+    size = ptrs.get_element_ty().primitive_bitwidth // 8
+    addresses = np.broadcast_to(ptrs.data, np.broadcast_shapes(ptrs.data.shape, mask.data.shape))
+    active = addresses[np.broadcast_to(mask.data, addresses.shape)].astype(np.uint64)
+    if active.size == 0:
+        return
+    inside = ((active[:, None] >= ranges[None, :, 0]) & (active[:, None] + size <= ranges[None, :, 1])).any(axis=1)
+    if not inside.all():
+        bad = active[~inside]
+        raise IndexError(f"out-of-bounds {what} of {bad.size} element(s), first at address {int(bad[0]):#x}; "
+                         f"the tensor arguments span {[(hex(int(a)), hex(int(b))) for a, b in ranges]}")
+
+
+def _storage_ranges(args: tuple) -> np.ndarray:
+    spans = {(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
+             for t in args if isinstance(t, torch.Tensor)}
+    return np.array([(p, p + n) for p, n in spans] or np.empty((0, 2)), dtype=np.uint64).reshape(-1, 2)
+
+
 @contextlib.contextmanager
-def _interpreter_patches():
+def _interpreter_patches(args: tuple):
+    ranges = _storage_ranges(args)
+
+    def masked_load(ptrs, mask, *rest):
+        _check_bounds(ranges, ptrs, mask, "load")
+        return _masked_load(ptrs, mask, *rest)
+
+    def masked_store(ptrs, value, mask, *rest):
+        _check_bounds(ranges, ptrs, mask, "store")
+        return _masked_store(ptrs, value, mask, *rest)
+
     with _lock:
         original_call = JITFunction.__call__
         JITFunction.__call__ = _call_interpreted
         interpreter._patch_lang_tensor = _patch_lang_tensor_with_item_index
+        _builder.create_masked_load, _builder.create_masked_store = masked_load, masked_store
         try:
             yield
         finally:
             JITFunction.__call__ = original_call
             interpreter._patch_lang_tensor = _patch_lang_tensor
+            _builder.create_masked_load, _builder.create_masked_store = _masked_load, _masked_store
 
 
 class InterpretedKernel:
@@ -57,6 +99,11 @@ class InterpretedKernel:
 
     def __getitem__(self, grid: tuple[int, ...]) -> Callable:
         def launch(*args: Any, num_warps: int = 4, num_stages: int = 2, **constexprs: Any) -> None:
-            with _interpreter_patches():
-                self._fn[grid](*args, **constexprs)
+            with _interpreter_patches(args):
+                try:
+                    self._fn[grid](*args, **constexprs)
+                except InterpreterError as exc:
+                    if isinstance(exc.__cause__, IndexError):  # an out-of-bounds access: say so plainly
+                        raise exc.__cause__ from None
+                    raise
         return launch

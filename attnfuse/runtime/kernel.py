@@ -13,6 +13,7 @@ from triton.runtime.errors import OutOfResources
 from ..errors import InputError
 from ..passes.tile import TileConfig
 from .interpreter import InterpretedKernel
+from .launcher import Launcher
 from .source_cache import load_function, write_source
 
 
@@ -42,7 +43,7 @@ class CompiledKernel:
         self.source = source
         self.path = write_source(name, source)
         fn = load_function(self.path, name)
-        self._kernel = InterpretedKernel(fn) if interpreted else triton.jit(fn)
+        self._kernel = InterpretedKernel(fn) if interpreted else Launcher(triton.jit(fn))
         self.tiles = tiles  # shrinks if the GPU lacks the shared memory the tile table assumed
 
     def launch(self, grid: Callable[[TileConfig], tuple[int, ...]], args: tuple, device: torch.device,

@@ -13,7 +13,7 @@ from .autograd import AttentionFunction
 from .backward import BackwardKernels
 from .decode import MAX_QUERIES, DecodeKernel
 from .forward import ForwardKernel
-from .inputs import check_cache, check_inputs, kernel_config
+from .inputs import check_cache, check_inputs, kernel_config, kv_cache
 from .kernel import CompiledKernel
 
 __all__ = ["KERNEL_KINDS", "check_cache", "check_inputs", "clear_cache", "compile_backward", "compile_decode",
@@ -22,6 +22,8 @@ __all__ = ["KERNEL_KINDS", "check_cache", "check_inputs", "clear_cache", "compil
 _forward: dict[tuple[ir.MatMulPV, KernelConfig], ForwardKernel] = {}
 _decode: dict[tuple[ir.MatMulPV, KernelConfig], DecodeKernel] = {}
 _backward: dict[tuple[ir.MatMulPV, KernelConfig, tuple], BackwardKernels] = {}
+_plans: dict[tuple, tuple[ForwardKernel, DecodeKernel | None]] = {}  # call signature -> kernels
+_MAX_PLANS = 4096
 
 
 def compile_forward(graph: ir.MatMulPV, config: KernelConfig) -> ForwardKernel:
@@ -71,6 +73,7 @@ def clear_cache() -> None:
     _forward.clear()
     _decode.clear()
     _backward.clear()
+    _plans.clear()
 
 
 def _no_backward(what: str) -> ProgramError:
@@ -120,31 +123,57 @@ def run_attention(graph: ir.MatMulPV, q: torch.Tensor, k: torch.Tensor, v: torch
         normaliser can combine splits).
     :return: out (B, Hq, Nq, DV), or (out, lse) with lse (B, Hq, Nq) float32 when ``return_lse``.
     """
-    kv = check_cache(q, k, v, kv_lens, block_table)
     inputs = inputs or {}
-    has_lse = fragment_of(graph.weights.apply).has_lse
-    if return_lse and not has_lse:
-        raise InputError(f"return_lse=True needs a normaliser with a log-sum-exp; "
-                         f"{graph.weights.apply.combinator} has none (softmax has)")
     wants_grad = torch.is_grad_enabled() and any(
         isinstance(t, torch.Tensor) and t.requires_grad for t in (q, k, v, *inputs.values()))
-    config = kernel_config(q, kv, save_lse=return_lse or (wants_grad and has_lse))
-    forward = compile_forward(graph, config)
-    if split_kv is None:
-        split_kv = (q.shape[2] <= MAX_QUERIES and not wants_grad
-                    and forward.tiled.normaliser.fragment.combine is not None)
-    if split_kv:
-        if wants_grad or forward.tiled.normaliser.fragment.combine is None:
-            raise InputError("the split-KV path has no backward, and needs a normaliser that can combine splits")
-        out, lse = compile_decode(graph, config)(q, kv, inputs)
+    # Everything decided from the call's metadata alone is decided once per call signature.
+    signature = (graph, _meta(q), _meta(k), _meta(v), _meta(kv_lens), _meta(block_table), return_lse, wants_grad,
+                 split_kv, torch.backends.cuda.matmul.allow_tf32)
+    plan = _plans.get(signature)
+    if plan is None:
+        plan = _plan(graph, q, k, v, kv_lens, block_table, return_lse, wants_grad, split_kv)
+        if len(_plans) >= _MAX_PLANS:
+            _plans.clear()
+        _plans[signature] = plan
+    forward, decode = plan
+    kv = kv_cache(k, v, kv_lens, block_table)
+    if decode is not None:
+        out, lse = decode(q, kv, inputs)
     elif not wants_grad:
         out, lse = forward(q, kv, inputs)
     else:
-        if block_table is not None:
-            raise InputError("gradients through a paged cache are not supported; pass contiguous k and v to train")
         tensor_grads = _tensor_grads(forward.tiled, inputs)
-        backward = compile_backward(graph, config, tensor_grads)
+        backward = compile_backward(graph, forward.tiled.config, tensor_grads)
         names = tuple(dict.fromkeys(inst.apply.inputs()[name].name for inst, name in tensor_grads))
         out, lse = AttentionFunction.apply(forward, backward, inputs, names, kv.lens, q, k, v,
                                            *(inputs[n] for n in names))
     return (out, lse) if return_lse else out
+
+
+class _Invalid:
+    """Stands for an argument that is not a tensor in a call signature (the checks then raise)."""
+
+
+def _meta(t: Any) -> Any:
+    if isinstance(t, torch.Tensor):
+        return t.shape, t.stride(), t.dtype, t.device
+    return None if t is None else _Invalid()
+
+
+def _plan(graph: ir.MatMulPV, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_lens: Any, block_table: Any,
+          return_lse: bool, wants_grad: bool, split_kv: bool | None) -> tuple[ForwardKernel, DecodeKernel | None]:
+    """Check a new call signature; its forward kernel, and its split-KV kernel if it takes that path."""
+    kv = check_cache(q, k, v, kv_lens, block_table)
+    has_lse = fragment_of(graph.weights.apply).has_lse
+    if return_lse and not has_lse:
+        raise InputError(f"return_lse=True needs a normaliser with a log-sum-exp; "
+                         f"{graph.weights.apply.combinator} has none (softmax has)")
+    if wants_grad and block_table is not None:
+        raise InputError("gradients through a paged cache are not supported; pass contiguous k and v to train")
+    forward = compile_forward(graph, kernel_config(q, kv, save_lse=return_lse or (wants_grad and has_lse)))
+    can_split = not wants_grad and forward.tiled.normaliser.fragment.combine is not None
+    if split_kv is None:
+        split_kv = can_split and q.shape[2] <= MAX_QUERIES
+    elif split_kv and not can_split:
+        raise InputError("the split-KV path has no backward, and needs a normaliser that can combine splits")
+    return forward, compile_decode(graph, forward.tiled.config) if split_kv else None

@@ -6,6 +6,7 @@ import triton
 import triton.language as tl
 
 from .interpreter import InterpretedKernel
+from .launcher import Launcher
 
 
 def _delta_kernel(O, DO, DLse, Delta,
@@ -30,7 +31,7 @@ def _delta_kernel(O, DO, DLse, Delta,
     tl.store(Delta + pid_bh.to(tl.int64) * Nq + rows, delta, mask=rows < Nq)
 
 
-_jitted = triton.jit(_delta_kernel)
+_jitted = Launcher(triton.jit(_delta_kernel))
 _interpreted = InterpretedKernel(_delta_kernel)
 
 

@@ -45,6 +45,11 @@ def differentiable(case: ProgramCase, extras: dict) -> tuple[bool, tuple[str, ..
     return True, tuple(dict.fromkeys(grads))
 
 
+def _synchronize(device: str) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def check_program_case(case: ProgramCase, dtype: torch.dtype, device: str, seed: int, grads: bool = False,
                        kv_lens: list[int] | None = None) -> None:
     """Run ``case`` fused and compare out, lse (when the normaliser has one) and, with ``grads``, the
@@ -65,6 +70,7 @@ def check_program_case(case: ProgramCase, dtype: torch.dtype, device: str, seed:
         for t in leaves:
             t.requires_grad_(True)
     result = case.program(q, k, v, return_lse=has_lse, **extras)
+    _synchronize(device)  # a fault in the fused kernel is reported with this example, not a later one
     out, lse = result if has_lse else (result, None)
     ref64 = case.program.reference(q, k, v, return_lse=has_lse, dtype=torch.float64, **extras)
     ref_lowp = case.program.reference(q, k, v, return_lse=has_lse, dtype=dtype, **extras)
@@ -79,6 +85,7 @@ def check_program_case(case: ProgramCase, dtype: torch.dtype, device: str, seed:
     g = torch.Generator().manual_seed(seed + 1)
     dout = torch.randn(out.shape, generator=g).to(dtype).to(device)
     got = torch.autograd.grad(out, leaves, dout)
+    _synchronize(device)
     want64 = torch.autograd.grad(ref64[0], leaves, dout.to(torch.float64))
     want_lowp = torch.autograd.grad(ref_lowp[0], leaves, dout)
     scores = q.shape[0] * q.shape[1] * q.shape[2] * k.shape[2]

@@ -256,19 +256,22 @@ def listing_mask(kernel: TiledKernel):
 
 def visit(kernel: TiledKernel, body, var: str, block: str, block_start: str, transposed: bool = False) -> str:
     """The loops over key blocks (query blocks, ``transposed``, for dK/dV); ``body(masked, implied)`` gives
-    a loop body. With a listing mask: only its listed blocks of the block at ``block_start``, each clipped
-    to [start, hi); otherwise ``loops``."""
+    a loop body. With a listing mask: one flat loop over the tiles of its listed blocks (flat, so Triton
+    pipelines the loads across blocks), skipping tiles outside [start, hi) when other masks bound the
+    range; otherwise ``loops``."""
     m = listing_mask(kernel)
     if m is None:
         return loops(lambda masked: body(masked, None), var, block, has_masks(kernel))
     bl = m.fragment.block_list
     count = m.code(bl.q_count if transposed else bl.count, block="list_block")
-    index = m.code(bl.q_index if transposed else bl.index, block="list_block", i="list_i")
-    return (f"# {m.prefix}: visit only the blocks it lists\nlist_size = {m.code(bl.size)}\n"
-            f"list_block = ({block_start}) // list_size\nfor list_i in range(0, {count}):\n"
-            f"    listed = {index}\n"
-            f"    for {var} in range(tl.maximum(listed * list_size, start), "
-            f"tl.minimum(listed * list_size + list_size, hi), {block}):\n{indent(body(True, m.prefix), 8)}")
+    index = m.code(bl.q_index if transposed else bl.index, block="list_block", i="list_t // list_tiles")
+    tile = body(True, m.prefix)
+    if any(other.fragment.kv_range is not None for other in kernel.masks if other is not m):
+        tile = f"if ({var} + {block} > start) & ({var} < hi):\n{indent(tile, 4)}"
+    return (f"# {m.prefix}: visit only the blocks it lists, tile by tile\nlist_size = {m.code(bl.size)}\n"
+            f"list_tiles = list_size // {block}\nlist_block = ({block_start}) // list_size\n"
+            f"for list_t in range(0, {count} * list_tiles):\n"
+            f"    {var} = {index} * list_size + list_t % list_tiles * {block}\n{indent(tile, 4)}")
 
 
 def loops(body, var: str, block: str, has_head: bool) -> str:

@@ -1,0 +1,83 @@
+"""Launch a ``triton.jit`` kernel with little host time.
+
+Triton's ``kernel[grid](...)`` binds and specialises every argument on every call (tens of µs for the
+30-odd arguments of an attention kernel). ``Launcher`` does that once per specialisation: it keys each
+call by what Triton specialises on (each tensor's dtype and 16-byte alignment; each integer's being 1,
+a multiple of 16, or past 32 bits; the constexprs, warps and stages) and sends later calls with the same
+key straight to the compiled kernel's launcher.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+from triton import knobs
+from triton.runtime import driver
+from triton.runtime.jit import JITFunction
+
+
+def _int_key(a: int) -> tuple:
+    return (a == 1, a % 16 == 0, -2**31 <= a < 2**31, a < 2**63)
+
+
+def _tensor_key(a: torch.Tensor) -> tuple:
+    return (a.dtype, a.data_ptr() % 16 == 0)
+
+
+_KEYS: dict[type, Callable[[Any], Any]] = {
+    int: _int_key, bool: lambda a: ("bool", a), float: lambda a: float, type(None): lambda a: None,
+    torch.Tensor: _tensor_key, torch.nn.Parameter: _tensor_key,
+}
+
+
+def specialisation_key(arg: Any) -> Any:
+    """What Triton specialises a kernel on for ``arg``, or a finer key (never a coarser one)."""
+    key = _KEYS.get(type(arg))
+    if key is not None:
+        return key(arg)
+    if isinstance(arg, torch.Tensor):
+        return _tensor_key(arg)
+    return (type(arg), arg)
+
+
+def call_key(args: tuple) -> tuple:
+    """The specialisation keys of ``args``; an int32 other than 1 (most arguments: strides, sizes)
+    takes the fast path, its divisibility by 16 alone."""
+    return tuple([a & 15 == 0 if type(a) is int and 1 < a < 2**31 else specialisation_key(a) for a in args])
+
+
+class Launcher:
+    """``launcher[grid](*args, num_warps=..., num_stages=..., **constexprs)``, as ``triton.jit``'s.
+
+    The generated kernels take their runtime arguments first and their constexprs last, so the
+    constexprs are passed by keyword and appended in the kernel's order.
+    """
+
+    def __init__(self, fn: JITFunction):
+        self.fn = fn
+        flags = [p.is_constexpr for p in fn.params]
+        first = flags.index(True) if True in flags else len(flags)
+        if not all(flags[first:]):
+            raise ValueError(f"{fn.__name__}: constexpr parameters must come after every runtime parameter")
+        self._runtime_count = first
+        self._constexpr_names = tuple(fn.arg_names[first:])
+        self._compiled: dict[tuple, Any] = {}
+
+    def __getitem__(self, grid: tuple[int, ...]) -> Callable[..., None]:
+        return lambda *args, **kwargs: self.launch(grid, args, **kwargs)
+
+    def launch(self, grid: tuple[int, ...], args: tuple, num_warps: int = 4, num_stages: int = 2,
+               **constexprs: Any) -> None:
+        if len(args) != self._runtime_count:
+            raise TypeError(f"{self.fn.__name__} takes {self._runtime_count} runtime arguments, got {len(args)}")
+        tail = tuple(constexprs[name] for name in self._constexpr_names)
+        device = driver.active.get_current_device()
+        key = (device, num_warps, num_stages, tail, call_key(args))
+        kernel = self._compiled.get(key)
+        if kernel is None or knobs.runtime.launch_enter_hook is not None \
+                or knobs.runtime.launch_exit_hook is not None:
+            self._compiled[key] = self.fn[grid](*args, **constexprs, num_warps=num_warps, num_stages=num_stages)
+            return
+        grid = (*grid, 1, 1)
+        kernel.run(grid[0], grid[1], grid[2], driver.active.get_current_stream(device), kernel.function,
+                   kernel.packed_metadata, None, None, None, *args, *tail)
