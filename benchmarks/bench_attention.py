@@ -10,6 +10,7 @@ baseline on the same inputs; the max abs difference is printed.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import os
 import tempfile
@@ -122,7 +123,26 @@ def bench(fn) -> float:
     return do_bench(fn, warmup=25, rep=100, return_mode="median")
 
 
+@contextlib.contextmanager
+def keys_rotated_per_tile():
+    """RoPE as the fused kernel alone does it: every key tile rotated in the key loop (no key pass)."""
+    from attnfuse.runtime import hoisted, launch
+
+    saved, hoisted.HOIST_MIN_QUERY_BLOCKS = hoisted.HOIST_MIN_QUERY_BLOCKS, 10**9
+    launch.clear_cache()
+    try:
+        yield
+    finally:
+        hoisted.HOIST_MIN_QUERY_BLOCKS = saved
+        launch.clear_cache()
+
+
 def forward_row(geometry: str, N: int, variant: str, q, k, v, cos, sin) -> dict:
+    """``variant``: a PROGRAMS name, or rope_causal_per_tile (rope_causal with no key pass)."""
+    if variant == "rope_causal_per_tile":
+        with keys_rotated_per_tile():
+            row = forward_row(geometry, N, "rope_causal", q, k, v, cos, sin)
+        return {**row, "case": row["case"] + " (keys rotated per tile)"}
     B, Hq, _, D = GEOMETRIES[geometry]
     program = PROGRAMS[variant]
     rope = variant == "rope_causal"
@@ -398,7 +418,7 @@ def main() -> None:
     parser.add_argument("--suite", default="forward,backward,decode,sparse,memory,overhead")
     parser.add_argument("--N", default="2048,4096,8192,16384")
     parser.add_argument("--geometries", default="gpt2,llama3-8b")
-    parser.add_argument("--variants", default=",".join(PROGRAMS))
+    parser.add_argument("--variants", default=",".join([*PROGRAMS, "rope_causal_per_tile"]))
     parser.add_argument("--backward-N", default="2048,4096,8192")
     parser.add_argument("--backward-variants", default="causal,rope_causal,sliding_window")
     parser.add_argument("--out", help="also write the table (markdown) here")

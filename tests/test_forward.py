@@ -183,6 +183,31 @@ def test_rope_rotates_q_once_and_each_k_tile():
     assert loops.count("qk transform of k") == 3 and "qk transform of q" not in loops
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+def test_hoisted_key_transforms_equal_the_fused_ones(monkeypatch, dtype):
+    """With many query blocks the keys' rotation runs once in a key pass; the products read the same
+    keys as the fused path, so the outputs are bitwise equal, and match the reference."""
+    from attnfuse.runtime import hoisted, launch
+
+    q, k, v = _qkv(2, 4, 2, 150, 170, 80, 48, dtype)  # 5 query blocks of 32 under the interpreter
+    source = llama.source(q, k, v, kernel="keys")
+    assert "qk transform of k" in source and "qk transform of q" not in source
+    out = llama(q, k, v)
+    assert isinstance(launch._plans[next(reversed(launch._plans))][0], hoisted.HoistedForward)
+    monkeypatch.setattr(hoisted, "HOIST_MIN_QUERY_BLOCKS", 10**9)
+    launch.clear_cache()
+    fused = llama(q, k, v)
+    assert isinstance(launch._plans[next(reversed(launch._plans))][0], launch.ForwardKernel)
+    assert torch.equal(out, fused)
+    assert_matches_reference(out, llama.reference(q, k, v), llama.reference(q, k, v, dtype=dtype), dtype)
+
+
+def test_key_pass_needs_key_transforms():
+    q, k, v = _qkv(1, 2, 2, 40, 40, 32, 32, torch.float32)
+    with pytest.raises(af.InputError, match="no key-side qk transform"):
+        causal.source(q, k, v, kernel="keys")
+
+
 def test_one_kernel_launch_per_call(monkeypatch):
     from attnfuse.runtime import launch
 

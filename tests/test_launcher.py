@@ -46,3 +46,20 @@ def test_interpreter_checks_bounds():
     assert torch.equal(x, y)
     with pytest.raises(IndexError, match="out-of-bounds load"):
         InterpretedKernel(copy)[(1,)](x, y[:4], 12, BLOCK=16)
+
+
+def test_launch_hooks_are_seen():
+    from triton import knobs
+
+    from attnfuse.runtime.launcher import _hooked
+
+    assert not _hooked(None)
+    assert not _hooked(knobs.runtime.launch_enter_hook)  # Triton's empty chain: no hook installed
+
+    def hook(metadata):
+        pass
+    knobs.runtime.launch_enter_hook.add(hook)
+    try:
+        assert _hooked(knobs.runtime.launch_enter_hook)
+    finally:
+        knobs.runtime.launch_enter_hook.remove(hook)

@@ -4,7 +4,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import triton
 
 from ..passes.codegen import generate_dkdv, generate_dq
 from ..passes.lower import Instance, TiledKernel
@@ -12,6 +11,7 @@ from . import preprocess
 from .forward import constexprs
 from .inputs import KVCache, PluginArgs, accumulator_dtype, empty_like_layout, kv_launch_args
 from .kernel import CompiledKernel
+from .launcher import cdiv
 
 
 def _sum_to(grad: torch.Tensor, shape: torch.Size) -> torch.Tensor:
@@ -56,11 +56,11 @@ class BackwardKernels:
             common = (q, k, v, dout, lse, delta)
             strides = (*q.stride(), *k.stride(), *v.stride(), *dout.stride())
             pargs, limit = self.plugin_args(q, kv, inputs)
-            self.dkdv.launch(lambda tiles: (triton.cdiv(Nk, tiles.block_n), B * Hkv),
+            self.dkdv.launch(lambda tiles: (cdiv(Nk, tiles.block_n), B * Hkv),
                              (*common, dk, dv, *strides, *dk.stride(), *dv.stride(), Hq, Nq, *kv_launch_args(kv),
                               *pargs), q.device, limit=limit, **self.constexprs)
             grad_args = [a for buffer in buffers for a in (buffer, *buffer.stride())]
-            self.dq.launch(lambda tiles: (triton.cdiv(Nq, tiles.block_m), B * Hq),
+            self.dq.launch(lambda tiles: (cdiv(Nq, tiles.block_m), B * Hq),
                            (*common, dq, *strides, *dq.stride(), Hq, Nq, *kv_launch_args(kv), *pargs, *grad_args),
                            q.device, limit=limit, **self.constexprs)
         else:

@@ -6,7 +6,7 @@ import triton
 import triton.language as tl
 
 from .interpreter import InterpretedKernel
-from .launcher import Launcher
+from .launcher import Launcher, next_power_of_2
 
 
 def _combine_kernel(PartOut, PartLse, Out, Lse,
@@ -49,5 +49,5 @@ def combine(part_out: torch.Tensor, part_lse: torch.Tensor, out: torch.Tensor, l
     kernel = _jitted if out.is_cuda else _interpreted
     kernel[(B * Hq * Nq,)](
         part_out, part_lse, out, out if lse is None else lse, *out.stride(), Hq, Nq, DV, splits,
-        LOGSUMEXP=logsumexp, SAVE_LSE=lse is not None, BLOCK_S=max(2, triton.next_power_of_2(splits)),
-        BLOCK_DV=max(16, triton.next_power_of_2(DV)))
+        LOGSUMEXP=logsumexp, SAVE_LSE=lse is not None, BLOCK_S=max(2, next_power_of_2(splits)),
+        BLOCK_DV=max(16, next_power_of_2(DV)))

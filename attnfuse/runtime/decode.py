@@ -6,7 +6,6 @@ import math
 from typing import Any
 
 import torch
-import triton
 
 from ..passes.codegen import generate_decode
 from ..passes.lower import TiledKernel
@@ -14,6 +13,7 @@ from .combine import combine
 from .forward import constexprs
 from .inputs import KVCache, PluginArgs, accumulator_dtype, empty_like_layout, kv_launch_args
 from .kernel import CompiledKernel
+from .launcher import cdiv, next_power_of_2
 
 MAX_QUERIES = 16  # decoding and speculative decoding: at most this many queries take the split path
 PROGRAMS_PER_SM = 2  # split-KV programs to have in flight per multiprocessor (benchmarks/sweep_tiles.py)
@@ -33,10 +33,10 @@ def _parallelism(device: torch.device) -> int:
 def split_plan(B: int, Hkv: int, row_blocks: int, capacity: int, block_n: int, device: torch.device
                ) -> tuple[int, int]:
     """(keys per split, number of splits): enough programs to fill the GPU, each split whole blocks."""
-    blocks = triton.cdiv(capacity, block_n)
-    splits = max(1, min(blocks, triton.cdiv(_parallelism(device), B * Hkv * row_blocks)))
-    split_keys = triton.cdiv(blocks, splits) * block_n
-    return split_keys, triton.cdiv(capacity, split_keys)
+    blocks = cdiv(capacity, block_n)
+    splits = max(1, min(blocks, cdiv(_parallelism(device), B * Hkv * row_blocks)))
+    split_keys = cdiv(blocks, splits) * block_n
+    return split_keys, cdiv(capacity, split_keys)
 
 
 class DecodeKernel:
@@ -65,8 +65,8 @@ class DecodeKernel:
                 lse.fill_(-math.inf)
             return out, lse
         rows = t.config.group * Nq
-        block_m = min(self.kernel.tiles.block_m, max(16, triton.next_power_of_2(rows)))
-        row_blocks = triton.cdiv(rows, block_m)
+        block_m = min(self.kernel.tiles.block_m, max(16, next_power_of_2(rows)))
+        row_blocks = cdiv(rows, block_m)
         split_keys, splits = split_plan(B, Hkv, row_blocks, kv.capacity, self.kernel.tiles.block_n, q.device)
         part_out = torch.empty((B * Hq * Nq, splits, DV), dtype=acc, device=q.device)
         part_lse = torch.empty((B * Hq * Nq, splits), dtype=acc, device=q.device)

@@ -5,12 +5,12 @@ import math
 from typing import Any
 
 import torch
-import triton
 
 from ..passes.codegen import generate_forward
 from ..passes.lower import TiledKernel
 from .inputs import KVCache, PluginArgs, accumulator_dtype, empty_like_layout, kv_launch_args
 from .kernel import CompiledKernel
+from .launcher import cdiv
 
 
 class ForwardKernel:
@@ -45,7 +45,7 @@ class ForwardKernel:
         pargs, limit = self.plugin_args(q, kv, inputs)
         args = (q, k, v, out, out if lse is None else lse, *q.stride(), *k.stride(), *v.stride(), *out.stride(),
                 Hq, Nq, *kv_launch_args(kv), *pargs)
-        self.kernel.launch(lambda tiles: (triton.cdiv(Nq, tiles.block_m), B * Hq), args, q.device, limit=limit,
+        self.kernel.launch(lambda tiles: (cdiv(Nq, tiles.block_m), B * Hq), args, q.device, limit=limit,
                            **self.constexprs)
         return out, lse
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import attrs
 import torch
 
 from .. import ir
@@ -13,6 +14,7 @@ from .autograd import AttentionFunction
 from .backward import BackwardKernels
 from .decode import MAX_QUERIES, DecodeKernel
 from .forward import ForwardKernel
+from .hoisted import HoistedForward, hoistable, worth_hoisting
 from .inputs import check_cache, check_inputs, kernel_config, kv_cache
 from .kernel import CompiledKernel
 
@@ -22,7 +24,8 @@ __all__ = ["KERNEL_KINDS", "check_cache", "check_inputs", "clear_cache", "compil
 _forward: dict[tuple[ir.MatMulPV, KernelConfig], ForwardKernel] = {}
 _decode: dict[tuple[ir.MatMulPV, KernelConfig], DecodeKernel] = {}
 _backward: dict[tuple[ir.MatMulPV, KernelConfig, tuple], BackwardKernels] = {}
-_plans: dict[tuple, tuple[ForwardKernel, DecodeKernel | None]] = {}  # call signature -> kernels
+_hoisted: dict[tuple[ir.MatMulPV, KernelConfig], HoistedForward] = {}
+_plans: dict[tuple, tuple[ForwardKernel | HoistedForward, DecodeKernel | None]] = {}  # call signature -> kernels
 _MAX_PLANS = 4096
 
 
@@ -32,6 +35,16 @@ def compile_forward(graph: ir.MatMulPV, config: KernelConfig) -> ForwardKernel:
     kernel = _forward.get(key)
     if kernel is None:
         kernel = _forward[key] = ForwardKernel(lower(fuse(graph), config, listing=ir.render(graph)))
+    return kernel
+
+
+def compile_hoisted(graph: ir.MatMulPV, config: KernelConfig) -> HoistedForward:
+    """The forward of ``graph`` with its keys' transforms hoisted into a key pass."""
+    key = (graph, config)
+    kernel = _hoisted.get(key)
+    if kernel is None:
+        main = compile_forward(graph, attrs.evolve(config, k_transformed=True))
+        kernel = _hoisted[key] = HoistedForward(compile_forward(graph, config), main)
     return kernel
 
 
@@ -54,13 +67,19 @@ def compile_backward(graph: ir.MatMulPV, config: KernelConfig,
     return kernels
 
 
-KERNEL_KINDS = ("forward", "decode", "dkdv", "dq")
+KERNEL_KINDS = ("forward", "decode", "dkdv", "dq", "keys")
 
 
 def compiled_kernel(graph: ir.MatMulPV, config: KernelConfig, kind: str) -> CompiledKernel:
-    """One generated kernel of ``graph``: ``kind`` is "forward", "decode" (split-KV), "dkdv" or "dq"."""
+    """One generated kernel of ``graph``: ``kind`` is "forward", "decode" (split-KV), "dkdv", "dq" or "keys"
+    (the key pass of a program whose keys have qk transforms)."""
     if kind == "forward":
         return compile_forward(graph, config).kernel
+    if kind == "keys":
+        if not hoistable(compile_forward(graph, config).tiled):
+            raise InputError("kernel='keys': this program has no key-side qk transform to hoist (or reads a "
+                             "cache with kv_lens or pages, where the transform stays in the key loop)")
+        return compile_hoisted(graph, config).key_pass
     if kind == "decode":
         return compile_decode(graph, config).kernel
     if kind in ("dkdv", "dq"):
@@ -73,6 +92,7 @@ def clear_cache() -> None:
     _forward.clear()
     _decode.clear()
     _backward.clear()
+    _hoisted.clear()
     _plans.clear()
 
 
@@ -161,7 +181,8 @@ def _meta(t: Any) -> Any:
 
 
 def _plan(graph: ir.MatMulPV, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_lens: Any, block_table: Any,
-          return_lse: bool, wants_grad: bool, split_kv: bool | None) -> tuple[ForwardKernel, DecodeKernel | None]:
+          return_lse: bool, wants_grad: bool, split_kv: bool | None
+          ) -> tuple[ForwardKernel | HoistedForward, DecodeKernel | None]:
     """Check a new call signature; its forward kernel, and its split-KV kernel if it takes that path."""
     kv = check_cache(q, k, v, kv_lens, block_table)
     has_lse = fragment_of(graph.weights.apply).has_lse
@@ -176,4 +197,8 @@ def _plan(graph: ir.MatMulPV, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         split_kv = can_split and q.shape[2] <= MAX_QUERIES
     elif split_kv and not can_split:
         raise InputError("the split-KV path has no backward, and needs a normaliser that can combine splits")
-    return forward, compile_decode(graph, forward.tiled.config) if split_kv else None
+    if split_kv:
+        return forward, compile_decode(graph, forward.tiled.config)
+    if worth_hoisting(forward, q.shape[2]):
+        return compile_hoisted(graph, forward.tiled.config), None
+    return forward, None

@@ -4,7 +4,8 @@ Triton's ``kernel[grid](...)`` binds and specialises every argument on every cal
 30-odd arguments of an attention kernel). ``Launcher`` does that once per specialisation: it keys each
 call by what Triton specialises on (each tensor's dtype and 16-byte alignment; each integer's being 1,
 a multiple of 16, or past 32 bits; the constexprs, warps and stages) and sends later calls with the same
-key straight to the compiled kernel's launcher.
+key straight to the compiled kernel's launcher. While a launch hook is installed (a profiler), every
+call goes through Triton's own path, which feeds the hooks.
 """
 from __future__ import annotations
 
@@ -14,6 +15,16 @@ import torch
 from triton import knobs
 from triton.runtime import driver
 from triton.runtime.jit import JITFunction
+
+
+def cdiv(a: int, b: int) -> int:
+    """ceil(a / b) on the host (``triton.cdiv`` is a jit function: µs per call from Python)."""
+    return -(-a // b)
+
+
+def next_power_of_2(n: int) -> int:
+    """The smallest power of two >= n (n >= 1), on the host."""
+    return 1 << (n - 1).bit_length()
 
 
 def _int_key(a: int) -> tuple:
@@ -46,6 +57,11 @@ def call_key(args: tuple) -> tuple:
     return tuple([a & 15 == 0 if type(a) is int and 1 < a < 2**31 else specialisation_key(a) for a in args])
 
 
+def _hooked(hook: Any) -> bool:
+    """Whether a launch hook is installed (Triton 3.6 keeps an empty HookChain when none is)."""
+    return hook is not None and bool(getattr(hook, "calls", True))
+
+
 class Launcher:
     """``launcher[grid](*args, num_warps=..., num_stages=..., **constexprs)``, as ``triton.jit``'s.
 
@@ -74,8 +90,7 @@ class Launcher:
         device = driver.active.get_current_device()
         key = (device, num_warps, num_stages, tail, call_key(args))
         kernel = self._compiled.get(key)
-        if kernel is None or knobs.runtime.launch_enter_hook is not None \
-                or knobs.runtime.launch_exit_hook is not None:
+        if kernel is None or _hooked(knobs.runtime.launch_enter_hook) or _hooked(knobs.runtime.launch_exit_hook):
             self._compiled[key] = self.fn[grid](*args, **constexprs, num_warps=num_warps, num_stages=num_stages)
             return
         grid = (*grid, 1, 1)

@@ -6,7 +6,7 @@ import triton
 import triton.language as tl
 
 from .interpreter import InterpretedKernel
-from .launcher import Launcher
+from .launcher import Launcher, cdiv, next_power_of_2
 
 
 def _delta_kernel(O, DO, DLse, Delta,
@@ -46,7 +46,7 @@ def delta(out: torch.Tensor, dout: torch.Tensor, dlse: torch.Tensor | None) -> t
     block_m = 64 if out.is_cuda else 32
     kernel = _jitted if out.is_cuda else _interpreted
     dlse = dlse.to(result.dtype).contiguous() if dlse is not None else None
-    kernel[(triton.cdiv(Nq, block_m), B * Hq)](
+    kernel[(cdiv(Nq, block_m), B * Hq)](
         out, dout, result if dlse is None else dlse, result, *out.stride(), *dout.stride(), Hq, Nq, DV,
-        HAS_DLSE=dlse is not None, BLOCK_M=block_m, BLOCK_DV=max(16, triton.next_power_of_2(DV)))
+        HAS_DLSE=dlse is not None, BLOCK_M=block_m, BLOCK_DV=max(16, next_power_of_2(DV)))
     return result

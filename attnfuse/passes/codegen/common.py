@@ -90,6 +90,7 @@ def operand(kernel: TiledKernel, x: str, base: str, rows: str, pos: str, ok: str
     With no transform: one (rows, BLOCK_D) tile ``x``. With transforms: the halves ``x1``, ``x2``
     (rows, BLOCK_H), columns [0, D/2) and [D/2, D), transformed in float32 and cast back for the
     products; ``x_in<i>_1``/``_2`` keep each transform's input for the backward's vector-Jacobian products.
+    Keys the key pass already transformed (``config.k_transformed``) are only loaded.
     """
     row_mask = f"{ok}[:, None]" if masked else ""
     if not split(kernel):
@@ -102,7 +103,7 @@ def operand(kernel: TiledKernel, x: str, base: str, rows: str, pos: str, ok: str
              f"{x}2f = {masked_load(f'{x}_ptrs + HALF * {stride_d}', row_mask, h_mask)}.to(tl.float32)"]
     for i, t in enumerate(kernel.transforms):
         text = getattr(t.fragment, x)
-        if text:
+        if text and not (x == "k" and kernel.config.k_transformed):
             lines += [f"{x}_in{i}_1 = {x}1f", f"{x}_in{i}_2 = {x}2f", f"# {t.prefix}: qk transform of {x}",
                       fragment(t.code(text, x1=f"{x}1f", x2=f"{x}2f", pos=pos, ok=fragment_ok,
                                       tmp=f"{x}_{t.prefix}"))]
