@@ -36,7 +36,8 @@ class KernelConfig:
     fp32_precision: str  # "ieee" or "tf32": how a float32 tl.dot multiplies
     kv_lens: bool = False  # per-sequence key counts (B,): keys past a sequence's count do not exist for it
     paged: bool = False    # k, v are page pools (pages, page_size, Hkv, D) read through a block table
-    k_transformed: bool = False  # k arrives with its qk transforms applied (by the key pass)
+    q_transformed: bool = False  # q arrives with its qk transforms applied (by a transform pass)
+    k_transformed: bool = False  # likewise k
 
 
 @frozen(kw_only=True)

@@ -7,7 +7,7 @@ import torch
 
 from .backward import BackwardKernels
 from .forward import ForwardKernel
-from .hoisted import HoistedForward
+from .hoisted import HoistedBackward, HoistedForward
 from .inputs import KVCache
 
 
@@ -15,8 +15,8 @@ class AttentionFunction(torch.autograd.Function):
     """out, lse = f(q, k, v, *tensor_inputs); the forward saves one log-sum-exp per query row."""
 
     @staticmethod
-    def forward(ctx, forward: ForwardKernel | HoistedForward, backward: BackwardKernels, inputs: dict[str, Any],
-                grad_inputs: tuple[str, ...], lens: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor,
+    def forward(ctx, forward: ForwardKernel | HoistedForward, backward: BackwardKernels | HoistedBackward,
+                inputs: dict[str, Any], grad_inputs: tuple[str, ...], lens: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor,
                 v: torch.Tensor, *tensor_inputs: torch.Tensor):
         out, lse = forward(q, KVCache(k=k, v=v, capacity=k.shape[2], lens=lens), inputs)
         ctx.save_for_backward(q, k, v, out, lse)

@@ -41,13 +41,16 @@ class BackwardKernels:
 
     def __call__(self, q: torch.Tensor, kv: KVCache, out: torch.Tensor,
                  lse: torch.Tensor | None, dout: torch.Tensor | None, dlse: torch.Tensor | None,
-                 inputs: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
-        """dq, dk, dv in the inputs' dtypes and memory orders, and the gradients of tensor inputs by name."""
+                 inputs: dict[str, Any], dqk_dtype: torch.dtype | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+        """dq, dk, dv in the inputs' dtypes (dq and dk in ``dqk_dtype`` if given) and memory orders, and the
+        gradients of tensor inputs by name."""
         k, v = kv.k, kv.v
         B, Hq, Nq, D = q.shape
         Hkv, Nk, DV = k.shape[1], k.shape[2], v.shape[3]
         dout = torch.zeros_like(out) if dout is None else dout
-        dq, dk, dv = empty_like_layout(q, D, q.dtype), empty_like_layout(k, D, k.dtype), empty_like_layout(v, DV, v.dtype)
+        dq, dk = empty_like_layout(q, D, dqk_dtype or q.dtype), empty_like_layout(k, D, dqk_dtype or k.dtype)
+        dv = empty_like_layout(v, DV, v.dtype)
         buffers = [torch.zeros((B, Hq, Nq, Nk), dtype=accumulator_dtype(q.dtype), device=q.device)
                    for _ in self.tensor_grads]
         if q.numel() and k.numel():

@@ -1,8 +1,10 @@
-"""The forward with the keys' qk transforms hoisted: a key pass, then a forward that reads its output.
+"""Hoisted qk transforms: transform passes around kernels generated for already-transformed rows.
 
-Fused, the forward transforms every key tile once per query block that visits it: Nq / BLOCK_M times
-over the whole call. Hoisted, each key is transformed once (one more launch and a scratch copy of K).
-The runtime hoists when at least ``HOIST_MIN_QUERY_BLOCKS`` query blocks would each transform the keys.
+Fused, the forward transforms every key tile once per query block that visits it (Nq / BLOCK_M times over
+a call), and the dK/dV kernel every query tile once per key block. Hoisted, a transform pass writes each
+row's transformed copy once (one more launch and a scratch copy); the backward then runs on the copies
+and gradient passes carry dQ and dK back through the transforms. The runtime hoists when at least
+``HOIST_MIN_QUERY_BLOCKS`` query blocks would each transform the keys.
 """
 from __future__ import annotations
 
@@ -11,10 +13,12 @@ from typing import Any
 import attrs
 import torch
 
-from ..passes.codegen import generate_key_pass
+from ..passes.codegen import generate_gradient_pass, generate_transform_pass
+from ..passes.codegen.transform_pass import pass_name
 from ..passes.lower import TiledKernel
+from .backward import BackwardKernels
 from .forward import ForwardKernel
-from .inputs import KVCache
+from .inputs import KVCache, PluginArgs, accumulator_dtype, empty_like_layout
 from .kernel import CompiledKernel
 from .launcher import cdiv
 
@@ -22,7 +26,7 @@ HOIST_MIN_QUERY_BLOCKS = 4  # benchmarks/bench_attention.py times both ways (the
 
 
 def hoistable(tiled: TiledKernel) -> bool:
-    """Whether a program's keys have transforms the key pass can apply (contiguous keys, one length)."""
+    """Whether a program's keys have transforms a pass can apply (contiguous keys, one length for all)."""
     return (any(t.fragment.k for t in tiled.transforms) and not tiled.config.kv_lens and not tiled.config.paged
             and not tiled.config.k_transformed)
 
@@ -31,31 +35,82 @@ def worth_hoisting(forward: ForwardKernel, Nq: int) -> bool:
     return hoistable(forward.tiled) and cdiv(Nq, forward.kernel.tiles.block_m) >= HOIST_MIN_QUERY_BLOCKS
 
 
-class HoistedForward:
-    """``fused``'s program as a key pass plus ``main``, the same program's forward for transformed keys.
+def transformed_sides(tiled: TiledKernel) -> dict[str, bool]:
+    """q_transformed / k_transformed: the sides whose transforms the passes apply."""
+    return {f"{x}_transformed": any(getattr(t.fragment, x) for t in tiled.transforms) for x in "qk"}
 
-    ``tiled`` is the fused kernel's, which the backward (fused as ever) is generated from.
+
+class TransformPass:
+    """One generated pass over the rows of q or k (``x``): apply the transforms, or (``gradient``) carry a
+    float32 gradient with respect to the transformed rows back to the rows themselves."""
+
+    def __init__(self, tiled: TiledKernel, x: str, gradient: bool = False):
+        generate = generate_gradient_pass if gradient else generate_transform_pass
+        self.kernel = CompiledKernel(pass_name(tiled, x, gradient), generate(tiled, x),
+                                     tiled.config.arch == "interpreter", tiled.tiles)
+        self.x = x
+
+    def __call__(self, rows: torch.Tensor, pargs: list, constexprs: dict, Hq: int, Nq: int, Nk: int,
+                 grad: torch.Tensor | None = None) -> torch.Tensor:
+        """rows (B, H, N, D) -> transformed rows, or with ``grad`` (rows' shape and memory order, float32)
+        the gradient of ``rows``; in ``rows``' dtype and memory order."""
+        B, H, N, D = rows.shape
+        out = empty_like_layout(rows, D, rows.dtype)
+        if out.numel() == 0:
+            return out
+        if grad is not None and grad.stride() != out.stride():
+            raise AssertionError(f"gradient pass: grad strides {grad.stride()} differ from {out.stride()}")
+        block = "block_m" if self.x == "q" else "block_n"
+        self.kernel.launch(lambda tiles: (cdiv(N, getattr(tiles, block)), B * H),
+                           (rows, out, *(() if grad is None else (grad,)), *rows.stride(), *out.stride(), Hq, Nq, Nk,
+                            *pargs), rows.device, **constexprs)
+        return out
+
+
+class HoistedForward:
+    """``fused``'s program as a key transform pass plus ``main``, its forward for transformed keys.
+
+    ``tiled`` is the fused kernel's: the program as the backward sees it.
     """
 
     def __init__(self, fused: ForwardKernel, main: ForwardKernel):
         self.tiled = fused.tiled
         self.main = main
-        self.key_pass = CompiledKernel(fused.tiled.name.replace("_fwd_", "_keys_"), generate_key_pass(fused.tiled),
-                                       fused.tiled.config.arch == "interpreter", fused.tiled.tiles)
-        self.source = self.key_pass.source
+        self.keys = TransformPass(fused.tiled, "k")
         self.plugin_args = fused.plugin_args
         self.constexprs = fused.constexprs
 
     def __call__(self, q: torch.Tensor, kv: KVCache, inputs: dict[str, Any]
                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """As ``ForwardKernel.__call__``."""
-        k = kv.k
-        B, Hkv, Nk, D = k.shape
-        if q.numel() == 0 or k.numel() == 0:
-            return self.main(q, kv, inputs)
-        keys = torch.empty((B, Hkv, Nk, D), dtype=k.dtype, device=k.device)
         pargs, _ = self.plugin_args(q, kv, inputs)
-        self.key_pass.launch(lambda tiles: (cdiv(Nk, tiles.block_n), B * Hkv),
-                             (k, keys, *k.stride(), *keys.stride(), q.shape[1], q.shape[2], Nk, *pargs), q.device,
-                             **self.constexprs)
+        keys = self.keys(kv.k, pargs, self.constexprs, q.shape[1], q.shape[2], kv.capacity)
         return self.main(q, attrs.evolve(kv, k=keys), inputs)
+
+
+class HoistedBackward:
+    """The backward of a hoisted program: transform passes over q and k, ``inner`` (the backward kernels
+    generated for transformed rows, writing float32 dQ and dK), then gradient passes back to q and k."""
+
+    def __init__(self, fused: TiledKernel, inner: BackwardKernels):
+        self.inner = inner
+        sides = transformed_sides(fused)
+        self.passes = {x: (TransformPass(fused, x), TransformPass(fused, x, gradient=True))
+                       for x in "qk" if sides[f"{x}_transformed"]}
+        self.plugin_args = PluginArgs(fused)
+        self.constexprs = inner.constexprs
+
+    def __call__(self, q: torch.Tensor, kv: KVCache, out: torch.Tensor, lse: torch.Tensor | None,
+                 dout: torch.Tensor | None, dlse: torch.Tensor | None, inputs: dict[str, Any]
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+        """As ``BackwardKernels.__call__``."""
+        pargs, _ = self.plugin_args(q, kv, inputs)
+        sizes = (q.shape[1], q.shape[2], kv.capacity)
+        rows = {"q": q, "k": kv.k}
+        moved = {x: apply(rows[x], pargs, self.constexprs, *sizes) for x, (apply, _) in self.passes.items()}
+        dq, dk, dv, grads = self.inner(moved.get("q", q), attrs.evolve(kv, k=moved.get("k", kv.k)), out, lse, dout,
+                                       dlse, inputs, dqk_dtype=accumulator_dtype(q.dtype))
+        moved_grads = {"q": dq, "k": dk}
+        back = {x: gradient(rows[x], pargs, self.constexprs, *sizes, grad=moved_grads[x])
+                for x, (_, gradient) in self.passes.items()}
+        return back.get("q", dq.to(q.dtype)), back.get("k", dk.to(kv.k.dtype)), dv, grads

@@ -14,7 +14,7 @@ from .autograd import AttentionFunction
 from .backward import BackwardKernels
 from .decode import MAX_QUERIES, DecodeKernel
 from .forward import ForwardKernel
-from .hoisted import HoistedForward, hoistable, worth_hoisting
+from .hoisted import HoistedBackward, HoistedForward, hoistable, transformed_sides, worth_hoisting
 from .inputs import check_cache, check_inputs, kernel_config, kv_cache
 from .kernel import CompiledKernel
 
@@ -23,7 +23,7 @@ __all__ = ["KERNEL_KINDS", "check_cache", "check_inputs", "clear_cache", "compil
 
 _forward: dict[tuple[ir.MatMulPV, KernelConfig], ForwardKernel] = {}
 _decode: dict[tuple[ir.MatMulPV, KernelConfig], DecodeKernel] = {}
-_backward: dict[tuple[ir.MatMulPV, KernelConfig, tuple], BackwardKernels] = {}
+_backward: dict[tuple, BackwardKernels | HoistedBackward] = {}
 _hoisted: dict[tuple[ir.MatMulPV, KernelConfig], HoistedForward] = {}
 _plans: dict[tuple, tuple[ForwardKernel | HoistedForward, DecodeKernel | None]] = {}  # call signature -> kernels
 _MAX_PLANS = 4096
@@ -39,13 +39,25 @@ def compile_forward(graph: ir.MatMulPV, config: KernelConfig) -> ForwardKernel:
 
 
 def compile_hoisted(graph: ir.MatMulPV, config: KernelConfig) -> HoistedForward:
-    """The forward of ``graph`` with its keys' transforms hoisted into a key pass."""
+    """The forward of ``graph`` with its keys' transforms hoisted into a transform pass."""
     key = (graph, config)
     kernel = _hoisted.get(key)
     if kernel is None:
         main = compile_forward(graph, attrs.evolve(config, k_transformed=True))
         kernel = _hoisted[key] = HoistedForward(compile_forward(graph, config), main)
     return kernel
+
+
+def compile_hoisted_backward(graph: ir.MatMulPV, config: KernelConfig,
+                             tensor_grads: tuple[tuple[Instance, str], ...] = ()) -> HoistedBackward:
+    """The backward of ``graph`` with its qk transforms hoisted into transform and gradient passes."""
+    key = (graph, config, "hoisted", tuple((inst.prefix, name) for inst, name in tensor_grads))
+    kernels = _backward.get(key)
+    if kernels is None:
+        fused = compile_forward(graph, config).tiled
+        inner = compile_backward(graph, attrs.evolve(config, **transformed_sides(fused)), tensor_grads)
+        kernels = _backward[key] = HoistedBackward(fused, inner)
+    return kernels
 
 
 def compile_decode(graph: ir.MatMulPV, config: KernelConfig) -> DecodeKernel:
@@ -79,7 +91,7 @@ def compiled_kernel(graph: ir.MatMulPV, config: KernelConfig, kind: str) -> Comp
         if not hoistable(compile_forward(graph, config).tiled):
             raise InputError("kernel='keys': this program has no key-side qk transform to hoist (or reads a "
                              "cache with kv_lens or pages, where the transform stays in the key loop)")
-        return compile_hoisted(graph, config).key_pass
+        return compile_hoisted(graph, config).keys.kernel
     if kind == "decode":
         return compile_decode(graph, config).kernel
     if kind in ("dkdv", "dq"):
@@ -163,7 +175,8 @@ def run_attention(graph: ir.MatMulPV, q: torch.Tensor, k: torch.Tensor, v: torch
         out, lse = forward(q, kv, inputs)
     else:
         tensor_grads = _tensor_grads(forward.tiled, inputs)
-        backward = compile_backward(graph, forward.tiled.config, tensor_grads)
+        compile_ = compile_hoisted_backward if isinstance(forward, HoistedForward) else compile_backward
+        backward = compile_(graph, forward.tiled.config, tensor_grads)
         names = tuple(dict.fromkeys(inst.apply.inputs()[name].name for inst, name in tensor_grads))
         out, lse = AttentionFunction.apply(forward, backward, inputs, names, kv.lens, q, k, v,
                                            *(inputs[n] for n in names))

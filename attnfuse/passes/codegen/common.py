@@ -61,6 +61,11 @@ def split(kernel: TiledKernel) -> bool:
     return bool(kernel.transforms)
 
 
+def transformed(kernel: TiledKernel, x: str) -> bool:
+    """Whether q or k (``x``) arrives with its qk transforms already applied (hoisted into a pass)."""
+    return kernel.config.q_transformed if x == "q" else kernel.config.k_transformed
+
+
 def constexpr_args(kernel: TiledKernel) -> str:
     args = ("GROUP: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, "
             "BLOCK_DV: tl.constexpr,\n    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,")
@@ -90,7 +95,7 @@ def operand(kernel: TiledKernel, x: str, base: str, rows: str, pos: str, ok: str
     With no transform: one (rows, BLOCK_D) tile ``x``. With transforms: the halves ``x1``, ``x2``
     (rows, BLOCK_H), columns [0, D/2) and [D/2, D), transformed in float32 and cast back for the
     products; ``x_in<i>_1``/``_2`` keep each transform's input for the backward's vector-Jacobian products.
-    Keys the key pass already transformed (``config.k_transformed``) are only loaded.
+    Rows a transform pass already transformed (``config.q_transformed``, ``k_transformed``) are only loaded.
     """
     row_mask = f"{ok}[:, None]" if masked else ""
     if not split(kernel):
@@ -103,7 +108,7 @@ def operand(kernel: TiledKernel, x: str, base: str, rows: str, pos: str, ok: str
              f"{x}2f = {masked_load(f'{x}_ptrs + HALF * {stride_d}', row_mask, h_mask)}.to(tl.float32)"]
     for i, t in enumerate(kernel.transforms):
         text = getattr(t.fragment, x)
-        if text and not (x == "k" and kernel.config.k_transformed):
+        if text and not transformed(kernel, x):
             lines += [f"{x}_in{i}_1 = {x}1f", f"{x}_in{i}_2 = {x}2f", f"# {t.prefix}: qk transform of {x}",
                       fragment(t.code(text, x1=f"{x}1f", x2=f"{x}2f", pos=pos, ok=fragment_ok,
                                       tmp=f"{x}_{t.prefix}"))]
@@ -114,6 +119,8 @@ def operand(kernel: TiledKernel, x: str, base: str, rows: str, pos: str, ok: str
 def operand_grad(kernel: TiledKernel, x: str, grad: str, pos: str, ok: str) -> str:
     """Run the transforms' vector-Jacobian products, last transform first, on gradient halves
     ``grad1``/``grad2`` (with respect to the transformed ``x``), giving the gradient of the loaded ``x``."""
+    if transformed(kernel, x):  # a gradient pass carries it back through the transforms
+        return ""
     h_mask = "" if kernel.block_h * 2 == kernel.config.head_dim else "(dh[None, :] < HALF)"
     fragment_ok = " & ".join(m for m in (f"{ok}[:, None]", h_mask) if m)
     lines = []
