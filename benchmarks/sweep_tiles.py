@@ -75,7 +75,7 @@ def sweep_decode(cases: str) -> None:
         Hq, Hkv, D, N = DECODE_MODELS[model]
         q = torch.randn(int(B), Hq, 1, D, device="cuda", dtype=torch.bfloat16)
         k, v = (torch.randn(int(B), Hkv, N, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-        sweep(case, "decode", DECODE_CONFIGS, lambda: decode_program(q, k, v), 2 * k.numel() * 2 / 1e3, "GB/s",
+        sweep(case, "decode", DECODE_CONFIGS, lambda: decode_program(q, k, v), 2 * k.numel() * 2 * 1e3, "GB/s",
               timer=lambda fn: do_bench_cudagraph(fn, rep=100, return_mode="median"))
     decode.PROGRAMS_PER_SM = 2
 

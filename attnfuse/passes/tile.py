@@ -63,7 +63,7 @@ TABLE: tuple[TileRule, ...] = (
     TileRule(arch="sm90", kernel="dq", head_dim=(1, 64), config=T(block_m=128, block_n=32, num_warps=4, num_stages=3)),
     TileRule(arch="sm90", kernel="dq", head_dim=(65, 128), config=T(block_m=64, block_n=32, num_warps=4, num_stages=3)),
     TileRule(arch="sm90", head_dim=(129, 256), config=T(block_m=64, block_n=64, num_warps=4, num_stages=2)),
-    # Not swept yet: a first guess for split-KV decoding on H100/H200.
+    # Split-KV decoding, swept on the H200 with runtime.decode.PROGRAMS_PER_SM = 2 (docs/benchmarks.md).
     TileRule(arch="sm90", kernel="decode", head_dim=(1, 128), config=T(block_m=64, block_n=64, num_warps=4, num_stages=3)),
     # Any other GPU: conservative tiles that fit every recent part's shared memory.
     TileRule(head_dim=(1, 128), config=T(block_m=64, block_n=64, num_warps=4, num_stages=2)),
