@@ -265,6 +265,21 @@ def test_qk_norm_scores_are_cosines():
     torch.testing.assert_close(got[0, 0], want, atol=1e-5, rtol=1e-5)
 
 
+def test_qk_norm_is_hoisted_like_rope(monkeypatch):
+    """A plugin's qk transform is hoisted into a transform pass as rope's is: the keys' L2 norm runs
+    once per key, and the output is bitwise the fused kernel's."""
+    from attnfuse.runtime import hoisted, launch
+
+    q, k, v = _inputs(1, 2, 1, 140, 150, 32, torch.float32, seed=_seed("qk_norm", "hoisted"), device="cpu")
+    assert "qk transform of k" in qk_normed.source(q, k, v, kernel="keys")
+    out = qk_normed(q, k, v)
+    assert isinstance(launch._plans[next(reversed(launch._plans))][0], hoisted.HoistedForward)
+    monkeypatch.setattr(hoisted, "HOIST_MIN_QUERY_BLOCKS", 10**9)
+    launch.clear_cache()
+    assert torch.equal(out, qk_normed(q, k, v))
+    _check(qk_normed, q, k, v, lse=True)
+
+
 def test_qk_norm_is_a_pair_transform():
     """The DSL call returns the transformed (q, k) pair; v or scores are refused."""
     @af.attention

@@ -107,10 +107,10 @@ class HoistedBackward:
         pargs, _ = self.plugin_args(q, kv, inputs)
         sizes = (q.shape[1], q.shape[2], kv.capacity)
         rows = {"q": q, "k": kv.k}
-        moved = {x: apply(rows[x], pargs, self.constexprs, *sizes) for x, (apply, _) in self.passes.items()}
-        dq, dk, dv, grads = self.inner(moved.get("q", q), attrs.evolve(kv, k=moved.get("k", kv.k)), out, lse, dout,
-                                       dlse, inputs, dqk_dtype=accumulator_dtype(q.dtype))
-        moved_grads = {"q": dq, "k": dk}
-        back = {x: gradient(rows[x], pargs, self.constexprs, *sizes, grad=moved_grads[x])
-                for x, (_, gradient) in self.passes.items()}
-        return back.get("q", dq.to(q.dtype)), back.get("k", dk.to(kv.k.dtype)), dv, grads
+        transformed = {x: apply(rows[x], pargs, self.constexprs, *sizes) for x, (apply, _) in self.passes.items()}
+        dq, dk, dv, grads = self.inner(transformed.get("q", q), attrs.evolve(kv, k=transformed.get("k", kv.k)), out,
+                                       lse, dout, dlse, inputs, dqk_dtype=accumulator_dtype(q.dtype))
+        of_transformed = {"q": dq, "k": dk}  # float32, with respect to the transformed rows where hoisted
+        of_rows = {x: gradient(rows[x], pargs, self.constexprs, *sizes, grad=of_transformed[x])
+                   for x, (_, gradient) in self.passes.items()}
+        return of_rows.get("q", dq.to(q.dtype)), of_rows.get("k", dk.to(kv.k.dtype)), dv, grads
