@@ -2,7 +2,8 @@
 # Everything a GPU session needs in one device call, logs under $OUT.
 #   bash scripts/gpu_session.sh install test sweep bench     (any subset of steps, in order)
 # Knobs: TESTS (pytest paths), FUZZ (examples per combinator), SWEEP_CASES / SWEEP_KERNEL (see
-# benchmarks/sweep_tiles.py), BENCH_ARGS (see benchmarks/bench_attention.py --help).
+# benchmarks/sweep_tiles.py), BENCH_ARGS (see benchmarks/bench_attention.py --help), STEP_TIMEOUT (seconds
+# per step, so one step cannot use up the device call; 0, the default, is none).
 set -uo pipefail
 OUT=${OUT:-/tmp/attnfuse-out}
 mkdir -p "$OUT"
@@ -17,13 +18,13 @@ for step in "$@"; do
       nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,clocks.mem,power.draw,temperature.gpu --format=csv \
         | tee "$OUT/gpu.txt" ;;
     test)
-      ATTNFUSE_FUZZ_EXAMPLES=${FUZZ:-40} python3 -m pytest -q -x -p no:cacheprovider \
+      ATTNFUSE_FUZZ_EXAMPLES=${FUZZ:-40} timeout "${STEP_TIMEOUT:-0}" python3 -m pytest -q -x -p no:cacheprovider \
         ${TESTS:-tests/test_gpu.py tests/test_conformance.py} 2>&1 | tee "$OUT/pytest.log" | tail -25 ;;
     sweep)
-      (cd benchmarks && python3 sweep_tiles.py --kernel "${SWEEP_KERNEL:-forward}" ${SWEEP_CASES:+--cases $SWEEP_CASES}) \
+      (cd benchmarks && timeout "${STEP_TIMEOUT:-0}" python3 sweep_tiles.py --kernel "${SWEEP_KERNEL:-forward}" ${SWEEP_CASES:+--cases $SWEEP_CASES}) \
         2>&1 | tee "$OUT/sweep.log" | grep -E "BEST|failed|Error" ;;
     bench)
-      python3 benchmarks/bench_attention.py ${BENCH_ARGS:-} --out "$OUT/bench.md" 2>&1 | tee "$OUT/bench.log" ;;
+      timeout "${STEP_TIMEOUT:-0}" python3 benchmarks/bench_attention.py ${BENCH_ARGS:-} --out "$OUT/bench.md" 2>&1 | tee "$OUT/bench.log" ;;
     *) echo "unknown step $step" ;;
   esac
 done
