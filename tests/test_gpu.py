@@ -84,6 +84,23 @@ def test_backward_matches_sdpa(dtype):
         assert_matches_reference(a, b, c, dtype, what=name)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_rope_backward_hoisted(dtype):
+    """RoPE+causal training at a size where the rotations are hoisted into passes (forward and backward),
+    against float64 autograd of the reference."""
+    from attnfuse.runtime import hoisted, launch
+
+    B, Hq, Hkv, N, D = 1, 8, 2, 1000, 128
+    leaves = [torch.randn(B, h, N, D, device="cuda", dtype=dtype, requires_grad=True) for h in (Hq, Hkv, Hkv)]
+    dout = torch.randn(B, Hq, N, D, device="cuda", dtype=dtype)
+    got = torch.autograd.grad(llama(*leaves), leaves, dout)
+    assert isinstance(launch._plans[next(reversed(launch._plans))][0], hoisted.HoistedForward)
+    want = torch.autograd.grad(llama.reference(*leaves), leaves, dout.double())
+    want_lowp = torch.autograd.grad(llama.reference(*leaves, dtype=dtype), leaves, dout)
+    for name, a, b, c in zip(("dq", "dk", "dv"), got, want, want_lowp):
+        assert_matches_reference(a, b, c, dtype, what=name)
+
+
 @pytest.mark.parametrize("Nq", [1, 8])
 def test_decode_matches_sdpa(Nq):
     """Split-KV decoding, bf16, Llama-3-70B heads, per-sequence lengths."""
