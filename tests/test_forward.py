@@ -9,6 +9,8 @@ import attnfuse as af
 from attnfuse.block_mask import create_block_mask
 from attnfuse.testing import assert_matches_reference
 
+from conftest import hoisted_last_call
+
 
 @af.attention
 def dense(q, k, v):
@@ -193,11 +195,11 @@ def test_hoisted_key_transforms_equal_the_fused_ones(monkeypatch, dtype):
     source = llama.source(q, k, v, kernel="keys")
     assert "qk transform of k" in source and "qk transform of q" not in source
     out = llama(q, k, v)
-    assert isinstance(launch._plans[next(reversed(launch._plans))][0], hoisted.HoistedForward)
+    assert hoisted_last_call()
     monkeypatch.setattr(hoisted, "HOIST_MIN_QUERY_BLOCKS", 10**9)
     launch.clear_cache()
     fused = llama(q, k, v)
-    assert isinstance(launch._plans[next(reversed(launch._plans))][0], launch.ForwardKernel)
+    assert not hoisted_last_call()
     assert torch.equal(out, fused)
     assert_matches_reference(out, llama.reference(q, k, v), llama.reference(q, k, v, dtype=dtype), dtype)
 

@@ -5,7 +5,7 @@ import torch
 import attnfuse as af
 from attnfuse.testing import assert_matches_reference
 
-from conftest import requires_cuda
+from conftest import hoisted_last_call, requires_cuda
 
 pytestmark = requires_cuda
 
@@ -88,13 +88,11 @@ def test_backward_matches_sdpa(dtype):
 def test_rope_backward_hoisted(dtype):
     """RoPE+causal training at a size where the rotations are hoisted into passes (forward and backward),
     against float64 autograd of the reference."""
-    from attnfuse.runtime import hoisted, launch
-
     B, Hq, Hkv, N, D = 1, 8, 2, 1000, 128
     leaves = [torch.randn(B, h, N, D, device="cuda", dtype=dtype, requires_grad=True) for h in (Hq, Hkv, Hkv)]
     dout = torch.randn(B, Hq, N, D, device="cuda", dtype=dtype)
     got = torch.autograd.grad(llama(*leaves), leaves, dout)
-    assert isinstance(launch._plans[next(reversed(launch._plans))][0], hoisted.HoistedForward)
+    assert hoisted_last_call()
     want = torch.autograd.grad(llama.reference(*leaves), leaves, dout.double())
     want_lowp = torch.autograd.grad(llama.reference(*leaves, dtype=dtype), leaves, dout)
     for name, a, b, c in zip(("dq", "dk", "dv"), got, want, want_lowp):

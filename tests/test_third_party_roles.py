@@ -27,6 +27,8 @@ from attnfuse.combinator import (Combinator, MaskFragment, NormaliserFragment, P
 from attnfuse.errors import InputError
 from attnfuse.testing import assert_matches_reference, check_combinator
 
+from conftest import hoisted_last_call
+
 FUZZ_EXAMPLES = int(os.environ.get("ATTNFUSE_FUZZ_EXAMPLES", "6"))
 # Fixed programs run on the CPU (Triton's interpreter) always, and compiled on a GPU when there is one.
 CASES = [pytest.param("cpu", dtype, id=f"cpu-{str(dtype)[6:]}") for dtype in (torch.float32, torch.float16)]
@@ -273,7 +275,7 @@ def test_qk_norm_is_hoisted_like_rope(monkeypatch):
     q, k, v = _inputs(1, 2, 1, 140, 150, 32, torch.float32, seed=_seed("qk_norm", "hoisted"), device="cpu")
     assert "qk transform of k" in qk_normed.source(q, k, v, kernel="keys")
     out = qk_normed(q, k, v)
-    assert isinstance(launch._plans[next(reversed(launch._plans))][0], hoisted.HoistedForward)
+    assert hoisted_last_call()
     monkeypatch.setattr(hoisted, "HOIST_MIN_QUERY_BLOCKS", 10**9)
     launch.clear_cache()
     assert torch.equal(out, qk_normed(q, k, v))

@@ -41,10 +41,11 @@ class BackwardKernels:
 
     def __call__(self, q: torch.Tensor, kv: KVCache, out: torch.Tensor,
                  lse: torch.Tensor | None, dout: torch.Tensor | None, dlse: torch.Tensor | None,
-                 inputs: dict[str, Any], dqk_dtype: torch.dtype | None = None
+                 inputs: dict[str, Any], dqk_dtype: torch.dtype | None = None,
+                 prepared: tuple[list, int | None] | None = None
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
         """dq, dk, dv in the inputs' dtypes (dq and dk in ``dqk_dtype`` if given) and memory orders, and the
-        gradients of tensor inputs by name."""
+        gradients of tensor inputs by name. ``prepared``: the plugin arguments, if the caller has them."""
         k, v = kv.k, kv.v
         B, Hq, Nq, D = q.shape
         Hkv, Nk, DV = k.shape[1], k.shape[2], v.shape[3]
@@ -58,7 +59,7 @@ class BackwardKernels:
             lse = delta if lse is None else lse  # a placeholder pointer when the normaliser saves none
             common = (q, k, v, dout, lse, delta)
             strides = (*q.stride(), *k.stride(), *v.stride(), *dout.stride())
-            pargs, limit = self.plugin_args(q, kv, inputs)
+            pargs, limit = prepared or self.plugin_args(q, kv, inputs)
             self.dkdv.launch(lambda tiles: (cdiv(Nk, tiles.block_n), B * Hkv),
                              (*common, dk, dv, *strides, *dk.stride(), *dv.stride(), Hq, Nq, *kv_launch_args(kv),
                               *pargs), q.device, limit=limit, **self.constexprs)

@@ -25,10 +25,10 @@ class ForwardKernel:
         self.plugin_args = PluginArgs(tiled)
         self.constexprs = constexprs(tiled)
 
-    def __call__(self, q: torch.Tensor, kv: KVCache, inputs: dict[str, Any]
-                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def __call__(self, q: torch.Tensor, kv: KVCache, inputs: dict[str, Any],
+                 prepared: tuple[list, int | None] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """out (B, Hq, Nq, DV) in q's dtype and memory order; lse (B, Hq, Nq) float32 (float64 for float64
-        inputs) or None."""
+        inputs) or None. ``prepared``: the plugin arguments, if the caller has them already."""
         t = self.tiled
         B, Hq, Nq, D = q.shape
         k, v, Nk, DV = kv.k, kv.v, kv.capacity, kv.v.shape[3]
@@ -42,7 +42,7 @@ class ForwardKernel:
             if lse is not None:
                 lse.fill_(-math.inf)
             return out, lse
-        pargs, limit = self.plugin_args(q, kv, inputs)
+        pargs, limit = prepared or self.plugin_args(q, kv, inputs)
         args = (q, k, v, out, out if lse is None else lse, *q.stride(), *k.stride(), *v.stride(), *out.stride(),
                 Hq, Nq, *kv_launch_args(kv), *pargs)
         self.kernel.launch(lambda tiles: (cdiv(Nq, tiles.block_m), B * Hq), args, q.device, limit=limit,

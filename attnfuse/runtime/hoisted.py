@@ -83,9 +83,9 @@ class HoistedForward:
     def __call__(self, q: torch.Tensor, kv: KVCache, inputs: dict[str, Any]
                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """As ``ForwardKernel.__call__``."""
-        pargs, _ = self.plugin_args(q, kv, inputs)
-        keys = self.keys(kv.k, pargs, self.constexprs, q.shape[1], q.shape[2], kv.capacity)
-        return self.main(q, attrs.evolve(kv, k=keys), inputs)
+        prepared = self.plugin_args(q, kv, inputs)
+        keys = self.keys(kv.k, prepared[0], self.constexprs, q.shape[1], q.shape[2], kv.capacity)
+        return self.main(q, attrs.evolve(kv, k=keys), inputs, prepared)
 
 
 class HoistedBackward:
@@ -104,12 +104,14 @@ class HoistedBackward:
                  dout: torch.Tensor | None, dlse: torch.Tensor | None, inputs: dict[str, Any]
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
         """As ``BackwardKernels.__call__``."""
-        pargs, _ = self.plugin_args(q, kv, inputs)
+        prepared = self.plugin_args(q, kv, inputs)
+        pargs = prepared[0]
         sizes = (q.shape[1], q.shape[2], kv.capacity)
         rows = {"q": q, "k": kv.k}
         transformed = {x: apply(rows[x], pargs, self.constexprs, *sizes) for x, (apply, _) in self.passes.items()}
         dq, dk, dv, grads = self.inner(transformed.get("q", q), attrs.evolve(kv, k=transformed.get("k", kv.k)), out,
-                                       lse, dout, dlse, inputs, dqk_dtype=accumulator_dtype(q.dtype))
+                                       lse, dout, dlse, inputs, dqk_dtype=accumulator_dtype(q.dtype),
+                                       prepared=prepared)
         of_transformed = {"q": dq, "k": dk}  # float32, with respect to the transformed rows where hoisted
         of_rows = {x: gradient(rows[x], pargs, self.constexprs, *sizes, grad=of_transformed[x])
                    for x, (_, gradient) in self.passes.items()}

@@ -33,6 +33,13 @@ def query_block(kernel: TiledKernel) -> str:
             + columns(kernel) + "q_base = Q + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh\n")
 
 
+def key_block(kernel: TiledKernel) -> str:
+    """Program (key block ``pid_n``, batch x kv head ``pid_bh``) -> batch, kv head, ``Nk`` and the block's
+    keys ``k_pos`` with ``k_ok``."""
+    return ("HKV = HQ // GROUP\nb = pid_bh // HKV\nhk = pid_bh % HKV\n" + kv_length(kernel)
+            + "k_pos = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)\nk_ok = k_pos < Nk\n")
+
+
 def finish(kernel: TiledKernel, source: str) -> str:
     """Float64 inputs compute in float64: ``tl.float32``, the accumulation type in the template and in
     fragments, becomes ``tl.float64``."""

@@ -13,7 +13,7 @@ from __future__ import annotations
 import string
 
 from ..lower import TiledKernel
-from .common import HEADER, columns, constexpr_args, finish, indent, operand, operand_grad
+from .common import HEADER, columns, constexpr_args, finish, indent, key_block, operand, operand_grad
 
 _KERNEL = string.Template('''\
 def $name(
@@ -33,12 +33,15 @@ $load$body    o_ptrs = (Out + b.to(tl.int64) * stride_ob + $head.to(tl.int64) * 
     tl.store(o_ptrs + HALF * stride_od, ${result}2.to(Out.dtype.element_ty), mask=$store_mask)
 ''')
 
-_ROWS = {  # the row block of q (positions after the keys, bottom-right aligned) or of k, and its heads
-    "q": ("b = pid_bh // HQ\nh = pid_bh % HQ\nhk = h // GROUP\nNk = N_K\n"
-          "q_idx = pid_n * BLOCK_M + tl.arange(0, BLOCK_M)\nq_pos = q_idx + (Nk - Nq)\nq_ok = q_idx < Nq\n"),
-    "k": ("HKV = HQ // GROUP\nb = pid_bh // HKV\nhk = pid_bh % HKV\nh = hk * GROUP\nNk = N_K\n"
-          "k_pos = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)\nk_ok = k_pos < Nk\n"),
-}
+def _rows(kernel: TiledKernel, x: str) -> str:
+    """The program's block of q rows (positions after the keys, bottom-right aligned) or of k rows, and
+    its heads (at the k site ``h`` is the group's first query head)."""
+    if x == "k":
+        return key_block(kernel) + "h = hk * GROUP\n"
+    return ("b = pid_bh // HQ\nh = pid_bh % HQ\nhk = h // GROUP\nNk = N_K\n"
+            "q_idx = pid_n * BLOCK_M + tl.arange(0, BLOCK_M)\nq_pos = q_idx + (Nk - Nq)\nq_ok = q_idx < Nq\n")
+
+
 _SITE = {"q": ("q_idx", "q_pos", "q_ok", "h"), "k": ("k_pos", "k_pos", "k_ok", "hk")}  # idx, pos, ok, head
 
 
@@ -57,7 +60,7 @@ def _generate(kernel: TiledKernel, x: str, gradient: bool) -> str:
                                         listing=kernel.listing) + "\n" + _KERNEL.substitute(
         name=pass_name(kernel, x, gradient), X=x.upper(), x=x, grad_arg=" G," if gradient else "",
         extra_args="".join(f"\n    {a}," for a in kernel.args()), constexprs=constexpr_args(kernel),
-        rows=indent(_ROWS[x], 4), columns=indent(columns(kernel), 4), head=head, idx=idx,
+        rows=indent(_rows(kernel, x), 4), columns=indent(columns(kernel), 4), head=head, idx=idx,
         load=indent(operand(kernel, x, f"{x}_base", f"{idx}[:, None] * stride_{x}n", pos, ok, f"stride_{x}d", True),
                     4),
         body=indent(body, 4), result="g" if gradient else x, store_mask=f"{ok}[:, None]{h_mask}"))
