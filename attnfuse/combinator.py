@@ -187,7 +187,9 @@ class NormaliserFragment:
     ``masked_score``: the value an excluded key's score takes before ``update``; it must give weight 0.
     ``init`` declares the state; ``update`` reads ``s`` and writes ``p`` (BLOCK_M, BLOCK_N) float32,
     rescaling ``acc`` if it must; ``finalize`` writes ``out`` from ``acc`` and, when ``has_lse``, ``lse``
-    (BLOCK_M,) in natural log.
+    (BLOCK_M,) in natural log. ``scaled_update`` (optional): the same update reading unscaled ``s``,
+    whose scores are ``s * $factor`` ($factor > 0, so masked scores stay ``masked_score``); the core uses
+    it where no score modification needs the scores, folding the scale into the exponent.
 
     Backward (FlashAttention-2: weights are recomputed tile by tile): ``backward_rows`` runs once per
     query tile and may read ``lse`` (BLOCK_M,) when ``has_lse``; ``recompute`` writes ``p`` from ``s`` (as
@@ -208,6 +210,7 @@ class NormaliserFragment:
     init: str
     update: str
     finalize: str
+    scaled_update: str = ""
     masked_score: str = 'float("-inf")'
     score_factor: float = 1.0
     has_lse: bool = False

@@ -1,6 +1,7 @@
-"""AttnFuse against SDPA (flash, cuDNN) and compiled flex_attention, in one process, on the same inputs.
+"""AttnFuse against SDPA (flash, cuDNN), compiled flex_attention and a plain hand-written FA2 Triton
+forward (fa2_triton.py, dense and causal rows), in one process, on the same inputs.
 
-    python benchmarks/bench_attention.py --suite forward [--quick] [--out table.md]
+    python benchmarks/bench_attention.py --suite forward [--N 4096,8192] [--out table.md]   (--help: all)
 
 Medians from triton.testing.do_bench; TFLOP/s count only the (query, key) pairs a variant keeps
 (4·B·Hq·pairs·D forward; 3.5× that forward+backward). RoPE baselines pre-rotate q and k with a
@@ -26,6 +27,7 @@ from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex
 from triton.testing import do_bench, do_bench_cudagraph  # noqa: E402
 
 import attnfuse as af  # noqa: E402
+from fa2_triton import fa2_forward  # noqa: E402
 
 torch._dynamo.config.cache_size_limit = 1000
 if hasattr(torch._dynamo.config, "recompile_limit"):
@@ -152,6 +154,10 @@ def forward_row(geometry: str, N: int, variant: str, q, k, v, cos, sin) -> dict:
     out = program(q, k, v)
     row = {"case": f"{geometry} N{N} {variant}", "flops": 4 * B * Hq * pairs(variant, N) * D,
            "attnfuse": bench(lambda: program(q, k, v))}
+    if variant in ("dense", "causal"):
+        fn = lambda: fa2_forward(q, k, v, variant == "causal")  # noqa: E731
+        row["fa2_triton"] = bench(fn)
+        row["err"] = (out.float() - fn().float()).abs().max().item()
     if variant in ("dense", "causal", "rope_causal"):
         for name, backend in (("cudnn", SDPBackend.CUDNN_ATTENTION), ("flash", SDPBackend.FLASH_ATTENTION)):
             try:
@@ -395,12 +401,12 @@ def cell(row: dict, key: str) -> str:
 
 def format_row(row: dict) -> str:
     speedup = row["flex"] / row["attnfuse"] if isinstance(row.get("flex"), float) else float("nan")
-    return (f"| {row['case']} | {cell(row, 'attnfuse')} | {cell(row, 'cudnn')} | {cell(row, 'flash')} | "
-            f"{cell(row, 'flex')} | {speedup:.2f}× | {row.get('err', float('nan')):.1e} |")
+    return (f"| {row['case']} | {cell(row, 'attnfuse')} | {cell(row, 'fa2_triton')} | {cell(row, 'cudnn')} | "
+            f"{cell(row, 'flash')} | {cell(row, 'flex')} | {speedup:.2f}× | {row.get('err', float('nan')):.1e} |")
 
 
-HEADER = ("| case | AttnFuse ms (TFLOP/s) | cuDNN SDPA | FA2 SDPA | flex (compiled) | flex / AttnFuse | "
-          "max abs diff |\n|---|---|---|---|---|---|---|")
+HEADER = ("| case | AttnFuse ms (TFLOP/s) | FA2 Triton (hand-written) | cuDNN SDPA | FA2 SDPA | flex (compiled) | "
+          "flex / AttnFuse | max abs diff |\n|---|---|---|---|---|---|---|---|")
 
 
 def warm_up_gpu(seconds: float = 1.0) -> None:

@@ -1,6 +1,6 @@
 """Tile sweep: block sizes, warps and stages, through the plugin tile-rule hook.
 
-    python benchmarks/sweep_tiles.py [--kernel forward|dkdv|dq] [--cases gpt2:4096:causal,llama3-8b:8192:causal,...]
+    python benchmarks/sweep_tiles.py [--kernel forward|backward] [--cases gpt2:4096:causal,llama3-8b:8192:causal,...]
     python benchmarks/sweep_tiles.py --kernel decode [--cases llama3-70b:1,llama3-8b:8,...]
 
 Prints the median ms of each configuration per case and the best; the winners go in attnfuse/passes/tile.py
@@ -10,6 +10,7 @@ graph replays, so host time does not hide the kernels'.
 from __future__ import annotations
 
 import argparse
+import itertools
 
 import torch
 from triton.testing import do_bench, do_bench_cudagraph
@@ -20,11 +21,11 @@ from attnfuse.runtime import decode
 from attnfuse.runtime.launch import clear_cache
 from bench_attention import DECODE_MODELS, GEOMETRIES, PROGRAMS, decode_program, pairs
 
-BACKWARD_CONFIGS = {  # per head dim: (BLOCK_M, BLOCK_N, warps, stages) for the kernel swept
-    "dkdv": {64: [(32, 128, 4, 3), (64, 128, 8, 3), (32, 64, 4, 3), (64, 64, 4, 3), (16, 128, 4, 3)],
-             128: [(32, 128, 8, 3), (64, 128, 8, 2), (32, 64, 4, 3), (64, 64, 4, 3), (16, 64, 4, 3), (32, 128, 4, 2)]},
-    "dq": {64: [(128, 32, 4, 3), (64, 64, 4, 3), (128, 64, 8, 3), (64, 32, 4, 3)],
-           128: [(128, 32, 8, 3), (64, 64, 4, 3), (128, 64, 8, 2), (64, 32, 4, 3)]},
+BACKWARD_CONFIGS = {  # per head dim: (BLOCK_M, BLOCK_N, warps, stages) of dK/dV, then of dQ; pairs swept
+    "dkdv": {64: [(64, 64, 4, 3), (64, 128, 8, 3), (32, 128, 4, 3)],
+             128: [(64, 64, 4, 3), (64, 64, 4, 2), (32, 64, 4, 2)]},
+    "dq": {64: [(128, 32, 4, 3), (128, 64, 8, 3), (64, 64, 4, 3)],
+           128: [(128, 64, 8, 3), (64, 64, 4, 2)]},
 }
 DECODE_CONFIGS = [(16, bn, warps, stages, per_sm)  # and split-KV programs per multiprocessor
                   for bn, warps in ((64, 4), (128, 4), (128, 8)) for stages in (2, 3, 4) for per_sm in (2, 4, 8)]
@@ -37,25 +38,35 @@ CONFIGS = {
 
 
 class SweepPlugin:
-    def __init__(self, config: TileConfig, kernel: str):
-        self.config = config
-        self.kernel = kernel
+    def __init__(self, rules: list[TileRule]):
+        self.rules = rules
 
     @af.hookimpl
     def attnfuse_tile_configs(self):
-        return [TileRule(config=self.config, kernel=self.kernel)]
+        return self.rules
+
+
+def tiles(bm: int, bn: int, warps: int, stages: int) -> TileConfig:
+    return TileConfig(block_m=bm, block_n=bn, num_warps=warps, num_stages=stages)
 
 
 def sweep(case: str, kernel: str, configs, step, amount: float, unit: str, timer=None) -> None:
-    """Time ``step`` under each config (tiles, and for decode the programs per multiprocessor)."""
+    """Time ``step`` under each config: tiles (and for decode the programs per multiprocessor), or for
+    ``kernel`` "backward" a (dK/dV tiles, dQ tiles) pair."""
     results = []
-    for bm, bn, warps, stages, *per_sm in configs:
-        config = TileConfig(block_m=bm, block_n=bn, num_warps=warps, num_stages=stages)
-        af.register_plugin(SweepPlugin(config, kernel), name="sweep")
+    for config in configs:
+        if kernel == "backward":
+            dkdv, dq = config
+            rules = [TileRule(config=tiles(*dkdv), kernel="dkdv"), TileRule(config=tiles(*dq), kernel="dq")]
+            label = f"{case} dK/dV BM{dkdv[0]} BN{dkdv[1]} w{dkdv[2]} s{dkdv[3]}, dQ BM{dq[0]} BN{dq[1]} w{dq[2]} s{dq[3]}"
+        else:
+            bm, bn, warps, stages, *per_sm = config
+            rules = [TileRule(config=tiles(bm, bn, warps, stages), kernel=kernel)]
+            if per_sm:
+                decode.PROGRAMS_PER_SM = per_sm[0]
+            label = f"{case} BM{bm} BN{bn} w{warps} s{stages}" + (f" {per_sm[0]}/SM" if per_sm else "")
+        af.register_plugin(SweepPlugin(rules), name="sweep")
         clear_cache()
-        if per_sm:
-            decode.PROGRAMS_PER_SM = per_sm[0]
-        label = f"{case} BM{bm} BN{bn} w{warps} s{stages}" + (f" {per_sm[0]}/SM" if per_sm else "")
         try:
             step()
             ms = (timer or (lambda fn: do_bench(fn, warmup=25, rep=100, return_mode="median")))(step)
@@ -84,8 +95,9 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--cases", help="forward/backward: geometry:N:variant,...; decode: model:B,... "
                                         "(defaults: the cases the tile table was swept on)")
-    parser.add_argument("--kernel", default="forward", choices=["forward", "dkdv", "dq", "decode"],
-                        help="the kernel whose tiles are swept (dkdv and dq time forward+backward)")
+    parser.add_argument("--kernel", default="forward", choices=["forward", "backward", "decode"],
+                        help="the kernel whose tiles are swept (backward: pairs of dK/dV and dQ tiles, "
+                             "timing forward+backward)")
     args = parser.parse_args()
     if args.kernel == "decode":
         sweep_decode(args.cases or "llama3-8b:1,llama3-70b:1,llama3-8b:8")
@@ -106,8 +118,9 @@ def main() -> None:
         def step():
             out = program(q, k, v)
             return torch.autograd.grad(out, (q, k, v), out) if training else out
-        sweep(case, args.kernel, BACKWARD_CONFIGS[args.kernel][D] if training else CONFIGS[D], step, flops,
-              "TFLOP/s")
+        configs = list(itertools.product(BACKWARD_CONFIGS["dkdv"][D], BACKWARD_CONFIGS["dq"][D])) if training \
+            else CONFIGS[D]
+        sweep(case, args.kernel, configs, step, flops, "TFLOP/s")
     clear_cache()
 
 

@@ -45,6 +45,15 @@ COMBINATOR = Combinator(
             acc = acc * alpha[:, None]
             m_i = m_new
         """,
+        scaled_update="""
+            m_new = tl.maximum(m_i, tl.max(s, 1) * $factor)
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.math.exp2(m_i - m_use)
+            p = tl.math.exp2(s * $factor - m_use[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None]
+            m_i = m_new
+        """,
         finalize="""
             l_use = tl.where(l_i == 0.0, 1.0, l_i)
             out = acc / l_use[:, None]

@@ -177,8 +177,9 @@ def test_combinator_without_backward_refuses_gradients():
 @pytest.mark.parametrize("program,extra", [(llama, ()), (alibi_bias, ("bias",))], ids=["llama", "alibi_bias"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
 def test_hoisted_transforms_give_the_fused_gradients(monkeypatch, program, extra, dtype):
-    """With many query blocks, q and k are rotated once by transform passes and dQ, dK rotated back by
-    gradient passes. The same float32 arithmetic as the fused path's: the gradients are bitwise equal."""
+    """With many query blocks, q and k are rotated once by transform passes, plain backward kernels run on
+    the copies and gradient passes rotate dQ, dK back; hoisted and fused gradients both match float64
+    autograd of the reference, and in float32 each other."""
     from attnfuse.runtime import hoisted, launch
 
     q, k, v = _qkv(2, 4, 2, 150, 170, 80, 48, dtype)  # 5 query blocks of 32 under the interpreter
@@ -192,5 +193,7 @@ def test_hoisted_transforms_give_the_fused_gradients(monkeypatch, program, extra
     launch.clear_cache()
     fused_grads = torch.autograd.grad(program(q, k, v, *args), (q, k, v, *args), dout)
     assert not hoisted_last_call()
-    for a, b in zip(hoisted_grads, fused_grads):
-        assert torch.equal(a, b)
+    _check_grads(program, q, k, v, *args, leaves=args)
+    if dtype == torch.float32:  # float16 results may round an ulp apart; each matched the reference above
+        for a, b in zip(hoisted_grads, fused_grads):
+            torch.testing.assert_close(a, b)

@@ -173,35 +173,41 @@ def test_generated_source_splits_full_and_masked_blocks():
     full_loop = source.split("# full blocks: no mask arithmetic")[1].split("# masked tail")[0]
     assert "for start_n in range(full_start, full_end, BLOCK_N)" in full_loop
     assert "keep" not in full_loop and "tl.where(keep" in source
-    assert source.count("tl.dot(q, tl.trans(k)") == 3  # masked head, full middle, masked tail
+    assert source.count("tl.dot(q, tl.trans(k)") == 2  # full blocks from key 0, then the masked diagonal
+    assert "# masked head" not in source  # causal keeps keys from position 0: no masked blocks come first
+    assert "# masked head" in window.source(q, k, v, 30, 0)  # a window's first blocks are partly masked
     assert "# masked head" not in dense.source(q, k, v)  # no mask: only the tail past the last full block
 
 
 def test_rope_rotates_q_once_and_each_k_tile():
     q, k, v = _qkv(1, 2, 2, 64, 64, 32, 32, torch.float32)
     source = llama.source(q, k, v)
-    before_loop, loops = source.split("# masked head", 1)
+    before_loop, loops = source.split("# full blocks", 1)
     assert "qk transform of q" in before_loop and "qk transform of k" not in before_loop
-    assert loops.count("qk transform of k") == 3 and "qk transform of q" not in loops
+    assert loops.count("qk transform of k") == 2 and "qk transform of q" not in loops  # full blocks, diagonal
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
-def test_hoisted_key_transforms_equal_the_fused_ones(monkeypatch, dtype):
-    """With many query blocks the keys' rotation runs once in a key pass; the products read the same
-    keys as the fused path, so the outputs are bitwise equal, and match the reference."""
+def test_hoisted_transforms_leave_a_plain_kernel(monkeypatch, dtype):
+    """With many query blocks, passes rotate q and k once each and the attention kernel is a plain one
+    (no rotation, whole head dims); hoisted and fused outputs both match the reference."""
     from attnfuse.runtime import hoisted, launch
 
     q, k, v = _qkv(2, 4, 2, 150, 170, 80, 48, dtype)  # 5 query blocks of 32 under the interpreter
     source = llama.source(q, k, v, kernel="keys")
     assert "qk transform of k" in source and "qk transform of q" not in source
+    launch.clear_cache()
     out = llama(q, k, v)
     assert hoisted_last_call()
+    [main] = [f for f in launch._forward.values() if f.tiled.config.q_transformed]
+    assert "qk transform" not in main.source and "tl.dot(q, tl.trans(k)" in main.source  # one whole product
+    references = llama.reference(q, k, v), llama.reference(q, k, v, dtype=dtype)
+    assert_matches_reference(out, *references, dtype)
     monkeypatch.setattr(hoisted, "HOIST_MIN_QUERY_BLOCKS", 10**9)
     launch.clear_cache()
     fused = llama(q, k, v)
     assert not hoisted_last_call()
-    assert torch.equal(out, fused)
-    assert_matches_reference(out, llama.reference(q, k, v), llama.reference(q, k, v, dtype=dtype), dtype)
+    assert_matches_reference(fused, *references, dtype)
 
 
 def test_key_pass_needs_key_transforms():

@@ -268,17 +268,19 @@ def test_qk_norm_scores_are_cosines():
 
 
 def test_qk_norm_is_hoisted_like_rope(monkeypatch):
-    """A plugin's qk transform is hoisted into a transform pass as rope's is: the keys' L2 norm runs
-    once per key, and the output is bitwise the fused kernel's."""
+    """A plugin's qk transform is hoisted into transform passes as rope's is: each key's and query's L2
+    norm runs once, and hoisted and fused outputs both match the reference."""
     from attnfuse.runtime import hoisted, launch
 
     q, k, v = _inputs(1, 2, 1, 140, 150, 32, torch.float32, seed=_seed("qk_norm", "hoisted"), device="cpu")
     assert "qk transform of k" in qk_normed.source(q, k, v, kernel="keys")
     out = qk_normed(q, k, v)
     assert hoisted_last_call()
+    _check(qk_normed, q, k, v, lse=True)
     monkeypatch.setattr(hoisted, "HOIST_MIN_QUERY_BLOCKS", 10**9)
     launch.clear_cache()
-    assert torch.equal(out, qk_normed(q, k, v))
+    torch.testing.assert_close(out, qk_normed(q, k, v))
+    assert not hoisted_last_call()
     _check(qk_normed, q, k, v, lse=True)
 
 

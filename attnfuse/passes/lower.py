@@ -15,7 +15,7 @@ from attrs import frozen
 
 from .. import ir
 
-from ..combinator import INPUT, BlockList, MaskFragment, QKTransformFragment, Role, ScoreModFragment
+from ..combinator import INPUT, BlockList, MaskFragment, NormaliserFragment, QKTransformFragment, Role, ScoreModFragment
 from ..errors import InputError
 from ..plugin_manager import lookup
 from .fuse import FusedProgram
@@ -111,6 +111,7 @@ _SITE = {  # (fragment type, field) -> the template's own placeholders it may us
     (MaskFragment, "q_range"): {"k_lo", "k_hi"}, (MaskFragment, "q_full_range"): {"k_lo", "k_hi"},
     (BlockList, "count"): {"block"}, (BlockList, "index"): {"block", "i"},
     (BlockList, "q_count"): {"block"}, (BlockList, "q_index"): {"block", "i"},
+    (NormaliserFragment, "scaled_update"): {"factor"},
 }
 _PLACEHOLDER = re.compile(r"\$(?:\{(\w+)\}|(\w+))")
 
@@ -161,12 +162,14 @@ def instance(app: ir.Apply, index: int) -> Instance:
 
 
 def _variant(transforms: list[Instance], masks: tuple[Instance, ...]) -> str:
-    """The tile table's variant key: "rope" (a qk transform), "masked" (loop bounds) or "dense"."""
+    """The tile table's variant key: "rope" (a qk transform), "window" (loop bounds that start past key
+    0, as a sliding window's: few keys per row), "masked" (other loop bounds, as causal's) or "dense"."""
     if transforms:
         return "rope"
-    if any(m.fragment.kv_range is not None for m in masks):
-        return "masked"
-    return "dense"
+    ranges = [m.fragment.kv_range for m in masks if m.fragment.kv_range is not None]
+    if any(lo.strip() != "0" for lo, _ in ranges):
+        return "window"
+    return "masked" if ranges else "dense"
 
 
 def lower(fused: FusedProgram, config: KernelConfig, listing: str = "") -> TiledKernel:

@@ -28,7 +28,7 @@ class TileConfig:
 @frozen(kw_only=True)
 class TileRule:
     """Use ``config`` for kernels on ``arch`` ("sm90", "sm80", ..., "interpreter", "*"), of ``variant``
-    ("dense", "masked", "rope", "*") and a head dim (padded to a power of two) in ``head_dim``, for
+    ("dense", "masked", "window", "rope", "*") and a head dim (padded to a power of two) in ``head_dim``, for
     ``kernel`` "forward", "dkdv" (BLOCK_M queries per step, BLOCK_N keys per program), "dq" (BLOCK_M
     queries per program, BLOCK_N keys per step), "decode" (BLOCK_M at most rows per program, BLOCK_N keys
     per step) or "*"."""
@@ -52,16 +52,14 @@ TABLE: tuple[TileRule, ...] = (
     # H100/H200, from sweeps on an H200 (benchmarks/sweep_tiles.py; docs/benchmarks.md).
     TileRule(arch="sm90", kernel="forward", head_dim=(1, 64),
              config=T(block_m=64, block_n=64, num_warps=4, num_stages=3)),
-    TileRule(arch="sm90", kernel="forward", variant="rope", head_dim=(65, 128),
-             config=T(block_m=128, block_n=128, num_warps=8, num_stages=3)),
-    TileRule(arch="sm90", kernel="forward", variant="dense", head_dim=(65, 128),
-             config=T(block_m=128, block_n=128, num_warps=8, num_stages=3)),
-    TileRule(arch="sm90", kernel="forward", head_dim=(65, 128),
+    TileRule(arch="sm90", kernel="forward", variant="window", head_dim=(65, 128),
              config=T(block_m=64, block_n=64, num_warps=4, num_stages=3)),
-    TileRule(arch="sm90", kernel="dkdv", head_dim=(1, 64), config=T(block_m=32, block_n=128, num_warps=4, num_stages=3)),
-    TileRule(arch="sm90", kernel="dkdv", head_dim=(65, 128), config=T(block_m=64, block_n=64, num_warps=4, num_stages=3)),
-    TileRule(arch="sm90", kernel="dq", head_dim=(1, 64), config=T(block_m=128, block_n=32, num_warps=4, num_stages=3)),
-    TileRule(arch="sm90", kernel="dq", head_dim=(65, 128), config=T(block_m=64, block_n=32, num_warps=4, num_stages=3)),
+    TileRule(arch="sm90", kernel="forward", head_dim=(65, 128),
+             config=T(block_m=128, block_n=128, num_warps=8, num_stages=3)),
+    TileRule(arch="sm90", kernel="dkdv", head_dim=(1, 64), config=T(block_m=64, block_n=64, num_warps=4, num_stages=3)),
+    TileRule(arch="sm90", kernel="dkdv", head_dim=(65, 128), config=T(block_m=64, block_n=64, num_warps=4, num_stages=2)),
+    TileRule(arch="sm90", kernel="dq", head_dim=(1, 64), config=T(block_m=64, block_n=64, num_warps=4, num_stages=3)),
+    TileRule(arch="sm90", kernel="dq", head_dim=(65, 128), config=T(block_m=128, block_n=64, num_warps=8, num_stages=3)),
     TileRule(arch="sm90", head_dim=(129, 256), config=T(block_m=64, block_n=64, num_warps=4, num_stages=2)),
     # Split-KV decoding, swept on the H200 with runtime.decode.PROGRAMS_PER_SM = 2 (docs/benchmarks.md).
     TileRule(arch="sm90", kernel="decode", head_dim=(1, 128), config=T(block_m=64, block_n=64, num_warps=4, num_stages=3)),

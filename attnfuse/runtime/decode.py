@@ -11,7 +11,7 @@ from ..passes.codegen import generate_decode
 from ..passes.lower import TiledKernel
 from .combine import combine
 from .forward import constexprs
-from .inputs import KVCache, PluginArgs, accumulator_dtype, empty_like_layout, kv_launch_args
+from .inputs import KVCache, PluginArgs, accumulator_dtype, empty_like_layout, even_keys, kv_launch_args
 from .kernel import CompiledKernel
 from .launcher import cdiv, next_power_of_2
 
@@ -73,6 +73,6 @@ class DecodeKernel:
         args = (q, kv.k, kv.v, part_out, part_lse, *q.stride(), *kv.k.stride(), *kv.v.stride(), Hq, Nq,
                 *kv_launch_args(kv), split_keys, splits, *self.plugin_args(q, kv, inputs)[0])
         self.kernel.launch(lambda tiles: (splits, B * Hkv, row_blocks), args, q.device, block_m=block_m,
-                           **self.constexprs)
+                           EVEN_K=even_keys(kv), **self.constexprs)
         combine(part_out, part_lse, out, lse, t.normaliser.fragment.combine == "logsumexp")
         return out, lse

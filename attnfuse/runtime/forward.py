@@ -7,8 +7,9 @@ from typing import Any
 import torch
 
 from ..passes.codegen import generate_forward
+from ..passes.codegen.common import split
 from ..passes.lower import TiledKernel
-from .inputs import KVCache, PluginArgs, accumulator_dtype, empty_like_layout, kv_launch_args
+from .inputs import KVCache, PluginArgs, accumulator_dtype, empty_like_layout, even_keys, kv_launch_args
 from .kernel import CompiledKernel
 from .launcher import cdiv
 
@@ -46,7 +47,7 @@ class ForwardKernel:
         args = (q, k, v, out, out if lse is None else lse, *q.stride(), *k.stride(), *v.stride(), *out.stride(),
                 Hq, Nq, *kv_launch_args(kv), *pargs)
         self.kernel.launch(lambda tiles: (cdiv(Nq, tiles.block_m), B * Hq), args, q.device, limit=limit,
-                           **self.constexprs)
+                           EVEN_K=even_keys(kv), **self.constexprs)
         return out, lse
 
 
@@ -54,6 +55,6 @@ def constexprs(t: TiledKernel) -> dict[str, int]:
     """The compile-time constants every generated kernel takes besides its tile sizes."""
     values = dict(GROUP=t.config.group, D=t.config.head_dim, DV=t.config.head_dim_v, BLOCK_D=t.block_d,
                   BLOCK_DV=t.block_dv)
-    if t.transforms:
+    if split(t):
         values.update(HALF=t.config.head_dim // 2, BLOCK_H=t.block_h)
     return values

@@ -1,9 +1,10 @@
 """Hoisted qk transforms: transform passes around kernels generated for already-transformed rows.
 
 Fused, the forward transforms every key tile once per query block that visits it (Nq / BLOCK_M times over
-a call), and the dK/dV kernel every query tile once per key block. Hoisted, a transform pass writes each
-row's transformed copy once (one more launch and a scratch copy); the backward then runs on the copies
-and gradient passes carry dQ and dK back through the transforms. The runtime hoists when at least
+a call), and the dK/dV kernel every query tile once per key block; and the kernels multiply half head
+dims (rope rotates halves). Hoisted, transform passes write each row's transformed copy once (a launch
+and a scratch copy per side); the forward and backward then run plain kernels on the copies, and
+gradient passes carry dQ and dK back through the transforms. The runtime hoists when at least
 ``HOIST_MIN_QUERY_BLOCKS`` query blocks would each transform the keys.
 """
 from __future__ import annotations
@@ -17,7 +18,7 @@ from ..passes.codegen import generate_gradient_pass, generate_transform_pass
 from ..passes.codegen.transform_pass import pass_name
 from ..passes.lower import TiledKernel
 from .backward import BackwardKernels
-from .forward import ForwardKernel
+from .forward import ForwardKernel, constexprs
 from .inputs import KVCache, PluginArgs, accumulator_dtype, empty_like_layout
 from .kernel import CompiledKernel
 from .launcher import cdiv
@@ -68,7 +69,8 @@ class TransformPass:
 
 
 class HoistedForward:
-    """``fused``'s program as a key transform pass plus ``main``, its forward for transformed keys.
+    """``fused``'s program as transform passes over k and (if its transforms touch q) q, plus ``main``,
+    its forward for transformed rows: with both sides transformed, ``main`` is a plain attention kernel.
 
     ``tiled`` is the fused kernel's: the program as the backward sees it.
     """
@@ -77,6 +79,7 @@ class HoistedForward:
         self.tiled = fused.tiled
         self.main = main
         self.keys = TransformPass(fused.tiled, "k")
+        self.queries = TransformPass(fused.tiled, "q") if main.tiled.config.q_transformed else None
         self.plugin_args = fused.plugin_args
         self.constexprs = fused.constexprs
 
@@ -84,7 +87,10 @@ class HoistedForward:
                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """As ``ForwardKernel.__call__``."""
         prepared = self.plugin_args(q, kv, inputs)
-        keys = self.keys(kv.k, prepared[0], self.constexprs, q.shape[1], q.shape[2], kv.capacity)
+        sizes = (q.shape[1], q.shape[2], kv.capacity)
+        keys = self.keys(kv.k, prepared[0], self.constexprs, *sizes)
+        if self.queries is not None:
+            q = self.queries(q, prepared[0], self.constexprs, *sizes)
         return self.main(q, attrs.evolve(kv, k=keys), inputs, prepared)
 
 
@@ -98,7 +104,7 @@ class HoistedBackward:
         self.passes = {x: (TransformPass(fused, x), TransformPass(fused, x, gradient=True))
                        for x in "qk" if sides[f"{x}_transformed"]}
         self.plugin_args = PluginArgs(fused)
-        self.constexprs = inner.constexprs
+        self.constexprs = constexprs(fused)  # the passes'
 
     def __call__(self, q: torch.Tensor, kv: KVCache, out: torch.Tensor, lse: torch.Tensor | None,
                  dout: torch.Tensor | None, dlse: torch.Tensor | None, inputs: dict[str, Any]

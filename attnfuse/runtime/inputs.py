@@ -172,6 +172,14 @@ def kv_launch_args(kv: KVCache) -> tuple:
     return args
 
 
+def even_keys(kv: KVCache) -> Any:
+    """EVEN_K of a launch, as a function of its tiles: every sequence has the cache's capacity of keys,
+    and that is a multiple of BLOCK_N."""
+    if kv.lens is not None:
+        return False
+    return lambda tiles: kv.capacity % tiles.block_n == 0
+
+
 def empty_like_layout(t: torch.Tensor, last_dim: int, dtype: torch.dtype) -> torch.Tensor:
     """An uninitialised tensor shaped like ``t`` but for its last dim, with ``t``'s memory order."""
     shape = (*t.shape[:-1], last_dim)

@@ -49,14 +49,16 @@ class CompiledKernel:
     def launch(self, grid: Callable[[TileConfig], tuple[int, ...]], args: tuple, device: torch.device,
                block_m: int | None = None, limit: int | None = None, **constexprs: Any) -> None:
         """Launch on ``grid(tiles)`` with BLOCK_M (``block_m`` if given), BLOCK_N, warps and stages from the
-        current tiles; ``limit`` caps both block sizes (a block-sparse mask's block size)."""
+        current tiles; ``limit`` caps both block sizes (a block-sparse mask's block size). A constexpr
+        given as a function of the tiles (``EVEN_K``) is evaluated for the tiles launched."""
         while True:
             tiles = self.tiles
             if limit is not None and max(tiles.block_m, tiles.block_n) > limit:
                 tiles = attrs.evolve(tiles, block_m=min(tiles.block_m, limit), block_n=min(tiles.block_n, limit))
             try:
+                values = {k: v(tiles) if callable(v) else v for k, v in constexprs.items()}
                 with _on(device):
-                    self._kernel[grid(tiles)](*args, **constexprs, BLOCK_M=block_m or tiles.block_m,
+                    self._kernel[grid(tiles)](*args, **values, BLOCK_M=block_m or tiles.block_m,
                                               BLOCK_N=tiles.block_n, num_warps=tiles.num_warps,
                                               num_stages=tiles.num_stages)
                 return

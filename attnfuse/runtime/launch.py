@@ -39,12 +39,13 @@ def compile_forward(graph: ir.MatMulPV, config: KernelConfig) -> ForwardKernel:
 
 
 def compile_hoisted(graph: ir.MatMulPV, config: KernelConfig) -> HoistedForward:
-    """The forward of ``graph`` with its keys' transforms hoisted into a transform pass."""
+    """The forward of ``graph`` with its qk transforms hoisted into transform passes over q and k."""
     key = (graph, config)
     kernel = _hoisted.get(key)
     if kernel is None:
-        main = compile_forward(graph, attrs.evolve(config, k_transformed=True))
-        kernel = _hoisted[key] = HoistedForward(compile_forward(graph, config), main)
+        fused = compile_forward(graph, config)
+        main = compile_forward(graph, attrs.evolve(config, **transformed_sides(fused.tiled)))
+        kernel = _hoisted[key] = HoistedForward(fused, main)
     return kernel
 
 

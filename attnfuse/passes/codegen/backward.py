@@ -5,6 +5,8 @@ can see it, and over the query heads of its GQA group, so no two programs write 
 program per (query block, batch x query head) accumulates dQ over key blocks, and writes the score-shaped
 gradients of tensor inputs (an additive bias). No atomics: results are bitwise identical run to run.
 Both loop over the same blocks the forward visits, split the same way into masked and unmasked loops.
+The dK/dV kernel computes its scores and dP transposed, (keys, queries), as FlashAttention does, so the
+weights and ds enter its products as register operands.
 """
 from __future__ import annotations
 
@@ -38,12 +40,7 @@ $dk_init    dv_acc = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
     k_hi = tl.minimum(pid_n * BLOCK_N + BLOCK_N, Nk) - 1
 $query_range
     full_end = tl.where((pid_n + 1) * BLOCK_N > Nk, full_start, full_end)  # a partial key block is never full
-    for g in range(GROUP):
-        h = hk * GROUP + g
-        q_base = Q + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh
-        do_base = DO + b.to(tl.int64) * stride_dob + h.to(tl.int64) * stride_doh
-        rows = (b * HQ + h).to(tl.int64) * Nq
-$prologues$loops
+$loops
     k_in = k_pos < N_K  # rows of keys past a sequence's length get zeros
 $dk_grad$dk_store    tl.store(DValue + b.to(tl.int64) * stride_dvb + hk.to(tl.int64) * stride_dvh + k_pos[:, None] * stride_dvn
              + dv[None, :] * stride_dvd, dv_acc.to(DValue.dtype.element_ty), mask=k_in[:, None]$dv_mask)
@@ -118,9 +115,9 @@ def _dkdv_body(kernel: TiledKernel, masked: bool, implied: str | None) -> str:
     rows = "q_idx = start_m + tl.arange(0, BLOCK_M)\nq_pos = q_idx + (Nk - Nq)\nq_ok = q_idx < Nq\n"
     code = (operand(kernel, "q", "q_base", "q_idx[:, None] * stride_qm", "q_pos", "q_ok", "stride_qd", masked)
             + f"do = {masked_load('do_base + q_idx[:, None] * stride_dom + dv[None, :] * stride_dod', f'{ok}[:, None]' if masked else '', dv_mask(kernel))}\n"
-            + _rows(kernel, masked) + qk_product(kernel) + _recompute(kernel, masked, implied)
+            + _rows(kernel, masked) + qk_product(kernel, transposed=True) + _recompute(kernel, masked, implied)
             + f"dv_acc = tl.dot(tl.trans(p.to({dtype})), do, dv_acc{p})\n"
-            + f"dp = tl.dot(do, tl.trans(v){p})\n" + _chain(kernel, masked, False))
+            + f"dp = tl.trans(tl.dot(v, tl.trans(do){p}))\n" + _chain(kernel, masked, False))
     code += _accumulate(kernel, "dk", f"tl.trans(ds.to({dtype}))", "q")
     return rows + with_bounds(code)
 
@@ -174,8 +171,11 @@ def generate_dkdv(kernel: TiledKernel) -> str:
     query_range = block_range(kernel, "q_range", "q_full_range", "BLOCK_M", "Nq", "(Nk - Nq)",
                               {"k_lo": "k_lo", "k_hi": "k_hi"}) if has_masks(kernel) else \
         "start = 0\nhi = Nq\nfull_start = 0\nfull_end = Nq // BLOCK_M * BLOCK_M\n"
+    head = ("h = hk * GROUP + g\nq_base = Q + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh\n"
+            "do_base = DO + b.to(tl.int64) * stride_dob + h.to(tl.int64) * stride_doh\n"
+            "rows = (b * HQ + h).to(tl.int64) * Nq\n" + prologues(kernel))
     body = visit(kernel, lambda masked, implied: _dkdv_body(kernel, masked, implied), "start_m", "BLOCK_M",
-                 "pid_n * BLOCK_N", transposed=True)
+                 "pid_n * BLOCK_N", transposed=True, group_setup=head)
     dk_base = "DKey + b.to(tl.int64) * stride_dkb + hk.to(tl.int64) * stride_dkh"
     return finish(kernel, HEADER.format(what="dK/dV kernel", signature=kernel.signature, listing=kernel.listing)
                   + "\n" + _DKDV.substitute(
@@ -187,7 +187,7 @@ def generate_dkdv(kernel: TiledKernel) -> str:
             v_load=masked_load("V + b.to(tl.int64) * stride_vb + hk.to(tl.int64) * stride_vh + k_pos[:, None] * "
                                "stride_vn + dv[None, :] * stride_vd", "k_ok[:, None]", mask),
             dk_init=indent(_accumulators(kernel, "dk", "BLOCK_N"), 4), query_range=indent(query_range, 4),
-            prologues=indent(prologues(kernel), 8), loops=indent(body, 8),
+            loops=indent(body, 4),
             dk_grad=indent(operand_grad(kernel, "k", "dk", "k_pos", "k_ok"), 4),
             dk_store=indent(_store(kernel, "DKey", "dk", dk_base, "k_pos", "k_in", "stride_dkn", "stride_dkd"), 4),
             dv_mask=f" & {mask}" if mask else ""))

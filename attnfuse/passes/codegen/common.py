@@ -64,8 +64,10 @@ def precision(kernel: TiledKernel) -> str:
 
 
 def split(kernel: TiledKernel) -> bool:
-    """Whether q and k are handled as two halves of the head dim (as qk transforms need)."""
-    return bool(kernel.transforms)
+    """Whether q and k are handled as two halves of the head dim, as qk transforms need: when the kernel
+    applies one (not when passes have transformed every side a transform touches)."""
+    return any((t.fragment.q and not kernel.config.q_transformed) or (t.fragment.k and not kernel.config.k_transformed)
+               for t in kernel.transforms)
 
 
 def transformed(kernel: TiledKernel, x: str) -> bool:
@@ -73,9 +75,13 @@ def transformed(kernel: TiledKernel, x: str) -> bool:
     return kernel.config.q_transformed if x == "q" else kernel.config.k_transformed
 
 
-def constexpr_args(kernel: TiledKernel) -> str:
+def constexpr_args(kernel: TiledKernel, even_keys: bool = False) -> str:
+    """The kernel's constexpr parameters; ``even_keys``: it takes EVEN_K (every sequence has the same
+    number of keys, a multiple of BLOCK_N), which drops the key-bound masks from its key tiles."""
     args = ("GROUP: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, "
             "BLOCK_DV: tl.constexpr,\n    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,")
+    if even_keys:
+        args += " EVEN_K: tl.constexpr,"
     if split(kernel):
         args += "\n    HALF: tl.constexpr, BLOCK_H: tl.constexpr,"
     return args
@@ -140,11 +146,17 @@ def operand_grad(kernel: TiledKernel, x: str, grad: str, pos: str, ok: str) -> s
     return "\n".join(lines) + "\n" if lines else ""
 
 
-def qk_product(kernel: TiledKernel) -> str:
+def qk_product(kernel: TiledKernel, transposed: bool = False) -> str:
+    """The raw scores ``s`` = q·kᵀ, (BLOCK_M, BLOCK_N). ``transposed``: computed as (k·qᵀ)ᵀ, for kernels
+    whose next products take ``tl.trans`` of the weights (dK/dV): the transposed weights are then already
+    in the product's register layout, with no round trip through shared memory."""
     p = precision(kernel)
+    a, b, out = ("k", "q", "sT") if transposed else ("q", "k", "s")
     if split(kernel):
-        return f"s = tl.dot(q1, tl.trans(k1){p})\ns = tl.dot(q2, tl.trans(k2), s{p})\n"
-    return f"s = tl.dot(q, tl.trans(k){p})\n"
+        code = f"{out} = tl.dot({a}1, tl.trans({b}1){p})\n{out} = tl.dot({a}2, tl.trans({b}2), {out}{p})\n"
+    else:
+        code = f"{out} = tl.dot({a}, tl.trans({b}){p})\n"
+    return code + ("s = tl.trans(sT)\n" if transposed else "")
 
 
 def prologues(kernel: TiledKernel) -> str:
@@ -152,13 +164,32 @@ def prologues(kernel: TiledKernel) -> str:
                    for m in kernel.mods if m.fragment.prologue)
 
 
+def folded_scale(kernel: TiledKernel) -> float | None:
+    """The factor the normaliser's ``scaled_update`` folds into its exponent, when it can: no score
+    modification needs the scaled scores, and the factor is positive (so it commutes with the row max and
+    keeps a masked -inf at -inf). Then the update costs one multiply-add per score, as in FlashAttention."""
+    factor = kernel.scale * kernel.score_factor
+    if kernel.normaliser.fragment.scaled_update and not kernel.mods and factor > 0:
+        return factor
+    return None
+
+
+def normaliser_update(kernel: TiledKernel) -> str:
+    """The normaliser's update of the forward's key loop, on the scores ``scores(..., fold=True)`` gives."""
+    norm = kernel.normaliser
+    factor = folded_scale(kernel)
+    text = norm.fragment.update if factor is None else norm.code(norm.fragment.scaled_update, factor=repr(factor))
+    return f"# {norm.prefix}: normaliser update\n{fragment(text)}\n"
+
+
 def scores(kernel: TiledKernel, masked: bool, rows_too: bool = False, stages: bool = False,
-           implied: str | None = None) -> str:
+           implied: str | None = None, fold: bool = False) -> str:
     """The raw product ``s`` -> scaled, modified, masked scores as the normaliser takes them.
 
     ``stages``: keep ``s_<i>`` (the input of modification i) and ``s_nat`` (after the last) for the
     backward. ``rows_too``: the mask also excludes rows past Nq (the backward sums over rows).
     ``implied``: the prefix of a mask whose keep the loop already guarantees (it lists the blocks visited).
+    ``fold``: leave the scale to the normaliser's ``scaled_update`` where ``folded_scale`` allows.
     """
     lines = []
     if kernel.mods:
@@ -171,13 +202,13 @@ def scores(kernel: TiledKernel, masked: bool, rows_too: bool = False, stages: bo
             lines.append("s_nat = s")
         if kernel.score_factor != 1.0:
             lines.append(f"s = s * {kernel.score_factor!r}")
-    else:
+    elif not (fold and folded_scale(kernel) is not None):
         lines.append(f"s = s * {kernel.scale * kernel.score_factor!r}")
     if masked:
         keeps = (["q_ok[:, None]"] if rows_too else []) + ["k_ok[None, :]"]
         keeps += [f"({m.fragment.keep})" for m in kernel.masks if m.fragment.keep and m.prefix != implied]
         lines += [f"keep = {' & '.join(keeps)}", f"s = tl.where(keep, s, {kernel.normaliser.fragment.masked_score})"]
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines) + "\n" if lines else ""
 
 
 def with_bounds(code: str) -> str:
@@ -216,6 +247,14 @@ def key_offsets(kernel: TiledKernel) -> str:
 
 def has_masks(kernel: TiledKernel) -> bool:
     return any(m.fragment.keep for m in kernel.masks)
+
+
+def masked_head(kernel: TiledKernel) -> bool:
+    """Whether a query block's key loop can start with blocks that need the mask. Not when every mask's
+    facts keep keys from position 0 (as causal's do): the loop then starts at key 0, or at a block-aligned
+    split of the keys, with blocks every row keeps."""
+    return any(facts is not None and facts[0].strip() != "0"
+               for m in kernel.masks if m.fragment.keep for facts in (m.fragment.kv_range, m.fragment.full_range))
 
 
 def block_range(kernel: TiledKernel, facts: str, full_facts: str, block: str, count: str, offset: str,
@@ -269,32 +308,47 @@ def listing_mask(kernel: TiledKernel):
     return next((m for m in kernel.masks if m.fragment.block_list is not None), None)
 
 
-def visit(kernel: TiledKernel, body, var: str, block: str, block_start: str, transposed: bool = False) -> str:
+def visit(kernel: TiledKernel, body, var: str, block: str, block_start: str, transposed: bool = False,
+          group_setup: str | None = None) -> str:
     """The loops over key blocks (query blocks, ``transposed``, for dK/dV); ``body(masked, implied)`` gives
     a loop body. With a listing mask: one flat loop over the tiles of its listed blocks (flat, so Triton
     pipelines the loads across blocks), skipping tiles outside [start, hi) when other masks bound the
-    range; otherwise ``loops``."""
+    range; otherwise ``loops``. ``group_setup``: per query head ``g`` of a kv head's group (dK/dV), the
+    code that points the loop at that head's rows: the loops then visit every head's blocks."""
     m = listing_mask(kernel)
     if m is None:
-        return loops(lambda masked: body(masked, None), var, block, has_masks(kernel))
+        head = has_masks(kernel) if transposed else masked_head(kernel)
+        return loops(lambda masked: body(masked, None), var, block, head, group_setup)
     bl = m.fragment.block_list
     count = m.code(bl.q_count if transposed else bl.count, block="list_block")
     index = m.code(bl.q_index if transposed else bl.index, block="list_block", i="list_t // list_tiles")
     tile = body(True, m.prefix)
     if any(other.fragment.kv_range is not None for other in kernel.masks if other is not m):
         tile = f"if ({var} + {block} > start) & ({var} < hi):\n{indent(tile, 4)}"
-    return (f"# {m.prefix}: visit only the blocks it lists, tile by tile\nlist_size = {m.code(bl.size)}\n"
+    code = (f"# {m.prefix}: visit only the blocks it lists, tile by tile\nlist_size = {m.code(bl.size)}\n"
             f"list_tiles = list_size // {block}\nlist_block = ({block_start}) // list_size\n"
             f"for list_t in range(0, {count} * list_tiles):\n"
             f"    {var} = {index} * list_size + list_t % list_tiles * {block}\n{indent(tile, 4)}")
+    if group_setup is None:
+        return code
+    # the lists differ from head to head: one flat loop per head
+    return f"for g in range(GROUP):\n{indent(group_setup, 4)}{indent(code, 4)}"
 
 
-def loops(body, var: str, block: str, has_head: bool) -> str:
-    """The masked head, unmasked middle and masked tail loops; ``body(masked)`` gives a loop body."""
-    parts = []
-    if has_head:
-        parts.append(f"# masked head\nfor {var} in range(start, full_start, {block}):\n{indent(body(True), 4)}")
-    parts.append(f"# full blocks: no mask arithmetic\nfor {var} in range(full_start, full_end, {block}):\n"
-                 f"{indent(body(False), 4)}")
-    parts.append(f"# masked tail\nfor {var} in range(full_end, hi, {block}):\n{indent(body(True), 4)}")
+def loops(body, var: str, block: str, has_head: bool, group_setup: str | None = None) -> str:
+    """The masked head, unmasked middle and masked tail loops; ``body(masked)`` gives a loop body.
+
+    With ``group_setup``, each loop steps through (query head g of the group, block) pairs in one flat
+    loop: Triton pipelines it across heads, and a loop nest (per head, then per block) would keep about
+    twice the registers live and spill."""
+    def loop(comment: str, lo: str, hi: str, masked: bool) -> str:
+        if group_setup is None:
+            return f"# {comment}\nfor {var} in range({lo}, {hi}, {block}):\n{indent(body(masked), 4)}"
+        return (f"# {comment}, for each query head of the group\nsteps = ({hi} - {lo} + {block} - 1) // {block}\n"
+                f"for t in range(0, GROUP * steps):\n    g = t // steps\n    {var} = {lo} + (t - g * steps) * {block}\n"
+                f"{indent(group_setup, 4)}{indent(body(masked), 4)}")
+
+    parts = [loop("masked head", "start", "full_start", True)] if has_head else []
+    parts.append(loop("full blocks: no mask arithmetic", "full_start", "full_end", False))
+    parts.append(loop("masked tail", "full_end", "hi", True))
     return "\n".join(parts)

@@ -11,8 +11,8 @@ from __future__ import annotations
 import string
 
 from ..lower import TiledKernel
-from .common import (HEADER, QKV_STRIDES, columns, constexpr_args, dv_mask, finish, has_masks, indent, key_range, kv_args,
-                     kv_base, kv_length, loops, operand, prologues)
+from .common import (HEADER, QKV_STRIDES, columns, constexpr_args, dv_mask, finish, indent, key_range, kv_args,
+                     kv_base, kv_length, loops, masked_head, operand, prologues)
 from .forward import key_tile
 
 _KERNEL = string.Template('''\
@@ -61,12 +61,12 @@ def generate_decode(kernel: TiledKernel) -> str:
     return finish(kernel, HEADER.format(what="split-KV decoding kernel", signature=kernel.signature,
                                         listing=kernel.listing) + "\n" + _KERNEL.substitute(
         name=kernel.name.replace("_fwd_", "_decode_"), strides=QKV_STRIDES, kv_args=kv_args(kernel),
-        extra_args="".join(f"\n    {a}," for a in kernel.args()), constexprs=constexpr_args(kernel),
+        extra_args="".join(f"\n    {a}," for a in kernel.args()), constexprs=constexpr_args(kernel, even_keys=True),
         kv_length=indent(kv_length(kernel), 4), columns=indent(columns(kernel), 4),
         q_load=indent(operand(kernel, "q", "q_base", "q_head[:, None].to(tl.int64) * stride_qh + q_idx[:, None] * "
                               "stride_qm", "q_pos", "q_ok", "stride_qd", True), 4),
         prologues=indent(prologues(kernel), 4), norm_init=indent(norm.init, 4),
         key_range=indent(key_range(kernel, ("pid_s * SPLIT", "tl.minimum(pid_s * SPLIT + SPLIT, Nk)")), 4),
         k_base=kv_base(kernel, "k"), v_base=kv_base(kernel, "v"),
-        loops=indent(loops(lambda masked: key_tile(kernel, masked), "start_n", "BLOCK_N", has_masks(kernel)), 4),
+        loops=indent(loops(lambda masked: key_tile(kernel, masked), "start_n", "BLOCK_N", masked_head(kernel)), 4),
         norm_finalize=indent(norm.finalize, 4), dv_mask=f" & {mask}" if mask else "", store_lse=store_lse))

@@ -8,8 +8,8 @@ from __future__ import annotations
 import string
 
 from ..lower import TiledKernel
-from .common import (HEADER, QKV_STRIDES, constexpr_args, dv_mask, finish, fragment, indent, key_offsets,
-                     key_range, kv_args, kv_base, masked_load, operand, precision, prologues, qk_product,
+from .common import (HEADER, QKV_STRIDES, constexpr_args, dv_mask, finish, indent, key_offsets,
+                     key_range, kv_args, kv_base, masked_load, normaliser_update, operand, precision, prologues, qk_product,
                      query_block, scores, visit, with_bounds)
 
 _KERNEL = string.Template('''\
@@ -37,13 +37,13 @@ $store_lse''')
 
 
 def key_tile(kernel: TiledKernel, masked: bool, implied: str | None = None) -> str:
-    """One step of the key loop: load the k tile (transformed), scores, normaliser update, then P·V."""
+    """One step of the key loop: load the k tile (transformed), scores, normaliser update, then P·V. With
+    EVEN_K, ``k_ok`` is constant true and Triton drops the masks of the loads."""
     v = masked_load("v_base + v_off[:, None] + dv[None, :] * stride_vd", "k_ok[:, None]" if masked else "",
                     dv_mask(kernel))
-    norm = kernel.normaliser
-    score = scores(kernel, masked, implied=implied) + \
-        f"# {norm.prefix}: normaliser update\n{fragment(norm.fragment.update)}\n"
-    return ("k_pos = start_n + tl.arange(0, BLOCK_N)\nk_ok = k_pos < Nk\n" + key_offsets(kernel)
+    score = scores(kernel, masked, implied=implied, fold=True) + normaliser_update(kernel)
+    return ("k_pos = start_n + tl.arange(0, BLOCK_N)\nk_ok = (k_pos < Nk) | EVEN_K  # all true: whole blocks\n"
+            + key_offsets(kernel)
             + with_bounds(operand(kernel, "k", "k_base", "k_off[:, None]", "k_pos", "k_ok", "stride_kd", masked)
                           + qk_product(kernel) + score)
             + f"v = {v}\nacc = tl.dot(p.to(V.dtype.element_ty), v, acc{precision(kernel)})\n")
@@ -59,7 +59,7 @@ def generate_forward(kernel: TiledKernel) -> str:
     return finish(kernel, HEADER.format(what="forward kernel", signature=kernel.signature, listing=kernel.listing)
                   + "\n" + _KERNEL.substitute(
             name=kernel.name, extra_args="".join(f"\n    {a}," for a in kernel.args()),
-            constexprs=constexpr_args(kernel),
+            constexprs=constexpr_args(kernel, even_keys=True),
             strides=QKV_STRIDES, kv_args=kv_args(kernel), query_block=indent(query_block(kernel), 4),
             k_base=kv_base(kernel, "k"), v_base=kv_base(kernel, "v"),
             q_load=indent(operand(kernel, "q", "q_base", "q_idx[:, None] * stride_qm", "q_pos", "q_ok", "stride_qd",
