@@ -179,6 +179,44 @@ def test_generated_source_splits_full_and_masked_blocks():
     assert "# masked head" not in dense.source(q, k, v)  # no mask: only the tail past the last full block
 
 
+@af.attention
+def negated(q, k, v):
+    return af.softmax(af.causal(af.scaled_dot_product(q, k, scale=-0.2))) @ v
+
+
+def test_softmax_folds_a_positive_scale_into_its_exponent():
+    """With no score modification, the scale rides in the exponent (one multiply-add per score); a
+    modification (ALiBi) needs the scaled scores, and a negative scale would not commute with the row max:
+    both keep the explicit multiply. All match the reference."""
+    q, k, v = _qkv(1, 2, 1, 70, 70, 32, 32, torch.float32, seed=23)
+    folded = causal.source(q, k, v)
+    assert "tl.math.exp2(s * " in folded and "s = s * " not in folded
+    for program in (alibi_causal, negated):
+        source = program.source(q, k, v)
+        assert "s = s * " in source and "tl.math.exp2(s * " not in source
+    for program in (causal, alibi_causal, negated):
+        assert_matches_reference(program(q, k, v), program.reference(q, k, v),
+                                 program.reference(q, k, v, dtype=torch.float32), torch.float32)
+
+
+def test_whole_key_blocks_drop_the_load_masks():
+    """EVEN_K: with every sequence's keys a multiple of BLOCK_N, the key-bound mask is constant true;
+    a ragged length and per-sequence lengths keep it. All match the reference."""
+    from attnfuse.runtime.inputs import KVCache, even_keys
+    from attnfuse.passes.tile import TileConfig
+
+    tiles = TileConfig(block_m=32, block_n=32)
+    k = torch.zeros(1, 1, 64, 16)
+    assert even_keys(KVCache(k=k, v=k, capacity=64, lens=None))(tiles)
+    assert not even_keys(KVCache(k=k, v=k, capacity=70, lens=None))(tiles)
+    assert even_keys(KVCache(k=k, v=k, capacity=64, lens=torch.tensor([64], dtype=torch.int32))) is False
+    assert "k_ok = (k_pos < Nk) | EVEN_K" in causal.source(*_qkv(1, 2, 1, 64, 64, 32, 32, torch.float32))
+    for Nk in (64, 70):
+        q, k, v = _qkv(1, 2, 1, 40, Nk, 32, 32, torch.float32, seed=Nk)
+        assert_matches_reference(causal(q, k, v), causal.reference(q, k, v),
+                                 causal.reference(q, k, v, dtype=torch.float32), torch.float32)
+
+
 def test_rope_rotates_q_once_and_each_k_tile():
     q, k, v = _qkv(1, 2, 2, 64, 64, 32, 32, torch.float32)
     source = llama.source(q, k, v)

@@ -1,0 +1,103 @@
+"""Registers, spills and shared memory of a generated kernel on an H100/H200, with no GPU.
+
+Compiles the kernel for sm90 with Triton (as a launch would, with the usual specialisations: unit strides
+on the head dim, 16-divisible sizes and pointers) and reads ptxas' resource report. Spills and shared
+memory decide most tile choices, so candidates can be weeded out here before a sweep on the device.
+
+    python benchmarks/kernel_resources.py llama --kernel dkdv --head-dim 128 --group 4 --tiles 64,64,4,2 64,128,8,3
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import tempfile
+
+import attrs
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from attnfuse.cli import resolve_program
+from attnfuse.passes.lower import KernelConfig, fragment_of
+from attnfuse.plugin_manager import lookup
+from attnfuse.runtime.forward import constexprs
+from attnfuse.runtime.hoisted import transformed_sides
+from attnfuse.runtime.launch import KERNEL_KINDS, compile_forward, compiled_kernel
+
+_SIZES = {"HQ", "Nq", "N_K", "PAGE_SIZE", "SPLIT", "NUM_SPLITS"}
+_FLOAT32 = {"Lse", "Delta", "PartOut", "PartLse", "DLse"}
+_INT32 = {"KvLens", "BlockTable"}
+
+
+def signature(fn, tensors: set[str], dtype: str) -> tuple[dict, dict, dict]:
+    """Triton's (signature, specialised values, attributes) for a generated kernel's runtime parameters."""
+    types, values, attributes = {}, {}, {}
+    for i, p in enumerate(fn.params):
+        if p.is_constexpr:
+            types[p.name] = "constexpr"
+        elif p.name in tensors or (p.name[0].isupper() and p.name not in _SIZES):
+            types[p.name] = "*" + ("fp32" if p.name in _FLOAT32 else "i32" if p.name in _INT32 else dtype)
+            attributes[(i,)] = [["tt.divisibility", 16]]
+        elif re.fullmatch(r"stride_\w*d|\w+_s2", p.name):  # the head dim's stride: 1, as Triton specialises
+            types[p.name], values[p.name] = "constexpr", 1
+        else:
+            types[p.name] = "i32"
+            attributes[(i,)] = [["tt.divisibility", 16]]
+    return types, values, attributes
+
+
+def report(kernel, tiled, tiles: tuple[int, int, int, int], dtype: str) -> str:
+    block_m, block_n, warps, stages = tiles
+    fn = kernel._kernel.fn
+    tensors = {f"{inst.prefix}_{t.name}" for inst in tiled.instances() for t in lookup(inst.apply.combinator).tensors}
+    types, values, attributes = signature(fn, tensors, dtype)
+    values.update(constexprs(tiled), BLOCK_M=block_m, BLOCK_N=block_n)
+    if "EVEN_K" in fn.arg_names:
+        values["EVEN_K"] = True
+    values = {k: v for k, v in values.items() if k in fn.arg_names}
+    compiled = triton.compile(ASTSource(fn, types, values, attributes), target=GPUTarget("cuda", 90, 32),
+                              options=dict(num_warps=warps, num_stages=stages))
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx") as ptx:
+        ptx.write(compiled.asm["ptx"])
+        ptx.flush()
+        out = subprocess.run([ptxas, "-arch=sm_90a", "-v", ptx.name, "-o", os.devnull], capture_output=True,
+                             text=True).stderr
+    regs = re.search(r"Used (\d+) registers", out)
+    spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", out)
+    return (f"BM{block_m} BN{block_n} w{warps} s{stages}: {regs.group(1) if regs else '?'} registers, "
+            f"spills {spills.group(1) if spills else '?'} B stored / {spills.group(2) if spills else '?'} B loaded, "
+            f"shared memory {compiled.metadata.shared} B")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("program", help="an example name (llama, gpt2, ...) or module:attribute, as `attnfuse show`")
+    parser.add_argument("--kernel", default="forward", choices=KERNEL_KINDS)
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--group", type=int, default=1, help="Hq // Hkv")
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
+    parser.add_argument("--hoisted", action="store_true", help="the kernels a hoisted program runs (q and k "
+                                                              "transformed by passes)")
+    parser.add_argument("--tiles", nargs="+", default=["128,128,8,3"], help="BLOCK_M,BLOCK_N,warps,stages ...")
+    args = parser.parse_args()
+    program, _ = resolve_program(args.program)
+    graph = program.graph()
+    training = args.kernel in ("dkdv", "dq")
+    config = KernelConfig(arch="sm90", dtype=args.dtype, head_dim=args.head_dim, head_dim_v=args.head_dim,
+                          group=args.group, save_lse=training and fragment_of(graph.weights.apply).has_lse,
+                          fp32_precision="ieee")
+    if args.hoisted:
+        config = attrs.evolve(config, **transformed_sides(compile_forward(graph, config).tiled))
+    kernel = compiled_kernel(graph, config, args.kernel)
+    tiled = compile_forward(graph, config).tiled
+    print(f"{kernel.name} ({kernel.path})")
+    for spec in args.tiles:
+        tiles = tuple(int(x) for x in spec.split(","))
+        print("  " + report(kernel, tiled, tiles, "bf16" if args.dtype == "bfloat16" else "fp16"), flush=True)
+
+
+if __name__ == "__main__":
+    main()
