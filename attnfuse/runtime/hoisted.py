@@ -86,12 +86,19 @@ class HoistedForward:
     def __call__(self, q: torch.Tensor, kv: KVCache, inputs: dict[str, Any]
                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """As ``ForwardKernel.__call__``."""
+        out, lse, _ = self.run(q, kv, inputs)
+        return out, lse
+
+    def run(self, q: torch.Tensor, kv: KVCache, inputs: dict[str, Any]
+            ) -> tuple[torch.Tensor, torch.Tensor | None, dict[str, torch.Tensor]]:
+        """out, lse, and the transformed copies by side ("q", "k"), for the backward to reuse."""
         prepared = self.plugin_args(q, kv, inputs)
         sizes = (q.shape[1], q.shape[2], kv.capacity)
-        keys = self.keys(kv.k, prepared[0], self.constexprs, *sizes)
+        copies = {"k": self.keys(kv.k, prepared[0], self.constexprs, *sizes)}
         if self.queries is not None:
-            q = self.queries(q, prepared[0], self.constexprs, *sizes)
-        return self.main(q, attrs.evolve(kv, k=keys), inputs, prepared)
+            copies["q"] = self.queries(q, prepared[0], self.constexprs, *sizes)
+        out, lse = self.main(copies.get("q", q), attrs.evolve(kv, k=copies["k"]), inputs, prepared)
+        return out, lse, copies
 
 
 class HoistedBackward:
@@ -107,14 +114,18 @@ class HoistedBackward:
         self.constexprs = constexprs(fused)  # the passes'
 
     def __call__(self, q: torch.Tensor, kv: KVCache, out: torch.Tensor, lse: torch.Tensor | None,
-                 dout: torch.Tensor | None, dlse: torch.Tensor | None, inputs: dict[str, Any]
+                 dout: torch.Tensor | None, dlse: torch.Tensor | None, inputs: dict[str, Any],
+                 copies: dict[str, torch.Tensor] | None = None
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
-        """As ``BackwardKernels.__call__``."""
+        """As ``BackwardKernels.__call__``. ``copies``: transformed rows by side that the forward kept
+        (``HoistedForward.run``); the passes run for the sides missing."""
         prepared = self.plugin_args(q, kv, inputs)
         pargs = prepared[0]
         sizes = (q.shape[1], q.shape[2], kv.capacity)
         rows = {"q": q, "k": kv.k}
-        transformed = {x: apply(rows[x], pargs, self.constexprs, *sizes) for x, (apply, _) in self.passes.items()}
+        copies = copies or {}
+        transformed = {x: copies[x] if x in copies else apply(rows[x], pargs, self.constexprs, *sizes)
+                       for x, (apply, _) in self.passes.items()}
         dq, dk, dv, grads = self.inner(transformed.get("q", q), attrs.evolve(kv, k=transformed.get("k", kv.k)), out,
                                        lse, dout, dlse, inputs, dqk_dtype=accumulator_dtype(q.dtype),
                                        prepared=prepared)
