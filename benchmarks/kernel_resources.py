@@ -31,16 +31,22 @@ _FLOAT32 = {"Lse", "Delta", "PartOut", "PartLse", "DLse"}
 _INT32 = {"KvLens", "BlockTable"}
 
 
-def signature(fn, tensors: set[str], dtype: str) -> tuple[dict, dict, dict]:
-    """Triton's (signature, specialised values, attributes) for a generated kernel's runtime parameters."""
+def signature(fn, tensors: dict[str, int], dtype: str) -> tuple[dict, dict, dict]:
+    """Triton's (signature, specialised values, attributes) for a generated kernel's runtime parameters.
+    ``tensors``: the plugins' tensor arguments and their ranks (index-like names are int32, others
+    float32; their last dim is contiguous)."""
+    unit = {f"{name}_s{rank - 1}" for name, rank in tensors.items()}
     types, values, attributes = {}, {}, {}
     for i, p in enumerate(fn.params):
         if p.is_constexpr:
             types[p.name] = "constexpr"
-        elif p.name in tensors or (p.name[0].isupper() and p.name not in _SIZES):
+        elif p.name in tensors:
+            types[p.name] = "*i32" if re.search(r"(num|idx|index|count|active|lens)$", p.name) else "*fp32"
+            attributes[(i,)] = [["tt.divisibility", 16]]
+        elif p.name[0].isupper() and p.name not in _SIZES:
             types[p.name] = "*" + ("fp32" if p.name in _FLOAT32 else "i32" if p.name in _INT32 else dtype)
             attributes[(i,)] = [["tt.divisibility", 16]]
-        elif re.fullmatch(r"stride_\w*d|\w+_s2", p.name):  # the head dim's stride: 1, as Triton specialises
+        elif re.fullmatch(r"stride_\w*d", p.name) or p.name in unit:  # unit strides, as Triton specialises
             types[p.name], values[p.name] = "constexpr", 1
         else:
             types[p.name] = "i32"
@@ -51,7 +57,8 @@ def signature(fn, tensors: set[str], dtype: str) -> tuple[dict, dict, dict]:
 def report(kernel, tiled, tiles: tuple[int, int, int, int], dtype: str) -> str:
     block_m, block_n, warps, stages = tiles
     fn = kernel._kernel.fn
-    tensors = {f"{inst.prefix}_{t.name}" for inst in tiled.instances() for t in lookup(inst.apply.combinator).tensors}
+    tensors = {f"{inst.prefix}_{t.name}": t.rank for inst in tiled.instances()
+               for t in lookup(inst.apply.combinator).tensors}
     types, values, attributes = signature(fn, tensors, dtype)
     values.update(constexprs(tiled), BLOCK_M=block_m, BLOCK_N=block_n)
     if "EVEN_K" in fn.arg_names:
