@@ -102,8 +102,9 @@ class HoistedForward:
 
 
 class HoistedBackward:
-    """The backward of a hoisted program: transform passes over q and k, ``inner`` (the backward kernels
-    generated for transformed rows, writing float32 dQ and dK), then gradient passes back to q and k."""
+    """The backward of a hoisted program: q and k transformed (the forward's copies, or transform passes),
+    ``inner`` (the backward kernels generated for transformed rows, writing float32 dQ and dK), then
+    gradient passes back to q and k."""
 
     def __init__(self, fused: TiledKernel, inner: BackwardKernels):
         self.inner = inner
