@@ -24,6 +24,19 @@ def reference(s, keep, ctx):
     return weights, (m + torch.log(total)).squeeze(-1)
 
 
+def _update(factor: str) -> str:
+    """The online update, on scores ``s * <factor>`` (``factor`` "" for scores already scaled)."""
+    return f"""
+        m_new = tl.maximum(m_i, tl.max(s, 1){factor})
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.math.exp2(m_i - m_use)
+        p = tl.math.exp2(s{factor} - m_use[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
+        m_i = m_new
+    """
+
+
 COMBINATOR = Combinator(
     name="softmax",
     role=Role.NORMALISER,
@@ -36,24 +49,8 @@ COMBINATOR = Combinator(
             m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
             l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         """,
-        update="""
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.math.exp2(m_i - m_use)
-            p = tl.math.exp2(s - m_use[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None]
-            m_i = m_new
-        """,
-        scaled_update="""
-            m_new = tl.maximum(m_i, tl.max(s, 1) * $factor)
-            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.math.exp2(m_i - m_use)
-            p = tl.math.exp2(s * $factor - m_use[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None]
-            m_i = m_new
-        """,
+        update=_update(""),
+        scaled_update=_update(" * $factor"),
         finalize="""
             l_use = tl.where(l_i == 0.0, 1.0, l_i)
             out = acc / l_use[:, None]

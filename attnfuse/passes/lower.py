@@ -161,15 +161,22 @@ def instance(app: ir.Apply, index: int) -> Instance:
     return Instance(prefix=prefix, apply=app, role=comb.role, fragment=fragment, args=tuple(args))
 
 
+def masked_head(masks: tuple[Instance, ...]) -> bool:
+    """Whether a query block's key loop can start with blocks that need the mask: some mask's facts start
+    past key 0 (a sliding window's). Not causal's: its loop starts at key 0 (or at a block-aligned split
+    of the keys) with blocks every row keeps."""
+    return any(facts is not None and facts[0].strip() != "0"
+               for m in masks if m.fragment.keep for facts in (m.fragment.kv_range, m.fragment.full_range))
+
+
 def _variant(transforms: list[Instance], masks: tuple[Instance, ...]) -> str:
-    """The tile table's variant key: "rope" (a qk transform), "window" (loop bounds that start past key
-    0, as a sliding window's: few keys per row), "masked" (other loop bounds, as causal's) or "dense"."""
+    """The tile table's variant key: "rope" (a qk transform), "window" (masked first blocks, as a sliding
+    window's: few keys per row), "masked" (other loop bounds, as causal's) or "dense"."""
     if transforms:
         return "rope"
-    ranges = [m.fragment.kv_range for m in masks if m.fragment.kv_range is not None]
-    if any(lo.strip() != "0" for lo, _ in ranges):
+    if masked_head(masks):
         return "window"
-    return "masked" if ranges else "dense"
+    return "masked" if any(m.fragment.kv_range is not None for m in masks) else "dense"
 
 
 def lower(fused: FusedProgram, config: KernelConfig, listing: str = "") -> TiledKernel:

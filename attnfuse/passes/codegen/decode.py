@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import string
 
-from ..lower import TiledKernel
+from ..lower import TiledKernel, masked_head
 from .common import (HEADER, QKV_STRIDES, columns, constexpr_args, dv_mask, finish, indent, key_range, kv_args,
-                     kv_base, kv_length, loops, masked_head, operand, prologues)
+                     kv_base, kv_length, loops, operand, prologues)
 from .forward import key_tile
 
 _KERNEL = string.Template('''\
@@ -68,5 +68,5 @@ def generate_decode(kernel: TiledKernel) -> str:
         prologues=indent(prologues(kernel), 4), norm_init=indent(norm.init, 4),
         key_range=indent(key_range(kernel, ("pid_s * SPLIT", "tl.minimum(pid_s * SPLIT + SPLIT, Nk)")), 4),
         k_base=kv_base(kernel, "k"), v_base=kv_base(kernel, "v"),
-        loops=indent(loops(lambda masked: key_tile(kernel, masked), "start_n", "BLOCK_N", masked_head(kernel)), 4),
+        loops=indent(loops(lambda masked: key_tile(kernel, masked), "start_n", "BLOCK_N", masked_head(kernel.masks)), 4),
         norm_finalize=indent(norm.finalize, 4), dv_mask=f" & {mask}" if mask else "", store_lse=store_lse))
