@@ -375,9 +375,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--arch", type=_arch, metavar="ARCH",
                    help="interpreter, sm90, sm80, ... (default: the local GPU's, else interpreter)")
     p.add_argument("--lse", action="store_true", help="a kernel that also writes the log-sum-exp")
-    p.add_argument("--kernel", choices=("forward", "decode", "dkdv", "dq", "keys"), default="forward",
+    p.add_argument("--kernel", choices=("forward", "decode", "dkdv", "dq", "transform"), default="forward",
                    help="which generated kernel: the forward (default), the split-KV decoding kernel, the "
-                        "backward's dK/dV or dQ kernel, or the key pass (keys' qk transforms, hoisted)")
+                        "backward's dK/dV or dQ kernel, or the transform pass (q and k rows' qk transforms, hoisted)")
     only = p.add_mutually_exclusive_group()
     only.add_argument("--source-only", action="store_true", help="print the generated source alone")
     only.add_argument("--path-only", action="store_true", help="print the cached source file's path alone")

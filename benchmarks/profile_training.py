@@ -1,7 +1,8 @@
-"""Where the time of one causal forward+backward goes: each CUDA kernel's time (torch.profiler), and the
-host time per call, AttnFuse against flex_attention (and SDPA's host time).
+"""Where the time of one forward+backward (causal, or RoPE+causal) goes: each CUDA kernel's time
+(torch.profiler), the host time per call, AttnFuse against flex_attention (and SDPA's host time), and
+optionally the Python functions that take AttnFuse's host time (cProfile).
 
-    python benchmarks/profile_training.py [--cases llama3-8b:2048,llama3-8b:4096,gpt2:2048]
+    python benchmarks/profile_training.py [--cases llama3-8b:2048,gpt2:2048] [--variant rope_causal] [--host-profile]
 
 When the host time per call exceeds the kernels' sum, a call is host-bound and do_bench's figure for it
 measures the host as much as the kernels.
@@ -9,6 +10,8 @@ measures the host as much as the kernels.
 from __future__ import annotations
 
 import argparse
+import cProfile
+import pstats
 import time
 
 import torch
@@ -47,9 +50,31 @@ def host_time(name: str, step, calls: int = 50) -> None:
     print(f"{name}: host {host * 1e6:.0f} us per call, wall {wall * 1e6:.0f} us", flush=True)
 
 
+def host_profile(name: str, step, calls: int = 200, top: int = 25) -> None:
+    """Print the Python functions that take the host time of ``step`` (cProfile, by own time)."""
+    for _ in range(5):
+        step()
+    torch.cuda.synchronize()
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(calls):
+        step()
+    profiler.disable()
+    torch.cuda.synchronize()
+    print(f"--- {name}: host functions, own time per call (cProfile adds its own overhead)")
+    stats = pstats.Stats(profiler)
+    rows = sorted(stats.stats.items(), key=lambda item: -item[1][2])[:top]
+    for (path, line, func), (_, ncalls, own, cumulative, _) in rows:
+        where = f"{path.rsplit('/', 2)[-2:][-1]}:{line}({func})"
+        print(f"   {own / calls * 1e6:8.1f} us own {cumulative / calls * 1e6:8.1f} us cum "
+              f"{ncalls / calls:5.1f}x  {where[:90]}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cases", default="llama3-8b:2048,llama3-8b:4096,gpt2:2048")
+    parser.add_argument("--variant", default="causal", help="causal or rope_causal (flex on pre-rotated q, k)")
+    parser.add_argument("--host-profile", action="store_true", help="also print cProfile's host functions")
     args = parser.parse_args()
     for case in args.cases.split(","):
         geometry, N = case.split(":")
@@ -57,17 +82,25 @@ def main() -> None:
         leaves = [torch.randn(B, h, int(N), D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
                   for h in (Hq, Hkv, Hkv)]
         dout = torch.randn(B, Hq, int(N), D, device="cuda", dtype=torch.bfloat16)
-        _, mask = b.flex_case("causal", B, Hq, int(N), "cuda")
+        q, k, v = leaves
+        _, mask = b.flex_case(args.variant, B, Hq, int(N), "cuda")
+        cos, sin = b.rope_tables(int(N), D, "cuda")
+
+        def inputs():
+            return b.pre_rotate(q, k, cos, sin) if args.variant == "rope_causal" else (q, k)
         steps = {
-            "attnfuse": lambda: torch.autograd.grad(b.causal(*leaves), leaves, dout),
-            "flex": lambda: torch.autograd.grad(b.flex(*leaves, block_mask=mask, enable_gqa=True), leaves, dout),
-            "sdpa (cuDNN)": lambda: torch.autograd.grad(b.sdpa(b.SDPBackend.CUDNN_ATTENTION, *leaves, True), leaves,
-                                                        dout),
+            "attnfuse": lambda: torch.autograd.grad(b.PROGRAMS[args.variant](*leaves), leaves, dout),
+            "flex": lambda: torch.autograd.grad(b.flex(*inputs(), v, block_mask=mask, enable_gqa=True), leaves, dout),
+            "sdpa (cuDNN)": lambda: torch.autograd.grad(b.sdpa(b.SDPBackend.CUDNN_ATTENTION, *inputs(), v, True),
+                                                        leaves, dout),
         }
         for name, step in steps.items():
+            label = f"{case} {args.variant} {name}"
             if name != "sdpa (cuDNN)":
-                kernel_times(f"{case} {name}", step)
-            host_time(f"{case} {name} fwd+bwd", step)
+                kernel_times(label, step)
+            host_time(f"{label} fwd+bwd", step)
+            if args.host_profile and name == "attnfuse":
+                host_profile(label, step)
 
 
 if __name__ == "__main__":

@@ -23,9 +23,9 @@ from bench_attention import DECODE_MODELS, GEOMETRIES, PROGRAMS, decode_program,
 
 BACKWARD_CONFIGS = {  # per head dim: (BLOCK_M, BLOCK_N, warps, stages) of dK/dV, then of dQ; pairs swept
     "dkdv": {64: [(64, 64, 4, 3), (64, 128, 8, 3), (32, 128, 4, 3)],
-             128: [(64, 64, 4, 3), (64, 64, 4, 2), (32, 64, 4, 2)]},
+             128: [(64, 64, 4, 2), (64, 128, 8, 3), (64, 128, 8, 2)]},
     "dq": {64: [(128, 32, 4, 3), (128, 64, 8, 3), (64, 64, 4, 3)],
-           128: [(128, 64, 8, 3), (64, 64, 4, 2)]},
+           128: [(128, 64, 8, 3)]},
 }
 DECODE_CONFIGS = [(16, bn, warps, stages, per_sm)  # and split-KV programs per multiprocessor
                   for bn, warps in ((64, 4), (128, 4), (128, 8)) for stages in (2, 3, 4) for per_sm in (2, 4, 8)]

@@ -227,13 +227,13 @@ def test_rope_rotates_q_once_and_each_k_tile():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
 def test_hoisted_transforms_leave_a_plain_kernel(monkeypatch, dtype):
-    """With many query blocks, passes rotate q and k once each and the attention kernel is a plain one
+    """With many query blocks, one pass rotates q and k once each and the attention kernel is a plain one
     (no rotation, whole head dims); hoisted and fused outputs both match the reference."""
     from attnfuse.runtime import hoisted, launch
 
     q, k, v = _qkv(2, 4, 2, 150, 170, 80, 48, dtype)  # 5 query blocks of 32 under the interpreter
-    source = llama.source(q, k, v, kernel="keys")
-    assert "qk transform of k" in source and "qk transform of q" not in source
+    source = llama.source(q, k, v, kernel="transform")
+    assert "qk transform of k" in source and "qk transform of q" in source
     launch.clear_cache()
     out = llama(q, k, v)
     assert hoisted_last_call()
@@ -251,7 +251,7 @@ def test_hoisted_transforms_leave_a_plain_kernel(monkeypatch, dtype):
 def test_key_pass_needs_key_transforms():
     q, k, v = _qkv(1, 2, 2, 40, 40, 32, 32, torch.float32)
     with pytest.raises(af.InputError, match="no key-side qk transform"):
-        causal.source(q, k, v, kernel="keys")
+        causal.source(q, k, v, kernel="transform")
 
 
 def test_one_kernel_launch_per_call(monkeypatch):

@@ -268,12 +268,12 @@ def test_qk_norm_scores_are_cosines():
 
 
 def test_qk_norm_is_hoisted_like_rope(monkeypatch):
-    """A plugin's qk transform is hoisted into transform passes as rope's is: each key's and query's L2
+    """A plugin's qk transform is hoisted into a transform pass as rope's is: each key's and query's L2
     norm runs once, and hoisted and fused outputs both match the reference."""
     from attnfuse.runtime import hoisted, launch
 
     q, k, v = _inputs(1, 2, 1, 140, 150, 32, torch.float32, seed=_seed("qk_norm", "hoisted"), device="cpu")
-    assert "qk transform of k" in qk_normed.source(q, k, v, kernel="keys")
+    assert "qk transform of k" in qk_normed.source(q, k, v, kernel="transform")
     out = qk_normed(q, k, v)
     assert hoisted_last_call()
     _check(qk_normed, q, k, v, lse=True)

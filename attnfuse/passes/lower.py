@@ -23,7 +23,7 @@ from .tile import TileConfig, choose_tiles
 
 
 
-@frozen(kw_only=True)
+@frozen(kw_only=True, cache_hash=True)
 class KernelConfig:
     """What besides the program's structure decides the kernel: one compiled kernel per distinct value."""
 

@@ -14,20 +14,22 @@ from .inputs import KVCache
 class AttentionFunction(torch.autograd.Function):
     """out, lse = f(q, k, v, *tensor_inputs); the forward saves one log-sum-exp per query row, and with
     hoisted qk transforms the transformed copies of q and k, which the backward reads instead of
-    transforming q and k again."""
+    transforming q and k again. The plugins prepare their kernel arguments once, for both."""
 
     @staticmethod
     def forward(ctx, forward: ForwardKernel | HoistedForward, backward: BackwardKernels | HoistedBackward,
                 inputs: dict[str, Any], grad_inputs: tuple[str, ...], lens: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor,
                 v: torch.Tensor, *tensor_inputs: torch.Tensor):
         kv = KVCache(k=k, v=v, capacity=k.shape[2], lens=lens)
+        prepared = forward.plugin_args(q, kv, inputs)
         if isinstance(forward, HoistedForward):  # keep the transformed q and k for the hoisted backward
-            out, lse, copies = forward.run(q, kv, inputs)
+            out, lse, copies = forward.run(q, kv, inputs, prepared)
         else:
-            (out, lse), copies = forward(q, kv, inputs), {}
+            (out, lse), copies = forward(q, kv, inputs, prepared), {}
         ctx.save_for_backward(q, k, v, out, lse, *copies.values())
         ctx.sides = tuple(copies)
         ctx.backward_kernels, ctx.inputs, ctx.grad_inputs, ctx.lens = backward, inputs, grad_inputs, lens
+        ctx.prepared = prepared
         ctx.set_materialize_grads(False)
         return out, lse
 
@@ -36,5 +38,6 @@ class AttentionFunction(torch.autograd.Function):
         q, k, v, out, lse, *copies = ctx.saved_tensors
         kv = KVCache(k=k, v=v, capacity=k.shape[2], lens=ctx.lens)
         extra = {"copies": dict(zip(ctx.sides, copies))} if ctx.sides else {}
-        dq, dk, dv, grads = ctx.backward_kernels(q, kv, out, lse, dout, dlse, ctx.inputs, **extra)
+        dq, dk, dv, grads = ctx.backward_kernels(q, kv, out, lse, dout, dlse, ctx.inputs, prepared=ctx.prepared,
+                                                 **extra)
         return (None, None, None, None, None, dq, dk, dv, *(grads.get(name) for name in ctx.grad_inputs))

@@ -2,9 +2,9 @@
 
 Fused, the forward transforms every key tile once per query block that visits it (Nq / BLOCK_M times over
 a call), and the dK/dV kernel every query tile once per key block; and the kernels multiply half head
-dims (rope rotates halves). Hoisted, transform passes write each row's transformed copy once (a launch
-and a scratch copy per side); the forward and backward then run plain kernels on the copies, and
-gradient passes carry dQ and dK back through the transforms. The runtime hoists when at least
+dims (rope rotates halves). Hoisted, a transform pass writes each row's transformed copy once (one launch
+for q and k, a scratch copy per side); the forward and backward then run plain kernels on the copies, and
+a gradient pass carries dQ and dK back through the transforms. The runtime hoists when at least
 ``HOIST_MIN_QUERY_BLOCKS`` query blocks would each transform the keys.
 """
 from __future__ import annotations
@@ -36,40 +36,53 @@ def worth_hoisting(forward: ForwardKernel, Nq: int) -> bool:
     return hoistable(forward.tiled) and cdiv(Nq, forward.kernel.tiles.block_m) >= HOIST_MIN_QUERY_BLOCKS
 
 
+def hoisted_sides(tiled: TiledKernel) -> tuple[str, ...]:
+    """The sides ("q", "k") whose transforms the passes apply: those some transform touches."""
+    return tuple(x for x in "qk" if any(getattr(t.fragment, x) for t in tiled.transforms))
+
+
 def transformed_sides(tiled: TiledKernel) -> dict[str, bool]:
-    """q_transformed / k_transformed: the sides whose transforms the passes apply."""
-    return {f"{x}_transformed": any(getattr(t.fragment, x) for t in tiled.transforms) for x in "qk"}
+    """q_transformed / k_transformed: the configuration of kernels reading the passes' copies."""
+    return {f"{x}_transformed": x in hoisted_sides(tiled) for x in "qk"}
 
 
 class TransformPass:
-    """One generated pass over the rows of q or k (``x``): apply the transforms, or (``gradient``) carry a
-    float32 gradient with respect to the transformed rows back to the rows themselves."""
+    """One generated pass over the rows of q and k (the transformed ``sides``), in one launch: apply the
+    transforms, or (``gradient``) carry float32 gradients with respect to the transformed rows back to
+    the rows themselves."""
 
-    def __init__(self, tiled: TiledKernel, x: str, gradient: bool = False):
+    def __init__(self, tiled: TiledKernel, sides: tuple[str, ...], gradient: bool = False):
         generate = generate_gradient_pass if gradient else generate_transform_pass
-        self.kernel = CompiledKernel(pass_name(tiled, x, gradient), generate(tiled, x),
+        self.kernel = CompiledKernel(pass_name(tiled, gradient), generate(tiled, sides),
                                      tiled.config.arch == "interpreter", tiled.tiles)
-        self.x = x
+        self.sides = sides
+        self.gradient = gradient
 
-    def __call__(self, rows: torch.Tensor, pargs: list, constexprs: dict, Hq: int, Nq: int, Nk: int,
-                 grad: torch.Tensor | None = None) -> torch.Tensor:
-        """rows (B, H, N, D) -> transformed rows, or with ``grad`` (rows' shape and memory order, float32)
-        the gradient of ``rows``; in ``rows``' dtype and memory order."""
-        B, H, N, D = rows.shape
-        out = empty_like_layout(rows, D, rows.dtype)
-        if out.numel() == 0:
-            return out
-        if grad is not None and grad.stride() != out.stride():
-            raise AssertionError(f"gradient pass: grad strides {grad.stride()} differ from {out.stride()}")
-        block = "block_m" if self.x == "q" else "block_n"
-        self.kernel.launch(lambda tiles: (cdiv(N, getattr(tiles, block)), B * H),
-                           (rows, out, *(() if grad is None else (grad,)), *rows.stride(), *out.stride(), Hq, Nq, Nk,
-                            *pargs), rows.device, **constexprs)
-        return out
+    def __call__(self, rows: dict[str, torch.Tensor], pargs: list, constexprs: dict, Hq: int, Nq: int,
+                 grads: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+        """rows by side: q (B, Hq, Nq, D), k (B, Hkv, Nk, D) -> the transformed rows by side, or with
+        ``grads`` (float32, each in its rows' shape and memory order) the gradients of the rows; in the
+        rows' dtypes and memory orders."""
+        sides = self.sides
+        outs = {x: empty_like_layout(rows[x], rows[x].shape[3], rows[x].dtype) for x in sides}
+        if grads is not None and any(grads[x].stride() != outs[x].stride() for x in sides):
+            raise AssertionError("gradient pass: a gradient's strides differ from its rows'")
+        B, Nk, Hkv = rows["k"].shape[0], rows["k"].shape[2], rows["k"].shape[1]
+        heads = {"q": Hq, "k": Hkv}
+
+        def grid(tiles):
+            blocks = {"q": cdiv(Nq, tiles.block_m), "k": cdiv(Nk, tiles.block_n)}
+            return (sum(blocks[x] * B * heads[x] for x in sides),)
+        if grid(self.kernel.tiles)[0]:
+            strides = [s for o in (rows, outs) for x in sides for s in o[x].stride()]
+            self.kernel.launch(grid, (*(rows[x] for x in sides), *(outs[x] for x in sides),
+                                      *((grads[x] for x in sides) if grads is not None else ()), *strides,
+                                      Hq, Nq, Nk, B, *pargs), rows["k"].device, **constexprs)
+        return outs
 
 
 class HoistedForward:
-    """``fused``'s program as transform passes over k and (if its transforms touch q) q, plus ``main``,
+    """``fused``'s program as a transform pass over k and (if its transforms touch q) q, plus ``main``,
     its forward for transformed rows: with both sides transformed, ``main`` is a plain attention kernel.
 
     ``tiled`` is the fused kernel's: the program as the backward sees it.
@@ -78,8 +91,7 @@ class HoistedForward:
     def __init__(self, fused: ForwardKernel, main: ForwardKernel):
         self.tiled = fused.tiled
         self.main = main
-        self.keys = TransformPass(fused.tiled, "k")
-        self.queries = TransformPass(fused.tiled, "q") if main.tiled.config.q_transformed else None
+        self.transform = TransformPass(fused.tiled, hoisted_sides(fused.tiled))
         self.plugin_args = fused.plugin_args
         self.constexprs = fused.constexprs
 
@@ -89,48 +101,42 @@ class HoistedForward:
         out, lse, _ = self.run(q, kv, inputs)
         return out, lse
 
-    def run(self, q: torch.Tensor, kv: KVCache, inputs: dict[str, Any]
+    def run(self, q: torch.Tensor, kv: KVCache, inputs: dict[str, Any],
+            prepared: tuple[list, int | None] | None = None
             ) -> tuple[torch.Tensor, torch.Tensor | None, dict[str, torch.Tensor]]:
-        """out, lse, and the transformed copies by side ("q", "k"), for the backward to reuse."""
-        prepared = self.plugin_args(q, kv, inputs)
-        sizes = (q.shape[1], q.shape[2], kv.capacity)
-        copies = {"k": self.keys(kv.k, prepared[0], self.constexprs, *sizes)}
-        if self.queries is not None:
-            copies["q"] = self.queries(q, prepared[0], self.constexprs, *sizes)
+        """out, lse, and the transformed copies by side ("q", "k"), for the backward to reuse.
+        ``prepared``: the plugin arguments, if the caller has them already."""
+        prepared = prepared or self.plugin_args(q, kv, inputs)
+        copies = self.transform({"q": q, "k": kv.k}, prepared[0], self.constexprs, q.shape[1], q.shape[2])
         out, lse = self.main(copies.get("q", q), attrs.evolve(kv, k=copies["k"]), inputs, prepared)
         return out, lse, copies
 
 
 class HoistedBackward:
-    """The backward of a hoisted program: q and k transformed (the forward's copies, or transform passes),
-    ``inner`` (the backward kernels generated for transformed rows, writing float32 dQ and dK), then
-    gradient passes back to q and k."""
+    """The backward of a hoisted program: q and k transformed (the forward's copies, or a transform pass),
+    ``inner`` (the backward kernels generated for transformed rows, writing float32 dQ and dK), then a
+    gradient pass back to q and k."""
 
     def __init__(self, fused: TiledKernel, inner: BackwardKernels):
         self.inner = inner
-        sides = transformed_sides(fused)
-        self.passes = {x: (TransformPass(fused, x), TransformPass(fused, x, gradient=True))
-                       for x in "qk" if sides[f"{x}_transformed"]}
+        self.sides = hoisted_sides(fused)
+        self.transform = TransformPass(fused, self.sides)
+        self.gradient = TransformPass(fused, self.sides, gradient=True)
         self.plugin_args = PluginArgs(fused)
         self.constexprs = constexprs(fused)  # the passes'
 
     def __call__(self, q: torch.Tensor, kv: KVCache, out: torch.Tensor, lse: torch.Tensor | None,
                  dout: torch.Tensor | None, dlse: torch.Tensor | None, inputs: dict[str, Any],
-                 copies: dict[str, torch.Tensor] | None = None
+                 prepared: tuple[list, int | None] | None = None, copies: dict[str, torch.Tensor] | None = None
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
-        """As ``BackwardKernels.__call__``. ``copies``: transformed rows by side that the forward kept
-        (``HoistedForward.run``); the passes run for the sides missing."""
-        prepared = self.plugin_args(q, kv, inputs)
-        pargs = prepared[0]
-        sizes = (q.shape[1], q.shape[2], kv.capacity)
+        """As ``BackwardKernels.__call__``. ``copies``: the transformed rows by side that the forward kept
+        (``HoistedForward.run``); without them a transform pass writes them again."""
+        prepared = prepared or self.plugin_args(q, kv, inputs)
+        Hq, Nq = q.shape[1], q.shape[2]
         rows = {"q": q, "k": kv.k}
-        copies = copies or {}
-        transformed = {x: copies[x] if x in copies else apply(rows[x], pargs, self.constexprs, *sizes)
-                       for x, (apply, _) in self.passes.items()}
-        dq, dk, dv, grads = self.inner(transformed.get("q", q), attrs.evolve(kv, k=transformed.get("k", kv.k)), out,
-                                       lse, dout, dlse, inputs, dqk_dtype=accumulator_dtype(q.dtype),
-                                       prepared=prepared)
-        of_transformed = {"q": dq, "k": dk}  # float32, with respect to the transformed rows where hoisted
-        of_rows = {x: gradient(rows[x], pargs, self.constexprs, *sizes, grad=of_transformed[x])
-                   for x, (_, gradient) in self.passes.items()}
-        return of_rows.get("q", dq.to(q.dtype)), of_rows.get("k", dk.to(kv.k.dtype)), dv, grads
+        copies = copies or self.transform(rows, prepared[0], self.constexprs, Hq, Nq)
+        dq, dk, dv, grads = self.inner(copies.get("q", q), attrs.evolve(kv, k=copies["k"]), out, lse, dout, dlse,
+                                       inputs, dqk_dtype=accumulator_dtype(q.dtype), prepared=prepared)
+        of_rows = self.gradient(rows, prepared[0], self.constexprs, Hq, Nq,
+                                grads={"q": dq, "k": dk})  # float32, with respect to the transformed rows
+        return of_rows["q"] if "q" in of_rows else dq.to(q.dtype), of_rows["k"], dv, grads

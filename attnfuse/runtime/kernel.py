@@ -19,9 +19,12 @@ from .source_cache import load_function, write_source
 
 def _on(device: torch.device):
     """Make ``device`` current for the launch, unless it is already (entering a device context costs µs)."""
-    if device.type == "cuda" and device.index is not None and device.index != torch.cuda.current_device():
+    if device.type == "cuda" and device.index != torch.cuda.current_device():
         return torch.cuda.device(device)
-    return contextlib.nullcontext()
+    return _CURRENT
+
+
+_CURRENT = contextlib.nullcontext()
 
 
 def smaller_tiles(tiles: TileConfig) -> TileConfig:

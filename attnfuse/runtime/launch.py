@@ -80,19 +80,19 @@ def compile_backward(graph: ir.MatMulPV, config: KernelConfig,
     return kernels
 
 
-KERNEL_KINDS = ("forward", "decode", "dkdv", "dq", "keys")
+KERNEL_KINDS = ("forward", "decode", "dkdv", "dq", "transform")
 
 
 def compiled_kernel(graph: ir.MatMulPV, config: KernelConfig, kind: str) -> CompiledKernel:
-    """One generated kernel of ``graph``: ``kind`` is "forward", "decode" (split-KV), "dkdv", "dq" or "keys"
-    (the key pass of a program whose keys have qk transforms)."""
+    """One generated kernel of ``graph``: ``kind`` is "forward", "decode" (split-KV), "dkdv", "dq" or
+    "transform" (the pass that applies the qk transforms to q and k rows once, when the keys have some)."""
     if kind == "forward":
         return compile_forward(graph, config).kernel
-    if kind == "keys":
+    if kind == "transform":
         if not hoistable(compile_forward(graph, config).tiled):
-            raise InputError("kernel='keys': this program has no key-side qk transform to hoist (or reads a "
-                             "cache with kv_lens or pages, where the transform stays in the key loop)")
-        return compile_hoisted(graph, config).keys.kernel
+            raise InputError("kernel='transform': this program has no key-side qk transform to hoist (or reads "
+                             "a cache with kv_lens or pages, where the transform stays in the key loop)")
+        return compile_hoisted(graph, config).transform.kernel
     if kind == "decode":
         return compile_decode(graph, config).kernel
     if kind in ("dkdv", "dq"):

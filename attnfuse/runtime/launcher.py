@@ -53,8 +53,10 @@ def specialisation_key(arg: Any) -> Any:
 
 def call_key(args: tuple) -> tuple:
     """The specialisation keys of ``args``; an int32 other than 1 (most arguments: strides, sizes)
-    takes the fast path, its divisibility by 16 alone."""
-    return tuple([a & 15 == 0 if type(a) is int and 1 < a < 2**31 else specialisation_key(a) for a in args])
+    takes the fast path, its divisibility by 16 alone, and so does a tensor, its dtype and alignment."""
+    return tuple([a & 15 == 0 if type(a) is int and 1 < a < 2**31
+                  else (a.dtype, a.data_ptr() & 15 == 0) if type(a) is torch.Tensor
+                  else specialisation_key(a) for a in args])
 
 
 def _hooked(hook: Any) -> bool:
@@ -86,13 +88,32 @@ class Launcher:
                **constexprs: Any) -> None:
         if len(args) != self._runtime_count:
             raise TypeError(f"{self.fn.__name__} takes {self._runtime_count} runtime arguments, got {len(args)}")
-        tail = tuple(constexprs[name] for name in self._constexpr_names)
-        device = driver.active.get_current_device()
+        tail = tuple([constexprs[name] for name in self._constexpr_names])
+        device = torch.cuda.current_device()
         key = (device, num_warps, num_stages, tail, call_key(args))
-        kernel = self._compiled.get(key)
-        if kernel is None or _hooked(knobs.runtime.launch_enter_hook) or _hooked(knobs.runtime.launch_exit_hook):
-            self._compiled[key] = self.fn[grid](*args, **constexprs, num_warps=num_warps, num_stages=num_stages)
+        launch = self._compiled.get(key)
+        if launch is None or _hooked(knobs.runtime.launch_enter_hook) or _hooked(knobs.runtime.launch_exit_hook):
+            self._compiled[key] = _direct_launch(
+                self.fn[grid](*args, **constexprs, num_warps=num_warps, num_stages=num_stages))
             return
+        launch(grid, driver.active.get_current_stream(device), args, tail)
+
+
+def _direct_launch(kernel: Any) -> Callable[[tuple, int, tuple, tuple], None]:
+    """launch(grid, stream, args, constexprs) for a compiled kernel: straight to Triton's C launcher when
+    the kernel needs no scratch memory (Triton 3.6's launcher layout), else through ``kernel.run``."""
+    run = kernel.run
+    c_launch = getattr(run, "launch", None)
+    if c_launch is None or getattr(run, "global_scratch_size", 1) or getattr(run, "profile_scratch_size", 1):
+        def launch(grid, stream, args, tail):
+            grid = (*grid, 1, 1)
+            run(grid[0], grid[1], grid[2], stream, kernel.function, kernel.packed_metadata, None, None, None,
+                *args, *tail)
+        return launch
+    fixed = (kernel.function, run.launch_cooperative_grid, run.launch_pdl, None, None, kernel.packed_metadata, None,
+             None, None)
+
+    def launch(grid, stream, args, tail):
         grid = (*grid, 1, 1)
-        kernel.run(grid[0], grid[1], grid[2], driver.active.get_current_stream(device), kernel.function,
-                   kernel.packed_metadata, None, None, None, *args, *tail)
+        c_launch(grid[0], grid[1], grid[2], stream, *fixed, *args, *tail)
+    return launch

@@ -2,11 +2,11 @@
 
 Fused, a kernel transforms the tile of its inner loop once per outer block that visits it: the forward
 transforms each key tile Nq / BLOCK_M times, the dK/dV kernel each query tile Nk / BLOCK_N times. Hoisted,
-``generate_transform_pass`` transforms each row of q or k once into a copy (in the input's dtype: the
-values the fused kernels cast for their products), and kernels generated for ``KernelConfig(q_transformed,
-k_transformed)`` read the copies with no transform. After a backward on transformed inputs,
-``generate_gradient_pass`` carries dQ or dK (float32, with respect to the transformed rows) back through
-the transforms' vector-Jacobian products.
+``generate_transform_pass`` transforms each row of q and k once into copies (in the inputs' dtype: the
+values the fused kernels cast for their products), in one launch, and kernels generated for
+``KernelConfig(q_transformed, k_transformed)`` read the copies with no transform. After a backward on
+transformed inputs, ``generate_gradient_pass`` carries dQ and dK (float32, with respect to the transformed
+rows) back through the transforms' vector-Jacobian products, in one launch too.
 """
 from __future__ import annotations
 
@@ -17,21 +17,29 @@ from .common import HEADER, columns, constexpr_args, finish, indent, key_block, 
 
 _KERNEL = string.Template('''\
 def $name(
-    $X, Out,$grad_arg
-    stride_${x}b, stride_${x}h, stride_${x}n, stride_${x}d,
-    stride_ob, stride_oh, stride_on, stride_od,
-    HQ, Nq, N_K,$extra_args
+    $pointers
+    $strides
+    HQ, Nq, N_K, BATCH,$extra_args
     $constexprs
 ):
-    # One program per (block of rows, batch x head) of $x: each row's transforms, applied once.
-    pid_n = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-$rows$columns    ${x}_base = $X + b.to(tl.int64) * stride_${x}b + $head.to(tl.int64) * stride_${x}h
-$load$body    o_ptrs = (Out + b.to(tl.int64) * stride_ob + $head.to(tl.int64) * stride_oh
-              + ${idx}[:, None] * stride_on + dh[None, :] * stride_od)
-    tl.store(o_ptrs, ${result}1.to(Out.dtype.element_ty), mask=$store_mask)
-    tl.store(o_ptrs + HALF * stride_od, ${result}2.to(Out.dtype.element_ty), mask=$store_mask)
+    # A 1-D grid: $layout
+    pid = tl.program_id(0)
+$sides''')
+
+_SIDE = string.Template('''\
+blocks = tl.cdiv($rows_n, $block)
+pid_n = $pid % blocks
+pid_bh = $pid // blocks
+$rows$columns${x}_base = $X + b.to(tl.int64) * stride_${x}b + $head.to(tl.int64) * stride_${x}h
+$load$body${x}o_ptrs = (${X}Out + b.to(tl.int64) * stride_${x}ob + $head.to(tl.int64) * stride_${x}oh
+          + ${idx}[:, None] * stride_${x}on + dh[None, :] * stride_${x}od)
+tl.store(${x}o_ptrs, ${result}1.to(${X}Out.dtype.element_ty), mask=$store_mask)
+tl.store(${x}o_ptrs + HALF * stride_${x}od, ${result}2.to(${X}Out.dtype.element_ty), mask=$store_mask)
 ''')
+
+_SITE = {"q": ("q_idx", "q_pos", "q_ok", "h"), "k": ("k_pos", "k_pos", "k_ok", "hk")}  # idx, pos, ok, head
+_ROWS = {"q": ("Nq", "BLOCK_M"), "k": ("N_K", "BLOCK_N")}  # rows, block
+
 
 def _rows(kernel: TiledKernel, x: str) -> str:
     """The program's block of q rows (positions after the keys, bottom-right aligned) or of k rows, and
@@ -42,42 +50,64 @@ def _rows(kernel: TiledKernel, x: str) -> str:
             "q_idx = pid_n * BLOCK_M + tl.arange(0, BLOCK_M)\nq_pos = q_idx + (Nk - Nq)\nq_ok = q_idx < Nq\n")
 
 
-_SITE = {"q": ("q_idx", "q_pos", "q_ok", "h"), "k": ("k_pos", "k_pos", "k_ok", "hk")}  # idx, pos, ok, head
-
-
-def _generate(kernel: TiledKernel, x: str, gradient: bool) -> str:
+def _side(kernel: TiledKernel, x: str, first: str, gradient: bool) -> str:
+    """One side's program body; its programs start at ``first`` in the grid."""
     idx, pos, ok, head = _SITE[x]
+    rows_n, block = _ROWS[x]
     h_mask = "" if kernel.block_h * 2 == kernel.config.head_dim else " & (dh[None, :] < HALF)"
     body = ""
     if gradient:
-        g = f"G + b.to(tl.int64) * stride_ob + {head}.to(tl.int64) * stride_oh + {idx}[:, None] * stride_on"
-        body = (f"g_ptrs = {g} + dh[None, :] * stride_od\n"
+        g = (f"G{x.upper()} + b.to(tl.int64) * stride_{x}ob + {head}.to(tl.int64) * stride_{x}oh"
+             f" + {idx}[:, None] * stride_{x}on")
+        body = (f"g_ptrs = {g} + dh[None, :] * stride_{x}od\n"
                 f"g1 = tl.load(g_ptrs, mask={ok}[:, None]{h_mask}, other=0.0)\n"
-                f"g2 = tl.load(g_ptrs + HALF * stride_od, mask={ok}[:, None]{h_mask}, other=0.0)\n"
+                f"g2 = tl.load(g_ptrs + HALF * stride_{x}od, mask={ok}[:, None]{h_mask}, other=0.0)\n"
                 + operand_grad(kernel, x, "g", pos, ok))
+    return _SIDE.substitute(
+        rows_n=rows_n, block=block, pid=f"(pid - {first})" if first != "0" else "pid", rows=_rows(kernel, x),
+        columns=columns(kernel), x=x, X=x.upper(), head=head, idx=idx,
+        load=operand(kernel, x, f"{x}_base", f"{idx}[:, None] * stride_{x}n", pos, ok, f"stride_{x}d", True),
+        body=body, result="g" if gradient else x, store_mask=f"{ok}[:, None]{h_mask}")
+
+
+def _generate(kernel: TiledKernel, sides: tuple[str, ...], gradient: bool) -> str:
+    """The pass over ``sides`` ("q", "k" or both): with both, q's programs come first, then k's."""
+    pointers = [x.upper() for x in sides] + [f"{x.upper()}Out" for x in sides]
+    pointers += [f"G{x.upper()}" for x in sides] if gradient else []
+    strides = [f"stride_{x}{o}{dim}" for o in ("", "o") for x in sides for dim in "bhnd"]
+    if sides == ("q", "k"):
+        q_programs = "tl.cdiv(Nq, BLOCK_M) * BATCH * HQ"
+        code = (f"q_programs = {q_programs}\nif pid >= q_programs:\n"
+                + indent(_side(kernel, "k", "q_programs", gradient), 4) + "    return\n"
+                + _side(kernel, "q", "0", gradient))
+        layout = "(block of q rows, batch x head) programs first, then (block of k rows, batch x kv head)."
+    else:
+        [x] = sides
+        code = _side(kernel, x, "0", gradient)
+        layout = f"one program per (block of {x} rows, batch x {'head' if x == 'q' else 'kv head'})."
     what = "gradient pass" if gradient else "transform pass"
-    return finish(kernel, HEADER.format(what=f"{what} of {x} (hoisted qk transforms)", signature=kernel.signature,
-                                        listing=kernel.listing) + "\n" + _KERNEL.substitute(
-        name=pass_name(kernel, x, gradient), X=x.upper(), x=x, grad_arg=" G," if gradient else "",
-        extra_args="".join(f"\n    {a}," for a in kernel.args()), constexprs=constexpr_args(kernel),
-        rows=indent(_rows(kernel, x), 4), columns=indent(columns(kernel), 4), head=head, idx=idx,
-        load=indent(operand(kernel, x, f"{x}_base", f"{idx}[:, None] * stride_{x}n", pos, ok, f"stride_{x}d", True),
-                    4),
-        body=indent(body, 4), result="g" if gradient else x, store_mask=f"{ok}[:, None]{h_mask}"))
+    return finish(kernel, HEADER.format(what=f"{what} of {' and '.join(sides)} (hoisted qk transforms)",
+                                        signature=kernel.signature, listing=kernel.listing) + "\n" + _KERNEL.substitute(
+        name=pass_name(kernel, gradient), pointers=", ".join(pointers) + ",",
+        strides="\n    ".join(", ".join(strides[i:i + 4]) + "," for i in range(0, len(strides), 4)),
+        extra_args="".join(f"\n    {a}," for a in kernel.args()), constexprs=constexpr_args(kernel), layout=layout,
+        sides=indent(code, 4)))
 
 
-def pass_name(kernel: TiledKernel, x: str, gradient: bool = False) -> str:
-    return kernel.name.replace("_fwd_", f"_{'d' if gradient else ''}{x}pass_")
+def pass_name(kernel: TiledKernel, gradient: bool = False) -> str:
+    return kernel.name.replace("_fwd_", f"_{'grad' if gradient else 'transform'}pass_")
 
 
-def generate_transform_pass(kernel: TiledKernel, x: str) -> str:
-    """Triton source that writes the transformed q or k (``x``) rows: (X, Out, strides of both, HQ, Nq,
-    N_K, plugin arguments); contiguous rows, no per-sequence lengths."""
-    return _generate(kernel, x, gradient=False)
+def generate_transform_pass(kernel: TiledKernel, sides: tuple[str, ...]) -> str:
+    """Triton source that writes the transformed rows of ``sides`` ("q", "k" or both, in that order):
+    (each side's X, then each XOut, strides of each X then of each XOut, HQ, Nq, N_K, BATCH, plugin
+    arguments); contiguous rows, no per-sequence lengths. Grid: one program per block of rows (BLOCK_M of q,
+    BLOCK_N of k) per batch and head of each side."""
+    return _generate(kernel, sides, gradient=False)
 
 
-def generate_gradient_pass(kernel: TiledKernel, x: str) -> str:
-    """Triton source that turns G, the float32 gradient with respect to the transformed ``x``, into the
-    gradient of ``x`` itself: (X, Out, G, strides of X, strides of Out (G has the same), HQ, Nq, N_K,
-    plugin arguments)."""
-    return _generate(kernel, x, gradient=True)
+def generate_gradient_pass(kernel: TiledKernel, sides: tuple[str, ...]) -> str:
+    """Triton source that turns GX, the float32 gradient with respect to each transformed side X, into the
+    gradient of X itself, XOut: (each X, each XOut, each GX, strides of each X then of each XOut (GX has
+    XOut's), HQ, Nq, N_K, BATCH, plugin arguments)."""
+    return _generate(kernel, sides, gradient=True)
