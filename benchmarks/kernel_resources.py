@@ -61,8 +61,7 @@ def report(kernel, tiled, tiles: tuple[int, int, int, int], dtype: str) -> str:
                for t in lookup(inst.apply.combinator).tensors}
     types, values, attributes = signature(fn, tensors, dtype)
     values.update(constexprs(tiled), BLOCK_M=block_m, BLOCK_N=block_n)
-    if "EVEN_K" in fn.arg_names:
-        values["EVEN_K"] = True
+    values.update({name: True for name in ("EVEN_K", "EVEN_M") if name in fn.arg_names})
     values = {k: v for k, v in values.items() if k in fn.arg_names}
     compiled = triton.compile(ASTSource(fn, types, values, attributes), target=GPUTarget("cuda", 90, 32),
                               options=dict(num_warps=warps, num_stages=stages))

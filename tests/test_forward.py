@@ -217,6 +217,18 @@ def test_whole_key_blocks_drop_the_load_masks():
                                  causal.reference(q, k, v, dtype=torch.float32), torch.float32)
 
 
+def test_whole_query_blocks_drop_the_row_masks():
+    """EVEN_M: with Nq a multiple of BLOCK_M (32 under the interpreter) the row mask of q's load and out's
+    store is constant true; a ragged Nq keeps it. Both match the reference, with and without the lse."""
+    assert "q_ok = (q_idx < Nq) | EVEN_M" in causal.source(*_qkv(1, 2, 1, 64, 64, 32, 32, torch.float32))
+    for Nq in (64, 50):
+        q, k, v = _qkv(1, 2, 1, Nq, 80, 32, 32, torch.float32, seed=Nq)
+        for return_lse in (True, False):
+            _check(causal, q, k, v, return_lse=return_lse)
+        assert_matches_reference(causal(q, k, v), causal.reference(q, k, v),
+                                 causal.reference(q, k, v, dtype=torch.float32), torch.float32)
+
+
 def test_rope_rotates_q_once_and_each_k_tile():
     q, k, v = _qkv(1, 2, 2, 64, 64, 32, 32, torch.float32)
     source = llama.source(q, k, v)

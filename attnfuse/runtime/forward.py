@@ -47,7 +47,7 @@ class ForwardKernel:
         args = (q, k, v, out, out if lse is None else lse, *q.stride(), *k.stride(), *v.stride(), *out.stride(),
                 Hq, Nq, *kv_launch_args(kv), *pargs)
         self.kernel.launch(lambda tiles: (cdiv(Nq, tiles.block_m), B * Hq), args, q.device, limit=limit,
-                           EVEN_K=even_keys(kv), **self.constexprs)
+                           EVEN_K=even_keys(kv), EVEN_M=lambda tiles: Nq % tiles.block_m == 0, **self.constexprs)
         return out, lse
 
 

@@ -53,7 +53,7 @@ class CompiledKernel:
                block_m: int | None = None, limit: int | None = None, **constexprs: Any) -> None:
         """Launch on ``grid(tiles)`` with BLOCK_M (``block_m`` if given), BLOCK_N, warps and stages from the
         current tiles; ``limit`` caps both block sizes (a block-sparse mask's block size). A constexpr
-        given as a function of the tiles (``EVEN_K``) is evaluated for the tiles launched."""
+        given as a function of the tiles (``EVEN_K``, ``EVEN_M``) is evaluated for the tiles launched."""
         while True:
             tiles = self.tiles
             if limit is not None and max(tiles.block_m, tiles.block_n) > limit:

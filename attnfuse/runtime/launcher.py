@@ -54,7 +54,7 @@ def specialisation_key(arg: Any) -> Any:
 def call_key(args: tuple) -> tuple:
     """The specialisation keys of ``args``; an int32 other than 1 (most arguments: strides, sizes)
     takes the fast path, its divisibility by 16 alone, and so does a tensor, its dtype and alignment."""
-    return tuple([a & 15 == 0 if type(a) is int and 1 < a < 2**31
+    return tuple([(a & 15 == 0 if 1 < a < 2**31 else _int_key(a)) if type(a) is int
                   else (a.dtype, a.data_ptr() & 15 == 0) if type(a) is torch.Tensor
                   else specialisation_key(a) for a in args])
 

@@ -23,12 +23,15 @@ QKV_STRIDES = """\
     stride_vb, stride_vh, stride_vn, stride_vd,"""
 
 
-def query_block(kernel: TiledKernel) -> str:
+def query_block(kernel: TiledKernel, even_queries: bool = False) -> str:
     """Program -> (query block, batch, query head, kv head): the block's rows, their positions, and the span
-    ``q_lo`` .. ``q_hi`` of positions the masks' facts take. The longest (causal) rows start first."""
+    ``q_lo`` .. ``q_hi`` of positions the masks' facts take. The longest (causal) rows start first.
+    ``even_queries``: the kernel takes EVEN_M (Nq a multiple of BLOCK_M), which makes ``q_ok`` constant
+    true, so the row masks of q's load and out's store drop (and the registers they hold)."""
+    q_ok = "(q_idx < Nq) | EVEN_M" if even_queries else "q_idx < Nq"
     return ("pid_m = tl.num_programs(0) - 1 - tl.program_id(0)\npid_bh = tl.program_id(1)\n"
             "b = pid_bh // HQ\nh = pid_bh % HQ\nhk = h // GROUP\n" + kv_length(kernel)
-            + "q_idx = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)\nq_pos = q_idx + (Nk - Nq)\nq_ok = q_idx < Nq\n"
+            + f"q_idx = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)\nq_pos = q_idx + (Nk - Nq)\nq_ok = {q_ok}\n"
             + "q_lo = pid_m * BLOCK_M + (Nk - Nq)\nq_hi = tl.minimum(pid_m * BLOCK_M + BLOCK_M, Nq) - 1 + (Nk - Nq)\n"
             + columns(kernel) + "q_base = Q + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh\n")
 
@@ -75,13 +78,16 @@ def transformed(kernel: TiledKernel, x: str) -> bool:
     return kernel.config.q_transformed if x == "q" else kernel.config.k_transformed
 
 
-def constexpr_args(kernel: TiledKernel, even_keys: bool = False) -> str:
+def constexpr_args(kernel: TiledKernel, even_keys: bool = False, even_queries: bool = False) -> str:
     """The kernel's constexpr parameters; ``even_keys``: it takes EVEN_K (every sequence has the same
-    number of keys, a multiple of BLOCK_N), which drops the key-bound masks from its key tiles."""
+    number of keys, a multiple of BLOCK_N), which drops the key-bound masks from its key tiles;
+    ``even_queries``: EVEN_M (see :func:`query_block`)."""
     args = ("GROUP: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, "
             "BLOCK_DV: tl.constexpr,\n    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,")
     if even_keys:
         args += " EVEN_K: tl.constexpr,"
+    if even_queries:
+        args += " EVEN_M: tl.constexpr,"
     if split(kernel):
         args += "\n    HALF: tl.constexpr, BLOCK_H: tl.constexpr,"
     return args

@@ -59,8 +59,8 @@ def generate_forward(kernel: TiledKernel) -> str:
     return finish(kernel, HEADER.format(what="forward kernel", signature=kernel.signature, listing=kernel.listing)
                   + "\n" + _KERNEL.substitute(
             name=kernel.name, extra_args="".join(f"\n    {a}," for a in kernel.args()),
-            constexprs=constexpr_args(kernel, even_keys=True),
-            strides=QKV_STRIDES, kv_args=kv_args(kernel), query_block=indent(query_block(kernel), 4),
+            constexprs=constexpr_args(kernel, even_keys=True, even_queries=True),
+            strides=QKV_STRIDES, kv_args=kv_args(kernel), query_block=indent(query_block(kernel, even_queries=True), 4),
             k_base=kv_base(kernel, "k"), v_base=kv_base(kernel, "v"),
             q_load=indent(operand(kernel, "q", "q_base", "q_idx[:, None] * stride_qm", "q_pos", "q_ok", "stride_qd",
                                   True), 4),
