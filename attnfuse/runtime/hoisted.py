@@ -119,9 +119,9 @@ class HoistedBackward:
 
     def __init__(self, fused: TiledKernel, inner: BackwardKernels):
         self.inner = inner
-        self.sides = hoisted_sides(fused)
-        self.transform = TransformPass(fused, self.sides)
-        self.gradient = TransformPass(fused, self.sides, gradient=True)
+        sides = hoisted_sides(fused)
+        self.transform = TransformPass(fused, sides)
+        self.gradient = TransformPass(fused, sides, gradient=True)
         self.plugin_args = PluginArgs(fused)
         self.constexprs = constexprs(fused)  # the passes'
 

@@ -4,7 +4,7 @@ Triton's ``kernel[grid](...)`` binds and specialises every argument on every cal
 30-odd arguments of an attention kernel). ``Launcher`` does that once per specialisation: it keys each
 call by what Triton specialises on (each tensor's dtype and 16-byte alignment; each integer's being 1,
 a multiple of 16, or past 32 bits; the constexprs, warps and stages) and sends later calls with the same
-key straight to the compiled kernel's launcher. While a launch hook is installed (a profiler), every
+key straight to the compiled kernel's C launcher. While a launch hook is installed (a profiler), every
 call goes through Triton's own path, which feeds the hooks.
 """
 from __future__ import annotations
