@@ -1,4 +1,5 @@
-"""The backward launcher: preprocessing (delta), then the dK/dV and dQ kernels, then tensor gradients."""
+"""The backward launcher: the dQ kernel (which also writes each row's delta), then the dK/dV kernel, then
+tensor gradients."""
 from __future__ import annotations
 
 from typing import Any
@@ -7,7 +8,6 @@ import torch
 
 from ..passes.codegen import generate_dkdv, generate_dq
 from ..passes.lower import Instance, TiledKernel
-from . import preprocess
 from .forward import constexprs
 from .inputs import KVCache, PluginArgs, accumulator_dtype, empty_like_layout, kv_launch_args
 from .kernel import CompiledKernel
@@ -55,18 +55,19 @@ class BackwardKernels:
         buffers = [torch.zeros((B, Hq, Nq, Nk), dtype=accumulator_dtype(q.dtype), device=q.device)
                    for _ in self.tensor_grads]
         if q.numel() and k.numel():
-            delta = preprocess.delta(out, dout, dlse)
+            delta = torch.empty((B, Hq, Nq), dtype=accumulator_dtype(q.dtype), device=q.device)  # dQ writes it
             lse = delta if lse is None else lse  # a placeholder pointer when the normaliser saves none
-            common = (q, k, v, dout, lse, delta)
+            dlse = dlse.to(delta.dtype).contiguous() if dlse is not None else None
             strides = (*q.stride(), *k.stride(), *v.stride(), *dout.stride())
             pargs, limit = prepared or self.plugin_args(q, kv, inputs)
-            self.dkdv.launch(lambda tiles: (cdiv(Nk, tiles.block_n), B * Hkv),
-                             (*common, dk, dv, *strides, *dk.stride(), *dv.stride(), Hq, Nq, *kv_launch_args(kv),
-                              *pargs), q.device, limit=limit, **self.constexprs)
             grad_args = [a for buffer in buffers for a in (buffer, *buffer.stride())]
             self.dq.launch(lambda tiles: (cdiv(Nq, tiles.block_m), B * Hq),
-                           (*common, dq, *strides, *dq.stride(), Hq, Nq, *kv_launch_args(kv), *pargs, *grad_args),
-                           q.device, limit=limit, **self.constexprs)
+                           (q, k, v, dout, out, lse, delta if dlse is None else dlse, delta, dq, *strides,
+                            *out.stride(), *dq.stride(), Hq, Nq, *kv_launch_args(kv), *pargs, *grad_args),
+                           q.device, limit=limit, HAS_DLSE=dlse is not None, **self.constexprs)
+            self.dkdv.launch(lambda tiles: (cdiv(Nk, tiles.block_n), B * Hkv),
+                             (q, k, v, dout, lse, delta, dk, dv, *strides, *dk.stride(), *dv.stride(), Hq, Nq,
+                              *kv_launch_args(kv), *pargs), q.device, limit=limit, **self.constexprs)
         else:
             for g in (dq, dk, dv):
                 g.zero_()

@@ -1,9 +1,10 @@
 """The backward kernels (FlashAttention-2): weights recomputed tile by tile from the saved log-sum-exp.
 
-``dkdv``: one program per (key block, batch x kv head) accumulates dK and dV over the query blocks that
-can see it, and over the query heads of its GQA group, so no two programs write the same rows. ``dq``: one
-program per (query block, batch x query head) accumulates dQ over key blocks, and writes the score-shaped
-gradients of tensor inputs (an additive bias). No atomics: results are bitwise identical run to run.
+``dq`` runs first: one program per (query block, batch x query head) computes its rows' delta =
+rowsum(dO ∘ O) − dLSE (stored for the next kernel), accumulates dQ over key blocks, and writes the
+score-shaped gradients of tensor inputs (an additive bias). ``dkdv``: one program per (key block, batch x
+kv head) accumulates dK and dV over the query blocks that can see it, and over the query heads of its GQA
+group, so no two programs write the same rows. No atomics: results are bitwise identical run to run.
 Both loop over the same blocks the forward visits, split the same way into masked and unmasked loops.
 The dK/dV kernel computes its scores and dP transposed, (keys, queries), as FlashAttention does, so the
 weights and ds enter its products as register operands.
@@ -48,9 +49,10 @@ $dk_grad$dk_store    tl.store(DValue + b.to(tl.int64) * stride_dvb + hk.to(tl.in
 
 _DQ = string.Template('''\
 def $name(
-    Q, K, V, DO, Lse, Delta, DQuery,
+    Q, K, V, DO, O, Lse, DLse, Delta, DQuery,
 $strides
     stride_dob, stride_doh, stride_dom, stride_dod,
+    stride_ob, stride_oh, stride_om, stride_od,
     stride_dqb, stride_dqh, stride_dqm, stride_dqd,
     HQ, Nq, N_K,$kv_args$extra_args
     $constexprs
@@ -65,14 +67,21 @@ $loops
 $dq_grad$dq_store''')
 
 
-def _rows(kernel: TiledKernel, masked: bool) -> str:
-    """Per query tile: the saved row statistics the normaliser's backward reads."""
+def _rows(kernel: TiledKernel, masked: bool, compute_delta: bool = False) -> str:
+    """Per query tile: the saved row statistics the normaliser's backward reads. ``compute_delta``: the dQ
+    kernel computes delta from the tile's dO and O (minus dLSE with HAS_DLSE) and stores it for dK/dV."""
     norm = kernel.normaliser.fragment
     ok = "q_ok" if masked else ""
     code = ""
     if norm.has_lse:
         code += "lse = " + masked_load("Lse + rows + q_idx", ok, other='float("-inf")') + "\n"
-    if norm.needs_delta:
+    if norm.needs_delta and compute_delta:
+        o = masked_load("O + b.to(tl.int64) * stride_ob + h.to(tl.int64) * stride_oh + q_idx[:, None] * stride_om"
+                        " + dv[None, :] * stride_od", "q_ok[:, None]", dv_mask(kernel))
+        code += (f"o = {o}\ndelta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)\n"
+                 "if HAS_DLSE:\n    delta -= tl.load(DLse + rows + q_idx, mask=q_ok, other=0.0)\n"
+                 "tl.store(Delta + rows + q_idx, delta, mask=q_ok)\n")
+    elif norm.needs_delta:
         code += f"delta = {masked_load('Delta + rows + q_idx', ok)}\n"
     return code + (fragment(norm.backward_rows) + "\n" if norm.backward_rows else "")
 
@@ -205,12 +214,12 @@ def generate_dq(kernel: TiledKernel, tensor_grads: tuple[tuple[Instance, str], .
     return finish(kernel, HEADER.format(what="dQ kernel", signature=kernel.signature, listing=kernel.listing)
                   + "\n" + _DQ.substitute(
             name=kernel.name.replace("_fwd_", "_dq_"), extra_args="".join(f"\n    {a}," for a in args),
-            constexprs=constexpr_args(kernel), strides=QKV_STRIDES, kv_args=kv_args(kernel),
-            query_block=indent(query_block(kernel), 4),
+            constexprs=constexpr_args(kernel) + " HAS_DLSE: tl.constexpr,", strides=QKV_STRIDES,
+            kv_args=kv_args(kernel), query_block=indent(query_block(kernel), 4),
             q_load=indent(operand(kernel, "q", "q_base", "q_idx[:, None] * stride_qm", "q_pos", "q_ok", "stride_qd",
                                   True), 4),
             do_load=do, k_base=kv_base(kernel, "k"), v_base=kv_base(kernel, "v"),
-            rows=indent("rows = pid_bh.to(tl.int64) * Nq\n" + _rows(kernel, True), 4),
+            rows=indent("rows = pid_bh.to(tl.int64) * Nq\n" + _rows(kernel, True, compute_delta=True), 4),
             prologues=indent(prologues(kernel), 4), dq_init=indent(_accumulators(kernel, "dq", "BLOCK_M"), 4),
             key_range=indent(key_range(kernel), 4), loops=indent(body, 4),
             dq_grad=indent(operand_grad(kernel, "q", "dq", "q_pos", "q_ok"), 4),
