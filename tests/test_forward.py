@@ -225,8 +225,6 @@ def test_whole_query_blocks_drop_the_row_masks():
         q, k, v = _qkv(1, 2, 1, Nq, 80, 32, 32, torch.float32, seed=Nq)
         for return_lse in (True, False):
             _check(causal, q, k, v, return_lse=return_lse)
-        assert_matches_reference(causal(q, k, v), causal.reference(q, k, v),
-                                 causal.reference(q, k, v, dtype=torch.float32), torch.float32)
 
 
 def test_rope_rotates_q_once_and_each_k_tile():

@@ -56,7 +56,6 @@ class TransformPass:
         self.kernel = CompiledKernel(pass_name(tiled, gradient), generate(tiled, sides),
                                      tiled.config.arch == "interpreter", tiled.tiles)
         self.sides = sides
-        self.gradient = gradient
 
     def __call__(self, rows: dict[str, torch.Tensor], pargs: list, constexprs: dict, Hq: int, Nq: int,
                  grads: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
