@@ -26,6 +26,10 @@ class BlockMask:
     Row CSR (forward and dQ): ``kv_num_blocks`` (Bm, Hm, QB) int32 and ``kv_indices`` (Bm, Hm, QB, KB)
     int32, the active key blocks of each query block first, ascending. Column CSR (dK, dV):
     ``q_num_blocks`` (Bm, Hm, KB) and ``q_indices`` (Bm, Hm, KB, QB).
+    Schedule: ``q_block_order`` (QB,) int32, the query blocks by how many key blocks they list over all
+    batches and heads, most first, the order the forward and dQ kernels run them in (the longest rows
+    start first, so none is left running alone at the end); ``kv_block_order`` (KB,) the same for key
+    blocks (dK/dV).
     """
 
     __attnfuse_runtime_input__ = True
@@ -38,6 +42,8 @@ class BlockMask:
     kv_indices: torch.Tensor
     q_num_blocks: torch.Tensor
     q_indices: torch.Tensor
+    q_block_order: torch.Tensor
+    kv_block_order: torch.Tensor
 
     @classmethod
     def from_blocks(cls, active: torch.Tensor, Nq: int, Nk: int, block_size: int = 128) -> "BlockMask":
@@ -53,7 +59,8 @@ class BlockMask:
         kv_num, kv_idx = _csr(active)
         q_num, q_idx = _csr(active.transpose(-1, -2))
         return cls(Nq=Nq, Nk=Nk, block_size=block_size, active=active, kv_num_blocks=kv_num,
-                   kv_indices=kv_idx, q_num_blocks=q_num, q_indices=q_idx)
+                   kv_indices=kv_idx, q_num_blocks=q_num, q_indices=q_idx, q_block_order=_heaviest_first(kv_num),
+                   kv_block_order=_heaviest_first(q_num))
 
     def sparsity(self) -> float:
         """Fraction of blocks that are inactive."""
@@ -75,6 +82,12 @@ def _csr(active: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     counts = active.sum(dim=-1, dtype=torch.int32)
     order = torch.argsort((~active).to(torch.int8), dim=-1, stable=True).to(torch.int32)
     return counts, order
+
+
+def _heaviest_first(counts: torch.Tensor) -> torch.Tensor:
+    """Blocks (last dim of ``counts`` (Bm, Hm, n)) by their count summed over batches and heads, largest
+    first, ties in block order: (n,) int32."""
+    return torch.argsort(counts.sum(dim=(0, 1)), descending=True, stable=True).to(torch.int32)
 
 
 def create_block_mask(predicate: Callable, B: int | None, H: int | None, Nq: int, Nk: int,

@@ -146,6 +146,10 @@ class BlockList:
     how many key blocks are listed and the ``$i``-th of them; ``q_count`` and ``q_index`` the same for the
     query blocks of key block ``$block`` (the backward's dK/dV loop). Listed blocks still run the mask's
     other masks; the listing mask's own ``keep`` is then implied and skipped.
+
+    ``order`` (optional): the query block to run ``$slot``-th, a permutation of them, heaviest first;
+    ``q_order`` the same for key blocks (dK/dV). With an order the kernels run a block for every batch
+    and head before the next block, so the longest lists start first and none runs alone at the end.
     """
 
     size: str
@@ -153,6 +157,8 @@ class BlockList:
     index: str
     q_count: str
     q_index: str
+    order: str | None = None
+    q_order: str | None = None
 
 
 @frozen(kw_only=True)

@@ -40,6 +40,7 @@ def prepare(ctx, block_mask):
         return t.expand(ctx.B, ctx.Hq, *t.shape[2:])
     return {"active": per_head(bm.active.view(torch.uint8)), "kv_num": per_head(bm.kv_num_blocks),
             "kv_idx": per_head(bm.kv_indices), "q_num": per_head(bm.q_num_blocks), "q_idx": per_head(bm.q_indices),
+            "q_order": bm.q_block_order.to(ctx.device), "kv_order": bm.kv_block_order.to(ctx.device),
             "block_size": bm.block_size}
 
 
@@ -64,7 +65,8 @@ COMBINATOR = Combinator(
     params=[Param(name="block_mask", runtime=True, doc="an af.BlockMask for these B, H, Nq, Nk")],
     reference=reference,
     tensors=[TensorArg(name="active", rank=4), TensorArg(name="kv_num", rank=3), TensorArg(name="kv_idx", rank=4),
-             TensorArg(name="q_num", rank=3), TensorArg(name="q_idx", rank=4)],
+             TensorArg(name="q_num", rank=3), TensorArg(name="q_idx", rank=4), TensorArg(name="q_order", rank=1),
+             TensorArg(name="kv_order", rank=1)],
     scalars=[ScalarArg(name="block_size")],
     prepare=prepare,
     fragment=MaskFragment(
@@ -77,6 +79,8 @@ COMBINATOR = Combinator(
             index=_csr("kv_idx", "$$block", "$$i"),
             q_count=_csr("q_num", "$$block"),
             q_index=_csr("q_idx", "$$block", "$$i"),
+            order="tl.load($q_order + ($$slot) * $q_order_s0)",
+            q_order="tl.load($kv_order + ($$slot) * $kv_order_s0)",
         ),
     ),
     examples=examples,

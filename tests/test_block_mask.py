@@ -34,6 +34,11 @@ def check_csr(mask: BlockMask) -> None:
                 rows = [i for i in range(QB) if grid[b][h][i][j]]
                 assert q_num[b][h][j] == len(rows), (b, h, j)
                 assert q_idx[b][h][j][:len(rows)] == rows, (b, h, j)
+    for order, counts in ((mask.q_block_order, mask.kv_num_blocks), (mask.kv_block_order, mask.q_num_blocks)):
+        totals = counts.sum(dim=(0, 1)).tolist()
+        assert order.dtype == torch.int32 and sorted(order.tolist()) == list(range(len(totals)))  # a permutation
+        expected = sorted(range(len(totals)), key=lambda i: (-totals[i], i))  # heaviest first, ties in order
+        assert order.tolist() == expected
 
 
 @pytest.mark.parametrize("seed", range(6))

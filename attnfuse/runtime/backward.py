@@ -7,11 +7,12 @@ from typing import Any
 import torch
 
 from ..passes.codegen import generate_dkdv, generate_dq
+from ..passes.codegen.common import scheduled
 from ..passes.lower import Instance, TiledKernel
 from .forward import constexprs
 from .inputs import KVCache, PluginArgs, accumulator_dtype, empty_like_layout, kv_launch_args
 from .kernel import CompiledKernel
-from .launcher import cdiv
+from .launcher import block_grid
 
 
 def _sum_to(grad: torch.Tensor, shape: torch.Size) -> torch.Tensor:
@@ -38,6 +39,7 @@ class BackwardKernels:
                                  interpreted, tiled.tiles_dq)
         self.plugin_args = PluginArgs(tiled)
         self.constexprs = constexprs(tiled)
+        self.scheduled = scheduled(tiled), scheduled(tiled, transposed=True)  # dQ, dK/dV
 
     def __call__(self, q: torch.Tensor, kv: KVCache, out: torch.Tensor,
                  lse: torch.Tensor | None, dout: torch.Tensor | None, dlse: torch.Tensor | None,
@@ -61,11 +63,11 @@ class BackwardKernels:
             strides = (*q.stride(), *k.stride(), *v.stride(), *dout.stride())
             pargs, limit = prepared or self.plugin_args(q, kv, inputs)
             grad_args = [a for buffer in buffers for a in (buffer, *buffer.stride())]
-            self.dq.launch(lambda tiles: (cdiv(Nq, tiles.block_m), B * Hq),
+            self.dq.launch(block_grid(Nq, B * Hq, "block_m", limit if self.scheduled[0] else None),
                            (q, k, v, dout, out, lse, delta if dlse is None else dlse, delta, dq, *strides,
                             *out.stride(), *dq.stride(), Hq, Nq, *kv_launch_args(kv), *pargs, *grad_args),
                            q.device, limit=limit, HAS_DLSE=dlse is not None, **self.constexprs)
-            self.dkdv.launch(lambda tiles: (cdiv(Nk, tiles.block_n), B * Hkv),
+            self.dkdv.launch(block_grid(Nk, B * Hkv, "block_n", limit if self.scheduled[1] else None),
                              (q, k, v, dout, lse, delta, dk, dv, *strides, *dk.stride(), *dv.stride(), Hq, Nq,
                               *kv_launch_args(kv), *pargs), q.device, limit=limit, **self.constexprs)
         else:

@@ -7,11 +7,11 @@ from typing import Any
 import torch
 
 from ..passes.codegen import generate_forward
-from ..passes.codegen.common import split
+from ..passes.codegen.common import scheduled, split
 from ..passes.lower import TiledKernel
 from .inputs import KVCache, PluginArgs, accumulator_dtype, empty_like_layout, even_keys, kv_launch_args
 from .kernel import CompiledKernel
-from .launcher import cdiv
+from .launcher import block_grid
 
 
 class ForwardKernel:
@@ -25,6 +25,7 @@ class ForwardKernel:
         self.path = self.kernel.path
         self.plugin_args = PluginArgs(tiled)
         self.constexprs = constexprs(tiled)
+        self.scheduled = scheduled(tiled)
 
     def __call__(self, q: torch.Tensor, kv: KVCache, inputs: dict[str, Any],
                  prepared: tuple[list, int | None] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -46,7 +47,8 @@ class ForwardKernel:
         pargs, limit = prepared or self.plugin_args(q, kv, inputs)
         args = (q, k, v, out, out if lse is None else lse, *q.stride(), *k.stride(), *v.stride(), *out.stride(),
                 Hq, Nq, *kv_launch_args(kv), *pargs)
-        self.kernel.launch(lambda tiles: (cdiv(Nq, tiles.block_m), B * Hq), args, q.device, limit=limit,
+        self.kernel.launch(block_grid(Nq, B * Hq, "block_m", limit if self.scheduled else None), args, q.device,
+                           limit=limit,
                            EVEN_K=even_keys(kv), EVEN_M=lambda tiles: Nq % tiles.block_m == 0, **self.constexprs)
         return out, lse
 

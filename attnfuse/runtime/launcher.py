@@ -22,6 +22,17 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def block_grid(rows: int, heads: int, tile: str, listed_block: int | None = None
+               ) -> Callable[[Any], tuple[int, int]]:
+    """The grid, as a function of the tiles, of a kernel with one program per (block of ``rows``, head):
+    (row blocks, heads), the block ``tiles.<tile>`` rows. ``listed_block``: the block size of the listing
+    mask whose order the kernel follows (codegen's ``program``): (heads, slots), each listed block taking
+    listed_block // tile slots."""
+    if listed_block is None:
+        return lambda tiles: (cdiv(rows, getattr(tiles, tile)), heads)
+    return lambda tiles: (heads, cdiv(rows, listed_block) * (listed_block // getattr(tiles, tile)))
+
+
 def next_power_of_2(n: int) -> int:
     """The smallest power of two >= n (n >= 1), on the host."""
     return 1 << (n - 1).bit_length()

@@ -18,7 +18,7 @@ import attrs
 from ..lower import Instance, TiledKernel
 from .common import (HEADER, QKV_STRIDES, block_range, columns, constexpr_args, dv_mask, finish, fragment, has_masks, indent,
                      key_block, key_offsets, key_range, kv_args, kv_base, masked_load, operand, operand_grad,
-                     precision, prologues, qk_product, query_block, scores, split, visit, with_bounds)
+                     precision, program, prologues, qk_product, query_block, scores, split, visit, with_bounds)
 
 _DKDV = string.Template('''\
 def $name(
@@ -31,9 +31,7 @@ $strides
     $constexprs
 ):
     # One program per (key block, batch x kv head): dK, dV of these keys, summed over the group's heads.
-    pid_n = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-$key_block$columns    k_base = K + b.to(tl.int64) * stride_kb + hk.to(tl.int64) * stride_kh
+$program$key_block$columns    k_base = K + b.to(tl.int64) * stride_kb + hk.to(tl.int64) * stride_kh
 $k_load    v = $v_load
 $dk_init    dv_acc = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
     # Query rows that keep some key of this block (positions k_lo .. k_hi), and those that keep all of it.
@@ -191,6 +189,7 @@ def generate_dkdv(kernel: TiledKernel) -> str:
             name=kernel.name.replace("_fwd_", "_dkdv_"), extra_args="".join(f"\n    {a}," for a in kernel.args()),
             constexprs=constexpr_args(kernel), columns=indent(columns(kernel), 4),
             strides=QKV_STRIDES, kv_args=kv_args(kernel), key_block=indent(key_block(kernel), 4),
+            program=indent(program(kernel, "pid_n", "BLOCK_N", "N_K", transposed=True), 4),
             k_load=indent(operand(kernel, "k", "k_base", "k_pos[:, None] * stride_kn", "k_pos", "k_ok", "stride_kd",
                                   True), 4),
             v_load=masked_load("V + b.to(tl.int64) * stride_vb + hk.to(tl.int64) * stride_vh + k_pos[:, None] * "

@@ -25,15 +25,39 @@ QKV_STRIDES = """\
 
 def query_block(kernel: TiledKernel, even_queries: bool = False) -> str:
     """Program -> (query block, batch, query head, kv head): the block's rows, their positions, and the span
-    ``q_lo`` .. ``q_hi`` of positions the masks' facts take. The longest (causal) rows start first.
+    ``q_lo`` .. ``q_hi`` of positions the masks' facts take. The longest rows start first (see ``program``).
     ``even_queries``: the kernel takes EVEN_M (Nq a multiple of BLOCK_M), which makes ``q_ok`` constant
     true, so the row masks of q's load and out's store drop (and the registers they hold)."""
     q_ok = "(q_idx < Nq) | EVEN_M" if even_queries else "q_idx < Nq"
-    return ("pid_m = tl.num_programs(0) - 1 - tl.program_id(0)\npid_bh = tl.program_id(1)\n"
-            "b = pid_bh // HQ\nh = pid_bh % HQ\nhk = h // GROUP\n" + kv_length(kernel)
+    return (program(kernel, "pid_m", "BLOCK_M", "Nq") + "b = pid_bh // HQ\nh = pid_bh % HQ\nhk = h // GROUP\n" + kv_length(kernel)
             + f"q_idx = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)\nq_pos = q_idx + (Nk - Nq)\nq_ok = {q_ok}\n"
             + "q_lo = pid_m * BLOCK_M + (Nk - Nq)\nq_hi = tl.minimum(pid_m * BLOCK_M + BLOCK_M, Nq) - 1 + (Nk - Nq)\n"
             + columns(kernel) + "q_base = Q + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh\n")
+
+
+def program(kernel: TiledKernel, pid: str, block: str, rows: str, transposed: bool = False) -> str:
+    """This program's block ``pid`` (of ``block`` rows; ``rows`` in all) and ``pid_bh`` (batch x head).
+
+    Grid (blocks, heads) in launch order, query blocks last first (the longest causal rows start first);
+    or, when the listing mask orders its blocks (key blocks when ``transposed``), grid (heads, slots):
+    slot by slot its blocks heaviest first, each block of its size taking size // ``block`` programs, of
+    which one past ``rows`` returns at once."""
+    m = listing_mask(kernel)
+    order = None if m is None else (m.fragment.block_list.q_order if transposed else m.fragment.block_list.order)
+    if order is None:
+        first = "tl.program_id(0)" if transposed else "tl.num_programs(0) - 1 - tl.program_id(0)"
+        return f"{pid} = {first}\npid_bh = tl.program_id(1)\n"
+    slot = "tl.program_id(1)"
+    return (f"# slots run {m.prefix}'s blocks heaviest first, each for every head before the next\n"
+            f"pid_bh = tl.program_id(0)\nrun_tiles = {m.code(m.fragment.block_list.size)} // {block}\n"
+            f"{pid} = {m.code(order, slot=f'{slot} // run_tiles')} * run_tiles + {slot} % run_tiles\n"
+            f"if {pid} * {block} >= {rows}:\n    return\n")
+
+
+def scheduled(kernel: TiledKernel, transposed: bool = False) -> bool:
+    """Whether the kernel's programs follow a listing mask's block order (see ``program``)."""
+    m = listing_mask(kernel)
+    return m is not None and (m.fragment.block_list.q_order if transposed else m.fragment.block_list.order) is not None
 
 
 def key_block(kernel: TiledKernel) -> str:
