@@ -1,4 +1,4 @@
-"""Where the time of one forward+backward (causal, sliding window or RoPE+causal) goes: each CUDA kernel's time
+"""Where the time of one forward+backward (causal, sliding window, RoPE+causal or BigBird) goes: each CUDA kernel's time
 (torch.profiler), the host time per call, AttnFuse against flex_attention (and SDPA's host time), and
 optionally the Python functions that take AttnFuse's host time (cProfile).
 
@@ -74,7 +74,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cases", default="llama3-8b:2048,llama3-8b:4096,gpt2:2048")
     parser.add_argument("--variant", default="causal",
-                        help="causal, sliding_window or rope_causal (flex on pre-rotated q, k)")
+                        help="causal, sliding_window, rope_causal (flex on pre-rotated q, k) or bigbird (block-sparse)")
     parser.add_argument("--host-profile", action="store_true", help="also print cProfile's host functions")
     args = parser.parse_args()
     for case in args.cases.split(","):
@@ -84,17 +84,24 @@ def main() -> None:
                   for h in (Hq, Hkv, Hkv)]
         dout = torch.randn(B, Hq, int(N), D, device="cuda", dtype=torch.bfloat16)
         q, k, v = leaves
-        _, mask = b.flex_case(args.variant, B, Hq, int(N), "cuda")
         cos, sin = b.rope_tables(int(N), D, "cuda")
 
         def inputs():
             return b.pre_rotate(q, k, cos, sin) if args.variant == "rope_causal" else (q, k)
+        if args.variant == "bigbird":  # block-sparse: the same block grid for both, no SDPA equivalent
+            active = b.bigbird_blocks(B, Hq, int(N))
+            ours_mask, mask = b.af.BlockMask.from_blocks(active, int(N), int(N)), b.flex_block_mask(active)
+            ours = lambda: b.bigbird_program(*leaves, ours_mask)  # noqa: E731
+        else:
+            _, mask = b.flex_case(args.variant, B, Hq, int(N), "cuda")
+            ours = lambda: b.PROGRAMS[args.variant](*leaves)  # noqa: E731
         steps = {
-            "attnfuse": lambda: torch.autograd.grad(b.PROGRAMS[args.variant](*leaves), leaves, dout),
+            "attnfuse": lambda: torch.autograd.grad(ours(), leaves, dout),
             "flex": lambda: torch.autograd.grad(b.flex(*inputs(), v, block_mask=mask, enable_gqa=True), leaves, dout),
-            "sdpa (cuDNN)": lambda: torch.autograd.grad(b.sdpa(b.SDPBackend.CUDNN_ATTENTION, *inputs(), v, True),
-                                                        leaves, dout),
         }
+        if args.variant != "bigbird":
+            steps["sdpa (cuDNN)"] = lambda: torch.autograd.grad(b.sdpa(b.SDPBackend.CUDNN_ATTENTION, *inputs(), v,
+                                                                       True), leaves, dout)
         for name, step in steps.items():
             label = f"{case} {args.variant} {name}"
             host_time(f"{label} fwd+bwd", step)  # first: a profiler may leave launch hooks behind
