@@ -41,7 +41,7 @@ def signature(fn, tensors: dict[str, int], dtype: str) -> tuple[dict, dict, dict
         if p.is_constexpr:
             types[p.name] = "constexpr"
         elif p.name in tensors:
-            types[p.name] = "*i32" if re.search(r"(num|idx|index|count|active|lens)$", p.name) else "*fp32"
+            types[p.name] = "*i32" if re.search(r"(num|idx|index|count|active|lens|order)$", p.name) else "*fp32"
             attributes[(i,)] = [["tt.divisibility", 16]]
         elif p.name[0].isupper() and p.name not in _SIZES:
             types[p.name] = "*" + ("fp32" if p.name in _FLOAT32 else "i32" if p.name in _INT32 else dtype)

@@ -19,11 +19,12 @@ import attnfuse as af
 from attnfuse.passes.tile import TileConfig, TileRule
 from attnfuse.runtime import decode
 from attnfuse.runtime.launch import clear_cache
-from bench_attention import DECODE_MODELS, GEOMETRIES, PROGRAMS, decode_program, pairs
+from bench_attention import (DECODE_MODELS, GEOMETRIES, PROGRAMS, bigbird_blocks, bigbird_program, decode_program,
+                             pairs)
 
 BACKWARD_CONFIGS = {  # per head dim: (BLOCK_M, BLOCK_N, warps, stages) of dK/dV, then of dQ; pairs swept
     "dkdv": {64: [(64, 64, 4, 3), (64, 128, 8, 3), (32, 128, 4, 3)],
-             128: [(64, 64, 4, 2), (64, 128, 8, 3), (64, 128, 8, 2)]},
+             128: [(64, 64, 4, 2), (64, 64, 8, 2), (64, 64, 8, 3), (32, 128, 8, 3)]},
     "dq": {64: [(128, 32, 4, 3), (128, 64, 8, 3), (64, 64, 4, 3)],
            128: [(128, 64, 8, 3)]},
 }
@@ -93,7 +94,8 @@ def sweep_decode(cases: str) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--cases", help="forward/backward: geometry:N:variant,...; decode: model:B,... "
+    parser.add_argument("--cases", help="forward/backward: geometry:N:variant,... (variant: a bench_attention "
+                                        "program or bigbird); decode: model:B,... "
                                         "(defaults: the cases the tile table was swept on)")
     parser.add_argument("--kernel", default="forward", choices=["forward", "backward", "decode"],
                         help="the kernel whose tiles are swept (backward: pairs of dK/dV and dQ tiles, "
@@ -112,8 +114,14 @@ def main() -> None:
         training = args.kernel != "forward"
         q, k, v = (torch.randn(B, h, N, D, device="cuda", dtype=torch.bfloat16, requires_grad=training)
                    for h in (Hq, Hkv, Hkv))
-        flops = (3.5 if training else 1.0) * 4 * B * Hq * pairs(variant, N) * D
-        program = PROGRAMS[variant]
+        if variant == "bigbird":  # block-sparse, Llama-3-8B's block grid of bench_attention's sparse suite
+            active = bigbird_blocks(B, Hq, N)
+            mask = af.BlockMask.from_blocks(active, N, N)
+            kept = int(active.sum().item()) * mask.block_size ** 2 // (B * Hq)
+            program = lambda q, k, v: bigbird_program(q, k, v, mask)  # noqa: E731
+        else:
+            kept, program = pairs(variant, N), PROGRAMS[variant]
+        flops = (3.5 if training else 1.0) * 4 * B * Hq * kept * D
 
         def step():
             out = program(q, k, v)
