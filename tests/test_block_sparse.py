@@ -79,3 +79,16 @@ def test_sparse_kernel_iterates_the_block_lists():
     source = sparse.source(q, k, v, bigbird(1, 2, 64, 32))
     assert "visit only the blocks it lists" in source and "# full blocks" not in source
     assert "blocks heaviest first" in source
+
+
+def test_block_sparse_programs_take_the_listed_tiles():
+    """A program whose mask lists its blocks takes the tile table's "listed" rules (short loops)."""
+    from attnfuse.passes.fuse import fuse
+    from attnfuse.passes.lower import KernelConfig, lower
+    from attnfuse.passes.tile import choose_tiles
+
+    config = KernelConfig(arch="sm90", dtype="bfloat16", head_dim=128, head_dim_v=128, group=4, save_lse=False,
+                          fp32_precision="ieee")
+    tiled = lower(fuse(sparse.graph(bigbird(1, 2, 256, 128))), config)
+    assert tiled.tiles == choose_tiles("sm90", "listed", 128, "forward")
+    assert tiled.tiles != choose_tiles("sm90", "dense", 128, "forward")

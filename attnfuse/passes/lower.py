@@ -171,10 +171,13 @@ def masked_head(masks: tuple[Instance, ...]) -> bool:
 
 
 def _variant(transforms: list[Instance], masks: tuple[Instance, ...]) -> str:
-    """The tile table's variant key: "rope" (a qk transform), "window" (masked first blocks, as a sliding
-    window's: few keys per row), "masked" (other loop bounds, as causal's) or "dense"."""
+    """The tile table's variant key: "rope" (a qk transform), "listed" (a mask lists its blocks: block-sparse
+    loops, often short), "window" (masked first blocks, as a sliding window's: few keys per row), "masked"
+    (other loop bounds, as causal's) or "dense"."""
     if transforms:
         return "rope"
+    if any(m.fragment.block_list is not None for m in masks):
+        return "listed"
     if masked_head(masks):
         return "window"
     return "masked" if any(m.fragment.kv_range is not None for m in masks) else "dense"

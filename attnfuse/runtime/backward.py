@@ -10,7 +10,7 @@ from ..passes.codegen import generate_dkdv, generate_dq
 from ..passes.codegen.common import scheduled
 from ..passes.lower import Instance, TiledKernel
 from .forward import constexprs
-from .inputs import KVCache, PluginArgs, accumulator_dtype, empty_like_layout, kv_launch_args
+from .inputs import KVCache, PluginArgs, accumulator_dtype, empty_like_layout, even_keys, kv_launch_args
 from .kernel import CompiledKernel
 from .launcher import block_grid
 
@@ -63,13 +63,16 @@ class BackwardKernels:
             strides = (*q.stride(), *k.stride(), *v.stride(), *dout.stride())
             pargs, limit = prepared or self.plugin_args(q, kv, inputs)
             grad_args = [a for buffer in buffers for a in (buffer, *buffer.stride())]
+            even_m = lambda tiles: Nq % tiles.block_m == 0  # noqa: E731
             self.dq.launch(block_grid(Nq, B * Hq, "block_m", limit if self.scheduled[0] else None),
                            (q, k, v, dout, out, lse, delta if dlse is None else dlse, delta, dq, *strides,
                             *out.stride(), *dq.stride(), Hq, Nq, *kv_launch_args(kv), *pargs, *grad_args),
-                           q.device, limit=limit, HAS_DLSE=dlse is not None, **self.constexprs)
+                           q.device, limit=limit, HAS_DLSE=dlse is not None, EVEN_K=even_keys(kv), EVEN_M=even_m,
+                           **self.constexprs)
             self.dkdv.launch(block_grid(Nk, B * Hkv, "block_n", limit if self.scheduled[1] else None),
                              (q, k, v, dout, lse, delta, dk, dv, *strides, *dk.stride(), *dv.stride(), Hq, Nq,
-                              *kv_launch_args(kv), *pargs), q.device, limit=limit, **self.constexprs)
+                              *kv_launch_args(kv), *pargs), q.device, limit=limit, EVEN_K=even_keys(kv),
+                             EVEN_M=even_m, **self.constexprs)
         else:
             for g in (dq, dk, dv):
                 g.zero_()

@@ -119,7 +119,7 @@ def _dkdv_body(kernel: TiledKernel, masked: bool, implied: str | None) -> str:
     p = precision(kernel)
     ok = "q_ok" if masked else ""
     dtype = "Q.dtype.element_ty"
-    rows = "q_idx = start_m + tl.arange(0, BLOCK_M)\nq_pos = q_idx + (Nk - Nq)\nq_ok = q_idx < Nq\n"
+    rows = "q_idx = start_m + tl.arange(0, BLOCK_M)\nq_pos = q_idx + (Nk - Nq)\nq_ok = (q_idx < Nq) | EVEN_M\n"
     code = (operand(kernel, "q", "q_base", "q_idx[:, None] * stride_qm", "q_pos", "q_ok", "stride_qd", masked)
             + f"do = {masked_load('do_base + q_idx[:, None] * stride_dom + dv[None, :] * stride_dod', f'{ok}[:, None]' if masked else '', dv_mask(kernel))}\n"
             + _rows(kernel, masked) + qk_product(kernel, transposed=True) + _recompute(kernel, masked, implied)
@@ -134,7 +134,7 @@ def _dq_body(kernel: TiledKernel, masked: bool, implied: str | None) -> str:
     dtype = "Q.dtype.element_ty"
     v = masked_load("v_base + v_off[:, None] + dv[None, :] * stride_vd", "k_ok[:, None]" if masked else "",
                     dv_mask(kernel))
-    keys = "k_pos = start_n + tl.arange(0, BLOCK_N)\nk_ok = k_pos < Nk\n" + key_offsets(kernel)
+    keys = "k_pos = start_n + tl.arange(0, BLOCK_N)\nk_ok = (k_pos < Nk) | EVEN_K\n" + key_offsets(kernel)
     code = (operand(kernel, "k", "k_base", "k_off[:, None]", "k_pos", "k_ok", "stride_kd", masked)
             + f"v = {v}\n" + qk_product(kernel) + _recompute(kernel, masked, implied)
             + f"dp = tl.dot(do, tl.trans(v){p})\n" + _chain(kernel, masked, True))
@@ -187,8 +187,8 @@ def generate_dkdv(kernel: TiledKernel) -> str:
     return finish(kernel, HEADER.format(what="dK/dV kernel", signature=kernel.signature, listing=kernel.listing)
                   + "\n" + _DKDV.substitute(
             name=kernel.name.replace("_fwd_", "_dkdv_"), extra_args="".join(f"\n    {a}," for a in kernel.args()),
-            constexprs=constexpr_args(kernel), columns=indent(columns(kernel), 4),
-            strides=QKV_STRIDES, kv_args=kv_args(kernel), key_block=indent(key_block(kernel), 4),
+            constexprs=constexpr_args(kernel, even_keys=True, even_queries=True), columns=indent(columns(kernel), 4),
+            strides=QKV_STRIDES, kv_args=kv_args(kernel), key_block=indent(key_block(kernel, even_keys=True), 4),
             program=indent(program(kernel, "pid_n", "BLOCK_N", "N_K", transposed=True), 4),
             k_load=indent(operand(kernel, "k", "k_base", "k_pos[:, None] * stride_kn", "k_pos", "k_ok", "stride_kd",
                                   True), 4),
@@ -213,8 +213,8 @@ def generate_dq(kernel: TiledKernel, tensor_grads: tuple[tuple[Instance, str], .
     return finish(kernel, HEADER.format(what="dQ kernel", signature=kernel.signature, listing=kernel.listing)
                   + "\n" + _DQ.substitute(
             name=kernel.name.replace("_fwd_", "_dq_"), extra_args="".join(f"\n    {a}," for a in args),
-            constexprs=constexpr_args(kernel) + " HAS_DLSE: tl.constexpr,", strides=QKV_STRIDES,
-            kv_args=kv_args(kernel), query_block=indent(query_block(kernel), 4),
+            constexprs=constexpr_args(kernel, even_keys=True, even_queries=True) + " HAS_DLSE: tl.constexpr,",
+            strides=QKV_STRIDES, kv_args=kv_args(kernel), query_block=indent(query_block(kernel, even_queries=True), 4),
             q_load=indent(operand(kernel, "q", "q_base", "q_idx[:, None] * stride_qm", "q_pos", "q_ok", "stride_qd",
                                   True), 4),
             do_load=do, k_base=kv_base(kernel, "k"), v_base=kv_base(kernel, "v"),

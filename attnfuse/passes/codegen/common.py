@@ -60,11 +60,12 @@ def scheduled(kernel: TiledKernel, transposed: bool = False) -> bool:
     return m is not None and (m.fragment.block_list.q_order if transposed else m.fragment.block_list.order) is not None
 
 
-def key_block(kernel: TiledKernel) -> str:
+def key_block(kernel: TiledKernel, even_keys: bool = False) -> str:
     """Program (key block ``pid_n``, batch x kv head ``pid_bh``) -> batch, kv head, ``Nk`` and the block's
-    keys ``k_pos`` with ``k_ok``."""
+    keys ``k_pos`` with ``k_ok`` (constant true with ``even_keys``: the kernel takes EVEN_K)."""
+    k_ok = "(k_pos < Nk) | EVEN_K" if even_keys else "k_pos < Nk"
     return ("HKV = HQ // GROUP\nb = pid_bh // HKV\nhk = pid_bh % HKV\n" + kv_length(kernel)
-            + "k_pos = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)\nk_ok = k_pos < Nk\n")
+            + f"k_pos = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)\nk_ok = {k_ok}\n")
 
 
 def finish(kernel: TiledKernel, source: str) -> str:
