@@ -100,7 +100,12 @@ def main() -> None:
     parser.add_argument("--kernel", default="forward", choices=["forward", "backward", "decode"],
                         help="the kernel whose tiles are swept (backward: pairs of dK/dV and dQ tiles, "
                              "timing forward+backward)")
+    parser.add_argument("--dkdv-tiles", nargs="+", help="backward: BLOCK_M,BLOCK_N,warps,stages of dK/dV to sweep "
+                                                        "(default: BACKWARD_CONFIGS)")
     args = parser.parse_args()
+    if args.dkdv_tiles:
+        for D in BACKWARD_CONFIGS["dkdv"]:
+            BACKWARD_CONFIGS["dkdv"][D] = [tuple(int(x) for x in t.split(",")) for t in args.dkdv_tiles]
     if args.kernel == "decode":
         sweep_decode(args.cases or "llama3-8b:1,llama3-70b:1,llama3-8b:8")
         clear_cache()
