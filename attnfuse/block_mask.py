@@ -29,7 +29,9 @@ class BlockMask:
     Schedule: ``q_block_order`` (QB,) int32, the query blocks by how many key blocks they list over all
     batches and heads, most first, the order the forward and dQ kernels run them in (the longest rows
     start first, so none is left running alone at the end); ``kv_block_order`` (KB,) the same for key
-    blocks (dK/dV).
+    blocks (dK/dV). ``kv_heavy_blocks``: how many key blocks, first in that order, list at least twice
+    the mean number of query blocks (global tokens' columns): the dK/dV kernel spreads each of them over
+    the query heads of a GQA group, so one program does not run a group's long lists alone.
     """
 
     __attnfuse_runtime_input__ = True
@@ -44,6 +46,7 @@ class BlockMask:
     q_indices: torch.Tensor
     q_block_order: torch.Tensor
     kv_block_order: torch.Tensor
+    kv_heavy_blocks: int
 
     @classmethod
     def from_blocks(cls, active: torch.Tensor, Nq: int, Nk: int, block_size: int = 128) -> "BlockMask":
@@ -60,7 +63,7 @@ class BlockMask:
         q_num, q_idx = _csr(active.transpose(-1, -2))
         return cls(Nq=Nq, Nk=Nk, block_size=block_size, active=active, kv_num_blocks=kv_num,
                    kv_indices=kv_idx, q_num_blocks=q_num, q_indices=q_idx, q_block_order=_heaviest_first(kv_num),
-                   kv_block_order=_heaviest_first(q_num))
+                   kv_block_order=_heaviest_first(q_num), kv_heavy_blocks=_heavy(q_num))
 
     def sparsity(self) -> float:
         """Fraction of blocks that are inactive."""
@@ -88,6 +91,13 @@ def _heaviest_first(counts: torch.Tensor) -> torch.Tensor:
     """Blocks (last dim of ``counts`` (Bm, Hm, n)) by their count summed over batches and heads, largest
     first, ties in block order: (n,) int32."""
     return torch.argsort(counts.sum(dim=(0, 1)), descending=True, stable=True).to(torch.int32)
+
+
+def _heavy(counts: torch.Tensor) -> int:
+    """How many blocks (last dim of ``counts`` (Bm, Hm, n)) have a count, summed over batches and heads, of
+    at least twice the mean and more than zero."""
+    totals = counts.sum(dim=(0, 1))
+    return int(((totals >= 2 * totals.float().mean()) & (totals > 0)).sum().item())
 
 
 def create_block_mask(predicate: Callable, B: int | None, H: int | None, Nq: int, Nk: int,

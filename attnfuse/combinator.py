@@ -150,6 +150,10 @@ class BlockList:
     ``order`` (optional): the query block to run ``$slot``-th, a permutation of them, heaviest first;
     ``q_order`` the same for key blocks (dK/dV). With an order the kernels run a block for every batch
     and head before the next block, so the longest lists start first and none runs alone at the end.
+    ``q_split`` (optional, with ``q_order``): names a scalar, how many key blocks, first in ``q_order``,
+    the dK/dV kernel splits over the query heads of a GQA group: each head's share runs as a program of
+    its own, and the group's last to finish sums the shares in head order (deterministic). For blocks
+    whose lists are much longer than the rest, as global tokens' are.
     """
 
     size: str
@@ -159,6 +163,7 @@ class BlockList:
     q_index: str
     order: str | None = None
     q_order: str | None = None
+    q_split: str | None = None
 
 
 @frozen(kw_only=True)

@@ -27,8 +27,8 @@ from attnfuse.runtime.hoisted import transformed_sides
 from attnfuse.runtime.launch import KERNEL_KINDS, compile_forward, compiled_kernel
 
 _SIZES = {"HQ", "Nq", "N_K", "BATCH", "PAGE_SIZE", "SPLIT", "NUM_SPLITS"}
-_FLOAT32 = {"Lse", "Delta", "PartOut", "PartLse", "DLse"}
-_INT32 = {"KvLens", "BlockTable"}
+_FLOAT32 = {"Lse", "Delta", "PartOut", "PartLse", "DLse", "PartDKV"}
+_INT32 = {"KvLens", "BlockTable", "SplitCount"}
 
 
 def signature(fn, tensors: dict[str, int], dtype: str) -> tuple[dict, dict, dict]:

@@ -41,7 +41,7 @@ def prepare(ctx, block_mask):
     return {"active": per_head(bm.active.view(torch.uint8)), "kv_num": per_head(bm.kv_num_blocks),
             "kv_idx": per_head(bm.kv_indices), "q_num": per_head(bm.q_num_blocks), "q_idx": per_head(bm.q_indices),
             "q_order": bm.q_block_order.to(ctx.device), "kv_order": bm.kv_block_order.to(ctx.device),
-            "block_size": bm.block_size}
+            "block_size": bm.block_size, "kv_heavy": bm.kv_heavy_blocks}
 
 
 def examples(draw, shape):
@@ -67,7 +67,7 @@ COMBINATOR = Combinator(
     tensors=[TensorArg(name="active", rank=4), TensorArg(name="kv_num", rank=3), TensorArg(name="kv_idx", rank=4),
              TensorArg(name="q_num", rank=3), TensorArg(name="q_idx", rank=4), TensorArg(name="q_order", rank=1),
              TensorArg(name="kv_order", rank=1)],
-    scalars=[ScalarArg(name="block_size")],
+    scalars=[ScalarArg(name="block_size"), ScalarArg(name="kv_heavy")],
     prepare=prepare,
     fragment=MaskFragment(
         keep="""(tl.load($active + b.to(tl.int64) * $active_s0 + h.to(tl.int64) * $active_s1
@@ -81,6 +81,7 @@ COMBINATOR = Combinator(
             q_index=_csr("q_idx", "$$block", "$$i"),
             order="tl.load($q_order + ($$slot) * $q_order_s0)",
             q_order="tl.load($kv_order + ($$slot) * $kv_order_s0)",
+            q_split="$kv_heavy",
         ),
     ),
     examples=examples,

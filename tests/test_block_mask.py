@@ -39,6 +39,8 @@ def check_csr(mask: BlockMask) -> None:
         assert order.dtype == torch.int32 and sorted(order.tolist()) == list(range(len(totals)))  # a permutation
         expected = sorted(range(len(totals)), key=lambda i: (-totals[i], i))  # heaviest first, ties in order
         assert order.tolist() == expected
+    totals = mask.q_num_blocks.sum(dim=(0, 1)).tolist()
+    assert mask.kv_heavy_blocks == sum(1 for t in totals if t > 0 and t >= 2 * sum(totals) / len(totals))
 
 
 @pytest.mark.parametrize("seed", range(6))

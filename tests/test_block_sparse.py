@@ -92,3 +92,30 @@ def test_block_sparse_programs_take_the_listed_tiles():
     tiled = lower(fuse(sparse.graph(bigbird(1, 2, 256, 128))), config)
     assert tiled.tiles == choose_tiles("sm90", "listed", 128, "forward")
     assert tiled.tiles != choose_tiles("sm90", "dense", 128, "forward")
+
+
+def _heavy_last_column(B, H, N, block_size):
+    """Diagonal blocks, plus a last key block (ragged: N not a multiple of the block) every query block
+    lists."""
+    def predicate(b, h, qb, kb):
+        return (qb == kb) | (kb == -(-N // block_size) - 1)
+    return af.create_block_mask(predicate, B, H, N, N, block_size=block_size)
+
+
+@pytest.mark.parametrize("program,Hkv,N,make_mask", [
+    (sparse_llama, 2, 192, lambda H, N: bigbird(1, H, N, 16, globals_=1, randoms=1, seed=3)),
+    (sparse, 1, 330, lambda H, N: _heavy_last_column(1, H, N, 64)),
+], ids=["bigbird-gqa2", "ragged-heavy-block-mqa"])
+def test_heavy_key_blocks_split_over_the_group_heads(program, Hkv, N, make_mask):
+    """GQA with key blocks every query block lists: the dK/dV kernel spreads them over the group's query
+    heads and sums the shares in the group's last program. Gradients match float64, and a second run is
+    bitwise equal (the share counters are zero again after each launch)."""
+    mask = make_mask(4, N)
+    assert mask.kv_heavy_blocks > 0
+    q = torch.randn(1, 4, N, 32, requires_grad=True)
+    k, v = (torch.randn(1, Hkv, N, 32, requires_grad=True) for _ in range(2))
+    _grads_match(program, q, k, v, mask)
+    dout = torch.randn(1, 4, N, 32)
+    first, second = (torch.autograd.grad(program(q, k, v, mask), (q, k, v), dout) for _ in range(2))
+    assert all(torch.equal(a, b) for a, b in zip(first, second))
+    assert "share of a heavy key block" in program.source(q, k, v, mask, kernel="dkdv")

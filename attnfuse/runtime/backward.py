@@ -7,10 +7,10 @@ from typing import Any
 import torch
 
 from ..passes.codegen import generate_dkdv, generate_dq
-from ..passes.codegen.common import scheduled
+from ..passes.codegen.common import scheduled, split, split_heads
 from ..passes.lower import Instance, TiledKernel
 from .forward import constexprs
-from .inputs import KVCache, PluginArgs, accumulator_dtype, empty_like_layout, even_keys, kv_launch_args
+from .inputs import KVCache, PluginArgs, Prepared, accumulator_dtype, empty_like_layout, even_keys, kv_launch_args
 from .kernel import CompiledKernel
 from .launcher import block_grid
 
@@ -40,11 +40,21 @@ class BackwardKernels:
         self.plugin_args = PluginArgs(tiled)
         self.constexprs = constexprs(tiled)
         self.scheduled = scheduled(tiled), scheduled(tiled, transposed=True)  # dQ, dK/dV
+        self.splits = split_heads(tiled) is not None
+        self._share_width = (2 * tiled.block_h if split(tiled) else tiled.block_d) + tiled.block_dv
+
+    def _split_buffers(self, keys: int, group: int, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Scratch of a dK/dV launch that splits heavy key blocks (``keys`` rows in all, over every batch
+        and kv head) over the ``group`` query heads: each head's float32 share of dK and dV, and one zeroed
+        counter per key tile (tiles have at least 16 rows)."""
+        shares = torch.empty(max(1, keys * group * self._share_width), dtype=accumulator_dtype(q.dtype),
+                             device=q.device)
+        return shares, torch.zeros(max(1, keys // 16), dtype=torch.int32, device=q.device)
 
     def __call__(self, q: torch.Tensor, kv: KVCache, out: torch.Tensor,
                  lse: torch.Tensor | None, dout: torch.Tensor | None, dlse: torch.Tensor | None,
                  inputs: dict[str, Any], dqk_dtype: torch.dtype | None = None,
-                 prepared: tuple[list, int | None] | None = None
+                 prepared: Prepared | None = None
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
         """dq, dk, dv in the inputs' dtypes (dq and dk in ``dqk_dtype`` if given) and memory orders, and the
         gradients of tensor inputs by name. ``prepared``: the plugin arguments, if the caller has them."""
@@ -61,7 +71,7 @@ class BackwardKernels:
             lse = delta if lse is None else lse  # a placeholder pointer when the normaliser saves none
             dlse = dlse.to(delta.dtype).contiguous() if dlse is not None else None
             strides = (*q.stride(), *k.stride(), *v.stride(), *dout.stride())
-            pargs, limit = prepared or self.plugin_args(q, kv, inputs)
+            pargs, limit, heavy = prepared or self.plugin_args(q, kv, inputs)
             grad_args = [a for buffer in buffers for a in (buffer, *buffer.stride())]
             even_m = lambda tiles: Nq % tiles.block_m == 0  # noqa: E731
             self.dq.launch(block_grid(Nq, B * Hq, "block_m", limit if self.scheduled[0] else None),
@@ -69,9 +79,11 @@ class BackwardKernels:
                             *out.stride(), *dq.stride(), Hq, Nq, *kv_launch_args(kv), *pargs, *grad_args),
                            q.device, limit=limit, HAS_DLSE=dlse is not None, EVEN_K=even_keys(kv), EVEN_M=even_m,
                            **self.constexprs)
-            self.dkdv.launch(block_grid(Nk, B * Hkv, "block_n", limit if self.scheduled[1] else None),
+            split = self._split_buffers(B * Hkv * heavy * limit, Hq // Hkv, q) if self.splits else ()
+            self.dkdv.launch(block_grid(Nk, B * Hkv, "block_n", limit if self.scheduled[1] else None,
+                                        heavy * (Hq // Hkv - 1) if self.splits else 0),
                              (q, k, v, dout, lse, delta, dk, dv, *strides, *dk.stride(), *dv.stride(), Hq, Nq,
-                              *kv_launch_args(kv), *pargs), q.device, limit=limit, EVEN_K=even_keys(kv),
+                              *kv_launch_args(kv), *pargs, *split), q.device, limit=limit, EVEN_K=even_keys(kv),
                              EVEN_M=even_m, **self.constexprs)
         else:
             for g in (dq, dk, dv):

@@ -9,7 +9,8 @@ import torch
 from ..passes.codegen import generate_forward
 from ..passes.codegen.common import scheduled, split
 from ..passes.lower import TiledKernel
-from .inputs import KVCache, PluginArgs, accumulator_dtype, empty_like_layout, even_keys, kv_launch_args
+from .inputs import (KVCache, PluginArgs, Prepared, accumulator_dtype, empty_like_layout, even_keys,
+                     kv_launch_args)
 from .kernel import CompiledKernel
 from .launcher import block_grid
 
@@ -28,7 +29,7 @@ class ForwardKernel:
         self.scheduled = scheduled(tiled)
 
     def __call__(self, q: torch.Tensor, kv: KVCache, inputs: dict[str, Any],
-                 prepared: tuple[list, int | None] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                 prepared: Prepared | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """out (B, Hq, Nq, DV) in q's dtype and memory order; lse (B, Hq, Nq) float32 (float64 for float64
         inputs) or None. ``prepared``: the plugin arguments, if the caller has them already."""
         t = self.tiled
@@ -44,7 +45,7 @@ class ForwardKernel:
             if lse is not None:
                 lse.fill_(-math.inf)
             return out, lse
-        pargs, limit = prepared or self.plugin_args(q, kv, inputs)
+        pargs, limit, _ = prepared or self.plugin_args(q, kv, inputs)
         args = (q, k, v, out, out if lse is None else lse, *q.stride(), *k.stride(), *v.stride(), *out.stride(),
                 Hq, Nq, *kv_launch_args(kv), *pargs)
         self.kernel.launch(block_grid(Nq, B * Hq, "block_m", limit if self.scheduled else None), args, q.device,

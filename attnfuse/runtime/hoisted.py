@@ -19,7 +19,7 @@ from ..passes.codegen.transform_pass import pass_name
 from ..passes.lower import TiledKernel
 from .backward import BackwardKernels
 from .forward import ForwardKernel, constexprs
-from .inputs import KVCache, PluginArgs, accumulator_dtype, empty_like_layout
+from .inputs import KVCache, PluginArgs, Prepared, accumulator_dtype, empty_like_layout
 from .kernel import CompiledKernel
 from .launcher import cdiv
 
@@ -101,7 +101,7 @@ class HoistedForward:
         return out, lse
 
     def run(self, q: torch.Tensor, kv: KVCache, inputs: dict[str, Any],
-            prepared: tuple[list, int | None] | None = None
+            prepared: Prepared | None = None
             ) -> tuple[torch.Tensor, torch.Tensor | None, dict[str, torch.Tensor]]:
         """out, lse, and the transformed copies by side ("q", "k"), for the backward to reuse.
         ``prepared``: the plugin arguments, if the caller has them already."""
@@ -126,7 +126,7 @@ class HoistedBackward:
 
     def __call__(self, q: torch.Tensor, kv: KVCache, out: torch.Tensor, lse: torch.Tensor | None,
                  dout: torch.Tensor | None, dlse: torch.Tensor | None, inputs: dict[str, Any],
-                 prepared: tuple[list, int | None] | None = None, copies: dict[str, torch.Tensor] | None = None
+                 prepared: Prepared | None = None, copies: dict[str, torch.Tensor] | None = None
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
         """As ``BackwardKernels.__call__``. ``copies``: the transformed rows by side that the forward kept
         (``HoistedForward.run``); without them a transform pass writes them again."""

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from attrs import frozen
@@ -190,17 +190,27 @@ def empty_like_layout(t: torch.Tensor, last_dim: int, dtype: torch.dtype) -> tor
     return buffer.permute(*sorted(range(t.dim()), key=order.__getitem__))
 
 
+class Prepared(NamedTuple):
+    """What the plugins of one call give: the kernel arguments (each tensor with its strides, then each
+    scalar); the largest tile a block-listing mask allows (its block size) or None; and how many of its
+    key blocks the dK/dV kernel splits over a GQA group's query heads (``BlockList.q_split``)."""
+
+    args: list
+    limit: int | None
+    split: int
+
+
 class PluginArgs:
-    """The kernel arguments the plugins of one tiled kernel give through ``prepare``: each tensor with
-    its strides, then each scalar; and the largest tile a block-listing mask allows (its block size)."""
+    """The kernel arguments the plugins of one tiled kernel give through ``prepare``."""
 
     def __init__(self, tiled: TiledKernel):
         self._plugins = tuple((inst, lookup(inst.apply.combinator)) for inst in tiled.instances() if inst.args)
-        self._limit = next((m.fragment.block_list.size for m in tiled.masks if m.fragment.block_list is not None),
-                           None)
+        listing = next((m.fragment.block_list for m in tiled.masks if m.fragment.block_list is not None), None)
+        self._limit = listing and listing.size
+        self._split = listing and listing.q_split
 
-    def __call__(self, q: torch.Tensor, kv: KVCache, inputs: dict[str, Any]) -> tuple[list, int | None]:
-        """(arguments, tile limit or None) for one call."""
+    def __call__(self, q: torch.Tensor, kv: KVCache, inputs: dict[str, Any]) -> Prepared:
+        """The plugins' arguments for one call."""
         args: list = []
         scalars: dict[str, Any] = {}
         ctx = launch_context(q, kv) if self._plugins else None
@@ -217,4 +227,5 @@ class PluginArgs:
             for sc in comb.scalars:
                 args.append(prepared[sc.name])
                 scalars[f"{inst.prefix}_{sc.name}"] = prepared[sc.name]
-        return args, None if self._limit is None else int(scalars[self._limit])
+        return Prepared(args, None if self._limit is None else int(scalars[self._limit]),
+                        int(scalars[self._split]) if self._split else 0)

@@ -22,15 +22,15 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def block_grid(rows: int, heads: int, tile: str, listed_block: int | None = None
+def block_grid(rows: int, heads: int, tile: str, listed_block: int | None = None, extra_blocks: int = 0
                ) -> Callable[[Any], tuple[int, int]]:
     """The grid, as a function of the tiles, of a kernel with one program per (block of ``rows``, head):
     (row blocks, heads), the block ``tiles.<tile>`` rows. ``listed_block``: the block size of the listing
     mask whose order the kernel follows (codegen's ``program``): (heads, slots), each listed block taking
-    listed_block // tile slots."""
+    listed_block // tile slots, and ``extra_blocks`` more listed blocks' worth (dK/dV's split blocks)."""
     if listed_block is None:
         return lambda tiles: (cdiv(rows, getattr(tiles, tile)), heads)
-    return lambda tiles: (heads, cdiv(rows, listed_block) * (listed_block // getattr(tiles, tile)))
+    return lambda tiles: (heads, (cdiv(rows, listed_block) + extra_blocks) * (listed_block // getattr(tiles, tile)))
 
 
 def next_power_of_2(n: int) -> int:

@@ -18,7 +18,8 @@ import attrs
 from ..lower import Instance, TiledKernel
 from .common import (HEADER, QKV_STRIDES, block_range, columns, constexpr_args, dv_mask, finish, fragment, has_masks, indent,
                      key_block, key_offsets, key_range, kv_args, kv_base, masked_load, operand, operand_grad,
-                     precision, program, prologues, qk_product, query_block, scores, split, visit, with_bounds)
+                     precision, program, prologues, qk_product, query_block, scores, split, split_heads, visit,
+                     with_bounds)
 
 _DKDV = string.Template('''\
 def $name(
@@ -40,7 +41,7 @@ $dk_init    dv_acc = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
 $query_range
     full_end = tl.where((pid_n + 1) * BLOCK_N > Nk, full_start, full_end)  # a partial key block is never full
 $loops
-    k_in = k_pos < N_K  # rows of keys past a sequence's length get zeros
+$split_reduce    k_in = $k_in
 $dk_grad$dk_store    tl.store(DValue + b.to(tl.int64) * stride_dvb + hk.to(tl.int64) * stride_dvh + k_pos[:, None] * stride_dvn
              + dv[None, :] * stride_dvd, dv_acc.to(DValue.dtype.element_ty), mask=k_in[:, None]$dv_mask)
 ''')
@@ -168,6 +169,30 @@ def _store(kernel: TiledKernel, out: str, acc: str, base: str, rows: str, ok: st
             f"{acc}.to({out}.dtype.element_ty), mask={ok}[:, None]{d_mask})\n")
 
 
+def _split_reduce(kernel: TiledKernel) -> str:
+    """After the loops of a dK/dV kernel that splits heavy key blocks over a group's query heads: a
+    one-head program stores its share of the accumulators in PartDKV and counts it in SplitCount; the
+    group's last to finish sums the shares, in head order, and is the one (``last``) that stores."""
+    halves = [("dk1", "BLOCK_H", "dh"), ("dk2", "BLOCK_H", "dh")] if split(kernel) else [("dk", "BLOCK_D", "d")]
+    accs = [*halves, ("dv_acc", "BLOCK_DV", "dv")]
+    part = f"BLOCK_N * ({' + '.join(width for _, width, _ in accs)})"
+    offsets = ["0"] + [f"BLOCK_N * ({' + '.join(w for _, w, _ in accs[:i])})" for i in range(1, len(accs))]
+
+    def at(share: str, i: int) -> str:
+        name, width, col = accs[i]
+        return f"PartDKV + ({share}) * ({part}) + {offsets[i]} + rows_n[:, None] * {width} + {col}[None, :]"
+    stores = "".join(f"    tl.store({at('share + g_lo', i)}, {name})\n" for i, (name, _, _) in enumerate(accs))
+    zeros = "".join(f"        {name} = tl.zeros([BLOCK_N, {width}], dtype=tl.float32)\n" for name, width, _ in accs)
+    sums = "".join(f"            {name} += tl.load({at('share + j', i)}, cache_modifier=\".cg\")\n"
+                   for i, (name, _, _) in enumerate(accs))
+    return ("last = pid_n >= 0\nif one_head:  # this head's share of a heavy key block\n"
+            "    share = (pid_bh * split_slots + slot).to(tl.int64) * GROUP\n    rows_n = tl.arange(0, BLOCK_N)\n"
+            + stores + "    count = tl.atomic_add(SplitCount + pid_bh * split_slots + slot, 1)\n"
+            "    last = count == GROUP - 1\n    if last:  # the group's last share: sum them all, in head order\n"
+            "        tl.store(SplitCount + pid_bh * split_slots + slot, 0)  # zero again for the next launch\n"
+            + zeros + "        for j in range(GROUP):\n" + sums)
+
+
 def _tensor_grad_args(kernel: TiledKernel, grads: tuple[tuple[Instance, str], ...]) -> list[str]:
     return [f"{inst.prefix}_d{name}{suffix}" for inst, name in grads for suffix in ("", "_s0", "_s1", "_s2", "_s3")]
 
@@ -184,9 +209,13 @@ def generate_dkdv(kernel: TiledKernel) -> str:
     body = visit(kernel, lambda masked, implied: _dkdv_body(kernel, masked, implied), "start_m", "BLOCK_M",
                  "pid_n * BLOCK_N", transposed=True, group_setup=head)
     dk_base = "DKey + b.to(tl.int64) * stride_dkb + hk.to(tl.int64) * stride_dkh"
+    splits = split_heads(kernel) is not None
+    args = [*kernel.args(), *(("PartDKV", "SplitCount") if splits else ())]
     return finish(kernel, HEADER.format(what="dK/dV kernel", signature=kernel.signature, listing=kernel.listing)
                   + "\n" + _DKDV.substitute(
-            name=kernel.name.replace("_fwd_", "_dkdv_"), extra_args="".join(f"\n    {a}," for a in kernel.args()),
+            name=kernel.name.replace("_fwd_", "_dkdv_"), extra_args="".join(f"\n    {a}," for a in args),
+            split_reduce=indent(_split_reduce(kernel), 4) if splits else "",
+            k_in="k_pos < tl.where(last, N_K, 0)  # only the last of a split stores" if splits else "k_pos < N_K  # rows of keys past a sequence's length get zeros",
             constexprs=constexpr_args(kernel, even_keys=True, even_queries=True), columns=indent(columns(kernel), 4),
             strides=QKV_STRIDES, kv_args=kv_args(kernel), key_block=indent(key_block(kernel, even_keys=True), 4),
             program=indent(program(kernel, "pid_n", "BLOCK_N", "N_K", transposed=True), 4),

@@ -41,17 +41,33 @@ def program(kernel: TiledKernel, pid: str, block: str, rows: str, transposed: bo
     Grid (blocks, heads) in launch order, query blocks last first (the longest causal rows start first);
     or, when the listing mask orders its blocks (key blocks when ``transposed``), grid (heads, slots):
     slot by slot its blocks heaviest first, each block of its size taking size // ``block`` programs, of
-    which one past ``rows`` returns at once."""
+    which one past ``rows`` returns at once. With ``split_heads`` (dK/dV), the slots of the first blocks
+    come GROUP times, one program per query head of the group: ``one_head``, heads ``g_lo`` .. ``g_hi``."""
     m = listing_mask(kernel)
     order = None if m is None else (m.fragment.block_list.q_order if transposed else m.fragment.block_list.order)
     if order is None:
         first = "tl.program_id(0)" if transposed else "tl.num_programs(0) - 1 - tl.program_id(0)"
         return f"{pid} = {first}\npid_bh = tl.program_id(1)\n"
-    slot = "tl.program_id(1)"
-    return (f"# slots run {m.prefix}'s blocks heaviest first, each for every head before the next\n"
+    code = (f"# slots run {m.prefix}'s blocks heaviest first, each for every head before the next\n"
             f"pid_bh = tl.program_id(0)\nrun_tiles = {m.code(m.fragment.block_list.size)} // {block}\n"
-            f"{pid} = {m.code(order, slot=f'{slot} // run_tiles')} * run_tiles + {slot} % run_tiles\n"
-            f"if {pid} * {block} >= {rows}:\n    return\n")
+            "slot = tl.program_id(1)\n")
+    heavy = split_heads(kernel) if transposed else None
+    if heavy is not None:
+        code += (f"# the first {heavy} blocks' slots come once per query head of the group\n"
+                 f"split_slots = {heavy} * run_tiles\none_head = slot < split_slots * GROUP\n"
+                 "g_lo = tl.where(one_head, slot % GROUP, 0)\ng_hi = tl.where(one_head, slot % GROUP + 1, GROUP)\n"
+                 "slot = tl.where(one_head, slot // GROUP, slot - split_slots * (GROUP - 1))\n")
+    return code + (f"{pid} = {m.code(order, slot='slot // run_tiles')} * run_tiles + slot % run_tiles\n"
+                   f"if {pid} * {block} >= {rows}:\n    return\n")
+
+
+def split_heads(kernel: TiledKernel) -> str | None:
+    """Code of the number of key blocks (first in the listing mask's order) whose dK/dV the kernel splits
+    over the query heads of a GQA group (``BlockList.q_split``), if it splits any."""
+    m = listing_mask(kernel)
+    if kernel.config.group == 1 or not scheduled(kernel, transposed=True) or m.fragment.block_list.q_split is None:
+        return None
+    return m.code(m.fragment.block_list.q_split)
 
 
 def scheduled(kernel: TiledKernel, transposed: bool = False) -> bool:
@@ -342,6 +358,7 @@ def visit(kernel: TiledKernel, body, var: str, block: str, block_start: str, tra
     if m is None:
         head = has_masks(kernel) if transposed else masked_head(kernel.masks)
         return loops(lambda masked: body(masked, None), var, block, head, group_setup)
+    heads = "g_lo, g_hi" if transposed and split_heads(kernel) is not None else "GROUP"
     bl = m.fragment.block_list
     count = m.code(bl.q_count if transposed else bl.count, block="list_block")
     index = m.code(bl.q_index if transposed else bl.index, block="list_block", i="list_t // list_tiles")
@@ -355,7 +372,7 @@ def visit(kernel: TiledKernel, body, var: str, block: str, block_start: str, tra
     if group_setup is None:
         return code
     # the lists differ from head to head: one flat loop per head
-    return f"for g in range(GROUP):\n{indent(group_setup, 4)}{indent(code, 4)}"
+    return f"for g in range({heads}):\n{indent(group_setup, 4)}{indent(code, 4)}"
 
 
 def loops(body, var: str, block: str, has_head: bool, group_setup: str | None = None) -> str:
