@@ -102,10 +102,11 @@ def main() -> None:
                              "timing forward+backward)")
     parser.add_argument("--dkdv-tiles", nargs="+", help="backward: BLOCK_M,BLOCK_N,warps,stages of dK/dV to sweep "
                                                         "(default: BACKWARD_CONFIGS)")
+    parser.add_argument("--dq-tiles", nargs="+", help="backward: the same for dQ")
     args = parser.parse_args()
-    if args.dkdv_tiles:
-        for D in BACKWARD_CONFIGS["dkdv"]:
-            BACKWARD_CONFIGS["dkdv"][D] = [tuple(int(x) for x in t.split(",")) for t in args.dkdv_tiles]
+    for kind, chosen in (("dkdv", args.dkdv_tiles), ("dq", args.dq_tiles)):
+        for D in BACKWARD_CONFIGS[kind] if chosen else ():
+            BACKWARD_CONFIGS[kind][D] = [tuple(int(x) for x in t.split(",")) for t in chosen]
     if args.kernel == "decode":
         sweep_decode(args.cases or "llama3-8b:1,llama3-70b:1,llama3-8b:8")
         clear_cache()
