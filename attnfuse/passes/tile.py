@@ -61,6 +61,8 @@ TABLE: tuple[TileRule, ...] = (
     TileRule(arch="sm90", kernel="dkdv", head_dim=(1, 64), config=T(block_m=64, block_n=64, num_warps=4, num_stages=3)),
     TileRule(arch="sm90", kernel="dkdv", head_dim=(65, 128), config=T(block_m=64, block_n=64, num_warps=4, num_stages=2)),
     TileRule(arch="sm90", kernel="dq", head_dim=(1, 64), config=T(block_m=64, block_n=64, num_warps=4, num_stages=3)),
+    TileRule(arch="sm90", kernel="dq", variant="listed", head_dim=(65, 128),
+             config=T(block_m=64, block_n=64, num_warps=4, num_stages=3)),
     TileRule(arch="sm90", kernel="dq", head_dim=(65, 128), config=T(block_m=128, block_n=64, num_warps=8, num_stages=3)),
     TileRule(arch="sm90", head_dim=(129, 256), config=T(block_m=64, block_n=64, num_warps=4, num_stages=2)),
     # Split-KV decoding, swept on the H200 with runtime.decode.PROGRAMS_PER_SM = 2 (docs/benchmarks.md).
