@@ -42,10 +42,10 @@ def test_interpreter_checks_bounds():
         tl.store(Y + i, tl.load(X + i, mask=i < n), mask=i < n)
 
     x, y = torch.randn(8), torch.empty(8)
-    InterpretedKernel(copy)[(1,)](x, y, 8, BLOCK=16)
+    InterpretedKernel(copy).launch((1,), (x, y, 8), {"BLOCK": 16})
     assert torch.equal(x, y)
     with pytest.raises(IndexError, match="out-of-bounds load"):
-        InterpretedKernel(copy)[(1,)](x, y[:4], 12, BLOCK=16)
+        InterpretedKernel(copy).launch((1,), (x, y[:4], 12), {"BLOCK": 16})
 
 
 def test_launch_hooks_are_seen():

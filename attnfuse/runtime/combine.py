@@ -47,7 +47,7 @@ def combine(part_out: torch.Tensor, part_lse: torch.Tensor, out: torch.Tensor, l
     B, Hq, Nq, DV = out.shape
     splits = part_out.shape[1]
     kernel = _jitted if out.is_cuda else _interpreted
-    kernel[(B * Hq * Nq,)](
-        part_out, part_lse, out, out if lse is None else lse, *out.stride(), Hq, Nq, DV, splits,
-        LOGSUMEXP=logsumexp, SAVE_LSE=lse is not None, BLOCK_S=max(2, next_power_of_2(splits)),
-        BLOCK_DV=max(16, next_power_of_2(DV)))
+    kernel.launch((B * Hq * Nq,), (part_out, part_lse, out, out if lse is None else lse, *out.stride(), Hq, Nq, DV,
+                                   splits),
+                  dict(LOGSUMEXP=logsumexp, SAVE_LSE=lse is not None, BLOCK_S=max(2, next_power_of_2(splits)),
+                       BLOCK_DV=max(16, next_power_of_2(DV))), device=out.device)

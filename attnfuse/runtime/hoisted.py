@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import attrs
 import torch
 
 from ..passes.codegen import generate_gradient_pass, generate_transform_pass
@@ -107,7 +106,7 @@ class HoistedForward:
         ``prepared``: the plugin arguments, if the caller has them already."""
         prepared = prepared or self.plugin_args(q, kv, inputs)
         copies = self.transform({"q": q, "k": kv.k}, prepared[0], self.constexprs, q.shape[1], q.shape[2])
-        out, lse = self.main(copies.get("q", q), attrs.evolve(kv, k=copies["k"]), inputs, prepared)
+        out, lse = self.main(copies.get("q", q), kv._replace(k=copies["k"]), inputs, prepared)
         return out, lse, copies
 
 
@@ -134,7 +133,7 @@ class HoistedBackward:
         Hq, Nq = q.shape[1], q.shape[2]
         rows = {"q": q, "k": kv.k}
         copies = copies or self.transform(rows, prepared[0], self.constexprs, Hq, Nq)
-        dq, dk, dv, grads = self.inner(copies.get("q", q), attrs.evolve(kv, k=copies["k"]), out, lse, dout, dlse,
+        dq, dk, dv, grads = self.inner(copies.get("q", q), kv._replace(k=copies["k"]), out, lse, dout, dlse,
                                        inputs, dqk_dtype=accumulator_dtype(q.dtype), prepared=prepared)
         of_rows = self.gradient(rows, prepared[0], self.constexprs, Hq, Nq,
                                 grads={"q": dq, "k": dk})  # float32, with respect to the transformed rows

@@ -20,9 +20,8 @@ def accumulator_dtype(dtype: torch.dtype) -> torch.dtype:
 MAX_HEAD_DIM = 256
 
 
-@frozen(kw_only=True, eq=False)
-class KVCache:
-    """Keys and values as the kernels read them.
+class KVCache(NamedTuple):
+    """Keys and values as the kernels read them (a tuple: built on every call).
 
     ``k``, ``v``: 4-D views in (batch or page, head, row, dim) order: the inputs themselves, or a paged
     cache's pools (pages, page_size, Hkv, D) with the head moved second. ``capacity``: key positions a
@@ -182,9 +181,10 @@ def even_keys(kv: KVCache) -> Any:
 
 def empty_like_layout(t: torch.Tensor, last_dim: int, dtype: torch.dtype) -> torch.Tensor:
     """An uninitialised tensor shaped like ``t`` but for its last dim, with ``t``'s memory order."""
-    shape = (*t.shape[:-1], last_dim)
     if t.is_contiguous():
-        return torch.empty(shape, dtype=dtype, device=t.device)
+        return torch.empty_like(t, dtype=dtype) if last_dim == t.shape[-1] else \
+            torch.empty((*t.shape[:-1], last_dim), dtype=dtype, device=t.device)
+    shape = (*t.shape[:-1], last_dim)
     order = sorted(range(t.dim()), key=lambda i: -t.stride(i))
     buffer = torch.empty([shape[i] for i in order], dtype=dtype, device=t.device)
     return buffer.permute(*sorted(range(t.dim()), key=order.__getitem__))

@@ -92,18 +92,18 @@ def _interpreter_patches(args: tuple):
 
 
 class InterpretedKernel:
-    """``kernel[grid](*args, **constexprs)`` for a plain kernel function, on CPU tensors."""
+    """A plain kernel function run by Triton's interpreter on CPU tensors, launched as ``Launcher``'s."""
 
     def __init__(self, fn: Callable):
         self._fn = InterpretedFunction(fn)
 
-    def __getitem__(self, grid: tuple[int, ...]) -> Callable:
-        def launch(*args: Any, num_warps: int = 4, num_stages: int = 2, **constexprs: Any) -> None:
-            with _interpreter_patches(args):
-                try:
-                    self._fn[grid](*args, **constexprs)
-                except InterpreterError as exc:
-                    if isinstance(exc.__cause__, IndexError):  # an out-of-bounds access: say so plainly
-                        raise exc.__cause__ from None
-                    raise
-        return launch
+    def launch(self, grid: tuple[int, ...], args: tuple, constexprs: dict[str, Any], num_warps: int = 4,
+               num_stages: int = 2, device: Any = None) -> None:
+        """Run on ``grid`` (warps, stages and device mean nothing to the interpreter)."""
+        with _interpreter_patches(args):
+            try:
+                self._fn[grid](*args, **constexprs)
+            except InterpreterError as exc:
+                if isinstance(exc.__cause__, IndexError):  # an out-of-bounds access: say so plainly
+                    raise exc.__cause__ from None
+                raise

@@ -2,7 +2,6 @@
 interpreter. A launch that needs more shared memory than the GPU has retries with smaller tiles."""
 from __future__ import annotations
 
-import contextlib
 from typing import Any, Callable
 
 import attrs
@@ -15,16 +14,6 @@ from ..passes.tile import TileConfig
 from .interpreter import InterpretedKernel
 from .launcher import Launcher
 from .source_cache import load_function, write_source
-
-
-def _on(device: torch.device):
-    """Make ``device`` current for the launch, unless it is already (entering a device context costs µs)."""
-    if device.type == "cuda" and device.index != torch.cuda.current_device():
-        return torch.cuda.device(device)
-    return _CURRENT
-
-
-_CURRENT = contextlib.nullcontext()
 
 
 def smaller_tiles(tiles: TileConfig) -> TileConfig:
@@ -58,12 +47,10 @@ class CompiledKernel:
             tiles = self.tiles
             if limit is not None and max(tiles.block_m, tiles.block_n) > limit:
                 tiles = attrs.evolve(tiles, block_m=min(tiles.block_m, limit), block_n=min(tiles.block_n, limit))
+            values = {k: v(tiles) if callable(v) else v for k, v in constexprs.items()}
+            values["BLOCK_M"], values["BLOCK_N"] = block_m or tiles.block_m, tiles.block_n
             try:
-                values = {k: v(tiles) if callable(v) else v for k, v in constexprs.items()}
-                with _on(device):
-                    self._kernel[grid(tiles)](*args, **values, BLOCK_M=block_m or tiles.block_m,
-                                              BLOCK_N=tiles.block_n, num_warps=tiles.num_warps,
-                                              num_stages=tiles.num_stages)
+                self._kernel.launch(grid(tiles), args, values, tiles.num_warps, tiles.num_stages, device)
                 return
             except OutOfResources:
                 self.tiles = smaller_tiles(self.tiles)

@@ -76,7 +76,8 @@ def _hooked(hook: Any) -> bool:
 
 
 class Launcher:
-    """``launcher[grid](*args, num_warps=..., num_stages=..., **constexprs)``, as ``triton.jit``'s.
+    """``launcher.launch(grid, args, constexprs, num_warps, num_stages, device)``: ``triton.jit``'s
+    ``kernel[grid](*args, **constexprs, num_warps=..., num_stages=...)``, with less host time.
 
     The generated kernels take their runtime arguments first and their constexprs last, so the
     constexprs are passed by keyword and appended in the kernel's order.
@@ -92,22 +93,23 @@ class Launcher:
         self._constexpr_names = tuple(fn.arg_names[first:])
         self._compiled: dict[tuple, Any] = {}
 
-    def __getitem__(self, grid: tuple[int, ...]) -> Callable[..., None]:
-        return lambda *args, **kwargs: self.launch(grid, args, **kwargs)
-
-    def launch(self, grid: tuple[int, ...], args: tuple, num_warps: int = 4, num_stages: int = 2,
-               **constexprs: Any) -> None:
+    def launch(self, grid: tuple[int, ...], args: tuple, constexprs: dict[str, Any], num_warps: int = 4,
+               num_stages: int = 2, device: torch.device | None = None) -> None:
+        """Launch on ``grid`` in the current stream of ``device`` (the current device when None)."""
+        current = torch.cuda.current_device()
+        if device is not None and device.index != current:
+            with torch.cuda.device(device):
+                return self.launch(grid, args, constexprs, num_warps, num_stages)
         if len(args) != self._runtime_count:
             raise TypeError(f"{self.fn.__name__} takes {self._runtime_count} runtime arguments, got {len(args)}")
         tail = tuple([constexprs[name] for name in self._constexpr_names])
-        device = torch.cuda.current_device()
-        key = (device, num_warps, num_stages, tail, call_key(args))
+        key = (current, num_warps, num_stages, tail, call_key(args))
         launch = self._compiled.get(key)
         if launch is None or _hooked(knobs.runtime.launch_enter_hook) or _hooked(knobs.runtime.launch_exit_hook):
             self._compiled[key] = _direct_launch(
                 self.fn[grid](*args, **constexprs, num_warps=num_warps, num_stages=num_stages))
             return
-        launch(grid, driver.active.get_current_stream(device), args, tail)
+        launch(grid, driver.active.get_current_stream(current), args, tail)
 
 
 def _direct_launch(kernel: Any) -> Callable[[tuple, int, tuple, tuple], None]:
