@@ -17,5 +17,5 @@ def hoisted_last_call() -> bool:
     """Whether the latest new call signature was planned with its qk transforms hoisted into passes."""
     from attnfuse.runtime import hoisted, launch
 
-    forward, _ = launch._plans[next(reversed(launch._plans))]
+    forward, _, _ = launch._plans[next(reversed(launch._plans))]
     return isinstance(forward, hoisted.HoistedForward)

@@ -25,7 +25,8 @@ _forward: dict[tuple[ir.MatMulPV, KernelConfig], ForwardKernel] = {}
 _decode: dict[tuple[ir.MatMulPV, KernelConfig], DecodeKernel] = {}
 _backward: dict[tuple, BackwardKernels | HoistedBackward] = {}
 _hoisted: dict[tuple[ir.MatMulPV, KernelConfig], HoistedForward] = {}
-_plans: dict[tuple, tuple[ForwardKernel | HoistedForward, DecodeKernel | None]] = {}  # call signature -> kernels
+Plan = tuple[ForwardKernel | HoistedForward, DecodeKernel | None, BackwardKernels | HoistedBackward | None]
+_plans: dict[tuple, Plan] = {}  # call signature -> kernels
 _MAX_PLANS = 4096
 
 
@@ -114,8 +115,8 @@ def _no_backward(what: str) -> ProgramError:
                         f"torch.no_grad(), or give the combinator its backward fragment")
 
 
-def _tensor_grads(tiled: TiledKernel, inputs: dict[str, Any]) -> tuple[tuple[Instance, str], ...]:
-    """Check every combinator has a backward; the (instance, parameter) pairs whose gradient is wanted."""
+def _check_differentiable(tiled: TiledKernel) -> None:
+    """Raise unless every combinator of the kernel declares its backward."""
     for t in tiled.transforms:
         if not t.fragment.differentiable():
             raise _no_backward(f"the qk transform {t.apply.combinator}")
@@ -124,6 +125,11 @@ def _tensor_grads(tiled: TiledKernel, inputs: dict[str, Any]) -> tuple[tuple[Ins
             raise _no_backward(f"the score modification {m.apply.combinator}")
     if tiled.normaliser.fragment.grad is None:
         raise _no_backward(f"the normaliser {tiled.normaliser.apply.combinator}")
+
+
+def _tensor_grads(tiled: TiledKernel, inputs: dict[str, Any]) -> tuple[tuple[Instance, str], ...]:
+    """The (instance, parameter) pairs whose gradient is wanted; raise for a tensor input that requires
+    grad but has no declared gradient."""
     wanted = []
     for m in tiled.mods:
         for name, _ in m.fragment.tensor_grads:
@@ -168,16 +174,17 @@ def run_attention(graph: ir.MatMulPV, q: torch.Tensor, k: torch.Tensor, v: torch
         if len(_plans) >= _MAX_PLANS:
             _plans.clear()
         _plans[signature] = plan
-    forward, decode = plan
+    forward, decode, backward = plan
     kv = kv_cache(k, v, kv_lens, block_table)
     if decode is not None:
         out, lse = decode(q, kv, inputs)
     elif not wants_grad:
         out, lse = forward(q, kv, inputs)
     else:
-        tensor_grads = _tensor_grads(forward.tiled, inputs)
-        compile_ = compile_hoisted_backward if isinstance(forward, HoistedForward) else compile_backward
-        backward = compile_(graph, forward.tiled.config, tensor_grads)
+        tensor_grads = _tensor_grads(forward.tiled, inputs) if inputs else ()
+        if tensor_grads:
+            compile_ = compile_hoisted_backward if isinstance(forward, HoistedForward) else compile_backward
+            backward = compile_(graph, forward.tiled.config, tensor_grads)
         names = tuple(dict.fromkeys(inst.apply.inputs()[name].name for inst, name in tensor_grads))
         out, lse = AttentionFunction.apply(forward, backward, inputs, names, kv.lens, q, k, v,
                                            *(inputs[n] for n in names))
@@ -195,9 +202,9 @@ def _meta(t: Any) -> Any:
 
 
 def _plan(graph: ir.MatMulPV, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_lens: Any, block_table: Any,
-          return_lse: bool, wants_grad: bool, split_kv: bool | None
-          ) -> tuple[ForwardKernel | HoistedForward, DecodeKernel | None]:
-    """Check a new call signature; its forward kernel, and its split-KV kernel if it takes that path."""
+          return_lse: bool, wants_grad: bool, split_kv: bool | None) -> Plan:
+    """Check a new call signature; its forward kernel, its split-KV kernel if it takes that path, and with
+    gradients wanted the backward kernels (those that write no tensor input's gradient)."""
     kv = check_cache(q, k, v, kv_lens, block_table)
     has_lse = fragment_of(graph.weights.apply).has_lse
     if return_lse and not has_lse:
@@ -212,7 +219,10 @@ def _plan(graph: ir.MatMulPV, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     elif split_kv and not can_split:
         raise InputError("the split-KV path has no backward, and needs a normaliser that can combine splits")
     if split_kv:
-        return forward, compile_decode(graph, forward.tiled.config)
+        return forward, compile_decode(graph, forward.tiled.config), None
+    if wants_grad:
+        _check_differentiable(forward.tiled)
     if worth_hoisting(forward, q.shape[2]):
-        return compile_hoisted(graph, forward.tiled.config), None
-    return forward, None
+        forward = compile_hoisted(graph, forward.tiled.config)
+        return forward, None, compile_hoisted_backward(graph, forward.tiled.config) if wants_grad else None
+    return forward, None, compile_backward(graph, forward.tiled.config) if wants_grad else None
