@@ -199,8 +199,7 @@ def backward_row(geometry: str, N: int, variant: str, leaves, dout, cos, sin) ->
         return pre_rotate(q, k, cos, sin) if rope else (q, k)
     ours = train(lambda: program(q, k, v))
     dq = ours()[0]
-    row = {"case": f"{geometry} N{N} {variant} fwd+bwd", "flops": 3.5 * 4 * B * Hq * pairs(variant, N) * D,
-           "attnfuse": bench(ours)}
+    row = {"case": f"{geometry} N{N} {variant} fwd+bwd", "flops": 3.5 * 4 * B * Hq * pairs(variant, N) * D}
     if variant in ("causal", "rope_causal"):
         for name, backend in (("cudnn", SDPBackend.CUDNN_ATTENTION), ("flash", SDPBackend.FLASH_ATTENTION)):
             try:
@@ -212,7 +211,7 @@ def backward_row(geometry: str, N: int, variant: str, leaves, dout, cos, sin) ->
     score_mod, mask = flex_case(variant, B, Hq, N, "cuda")
     fn = train(lambda: flex(*inputs(), v, score_mod=score_mod, block_mask=mask, enable_gqa=True))
     row.setdefault("err", (dq.float() - fn()[0].float()).abs().max().item())
-    row["flex"] = bench(fn)
+    row.update(paired_bench({"attnfuse": ours, "flex": fn}))  # in turns: small steps measure the host too
     return row
 
 
@@ -241,7 +240,9 @@ def forward_suite(Ns: list[int], geometries: list[str], variants: list[str]) -> 
 
 
 def backward_suite(Ns: list[int], geometries: list[str], variants: list[str]) -> list[dict]:
-    """Forward + backward (dq, dk, dv); each result's dq checked against a baseline's on the same inputs."""
+    """Forward + backward (dq, dk, dv); each result's dq checked against a baseline's on the same inputs.
+    AttnFuse and flex_attention take turns (three do_bench runs each): the small steps are host-bound, and
+    the host's speed drifts within a run."""
     def cases():
         for geometry in geometries:
             B, Hq, Hkv, D = GEOMETRIES[geometry]
