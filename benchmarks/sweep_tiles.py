@@ -103,7 +103,11 @@ def main() -> None:
     parser.add_argument("--dkdv-tiles", nargs="+", help="backward: BLOCK_M,BLOCK_N,warps,stages of dK/dV to sweep "
                                                         "(default: BACKWARD_CONFIGS)")
     parser.add_argument("--dq-tiles", nargs="+", help="backward: the same for dQ")
+    parser.add_argument("--tiles", nargs="+", help="forward: BLOCK_M,BLOCK_N,warps,stages to sweep (default: CONFIGS)")
     args = parser.parse_args()
+    if args.tiles:
+        for D in CONFIGS:
+            CONFIGS[D] = [tuple(int(x) for x in t.split(",")) for t in args.tiles]
     for kind, chosen in (("dkdv", args.dkdv_tiles), ("dq", args.dq_tiles)):
         for D in BACKWARD_CONFIGS[kind] if chosen else ():
             BACKWARD_CONFIGS[kind][D] = [tuple(int(x) for x in t.split(",")) for t in chosen]
