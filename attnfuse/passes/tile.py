@@ -55,7 +55,7 @@ TABLE: tuple[TileRule, ...] = (
     TileRule(arch="sm90", kernel="forward", variant="window", head_dim=(65, 128),
              config=T(block_m=64, block_n=64, num_warps=4, num_stages=3)),
     TileRule(arch="sm90", kernel="forward", variant="listed", head_dim=(65, 128),
-             config=T(block_m=128, block_n=64, num_warps=4, num_stages=3)),
+             config=T(block_m=128, block_n=64, num_warps=4, num_stages=2)),
     TileRule(arch="sm90", kernel="forward", head_dim=(65, 128),
              config=T(block_m=128, block_n=128, num_warps=8, num_stages=3)),
     TileRule(arch="sm90", kernel="dkdv", head_dim=(1, 64), config=T(block_m=64, block_n=64, num_warps=4, num_stages=3)),
