@@ -1,0 +1,66 @@
+"""Where a block-sparse training step's time goes, kernel by kernel: BigBird (band, random and global
+blocks) against a mask of about the same density with no global blocks, Llama-3-8B geometry, bf16.
+
+    python benchmarks/sparse_balance.py [--N 4096,16384]
+
+Each kernel's mean time (torch.profiler) and TFLOP/s over the blocks it visits: a kernel that is slower
+per FLOP with global blocks than without is held up by its few long programs, not by its tiles.
+"""
+from __future__ import annotations
+
+import argparse
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+import bench_attention as b
+
+PRODUCTS = {"fwd": 1.0, "dq": 1.5, "dkdv": 2.0}  # matrix products per tile, relative to the forward's two
+
+
+def band_and_random(B: int, H: int, N: int, block: int = 128, seed: int = 0) -> torch.Tensor:
+    """A band of ±1 blocks and 5 random blocks per query block: BigBird's density, no global blocks."""
+    n = N // block
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    active = torch.zeros(B, H, n, n, dtype=torch.bool, device="cuda")
+    active.scatter_(-1, torch.randint(0, n, (B, H, n, 5), generator=g, device="cuda"), True)
+    qb, kb = torch.arange(n, device="cuda")[:, None], torch.arange(n, device="cuda")[None, :]
+    return active | ((qb - kb).abs() <= 1)
+
+
+def kernel_table(name: str, active: torch.Tensor, N: int, calls: int = 10) -> None:
+    B, Hq, Hkv, D = b.GEOMETRIES["llama3-8b"]
+    mask = b.af.BlockMask.from_blocks(active, N, N)
+    leaves = [torch.randn(B, h, N, D, device="cuda", dtype=torch.bfloat16, requires_grad=True) for h in (Hq, Hkv, Hkv)]
+    dout = torch.randn(B, Hq, N, D, device="cuda", dtype=torch.bfloat16)
+
+    def step():
+        return torch.autograd.grad(b.bigbird_program(*leaves, mask), leaves, dout)
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            step()
+        torch.cuda.synchronize()
+    forward_flops = 4 * int(active.sum().item()) * mask.block_size ** 2 * D
+    for event in prof.key_averages():
+        if event.self_device_time_total > 0 and event.key.startswith("attnfuse"):
+            kind = event.key.split("_")[1]
+            us = event.self_device_time_total / calls
+            print(f"N{N} {name} {mask.sparsity():.0%} sparse {kind}: {us:.1f} us "
+                  f"{PRODUCTS[kind] * forward_flops / us / 1e6:.0f} TFLOP/s", flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--N", default="4096,16384")
+    args = parser.parse_args()
+    B, Hq, _, _ = b.GEOMETRIES["llama3-8b"]
+    for N in (int(n) for n in args.N.split(",")):
+        kernel_table("bigbird", b.bigbird_blocks(B, Hq, N), N)
+        kernel_table("band+random", band_and_random(B, Hq, N), N)
+
+
+if __name__ == "__main__":
+    main()
