@@ -291,14 +291,16 @@ def decode_row(model: str, B: int, graphed: bool) -> dict:
     return row
 
 
-def bigbird_blocks(B: int, H: int, N: int, block: int = 128, seed: int = 0) -> torch.Tensor:
-    """BigBird's block grid: a band of ±1 blocks, 2 global blocks, 3 random blocks per query block."""
+def bigbird_blocks(B: int, H: int, N: int, block: int = 128, seed: int = 0, randoms: int = 3,
+                   global_blocks: int = 2) -> torch.Tensor:
+    """BigBird's block grid: a band of ±1 blocks, ``global_blocks`` global blocks and ``randoms`` random
+    blocks per query block."""
     n = N // block
     g = torch.Generator(device="cuda").manual_seed(seed)
     active = torch.zeros(B, H, n, n, dtype=torch.bool, device="cuda")
-    active.scatter_(-1, torch.randint(0, n, (B, H, n, 3), generator=g, device="cuda"), True)
+    active.scatter_(-1, torch.randint(0, n, (B, H, n, randoms), generator=g, device="cuda"), True)
     qb, kb = torch.arange(n, device="cuda")[:, None], torch.arange(n, device="cuda")[None, :]
-    return active | ((qb - kb).abs() <= 1) | (qb < 2) | (kb < 2)
+    return active | ((qb - kb).abs() <= 1) | (qb < global_blocks) | (kb < global_blocks)
 
 
 @af.attention

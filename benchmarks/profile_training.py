@@ -20,8 +20,8 @@ from torch.profiler import ProfilerActivity, profile
 import bench_attention as b
 
 
-def kernel_times(name: str, step, calls: int = 10) -> None:
-    """Print each CUDA kernel's mean time per call of ``step``."""
+def kernel_means(step, calls: int = 10) -> list[tuple[float, str]]:
+    """(mean µs per call of ``step``, name) of each CUDA kernel it runs, longest first (torch.profiler)."""
     for _ in range(3):
         step()
     torch.cuda.synchronize()
@@ -29,8 +29,13 @@ def kernel_times(name: str, step, calls: int = 10) -> None:
         for _ in range(calls):
             step()
         torch.cuda.synchronize()
-    rows = sorted(((e.self_device_time_total / calls, e.key) for e in prof.key_averages()
+    return sorted(((e.self_device_time_total / calls, e.key) for e in prof.key_averages()
                    if e.self_device_time_total > 0), reverse=True)
+
+
+def kernel_times(name: str, step, calls: int = 10) -> None:
+    """Print each CUDA kernel's mean time per call of ``step``."""
+    rows = kernel_means(step, calls)
     print(f"--- {name}: kernels {sum(t for t, _ in rows):.0f} us per call")
     for t, key in rows[:8]:
         print(f"   {t:8.1f} us  {key[:70]}")

@@ -11,21 +11,11 @@ from __future__ import annotations
 import argparse
 
 import torch
-from torch.profiler import ProfilerActivity, profile
 
 import bench_attention as b
+from profile_training import kernel_means
 
 PRODUCTS = {"fwd": 1.0, "dq": 1.5, "dkdv": 2.0}  # matrix products per tile, relative to the forward's two
-
-
-def band_and_random(B: int, H: int, N: int, block: int = 128, seed: int = 0) -> torch.Tensor:
-    """A band of ±1 blocks and 5 random blocks per query block: BigBird's density, no global blocks."""
-    n = N // block
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    active = torch.zeros(B, H, n, n, dtype=torch.bool, device="cuda")
-    active.scatter_(-1, torch.randint(0, n, (B, H, n, 5), generator=g, device="cuda"), True)
-    qb, kb = torch.arange(n, device="cuda")[:, None], torch.arange(n, device="cuda")[None, :]
-    return active | ((qb - kb).abs() <= 1)
 
 
 def kernel_table(name: str, active: torch.Tensor, N: int, calls: int = 10) -> None:
@@ -36,18 +26,10 @@ def kernel_table(name: str, active: torch.Tensor, N: int, calls: int = 10) -> No
 
     def step():
         return torch.autograd.grad(b.bigbird_program(*leaves, mask), leaves, dout)
-    for _ in range(3):
-        step()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(calls):
-            step()
-        torch.cuda.synchronize()
     forward_flops = 4 * int(active.sum().item()) * mask.block_size ** 2 * D
-    for event in prof.key_averages():
-        if event.self_device_time_total > 0 and event.key.startswith("attnfuse"):
-            kind = event.key.split("_")[1]
-            us = event.self_device_time_total / calls
+    for us, key in kernel_means(step, calls):
+        if key.startswith("attnfuse"):
+            kind = key.split("_")[1]
             print(f"N{N} {name} {mask.sparsity():.0%} sparse {kind}: {us:.1f} us "
                   f"{PRODUCTS[kind] * forward_flops / us / 1e6:.0f} TFLOP/s", flush=True)
 
@@ -59,7 +41,8 @@ def main() -> None:
     B, Hq, _, _ = b.GEOMETRIES["llama3-8b"]
     for N in (int(n) for n in args.N.split(",")):
         kernel_table("bigbird", b.bigbird_blocks(B, Hq, N), N)
-        kernel_table("band+random", band_and_random(B, Hq, N), N)
+        # a band of ±1 blocks and 5 random blocks per query block: BigBird's density, no global blocks
+        kernel_table("band+random", b.bigbird_blocks(B, Hq, N, randoms=5, global_blocks=0), N)
 
 
 if __name__ == "__main__":

@@ -215,7 +215,8 @@ def generate_dkdv(kernel: TiledKernel) -> str:
                   + "\n" + _DKDV.substitute(
             name=kernel.name.replace("_fwd_", "_dkdv_"), extra_args="".join(f"\n    {a}," for a in args),
             split_reduce=indent(_split_reduce(kernel), 4) if splits else "",
-            k_in="k_pos < tl.where(last, N_K, 0)  # only the last of a split stores" if splits else "k_pos < N_K  # rows of keys past a sequence's length get zeros",
+            k_in=("k_pos < tl.where(last, N_K, 0)  # only the last of a split stores" if splits
+                  else "k_pos < N_K  # rows of keys past a sequence's length get zeros"),
             constexprs=constexpr_args(kernel, even_keys=True, even_queries=True), columns=indent(columns(kernel), 4),
             strides=QKV_STRIDES, kv_args=kv_args(kernel), key_block=indent(key_block(kernel, even_keys=True), 4),
             program=indent(program(kernel, "pid_n", "BLOCK_N", "N_K", transposed=True), 4),
