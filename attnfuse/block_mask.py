@@ -61,9 +61,10 @@ class BlockMask:
         active = active.reshape((1,) * (4 - active.dim()) + tuple(active.shape))
         kv_num, kv_idx = _csr(active)
         q_num, q_idx = _csr(active.transpose(-1, -2))
+        q_totals, kv_totals = kv_num.sum(dim=(0, 1)), q_num.sum(dim=(0, 1))  # list lengths per block
         return cls(Nq=Nq, Nk=Nk, block_size=block_size, active=active, kv_num_blocks=kv_num,
-                   kv_indices=kv_idx, q_num_blocks=q_num, q_indices=q_idx, q_block_order=_heaviest_first(kv_num),
-                   kv_block_order=_heaviest_first(q_num), kv_heavy_blocks=_heavy(q_num))
+                   kv_indices=kv_idx, q_num_blocks=q_num, q_indices=q_idx, q_block_order=_heaviest_first(q_totals),
+                   kv_block_order=_heaviest_first(kv_totals), kv_heavy_blocks=_heavy(kv_totals))
 
     def sparsity(self) -> float:
         """Fraction of blocks that are inactive."""
@@ -87,16 +88,14 @@ def _csr(active: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return counts, order
 
 
-def _heaviest_first(counts: torch.Tensor) -> torch.Tensor:
-    """Blocks (last dim of ``counts`` (Bm, Hm, n)) by their count summed over batches and heads, largest
-    first, ties in block order: (n,) int32."""
-    return torch.argsort(counts.sum(dim=(0, 1)), descending=True, stable=True).to(torch.int32)
+def _heaviest_first(totals: torch.Tensor) -> torch.Tensor:
+    """Blocks by their list length (``totals`` (n,), summed over batches and heads), longest first, ties
+    in block order: (n,) int32."""
+    return torch.argsort(totals, descending=True, stable=True).to(torch.int32)
 
 
-def _heavy(counts: torch.Tensor) -> int:
-    """How many blocks (last dim of ``counts`` (Bm, Hm, n)) have a count, summed over batches and heads, of
-    at least twice the mean and more than zero."""
-    totals = counts.sum(dim=(0, 1))
+def _heavy(totals: torch.Tensor) -> int:
+    """How many blocks have a list length (``totals`` (n,)) of at least twice the mean, and not zero."""
     return int(((totals >= 2 * totals.float().mean()) & (totals > 0)).sum().item())
 
 

@@ -40,7 +40,7 @@ class BackwardKernels:
         self.plugin_args = PluginArgs(tiled)
         self.constexprs = constexprs(tiled)
         self.scheduled = scheduled(tiled), scheduled(tiled, transposed=True)  # dQ, dK/dV
-        self.splits = split_heads(tiled) is not None
+        self.splits_heavy = split_heads(tiled) is not None  # dK/dV: heavy key blocks over a group's heads
         self._share_width = (2 * tiled.block_h if split(tiled) else tiled.block_d) + tiled.block_dv
 
     def _split_buffers(self, keys: int, group: int, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -79,11 +79,11 @@ class BackwardKernels:
                             *out.stride(), *dq.stride(), Hq, Nq, *kv_launch_args(kv), *pargs, *grad_args),
                            q.device, limit=limit, HAS_DLSE=dlse is not None, EVEN_K=even_keys(kv), EVEN_M=even_m,
                            **self.constexprs)
-            split = self._split_buffers(B * Hkv * heavy * limit, Hq // Hkv, q) if self.splits else ()
+            scratch = self._split_buffers(B * Hkv * heavy * limit, Hq // Hkv, q) if self.splits_heavy else ()
             self.dkdv.launch(block_grid(Nk, B * Hkv, "block_n", limit if self.scheduled[1] else None,
-                                        heavy * (Hq // Hkv - 1) if self.splits else 0),
+                                        heavy * (Hq // Hkv - 1) if self.splits_heavy else 0),
                              (q, k, v, dout, lse, delta, dk, dv, *strides, *dk.stride(), *dv.stride(), Hq, Nq,
-                              *kv_launch_args(kv), *pargs, *split), q.device, limit=limit, EVEN_K=even_keys(kv),
+                              *kv_launch_args(kv), *pargs, *scratch), q.device, limit=limit, EVEN_K=even_keys(kv),
                              EVEN_M=even_m, **self.constexprs)
         else:
             for g in (dq, dk, dv):

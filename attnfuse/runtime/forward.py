@@ -49,8 +49,8 @@ class ForwardKernel:
         args = (q, k, v, out, out if lse is None else lse, *q.stride(), *k.stride(), *v.stride(), *out.stride(),
                 Hq, Nq, *kv_launch_args(kv), *pargs)
         self.kernel.launch(block_grid(Nq, B * Hq, "block_m", limit if self.scheduled else None), args, q.device,
-                           limit=limit,
-                           EVEN_K=even_keys(kv), EVEN_M=lambda tiles: Nq % tiles.block_m == 0, **self.constexprs)
+                           limit=limit, EVEN_K=even_keys(kv), EVEN_M=lambda tiles: Nq % tiles.block_m == 0,
+                           **self.constexprs)
         return out, lse
 
 

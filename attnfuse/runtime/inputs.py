@@ -193,11 +193,11 @@ def empty_like_layout(t: torch.Tensor, last_dim: int, dtype: torch.dtype) -> tor
 class Prepared(NamedTuple):
     """What the plugins of one call give: the kernel arguments (each tensor with its strides, then each
     scalar); the largest tile a block-listing mask allows (its block size) or None; and how many of its
-    key blocks the dK/dV kernel splits over a GQA group's query heads (``BlockList.q_split``)."""
+    heavy key blocks the dK/dV kernel splits over a GQA group's query heads (``BlockList.q_split``)."""
 
     args: list
     limit: int | None
-    split: int
+    heavy: int
 
 
 class PluginArgs:
