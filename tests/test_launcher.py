@@ -63,3 +63,31 @@ def test_launch_hooks_are_seen():
         assert _hooked(knobs.runtime.launch_enter_hook)
     finally:
         knobs.runtime.launch_enter_hook.remove(hook)
+
+
+def _language_state() -> dict:
+    """Every attribute of the modules and classes Triton's interpreter patches (Python adds
+    ``__annotations__`` to a class on first access, so that one is left out)."""
+    owners = (tl, tl.core, tl.math, tl.tensor, tl.core.tensor_descriptor_base)
+    return {(id(o), name): getattr(o, name) for o in owners for name in dir(o)
+            if name not in ("__annotations__", "__dict__")}
+
+
+def test_interpreter_leaves_triton_language_as_it_found_it():
+    """An interpreted kernel that calls ``@triton.jit`` helpers (tl.sum, tl.max, tl.cdiv ...) restores every
+    patch when it returns, even when it raises: a later real compilation must see Triton's own functions."""
+    from attnfuse.runtime.interpreter import InterpretedKernel
+
+    def row_stats(X, Y, n, BLOCK: tl.constexpr):
+        i = tl.arange(0, BLOCK)
+        x = tl.load(X + i, mask=i < n, other=0.0)
+        tl.store(Y + tl.arange(0, 2), tl.where(tl.arange(0, 2) == 0, tl.sum(x, axis=0), tl.max(x, axis=0)))
+
+    before = _language_state()
+    x, y = torch.randn(8, generator=torch.Generator().manual_seed(0)), torch.empty(2)
+    InterpretedKernel(row_stats).launch((1,), (x, y, 8), {"BLOCK": 8})
+    assert torch.allclose(y, torch.stack([x.sum(), x.max()]))
+    assert _language_state() == before
+    with pytest.raises(IndexError):
+        InterpretedKernel(row_stats).launch((1,), (x, torch.empty(1), 8), {"BLOCK": 8})
+    assert _language_state() == before

@@ -1,6 +1,7 @@
 """CPU tensors run the generated kernels through Triton's interpreter, with no environment variable.
 
-``InterpretedFunction`` runs a plain kernel function on CPU tensors. Two patches hold while one runs:
+``InterpretedFunction`` runs a plain kernel function on CPU tensors. Two patches hold while one runs, and
+every patch (ours and Triton's) is undone when it returns:
 Triton's own library functions (``tl.sum``, ``tl.max``, ``tl.zeros`` ...) are ``@triton.jit`` functions,
 which refuse to be called outside a compiled kernel unless ``TRITON_INTERPRET=1`` was set before Triton
 was imported, so calls to them go to interpreted copies; and a scalar used as an index (a loop bound)
@@ -28,10 +29,19 @@ _interpreted: dict[Callable, InterpretedFunction] = {}
 
 
 def _call_interpreted(self: JITFunction, *args: Any, **kwargs: Any) -> Any:
+    """A ``@triton.jit`` helper called inside an interpreted kernel. ``InterpretedFunction.__call__``
+    patches ``triton.language`` for the helper and never restores it (Triton 3.6), which left later
+    compilations in the process broken; here the helper's patches are undone when it returns."""
     fn = _interpreted.get(self.fn)
     if fn is None:
         fn = _interpreted[self.fn] = InterpretedFunction(self.fn)
-    return fn(*args, **kwargs)
+    scope = interpreter._patch_lang(self.fn)
+    try:
+        return fn.rewrite()(*args, **kwargs)
+    except Exception as exc:
+        raise InterpreterError(repr(exc)) from exc
+    finally:
+        scope.restore()
 
 
 _patch_lang_tensor = interpreter._patch_lang_tensor
