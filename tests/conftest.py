@@ -1,11 +1,53 @@
-"""Shared fixtures: the device tests run on, and how many Hypothesis examples the fuzzers draw."""
+"""Shared test settings: the kernel cache in a temporary directory, a seed per test, Hypothesis failures that
+print their replay blob, the device tests run on, and how many examples the fuzzers draw."""
 import os
+import random
+import shutil
+import tempfile
+import zlib
 
 import pytest
 import torch
+from hypothesis import settings
 
 CUDA = torch.cuda.is_available()
 requires_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+
+settings.register_profile("attnfuse", print_blob=True)
+settings.load_profile("attnfuse")
+
+
+def pytest_configure(config):
+    """Generated kernels go to a fresh temporary directory for the session, never the user's ~/.cache."""
+    config._attnfuse_cache = tempfile.mkdtemp(prefix="attnfuse-test-kernels-")
+    os.environ["ATTNFUSE_CACHE_DIR"] = config._attnfuse_cache
+
+
+def pytest_unconfigure(config):
+    shutil.rmtree(getattr(config, "_attnfuse_cache", ""), ignore_errors=True)
+
+
+def seed_of(nodeid: str) -> int:
+    """The seed a test's random draws start from: a function of its id alone, so any order replays it."""
+    return zlib.crc32(nodeid.encode())
+
+
+@pytest.fixture(autouse=True)
+def _seeded(request):
+    """Seed torch and random from the test's id before each test; a failure report names the seed."""
+    seed = seed_of(request.node.nodeid)
+    torch.manual_seed(seed)
+    random.seed(seed)
+    request.node.user_properties.append(("seed", seed))
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    report = (yield).get_result()
+    if report.failed:
+        seed = dict(item.user_properties).get("seed")
+        report.sections.append(("replay", f"torch.manual_seed({seed}) and random.seed({seed}) were set from the "
+                                          f"test id; rerun with: pytest '{item.nodeid}'"))
 
 
 def fuzz_examples(cpu_default: int, gpu_default: int) -> int:
