@@ -97,4 +97,31 @@ def evaluate(graph: ir.MatMulPV, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
             s = comb.reference(s, ctx, **values)
     norm: ir.NormOp = nodes[-2]
     weights, lse = lookup(norm.apply.combinator).reference(s, keep, ctx, **_values(norm.apply, inputs, dtype))
-    return weights @ v, lse
+    return weighted_values(weights, v, keep), lse
+
+
+def weighted_values(weights: torch.Tensor, v: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
+    """weights (B, H, Nq, Nk) @ v (B, H, Nk, DV), where masked keys contribute nothing, not even a NaN or inf
+    of theirs (0 · NaN would be NaN): a row's column is NaN only where a key it keeps is non-finite."""
+    if keep is None or torch.isfinite(v).all():
+        return weights @ v
+    return _MaskedProduct.apply(weights, v, keep)
+
+
+class _MaskedProduct(torch.autograd.Function):
+    """weights @ v over kept keys only; its gradients are the math's: dW = dOut·vᵀ on kept pairs (NaN where
+    the kept value is), 0 on masked ones; dV = Wᵀ·dOut."""
+
+    @staticmethod
+    def forward(ctx, weights, v, keep):
+        finite = torch.isfinite(v)
+        bad = (keep.to(v.dtype) @ (~finite).to(v.dtype)) > 0
+        ctx.save_for_backward(weights, v, keep)
+        return (weights @ torch.where(finite, v, 0.0)).masked_fill(bad, float("nan"))
+
+    @staticmethod
+    def backward(ctx, grad):
+        weights, v, keep = ctx.saved_tensors
+        grad_weights = torch.where(keep, grad @ v.transpose(-1, -2), 0.0) if ctx.needs_input_grad[0] else None
+        grad_v = weights.transpose(-1, -2) @ grad if ctx.needs_input_grad[1] else None
+        return grad_weights, grad_v, None

@@ -17,7 +17,7 @@ import attrs
 
 from ..lower import Instance, TiledKernel
 from .common import (HEADER, QKV_STRIDES, block_range, columns, constexpr_args, dv_mask, finish, fragment, has_masks, indent,
-                     key_block, key_offsets, key_range, kv_args, kv_base, masked_load, operand, operand_grad,
+                     key_block, key_offsets, key_range, kv_args, kv_base, masked_load, masks_keys, operand, operand_grad,
                      precision, program, prologues, qk_product, query_block, scores, split, split_heads, visit,
                      with_bounds)
 
@@ -34,7 +34,7 @@ $strides
     # One program per (key block, batch x kv head): dK, dV of these keys, summed over the group's heads.
 $program$key_block$columns    k_base = K + b.to(tl.int64) * stride_kb + hk.to(tl.int64) * stride_kh
 $k_load    v = $v_load
-$dk_init    dv_acc = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
+$finite_values$dk_init    dv_acc = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
     # Query rows that keep some key of this block (positions k_lo .. k_hi), and those that keep all of it.
     k_lo = pid_n * BLOCK_N
     k_hi = tl.minimum(pid_n * BLOCK_N + BLOCK_N, Nk) - 1
@@ -130,6 +130,12 @@ def _dkdv_body(kernel: TiledKernel, masked: bool, implied: str | None) -> str:
     return rows + with_bounds(code)
 
 
+# dP = dO·Vᵀ must not carry a masked key's NaN or inf into dS (its weight is 0, and 0 · NaN is NaN). A row
+# that keeps a non-finite value has a non-finite output, hence a non-finite delta and dS, as the math says,
+# so the values may be made finite in every tile the loops visit.
+FINITE_VALUES = 'v = tl.where(tl.abs(v) < float("inf"), v, 0.0)\n'
+
+
 def _dq_body(kernel: TiledKernel, masked: bool, implied: str | None) -> str:
     p = precision(kernel)
     dtype = "Q.dtype.element_ty"
@@ -137,7 +143,8 @@ def _dq_body(kernel: TiledKernel, masked: bool, implied: str | None) -> str:
                     dv_mask(kernel))
     keys = "k_pos = start_n + tl.arange(0, BLOCK_N)\nk_ok = (k_pos < Nk) | EVEN_K\n" + key_offsets(kernel)
     code = (operand(kernel, "k", "k_base", "k_off[:, None]", "k_pos", "k_ok", "stride_kd", masked)
-            + f"v = {v}\n" + qk_product(kernel) + _recompute(kernel, masked, implied)
+            + f"v = {v}\n" + (FINITE_VALUES if masks_keys(kernel, masked, implied) else "")
+            + qk_product(kernel) + _recompute(kernel, masked, implied)
             + f"dp = tl.dot(do, tl.trans(v){p})\n" + _chain(kernel, masked, True))
     code += _accumulate(kernel, "dq", f"ds.to({dtype})", "k")
     return keys + with_bounds(code)
@@ -224,6 +231,7 @@ def generate_dkdv(kernel: TiledKernel) -> str:
                                   True), 4),
             v_load=masked_load("V + b.to(tl.int64) * stride_vb + hk.to(tl.int64) * stride_vh + k_pos[:, None] * "
                                "stride_vn + dv[None, :] * stride_vd", "k_ok[:, None]", mask),
+            finite_values=indent(FINITE_VALUES if has_masks(kernel) else "", 4),
             dk_init=indent(_accumulators(kernel, "dk", "BLOCK_N"), 4), query_range=indent(query_range, 4),
             loops=indent(body, 4),
             dk_grad=indent(operand_grad(kernel, "k", "dk", "k_pos", "k_ok"), 4),

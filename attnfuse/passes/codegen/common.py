@@ -259,6 +259,25 @@ def scores(kernel: TiledKernel, masked: bool, rows_too: bool = False, stages: bo
     return "\n".join(lines) + "\n" if lines else ""
 
 
+def masks_keys(kernel: TiledKernel, masked: bool, implied: str | None = None) -> bool:
+    """Whether a tile's ``keep`` can drop keys that lie in range (a mask's keep, beyond the loop's own)."""
+    return masked and any(m.fragment.keep and m.prefix != implied for m in kernel.masks)
+
+
+def masked_values(kernel: TiledKernel) -> str:
+    """Masked keys must not reach P·V: their weight is 0, but 0 · NaN is NaN. So a tile's non-finite values
+    become 0, and a row that keeps a key whose value is non-finite gets NaN in that value's columns (as
+    the math would; with several such keys in one tile, in the union of their columns). Only tiles with a
+    non-finite value take the second branch."""
+    return ("v_finite = tl.abs(v) < float(\"inf\")  # false for NaN too\n"
+            "if tl.max(tl.where(v_finite, 0, 1)) > 0:\n"
+            "    key_bad = tl.max(tl.where(v_finite, 0, 1), axis=1)\n"
+            "    row_bad = tl.max(tl.where(keep & (key_bad[None, :] > 0), 1, 0), axis=1)\n"
+            "    col_bad = tl.max(tl.where(v_finite, 0, 1), axis=0)\n"
+            "    acc = tl.where((row_bad[:, None] > 0) & (col_bad[None, :] > 0), float(\"nan\"), acc)\n"
+            "    v = tl.where(v_finite, v, 0.0)\n")
+
+
 def with_bounds(code: str) -> str:
     """Define ``in_bounds`` first when the code reads it."""
     return ("in_bounds = q_ok[:, None] & k_ok[None, :]\n" + code) if "in_bounds" in code else code

@@ -9,7 +9,7 @@ import string
 
 from ..lower import TiledKernel
 from .common import (HEADER, QKV_STRIDES, constexpr_args, dv_mask, finish, indent, key_offsets,
-                     key_range, kv_args, kv_base, masked_load, normaliser_update, operand, precision, prologues, qk_product,
+                     key_range, kv_args, kv_base, masked_load, masked_values, masks_keys, normaliser_update, operand, precision, prologues, qk_product,
                      query_block, scores, visit, with_bounds)
 
 _KERNEL = string.Template('''\
@@ -46,7 +46,8 @@ def key_tile(kernel: TiledKernel, masked: bool, implied: str | None = None) -> s
             + key_offsets(kernel)
             + with_bounds(operand(kernel, "k", "k_base", "k_off[:, None]", "k_pos", "k_ok", "stride_kd", masked)
                           + qk_product(kernel) + score)
-            + f"v = {v}\nacc = tl.dot(p.to(V.dtype.element_ty), v, acc{precision(kernel)})\n")
+            + f"v = {v}\n" + (masked_values(kernel) if masks_keys(kernel, masked, implied) else "")
+            + f"acc = tl.dot(p.to(V.dtype.element_ty), v, acc{precision(kernel)})\n")
 
 
 def generate_forward(kernel: TiledKernel) -> str:
