@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Everything a GPU session needs in one device call, logs under $OUT.
 #   bash scripts/gpu_session.sh install test sweep bench     (any subset of steps, in order)
+#   bench_base: the same benchmark on the tree in .base (attnfuse/ and attnfuse_plugins/ of an earlier
+#   commit: `bash scripts/base_tree.sh REV`, then carry .base), for before/after tables from one call.
 # Knobs: TESTS (pytest paths), FUZZ (examples per combinator), SWEEP_CASES / SWEEP_KERNEL (see
 # benchmarks/sweep_tiles.py), BENCH_ARGS (see benchmarks/bench_attention.py --help), STEP_TIMEOUT (seconds
 # per step, so one step cannot use up the device call; 0, the default, is none).
@@ -25,6 +27,11 @@ for step in "$@"; do
         2>&1 | tee "$OUT/sweep.log" | grep -E "BEST|failed|Error" ;;
     bench)
       timeout "${STEP_TIMEOUT:-0}" python3 benchmarks/bench_attention.py ${BENCH_ARGS:-} --out "$OUT/bench.md" 2>&1 | tee "$OUT/bench.log" ;;
+    bench_base)
+      PYTHONPATH=$PWD/.base timeout "${STEP_TIMEOUT:-0}" python3 benchmarks/bench_attention.py ${BENCH_ARGS:-} \
+        --out "$OUT/bench_base.md" 2>&1 | tee "$OUT/bench_base.log" ;;
+    validation)
+      timeout "${STEP_TIMEOUT:-0}" python3 benchmarks/validation_cost.py 2>&1 | tee "$OUT/validation.log" ;;
     *) echo "unknown step $step" ;;
   esac
 done
