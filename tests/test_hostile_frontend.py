@@ -3,11 +3,36 @@ import pytest
 import torch
 
 import attnfuse as af
+from attnfuse import ProgramError
+from attnfuse.testing import assert_matches_reference
+
+WINDOW = 4  # read as a global by `global_window` below
 
 
 @af.attention
 def causal_softmax(q, k, v):
     return af.softmax(af.causal(af.scaled_dot_product(q, k))) @ v
+
+
+def attention(q, k, v, scale=None, keep=None, dtype=torch.float64):
+    """Hand-written softmax attention in ``dtype``; ``keep`` (Nq, Nk) bool."""
+    q, k, v = (t.detach().to(dtype) for t in (q, k, v))
+    s = q @ k.transpose(-1, -2) * (q.shape[-1] ** -0.5 if scale is None else scale)
+    if keep is not None:
+        s = s.masked_fill(~keep, float("-inf"))
+    return torch.softmax(s, dim=-1) @ v
+
+
+def window_keep(Nq, Nk, left, right=0):
+    """(Nq, Nk): keys within ``left`` before and ``right`` after each query's bottom-right position."""
+    q_pos = torch.arange(Nq)[:, None] + Nk - Nq
+    k_pos = torch.arange(Nk)[None, :]
+    return (k_pos >= q_pos - left) & (k_pos <= q_pos + right)
+
+
+def assert_attention(out, q, k, v, **kwargs):
+    """``out`` equals the hand-written float64 attention within the tolerance of q's dtype."""
+    assert_matches_reference(out, attention(q, k, v, **kwargs), attention(q, k, v, dtype=q.dtype, **kwargs))
 
 
 def _qkv(seed, B=1, H=2, N=32, D=16, dtype=torch.float32, requires_grad=False):
@@ -29,3 +54,100 @@ def test_second_derivative_raises_and_first_derivative_matches_reference():
     ref = torch.autograd.grad(causal_softmax.reference(q64, k64, v64).pow(2).sum(), (q64, k64, v64))
     for got, want in zip((gq, gk, gv), ref):
         torch.testing.assert_close(got.detach().double(), want, atol=5e-5, rtol=0)
+
+
+# 2. Values read from closures and globals ------------------------------------------------------------------
+
+def test_changed_closure_value_traces_again():
+    cfg = {"scale": 0.5}
+
+    @af.attention
+    def scaled(q, k, v):
+        return af.softmax(af.scaled_dot_product(q, k, scale=cfg["scale"])) @ v
+
+    q, k, v = _qkv(1)
+    assert_attention(scaled(q, k, v), q, k, v, scale=0.5)
+    cfg["scale"] = 2.0
+    assert_attention(scaled(q, k, v), q, k, v, scale=2.0)
+
+
+@af.attention
+def global_window(q, k, v):
+    mask = lambda s: af.sliding_window(s, WINDOW)  # noqa: E731 (a global read by a nested lambda)
+    return af.softmax(mask(af.scaled_dot_product(q, k))) @ v
+
+
+def test_changed_global_read_by_a_nested_lambda_traces_again(monkeypatch):
+    q, k, v = _qkv(2)
+    assert_attention(global_window(q, k, v), q, k, v, keep=window_keep(32, 32, WINDOW))
+    monkeypatch.setitem(globals(), "WINDOW", 9)
+    assert_attention(global_window(q, k, v), q, k, v, keep=window_keep(32, 32, 9))
+
+
+def test_closure_over_a_tensor_names_the_variable():
+    bias = torch.randn(1, 2, 32, 32, generator=torch.Generator().manual_seed(3))
+
+    @af.attention
+    def biased(q, k, v):
+        return af.softmax(af.additive_bias(af.scaled_dot_product(q, k), bias)) @ v
+
+    with pytest.raises(ProgramError, match=r"biased reads the closure variable 'bias', which holds a Tensor.*"
+                                           r"pass 'bias' as an argument of the program"):
+        biased(*_qkv(3))
+
+
+def test_a_program_reading_only_code_checks_nothing_per_call():
+    assert causal_softmax._outside.empty  # reads `af` only: nothing to freeze at each call
+    assert not global_window._outside.empty
+
+
+# 5. Errors that name what is wrong -------------------------------------------------------------------------
+
+@af.attention
+def recursive(q, k, v):
+    return recursive(q, k, v)
+
+
+def test_a_program_calling_itself_is_refused():
+    with pytest.raises(ProgramError, match=r"recursive calls itself while it is traced: a program cannot be "
+                                           r"recursive"):
+        recursive(*_qkv(4))
+
+
+def test_a_program_called_inside_another_is_refused():
+    @af.attention
+    def outer(q, k, v):
+        return causal_softmax(q, k, v)
+
+    with pytest.raises(ProgramError, match=r"causal_softmax is called inside another program: programs cannot be "
+                                           r"called inside a program; compose their combinators instead"):
+        outer(*_qkv(5))
+
+
+@af.attention
+def named(query, key, value):
+    return af.softmax(af.scaled_dot_product(query, key)) @ value
+
+
+def test_q_k_v_bind_by_the_programs_own_names():
+    q, k, v = _qkv(6)
+    assert_attention(named(query=q, key=k, value=v), q, k, v)
+    assert_attention(named(q, key=k, v=v), q, k, v)
+    torch.testing.assert_close(named.reference(query=q, key=k, value=v), attention(q, k, v), atol=1e-12, rtol=0)
+    with pytest.raises(TypeError, match=r"named\(\) got argument 'query' twice"):
+        named(q, k, v, query=q)
+    with pytest.raises(TypeError, match=r"named\(\) is missing the argument 'value'"):
+        named(query=q, key=k)
+
+
+@af.attention
+def window(q, k, v, left):
+    return af.softmax(af.sliding_window(af.scaled_dot_product(q, k), left)) @ v
+
+
+@pytest.mark.parametrize("good, bad", [(2, 2.0), (1, True)])
+def test_trace_key_tells_types_apart(good, bad):
+    q, k, v = _qkv(7)
+    assert_attention(window(q, k, v, good), q, k, v, keep=window_keep(32, 32, good))
+    with pytest.raises(ProgramError, match=rf"sliding_window: parameter 'left': must be an int >= 0, got {bad!r}"):
+        window(q, k, v, bad)
