@@ -1,9 +1,13 @@
 """Hostile use of the front end: what used to give silently wrong results or errors that named nothing."""
+import re
+
 import pytest
 import torch
 
 import attnfuse as af
-from attnfuse import ProgramError
+from attnfuse import KernelCacheError, ProgramError
+from attnfuse.runtime.launch import clear_cache
+from attnfuse.runtime.source_cache import load_function
 from attnfuse.testing import assert_matches_reference
 
 WINDOW = 4  # read as a global by `global_window` below
@@ -151,3 +155,53 @@ def test_trace_key_tells_types_apart(good, bad):
     assert_attention(window(q, k, v, good), q, k, v, keep=window_keep(32, 32, good))
     with pytest.raises(ProgramError, match=rf"sliding_window: parameter 'left': must be an int >= 0, got {bad!r}"):
         window(q, k, v, bad)
+
+
+# 3. The on-disk kernel cache -------------------------------------------------------------------------------
+
+def _truncate(text):
+    lines = text.splitlines(keepends=True)
+    return "".join(lines[: len(lines) * 3 // 5])
+
+
+def _flip_a_digit(text):  # the softmax's log2(e) * scale factor: a wrong temperature
+    return re.sub(r"exp2\(s \* (\d)\.(\d)", lambda m: f"exp2(s * {m[1]}.{(int(m[2]) + 1) % 10}", text)
+
+
+@pytest.mark.parametrize("corrupt", [_truncate, _flip_a_digit, lambda text: ""], ids=["truncated", "digit", "empty"])
+def test_a_corrupted_cache_file_is_written_again(corrupt, tmp_path, monkeypatch):
+    monkeypatch.setenv("ATTNFUSE_CACHE_DIR", str(tmp_path))
+    clear_cache()
+    q, k, v = _qkv(8)
+    assert_attention(causal_softmax(q, k, v), q, k, v, keep=window_keep(32, 32, 32))
+    (path,) = tmp_path.glob("attnfuse_fwd_*.py")
+    source = path.read_text()
+    path.write_text(corrupt(source))
+    assert path.read_text() != source
+    clear_cache()
+    assert_attention(causal_softmax(q, k, v), q, k, v, keep=window_keep(32, 32, 32))
+    assert path.read_text() == source
+
+
+def test_an_unwritable_cache_file_is_named(tmp_path, monkeypatch):
+    monkeypatch.setenv("ATTNFUSE_CACHE_DIR", str(tmp_path))
+    clear_cache()
+    causal_softmax(*_qkv(9))
+    (path,) = tmp_path.glob("attnfuse_fwd_*.py")
+    path.unlink()
+    path.mkdir()  # a directory where the kernel's file should be
+    clear_cache()
+    with pytest.raises(KernelCacheError, match=rf"kernel cache file {re.escape(str(path))} could not be written"):
+        causal_softmax(*_qkv(9))
+
+
+def test_a_cache_file_that_fails_to_load_is_named(tmp_path):
+    path = tmp_path / "attnfuse_fwd_broken.py"
+    path.write_text("import triton\n\ndef kernel(\n")
+    with pytest.raises(KernelCacheError, match=rf"kernel cache file {re.escape(str(path))} could not be loaded: "
+                                               r"SyntaxError"):
+        load_function(path, "kernel")
+    path.write_text("x = 1\n")
+    with pytest.raises(KernelCacheError, match=rf"kernel cache file {re.escape(str(path))} could not be loaded: "
+                                               r"AttributeError"):
+        load_function(path, "kernel")
