@@ -205,3 +205,52 @@ def test_a_cache_file_that_fails_to_load_is_named(tmp_path):
     with pytest.raises(KernelCacheError, match=rf"kernel cache file {re.escape(str(path))} could not be loaded: "
                                                r"AttributeError"):
         load_function(path, "kernel")
+
+
+# 4. A BlockMask edited after it was built ------------------------------------------------------------------
+
+@af.attention
+def sparse(q, k, v, block_mask):
+    return af.softmax(af.block_sparse(af.scaled_dot_product(q, k), block_mask)) @ v
+
+
+def _block_keep(active, block_size, N):
+    """(N, N) element mask of a (QB, KB) block grid."""
+    return active.repeat_interleave(block_size, 0).repeat_interleave(block_size, 1)[:N, :N]
+
+
+EDITED = r"block_mask: its tensors were edited in place after it was built.*build a new mask"
+
+
+def test_editing_a_block_mask_in_place_is_refused():
+    q, k, v = _qkv(10, N=48)
+    mask = af.create_block_mask(lambda b, h, qb, kb: qb >= kb, None, None, 48, 48, block_size=16)
+    assert_attention(sparse(q, k, v, mask), q, k, v, keep=_block_keep(mask.active[0, 0], 16, 48))
+    mask.active[0, 0, 2, 0] = False
+    for use in (lambda: sparse(q, k, v, mask), lambda: sparse.reference(q, k, v, mask), mask.to_dense):
+        with pytest.raises(af.InputError, match=EDITED):
+            use()
+
+
+def test_editing_the_tensor_a_block_mask_was_built_from_is_refused():
+    q, k, v = _qkv(11, N=48)
+    active = torch.rand(1, 1, 3, 3, generator=torch.Generator().manual_seed(11)) > 0.3
+    mask = af.BlockMask.from_blocks(active, 48, 48, block_size=16)
+    active[0, 0, 0, 0] = ~active[0, 0, 0, 0]
+    with pytest.raises(af.InputError, match=EDITED):
+        sparse(q, k, v, mask)
+
+
+def test_using_an_unedited_block_mask_derives_nothing_again(monkeypatch):
+    q, k, v = _qkv(12, N=48)
+    mask = af.create_block_mask(lambda b, h, qb, kb: (qb + kb) % 2 == 0, None, None, 48, 48, block_size=16)
+
+    def derived_again(*args):
+        raise AssertionError("the block lists were derived again")
+    monkeypatch.setattr("attnfuse.block_mask._csr", derived_again)
+    monkeypatch.setattr("attnfuse.block_mask._heaviest_first", derived_again)
+    keep = _block_keep(mask.active[0, 0], 16, 48)
+    for _ in range(2):
+        assert_attention(sparse(q, k, v, mask), q, k, v, keep=keep)
+    torch.testing.assert_close(sparse.reference(q, k, v, mask), attention(q, k, v, keep=keep), atol=1e-12, rtol=0)
+    assert torch.equal(mask.to_dense()[0, 0], keep)
