@@ -20,7 +20,7 @@ def causal_softmax(q, k, v):
 
 def attention(q, k, v, scale=None, keep=None, dtype=torch.float64):
     """Hand-written softmax attention in ``dtype``; ``keep`` (Nq, Nk) bool."""
-    q, k, v = (t.detach().to(dtype) for t in (q, k, v))
+    q, k, v = (t.to(dtype) for t in (q, k, v))
     s = q @ k.transpose(-1, -2) * (q.shape[-1] ** -0.5 if scale is None else scale)
     if keep is not None:
         s = s.masked_fill(~keep, float("-inf"))
@@ -254,3 +254,30 @@ def test_using_an_unedited_block_mask_derives_nothing_again(monkeypatch):
         assert_attention(sparse(q, k, v, mask), q, k, v, keep=keep)
     torch.testing.assert_close(sparse.reference(q, k, v, mask), attention(q, k, v, keep=keep), atol=1e-12, rtol=0)
     assert torch.equal(mask.to_dense()[0, 0], keep)
+
+
+# 5. Windows wider than int32, block predicates of the wrong shape ------------------------------------------
+
+@af.attention
+def two_sided(q, k, v, left, right):
+    return af.softmax(af.sliding_window(af.scaled_dot_product(q, k), left, right)) @ v
+
+
+@pytest.mark.parametrize("left, right", [(2**31, 0), (2**31, 2**31), (3, 2**40), (2**30 - 1, 2**30), (2**30, 5)])
+def test_a_window_wider_than_int32_keeps_everything_on_that_side(left, right):
+    g = torch.Generator().manual_seed(13)
+    q = torch.randn(1, 2, 24, 16, generator=g, requires_grad=True)
+    k, v = (torch.randn(1, 2, 40, 16, generator=g, requires_grad=True) for _ in range(2))
+    keep = window_keep(24, 40, left, right)
+    out = two_sided(q, k, v, left, right)
+    assert_attention(out, q, k, v, keep=keep)
+    dout = torch.randn(out.shape, generator=g)
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    want = torch.autograd.grad(attention(q64, k64, v64, keep=keep), (q64, k64, v64), dout.double())
+    for got, w in zip(torch.autograd.grad(out, (q, k, v), dout), want):
+        torch.testing.assert_close(got.double(), w, atol=5e-5, rtol=0)
+
+
+def test_a_huge_negative_window_is_refused():
+    with pytest.raises(ProgramError, match=r"sliding_window: parameter 'left': must be an int >= 0, got -2147483649"):
+        window(*_qkv(14), -2**31 - 1)
