@@ -138,8 +138,19 @@ def create_block_mask(predicate: Callable, B: int | None, H: int | None, Nq: int
     h = torch.arange(H or 1, device=device).view(1, -1, 1, 1)
     q_block = torch.arange(qb, device=device).view(1, 1, -1, 1)
     kv_block = torch.arange(kb, device=device).view(1, 1, 1, -1)
-    active = torch.as_tensor(predicate(b, h, q_block, kv_block), device=device)
+    grid = (B or 1, H or 1, qb, kb)
+    result = predicate(b, h, q_block, kv_block)
+    try:
+        active = torch.as_tensor(result, device=device)
+    except (TypeError, ValueError, RuntimeError):
+        raise InputError(f"the block predicate must return a bool tensor broadcastable to (B, H, QB, KB) = {grid}, "
+                         f"got {type(result).__name__}") from None
     if active.dtype != torch.bool:
         raise InputError(f"the block predicate must return a bool tensor, got {active.dtype}")
-    active = torch.broadcast_to(active, (B or 1, H or 1, qb, kb)).contiguous()
+    try:
+        active = torch.broadcast_to(active, grid).contiguous()
+    except RuntimeError:
+        raise InputError(f"the block predicate must return a bool tensor broadcastable to (B, H, QB, KB) = {grid} "
+                         f"(QB = ceil(Nq / block_size), KB = ceil(Nk / block_size)), got shape "
+                         f"{tuple(active.shape)}") from None
     return BlockMask.from_blocks(active, Nq, Nk, block_size)

@@ -281,3 +281,14 @@ def test_a_window_wider_than_int32_keeps_everything_on_that_side(left, right):
 def test_a_huge_negative_window_is_refused():
     with pytest.raises(ProgramError, match=r"sliding_window: parameter 'left': must be an int >= 0, got -2147483649"):
         window(*_qkv(14), -2**31 - 1)
+
+
+@pytest.mark.parametrize("predicate, got", [
+    (lambda b, h, qb, kb: torch.ones(5, 7, dtype=torch.bool), r"got shape \(5, 7\)"),
+    (lambda b, h, qb, kb: (qb >= kb).transpose(-1, -2).expand(1, 1, 3, 4), r"got shape \(1, 1, 3, 4\)"),
+    (lambda b, h, qb, kb: None, r"got NoneType"),
+])
+def test_a_block_predicate_of_the_wrong_shape_is_named(predicate, got):
+    match = r"the block predicate must return a bool tensor broadcastable to \(B, H, QB, KB\) = \(2, 1, 4, 3\).*" + got
+    with pytest.raises(af.InputError, match=match):
+        af.create_block_mask(predicate, 2, None, 64, 48, block_size=16)
