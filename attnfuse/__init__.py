@@ -16,14 +16,15 @@ from typing import Any, Callable
 
 from .block_mask import BlockMask, create_block_mask
 from .combinator import Combinator, Role
-from .errors import AttnFuseError, InputError, PluginError, ProgramError
+from .errors import AttnFuseError, InputError, KernelCacheError, PluginError, ProgramError
 from .hookspecs import hookimpl
 from .plugin_manager import combinators, register_plugin, unregister_plugin
 from .program import AttentionProgram, attention
 from .runtime.launch import run_attention
 
 __all__ = [
-    "AttentionProgram", "AttnFuseError", "BlockMask", "Combinator", "InputError", "PluginError", "ProgramError",
+    "AttentionProgram", "AttnFuseError", "BlockMask", "Combinator", "InputError", "KernelCacheError", "PluginError",
+    "ProgramError",
     "Role", "attention", "combinators", "create_block_mask", "hookimpl", "register_plugin", "run_attention",
     "unregister_plugin",
 ]

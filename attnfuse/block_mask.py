@@ -32,6 +32,12 @@ class BlockMask:
     blocks (dK/dV). ``kv_heavy_blocks``: how many key blocks, first in that order, list at least twice
     the mean number of query blocks (global tokens' columns): the dK/dV kernel spreads each of them over
     the query heads of a GQA group, so one program does not run a group's long lists alone.
+
+    A mask is a value: its lists are derived once, when it is built. Editing one of its tensors in place
+    afterwards (``mask.active[...] = False``, or the tensor ``from_blocks`` was given) makes every later use
+    (a launch, the reference, ``to_dense``) raise an InputError asking for a new mask, rather than silently
+    running the old lists. (Re-deriving on use instead would hide device reductions and a host sync in a
+    launch, and change a mask other calls may share.) The check reads the tensors' version counters: no work.
     """
 
     __attnfuse_runtime_input__ = True
@@ -47,6 +53,22 @@ class BlockMask:
     q_block_order: torch.Tensor
     kv_block_order: torch.Tensor
     kv_heavy_blocks: int
+    _versions: tuple[int, ...] = field(init=False, repr=False)
+
+    def __attrs_post_init__(self) -> None:
+        object.__setattr__(self, "_versions", self._tensor_versions())
+
+    def _tensor_versions(self) -> tuple[int, ...]:
+        tensors = (self.active, self.kv_num_blocks, self.kv_indices, self.q_num_blocks, self.q_indices,
+                   self.q_block_order, self.kv_block_order)
+        return tuple(-1 if t.is_inference() else t._version for t in tensors)  # inference tensors: no counter
+
+    def check_unchanged(self) -> None:
+        """Raise InputError if a tensor of the mask was edited in place since it was built."""
+        if self._tensor_versions() != self._versions:
+            raise InputError("block_mask: its tensors were edited in place after it was built (e.g. "
+                             "mask.active[...] = False), so its block lists no longer match them; build a new mask "
+                             "(af.BlockMask.from_blocks(active, Nq, Nk, block_size) or af.create_block_mask)")
 
     @classmethod
     def from_blocks(cls, active: torch.Tensor, Nq: int, Nk: int, block_size: int = 128) -> "BlockMask":
@@ -72,6 +94,7 @@ class BlockMask:
 
     def to_dense(self) -> torch.Tensor:
         """The element mask (Bm, Hm, Nq, Nk): for tests and small shapes only."""
+        self.check_unchanged()
         bs = self.block_size
         dense = self.active.repeat_interleave(bs, dim=-2).repeat_interleave(bs, dim=-1)
         return dense[..., : self.Nq, : self.Nk]
@@ -115,8 +138,19 @@ def create_block_mask(predicate: Callable, B: int | None, H: int | None, Nq: int
     h = torch.arange(H or 1, device=device).view(1, -1, 1, 1)
     q_block = torch.arange(qb, device=device).view(1, 1, -1, 1)
     kv_block = torch.arange(kb, device=device).view(1, 1, 1, -1)
-    active = torch.as_tensor(predicate(b, h, q_block, kv_block), device=device)
+    grid = (B or 1, H or 1, qb, kb)
+    result = predicate(b, h, q_block, kv_block)
+    try:
+        active = torch.as_tensor(result, device=device)
+    except (TypeError, ValueError, RuntimeError):
+        raise InputError(f"the block predicate must return a bool tensor broadcastable to (B, H, QB, KB) = {grid}, "
+                         f"got {type(result).__name__}") from None
     if active.dtype != torch.bool:
         raise InputError(f"the block predicate must return a bool tensor, got {active.dtype}")
-    active = torch.broadcast_to(active, (B or 1, H or 1, qb, kb)).contiguous()
+    try:
+        active = torch.broadcast_to(active, grid).contiguous()
+    except RuntimeError:
+        raise InputError(f"the block predicate must return a bool tensor broadcastable to (B, H, QB, KB) = {grid} "
+                         f"(QB = ceil(Nq / block_size), KB = ceil(Nk / block_size)), got shape "
+                         f"{tuple(active.shape)}") from None
     return BlockMask.from_blocks(active, Nq, Nk, block_size)

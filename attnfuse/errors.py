@@ -15,3 +15,7 @@ class ProgramError(AttnFuseError, TypeError):
 
 class InputError(AttnFuseError, ValueError):
     """A call with inputs the program cannot take (shapes, dtypes, devices, parameters)."""
+
+
+class KernelCacheError(AttnFuseError):
+    """A generated kernel's file in the on-disk cache could not be written, read or loaded."""

@@ -8,8 +8,10 @@ from typing import Any, Callable
 import torch
 
 from . import ir
-from .dsl import RUNTIME, trace
+from .combinator import Combinator
+from .dsl import RUNTIME, Symbol, trace
 from .errors import InputError, ProgramError
+from .outside_values import OutsideReads, freeze
 from .reference import evaluate
 from .passes.lower import fragment_of
 from .runtime.launch import check_cache, compiled_kernel, kernel_config, run_attention
@@ -26,7 +28,8 @@ class AttentionProgram:
 
     Call it as ``program(q, k, v, *extra, return_lse=False)`` with q (B, Hq, Nq, D), k (B, Hkv, Nk, D),
     v (B, Hkv, Nk, DV). Extra tensor (or BlockMask) arguments are runtime inputs; other extra arguments
-    are static and part of the trace.
+    are static and part of the trace, as are the values the function reads from closures and globals
+    (see ``outside_values``): a new static value, or a changed closure/global value, traces again.
     """
 
     def __init__(self, fn: Callable):
@@ -44,8 +47,41 @@ class AttentionProgram:
         self.fn = fn
         self._qkv = tuple(p.name for p in params[:3])
         self._extra = tuple((p.name, p.default) for p in params[3:])
+        extra_names = {n for n, _ in self._extra}
+        # q, k, v bind by position, by the function's own names, or by "q", "k", "v" where no extra takes those
+        self._qkv_names = tuple((own,) if alias == own or alias in extra_names else (own, alias)
+                                for own, alias in zip(self._qkv, ("q", "k", "v")))
+        self._qkv_keywords = frozenset(n for names in self._qkv_names for n in names)
+        self._outside = OutsideReads(fn, ignored=(AttentionProgram, Combinator))
         self._traces: dict[tuple, ir.MatMulPV] = {}
+        self._tracing = False
         functools.update_wrapper(self, fn)
+
+    def _take_qkv(self, args: tuple, kwargs: dict) -> tuple[tuple, tuple, dict]:
+        """Split a call's (q, k, v) from the extra arguments; refuse symbols (a call inside a trace)."""
+        if len(args) >= 3 and not (kwargs and self._qkv_keywords & kwargs.keys()):
+            qkv, args = args[:3], args[3:]
+        else:
+            kwargs, values = dict(kwargs), []
+            for i, names in enumerate(self._qkv_names):
+                given = [n for n in names if n in kwargs]
+                if len(given) + (i < len(args)) > 1:
+                    raise TypeError(f"{self.fn.__name__}() got argument {names[0]!r} twice")
+                if i < len(args):
+                    values.append(args[i])
+                elif given:
+                    values.append(kwargs.pop(given[0]))
+                else:
+                    raise TypeError(f"{self.fn.__name__}() is missing the argument {names[0]!r}")
+            qkv, args = tuple(values), args[3:]
+        if any(isinstance(t, Symbol) for t in qkv):
+            if self._tracing:
+                raise ProgramError(f"{self.fn.__name__} calls itself while it is traced: a program cannot be "
+                                   f"recursive (it would trace without end)")
+            raise ProgramError(f"{self.fn.__name__} is called inside another program: programs cannot be called "
+                               f"inside a program; compose their combinators instead (a plain Python function "
+                               f"of the scores can share them), or pass values as arguments")
+        return qkv, args, kwargs
 
     def _bind(self, args: tuple, kwargs: dict) -> tuple[tuple, dict[str, Any]]:
         name = self.fn.__name__
@@ -59,7 +95,7 @@ class AttentionProgram:
             if not any(n == e for e, _ in self._extra):
                 raise TypeError(f"{name}() got an unexpected argument {n!r}")
             values[n] = a
-        key, inputs = [], {}
+        statics, inputs = [], {}
         for n, default in self._extra:
             if n not in values:
                 if default is inspect.Parameter.empty:
@@ -68,41 +104,55 @@ class AttentionProgram:
             value = values[n]
             if _is_runtime_input(value):
                 inputs[n] = value
-                key.append(RUNTIME)
+                statics.append(RUNTIME)
             else:
                 if not ir._static_value(value):
                     raise InputError(f"{name}(): argument {n!r} must be a tensor, a BlockMask, or a static "
                                      f"None/bool/int/float/str, got {type(value).__name__}")
-                key.append(value)
-        return tuple(key), inputs
+                statics.append(value)
+        return tuple(statics), inputs
 
     def graph(self, *args: Any, **kwargs: Any) -> ir.MatMulPV:
         """The IR graph traced for these extra arguments (static values matter; tensors do not)."""
         return self._trace(self._bind(args, kwargs)[0])
 
-    def _trace(self, key: tuple) -> ir.MatMulPV:
+    def _trace(self, statics: tuple) -> ir.MatMulPV:
+        """The graph for these static extra arguments (``RUNTIME`` for runtime inputs) and the values the
+        function now reads from outside (closures, globals). Keys tell types apart: ``left=2.0`` is not
+        the trace of ``left=2``."""
+        key = (tuple(s if s is RUNTIME else freeze(s) for s in statics), self._outside.key())
         graph = self._traces.get(key)
         if graph is None:
-            extras = {n: value for (n, _), value in zip(self._extra, key)}
-            graph = self._traces[key] = trace(self.fn, self._qkv, extras)
+            if self._tracing:
+                raise ProgramError(f"{self.fn.__name__} is traced again while it is being traced: a program "
+                                   f"cannot use itself (it would trace without end)")
+            extras = {n: value for (n, _), value in zip(self._extra, statics)}
+            self._tracing = True
+            try:
+                graph = self._traces[key] = trace(self.fn, self._qkv, extras)
+            finally:
+                self._tracing = False
         return graph
 
-    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *args: Any, return_lse: bool = False,
-                 kv_lens: torch.Tensor | None = None, block_table: torch.Tensor | None = None, **kwargs: Any):
+    def __call__(self, *args: Any, return_lse: bool = False, kv_lens: torch.Tensor | None = None,
+                 block_table: torch.Tensor | None = None, **kwargs: Any):
         """The fused kernel's result: out (B, Hq, Nq, DV), or (out, lse) when ``return_lse``.
 
+        Called as ``program(q, k, v, *extra, **extra)``; q, k, v may also be given by keyword, by the
+        function's own parameter names (``query=``) or as ``q=``, ``k=``, ``v=``.
         ``kv_lens`` (B,) int32: keys per sequence of a KV cache (query i of sequence b at position
         i + kv_lens[b] - Nq). ``block_table`` (B, max_pages) int32: k and v are a paged cache's pools
         (pages, page_size, Hkv, D). See ``attnfuse.run_attention``.
         """
-        key, inputs = self._bind(args, kwargs) if args or kwargs or self._extra else ((), {})
-        return run_attention(self._trace(key), q, k, v, inputs, return_lse=return_lse, kv_lens=kv_lens,
+        (q, k, v), args, kwargs = self._take_qkv(args, kwargs)
+        statics, inputs = self._bind(args, kwargs) if args or kwargs or self._extra else ((), {})
+        return run_attention(self._trace(statics), q, k, v, inputs, return_lse=return_lse, kv_lens=kv_lens,
                              block_table=block_table)
 
-    def reference(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *args: Any, return_lse: bool = False,
-                  dtype: torch.dtype = torch.float64, kv_lens: torch.Tensor | None = None,
-                  block_table: torch.Tensor | None = None, **kwargs: Any):
+    def reference(self, *args: Any, return_lse: bool = False, dtype: torch.dtype = torch.float64,
+                  kv_lens: torch.Tensor | None = None, block_table: torch.Tensor | None = None, **kwargs: Any):
         """The naive PyTorch result computed in ``dtype`` (float64 by default), as the oracle for tests."""
+        (q, k, v), args, kwargs = self._take_qkv(args, kwargs)
         check_cache(q, k, v, kv_lens, block_table)
         key, inputs = self._bind(args, kwargs)
         out, lse = evaluate(self._trace(key), q, k, v, inputs, dtype=dtype, kv_lens=kv_lens, block_table=block_table)
@@ -112,11 +162,11 @@ class AttentionProgram:
             raise InputError("return_lse=True needs a normaliser with a log-sum-exp (softmax has one)")
         return out, lse
 
-    def source(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *args: Any, return_lse: bool = False,
-               kernel: str = "forward", kv_lens: torch.Tensor | None = None,
-               block_table: torch.Tensor | None = None, **kwargs: Any) -> str:
+    def source(self, *args: Any, return_lse: bool = False, kernel: str = "forward",
+               kv_lens: torch.Tensor | None = None, block_table: torch.Tensor | None = None, **kwargs: Any) -> str:
         """The generated Triton source of one kernel for these inputs: ``kernel`` is "forward", "decode"
         (the split-KV path), "dkdv" or "dq" (the backward's)."""
+        (q, k, v), args, kwargs = self._take_qkv(args, kwargs)
         kv = check_cache(q, k, v, kv_lens, block_table)
         graph = self._trace(self._bind(args, kwargs)[0])
         save_lse = return_lse or (kernel in ("dkdv", "dq") and fragment_of(graph.weights.apply).has_lse)

@@ -11,6 +11,26 @@ def reference(ctx, left, right):
     return (ctx.k_pos >= ctx.q_pos - left) & (ctx.k_pos <= ctx.q_pos + right)
 
 
+UNBOUNDED = 2**30
+"""A side of the window at least this wide has no bound: its condition and facts are left out of the kernel.
+That is exact for sequences of up to 2**30 keys (no key lies further away), and keeps the int32 position
+arithmetic of the kernels from overflowing (``q_hi + right + 1`` with right = 2**31 would)."""
+
+
+def fragment(left, right):
+    """The mask's fragment; a side at least ``UNBOUNDED`` wide keeps everything on that side."""
+    bounded_left, bounded_right = left < UNBOUNDED, right < UNBOUNDED
+    keep = [c for c, bounded in (("(k_pos[None, :] >= q_pos[:, None] - $left)", bounded_left),
+                                 ("(k_pos[None, :] <= q_pos[:, None] + $right)", bounded_right)) if bounded]
+    return MaskFragment(
+        keep=" & ".join(keep) or None,
+        kv_range=("$q_lo - $left" if bounded_left else "0", "$q_hi + $right + 1" if bounded_right else "Nk"),
+        full_range=("$q_hi - $left" if bounded_left else "0", "$q_lo + $right + 1" if bounded_right else "Nk"),
+        q_range=("$k_lo - $right" if bounded_right else "0", "$k_hi + $left + 1" if bounded_left else "Nk"),
+        q_full_range=("$k_hi - $right" if bounded_right else "0", "$k_lo + $left + 1" if bounded_left else "Nk"),
+    )
+
+
 def examples(draw, shape):
     from hypothesis import strategies as st
 
@@ -26,13 +46,7 @@ COMBINATOR = Combinator(
         Param(name="right", default=0, check=non_negative_int, doc="keys kept after it (0: causal window)"),
     ],
     reference=reference,
-    fragment=MaskFragment(
-        keep="(k_pos[None, :] >= q_pos[:, None] - $left) & (k_pos[None, :] <= q_pos[:, None] + $right)",
-        kv_range=("$q_lo - $left", "$q_hi + $right + 1"),
-        full_range=("$q_hi - $left", "$q_lo + $right + 1"),
-        q_range=("$k_lo - $right", "$k_hi + $left + 1"),
-        q_full_range=("$k_hi - $right", "$k_lo + $left + 1"),
-    ),
+    fragment=fragment,
     examples=examples,
 )
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from .backward import BackwardKernels
 from .forward import ForwardKernel
@@ -14,7 +15,10 @@ from .inputs import KVCache
 class AttentionFunction(torch.autograd.Function):
     """out, lse = f(q, k, v, *tensor_inputs); the forward saves one log-sum-exp per query row, and with
     hoisted qk transforms the transformed copies of q and k, which the backward reads instead of
-    transforming q and k again. The plugins prepare their kernel arguments once, for both."""
+    transforming q and k again. The plugins prepare their kernel arguments once, for both.
+
+    Once differentiable: a gradient taken with ``create_graph=True`` cannot be differentiated again (torch
+    raises a RuntimeError), rather than silently acting as a constant in a gradient penalty."""
 
     @staticmethod
     def forward(ctx, forward: ForwardKernel | HoistedForward, backward: BackwardKernels | HoistedBackward,
@@ -34,6 +38,7 @@ class AttentionFunction(torch.autograd.Function):
         return out, lse
 
     @staticmethod
+    @once_differentiable  # the backward kernels are not differentiable: a second derivative raises
     def backward(ctx, dout: torch.Tensor | None, dlse: torch.Tensor | None):
         q, k, v, out, lse, *copies = ctx.saved_tensors
         kv = KVCache(k=k, v=v, capacity=k.shape[2], lens=ctx.lens)

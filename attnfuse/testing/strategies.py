@@ -132,11 +132,12 @@ def program_cases(draw, shape: Shape, include: str | None = None, max_mods: int 
     return ProgramCase(program=_build(steps, extras), text=_text(steps), shape=shape, extras=extras)
 
 
-class _Arg:
-    """Stands for an extra argument of the built program."""
+class _Arg(str):
+    """Stands for an extra argument of the built program (a str, so the program's trace key can hold it)."""
 
-    def __init__(self, name: str):
-        self.name = name
+    @property
+    def name(self) -> str:
+        return str(self)
 
     def __repr__(self) -> str:
         return self.name
