@@ -14,7 +14,8 @@ from .errors import InputError, ProgramError
 from .outside_values import OutsideReads, freeze
 from .reference import evaluate
 from .passes.lower import fragment_of
-from .runtime.launch import check_cache, compiled_kernel, kernel_config, run_attention
+from .runtime import custom_op
+from .runtime.launch import check_cache, compiled_kernel, kernel_config
 
 RESERVED_ARGUMENTS = ("return_lse", "kv_lens", "block_table")
 
@@ -144,10 +145,13 @@ class AttentionProgram:
         i + kv_lens[b] - Nq). ``block_table`` (B, max_pages) int32: k and v are a paged cache's pools
         (pages, page_size, Hkv, D). See ``attnfuse.run_attention``.
         """
-        (q, k, v), args, kwargs = self._take_qkv(args, kwargs)
-        statics, inputs = self._bind(args, kwargs) if args or kwargs or self._extra else ((), {})
-        return run_attention(self._trace(statics), q, k, v, inputs, return_lse=return_lse, kv_lens=kv_lens,
-                             block_table=block_table)
+        hide = custom_op.hide_none
+        return _call(self, hide(args), hide(kwargs), return_lse, hide(kv_lens), hide(block_table))
+
+    def __eq__(self, other: object) -> bool:  # by identity; defined for torch.compile (a pytree constant)
+        return self is other
+
+    __hash__ = object.__hash__
 
     def reference(self, *args: Any, return_lse: bool = False, dtype: torch.dtype = torch.float64,
                   kv_lens: torch.Tensor | None = None, block_table: torch.Tensor | None = None, **kwargs: Any):
@@ -174,6 +178,21 @@ class AttentionProgram:
 
     def __repr__(self) -> str:
         return f"<attnfuse program {self.fn.__qualname__}>"
+
+
+@custom_op.opaque_to_dynamo
+def _call(program: AttentionProgram, args: tuple, kwargs: dict, return_lse: bool, kv_lens: Any, block_table: Any):
+    """A program call: bind the arguments, find the trace, run it through ``torch.ops.attnfuse.attention``.
+    Dynamo does not trace this (see ``custom_op.opaque_to_dynamo``)."""
+    show = custom_op.show_none
+    args, kwargs, kv_lens, block_table = show(args), show(kwargs), show(kv_lens), show(block_table)
+    (q, k, v), args, kwargs = program._take_qkv(args, kwargs)
+    statics, inputs = program._bind(args, kwargs) if args or kwargs or program._extra else ((), {})
+    return custom_op.call(program._trace(statics), q, k, v, inputs, return_lse=return_lse, kv_lens=kv_lens,
+                          block_table=block_table)
+
+
+custom_op.register_constant(AttentionProgram)
 
 
 def attention(fn: Callable) -> AttentionProgram:
