@@ -87,13 +87,14 @@ def _parse(key: str) -> CallSpec:
         if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in _CONSTRUCTORS \
                 and not node.args:
             return _CONSTRUCTORS[node.func.id](**{kw.arg: value(kw.value) for kw in node.keywords})
-        raise InputError(f"attnfuse::attention: key is not a CallSpec repr (at {ast.dump(node)[:80]})")
+        raise ValueError(ast.dump(node)[:80])
     try:
         spec = value(ast.parse(key, mode="eval").body)
-    except SyntaxError:
+    except (SyntaxError, ValueError, TypeError):
         spec = None
     if not isinstance(spec, CallSpec):
-        raise InputError(f"attnfuse::attention: key must be the repr of a CallSpec, got {key[:80]!r}")
+        raise InputError(f"attnfuse::attention: key must be the repr of a CallSpec (constants and the IR's "
+                         f"constructors called with keywords), got {key[:80]!r}")
     return spec
 
 
@@ -221,7 +222,13 @@ def _backward(ctx, dout, dlse):
     return None, grads[0], grads[1], grads[2], None, None, [by_name.get(n) for n in names]
 
 
+def _no_second_derivative(ctx, *grads):
+    raise RuntimeError("attnfuse: second derivatives are not supported (a gradient taken with create_graph=True "
+                       "cannot be differentiated again): the backward kernels are not differentiable")
+
+
 attention_op.register_autograd(_backward, setup_context=_setup_context)
+attention_backward_op.register_autograd(_no_second_derivative, setup_context=lambda ctx, inputs, output: None)
 
 
 def opaque_to_dynamo(fn):
