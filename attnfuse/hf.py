@@ -1,0 +1,151 @@
+"""HuggingFace transformers backend: ``import attnfuse.hf`` registers ``attn_implementation="attnfuse"``.
+
+    import attnfuse.hf
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="attnfuse")
+
+Every attention layer then runs one fused AttnFuse kernel. The mask HF builds for it is SDPA's (a boolean
+(B, 1, Nq, Nk) mask, or None where causal alone is right): None runs ``causal`` (or ``sliding_window`` for a
+model's sliding layers) on the keys as given; a mask (padding, packed sequences, a sliding window) becomes
+an additive bias of 0 and -inf (see ``_bias`` for padding rows). GQA runs natively, ``scaling``
+is the program's scale. Softcapping, dropout, attention sinks and position biases raise a clear error.
+
+``register(name, program)`` registers any ``@af.attention`` program; ``fuse_rope(model)`` moves the
+rotary embedding of Llama-family models into the kernel (see ``attnfuse.hf_rope``).
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+from transformers import AttentionInterface
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+import attnfuse as af
+from .errors import InputError
+from .program import AttentionProgram
+
+__all__ = ["attention_forward", "fuse_rope", "register"]
+
+ROPE_KWARG = "attnfuse_rope"  # (cos (B, Nq, D), sin, rotate_keys), passed by fuse_rope's forwards
+
+
+@af.attention
+def hf_attention(q, k, v, bias, cos, sin, scale, window, causal, rotate_keys):
+    """What HF's attention asks for: the scaled product (rotated first when given cos and sin), then the
+    mask as an additive bias, or a sliding window, or causal, then softmax."""
+    if cos is None:
+        s = af.scaled_dot_product(q, k, scale=scale)
+    else:
+        s = af.rope(q, k, scale=scale, cos=cos, sin=sin, rotate_keys=rotate_keys)
+    if bias is not None:
+        s = af.additive_bias(s, bias)
+    elif window is not None:
+        s = af.sliding_window(s, window, 0)
+    elif causal:
+        s = af.causal(s)
+    return af.softmax(s) @ v
+
+
+def _refuse_unsupported(name: str, module: torch.nn.Module, dropout: float, kwargs: dict[str, Any]) -> None:
+    if kwargs.get("softcap") is not None:
+        raise InputError(f"attn_implementation={name!r}: softcap={kwargs['softcap']} (attention logit softcapping, "
+                         f"as Gemma 2 uses) is not supported; use attn_implementation='eager'")
+    if dropout:
+        raise InputError(f"attn_implementation={name!r}: dropout={dropout} is not supported; set the model's "
+                         f"attention_dropout to 0 (or call model.eval())")
+    for key in ("s_aux", "sinks", "position_bias"):
+        if kwargs.get(key) is not None:
+            raise InputError(f"attn_implementation={name!r}: {key} (given by {type(module).__name__}) is not "
+                             f"supported; use attn_implementation='eager'")
+
+
+def _bias(mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+    """HF's attention mask as an additive bias in ``dtype``: 0 where it keeps a key, -inf elsewhere. A query
+    row that keeps no key (a padding token's) gets output 0 and no gradient, where HF's eager attention, which
+    adds the dtype's minimum, averages all values; the rows of real tokens are equal. (A finite minimum would
+    lose the scores to rounding, and the backward's recomputed weights with them.)"""
+    if mask is None:
+        return None
+    if mask.dtype == torch.bool:
+        return torch.zeros((), dtype=dtype, device=mask.device).masked_fill(~mask, -torch.inf)
+    if not mask.is_floating_point():
+        raise InputError(f"attention_mask must be a boolean or float 4-D mask, got {mask.dtype}")
+    return mask.to(dtype)
+
+
+def _rope_tables(rope: tuple, Nq: int, Nk: int) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    """Tables (B, Nk, D) indexed by key index, from HF's cos/sin (B, Nq, D) of the current tokens: query i
+    sits at index i + Nk - Nq. With a cache (Nk > Nq) the keys were rotated when stored, so only the rows of
+    the queries are read."""
+    cos, sin, rotate_keys = rope
+    if Nk == Nq:
+        return cos, sin, rotate_keys
+    if rotate_keys:
+        raise InputError(f"fuse_rope: {Nk} keys for {Nq} queries with unrotated keys (keys of a cache are rotated "
+                         f"when they are stored)")
+    pad = cos.new_zeros((cos.shape[0], Nk - Nq, cos.shape[2]))
+    return torch.cat((pad, cos), dim=1), torch.cat((pad, sin), dim=1), False
+
+
+def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                      attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                      sliding_window: int | None = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """HF's attention function signature: query (B, Hq, Nq, D), key and value (B, Hkv, Nk, D) -> the output
+    (B, Nq, Hq, D) and no weights."""
+    _refuse_unsupported("attnfuse", module, dropout, kwargs)
+    Nq, Nk = query.shape[2], key.shape[2]
+    causal = kwargs.get("is_causal")
+    causal = getattr(module, "is_causal", True) if causal is None else causal
+    if attention_mask is None and causal and 1 < Nq < Nk and kwargs.get(ROPE_KWARG) is None:
+        key, value, Nk = key[:, :, :Nq], value[:, :, :Nq], Nq  # a static cache's prefill: later slots are empty
+    cos = sin = None
+    rotate_keys = True
+    if kwargs.get(ROPE_KWARG) is not None:
+        cos, sin, rotate_keys = _rope_tables(kwargs[ROPE_KWARG], Nq, Nk)
+    if attention_mask is not None and attention_mask.dim() == 4:
+        attention_mask = attention_mask[..., :Nk]
+    window = None if sliding_window is None or attention_mask is not None else sliding_window - 1
+    out = hf_attention(query, key, value, _bias(attention_mask, query.dtype), cos, sin,
+                       None if scaling is None else float(scaling), window, bool(causal), rotate_keys)
+    return out.transpose(1, 2), None
+
+
+def _program_forward(name: str, program: AttentionProgram) -> Callable:
+    """An HF attention function running ``program``; it gets q, k, v and, by name, those of ``scale``
+    (the module's scaling), ``bias`` (the mask as an additive bias (B, 1, Nq, Nk), or None where causal alone
+    is right) and ``window`` (a sliding window's left extent when there is no mask, else None) it declares.
+    A mask given to a program without ``bias`` is an InputError."""
+    declared = {n for n, _ in program._extra}
+
+    def forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None, sliding_window=None,
+                **kwargs):
+        _refuse_unsupported(name, module, dropout, kwargs)
+        extras = {"scale": None if scaling is None else float(scaling), "bias": _bias(attention_mask, query.dtype),
+                  "window": None if sliding_window is None or attention_mask is not None else sliding_window - 1}
+        if extras["bias"] is not None and "bias" not in declared:  # never ignore a mask
+            raise InputError(f"attn_implementation={name!r}: the model passes an attention mask (padding, or a "
+                             f"window longer than the keys), but program {program.__name__} takes no 'bias' "
+                             f"argument to honour it")
+        out = program(query, key, value, **{n: extras[n] for n in declared if n in extras})
+        return out.transpose(1, 2), None
+    return forward
+
+
+def register(name: str, program: AttentionProgram) -> None:
+    """Register ``program`` as ``attn_implementation=name`` (with SDPA's masks)."""
+    if not isinstance(program, AttentionProgram):
+        raise InputError(f"register: program must be an @af.attention program, got {type(program).__name__}")
+    AttentionInterface.register(name, _program_forward(name, program))
+    AttentionMaskInterface.register(name, sdpa_mask)
+
+
+AttentionInterface.register("attnfuse", attention_forward)
+AttentionMaskInterface.register("attnfuse", sdpa_mask)
+
+
+def fuse_rope(model: torch.nn.Module) -> torch.nn.Module:
+    """Run the rotary embedding of ``model``'s attention layers inside the kernel (Llama, Mistral, Qwen2,
+    Qwen3); switches the model to ``attn_implementation="attnfuse"``. Returns the model."""
+    from .hf_rope import fuse
+
+    return fuse(model)

@@ -1,0 +1,95 @@
+"""``attnfuse.hf.fuse_rope``: Llama-family attention layers pass unrotated q (and k) and HF's cos/sin to the
+kernel, which rotates them (``af.rope(..., cos=cos, sin=sin)``).
+
+HF's attention forward rotates q and k with its modeling module's ``apply_rotary_pos_emb`` before calling
+the attention function, then stores k in the cache. ``fuse`` keeps HF's forward (so its signature may differ
+between versions) and wraps it: while a wrapped layer runs, that module-level function returns q unrotated,
+and k unrotated too when the layer has no cache (with a cache, k is rotated as HF stores it, and the kernel
+rotates only q: ``rotate_keys=False``); the wrapper passes (cos, sin, rotate_keys) to the attention
+function as the ``attnfuse_rope`` keyword, which HF forwards to it. A model switched to another
+``attn_implementation`` afterwards runs HF's forward unchanged.
+"""
+from __future__ import annotations
+
+import functools
+import sys
+from typing import Any, Callable
+
+import torch
+
+from .errors import InputError
+from .hf import ROPE_KWARG
+
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3")  # modeling modules whose attention rotates this way
+CACHE_ARGUMENTS = ("cache", "past_key_values", "past_key_value")  # the name differs between versions
+
+
+class _Fusing:
+    """Whether a fused layer is running now, and whether it rotates its keys in PyTorch (it has a cache)."""
+
+    active = False
+    rotate_keys_here = False
+
+
+_state = _Fusing()
+
+
+def _fusing_rotation(original: Callable) -> Callable:
+    """The modeling module's ``apply_rotary_pos_emb``, which leaves q (and without a cache k) unrotated while
+    a fused layer runs."""
+    @functools.wraps(original)
+    def apply_rotary_pos_emb(q, k, cos, sin, *args, **kwargs):
+        if not _state.active:
+            return original(q, k, cos, sin, *args, **kwargs)
+        if _state.rotate_keys_here:
+            return q, original(k, k, cos, sin, *args, **kwargs)[1]
+        return q, k
+    apply_rotary_pos_emb.__attnfuse_fusing__ = True
+    return apply_rotary_pos_emb
+
+
+def _has_cache(args: tuple, kwargs: dict[str, Any]) -> bool:
+    if any(kwargs.get(name) is not None for name in CACHE_ARGUMENTS):
+        return True
+    return len(args) > 0 and args[0] is not None  # (hidden_states, position_embeddings, attention_mask, cache)
+
+
+def _fused_forward(layer: torch.nn.Module, original: Callable, hidden_states: torch.Tensor,
+                   position_embeddings=None, attention_mask=None, *args: Any, **kwargs: Any):
+    if layer.config._attn_implementation != "attnfuse":  # switched away since: HF's own path, rotating itself
+        return original(hidden_states, position_embeddings, attention_mask, *args, **kwargs)
+    if position_embeddings is None:
+        raise InputError("fuse_rope: the attention layer got no position_embeddings (cos, sin)")
+    cos, sin = position_embeddings
+    cached = _has_cache(args, kwargs)
+    _state.active, _state.rotate_keys_here = True, cached
+    try:
+        return original(hidden_states, position_embeddings, attention_mask, *args,
+                        **{ROPE_KWARG: (cos, sin, not cached)}, **kwargs)
+    finally:
+        _state.active = _state.rotate_keys_here = False
+
+
+def _family_module(module: torch.nn.Module):
+    name = type(module).__module__
+    family = name.rsplit(".", 1)[-1].removeprefix("modeling_")
+    return sys.modules[name] if family in FAMILIES and name.startswith("transformers.models.") else None
+
+
+def fuse(model: torch.nn.Module) -> torch.nn.Module:
+    """Wrap every attention layer of a Llama, Mistral, Qwen2 or Qwen3 model; an InputError for any other."""
+    layers = [m for m in model.modules() if type(m).__name__.endswith("Attention") and hasattr(m, "k_proj")]
+    if not layers:
+        raise InputError(f"fuse_rope: {type(model).__name__} has no attention layers with q_proj/k_proj")
+    for layer in layers:
+        modeling = _family_module(layer)
+        if modeling is None or not hasattr(modeling, "apply_rotary_pos_emb"):
+            raise InputError(f"fuse_rope supports the attention of {', '.join(FAMILIES)} models, got "
+                             f"{type(layer).__module__}.{type(layer).__name__}")
+        if not getattr(modeling.apply_rotary_pos_emb, "__attnfuse_fusing__", False):
+            modeling.apply_rotary_pos_emb = _fusing_rotation(modeling.apply_rotary_pos_emb)
+        if not getattr(layer, "__attnfuse_fused__", False):
+            layer.forward = functools.partial(_fused_forward, layer, layer.forward)
+            layer.__attnfuse_fused__ = True
+    model.set_attn_implementation("attnfuse")
+    return model
