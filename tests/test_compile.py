@@ -7,7 +7,7 @@ from torch._dynamo.testing import CompileCounterWithBackend
 
 import attnfuse as af
 from attnfuse.errors import InputError
-from attnfuse.runtime import custom_op
+from attnfuse.runtime import call_spec
 
 
 @af.attention
@@ -133,12 +133,12 @@ def test_op_passes_opcheck():
     q, k, v = _qkv(requires_grad=True)
     q = q.detach().transpose(1, 2).contiguous().transpose(1, 2).requires_grad_()  # (B, N, H, D) memory order
     bias, mask = torch.randn(1, 4, 24, 24, requires_grad=True), _mask(24)
-    layout, flat = custom_op.flatten_inputs({"bias": bias, "mask": mask})
+    layout, flat = call_spec.flatten_inputs({"bias": bias, "mask": mask})
     assert layout == (("bias", None), ("mask", (24, 24, 16, mask.kv_heavy_blocks)))
-    spec = custom_op.CallSpec(graph=biased_sparse.graph(bias, mask), inputs=layout, save_lse=True, grad=True,
+    spec = call_spec.CallSpec(graph=biased_sparse.graph(bias, mask), inputs=layout, save_lse=True, grad=True,
                               grads=("bias",))
     torch.library.opcheck(torch.ops.attnfuse.attention.default,
-                          (custom_op.call_key(spec), q, k, v, None, None, flat))
+                          (call_spec.call_key(spec), q, k, v, None, None, flat))
 
 
 def test_key_of_an_unseen_call_is_parsed_back():
@@ -146,11 +146,11 @@ def test_key_of_an_unseen_call_is_parsed_back():
     @af.attention
     def scaled(q, k, v, theta):
         return af.softmax(af.sliding_window(af.rope(q, k, theta=theta, scale=-0.25), 3, 1)) @ v
-    spec = custom_op.CallSpec(graph=scaled.graph(theta=500.0), inputs=(("bias", None),), save_lse=False, grad=False,
+    spec = call_spec.CallSpec(graph=scaled.graph(theta=500.0), inputs=(("bias", None),), save_lse=False, grad=False,
                               grads=())
     key = repr(spec)
-    assert custom_op._parse(key) == spec
+    assert call_spec._parse(key) == spec
     with pytest.raises(InputError, match="key must be the repr of a CallSpec"):
-        custom_op.spec_of("__import__('os')")
+        call_spec.spec_of("__import__('os')")
     with pytest.raises(InputError, match="key must be the repr of a CallSpec"):
-        custom_op.spec_of("CallSpec(graph=print(1))")
+        call_spec.spec_of("CallSpec(graph=print(1))")

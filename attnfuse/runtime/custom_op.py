@@ -1,152 +1,31 @@
 """The op boundary: every program call is ``torch.ops.attnfuse.attention``, opaque to ``torch.compile``.
 
-A call is described by a ``CallSpec`` (the traced graph, the layout of the runtime inputs, whether the
-log-sum-exp is saved, which inputs want gradients), passed to the op as a string: its canonical ``repr``.
-The string names everything static about the call, so Dynamo guards on nothing of AttnFuse's and never
-traces its Python, and a compiled graph loaded from a cache in a fresh process still runs: a key this
-process has not seen is parsed back (``_parse``, a restricted evaluator over the IR's constructors).
-
-Tensor arguments: q, k, v, kv_lens?, block_table?, and the runtime inputs as one list, a ``BlockMask``
-flattened into its tensors (its sizes live in the spec). The backward is a second op,
-``attnfuse::attention_backward``, registered as the first one's autograd formula, so it runs under
-compile too. The op bodies call the same planned kernels as ``run_attention``.
+``call`` describes the call by a ``CallSpec`` (see ``call_spec``) and passes its key, a string, as the op's
+static argument; the tensors are q, k, v, kv_lens?, block_table? and the runtime inputs as one list (a
+``BlockMask`` flattened into its tensors). The program's binding of its arguments runs inside
+``opaque_to_dynamo`` (``torch._dynamo.nonstrict_trace``), so Dynamo traces none of AttnFuse's Python and
+AOT autograd records just the op. The backward is a second op, ``attnfuse::attention_backward``, registered
+as the first one's autograd formula, so the backward kernels run under compile too. Both bodies run the
+kernels ``run_attention`` plans. A differentiable call whose plan hoists the qk transforms returns the
+transformed q and k rows as a third output, which the backward reads instead of transforming again.
 """
 from __future__ import annotations
 
-import ast
 from typing import Any, Optional
 
+import attrs
 import torch
 import torch.utils._pytree as pytree
-from attrs import frozen
 
 from .. import ir
 from ..block_mask import BlockMask
 from ..errors import InputError
 from ..passes.lower import fragment_of
-from .hoisted import HoistedForward
-from .inputs import empty_like_layout, kv_cache, accumulator_dtype
-from .launch import _plan, compile_backward, compile_hoisted_backward, run_attention
-
-_MASK_TENSORS = ("active", "kv_num_blocks", "kv_indices", "q_num_blocks", "q_indices", "q_block_order",
-                 "kv_block_order")
-
-
-@frozen(kw_only=True, cache_hash=True)
-class CallSpec:
-    """What is static about one kind of program call.
-
-    ``inputs``: (argument name, None for a tensor or (Nq, Nk, block_size, kv_heavy_blocks) for a BlockMask)
-    in the order of the op's input list. ``save_lse``: the op returns lse (B, Hq, Nq), else an empty (0,)
-    tensor. ``grad``: the call is differentiable (no split-KV path). ``grads``: the inputs whose gradient the
-    backward returns."""
-
-    graph: ir.MatMulPV
-    inputs: tuple
-    save_lse: bool
-    grad: bool
-    grads: tuple
-
-
-_specs: dict[str, CallSpec] = {}
-_keys: dict[CallSpec, str] = {}
-
-
-def call_key(spec: CallSpec) -> str:
-    """The op's string argument for ``spec`` (registered, so the op finds it without parsing)."""
-    key = _keys.get(spec)
-    if key is None:
-        key = _keys[spec] = repr(spec)
-        _specs[key] = spec
-    return key
-
-
-def spec_of(key: str) -> CallSpec:
-    spec = _specs.get(key)
-    if spec is None:
-        spec = _specs[key] = _parse(key)
-    return spec
-
-
-_CONSTRUCTORS = {c.__name__: c for c in (CallSpec, ir.MatMulPV, ir.NormOp, ir.MaskOp, ir.BiasOp, ir.ScoreOp,
-                                         ir.Apply, ir.TensorSym)}
-
-
-def _parse(key: str) -> CallSpec:
-    """A ``CallSpec`` from its repr: constants, tuples, -x, inf, nan and calls of the IR's constructors with
-    keyword arguments; anything else is an InputError."""
-    def value(node: ast.AST) -> Any:
-        if isinstance(node, ast.Constant):
-            return node.value
-        if isinstance(node, ast.Tuple):
-            return tuple(value(e) for e in node.elts)
-        if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
-            return -value(node.operand)
-        if isinstance(node, ast.Name) and node.id in ("inf", "nan"):
-            return float(node.id)
-        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in _CONSTRUCTORS \
-                and not node.args:
-            return _CONSTRUCTORS[node.func.id](**{kw.arg: value(kw.value) for kw in node.keywords})
-        raise ValueError(ast.dump(node)[:80])
-    try:
-        spec = value(ast.parse(key, mode="eval").body)
-    except (SyntaxError, ValueError, TypeError):
-        spec = None
-    if not isinstance(spec, CallSpec):
-        raise InputError(f"attnfuse::attention: key must be the repr of a CallSpec (constants and the IR's "
-                         f"constructors called with keywords), got {key[:80]!r}")
-    return spec
-
-
-def flatten_inputs(inputs: dict[str, Any]) -> tuple[tuple, list[torch.Tensor]]:
-    """The spec's input layout and the op's tensor list for runtime inputs by name."""
-    layout, tensors = [], []
-    for name, value in inputs.items():
-        if isinstance(value, BlockMask):
-            value.check_unchanged()
-            layout.append((name, (value.Nq, value.Nk, value.block_size, value.kv_heavy_blocks)))
-            tensors += [getattr(value, t) for t in _MASK_TENSORS]
-        else:
-            layout.append((name, None))
-            tensors.append(value)
-    return tuple(layout), tensors
-
-
-def _unflatten(spec: CallSpec, tensors: list[torch.Tensor]) -> dict[str, Any]:
-    inputs, i = {}, 0
-    for name, mask in spec.inputs:
-        if mask is None:
-            inputs[name], i = tensors[i], i + 1
-        else:
-            Nq, Nk, block_size, heavy = mask
-            parts = dict(zip(_MASK_TENSORS, tensors[i:i + len(_MASK_TENSORS)]))
-            inputs[name] = BlockMask(Nq=Nq, Nk=Nk, block_size=block_size, kv_heavy_blocks=heavy, **parts)
-            i += len(_MASK_TENSORS)
-    return inputs
-
-
-@torch.library.custom_op("attnfuse::attention", mutates_args=())
-def attention_op(key: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_lens: Optional[torch.Tensor],
-                 block_table: Optional[torch.Tensor], inputs: list[torch.Tensor]
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """out (B, Hq, Nq, DV) in q's memory order; lse (B, Hq, Nq) when the spec saves it, else (0,)."""
-    spec = spec_of(key)
-    values = _unflatten(spec, inputs)
-    if spec.grad:  # the checks a differentiable call makes (the backward's plan is kept for later)
-        _differentiable(spec, q, k, v, kv_lens, block_table, values)
-    with torch.no_grad():
-        result = run_attention(spec.graph, q, k, v, values, return_lse=spec.save_lse, kv_lens=kv_lens,
-                               block_table=block_table, split_kv=False if spec.grad else None)
-    return result if spec.save_lse else (result, q.new_empty(0, dtype=torch.float32))
-
-
-@attention_op.register_fake
-def _attention_fake(key, q, k, v, kv_lens, block_table, inputs):
-    spec = spec_of(key)
-    out = empty_like_layout(q, v.shape[-1], q.dtype)
-    if not spec.save_lse:
-        return out, q.new_empty(0, dtype=torch.float32)
-    return out, q.new_empty(q.shape[:3], dtype=accumulator_dtype(q.dtype))
+from .call_spec import (MASK_TENSORS, CallSpec, call_key, flatten_inputs, plain_tensors, spec_of, tensor_names,
+                        unflatten_inputs)
+from .hoisted import HoistedBackward, HoistedForward, hoisted_sides, worth_hoisting
+from .inputs import accumulator_dtype, empty_like_layout, kernel_config, kv_cache
+from .launch import compile_backward, compile_forward, compile_hoisted_backward, planned, run_attention
 
 
 def _tensor_grads(spec: CallSpec, tiled) -> tuple:
@@ -163,63 +42,95 @@ def _tensor_grads(spec: CallSpec, tiled) -> tuple:
     return wanted
 
 
-def _differentiable(spec, q, k, v, kv_lens, block_table, values):
-    """The backward kernels of a differentiable call (raising as ``run_attention`` does when there are none)."""
-    forward, _, backward = _plan(spec.graph, q, k, v, kv_lens, block_table, spec.save_lse, True, False)
+def _differentiable_plan(spec: CallSpec, q, k, v, kv_lens, block_table):
+    """The forward and backward kernels of a differentiable call (raising as ``run_attention`` does)."""
+    forward, _, backward = planned(spec.graph, q, k, v, kv_lens, block_table, spec.save_lse, True, False)
     tensor_grads = _tensor_grads(spec, forward.tiled) if spec.grads else ()
     if tensor_grads:
         compile_ = compile_hoisted_backward if isinstance(forward, HoistedForward) else compile_backward
         backward = compile_(spec.graph, forward.tiled.config, tensor_grads)
-    return backward
+    return forward, backward
+
+
+@torch.library.custom_op("attnfuse::attention", mutates_args=())
+def attention_op(key: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_lens: Optional[torch.Tensor],
+                 block_table: Optional[torch.Tensor], inputs: list[torch.Tensor]
+                 ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+    """out (B, Hq, Nq, DV) in q's memory order; lse (B, Hq, Nq) when the spec saves it, else (0,); the
+    transformed rows of the hoisted sides ("q", "k" order) of a differentiable hoisted call, else []."""
+    spec = spec_of(key)
+    values = unflatten_inputs(spec, inputs)
+    if not spec.grad:
+        result = run_attention(spec.graph, q, k, v, values, return_lse=spec.save_lse, kv_lens=kv_lens,
+                               block_table=block_table)
+        return (*result, []) if spec.save_lse else (result, q.new_empty(0, dtype=torch.float32), [])
+    forward, _ = _differentiable_plan(spec, q, k, v, kv_lens, block_table)
+    kv = kv_cache(k, v, kv_lens, None)
+    if isinstance(forward, HoistedForward):
+        out, lse, copies = forward.run(q, kv, values)
+    else:
+        (out, lse), copies = forward(q, kv, values), {}
+    return out, q.new_empty(0, dtype=torch.float32) if lse is None else lse, list(copies.values())
+
+
+@attention_op.register_fake
+def _attention_fake(key, q, k, v, kv_lens, block_table, inputs):
+    spec = spec_of(key)
+    out = empty_like_layout(q, v.shape[-1], q.dtype)
+    lse = q.new_empty(q.shape[:3], dtype=accumulator_dtype(q.dtype)) if spec.save_lse else \
+        q.new_empty(0, dtype=torch.float32)
+    copies = []
+    if spec.grad and block_table is None:  # the plan's choice, from the call's metadata (head dims specialised)
+        config = kernel_config(q, kv_cache(k, v, kv_lens, None), spec.save_lse)
+        config = attrs.evolve(config, head_dim=int(config.head_dim), head_dim_v=int(config.head_dim_v),
+                              group=int(config.group))
+        forward = compile_forward(spec.graph, config)
+        if worth_hoisting(forward, q.shape[2]):
+            rows = {"q": q, "k": k}
+            copies = [empty_like_layout(rows[x], rows[x].shape[3], rows[x].dtype) for x in hoisted_sides(forward.tiled)]
+    return out, lse, copies
 
 
 @torch.library.custom_op("attnfuse::attention_backward", mutates_args=())
 def attention_backward_op(key: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                           lse: torch.Tensor, dout: torch.Tensor, dlse: Optional[torch.Tensor],
-                          kv_lens: Optional[torch.Tensor], inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+                          kv_lens: Optional[torch.Tensor], inputs: list[torch.Tensor], copies: list[torch.Tensor]
+                          ) -> list[torch.Tensor]:
     """[dq, dk, dv, *gradients of spec.grads], each in its input's shape, dtype and memory order."""
     spec = spec_of(key)
-    values = _unflatten(spec, inputs)
-    backward = _differentiable(spec, q, k, v, kv_lens, None, values)
-    kv = kv_cache(k, v, kv_lens, None)
-    dq, dk, dv, grads = backward(q, kv, out, lse if spec.save_lse else None, dout, dlse, values)
+    values = unflatten_inputs(spec, inputs)
+    _, backward = _differentiable_plan(spec, q, k, v, kv_lens, None)
+    extra = {"copies": dict(zip(backward.transform.sides, copies))} \
+        if copies and isinstance(backward, HoistedBackward) else {}
+    dq, dk, dv, grads = backward(q, kv_cache(k, v, kv_lens, None), out, lse if spec.save_lse else None, dout, dlse,
+                                 values, **extra)
     return [dq, dk, dv, *(grads[name] for name in spec.grads)]
 
 
 @attention_backward_op.register_fake
-def _attention_backward_fake(key, q, k, v, out, lse, dout, dlse, kv_lens, inputs):
+def _attention_backward_fake(key, q, k, v, out, lse, dout, dlse, kv_lens, inputs, copies):
     spec = spec_of(key)
-    values = dict(zip((name for name, mask in spec.inputs if mask is None),
-                      (t for t in _unflatten_tensors(spec, inputs))))
+    tensors = plain_tensors(spec, inputs)
     grads = [empty_like_layout(t, t.shape[-1], t.dtype) for t in (q, k, v)]
-    return grads + [values[name].new_empty(values[name].shape) for name in spec.grads]
-
-
-def _unflatten_tensors(spec: CallSpec, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    """The plain tensor inputs of the list, in order (block masks' tensors left out)."""
-    found, i = [], 0
-    for _, mask in spec.inputs:
-        if mask is None:
-            found.append(tensors[i])
-        i += 1 if mask is None else len(_MASK_TENSORS)
-    return found
+    return grads + [tensors[name].new_empty(tensors[name].shape) for name in spec.grads]
 
 
 def _setup_context(ctx, inputs, output):
-    key, q, k, v, kv_lens, block_table, tensors = inputs
-    out, lse = output
-    ctx.key, ctx.count = key, len(tensors)
-    ctx.save_for_backward(q, k, v, out, lse, kv_lens, *tensors)
+    key, q, k, v, kv_lens, _, tensors = inputs
+    out, lse, copies = output
+    ctx.key, ctx.counts = key, (len(tensors), len(copies))
+    ctx.save_for_backward(q, k, v, out, lse, kv_lens, *tensors, *copies)
 
 
-def _backward(ctx, dout, dlse):
-    q, k, v, out, lse, kv_lens, *tensors = ctx.saved_tensors
+def _backward(ctx, dout, dlse, _):
+    q, k, v, out, lse, kv_lens, *rest = ctx.saved_tensors
+    tensors, copies = rest[:ctx.counts[0]], rest[ctx.counts[0]:]
     spec = spec_of(ctx.key)
     dout = torch.zeros_like(out) if dout is None else dout
-    grads = attention_backward_op(ctx.key, q, k, v, out, lse, dout, dlse if spec.save_lse else None, kv_lens, tensors)
+    grads = attention_backward_op(ctx.key, q, k, v, out, lse, dout, dlse if spec.save_lse else None, kv_lens,
+                                  tensors, copies)
     by_name = dict(zip(spec.grads, grads[3:]))
-    names = [name for name, mask in spec.inputs for _ in range(1 if mask is None else len(_MASK_TENSORS))]
-    return None, grads[0], grads[1], grads[2], None, None, [by_name.get(n) for n in names]
+    return None, grads[0], grads[1], grads[2], None, None, [by_name.get(n) for n in tensor_names(spec)]
 
 
 def _no_second_derivative(ctx, *grads):
@@ -231,15 +142,31 @@ attention_op.register_autograd(_backward, setup_context=_setup_context)
 attention_backward_op.register_autograd(_no_second_derivative, setup_context=lambda ctx, inputs, output: None)
 
 
+def call(graph: ir.MatMulPV, q: Any, k: Any, v: Any, inputs: dict[str, Any], *, return_lse: bool,
+         kv_lens: Any, block_table: Any):
+    """``run_attention``'s result through the op: out, or (out, lse) when ``return_lse``."""
+    tensors = (q, k, v, *(t for t in (kv_lens, block_table) if t is not None))
+    if not all(isinstance(t, torch.Tensor) for t in tensors) or not all(
+            isinstance(t, (torch.Tensor, BlockMask)) for t in inputs.values()):  # run_attention names the error
+        return run_attention(graph, q, k, v, inputs, return_lse=return_lse, kv_lens=kv_lens, block_table=block_table)
+    lse_kept = fragment_of(graph.weights.apply).has_lse
+    if return_lse and not lse_kept:
+        raise InputError(f"return_lse=True needs a normaliser with a log-sum-exp; "
+                         f"{graph.weights.apply.combinator} has none (softmax has)")
+    grad = torch.is_grad_enabled() and any(
+        isinstance(t, torch.Tensor) and t.requires_grad for t in (q, k, v, *inputs.values()))
+    grads = tuple(n for n, t in inputs.items() if isinstance(t, torch.Tensor) and t.requires_grad) if grad else ()
+    layout, flat = flatten_inputs(inputs)
+    spec = CallSpec(graph=graph, inputs=layout, save_lse=return_lse or (grad and lse_kept), grad=grad, grads=grads)
+    out, lse, _ = attention_op(call_key(spec), q, k, v, kv_lens, block_table, flat)
+    return (out, lse) if return_lse else out
+
+
 def opaque_to_dynamo(fn):
     """``fn`` as one opaque call to Dynamo (``torch._dynamo.nonstrict_trace``): AOT autograd runs it on fake
-    tensors and records the op it calls. Its arguments must be tensors, constants, or pytree types."""
+    tensors and records the op it calls. Its arguments must be tensors, constants, or pytree types, and not
+    None (see ``hide_none``)."""
     return torch._dynamo.nonstrict_trace(fn)
-
-
-def register_constant(cls: type) -> None:
-    """Let instances of ``cls`` (hashable, compared by identity) be arguments of an opaque function."""
-    pytree.register_constant(cls)
 
 
 class _NoneArgument:
@@ -278,34 +205,18 @@ def show_none(value: Any) -> Any:
     return value
 
 
+def register_constant(cls: type) -> None:
+    """Let instances of ``cls`` (hashable, compared by identity) be arguments of an opaque function."""
+    pytree.register_constant(cls)
+
+
 def _flatten_mask(mask: BlockMask) -> tuple[list[torch.Tensor], tuple]:
-    return [getattr(mask, t) for t in _MASK_TENSORS], (mask.Nq, mask.Nk, mask.block_size, mask.kv_heavy_blocks)
+    return [getattr(mask, t) for t in MASK_TENSORS], (mask.Nq, mask.Nk, mask.block_size, mask.kv_heavy_blocks)
 
 
 def _unflatten_mask(tensors, sizes: tuple) -> BlockMask:
     Nq, Nk, block_size, heavy = sizes
-    return BlockMask(Nq=Nq, Nk=Nk, block_size=block_size, kv_heavy_blocks=heavy, **dict(zip(_MASK_TENSORS, tensors)))
+    return BlockMask(Nq=Nq, Nk=Nk, block_size=block_size, kv_heavy_blocks=heavy, **dict(zip(MASK_TENSORS, tensors)))
 
 
-pytree.register_pytree_node(BlockMask, _flatten_mask, _unflatten_mask,
-                            serialized_type_name="attnfuse.BlockMask")
-
-
-def call(graph: ir.MatMulPV, q: Any, k: Any, v: Any, inputs: dict[str, Any], *, return_lse: bool,
-         kv_lens: Any, block_table: Any):
-    """``run_attention``'s result through the op: out, or (out, lse) when ``return_lse``."""
-    tensors = (q, k, v, *(t for t in (kv_lens, block_table) if t is not None))
-    if not all(isinstance(t, torch.Tensor) for t in tensors) or not all(
-            isinstance(t, (torch.Tensor, BlockMask)) for t in inputs.values()):  # run_attention names the error
-        return run_attention(graph, q, k, v, inputs, return_lse=return_lse, kv_lens=kv_lens, block_table=block_table)
-    lse_kept = fragment_of(graph.weights.apply).has_lse
-    if return_lse and not lse_kept:
-        raise InputError(f"return_lse=True needs a normaliser with a log-sum-exp; "
-                         f"{graph.weights.apply.combinator} has none (softmax has)")
-    grad = torch.is_grad_enabled() and any(
-        isinstance(t, torch.Tensor) and t.requires_grad for t in (q, k, v, *inputs.values()))
-    grads = tuple(n for n, t in inputs.items() if isinstance(t, torch.Tensor) and t.requires_grad) if grad else ()
-    layout, flat = flatten_inputs(inputs)
-    spec = CallSpec(graph=graph, inputs=layout, save_lse=return_lse or (grad and lse_kept), grad=grad, grads=grads)
-    out, lse = attention_op(call_key(spec), q, k, v, kv_lens, block_table, flat)
-    return (out, lse) if return_lse else out
+pytree.register_pytree_node(BlockMask, _flatten_mask, _unflatten_mask, serialized_type_name="attnfuse.BlockMask")

@@ -165,16 +165,7 @@ def run_attention(graph: ir.MatMulPV, q: torch.Tensor, k: torch.Tensor, v: torch
     inputs = inputs or {}
     wants_grad = torch.is_grad_enabled() and any(
         isinstance(t, torch.Tensor) and t.requires_grad for t in (q, k, v, *inputs.values()))
-    # Everything decided from the call's metadata alone is decided once per call signature.
-    signature = (graph, _meta(q), _meta(k), _meta(v), _meta(kv_lens), _meta(block_table), return_lse, wants_grad,
-                 split_kv, torch.backends.cuda.matmul.allow_tf32)
-    plan = _plans.get(signature)
-    if plan is None:
-        plan = _plan(graph, q, k, v, kv_lens, block_table, return_lse, wants_grad, split_kv)
-        if len(_plans) >= _MAX_PLANS:
-            _plans.clear()
-        _plans[signature] = plan
-    forward, decode, backward = plan
+    forward, decode, backward = planned(graph, q, k, v, kv_lens, block_table, return_lse, wants_grad, split_kv)
     kv = kv_cache(k, v, kv_lens, block_table)
     if decode is not None:
         out, lse = decode(q, kv, inputs)
@@ -189,6 +180,20 @@ def run_attention(graph: ir.MatMulPV, q: torch.Tensor, k: torch.Tensor, v: torch
         out, lse = AttentionFunction.apply(forward, backward, inputs, names, kv.lens, q, k, v,
                                            *(inputs[n] for n in names))
     return (out, lse) if return_lse else out
+
+
+def planned(graph: ir.MatMulPV, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_lens: Any, block_table: Any,
+            return_lse: bool, wants_grad: bool, split_kv: bool | None) -> Plan:
+    """The call's kernels: everything decided from its metadata alone is decided once per call signature."""
+    signature = (graph, _meta(q), _meta(k), _meta(v), _meta(kv_lens), _meta(block_table), return_lse, wants_grad,
+                 split_kv, torch.backends.cuda.matmul.allow_tf32)
+    plan = _plans.get(signature)
+    if plan is None:
+        plan = _plan(graph, q, k, v, kv_lens, block_table, return_lse, wants_grad, split_kv)
+        if len(_plans) >= _MAX_PLANS:
+            _plans.clear()
+        _plans[signature] = plan
+    return plan
 
 
 class _Invalid:
