@@ -7,7 +7,8 @@ Every attention layer then runs one fused AttnFuse kernel. The mask HF builds fo
 (B, 1, Nq, Nk) mask, or None where causal alone is right): None runs ``causal`` (or ``sliding_window`` for a
 model's sliding layers) on the keys as given; a mask (padding, packed sequences, a sliding window) becomes
 an additive bias of 0 and -inf (see ``_bias`` for padding rows). GQA runs natively, ``scaling``
-is the program's scale. Softcapping, dropout, attention sinks and position biases raise a clear error.
+is the program's scale, Gemma 2's softcapping runs the ``softcap`` combinator when the attnfuse-softcap
+plugin is installed. Dropout, attention sinks and position biases raise a clear error.
 
 ``register(name, program)`` registers any ``@af.attention`` program; ``fuse_rope(model)`` moves the
 rotary embedding of Llama-family models into the kernel (see ``attnfuse.hf_rope``).
@@ -30,13 +31,15 @@ ROPE_KWARG = "attnfuse_rope"  # (cos (B, Nq, D), sin, rotate_keys), passed by fu
 
 
 @af.attention
-def hf_attention(q, k, v, bias, cos, sin, scale, window, causal, rotate_keys):
-    """What HF's attention asks for: the scaled product (rotated first when given cos and sin), then the
-    mask as an additive bias, or a sliding window, or causal, then softmax."""
+def hf_attention(q, k, v, bias, cos, sin, scale, window, causal, rotate_keys, softcap=None):
+    """What HF's attention asks for: the scaled product (rotated first when given cos and sin), softcapped
+    if asked (Gemma 2), then the mask as an additive bias, or a sliding window, or causal, then softmax."""
     if cos is None:
         s = af.scaled_dot_product(q, k, scale=scale)
     else:
         s = af.rope(q, k, scale=scale, cos=cos, sin=sin, rotate_keys=rotate_keys)
+    if softcap is not None:
+        s = af.softcap(s, softcap)
     if bias is not None:
         s = af.additive_bias(s, bias)
     elif window is not None:
@@ -46,10 +49,16 @@ def hf_attention(q, k, v, bias, cos, sin, scale, window, causal, rotate_keys):
     return af.softmax(s) @ v
 
 
-def _refuse_unsupported(name: str, module: torch.nn.Module, dropout: float, kwargs: dict[str, Any]) -> None:
-    if kwargs.get("softcap") is not None:
+def _softcap_available() -> bool:
+    return "softcap" in af.combinators()
+
+
+def _refuse_unsupported(name: str, module: torch.nn.Module, dropout: float, kwargs: dict[str, Any],
+                        softcap_ok: bool = False) -> None:
+    if kwargs.get("softcap") is not None and not (softcap_ok and _softcap_available()):
+        how = "install the attnfuse-softcap plugin (contrib/attnfuse-softcap), or " if softcap_ok else ""
         raise InputError(f"attn_implementation={name!r}: softcap={kwargs['softcap']} (attention logit softcapping, "
-                         f"as Gemma 2 uses) is not supported; use attn_implementation='eager'")
+                         f"as Gemma 2 uses) is not supported here; {how}use attn_implementation='eager'")
     if dropout:
         raise InputError(f"attn_implementation={name!r}: dropout={dropout} is not supported; set the model's "
                          f"attention_dropout to 0 (or call model.eval())")
@@ -92,7 +101,7 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
                       sliding_window: int | None = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
     """HF's attention function signature: query (B, Hq, Nq, D), key and value (B, Hkv, Nk, D) -> the output
     (B, Nq, Hq, D) and no weights."""
-    _refuse_unsupported("attnfuse", module, dropout, kwargs)
+    _refuse_unsupported("attnfuse", module, dropout, kwargs, softcap_ok=True)
     Nq, Nk = query.shape[2], key.shape[2]
     causal = kwargs.get("is_causal")
     causal = getattr(module, "is_causal", True) if causal is None else causal
@@ -106,7 +115,8 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
         attention_mask = attention_mask[..., :Nk]
     window = None if sliding_window is None or attention_mask is not None else sliding_window - 1
     out = hf_attention(query, key, value, _bias(attention_mask, query.dtype), cos, sin,
-                       None if scaling is None else float(scaling), window, bool(causal), rotate_keys)
+                       None if scaling is None else float(scaling), window, bool(causal), rotate_keys,
+                       None if kwargs.get("softcap") is None else float(kwargs["softcap"]))
     return out.transpose(1, 2), None
 
 

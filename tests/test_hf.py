@@ -145,9 +145,24 @@ def test_registered_program_runs_the_model_and_must_honour_masks():
         attnfuse.hf.register("not_a_program", lambda q, k, v: q)
 
 
-def test_softcapping_and_other_families_raise():
-    model, ids = _model("gemma2", head_dim=16, attn_logit_softcapping=50.0), torch.randint(0, 128, (1, 8))
-    with pytest.raises(InputError, match="softcap=50.0"):
+def test_gemma2_softcapping_equals_eager_or_raises_without_the_plugin(monkeypatch):
+    model = _model("gemma2", head_dim=16, attn_logit_softcapping=0.001, sliding_window=6)
+    ids, mask = torch.randint(0, 128, (2, 20)), _padding()
+    if "softcap" in af.combinators():  # CI installs contrib/attnfuse-softcap
+        real = mask.bool()
+        want = _logits(model, "eager", ids, mask)
+        torch.testing.assert_close(_logits(model, "attnfuse", ids, mask)[real], want[real], atol=1e-5, rtol=1e-5)
+        for layer in model.model.layers:
+            layer.self_attn.attn_logit_softcapping = None
+        assert (_logits(model, "eager", ids, mask) - want)[real].abs().max() > 1e-4  # the cap binds
+        for layer in model.model.layers:
+            layer.self_attn.attn_logit_softcapping = 0.001
+    monkeypatch.setattr(attnfuse.hf, "_softcap_available", lambda: False)
+    with pytest.raises(InputError, match="softcap=0.001 .* install the attnfuse-softcap plugin"):
         _logits(model, "attnfuse", ids)
+
+
+def test_fuse_rope_refuses_other_families():
+    model = _model("gemma2", head_dim=16)
     with pytest.raises(InputError, match="fuse_rope supports the attention of llama, mistral, qwen2, qwen3"):
         attnfuse.hf.fuse_rope(model)
