@@ -166,3 +166,68 @@ def test_fast_launch_path_respecialises():
         ref = torch.nn.functional.scaled_dot_product_attention(q.double(), k.double(), v.double(), is_causal=True)
         ref_lowp = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
         assert_matches_reference(out, ref, ref_lowp, torch.float16, what=f"N={N} offset={offset}")
+
+
+# torch.compile and CUDA graphs (the op boundary, attnfuse/runtime/custom_op.py) ------------------------------
+
+@af.attention
+def llama_window(q, k, v, window):
+    return af.softmax(af.sliding_window(af.rope(q, k, rotate_keys=False), window, 0)) @ v
+
+
+def test_compile_fullgraph_forward_and_backward_bf16_equal_eager():
+    g = torch.Generator(device="cuda").manual_seed(11)
+    q, k, v = (torch.randn(2, 8, 1024, 128, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
+               for _ in range(3))
+    dout = torch.randn(2, 8, 1024, 128, device="cuda", dtype=torch.bfloat16, generator=g)
+    for backend in ("aot_eager", "inductor"):
+        compiled = torch.compile(lambda q, k, v: llama(q, k, v), backend=backend, fullgraph=True)
+        out = compiled(q, k, v)
+        grads = torch.autograd.grad(out, (q, k, v), dout)
+        eager = llama(q, k, v)
+        eager_grads = torch.autograd.grad(eager, (q, k, v), dout)
+        torch.testing.assert_close(out, eager, atol=0, rtol=0)
+        for got, want in zip(grads, eager_grads):
+            torch.testing.assert_close(got, want, atol=0, rtol=0)
+
+
+def test_compile_reduce_overhead_decode_with_kv_lens_and_block_table():
+    """CUDA graphs capture the split-KV decode (two launches) of a paged cache; replays follow new lengths."""
+    g = torch.Generator(device="cuda").manual_seed(12)
+    B, Hq, Hkv, D, page, pages = 4, 32, 8, 128, 64, 32
+    pool_k, pool_v = (torch.randn(B * pages, page, Hkv, D, device="cuda", dtype=torch.bfloat16, generator=g)
+                      for _ in range(2))
+    table = torch.randperm(B * pages, device="cuda", generator=g).to(torch.int32).view(B, pages)
+    step = torch.compile(lambda q, k, v, lens, table: llama_window(q, k, v, 1000, kv_lens=lens, block_table=table),
+                         mode="reduce-overhead", fullgraph=True)
+    for lengths in ([2048, 17, 700, 1], [1500, 64, 2048, 999], [3, 2000, 128, 640]):
+        lens = torch.tensor(lengths, device="cuda", dtype=torch.int32)
+        q = torch.randn(B, Hq, 1, D, device="cuda", dtype=torch.bfloat16, generator=g)
+        out = step(q, pool_k, pool_v, lens, table).clone()
+        want = llama_window.reference(q, pool_k, pool_v, 1000, kv_lens=lens, block_table=table)
+        torch.testing.assert_close(out.double(), want, atol=2e-2, rtol=0)
+
+
+def test_hf_llama_bf16_attnfuse_and_fuse_rope_match_sdpa():
+    transformers = pytest.importorskip("transformers")
+    import attnfuse.hf
+
+    torch.manual_seed(13)
+    config = transformers.LlamaConfig(hidden_size=1024, num_attention_heads=8, num_key_value_heads=2,
+                                      num_hidden_layers=2, intermediate_size=2048, vocab_size=1000)
+    model = transformers.LlamaForCausalLM(config).to("cuda", torch.bfloat16).eval()
+    ids = torch.randint(0, 1000, (2, 512), device="cuda")
+    mask = torch.ones_like(ids)
+    mask[0, :100] = 0
+    model.set_attn_implementation("sdpa")
+    want = model(ids, attention_mask=mask).logits.float()
+    want_tokens = model.generate(ids[1:, :64], max_new_tokens=16, do_sample=False)
+    real = mask.bool()
+    for fuse in (False, True):
+        model.set_attn_implementation("attnfuse")
+        if fuse:
+            attnfuse.hf.fuse_rope(model)
+        got = model(ids, attention_mask=mask).logits.float()
+        assert (got[real] - want[real]).abs().max() < 0.1
+        assert model.generate(ids[1:, :64], max_new_tokens=16, do_sample=False)[:, :72].tolist() == \
+            want_tokens[:, :72].tolist()
