@@ -77,7 +77,8 @@ def _family_module(module: torch.nn.Module):
 
 
 def fuse(model: torch.nn.Module) -> torch.nn.Module:
-    """Wrap every attention layer of a Llama, Mistral, Qwen2 or Qwen3 model; an InputError for any other."""
+    """Wrap every attention layer of a Llama, Mistral, Qwen2 or Qwen3 model (or decoder layer); an InputError
+    for any other."""
     layers = [m for m in model.modules() if type(m).__name__.endswith("Attention") and hasattr(m, "k_proj")]
     if not layers:
         raise InputError(f"fuse_rope: {type(model).__name__} has no attention layers with q_proj/k_proj")
@@ -91,5 +92,9 @@ def fuse(model: torch.nn.Module) -> torch.nn.Module:
         if not getattr(layer, "__attnfuse_fused__", False):
             layer.forward = functools.partial(_fused_forward, layer, layer.forward)
             layer.__attnfuse_fused__ = True
-    model.set_attn_implementation("attnfuse")
+    if hasattr(model, "set_attn_implementation"):
+        model.set_attn_implementation("attnfuse")
+    else:  # a bare layer (benchmarks/hf_layer.py)
+        for layer in layers:
+            layer.config._attn_implementation = "attnfuse"
     return model

@@ -1,0 +1,147 @@
+"""Table 9: one Llama-3-8B decoder layer (HF's LlamaDecoderLayer, random weights, B1, Hq 32, Hkv 8, D128) per
+attention implementation: sdpa, flex_attention, attnfuse, attnfuse with fuse_rope.
+
+    python benchmarks/hf_layer.py [--lengths 2048,4096,8192] [--compile-length 4096] [--no-compile]
+    python benchmarks/hf_layer.py --tiny        # a CPU smoke run of the script (interpreter; no timings worth reading)
+
+For each N: the forward alone, and a training step (forward, backward, AdamW step), medians in ms from
+triton.testing.do_bench, all in one process; then one torch.compile'd training step per implementation at
+--compile-length. Runs in about 4 minutes on an H200. Also ``op_overhead()``: the host time of a program call
+through the custom op against ``run_attention`` directly.
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+from transformers import LlamaConfig
+from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
+
+import attnfuse as af
+import attnfuse.hf
+
+LLAMA3_8B = dict(hidden_size=4096, num_attention_heads=32, num_key_value_heads=8, intermediate_size=14336,
+                 rope_theta=500000.0, max_position_embeddings=8192)
+TINY = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128)
+BACKENDS = ("sdpa", "flex_attention", "attnfuse", "attnfuse+fuse_rope")
+
+
+def bench(fn, device: torch.device) -> float:
+    if device.type != "cuda":  # --tiny: run it twice, report the second
+        fn()
+        start = time.perf_counter()
+        fn()
+        return (time.perf_counter() - start) * 1e3
+    from triton.testing import do_bench
+    return do_bench(fn, return_mode="median")
+
+
+def causal_block_mask(N: int, device: torch.device):
+    from torch.nn.attention.flex_attention import create_block_mask
+    return create_block_mask(lambda b, h, q, k: k <= q, None, None, N, N, device=device)
+
+
+class Case:
+    """The layer, its inputs for one N, and the steps timed."""
+
+    def __init__(self, layer: LlamaDecoderLayer, rotary: LlamaRotaryEmbedding, N: int, dtype: torch.dtype):
+        device = next(layer.parameters()).device
+        self.layer, self.N, self.device = layer, N, device
+        self.x = torch.randn(1, N, layer.hidden_size, device=device, dtype=dtype, requires_grad=True)
+        self.positions = torch.arange(N, device=device)[None]
+        self.rope = rotary(self.x, self.positions)
+        self.flex_mask = causal_block_mask(N, device)
+        self.optimizer = torch.optim.AdamW(layer.parameters(), lr=1e-6)
+
+    def forward(self, backend: str) -> torch.Tensor:
+        mask = self.flex_mask if backend == "flex_attention" else None  # None: causal for sdpa and attnfuse
+        out = self.layer(self.x, attention_mask=mask, position_ids=self.positions, position_embeddings=self.rope)
+        return out[0] if isinstance(out, tuple) else out
+
+    def train_step(self, backend: str, forward=None) -> None:
+        (forward or self.forward)(backend).float().square().mean().backward()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+
+def use(layer: LlamaDecoderLayer, backend: str) -> None:
+    if backend == "attnfuse+fuse_rope":
+        attnfuse.hf.fuse_rope(layer)  # wraps the attention forward; also sets attnfuse
+    else:
+        layer.self_attn.config._attn_implementation = backend
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--lengths", default="2048,4096,8192")
+    parser.add_argument("--compile-length", type=int, default=4096)
+    parser.add_argument("--no-compile", action="store_true")
+    parser.add_argument("--tiny", action="store_true", help="tiny layer, float32 on the CPU: checks the script runs")
+    args = parser.parse_args()
+    device = torch.device("cpu" if args.tiny else "cuda")
+    dtype = torch.float32 if args.tiny else torch.bfloat16
+    lengths = [32, 48] if args.tiny else [int(n) for n in args.lengths.split(",")]
+    compile_length = 32 if args.tiny else args.compile_length
+    torch.manual_seed(0)
+    config = LlamaConfig(**(TINY if args.tiny else LLAMA3_8B), num_hidden_layers=1, attn_implementation="sdpa")
+    layer = LlamaDecoderLayer(config, layer_idx=0).to(device, dtype)
+    rotary = LlamaRotaryEmbedding(config).to(device)
+    cases = {N: Case(layer, rotary, N, dtype) for N in sorted(set(lengths) | {compile_length})}
+    backends = [b for b in BACKENDS if not (args.tiny and b == "flex_attention")]  # no flex backward on the CPU
+    results: dict[tuple, float] = {}
+    for backend in backends:  # fuse_rope last: its wrapper stays on the layer
+        use(layer, backend)
+        for N in lengths:
+            case = cases[N]
+            with torch.no_grad():
+                results[backend, N, "forward"] = bench(lambda: case.forward(backend), device)
+            results[backend, N, "train"] = bench(lambda: case.train_step(backend), device)
+        if not args.no_compile:
+            case = cases[compile_length]
+            compiled = torch.compile(case.forward, backend="aot_eager" if args.tiny else "inductor")
+            start = time.perf_counter()
+            case.train_step(backend, compiled)  # compiles
+            results[backend, compile_length, "compile_s"] = time.perf_counter() - start
+            results[backend, compile_length, "train_compiled"] = bench(lambda: case.train_step(backend, compiled),
+                                                                      device)
+    print(f"Llama-3-8B decoder layer, B1, {'tiny CPU' if args.tiny else 'bf16'}: median ms")
+    print(f"{'backend':<22}{'N':>6}{'forward':>10}{'train':>10}")
+    for backend in backends:
+        for N in lengths:
+            print(f"{backend:<22}{N:>6}{results[backend, N, 'forward']:>10.3f}{results[backend, N, 'train']:>10.3f}")
+    if not args.no_compile:
+        print(f"\ntorch.compile'd training step, N={compile_length}: median ms (first call's compile, s)")
+        for backend in backends:
+            print(f"{backend:<22}{results[backend, compile_length, 'train_compiled']:>10.3f}"
+                  f"{results[backend, compile_length, 'compile_s']:>10.1f}")
+    print()
+    op_overhead(device, dtype)
+
+
+def op_overhead(device: torch.device, dtype: torch.dtype, calls: int = 2000) -> None:
+    """Host time per call of a warm program call (the custom op, the binding, the plan lookup) against
+    ``af.run_attention`` on its traced graph, on a tiny input (so the kernel's time does not count)."""
+    @af.attention
+    def causal(q, k, v):
+        return af.softmax(af.causal(af.scaled_dot_product(q, k))) @ v
+
+    q, k, v = (torch.randn(1, 1, 16, 16, device=device, dtype=dtype) for _ in range(3))
+    graph = causal.graph()
+    calls = calls if device.type == "cuda" else 20
+    for label, fn in (("program call (custom op)", lambda: causal(q, k, v)),
+                      ("af.run_attention", lambda: af.run_attention(graph, q, k, v))):
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        host = (time.perf_counter() - start) / calls * 1e6
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        print(f"{label:<28}{host:8.1f} us host time per call")
+
+
+if __name__ == "__main__":
+    main()
