@@ -146,7 +146,8 @@ class AttentionProgram:
         (pages, page_size, Hkv, D). See ``attnfuse.run_attention``.
         """
         hide = custom_op.hide_none
-        return _call(self, hide(args), hide(kwargs), return_lse, hide(kv_lens), hide(block_table))
+        call = custom_op.opaque_program_call if torch.compiler.is_compiling() else _call
+        return call(self, hide(args), hide(kwargs), return_lse, hide(kv_lens), hide(block_table))
 
     def __eq__(self, other: object) -> bool:  # by identity; defined for torch.compile (a pytree constant)
         return self is other
@@ -180,7 +181,6 @@ class AttentionProgram:
         return f"<attnfuse program {self.fn.__qualname__}>"
 
 
-@custom_op.opaque_to_dynamo
 def _call(program: AttentionProgram, args: tuple, kwargs: dict, return_lse: bool, kv_lens: Any, block_table: Any):
     """A program call: bind the arguments, find the trace, run it through ``torch.ops.attnfuse.attention``.
     Dynamo does not trace this (see ``custom_op.opaque_to_dynamo``)."""
@@ -193,6 +193,7 @@ def _call(program: AttentionProgram, args: tuple, kwargs: dict, return_lse: bool
 
 
 custom_op.register_constant(AttentionProgram)
+custom_op.PROGRAM_CALL = _call
 
 
 def attention(fn: Callable) -> AttentionProgram:

@@ -162,11 +162,28 @@ def call(graph: ir.MatMulPV, q: Any, k: Any, v: Any, inputs: dict[str, Any], *, 
     return (out, lse) if return_lse else out
 
 
-def opaque_to_dynamo(fn):
-    """``fn`` as one opaque call to Dynamo (``torch._dynamo.nonstrict_trace``): AOT autograd runs it on fake
-    tensors and records the op it calls. Its arguments must be tensors, constants, or pytree types, and not
-    None (see ``hide_none``)."""
-    return torch._dynamo.nonstrict_trace(fn)
+PROGRAM_CALL: Any = None  # program._call: binds a call's arguments and calls ``call``
+
+
+def __getattr__(name: str) -> Any:
+    """``opaque_program_call``: ``PROGRAM_CALL`` as one opaque call to Dynamo (``torch._dynamo.nonstrict_trace``):
+    AOT autograd runs it on fake tensors and records the op it calls. Its arguments must be tensors,
+    constants or pytree types, and not None (see ``hide_none``). Made on first use, which is Dynamo's lookup
+    while it traces a program call, so ``import attnfuse`` does not import torch._dynamo. Before torch 2.7,
+    which has no nonstrict_trace, Dynamo traces the call."""
+    if name != "opaque_program_call":
+        raise AttributeError(name)
+    import torch._dynamo
+
+    nonstrict_trace = getattr(torch._dynamo, "nonstrict_trace", None)
+    made = globals()[name] = PROGRAM_CALL if nonstrict_trace is None else nonstrict_trace(PROGRAM_CALL)
+    return made
+
+
+def register_constant(cls: type) -> None:
+    """Let instances of ``cls`` (hashable, compared by identity) be arguments of an opaque function."""
+    if hasattr(pytree, "register_constant"):  # torch >= 2.7
+        pytree.register_constant(cls)
 
 
 class _NoneArgument:
@@ -180,7 +197,7 @@ class _NoneArgument:
 
 
 _NONE = _NoneArgument()
-pytree.register_constant(_NoneArgument)
+register_constant(_NoneArgument)
 
 
 def hide_none(value: Any) -> Any:
@@ -203,11 +220,6 @@ def show_none(value: Any) -> Any:
     if isinstance(value, dict):
         return {k: show_none(v) for k, v in value.items()}
     return value
-
-
-def register_constant(cls: type) -> None:
-    """Let instances of ``cls`` (hashable, compared by identity) be arguments of an opaque function."""
-    pytree.register_constant(cls)
 
 
 def _flatten_mask(mask: BlockMask) -> tuple[list[torch.Tensor], tuple]:
