@@ -166,3 +166,16 @@ def test_fuse_rope_refuses_other_families():
     model = _model("gemma2", head_dim=16)
     with pytest.raises(InputError, match="fuse_rope supports the attention of llama, mistral, qwen2, qwen3"):
         attnfuse.hf.fuse_rope(model)
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["attnfuse", "fuse_rope"])
+def test_compiled_model_fullgraph_equals_eager(fused):
+    model, ids, mask = _model(use_cache=False), torch.randint(0, 128, (2, 20)), _padding()
+    want = _logits(model, "eager", ids, mask)
+    model.set_attn_implementation("attnfuse")
+    if fused:
+        attnfuse.hf.fuse_rope(model)
+    compiled = torch.compile(lambda ids, mask: model(ids, attention_mask=mask).logits, backend="aot_eager",
+                             fullgraph=True)
+    real = mask.bool()
+    torch.testing.assert_close(compiled(ids, mask)[real], want[real], atol=1e-5, rtol=1e-5)
