@@ -3,6 +3,7 @@ attention implementation: sdpa, flex_attention, attnfuse, attnfuse with fuse_rop
 
     python benchmarks/hf_layer.py [--lengths 2048,4096,8192] [--compile-length 4096] [--no-compile]
     python benchmarks/hf_layer.py --tiny        # a CPU smoke run of the script (interpreter; no timings worth reading)
+    python benchmarks/hf_layer.py --overhead-only   # just the op boundary's host time per call
 
 For each N: the forward alone, and a training step (forward, backward, AdamW step), medians in ms from
 triton.testing.do_bench, all in one process; then one torch.compile'd training step per implementation at
@@ -78,9 +79,12 @@ def main() -> None:
     parser.add_argument("--compile-length", type=int, default=4096)
     parser.add_argument("--no-compile", action="store_true")
     parser.add_argument("--tiny", action="store_true", help="tiny layer, float32 on the CPU: checks the script runs")
+    parser.add_argument("--overhead-only", action="store_true", help="only op_overhead()")
     args = parser.parse_args()
     device = torch.device("cpu" if args.tiny else "cuda")
     dtype = torch.float32 if args.tiny else torch.bfloat16
+    if args.overhead_only:
+        return op_overhead(device, dtype)
     lengths = [32, 48] if args.tiny else [int(n) for n in args.lengths.split(",")]
     compile_length = 32 if args.tiny else args.compile_length
     torch.manual_seed(0)
