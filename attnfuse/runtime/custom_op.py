@@ -24,7 +24,7 @@ from ..passes.lower import fragment_of
 from .call_spec import (MASK_TENSORS, CallSpec, call_key, flatten_inputs, plain_tensors, spec_of, tensor_names,
                         unflatten_inputs)
 from .hoisted import HoistedBackward, HoistedForward, hoisted_sides, worth_hoisting
-from .inputs import accumulator_dtype, empty_like_layout, kernel_config, kv_cache
+from .inputs import accumulator_dtype, check_cache, empty_like_layout, kernel_config, kv_cache
 from .launch import compile_backward, compile_forward, compile_hoisted_backward, planned, run_attention
 
 
@@ -75,6 +75,9 @@ def attention_op(key: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv
 
 @attention_op.register_fake
 def _attention_fake(key, q, k, v, kv_lens, block_table, inputs):
+    """The outputs' metadata; the inputs' checks run here too, so a bad call fails while it is compiled (and
+    meta tensors, which take this path, are refused as ``run_attention`` refuses them)."""
+    check_cache(q, k, v, kv_lens, block_table)
     spec = spec_of(key)
     out = empty_like_layout(q, v.shape[-1], q.dtype)
     lse = q.new_empty(q.shape[:3], dtype=accumulator_dtype(q.dtype)) if spec.save_lse else \
