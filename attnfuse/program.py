@@ -145,9 +145,11 @@ class AttentionProgram:
         i + kv_lens[b] - Nq). ``block_table`` (B, max_pages) int32: k and v are a paged cache's pools
         (pages, page_size, Hkv, D). See ``attnfuse.run_attention``.
         """
-        hide = custom_op.hide_none
-        call = custom_op.opaque_program_call if torch.compiler.is_compiling() else _call
-        return call(self, hide(args), hide(kwargs), return_lse, hide(kv_lens), hide(block_table))
+        if torch.compiler.is_compiling():  # one opaque call to Dynamo (see custom_op.opaque_program_call)
+            hide = custom_op.hide_none
+            return custom_op.opaque_program_call(self, hide(args), hide(kwargs), return_lse, hide(kv_lens),
+                                                 hide(block_table))
+        return _call(self, args, kwargs, return_lse, kv_lens, block_table)
 
     def __eq__(self, other: object) -> bool:  # by identity; defined for torch.compile (a pytree constant)
         return self is other
@@ -182,10 +184,7 @@ class AttentionProgram:
 
 
 def _call(program: AttentionProgram, args: tuple, kwargs: dict, return_lse: bool, kv_lens: Any, block_table: Any):
-    """A program call: bind the arguments, find the trace, run it through ``torch.ops.attnfuse.attention``.
-    Dynamo does not trace this (see ``custom_op.opaque_to_dynamo``)."""
-    show = custom_op.show_none
-    args, kwargs, kv_lens, block_table = show(args), show(kwargs), show(kv_lens), show(block_table)
+    """A program call: bind the arguments, find the trace, run it through ``torch.ops.attnfuse.attention``."""
     (q, k, v), args, kwargs = program._take_qkv(args, kwargs)
     statics, inputs = program._bind(args, kwargs) if args or kwargs or program._extra else ((), {})
     return custom_op.call(program._trace(statics), q, k, v, inputs, return_lse=return_lse, kv_lens=kv_lens,

@@ -169,17 +169,19 @@ PROGRAM_CALL: Any = None  # program._call: binds a call's arguments and calls ``
 
 
 def __getattr__(name: str) -> Any:
-    """``opaque_program_call``: ``PROGRAM_CALL`` as one opaque call to Dynamo (``torch._dynamo.nonstrict_trace``):
-    AOT autograd runs it on fake tensors and records the op it calls. Its arguments must be tensors,
-    constants or pytree types, and not None (see ``hide_none``). Made on first use, which is Dynamo's lookup
-    while it traces a program call, so ``import attnfuse`` does not import torch._dynamo. Before torch 2.7,
-    which has no nonstrict_trace, Dynamo traces the call."""
+    """``opaque_program_call``: ``PROGRAM_CALL`` of ``hide_none``'s arguments, as one opaque call to Dynamo
+    (``torch._dynamo.nonstrict_trace``): AOT autograd runs it on fake tensors and records the op it calls. Its
+    arguments must be tensors, constants or pytree types, and not None. Made on first use, which is Dynamo's
+    lookup while it traces a program call, so ``import attnfuse`` does not import torch._dynamo. Before
+    torch 2.7, which has no nonstrict_trace, Dynamo traces the call."""
     if name != "opaque_program_call":
-        raise AttributeError(name)
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     import torch._dynamo
 
+    def program_call(*args: Any):
+        return PROGRAM_CALL(*show_none(args))
     nonstrict_trace = getattr(torch._dynamo, "nonstrict_trace", None)
-    made = globals()[name] = PROGRAM_CALL if nonstrict_trace is None else nonstrict_trace(PROGRAM_CALL)
+    made = globals()[name] = program_call if nonstrict_trace is None else nonstrict_trace(program_call)
     return made
 
 
