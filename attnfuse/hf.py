@@ -105,7 +105,7 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     Nq, Nk = query.shape[2], key.shape[2]
     causal = kwargs.get("is_causal")
     causal = getattr(module, "is_causal", True) if causal is None else causal
-    if attention_mask is None and causal and 1 < Nq < Nk and kwargs.get(ROPE_KWARG) is None:
+    if attention_mask is None and causal and 1 < Nq < Nk:
         key, value, Nk = key[:, :, :Nq], value[:, :, :Nq], Nq  # a static cache's prefill: later slots are empty
     cos = sin = None
     rotate_keys = True

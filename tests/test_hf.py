@@ -67,13 +67,15 @@ def test_mistral_sliding_window_equals_eager():
     assert (_logits(model, "eager", ids) - want).abs().max() > 1e-3  # the window binds at this length
 
 
-def test_generate_gives_eager_greedy_tokens():
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+def test_generate_gives_eager_greedy_tokens(cache):
     model, ids, mask = _model(), torch.randint(0, 128, (2, 12)), _padding(N=12)
     mask[1] = 1  # generation pads on the left
+    options = dict(attention_mask=mask, max_new_tokens=6, do_sample=False, cache_implementation=cache)
     model.set_attn_implementation("eager")
-    want = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False)
+    want = model.generate(ids, **options)
     model.set_attn_implementation("attnfuse")
-    got = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False)
+    got = model.generate(ids, **options)
     assert got.tolist() == want.tolist()
 
 
