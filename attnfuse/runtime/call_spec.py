@@ -37,16 +37,23 @@ class CallSpec:
 
 
 _specs: dict[str, CallSpec] = {}
-_keys: dict[CallSpec, str] = {}
+_keys: dict[tuple, str] = {}  # by the spec's fields: a warm call builds no CallSpec
+
+
+def key_of(graph: ir.MatMulPV, inputs: tuple, save_lse: bool, grad: bool, grads: tuple) -> str:
+    """The op's string argument for the spec of these fields (registered, so the op finds it unparsed)."""
+    fields = (graph, inputs, save_lse, grad, grads)
+    key = _keys.get(fields)
+    if key is None:
+        spec = CallSpec(graph=graph, inputs=inputs, save_lse=save_lse, grad=grad, grads=grads)
+        key = _keys[fields] = repr(spec)
+        _specs[key] = spec
+    return key
 
 
 def call_key(spec: CallSpec) -> str:
-    """The op's string argument for ``spec`` (registered, so the op finds it without parsing)."""
-    key = _keys.get(spec)
-    if key is None:
-        key = _keys[spec] = repr(spec)
-        _specs[key] = spec
-    return key
+    """The op's string argument for ``spec``."""
+    return key_of(spec.graph, spec.inputs, spec.save_lse, spec.grad, spec.grads)
 
 
 def spec_of(key: str) -> CallSpec:

@@ -21,7 +21,7 @@ from .. import ir
 from ..block_mask import BlockMask
 from ..errors import InputError
 from ..passes.lower import fragment_of
-from .call_spec import (MASK_TENSORS, CallSpec, call_key, flatten_inputs, plain_tensors, spec_of, tensor_names,
+from .call_spec import (MASK_TENSORS, CallSpec, flatten_inputs, key_of, plain_tensors, spec_of, tensor_names,
                         unflatten_inputs)
 from .hoisted import HoistedBackward, HoistedForward, hoisted_sides, worth_hoisting
 from .inputs import accumulator_dtype, check_cache, empty_like_layout, kernel_config, kv_cache
@@ -52,8 +52,14 @@ def _differentiable_plan(spec: CallSpec, q, k, v, kv_lens, block_table):
     return forward, backward
 
 
-@torch.library.custom_op("attnfuse::attention", mutates_args=())
-def attention_op(key: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_lens: Optional[torch.Tensor],
+_LIBRARY = torch.library.Library("attnfuse", "DEF")  # not torch.library.custom_op: its wrappers cost ~60 us a call
+_LIBRARY.define("attention(str key, Tensor q, Tensor k, Tensor v, Tensor? kv_lens, Tensor? block_table, "
+                "Tensor[] inputs) -> (Tensor, Tensor, Tensor[])")
+_LIBRARY.define("attention_backward(str key, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor dout, "
+                "Tensor? dlse, Tensor? kv_lens, Tensor[] inputs, Tensor[] copies) -> Tensor[]")
+
+
+def _attention(key: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_lens: Optional[torch.Tensor],
                  block_table: Optional[torch.Tensor], inputs: list[torch.Tensor]
                  ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
     """out (B, Hq, Nq, DV) in q's memory order; lse (B, Hq, Nq) when the spec saves it, else (0,); the
@@ -73,7 +79,7 @@ def attention_op(key: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv
     return out, q.new_empty(0, dtype=torch.float32) if lse is None else lse, list(copies.values())
 
 
-@attention_op.register_fake
+@torch.library.register_fake("attnfuse::attention", lib=_LIBRARY)
 def _attention_fake(key, q, k, v, kv_lens, block_table, inputs):
     """The outputs' metadata; the inputs' checks run here too, so a bad call fails while it is compiled (and
     meta tensors, which take this path, are refused as ``run_attention`` refuses them)."""
@@ -94,8 +100,7 @@ def _attention_fake(key, q, k, v, kv_lens, block_table, inputs):
     return out, lse, copies
 
 
-@torch.library.custom_op("attnfuse::attention_backward", mutates_args=())
-def attention_backward_op(key: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+def _attention_backward(key: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                           lse: torch.Tensor, dout: torch.Tensor, dlse: Optional[torch.Tensor],
                           kv_lens: Optional[torch.Tensor], inputs: list[torch.Tensor], copies: list[torch.Tensor]
                           ) -> list[torch.Tensor]:
@@ -110,7 +115,7 @@ def attention_backward_op(key: str, q: torch.Tensor, k: torch.Tensor, v: torch.T
     return [dq, dk, dv, *(grads[name] for name in spec.grads)]
 
 
-@attention_backward_op.register_fake
+@torch.library.register_fake("attnfuse::attention_backward", lib=_LIBRARY)
 def _attention_backward_fake(key, q, k, v, out, lse, dout, dlse, kv_lens, inputs, copies):
     spec = spec_of(key)
     tensors = plain_tensors(spec, inputs)
@@ -130,7 +135,7 @@ def _backward(ctx, dout, dlse, _):
     tensors, copies = rest[:ctx.counts[0]], rest[ctx.counts[0]:]
     spec = spec_of(ctx.key)
     dout = torch.zeros_like(out) if dout is None else dout
-    grads = attention_backward_op(ctx.key, q, k, v, out, lse, dout, dlse if spec.save_lse else None, kv_lens,
+    grads = torch.ops.attnfuse.attention_backward(ctx.key, q, k, v, out, lse, dout, dlse if spec.save_lse else None, kv_lens,
                                   tensors, copies)
     by_name = dict(zip(spec.grads, grads[3:]))
     return None, grads[0], grads[1], grads[2], None, None, [by_name.get(n) for n in tensor_names(spec)]
@@ -141,8 +146,12 @@ def _no_second_derivative(ctx, *grads):
                        "cannot be differentiated again): the backward kernels are not differentiable")
 
 
-attention_op.register_autograd(_backward, setup_context=_setup_context)
-attention_backward_op.register_autograd(_no_second_derivative, setup_context=lambda ctx, inputs, output: None)
+for _device in ("CPU", "CUDA"):
+    _LIBRARY.impl("attention", _attention, _device)
+    _LIBRARY.impl("attention_backward", _attention_backward, _device)
+torch.library.register_autograd("attnfuse::attention", _backward, setup_context=_setup_context, lib=_LIBRARY)
+torch.library.register_autograd("attnfuse::attention_backward", _no_second_derivative,
+                                setup_context=lambda ctx, inputs, output: None, lib=_LIBRARY)
 
 
 def call(graph: ir.MatMulPV, q: Any, k: Any, v: Any, inputs: dict[str, Any], *, return_lse: bool,
@@ -160,8 +169,8 @@ def call(graph: ir.MatMulPV, q: Any, k: Any, v: Any, inputs: dict[str, Any], *, 
         isinstance(t, torch.Tensor) and t.requires_grad for t in (q, k, v, *inputs.values()))
     grads = tuple(n for n, t in inputs.items() if isinstance(t, torch.Tensor) and t.requires_grad) if grad else ()
     layout, flat = flatten_inputs(inputs)
-    spec = CallSpec(graph=graph, inputs=layout, save_lse=return_lse or (grad and lse_kept), grad=grad, grads=grads)
-    out, lse, _ = attention_op(call_key(spec), q, k, v, kv_lens, block_table, flat)
+    key = key_of(graph, layout, return_lse or (grad and lse_kept), grad, grads)
+    out, lse, _ = torch.ops.attnfuse.attention.default(key, q, k, v, kv_lens, block_table, flat)
     return (out, lse) if return_lse else out
 
 
