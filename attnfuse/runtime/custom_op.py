@@ -2,8 +2,8 @@
 
 ``call`` describes the call by a ``CallSpec`` (see ``call_spec``) and passes its key, a string, as the op's
 static argument; the tensors are q, k, v, kv_lens?, block_table? and the runtime inputs as one list (a
-``BlockMask`` flattened into its tensors). The program's binding of its arguments runs inside
-``opaque_to_dynamo`` (``torch._dynamo.nonstrict_trace``), so Dynamo traces none of AttnFuse's Python and
+``BlockMask`` flattened into its tensors). Under Dynamo, the program's binding of its arguments runs as
+``opaque_program_call`` (``torch._dynamo.nonstrict_trace``), so Dynamo traces none of AttnFuse's Python and
 AOT autograd records just the op. The backward is a second op, ``attnfuse::attention_backward``, registered
 as the first one's autograd formula, so the backward kernels run under compile too. Both bodies run the
 kernels ``run_attention`` plans. A differentiable call whose plan hoists the qk transforms returns the
