@@ -95,13 +95,18 @@ def check_cache(q: torch.Tensor, k: Any, v: Any, kv_lens: Any = None, block_tabl
 
 def kv_cache(k: torch.Tensor, v: torch.Tensor, kv_lens: torch.Tensor | None, block_table: torch.Tensor | None
              ) -> KVCache:
-    """The KV view of inputs :func:`check_cache` accepted (it does no checks)."""
-    if kv_lens is not None and (kv_lens.dtype != torch.int32 or not kv_lens.is_contiguous()):
-        kv_lens = kv_lens.to(torch.int32).contiguous()
+    """The KV view of inputs :func:`check_cache` accepted (it checks no values: lengths outside [0,
+    capacity] count as the nearest bound, never wrapped; an int64 block table goes to the kernels as it
+    is, which drop keys on pages outside the pool)."""
+    capacity = k.shape[2] if block_table is None else block_table.shape[1] * k.shape[1]
+    if kv_lens is not None and kv_lens.dtype != torch.int32:
+        kv_lens = kv_lens.clamp(0, capacity).to(torch.int32)
+    if kv_lens is not None and not kv_lens.is_contiguous():
+        kv_lens = kv_lens.contiguous()
     if block_table is None:
-        return KVCache(k=k, v=v, capacity=k.shape[2], lens=kv_lens)
-    return KVCache(k=k.permute(0, 2, 1, 3), v=v.permute(0, 2, 1, 3), capacity=block_table.shape[1] * k.shape[1],
-                   lens=kv_lens, block_table=block_table.to(torch.int32), page_size=k.shape[1])
+        return KVCache(k=k, v=v, capacity=capacity, lens=kv_lens)
+    return KVCache(k=k.permute(0, 2, 1, 3), v=v.permute(0, 2, 1, 3), capacity=capacity, lens=kv_lens,
+                   block_table=block_table, page_size=k.shape[1])
 
 
 def check_inputs(q: Any, k: Any, v: Any, paged: bool = False) -> None:
@@ -162,12 +167,13 @@ def kernel_config(q: torch.Tensor, kv: KVCache, save_lse: bool) -> KernelConfig:
 
 
 def kv_launch_args(kv: KVCache) -> tuple:
-    """The kernel arguments after ``N_K``: lengths, then a paged cache's block table and page size."""
+    """The kernel arguments after ``N_K``: lengths, then a paged cache's block table, page size and
+    number of pages."""
     args: tuple = (kv.capacity,)
     if kv.lens is not None:
         args += (kv.lens,)
     if kv.block_table is not None:
-        args += (kv.block_table, *kv.block_table.stride(), kv.page_size)
+        args += (kv.block_table, *kv.block_table.stride(), kv.page_size, kv.k.shape[0])
     return args
 
 
