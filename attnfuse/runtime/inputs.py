@@ -67,8 +67,13 @@ def check_cache(q: torch.Tensor, k: Any, v: Any, kv_lens: Any = None, block_tabl
     """Check q, k, v and the cache layout; return the KV view the kernels read.
 
     Contiguous cache: k (B, Hkv, Nk, D), v (B, Hkv, Nk, DV). Paged cache (``block_table`` given): k, v
-    (num_pages, page_size, Hkv, D/DV), ``block_table`` (B, max_pages) int32 page indices, and ``kv_lens``
-    (B,) required. ``kv_lens`` values above the capacity count as the capacity.
+    (num_pages, page_size, Hkv, D/DV), ``block_table`` (B, max_pages) int32 or int64 page indices, and
+    ``kv_lens`` (B,) int32 or int64 required. ``kv_lens`` values above the capacity count as the capacity.
+
+    This checks types, shapes and devices only (once per call signature). The values of kv_lens and
+    block_table are checked on every call by ``validate.check_cache_values`` unless the call passes
+    ``validate=False``; without that check the kernels still never read outside the cache (see
+    ``kv_cache``).
     """
     check_inputs(q, k, v, paged=block_table is not None)
     if block_table is not None:
