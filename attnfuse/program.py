@@ -13,6 +13,7 @@ from .errors import InputError, ProgramError
 from .reference import evaluate
 from .passes.lower import fragment_of
 from .runtime.launch import check_cache, compiled_kernel, kernel_config, run_attention
+from .runtime.offsets import inputs_fit
 from .runtime.validate import check_cache_values
 
 RESERVED_ARGUMENTS = ("return_lse", "kv_lens", "block_table", "validate")
@@ -126,9 +127,10 @@ class AttentionProgram:
         """The generated Triton source of one kernel for these inputs: ``kernel`` is "forward", "decode"
         (the split-KV path), "dkdv" or "dq" (the backward's)."""
         kv = check_cache(q, k, v, kv_lens, block_table)
-        graph = self._trace(self._bind(args, kwargs)[0])
+        key, inputs = self._bind(args, kwargs)
+        graph = self._trace(key)
         save_lse = return_lse or (kernel in ("dkdv", "dq") and fragment_of(graph.weights.apply).has_lse)
-        return compiled_kernel(graph, kernel_config(q, kv, save_lse=save_lse), kernel).source
+        return compiled_kernel(graph, kernel_config(q, kv, save_lse, not inputs_fit(inputs)), kernel).source
 
     def __repr__(self) -> str:
         return f"<attnfuse program {self.fn.__qualname__}>"

@@ -10,6 +10,7 @@ from attrs import frozen
 from ..errors import InputError, PluginError
 from ..passes.lower import KernelConfig, TiledKernel
 from ..plugin_manager import lookup
+from .offsets import rows_fit
 
 DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32", torch.float64: "float64"}
 
@@ -162,13 +163,22 @@ def _arch(device: torch.device) -> str:
     return f"sm{major}{minor}"
 
 
-def kernel_config(q: torch.Tensor, kv: KVCache, save_lse: bool) -> KernelConfig:
-    """The configuration part of the kernel-cache key for these inputs."""
+def kernel_config(q: torch.Tensor, kv: KVCache, save_lse: bool, inputs_wide: bool = False) -> KernelConfig:
+    """The configuration part of the kernel-cache key for these inputs; ``inputs_wide``: some runtime
+    input tensor needs 64-bit offsets (``offsets.inputs_fit``)."""
     tf32 = q.device.type == "cuda" and torch.backends.cuda.matmul.allow_tf32
     return KernelConfig(arch=_arch(q.device), dtype=DTYPES[q.dtype], head_dim=q.shape[3],
                         head_dim_v=kv.v.shape[3], group=q.shape[1] // kv.k.shape[1], save_lse=save_lse,
                         fp32_precision="tf32" if tf32 else "ieee", kv_lens=kv.lens is not None,
-                        paged=kv.block_table is not None)
+                        paged=kv.block_table is not None, wide_offsets=inputs_wide or not _rows_fit(q, kv))
+
+
+def _rows_fit(q: torch.Tensor, kv: KVCache) -> bool:
+    """Whether the row and column offsets of q, k, v and of the outputs, gradients and transformed copies
+    the runtime allocates in their memory orders (head dim up to max(D, DV)) fit int32 kernels."""
+    width = max(q.shape[3], kv.v.shape[3])
+    metas = [torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta") for t in (q, kv.k, kv.v)]
+    return all(rows_fit(t) for t in (q, kv.k, kv.v, *(empty_like_layout(m, width, m.dtype) for m in metas)))
 
 
 def kv_launch_args(kv: KVCache) -> tuple:

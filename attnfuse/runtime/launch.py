@@ -17,6 +17,7 @@ from .forward import ForwardKernel
 from .hoisted import HoistedBackward, HoistedForward, hoistable, transformed_sides, worth_hoisting
 from .inputs import check_cache, check_inputs, kernel_config, kv_cache
 from .kernel import CompiledKernel
+from .offsets import inputs_fit
 from .validate import check_cache_values
 
 __all__ = ["KERNEL_KINDS", "check_cache", "check_inputs", "clear_cache", "compile_backward", "compile_decode",
@@ -175,11 +176,12 @@ def run_attention(graph: ir.MatMulPV, q: torch.Tensor, k: torch.Tensor, v: torch
     wants_grad = torch.is_grad_enabled() and any(
         isinstance(t, torch.Tensor) and t.requires_grad for t in (q, k, v, *inputs.values()))
     # Everything decided from the call's metadata alone is decided once per call signature.
+    inputs_wide = bool(inputs) and not inputs_fit(inputs)
     signature = (graph, _meta(q), _meta(k), _meta(v), _meta(kv_lens), _meta(block_table), return_lse, wants_grad,
-                 split_kv, torch.backends.cuda.matmul.allow_tf32)
+                 split_kv, torch.backends.cuda.matmul.allow_tf32, inputs_wide)
     plan = _plans.get(signature)
     if plan is None:
-        plan = _plan(graph, q, k, v, kv_lens, block_table, return_lse, wants_grad, split_kv)
+        plan = _plan(graph, q, k, v, kv_lens, block_table, return_lse, wants_grad, split_kv, inputs_wide)
         if len(_plans) >= _MAX_PLANS:
             _plans.clear()
         _plans[signature] = plan
@@ -213,7 +215,7 @@ def _meta(t: Any) -> Any:
 
 
 def _plan(graph: ir.MatMulPV, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_lens: Any, block_table: Any,
-          return_lse: bool, wants_grad: bool, split_kv: bool | None) -> Plan:
+          return_lse: bool, wants_grad: bool, split_kv: bool | None, inputs_wide: bool) -> Plan:
     """Check a new call signature; its forward kernel, its split-KV kernel if it takes that path, and with
     gradients wanted the backward kernels (those that write no tensor input's gradient)."""
     kv = check_cache(q, k, v, kv_lens, block_table)
@@ -223,7 +225,7 @@ def _plan(graph: ir.MatMulPV, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                          f"{graph.weights.apply.combinator} has none (softmax has)")
     if wants_grad and block_table is not None:
         raise InputError("gradients through a paged cache are not supported; pass contiguous k and v to train")
-    forward = compile_forward(graph, kernel_config(q, kv, save_lse=return_lse or (wants_grad and has_lse)))
+    forward = compile_forward(graph, kernel_config(q, kv, return_lse or (wants_grad and has_lse), inputs_wide))
     can_split = not wants_grad and forward.tiled.normaliser.fragment.combine is not None
     if split_kv is None:
         split_kv = can_split and q.shape[2] <= MAX_QUERIES

@@ -2,6 +2,7 @@
 block ranges that masks' facts give the loops."""
 from __future__ import annotations
 
+import re
 import textwrap
 
 from ..lower import TiledKernel, masked_head
@@ -87,8 +88,23 @@ def key_block(kernel: TiledKernel, even_keys: bool = False) -> str:
 
 def finish(kernel: TiledKernel, source: str) -> str:
     """Float64 inputs compute in float64: ``tl.float32``, the accumulation type in the template and in
-    fragments, becomes ``tl.float64``."""
+    fragments, becomes ``tl.float64``. With ``wide_offsets``, see :func:`widen`."""
+    source = widen(source) if kernel.config.wide_offsets else source
     return source.replace("tl.float32", "tl.float64") if kernel.config.dtype == "float64" else source
+
+
+def widen(source: str) -> str:
+    """Make every stride of the kernel in ``source`` int64 on entry: its own (``stride_*``) and those of
+    tensor arguments (``<tensor>_s<i>``, plugins' tensors and gradient buffers). Every offset is a sum of
+    index-times-stride products (batch and head indices are int64 anyway), so each is then computed in
+    int64: a kernel whose tensors span more than 2**31 - 1 elements addresses them all (``tl.cast`` also
+    takes a stride Triton specialised to the constant 1)."""
+    head, body = source.split("\n):\n", 1)
+    params = [p.split(":")[0].strip() for p in head[head.index("def "):].split("(", 1)[1].split(",")]
+    strides = [p for p in params if p.startswith("stride_")
+               or (re.fullmatch(r"\w+_s\d+", p) and p.rsplit("_s", 1)[0] in params)]
+    casts = "".join(f"    {p} = tl.cast({p}, tl.int64)\n" for p in strides)
+    return f"{head}\n):\n    # offsets can pass 2**31 - 1 elements: every stride is int64\n{casts}{body}"
 
 
 def indent(code: str, spaces: int) -> str:
