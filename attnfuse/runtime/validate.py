@@ -51,7 +51,7 @@ def check_cache_values(kv_lens: torch.Tensor, block_table: torch.Tensor | None, 
     B = kv_lens.shape[0]
     if B == 0:
         return
-    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+    if kv_lens.is_cuda and torch.cuda.is_current_stream_capturing():
         raise InputError("validating kv_lens and block_table reads them on the host, which a CUDA graph "
                          "capture cannot; pass validate=False (the kernels still read nothing outside the cache)")
     status = torch.empty(B, dtype=torch.int32, device=kv_lens.device)
@@ -59,11 +59,13 @@ def check_cache_values(kv_lens: torch.Tensor, block_table: torch.Tensor | None, 
     table = block_table if paged else kv_lens
     max_pages = block_table.shape[1] if paged else 0
     kernel = _interpreted if kv_lens.device.type == "cpu" else _jitted
-    kernel.launch((B,), (kv_lens, table, status, kv_lens.stride(0), *(table.stride() if paged else (0, 0)), max(page_size, 1),
-                         num_pages, max_pages * page_size),
+    kernel.launch((B,), (kv_lens, table, status, kv_lens.stride(0), *(table.stride() if paged else (0, 0)),
+                         max(page_size, 1), num_pages, max_pages * page_size),
                   dict(PAGED=paged, BLOCK_P=min(1024, max(16, next_power_of_2(max(max_pages, 1))))),
                   device=kv_lens.device)
     statuses = status.tolist()  # the one host sync
+    if min(statuses) == OK == max(statuses):
+        return
     for b, s in enumerate(statuses):
         if s == BAD_LENGTH:
             raise InputError(f"kv_lens[{b}] = {int(kv_lens[b])}: a sequence's key count must be in "

@@ -17,9 +17,9 @@ import attrs
 
 from ..lower import Instance, TiledKernel
 from .common import (HEADER, QKV_STRIDES, block_range, columns, constexpr_args, dv_mask, finish, fragment, has_masks, indent,
-                     key_block, key_masked, key_offsets, key_range, kv_args, kv_base, masked_load, operand, operand_grad,
-                     precision, program, prologues, qk_product, query_block, scores, split, split_heads, visit,
-                     with_bounds)
+                     key_block, key_masked, key_offsets, key_range, kv_args, kv_base, masked_load, operand,
+                     operand_grad, precision, program, prologues, qk_product, query_block, scores, split,
+                     split_heads, visit, with_bounds)
 
 _DKDV = string.Template('''\
 def $name(

@@ -9,8 +9,8 @@ import string
 
 from ..lower import TiledKernel
 from .common import (HEADER, QKV_STRIDES, constexpr_args, dv_mask, finish, indent, key_masked, key_offsets,
-                     key_range, kv_args, kv_base, masked_load, normaliser_update, operand, precision, prologues, qk_product,
-                     query_block, scores, visit, with_bounds)
+                     key_range, kv_args, kv_base, masked_load, normaliser_update, operand, precision, prologues,
+                     qk_product, query_block, scores, visit, with_bounds)
 
 _KERNEL = string.Template('''\
 def $name(
