@@ -10,8 +10,10 @@ import pytest
 import torch
 
 import attnfuse as af
-from attnfuse.runtime import launch, offsets
+from attnfuse.runtime import hoisted, launch, offsets
 from attnfuse.runtime.inputs import KVCache, _rows_fit
+
+from conftest import hoisted_last_call
 
 P, PAGE, HKV, D = 6, 16, 2, 32  # pool pages, page size, kv heads, head dim
 HOSTILE = [(P, torch.int32), (-1, torch.int32), (10**6, torch.int32), (-2**31, torch.int32),
@@ -159,15 +161,17 @@ def test_source_is_int64_only_when_offsets_need_it(kernel, request):
         assert f"    {stride} = tl.cast({stride}, tl.int64)\n" in source
 
 
-def test_wide_forward_and_backward_match_the_reference(wide):
-    """rope + causal with qk transforms hoisted into passes (Nq of 4 query blocks), and an additive bias
-    with its gradient: every kernel of a training step, in int64."""
+def test_wide_forward_and_backward_match_the_reference(wide, monkeypatch):
+    """rope + causal with its qk transforms hoisted into passes, and an additive bias with its gradient:
+    every kernel of a training step, in int64."""
+    monkeypatch.setattr(hoisted, "HOIST_MIN_QUERY_BLOCKS", 1)
     q, k, v = (t.requires_grad_() for t in _qkv(1, 4, 2, 64, 64, seed=9))
     bias = torch.randn(1, 4, 64, 64, dtype=torch.float64, generator=torch.Generator().manual_seed(10),
                        requires_grad=True)
     dout = torch.randn(1, 4, 64, D, dtype=torch.float64, generator=torch.Generator().manual_seed(11))
     for program, extra in ((llama, ()), (biased, (bias,))):
         out = program(q, k, v, *extra)
+        assert hoisted_last_call() == (program is llama)
         assert all(kernel.tiled.config.wide_offsets for kernel in launch._forward.values())
         ref = program.reference(q, k, v, *extra)
         torch.testing.assert_close(out, ref, atol=1e-10, rtol=0)
