@@ -166,3 +166,76 @@ def test_fast_launch_path_respecialises():
         ref = torch.nn.functional.scaled_dot_product_attention(q.double(), k.double(), v.double(), is_causal=True)
         ref_lowp = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
         assert_matches_reference(out, ref, ref_lowp, torch.float16, what=f"N={N} offset={offset}")
+
+
+HOSTILE_PAGES = [(64, torch.int32), (-1, torch.int32), (10**6, torch.int32), (-2**31, torch.int32),
+                 (2**32 + 3, torch.int64)]  # for a 64-page pool
+
+
+@pytest.mark.parametrize("split_kv", [True, False])
+def test_paged_pool_in_a_nan_arena_reads_nothing_outside_it(split_kv):
+    """The pool is a view into an arena whose 8 pages before and after it are NaN. With validate=False,
+    each hostile block_table entry makes its page's keys absent: no NaN, and the output equals a float64
+    computation without those keys (an entry wrapped to int32, 2**32 + 3 -> page 3, would differ).
+    Validated, the same call raises."""
+    P, guard, page, B, Hq, Hkv, Nq, D = 64, 8, 16, 4, 32, 8, 4, 128
+    g = torch.Generator(device="cuda").manual_seed(0)
+    arenas = [torch.full((P + 2 * guard, page, Hkv, D), float("nan"), device="cuda", dtype=torch.float16)
+              for _ in range(2)]
+    for arena in arenas:
+        arena[guard:guard + P] = torch.randn(P, page, Hkv, D, device="cuda", generator=g)
+    pool_k, pool_v = (arena[guard:guard + P] for arena in arenas)
+    q = torch.randn(B, Hq, Nq, D, device="cuda", dtype=torch.float16, generator=g)
+    table = torch.randperm(P, device="cuda", generator=g)[:B * 12].view(B, 12).to(torch.int32)
+    lens = torch.tensor([12 * page, 100, 37, 5 * page + 1], dtype=torch.int32, device="cuda")
+    for value, dtype in HOSTILE_PAGES:
+        hostile = table.to(dtype, copy=True)
+        hostile[:, 1] = value  # slot 1 of every sequence: keys 16..31
+        out = af.run_attention(causal.graph(), q, pool_k, pool_v, kv_lens=lens, block_table=hostile,
+                               split_kv=split_kv, validate=False)
+        assert not out.isnan().any(), f"block_table entry {value}: a NaN from outside the pool"
+        pages = table.long()
+        present = (torch.arange(12 * page, device="cuda") // page != 1)[None, :].expand(B, -1)
+        k, v = (pool[pages].reshape(B, 12 * page, Hkv, D).transpose(1, 2).double().repeat_interleave(Hq // Hkv, 1)
+                for pool in (pool_k, pool_v))
+        pos = torch.arange(12 * page, device="cuda")
+        keep = present[:, None, None, :] & (pos < lens[:, None, None, None]) & (
+            pos <= torch.arange(Nq, device="cuda")[:, None] + lens[:, None, None, None] - Nq)
+        want = torch.nn.functional.scaled_dot_product_attention(q.double(), k, v, attn_mask=keep)
+        torch.testing.assert_close(out.double(), want, atol=2e-3, rtol=0, msg=f"block_table entry {value}")
+        with pytest.raises(af.InputError, match=rf"block_table\[0, 1\] = {value} is not a page of the pool"):
+            af.run_attention(causal.graph(), q, pool_k, pool_v, kv_lens=lens, block_table=hostile, split_kv=split_kv)
+
+
+def _causal_rows_reference(q, k, v, dtype):
+    """Causal attention of the last Nq queries (q (1, H, Nq, D), bottom-right aligned) over k, v
+    (1, H, N, D), head by head, in ``dtype``."""
+    Nq, N = q.shape[2], k.shape[2]
+    keep = torch.arange(N, device=q.device)[None, :] <= torch.arange(Nq, device=q.device)[:, None] + N - Nq
+    return torch.cat([torch.nn.functional.scaled_dot_product_attention(
+        q[:, h:h + 1].to(dtype), k[:, h:h + 1].to(dtype), v[:, h:h + 1].to(dtype), attn_mask=keep)
+        for h in range(q.shape[1])], dim=1)
+
+
+def test_packed_qkv_past_int32_offsets_matches_sdpa():
+    """q, k, v views of one packed (1, 180000, 3, 32, 128) fp16 tensor: row offsets reach 2.2e9 elements
+    (faulted with int32 offsets). The last 256 query rows against float64 SDPA."""
+    torch.manual_seed(0)
+    qkv = torch.randn(1, 180_000, 3, 32, 128, device="cuda", dtype=torch.float16)
+    q, k, v = (qkv[:, :, i].transpose(1, 2) for i in range(3))
+    out = causal(q, k, v)[:, :, -256:]
+    rows = q[:, :, -256:]
+    assert_matches_reference(out, _causal_rows_reference(rows, k, v, torch.float64),
+                             _causal_rows_reference(rows, k, v, torch.float16), torch.float16)
+
+
+@pytest.mark.parametrize("Nq", [256, 8])
+def test_bnhd_cache_past_int32_offsets_matches_sdpa(Nq):
+    """k, v in (B, N, H, D) order with 2**20 + 256 rows of 16 heads (row offsets past 2**31), queried by
+    Nq rows: the forward (256) and split-KV decoding (8)."""
+    torch.manual_seed(1)
+    kv = torch.randn(1, 2**20 + 256, 2, 16, 128, device="cuda", dtype=torch.float16)
+    k, v = (kv[:, :, i].transpose(1, 2) for i in range(2))
+    q = torch.randn(1, Nq, 16, 128, device="cuda", dtype=torch.float16).transpose(1, 2)
+    assert_matches_reference(causal(q, k, v), _causal_rows_reference(q, k, v, torch.float64),
+                             _causal_rows_reference(q, k, v, torch.float16), torch.float16)

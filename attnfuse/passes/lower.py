@@ -38,6 +38,7 @@ class KernelConfig:
     paged: bool = False    # k, v are page pools (pages, page_size, Hkv, D) read through a block table
     q_transformed: bool = False  # q arrives with its qk transforms applied (by a transform pass)
     k_transformed: bool = False  # likewise k
+    wide_offsets: bool = False  # some element offset can pass 2**31 - 1: every stride is int64 in the kernels
 
 
 @frozen(kw_only=True)
