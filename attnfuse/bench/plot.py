@@ -39,11 +39,14 @@ def plot(rows: list[Row], path: str, title: str, columns: int = 4) -> int:
     n_rows = -(-len(grouped) // columns)
     fig, axes = plt.subplots(n_rows, columns, figsize=(4 * columns, 3.2 * n_rows), squeeze=False)
     for ax, ((suite, geometry, variant), group) in zip(axes.flat, grouped.items()):
-        for contender, label in CONTENDERS.items():
+        for color, (contender, label) in enumerate(CONTENDERS.items()):  # one colour per contender throughout
             points = [(r.N, r.rate(r.times[contender])) for r in group if isinstance(r.times.get(contender), float)]
             if points:
-                ax.plot(*zip(*points), marker="o", label=label, linestyle="-" if contender == "attnfuse" else "--")
+                ax.plot(*zip(*points), marker="o", label=label, color=f"C{color}",
+                        linestyle="-" if contender == "attnfuse" else "--")
         ax.set_xscale("log", base=2)
+        ax.set_xticks([r.N for r in group], [str(r.N) for r in group])
+        ax.minorticks_off()
         ax.set_title(f"{SUITE_TITLES[suite]}: {geometry} {variant}", fontsize=9)
         ax.set_xlabel("N")
         ax.set_ylabel(group[0].unit)
@@ -52,6 +55,6 @@ def plot(rows: list[Row], path: str, title: str, columns: int = 4) -> int:
         ax.set_visible(False)
     fig.suptitle(title)
     fig.tight_layout()
-    fig.savefig(path, dpi=80)
+    fig.savefig(path, dpi=64)
     plt.close(fig)
     return len(grouped)

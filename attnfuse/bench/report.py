@@ -6,10 +6,21 @@ columns are a baseline's time over AttnFuse's (above 1: AttnFuse is faster).
 from __future__ import annotations
 
 import os
+import textwrap
 
+from .cases import GEOMETRIES, WINDOW
 from .rows import CONTENDERS, SUITE_TITLES, Report, Row
 
 RATIOS = {"flex": "flex / AttnFuse", "cudnn": "cuDNN / AttnFuse"}
+EXPLANATION = ("Each row runs every contender in one process on the same inputs. TFLOP/s count only the (query, "
+               "key) pairs a variant keeps (4·B·Hq·pairs·D forward, 3.5× that for forward+backward); decoding "
+               "rows give GB/s of K and V read once. Ratio columns: a baseline's time over AttnFuse's (above 1: "
+               "AttnFuse is faster). \"max abs diff\": AttnFuse's output (forward) or dQ (forward+backward) "
+               "against a baseline's on the same inputs. Geometries (B, Hq, Hkv, D): "
+               + ", ".join(f"{name} {shape}" for name, shape in GEOMETRIES.items())
+               + f"; sliding_window keeps {WINDOW} keys per query, its own included; RoPE baselines attend with "
+               "q and k pre-rotated by a compiled function, timed with them. Earlier runs are in this file's git "
+               "history.")
 
 
 def cell(row: Row, contender: str) -> str:
@@ -68,11 +79,7 @@ def markdown_page(report: Report, plot: str | None = None, page: str | None = No
              f"bf16, median ms of `triton.testing.do_bench`.", "",
              "Printed by:", "", "```bash", meta["command"], "```", ""]
     lines += [*meta.get("notes", "").splitlines(), ""] if meta.get("notes") else []
-    lines += ["Each row runs every contender in one process on the same inputs. TFLOP/s count only the "
-              "(query, key) pairs a variant keeps (4·B·Hq·pairs·D forward, 3.5× that for forward+backward); "
-              "decoding rows give GB/s of K and V read once. Ratio columns: a baseline's time over "
-              "AttnFuse's. \"max abs diff\": AttnFuse's output (forward) or dQ (forward+backward) against a "
-              "baseline's on the same inputs. Earlier runs are in this file's git history.", ""]
+    lines += [textwrap.fill(EXPLANATION, width=105), ""]
     if plot:
         link = os.path.relpath(plot, os.path.dirname(page)) if page else plot
         lines += [f"![AttnFuse and the baselines, TFLOP/s against N]({link})", ""]
