@@ -4,6 +4,7 @@
     attnfuse show llama --arch interpreter --dtype float32 --head-dim 32
     attnfuse show mypackage.models:my_attention --source-only > kernel.py
     attnfuse demo
+    attnfuse bench --suite forward --json out.json --plot out.png     (a CUDA GPU; attnfuse/bench/)
 """
 from __future__ import annotations
 
@@ -387,6 +388,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", choices=("cpu", "cuda"),
                    help="default: cuda when available (bf16, Llama-3-8B geometry), else cpu (interpreter)")
     p.set_defaults(func=cmd_demo)
+
+    from .bench.command import add_bench_parser
+
+    add_bench_parser(sub)
     return parser
 
 

@@ -239,3 +239,29 @@ def test_bnhd_cache_past_int32_offsets_matches_sdpa(Nq):
     q = torch.randn(1, Nq, 16, 128, device="cuda", dtype=torch.float16).transpose(1, 2)
     assert_matches_reference(causal(q, k, v), _causal_rows_reference(q, k, v, torch.float64),
                              _causal_rows_reference(q, k, v, torch.float16), torch.float16)
+
+
+def test_bench_command_end_to_end(tmp_path, monkeypatch):
+    """`attnfuse bench` on the GPU: decoding rows and one forward row, each timed and checked against a
+    baseline on the same inputs, then the JSON, the page and the plot written."""
+    from attnfuse.bench.rows import Report
+    from attnfuse.cli import main
+
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton"))  # not left set for later tests
+    monkeypatch.setenv("ATTNFUSE_CACHE_DIR", str(tmp_path / "kernels"))
+    out = {ext: tmp_path / f"bench.{ext}" for ext in ("json", "md", "png")}
+    assert main(["bench", "--suite", "decode,forward", "--geometry", "gpt2", "--N", "2048", "--variants", "causal",
+                 "--json", str(out["json"]), "--markdown", str(out["md"]), "--plot", str(out["png"])]) == 0
+    report = Report.from_json(out["json"].read_text())
+    assert report.failures == []
+    assert [row.suite for row in report.rows] == ["decode"] * 12 + ["forward"]
+    for row in report.rows:
+        assert isinstance(row.times["attnfuse"], float) and row.times["attnfuse"] > 0, row.case
+        assert row.err is not None and row.err <= 1e-2, (row.case, row.err)
+    forward = report.rows[-1]
+    assert forward.case == "gpt2 N2048 causal"
+    assert all(isinstance(forward.times[name], float) for name in ("fa2_triton", "flex"))
+    page = out["md"].read_text()
+    assert page.startswith(f"# Benchmarks: {torch.cuda.get_device_name(0)}, ")
+    assert "## Decoding (one query per sequence, full cache)" in page and "## Forward" in page
+    assert "](bench.png)" in page and out["png"].read_bytes()[:4] == b"\x89PNG"
