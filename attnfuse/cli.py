@@ -47,9 +47,14 @@ def _first_line(doc: str) -> str:
 
 
 def cmd_list(args: argparse.Namespace, out: TextIO) -> int:
-    from .combinator import Role
-    from .plugin_manager import combinators
+    import warnings
 
+    from .combinator import Role
+    from .plugin_manager import PluginWarning, broken_plugins, combinators
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", PluginWarning)  # listed below instead
+        combinators()
     order = {role: i for i, role in enumerate(Role)}  # the kernel template's slot order
     entries = sorted(combinators().items(), key=lambda kv: (order[kv[1].combinator.role], kv[0]))
     rows = [(name, r.combinator.role.value, r.distribution, _first_line(r.combinator.doc))
@@ -57,7 +62,12 @@ def cmd_list(args: argparse.Namespace, out: TextIO) -> int:
     print(_table(rows, ("NAME", "ROLE", "DISTRIBUTION", "DESCRIPTION")), file=out)
     dists = sorted({r.distribution for _, r in entries})
     print(f"\n{len(rows)} combinators from {len(dists)} distribution(s): {', '.join(dists)}", file=out)
-    return 0
+    broken = broken_plugins()
+    if broken:
+        print(f"\n{len(broken)} broken plugin(s), skipped:", file=out)
+        for b in broken:
+            print(f"  BROKEN  {b.describe()}", file=out)
+    return 1 if broken and args.strict else 0
 
 
 # --------------------------------------------------------------------------------------------------- show
@@ -359,7 +369,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
 
-    p = sub.add_parser("list", help="list every registered combinator")
+    p = sub.add_parser("list", help="list every registered combinator, and plugins skipped as broken")
+    p.add_argument("--strict", action="store_true", help="exit 1 when a plugin is broken")
     p.set_defaults(func=cmd_list)
 
     p = sub.add_parser("show", help="show a program's IR, kernel configuration and generated Triton source",
