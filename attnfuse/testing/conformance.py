@@ -1,9 +1,11 @@
 """Conformance: fused kernels against the float64 reference, over programs drawn by Hypothesis."""
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
 import random
+import shutil
 import tempfile
 
 import hypothesis
@@ -17,7 +19,7 @@ from ..errors import PluginError
 from ..plugin_manager import broken_plugins, combinators
 from ..runtime.source_cache import CACHE_ENV
 from .mask_facts import check_mask_facts
-from .strategies import ProgramCase, pool, program_cases, shapes
+from .strategies import ProgramCase, Shape, pool, program_cases, shapes
 from .tolerances import assert_matches_reference
 
 
@@ -147,11 +149,37 @@ def check_combinator(name: str | None = None, *, device: str | None = None,
 
     with temporary_cache():
         try:
+            if name is not None:
+                check_fixed_case(name, names, device)
             conforms()
         except Exception as exc:
             exc.add_note(f"replay: check_combinator({name!r}, seed={seed}, max_examples={max_examples}, "
                          f"installed={installed}, device={device!r}, show_tensors=True)")
             raise
+
+
+FIXED_SHAPE = Shape(B=2, Hq=2, Hkv=1, Nq=37, Nk=45, D=32, DV=32)
+
+
+def check_fixed_case(name: str, names: tuple[str, ...], device: str) -> None:
+    """One deterministic program using ``name`` (the first Hypothesis draws for a fixed shape), forward and
+    backward in float32, so that a wrong backward fails every run, not only runs that happen to draw
+    gradients."""
+    cases: list[ProgramCase] = []
+
+    @settings(max_examples=1, derandomize=True, database=None, deadline=None, phases=(Phase.generate,),
+              suppress_health_check=list(HealthCheck))
+    @given(data=st.data())
+    def draw(data):
+        cases.append(data.draw(program_cases(FIXED_SHAPE, include=name, names=names, max_mods=1, max_masks=1)))
+
+    draw()
+    try:
+        check_program_case(cases[0], torch.float32, device, seed=0, grads=True)
+    except Exception as exc:
+        exc.add_note(f"fixed case: {cases[0].text}, shape {FIXED_SHAPE}, float32, seed 0, with gradients; "
+                     f"extras: {_show(cases[0].extras, False)}")
+        raise
 
 
 def _show(extras: dict, full: bool) -> str:
@@ -171,18 +199,24 @@ def _full_print():
         torch.set_printoptions(profile="default")
 
 
+_temporary_root: list[str] = []
+
+
 @contextlib.contextmanager
 def temporary_cache():
-    """Kernels go to a temporary directory for the duration, unless the user set ``ATTNFUSE_CACHE_DIR``."""
+    """Kernels go to a temporary directory (one per process, removed at exit: kernels loaded from it stay
+    in use) for the duration, unless the user set ``ATTNFUSE_CACHE_DIR``."""
     if os.environ.get(CACHE_ENV):
         yield
         return
-    with tempfile.TemporaryDirectory(prefix="attnfuse-conformance-") as root:
-        os.environ[CACHE_ENV] = root
-        try:
-            yield
-        finally:
-            os.environ.pop(CACHE_ENV, None)
+    if not _temporary_root:
+        _temporary_root.append(tempfile.mkdtemp(prefix="attnfuse-conformance-"))
+        atexit.register(shutil.rmtree, _temporary_root[0], ignore_errors=True)
+    os.environ[CACHE_ENV] = _temporary_root[0]
+    try:
+        yield
+    finally:
+        os.environ.pop(CACHE_ENV, None)
 
 
 def _broken_note() -> str:
