@@ -43,10 +43,10 @@ class BrokenPlugin:
 
     plugin: str
     distribution: str
-    cause: str
+    cause: str  # a whole sentence naming the plugin and distribution
 
     def describe(self) -> str:
-        return f"plugin {self.plugin!r} of distribution {self.distribution!r}: {self.cause}"
+        return self.cause
 
 
 class PluginWarning(UserWarning):
@@ -83,7 +83,8 @@ def plugin_manager() -> pluggy.PluginManager:
                 try:
                     plugin = ep.load()
                 except Exception as exc:
-                    _load_failures.append(BrokenPlugin(name, dist, f"failed to import {ep.value}: "
+                    _load_failures.append(BrokenPlugin(name, dist, f"plugin {name!r} of distribution {dist!r}: "
+                                                                   f"failed to import {ep.value}: "
                                                                    f"{type(exc).__name__}: {exc}"))
                     continue
                 pm.register(plugin, name=name)
