@@ -6,6 +6,7 @@ import contextlib
 import os
 import random
 import shutil
+import sys
 import tempfile
 
 import hypothesis
@@ -153,7 +154,7 @@ def check_combinator(name: str | None = None, *, device: str | None = None,
                 check_fixed_case(name, names, device)
             conforms()
         except Exception as exc:
-            exc.add_note(f"replay: check_combinator({name!r}, seed={seed}, max_examples={max_examples}, "
+            _add_note(exc, f"replay: check_combinator({name!r}, seed={seed}, max_examples={max_examples}, "
                          f"installed={installed}, device={device!r}, show_tensors=True)")
             raise
 
@@ -177,9 +178,17 @@ def check_fixed_case(name: str, names: tuple[str, ...], device: str) -> None:
     try:
         check_program_case(cases[0], torch.float32, device, seed=0, grads=True)
     except Exception as exc:
-        exc.add_note(f"fixed case: {cases[0].text}, shape {FIXED_SHAPE}, float32, seed 0, with gradients; "
+        _add_note(exc, f"fixed case: {cases[0].text}, shape {FIXED_SHAPE}, float32, seed 0, with gradients; "
                      f"extras: {_show(cases[0].extras, False)}")
         raise
+
+
+def _add_note(exc: BaseException, note_text: str) -> None:
+    """Attach replay information to a failure (Python 3.11's notes; printed on older Pythons)."""
+    if hasattr(exc, "add_note"):
+        exc.add_note(note_text)
+    else:
+        print(note_text, file=sys.stderr)
 
 
 def _show(extras: dict, full: bool) -> str:
