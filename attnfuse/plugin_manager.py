@@ -16,12 +16,14 @@ import threading
 import warnings
 from typing import Any
 
+import attrs
 import pluggy
 from attrs import frozen
 
 from . import hookspecs
 from .combinator import Combinator
 from .errors import PluginError
+from .fragment_lint import lint
 from .hookspecs import NAME
 
 DISABLE_AUTOLOAD_ENV = "ATTNFUSE_DISABLE_PLUGIN_AUTOLOAD"
@@ -213,6 +215,8 @@ def _provided(impl, plugin_name: str, dist: str, reserved: set[str]) -> list[Com
         if comb.name in names:
             raise PluginError(f"combinator {comb.name!r} is declared twice, by {where}")
         names.add(comb.name)
+        if attrs.has(type(comb.fragment)):  # a fragment function is checked when lowering calls it
+            lint(comb, comb.fragment, dist)
     return result
 
 
