@@ -129,3 +129,35 @@ def test_template_names_cover_generated_kernels(program, kernel):
     unknown = {n for n in defined - TEMPLATE_NAMES - SOFTMAX_NAMES
                if not _TEMPLATE_PATTERN.match(n) and not FRAGMENT_OWNED.match(n)}
     assert unknown == set()
+
+
+def bad_call_program(device: str):
+    """A score modification whose fragment passes the linter but calls a function Triton lacks."""
+    bad = Combinator(name="_test_bad_call", role=Role.SCORE_MOD, doc="t", reference=MOD_REF,
+                     fragment=ScoreModFragment(body="s = tl.no_such_function(s)"))
+
+    class Plugin:
+        @af.hookimpl
+        def attnfuse_combinators(self):
+            return [bad]
+
+    af.register_plugin(Plugin(), name="test-lint-bad-call")
+
+    @af.attention
+    def prog(q, k, v):
+        return af.softmax(af._test_bad_call(af.scaled_dot_product(q, k))) @ v
+    q = torch.randn(1, 1, 16, 16, generator=torch.Generator().manual_seed(0)).to(device)
+    return prog, q
+
+
+def test_error_inside_a_fragment_names_the_combinator():
+    prog, q = bad_call_program("cpu")
+    try:
+        with pytest.raises(Exception, match="no_such_function") as info:
+            prog(q, q, q)
+    finally:
+        af.unregister_plugin("test-lint-bad-call")
+    notes = "\n".join(getattr(info.value, "__notes__", []))
+    assert "the failing line is in the fragment of combinator '_test_bad_call' of distribution " \
+           "'<registered in code: test-lint-bad-call>'" in notes
+    assert notes.endswith(": s = tl.no_such_function(s)")

@@ -166,3 +166,18 @@ def test_fast_launch_path_respecialises():
         ref = torch.nn.functional.scaled_dot_product_attention(q.double(), k.double(), v.double(), is_causal=True)
         ref_lowp = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
         assert_matches_reference(out, ref, ref_lowp, torch.float16, what=f"N={N} offset={offset}")
+
+
+def test_compile_error_inside_a_fragment_names_the_combinator():
+    """Triton's compiler (not the interpreter) rejects a fragment: the error names the combinator."""
+    from test_fragment_lint import bad_call_program
+
+    prog, q = bad_call_program("cuda")
+    try:
+        with pytest.raises(Exception) as info:
+            prog(q.half(), q.half(), q.half())
+    finally:
+        af.unregister_plugin("test-lint-bad-call")
+    notes = "\n".join(getattr(info.value, "__notes__", []))
+    assert "the failing line is in the fragment of combinator '_test_bad_call'" in notes
+    assert notes.endswith(": s = tl.no_such_function(s)")
