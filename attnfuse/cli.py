@@ -4,6 +4,7 @@
     attnfuse show llama --arch interpreter --dtype float32 --head-dim 32
     attnfuse show mypackage.models:my_attention --source-only > kernel.py
     attnfuse demo
+    attnfuse new prefix_lm --role mask
 """
 from __future__ import annotations
 
@@ -360,6 +361,14 @@ def cmd_demo(args: argparse.Namespace, out: TextIO) -> int:
 
 # --------------------------------------------------------------------------------------------------- main
 
+def cmd_new(args: argparse.Namespace, out: TextIO) -> int:
+    from .scaffold import scaffold
+
+    root = scaffold(args.name, args.role, args.dir)
+    print(f"wrote {root}: pip install -e {root}[test] && pytest {root}", file=out)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     from . import __version__
 
@@ -393,6 +402,14 @@ def build_parser() -> argparse.ArgumentParser:
     only.add_argument("--source-only", action="store_true", help="print the generated source alone")
     only.add_argument("--path-only", action="store_true", help="print the cached source file's path alone")
     p.set_defaults(func=cmd_show)
+
+    p = sub.add_parser("new", help="write a pip-installable plugin package for a new combinator",
+                       description="Write a plugin package: pyproject with the entry point, one module with "
+                                   "every field of the role filled in and commented, a conformance test, a README.")
+    p.add_argument("name", metavar="NAME", help="the combinator's name (af.NAME), a lower-case identifier")
+    p.add_argument("--role", required=True, choices=("mask", "normaliser", "score_mod", "score_source", "transform"))
+    p.add_argument("--dir", metavar="DIR", help="where to write it (default: ./attnfuse-NAME)")
+    p.set_defaults(func=cmd_new)
 
     p = sub.add_parser("demo", help="run examples.llama, check it, and time it against PyTorch on a GPU")
     p.add_argument("--device", choices=("cpu", "cuda"),
