@@ -32,9 +32,11 @@ def offset(bias, Nk: int) -> float:
 
 
 def reference(s: torch.Tensor, keep, ctx, bias):
-    """s (B, Hq, Nq, Nk) -> weights 1 / (1 + exp(-(s + b))) (B, Hq, Nq, Nk), excluded keys 0; no lse."""
-    x = s + offset(bias, ctx.Nk)
-    weights = 1.0 / (1.0 + torch.exp(-x))
+    """s (B, Hq, Nq, Nk) -> weights sigmoid(s + b) (B, Hq, Nq, Nk), excluded keys 0; no lse.
+
+    torch.sigmoid rather than 1 / (1 + exp(-x)): in float16, exp(-x) overflows for x < -11 and the
+    gradient of the written-out formula becomes inf / inf = NaN (the tests check the formula in float64)."""
+    weights = torch.sigmoid(s + offset(bias, ctx.Nk))
     if keep is not None:
         weights = torch.where(keep, weights, torch.zeros_like(weights))
     return weights, None
@@ -52,6 +54,15 @@ def examples(draw, shape):
     return {"bias": draw(st.sampled_from([None, 0.0, -3.0, 2.5]))}
 
 
+# sigmoid(x) from e = exp(-|x|) in (0, 1], which never overflows: 1 / (1 + e) for x >= 0, e / (1 + e)
+# below. An excluded key (x = -inf) gets e = 0, so weight exactly 0.
+_SIGMOID = """
+    x_sig = s + $offset
+    e_sig = tl.exp(-tl.abs(x_sig))
+    p = tl.where(x_sig >= 0.0, 1.0 / (1.0 + e_sig), e_sig / (1.0 + e_sig))
+"""
+
+
 COMBINATOR = Combinator(
     name="sigmoid_attention",
     role=Role.NORMALISER,
@@ -63,10 +74,9 @@ COMBINATOR = Combinator(
     fragment=NormaliserFragment(
         masked_score='float("-inf")',        # 1 / (1 + exp(inf)) = 0: excluded keys weigh nothing
         init="",
-        # exp(-x) overflows to inf for very negative scores, giving weight 0, never NaN.
-        update="p = 1.0 / (1.0 + tl.exp(-(s + $offset)))",
+        update=_SIGMOID,
         finalize="out = acc",
-        recompute="p = 1.0 / (1.0 + tl.exp(-(s + $offset)))",
+        recompute=_SIGMOID,
         grad="ds = dp * p * (1.0 - p)",      # sigmoid' = sigmoid (1 - sigmoid)
         combine="sum",
     ),
