@@ -265,3 +265,18 @@ def test_bench_command_end_to_end(tmp_path, monkeypatch):
     assert page.startswith(f"# Benchmarks: {torch.cuda.get_device_name(0)}, ")
     assert "## Decoding (one query per sequence, full cache)" in page and "## Forward" in page
     assert "](bench.png)" in page and out["png"].read_bytes()[:4] == b"\x89PNG"
+
+
+def test_compile_error_inside_a_fragment_names_the_combinator():
+    """Triton's compiler (not the interpreter) rejects a fragment: the error names the combinator."""
+    from test_fragment_lint import bad_call_program
+
+    prog, q = bad_call_program("cuda")
+    try:
+        with pytest.raises(Exception) as info:
+            prog(q.half(), q.half(), q.half())
+    finally:
+        af.unregister_plugin("test-lint-bad-call")
+    notes = "\n".join(getattr(info.value, "__notes__", []))
+    assert "the failing line is in the fragment of combinator '_test_bad_call'" in notes
+    assert notes.endswith(": s = tl.no_such_function(s)")
