@@ -30,8 +30,9 @@ for step in "$@"; do
       timeout "${STEP_TIMEOUT:-0}" python3 -m attnfuse.cli bench ${BENCH_ARGS:-} --markdown "$OUT/bench.md" \
         --json "$OUT/bench.json" --plot "$OUT/bench.png" 2>&1 | tee "$OUT/bench.log" ;;
     bench_base)
-      # python -m attnfuse.bench: the old tree's attnfuse.cli has no bench command
-      PYTHONPATH=$PWD/.base timeout "${STEP_TIMEOUT:-0}" python3 -m attnfuse.bench ${BENCH_ARGS:-} \
+      # python -m attnfuse.bench: the old tree's attnfuse.cli has no bench command; third-party plugins
+      # (contrib/) may need the new API, so the old tree loads its built-ins only
+      ATTNFUSE_DISABLE_PLUGIN_AUTOLOAD=1 PYTHONPATH=$PWD/.base timeout "${STEP_TIMEOUT:-0}" python3 -m attnfuse.bench ${BENCH_ARGS:-} \
         --markdown "$OUT/bench_base.md" --json "$OUT/bench_base.json" 2>&1 | tee "$OUT/bench_base.log" ;;
     validation)
       timeout "${STEP_TIMEOUT:-0}" python3 benchmarks/validation_cost.py 2>&1 | tee "$OUT/validation.log" ;;
