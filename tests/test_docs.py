@@ -104,6 +104,7 @@ def test_python_blocks_run(path, restored_plugins):
 
 
 def test_docs_have_python_blocks_to_run():
-    assert {path: len(python_blocks(path)[0]) for path in DOCS_WITH_CODE} == {
-        "README.md": 3, "docs/architecture.md": 0, "docs/benchmarks.md": 0, "docs/combinators.md": 4,
-        "docs/plugins.md": 3}
+    """The runner is not vacuous: the pages that show code run it (prose-only pages have no blocks)."""
+    counts = {path: len(python_blocks(path)[0]) for path in DOCS_WITH_CODE}
+    assert {path: n for path, n in counts.items() if n} == {
+        "README.md": 3, "docs/combinators.md": 4, "docs/plugins.md": 3}
