@@ -42,7 +42,7 @@ TEMPLATE_NAMES = TILE | {
     "q", "k", "v", "q1", "q2", "k1", "k2", "q1f", "q2f", "k1f", "k2f", "q_ptrs", "k_ptrs", "k_in", "q_base",
     "k_base", "v_base", "do_base", "k_off", "v_off", "o_ptrs", "qo_ptrs", "ko_ptrs", "s", "sT", "s_nat", "keep",
     "p", "acc", "out", "lse", "o", "do", "dp", "ds", "delta", "dq", "dk", "dq1", "dq2", "dk1", "dk2", "dv_acc",
-    "q_lo", "q_hi", "k_lo", "k_hi",
+    "q_lo", "q_hi", "k_lo", "k_hi", "v_finite", "key_bad", "row_bad", "col_bad",
 }
 """Names the kernel templates define (tests/test_fragment_lint.py checks generated kernels against it)."""
 _TEMPLATE_PATTERN = re.compile(r"^(s_\d+|[qk]_in\d+_[12]|stride_\w+|[A-Z]\w*)$")

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+import functools
 from typing import Callable
 
 import attrs
@@ -25,7 +26,14 @@ from .conformance import check_combinator
 def _mask_fact(base: str, **changes: str) -> Callable[[], Combinator]:
     def make() -> Combinator:
         comb = lookup(base)
-        return attrs.evolve(comb, fragment=attrs.evolve(comb.fragment, **changes))
+        if not callable(comb.fragment):
+            return attrs.evolve(comb, fragment=attrs.evolve(comb.fragment, **changes))
+        original = comb.fragment  # a function of the parameters (sliding_window's)
+
+        @functools.wraps(original)
+        def fragment(*args, **kwargs):
+            return attrs.evolve(original(*args, **kwargs), **changes)
+        return attrs.evolve(comb, fragment=fragment)
     return make
 
 
