@@ -4,6 +4,8 @@
     attnfuse show llama --arch interpreter --dtype float32 --head-dim 32
     attnfuse show mypackage.models:my_attention --source-only > kernel.py
     attnfuse demo
+    attnfuse bench --suite forward --json out.json --plot out.png     (a CUDA GPU; attnfuse/bench/)
+    attnfuse new prefix_lm --role mask
 """
 from __future__ import annotations
 
@@ -47,9 +49,14 @@ def _first_line(doc: str) -> str:
 
 
 def cmd_list(args: argparse.Namespace, out: TextIO) -> int:
-    from .combinator import Role
-    from .plugin_manager import combinators
+    import warnings
 
+    from .combinator import Role
+    from .plugin_manager import PluginWarning, broken_plugins, combinators
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", PluginWarning)  # listed below instead
+        combinators()
     order = {role: i for i, role in enumerate(Role)}  # the kernel template's slot order
     entries = sorted(combinators().items(), key=lambda kv: (order[kv[1].combinator.role], kv[0]))
     rows = [(name, r.combinator.role.value, r.distribution, _first_line(r.combinator.doc))
@@ -57,7 +64,12 @@ def cmd_list(args: argparse.Namespace, out: TextIO) -> int:
     print(_table(rows, ("NAME", "ROLE", "DISTRIBUTION", "DESCRIPTION")), file=out)
     dists = sorted({r.distribution for _, r in entries})
     print(f"\n{len(rows)} combinators from {len(dists)} distribution(s): {', '.join(dists)}", file=out)
-    return 0
+    broken = broken_plugins()
+    if broken:
+        print(f"\n{len(broken)} broken plugin(s), skipped:", file=out)
+        for b in broken:
+            print(f"  BROKEN  {b.describe()}", file=out)
+    return 1 if broken and args.strict else 0
 
 
 # --------------------------------------------------------------------------------------------------- show
@@ -350,6 +362,14 @@ def cmd_demo(args: argparse.Namespace, out: TextIO) -> int:
 
 # --------------------------------------------------------------------------------------------------- main
 
+def cmd_new(args: argparse.Namespace, out: TextIO) -> int:
+    from .scaffold import scaffold
+
+    root = scaffold(args.name, args.role, args.dir)
+    print(f"wrote {root}: pip install -e {root}[test] && pytest {root}", file=out)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     from . import __version__
 
@@ -359,7 +379,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
 
-    p = sub.add_parser("list", help="list every registered combinator")
+    p = sub.add_parser("list", help="list every registered combinator, and plugins skipped as broken")
+    p.add_argument("--strict", action="store_true", help="exit 1 when a plugin is broken")
     p.set_defaults(func=cmd_list)
 
     p = sub.add_parser("show", help="show a program's IR, kernel configuration and generated Triton source",
@@ -383,10 +404,22 @@ def build_parser() -> argparse.ArgumentParser:
     only.add_argument("--path-only", action="store_true", help="print the cached source file's path alone")
     p.set_defaults(func=cmd_show)
 
+    p = sub.add_parser("new", help="write a pip-installable plugin package for a new combinator",
+                       description="Write a plugin package: pyproject with the entry point, one module with "
+                                   "every field of the role filled in and commented, a conformance test, a README.")
+    p.add_argument("name", metavar="NAME", help="the combinator's name (af.NAME), a lower-case identifier")
+    p.add_argument("--role", required=True, choices=("mask", "normaliser", "score_mod", "score_source", "transform"))
+    p.add_argument("--dir", metavar="DIR", help="where to write it (default: ./attnfuse-NAME)")
+    p.set_defaults(func=cmd_new)
+
     p = sub.add_parser("demo", help="run examples.llama, check it, and time it against PyTorch on a GPU")
     p.add_argument("--device", choices=("cpu", "cuda"),
                    help="default: cuda when available (bf16, Llama-3-8B geometry), else cpu (interpreter)")
     p.set_defaults(func=cmd_demo)
+
+    from .bench.command import add_bench_parser
+
+    add_bench_parser(sub)
     return parser
 
 

@@ -17,11 +17,14 @@ Fragments may also read the template's variables, documented in docs/writing-a-c
 from __future__ import annotations
 
 import enum
+import inspect
 import keyword
 from typing import Any, Callable
 
 import attrs
 from attrs import field, frozen
+
+from .errors import DeclarationError
 
 
 class Role(enum.Enum):
@@ -53,8 +56,8 @@ INPUT: Any = _Input()
 
 
 def _identifier(_, attribute, value: str) -> None:
-    if not value.isidentifier() or keyword.iskeyword(value):
-        raise ValueError(f"{attribute.name} must be a Python identifier, got {value!r}")
+    if not isinstance(value, str) or not value.isidentifier() or keyword.iskeyword(value):
+        raise DeclarationError(f"{attribute.name} must be a Python identifier, got {value!r}")
 
 
 @frozen(kw_only=True)
@@ -233,6 +236,33 @@ class NormaliserFragment:
     smooth: bool = True
 
 
+_TRANSFORM_PLACEHOLDERS = frozenset({"self", "x1", "x2", "pos", "ok", "tmp", "g1", "g2"})
+PLACEHOLDERS = {
+    Role.QK_TRANSFORM: _TRANSFORM_PLACEHOLDERS, Role.SCORE_SOURCE: _TRANSFORM_PLACEHOLDERS,
+    Role.SCORE_MOD: frozenset({"self", "s_in", "s_out"}),
+    Role.MASK: frozenset({"self", "q_lo", "q_hi", "k_lo", "k_hi", "block", "i", "slot"}),
+    Role.NORMALISER: frozenset({"self", "factor"}),
+}
+"""The template's own ``$placeholders`` by role; no parameter, tensor or scalar may take these names."""
+
+# Reference arguments before the parameters, by role.
+_REFERENCE_ARGS = {Role.QK_TRANSFORM: ("q", "k", "ctx"), Role.SCORE_SOURCE: ("q", "k", "ctx"),
+                   Role.SCORE_MOD: ("s", "ctx"), Role.MASK: ("ctx",), Role.NORMALISER: ("s", "keep", "ctx")}
+
+
+def _role(value: Any) -> "Role":
+    """A Role, or its value or name as a string ("mask", "score_mod", "score modification")."""
+    if isinstance(value, Role):
+        return value
+    if isinstance(value, str):
+        key = value.strip().lower()
+        for role in Role:
+            if key in (role.value, role.name.lower(), role.value.replace(" ", "_")):
+                return role
+    allowed = ", ".join(f"Role.{r.name} ({r.name.lower()!r})" for r in Role)
+    raise DeclarationError(f"role must be one of {allowed}, got {value!r}")
+
+
 _FRAGMENT_TYPES = {
     Role.QK_TRANSFORM: QKTransformFragment,
     Role.SCORE_SOURCE: ScoreSourceFragment,
@@ -247,7 +277,7 @@ def _fragment_matches_role(instance: "Combinator", _, fragment) -> None:
     if callable(fragment) and not isinstance(fragment, expected):
         return  # a function of the static parameters; checked when called
     if not isinstance(fragment, expected):
-        raise TypeError(
+        raise DeclarationError(
             f"combinator {instance.name!r} has role {instance.role.value!r}, so its fragment must be a "
             f"{expected.__name__}, got {type(fragment).__name__}"
         )
@@ -272,7 +302,7 @@ class Combinator:
     """
 
     name: str = field(validator=_identifier)
-    role: Role
+    role: Role = field(converter=_role)
     doc: str
     reference: Callable[..., Any]
     fragment: Any = field(validator=_fragment_matches_role)
@@ -280,20 +310,66 @@ class Combinator:
     tensors: tuple[TensorArg, ...] = field(default=(), converter=tuple)
     scalars: tuple[ScalarArg, ...] = field(default=(), converter=tuple)
     prepare: Callable[..., dict[str, Any]] | None = field(default=None)
-    examples: Callable[..., dict[str, Any]] | None = None
+    examples: Callable[..., dict[str, Any]] | None = field(default=None)
 
     @params.validator
     def _check_params(self, _, params) -> None:
         names = [p.name for p in params]
         if len(set(names)) != len(names):
-            raise ValueError(f"combinator {self.name!r} declares a parameter twice: {names}")
+            raise DeclarationError(f"combinator {self.name!r} declares a parameter twice: {names}")
         if self.role in (Role.SCORE_SOURCE,) and "scale" not in names:
-            raise ValueError(f"score source {self.name!r} must declare a 'scale' parameter")
+            raise DeclarationError(f"score source {self.name!r} must declare a 'scale' parameter")
+        static = {p.name for p in params if not p.runtime}
+        kernel = [a.name for a in (*self.tensors, *self.scalars)]
+        reserved = PLACEHOLDERS[self.role]
+        for name in [*names, *kernel]:
+            if name in reserved:
+                raise DeclarationError(
+                    f"combinator {self.name!r}: the name {name!r} is a placeholder of the {self.role.value} "
+                    f"slot (${name}); rename the parameter, tensor or scalar (reserved there: "
+                    f"{', '.join(sorted(reserved))})")
+        strides = {f"{t.name}_s{i}" for t in self.tensors for i in range(t.rank)}
+        clash = (static & set(kernel)) | ((set(names) | set(kernel)) & strides)
+        if clash or len(set(kernel)) != len(kernel):
+            raise DeclarationError(f"combinator {self.name!r}: {sorted(clash) or kernel} name two things a "
+                                   f"fragment's $placeholders would confuse; rename one")
 
     @prepare.validator
     def _check_prepare(self, _, prepare) -> None:
         if (self.tensors or self.scalars) and prepare is None:
-            raise ValueError(f"combinator {self.name!r} declares kernel tensors or scalars but no prepare()")
+            raise DeclarationError(f"combinator {self.name!r} declares kernel tensors or scalars but no prepare()")
+        if prepare is not None and not callable(prepare):
+            raise DeclarationError(f"combinator {self.name!r}: prepare must be a function (ctx, **params), "
+                                   f"got {type(prepare).__name__}")
+
+    def __attrs_post_init__(self) -> None:
+        self._check_reference(self.reference)
+
+    def _check_reference(self, reference) -> None:
+        """After the field validators: a wrong fragment type is the clearer error."""
+        args = _REFERENCE_ARGS[self.role]
+        shape = f"({', '.join(args)}, {', '.join(f'{p.name}=' for p in self.params) or '**params'})"
+        if not callable(reference):
+            raise DeclarationError(f"combinator {self.name!r}: reference must be a function {shape}, "
+                                   f"got {type(reference).__name__}")
+        try:
+            inspect.signature(reference).bind(*args, **{p.name: None for p in self.params})
+        except TypeError as exc:
+            raise DeclarationError(f"combinator {self.name!r} ({self.role.value}): reference must take "
+                                   f"{shape}: {exc}") from None
+        except ValueError:
+            pass  # no signature to inspect (a builtin): trust it
+
+    @examples.validator
+    def _check_examples(self, _, examples) -> None:
+        required = [p.name for p in self.params if p.default is REQUIRED]
+        if examples is None and required:
+            raise DeclarationError(f"combinator {self.name!r}: parameters {required} have no default, so it "
+                                   f"must declare examples(draw, shape) -> {{param: value}} for the "
+                                   f"conformance kit")
+        if examples is not None and not callable(examples):
+            raise DeclarationError(f"combinator {self.name!r}: examples must be a function (draw, shape), got "
+                                   f"{type(examples).__name__}")
 
     def fragment_for(self, params: dict[str, Any]) -> Any:
         """The fragment for these parameters: static values, and ``INPUT`` for each runtime input given

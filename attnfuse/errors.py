@@ -9,6 +9,11 @@ class PluginError(AttnFuseError):
     """A plugin is broken or two plugins clash."""
 
 
+class DeclarationError(PluginError, TypeError, ValueError):
+    """A combinator declaration (``Combinator``, ``Param`` ...) is invalid; raised when it is built.
+    (Also a TypeError/ValueError, as attrs validators' errors are.)"""
+
+
 class ProgramError(AttnFuseError, TypeError):
     """An ill-formed attention program, raised while tracing it."""
 

@@ -3,20 +3,27 @@
 Order, as in pytest and tox: add the hookspecs, load the entry points (the built-ins are entry points of
 the ``attnfuse`` distribution itself), check for hook implementations no hookspec knows. Setting
 ``ATTNFUSE_DISABLE_PLUGIN_AUTOLOAD=1`` loads the built-ins only.
+
+An installed plugin that fails (its import raises, its hook raises or returns something other than valid
+combinators) is reported with a warning, listed by ``broken_plugins()`` and skipped: the rest keep working.
+A plugin registered from code (``register_plugin``) that fails is refused with a ``PluginError`` instead.
 """
 from __future__ import annotations
 
 import importlib.metadata
 import os
 import threading
+import warnings
 from typing import Any
 
+import attrs
 import pluggy
 from attrs import frozen
 
 from . import hookspecs
 from .combinator import Combinator
 from .errors import PluginError
+from .fragment_lint import lint
 from .hookspecs import NAME
 
 DISABLE_AUTOLOAD_ENV = "ATTNFUSE_DISABLE_PLUGIN_AUTOLOAD"
@@ -32,7 +39,25 @@ class Registered:
     plugin: str
 
 
+@frozen
+class BrokenPlugin:
+    """A plugin that was skipped, and why."""
+
+    plugin: str
+    distribution: str
+    cause: str  # a whole sentence naming the plugin and distribution
+
+    def describe(self) -> str:
+        return self.cause
+
+
+class PluginWarning(UserWarning):
+    """An installed plugin is broken and was skipped."""
+
+
 _lock = threading.RLock()
+_load_failures: list[BrokenPlugin] = []
+_broken: list[BrokenPlugin] = []
 _manager: pluggy.PluginManager | None = None
 _distributions: dict[str, str] = {}
 _registry: dict[str, Registered] | None = None
@@ -60,8 +85,10 @@ def plugin_manager() -> pluggy.PluginManager:
                 try:
                     plugin = ep.load()
                 except Exception as exc:
-                    raise PluginError(f"plugin {ep.name!r} of distribution {dist!r} failed to import "
-                                      f"({ep.value}): {exc}") from exc
+                    _load_failures.append(BrokenPlugin(name, dist, f"plugin {name!r} of distribution {dist!r}: "
+                                                                   f"failed to import {ep.value}: "
+                                                                   f"{type(exc).__name__}: {exc}"))
+                    continue
                 pm.register(plugin, name=name)
                 _distributions[name] = dist
             try:
@@ -90,7 +117,11 @@ def register_plugin(plugin: Any, name: str | None = None) -> None:
         try:
             pm.check_pending()
             _distributions[name] = f"<registered in code: {name}>"
-            _registry = _collect(pm)
+            registry, broken = _collect(pm)
+            failed = [b for b in broken if b.plugin == name]
+            if failed:
+                raise PluginError(failed[0].cause)
+            _registry, _broken[:] = registry, broken
         except (PluginError, pluggy.PluginValidationError) as exc:
             pm.unregister(name=name)
             _distributions.pop(name, None)
@@ -108,12 +139,24 @@ def unregister_plugin(name: str) -> None:
 
 
 def combinators() -> dict[str, Registered]:
-    """Every registered combinator by name."""
+    """Every registered combinator by name (of the plugins that work; see ``broken_plugins``)."""
     global _registry
     with _lock:
         if _registry is None:
-            _registry = _collect(plugin_manager())
+            registry, broken = _collect(plugin_manager())
+            new = [b for b in broken if b not in _broken]
+            _broken[:] = broken
+            for b in new:
+                warnings.warn(f"attnfuse skipped a broken {b.describe()}", PluginWarning, stacklevel=2)
+            _registry = registry
         return _registry
+
+
+def broken_plugins() -> list[BrokenPlugin]:
+    """The installed plugins that were skipped because they failed, with the cause."""
+    with _lock:
+        combinators()
+        return list(_broken)
 
 
 def _reserved_names() -> set[str]:
@@ -127,19 +170,20 @@ def _reserved_names() -> set[str]:
     return set(vars(attnfuse)) | set(attnfuse.__all__) | submodules
 
 
-def _collect(pm: pluggy.PluginManager) -> dict[str, Registered]:
+def _collect(pm: pluggy.PluginManager) -> tuple[dict[str, Registered], list[BrokenPlugin]]:
+    """The combinators of the working plugins, and the plugins that failed (load failures included)."""
     found: dict[str, Registered] = {}
+    broken = list(_load_failures)
     reserved = _reserved_names()
     for impl in pm.hook.attnfuse_combinators.get_hookimpls():
         plugin_name = impl.plugin_name
         dist = _distributions.get(plugin_name, "unknown")
-        for comb in impl.function() or ():
-            if not isinstance(comb, Combinator):
-                raise PluginError(f"plugin {plugin_name!r} of distribution {dist!r} returned "
-                                  f"{type(comb).__name__} from attnfuse_combinators(), not a Combinator")
-            if comb.name in reserved:
-                raise PluginError(f"plugin {plugin_name!r} of distribution {dist!r} declares combinator "
-                                  f"{comb.name!r}, a name attnfuse's own API uses; choose another")
+        try:
+            provided = _provided(impl, plugin_name, dist, reserved)
+        except PluginError as exc:
+            broken.append(BrokenPlugin(plugin_name, dist, str(exc)))
+            continue
+        for comb in provided:
             if comb.name in found:
                 other = found[comb.name]
                 raise PluginError(
@@ -150,7 +194,30 @@ def _collect(pm: pluggy.PluginManager) -> dict[str, Registered]:
     if not any(r.distribution == BUILTIN_DISTRIBUTION for r in found.values()):
         raise PluginError("no built-in combinators found: attnfuse's entry points are missing. Install the "
                           "package (pip install -e .) rather than importing it from a source tree.")
-    return found
+    return found, broken
+
+
+def _provided(impl, plugin_name: str, dist: str, reserved: set[str]) -> list[Combinator]:
+    """One plugin's combinators, checked; a PluginError naming the plugin and distribution if it fails."""
+    where = f"plugin {plugin_name!r} of distribution {dist!r}"
+    try:
+        result = list(impl.function() or ())
+    except Exception as exc:
+        raise PluginError(f"{where}: attnfuse_combinators() raised {type(exc).__name__}: {exc}") from exc
+    names: set[str] = set()
+    for comb in result:
+        if not isinstance(comb, Combinator):
+            raise PluginError(f"{where} returned {type(comb).__name__} from attnfuse_combinators(), "
+                              f"not a Combinator")
+        if comb.name in reserved:
+            raise PluginError(f"{where} declares combinator {comb.name!r}, a name attnfuse's own API uses; "
+                              f"choose another")
+        if comb.name in names:
+            raise PluginError(f"combinator {comb.name!r} is declared twice, by {where}")
+        names.add(comb.name)
+        if attrs.has(type(comb.fragment)):  # a fragment function is checked when lowering calls it
+            lint(comb, comb.fragment, dist)
+    return result
 
 
 def lookup(name: str) -> Combinator:

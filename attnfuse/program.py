@@ -15,9 +15,11 @@ from .outside_values import OutsideReads, freeze
 from .reference import evaluate
 from .passes.lower import fragment_of
 from .runtime import custom_op
-from .runtime.launch import check_cache, compiled_kernel, kernel_config
+from .runtime.launch import check_cache, compiled_kernel, kernel_config, run_attention
+from .runtime.offsets import inputs_fit
+from .runtime.validate import check_cache_values
 
-RESERVED_ARGUMENTS = ("return_lse", "kv_lens", "block_table")
+RESERVED_ARGUMENTS = ("return_lse", "kv_lens", "block_table", "validate")
 
 
 def _is_runtime_input(value: Any) -> bool:
@@ -136,20 +138,27 @@ class AttentionProgram:
         return graph
 
     def __call__(self, *args: Any, return_lse: bool = False, kv_lens: torch.Tensor | None = None,
-                 block_table: torch.Tensor | None = None, **kwargs: Any):
+                 block_table: torch.Tensor | None = None, validate: bool = True, **kwargs: Any):
         """The fused kernel's result: out (B, Hq, Nq, DV), or (out, lse) when ``return_lse``.
 
         Called as ``program(q, k, v, *extra, **extra)``; q, k, v may also be given by keyword, by the
         function's own parameter names (``query=``) or as ``q=``, ``k=``, ``v=``.
-        ``kv_lens`` (B,) int32: keys per sequence of a KV cache (query i of sequence b at position
-        i + kv_lens[b] - Nq). ``block_table`` (B, max_pages) int32: k and v are a paged cache's pools
-        (pages, page_size, Hkv, D). See ``attnfuse.run_attention``.
+        ``kv_lens`` (B,) int32 or int64: keys per sequence of a KV cache (query i of sequence b at position
+        i + kv_lens[b] - Nq). ``block_table`` (B, max_pages) int32 or int64: k and v are a paged cache's
+        pools (pages, page_size, Hkv, D). ``validate`` (default True): check the values of kv_lens and
+        block_table first (one host sync; InputError for a negative or > 2**31 - 1 length, or a used entry
+        outside the pool); False skips it, and the kernels still read nothing outside the pool. See
+        ``attnfuse.run_attention``.
         """
         if torch.compiler.is_compiling():  # one opaque call to Dynamo (see custom_op.opaque_program_call)
             hide = custom_op.hide_none
             return custom_op.opaque_program_call(self, hide(args), hide(kwargs), return_lse, hide(kv_lens),
                                                  hide(block_table))
-        return _call(self, args, kwargs, return_lse, kv_lens, block_table)
+        # eager: straight to the kernels (the op boundary costs host time that only a compiler needs)
+        (q, k, v), args, kwargs = self._take_qkv(args, kwargs)
+        statics, inputs = self._bind(args, kwargs) if args or kwargs or self._extra else ((), {})
+        return run_attention(self._trace(statics), q, k, v, inputs, return_lse=return_lse, kv_lens=kv_lens,
+                             block_table=block_table, validate=validate)
 
     def __eq__(self, other: object) -> bool:  # by identity; defined for torch.compile (a pytree constant)
         return self is other
@@ -158,9 +167,12 @@ class AttentionProgram:
 
     def reference(self, *args: Any, return_lse: bool = False, dtype: torch.dtype = torch.float64,
                   kv_lens: torch.Tensor | None = None, block_table: torch.Tensor | None = None, **kwargs: Any):
-        """The naive PyTorch result computed in ``dtype`` (float64 by default), as the oracle for tests."""
+        """The naive PyTorch result computed in ``dtype`` (float64 by default), as the oracle for tests;
+        kv_lens and block_table values are checked as a validated call checks them."""
         (q, k, v), args, kwargs = self._take_qkv(args, kwargs)
         check_cache(q, k, v, kv_lens, block_table)
+        if kv_lens is not None:
+            check_cache_values(kv_lens, block_table, *(k.shape[:2] if block_table is not None else (0, 0)))
         key, inputs = self._bind(args, kwargs)
         out, lse = evaluate(self._trace(key), q, k, v, inputs, dtype=dtype, kv_lens=kv_lens, block_table=block_table)
         if not return_lse:
@@ -175,9 +187,10 @@ class AttentionProgram:
         (the split-KV path), "dkdv" or "dq" (the backward's)."""
         (q, k, v), args, kwargs = self._take_qkv(args, kwargs)
         kv = check_cache(q, k, v, kv_lens, block_table)
-        graph = self._trace(self._bind(args, kwargs)[0])
+        key, inputs = self._bind(args, kwargs)
+        graph = self._trace(key)
         save_lse = return_lse or (kernel in ("dkdv", "dq") and fragment_of(graph.weights.apply).has_lse)
-        return compiled_kernel(graph, kernel_config(q, kv, save_lse=save_lse), kernel).source
+        return compiled_kernel(graph, kernel_config(q, kv, save_lse, not inputs_fit(inputs)), kernel).source
 
     def __repr__(self) -> str:
         return f"<attnfuse program {self.fn.__qualname__}>"

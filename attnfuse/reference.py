@@ -53,9 +53,10 @@ def make_context(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dtype: torch
 
 
 def gather_pages(pool: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
-    """A paged pool (pages, page_size, H, D) and block table (B, max_pages) -> (B, H, max_pages·page_size, D)."""
+    """A paged pool (pages, page_size, H, D) and block table (B, max_pages) -> (B, H, max_pages·page_size, D).
+    Entries outside the pool (unused ones, past a sequence's length, may hold anything) read the nearest page."""
     B, pages = block_table.shape
-    rows = pool[block_table.long()]  # (B, max_pages, page_size, H, D)
+    rows = pool[block_table.long().clamp(0, max(pool.shape[0] - 1, 0))]  # (B, max_pages, page_size, H, D)
     return rows.reshape(B, pages * pool.shape[1], pool.shape[2], pool.shape[3]).transpose(1, 2)
 
 

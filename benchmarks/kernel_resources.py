@@ -26,7 +26,7 @@ from attnfuse.runtime.forward import constexprs
 from attnfuse.runtime.hoisted import transformed_sides
 from attnfuse.runtime.launch import KERNEL_KINDS, compile_forward, compiled_kernel
 
-_SIZES = {"HQ", "Nq", "N_K", "BATCH", "PAGE_SIZE", "SPLIT", "NUM_SPLITS"}
+_SIZES = {"HQ", "Nq", "N_K", "BATCH", "PAGE_SIZE", "NUM_PAGES", "SPLIT", "NUM_SPLITS"}
 _FLOAT32 = {"Lse", "Delta", "PartOut", "PartLse", "DLse", "PartDKV"}
 _INT32 = {"KvLens", "BlockTable", "SplitCount"}
 

@@ -17,7 +17,9 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-import bench_attention as b
+import attnfuse as af
+from attnfuse.bench.baselines import flex, flex_block_mask, flex_case, pre_rotate, sdpa
+from attnfuse.bench.cases import GEOMETRIES, PROGRAMS, bigbird_blocks, bigbird_program, rope_tables
 
 
 def kernel_means(step, calls: int = 10) -> list[tuple[float, str]]:
@@ -84,29 +86,28 @@ def main() -> None:
     args = parser.parse_args()
     for case in args.cases.split(","):
         geometry, N = case.split(":")
-        B, Hq, Hkv, D = b.GEOMETRIES[geometry]
+        B, Hq, Hkv, D = GEOMETRIES[geometry]
         leaves = [torch.randn(B, h, int(N), D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
                   for h in (Hq, Hkv, Hkv)]
         dout = torch.randn(B, Hq, int(N), D, device="cuda", dtype=torch.bfloat16)
         q, k, v = leaves
-        cos, sin = b.rope_tables(int(N), D, "cuda")
+        cos, sin = rope_tables(int(N), D, "cuda")
 
         def inputs():
-            return b.pre_rotate(q, k, cos, sin) if args.variant == "rope_causal" else (q, k)
+            return pre_rotate(q, k, cos, sin) if args.variant == "rope_causal" else (q, k)
         if args.variant == "bigbird":  # block-sparse: the same block grid for both, no SDPA equivalent
-            active = b.bigbird_blocks(B, Hq, int(N))
-            ours_mask, mask = b.af.BlockMask.from_blocks(active, int(N), int(N)), b.flex_block_mask(active)
-            ours = lambda: b.bigbird_program(*leaves, ours_mask)  # noqa: E731
+            active = bigbird_blocks(B, Hq, int(N))
+            ours_mask, mask = af.BlockMask.from_blocks(active, int(N), int(N)), flex_block_mask(active)
+            ours = lambda: bigbird_program(*leaves, ours_mask)  # noqa: E731
         else:
-            _, mask = b.flex_case(args.variant, B, Hq, int(N), "cuda")
-            ours = lambda: b.PROGRAMS[args.variant](*leaves)  # noqa: E731
+            _, mask = flex_case(args.variant, Hq, int(N), "cuda")
+            ours = lambda: PROGRAMS[args.variant](*leaves)  # noqa: E731
         steps = {
             "attnfuse": lambda: torch.autograd.grad(ours(), leaves, dout),
-            "flex": lambda: torch.autograd.grad(b.flex(*inputs(), v, block_mask=mask, enable_gqa=True), leaves, dout),
+            "flex": lambda: torch.autograd.grad(flex(*inputs(), v, block_mask=mask, enable_gqa=True), leaves, dout),
         }
         if args.variant != "bigbird":
-            steps["sdpa (cuDNN)"] = lambda: torch.autograd.grad(b.sdpa(b.SDPBackend.CUDNN_ATTENTION, *inputs(), v,
-                                                                       True), leaves, dout)
+            steps["sdpa (cuDNN)"] = lambda: torch.autograd.grad(sdpa("cudnn", *inputs(), v, True), leaves, dout)
         for name, step in steps.items():
             label = f"{case} {args.variant} {name}"
             host_time(f"{label} fwd+bwd", step)  # first: a profiler may leave launch hooks behind

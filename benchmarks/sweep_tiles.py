@@ -18,9 +18,9 @@ from triton.testing import do_bench, do_bench_cudagraph
 import attnfuse as af
 from attnfuse.passes.tile import TileConfig, TileRule
 from attnfuse.runtime import decode
+from attnfuse.bench.cases import (DECODE_MODELS, GEOMETRIES, PROGRAMS, bigbird_blocks, bigbird_program,
+                                  decode_program, pairs)
 from attnfuse.runtime.launch import clear_cache
-from bench_attention import (DECODE_MODELS, GEOMETRIES, PROGRAMS, bigbird_blocks, bigbird_program, decode_program,
-                             pairs)
 
 BACKWARD_CONFIGS = {  # per head dim: (BLOCK_M, BLOCK_N, warps, stages) of dK/dV, then of dQ; pairs swept
     "dkdv": {64: [(64, 64, 4, 3), (64, 128, 8, 3), (32, 128, 4, 3)],
@@ -94,7 +94,7 @@ def sweep_decode(cases: str) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--cases", help="forward/backward: geometry:N:variant,... (variant: a bench_attention "
+    parser.add_argument("--cases", help="forward/backward: geometry:N:variant,... (variant: an attnfuse.bench.cases "
                                         "program or bigbird); decode: model:B,... "
                                         "(defaults: the cases the tile table was swept on)")
     parser.add_argument("--kernel", default="forward", choices=["forward", "backward", "decode"],
@@ -124,7 +124,7 @@ def main() -> None:
         training = args.kernel != "forward"
         q, k, v = (torch.randn(B, h, N, D, device="cuda", dtype=torch.bfloat16, requires_grad=training)
                    for h in (Hq, Hkv, Hkv))
-        if variant == "bigbird":  # block-sparse, Llama-3-8B's block grid of bench_attention's sparse suite
+        if variant == "bigbird":  # block-sparse, Llama-3-8B's block grid of attnfuse bench's sparse suite
             active = bigbird_blocks(B, Hq, N)
             mask = af.BlockMask.from_blocks(active, N, N)
             kept = int(active.sum().item()) * mask.block_size ** 2 // (B * Hq)

@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # Everything a GPU session needs in one device call, logs under $OUT.
 #   bash scripts/gpu_session.sh install test sweep bench     (any subset of steps, in order)
-#   bench_base: the same benchmark on the tree in .base (attnfuse/ and attnfuse_plugins/ of an earlier
-#   commit: `bash scripts/base_tree.sh REV`, then carry .base), for before/after tables from one call.
-# Knobs: TESTS (pytest paths), FUZZ (examples per combinator), SWEEP_CASES / SWEEP_KERNEL (see
-# benchmarks/sweep_tiles.py), BENCH_ARGS (see benchmarks/bench_attention.py --help), STEP_TIMEOUT (seconds
+#   bench_base: the same benchmark code (this tree's attnfuse/bench) on the kernels in .base (attnfuse/ and
+#   attnfuse_plugins/ of an earlier commit, with this tree's attnfuse/bench copied in:
+#   `bash scripts/base_tree.sh REV`, then carry .base), for before/after tables from one call.
+# Knobs: TESTS (pytest paths), MAXFAIL (failures before pytest stops; 1), FUZZ (examples per combinator), SWEEP_CASES / SWEEP_KERNEL (see
+# benchmarks/sweep_tiles.py), BENCH_ARGS (see `attnfuse bench --help`), STEP_TIMEOUT (seconds
 # per step, so one step cannot use up the device call; 0, the default, is none).
 set -uo pipefail
 OUT=${OUT:-/tmp/attnfuse-out}
@@ -15,21 +16,24 @@ for step in "$@"; do
   echo "=== $step ($(date +%T))"
   case $step in
     install)
-      python3 -m pip install -q --no-deps --no-build-isolation -e . -e contrib/attnfuse-softcap \
+      python3 -m pip install -q --no-deps --no-build-isolation -e . $(printf -- '-e %s ' contrib/*/) \
         >"$OUT/install.log" 2>&1 || cat "$OUT/install.log"
       nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,clocks.mem,power.draw,temperature.gpu --format=csv \
         | tee "$OUT/gpu.txt" ;;
     test)
-      ATTNFUSE_FUZZ_EXAMPLES=${FUZZ:-40} timeout "${STEP_TIMEOUT:-0}" python3 -m pytest -q -x -p no:cacheprovider \
+      ATTNFUSE_FUZZ_EXAMPLES=${FUZZ:-40} timeout "${STEP_TIMEOUT:-0}" python3 -m pytest -q --maxfail=${MAXFAIL:-1} -p no:cacheprovider \
         ${TESTS:-tests/test_gpu.py tests/test_conformance.py} 2>&1 | tee "$OUT/pytest.log" | tail -25 ;;
     sweep)
       (cd benchmarks && timeout "${STEP_TIMEOUT:-0}" python3 sweep_tiles.py --kernel "${SWEEP_KERNEL:-forward}" ${SWEEP_CASES:+--cases $SWEEP_CASES}) \
         2>&1 | tee "$OUT/sweep.log" | grep -E "BEST|failed|Error" ;;
     bench)
-      timeout "${STEP_TIMEOUT:-0}" python3 benchmarks/bench_attention.py ${BENCH_ARGS:-} --out "$OUT/bench.md" 2>&1 | tee "$OUT/bench.log" ;;
+      timeout "${STEP_TIMEOUT:-0}" python3 -m attnfuse.cli bench ${BENCH_ARGS:-} --markdown "$OUT/bench.md" \
+        --json "$OUT/bench.json" --plot "$OUT/bench.png" 2>&1 | tee "$OUT/bench.log" ;;
     bench_base)
-      PYTHONPATH=$PWD/.base timeout "${STEP_TIMEOUT:-0}" python3 benchmarks/bench_attention.py ${BENCH_ARGS:-} \
-        --out "$OUT/bench_base.md" 2>&1 | tee "$OUT/bench_base.log" ;;
+      # python -m attnfuse.bench: the old tree's attnfuse.cli has no bench command; third-party plugins
+      # (contrib/) may need the new API, so the old tree loads its built-ins only
+      ATTNFUSE_DISABLE_PLUGIN_AUTOLOAD=1 PYTHONPATH=$PWD/.base timeout "${STEP_TIMEOUT:-0}" python3 -m attnfuse.bench ${BENCH_ARGS:-} \
+        --markdown "$OUT/bench_base.md" --json "$OUT/bench_base.json" 2>&1 | tee "$OUT/bench_base.log" ;;
     validation)
       timeout "${STEP_TIMEOUT:-0}" python3 benchmarks/validation_cost.py 2>&1 | tee "$OUT/validation.log" ;;
     *) echo "unknown step $step" ;;

@@ -152,7 +152,7 @@ def test_backward_never_visits_masked_blocks():
 
 
 def test_combinator_without_backward_refuses_gradients():
-    no_grad_mod = Combinator(name="scaled_by_two", role=Role.SCORE_MOD, doc="s * 2, with no backward.",
+    no_grad_mod = Combinator(name="_test_scaled_by_two", role=Role.SCORE_MOD, doc="s * 2, with no backward.",
                              reference=lambda s, ctx: s * 2, fragment=ScoreModFragment(body="s = s * 2.0"))
 
     class Plugin:
@@ -164,11 +164,11 @@ def test_combinator_without_backward_refuses_gradients():
     try:
         @af.attention
         def doubled(q, k, v):
-            return af.softmax(af.scaled_by_two(af.scaled_dot_product(q, k))) @ v
+            return af.softmax(af._test_scaled_by_two(af.scaled_dot_product(q, k))) @ v
 
         q, k, v = _qkv(1, 2, 2, 16, 16, 16, 16, torch.float32)
         with pytest.raises(af.ProgramError, match=r"gradients were asked for, but the score modification "
-                                                  r"scaled_by_two declares no backward"):
+                                                  r"_test_scaled_by_two declares no backward"):
             doubled(q, k, v)
         with torch.no_grad():
             torch.testing.assert_close(doubled(q, k, v).double(), doubled.reference(q, k, v), atol=2e-5, rtol=0)

@@ -230,3 +230,117 @@ def test_hf_llama_bf16_attnfuse_and_fuse_rope_match_sdpa():
             attnfuse.hf.fuse_rope(model)
         error = (model(ids, attention_mask=mask).logits[real].double() - exact).abs().max()
         assert error <= 2 * sdpa_error, (fuse, error, sdpa_error)  # no worse than bf16 SDPA's own rounding
+
+
+HOSTILE_PAGES = [(64, torch.int32), (-1, torch.int32), (10**6, torch.int32), (-2**31, torch.int32),
+                 (2**32 + 3, torch.int64)]  # for a 64-page pool
+
+
+@pytest.mark.parametrize("split_kv", [True, False])
+def test_paged_pool_in_a_nan_arena_reads_nothing_outside_it(split_kv):
+    """The pool is a view into an arena whose 8 pages before and after it are NaN. With validate=False,
+    each hostile block_table entry makes its page's keys absent: no NaN, and the output equals a float64
+    computation without those keys (an entry wrapped to int32, 2**32 + 3 -> page 3, would differ).
+    Validated, the same call raises."""
+    P, guard, page, B, Hq, Hkv, Nq, D = 64, 8, 16, 4, 32, 8, 4, 128
+    g = torch.Generator(device="cuda").manual_seed(0)
+    arenas = [torch.full((P + 2 * guard, page, Hkv, D), float("nan"), device="cuda", dtype=torch.float16)
+              for _ in range(2)]
+    for arena in arenas:
+        arena[guard:guard + P] = torch.randn(P, page, Hkv, D, device="cuda", generator=g)
+    pool_k, pool_v = (arena[guard:guard + P] for arena in arenas)
+    q = torch.randn(B, Hq, Nq, D, device="cuda", dtype=torch.float16, generator=g)
+    table = torch.randperm(P, device="cuda", generator=g)[:B * 12].view(B, 12).to(torch.int32)
+    lens = torch.tensor([12 * page, 100, 37, 5 * page + 1], dtype=torch.int32, device="cuda")
+    for value, dtype in HOSTILE_PAGES:
+        hostile = table.to(dtype, copy=True)
+        hostile[:, 1] = value  # slot 1 of every sequence: keys 16..31
+        out = af.run_attention(causal.graph(), q, pool_k, pool_v, kv_lens=lens, block_table=hostile,
+                               split_kv=split_kv, validate=False)
+        assert not out.isnan().any(), f"block_table entry {value}: a NaN from outside the pool"
+        pages = table.long()
+        present = (torch.arange(12 * page, device="cuda") // page != 1)[None, :].expand(B, -1)
+        k, v = (pool[pages].reshape(B, 12 * page, Hkv, D).transpose(1, 2).double().repeat_interleave(Hq // Hkv, 1)
+                for pool in (pool_k, pool_v))
+        pos = torch.arange(12 * page, device="cuda")
+        keep = present[:, None, None, :] & (pos < lens[:, None, None, None]) & (
+            pos <= torch.arange(Nq, device="cuda")[:, None] + lens[:, None, None, None] - Nq)
+        want = torch.nn.functional.scaled_dot_product_attention(q.double(), k, v, attn_mask=keep)
+        torch.testing.assert_close(out.double(), want, atol=2e-3, rtol=0, msg=f"block_table entry {value}")
+        with pytest.raises(af.InputError, match=rf"block_table\[0, 1\] = {value} is not a page of the pool"):
+            af.run_attention(causal.graph(), q, pool_k, pool_v, kv_lens=lens, block_table=hostile, split_kv=split_kv)
+
+
+def _causal_rows_reference(q, k, v, dtype):
+    """Causal attention of the last Nq queries (q (1, H, Nq, D), bottom-right aligned) over k, v
+    (1, H, N, D), head by head, in ``dtype``."""
+    Nq, N = q.shape[2], k.shape[2]
+    keep = torch.arange(N, device=q.device)[None, :] <= torch.arange(Nq, device=q.device)[:, None] + N - Nq
+    return torch.cat([torch.nn.functional.scaled_dot_product_attention(
+        q[:, h:h + 1].to(dtype), k[:, h:h + 1].to(dtype), v[:, h:h + 1].to(dtype), attn_mask=keep)
+        for h in range(q.shape[1])], dim=1)
+
+
+def test_packed_qkv_past_int32_offsets_matches_sdpa():
+    """q, k, v views of one packed (1, 180000, 3, 32, 128) fp16 tensor: row offsets reach 2.2e9 elements
+    (faulted with int32 offsets). The last 256 query rows against float64 SDPA."""
+    torch.manual_seed(0)
+    qkv = torch.randn(1, 180_000, 3, 32, 128, device="cuda", dtype=torch.float16)
+    q, k, v = (qkv[:, :, i].transpose(1, 2) for i in range(3))
+    out = causal(q, k, v)[:, :, -256:]
+    rows = q[:, :, -256:]
+    assert_matches_reference(out, _causal_rows_reference(rows, k, v, torch.float64),
+                             _causal_rows_reference(rows, k, v, torch.float16), torch.float16)
+
+
+@pytest.mark.parametrize("Nq", [256, 8])
+def test_bnhd_cache_past_int32_offsets_matches_sdpa(Nq):
+    """k, v in (B, N, H, D) order with 2**20 + 256 rows of 16 heads (row offsets past 2**31), queried by
+    Nq rows: the forward (256) and split-KV decoding (8)."""
+    torch.manual_seed(1)
+    kv = torch.randn(1, 2**20 + 256, 2, 16, 128, device="cuda", dtype=torch.float16)
+    k, v = (kv[:, :, i].transpose(1, 2) for i in range(2))
+    q = torch.randn(1, Nq, 16, 128, device="cuda", dtype=torch.float16).transpose(1, 2)
+    assert_matches_reference(causal(q, k, v), _causal_rows_reference(q, k, v, torch.float64),
+                             _causal_rows_reference(q, k, v, torch.float16), torch.float16)
+
+
+def test_bench_command_end_to_end(tmp_path, monkeypatch):
+    """`attnfuse bench` on the GPU: decoding rows and one forward row, each timed and checked against a
+    baseline on the same inputs, then the JSON, the page and the plot written."""
+    from attnfuse.bench.rows import Report
+    from attnfuse.cli import main
+
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton"))  # not left set for later tests
+    monkeypatch.setenv("ATTNFUSE_CACHE_DIR", str(tmp_path / "kernels"))
+    out = {ext: tmp_path / f"bench.{ext}" for ext in ("json", "md", "png")}
+    assert main(["bench", "--suite", "decode,forward", "--geometry", "gpt2", "--N", "2048", "--variants", "causal",
+                 "--json", str(out["json"]), "--markdown", str(out["md"]), "--plot", str(out["png"])]) == 0
+    report = Report.from_json(out["json"].read_text())
+    assert report.failures == []
+    assert [row.suite for row in report.rows] == ["decode"] * 12 + ["forward"]
+    for row in report.rows:
+        assert isinstance(row.times["attnfuse"], float) and row.times["attnfuse"] > 0, row.case
+        assert row.err is not None and row.err <= 1e-2, (row.case, row.err)
+    forward = report.rows[-1]
+    assert forward.case == "gpt2 N2048 causal"
+    assert all(isinstance(forward.times[name], float) for name in ("fa2_triton", "flex"))
+    page = out["md"].read_text()
+    assert page.startswith(f"# Benchmarks: {torch.cuda.get_device_name(0)}, ")
+    assert "## Decoding (one query per sequence, full cache)" in page and "## Forward" in page
+    assert "](bench.png)" in page and out["png"].read_bytes()[:4] == b"\x89PNG"
+
+
+def test_compile_error_inside_a_fragment_names_the_combinator():
+    """Triton's compiler (not the interpreter) rejects a fragment: the error names the combinator."""
+    from test_fragment_lint import bad_call_program
+
+    prog, q = bad_call_program("cuda")
+    try:
+        with pytest.raises(Exception) as info:
+            prog(q.half(), q.half(), q.half())
+    finally:
+        af.unregister_plugin("test-lint-bad-call")
+    notes = "\n".join(getattr(info.value, "__notes__", []))
+    assert "the failing line is in the fragment of combinator '_test_bad_call'" in notes
+    assert notes.endswith(": s = tl.no_such_function(s)")

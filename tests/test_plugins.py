@@ -333,10 +333,16 @@ def test_clash_between_distributions_names_both(clashing):
 # --- combinator declarations ------------------------------------------------------------------------------
 
 
+REFERENCES = {Role.MASK: lambda ctx: None, Role.SCORE_MOD: lambda s, ctx: s,
+              Role.NORMALISER: lambda s, keep, ctx: (s, None), Role.QK_TRANSFORM: lambda q, k, ctx: (q, k),
+              Role.SCORE_SOURCE: lambda q, k, ctx, scale=None: q @ k.transpose(-1, -2)}
+
+
 def declare(**overrides) -> Combinator:
-    fields = dict(name="test_decl", role=Role.MASK, doc="test", reference=lambda ctx: None,
-                  fragment=MaskFragment(keep=None))
+    """A valid declaration (a reference of the right arity for its role) with ``overrides``."""
+    fields = dict(name="test_decl", role=Role.MASK, doc="test", fragment=MaskFragment(keep=None))
     fields.update(overrides)
+    fields.setdefault("reference", REFERENCES[fields["role"]])
     return Combinator(**fields)
 
 

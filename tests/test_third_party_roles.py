@@ -3,6 +3,9 @@
 The built-ins cover score sources, score modifications, masks and normalisers, and attnfuse-softcap adds
 another score modification. This file declares, as a third party would, one plugin for each role left:
 
+Their names start with ``_test_`` so that an installed package providing the real thing (say a
+``sigmoid_attention``) cannot clash with them:
+
 * ``qk_norm(q, k)``: a qk transform, L2-normalising every row of q and of k over the head dim (QK-norm);
 * ``document(s, doc_ids)``: a mask reading a runtime tensor, keeping keys of the query's own document;
 * ``sigmoid_attention(s, bias=None)``: a normaliser, weights sigmoid(s + bias) with no normalisation.
@@ -57,7 +60,7 @@ _L2_NORMALISE = """
 """
 
 QK_NORM = Combinator(
-    name="qk_norm",
+    name="_test_qk_norm",
     role=Role.QK_TRANSFORM,
     doc="QK-norm: L2-normalise every row of q and of k over the head dim.",
     reference=qk_norm_reference,
@@ -70,10 +73,10 @@ QK_NORM = Combinator(
 
 def _doc_ids(doc_ids, B: int, Nk: int) -> torch.Tensor:
     if not isinstance(doc_ids, torch.Tensor) or doc_ids.dtype not in (torch.int32, torch.int64):
-        raise InputError(f"document: doc_ids must be an int32 or int64 tensor, "
+        raise InputError(f"_test_document: doc_ids must be an int32 or int64 tensor, "
                          f"got {getattr(doc_ids, 'dtype', type(doc_ids).__name__)}")
     if doc_ids.shape != (B, Nk):
-        raise InputError(f"document: doc_ids must have shape (B, Nk) = ({B}, {Nk}), got {tuple(doc_ids.shape)}")
+        raise InputError(f"_test_document: doc_ids must have shape (B, Nk) = ({B}, {Nk}), got {tuple(doc_ids.shape)}")
     return doc_ids
 
 
@@ -104,7 +107,7 @@ def document_examples(draw, shape):
 
 
 DOCUMENT = Combinator(
-    name="document",
+    name="_test_document",
     role=Role.MASK,
     doc="Keep keys of the query's own document; doc_ids (B, Nk) gives each position's document.",
     params=[Param(name="doc_ids", runtime=True, doc="(B, Nk) int tensor: the document of each position")],
@@ -150,7 +153,7 @@ def sigmoid_examples(draw, shape):
 
 
 SIGMOID_ATTENTION = Combinator(
-    name="sigmoid_attention",
+    name="_test_sigmoid_attention",
     role=Role.NORMALISER,
     doc="Sigmoid attention: weights sigmoid(s + bias), bias defaulting to -log(Nk); not normalised.",
     params=[Param(name="bias", default=None, check=finite_number_or_none, doc="None means -log(Nk)")],
@@ -236,12 +239,12 @@ SHAPE_IDS = ["B{}_Hq{}_Hkv{}_Nq{}_Nk{}_D{}".format(*s) for s in SHAPES]
 # (a) qk_norm
 
 def test_qk_norm_conforms():
-    check_combinator("qk_norm", max_examples=FUZZ_EXAMPLES)
+    check_combinator("_test_qk_norm", max_examples=FUZZ_EXAMPLES)
 
 
 @af.attention
 def qk_normed(q, k, v):
-    s = af.scaled_dot_product(*af.qk_norm(q, k), scale=8.0)  # QK-norm needs a larger scale (a temperature)
+    s = af.scaled_dot_product(*af._test_qk_norm(q, k), scale=8.0)  # QK-norm needs a larger scale (a temperature)
     return af.softmax(af.causal(s)) @ v
 
 
@@ -257,7 +260,7 @@ def test_qk_norm_scores_are_cosines():
     """With scale 1 and relu_attention, out·Nk against v = I reads the scores: cosine similarities."""
     @af.attention
     def cosines(q, k, v):
-        return af.relu_attention(af.scaled_dot_product(*af.qk_norm(q, k), scale=1.0)) @ v
+        return af.relu_attention(af.scaled_dot_product(*af._test_qk_norm(q, k), scale=1.0)) @ v
 
     g = torch.Generator().manual_seed(0)
     q, k = torch.randn(1, 1, 24, 48, generator=g) * 3, torch.randn(1, 1, 32, 48, generator=g) * 0.1
@@ -288,9 +291,9 @@ def test_qk_norm_is_a_pair_transform():
     """The DSL call returns the transformed (q, k) pair; v or scores are refused."""
     @af.attention
     def on_v(q, k, v):
-        return af.softmax(af.scaled_dot_product(*af.qk_norm(q, v))) @ v
+        return af.softmax(af.scaled_dot_product(*af._test_qk_norm(q, v))) @ v
 
-    with pytest.raises(af.ProgramError, match="qk_norm"):
+    with pytest.raises(af.ProgramError, match="_test_qk_norm"):
         on_v.graph()
 
 
@@ -298,19 +301,19 @@ def test_qk_norm_is_a_pair_transform():
 # (b) document
 
 def test_document_conforms():
-    check_combinator("document", max_examples=FUZZ_EXAMPLES)
+    check_combinator("_test_document", max_examples=FUZZ_EXAMPLES)
 
 
 @af.attention
 def packed_causal(q, k, v, doc_ids):
     s = af.scaled_dot_product(q, k)
-    s = af.document(af.causal(s), doc_ids)
+    s = af._test_document(af.causal(s), doc_ids)
     return af.softmax(s) @ v
 
 
 @af.attention
 def packed_bidirectional(q, k, v, doc_ids):
-    return af.softmax(af.document(af.scaled_dot_product(q, k), doc_ids)) @ v
+    return af.softmax(af._test_document(af.scaled_dot_product(q, k), doc_ids)) @ v
 
 
 def _packed_doc_ids(B, Nk, seed, docs=3):
@@ -362,18 +365,18 @@ def test_document_rejects_bad_doc_ids():
 # (c) sigmoid_attention
 
 def test_sigmoid_attention_conforms():
-    check_combinator("sigmoid_attention", max_examples=FUZZ_EXAMPLES)
+    check_combinator("_test_sigmoid_attention", max_examples=FUZZ_EXAMPLES)
 
 
 @af.attention
 def sigmoid_causal(q, k, v):
-    return af.sigmoid_attention(af.causal(af.scaled_dot_product(q, k))) @ v
+    return af._test_sigmoid_attention(af.causal(af.scaled_dot_product(q, k))) @ v
 
 
 @af.attention
 def sigmoid_biased_window(q, k, v):
     s = af.sliding_window(af.scaled_dot_product(q, k), 16)
-    return af.sigmoid_attention(s, bias=-1.0) @ v
+    return af._test_sigmoid_attention(s, bias=-1.0) @ v
 
 
 @pytest.mark.parametrize("program", [sigmoid_causal, sigmoid_biased_window], ids=["causal", "window_bias"])
@@ -394,7 +397,7 @@ def test_sigmoid_attention_has_no_lse():
 def test_sigmoid_attention_rejects_bad_bias(bias):
     @af.attention
     def bad(q, k, v):
-        return af.sigmoid_attention(af.scaled_dot_product(q, k), bias=bias) @ v
+        return af._test_sigmoid_attention(af.scaled_dot_product(q, k), bias=bias) @ v
 
     with pytest.raises(af.ProgramError, match="bias"):
         bad.graph()
@@ -405,9 +408,9 @@ def test_sigmoid_attention_rejects_bad_bias(bias):
 
 @af.attention
 def everything(q, k, v, doc_ids):
-    s = af.scaled_dot_product(*af.qk_norm(q, k), scale=6.0)
-    s = af.causal(af.document(s, doc_ids))
-    return af.sigmoid_attention(s, bias=-2.0) @ v
+    s = af.scaled_dot_product(*af._test_qk_norm(q, k), scale=6.0)
+    s = af.causal(af._test_document(s, doc_ids))
+    return af._test_sigmoid_attention(s, bias=-2.0) @ v
 
 
 @pytest.mark.parametrize("device, dtype", CASES)
@@ -418,5 +421,5 @@ def test_all_three_roles_in_one_kernel(device, dtype):
     _check(everything, q, k, v, doc_ids)
     source = everything.source(q, k, v, doc_ids)
     assert source.count("def ") == 1  # one fused kernel
-    for name in ("qk_norm", "document", "sigmoid_attention"):
+    for name in ("_test_qk_norm", "_test_document", "_test_sigmoid_attention"):
         assert name in source

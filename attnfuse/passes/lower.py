@@ -17,7 +17,8 @@ from .. import ir
 
 from ..combinator import INPUT, BlockList, MaskFragment, NormaliserFragment, QKTransformFragment, Role, ScoreModFragment
 from ..errors import InputError
-from ..plugin_manager import lookup
+from ..fragment_lint import lint
+from ..plugin_manager import combinators, lookup
 from .fuse import FusedProgram
 from .tile import TileConfig, choose_tiles
 
@@ -38,6 +39,7 @@ class KernelConfig:
     paged: bool = False    # k, v are page pools (pages, page_size, Hkv, D) read through a block table
     q_transformed: bool = False  # q arrives with its qk transforms applied (by a transform pass)
     k_transformed: bool = False  # likewise k
+    wide_offsets: bool = False  # some element offset can pass 2**31 - 1: every stride is int64 in the kernels
 
 
 @frozen(kw_only=True)
@@ -157,7 +159,10 @@ def instance(app: ir.Apply, index: int) -> Instance:
     for sc in comb.scalars:
         mapping[sc.name] = f"{prefix}_{sc.name}"
         args.append(f"{prefix}_{sc.name}")
-    fragment = _resolve(fragment_of(app), mapping)
+    fragment = fragment_of(app)
+    if not attrs.has(type(comb.fragment)):  # a fragment function's result: checked as registration checks
+        lint(comb, fragment, combinators()[comb.name].distribution)
+    fragment = _resolve(fragment, mapping)
     _check_placeholders(comb.name, fragment)
     return Instance(prefix=prefix, apply=app, role=comb.role, fragment=fragment, args=tuple(args))
 

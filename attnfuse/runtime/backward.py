@@ -12,6 +12,7 @@ from ..passes.lower import Instance, TiledKernel
 from .forward import constexprs
 from .inputs import KVCache, PluginArgs, Prepared, accumulator_dtype, empty_like_layout, even_keys, kv_launch_args
 from .kernel import CompiledKernel
+from .offsets import rows_fit
 from .launcher import block_grid
 
 
@@ -61,7 +62,10 @@ class BackwardKernels:
         k, v = kv.k, kv.v
         B, Hq, Nq, D = q.shape
         Hkv, Nk, DV = k.shape[1], k.shape[2], v.shape[3]
-        dout = torch.zeros_like(out) if dout is None else dout
+        if dout is None:
+            dout = torch.zeros_like(out)
+        elif not (self.tiled.config.wide_offsets or rows_fit(dout)):  # a view the int32 kernels cannot address
+            dout = torch.empty_like(out).copy_(dout)
         dq, dk = empty_like_layout(q, D, dqk_dtype or q.dtype), empty_like_layout(k, D, dqk_dtype or k.dtype)
         dv = empty_like_layout(v, DV, v.dtype)
         buffers = [torch.zeros((B, Hq, Nq, Nk), dtype=accumulator_dtype(q.dtype), device=q.device)

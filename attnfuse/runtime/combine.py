@@ -30,10 +30,11 @@ def _combine_kernel(PartOut, PartLse, Out, Lse,
         total = tl.sum(w, 0)
         out = tl.sum(w[:, None] * part, 0) / tl.where(total == 0.0, 1.0, total)
         if SAVE_LSE:
-            tl.store(Lse + row, tl.where(total == 0.0, float("-inf"), m_use + tl.log(total)))
+            tl.store(Lse + row.to(tl.int64), tl.where(total == 0.0, float("-inf"), m_use + tl.log(total)))
     else:  # an unnormalised normaliser: the splits' outputs add up
         out = tl.sum(part, 0)
-    tl.store(Out + b.to(tl.int64) * stride_ob + h.to(tl.int64) * stride_oh + i * stride_om + cols * stride_od,
+    tl.store(Out + b.to(tl.int64) * stride_ob + h.to(tl.int64) * stride_oh + i.to(tl.int64) * stride_om
+             + cols.to(tl.int64) * stride_od,
              out.to(Out.dtype.element_ty), mask=cols < DV)
 
 

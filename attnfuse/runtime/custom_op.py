@@ -26,6 +26,8 @@ from .call_spec import (MASK_TENSORS, CallSpec, flatten_inputs, key_of, plain_te
 from .hoisted import HoistedBackward, HoistedForward, hoisted_sides, worth_hoisting
 from .inputs import accumulator_dtype, check_cache, empty_like_layout, kernel_config, kv_cache
 from .launch import compile_backward, compile_forward, compile_hoisted_backward, planned, run_attention
+from .offsets import inputs_fit
+from .validate import check_cache_values
 
 
 def _tensor_grads(spec: CallSpec, tiled) -> tuple:
@@ -42,9 +44,10 @@ def _tensor_grads(spec: CallSpec, tiled) -> tuple:
     return wanted
 
 
-def _differentiable_plan(spec: CallSpec, q, k, v, kv_lens, block_table):
+def _differentiable_plan(spec: CallSpec, q, k, v, kv_lens, block_table, values):
     """The forward and backward kernels of a differentiable call (raising as ``run_attention`` does)."""
-    forward, _, backward = planned(spec.graph, q, k, v, kv_lens, block_table, spec.save_lse, True, False)
+    forward, _, backward = planned(spec.graph, q, k, v, kv_lens, block_table, spec.save_lse, True, False,
+                                   bool(values) and not inputs_fit(values))
     tensor_grads = _tensor_grads(spec, forward.tiled) if spec.grads else ()
     if tensor_grads:
         compile_ = compile_hoisted_backward if isinstance(forward, HoistedForward) else compile_backward
@@ -66,11 +69,16 @@ def _attention(key: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_l
     transformed rows of the hoisted sides ("q", "k" order) of a differentiable hoisted call, else []."""
     spec = spec_of(key)
     values = unflatten_inputs(spec, inputs)
+    # kv_lens and block_table values are checked as an eager call checks them, except inside a CUDA graph
+    # capture, which cannot read them on the host (the kernels still read nothing outside the cache)
+    validate = kv_lens is not None and not (q.is_cuda and torch.cuda.is_current_stream_capturing())
     if not spec.grad:
         result = run_attention(spec.graph, q, k, v, values, return_lse=spec.save_lse, kv_lens=kv_lens,
-                               block_table=block_table)
+                               block_table=block_table, validate=validate)
         return (*result, []) if spec.save_lse else (result, q.new_empty(0, dtype=torch.float32), [])
-    forward, _ = _differentiable_plan(spec, q, k, v, kv_lens, block_table)
+    if validate:
+        check_cache_values(kv_lens, block_table, *(k.shape[:2] if block_table is not None else (0, 0)))
+    forward, _ = _differentiable_plan(spec, q, k, v, kv_lens, block_table, values)
     kv = kv_cache(k, v, kv_lens, None)
     if isinstance(forward, HoistedForward):
         out, lse, copies = forward.run(q, kv, values)
@@ -90,7 +98,8 @@ def _attention_fake(key, q, k, v, kv_lens, block_table, inputs):
         q.new_empty(0, dtype=torch.float32)
     copies = []
     if spec.grad and block_table is None:  # the plan's choice, from the call's metadata (head dims specialised)
-        config = kernel_config(q, kv_cache(k, v, kv_lens, None), spec.save_lse)
+        config = kernel_config(q, kv_cache(k, v, kv_lens, None), spec.save_lse,
+                               bool(inputs) and not inputs_fit(unflatten_inputs(spec, inputs)))
         config = attrs.evolve(config, head_dim=int(config.head_dim), head_dim_v=int(config.head_dim_v),
                               group=int(config.group))
         forward = compile_forward(spec.graph, config)
@@ -107,7 +116,7 @@ def _attention_backward(key: str, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
     """[dq, dk, dv, *gradients of spec.grads], each in its input's shape, dtype and memory order."""
     spec = spec_of(key)
     values = unflatten_inputs(spec, inputs)
-    _, backward = _differentiable_plan(spec, q, k, v, kv_lens, None)
+    _, backward = _differentiable_plan(spec, q, k, v, kv_lens, None, values)
     extra = {"copies": dict(zip(backward.transform.sides, copies))} \
         if copies and isinstance(backward, HoistedBackward) else {}
     dq, dk, dv, grads = backward(q, kv_cache(k, v, kv_lens, None), out, lse if spec.save_lse else None, dout, dlse,

@@ -22,7 +22,7 @@ from .inputs import KVCache, PluginArgs, Prepared, accumulator_dtype, empty_like
 from .kernel import CompiledKernel
 from .launcher import cdiv
 
-HOIST_MIN_QUERY_BLOCKS = 4  # benchmarks/bench_attention.py times both ways (the rope_causal_per_tile rows)
+HOIST_MIN_QUERY_BLOCKS = 4  # `attnfuse bench` times both ways (the rope_causal_per_tile rows)
 
 
 def hoistable(tiled: TiledKernel) -> bool:

@@ -10,6 +10,7 @@ from attrs import frozen
 from ..errors import InputError, PluginError
 from ..passes.lower import KernelConfig, TiledKernel
 from ..plugin_manager import lookup
+from .offsets import rows_fit
 
 DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32", torch.float64: "float64"}
 
@@ -67,8 +68,13 @@ def check_cache(q: torch.Tensor, k: Any, v: Any, kv_lens: Any = None, block_tabl
     """Check q, k, v and the cache layout; return the KV view the kernels read.
 
     Contiguous cache: k (B, Hkv, Nk, D), v (B, Hkv, Nk, DV). Paged cache (``block_table`` given): k, v
-    (num_pages, page_size, Hkv, D/DV), ``block_table`` (B, max_pages) int32 page indices, and ``kv_lens``
-    (B,) required. ``kv_lens`` values above the capacity count as the capacity.
+    (num_pages, page_size, Hkv, D/DV), ``block_table`` (B, max_pages) int32 or int64 page indices, and
+    ``kv_lens`` (B,) int32 or int64 required. ``kv_lens`` values above the capacity count as the capacity.
+
+    This checks types, shapes and devices only (once per call signature). The values of kv_lens and
+    block_table are checked on every call by ``validate.check_cache_values`` unless the call passes
+    ``validate=False``; without that check the kernels still never read outside the cache (see
+    ``kv_cache``).
     """
     check_inputs(q, k, v, paged=block_table is not None)
     if block_table is not None:
@@ -95,13 +101,18 @@ def check_cache(q: torch.Tensor, k: Any, v: Any, kv_lens: Any = None, block_tabl
 
 def kv_cache(k: torch.Tensor, v: torch.Tensor, kv_lens: torch.Tensor | None, block_table: torch.Tensor | None
              ) -> KVCache:
-    """The KV view of inputs :func:`check_cache` accepted (it does no checks)."""
-    if kv_lens is not None and (kv_lens.dtype != torch.int32 or not kv_lens.is_contiguous()):
-        kv_lens = kv_lens.to(torch.int32).contiguous()
+    """The KV view of inputs :func:`check_cache` accepted (it checks no values: lengths outside [0,
+    capacity] count as the nearest bound, never wrapped; an int64 block table goes to the kernels as it
+    is, which drop keys on pages outside the pool)."""
+    capacity = k.shape[2] if block_table is None else block_table.shape[1] * k.shape[1]
+    if kv_lens is not None and kv_lens.dtype != torch.int32:
+        kv_lens = kv_lens.clamp(0, capacity).to(torch.int32)
+    if kv_lens is not None and not kv_lens.is_contiguous():
+        kv_lens = kv_lens.contiguous()
     if block_table is None:
-        return KVCache(k=k, v=v, capacity=k.shape[2], lens=kv_lens)
-    return KVCache(k=k.permute(0, 2, 1, 3), v=v.permute(0, 2, 1, 3), capacity=block_table.shape[1] * k.shape[1],
-                   lens=kv_lens, block_table=block_table.to(torch.int32), page_size=k.shape[1])
+        return KVCache(k=k, v=v, capacity=capacity, lens=kv_lens)
+    return KVCache(k=k.permute(0, 2, 1, 3), v=v.permute(0, 2, 1, 3), capacity=capacity, lens=kv_lens,
+                   block_table=block_table, page_size=k.shape[1])
 
 
 def check_inputs(q: Any, k: Any, v: Any, paged: bool = False) -> None:
@@ -152,22 +163,32 @@ def _arch(device: torch.device) -> str:
     return f"sm{major}{minor}"
 
 
-def kernel_config(q: torch.Tensor, kv: KVCache, save_lse: bool) -> KernelConfig:
-    """The configuration part of the kernel-cache key for these inputs."""
+def kernel_config(q: torch.Tensor, kv: KVCache, save_lse: bool, inputs_wide: bool = False) -> KernelConfig:
+    """The configuration part of the kernel-cache key for these inputs; ``inputs_wide``: some runtime
+    input tensor needs 64-bit offsets (``offsets.inputs_fit``)."""
     tf32 = q.device.type == "cuda" and torch.backends.cuda.matmul.allow_tf32
     return KernelConfig(arch=_arch(q.device), dtype=DTYPES[q.dtype], head_dim=q.shape[3],
                         head_dim_v=kv.v.shape[3], group=q.shape[1] // kv.k.shape[1], save_lse=save_lse,
                         fp32_precision="tf32" if tf32 else "ieee", kv_lens=kv.lens is not None,
-                        paged=kv.block_table is not None)
+                        paged=kv.block_table is not None, wide_offsets=inputs_wide or not _rows_fit(q, kv))
+
+
+def _rows_fit(q: torch.Tensor, kv: KVCache) -> bool:
+    """Whether the row and column offsets of q, k, v and of the outputs, gradients and transformed copies
+    the runtime allocates in their memory orders (head dim up to max(D, DV)) fit int32 kernels."""
+    width = max(q.shape[3], kv.v.shape[3])
+    metas = [torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta") for t in (q, kv.k, kv.v)]
+    return all(rows_fit(t) for t in (q, kv.k, kv.v, *(empty_like_layout(m, width, m.dtype) for m in metas)))
 
 
 def kv_launch_args(kv: KVCache) -> tuple:
-    """The kernel arguments after ``N_K``: lengths, then a paged cache's block table and page size."""
+    """The kernel arguments after ``N_K``: lengths, then a paged cache's block table, page size and
+    number of pages."""
     args: tuple = (kv.capacity,)
     if kv.lens is not None:
         args += (kv.lens,)
     if kv.block_table is not None:
-        args += (kv.block_table, *kv.block_table.stride(), kv.page_size)
+        args += (kv.block_table, *kv.block_table.stride(), kv.page_size, kv.k.shape[0])
     return args
 
 

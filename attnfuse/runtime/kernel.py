@@ -11,6 +11,7 @@ from triton.runtime.errors import OutOfResources
 
 from ..errors import InputError
 from ..passes.tile import TileConfig
+from .blame import blame
 from .interpreter import InterpretedKernel
 from .launcher import Launcher
 from .source_cache import load_function, write_source
@@ -54,3 +55,8 @@ class CompiledKernel:
                 return
             except OutOfResources:
                 self.tiles = smaller_tiles(self.tiles)
+            except Exception as exc:
+                culprit = blame(self.source, self.path, self.name, exc)
+                if culprit is not None and hasattr(exc, "add_note"):
+                    exc.add_note(culprit)
+                raise

@@ -17,6 +17,8 @@ from .forward import ForwardKernel
 from .hoisted import HoistedBackward, HoistedForward, hoistable, transformed_sides, worth_hoisting
 from .inputs import check_cache, check_inputs, kernel_config, kv_cache
 from .kernel import CompiledKernel
+from .offsets import inputs_fit
+from .validate import check_cache_values
 
 __all__ = ["KERNEL_KINDS", "check_cache", "check_inputs", "clear_cache", "compile_backward", "compile_decode",
            "compile_forward", "compiled_kernel", "kernel_config", "run_attention"]
@@ -149,23 +151,35 @@ def _tensor_grads(tiled: TiledKernel, inputs: dict[str, Any]) -> tuple[tuple[Ins
 def run_attention(graph: ir.MatMulPV, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                   inputs: dict[str, Any] | None = None, *, return_lse: bool = False,
                   kv_lens: torch.Tensor | None = None, block_table: torch.Tensor | None = None,
-                  split_kv: bool | None = None):
+                  split_kv: bool | None = None, validate: bool = True):
     """Run a traced program on q (B, Hq, Nq, D), k (B, Hkv, Nk, D), v (B, Hkv, Nk, DV).
 
     Differentiable (q, k, v and declared tensor inputs) when autograd asks for gradients.
 
     :param inputs: runtime inputs (bias, cos/sin tables, ...) by argument name of the traced function.
-    :param kv_lens: (B,) int32 keys per sequence; query i of sequence b sits at position i + kv_lens[b] - Nq.
-    :param block_table: (B, max_pages) int32, for a paged cache: k, v are then pools (pages, page_size,
-        Hkv, D) and kv_lens is required.
+    :param kv_lens: (B,) int32 (or int64) keys per sequence; query i of sequence b sits at position
+        i + kv_lens[b] - Nq. Values above the capacity count as the capacity.
+    :param block_table: (B, max_pages) int32 (or int64) page indices, for a paged cache: k, v are then
+        pools (pages, page_size, Hkv, D) and kv_lens is required.
     :param split_kv: run the split-KV decoding path (None: when Nq <= 16, no gradient is wanted and the
         normaliser can combine splits).
+    :param validate: with ``kv_lens``, check their values (and a paged cache's table) before launching: every
+        length in [0, 2**31 - 1], every block_table entry a sequence uses (its first
+        ceil(min(kv_lens[b], capacity) / page_size)) a page of the pool; entries past those may hold
+        anything. One small kernel and one host sync per call. ``validate=False`` skips both (a server
+        that checks upstream; a CUDA graph capture, which cannot sync): lengths outside [0, capacity]
+        then count as the nearest bound, and keys on a page outside the pool are absent (the kernels
+        never read outside the pool).
     :return: out (B, Hq, Nq, DV), or (out, lse) with lse (B, Hq, Nq) float32 when ``return_lse``.
     """
     inputs = inputs or {}
     wants_grad = torch.is_grad_enabled() and any(
         isinstance(t, torch.Tensor) and t.requires_grad for t in (q, k, v, *inputs.values()))
-    forward, decode, backward = planned(graph, q, k, v, kv_lens, block_table, return_lse, wants_grad, split_kv)
+    inputs_wide = bool(inputs) and not inputs_fit(inputs)
+    forward, decode, backward = planned(graph, q, k, v, kv_lens, block_table, return_lse, wants_grad, split_kv,
+                                        inputs_wide)
+    if validate and kv_lens is not None:
+        check_cache_values(kv_lens, block_table, *(k.shape[:2] if block_table is not None else (0, 0)))
     kv = kv_cache(k, v, kv_lens, block_table)
     if decode is not None:
         out, lse = decode(q, kv, inputs)
@@ -183,13 +197,14 @@ def run_attention(graph: ir.MatMulPV, q: torch.Tensor, k: torch.Tensor, v: torch
 
 
 def planned(graph: ir.MatMulPV, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_lens: Any, block_table: Any,
-            return_lse: bool, wants_grad: bool, split_kv: bool | None) -> Plan:
-    """The call's kernels: everything decided from its metadata alone is decided once per call signature."""
+            return_lse: bool, wants_grad: bool, split_kv: bool | None, inputs_wide: bool = False) -> Plan:
+    """The call's kernels: everything decided from its metadata alone is decided once per call signature
+    (``inputs_wide``: some runtime input needs 64-bit offsets, ``offsets.inputs_fit``)."""
     signature = (graph, _meta(q), _meta(k), _meta(v), _meta(kv_lens), _meta(block_table), return_lse, wants_grad,
-                 split_kv, torch.backends.cuda.matmul.allow_tf32)
+                 split_kv, torch.backends.cuda.matmul.allow_tf32, inputs_wide)
     plan = _plans.get(signature)
     if plan is None:
-        plan = _plan(graph, q, k, v, kv_lens, block_table, return_lse, wants_grad, split_kv)
+        plan = _plan(graph, q, k, v, kv_lens, block_table, return_lse, wants_grad, split_kv, inputs_wide)
         if len(_plans) >= _MAX_PLANS:
             _plans.clear()
         _plans[signature] = plan
@@ -207,7 +222,7 @@ def _meta(t: Any) -> Any:
 
 
 def _plan(graph: ir.MatMulPV, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_lens: Any, block_table: Any,
-          return_lse: bool, wants_grad: bool, split_kv: bool | None) -> Plan:
+          return_lse: bool, wants_grad: bool, split_kv: bool | None, inputs_wide: bool) -> Plan:
     """Check a new call signature; its forward kernel, its split-KV kernel if it takes that path, and with
     gradients wanted the backward kernels (those that write no tensor input's gradient)."""
     kv = check_cache(q, k, v, kv_lens, block_table)
@@ -217,7 +232,7 @@ def _plan(graph: ir.MatMulPV, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                          f"{graph.weights.apply.combinator} has none (softmax has)")
     if wants_grad and block_table is not None:
         raise InputError("gradients through a paged cache are not supported; pass contiguous k and v to train")
-    forward = compile_forward(graph, kernel_config(q, kv, save_lse=return_lse or (wants_grad and has_lse)))
+    forward = compile_forward(graph, kernel_config(q, kv, return_lse or (wants_grad and has_lse), inputs_wide))
     can_split = not wants_grad and forward.tiled.normaliser.fragment.combine is not None
     if split_kv is None:
         split_kv = can_split and q.shape[2] <= MAX_QUERIES

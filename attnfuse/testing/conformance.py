@@ -1,14 +1,26 @@
 """Conformance: fused kernels against the float64 reference, over programs drawn by Hypothesis."""
 from __future__ import annotations
 
+import atexit
+import contextlib
+import os
+import random
+import shutil
+import sys
+import tempfile
+
+import hypothesis
 import torch
 from hypothesis import HealthCheck, Phase, given, note, settings
 from hypothesis import strategies as st
 
 from ..passes.fuse import fuse
 from ..passes.lower import fragment_of, instance
-from ..plugin_manager import combinators
-from .strategies import ProgramCase, program_cases, shapes
+from ..errors import PluginError
+from ..plugin_manager import broken_plugins, combinators
+from ..runtime.source_cache import CACHE_ENV
+from .mask_facts import check_mask_facts
+from .strategies import ProgramCase, Shape, pool, program_cases, shapes
 from .tolerances import assert_matches_reference
 
 
@@ -96,24 +108,38 @@ def check_program_case(case: ProgramCase, dtype: torch.dtype, device: str, seed:
 
 def check_combinator(name: str | None = None, *, device: str | None = None,
                      dtypes: tuple[torch.dtype, ...] | None = None, max_examples: int = 20, max_n: int = 80,
-                     head_dims: tuple[int, ...] = (16, 32, 64, 80, 128)) -> None:
-    """Property test: programs that use combinator ``name`` (any program when None) match the reference,
-    forward and, for about half the examples, backward.
+                     head_dims: tuple[int, ...] = (16, 32, 64, 80, 128), installed: bool = False,
+                     seed: int | None = None, show_tensors: bool = False) -> None:
+    """Check combinator ``name`` (every registered one when None): a mask's keep and facts, deterministically
+    over enumerated problems (``mask_facts``); then, as a property test, programs using it match the float64
+    reference, forward and, for about half the examples, backward.
 
-    Programs are composed from every registered combinator, so a plugin is checked alongside the others.
+    Programs combine it with the built-ins (``installed=True``: with every registered combinator). Kernels
+    are cached in a temporary directory unless ``ATTNFUSE_CACHE_DIR`` is set. A failure says how to replay
+    it: the seed to pass back, the drawn program, shape and parameters (``show_tensors``: the extra tensors
+    in full).
     """
-    if name is not None and name not in combinators():
-        raise KeyError(f"no combinator named {name!r} is registered")
+    registry = combinators()
+    if name is not None and name not in registry:
+        raise PluginError(f"check_combinator: no combinator named {name!r} is registered{_broken_note()}")
+    if name is None or installed:
+        _fail_on_broken()
+    for mask in ([name] if name is not None else sorted(registry)):
+        check_mask_facts(mask)
     device = device or default_device()
     dtypes = dtypes or default_dtypes(device)
+    names = pool(name, installed or name is None)
+    seed = random.randrange(2**32) if seed is None else seed
 
-    @settings(max_examples=max_examples, deadline=None, database=None, phases=_PHASES,
+    @hypothesis.seed(seed)
+    @settings(max_examples=max_examples, deadline=None, database=None, phases=_PHASES, print_blob=True,
               suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
     @given(data=st.data())
     def conforms(data):
         shape = data.draw(shapes(max_n=max_n, head_dims=head_dims), label="shape")
-        case = data.draw(program_cases(shape, include=name), label="program")
+        case = data.draw(program_cases(shape, include=name, names=names), label="program")
         note(f"program: {case.text}")
+        note(f"extras: {_show(case.extras, show_tensors)}")
         dtype = data.draw(st.sampled_from(dtypes), label="dtype")
         kv_lens = None
         if shape.Nq <= shape.Nk and data.draw(st.booleans(), label="kv cache"):
@@ -122,4 +148,91 @@ def check_combinator(name: str | None = None, *, device: str | None = None,
         check_program_case(case, dtype, device, seed=data.draw(st.integers(0, 2**31 - 1), label="seed"),
                            grads=data.draw(st.booleans(), label="grads"), kv_lens=kv_lens)
 
-    conforms()
+    with temporary_cache():
+        try:
+            if name is not None:
+                check_fixed_case(name, names, device)
+            conforms()
+        except Exception as exc:
+            _add_note(exc, f"replay: check_combinator({name!r}, seed={seed}, max_examples={max_examples}, "
+                         f"installed={installed}, device={device!r}, show_tensors=True)")
+            raise
+
+
+FIXED_SHAPE = Shape(B=2, Hq=2, Hkv=1, Nq=37, Nk=45, D=32, DV=32)
+
+
+def check_fixed_case(name: str, names: tuple[str, ...], device: str) -> None:
+    """One deterministic program using ``name`` (the first Hypothesis draws for a fixed shape), forward and
+    backward in float32, so that a wrong backward fails every run, not only runs that happen to draw
+    gradients."""
+    cases: list[ProgramCase] = []
+
+    @settings(max_examples=1, derandomize=True, database=None, deadline=None, phases=(Phase.generate,),
+              suppress_health_check=list(HealthCheck))
+    @given(data=st.data())
+    def draw(data):
+        cases.append(data.draw(program_cases(FIXED_SHAPE, include=name, names=names, max_mods=1, max_masks=1)))
+
+    draw()
+    try:
+        check_program_case(cases[0], torch.float32, device, seed=0, grads=True)
+    except Exception as exc:
+        _add_note(exc, f"fixed case: {cases[0].text}, shape {FIXED_SHAPE}, float32, seed 0, with gradients; "
+                     f"extras: {_show(cases[0].extras, False)}")
+        raise
+
+
+def _add_note(exc: BaseException, note_text: str) -> None:
+    """Attach replay information to a failure (Python 3.11's notes; printed on older Pythons)."""
+    if hasattr(exc, "add_note"):
+        exc.add_note(note_text)
+    else:
+        print(note_text, file=sys.stderr)
+
+
+def _show(extras: dict, full: bool) -> str:
+    if not full:
+        return ", ".join(f"{n}: {tuple(v.shape)} {v.dtype}" if isinstance(v, torch.Tensor) else f"{n}: {v!r}"
+                         for n, v in extras.items()) or "none"
+    with _full_print():
+        return "\n".join(f"{n} = {v!r}" for n, v in extras.items()) or "none"
+
+
+@contextlib.contextmanager
+def _full_print():
+    torch.set_printoptions(profile="full")
+    try:
+        yield
+    finally:
+        torch.set_printoptions(profile="default")
+
+
+_temporary_root: list[str] = []
+
+
+@contextlib.contextmanager
+def temporary_cache():
+    """Kernels go to a temporary directory (one per process, removed at exit: kernels loaded from it stay
+    in use) for the duration, unless the user set ``ATTNFUSE_CACHE_DIR``."""
+    if os.environ.get(CACHE_ENV):
+        yield
+        return
+    if not _temporary_root:
+        _temporary_root.append(tempfile.mkdtemp(prefix="attnfuse-conformance-"))
+        atexit.register(shutil.rmtree, _temporary_root[0], ignore_errors=True)
+    os.environ[CACHE_ENV] = _temporary_root[0]
+    try:
+        yield
+    finally:
+        os.environ.pop(CACHE_ENV, None)
+
+
+def _broken_note() -> str:
+    broken = broken_plugins()
+    return "" if not broken else "; broken plugins were skipped: " + "; ".join(b.describe() for b in broken)
+
+
+def _fail_on_broken() -> None:
+    if broken_plugins():
+        raise PluginError("broken plugins: " + "; ".join(b.describe() for b in broken_plugins()))

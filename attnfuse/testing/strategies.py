@@ -9,7 +9,7 @@ from attrs import frozen
 from hypothesis import strategies as st
 
 from ..combinator import REQUIRED, Combinator, Role
-from ..plugin_manager import combinators
+from ..plugin_manager import BUILTIN_DISTRIBUTION, combinators
 from ..program import AttentionProgram
 
 
@@ -90,12 +90,22 @@ def _compatible(comb: Combinator, shape: Shape) -> bool:
     return True
 
 
+def pool(include: str | None, installed: bool) -> tuple[str, ...]:
+    """Names programs are drawn from: ``include`` and the built-ins, or every registered combinator
+    (``installed``), so that by default another package's bug does not fail a plugin's own check."""
+    return tuple(sorted(n for n, entry in combinators().items()
+                        if installed or n == include or entry.distribution == BUILTIN_DISTRIBUTION))
+
+
 @st.composite
-def program_cases(draw, shape: Shape, include: str | None = None, max_mods: int = 2, max_masks: int = 2
-                  ) -> ProgramCase:
-    """A program drawn from every registered combinator (``include`` forced in), with its runtime inputs."""
+def program_cases(draw, shape: Shape, include: str | None = None, max_mods: int = 2, max_masks: int = 2,
+                  names: tuple[str, ...] | None = None) -> ProgramCase:
+    """A program drawn from the combinators ``names`` (default: every registered one; ``include`` forced
+    in), with its runtime inputs."""
     by_role: dict[Role, list[Combinator]] = {role: [] for role in Role}
-    for entry in combinators().values():
+    for name, entry in combinators().items():
+        if names is not None and name not in names and name != include:
+            continue
         if _drawable(entry.combinator) and _compatible(entry.combinator, shape):
             by_role[entry.combinator.role].append(entry.combinator)
     for role in by_role:

@@ -17,9 +17,9 @@ import attrs
 
 from ..lower import Instance, TiledKernel
 from .common import (HEADER, QKV_STRIDES, block_range, columns, constexpr_args, dv_mask, finish, fragment, has_masks, indent,
-                     key_block, key_offsets, key_range, kv_args, kv_base, masked_load, masks_keys, operand, operand_grad,
-                     precision, program, prologues, qk_product, query_block, scores, split, split_heads, visit,
-                     with_bounds)
+                     key_block, key_masked, key_offsets, key_range, kv_args, kv_base, masked_load, masks_keys,
+                     operand, operand_grad, precision, program, prologues, qk_product, query_block, scores, split,
+                     split_heads, visit, with_bounds)
 
 _DKDV = string.Template('''\
 def $name(
@@ -137,6 +137,7 @@ FINITE_VALUES = 'v = tl.where(tl.abs(v) < float("inf"), v, 0.0)\n'
 
 
 def _dq_body(kernel: TiledKernel, masked: bool, implied: str | None) -> str:
+    masked = key_masked(kernel, masked)
     p = precision(kernel)
     dtype = "Q.dtype.element_ty"
     v = masked_load("v_base + v_off[:, None] + dv[None, :] * stride_vd", "k_ok[:, None]" if masked else "",

@@ -2,6 +2,7 @@
 block ranges that masks' facts give the loops."""
 from __future__ import annotations
 
+import re
 import textwrap
 
 from ..lower import TiledKernel, masked_head
@@ -87,8 +88,23 @@ def key_block(kernel: TiledKernel, even_keys: bool = False) -> str:
 
 def finish(kernel: TiledKernel, source: str) -> str:
     """Float64 inputs compute in float64: ``tl.float32``, the accumulation type in the template and in
-    fragments, becomes ``tl.float64``."""
+    fragments, becomes ``tl.float64``. With ``wide_offsets``, see :func:`widen`."""
+    source = widen(source) if kernel.config.wide_offsets else source
     return source.replace("tl.float32", "tl.float64") if kernel.config.dtype == "float64" else source
+
+
+def widen(source: str) -> str:
+    """Make every stride of the kernel in ``source`` int64 on entry: its own (``stride_*``) and those of
+    tensor arguments (``<tensor>_s<i>``, plugins' tensors and gradient buffers). Every offset is a sum of
+    index-times-stride products (batch and head indices are int64 anyway), so each is then computed in
+    int64: a kernel whose tensors span more than 2**31 - 1 elements addresses them all (``tl.cast`` also
+    takes a stride Triton specialised to the constant 1)."""
+    head, body = source.split("\n):\n", 1)
+    params = [p.split(":")[0].strip() for p in head[head.index("def "):].split("(", 1)[1].split(",")]
+    strides = [p for p in params if p.startswith("stride_")
+               or (re.fullmatch(r"\w+_s\d+", p) and p.rsplit("_s", 1)[0] in params)]
+    casts = "".join(f"    {p} = tl.cast({p}, tl.int64)\n" for p in strides)
+    return f"{head}\n):\n    # offsets can pass 2**31 - 1 elements: every stride is int64\n{casts}{body}"
 
 
 def indent(code: str, spaces: int) -> str:
@@ -286,13 +302,14 @@ def with_bounds(code: str) -> str:
 def kv_args(kernel: TiledKernel) -> str:
     """Kernel arguments of the key/value cache layout: per-sequence lengths, a paged cache's block table."""
     args = "\n    KvLens," if kernel.config.kv_lens else ""
-    return args + ("\n    BlockTable, stride_btb, stride_btp, PAGE_SIZE," if kernel.config.paged else "")
+    return args + ("\n    BlockTable, stride_btb, stride_btp, PAGE_SIZE, NUM_PAGES," if kernel.config.paged else "")
 
 
 def kv_length(kernel: TiledKernel) -> str:
-    """``Nk``: the number of keys of sequence ``b`` (the cache's capacity N_K unless lengths are given)."""
+    """``Nk``: the number of keys of sequence ``b`` (the cache's capacity N_K unless lengths are given); a
+    length outside [0, N_K] counts as the nearest bound, so no key outside the cache is ever visited."""
     if kernel.config.kv_lens:
-        return "Nk = tl.minimum(tl.load(KvLens + b).to(tl.int32), N_K)\n"
+        return "Nk = tl.minimum(tl.maximum(tl.load(KvLens + b), 0), N_K).to(tl.int32)\n"
     return "Nk = N_K\n"
 
 
@@ -303,13 +320,25 @@ def kv_base(kernel: TiledKernel, x: str) -> str:
 
 
 def key_offsets(kernel: TiledKernel) -> str:
-    """Per key tile: ``k_off``, ``v_off`` (BLOCK_N,), the offsets of keys ``k_pos`` from ``kv_base``."""
+    """Per key tile: ``k_off``, ``v_off`` (BLOCK_N,), the offsets of keys ``k_pos`` from ``kv_base``.
+
+    A paged cache's keys on a page outside the pool [0, NUM_PAGES) (a bad block_table entry) are absent:
+    ``k_ok`` drops them, so no load touches them and they do not contribute (a paged kernel masks every
+    key tile, see ``key_masked``)."""
     if kernel.config.paged:
         return ("page = tl.load(BlockTable + b.to(tl.int64) * stride_btb + (k_pos // PAGE_SIZE) * stride_btp, "
-                "mask=k_ok, other=0).to(tl.int64)\n"
+                "mask=k_ok, other=-1)\n"
+                "k_ok = k_ok & (page >= 0) & (page < NUM_PAGES)  # a page outside the pool: nothing is read\n"
+                "page = page.to(tl.int64)\n"
                 "k_off = page * stride_kb + (k_pos % PAGE_SIZE) * stride_kn\n"
                 "v_off = page * stride_vb + (k_pos % PAGE_SIZE) * stride_vn\n")
     return "k_off = k_pos * stride_kn\nv_off = k_pos * stride_vn\n"
+
+
+def key_masked(kernel: TiledKernel, masked: bool) -> bool:
+    """Whether a key tile masks its keys: in masked loops, and in every loop of a paged kernel, whose
+    ``k_ok`` also drops keys on pages outside the pool (see ``key_offsets``)."""
+    return masked or kernel.config.paged
 
 
 def has_masks(kernel: TiledKernel) -> bool:

@@ -8,9 +8,9 @@ from __future__ import annotations
 import string
 
 from ..lower import TiledKernel
-from .common import (HEADER, QKV_STRIDES, constexpr_args, dv_mask, finish, indent, key_offsets,
-                     key_range, kv_args, kv_base, masked_load, masked_values, masks_keys, normaliser_update, operand, precision, prologues, qk_product,
-                     query_block, scores, visit, with_bounds)
+from .common import (HEADER, QKV_STRIDES, constexpr_args, dv_mask, finish, indent, key_masked, key_offsets,
+                     key_range, kv_args, kv_base, masked_load, masked_values, masks_keys, normaliser_update, operand,
+                     precision, prologues, qk_product, query_block, scores, visit, with_bounds)
 
 _KERNEL = string.Template('''\
 def $name(
@@ -39,6 +39,7 @@ $store_lse''')
 def key_tile(kernel: TiledKernel, masked: bool, implied: str | None = None) -> str:
     """One step of the key loop: load the k tile (transformed), scores, normaliser update, then P·V. With
     EVEN_K, ``k_ok`` is constant true and Triton drops the masks of the loads."""
+    masked = key_masked(kernel, masked)
     v = masked_load("v_base + v_off[:, None] + dv[None, :] * stride_vd", "k_ok[:, None]" if masked else "",
                     dv_mask(kernel))
     score = scores(kernel, masked, implied=implied, fold=True) + normaliser_update(kernel)

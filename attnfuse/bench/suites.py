@@ -1,0 +1,182 @@
+"""The table suites: forward, forward+backward, decoding and block-sparse, one Row per case.
+
+Every AttnFuse result is checked against a baseline on the same inputs (Row.err). AttnFuse and the
+hand-written FA2 kernel (forward), and AttnFuse and flex (forward+backward), are timed in turns. RoPE
+baselines attend with q and k pre-rotated by a compiled function, and that time is included.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import attrs
+import torch
+
+import attnfuse as af
+
+from . import rows
+from .baselines import SDPA_BACKENDS, failure, flex, flex_block_mask, flex_case, pre_rotate, sdpa
+from .cases import (DECODE_MODELS, GEOMETRIES, PER_TILE, PROGRAMS, SPARSE_BLOCK, bigbird_blocks, bigbird_program,
+                    decode_program, rope_tables)
+from .timing import bench, bench_graphed, paired_bench
+
+
+def max_diff(ours: torch.Tensor, theirs: torch.Tensor) -> float:
+    return (ours.float() - theirs.float()).abs().max().item()
+
+
+@contextlib.contextmanager
+def keys_rotated_per_tile():
+    """RoPE as the fused kernel alone does it: every key tile rotated in the key loop (no key pass)."""
+    from attnfuse.runtime import hoisted, launch
+
+    saved, hoisted.HOIST_MIN_QUERY_BLOCKS = hoisted.HOIST_MIN_QUERY_BLOCKS, 10**9
+    launch.clear_cache()
+    try:
+        yield
+    finally:
+        hoisted.HOIST_MIN_QUERY_BLOCKS = saved
+        launch.clear_cache()
+
+
+def time_sdpa(row: rows.Row, reference: torch.Tensor, timer, fn_of_backend, pick=lambda out: out) -> None:
+    """Time SDPA's cuDNN and FA2 backends into ``row``; a backend that refuses the case gets "n/a"."""
+    for name in SDPA_BACKENDS:
+        try:
+            fn = fn_of_backend(name)
+            row.err = max_diff(reference, pick(fn()))
+            row.times[name] = timer(fn)
+        except RuntimeError as exc:
+            row.times[name] = failure(exc)
+
+
+def forward_case(geometry: str, N: int, variant: str, q, k, v, cos, sin) -> rows.Row:
+    """``variant``: a PROGRAMS name, or PER_TILE (rope_causal with no key pass)."""
+    if variant == PER_TILE:
+        with keys_rotated_per_tile():
+            timed = forward_case(geometry, N, "rope_causal", q, k, v, cos, sin)
+        return attrs.evolve(rows.forward_row(geometry, N, variant), times=timed.times, err=timed.err)
+    _, Hq, _, _ = GEOMETRIES[geometry]
+    program, rope = PROGRAMS[variant], variant == "rope_causal"
+
+    def inputs():
+        return pre_rotate(q, k, cos, sin) if rope else (q, k)
+    out = program(q, k, v)
+    row = rows.forward_row(geometry, N, variant)
+    if variant in ("dense", "causal"):  # the hand-written kernel timed in turns with ours
+        from .fa2_triton import fa2_forward
+
+        fn = lambda: fa2_forward(q, k, v, variant == "causal")  # noqa: E731
+        row.times.update(paired_bench({"attnfuse": lambda: program(q, k, v), "fa2_triton": fn}))
+        row.err = max_diff(out, fn())
+    else:
+        row.times["attnfuse"] = bench(lambda: program(q, k, v))
+    if variant in ("dense", "causal", "rope_causal"):
+        time_sdpa(row, out, bench, lambda name: lambda: sdpa(name, *inputs(), v, variant != "dense"))
+    score_mod, mask = flex_case(variant, Hq, N, "cuda")
+    fn = lambda: flex(*inputs(), v, score_mod=score_mod, block_mask=mask, enable_gqa=True)  # noqa: E731
+    if row.err is None:
+        row.err = max_diff(out, fn())
+    row.times["flex"] = bench(fn)
+    return row
+
+
+def backward_case(geometry: str, N: int, variant: str, leaves, dout, cos, sin) -> rows.Row:
+    """Forward + backward (dq, dk, dv); the dq checked against a baseline's on the same inputs."""
+    _, Hq, _, _ = GEOMETRIES[geometry]
+    q, k, v = leaves
+    program, rope = PROGRAMS[variant], variant == "rope_causal"
+
+    def train(attend):
+        return lambda: torch.autograd.grad(attend(), leaves, dout)
+
+    def inputs():
+        return pre_rotate(q, k, cos, sin) if rope else (q, k)
+    ours = train(lambda: program(q, k, v))
+    dq = ours()[0]
+    row = rows.backward_row(geometry, N, variant)
+    if variant in ("causal", "rope_causal"):
+        time_sdpa(row, dq, bench, lambda name: train(lambda: sdpa(name, *inputs(), v, True)), lambda g: g[0])
+    score_mod, mask = flex_case(variant, Hq, N, "cuda")
+    fn = train(lambda: flex(*inputs(), v, score_mod=score_mod, block_mask=mask, enable_gqa=True))
+    if row.err is None:
+        row.err = max_diff(dq, fn()[0])
+    row.times.update(paired_bench({"attnfuse": ours, "flex": fn}))  # in turns: small steps measure the host too
+    return row
+
+
+def forward_cases(Ns: list[int], geometries: list[str], variants: list[str]):
+    for geometry in geometries:
+        B, Hq, Hkv, D = GEOMETRIES[geometry]
+        for N in Ns:
+            q, k, v = (torch.randn(B, h, N, D, device="cuda", dtype=torch.bfloat16) for h in (Hq, Hkv, Hkv))
+            cos, sin = rope_tables(N, D, "cuda")
+            for variant in variants:
+                yield forward_case, (geometry, N, variant, q, k, v, cos, sin)
+
+
+def backward_cases(Ns: list[int], geometries: list[str], variants: list[str]):
+    for geometry in geometries:
+        B, Hq, Hkv, D = GEOMETRIES[geometry]
+        for N in Ns:
+            leaves = [torch.randn(B, h, N, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+                      for h in (Hq, Hkv, Hkv)]
+            dout = torch.randn(B, Hq, N, D, device="cuda", dtype=torch.bfloat16)
+            cos, sin = rope_tables(N, D, "cuda")
+            for variant in variants:
+                yield backward_case, (geometry, N, variant, leaves, dout, cos, sin)
+
+
+def decode_case(model: str, B: int, graphed: bool) -> rows.Row:
+    """``graphed``: every contender replayed from a CUDA graph (no host time); else eager calls, host
+    time included wherever it exceeds the GPU's."""
+    Hq, Hkv, D, N = DECODE_MODELS[model]
+    q = torch.randn(B, Hq, 1, D, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(B, Hkv, N, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    out = decode_program(q, k, v)
+    timer = bench_graphed if graphed else bench
+    row = rows.decode_row(model, B, graphed)
+    row.times["attnfuse"] = timer(lambda: decode_program(q, k, v))
+    time_sdpa(row, out, timer, lambda name: lambda: sdpa(name, q, k, v, False))
+    fn = lambda: flex(q, k, v, enable_gqa=True)  # noqa: E731
+    if row.err is None:
+        row.err = max_diff(out, fn())
+    try:
+        row.times["flex"] = timer(fn)
+    except Exception as exc:  # compiled flex may refuse graph capture
+        row.times["flex"] = failure(exc)
+    return row
+
+
+def decode_cases(batches: tuple[int, ...] = (1, 8)):
+    for graphed in (False, True):
+        for model in DECODE_MODELS:
+            for B in batches:
+                yield decode_case, (model, B, graphed)
+
+
+def sparse_case(N: int, train: bool) -> rows.Row:
+    """BigBird, Llama-3-8B geometry, against flex_attention with the same block grid."""
+    B, Hq, Hkv, D = GEOMETRIES["llama3-8b"]
+    active = bigbird_blocks(B, Hq, N)
+    ours_mask = af.BlockMask.from_blocks(active, N, N, block_size=SPARSE_BLOCK)
+    theirs_mask = flex_block_mask(active)
+    leaves = [torch.randn(B, h, N, D, device="cuda", dtype=torch.bfloat16, requires_grad=train)
+              for h in (Hq, Hkv, Hkv)]
+    q, k, v = leaves
+    dout = torch.randn(B, Hq, N, D, device="cuda", dtype=torch.bfloat16)
+
+    def run(attend):
+        return (lambda: torch.autograd.grad(attend(), leaves, dout)[0]) if train else attend
+    ours = run(lambda: bigbird_program(q, k, v, ours_mask))
+    theirs = run(lambda: flex(q, k, v, block_mask=theirs_mask, enable_gqa=True))
+    pairs_kept = int(active.sum().item()) * SPARSE_BLOCK ** 2 // (B * Hq)
+    row = rows.sparse_row(N, train, 1 - active.float().mean().item(), pairs_kept)
+    row.times.update(attnfuse=bench(ours), flex=bench(theirs))
+    row.err = max_diff(ours(), theirs())
+    return row
+
+
+def sparse_cases(Ns: tuple[int, ...] = (4096, 16384)):
+    for train in (False, True):
+        for N in Ns:
+            yield sparse_case, (N, train)

@@ -1,0 +1,49 @@
+"""``attnfuse new NAME --role ROLE``: write a pip-installable plugin package for one combinator.
+
+The package holds a pyproject (with the ``attnfuse`` entry point), one module declaring the combinator
+with every field of its role filled in and commented, a test through the conformance kit's pytest
+plugin, and a README. It installs and passes its test as generated; the author then edits the semantics.
+"""
+from __future__ import annotations
+
+import keyword
+from importlib import resources
+from pathlib import Path
+
+from ..errors import InputError
+
+ROLES = ("mask", "normaliser", "score_mod", "score_source", "transform")
+
+
+def _template(name: str) -> str:
+    return resources.files(__name__).joinpath(f"{name}.txt").read_text()
+
+
+def package_names(name: str) -> tuple[str, str]:
+    """(distribution, module) for combinator ``name``: attnfuse-<name with dashes>, attnfuse_<name>."""
+    return f"attnfuse-{name.replace('_', '-')}", f"attnfuse_{name}"
+
+
+def scaffold(name: str, role: str, directory: Path | None = None) -> Path:
+    """Write the package for combinator ``name`` of ``role`` into ``directory`` (default
+    ./attnfuse-<name>); return the directory. Refuses to overwrite an existing one."""
+    if not name.isidentifier() or keyword.iskeyword(name) or name.startswith("_") or name != name.lower():
+        raise InputError(f"NAME must be a lower-case Python identifier not starting with '_', got {name!r}")
+    if role not in ROLES:
+        raise InputError(f"--role must be one of {', '.join(ROLES)}, got {role!r}")
+    dist, module = package_names(name)
+    root = Path(directory) if directory is not None else Path.cwd() / dist
+    if root.exists() and any(root.iterdir()):
+        raise InputError(f"directory {str(root)!r} exists and is not empty; choose another (--dir)")
+    files = {
+        "pyproject.toml": _template("pyproject"),
+        f"{module}.py": _template(role),
+        f"tests/test_{name}.py": _template("test"),
+        "README.md": _template("readme"),
+    }
+    for path, text in files.items():
+        target = root / path
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_text(text.replace("__NAME__", name).replace("__MODULE__", module).replace("__DIST__", dist)
+                          .replace("__ROLE__", role))
+    return root

@@ -1,0 +1,116 @@
+"""softmax_with_sinks(s, sinks): softmax whose denominator also holds a learned per-head sink logit.
+
+Attention sinks (Xiao et al., 2023, StreamingLLM; gpt-oss, 2025): head h has a logit ``sinks[h]`` that
+competes with the keys for weight but carries no value, so a head may attend to "nothing"::
+
+    weights[j] = exp(s_j) / (exp(sinks[h]) + sum_k exp(s_k))
+
+    @af.attention
+    def gpt_oss(q, k, v, sinks):
+        s = af.sliding_window(af.scaled_dot_product(q, k), 127)
+        return af.softmax_with_sinks(s, sinks) @ v
+
+``sinks`` is a float tensor (Hq,), passed at every call. The log-sum-exp includes the sink. Gradients
+flow to q, k and v; the sinks themselves get none (freeze them, or train them with the reference).
+Split-KV decoding is not offered (``combine=None``): each split would count the sink again.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+import attnfuse
+from attnfuse.combinator import Combinator, NormaliserFragment, Param, Role, TensorArg
+from attnfuse.errors import InputError
+
+__all__ = ["COMBINATOR", "attnfuse_combinators", "examples", "reference"]
+__version__ = "0.1.0"
+
+LOG2E = 1.4426950408889634
+
+
+def _sinks(sinks, Hq: int) -> torch.Tensor:
+    if not isinstance(sinks, torch.Tensor) or sinks.shape != (Hq,) or not sinks.is_floating_point():
+        raise InputError(f"softmax_with_sinks: sinks must be a float tensor of shape (Hq,) = ({Hq},), got "
+                         f"{getattr(sinks, 'dtype', type(sinks).__name__)} {tuple(getattr(sinks, 'shape', ()))}")
+    return sinks
+
+
+def reference(s: torch.Tensor, keep, ctx, sinks):
+    """s (B, Hq, Nq, Nk) -> weights (B, Hq, Nq, Nk), lse (B, Hq, Nq), in s's dtype.
+
+    With m = max(sink_h, max_j s_j): weights_j = exp(s_j - m) / (exp(sink_h - m) + sum_k exp(s_k - m)),
+    lse = m + log(that denominator). Excluded keys score -inf and weigh 0."""
+    if keep is not None:
+        s = torch.where(keep, s, torch.full_like(s, -math.inf))
+    sink = _sinks(sinks, ctx.Hq).to(device=s.device, dtype=s.dtype).view(1, ctx.Hq, 1, 1)
+    m = torch.maximum(s.amax(dim=-1, keepdim=True), sink)
+    total = torch.exp(sink - m) + torch.exp(s - m).sum(dim=-1, keepdim=True)
+    return torch.exp(s - m) / total, (m + torch.log(total)).squeeze(-1)
+
+
+def prepare(ctx, sinks):
+    return {"sinks": _sinks(sinks, ctx.Hq).to(ctx.device)}
+
+
+def examples(draw, shape):
+    """Sinks from far below the scores (no effect) to far above (most weight on the sink)."""
+    from hypothesis import strategies as st
+
+    from attnfuse.testing import random_tensor
+
+    return {"sinks": random_tensor(draw, shape.Hq) * draw(st.sampled_from([0.5, 3.0])) + draw(st.sampled_from([-8.0, 0.0, 4.0]))}
+
+
+def _update(factor: str) -> str:
+    """FlashAttention's online softmax in exp2, on scores ``s * <factor>``; the state starts at the sink."""
+    return f"""
+        m_new = tl.maximum(m_i, tl.max(s, 1){factor})
+        alpha = tl.math.exp2(m_i - m_new)
+        p = tl.math.exp2(s{factor} - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
+        m_i = m_new
+    """
+
+
+COMBINATOR = Combinator(
+    name="softmax_with_sinks",
+    role=Role.NORMALISER,
+    doc="Softmax with a per-head sink logit in the denominator (attention sinks, gpt-oss).",
+    params=[Param(name="sinks", runtime=True, doc="(Hq,) float tensor: each head's sink logit")],
+    reference=reference,
+    tensors=[TensorArg(name="sinks", rank=1)],
+    prepare=prepare,
+    fragment=NormaliserFragment(
+        score_factor=LOG2E,                       # scores arrive in log2 units
+        masked_score='float("-inf")',
+        # The running max and sum start at the sink's term: max sink2, sum exp2(0) = 1. (h is this
+        # program's head; the sum over a (BLOCK_M, 1) tile makes the shape (BLOCK_M,) either way.)
+        init=f"""
+            m_i = tl.sum(tl.zeros([BLOCK_M, 1], dtype=tl.float32)
+                         + tl.load($sinks + h * $sinks_s0).to(tl.float32) * {LOG2E}, 1)
+            l_i = tl.full([BLOCK_M], 1.0, dtype=tl.float32)
+        """,
+        update=_update(""),
+        scaled_update=_update(" * $factor"),
+        finalize="""
+            out = acc / l_i[:, None]
+            lse = (m_i + tl.math.log2(l_i)) * 0.6931471805599453
+        """,
+        has_lse=True,
+        # Padding rows (past Nq) arrive with lse -inf: +inf gives them p = 0 rather than NaN.
+        backward_rows=f'lse2 = tl.where(lse == float("-inf"), float("inf"), lse * {LOG2E})',
+        recompute="p = tl.math.exp2(s - lse2[:, None])",
+        grad="ds = p * (dp - delta[:, None])",    # d lse / d s_j = p_j: the sink only changes lse
+        needs_delta=True,
+        combine=None,
+    ),
+    examples=examples,
+)
+
+
+@attnfuse.hookimpl
+def attnfuse_combinators():
+    return [COMBINATOR]

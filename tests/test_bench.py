@@ -1,0 +1,174 @@
+"""``attnfuse bench`` without a GPU: its refusal, and its rows, tables, JSON, page and plot.
+
+The expected cells are worked out by hand from figures the H200 printed (llama3-8b N8192 causal: AttnFuse
+1.171 ms = 470 TFLOP/s, flex 1.388 ms = 396, flex / AttnFuse 1.19×).
+"""
+from __future__ import annotations
+
+import io
+import sys
+
+import pytest
+import torch
+
+from attnfuse.bench import plot, report, rows, run
+from attnfuse.bench.command import command_line, main as bench_main
+from attnfuse.cli import main
+
+
+def timed_rows() -> list[rows.Row]:
+    """Rows from the suites' row builders, with times filled in as the suites fill them."""
+    causal = rows.forward_row("llama3-8b", 8192, "causal")
+    causal.times.update(attnfuse=1.171, fa2_triton=1.190, cudnn=1.030, flash="n/a (no GQA)", flex=1.388)
+    causal.err = 3.9e-3
+    window = rows.forward_row("llama3-8b", 4096, "sliding_window")
+    window.times.update(attnfuse=0.086, flex=0.110)
+    window.err = 3.9e-3
+    wider = rows.forward_row("llama3-8b", 8192, "sliding_window")
+    wider.times.update(attnfuse=0.163, flex=0.210)
+    training = rows.backward_row("gpt2", 2048, "sliding_window")
+    training.times.update(attnfuse=0.509, flex=0.620)
+    decode = rows.decode_row("llama3-70b", 1, graphed=True)
+    decode.times.update(attnfuse=0.0388, cudnn=0.038)
+    return [causal, window, wider, training, decode]
+
+
+def sample_report() -> rows.Report:
+    meta = {"date": "2026-11-29", "gpu": "NVIDIA H200", "torch": "2.11.0+cu130", "triton": "3.6.0",
+            "python": "3.12.3", "command": "attnfuse bench --suite forward,backward,decode,memory"}
+    return rows.Report(meta=meta, rows=timed_rows(), lines={"memory": ["peak memory, attnfuse: 0.44 GiB"]},
+                       failures=["sparse 4096 False: RuntimeError: out of memory"])
+
+
+def test_bench_without_cuda_says_so_and_exits_2(monkeypatch, capsys):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert main(["bench", "--suite", "forward"]) == 2
+    captured = capsys.readouterr()
+    assert captured.err.startswith("attnfuse: error: bench needs a CUDA GPU")
+    assert "torch.cuda.is_available() is False" in captured.err
+    assert captured.out == ""
+    assert bench_main(["--suite", "decode"]) == 2  # python -m attnfuse.bench, for older trees' cli
+    assert "bench needs a CUDA GPU" in capsys.readouterr().err
+
+
+def test_plot_without_matplotlib_is_refused_before_running(monkeypatch, capsys, tmp_path):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib raises ImportError
+    assert main(["bench", "--plot", str(tmp_path / "out.png")]) == 2
+    assert "--plot needs matplotlib: pip install 'attnfuse[bench]'" in capsys.readouterr().err
+    assert not (tmp_path / "out.png").exists()
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--suite", "forward,speed"], "argument --suite: unknown suite 'speed'"),
+    (["--geometry", "llama2"], "argument --geometry: unknown geometry 'llama2'"),
+    (["--variants", "causal,flash"], "argument --variants: unknown variant 'flash'"),
+    (["--N", "4096,0"], "argument --N: expected comma-separated positive integers, got '4096,0'"),
+])
+def test_bad_options_name_the_argument(capsys, argv, message):
+    assert main(["bench", *argv]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_rows_count_the_work_of_the_pairs_kept():
+    assert rows.forward_row("llama3-8b", 8192, "causal").work == 4 * 32 * 128 * (8192 * 8193 // 2)
+    assert rows.forward_row("gpt2", 4096, "dense").work == 4 * 4 * 12 * 64 * 4096 ** 2
+    window = 4 * 12 * 64 * (255 * 256 // 2 + (2048 - 255) * 256)  # queries 0..254 keep i+1 keys, the rest 256
+    assert rows.backward_row("gpt2", 2048, "sliding_window").work == 3.5 * 4 * window
+    per_tile = rows.forward_row("gpt2", 2048, "rope_causal_per_tile")
+    assert per_tile.case == "gpt2 N2048 rope_causal (keys rotated per tile)"
+    assert per_tile.work == rows.forward_row("gpt2", 2048, "rope_causal").work
+    decode = rows.decode_row("llama3-70b", 8, graphed=False)
+    assert (decode.case, decode.work, decode.unit) == ("decode llama3-70b B8 cache 32768 eager",
+                                                       2 * 8 * 8 * 32768 * 128 * 2, "GB/s")
+    sparse = rows.sparse_row(4096, True, 0.72, 1000)
+    assert (sparse.case, sparse.work) == ("bigbird llama3-8b N4096 (72% sparse) fwd+bwd", 3.5 * 4 * 32 * 1000 * 128)
+
+
+def test_cells_and_ratios_match_the_printed_figures():
+    causal, window, _, training, decode = timed_rows()
+    table = [causal, window]
+    assert report.format_row(causal, table) == ("| llama3-8b N8192 causal | 1.171 (470) | 1.190 (462) | 1.030 (534) | "
+                                                "n/a (no GQA) | 1.388 (396) | 1.19× | 0.88× | 3.9e-03 |")
+    assert report.format_row(window, table) == ("| llama3-8b N4096 sliding_window | 0.086 (194) | — | — | — | "
+                                                "0.110 (151) | 1.28× | — | 3.9e-03 |")  # 16645095424 FLOPs
+    assert report.format_row(training, [training]) == "| gpt2 N2048 sliding_window fwd+bwd | 0.509 (42) | 0.620 (34) | 1.22× | — |"
+    assert report.cell(decode, "attnfuse") == "0.039 (3459 GB/s)"  # 134217728 bytes / 0.0388 ms
+
+
+def test_table_keeps_only_the_columns_some_row_has():
+    _, window, wider, _, decode = timed_rows()
+    assert report.table([window, wider]).splitlines()[:2] == [
+        "| case | AttnFuse ms (TFLOP/s) | flex (compiled) | flex / AttnFuse | max abs diff |", "|---|---|---|---|---|"]
+    assert report.header([decode]).startswith("| case | AttnFuse ms (GB/s) | cuDNN SDPA | cuDNN / AttnFuse |")
+    every = report.header(None).splitlines()[0]  # lines printed while a suite runs: every column
+    assert every.count("|") == 10 and "FA2 Triton (hand-written)" in every
+
+
+def test_report_json_round_trip():
+    original = sample_report()
+    text = original.to_json()
+    again = rows.Report.from_json(text)
+    assert again == original
+    assert again.rows[0].times["attnfuse"] == 1.171 and again.rows[0].times["flash"] == "n/a (no GQA)"
+    assert again.rows[3].err is None
+    assert again.suites() == ["forward", "backward", "decode", "memory"]
+
+
+def test_markdown_page_has_the_run_one_table_per_suite_and_the_plot(tmp_path):
+    result = sample_report()
+    page = report.markdown_page(result, plot=str(tmp_path / "images" / "h200.png"), page=str(tmp_path / "bench.md"))
+    lines = page.splitlines()
+    assert lines[0] == "# Benchmarks: NVIDIA H200, 2026-11-29"
+    assert "NVIDIA H200 · torch 2.11.0+cu130 · triton 3.6.0 · Python 3.12.3" in lines[2]
+    assert "```bash\nattnfuse bench --suite forward,backward,decode,memory\n```" in page
+    assert "![AttnFuse and the baselines, TFLOP/s against N](images/h200.png)" in lines
+    sections = [line for line in lines if line.startswith("## ")]
+    assert sections == ["## Forward", "## Forward + backward", "## Decoding (one query per sequence, full cache)",
+                        "## Memory", "## Failed cases"]
+    forward = lines[lines.index("## Forward") + 2:lines.index("## Forward + backward") - 1]
+    assert forward == report.table(result.rows[:3]).splitlines()
+    assert "- peak memory, attnfuse: 0.44 GiB" in lines
+    assert lines[-1] == "- sparse 4096 False: RuntimeError: out of memory"
+
+
+def test_run_table_prints_each_row_and_records_failures(monkeypatch):
+    def row_of(geometry, N, variant):  # as a suite's case does: the row builder, then its times
+        if variant == "causal_alibi":
+            raise RuntimeError("out of shared memory")
+        row = rows.forward_row(geometry, N, variant)
+        row.times.update(attnfuse=1.0, flex=2.0)
+        return row
+    cases = [(row_of, ("gpt2", 2048, "dense")), (row_of, ("gpt2", 2048, "causal_alibi"))]
+    monkeypatch.setattr(run, "cases_of", lambda suite, args: (len(cases), cases))
+    monkeypatch.setitem(sys.modules, "tqdm", None)  # plain printing
+    result, out = rows.Report(meta={}), io.StringIO()
+    run.run_table("forward", None, result, out)
+    printed = out.getvalue().splitlines()
+    assert printed[0] == "## Forward" and printed[2].startswith("| case | AttnFuse ms (TFLOP/s) |")
+    assert printed[4] == "| gpt2 N2048 dense | 1.000 (52) | — | — | — | 2.000 (26) | 2.00× | — | — |"  # 51.5e9 FLOPs
+    assert printed[5] == "| forward gpt2 2048 causal_alibi: RuntimeError: out of shared memory |"
+    assert [r.case for r in result.rows] == ["gpt2 N2048 dense"]
+    assert result.failures == ["forward gpt2 2048 causal_alibi: RuntimeError: out of shared memory"]
+
+
+def test_command_line_spells_out_the_run():
+    from attnfuse.cli import build_parser
+
+    args = build_parser().parse_args(["bench", "--suite", "forward,memory", "--N", "4096", "--json", "o.json"])
+    assert command_line(args) == ("attnfuse bench --suite forward,memory --geometry gpt2,llama3-8b --N 4096 "
+                                  "--variants dense,causal,sliding_window,causal_alibi,rope_causal,"
+                                  "rope_causal_per_tile --json o.json")
+
+
+def test_plot_draws_a_panel_per_suite_geometry_and_variant(tmp_path):
+    pytest.importorskip("matplotlib", reason="matplotlib (the attnfuse[bench] extra) is not installed")
+    result = sample_report()
+    assert list(plot.panels(result.rows)) == [("forward", "llama3-8b", "causal"),
+                                              ("forward", "llama3-8b", "sliding_window"),
+                                              ("backward", "gpt2", "sliding_window")]
+    assert [r.N for r in plot.panels(result.rows)[("forward", "llama3-8b", "sliding_window")]] == [4096, 8192]
+    path = tmp_path / "bench.png"
+    assert plot.plot(result.rows, str(path), report.title(result.meta)) == 3
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert plot.plot(result.rows[-1:], str(tmp_path / "none.png"), "decode only") == 0
+    assert not (tmp_path / "none.png").exists()
