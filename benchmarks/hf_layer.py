@@ -29,6 +29,15 @@ TINY = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, interm
 BACKENDS = ("sdpa", "flex_attention", "attnfuse", "attnfuse+fuse_rope")
 
 
+def layer_flops(config: LlamaConfig, N: int) -> float:
+    """FLOPs of one forward of the layer at B1: the q/k/v/o and MLP matmuls, and causal attention (half of the
+    N×N scores' two matmuls). A training step counts three forwards."""
+    h, heads, kv_heads = config.hidden_size, config.num_attention_heads, config.num_key_value_heads
+    d = h // heads
+    projections = 2 * N * h * (2 * h + 2 * kv_heads * d) + 2 * N * h * config.intermediate_size * 3
+    return projections + 2 * N * N * d * heads
+
+
 def bench(fn, device: torch.device) -> float:
     if device.type != "cuda":  # --tiny: run it twice, report the second
         fn()
@@ -104,22 +113,38 @@ def main() -> None:
             results[backend, N, "train"] = bench(lambda: case.train_step(backend), device)
         if not args.no_compile:
             case = cases[compile_length]
-            compiled = torch.compile(case.forward, backend="aot_eager" if args.tiny else "inductor")
             start = time.perf_counter()
-            case.train_step(backend, compiled)  # compiles
+            try:  # fullgraph: a graph break raises
+                compiled = torch.compile(case.forward, backend="aot_eager" if args.tiny else "inductor",
+                                         fullgraph=True)
+                case.train_step(backend, compiled)  # compiles
+                results[backend, compile_length, "fullgraph"] = "yes"
+            except Exception as exc:  # noqa: BLE001 - reported in the table, then compiled with breaks
+                torch._dynamo.reset()
+                results[backend, compile_length, "fullgraph"] = f"no ({type(exc).__name__})"
+                compiled = torch.compile(case.forward, backend="aot_eager" if args.tiny else "inductor")
+                case.train_step(backend, compiled)
             results[backend, compile_length, "compile_s"] = time.perf_counter() - start
             results[backend, compile_length, "train_compiled"] = bench(lambda: case.train_step(backend, compiled),
                                                                       device)
-    print(f"Llama-3-8B decoder layer, B1, {'tiny CPU' if args.tiny else 'bf16'}: median ms")
-    print(f"{'backend':<22}{'N':>6}{'forward':>10}{'train':>10}")
+    print(f"Llama-3-8B decoder layer, B1, {'tiny CPU' if args.tiny else 'bf16'}: median ms, model TFLOP/s "
+          f"(training step: forward + backward + AdamW, counted as 3 forwards); ratio: ms / sdpa's ms")
+    print(f"{'backend':<22}{'N':>6}{'fwd ms':>9}{'TFLOP/s':>9}{'ratio':>8}{'train ms':>10}{'TFLOP/s':>9}{'ratio':>8}")
     for backend in backends:
         for N in lengths:
-            print(f"{backend:<22}{N:>6}{results[backend, N, 'forward']:>10.3f}{results[backend, N, 'train']:>10.3f}")
+            flops = layer_flops(config, N)
+            row = f"{backend:<22}{N:>6}"
+            for step, count in (("forward", 1), ("train", 3)):
+                ms = results[backend, N, step]
+                row += f"{ms:>9.3f}{count * flops / ms / 1e9:>9.1f}{ms / results['sdpa', N, step]:>8.3f}"
+            print(row)
     if not args.no_compile:
-        print(f"\ntorch.compile'd training step, N={compile_length}: median ms (first call's compile, s)")
+        print(f"\ntorch.compile'd forward+backward (AdamW eager), N={compile_length}: median ms, ratio to sdpa, "
+              f"first call's compile in s, whether fullgraph=True compiled")
         for backend in backends:
-            print(f"{backend:<22}{results[backend, compile_length, 'train_compiled']:>10.3f}"
-                  f"{results[backend, compile_length, 'compile_s']:>10.1f}")
+            ms = results[backend, compile_length, "train_compiled"]
+            print(f"{backend:<22}{ms:>10.3f}{ms / results['sdpa', compile_length, 'train_compiled']:>7.3f}"
+                  f"{results[backend, compile_length, 'compile_s']:>8.1f}  {results[backend, compile_length, 'fullgraph']}")
     print()
     op_overhead(device, dtype)
 

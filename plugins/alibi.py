@@ -1,13 +1,13 @@
 """alibi(s, slopes=None): s + slope_h·(j - q'), slopes defaulting to the ALiBi paper's sequence."""
 from __future__ import annotations
 
-import functools
 import math
 
 import torch
 
 import attnfuse
 from attnfuse.combinator import Combinator, Param, Role, ScoreModFragment, TensorArg
+from attnfuse.device_cache import device_cached
 from attnfuse.errors import InputError
 
 
@@ -24,9 +24,10 @@ def default_slopes(num_heads: int) -> list[float]:
     return power_of_two(closest) + power_of_two(2 * closest)[0::2][: num_heads - closest]
 
 
-@functools.lru_cache(maxsize=64)
 def _default_slopes_tensor(num_heads: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-    return torch.tensor(default_slopes(num_heads), dtype=dtype, device=device)
+    """The default slopes (Hq,), made once per setting (outside CUDA graph pools)."""
+    return device_cached(("alibi", num_heads, dtype),
+                         lambda: torch.tensor(default_slopes(num_heads), dtype=dtype, device=device), device)
 
 
 def _slopes(slopes, num_heads: int, device, dtype=torch.float32) -> torch.Tensor:

@@ -9,14 +9,13 @@ written to a KV cache, so only q is rotated (the usual choice when decoding from
 """
 from __future__ import annotations
 
-import functools
-
 import torch
 
 import attnfuse
 from attnfuse.checks import finite_number_or_none, positive_number
 from attnfuse.combinator import (Combinator, Param, QKTransformFragment, Role, ScalarArg, ScoreSourceFragment,
                                  TensorArg)
+from attnfuse.device_cache import device_cached
 from attnfuse.errors import InputError
 
 
@@ -83,12 +82,13 @@ def reference(q, k, ctx, theta, scale, cos, sin, rotate_keys):
     return q @ k.transpose(-1, -2) * scale
 
 
-@functools.lru_cache(maxsize=32)
 def _theta_tables(theta: float, first: int, last: int, D: int, B: int, device: torch.device, dtype: torch.dtype):
     """cos and sin (B, last - first, D/2), broadcast over B, for positions first .. last - 1 (both halves
-    share them), float32, or float64 for float64 inputs."""
-    angles = _theta_angles(torch.arange(first, last, device=device), theta, D, torch.float64)[..., : D // 2]
-    return tuple(t.to(dtype)[None].expand(B, *t.shape) for t in (angles.cos(), angles.sin()))
+    share them), float32, or float64 for float64 inputs; made once per setting (outside CUDA graph pools)."""
+    def make():
+        angles = _theta_angles(torch.arange(first, last, device=device), theta, D, torch.float64)[..., : D // 2]
+        return tuple(t.to(dtype)[None].expand(B, *t.shape) for t in (angles.cos(), angles.sin()))
+    return device_cached(("rope", theta, first, last, D, B, dtype), make, device)
 
 
 def prepare(ctx, theta, scale, cos, sin, rotate_keys):

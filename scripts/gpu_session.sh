@@ -4,7 +4,7 @@
 #   bench_base: the same benchmark code (this tree's attnfuse/bench) on the kernels in .base (attnfuse/ and
 #   attnfuse_plugins/ of an earlier commit, with this tree's attnfuse/bench copied in:
 #   `bash scripts/base_tree.sh REV`, then carry .base), for before/after tables from one call.
-# Knobs: TESTS (pytest paths), MAXFAIL (failures before pytest stops; 1), FUZZ (examples per combinator), SWEEP_CASES / SWEEP_KERNEL (see
+# Knobs: HF_ARGS (see benchmarks/hf_layer.py), TESTS (pytest paths), MAXFAIL (failures before pytest stops; 1), FUZZ (examples per combinator), SWEEP_CASES / SWEEP_KERNEL (see
 # benchmarks/sweep_tiles.py), BENCH_ARGS (see `attnfuse bench --help`), STEP_TIMEOUT (seconds
 # per step, so one step cannot use up the device call; 0, the default, is none).
 set -uo pipefail
@@ -34,6 +34,8 @@ for step in "$@"; do
       # (contrib/) may need the new API, so the old tree loads its built-ins only
       ATTNFUSE_DISABLE_PLUGIN_AUTOLOAD=1 PYTHONPATH=$PWD/.base timeout "${STEP_TIMEOUT:-0}" python3 -m attnfuse.bench ${BENCH_ARGS:-} \
         --markdown "$OUT/bench_base.md" --json "$OUT/bench_base.json" 2>&1 | tee "$OUT/bench_base.log" ;;
+    hf_layer)
+      timeout "${STEP_TIMEOUT:-0}" python3 benchmarks/hf_layer.py ${HF_ARGS:-} 2>&1 | tee "$OUT/hf_layer.log" ;;
     validation)
       timeout "${STEP_TIMEOUT:-0}" python3 benchmarks/validation_cost.py 2>&1 | tee "$OUT/validation.log" ;;
     *) echo "unknown step $step" ;;

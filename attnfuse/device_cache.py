@@ -1,0 +1,61 @@
+"""Device tensors a plugin computes once and keeps across calls (rope's cos/sin tables, alibi's slopes).
+
+A kept tensor must not live in a CUDA graph's memory pool: ``torch.compile(mode="reduce-overhead")`` runs its
+warm-up and its capture with allocations routed to the graph's private pool (for the stream it runs on), and a
+tensor made there and kept would be overwritten by the graph's later allocations (cudagraph trees refuse it:
+"tensor(s) in the cudagraph pool not tracked as outputs"). ``device_cached`` therefore makes them on a side
+stream, which no graph pool serves. During a capture it makes them inside the graph and keeps nothing.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Any, Callable, Hashable, TypeVar
+
+import torch
+
+__all__ = ["device_cached", "clear_device_cache"]
+
+T = TypeVar("T")
+MAX_ENTRIES = 64
+_kept: OrderedDict[tuple, Any] = OrderedDict()
+_side_streams: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def device_cached(key: Hashable, make: Callable[[], T], device: torch.device) -> T:
+    """``make()`` (a tensor or a tuple of tensors on ``device``), computed on first use of ``key`` and kept (the
+    ``MAX_ENTRIES`` most recently used keys). ``key`` must hold everything ``make`` depends on."""
+    entry = (key, torch.device(device))
+    found = _kept.get(entry)
+    if found is not None:
+        _kept.move_to_end(entry)
+        return found
+    if entry[1].type == "cuda":
+        if torch.cuda.is_current_stream_capturing():
+            return make()
+        made = _made_outside_graph_pools(make, entry[1])
+    else:
+        made = make()
+    _kept[entry] = made
+    if len(_kept) > MAX_ENTRIES:
+        _kept.popitem(last=False)
+    return made
+
+
+def clear_device_cache() -> None:
+    """Forget every kept tensor."""
+    _kept.clear()
+
+
+def _made_outside_graph_pools(make: Callable[[], T], device: torch.device) -> T:
+    """``make()`` run on a side stream, ordered after the current stream's work and before its later work."""
+    current = torch.cuda.current_stream(device)
+    side = _side_streams.get(device)
+    if side is None:
+        side = _side_streams[device] = torch.cuda.Stream(device)
+    side.wait_stream(current)
+    with torch.cuda.stream(side):
+        made = make()
+    current.wait_stream(side)
+    for tensor in made if isinstance(made, tuple) else (made,):
+        tensor.record_stream(current)  # freed on eviction only after the current stream's uses
+    return made
