@@ -1,14 +1,16 @@
 """Device tensors a plugin computes once and keeps across calls (rope's cos/sin tables, alibi's slopes).
 
 A kept tensor must not live in a CUDA graph's memory pool: ``torch.compile(mode="reduce-overhead")`` runs its
-warm-up and its capture with allocations routed to the graph's private pool (for the stream it runs on), and a
+warm-up and its capture with every allocation of the calling thread routed to the graph's private pool, and a
 tensor made there and kept would be overwritten by the graph's later allocations (cudagraph trees refuse it:
-"tensor(s) in the cudagraph pool not tracked as outputs"). ``device_cached`` therefore makes them on a side
-stream, which no graph pool serves. During a capture it makes them inside the graph and keeps nothing.
+"tensor(s) in the cudagraph pool not tracked as outputs"). ``device_cached`` therefore makes them on a worker
+thread and its own stream, which no graph pool serves. During a capture it makes them inside the graph and
+keeps nothing.
 """
 from __future__ import annotations
 
 from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Hashable, TypeVar
 
 import torch
@@ -19,6 +21,7 @@ T = TypeVar("T")
 MAX_ENTRIES = 64
 _kept: OrderedDict[tuple, Any] = OrderedDict()
 _side_streams: dict[torch.device, torch.cuda.Stream] = {}
+_worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="attnfuse-device-cache")
 
 
 def device_cached(key: Hashable, make: Callable[[], T], device: torch.device) -> T:
@@ -47,14 +50,18 @@ def clear_device_cache() -> None:
 
 
 def _made_outside_graph_pools(make: Callable[[], T], device: torch.device) -> T:
-    """``make()`` run on a side stream, ordered after the current stream's work and before its later work."""
+    """``make()`` run by the worker thread on its own stream, ordered after the current stream's work so far
+    and before its later work."""
     current = torch.cuda.current_stream(device)
     side = _side_streams.get(device)
     if side is None:
         side = _side_streams[device] = torch.cuda.Stream(device)
     side.wait_stream(current)
-    with torch.cuda.stream(side):
-        made = make()
+
+    def run() -> T:
+        with torch.cuda.device(device), torch.cuda.stream(side):
+            return make()
+    made = _worker.submit(run).result()
     current.wait_stream(side)
     for tensor in made if isinstance(made, tuple) else (made,):
         tensor.record_stream(current)  # freed on eviction only after the current stream's uses
