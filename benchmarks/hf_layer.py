@@ -90,6 +90,8 @@ def main() -> None:
     parser.add_argument("--no-compile", action="store_true")
     parser.add_argument("--tiny", action="store_true", help="tiny layer, float32 on the CPU: checks the script runs")
     parser.add_argument("--overhead-only", action="store_true", help="only op_overhead()")
+    parser.add_argument("--profile", type=int, metavar="N", help="only profile one training step per backend at N: "
+                        "the GPU kernels that take the most time")
     args = parser.parse_args()
     device = torch.device("cpu" if args.tiny else "cuda")
     dtype = torch.float32 if args.tiny else torch.bfloat16
@@ -103,6 +105,9 @@ def main() -> None:
     rotary = LlamaRotaryEmbedding(config).to(device)
     cases = {N: Case(layer, rotary, N, dtype) for N in sorted(set(lengths) | {compile_length})}
     backends = [b for b in BACKENDS if not (args.tiny and b == "flex_attention")]  # no flex backward on the CPU
+    if args.profile:
+        return profile(layer, cases[args.profile] if args.profile in cases else Case(layer, rotary, args.profile, dtype),
+                       backends)
     results: dict[tuple, float] = {}
     for backend in backends:  # fuse_rope last: its wrapper stays on the layer
         use(layer, backend)
@@ -147,6 +152,23 @@ def main() -> None:
                   f"{results[backend, compile_length, 'compile_s']:>8.1f}  {results[backend, compile_length, 'fullgraph']}")
     print()
     op_overhead(device, dtype)
+
+
+def profile(layer: LlamaDecoderLayer, case: Case, backends: list[str]) -> None:
+    """The GPU kernels of one training step per backend, most time first (after two warm-up steps)."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    for backend in backends:
+        use(layer, backend)
+        for _ in range(2):
+            case.train_step(backend)
+        torch.cuda.synchronize()
+        with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+            case.train_step(backend)
+            torch.cuda.synchronize()
+        print(f"=== {backend}, N={case.N}")
+        print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=12, max_name_column_width=70))
 
 
 def op_overhead(device: torch.device, dtype: torch.dtype, calls: int = 2000) -> None:

@@ -131,6 +131,17 @@ def test_markdown_page_has_the_run_one_table_per_suite_and_the_plot(tmp_path):
     assert lines[-1] == "- sparse 4096 False: RuntimeError: out of memory"
 
 
+def test_rewriting_the_page_keeps_the_sections_of_other_commands(tmp_path):
+    path = tmp_path / "benchmarks.md"
+    other = f"{report.KEPT}\n\n## A decoder layer\n\n| backend | ms |\n|---|---|\n| sdpa | 1.773 |\n"
+    path.write_text("# Benchmarks: an older run\n\n## Forward\n\n| old table |\n\n" + other)
+    result = sample_report()
+    page = report.markdown_page(result, page=str(path), kept=report.kept_sections(str(path)))
+    assert page.startswith("# Benchmarks: NVIDIA H200, 2026-11-29") and "| old table |" not in page
+    assert page.endswith("\n" + other)
+    assert report.kept_sections(str(tmp_path / "absent.md")) == ""
+
+
 def test_run_table_prints_each_row_and_records_failures(monkeypatch):
     def row_of(geometry, N, variant):  # as a suite's case does: the row builder, then its times
         if variant == "causal_alibi":

@@ -11,6 +11,7 @@ import textwrap
 from .cases import GEOMETRIES, WINDOW
 from .rows import CONTENDERS, SUITE_TITLES, Report, Row
 
+KEPT = "<!-- Sections below come from other commands; `attnfuse bench --markdown` keeps them. -->"
 RATIOS = {"flex": "flex / AttnFuse", "cudnn": "cuDNN / AttnFuse"}
 EXPLANATION = ("Each row runs every contender in one process on the same inputs. TFLOP/s count only the (query, "
                "key) pairs a variant keeps (4·B·Hq·pairs·D forward, 3.5× that for forward+backward); decoding "
@@ -70,9 +71,10 @@ def title(meta: dict[str, str]) -> str:
             f"Python {meta['python']} · bf16, median ms")
 
 
-def markdown_page(report: Report, plot: str | None = None, page: str | None = None) -> str:
+def markdown_page(report: Report, plot: str | None = None, page: str | None = None, kept: str = "") -> str:
     """The benchmark page: its title and run, one section per suite, and the plot (a path, linked
-    relative to where the page is written, ``page``)."""
+    relative to where the page is written, ``page``); then ``kept``, the sections of other commands (from the
+    line ``KEPT`` of the page written before, see ``kept_sections``)."""
     meta = report.meta
     lines = [f"# Benchmarks: {meta['gpu']}, {meta['date']}", "",
              f"{meta['gpu']} · torch {meta['torch']} · triton {meta['triton']} · Python {meta['python']} · "
@@ -90,4 +92,15 @@ def markdown_page(report: Report, plot: str | None = None, page: str | None = No
         lines.append("")
     if report.failures:
         lines += ["## Failed cases", "", *(f"- {failure}" for failure in report.failures), ""]
-    return "\n".join(lines)
+    return "\n".join(lines) + (f"\n{kept}" if kept else "")
+
+
+def kept_sections(page: str) -> str:
+    """What the existing page at path ``page`` holds from its ``KEPT`` line on ("" if none)."""
+    try:
+        with open(page) as f:
+            text = f.read()
+    except FileNotFoundError:
+        return ""
+    start = text.find(KEPT)
+    return text[start:] if start >= 0 else ""

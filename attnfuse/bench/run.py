@@ -64,8 +64,9 @@ def save(args: argparse.Namespace, result: Report) -> None:
 
         plotted = plot(result.rows, args.plot, report.title(result.meta)) > 0
     if args.markdown:
+        kept = report.kept_sections(args.markdown)
         with open(args.markdown, "w") as f:
-            f.write(report.markdown_page(result, args.plot if plotted else None, args.markdown))
+            f.write(report.markdown_page(result, args.plot if plotted else None, args.markdown, kept))
 
 
 def run(args: argparse.Namespace, meta: dict[str, str], out: TextIO) -> Report:
