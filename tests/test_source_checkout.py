@@ -1,8 +1,8 @@
 """The built-ins without installed entry points: a source tree on PYTHONPATH, never ``pip install``-ed (issue 14).
 
 The subprocess tests run ``python -S`` (no site-packages, so no attnfuse distribution and no editable finder)
-with PYTHONPATH = a copy of the source tree, then a folder linking every installed package except attnfuse's
-own and its plugins' (torch, triton, pluggy, attrs, ...).
+with PYTHONPATH = a copy of the source tree, then a folder linking every package of the site folders except
+attnfuse's own and its plugins' (torch, triton, pluggy, attrs, ...).
 """
 from __future__ import annotations
 
@@ -11,7 +11,6 @@ import os
 import shutil
 import subprocess
 import sys
-import sysconfig
 import textwrap
 from pathlib import Path
 
@@ -48,7 +47,8 @@ def test_installed_builtins_are_the_entry_points_registered_once():
 def site_without_attnfuse(tmp_path_factory) -> Path:
     """A folder linking every installed top-level package and distribution except attnfuse's and its plugins'."""
     site = tmp_path_factory.mktemp("site")
-    for folder in dict.fromkeys(Path(sysconfig.get_paths()[key]) for key in ("purelib", "platlib")):
+    folders = [Path(p) for p in sys.path if p and Path(p).name in ("site-packages", "dist-packages")]
+    for folder in dict.fromkeys(f for f in folders if f.is_dir()):  # in sys.path order: the first one wins
         for entry in folder.iterdir():
             name = entry.name.lower()
             if not (name.startswith(("attnfuse", "__editable__")) or (site / entry.name).exists()):
