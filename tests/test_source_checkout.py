@@ -7,6 +7,7 @@ attnfuse's own and its plugins' (torch, triton, pluggy, attrs, ...).
 from __future__ import annotations
 
 import importlib.metadata
+import json
 import os
 import shutil
 import subprocess
@@ -107,8 +108,6 @@ CHECK_PROGRAM = textwrap.dedent("""
 
 
 def test_a_program_runs_from_a_source_tree(tmp_path, site_without_attnfuse):
-    import json
-
     tree = source_tree(tmp_path / "clone")
     done = run_from(tree, site_without_attnfuse, "-c", CHECK_PROGRAM)
     assert done.returncode == 0, done.stderr
