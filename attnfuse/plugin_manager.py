@@ -1,8 +1,9 @@
 """The plugin manager: finds plugins through the ``attnfuse`` entry points and collects their combinators.
 
 Order, as in pytest and tox: add the hookspecs, load the entry points (the built-ins are entry points of
-the ``attnfuse`` distribution itself), check for hook implementations no hookspec knows. Setting
-``ATTNFUSE_DISABLE_PLUGIN_AUTOLOAD=1`` loads the built-ins only.
+the ``attnfuse`` distribution itself), load the built-ins no entry point named (a source checkout run
+without ``pip install``; see ``builtin_plugins``), check for hook implementations no hookspec knows.
+Setting ``ATTNFUSE_DISABLE_PLUGIN_AUTOLOAD=1`` loads the built-ins only.
 
 An installed plugin that fails (its import raises, its hook raises or returns something other than valid
 combinators) is reported with a warning, listed by ``broken_plugins()`` and skipped: the rest keep working.
@@ -10,6 +11,7 @@ A plugin registered from code (``register_plugin``) that fails is refused with a
 """
 from __future__ import annotations
 
+import functools
 import importlib.metadata
 import os
 import threading
@@ -20,7 +22,7 @@ import attrs
 import pluggy
 from attrs import frozen
 
-from . import hookspecs
+from . import builtin_plugins, hookspecs
 from .combinator import Combinator
 from .errors import PluginError
 from .fragment_lint import lint
@@ -75,28 +77,39 @@ def plugin_manager() -> pluggy.PluginManager:
             pm = pluggy.PluginManager(NAME)
             pm.add_hookspecs(hookspecs)
             skip_third_party = _autoload_disabled()
+            named: set[str] = set()
             for ep in importlib.metadata.entry_points(group=NAME):
                 dist = ep.dist.name if ep.dist is not None else "unknown"
                 if skip_third_party and dist != BUILTIN_DISTRIBUTION:
                     continue
                 name = f"{dist}:{ep.name}"
-                if pm.has_plugin(name):  # the same distribution seen twice on sys.path
-                    continue
-                try:
-                    plugin = ep.load()
-                except Exception as exc:
-                    _load_failures.append(BrokenPlugin(name, dist, f"plugin {name!r} of distribution {dist!r}: "
-                                                                   f"failed to import {ep.value}: "
-                                                                   f"{type(exc).__name__}: {exc}"))
-                    continue
-                pm.register(plugin, name=name)
-                _distributions[name] = dist
+                if name not in named:  # once, though a distribution may be seen twice on sys.path
+                    named.add(name)
+                    _load(pm, name, dist, ep.value, ep.load)
+            missing = [m for m in builtin_plugins.MODULES if f"{BUILTIN_DISTRIBUTION}:{m}" not in named]
+            if missing:
+                builtin_plugins.package()  # a PluginError saying what to install when there is none
+            for module in missing:
+                _load(pm, f"{BUILTIN_DISTRIBUTION}:{module}", BUILTIN_DISTRIBUTION,
+                      f"{builtin_plugins.PACKAGE}.{module}", functools.partial(builtin_plugins.load, module))
             try:
                 pm.check_pending()
             except pluggy.PluginValidationError as exc:
                 raise PluginError(f"a plugin implements a hook attnfuse does not know: {exc}") from exc
             _manager = pm
         return _manager
+
+
+def _load(pm: pluggy.PluginManager, name: str, dist: str, target: str, load) -> None:
+    """Import one plugin (``load()``) and register it as ``name``; a failure is kept as a broken plugin."""
+    try:
+        plugin = load()
+    except Exception as exc:
+        _load_failures.append(BrokenPlugin(name, dist, f"plugin {name!r} of distribution {dist!r}: failed to "
+                                                       f"import {target}: {type(exc).__name__}: {exc}"))
+        return
+    pm.register(plugin, name=name)
+    _distributions[name] = dist
 
 
 def register_plugin(plugin: Any, name: str | None = None) -> None:
@@ -192,8 +205,8 @@ def _collect(pm: pluggy.PluginManager) -> tuple[dict[str, Registered], list[Brok
                     f"uninstall one, or set {DISABLE_AUTOLOAD_ENV}=1 to load the built-ins only")
             found[comb.name] = Registered(comb, dist, plugin_name)
     if not any(r.distribution == BUILTIN_DISTRIBUTION for r in found.values()):
-        raise PluginError("no built-in combinators found: attnfuse's entry points are missing. Install the "
-                          "package (pip install -e .) rather than importing it from a source tree.")
+        causes = "; ".join(b.cause for b in broken if b.distribution == BUILTIN_DISTRIBUTION)
+        raise PluginError(f"no built-in combinators could be loaded: {causes or 'none is registered'}")
     return found, broken
 
 

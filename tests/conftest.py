@@ -1,5 +1,8 @@
 """Shared test settings: the kernel cache in a temporary directory, a seed per test, Hypothesis failures that
-print their replay blob, the device tests run on, and how many examples the fuzzers draw."""
+print their replay blob, the device tests run on, and how many examples the fuzzers draw.
+
+Under pytest-xdist (``-n 2``) every worker is its own process with its own session: its own kernel cache
+directory, named after the worker, and the same seed for a test whichever worker runs it."""
 import os
 import random
 import shutil
@@ -17,9 +20,15 @@ settings.register_profile("attnfuse", print_blob=True)
 settings.load_profile("attnfuse")
 
 
+def worker_id() -> str:
+    """The pytest-xdist worker running this process ("gw0", "gw1", ...), or "main" without xdist."""
+    return os.environ.get("PYTEST_XDIST_WORKER", "main")
+
+
 def pytest_configure(config):
-    """Generated kernels go to a fresh temporary directory for the session, never the user's ~/.cache."""
-    config._attnfuse_cache = tempfile.mkdtemp(prefix="attnfuse-test-kernels-")
+    """Generated kernels go to a fresh temporary directory for the session (one per xdist worker), never the
+    user's ~/.cache."""
+    config._attnfuse_cache = tempfile.mkdtemp(prefix=f"attnfuse-test-kernels-{worker_id()}-")
     os.environ["ATTNFUSE_CACHE_DIR"] = config._attnfuse_cache
 
 

@@ -1,0 +1,159 @@
+"""``attnfuse show``: a program's IR, kernel and tile configuration, and its generated Triton source."""
+from __future__ import annotations
+
+import argparse
+import importlib
+import inspect
+import os
+import re
+import sys
+from typing import TextIO
+
+from .common import CLIError, first_line
+
+
+def default_arch() -> str:
+    """The local GPU's "sm<major><minor>" ("sm90" on an H100/H200), or "interpreter" without one."""
+    import torch
+
+    try:
+        if torch.cuda.is_available():
+            major, minor = torch.cuda.get_device_capability()
+            return f"sm{major}{minor}"
+    except Exception:  # a broken driver is no reason not to show a kernel
+        pass
+    return "interpreter"
+
+
+def _arch(value: str) -> str:
+    if value == "interpreter" or re.fullmatch(r"sm\d{2,3}a?", value):
+        return value
+    raise argparse.ArgumentTypeError(f"invalid arch {value!r}: use 'interpreter' or 'sm<major><minor>' "
+                                     f"such as sm90 or sm80")
+
+
+def _positive_int(value: str) -> int:
+    try:
+        number = int(value)
+    except ValueError:
+        number = 0
+    if number < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value!r}")
+    return number
+
+
+def resolve_program(spec: str):
+    """An example name, or ``module:attribute`` naming an AttentionProgram."""
+    from ..examples import EXAMPLES
+    from ..program import AttentionProgram
+
+    if spec in EXAMPLES:
+        return EXAMPLES[spec], f"attnfuse.examples:{spec}"
+    if ":" not in spec:
+        raise CLIError(f"unknown example {spec!r}; examples: {', '.join(EXAMPLES)} "
+                       f"(or name a program as module:attribute)")
+    module_name, _, attribute = spec.partition(":")
+    if not module_name or not attribute:
+        raise CLIError(f"{spec!r}: expected module:attribute, e.g. mypackage.models:my_attention")
+    added = os.getcwd() not in sys.path  # as `python -m` would, find modules in the current directory
+    if added:
+        sys.path.insert(0, os.getcwd())
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as exc:
+        raise CLIError(f"cannot import module {module_name!r}: {type(exc).__name__}: {exc}") from exc
+    finally:
+        if added and os.getcwd() in sys.path:
+            sys.path.remove(os.getcwd())
+    value = module
+    for part in attribute.split("."):
+        if not hasattr(value, part):
+            raise CLIError(f"module {module_name!r} has no attribute {attribute!r}")
+        value = getattr(value, part)
+    if not isinstance(value, AttentionProgram):
+        raise CLIError(f"{spec} is a {type(value).__name__}, not an AttentionProgram; decorate the function "
+                       f"with @af.attention")
+    return value, spec
+
+
+def _check_showable(program, spec: str) -> None:
+    params = list(inspect.signature(program.fn).parameters.values())[3:]
+    missing = [p.name for p in params if p.default is inspect.Parameter.empty]
+    if missing:
+        raise CLIError(f"{spec} takes extra argument(s) {', '.join(missing)} with no default; `show` needs a "
+                       f"program whose extra arguments have defaults (it traces the program with them)")
+
+
+def cmd_show(args: argparse.Namespace, out: TextIO) -> int:
+    import attrs
+
+    from .. import ir
+    from ..passes.lower import KernelConfig, fragment_of
+    from ..runtime.inputs import MAX_HEAD_DIM
+    from ..runtime.launch import compile_forward, compiled_kernel
+
+    program, spec = resolve_program(args.program)
+    _check_showable(program, spec)
+    graph = program.graph()
+    arch = args.arch or default_arch()
+    dtype = args.dtype or ("float32" if arch == "interpreter" else "bfloat16")
+    head_dim_v = args.head_dim_v or args.head_dim
+    for name, dim in (("--head-dim", args.head_dim), ("--head-dim-v", head_dim_v)):
+        if dim > MAX_HEAD_DIM:
+            raise CLIError(f"{name} must be at most {MAX_HEAD_DIM}, got {dim}")
+    if args.lse and not fragment_of(graph.weights.apply).has_lse:
+        raise CLIError(f"--lse needs a normaliser with a log-sum-exp; {graph.weights.apply.combinator} has none "
+                       f"(softmax has)")
+    training = args.kernel in ("dkdv", "dq")
+    config = KernelConfig(arch=arch, dtype=dtype, head_dim=args.head_dim, head_dim_v=head_dim_v, group=args.group,
+                          save_lse=args.lse or (training and fragment_of(graph.weights.apply).has_lse),
+                          fp32_precision="ieee")
+    kernel = compiled_kernel(graph, config, args.kernel)
+    if args.path_only:
+        print(kernel.path, file=out)
+        return 0
+    if args.source_only:
+        out.write(kernel.source if kernel.source.endswith("\n") else kernel.source + "\n")
+        return 0
+    tiled = compile_forward(graph, config).tiled
+    doc = first_line(program.fn.__doc__ or "")
+    listing = ir.render(graph)
+    print(f"# program    {spec}" + (f"  ({doc})" if doc else ""), file=out)
+    print("# IR", file=out)
+    for line in listing.splitlines():
+        print(f"    {line}", file=out)
+    if ir.signature(graph) not in listing:
+        print(f"    signature {ir.signature(graph)}", file=out)
+    print("# kernel     " + " ".join(f"{k}={v}" for k, v in attrs.asdict(config).items()), file=out)
+    tiles = " ".join(f"{k}={v}" for k, v in attrs.asdict(kernel.tiles).items())
+    print(f"# tiles      {tiles} block_d={tiled.block_d} block_dv={tiled.block_dv}", file=out)
+    print(f"# name       {kernel.name}", file=out)
+    print(f"# path       {kernel.path}", file=out)
+    print("# source", file=out)
+    out.write(kernel.source if kernel.source.endswith("\n") else kernel.source + "\n")
+    return 0
+
+
+
+def add_parser(sub) -> None:
+    """Add ``show`` to the command's subparsers."""
+    p = sub.add_parser("show", help="show a program's IR, kernel configuration and generated Triton source",
+                       description="Show a program's IR, signature, kernel and tile configuration, and the "
+                                   "generated Triton source (no tensors needed).")
+    p.add_argument("program", metavar="PROGRAM",
+                   help="an example name (llama, gpt2, mistral, alibi, relu) or module:attribute")
+    p.add_argument("--dtype", choices=("float16", "bfloat16", "float32"),
+                   help="input dtype (default: bfloat16 on a GPU arch, float32 for the interpreter)")
+    p.add_argument("--head-dim", type=_positive_int, default=128, metavar="D", help="head dim of q and k (128)")
+    p.add_argument("--head-dim-v", type=_positive_int, metavar="DV", help="head dim of v (default: D)")
+    p.add_argument("--group", type=_positive_int, default=1, metavar="G", help="Hq // Hkv (1)")
+    p.add_argument("--arch", type=_arch, metavar="ARCH",
+                   help="interpreter, sm90, sm80, ... (default: the local GPU's, else interpreter)")
+    p.add_argument("--lse", action="store_true", help="a kernel that also writes the log-sum-exp")
+    p.add_argument("--kernel", choices=("forward", "decode", "dkdv", "dq", "transform"), default="forward",
+                   help="which generated kernel: the forward (default), the split-KV decoding kernel, the "
+                        "backward's dK/dV or dQ kernel, or the transform pass (q and k rows' qk transforms, hoisted)")
+    only = p.add_mutually_exclusive_group()
+    only.add_argument("--source-only", action="store_true", help="print the generated source alone")
+    only.add_argument("--path-only", action="store_true", help="print the cached source file's path alone")
+    p.set_defaults(func=cmd_show)
