@@ -5,7 +5,8 @@
 #   attnfuse_plugins/ of an earlier commit, with this tree's attnfuse/bench copied in:
 #   `bash scripts/base_tree.sh REV`, then carry .base), for before/after tables from one call.
 # Knobs: HF_ARGS (see benchmarks/hf_layer.py), TESTS (pytest paths), MAXFAIL (failures before pytest stops; 1), FUZZ (examples per combinator), SWEEP_CASES / SWEEP_KERNEL (see
-# benchmarks/sweep_tiles.py), BENCH_ARGS (see `attnfuse bench --help`), STEP_TIMEOUT (seconds
+# benchmarks/sweep_tiles.py), BENCH_ARGS (see `attnfuse bench --help`), BENCH_NAME (the
+# files' name under $OUT; bench), BENCH_PLOT (set: draw the plot), STEP_TIMEOUT (seconds
 # per step, so one step cannot use up the device call; 0, the default, is none).
 set -uo pipefail
 OUT=${OUT:-/tmp/attnfuse-out}
@@ -27,8 +28,9 @@ for step in "$@"; do
       (cd benchmarks && timeout "${STEP_TIMEOUT:-0}" python3 sweep_tiles.py --kernel "${SWEEP_KERNEL:-forward}" ${SWEEP_CASES:+--cases $SWEEP_CASES}) \
         2>&1 | tee "$OUT/sweep.log" | grep -E "BEST|failed|Error" ;;
     bench)
-      timeout "${STEP_TIMEOUT:-0}" python3 -m attnfuse.cli bench ${BENCH_ARGS:-} --markdown "$OUT/bench.md" \
-        --json "$OUT/bench.json" --plot "$OUT/bench.png" 2>&1 | tee "$OUT/bench.log" ;;
+      name=${BENCH_NAME:-bench}
+      timeout "${STEP_TIMEOUT:-0}" python3 -m attnfuse.cli bench ${BENCH_ARGS:-} --markdown "$OUT/$name.md" \
+        --json "$OUT/$name.json" ${BENCH_PLOT:+--plot "$OUT/$name.png"} 2>&1 | tee "$OUT/$name.log" ;;
     bench_base)
       # python -m attnfuse.bench: the old tree's attnfuse.cli has no bench command; third-party plugins
       # (contrib/) may need the new API, so the old tree loads its built-ins only
