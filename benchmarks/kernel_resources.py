@@ -21,7 +21,6 @@ from triton.compiler import ASTSource
 
 from attnfuse.cli import resolve_program
 from attnfuse.passes.lower import KernelConfig, fragment_of
-from attnfuse.plugin_manager import lookup
 from attnfuse.runtime.forward import constexprs
 from attnfuse.runtime.hoisted import transformed_sides
 from attnfuse.runtime.launch import KERNEL_KINDS, compile_forward, compiled_kernel
@@ -58,7 +57,7 @@ def report(kernel, tiled, tiles: tuple[int, int, int, int], dtype: str) -> str:
     block_m, block_n, warps, stages = tiles
     fn = kernel._kernel.fn
     tensors = {f"{inst.prefix}_{t.name}": t.rank for inst in tiled.instances()
-               for t in lookup(inst.apply.combinator).tensors}
+               for t in inst.apply.declaration.tensors}
     types, values, attributes = signature(fn, tensors, dtype)
     values.update(constexprs(tiled), BLOCK_M=block_m, BLOCK_N=block_n)
     values.update({name: True for name in ("EVEN_K", "EVEN_M") if name in fn.arg_names})

@@ -18,7 +18,6 @@ from .. import ir
 from ..combinator import INPUT, BlockList, MaskFragment, NormaliserFragment, QKTransformFragment, Role, ScoreModFragment
 from ..errors import InputError
 from ..fragment_lint import lint
-from ..plugin_manager import combinators, lookup
 from .fuse import FusedProgram
 from .tile import TileConfig, choose_tiles
 
@@ -141,12 +140,12 @@ def _check_placeholders(combinator: str, value: Any, allowed: frozenset = frozen
 def fragment_of(app: ir.Apply) -> Any:
     """The fragment of one application, before substitution (a fragment function gets its parameters:
     static values, and ``INPUT`` for each runtime input given)."""
-    return lookup(app.combinator).fragment_for({n: INPUT if isinstance(v, ir.TensorSym) else v for n, v in app.params})
+    return app.declaration.fragment_for({n: INPUT if isinstance(v, ir.TensorSym) else v for n, v in app.params})
 
 
 def instance(app: ir.Apply, index: int) -> Instance:
     """Resolve one application: ``$param`` -> literal, ``$tensor``/``$tensor_s<i>``/``$scalar`` -> argument."""
-    comb = lookup(app.combinator)
+    comb = app.declaration
     prefix = f"{comb.name}_{index}"
     mapping: dict[str, str] = {name: repr(value) for name, value in app.static().items()}
     mapping["self"] = prefix
@@ -161,7 +160,7 @@ def instance(app: ir.Apply, index: int) -> Instance:
         args.append(f"{prefix}_{sc.name}")
     fragment = fragment_of(app)
     if not attrs.has(type(comb.fragment)):  # a fragment function's result: checked as registration checks
-        lint(comb, fragment, combinators()[comb.name].distribution)
+        lint(comb, fragment, app.record.distribution)
     fragment = _resolve(fragment, mapping)
     _check_placeholders(comb.name, fragment)
     return Instance(prefix=prefix, apply=app, role=comb.role, fragment=fragment, args=tuple(args))

@@ -9,7 +9,6 @@ from attrs import frozen
 
 from ..errors import InputError, PluginError
 from ..passes.lower import KernelConfig, TiledKernel
-from ..plugin_manager import lookup
 from .offsets import rows_fit
 
 DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32", torch.float64: "float64"}
@@ -225,7 +224,7 @@ class PluginArgs:
     """The kernel arguments the plugins of one tiled kernel give through ``prepare``."""
 
     def __init__(self, tiled: TiledKernel):
-        self._plugins = tuple((inst, lookup(inst.apply.combinator)) for inst in tiled.instances() if inst.args)
+        self._plugins = tuple((inst, inst.apply.declaration) for inst in tiled.instances() if inst.args)
         listing = next((m.fragment.block_list for m in tiled.masks if m.fragment.block_list is not None), None)
         self._limit = listing and listing.size
         self._split = listing and listing.q_split
