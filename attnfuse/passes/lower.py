@@ -1,4 +1,4 @@
-"""Pass 3, lower: a fused program plus a launch configuration -> a flat ``TiledKernel`` record.
+"""Pass 3, lower: a fused program plus a launch configuration -> a flat ``LoweredProgram`` record.
 
 The record holds every constant codegen needs; fragments come out with their parameters substituted,
 leaving only the template's own placeholders (``$x``, ``$pos``, ``$q_lo`` ...).
@@ -19,6 +19,7 @@ from ..combinator import INPUT, BlockList, MaskFragment, NormaliserFragment, QKT
 from ..errors import InputError
 from ..fragment_lint import lint
 from .fuse import FusedProgram
+from .launch_spec import SCALAR, STRIDE, TENSOR, Param, indexed_stride_names
 from .tile import TileConfig, choose_tiles
 
 
@@ -43,13 +44,14 @@ class KernelConfig:
 
 @frozen(kw_only=True)
 class Instance:
-    """One combinator application, ready to splice: resolved fragment text and its kernel arguments."""
+    """One combinator application, ready to splice: resolved fragment text and its kernel parameters
+    (each tensor ``prepare`` gives, then its strides; then each scalar, in declaration order)."""
 
     prefix: str
     apply: ir.Apply
     role: Role
     fragment: Any
-    args: tuple[str, ...]
+    args: tuple[Param, ...]
 
     def code(self, text: str, **site: str) -> str:
         """Fragment text with the template's placeholders for this site filled in."""
@@ -61,18 +63,20 @@ class Instance:
                              f"{', '.join('$' + s for s in site) or 'nothing else'}") from None
 
 
-@frozen(kw_only=True)
-class TiledKernel:
-    """Everything codegen needs, flat."""
+TILED_KERNELS = ("forward", "dkdv", "dq", "decode")  # the kernels the tile table has entries for
 
-    name: str
+
+@frozen(kw_only=True)
+class LoweredProgram:
+    """A fused program for one configuration, flat: everything codegen needs to write its kernels.
+
+    ``tiles``: by kernel (``TILED_KERNELS``); the split-KV kernel's BLOCK_M is the most rows of a program.
+    """
+
     signature: str
     listing: str
     config: KernelConfig
-    tiles: TileConfig       # forward
-    tiles_dkdv: TileConfig  # backward, dK/dV
-    tiles_dq: TileConfig    # backward, dQ
-    tiles_decode: TileConfig  # split-KV decoding (BLOCK_M: the most rows of a program)
+    tiles: dict[str, TileConfig]
     block_d: int
     block_dv: int
     block_h: int        # width of each half of the head dim, when qk transforms split it
@@ -86,7 +90,8 @@ class TiledKernel:
     def instances(self) -> tuple[Instance, ...]:
         return (*self.transforms, *self.mods, *self.masks, self.normaliser)
 
-    def args(self) -> tuple[str, ...]:
+    def args(self) -> tuple[Param, ...]:
+        """The plugins' kernel parameters, in the order the kernels take them."""
         return tuple(a for inst in self.instances() for a in inst.args)
 
 
@@ -149,15 +154,15 @@ def instance(app: ir.Apply, index: int) -> Instance:
     prefix = f"{comb.name}_{index}"
     mapping: dict[str, str] = {name: repr(value) for name, value in app.static().items()}
     mapping["self"] = prefix
-    args: list[str] = []
+    args: list[Param] = []
     for t in comb.tensors:
-        names = [f"{prefix}_{t.name}"] + [f"{prefix}_{t.name}_s{i}" for i in range(t.rank)]
+        names = [f"{prefix}_{t.name}", *indexed_stride_names(f"{prefix}_{t.name}", t.rank)]
         mapping[t.name] = names[0]
         mapping.update({f"{t.name}_s{i}": n for i, n in enumerate(names[1:])})
-        args += names
+        args += [Param(names[0], TENSOR), *(Param(n, STRIDE) for n in names[1:])]
     for sc in comb.scalars:
         mapping[sc.name] = f"{prefix}_{sc.name}"
-        args.append(f"{prefix}_{sc.name}")
+        args.append(Param(f"{prefix}_{sc.name}", SCALAR))
     fragment = fragment_of(app)
     if not attrs.has(type(comb.fragment)):  # a fragment function's result: checked as registration checks
         lint(comb, fragment, app.record.distribution)
@@ -187,7 +192,7 @@ def _variant(transforms: list[Instance], masks: tuple[Instance, ...]) -> str:
     return "masked" if any(m.fragment.kv_range is not None for m in masks) else "dense"
 
 
-def lower(fused: FusedProgram, config: KernelConfig, listing: str = "") -> TiledKernel:
+def lower(fused: FusedProgram, config: KernelConfig, listing: str = "") -> LoweredProgram:
     """Flatten a fused program for one configuration."""
     counter = iter(range(1_000_000))
 
@@ -207,16 +212,13 @@ def lower(fused: FusedProgram, config: KernelConfig, listing: str = "") -> Tiled
     block_d = _block(config.head_dim)
     block_dv = _block(config.head_dim_v)
     variant, widest = _variant(transforms, masks), max(block_d, block_dv)
-    tiles = {kind: choose_tiles(config.arch, variant, widest, kind) for kind in ("forward", "dkdv", "dq", "decode")}
+    tiles = {kind: choose_tiles(config.arch, variant, widest, kind) for kind in TILED_KERNELS}
     scale = fused.source.static()["scale"]
     scale = 1.0 / math.sqrt(config.head_dim) if scale is None else float(scale)
-    return TiledKernel(
-        name=f"attnfuse_fwd_{fused.signature[:12]}", signature=fused.signature, listing=listing,
-        config=config, tiles=tiles["forward"], tiles_dkdv=tiles["dkdv"], tiles_dq=tiles["dq"],
-        tiles_decode=tiles["decode"], block_d=block_d,
-        block_dv=block_dv, block_h=_block(config.head_dim // 2),
-        scale=scale, score_factor=normaliser.fragment.score_factor, transforms=tuple(transforms), mods=mods,
-        masks=masks, normaliser=normaliser)
+    return LoweredProgram(
+        signature=fused.signature, listing=listing, config=config, tiles=tiles, block_d=block_d, block_dv=block_dv,
+        block_h=_block(config.head_dim // 2), scale=scale, score_factor=normaliser.fragment.score_factor,
+        transforms=tuple(transforms), mods=mods, masks=masks, normaliser=normaliser)
 
 
 def _one_listing(masks: tuple[Instance, ...]) -> tuple[Instance, ...]:

@@ -23,7 +23,7 @@ from ..errors import InputError
 from ..passes.lower import fragment_of
 from .call_spec import (MASK_TENSORS, CallSpec, flatten_inputs, key_of, plain_tensors, spec_of, tensor_names,
                         unflatten_inputs)
-from .hoisted import HoistedBackward, HoistedForward, hoisted_sides, worth_hoisting
+from .hoisted import HoistedBackward, HoistedForward, worth_hoisting
 from .inputs import accumulator_dtype, check_cache, empty_like_layout, kernel_config, kv_cache
 from .launch import compile_backward, compile_forward, compile_hoisted_backward, planned, run_attention
 from .offsets import inputs_fit
@@ -48,10 +48,10 @@ def _differentiable_plan(spec: CallSpec, q, k, v, kv_lens, block_table, values):
     """The forward and backward kernels of a differentiable call (raising as ``run_attention`` does)."""
     forward, _, backward = planned(spec.graph, q, k, v, kv_lens, block_table, spec.save_lse, True, False,
                                    bool(values) and not inputs_fit(values))
-    tensor_grads = _tensor_grads(spec, forward.tiled) if spec.grads else ()
+    tensor_grads = _tensor_grads(spec, forward.plan.lowered) if spec.grads else ()
     if tensor_grads:
         compile_ = compile_hoisted_backward if isinstance(forward, HoistedForward) else compile_backward
-        backward = compile_(spec.graph, forward.tiled.config, tensor_grads)
+        backward = compile_(spec.graph, forward.plan.config, tensor_grads)
     return forward, backward
 
 
@@ -105,7 +105,7 @@ def _attention_fake(key, q, k, v, kv_lens, block_table, inputs):
         forward = compile_forward(spec.graph, config)
         if worth_hoisting(forward, q.shape[2]):
             rows = {"q": q, "k": k}
-            copies = [empty_like_layout(rows[x], rows[x].shape[3], rows[x].dtype) for x in hoisted_sides(forward.tiled)]
+            copies = [empty_like_layout(rows[x], rows[x].shape[3], rows[x].dtype) for x in forward.plan.transform.sides]
     return out, lse, copies
 
 

@@ -8,7 +8,7 @@ import torch
 from attrs import frozen
 
 from ..errors import InputError, PluginError
-from ..passes.lower import KernelConfig, TiledKernel
+from ..passes.lower import KernelConfig, LoweredProgram
 from .offsets import rows_fit
 
 DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32", torch.float64: "float64"}
@@ -180,14 +180,15 @@ def _rows_fit(q: torch.Tensor, kv: KVCache) -> bool:
     return all(rows_fit(t) for t in (q, kv.k, kv.v, *(empty_like_layout(m, width, m.dtype) for m in metas)))
 
 
-def kv_launch_args(kv: KVCache) -> tuple:
-    """The kernel arguments after ``N_K``: lengths, then a paged cache's block table, page size and
-    number of pages."""
-    args: tuple = (kv.capacity,)
+def kv_launch_args(kv: KVCache) -> dict[str, Any]:
+    """The kernel arguments of the cache by name: its capacity ``N_K``, lengths, and a paged cache's block
+    table, page size and number of pages."""
+    args: dict[str, Any] = {"N_K": kv.capacity}
     if kv.lens is not None:
-        args += (kv.lens,)
+        args["KvLens"] = kv.lens
     if kv.block_table is not None:
-        args += (kv.block_table, *kv.block_table.stride(), kv.page_size, kv.k.shape[0])
+        args.update(BlockTable=kv.block_table, stride_btb=kv.block_table.stride(0),
+                    stride_btp=kv.block_table.stride(1), PAGE_SIZE=kv.page_size, NUM_PAGES=kv.k.shape[0])
     return args
 
 
@@ -211,21 +212,22 @@ def empty_like_layout(t: torch.Tensor, last_dim: int, dtype: torch.dtype) -> tor
 
 
 class Prepared(NamedTuple):
-    """What the plugins of one call give: the kernel arguments (each tensor with its strides, then each
-    scalar); the largest tile a block-listing mask allows (its block size) or None; and how many of its
+    """What the plugins of one call give: the kernel arguments by parameter name (each tensor, its strides,
+    each scalar); the largest tile a block-listing mask allows (its block size) or None; and how many of its
     heavy key blocks the dK/dV kernel splits over a GQA group's query heads (``BlockList.q_split``)."""
 
-    args: list
+    args: dict[str, Any]
     limit: int | None
     heavy: int
 
 
 class PluginArgs:
-    """The kernel arguments the plugins of one tiled kernel give through ``prepare``."""
+    """The kernel arguments the plugins of one lowered program give through ``prepare``."""
 
-    def __init__(self, tiled: TiledKernel):
-        self._plugins = tuple((inst, inst.apply.declaration) for inst in tiled.instances() if inst.args)
-        listing = next((m.fragment.block_list for m in tiled.masks if m.fragment.block_list is not None), None)
+    def __init__(self, lowered: LoweredProgram):
+        self._plugins = tuple((inst, inst.apply.declaration) for inst in lowered.instances() if inst.args)
+        self._names = tuple(p.name for p in lowered.args())
+        listing = next((m.fragment.block_list for m in lowered.masks if m.fragment.block_list is not None), None)
         self._limit = listing and listing.size
         self._split = listing and listing.q_split
 
@@ -247,5 +249,5 @@ class PluginArgs:
             for sc in comb.scalars:
                 args.append(prepared[sc.name])
                 scalars[f"{inst.prefix}_{sc.name}"] = prepared[sc.name]
-        return Prepared(args, None if self._limit is None else int(scalars[self._limit]),
+        return Prepared(dict(zip(self._names, args, strict=True)), None if self._limit is None else int(scalars[self._limit]),
                         int(scalars[self._split]) if self._split else 0)

@@ -1,0 +1,100 @@
+"""The compiler's Plan: every kernel's launch spec is the parameter list of its ``def`` line, and binding
+checks argument names."""
+import ast
+
+import attrs
+import pytest
+import torch
+
+import attnfuse as af
+from attnfuse.passes.launch_spec import CONSTEXPR
+from attnfuse.passes.lower import KernelConfig
+from attnfuse.passes.plan import build_plan
+
+
+@af.attention
+def llama(q, k, v):
+    return af.softmax(af.causal(af.rope(q, k))) @ v
+
+
+@af.attention
+def alibi_window(q, k, v):
+    return af.softmax(af.alibi(af.sliding_window(af.scaled_dot_product(q, k), 20, 5))) @ v
+
+
+@af.attention
+def sparse(q, k, v, block_mask):
+    return af.softmax(af.block_sparse(af.scaled_dot_product(q, k), block_mask)) @ v
+
+
+@af.attention
+def biased(q, k, v, bias):
+    return af.softmax(af.additive_bias(af.scaled_dot_product(q, k), bias)) @ v
+
+
+BASE = KernelConfig(arch="interpreter", dtype="float32", head_dim=32, head_dim_v=32, group=1, save_lse=True,
+                    fp32_precision="ieee")
+CONFIGS = [BASE, attrs.evolve(BASE, group=2, wide_offsets=True), attrs.evolve(BASE, kv_lens=True, paged=True),
+           attrs.evolve(BASE, dtype="float64", head_dim=24, q_transformed=True, k_transformed=True)]
+
+
+def _graph(program):
+    """The program's graph (a runtime input's value does not matter to the trace)."""
+    return program.graph(*(torch.empty(0) for _ in program._extra))
+
+
+def _def_line(source: str, name: str) -> list[tuple[str, bool]]:
+    """The parameters of function ``name`` in ``source``: (name, annotated tl.constexpr)."""
+    [fn] = [node for node in ast.parse(source).body if isinstance(node, ast.FunctionDef) and node.name == name]
+    return [(a.arg, a.annotation is not None and ast.unparse(a.annotation) == "tl.constexpr") for a in fn.args.args]
+
+
+def _specs(plan):
+    grads = tuple((m, name) for m in plan.lowered.mods for name, _ in m.fragment.tensor_grads)
+    specs = [plan.forward, plan.decode, plan.dkdv, plan.dq(), plan.dq(grads), plan.transform, plan.gradient]
+    return [s for s in specs if s is not None]
+
+
+@pytest.mark.parametrize("program", [llama, alibi_window, sparse, biased], ids=lambda p: p.fn.__name__)
+@pytest.mark.parametrize("config", CONFIGS, ids=["plain", "gqa-wide", "paged", "float64-transformed"])
+def test_launch_spec_is_the_def_line(program, config):
+    plan = build_plan(_graph(program), config)
+    kinds = {s.kind for s in _specs(plan)}
+    assert kinds >= {"forward", "decode", "dkdv", "dq"}
+    if program is llama and not (config.kv_lens or config.k_transformed):
+        assert {"transform", "gradient"} <= kinds
+    for spec in _specs(plan):
+        assert spec.name == f"attnfuse_{ {'forward': 'fwd', 'transform': 'transformpass', 'gradient': 'gradpass'}.get(spec.kind, spec.kind)}_{plan.lowered.signature[:12]}"
+        assert _def_line(spec.source, spec.name) == [(p.name, p.kind == CONSTEXPR) for p in spec.launch.params]
+        assert set(spec.launch.constants) <= {p.name for p in spec.launch.params if p.kind == CONSTEXPR}
+
+
+def test_biased_dq_takes_its_gradient_buffer():
+    plan = build_plan(_graph(biased), BASE)
+    [mod] = plan.lowered.mods
+    spec = plan.dq(((mod, "bias"),))
+    names = [p.name for p in spec.launch.params]
+    assert spec.grad_buffers == ("additive_bias_1_dbias",)
+    assert names[names.index("additive_bias_1_dbias"):][:5] == [
+        "additive_bias_1_dbias", *(f"additive_bias_1_dbias_s{i}" for i in range(4))]
+
+
+def test_wide_offsets_cast_exactly_the_stride_parameters():
+    plan = build_plan(_graph(sparse), attrs.evolve(BASE, wide_offsets=True))
+    source = plan.forward.source
+    casts = [line.split("=")[0].strip() for line in source.splitlines() if "= tl.cast(" in line and "tl.int64)" in line]
+    assert casts == list(plan.forward.launch.stride_names)
+    assert "stride_btb" not in casts and "block_sparse_1_kv_num_s2" in casts
+
+
+def test_bind_names_a_missing_or_unknown_argument():
+    launch = build_plan(llama.graph(), BASE).forward.launch
+    args = {name: i for i, name in enumerate(launch.runtime_names)}
+    assert launch.bind(**args) == tuple(range(len(args)))
+    del args["stride_kn"]
+    with pytest.raises(TypeError, match=r"missing \['stride_kn'\], unknown \[\]"):
+        launch.bind(**args)
+    with pytest.raises(TypeError, match=r"missing \[\], unknown \['stride_kx'\]"):
+        launch.bind(**args, stride_kn=0, stride_kx=1)
+    with pytest.raises(TypeError, match=r"constexprs .* missing \['EVEN_M'\]"):
+        launch.constexprs({"EVEN_K": True})
