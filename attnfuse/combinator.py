@@ -16,6 +16,7 @@ Fragments may also read the template's variables, documented in docs/writing-a-c
 """
 from __future__ import annotations
 
+import ast
 import enum
 import inspect
 import keyword
@@ -169,6 +170,37 @@ class BlockList:
     q_split: str | None = None
 
 
+def _is_zero(text: str) -> bool:
+    """Whether a fact's expression is the constant 0 (``"0"``, ``"(0)"``, ``" 0 "``): parsed, not compared."""
+    try:
+        node = ast.parse(text.strip(), mode="eval").body
+    except SyntaxError:  # placeholders not yet substituted: not a constant
+        return False
+    return isinstance(node, ast.Constant) and type(node.value) is int and node.value == 0
+
+
+@frozen
+class Range:
+    """A block fact: positions ``lo`` .. ``hi`` (expressions), parsed when declared (and when its
+    placeholders are substituted): ``starts_at_zero`` when ``lo`` is the constant 0. Unpacks as (lo, hi)."""
+
+    lo: str
+    hi: str
+    starts_at_zero: bool = field(init=False, default=attrs.Factory(lambda self: _is_zero(self.lo), takes_self=True))
+
+    def __iter__(self):
+        return iter((self.lo, self.hi))
+
+
+def _range(value: Any) -> Range | None:
+    """A fact as declared, (lo, hi) or a Range, or None (unknown)."""
+    if value is None or isinstance(value, Range):
+        return value
+    if not (isinstance(value, (tuple, list)) and len(value) == 2 and all(isinstance(v, str) for v in value)):
+        raise DeclarationError(f"a block fact must be a (lo, hi) pair of expression strings or None, got {value!r}")
+    return Range(*value)
+
+
 @frozen(kw_only=True)
 class MaskFragment:
     """Which keys a query keeps, plus block facts the compiler uses to bound and split the key loops.
@@ -186,10 +218,10 @@ class MaskFragment:
     """
 
     keep: str | None
-    kv_range: tuple[str, str] | None = None
-    full_range: tuple[str, str] | None = None
-    q_range: tuple[str, str] | None = None
-    q_full_range: tuple[str, str] | None = None
+    kv_range: Range | None = field(default=None, converter=_range)
+    full_range: Range | None = field(default=None, converter=_range)
+    q_range: Range | None = field(default=None, converter=_range)
+    q_full_range: Range | None = field(default=None, converter=_range)
     block_list: BlockList | None = None
 
 
@@ -236,12 +268,14 @@ class NormaliserFragment:
     smooth: bool = True
 
 
-_TRANSFORM_PLACEHOLDERS = frozenset({"self", "x1", "x2", "pos", "ok", "tmp", "g1", "g2"})
+ACCUMULATOR = "acc_dtype"
+"""``$acc_dtype``: the accumulation type, ``tl.float32`` (``tl.float64`` for float64 inputs), in any fragment."""
+_TRANSFORM_PLACEHOLDERS = frozenset({"self", ACCUMULATOR, "x1", "x2", "pos", "ok", "tmp", "g1", "g2"})
 PLACEHOLDERS = {
     Role.QK_TRANSFORM: _TRANSFORM_PLACEHOLDERS, Role.SCORE_SOURCE: _TRANSFORM_PLACEHOLDERS,
-    Role.SCORE_MOD: frozenset({"self", "s_in", "s_out"}),
-    Role.MASK: frozenset({"self", "q_lo", "q_hi", "k_lo", "k_hi", "block", "i", "slot"}),
-    Role.NORMALISER: frozenset({"self", "factor"}),
+    Role.SCORE_MOD: frozenset({"self", ACCUMULATOR, "s_in", "s_out"}),
+    Role.MASK: frozenset({"self", ACCUMULATOR, "q_lo", "q_hi", "k_lo", "k_hi", "block", "i", "slot"}),
+    Role.NORMALISER: frozenset({"self", ACCUMULATOR, "factor"}),
 }
 """The template's own ``$placeholders`` by role; no parameter, tensor or scalar may take these names."""
 

@@ -121,7 +121,7 @@ def examples(draw, shape):
 
 def _table(name: str, column: str) -> str:
     return (f"tl.load(${name} + b.to(tl.int64) * ${name}_s0 + ($$pos - $first)[:, None] * ${name}_s1"
-            f" + ({column})[None, :] * ${name}_s2, mask=$$ok & ($$pos >= $first)[:, None], other=0.0).to(tl.float32)")
+            f" + ({column})[None, :] * ${name}_s2, mask=$$ok & ($$pos >= $first)[:, None], other=0.0).to($acc_dtype)")
 
 
 def fragment(theta, scale, cos, sin, rotate_keys) -> ScoreSourceFragment:

@@ -98,3 +98,36 @@ def test_bind_names_a_missing_or_unknown_argument():
         launch.bind(**args, stride_kn=0, stride_kx=1)
     with pytest.raises(TypeError, match=r"constexprs .* missing \['EVEN_M'\]"):
         launch.constexprs({"EVEN_K": True})
+
+
+@pytest.mark.parametrize("lo", ["0", "(0)", " 0 ", "((0))"])
+def test_a_fact_starting_at_zero_is_parsed_not_compared(lo):
+    """Block facts are parsed when declared: "(0)" is 0, so the loops are the same as for "0"."""
+    from attnfuse.combinator import Range
+    from attnfuse.passes.codegen import forward_params, generate_forward
+    from attnfuse.passes.lower import masked_head
+
+    assert Range(lo, "$q_hi + 1").starts_at_zero
+    assert not Range("$q_lo - 4", "$q_hi + 1").starts_at_zero and not Range("0.0 + 1", "Nk").starts_at_zero
+    lowered = build_plan(_graph(llama), BASE).lowered
+    [causal] = lowered.masks
+    facts = attrs.evolve(causal.fragment, kv_range=(lo, causal.fragment.kv_range.hi),
+                         full_range=(lo, causal.fragment.full_range.hi))
+    rewritten = attrs.evolve(lowered, masks=(attrs.evolve(causal, fragment=facts),))
+    assert not masked_head(rewritten.masks)
+    source = generate_forward(rewritten, "k", forward_params(rewritten))
+    assert "# masked head" not in source
+    assert source == generate_forward(lowered, "k", forward_params(lowered)).replace(
+        f"tl.maximum(lo, 0 - 0)", f"tl.maximum(lo, {lo} - 0)").replace(
+        f"tl.maximum(full_lo, 0 - 0)", f"tl.maximum(full_lo, {lo} - 0)")
+
+
+def test_float64_accumulates_in_float64_without_rewriting_text():
+    """The accumulation type is spelt by codegen and by fragments' $acc_dtype; nothing else changes."""
+    lowered32 = build_plan(_graph(alibi_window), BASE).lowered
+    lowered64 = build_plan(_graph(alibi_window), attrs.evolve(BASE, dtype="float64")).lowered
+    assert (lowered32.accumulator, lowered64.accumulator) == ("tl.float32", "tl.float64")
+    source32 = build_plan(_graph(alibi_window), BASE).forward.source
+    source64 = build_plan(_graph(alibi_window), attrs.evolve(BASE, dtype="float64")).forward.source
+    assert "tl.float64" not in source32 and "tl.float32" not in source64
+    assert "tl.load(alibi_1_slopes + h * alibi_1_slopes_s0).to(tl.float64)" in source64

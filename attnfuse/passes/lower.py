@@ -15,7 +15,7 @@ from attrs import frozen
 
 from .. import ir
 
-from ..combinator import INPUT, BlockList, MaskFragment, NormaliserFragment, QKTransformFragment, Role, ScoreModFragment
+from ..combinator import ACCUMULATOR, INPUT, BlockList, MaskFragment, NormaliserFragment, QKTransformFragment, Role, ScoreModFragment
 from ..errors import InputError
 from ..fragment_lint import lint
 from .fuse import FusedProgram
@@ -40,6 +40,11 @@ class KernelConfig:
     q_transformed: bool = False  # q arrives with its qk transforms applied (by a transform pass)
     k_transformed: bool = False  # likewise k
     wide_offsets: bool = False  # some element offset can pass 2**31 - 1: every stride is int64 in the kernels
+
+
+def accumulator_type(dtype: str) -> str:
+    """The type inputs of ``dtype`` accumulate in: float64 for float64 (for gradcheck), else float32."""
+    return "float64" if dtype == "float64" else "float32"
 
 
 @frozen(kw_only=True)
@@ -76,6 +81,7 @@ class LoweredProgram:
     signature: str
     listing: str
     config: KernelConfig
+    accumulator: str        # the accumulation type: "tl.float32", or "tl.float64" for float64 inputs
     tiles: dict[str, TileConfig]
     block_d: int
     block_dv: int
@@ -101,9 +107,9 @@ def _resolve(value: Any, mapping: dict[str, str]) -> Any:
         return string.Template(value).safe_substitute(mapping)
     if isinstance(value, tuple):
         return tuple(_resolve(v, mapping) for v in value)
-    if attrs.has(type(value)):
+    if attrs.has(type(value)):  # a derived field (a Range's starts_at_zero) is derived again
         return attrs.evolve(value, **{f.name: _resolve(getattr(value, f.name), mapping)
-                                      for f in attrs.fields(type(value))})
+                                      for f in attrs.fields(type(value)) if f.init})
     return value
 
 
@@ -148,12 +154,14 @@ def fragment_of(app: ir.Apply) -> Any:
     return app.declaration.fragment_for({n: INPUT if isinstance(v, ir.TensorSym) else v for n, v in app.params})
 
 
-def instance(app: ir.Apply, index: int) -> Instance:
-    """Resolve one application: ``$param`` -> literal, ``$tensor``/``$tensor_s<i>``/``$scalar`` -> argument."""
+def instance(app: ir.Apply, index: int, accumulator: str = "tl.float32") -> Instance:
+    """Resolve one application: ``$param`` -> literal, ``$tensor``/``$tensor_s<i>``/``$scalar`` -> argument,
+    ``$acc_dtype`` -> ``accumulator``."""
     comb = app.declaration
     prefix = f"{comb.name}_{index}"
     mapping: dict[str, str] = {name: repr(value) for name, value in app.static().items()}
     mapping["self"] = prefix
+    mapping[ACCUMULATOR] = accumulator
     args: list[Param] = []
     for t in comb.tensors:
         names = [f"{prefix}_{t.name}", *indexed_stride_names(f"{prefix}_{t.name}", t.rank)]
@@ -175,7 +183,7 @@ def masked_head(masks: tuple[Instance, ...]) -> bool:
     """Whether a query block's key loop can start with blocks that need the mask: some mask's facts start
     past key 0 (a sliding window's). Not causal's: its loop starts at key 0 (or at a block-aligned split
     of the keys) with blocks every row keeps."""
-    return any(facts is not None and facts[0].strip() != "0"
+    return any(facts is not None and not facts.starts_at_zero
                for m in masks if m.fragment.keep for facts in (m.fragment.kv_range, m.fragment.full_range))
 
 
@@ -195,9 +203,10 @@ def _variant(transforms: list[Instance], masks: tuple[Instance, ...]) -> str:
 def lower(fused: FusedProgram, config: KernelConfig, listing: str = "") -> LoweredProgram:
     """Flatten a fused program for one configuration."""
     counter = iter(range(1_000_000))
+    accumulator = f"tl.{accumulator_type(config.dtype)}"
 
     def inst(app: ir.Apply) -> Instance:
-        return instance(app, next(counter))
+        return instance(app, next(counter), accumulator)
 
     transforms = [inst(t) for t in fused.transforms]
     source = inst(fused.source)
@@ -216,7 +225,8 @@ def lower(fused: FusedProgram, config: KernelConfig, listing: str = "") -> Lower
     scale = fused.source.static()["scale"]
     scale = 1.0 / math.sqrt(config.head_dim) if scale is None else float(scale)
     return LoweredProgram(
-        signature=fused.signature, listing=listing, config=config, tiles=tiles, block_d=block_d, block_dv=block_dv,
+        signature=fused.signature, listing=listing, config=config, accumulator=accumulator, tiles=tiles,
+        block_d=block_d, block_dv=block_dv,
         block_h=_block(config.head_dim // 2), scale=scale, score_factor=normaliser.fragment.score_factor,
         transforms=tuple(transforms), mods=mods, masks=masks, normaliser=normaliser)
 

@@ -26,7 +26,7 @@ _DKDV = string.Template('''\
     # One program per (key block, batch x kv head): dK, dV of these keys, summed over the group's heads.
 $program$key_block$columns    k_base = K + b.to(tl.int64) * stride_kb + hk.to(tl.int64) * stride_kh
 $k_load    v = $v_load
-$finite_values$dk_init    dv_acc = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
+$finite_values$dk_init    dv_acc = tl.zeros([BLOCK_N, BLOCK_DV], dtype=$acc_dtype)
     # Query rows that keep some key of this block (positions k_lo .. k_hi), and those that keep all of it.
     k_lo = pid_n * BLOCK_N
     k_hi = tl.minimum(pid_n * BLOCK_N + BLOCK_N, Nk) - 1
@@ -60,7 +60,7 @@ def _rows(kernel: LoweredProgram, masked: bool, compute_delta: bool = False) -> 
     if norm.needs_delta and compute_delta:
         o = masked_load("O + b.to(tl.int64) * stride_ob + h.to(tl.int64) * stride_oh + q_idx[:, None] * stride_om"
                         " + dv[None, :] * stride_od", "q_ok[:, None]", dv_mask(kernel))
-        code += (f"o = {o}\ndelta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)\n"
+        code += (f"o = {o}\ndelta = tl.sum(o.to({kernel.accumulator}) * do.to({kernel.accumulator}), 1)\n"
                  "if HAS_DLSE:\n    delta -= tl.load(DLse + rows + q_idx, mask=q_ok, other=0.0)\n"
                  "tl.store(Delta + rows + q_idx, delta, mask=q_ok)\n")
     elif norm.needs_delta:
@@ -143,9 +143,9 @@ def _accumulate(kernel: LoweredProgram, acc: str, weights: str, operand: str) ->
 
 def _accumulators(kernel: LoweredProgram, name: str, rows: str) -> str:
     if split(kernel):
-        return (f"{name}1 = tl.zeros([{rows}, BLOCK_H], dtype=tl.float32)\n"
-                f"{name}2 = tl.zeros([{rows}, BLOCK_H], dtype=tl.float32)\n")
-    return f"{name} = tl.zeros([{rows}, BLOCK_D], dtype=tl.float32)\n"
+        return (f"{name}1 = tl.zeros([{rows}, BLOCK_H], dtype={kernel.accumulator})\n"
+                f"{name}2 = tl.zeros([{rows}, BLOCK_H], dtype={kernel.accumulator})\n")
+    return f"{name} = tl.zeros([{rows}, BLOCK_D], dtype={kernel.accumulator})\n"
 
 
 def _store(kernel: LoweredProgram, out: str, acc: str, base: str, rows: str, ok: str, stride_row: str,
@@ -173,7 +173,7 @@ def _split_reduce(kernel: LoweredProgram) -> str:
         name, width, col = accs[i]
         return f"PartDKV + ({share}) * ({part}) + {offsets[i]} + rows_n[:, None] * {width} + {col}[None, :]"
     stores = "".join(f"    tl.store({at('share + g_lo', i)}, {name})\n" for i, (name, _, _) in enumerate(accs))
-    zeros = "".join(f"        {name} = tl.zeros([BLOCK_N, {width}], dtype=tl.float32)\n" for name, width, _ in accs)
+    zeros = "".join(f"        {name} = tl.zeros([BLOCK_N, {width}], dtype={kernel.accumulator})\n" for name, width, _ in accs)
     sums = "".join(f"            {name} += tl.load({at('share + j', i)}, cache_modifier=\".cg\")\n"
                    for i, (name, _, _) in enumerate(accs))
     return ("last = pid_n >= 0\nif one_head:  # this head's share of a heavy key block\n"
@@ -226,7 +226,7 @@ def generate_dkdv(kernel: LoweredProgram, name: str, parameters: tuple[Param, ..
     dk_base = "DKey + b.to(tl.int64) * stride_dkb + hk.to(tl.int64) * stride_dkh"
     splits = split_heads(kernel) is not None
     return kernel_source(kernel, "dK/dV kernel", name, parameters, _DKDV.substitute(
-            split_reduce=indent(_split_reduce(kernel), 4) if splits else "",
+            acc_dtype=kernel.accumulator, split_reduce=indent(_split_reduce(kernel), 4) if splits else "",
             k_in=("k_pos < tl.where(last, N_K, 0)  # only the last of a split stores" if splits
                   else "k_pos < N_K  # rows of keys past a sequence's length get zeros"),
             columns=indent(columns(kernel), 4), key_block=indent(key_block(kernel, even_keys=True), 4),

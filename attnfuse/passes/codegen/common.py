@@ -98,15 +98,13 @@ def kernel_source(kernel: LoweredProgram, what: str, name: str, parameters: tupl
     """A generated file: the header, the ``def`` line written from ``parameters`` (the launch spec's), and
     ``body``. With ``wide_offsets`` every stride parameter is made int64 on entry: every offset is a sum of
     index-times-stride products (batch and head indices are int64 anyway), so each is then computed in
-    int64 (``tl.cast`` also takes a stride Triton specialised to the constant 1). Float64 inputs compute in
-    float64: ``tl.float32``, the accumulation type in the template and in fragments, becomes ``tl.float64``."""
+    int64 (``tl.cast`` also takes a stride Triton specialised to the constant 1)."""
     casts = ""
     if kernel.config.wide_offsets:
         casts = "    # offsets can pass 2**31 - 1 elements: every stride is int64\n" + "".join(
             f"    {p.name} = tl.cast({p.name}, tl.int64)\n" for p in parameters if p.kind == STRIDE)
-    source = (HEADER.format(what=what, signature=kernel.signature, listing=kernel.listing) + "\n"
-              + render_signature(name, parameters) + casts + body)
-    return source.replace("tl.float32", "tl.float64") if kernel.config.dtype == "float64" else source
+    return (HEADER.format(what=what, signature=kernel.signature, listing=kernel.listing) + "\n"
+            + render_signature(name, parameters) + casts + body)
 
 
 def indent(code: str, spaces: int) -> str:
@@ -121,7 +119,7 @@ def fragment(text: str) -> str:
 
 def precision(kernel: LoweredProgram) -> str:
     """tl.dot keywords: a float32 product IEEE (or TF32, as torch's flag asks); a float64 one in float64."""
-    if kernel.config.dtype == "float64":
+    if kernel.accumulator == "tl.float64":
         return ", out_dtype=tl.float64"
     return f', input_precision="{kernel.config.fp32_precision}"' if kernel.config.dtype == "float32" else ""
 
@@ -188,8 +186,8 @@ def operand(kernel: LoweredProgram, x: str, base: str, rows: str, pos: str, ok: 
     h_mask = "" if kernel.block_h * 2 == kernel.config.head_dim else "(dh[None, :] < HALF)"
     fragment_ok = " & ".join(m for m in (f"{ok}[:, None]", h_mask) if m)
     lines = [f"{x}_ptrs = {base} + {rows} + dh[None, :] * {stride_d}",
-             f"{x}1f = {masked_load(f'{x}_ptrs', row_mask, h_mask)}.to(tl.float32)",
-             f"{x}2f = {masked_load(f'{x}_ptrs + HALF * {stride_d}', row_mask, h_mask)}.to(tl.float32)"]
+             f"{x}1f = {masked_load(f'{x}_ptrs', row_mask, h_mask)}.to({kernel.accumulator})",
+             f"{x}2f = {masked_load(f'{x}_ptrs + HALF * {stride_d}', row_mask, h_mask)}.to({kernel.accumulator})"]
     for i, t in enumerate(kernel.transforms):
         text = getattr(t.fragment, x)
         if text and not transformed(kernel, x):

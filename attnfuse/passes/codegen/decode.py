@@ -33,7 +33,7 @@ $kv_length    r = pid_r * BLOCK_M + tl.arange(0, BLOCK_M)
     q_pos = q_idx + (Nk - Nq)
 $columns    q_base = Q + b.to(tl.int64) * stride_qb
 $q_load$prologues
-    acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=$acc_dtype)
 $norm_init
     q_lo = Nk - Nq
     q_hi = Nk - 1
@@ -60,6 +60,7 @@ def generate_decode(kernel: LoweredProgram, name: str, parameters: tuple[Param, 
     mask = dv_mask(kernel)
     store_lse = "    tl.store(PartLse + part, lse, mask=q_ok)\n" if norm.combine == "logsumexp" else ""
     return kernel_source(kernel, "split-KV decoding kernel", name, parameters, _KERNEL.substitute(
+            acc_dtype=kernel.accumulator,
         kv_length=indent(kv_length(kernel), 4), columns=indent(columns(kernel), 4),
         q_load=indent(operand(kernel, "q", "q_base", "q_head[:, None].to(tl.int64) * stride_qh + q_idx[:, None] * "
                               "stride_qm", "q_pos", "q_ok", "stride_qd", True), 4),

@@ -16,7 +16,7 @@ from .common import (constexpr_params, dv_mask, indent, kernel_source, key_maske
 _KERNEL = string.Template('''\
     # One program per (query block, batch x query head).
 $query_block$q_load$prologues
-    acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=$acc_dtype)
 $norm_init
     # Keys [lo, hi) can be kept by some row of this block; [full_lo, full_hi) by all of them.
 $key_range
@@ -60,6 +60,7 @@ def generate_forward(kernel: LoweredProgram, name: str, parameters: tuple[Param,
     if kernel.config.save_lse:
         store_lse = indent("tl.store(Lse + pid_bh.to(tl.int64) * Nq + q_idx, lse, mask=q_ok)", 4)
     return kernel_source(kernel, "forward kernel", name, parameters, _KERNEL.substitute(
+            acc_dtype=kernel.accumulator,
             query_block=indent(query_block(kernel, even_queries=True), 4),
             k_base=kv_base(kernel, "k"), v_base=kv_base(kernel, "v"),
             q_load=indent(operand(kernel, "q", "q_base", "q_idx[:, None] * stride_qm", "q_pos", "q_ok", "stride_qd",
