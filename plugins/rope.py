@@ -18,16 +18,12 @@ from attnfuse.checks import finite_number_or_none, positive_number
 from attnfuse.combinator import (Combinator, Param, QKTransformFragment, Role, ScalarArg, ScoreSourceFragment,
                                  TensorArg)
 from attnfuse.errors import InputError
+from attnfuse.rotary import rotate_half
 
 
 def _boolean(value) -> None:
     if not isinstance(value, bool):
         raise ValueError(f"must be True or False, got {value!r}")
-
-
-def _rotate_half(x):
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
 
 
 def _theta_angles(positions: torch.Tensor, theta: float, D: int, dtype) -> torch.Tensor:
@@ -76,9 +72,9 @@ def reference(q, k, ctx, theta, scale, cos, sin, rotate_keys):
             pos = pos.expand(rows, -1)
             return (c.expand(rows, -1, -1)[batch, pos].unsqueeze(1), s.expand(rows, -1, -1)[batch, pos].unsqueeze(1))
     (cq, sq), (ck, sk) = table(q_pos), table(k_pos)
-    q = q * cq + _rotate_half(q) * sq
+    q = q * cq + rotate_half(q) * sq
     if rotate_keys:
-        k = k * ck + _rotate_half(k) * sk
+        k = k * ck + rotate_half(k) * sk
     scale = ctx.D ** -0.5 if scale is None else scale
     return q @ k.transpose(-1, -2) * scale
 

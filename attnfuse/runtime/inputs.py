@@ -8,16 +8,19 @@ import torch
 from attrs import frozen
 
 from ..errors import InputError, PluginError
-from ..passes.lower import KernelConfig, LoweredProgram
+from ..passes.lower import KernelConfig, LoweredProgram, accumulator_type
 from .offsets import rows_fit
 
 DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32", torch.float64: "float64"}
+_ACCUMULATORS = {dtype: getattr(torch, accumulator_type(name)) for dtype, name in DTYPES.items()}
+
+
+MAX_HEAD_DIM = 256
 
 
 def accumulator_dtype(dtype: torch.dtype) -> torch.dtype:
-    """float64 inputs compute in float64 throughout (for gradcheck); the rest accumulate in float32."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
-MAX_HEAD_DIM = 256
+    """The torch dtype inputs of ``dtype`` accumulate in, as the kernels do (``lower.accumulator_type``)."""
+    return _ACCUMULATORS[dtype]
 
 
 class KVCache(NamedTuple):

@@ -6,13 +6,15 @@ from typing import Any
 import torch
 
 from .. import ir
-from ..errors import InputError, ProgramError
-from ..passes.lower import Instance, KernelConfig, LoweredProgram, fragment_of
+from ..errors import InputError
+from ..passes.lower import Instance, KernelConfig, fragment_of
 from ..passes.plan import Plan, build_plan
 from .autograd import AttentionFunction
 from .backward import BackwardKernels
 from .decode import MAX_QUERIES, DecodeKernel
 from .forward import ForwardKernel
+from .gradients import check_differentiable
+from .gradients import tensor_grads as tensor_grads_of
 from .hoisted import HoistedBackward, HoistedForward, worth_hoisting
 from .inputs import check_cache, check_inputs, kernel_config, kv_cache
 from .kernel import CompiledKernel
@@ -120,42 +122,6 @@ def clear_cache() -> None:
     _calls.clear()
 
 
-def _no_backward(what: str) -> ProgramError:
-    return ProgramError(f"gradients were asked for, but {what} declares no backward; compute under "
-                        f"torch.no_grad(), or give the combinator its backward fragment")
-
-
-def _check_differentiable(lowered: LoweredProgram) -> None:
-    """Raise unless every combinator of the program declares its backward."""
-    for t in lowered.transforms:
-        if not t.fragment.differentiable():
-            raise _no_backward(f"the qk transform {t.apply.combinator}")
-    for m in lowered.mods:
-        if m.fragment.grad is None:
-            raise _no_backward(f"the score modification {m.apply.combinator}")
-    if lowered.normaliser.fragment.grad is None:
-        raise _no_backward(f"the normaliser {lowered.normaliser.apply.combinator}")
-
-
-def _tensor_grads(tiled: LoweredProgram, inputs: dict[str, Any]) -> tuple[tuple[Instance, str], ...]:
-    """The (instance, parameter) pairs whose gradient is wanted; raise for a tensor input that requires
-    grad but has no declared gradient."""
-    wanted = []
-    for m in tiled.mods:
-        for name, _ in m.fragment.tensor_grads:
-            sym = m.apply.inputs().get(name)
-            if sym is not None and inputs[sym.name].requires_grad:
-                wanted.append((m, name))
-    covered = {m.apply.inputs()[name].name for m, name in wanted}
-    for inst in tiled.instances():
-        for param, sym in inst.apply.inputs().items():
-            value = inputs[sym.name]
-            if isinstance(value, torch.Tensor) and value.requires_grad and sym.name not in covered:
-                raise InputError(f"{inst.apply.combinator}: its input {param!r} (argument {sym.name!r}) requires "
-                                 f"grad, but {inst.apply.combinator} declares no gradient for it; pass it detached")
-    return tuple(wanted)
-
-
 def run_attention(graph: ir.MatMulPV, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                   inputs: dict[str, Any] | None = None, *, return_lse: bool = False,
                   kv_lens: torch.Tensor | None = None, block_table: torch.Tensor | None = None,
@@ -194,12 +160,13 @@ def run_attention(graph: ir.MatMulPV, q: torch.Tensor, k: torch.Tensor, v: torch
     elif not wants_grad:
         out, lse = forward(q, kv, inputs)
     else:
-        tensor_grads = _tensor_grads(forward.plan.lowered, inputs) if inputs else ()
+        wanted = [n for n, t in inputs.items() if isinstance(t, torch.Tensor) and t.requires_grad]
+        tensor_grads = tensor_grads_of(forward.plan.lowered, wanted) if wanted else ()
         if tensor_grads:
             compile_ = compile_hoisted_backward if isinstance(forward, HoistedForward) else compile_backward
             backward = compile_(graph, forward.plan.config, tensor_grads)
         names = tuple(dict.fromkeys(inst.apply.inputs()[name].name for inst, name in tensor_grads))
-        out, lse = AttentionFunction.apply(forward, backward, inputs, names, kv.lens, q, k, v,
+        out, lse = AttentionFunction.apply(forward, backward, inputs, names, kv, q, k, v,
                                            *(inputs[n] for n in names))
     return (out, lse) if return_lse else out
 
@@ -249,7 +216,7 @@ def _plan(graph: ir.MatMulPV, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if split_kv:
         return forward, compile_decode(graph, forward.plan.config), None
     if wants_grad:
-        _check_differentiable(forward.plan.lowered)
+        check_differentiable(forward.plan.lowered)
     if worth_hoisting(forward, q.shape[2]):
         forward = compile_hoisted(graph, forward.plan.config)
         return forward, None, compile_hoisted_backward(graph, forward.plan.config) if wants_grad else None

@@ -17,10 +17,10 @@ import attrs
 
 from ..lower import Instance, LoweredProgram
 from ..launch_spec import INT, STRIDE, TENSOR, Param, indexed_stride_names, params, strides
-from .common import (block_range, columns, constexpr_params, dv_mask, fragment, has_masks, indent, kernel_source,
-                     key_block, key_masked, key_offsets, key_range, kv_base, kv_params, masked_load, masks_keys,
-                     operand, operand_grad, precision, program, prologues, qk_product, qkv_strides, query_block, scores,
-                     split, split_heads, visit, with_bounds)
+from .common import (block_range, columns, constexpr_params, dv_mask, fragment, half_mask, has_masks, indent,
+                     kernel_source, key_block, key_masked, key_offsets, key_range, kv_base, kv_params, masked_load,
+                     masks_keys, operand, operand_grad, precision, program, prologues, qk_product, qkv_strides,
+                     query_block, scores, split, split_heads, visit, with_bounds)
 
 _DKDV = string.Template('''\
     # One program per (key block, batch x kv head): dK, dV of these keys, summed over the group's heads.
@@ -151,7 +151,7 @@ def _accumulators(kernel: LoweredProgram, name: str, rows: str) -> str:
 def _store(kernel: LoweredProgram, out: str, acc: str, base: str, rows: str, ok: str, stride_row: str,
            stride_d: str) -> str:
     if split(kernel):
-        h_mask = "" if kernel.block_h * 2 == kernel.config.head_dim else " & (dh[None, :] < HALF)"
+        h_mask = half_mask(kernel, joined=True)
         ptrs = f"{base} + {rows}[:, None] * {stride_row} + dh[None, :] * {stride_d}"
         return (f"tl.store({ptrs}, {acc}1.to({out}.dtype.element_ty), mask={ok}[:, None]{h_mask})\n"
                 f"tl.store({ptrs} + HALF * {stride_d}, {acc}2.to({out}.dtype.element_ty), mask={ok}[:, None]{h_mask})\n")

@@ -156,6 +156,14 @@ def constants(kernel: LoweredProgram) -> dict[str, Any]:
     return values
 
 
+def half_mask(kernel: LoweredProgram, joined: bool = False) -> str:
+    """The column mask of a half of the head dim, ``(dh[None, :] < HALF)``, when the halves are padded;
+    ``joined``: as `` & <mask>``, to append to another mask."""
+    if kernel.block_h * 2 == kernel.config.head_dim:
+        return ""
+    return " & (dh[None, :] < HALF)" if joined else "(dh[None, :] < HALF)"
+
+
 def columns(kernel: LoweredProgram) -> str:
     code = "d = tl.arange(0, BLOCK_D)\ndv = tl.arange(0, BLOCK_DV)\n"
     return code + ("dh = tl.arange(0, BLOCK_H)\n" if split(kernel) else "")
@@ -183,7 +191,7 @@ def operand(kernel: LoweredProgram, x: str, base: str, rows: str, pos: str, ok: 
     if not split(kernel):
         d_mask = "" if kernel.block_d == kernel.config.head_dim else "(d[None, :] < D)"
         return f"{x} = {masked_load(f'{base} + {rows} + d[None, :] * {stride_d}', row_mask, d_mask)}\n"
-    h_mask = "" if kernel.block_h * 2 == kernel.config.head_dim else "(dh[None, :] < HALF)"
+    h_mask = half_mask(kernel)
     fragment_ok = " & ".join(m for m in (f"{ok}[:, None]", h_mask) if m)
     lines = [f"{x}_ptrs = {base} + {rows} + dh[None, :] * {stride_d}",
              f"{x}1f = {masked_load(f'{x}_ptrs', row_mask, h_mask)}.to({kernel.accumulator})",
@@ -203,7 +211,7 @@ def operand_grad(kernel: LoweredProgram, x: str, grad: str, pos: str, ok: str) -
     ``grad1``/``grad2`` (with respect to the transformed ``x``), giving the gradient of the loaded ``x``."""
     if transformed(kernel, x):  # a gradient pass carries it back through the transforms
         return ""
-    h_mask = "" if kernel.block_h * 2 == kernel.config.head_dim else "(dh[None, :] < HALF)"
+    h_mask = half_mask(kernel)
     fragment_ok = " & ".join(m for m in (f"{ok}[:, None]", h_mask) if m)
     lines = []
     for i, t in reversed(list(enumerate(kernel.transforms))):

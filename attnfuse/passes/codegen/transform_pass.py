@@ -14,7 +14,7 @@ import string
 
 from ..lower import LoweredProgram
 from ..launch_spec import INT, TENSOR, Param, params, strides
-from .common import columns, constexpr_params, indent, kernel_source, key_block, operand, operand_grad
+from .common import columns, constexpr_params, half_mask, indent, kernel_source, key_block, operand, operand_grad
 
 _KERNEL = string.Template('''\
     # A 1-D grid: $layout
@@ -49,7 +49,7 @@ def _side(kernel: LoweredProgram, x: str, first: str, gradient: bool) -> str:
     """One side's program body; its programs start at ``first`` in the grid."""
     idx, pos, ok, head = _SITE[x]
     rows_n, block = _ROWS[x]
-    h_mask = "" if kernel.block_h * 2 == kernel.config.head_dim else " & (dh[None, :] < HALF)"
+    h_mask = half_mask(kernel, joined=True)
     body = ""
     if gradient:
         g = (f"G{x.upper()} + b.to(tl.int64) * stride_{x}ob + {head}.to(tl.int64) * stride_{x}oh"
