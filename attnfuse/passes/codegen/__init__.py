@@ -7,9 +7,10 @@ structure. ``forward`` writes the FlashAttention-2 forward; ``backward`` its two
 hoisted out of the kernels' loops, and their gradients.
 """
 from .backward import dkdv_params, dq_params, generate_dkdv, generate_dq, grad_buffer
-from .common import constants, scheduled, split, split_heads
+from .common import constants, split
 from .decode import decode_params, generate_decode
 from .forward import forward_params, generate_forward
+from .loops import scheduled, split_heads
 from .transform_pass import generate_pass, pass_params
 
 __all__ = ["constants", "decode_params", "dkdv_params", "dq_params", "forward_params", "generate_decode",

@@ -15,12 +15,13 @@ import string
 
 import attrs
 
-from ..lower import Instance, LoweredProgram
 from ..launch_spec import INT, STRIDE, TENSOR, Param, indexed_stride_names, params, strides
-from .common import (block_range, columns, constexpr_params, dv_mask, fragment, half_mask, has_masks, indent,
-                     kernel_source, key_block, key_masked, key_offsets, key_range, kv_base, kv_params, masked_load,
-                     masks_keys, operand, operand_grad, precision, program, prologues, qk_product, qkv_strides,
-                     query_block, scores, split, split_heads, visit, with_bounds)
+from ..lower import Instance, LoweredProgram
+from .common import (columns, constexpr_params, dv_mask, fragment, half_mask, indent, kernel_source, kv_params,
+                     masked_load, precision, qkv_strides, split)
+from .loops import block_range, key_block, key_range, program, query_block, split_heads, visit
+from .operands import key_masked, key_offsets, kv_base, operand, operand_grad, qk_product
+from .scores import has_masks, masks_keys, prologues, scores, with_bounds
 
 _DKDV = string.Template('''\
     # One program per (key block, batch x kv head): dK, dV of these keys, summed over the group's heads.

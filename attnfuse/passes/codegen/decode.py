@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import string
 
-from ..lower import LoweredProgram, masked_head
 from ..launch_spec import INT, TENSOR, Param, params
-from .common import (columns, constexpr_params, dv_mask, indent, kernel_source, key_range, kv_base, kv_length,
-                     kv_params, loops, operand, prologues, qkv_strides)
+from ..lower import LoweredProgram, masked_head
+from .common import columns, constexpr_params, dv_mask, indent, kernel_source, kv_params, qkv_strides
+from .loops import key_range, loops
+from .operands import kv_base, kv_length, operand
+from .scores import prologues
 from .forward import key_tile
 
 _KERNEL = string.Template('''\

@@ -7,11 +7,12 @@ from __future__ import annotations
 
 import string
 
-from ..lower import LoweredProgram
 from ..launch_spec import INT, TENSOR, Param, params, strides
-from .common import (constexpr_params, dv_mask, indent, kernel_source, key_masked, key_offsets, key_range, kv_base,
-                     kv_params, masked_load, masked_values, masks_keys, normaliser_update, operand, precision,
-                     prologues, qk_product, qkv_strides, query_block, scores, visit, with_bounds)
+from ..lower import LoweredProgram
+from .common import constexpr_params, dv_mask, indent, kernel_source, kv_params, masked_load, precision, qkv_strides
+from .loops import key_range, query_block, visit
+from .operands import key_masked, key_offsets, kv_base, operand, qk_product
+from .scores import masked_values, masks_keys, normaliser_update, prologues, scores, with_bounds
 
 _KERNEL = string.Template('''\
     # One program per (query block, batch x query head).

@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import string
 
-from ..lower import LoweredProgram
 from ..launch_spec import INT, TENSOR, Param, params, strides
-from .common import columns, constexpr_params, half_mask, indent, kernel_source, key_block, operand, operand_grad
+from ..lower import LoweredProgram
+from .common import columns, constexpr_params, half_mask, indent, kernel_source
+from .loops import key_block
+from .operands import operand, operand_grad
 
 _KERNEL = string.Template('''\
     # A 1-D grid: $layout
