@@ -88,14 +88,26 @@ def test_wide_offsets_cast_exactly_the_stride_parameters():
 
 
 def test_bind_names_a_missing_or_unknown_argument():
-    launch = build_plan(llama.graph(), BASE).forward.launch
-    args = {name: i for i, name in enumerate(launch.runtime_names)}
-    assert launch.bind(**args) == tuple(range(len(args)))
-    del args["stride_kn"]
-    with pytest.raises(TypeError, match=r"missing \['stride_kn'\], unknown \[\]"):
-        launch.bind(**args)
-    with pytest.raises(TypeError, match=r"missing \[\], unknown \['stride_kx'\]"):
-        launch.bind(**args, stride_kn=0, stride_kx=1)
+    """Arguments bind by name, strides from the tensor they belong to; a missing or unknown name is named."""
+    launch = build_plan(_graph(llama), BASE).forward.launch
+    q, k, v, out = (torch.empty_strided((1, 2, 3, 4), stride, dtype=torch.float32) for stride in
+                    ((24, 12, 4, 1), (24, 1, 8, 2), (100, 30, 10, 1), (96, 48, 16, 4)))
+    rank = {p.name: sum(s.of == p.name for s in launch.params) for p in launch.params if p.kind == "tensor"}
+    given = {p.name: torch.empty((2,) * rank[p.name]) if p.kind == "tensor" else 7
+             for p in launch.params if p.kind not in ("stride", "constexpr")}
+    given.update(Q=q, K=k, V=v, Out=out)
+    bound = dict(zip(launch.runtime_names, launch.bind(given)))
+    assert [bound[f"stride_q{d}"] for d in "bhmd"] == list(q.stride())
+    assert [bound[f"stride_k{d}"] for d in "bhnd"] == list(k.stride())
+    assert [bound[f"stride_o{d}"] for d in "bhmd"] == list(out.stride())
+    assert [bound[f"rope_0_cos_s{i}"] for i in range(3)] == [4, 2, 1] and bound["Lse"] is given["Lse"]
+    del given["HQ"]
+    with pytest.raises(TypeError, match=r"missing \['HQ'\], unknown \[\]"):
+        launch.bind(given)
+    with pytest.raises(TypeError, match=r"missing \[\], unknown \['stride_qb'\]"):
+        launch.bind({**given, "HQ": 2, "stride_qb": 1})
+    with pytest.raises(TypeError, match=r"wrong number of dimensions"):
+        launch.bind({**given, "HQ": 2, "Q": q[0]})
     with pytest.raises(TypeError, match=r"constexprs .* missing \['EVEN_M'\]"):
         launch.constexprs({"EVEN_K": True})
 

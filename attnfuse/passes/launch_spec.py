@@ -2,12 +2,16 @@
 
 The same description writes the kernel's ``def`` line (``render_signature``) and binds a launch's
 arguments by name (``LaunchSpec.bind``), so the source and the launch cannot disagree on the order of two
-strides. Binding checks that the names given are exactly the kernel's.
+arguments. A stride parameter names the tensor parameter it belongs to: a launch gives the tensor, and
+binding takes the strides from it, so no stride can be paired with the wrong tensor. Binding checks that
+the names given are exactly the kernel's.
 """
 from __future__ import annotations
 
+import functools
+import itertools
 import operator
-from typing import Any
+from typing import Any, Callable
 
 from attrs import frozen
 
@@ -17,37 +21,31 @@ TILE_CONSTEXPRS = ("BLOCK_M", "BLOCK_N")  # set by each launch from its tiles
 
 @frozen
 class Param:
-    """One kernel parameter: its name and kind (tensor, stride, int, a plugin's scalar, or constexpr)."""
+    """One kernel parameter: its name and kind (tensor, stride, int, a plugin's scalar, or constexpr);
+    a stride's ``of``: the tensor parameter whose strides it is one of (all of them, in dimension order)."""
 
     name: str
     kind: str
+    of: str | None = None
 
 
 def params(kind: str, *names: str) -> tuple[Param, ...]:
     return tuple(Param(n, kind) for n in names)
 
 
-def stride_names(prefix: str, dims: str = "bhnd") -> tuple[str, ...]:
-    """``stride_<prefix><dim>`` for each dim letter: the strides of a 4-D tensor argument."""
-    return tuple(f"stride_{prefix}{d}" for d in dims)
+def strides(prefix: str, dims: str, of: str) -> tuple[Param, ...]:
+    """``stride_<prefix><dim>`` for each dim letter: the strides of the 4-D tensor parameter ``of``."""
+    return tuple(Param(f"stride_{prefix}{d}", STRIDE, of) for d in dims)
 
 
-def strides(prefix: str, dims: str = "bhnd") -> tuple[Param, ...]:
-    return params(STRIDE, *stride_names(prefix, dims))
-
-
-def named_strides(prefix: str, tensor: Any, dims: str = "bhnd") -> dict[str, int]:
-    """A tensor's strides by parameter name (see ``stride_names``)."""
-    return dict(zip(stride_names(prefix, dims), tensor.stride()))
-
-
+@functools.lru_cache(maxsize=None)
 def indexed_stride_names(tensor: str, rank: int) -> tuple[str, ...]:
     """``<tensor>_s<i>``: the strides of a plugin's tensor or a gradient buffer, by dimension."""
     return tuple(f"{tensor}_s{i}" for i in range(rank))
 
 
-def indexed_strides(tensor: str, value: Any) -> dict[str, int]:
-    return dict(zip(indexed_stride_names(tensor, value.dim()), value.stride()))
+def indexed_strides(tensor: str, rank: int) -> tuple[Param, ...]:
+    return tuple(Param(n, STRIDE, tensor) for n in indexed_stride_names(tensor, rank))
 
 
 def render_signature(name: str, parameters: tuple[Param, ...]) -> str:
@@ -77,27 +75,51 @@ class LaunchSpec:
         kinds = [p.kind == CONSTEXPR for p in parameters]
         if any(kinds[i] and not kinds[i + 1] for i in range(len(kinds) - 1)):
             raise ValueError(f"{kernel}: constexpr parameters must come after every runtime parameter")
-        self.runtime_names = tuple(p.name for p in parameters if p.kind != CONSTEXPR)
-        self.stride_names = tuple(p.name for p in parameters if p.kind == STRIDE)
+        runtime = [p for p in parameters if p.kind != CONSTEXPR]
+        self.runtime_names = tuple(p.name for p in runtime)
+        self.stride_names = tuple(p.name for p in runtime if p.kind == STRIDE)
+        given = [p.name for p in runtime if p.kind != STRIDE]
+        owners = list(dict.fromkeys(p.of for p in runtime if p.kind == STRIDE))
+        if not set(owners) <= set(given):
+            raise ValueError(f"{kernel}: strides of {sorted(set(owners) - set(given))}, which are not parameters")
+        # binding concatenates the given values (in parameter order) and each owner's strides, then reorders
+        flat = given + [p.name for owner in owners for p in runtime if p.of == owner]
+        position = {name: i for i, name in enumerate(flat)}
+        self._given = frozenset(given)
+        self._get_given = _getter(given)
+        self._get_owners = _getter(owners)
+        self._count = len(flat)
+        self._order = _getter([position[n] for n in self.runtime_names])
         constexprs = {p.name for p in parameters if p.kind == CONSTEXPR}
         unknown = set(constants) - constexprs
         if unknown:
             raise ValueError(f"{kernel}: constants {sorted(unknown)} are not constexpr parameters of the kernel")
         self.launch_constexprs = frozenset(constexprs - set(constants) - set(TILE_CONSTEXPRS))
-        self._runtime_set = frozenset(self.runtime_names)
-        self._get = operator.itemgetter(*self.runtime_names)
 
-    def bind(self, **args: Any) -> tuple:
-        """The runtime arguments in the kernel's order, from arguments by parameter name."""
-        if args.keys() != self._runtime_set:
-            _mismatch(self.kernel, "argument", args.keys(), self._runtime_set)
-        return self._get(args)
+    def bind(self, args: dict[str, Any]) -> tuple:
+        """The runtime arguments in the kernel's order, from ``args``: every tensor, int and scalar parameter
+        by name (a stride parameter comes from its tensor's strides)."""
+        if args.keys() != self._given:
+            _mismatch(self.kernel, "argument", args.keys(), self._given)
+        flat = self._get_given(args) + tuple(itertools.chain.from_iterable(
+            [t.stride() for t in self._get_owners(args)]))
+        if len(flat) != self._count:
+            raise TypeError(f"{self.kernel}: a tensor argument has the wrong number of dimensions for its strides")
+        return self._order(flat)
 
     def constexprs(self, given: dict[str, Any]) -> dict[str, Any]:
         """Every constexpr but the tile sizes: the constants, and ``given`` (exactly the launch's own)."""
         if given.keys() != self.launch_constexprs:
             _mismatch(self.kernel, "constexpr", given.keys(), self.launch_constexprs)
         return {**self.constants, **given}
+
+
+def _getter(keys: list) -> Callable[[Any], tuple]:
+    """``itemgetter`` that always returns a tuple."""
+    if len(keys) == 1:
+        get = operator.itemgetter(keys[0])
+        return lambda x: (get(x),)
+    return operator.itemgetter(*keys) if keys else (lambda x: ())
 
 
 def _mismatch(kernel: str, what: str, given, expected: frozenset) -> None:

@@ -19,7 +19,7 @@ from ..combinator import ACCUMULATOR, INPUT, BlockList, MaskFragment, Normaliser
 from ..errors import InputError
 from ..fragment_lint import lint
 from .fuse import FusedProgram
-from .launch_spec import SCALAR, STRIDE, TENSOR, Param, indexed_stride_names
+from .launch_spec import SCALAR, TENSOR, Param, indexed_strides
 from .tile import TileConfig, choose_tiles
 
 
@@ -164,10 +164,10 @@ def instance(app: ir.Apply, index: int, accumulator: str = "tl.float32") -> Inst
     mapping[ACCUMULATOR] = accumulator
     args: list[Param] = []
     for t in comb.tensors:
-        names = [f"{prefix}_{t.name}", *indexed_stride_names(f"{prefix}_{t.name}", t.rank)]
-        mapping[t.name] = names[0]
-        mapping.update({f"{t.name}_s{i}": n for i, n in enumerate(names[1:])})
-        args += [Param(names[0], TENSOR), *(Param(n, STRIDE) for n in names[1:])]
+        tensor, tensor_strides = f"{prefix}_{t.name}", indexed_strides(f"{prefix}_{t.name}", t.rank)
+        mapping[t.name] = tensor
+        mapping.update({f"{t.name}_s{i}": p.name for i, p in enumerate(tensor_strides)})
+        args += [Param(tensor, TENSOR), *tensor_strides]
     for sc in comb.scalars:
         mapping[sc.name] = f"{prefix}_{sc.name}"
         args.append(Param(f"{prefix}_{sc.name}", SCALAR))

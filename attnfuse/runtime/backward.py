@@ -6,7 +6,6 @@ from typing import Any
 
 import torch
 
-from ..passes.launch_spec import indexed_strides, named_strides
 from ..passes.lower import Instance
 from ..passes.plan import Plan
 from .inputs import KVCache, PluginArgs, Prepared, accumulator_dtype, empty_like_layout, even_keys, kv_launch_args
@@ -69,27 +68,22 @@ class BackwardKernels:
             delta = torch.empty((B, Hq, Nq), dtype=accumulator_dtype(q.dtype), device=q.device)  # dQ writes it
             lse = delta if lse is None else lse  # a placeholder pointer when the normaliser saves none
             dlse = dlse.to(delta.dtype).contiguous() if dlse is not None else None
-            shared = dict(Q=q, K=k, V=v, DO=dout, Lse=lse, Delta=delta, **named_strides("q", q, "bhmd"),
-                          **named_strides("k", k), **named_strides("v", v), **named_strides("do", dout, "bhmd"),
-                          HQ=Hq, Nq=Nq, **kv_launch_args(kv))
+            shared = {"Q": q, "K": k, "V": v, "DO": dout, "Lse": lse, "Delta": delta, "HQ": Hq, "Nq": Nq,
+                      **kv_launch_args(kv)}
             pargs, limit, heavy = prepared or self.plugin_args(q, kv, inputs)
-            grad_args = {}
-            for name, buffer in zip(self.dq.spec.grad_buffers, buffers):
-                grad_args.update({name: buffer}, **indexed_strides(name, buffer))
+            grad_args = dict(zip(self.dq.spec.grad_buffers, buffers))
             even_m = lambda tiles: Nq % tiles.block_m == 0  # noqa: E731
             dq_spec, dkdv_spec = self.dq.spec, self.dkdv.spec
             self.dq.launch(block_grid(Nq, B * Hq, "block_m", limit if dq_spec.scheduled else None),
-                           dq_spec.launch.bind(**shared, O=out, DLse=delta if dlse is None else dlse, DQuery=dq,
-                                               **named_strides("o", out, "bhmd"), **named_strides("dq", dq, "bhmd"),
-                                               **pargs, **grad_args),
+                           dq_spec.launch.bind({**shared, "O": out, "DLse": delta if dlse is None else dlse,
+                                                "DQuery": dq, **pargs, **grad_args}),
                            q.device, limit=limit, HAS_DLSE=dlse is not None, EVEN_K=even_keys(kv), EVEN_M=even_m)
             splits = dkdv_spec.split_heads  # heavy key blocks split over a group's query heads
             scratch = self._split_buffers(B * Hkv * heavy * limit, Hq // Hkv, q) if splits else ()
             self.dkdv.launch(block_grid(Nk, B * Hkv, "block_n", limit if dkdv_spec.scheduled else None,
                                         heavy * (Hq // Hkv - 1) if splits else 0),
-                             dkdv_spec.launch.bind(**shared, DKey=dk, DValue=dv, **named_strides("dk", dk),
-                                                   **named_strides("dv", dv), **pargs,
-                                                   **dict(zip(("PartDKV", "SplitCount"), scratch))),
+                             dkdv_spec.launch.bind({**shared, "DKey": dk, "DValue": dv, **pargs,
+                                                    **dict(zip(("PartDKV", "SplitCount"), scratch))}),
                              q.device, limit=limit, EVEN_K=even_keys(kv), EVEN_M=even_m)
         else:
             for g in (dq, dk, dv):

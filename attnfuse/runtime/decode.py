@@ -7,7 +7,6 @@ from typing import Any
 
 import torch
 
-from ..passes.launch_spec import named_strides
 from ..passes.plan import Plan
 from .combine import combine
 from .inputs import KVCache, PluginArgs, accumulator_dtype, empty_like_layout, even_keys, kv_launch_args
@@ -68,10 +67,9 @@ class DecodeKernel:
         split_keys, splits = split_plan(B, Hkv, row_blocks, kv.capacity, self.kernel.tiles.block_n, q.device)
         part_out = torch.empty((B * Hq * Nq, splits, DV), dtype=acc, device=q.device)
         part_lse = torch.empty((B * Hq * Nq, splits), dtype=acc, device=q.device)
-        args = self.kernel.spec.launch.bind(
-            Q=q, K=kv.k, V=kv.v, PartOut=part_out, PartLse=part_lse, **named_strides("q", q, "bhmd"),
-            **named_strides("k", kv.k), **named_strides("v", kv.v), HQ=Hq, Nq=Nq, **kv_launch_args(kv),
-            SPLIT=split_keys, NUM_SPLITS=splits, **self.plugin_args(q, kv, inputs).args)
+        args = self.kernel.spec.launch.bind({
+            "Q": q, "K": kv.k, "V": kv.v, "PartOut": part_out, "PartLse": part_lse, "HQ": Hq, "Nq": Nq,
+            **kv_launch_args(kv), "SPLIT": split_keys, "NUM_SPLITS": splits, **self.plugin_args(q, kv, inputs).args})
         self.kernel.launch(lambda tiles: (splits, B * Hkv, row_blocks), args, q.device, block_m=block_m,
                            EVEN_K=even_keys(kv))
         combine(part_out, part_lse, out, lse, self._logsumexp)

@@ -6,7 +6,6 @@ from typing import Any
 
 import torch
 
-from ..passes.launch_spec import named_strides
 from ..passes.lower import LoweredProgram
 from ..passes.plan import Plan
 from .inputs import KVCache, PluginArgs, Prepared, accumulator_dtype, empty_like_layout, even_keys, kv_launch_args
@@ -47,9 +46,8 @@ class ForwardKernel:
             return out, lse
         pargs, limit, _ = prepared or self.plugin_args(q, kv, inputs)
         spec = self.kernel.spec
-        args = spec.launch.bind(Q=q, K=k, V=v, Out=out, Lse=out if lse is None else lse,
-                                **named_strides("q", q, "bhmd"), **named_strides("k", k), **named_strides("v", v),
-                                **named_strides("o", out, "bhmd"), HQ=Hq, Nq=Nq, **kv_launch_args(kv), **pargs)
+        args = spec.launch.bind({"Q": q, "K": k, "V": v, "Out": out, "Lse": out if lse is None else lse, "HQ": Hq,
+                                 "Nq": Nq, **kv_launch_args(kv), **pargs})
         self.kernel.launch(block_grid(Nq, B * Hq, "block_m", limit if spec.scheduled else None), args, q.device,
                            limit=limit, EVEN_K=even_keys(kv), EVEN_M=lambda tiles: Nq % tiles.block_m == 0)
         return out, lse

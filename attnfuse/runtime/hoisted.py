@@ -13,7 +13,6 @@ from typing import Any
 
 import torch
 
-from ..passes.launch_spec import named_strides
 from ..passes.plan import KernelSpec, Plan
 from .backward import BackwardKernels
 from .forward import ForwardKernel
@@ -57,11 +56,11 @@ class TransformPass:
         if grid(self.kernel.tiles)[0]:
             named = {}
             for x in sides:
-                named.update({x.upper(): rows[x], f"{x.upper()}Out": outs[x]}, **named_strides(x, rows[x]),
-                             **named_strides(f"{x}o", outs[x]))
+                named.update({x.upper(): rows[x], f"{x.upper()}Out": outs[x]})
                 if grads is not None:
                     named[f"G{x.upper()}"] = grads[x]
-            self.kernel.launch(grid, self.kernel.spec.launch.bind(**named, HQ=Hq, Nq=Nq, N_K=Nk, BATCH=B, **pargs),
+            self.kernel.launch(grid, self.kernel.spec.launch.bind(
+                {**named, "HQ": Hq, "Nq": Nq, "N_K": Nk, "BATCH": B, **pargs}),
                                rows["k"].device)
         return outs
 

@@ -8,6 +8,7 @@ import torch
 from attrs import frozen
 
 from ..errors import InputError, PluginError
+from ..passes.launch_spec import STRIDE
 from ..passes.lower import KernelConfig, LoweredProgram, accumulator_type
 from .offsets import rows_fit
 
@@ -185,13 +186,12 @@ def _rows_fit(q: torch.Tensor, kv: KVCache) -> bool:
 
 def kv_launch_args(kv: KVCache) -> dict[str, Any]:
     """The kernel arguments of the cache by name: its capacity ``N_K``, lengths, and a paged cache's block
-    table, page size and number of pages."""
+    table (its strides come with it), page size and number of pages."""
     args: dict[str, Any] = {"N_K": kv.capacity}
     if kv.lens is not None:
         args["KvLens"] = kv.lens
     if kv.block_table is not None:
-        args.update(BlockTable=kv.block_table, stride_btb=kv.block_table.stride(0),
-                    stride_btp=kv.block_table.stride(1), PAGE_SIZE=kv.page_size, NUM_PAGES=kv.k.shape[0])
+        args.update(BlockTable=kv.block_table, PAGE_SIZE=kv.page_size, NUM_PAGES=kv.k.shape[0])
     return args
 
 
@@ -215,8 +215,8 @@ def empty_like_layout(t: torch.Tensor, last_dim: int, dtype: torch.dtype) -> tor
 
 
 class Prepared(NamedTuple):
-    """What the plugins of one call give: the kernel arguments by parameter name (each tensor, its strides,
-    each scalar); the largest tile a block-listing mask allows (its block size) or None; and how many of its
+    """What the plugins of one call give: the kernel arguments by parameter name (each tensor, each scalar;
+    a tensor's strides are bound from it); the largest tile a block-listing mask allows (its block size) or None; and how many of its
     heavy key blocks the dK/dV kernel splits over a GQA group's query heads (``BlockList.q_split``)."""
 
     args: dict[str, Any]
@@ -229,7 +229,7 @@ class PluginArgs:
 
     def __init__(self, lowered: LoweredProgram):
         self._plugins = tuple((inst, inst.apply.declaration) for inst in lowered.instances() if inst.args)
-        self._names = tuple(p.name for p in lowered.args())
+        self._names = tuple(p.name for p in lowered.args() if p.kind != STRIDE)  # strides come with tensors
         listing = next((m.fragment.block_list for m in lowered.masks if m.fragment.block_list is not None), None)
         self._limit = listing and listing.size
         self._split = listing and listing.q_split
@@ -248,9 +248,10 @@ class PluginArgs:
                                       f"got {getattr(tensor, 'shape', type(tensor).__name__)}")
                 if tensor.device != ctx.device:
                     raise InputError(f"{comb.name}: {t.name!r} is on {tensor.device}, the inputs on {ctx.device}")
-                args += [tensor, *tensor.stride()]
+                args.append(tensor)
             for sc in comb.scalars:
                 args.append(prepared[sc.name])
                 scalars[f"{inst.prefix}_{sc.name}"] = prepared[sc.name]
-        return Prepared(dict(zip(self._names, args, strict=True)), None if self._limit is None else int(scalars[self._limit]),
+        return Prepared(dict(zip(self._names, args, strict=True)),
+                        None if self._limit is None else int(scalars[self._limit]),
                         int(scalars[self._split]) if self._split else 0)

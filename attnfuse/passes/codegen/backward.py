@@ -15,7 +15,7 @@ import string
 
 import attrs
 
-from ..launch_spec import INT, STRIDE, TENSOR, Param, indexed_stride_names, params, strides
+from ..launch_spec import INT, TENSOR, Param, indexed_strides, params, strides
 from ..lower import Instance, LoweredProgram
 from .common import (columns, constexpr_params, dv_mask, fragment, half_mask, indent, kernel_source, kv_params,
                      masked_load, precision, qkv_strides, split)
@@ -193,13 +193,14 @@ def grad_buffer(inst: Instance, name: str) -> str:
 def _tensor_grad_params(grads: tuple[tuple[Instance, str], ...]) -> tuple[Param, ...]:
     """Each gradient buffer the dQ kernel writes, then its strides."""
     return tuple(p for inst, name in grads for p in (
-        Param(grad_buffer(inst, name), TENSOR), *params(STRIDE, *indexed_stride_names(grad_buffer(inst, name), 4))))
+        Param(grad_buffer(inst, name), TENSOR), *indexed_strides(grad_buffer(inst, name), 4)))
 
 
 def dkdv_params(kernel: LoweredProgram) -> tuple[Param, ...]:
     """The dK/dV kernel's parameters, in order (PartDKV and SplitCount when it splits heavy key blocks)."""
     return (params(TENSOR, "Q", "K", "V", "DO", "Lse", "Delta", "DKey", "DValue") + qkv_strides()
-            + strides("do", "bhmd") + strides("dk") + strides("dv") + params(INT, "HQ", "Nq", "N_K")
+            + strides("do", "bhmd", "DO") + strides("dk", "bhnd", "DKey") + strides("dv", "bhnd", "DValue")
+            + params(INT, "HQ", "Nq", "N_K")
             + kv_params(kernel) + kernel.args()
             + (params(TENSOR, "PartDKV", "SplitCount") if split_heads(kernel) is not None else ())
             + constexpr_params(kernel, even_keys=True, even_queries=True))
@@ -208,7 +209,8 @@ def dkdv_params(kernel: LoweredProgram) -> tuple[Param, ...]:
 def dq_params(kernel: LoweredProgram, tensor_grads: tuple[tuple[Instance, str], ...] = ()) -> tuple[Param, ...]:
     """The dQ kernel's parameters, in order, with the buffers of the score-shaped gradients it writes."""
     return (params(TENSOR, "Q", "K", "V", "DO", "O", "Lse", "DLse", "Delta", "DQuery") + qkv_strides()
-            + strides("do", "bhmd") + strides("o", "bhmd") + strides("dq", "bhmd") + params(INT, "HQ", "Nq", "N_K")
+            + strides("do", "bhmd", "DO") + strides("o", "bhmd", "O") + strides("dq", "bhmd", "DQuery")
+            + params(INT, "HQ", "Nq", "N_K")
             + kv_params(kernel) + kernel.args() + _tensor_grad_params(tensor_grads)
             + constexpr_params(kernel, True, True, "HAS_DLSE"))
 

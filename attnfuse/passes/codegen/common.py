@@ -21,14 +21,15 @@ import triton.language as tl
 
 def qkv_strides() -> tuple[Param, ...]:
     """The strides of q (B, Hq, Nq, D), k and v (B or pages, Hkv, Nk or page rows, D/DV)."""
-    return strides("q", "bhmd") + strides("k") + strides("v")
+    return strides("q", "bhmd", "Q") + strides("k", "bhnd", "K") + strides("v", "bhnd", "V")
 
 
 def kv_params(kernel: LoweredProgram) -> tuple[Param, ...]:
     """After ``N_K``: per-sequence lengths, a paged cache's block table, page size and number of pages."""
     found = params(TENSOR, "KvLens") if kernel.config.kv_lens else ()
     if kernel.config.paged:
-        found += params(TENSOR, "BlockTable") + strides("bt", "bp") + params(INT, "PAGE_SIZE", "NUM_PAGES")
+        found += (params(TENSOR, "BlockTable") + strides("bt", "bp", "BlockTable")
+                  + params(INT, "PAGE_SIZE", "NUM_PAGES"))
     return found
 
 

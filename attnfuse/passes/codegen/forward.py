@@ -48,7 +48,7 @@ def key_tile(kernel: LoweredProgram, masked: bool, implied: str | None = None) -
 
 def forward_params(kernel: LoweredProgram) -> tuple[Param, ...]:
     """The forward kernel's parameters, in order."""
-    return (params(TENSOR, "Q", "K", "V", "Out", "Lse") + qkv_strides() + strides("o", "bhmd")
+    return (params(TENSOR, "Q", "K", "V", "Out", "Lse") + qkv_strides() + strides("o", "bhmd", "Out")
             + params(INT, "HQ", "Nq", "N_K") + kv_params(kernel) + kernel.args()
             + constexpr_params(kernel, even_keys=True, even_queries=True))
 

@@ -72,7 +72,8 @@ def pass_params(kernel: LoweredProgram, sides: tuple[str, ...], gradient: bool) 
     X then of each XOut (GX has XOut's), HQ, Nq, N_K, BATCH, the plugins' arguments."""
     pointers = [x.upper() for x in sides] + [f"{x.upper()}Out" for x in sides]
     pointers += [f"G{x.upper()}" for x in sides] if gradient else []
-    return (params(TENSOR, *pointers) + tuple(p for o in ("", "o") for x in sides for p in strides(f"{x}{o}"))
+    owners = [(x, x.upper()) for x in sides] + [(f"{x}o", f"{x.upper()}Out") for x in sides]  # (prefix, tensor)
+    return (params(TENSOR, *pointers) + tuple(p for prefix, owner in owners for p in strides(prefix, "bhnd", owner))
             + params(INT, "HQ", "Nq", "N_K", "BATCH") + kernel.args() + constexpr_params(kernel))
 
 
