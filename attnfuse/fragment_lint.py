@@ -190,6 +190,15 @@ def _fields(fragment: Any) -> Iterator[tuple[str, str, Any]]:
             yield from ((f"{f.name}.{path}", text, rec) for path, text, rec in _fields(value))
 
 
+_OLD_ACCUMULATOR = re.compile(r"\btl\.float32\b")  # the spelling $acc_dtype replaced
+
+
+def _line_of(text: str, pattern: re.Pattern) -> int:
+    """The line of ``pattern``'s first match in the dedented, stripped text (as ``_excerpt`` numbers lines)."""
+    lines = textwrap.dedent(text).strip().splitlines()
+    return next((i + 1 for i, line in enumerate(lines) if pattern.search(line)), 1)
+
+
 def lint(comb: Combinator, fragment: Any, distribution: str) -> None:
     """Raise PluginError for the first fragment field of ``comb`` that breaks its slot's contract."""
     mapping = _markers(comb)
@@ -215,15 +224,6 @@ def lint(comb: Combinator, fragment: Any, distribution: str) -> None:
             message, line = found[0]
             raise PluginError(f"combinator {comb.name!r} of distribution {distribution!r}, fragment field "
                               f"{path!r}: {message}\n{_excerpt(text, line)}")
-
-
-_OLD_ACCUMULATOR = re.compile(r"\btl\.float32\b")
-
-
-def _line_of(text: str, pattern: re.Pattern) -> int:
-    """The line of ``pattern``'s first match in the dedented, stripped text (as ``_excerpt`` numbers lines)."""
-    lines = textwrap.dedent(text).strip().splitlines()
-    return next((i + 1 for i, line in enumerate(lines) if pattern.search(line)), 1)
 
 
 def _defined(text: str, mapping: dict[str, str]) -> set[str]:

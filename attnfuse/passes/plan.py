@@ -101,10 +101,11 @@ def _generate_dq(lowered: LoweredProgram, tensor_grads, name: str, parameters: t
     return generate_dq(lowered, name, parameters, tensor_grads)
 
 
-def _spec(lowered: LoweredProgram, kind: str, parameters: tuple[Param, ...], generate: Callable, tiles: str = "",
-          **facts) -> KernelSpec:
+def _spec(lowered: LoweredProgram, kind: str, parameters: tuple[Param, ...], generate: Callable,
+          tiles_of: str = "", **facts) -> KernelSpec:
+    """The spec of one kernel; its tiles are those of kernel ``tiles_of`` (its own kind by default)."""
     name = f"attnfuse_{NAME_PARTS[kind]}_{lowered.signature[:12]}"
-    return KernelSpec(kind=kind, name=name, tiles=lowered.tiles[tiles or kind],
+    return KernelSpec(kind=kind, name=name, tiles=lowered.tiles[tiles_of or kind],
                       launch=LaunchSpec(name, parameters, constants(lowered)), generate=generate,
                       halves=split(lowered), **facts)
 
@@ -113,7 +114,7 @@ def _pass(lowered: LoweredProgram, gradient: bool) -> KernelSpec:
     sides = hoisted_sides(lowered)
     return _spec(lowered, "gradient" if gradient else "transform", pass_params(lowered, sides, gradient),
                  lambda name, parameters: generate_pass(lowered, name, parameters, sides, gradient),
-                 tiles="forward", sides=sides)
+                 tiles_of="forward", sides=sides)
 
 
 def build_plan(graph: ir.MatMulPV, config: KernelConfig) -> Plan:

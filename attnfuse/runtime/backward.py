@@ -8,8 +8,9 @@ import torch
 
 from ..passes.lower import Instance
 from ..passes.plan import Plan
-from .inputs import KVCache, PluginArgs, Prepared, accumulator_dtype, empty_like_layout, even_keys, kv_launch_args
+from .inputs import KVCache, accumulator_dtype, empty_like_layout, even_keys, kv_launch_args
 from .kernel import CompiledKernel
+from .plugin_args import PluginArgs, Prepared
 from .offsets import rows_fit
 from .launcher import block_grid
 

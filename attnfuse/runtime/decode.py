@@ -9,8 +9,9 @@ import torch
 
 from ..passes.plan import Plan
 from .combine import combine
-from .inputs import KVCache, PluginArgs, accumulator_dtype, empty_like_layout, even_keys, kv_launch_args
+from .inputs import KVCache, accumulator_dtype, empty_like_layout, even_keys, kv_launch_args
 from .kernel import CompiledKernel
+from .plugin_args import PluginArgs
 from .launcher import cdiv, next_power_of_2
 
 MAX_QUERIES = 16  # decoding and speculative decoding: at most this many queries take the split path

@@ -16,8 +16,9 @@ import torch
 from ..passes.plan import KernelSpec, Plan
 from .backward import BackwardKernels
 from .forward import ForwardKernel
-from .inputs import KVCache, PluginArgs, Prepared, accumulator_dtype, empty_like_layout
+from .inputs import KVCache, accumulator_dtype, empty_like_layout
 from .kernel import CompiledKernel
+from .plugin_args import PluginArgs, Prepared
 from .launcher import cdiv
 
 HOIST_MIN_QUERY_BLOCKS = 4  # `attnfuse bench` times both ways (the rope_causal_per_tile rows)
