@@ -38,6 +38,9 @@ CONFIGS = [BASE, attrs.evolve(BASE, group=2, wide_offsets=True), attrs.evolve(BA
            attrs.evolve(BASE, dtype="float64", head_dim=24, q_transformed=True, k_transformed=True)]
 
 
+NAME_PARTS = {"forward": "fwd", "transform": "transformpass", "gradient": "gradpass"}
+
+
 def _graph(program):
     """The program's graph (a runtime input's value does not matter to the trace)."""
     return program.graph(*(torch.empty(0) for _ in program._extra))
@@ -64,7 +67,7 @@ def test_launch_spec_is_the_def_line(program, config):
     if program is llama and not (config.kv_lens or config.k_transformed):
         assert {"transform", "gradient"} <= kinds
     for spec in _specs(plan):
-        assert spec.name == f"attnfuse_{ {'forward': 'fwd', 'transform': 'transformpass', 'gradient': 'gradpass'}.get(spec.kind, spec.kind)}_{plan.lowered.signature[:12]}"
+        assert spec.name == f"attnfuse_{NAME_PARTS.get(spec.kind, spec.kind)}_{plan.lowered.signature[:12]}"
         assert _def_line(spec.source, spec.name) == [(p.name, p.kind == CONSTEXPR) for p in spec.launch.params]
         assert set(spec.launch.constants) <= {p.name for p in spec.launch.params if p.kind == CONSTEXPR}
 

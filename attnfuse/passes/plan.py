@@ -16,8 +16,8 @@ from attrs import field, frozen
 
 from .. import ir
 from .codegen import (constants, decode_params, dkdv_params, dq_params, forward_params, generate_decode,
-                      generate_dkdv, generate_dq, generate_forward, generate_pass, grad_buffer, pass_params, scheduled, split,
-                      split_heads)
+                      generate_dkdv, generate_dq, generate_forward, generate_pass, grad_buffer, pass_params,
+                      scheduled, split, split_heads)
 from .fuse import fuse
 from .launch_spec import LaunchSpec, Param
 from .lower import Instance, KernelConfig, LoweredProgram, lower
@@ -92,13 +92,11 @@ class Plan:
 
     def dq(self, tensor_grads: tuple[tuple[Instance, str], ...] = ()) -> KernelSpec:
         """The dQ kernel writing the score-shaped gradients of ``tensor_grads`` ((instance, parameter) pairs)."""
-        return _spec(self.lowered, "dq", dq_params(self.lowered, tensor_grads),
-                     functools.partial(_generate_dq, self.lowered, tensor_grads), scheduled=scheduled(self.lowered),
+        lowered = self.lowered
+        return _spec(lowered, "dq", dq_params(lowered, tensor_grads),
+                     lambda name, parameters: generate_dq(lowered, name, parameters, tensor_grads),
+                     scheduled=scheduled(lowered),
                      grad_buffers=tuple(grad_buffer(inst, name) for inst, name in tensor_grads))
-
-
-def _generate_dq(lowered: LoweredProgram, tensor_grads, name: str, parameters: tuple[Param, ...]) -> str:
-    return generate_dq(lowered, name, parameters, tensor_grads)
 
 
 def _spec(lowered: LoweredProgram, kind: str, parameters: tuple[Param, ...], generate: Callable,
@@ -120,15 +118,12 @@ def _pass(lowered: LoweredProgram, gradient: bool) -> KernelSpec:
 def build_plan(graph: ir.MatMulPV, config: KernelConfig) -> Plan:
     """fuse -> lower (+ tile) -> the specs of every kernel of ``graph`` for ``config``."""
     lowered = lower(fuse(graph), config, listing=ir.render(graph))
-
-    def generator(generate: Callable) -> Callable:
-        return functools.partial(generate, lowered)
     return Plan(
         graph=graph, lowered=lowered,
-        forward=_spec(lowered, "forward", forward_params(lowered), generator(generate_forward),
+        forward=_spec(lowered, "forward", forward_params(lowered), functools.partial(generate_forward, lowered),
                       scheduled=scheduled(lowered)),
-        decode=_spec(lowered, "decode", decode_params(lowered), generator(generate_decode)),
-        dkdv=_spec(lowered, "dkdv", dkdv_params(lowered), generator(generate_dkdv),
+        decode=_spec(lowered, "decode", decode_params(lowered), functools.partial(generate_decode, lowered)),
+        dkdv=_spec(lowered, "dkdv", dkdv_params(lowered), functools.partial(generate_dkdv, lowered),
                    scheduled=scheduled(lowered, transposed=True), split_heads=split_heads(lowered) is not None),
         transform=_pass(lowered, False) if hoistable(lowered) else None,
         gradient=_pass(lowered, True) if hoistable(lowered) else None)

@@ -13,8 +13,9 @@ from .inputs import KVCache, launch_context
 
 class Prepared(NamedTuple):
     """What the plugins of one call give: the kernel arguments by parameter name (each tensor, each scalar;
-    a tensor's strides are bound from it); the largest tile a block-listing mask allows (its block size) or None; and how many of its
-    heavy key blocks the dK/dV kernel splits over a GQA group's query heads (``BlockList.q_split``)."""
+    a tensor's strides are bound from it); the largest tile a block-listing mask allows (its block size) or
+    None; and how many of its heavy key blocks the dK/dV kernel splits over a GQA group's query heads
+    (``BlockList.q_split``)."""
 
     args: dict[str, Any]
     limit: int | None

@@ -14,5 +14,5 @@ from .loops import scheduled, split_heads
 from .transform_pass import generate_pass, pass_params
 
 __all__ = ["constants", "decode_params", "dkdv_params", "dq_params", "forward_params", "generate_decode",
-           "generate_dkdv", "generate_dq", "generate_forward", "generate_pass", "grad_buffer", "pass_params", "scheduled", "split",
-           "split_heads"]
+           "generate_dkdv", "generate_dq", "generate_forward", "generate_pass", "grad_buffer", "pass_params",
+           "scheduled", "split", "split_heads"]
