@@ -146,3 +146,18 @@ def test_float64_accumulates_in_float64_without_rewriting_text():
     source64 = build_plan(_graph(alibi_window), attrs.evolve(BASE, dtype="float64")).forward.source
     assert "tl.float64" not in source32 and "tl.float32" not in source64
     assert "tl.load(alibi_1_slopes + h * alibi_1_slopes_s0).to(tl.float64)" in source64
+
+
+def test_runtime_reads_plans_not_codegen():
+    """The runtime launches what the plan describes: no runtime module imports the code generator."""
+    import pathlib
+
+    import attnfuse.runtime
+
+    offenders = []
+    for path in pathlib.Path(attnfuse.runtime.__file__).parent.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            modules = [node.module or ""] if isinstance(node, ast.ImportFrom) else \
+                [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            offenders += [f"{path.name}: {m}" for m in modules if "codegen" in m]
+    assert offenders == []
