@@ -46,7 +46,7 @@ def __getattr__(name: str) -> Any:
                              f"registered; `attnfuse list` shows those that are)")
     fn = _functions.get(entry.combinator)
     if fn is None:
-        fn = _functions[entry.combinator] = dsl_function(entry.combinator)
+        fn = _functions[entry.combinator] = dsl_function(entry)
     return fn
 
 

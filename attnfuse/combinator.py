@@ -7,7 +7,10 @@ imports plugin code beyond it. Fragments are Triton source with ``$name`` placeh
 * ``$<tensor>`` and ``$<tensor>_s0`` ... ``$<tensor>_s<rank-1>`` for a tensor the plugin's ``prepare``
   returns: its pointer and strides, as kernel arguments;
 * ``$<scalar>`` for a number ``prepare`` returns: a kernel argument;
-* ``$self``: a prefix unique to this application, for names a prologue defines and a body reads.
+* ``$self``: a prefix unique to this application, for names a prologue defines and a body reads;
+* ``$acc_dtype``: the accumulation type (``tl.float32``, ``tl.float64`` for float64 inputs).
+
+The fragment records of each role are in ``attnfuse.fragments`` (and importable from here).
 
 Fragments may also read the template's variables, documented in docs/writing-a-combinator.md:
 ``b``, ``h``, ``hk`` (batch, query head, key/value head), ``q_idx``, ``q_pos`` (BLOCK_M,),
@@ -25,6 +28,12 @@ import attrs
 from attrs import field, frozen
 
 from .errors import DeclarationError
+from .fragments import (ACCUMULATOR, BlockList, MaskFragment, NormaliserFragment, QKTransformFragment, Range,
+                        ScoreModFragment, ScoreSourceFragment)
+
+__all__ = ["ACCUMULATOR", "INPUT", "PLACEHOLDERS", "REQUIRED", "BlockList", "Combinator", "MaskFragment",
+           "NormaliserFragment", "Param", "QKTransformFragment", "Range", "Role", "ScalarArg", "ScoreModFragment",
+           "ScoreSourceFragment", "TensorArg"]
 
 
 class Role(enum.Enum):
@@ -91,157 +100,12 @@ class ScalarArg:
     name: str = field(validator=_identifier)
 
 
-@frozen(kw_only=True)
-class QKTransformFragment:
-    """Rewrites the q tile once before the key loop and each k tile inside it.
-
-    The tile arrives as its two halves, float32 (rows, BLOCK_H): ``$x1`` holds columns [0, D/2) and
-    ``$x2`` columns [D/2, D); the fragment rewrites both in place. ``$pos`` are the rows' positions (rows,),
-    ``$ok`` the (rows, BLOCK_H) mask of real elements; ``dh`` is ``tl.arange(0, BLOCK_H)`` and ``HALF``
-    is D/2. Name temporaries ``${tmp}_<name>``: ``$tmp`` differs between the q site (before the loop) and
-    the k site (inside it), whose tiles differ in shape. An empty string leaves that operand unchanged.
-
-    Backward: ``q_grad``/``k_grad`` rewrite the gradient halves ``$g1``, ``$g2`` (gradient with respect
-    to the transform's output) into the gradient with respect to its input ``$x1``, ``$x2`` (a
-    vector-Jacobian product; for a rotation, the transposed rotation). ``None``: no backward.
-    """
-
-    q: str = ""
-    k: str = ""
-    q_grad: str | None = None
-    k_grad: str | None = None
-
-    def differentiable(self) -> bool:
-        return (not self.q or self.q_grad is not None) and (not self.k or self.k_grad is not None)
-
-
-@frozen(kw_only=True)
-class ScoreSourceFragment:
-    """A score source computes (q·kᵀ)·scale after an optional transform of q and k."""
-
-    transform: QKTransformFragment | None = None
-
-
-@frozen(kw_only=True)
-class ScoreModFragment:
-    """Rewrites the score tile ``s`` (float32, (BLOCK_M, BLOCK_N), natural units) inside the key loop.
-
-    Backward: ``grad`` rewrites ``ds``, the gradient with respect to this modification's output, into the
-    gradient with respect to its input; it may read ``$s_in`` and ``$s_out``. ``""`` for a modification
-    that adds something independent of ``s`` (its derivative is 1); ``None``: no backward.
-    ``tensor_grads``: (runtime tensor parameter, expression of ``ds``, ``$s_in``, ``$s_out``) pairs giving,
-    element by element over the score tile, the gradient of a parameter broadcastable to the scores
-    (additive_bias: ``("bias", "ds")``); the runtime sums it over the dimensions the tensor broadcasts.
-    """
-
-    body: str
-    prologue: str = ""
-    grad: str | None = None
-    tensor_grads: tuple[tuple[str, str], ...] = field(default=(), converter=tuple)
-
-
-@frozen(kw_only=True)
-class BlockList:
-    """Lists of the blocks a mask keeps anything in, so the kernels visit only those (block sparsity).
-
-    Blocks are ``size`` x ``size`` in index space (``size`` names a scalar the plugin's ``prepare``
-    returns; kernel tiles shrink to at most it). ``count`` and ``index`` give, for query block ``$block``,
-    how many key blocks are listed and the ``$i``-th of them; ``q_count`` and ``q_index`` the same for the
-    query blocks of key block ``$block`` (the backward's dK/dV loop). Listed blocks still run the mask's
-    other masks; the listing mask's own ``keep`` is then implied and skipped.
-
-    ``order`` (optional): the query block to run ``$slot``-th, a permutation of them, heaviest first;
-    ``q_order`` the same for key blocks (dK/dV). With an order the kernels run a block for every batch
-    and head before the next block, so the longest lists start first and none runs alone at the end.
-    ``q_split`` (optional, with ``q_order``): names a scalar, how many key blocks, first in ``q_order``,
-    the dK/dV kernel splits over the query heads of a GQA group: each head's share runs as a program of
-    its own, and the group's last to finish sums the shares in head order (deterministic). For blocks
-    whose lists are much longer than the rest, as global tokens' are.
-    """
-
-    size: str
-    count: str
-    index: str
-    q_count: str
-    q_index: str
-    order: str | None = None
-    q_order: str | None = None
-    q_split: str | None = None
-
-
-@frozen(kw_only=True)
-class MaskFragment:
-    """Which keys a query keeps, plus block facts the compiler uses to bound and split the key loops.
-
-    ``keep``: a boolean expression broadcastable to (BLOCK_M, BLOCK_N), of ``q_pos[:, None]``,
-    ``k_pos[None, :]``, ``q_idx``, ``b``, ``h``. ``None`` keeps every key.
-    ``kv_range``: (lo, hi) key positions outside of which no query of a block with positions
-    ``$q_lo`` ... ``$q_hi`` keeps anything; ``None`` when unknown. Blocks outside are never visited.
-    ``full_range``: (lo, hi) key positions every query of such a block keeps; blocks inside run with no
-    mask arithmetic. ``None`` when unknown (every visited block then evaluates ``keep``).
-    ``q_range``, ``q_full_range``: the same facts transposed, for the backward's loop over query blocks:
-    query positions that keep some / every key of a key block with positions ``$k_lo`` ... ``$k_hi``.
-    Query positions never reach ``Nk``, so ``"Nk"`` serves as an upper bound meaning "no limit".
-    ``block_list``: lists of the blocks kept at all, for block-sparse iteration (see ``BlockList``).
-    """
-
-    keep: str | None
-    kv_range: tuple[str, str] | None = None
-    full_range: tuple[str, str] | None = None
-    q_range: tuple[str, str] | None = None
-    q_full_range: tuple[str, str] | None = None
-    block_list: BlockList | None = None
-
-
-@frozen(kw_only=True)
-class NormaliserFragment:
-    """Turns scores into the weights ``p`` that multiply V, with its own running state.
-
-    ``score_factor``: the template multiplies scores by it before ``update`` (log2(e) for an exp2 softmax).
-    ``masked_score``: the value an excluded key's score takes before ``update``; it must give weight 0.
-    ``init`` declares the state; ``update`` reads ``s`` and writes ``p`` (BLOCK_M, BLOCK_N) float32,
-    rescaling ``acc`` if it must; ``finalize`` writes ``out`` from ``acc`` and, when ``has_lse``, ``lse``
-    (BLOCK_M,) in natural log. ``scaled_update`` (optional): the same update reading unscaled ``s``,
-    whose scores are ``s * $factor`` ($factor > 0, so masked scores stay ``masked_score``); the core uses
-    it where no score modification needs the scores, folding the scale into the exponent.
-
-    Backward (FlashAttention-2: weights are recomputed tile by tile): ``backward_rows`` runs once per
-    query tile and may read ``lse`` (BLOCK_M,) when ``has_lse``; ``recompute`` writes ``p`` from ``s`` (as
-    ``update`` saw it); ``grad`` writes ``ds``, the gradient with respect to the scores in natural units,
-    from ``p``, ``s``, ``dp`` (= dO·Vᵀ) and, when ``needs_delta``, ``delta`` (BLOCK_M,) = rowsum(dO∘O)
-    minus the gradient of lse. ``grad=None``: no backward.
-
-    Split-KV decoding: ``combine`` says how results over disjoint key splits merge: ``"logsumexp"`` (each
-    split's ``finalize`` gives its normalised ``out`` and ``lse``; softmax), ``"sum"`` (each gives its
-    ``out``; an unnormalised normaliser such as relu_attention), or None (no split path; decoding runs the
-    regular kernel).
-
-    ``smooth=False``: the weights' derivative jumps (relu at 0), so rounding a score across the jump
-    changes a gradient by a whole term; the conformance suite then compares gradients only in float32
-    and float64, where that is rare.
-    """
-
-    init: str
-    update: str
-    finalize: str
-    scaled_update: str = ""
-    masked_score: str = 'float("-inf")'
-    score_factor: float = 1.0
-    has_lse: bool = False
-    backward_rows: str = ""
-    recompute: str = ""
-    grad: str | None = None
-    needs_delta: bool = False
-    combine: str | None = field(default=None, validator=attrs.validators.in_((None, "logsumexp", "sum")))
-    smooth: bool = True
-
-
-_TRANSFORM_PLACEHOLDERS = frozenset({"self", "x1", "x2", "pos", "ok", "tmp", "g1", "g2"})
+_TRANSFORM_PLACEHOLDERS = frozenset({"self", ACCUMULATOR, "x1", "x2", "pos", "ok", "tmp", "g1", "g2"})
 PLACEHOLDERS = {
     Role.QK_TRANSFORM: _TRANSFORM_PLACEHOLDERS, Role.SCORE_SOURCE: _TRANSFORM_PLACEHOLDERS,
-    Role.SCORE_MOD: frozenset({"self", "s_in", "s_out"}),
-    Role.MASK: frozenset({"self", "q_lo", "q_hi", "k_lo", "k_hi", "block", "i", "slot"}),
-    Role.NORMALISER: frozenset({"self", "factor"}),
+    Role.SCORE_MOD: frozenset({"self", ACCUMULATOR, "s_in", "s_out"}),
+    Role.MASK: frozenset({"self", ACCUMULATOR, "q_lo", "q_hi", "k_lo", "k_hi", "block", "i", "slot"}),
+    Role.NORMALISER: frozenset({"self", ACCUMULATOR, "factor"}),
 }
 """The template's own ``$placeholders`` by role; no parameter, tensor or scalar may take these names."""
 

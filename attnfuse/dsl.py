@@ -10,6 +10,7 @@ from typing import Any, Callable
 
 from .combinator import REQUIRED, Combinator, Role
 from .errors import ProgramError
+from .plugin_manager import Registered
 from .ir import Apply, BiasOp, MaskOp, MatMulPV, NormOp, ScoreOp, TensorSym, _static_value
 
 _NAMES = {"q": "the query tensor q", "k": "the key tensor k", "v": "the value tensor v"}
@@ -151,7 +152,8 @@ def _expect_score(comb: Combinator, s: Any) -> ScoreSymbol:
                        f"got {_describe(s)}")
 
 
-def _apply(comb: Combinator, args: tuple, kwargs: dict) -> Apply:
+def _apply(record: Registered, args: tuple, kwargs: dict) -> Apply:
+    comb = record.combinator
     try:
         values = comb.bind(args, kwargs)
     except TypeError as exc:
@@ -179,31 +181,33 @@ def _apply(comb: Combinator, args: tuple, kwargs: dict) -> Apply:
                 except (ValueError, TypeError) as exc:
                     raise ProgramError(f"{comb.name}: parameter {p.name!r}: {exc}") from None
         params.append((p.name, value))
-    return Apply(combinator=comb.name, params=tuple(params))
+    return Apply(combinator=comb.name, params=tuple(params), record=record)
 
 
-def dsl_function(comb: Combinator) -> Callable:
-    """The function ``af.<name>`` for a combinator, with the calling convention of its role."""
+def dsl_function(record: Registered) -> Callable:
+    """The function ``af.<name>`` for a registered combinator, with the calling convention of its role; its
+    applications carry ``record``."""
+    comb = record.combinator
     if comb.role is Role.SCORE_SOURCE:
         def fn(q, k, *args, **kwargs):
             q, k = _expect_qk(comb, q, k)
-            op = ScoreOp(q=q.sym, k=k.sym, transforms=q.transforms, source=_apply(comb, args, kwargs))
+            op = ScoreOp(q=q.sym, k=k.sym, transforms=q.transforms, source=_apply(record, args, kwargs))
             return ScoreSymbol(op)
     elif comb.role is Role.QK_TRANSFORM:
         def fn(q, k, *args, **kwargs):
             q, k = _expect_qk(comb, q, k)
-            app = _apply(comb, args, kwargs)
+            app = _apply(record, args, kwargs)
             return TensorSymbol(q.sym, q.transforms + (app,)), TensorSymbol(k.sym, k.transforms + (app,))
     elif comb.role is Role.NORMALISER:
         def fn(s, *args, **kwargs):
             s = _expect_score(comb, s)
-            return WeightsSymbol(NormOp(input=s.node, apply=_apply(comb, args, kwargs)))
+            return WeightsSymbol(NormOp(input=s.node, apply=_apply(record, args, kwargs)))
     else:
         node_type = MaskOp if comb.role is Role.MASK else BiasOp
 
         def fn(s, *args, **kwargs):
             s = _expect_score(comb, s)
-            return ScoreSymbol(node_type(input=s.node, apply=_apply(comb, args, kwargs)))
+            return ScoreSymbol(node_type(input=s.node, apply=_apply(record, args, kwargs)))
     fn.__name__ = fn.__qualname__ = comb.name
     signature = ", ".join(p.name if p.default is REQUIRED else f"{p.name}={p.default!r}" for p in comb.params)
     inputs = "q, k" if comb.role in (Role.SCORE_SOURCE, Role.QK_TRANSFORM) else "s"

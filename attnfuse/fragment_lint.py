@@ -24,8 +24,8 @@ from typing import Any, Iterator
 import attrs
 from attrs import frozen
 
-from .combinator import (BlockList, Combinator, MaskFragment, NormaliserFragment, QKTransformFragment,
-                         ScoreModFragment, ScoreSourceFragment)
+from .combinator import (ACCUMULATOR, BlockList, Combinator, MaskFragment, NormaliserFragment, QKTransformFragment,
+                         Range, ScoreModFragment, ScoreSourceFragment)
 from .errors import PluginError
 
 BUILTINS = frozenset({"float", "int", "range", "min", "max", "abs", "True", "False", "None", "tl", "triton"})
@@ -104,6 +104,7 @@ def _markers(comb: Combinator) -> dict[str, str]:
         mapping[t.name] = f"_tensor_{t.name}"
         mapping.update({f"{t.name}_s{i}": f"_tensor_{t.name}_s{i}" for i in range(t.rank)})
     mapping.update({sc.name: f"_scalar_{sc.name}" for sc in comb.scalars})
+    mapping[ACCUMULATOR] = "tl.float32"
     return mapping
 
 
@@ -179,7 +180,7 @@ def _fields(fragment: Any) -> Iterator[tuple[str, str, Any]]:
         value = getattr(fragment, f.name)
         if isinstance(value, str):
             yield f.name, value, fragment
-        elif isinstance(value, tuple):
+        elif isinstance(value, (tuple, Range)):
             for i, item in enumerate(value):
                 if isinstance(item, str):
                     yield f"{f.name}[{i}]", item, fragment
@@ -187,6 +188,15 @@ def _fields(fragment: Any) -> Iterator[tuple[str, str, Any]]:
                     yield from ((f"{f.name}[{i}][{j}]", x, fragment) for j, x in enumerate(item[1:], 1))
         elif attrs.has(type(value)):
             yield from ((f"{f.name}.{path}", text, rec) for path, text, rec in _fields(value))
+
+
+_OLD_ACCUMULATOR = re.compile(r"\btl\.float32\b")  # the spelling $acc_dtype replaced
+
+
+def _line_of(text: str, pattern: re.Pattern) -> int:
+    """The line of ``pattern``'s first match in the dedented, stripped text (as ``_excerpt`` numbers lines)."""
+    lines = textwrap.dedent(text).strip().splitlines()
+    return next((i + 1 for i, line in enumerate(lines) if pattern.search(line)), 1)
 
 
 def lint(comb: Combinator, fragment: Any, distribution: str) -> None:
@@ -206,6 +216,10 @@ def lint(comb: Combinator, fragment: Any, distribution: str) -> None:
         if slot is None or not text.strip():
             continue
         found = list(_problems(text, slot, mapping, own))
+        if _OLD_ACCUMULATOR.search(text):
+            found.insert(0, ("spells the accumulation type tl.float32, which stays float32 for float64 inputs; "
+                             "write $acc_dtype (tl.float32, or tl.float64 for float64 inputs)",
+                             _line_of(text, _OLD_ACCUMULATOR)))
         if found:
             message, line = found[0]
             raise PluginError(f"combinator {comb.name!r} of distribution {distribution!r}, fragment field "

@@ -7,10 +7,14 @@ keyed by the graph (equal structure, equal key) and the launch configuration.
 from __future__ import annotations
 
 import hashlib
-from typing import Any, Union
+from typing import TYPE_CHECKING, Any, Union
 
 from attrs import field, frozen
 from attrs.validators import deep_iterable, in_, instance_of
+
+if TYPE_CHECKING:
+    from .combinator import Combinator
+    from .plugin_manager import Registered
 
 _STATIC_TYPES = (type(None), bool, int, float, str)
 
@@ -41,10 +45,18 @@ class Apply:
     """One application of a combinator: its name and parameters, in declaration order.
 
     Static parameters hold their values; runtime inputs hold the ``TensorSym`` they are read from.
+    ``record``: the registered combinator the name resolved to when the program was traced, so no pass
+    looks it up again; it takes no part in equality, hash or repr (the signature covers the name).
     """
 
     combinator: str
     params: tuple[tuple[str, Any], ...] = field(converter=tuple, validator=_check_params)
+    record: Registered = field(eq=False, repr=False)
+
+    @property
+    def declaration(self) -> Combinator:
+        """The combinator applied."""
+        return self.record.combinator
 
     def static(self) -> dict[str, Any]:
         return {n: v for n, v in self.params if not isinstance(v, TensorSym)}

@@ -233,12 +233,17 @@ def _provided(impl, plugin_name: str, dist: str, reserved: set[str]) -> list[Com
     return result
 
 
-def lookup(name: str) -> Combinator:
-    """The combinator registered under ``name``."""
+def registered(name: str) -> Registered:
+    """The record of the combinator registered under ``name``: the combinator and where it comes from."""
     registry = combinators()
     if name not in registry:
         raise PluginError(f"no combinator named {name!r}; registered: {', '.join(sorted(registry))}")
-    return registry[name].combinator
+    return registry[name]
+
+
+def lookup(name: str) -> Combinator:
+    """The combinator registered under ``name``."""
+    return registered(name).combinator
 
 
 def tile_rules() -> list:

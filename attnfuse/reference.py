@@ -11,7 +11,6 @@ import torch
 from attrs import frozen
 
 from . import ir
-from .plugin_manager import lookup
 
 
 @frozen(kw_only=True, eq=False)
@@ -84,11 +83,11 @@ def evaluate(graph: ir.MatMulPV, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     nodes = ir.chain(graph)
     score: ir.ScoreOp = nodes[0]
     for t in score.transforms:
-        q, k = lookup(t.combinator).reference(q, k, ctx, **_values(t, inputs, dtype))
-    s = lookup(score.source.combinator).reference(q, k, ctx, **_values(score.source, inputs, dtype))
+        q, k = t.declaration.reference(q, k, ctx, **_values(t, inputs, dtype))
+    s = score.source.declaration.reference(q, k, ctx, **_values(score.source, inputs, dtype))
     keep = None if kv_lens is None else ctx.k_pos < ctx.n_keys  # keys past a sequence's length do not exist
     for node in nodes[1:-2]:
-        comb = lookup(node.apply.combinator)
+        comb = node.apply.declaration
         values = _values(node.apply, inputs, dtype)
         if isinstance(node, ir.MaskOp):
             kept = comb.reference(ctx, **values)
@@ -97,7 +96,7 @@ def evaluate(graph: ir.MatMulPV, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
         else:
             s = comb.reference(s, ctx, **values)
     norm: ir.NormOp = nodes[-2]
-    weights, lse = lookup(norm.apply.combinator).reference(s, keep, ctx, **_values(norm.apply, inputs, dtype))
+    weights, lse = norm.apply.declaration.reference(s, keep, ctx, **_values(norm.apply, inputs, dtype))
     return weighted_values(weights, v, keep), lse
 
 

@@ -14,16 +14,12 @@ import re
 import subprocess
 import tempfile
 
-import attrs
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from attnfuse.cli import resolve_program
 from attnfuse.passes.lower import KernelConfig, fragment_of
-from attnfuse.plugin_manager import lookup
-from attnfuse.runtime.forward import constexprs
-from attnfuse.runtime.hoisted import transformed_sides
 from attnfuse.runtime.launch import KERNEL_KINDS, compile_forward, compiled_kernel
 
 _SIZES = {"HQ", "Nq", "N_K", "BATCH", "PAGE_SIZE", "NUM_PAGES", "SPLIT", "NUM_SPLITS"}
@@ -54,13 +50,13 @@ def signature(fn, tensors: dict[str, int], dtype: str) -> tuple[dict, dict, dict
     return types, values, attributes
 
 
-def report(kernel, tiled, tiles: tuple[int, int, int, int], dtype: str) -> str:
+def report(kernel, lowered, tiles: tuple[int, int, int, int], dtype: str) -> str:
     block_m, block_n, warps, stages = tiles
     fn = kernel._kernel.fn
-    tensors = {f"{inst.prefix}_{t.name}": t.rank for inst in tiled.instances()
-               for t in lookup(inst.apply.combinator).tensors}
+    tensors = {f"{inst.prefix}_{t.name}": t.rank for inst in lowered.instances()
+               for t in inst.apply.declaration.tensors}
     types, values, attributes = signature(fn, tensors, dtype)
-    values.update(constexprs(tiled), BLOCK_M=block_m, BLOCK_N=block_n)
+    values.update(kernel.spec.launch.constants, BLOCK_M=block_m, BLOCK_N=block_n)
     values.update({name: True for name in ("EVEN_K", "EVEN_M") if name in fn.arg_names})
     values = {k: v for k, v in values.items() if k in fn.arg_names}
     compiled = triton.compile(ASTSource(fn, types, values, attributes), target=GPUTarget("cuda", 90, 32),
@@ -96,13 +92,13 @@ def main() -> None:
                           group=args.group, save_lse=training and fragment_of(graph.weights.apply).has_lse,
                           fp32_precision="ieee")
     if args.hoisted:
-        config = attrs.evolve(config, **transformed_sides(compile_forward(graph, config).tiled))
+        config = compile_forward(graph, config).plan.hoisted_config
     kernel = compiled_kernel(graph, config, args.kernel)
-    tiled = compile_forward(graph, config).tiled
+    lowered = compile_forward(graph, config).plan.lowered
     print(f"{kernel.name} ({kernel.path})")
     for spec in args.tiles:
         tiles = tuple(int(x) for x in spec.split(","))
-        print("  " + report(kernel, tiled, tiles, "bf16" if args.dtype == "bfloat16" else "fp16"), flush=True)
+        print("  " + report(kernel, lowered, tiles, "bf16" if args.dtype == "bfloat16" else "fp16"), flush=True)
 
 
 if __name__ == "__main__":

@@ -69,8 +69,8 @@ COMBINATOR = Combinator(
     tensors=[TensorArg(name="slopes", rank=1)],
     prepare=prepare,
     fragment=ScoreModFragment(
-        prologue="${self}_slope = tl.load($slopes + h * $slopes_s0).to(tl.float32)",
-        body="s = s + ${self}_slope * (k_pos[None, :] - q_pos[:, None]).to(tl.float32)",
+        prologue="${self}_slope = tl.load($slopes + h * $slopes_s0).to($acc_dtype)",
+        body="s = s + ${self}_slope * (k_pos[None, :] - q_pos[:, None]).to($acc_dtype)",
         grad="",
     ),
     examples=examples,

@@ -27,7 +27,7 @@ COMBINATOR = Combinator(
     reference=reference,
     fragment=NormaliserFragment(
         masked_score="0.0",
-        init="r_i = tl.full([BLOCK_M], 1.0, dtype=tl.float32)",
+        init="r_i = tl.full([BLOCK_M], 1.0, dtype=$acc_dtype)",
         update="""
             p = tl.maximum(s, 0.0) * (1.0 / tl.maximum(Nk, 1))
             r_new = tl.maximum(r_i, tl.max(p, 1))

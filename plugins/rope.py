@@ -17,16 +17,12 @@ from attnfuse.combinator import (Combinator, Param, QKTransformFragment, Role, S
                                  TensorArg)
 from attnfuse.device_cache import device_cached
 from attnfuse.errors import InputError
+from attnfuse.rotary import rotate_half
 
 
 def _boolean(value) -> None:
     if not isinstance(value, bool):
         raise ValueError(f"must be True or False, got {value!r}")
-
-
-def _rotate_half(x):
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
 
 
 def _theta_angles(positions: torch.Tensor, theta: float, D: int, dtype) -> torch.Tensor:
@@ -75,9 +71,9 @@ def reference(q, k, ctx, theta, scale, cos, sin, rotate_keys):
             pos = pos.expand(rows, -1)
             return (c.expand(rows, -1, -1)[batch, pos].unsqueeze(1), s.expand(rows, -1, -1)[batch, pos].unsqueeze(1))
     (cq, sq), (ck, sk) = table(q_pos), table(k_pos)
-    q = q * cq + _rotate_half(q) * sq
+    q = q * cq + rotate_half(q) * sq
     if rotate_keys:
-        k = k * ck + _rotate_half(k) * sk
+        k = k * ck + rotate_half(k) * sk
     scale = ctx.D ** -0.5 if scale is None else scale
     return q @ k.transpose(-1, -2) * scale
 
@@ -121,7 +117,7 @@ def examples(draw, shape):
 
 def _table(name: str, column: str) -> str:
     return (f"tl.load(${name} + b.to(tl.int64) * ${name}_s0 + ($$pos - $first)[:, None] * ${name}_s1"
-            f" + ({column})[None, :] * ${name}_s2, mask=$$ok & ($$pos >= $first)[:, None], other=0.0).to(tl.float32)")
+            f" + ({column})[None, :] * ${name}_s2, mask=$$ok & ($$pos >= $first)[:, None], other=0.0).to($acc_dtype)")
 
 
 def fragment(theta, scale, cos, sin, rotate_keys) -> ScoreSourceFragment:

@@ -46,8 +46,8 @@ COMBINATOR = Combinator(
         score_factor=math.log2(math.e),  # scores arrive in log2 units, so exp2 is exact exp
         masked_score='float("-inf")',
         init="""
-            m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-            l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+            m_i = tl.full([BLOCK_M], float("-inf"), dtype=$acc_dtype)
+            l_i = tl.zeros([BLOCK_M], dtype=$acc_dtype)
         """,
         update=_update(""),
         scaled_update=_update(" * $factor"),

@@ -68,5 +68,5 @@ def hoisted_last_call() -> bool:
     """Whether the latest new call signature was planned with its qk transforms hoisted into passes."""
     from attnfuse.runtime import hoisted, launch
 
-    forward, _, _ = launch._plans[next(reversed(launch._plans))]
+    forward, _, _ = launch._calls[next(reversed(launch._calls))]
     return isinstance(forward, hoisted.HoistedForward)

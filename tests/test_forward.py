@@ -247,7 +247,7 @@ def test_hoisted_transforms_leave_a_plain_kernel(monkeypatch, dtype):
     launch.clear_cache()
     out = llama(q, k, v)
     assert hoisted_last_call()
-    [main] = [f for f in launch._forward.values() if f.tiled.config.q_transformed]
+    [main] = [f for f in launch._forward.values() if f.plan.config.q_transformed]
     assert "qk transform" not in main.source and "tl.dot(q, tl.trans(k)" in main.source  # one whole product
     references = llama.reference(q, k, v), llama.reference(q, k, v, dtype=dtype)
     assert_matches_reference(out, *references, dtype)

@@ -60,9 +60,17 @@ def test_score_modification_body_refused(body, says, line):
 def test_valid_fragments_pass():
     for comb in (mod("${self}_t = s * 2.0\ns = ${self}_t + k_pos[None, :] * 0.0", prologue="${self}_c = h * 2",
                      grad="ds = ds * 2.0"),
-                 norm(init="running = tl.zeros([BLOCK_M], dtype=tl.float32)", update="p = s\nrunning = running + 1",
+                 norm(init="running = tl.zeros([BLOCK_M], dtype=$acc_dtype)", update="p = s\nrunning = running + 1",
                       finalize="out = acc / running[:, None]")):
         lint(comb, comb.fragment, "dist-x")
+
+
+def test_old_accumulator_spelling_refused():
+    """tl.float32 in a fragment would stay float32 for float64 inputs: the linter asks for $acc_dtype."""
+    refused(norm(init="running = tl.zeros([BLOCK_M], dtype=tl.float32)", finalize="out = acc"), "init",
+            r"spells the accumulation type tl.float32, which stays float32 for float64 inputs; write \$acc_dtype",
+            "  1 | running = tl.zeros([BLOCK_M], dtype=tl.float32)")
+    refused(mod("${self}_w = s\ns = ${self}_w.to(tl.float32)"), "body", r"spells the accumulation type", "  2 | ")
 
 
 def test_normaliser_slots():

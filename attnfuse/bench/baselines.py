@@ -9,6 +9,7 @@ import functools
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from ..rotary import rotate_half
 from .cases import SPARSE_BLOCK, WINDOW, alibi_slopes
 
 SDPA_BACKENDS = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION}
@@ -37,8 +38,7 @@ def pre_rotate(q, k, cos, sin):
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return (x * cos + torch.cat((-x2, x1), dim=-1) * sin).to(x.dtype)
+    return (x * cos + rotate_half(x) * sin).to(x.dtype)
 
 
 def sdpa(backend: str, q, k, v, causal: bool):

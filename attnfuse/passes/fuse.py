@@ -6,7 +6,6 @@ from attrs import frozen
 from .. import ir
 from ..combinator import Role
 from ..errors import ProgramError
-from ..plugin_manager import lookup
 
 
 @frozen(kw_only=True)
@@ -31,7 +30,7 @@ class FusedProgram:
 
 
 def _expect(app: ir.Apply, role: Role, where: str) -> None:
-    comb = lookup(app.combinator)
+    comb = app.declaration
     if comb.role is not role:
         raise ProgramError(f"{app.combinator} is a {comb.role.value}, but the graph uses it as a {role.value} "
                            f"({where})")

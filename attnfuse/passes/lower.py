@@ -1,4 +1,4 @@
-"""Pass 3, lower: a fused program plus a launch configuration -> a flat ``TiledKernel`` record.
+"""Pass 3, lower: a fused program plus a launch configuration -> a flat ``LoweredProgram`` record.
 
 The record holds every constant codegen needs; fragments come out with their parameters substituted,
 leaving only the template's own placeholders (``$x``, ``$pos``, ``$q_lo`` ...).
@@ -15,11 +15,11 @@ from attrs import frozen
 
 from .. import ir
 
-from ..combinator import INPUT, BlockList, MaskFragment, NormaliserFragment, QKTransformFragment, Role, ScoreModFragment
+from ..combinator import ACCUMULATOR, INPUT, BlockList, MaskFragment, NormaliserFragment, QKTransformFragment, Role, ScoreModFragment
 from ..errors import InputError
 from ..fragment_lint import lint
-from ..plugin_manager import combinators, lookup
 from .fuse import FusedProgram
+from .launch_spec import SCALAR, TENSOR, Param, indexed_strides
 from .tile import TileConfig, choose_tiles
 
 
@@ -42,15 +42,21 @@ class KernelConfig:
     wide_offsets: bool = False  # some element offset can pass 2**31 - 1: every stride is int64 in the kernels
 
 
+def accumulator_type(dtype: str) -> str:
+    """The type inputs of ``dtype`` accumulate in: float64 for float64 (for gradcheck), else float32."""
+    return "float64" if dtype == "float64" else "float32"
+
+
 @frozen(kw_only=True)
 class Instance:
-    """One combinator application, ready to splice: resolved fragment text and its kernel arguments."""
+    """One combinator application, ready to splice: resolved fragment text and its kernel parameters
+    (each tensor ``prepare`` gives, then its strides; then each scalar, in declaration order)."""
 
     prefix: str
     apply: ir.Apply
     role: Role
     fragment: Any
-    args: tuple[str, ...]
+    args: tuple[Param, ...]
 
     def code(self, text: str, **site: str) -> str:
         """Fragment text with the template's placeholders for this site filled in."""
@@ -62,18 +68,21 @@ class Instance:
                              f"{', '.join('$' + s for s in site) or 'nothing else'}") from None
 
 
-@frozen(kw_only=True)
-class TiledKernel:
-    """Everything codegen needs, flat."""
+TILED_KERNELS = ("forward", "dkdv", "dq", "decode")  # the kernels the tile table has entries for
 
-    name: str
+
+@frozen(kw_only=True)
+class LoweredProgram:
+    """A fused program for one configuration, flat: everything codegen needs to write its kernels.
+
+    ``tiles``: by kernel (``TILED_KERNELS``); the split-KV kernel's BLOCK_M is the most rows of a program.
+    """
+
     signature: str
     listing: str
     config: KernelConfig
-    tiles: TileConfig       # forward
-    tiles_dkdv: TileConfig  # backward, dK/dV
-    tiles_dq: TileConfig    # backward, dQ
-    tiles_decode: TileConfig  # split-KV decoding (BLOCK_M: the most rows of a program)
+    accumulator: str        # the accumulation type: "tl.float32", or "tl.float64" for float64 inputs
+    tiles: dict[str, TileConfig]
     block_d: int
     block_dv: int
     block_h: int        # width of each half of the head dim, when qk transforms split it
@@ -87,7 +96,8 @@ class TiledKernel:
     def instances(self) -> tuple[Instance, ...]:
         return (*self.transforms, *self.mods, *self.masks, self.normaliser)
 
-    def args(self) -> tuple[str, ...]:
+    def args(self) -> tuple[Param, ...]:
+        """The plugins' kernel parameters, in the order the kernels take them."""
         return tuple(a for inst in self.instances() for a in inst.args)
 
 
@@ -97,9 +107,9 @@ def _resolve(value: Any, mapping: dict[str, str]) -> Any:
         return string.Template(value).safe_substitute(mapping)
     if isinstance(value, tuple):
         return tuple(_resolve(v, mapping) for v in value)
-    if attrs.has(type(value)):
+    if attrs.has(type(value)):  # a derived field (a Range's starts_at_zero) is derived again
         return attrs.evolve(value, **{f.name: _resolve(getattr(value, f.name), mapping)
-                                      for f in attrs.fields(type(value))})
+                                      for f in attrs.fields(type(value)) if f.init})
     return value
 
 
@@ -141,27 +151,29 @@ def _check_placeholders(combinator: str, value: Any, allowed: frozenset = frozen
 def fragment_of(app: ir.Apply) -> Any:
     """The fragment of one application, before substitution (a fragment function gets its parameters:
     static values, and ``INPUT`` for each runtime input given)."""
-    return lookup(app.combinator).fragment_for({n: INPUT if isinstance(v, ir.TensorSym) else v for n, v in app.params})
+    return app.declaration.fragment_for({n: INPUT if isinstance(v, ir.TensorSym) else v for n, v in app.params})
 
 
-def instance(app: ir.Apply, index: int) -> Instance:
-    """Resolve one application: ``$param`` -> literal, ``$tensor``/``$tensor_s<i>``/``$scalar`` -> argument."""
-    comb = lookup(app.combinator)
+def instance(app: ir.Apply, index: int, accumulator: str = "tl.float32") -> Instance:
+    """Resolve one application: ``$param`` -> literal, ``$tensor``/``$tensor_s<i>``/``$scalar`` -> argument,
+    ``$acc_dtype`` -> ``accumulator``."""
+    comb = app.declaration
     prefix = f"{comb.name}_{index}"
     mapping: dict[str, str] = {name: repr(value) for name, value in app.static().items()}
     mapping["self"] = prefix
-    args: list[str] = []
+    mapping[ACCUMULATOR] = accumulator
+    args: list[Param] = []
     for t in comb.tensors:
-        names = [f"{prefix}_{t.name}"] + [f"{prefix}_{t.name}_s{i}" for i in range(t.rank)]
-        mapping[t.name] = names[0]
-        mapping.update({f"{t.name}_s{i}": n for i, n in enumerate(names[1:])})
-        args += names
+        tensor, tensor_strides = f"{prefix}_{t.name}", indexed_strides(f"{prefix}_{t.name}", t.rank)
+        mapping[t.name] = tensor
+        mapping.update({f"{t.name}_s{i}": p.name for i, p in enumerate(tensor_strides)})
+        args += [Param(tensor, TENSOR), *tensor_strides]
     for sc in comb.scalars:
         mapping[sc.name] = f"{prefix}_{sc.name}"
-        args.append(f"{prefix}_{sc.name}")
+        args.append(Param(f"{prefix}_{sc.name}", SCALAR))
     fragment = fragment_of(app)
     if not attrs.has(type(comb.fragment)):  # a fragment function's result: checked as registration checks
-        lint(comb, fragment, combinators()[comb.name].distribution)
+        lint(comb, fragment, app.record.distribution)
     fragment = _resolve(fragment, mapping)
     _check_placeholders(comb.name, fragment)
     return Instance(prefix=prefix, apply=app, role=comb.role, fragment=fragment, args=tuple(args))
@@ -171,7 +183,7 @@ def masked_head(masks: tuple[Instance, ...]) -> bool:
     """Whether a query block's key loop can start with blocks that need the mask: some mask's facts start
     past key 0 (a sliding window's). Not causal's: its loop starts at key 0 (or at a block-aligned split
     of the keys) with blocks every row keeps."""
-    return any(facts is not None and facts[0].strip() != "0"
+    return any(facts is not None and not facts.starts_at_zero
                for m in masks if m.fragment.keep for facts in (m.fragment.kv_range, m.fragment.full_range))
 
 
@@ -188,12 +200,13 @@ def _variant(transforms: list[Instance], masks: tuple[Instance, ...]) -> str:
     return "masked" if any(m.fragment.kv_range is not None for m in masks) else "dense"
 
 
-def lower(fused: FusedProgram, config: KernelConfig, listing: str = "") -> TiledKernel:
+def lower(fused: FusedProgram, config: KernelConfig, listing: str = "") -> LoweredProgram:
     """Flatten a fused program for one configuration."""
     counter = iter(range(1_000_000))
+    accumulator = f"tl.{accumulator_type(config.dtype)}"
 
     def inst(app: ir.Apply) -> Instance:
-        return instance(app, next(counter))
+        return instance(app, next(counter), accumulator)
 
     transforms = [inst(t) for t in fused.transforms]
     source = inst(fused.source)
@@ -208,16 +221,14 @@ def lower(fused: FusedProgram, config: KernelConfig, listing: str = "") -> Tiled
     block_d = _block(config.head_dim)
     block_dv = _block(config.head_dim_v)
     variant, widest = _variant(transforms, masks), max(block_d, block_dv)
-    tiles = {kind: choose_tiles(config.arch, variant, widest, kind) for kind in ("forward", "dkdv", "dq", "decode")}
+    tiles = {kind: choose_tiles(config.arch, variant, widest, kind) for kind in TILED_KERNELS}
     scale = fused.source.static()["scale"]
     scale = 1.0 / math.sqrt(config.head_dim) if scale is None else float(scale)
-    return TiledKernel(
-        name=f"attnfuse_fwd_{fused.signature[:12]}", signature=fused.signature, listing=listing,
-        config=config, tiles=tiles["forward"], tiles_dkdv=tiles["dkdv"], tiles_dq=tiles["dq"],
-        tiles_decode=tiles["decode"], block_d=block_d,
-        block_dv=block_dv, block_h=_block(config.head_dim // 2),
-        scale=scale, score_factor=normaliser.fragment.score_factor, transforms=tuple(transforms), mods=mods,
-        masks=masks, normaliser=normaliser)
+    return LoweredProgram(
+        signature=fused.signature, listing=listing, config=config, accumulator=accumulator, tiles=tiles,
+        block_d=block_d, block_dv=block_dv,
+        block_h=_block(config.head_dim // 2), scale=scale, score_factor=normaliser.fragment.score_factor,
+        transforms=tuple(transforms), mods=mods, masks=masks, normaliser=normaliser)
 
 
 def _one_listing(masks: tuple[Instance, ...]) -> tuple[Instance, ...]:

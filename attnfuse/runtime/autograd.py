@@ -22,9 +22,9 @@ class AttentionFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, forward: ForwardKernel | HoistedForward, backward: BackwardKernels | HoistedBackward,
-                inputs: dict[str, Any], grad_inputs: tuple[str, ...], lens: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor,
+                inputs: dict[str, Any], grad_inputs: tuple[str, ...], kv: KVCache, q: torch.Tensor, k: torch.Tensor,
                 v: torch.Tensor, *tensor_inputs: torch.Tensor):
-        kv = KVCache(k=k, v=v, capacity=k.shape[2], lens=lens)
+        """``kv``: the call's view of k and v (contiguous: no gradient flows through a paged cache)."""
         prepared = forward.plugin_args(q, kv, inputs)
         if isinstance(forward, HoistedForward):  # keep the transformed q and k for the hoisted backward
             out, lse, copies = forward.run(q, kv, inputs, prepared)
@@ -32,7 +32,8 @@ class AttentionFunction(torch.autograd.Function):
             (out, lse), copies = forward(q, kv, inputs, prepared), {}
         ctx.save_for_backward(q, k, v, out, lse, *copies.values())
         ctx.sides = tuple(copies)
-        ctx.backward_kernels, ctx.inputs, ctx.grad_inputs, ctx.lens = backward, inputs, grad_inputs, lens
+        ctx.backward_kernels, ctx.inputs, ctx.grad_inputs = backward, inputs, grad_inputs
+        ctx.kv = kv._replace(k=None, v=None)  # k and v are saved tensors
         ctx.prepared = prepared
         ctx.set_materialize_grads(False)
         return out, lse
@@ -41,7 +42,7 @@ class AttentionFunction(torch.autograd.Function):
     @once_differentiable  # the backward kernels are not differentiable: a second derivative raises
     def backward(ctx, dout: torch.Tensor | None, dlse: torch.Tensor | None):
         q, k, v, out, lse, *copies = ctx.saved_tensors
-        kv = KVCache(k=k, v=v, capacity=k.shape[2], lens=ctx.lens)
+        kv = ctx.kv._replace(k=k, v=v)
         extra = {"copies": dict(zip(ctx.sides, copies))} if ctx.sides else {}
         dq, dk, dv, grads = ctx.backward_kernels(q, kv, out, lse, dout, dlse, ctx.inputs, prepared=ctx.prepared,
                                                  **extra)

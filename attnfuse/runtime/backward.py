@@ -6,12 +6,11 @@ from typing import Any
 
 import torch
 
-from ..passes.codegen import generate_dkdv, generate_dq
-from ..passes.codegen.common import scheduled, split, split_heads
-from ..passes.lower import Instance, TiledKernel
-from .forward import constexprs
-from .inputs import KVCache, PluginArgs, Prepared, accumulator_dtype, empty_like_layout, even_keys, kv_launch_args
+from ..passes.lower import Instance
+from ..passes.plan import Plan
+from .inputs import KVCache, accumulator_dtype, empty_like_layout, even_keys, kv_launch_args
 from .kernel import CompiledKernel
+from .plugin_args import PluginArgs, Prepared
 from .offsets import rows_fit
 from .launcher import block_grid
 
@@ -30,19 +29,15 @@ class BackwardKernels:
     writes; each is summed to its input's shape.
     """
 
-    def __init__(self, tiled: TiledKernel, tensor_grads: tuple[tuple[Instance, str], ...]):
-        self.tiled = tiled
+    def __init__(self, plan: Plan, tensor_grads: tuple[tuple[Instance, str], ...]):
+        self.plan = plan
         self.tensor_grads = tensor_grads
-        interpreted = tiled.config.arch == "interpreter"
-        self.dkdv = CompiledKernel(tiled.name.replace("_fwd_", "_dkdv_"), generate_dkdv(tiled), interpreted,
-                                   tiled.tiles_dkdv)
-        self.dq = CompiledKernel(tiled.name.replace("_fwd_", "_dq_"), generate_dq(tiled, tensor_grads),
-                                 interpreted, tiled.tiles_dq)
-        self.plugin_args = PluginArgs(tiled)
-        self.constexprs = constexprs(tiled)
-        self.scheduled = scheduled(tiled), scheduled(tiled, transposed=True)  # dQ, dK/dV
-        self.splits_heavy = split_heads(tiled) is not None  # dK/dV: heavy key blocks over a group's heads
-        self._share_width = (2 * tiled.block_h if split(tiled) else tiled.block_d) + tiled.block_dv
+        interpreted = plan.config.arch == "interpreter"
+        self.dkdv = CompiledKernel(plan.dkdv, interpreted)
+        self.dq = CompiledKernel(plan.dq(tensor_grads), interpreted)
+        self.plugin_args = PluginArgs(plan.lowered)
+        width = plan.dkdv.launch.constants
+        self._share_width = (2 * width["BLOCK_H"] if plan.dkdv.halves else width["BLOCK_D"]) + width["BLOCK_DV"]
 
     def _split_buffers(self, keys: int, group: int, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Scratch of a dK/dV launch that splits heavy key blocks (``keys`` rows in all, over every batch
@@ -64,7 +59,7 @@ class BackwardKernels:
         Hkv, Nk, DV = k.shape[1], k.shape[2], v.shape[3]
         if dout is None:
             dout = torch.zeros_like(out)
-        elif not (self.tiled.config.wide_offsets or rows_fit(dout)):  # a view the int32 kernels cannot address
+        elif not (self.plan.config.wide_offsets or rows_fit(dout)):  # a view the int32 kernels cannot address
             dout = torch.empty_like(out).copy_(dout)
         dq, dk = empty_like_layout(q, D, dqk_dtype or q.dtype), empty_like_layout(k, D, dqk_dtype or k.dtype)
         dv = empty_like_layout(v, DV, v.dtype)
@@ -74,21 +69,23 @@ class BackwardKernels:
             delta = torch.empty((B, Hq, Nq), dtype=accumulator_dtype(q.dtype), device=q.device)  # dQ writes it
             lse = delta if lse is None else lse  # a placeholder pointer when the normaliser saves none
             dlse = dlse.to(delta.dtype).contiguous() if dlse is not None else None
-            strides = (*q.stride(), *k.stride(), *v.stride(), *dout.stride())
+            shared = {"Q": q, "K": k, "V": v, "DO": dout, "Lse": lse, "Delta": delta, "HQ": Hq, "Nq": Nq,
+                      **kv_launch_args(kv)}
             pargs, limit, heavy = prepared or self.plugin_args(q, kv, inputs)
-            grad_args = [a for buffer in buffers for a in (buffer, *buffer.stride())]
+            grad_args = dict(zip(self.dq.spec.grad_buffers, buffers))
             even_m = lambda tiles: Nq % tiles.block_m == 0  # noqa: E731
-            self.dq.launch(block_grid(Nq, B * Hq, "block_m", limit if self.scheduled[0] else None),
-                           (q, k, v, dout, out, lse, delta if dlse is None else dlse, delta, dq, *strides,
-                            *out.stride(), *dq.stride(), Hq, Nq, *kv_launch_args(kv), *pargs, *grad_args),
-                           q.device, limit=limit, HAS_DLSE=dlse is not None, EVEN_K=even_keys(kv), EVEN_M=even_m,
-                           **self.constexprs)
-            scratch = self._split_buffers(B * Hkv * heavy * limit, Hq // Hkv, q) if self.splits_heavy else ()
-            self.dkdv.launch(block_grid(Nk, B * Hkv, "block_n", limit if self.scheduled[1] else None,
-                                        heavy * (Hq // Hkv - 1) if self.splits_heavy else 0),
-                             (q, k, v, dout, lse, delta, dk, dv, *strides, *dk.stride(), *dv.stride(), Hq, Nq,
-                              *kv_launch_args(kv), *pargs, *scratch), q.device, limit=limit, EVEN_K=even_keys(kv),
-                             EVEN_M=even_m, **self.constexprs)
+            dq_spec, dkdv_spec = self.dq.spec, self.dkdv.spec
+            self.dq.launch(block_grid(Nq, B * Hq, "block_m", limit if dq_spec.scheduled else None),
+                           dq_spec.launch.bind({**shared, "O": out, "DLse": delta if dlse is None else dlse,
+                                                "DQuery": dq, **pargs, **grad_args}),
+                           q.device, limit=limit, HAS_DLSE=dlse is not None, EVEN_K=even_keys(kv), EVEN_M=even_m)
+            splits = dkdv_spec.split_heads  # heavy key blocks split over a group's query heads
+            scratch = self._split_buffers(B * Hkv * heavy * limit, Hq // Hkv, q) if splits else ()
+            self.dkdv.launch(block_grid(Nk, B * Hkv, "block_n", limit if dkdv_spec.scheduled else None,
+                                        heavy * (Hq // Hkv - 1) if splits else 0),
+                             dkdv_spec.launch.bind({**shared, "DKey": dk, "DValue": dv, **pargs,
+                                                    **dict(zip(("PartDKV", "SplitCount"), scratch))}),
+                             q.device, limit=limit, EVEN_K=even_keys(kv), EVEN_M=even_m)
         else:
             for g in (dq, dk, dv):
                 g.zero_()

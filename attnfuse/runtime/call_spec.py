@@ -14,7 +14,8 @@ from attrs import frozen
 
 from .. import ir
 from ..block_mask import BlockMask
-from ..errors import InputError
+from ..errors import InputError, PluginError
+from ..plugin_manager import registered
 
 MASK_TENSORS = ("active", "kv_num_blocks", "kv_indices", "q_num_blocks", "q_indices", "q_block_order",
                  "kv_block_order")
@@ -63,8 +64,13 @@ def spec_of(key: str) -> CallSpec:
     return spec
 
 
+def _apply(**fields: Any) -> ir.Apply:
+    """An application parsed from a key: its combinator resolved by name, as tracing resolves it."""
+    return ir.Apply(**fields, record=registered(fields.get("combinator")))
+
+
 _CONSTRUCTORS = {c.__name__: c for c in (CallSpec, ir.MatMulPV, ir.NormOp, ir.MaskOp, ir.BiasOp, ir.ScoreOp,
-                                         ir.Apply, ir.TensorSym)}
+                                         ir.TensorSym)} | {"Apply": _apply}
 
 
 def _parse(key: str) -> CallSpec:
@@ -85,7 +91,7 @@ def _parse(key: str) -> CallSpec:
         raise ValueError(ast.dump(node)[:80])
     try:
         spec = value(ast.parse(key, mode="eval").body)
-    except (SyntaxError, ValueError, TypeError):
+    except (SyntaxError, ValueError, TypeError, PluginError):
         spec = None
     if not isinstance(spec, CallSpec):
         raise InputError(f"attnfuse::attention: key must be the repr of a CallSpec (constants and the IR's "

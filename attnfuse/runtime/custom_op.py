@@ -23,35 +23,22 @@ from ..errors import InputError
 from ..passes.lower import fragment_of
 from .call_spec import (MASK_TENSORS, CallSpec, flatten_inputs, key_of, plain_tensors, spec_of, tensor_names,
                         unflatten_inputs)
-from .hoisted import HoistedBackward, HoistedForward, hoisted_sides, worth_hoisting
+from . import gradients
+from .hoisted import HoistedBackward, HoistedForward, worth_hoisting
 from .inputs import accumulator_dtype, check_cache, empty_like_layout, kernel_config, kv_cache
 from .launch import compile_backward, compile_forward, compile_hoisted_backward, planned, run_attention
 from .offsets import inputs_fit
 from .validate import check_cache_values
 
 
-def _tensor_grads(spec: CallSpec, tiled) -> tuple:
-    """The (instance, parameter) pairs writing the gradients of ``spec.grads``; an InputError for an input
-    whose combinator declares no gradient for it."""
-    wanted = tuple((m, name) for m in tiled.mods for name, _ in m.fragment.tensor_grads
-                   if m.apply.inputs().get(name) is not None and m.apply.inputs()[name].name in spec.grads)
-    covered = {m.apply.inputs()[name].name for m, name in wanted}
-    for inst in tiled.instances():
-        for param, sym in inst.apply.inputs().items():
-            if sym.name in spec.grads and sym.name not in covered:
-                raise InputError(f"{inst.apply.combinator}: its input {param!r} (argument {sym.name!r}) requires "
-                                 f"grad, but {inst.apply.combinator} declares no gradient for it; pass it detached")
-    return wanted
-
-
 def _differentiable_plan(spec: CallSpec, q, k, v, kv_lens, block_table, values):
     """The forward and backward kernels of a differentiable call (raising as ``run_attention`` does)."""
     forward, _, backward = planned(spec.graph, q, k, v, kv_lens, block_table, spec.save_lse, True, False,
                                    bool(values) and not inputs_fit(values))
-    tensor_grads = _tensor_grads(spec, forward.tiled) if spec.grads else ()
+    tensor_grads = gradients.tensor_grads(forward.plan.lowered, spec.grads) if spec.grads else ()
     if tensor_grads:
         compile_ = compile_hoisted_backward if isinstance(forward, HoistedForward) else compile_backward
-        backward = compile_(spec.graph, forward.tiled.config, tensor_grads)
+        backward = compile_(spec.graph, forward.plan.config, tensor_grads)
     return forward, backward
 
 
@@ -105,7 +92,7 @@ def _attention_fake(key, q, k, v, kv_lens, block_table, inputs):
         forward = compile_forward(spec.graph, config)
         if worth_hoisting(forward, q.shape[2]):
             rows = {"q": q, "k": k}
-            copies = [empty_like_layout(rows[x], rows[x].shape[3], rows[x].dtype) for x in hoisted_sides(forward.tiled)]
+            copies = [empty_like_layout(rows[x], rows[x].shape[3], rows[x].dtype) for x in forward.plan.transform.sides]
     return out, lse, copies
 
 

@@ -7,12 +7,11 @@ from typing import Any
 
 import torch
 
-from ..passes.codegen import generate_decode
-from ..passes.lower import TiledKernel
+from ..passes.plan import Plan
 from .combine import combine
-from .forward import constexprs
-from .inputs import KVCache, PluginArgs, accumulator_dtype, empty_like_layout, even_keys, kv_launch_args
+from .inputs import KVCache, accumulator_dtype, empty_like_layout, even_keys, kv_launch_args
 from .kernel import CompiledKernel
+from .plugin_args import PluginArgs
 from .launcher import cdiv, next_power_of_2
 
 MAX_QUERIES = 16  # decoding and speculative decoding: at most this many queries take the split path
@@ -40,39 +39,39 @@ def split_plan(B: int, Hkv: int, row_blocks: int, capacity: int, block_n: int, d
 
 
 class DecodeKernel:
-    """The split-KV kernel of one program and configuration, and its two-phase launcher."""
+    """The split-KV kernel of one plan, and its two-phase launcher."""
 
-    def __init__(self, tiled: TiledKernel):
-        self.tiled = tiled
-        self.kernel = CompiledKernel(tiled.name.replace("_fwd_", "_decode_"), generate_decode(tiled),
-                                     tiled.config.arch == "interpreter", tiled.tiles_decode)
+    def __init__(self, plan: Plan):
+        self.plan = plan
+        self.kernel = CompiledKernel(plan.decode, plan.config.arch == "interpreter")
         self.source = self.kernel.source
-        self.plugin_args = PluginArgs(tiled)
-        self.constexprs = constexprs(tiled)
+        self.plugin_args = PluginArgs(plan.lowered)
+        self._logsumexp = plan.lowered.normaliser.fragment.combine == "logsumexp"
 
     def __call__(self, q: torch.Tensor, kv: KVCache, inputs: dict[str, Any]
                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """out (B, Hq, Nq, DV); lse (B, Hq, Nq) when the configuration saves it."""
-        t = self.tiled
+        config = self.plan.config
         B, Hq, Nq, D = q.shape
         Hkv, DV = kv.k.shape[1], kv.v.shape[3]
         acc = accumulator_dtype(q.dtype)
         out = empty_like_layout(q, DV, q.dtype)
-        lse = torch.empty((B, Hq, Nq), dtype=acc, device=q.device) if t.config.save_lse else None
+        lse = torch.empty((B, Hq, Nq), dtype=acc, device=q.device) if config.save_lse else None
         if out.numel() == 0 or kv.capacity == 0:
             out.zero_()
             if lse is not None:
                 lse.fill_(-math.inf)
             return out, lse
-        rows = t.config.group * Nq
+        rows = config.group * Nq
         block_m = min(self.kernel.tiles.block_m, max(16, next_power_of_2(rows)))
         row_blocks = cdiv(rows, block_m)
         split_keys, splits = split_plan(B, Hkv, row_blocks, kv.capacity, self.kernel.tiles.block_n, q.device)
         part_out = torch.empty((B * Hq * Nq, splits, DV), dtype=acc, device=q.device)
         part_lse = torch.empty((B * Hq * Nq, splits), dtype=acc, device=q.device)
-        args = (q, kv.k, kv.v, part_out, part_lse, *q.stride(), *kv.k.stride(), *kv.v.stride(), Hq, Nq,
-                *kv_launch_args(kv), split_keys, splits, *self.plugin_args(q, kv, inputs)[0])
+        args = self.kernel.spec.launch.bind({
+            "Q": q, "K": kv.k, "V": kv.v, "PartOut": part_out, "PartLse": part_lse, "HQ": Hq, "Nq": Nq,
+            **kv_launch_args(kv), "SPLIT": split_keys, "NUM_SPLITS": splits, **self.plugin_args(q, kv, inputs).args})
         self.kernel.launch(lambda tiles: (splits, B * Hkv, row_blocks), args, q.device, block_m=block_m,
-                           EVEN_K=even_keys(kv), **self.constexprs)
-        combine(part_out, part_lse, out, lse, t.normaliser.fragment.combine == "logsumexp")
+                           EVEN_K=even_keys(kv))
+        combine(part_out, part_lse, out, lse, self._logsumexp)
         return out, lse

@@ -13,36 +13,21 @@ from typing import Any
 
 import torch
 
-from ..passes.codegen import generate_gradient_pass, generate_transform_pass
-from ..passes.codegen.transform_pass import pass_name
-from ..passes.lower import TiledKernel
+from ..passes.plan import KernelSpec, Plan
 from .backward import BackwardKernels
-from .forward import ForwardKernel, constexprs
-from .inputs import KVCache, PluginArgs, Prepared, accumulator_dtype, empty_like_layout
+from .forward import ForwardKernel
+from .inputs import KVCache, accumulator_dtype, empty_like_layout
 from .kernel import CompiledKernel
+from .plugin_args import PluginArgs, Prepared
 from .launcher import cdiv
 
 HOIST_MIN_QUERY_BLOCKS = 4  # `attnfuse bench` times both ways (the rope_causal_per_tile rows)
 
 
-def hoistable(tiled: TiledKernel) -> bool:
-    """Whether a program's keys have transforms a pass can apply (contiguous keys, one length for all)."""
-    return (any(t.fragment.k for t in tiled.transforms) and not tiled.config.kv_lens and not tiled.config.paged
-            and not tiled.config.k_transformed)
-
-
 def worth_hoisting(forward: ForwardKernel, Nq: int) -> bool:
-    return hoistable(forward.tiled) and cdiv(Nq, forward.kernel.tiles.block_m) >= HOIST_MIN_QUERY_BLOCKS
-
-
-def hoisted_sides(tiled: TiledKernel) -> tuple[str, ...]:
-    """The sides ("q", "k") whose transforms the passes apply: those some transform touches."""
-    return tuple(x for x in "qk" if any(getattr(t.fragment, x) for t in tiled.transforms))
-
-
-def transformed_sides(tiled: TiledKernel) -> dict[str, bool]:
-    """q_transformed / k_transformed: the configuration of kernels reading the passes' copies."""
-    return {f"{x}_transformed": x in hoisted_sides(tiled) for x in "qk"}
+    """Whether a call with ``Nq`` queries runs the plan's passes: at least HOIST_MIN_QUERY_BLOCKS query
+    blocks would each transform the keys."""
+    return forward.plan.transform is not None and cdiv(Nq, forward.kernel.tiles.block_m) >= HOIST_MIN_QUERY_BLOCKS
 
 
 class TransformPass:
@@ -50,13 +35,11 @@ class TransformPass:
     transforms, or (``gradient``) carry float32 gradients with respect to the transformed rows back to
     the rows themselves."""
 
-    def __init__(self, tiled: TiledKernel, sides: tuple[str, ...], gradient: bool = False):
-        generate = generate_gradient_pass if gradient else generate_transform_pass
-        self.kernel = CompiledKernel(pass_name(tiled, gradient), generate(tiled, sides),
-                                     tiled.config.arch == "interpreter", tiled.tiles)
-        self.sides = sides
+    def __init__(self, spec: KernelSpec, interpreted: bool):
+        self.kernel = CompiledKernel(spec, interpreted)
+        self.sides = spec.sides
 
-    def __call__(self, rows: dict[str, torch.Tensor], pargs: list, constexprs: dict, Hq: int, Nq: int,
+    def __call__(self, rows: dict[str, torch.Tensor], pargs: dict[str, Any], Hq: int, Nq: int,
                  grads: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
         """rows by side: q (B, Hq, Nq, D), k (B, Hkv, Nk, D) -> the transformed rows by side, or with
         ``grads`` (float32, each in its rows' shape and memory order) the gradients of the rows; in the
@@ -72,10 +55,14 @@ class TransformPass:
             blocks = {"q": cdiv(Nq, tiles.block_m), "k": cdiv(Nk, tiles.block_n)}
             return (sum(blocks[x] * B * heads[x] for x in sides),)
         if grid(self.kernel.tiles)[0]:
-            strides = [s for o in (rows, outs) for x in sides for s in o[x].stride()]
-            self.kernel.launch(grid, (*(rows[x] for x in sides), *(outs[x] for x in sides),
-                                      *((grads[x] for x in sides) if grads is not None else ()), *strides,
-                                      Hq, Nq, Nk, B, *pargs), rows["k"].device, **constexprs)
+            named = {}
+            for x in sides:
+                named.update({x.upper(): rows[x], f"{x.upper()}Out": outs[x]})
+                if grads is not None:
+                    named[f"G{x.upper()}"] = grads[x]
+            self.kernel.launch(grid, self.kernel.spec.launch.bind(
+                {**named, "HQ": Hq, "Nq": Nq, "N_K": Nk, "BATCH": B, **pargs}),
+                               rows["k"].device)
         return outs
 
 
@@ -83,15 +70,14 @@ class HoistedForward:
     """``fused``'s program as a transform pass over k and (if its transforms touch q) q, plus ``main``,
     its forward for transformed rows: with both sides transformed, ``main`` is a plain attention kernel.
 
-    ``tiled`` is the fused kernel's: the program as the backward sees it.
+    ``plan`` is the fused kernel's: the program as the backward sees it.
     """
 
     def __init__(self, fused: ForwardKernel, main: ForwardKernel):
-        self.tiled = fused.tiled
+        self.plan = fused.plan
         self.main = main
-        self.transform = TransformPass(fused.tiled, hoisted_sides(fused.tiled))
+        self.transform = TransformPass(fused.plan.transform, fused.plan.config.arch == "interpreter")
         self.plugin_args = fused.plugin_args
-        self.constexprs = fused.constexprs
 
     def __call__(self, q: torch.Tensor, kv: KVCache, inputs: dict[str, Any]
                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -105,7 +91,7 @@ class HoistedForward:
         """out, lse, and the transformed copies by side ("q", "k"), for the backward to reuse.
         ``prepared``: the plugin arguments, if the caller has them already."""
         prepared = prepared or self.plugin_args(q, kv, inputs)
-        copies = self.transform({"q": q, "k": kv.k}, prepared[0], self.constexprs, q.shape[1], q.shape[2])
+        copies = self.transform({"q": q, "k": kv.k}, prepared.args, q.shape[1], q.shape[2])
         out, lse = self.main(copies.get("q", q), kv._replace(k=copies["k"]), inputs, prepared)
         return out, lse, copies
 
@@ -115,13 +101,12 @@ class HoistedBackward:
     ``inner`` (the backward kernels generated for transformed rows, writing float32 dQ and dK), then a
     gradient pass back to q and k."""
 
-    def __init__(self, fused: TiledKernel, inner: BackwardKernels):
+    def __init__(self, fused: Plan, inner: BackwardKernels):
         self.inner = inner
-        sides = hoisted_sides(fused)
-        self.transform = TransformPass(fused, sides)
-        self.gradient = TransformPass(fused, sides, gradient=True)
-        self.plugin_args = PluginArgs(fused)
-        self.constexprs = constexprs(fused)  # the passes'
+        interpreted = fused.config.arch == "interpreter"
+        self.transform = TransformPass(fused.transform, interpreted)
+        self.gradient = TransformPass(fused.gradient, interpreted)
+        self.plugin_args = PluginArgs(fused.lowered)
 
     def __call__(self, q: torch.Tensor, kv: KVCache, out: torch.Tensor, lse: torch.Tensor | None,
                  dout: torch.Tensor | None, dlse: torch.Tensor | None, inputs: dict[str, Any],
@@ -132,9 +117,9 @@ class HoistedBackward:
         prepared = prepared or self.plugin_args(q, kv, inputs)
         Hq, Nq = q.shape[1], q.shape[2]
         rows = {"q": q, "k": kv.k}
-        copies = copies or self.transform(rows, prepared[0], self.constexprs, Hq, Nq)
+        copies = copies or self.transform(rows, prepared.args, Hq, Nq)
         dq, dk, dv, grads = self.inner(copies.get("q", q), kv._replace(k=copies["k"]), out, lse, dout, dlse,
                                        inputs, dqk_dtype=accumulator_dtype(q.dtype), prepared=prepared)
-        of_rows = self.gradient(rows, prepared[0], self.constexprs, Hq, Nq,
+        of_rows = self.gradient(rows, prepared.args, Hq, Nq,
                                 grads={"q": dq, "k": dk})  # float32, with respect to the transformed rows
         return of_rows["q"] if "q" in of_rows else dq.to(q.dtype), of_rows["k"], dv, grads

@@ -7,18 +7,20 @@ from typing import Any, NamedTuple
 import torch
 from attrs import frozen
 
-from ..errors import InputError, PluginError
-from ..passes.lower import KernelConfig, TiledKernel
-from ..plugin_manager import lookup
+from ..errors import InputError
+from ..passes.lower import KernelConfig, accumulator_type
 from .offsets import rows_fit
 
 DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32", torch.float64: "float64"}
+_ACCUMULATORS = {dtype: getattr(torch, accumulator_type(name)) for dtype, name in DTYPES.items()}
+
+
+MAX_HEAD_DIM = 256
 
 
 def accumulator_dtype(dtype: torch.dtype) -> torch.dtype:
-    """float64 inputs compute in float64 throughout (for gradcheck); the rest accumulate in float32."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
-MAX_HEAD_DIM = 256
+    """The torch dtype inputs of ``dtype`` accumulate in, as the kernels do (``lower.accumulator_type``)."""
+    return _ACCUMULATORS[dtype]
 
 
 class KVCache(NamedTuple):
@@ -181,14 +183,14 @@ def _rows_fit(q: torch.Tensor, kv: KVCache) -> bool:
     return all(rows_fit(t) for t in (q, kv.k, kv.v, *(empty_like_layout(m, width, m.dtype) for m in metas)))
 
 
-def kv_launch_args(kv: KVCache) -> tuple:
-    """The kernel arguments after ``N_K``: lengths, then a paged cache's block table, page size and
-    number of pages."""
-    args: tuple = (kv.capacity,)
+def kv_launch_args(kv: KVCache) -> dict[str, Any]:
+    """The kernel arguments of the cache by name: its capacity ``N_K``, lengths, and a paged cache's block
+    table (its strides come with it), page size and number of pages."""
+    args: dict[str, Any] = {"N_K": kv.capacity}
     if kv.lens is not None:
-        args += (kv.lens,)
+        args["KvLens"] = kv.lens
     if kv.block_table is not None:
-        args += (kv.block_table, *kv.block_table.stride(), kv.page_size, kv.k.shape[0])
+        args.update(BlockTable=kv.block_table, PAGE_SIZE=kv.page_size, NUM_PAGES=kv.k.shape[0])
     return args
 
 
@@ -209,44 +211,3 @@ def empty_like_layout(t: torch.Tensor, last_dim: int, dtype: torch.dtype) -> tor
     order = sorted(range(t.dim()), key=lambda i: -t.stride(i))
     buffer = torch.empty([shape[i] for i in order], dtype=dtype, device=t.device)
     return buffer.permute(*sorted(range(t.dim()), key=order.__getitem__))
-
-
-class Prepared(NamedTuple):
-    """What the plugins of one call give: the kernel arguments (each tensor with its strides, then each
-    scalar); the largest tile a block-listing mask allows (its block size) or None; and how many of its
-    heavy key blocks the dK/dV kernel splits over a GQA group's query heads (``BlockList.q_split``)."""
-
-    args: list
-    limit: int | None
-    heavy: int
-
-
-class PluginArgs:
-    """The kernel arguments the plugins of one tiled kernel give through ``prepare``."""
-
-    def __init__(self, tiled: TiledKernel):
-        self._plugins = tuple((inst, lookup(inst.apply.combinator)) for inst in tiled.instances() if inst.args)
-        listing = next((m.fragment.block_list for m in tiled.masks if m.fragment.block_list is not None), None)
-        self._limit = listing and listing.size
-        self._split = listing and listing.q_split
-
-    def __call__(self, q: torch.Tensor, kv: KVCache, inputs: dict[str, Any]) -> Prepared:
-        """The plugins' arguments for one call."""
-        args: list = []
-        scalars: dict[str, Any] = {}
-        ctx = launch_context(q, kv) if self._plugins else None
-        for inst, comb in self._plugins:
-            prepared = comb.prepare(ctx, **inst.apply.values(inputs))
-            for t in comb.tensors:
-                tensor = prepared[t.name]
-                if not isinstance(tensor, torch.Tensor) or tensor.dim() != t.rank:
-                    raise PluginError(f"{comb.name}.prepare() must return {t.name!r} as a {t.rank}-D tensor, "
-                                      f"got {getattr(tensor, 'shape', type(tensor).__name__)}")
-                if tensor.device != ctx.device:
-                    raise InputError(f"{comb.name}: {t.name!r} is on {tensor.device}, the inputs on {ctx.device}")
-                args += [tensor, *tensor.stride()]
-            for sc in comb.scalars:
-                args.append(prepared[sc.name])
-                scalars[f"{inst.prefix}_{sc.name}"] = prepared[sc.name]
-        return Prepared(args, None if self._limit is None else int(scalars[self._limit]),
-                        int(scalars[self._split]) if self._split else 0)

@@ -10,6 +10,7 @@ import triton
 from triton.runtime.errors import OutOfResources
 
 from ..errors import InputError
+from ..passes.plan import KernelSpec
 from ..passes.tile import TileConfig
 from .blame import blame
 from .interpreter import InterpretedKernel
@@ -29,21 +30,25 @@ def smaller_tiles(tiles: TileConfig) -> TileConfig:
 
 
 class CompiledKernel:
-    """A generated kernel's source (written to the on-disk cache), loaded and launchable."""
+    """A planned kernel's source (written to the on-disk cache), loaded and launchable; launched on CPU
+    tensors (``interpreted``) through Triton's interpreter."""
 
-    def __init__(self, name: str, source: str, interpreted: bool, tiles: TileConfig):
-        self.name = name
-        self.source = source
-        self.path = write_source(name, source)
-        fn = load_function(self.path, name)
+    def __init__(self, spec: KernelSpec, interpreted: bool):
+        self.spec = spec
+        self.name = spec.name
+        self.source = spec.source
+        self.path = write_source(self.name, self.source)
+        fn = load_function(self.path, self.name)
         self._kernel = InterpretedKernel(fn) if interpreted else Launcher(triton.jit(fn))
-        self.tiles = tiles  # shrinks if the GPU lacks the shared memory the tile table assumed
+        self.tiles = spec.tiles  # shrinks if the GPU lacks the shared memory the tile table assumed
 
     def launch(self, grid: Callable[[TileConfig], tuple[int, ...]], args: tuple, device: torch.device,
                block_m: int | None = None, limit: int | None = None, **constexprs: Any) -> None:
-        """Launch on ``grid(tiles)`` with BLOCK_M (``block_m`` if given), BLOCK_N, warps and stages from the
-        current tiles; ``limit`` caps both block sizes (a block-sparse mask's block size). A constexpr
-        given as a function of the tiles (``EVEN_K``, ``EVEN_M``) is evaluated for the tiles launched."""
+        """Launch ``args`` (from ``spec.launch.bind``) on ``grid(tiles)`` with BLOCK_M (``block_m`` if given),
+        BLOCK_N, warps and stages from the current tiles; ``limit`` caps both block sizes (a block-sparse
+        mask's block size). ``constexprs``: exactly the spec's launch constexprs; one given as a function
+        of the tiles (``EVEN_K``, ``EVEN_M``) is evaluated for the tiles launched."""
+        constexprs = self.spec.launch.constexprs(constexprs)
         while True:
             tiles = self.tiles
             if limit is not None and max(tiles.block_m, tiles.block_n) > limit:

@@ -3,33 +3,44 @@ from __future__ import annotations
 
 from typing import Any
 
-import attrs
 import torch
 
 from .. import ir
-from ..errors import InputError, ProgramError
-from ..passes.fuse import fuse
-from ..passes.lower import Instance, KernelConfig, TiledKernel, fragment_of, lower
+from ..errors import InputError
+from ..passes.lower import Instance, KernelConfig, fragment_of
+from ..passes.plan import Plan, build_plan
 from .autograd import AttentionFunction
 from .backward import BackwardKernels
 from .decode import MAX_QUERIES, DecodeKernel
 from .forward import ForwardKernel
-from .hoisted import HoistedBackward, HoistedForward, hoistable, transformed_sides, worth_hoisting
+from .gradients import check_differentiable
+from .gradients import tensor_grads as tensor_grads_of
+from .hoisted import HoistedBackward, HoistedForward, worth_hoisting
 from .inputs import check_cache, check_inputs, kernel_config, kv_cache
 from .kernel import CompiledKernel
 from .offsets import inputs_fit
 from .validate import check_cache_values
 
 __all__ = ["KERNEL_KINDS", "check_cache", "check_inputs", "clear_cache", "compile_backward", "compile_decode",
-           "compile_forward", "compiled_kernel", "kernel_config", "run_attention"]
+           "compile_forward", "compile_plan", "compiled_kernel", "kernel_config", "run_attention"]
 
+_compiled: dict[tuple[ir.MatMulPV, KernelConfig], Plan] = {}
 _forward: dict[tuple[ir.MatMulPV, KernelConfig], ForwardKernel] = {}
 _decode: dict[tuple[ir.MatMulPV, KernelConfig], DecodeKernel] = {}
 _backward: dict[tuple, BackwardKernels | HoistedBackward] = {}
 _hoisted: dict[tuple[ir.MatMulPV, KernelConfig], HoistedForward] = {}
-Plan = tuple[ForwardKernel | HoistedForward, DecodeKernel | None, BackwardKernels | HoistedBackward | None]
-_plans: dict[tuple, Plan] = {}  # call signature -> kernels
-_MAX_PLANS = 4096
+CallKernels = tuple[ForwardKernel | HoistedForward, DecodeKernel | None, BackwardKernels | HoistedBackward | None]
+_calls: dict[tuple, CallKernels] = {}  # call signature -> kernels
+_MAX_CALLS = 4096
+
+
+def compile_plan(graph: ir.MatMulPV, config: KernelConfig) -> Plan:
+    """The compiler's plan of ``graph`` for ``config`` (every kernel's spec; sources on first use), cached."""
+    key = (graph, config)
+    plan = _compiled.get(key)
+    if plan is None:
+        plan = _compiled[key] = build_plan(graph, config)
+    return plan
 
 
 def compile_forward(graph: ir.MatMulPV, config: KernelConfig) -> ForwardKernel:
@@ -37,7 +48,7 @@ def compile_forward(graph: ir.MatMulPV, config: KernelConfig) -> ForwardKernel:
     key = (graph, config)
     kernel = _forward.get(key)
     if kernel is None:
-        kernel = _forward[key] = ForwardKernel(lower(fuse(graph), config, listing=ir.render(graph)))
+        kernel = _forward[key] = ForwardKernel(compile_plan(graph, config))
     return kernel
 
 
@@ -47,8 +58,7 @@ def compile_hoisted(graph: ir.MatMulPV, config: KernelConfig) -> HoistedForward:
     kernel = _hoisted.get(key)
     if kernel is None:
         fused = compile_forward(graph, config)
-        main = compile_forward(graph, attrs.evolve(config, **transformed_sides(fused.tiled)))
-        kernel = _hoisted[key] = HoistedForward(fused, main)
+        kernel = _hoisted[key] = HoistedForward(fused, compile_forward(graph, fused.plan.hoisted_config))
     return kernel
 
 
@@ -58,9 +68,8 @@ def compile_hoisted_backward(graph: ir.MatMulPV, config: KernelConfig,
     key = (graph, config, "hoisted", tuple((inst.prefix, name) for inst, name in tensor_grads))
     kernels = _backward.get(key)
     if kernels is None:
-        fused = compile_forward(graph, config).tiled
-        inner = compile_backward(graph, attrs.evolve(config, **transformed_sides(fused)), tensor_grads)
-        kernels = _backward[key] = HoistedBackward(fused, inner)
+        fused = compile_plan(graph, config)
+        kernels = _backward[key] = HoistedBackward(fused, compile_backward(graph, fused.hoisted_config, tensor_grads))
     return kernels
 
 
@@ -69,7 +78,7 @@ def compile_decode(graph: ir.MatMulPV, config: KernelConfig) -> DecodeKernel:
     key = (graph, config)
     kernel = _decode.get(key)
     if kernel is None:
-        kernel = _decode[key] = DecodeKernel(compile_forward(graph, config).tiled)
+        kernel = _decode[key] = DecodeKernel(compile_plan(graph, config))
     return kernel
 
 
@@ -79,7 +88,7 @@ def compile_backward(graph: ir.MatMulPV, config: KernelConfig,
     key = (graph, config, tuple((inst.prefix, name) for inst, name in tensor_grads))
     kernels = _backward.get(key)
     if kernels is None:
-        kernels = _backward[key] = BackwardKernels(compile_forward(graph, config).tiled, tensor_grads)
+        kernels = _backward[key] = BackwardKernels(compile_plan(graph, config), tensor_grads)
     return kernels
 
 
@@ -92,7 +101,7 @@ def compiled_kernel(graph: ir.MatMulPV, config: KernelConfig, kind: str) -> Comp
     if kind == "forward":
         return compile_forward(graph, config).kernel
     if kind == "transform":
-        if not hoistable(compile_forward(graph, config).tiled):
+        if compile_plan(graph, config).transform is None:
             raise InputError("kernel='transform': this program has no key-side qk transform to hoist (or reads "
                              "a cache with kv_lens or pages, where the transform stays in the key loop)")
         return compile_hoisted(graph, config).transform.kernel
@@ -105,47 +114,12 @@ def compiled_kernel(graph: ir.MatMulPV, config: KernelConfig, kind: str) -> Comp
 
 def clear_cache() -> None:
     """Forget every compiled kernel, e.g. after registering a plugin with new tile rules."""
+    _compiled.clear()
     _forward.clear()
     _decode.clear()
     _backward.clear()
     _hoisted.clear()
-    _plans.clear()
-
-
-def _no_backward(what: str) -> ProgramError:
-    return ProgramError(f"gradients were asked for, but {what} declares no backward; compute under "
-                        f"torch.no_grad(), or give the combinator its backward fragment")
-
-
-def _check_differentiable(tiled: TiledKernel) -> None:
-    """Raise unless every combinator of the kernel declares its backward."""
-    for t in tiled.transforms:
-        if not t.fragment.differentiable():
-            raise _no_backward(f"the qk transform {t.apply.combinator}")
-    for m in tiled.mods:
-        if m.fragment.grad is None:
-            raise _no_backward(f"the score modification {m.apply.combinator}")
-    if tiled.normaliser.fragment.grad is None:
-        raise _no_backward(f"the normaliser {tiled.normaliser.apply.combinator}")
-
-
-def _tensor_grads(tiled: TiledKernel, inputs: dict[str, Any]) -> tuple[tuple[Instance, str], ...]:
-    """The (instance, parameter) pairs whose gradient is wanted; raise for a tensor input that requires
-    grad but has no declared gradient."""
-    wanted = []
-    for m in tiled.mods:
-        for name, _ in m.fragment.tensor_grads:
-            sym = m.apply.inputs().get(name)
-            if sym is not None and inputs[sym.name].requires_grad:
-                wanted.append((m, name))
-    covered = {m.apply.inputs()[name].name for m, name in wanted}
-    for inst in tiled.instances():
-        for param, sym in inst.apply.inputs().items():
-            value = inputs[sym.name]
-            if isinstance(value, torch.Tensor) and value.requires_grad and sym.name not in covered:
-                raise InputError(f"{inst.apply.combinator}: its input {param!r} (argument {sym.name!r}) requires "
-                                 f"grad, but {inst.apply.combinator} declares no gradient for it; pass it detached")
-    return tuple(wanted)
+    _calls.clear()
 
 
 def run_attention(graph: ir.MatMulPV, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -186,29 +160,30 @@ def run_attention(graph: ir.MatMulPV, q: torch.Tensor, k: torch.Tensor, v: torch
     elif not wants_grad:
         out, lse = forward(q, kv, inputs)
     else:
-        tensor_grads = _tensor_grads(forward.tiled, inputs) if inputs else ()
+        wanted = [n for n, t in inputs.items() if isinstance(t, torch.Tensor) and t.requires_grad]
+        tensor_grads = tensor_grads_of(forward.plan.lowered, wanted) if wanted else ()
         if tensor_grads:
             compile_ = compile_hoisted_backward if isinstance(forward, HoistedForward) else compile_backward
-            backward = compile_(graph, forward.tiled.config, tensor_grads)
+            backward = compile_(graph, forward.plan.config, tensor_grads)
         names = tuple(dict.fromkeys(inst.apply.inputs()[name].name for inst, name in tensor_grads))
-        out, lse = AttentionFunction.apply(forward, backward, inputs, names, kv.lens, q, k, v,
+        out, lse = AttentionFunction.apply(forward, backward, inputs, names, kv, q, k, v,
                                            *(inputs[n] for n in names))
     return (out, lse) if return_lse else out
 
 
 def planned(graph: ir.MatMulPV, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_lens: Any, block_table: Any,
-            return_lse: bool, wants_grad: bool, split_kv: bool | None, inputs_wide: bool = False) -> Plan:
+            return_lse: bool, wants_grad: bool, split_kv: bool | None, inputs_wide: bool = False) -> CallKernels:
     """The call's kernels: everything decided from its metadata alone is decided once per call signature
     (``inputs_wide``: some runtime input needs 64-bit offsets, ``offsets.inputs_fit``)."""
     signature = (graph, _meta(q), _meta(k), _meta(v), _meta(kv_lens), _meta(block_table), return_lse, wants_grad,
                  split_kv, torch.backends.cuda.matmul.allow_tf32, inputs_wide)
-    plan = _plans.get(signature)
-    if plan is None:
-        plan = _plan(graph, q, k, v, kv_lens, block_table, return_lse, wants_grad, split_kv, inputs_wide)
-        if len(_plans) >= _MAX_PLANS:
-            _plans.clear()
-        _plans[signature] = plan
-    return plan
+    kernels = _calls.get(signature)
+    if kernels is None:
+        kernels = _plan(graph, q, k, v, kv_lens, block_table, return_lse, wants_grad, split_kv, inputs_wide)
+        if len(_calls) >= _MAX_CALLS:
+            _calls.clear()
+        _calls[signature] = kernels
+    return kernels
 
 
 class _Invalid:
@@ -222,7 +197,7 @@ def _meta(t: Any) -> Any:
 
 
 def _plan(graph: ir.MatMulPV, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_lens: Any, block_table: Any,
-          return_lse: bool, wants_grad: bool, split_kv: bool | None, inputs_wide: bool) -> Plan:
+          return_lse: bool, wants_grad: bool, split_kv: bool | None, inputs_wide: bool) -> CallKernels:
     """Check a new call signature; its forward kernel, its split-KV kernel if it takes that path, and with
     gradients wanted the backward kernels (those that write no tensor input's gradient)."""
     kv = check_cache(q, k, v, kv_lens, block_table)
@@ -233,16 +208,16 @@ def _plan(graph: ir.MatMulPV, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if wants_grad and block_table is not None:
         raise InputError("gradients through a paged cache are not supported; pass contiguous k and v to train")
     forward = compile_forward(graph, kernel_config(q, kv, return_lse or (wants_grad and has_lse), inputs_wide))
-    can_split = not wants_grad and forward.tiled.normaliser.fragment.combine is not None
+    can_split = not wants_grad and forward.plan.lowered.normaliser.fragment.combine is not None
     if split_kv is None:
         split_kv = can_split and q.shape[2] <= MAX_QUERIES
     elif split_kv and not can_split:
         raise InputError("the split-KV path has no backward, and needs a normaliser that can combine splits")
     if split_kv:
-        return forward, compile_decode(graph, forward.tiled.config), None
+        return forward, compile_decode(graph, forward.plan.config), None
     if wants_grad:
-        _check_differentiable(forward.tiled)
+        check_differentiable(forward.plan.lowered)
     if worth_hoisting(forward, q.shape[2]):
-        forward = compile_hoisted(graph, forward.tiled.config)
-        return forward, None, compile_hoisted_backward(graph, forward.tiled.config) if wants_grad else None
-    return forward, None, compile_backward(graph, forward.tiled.config) if wants_grad else None
+        forward = compile_hoisted(graph, forward.plan.config)
+        return forward, None, compile_hoisted_backward(graph, forward.plan.config) if wants_grad else None
+    return forward, None, compile_backward(graph, forward.plan.config) if wants_grad else None

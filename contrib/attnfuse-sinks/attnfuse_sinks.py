@@ -89,9 +89,9 @@ COMBINATOR = Combinator(
         # The running max and sum start at the sink's term: max sink2, sum exp2(0) = 1. (h is this
         # program's head; the sum over a (BLOCK_M, 1) tile makes the shape (BLOCK_M,) either way.)
         init=f"""
-            m_i = tl.sum(tl.zeros([BLOCK_M, 1], dtype=tl.float32)
-                         + tl.load($sinks + h * $sinks_s0).to(tl.float32) * {LOG2E}, 1)
-            l_i = tl.full([BLOCK_M], 1.0, dtype=tl.float32)
+            m_i = tl.sum(tl.zeros([BLOCK_M, 1], dtype=$acc_dtype)
+                         + tl.load($sinks + h * $sinks_s0).to($acc_dtype) * {LOG2E}, 1)
+            l_i = tl.full([BLOCK_M], 1.0, dtype=$acc_dtype)
         """,
         update=_update(""),
         scaled_update=_update(" * $factor"),

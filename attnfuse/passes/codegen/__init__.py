@@ -1,14 +1,18 @@
-"""Pass 4, codegen: a ``TiledKernel`` -> Triton source, one self-contained function per kernel.
+"""Pass 4, codegen: a ``LoweredProgram`` -> Triton source, one self-contained function per kernel, and each
+kernel's parameters (``*_params``), from which both its ``def`` line and its launch spec are made.
 
 Every variant decision is made here, in Python, so the kernels have no runtime branch on the program's
 structure. ``forward`` writes the FlashAttention-2 forward; ``backward`` its two gradient kernels;
 ``decode`` the split-KV kernel for few queries and long caches; ``transform_pass`` the qk transforms
 hoisted out of the kernels' loops, and their gradients.
 """
-from .backward import generate_dkdv, generate_dq
-from .decode import generate_decode
-from .forward import generate_forward
-from .transform_pass import generate_gradient_pass, generate_transform_pass
+from .backward import dkdv_params, dq_params, generate_dkdv, generate_dq, grad_buffer
+from .common import constants, split
+from .decode import decode_params, generate_decode
+from .forward import forward_params, generate_forward
+from .loops import scheduled, split_heads
+from .transform_pass import generate_pass, pass_params
 
-__all__ = ["generate_decode", "generate_dkdv", "generate_dq", "generate_forward", "generate_gradient_pass",
-           "generate_transform_pass"]
+__all__ = ["constants", "decode_params", "dkdv_params", "dq_params", "forward_params", "generate_decode",
+           "generate_dkdv", "generate_dq", "generate_forward", "generate_pass", "grad_buffer", "pass_params",
+           "scheduled", "split", "split_heads"]

@@ -15,26 +15,19 @@ import string
 
 import attrs
 
-from ..lower import Instance, TiledKernel
-from .common import (HEADER, QKV_STRIDES, block_range, columns, constexpr_args, dv_mask, finish, fragment, has_masks, indent,
-                     key_block, key_masked, key_offsets, key_range, kv_args, kv_base, masked_load, masks_keys,
-                     operand, operand_grad, precision, program, prologues, qk_product, query_block, scores, split,
-                     split_heads, visit, with_bounds)
+from ..launch_spec import INT, TENSOR, Param, indexed_strides, params, strides
+from ..lower import Instance, LoweredProgram
+from .common import (columns, constexpr_params, dv_mask, fragment, half_mask, indent, kernel_source, kv_params,
+                     masked_load, precision, qkv_strides, split)
+from .loops import block_range, key_block, key_range, program, query_block, split_heads, visit
+from .operands import key_masked, key_offsets, kv_base, operand, operand_grad, qk_product
+from .scores import has_masks, masks_keys, prologues, scores, with_bounds
 
 _DKDV = string.Template('''\
-def $name(
-    Q, K, V, DO, Lse, Delta, DKey, DValue,
-$strides
-    stride_dob, stride_doh, stride_dom, stride_dod,
-    stride_dkb, stride_dkh, stride_dkn, stride_dkd,
-    stride_dvb, stride_dvh, stride_dvn, stride_dvd,
-    HQ, Nq, N_K,$kv_args$extra_args
-    $constexprs
-):
     # One program per (key block, batch x kv head): dK, dV of these keys, summed over the group's heads.
 $program$key_block$columns    k_base = K + b.to(tl.int64) * stride_kb + hk.to(tl.int64) * stride_kh
 $k_load    v = $v_load
-$finite_values$dk_init    dv_acc = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
+$finite_values$dk_init    dv_acc = tl.zeros([BLOCK_N, BLOCK_DV], dtype=$acc_dtype)
     # Query rows that keep some key of this block (positions k_lo .. k_hi), and those that keep all of it.
     k_lo = pid_n * BLOCK_N
     k_hi = tl.minimum(pid_n * BLOCK_N + BLOCK_N, Nk) - 1
@@ -47,15 +40,6 @@ $dk_grad$dk_store    tl.store(DValue + b.to(tl.int64) * stride_dvb + hk.to(tl.in
 ''')
 
 _DQ = string.Template('''\
-def $name(
-    Q, K, V, DO, O, Lse, DLse, Delta, DQuery,
-$strides
-    stride_dob, stride_doh, stride_dom, stride_dod,
-    stride_ob, stride_oh, stride_om, stride_od,
-    stride_dqb, stride_dqh, stride_dqm, stride_dqd,
-    HQ, Nq, N_K,$kv_args$extra_args
-    $constexprs
-):
     # One program per (query block, batch x query head): dQ of these rows, over the key blocks they see.
 $query_block$q_load    do = $do_load
 $rows$prologues$dq_init
@@ -66,7 +50,7 @@ $loops
 $dq_grad$dq_store''')
 
 
-def _rows(kernel: TiledKernel, masked: bool, compute_delta: bool = False) -> str:
+def _rows(kernel: LoweredProgram, masked: bool, compute_delta: bool = False) -> str:
     """Per query tile: the saved row statistics the normaliser's backward reads. ``compute_delta``: the dQ
     kernel computes delta from the tile's dO and O (minus dLSE with HAS_DLSE) and stores it for dK/dV."""
     norm = kernel.normaliser.fragment
@@ -77,7 +61,7 @@ def _rows(kernel: TiledKernel, masked: bool, compute_delta: bool = False) -> str
     if norm.needs_delta and compute_delta:
         o = masked_load("O + b.to(tl.int64) * stride_ob + h.to(tl.int64) * stride_oh + q_idx[:, None] * stride_om"
                         " + dv[None, :] * stride_od", "q_ok[:, None]", dv_mask(kernel))
-        code += (f"o = {o}\ndelta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)\n"
+        code += (f"o = {o}\ndelta = tl.sum(o.to({kernel.accumulator}) * do.to({kernel.accumulator}), 1)\n"
                  "if HAS_DLSE:\n    delta -= tl.load(DLse + rows + q_idx, mask=q_ok, other=0.0)\n"
                  "tl.store(Delta + rows + q_idx, delta, mask=q_ok)\n")
     elif norm.needs_delta:
@@ -85,7 +69,7 @@ def _rows(kernel: TiledKernel, masked: bool, compute_delta: bool = False) -> str
     return code + (fragment(norm.backward_rows) + "\n" if norm.backward_rows else "")
 
 
-def _recompute(kernel: TiledKernel, masked: bool, implied: str | None) -> str:
+def _recompute(kernel: LoweredProgram, masked: bool, implied: str | None) -> str:
     """Recompute the scores, keeping each modification's input, and the weights ``p``."""
     norm = kernel.normaliser
     code = scores(kernel, masked, rows_too=True, stages=True, implied=implied)
@@ -93,7 +77,7 @@ def _recompute(kernel: TiledKernel, masked: bool, implied: str | None) -> str:
     return code
 
 
-def _chain(kernel: TiledKernel, masked: bool, write_tensor_grads: bool) -> str:
+def _chain(kernel: LoweredProgram, masked: bool, write_tensor_grads: bool) -> str:
     """``ds`` from ``dp`` through the normaliser, then back through every modification, last first."""
     norm = kernel.normaliser
     code = f"# {norm.prefix}: gradient of the scores\n{fragment(norm.fragment.grad)}\n"
@@ -104,7 +88,7 @@ def _chain(kernel: TiledKernel, masked: bool, write_tensor_grads: bool) -> str:
         if write_tensor_grads:
             for name, expr in m.fragment.tensor_grads:
                 value = m.code(expr, s_in=s_in, s_out=s_out)
-                grad = f"{m.prefix}_d{name}"
+                grad = grad_buffer(m, name)
                 code += (f"tl.store({grad} + b.to(tl.int64) * {grad}_s0 + h.to(tl.int64) * {grad}_s1 + "
                          f"q_idx[:, None].to(tl.int64) * {grad}_s2 + k_pos[None, :] * {grad}_s3, {value}, "
                          f"mask=in_bounds)\n")
@@ -116,7 +100,7 @@ def _chain(kernel: TiledKernel, masked: bool, write_tensor_grads: bool) -> str:
     return code + f"ds = ds * {kernel.scale!r}\n"
 
 
-def _dkdv_body(kernel: TiledKernel, masked: bool, implied: str | None) -> str:
+def _dkdv_body(kernel: LoweredProgram, masked: bool, implied: str | None) -> str:
     p = precision(kernel)
     ok = "q_ok" if masked else ""
     dtype = "Q.dtype.element_ty"
@@ -136,7 +120,7 @@ def _dkdv_body(kernel: TiledKernel, masked: bool, implied: str | None) -> str:
 FINITE_VALUES = 'v = tl.where(tl.abs(v) < float("inf"), v, 0.0)\n'
 
 
-def _dq_body(kernel: TiledKernel, masked: bool, implied: str | None) -> str:
+def _dq_body(kernel: LoweredProgram, masked: bool, implied: str | None) -> str:
     masked = key_masked(kernel, masked)
     p = precision(kernel)
     dtype = "Q.dtype.element_ty"
@@ -151,24 +135,24 @@ def _dq_body(kernel: TiledKernel, masked: bool, implied: str | None) -> str:
     return keys + with_bounds(code)
 
 
-def _accumulate(kernel: TiledKernel, acc: str, weights: str, operand: str) -> str:
+def _accumulate(kernel: LoweredProgram, acc: str, weights: str, operand: str) -> str:
     """acc += weights @ operand, on both halves of the head dim when qk transforms split it."""
     p = precision(kernel)
     halves = ("1", "2") if split(kernel) else ("",)
     return "".join(f"{acc}{i} = tl.dot({weights}, {operand}{i}, {acc}{i}{p})\n" for i in halves)
 
 
-def _accumulators(kernel: TiledKernel, name: str, rows: str) -> str:
+def _accumulators(kernel: LoweredProgram, name: str, rows: str) -> str:
     if split(kernel):
-        return (f"{name}1 = tl.zeros([{rows}, BLOCK_H], dtype=tl.float32)\n"
-                f"{name}2 = tl.zeros([{rows}, BLOCK_H], dtype=tl.float32)\n")
-    return f"{name} = tl.zeros([{rows}, BLOCK_D], dtype=tl.float32)\n"
+        return (f"{name}1 = tl.zeros([{rows}, BLOCK_H], dtype={kernel.accumulator})\n"
+                f"{name}2 = tl.zeros([{rows}, BLOCK_H], dtype={kernel.accumulator})\n")
+    return f"{name} = tl.zeros([{rows}, BLOCK_D], dtype={kernel.accumulator})\n"
 
 
-def _store(kernel: TiledKernel, out: str, acc: str, base: str, rows: str, ok: str, stride_row: str,
+def _store(kernel: LoweredProgram, out: str, acc: str, base: str, rows: str, ok: str, stride_row: str,
            stride_d: str) -> str:
     if split(kernel):
-        h_mask = "" if kernel.block_h * 2 == kernel.config.head_dim else " & (dh[None, :] < HALF)"
+        h_mask = half_mask(kernel, joined=True)
         ptrs = f"{base} + {rows}[:, None] * {stride_row} + dh[None, :] * {stride_d}"
         return (f"tl.store({ptrs}, {acc}1.to({out}.dtype.element_ty), mask={ok}[:, None]{h_mask})\n"
                 f"tl.store({ptrs} + HALF * {stride_d}, {acc}2.to({out}.dtype.element_ty), mask={ok}[:, None]{h_mask})\n")
@@ -177,7 +161,7 @@ def _store(kernel: TiledKernel, out: str, acc: str, base: str, rows: str, ok: st
             f"{acc}.to({out}.dtype.element_ty), mask={ok}[:, None]{d_mask})\n")
 
 
-def _split_reduce(kernel: TiledKernel) -> str:
+def _split_reduce(kernel: LoweredProgram) -> str:
     """After the loops of a dK/dV kernel that splits heavy key blocks over a group's query heads: a
     one-head program stores its share of the accumulators in PartDKV and counts it in SplitCount; the
     group's last to finish sums the shares, in head order, and is the one (``last``) that stores."""
@@ -190,7 +174,7 @@ def _split_reduce(kernel: TiledKernel) -> str:
         name, width, col = accs[i]
         return f"PartDKV + ({share}) * ({part}) + {offsets[i]} + rows_n[:, None] * {width} + {col}[None, :]"
     stores = "".join(f"    tl.store({at('share + g_lo', i)}, {name})\n" for i, (name, _, _) in enumerate(accs))
-    zeros = "".join(f"        {name} = tl.zeros([BLOCK_N, {width}], dtype=tl.float32)\n" for name, width, _ in accs)
+    zeros = "".join(f"        {name} = tl.zeros([BLOCK_N, {width}], dtype={kernel.accumulator})\n" for name, width, _ in accs)
     sums = "".join(f"            {name} += tl.load({at('share + j', i)}, cache_modifier=\".cg\")\n"
                    for i, (name, _, _) in enumerate(accs))
     return ("last = pid_n >= 0\nif one_head:  # this head's share of a heavy key block\n"
@@ -201,12 +185,38 @@ def _split_reduce(kernel: TiledKernel) -> str:
             + zeros + "        for j in range(GROUP):\n" + sums)
 
 
-def _tensor_grad_args(kernel: TiledKernel, grads: tuple[tuple[Instance, str], ...]) -> list[str]:
-    return [f"{inst.prefix}_d{name}{suffix}" for inst, name in grads for suffix in ("", "_s0", "_s1", "_s2", "_s3")]
+def grad_buffer(inst: Instance, name: str) -> str:
+    """The dQ kernel's parameter of the (B, Hq, Nq, Nk) buffer of the gradient of ``inst``'s input ``name``."""
+    return f"{inst.prefix}_d{name}"
 
 
-def generate_dkdv(kernel: TiledKernel) -> str:
-    """Triton source of the dK/dV kernel."""
+def _tensor_grad_params(grads: tuple[tuple[Instance, str], ...]) -> tuple[Param, ...]:
+    """Each gradient buffer the dQ kernel writes, then its strides."""
+    return tuple(p for inst, name in grads for p in (
+        Param(grad_buffer(inst, name), TENSOR), *indexed_strides(grad_buffer(inst, name), 4)))
+
+
+def dkdv_params(kernel: LoweredProgram) -> tuple[Param, ...]:
+    """The dK/dV kernel's parameters, in order (PartDKV and SplitCount when it splits heavy key blocks)."""
+    return (params(TENSOR, "Q", "K", "V", "DO", "Lse", "Delta", "DKey", "DValue") + qkv_strides()
+            + strides("do", "bhmd", "DO") + strides("dk", "bhnd", "DKey") + strides("dv", "bhnd", "DValue")
+            + params(INT, "HQ", "Nq", "N_K")
+            + kv_params(kernel) + kernel.args()
+            + (params(TENSOR, "PartDKV", "SplitCount") if split_heads(kernel) is not None else ())
+            + constexpr_params(kernel, even_keys=True, even_queries=True))
+
+
+def dq_params(kernel: LoweredProgram, tensor_grads: tuple[tuple[Instance, str], ...] = ()) -> tuple[Param, ...]:
+    """The dQ kernel's parameters, in order, with the buffers of the score-shaped gradients it writes."""
+    return (params(TENSOR, "Q", "K", "V", "DO", "O", "Lse", "DLse", "Delta", "DQuery") + qkv_strides()
+            + strides("do", "bhmd", "DO") + strides("o", "bhmd", "O") + strides("dq", "bhmd", "DQuery")
+            + params(INT, "HQ", "Nq", "N_K")
+            + kv_params(kernel) + kernel.args() + _tensor_grad_params(tensor_grads)
+            + constexpr_params(kernel, True, True, "HAS_DLSE"))
+
+
+def generate_dkdv(kernel: LoweredProgram, name: str, parameters: tuple[Param, ...]) -> str:
+    """Triton source of the dK/dV kernel (one undecorated function ``name`` taking ``parameters``)."""
     mask = dv_mask(kernel)
     query_range = block_range(kernel, "q_range", "q_full_range", "BLOCK_M", "Nq", "(Nk - Nq)",
                               {"k_lo": "k_lo", "k_hi": "k_hi"}) if has_masks(kernel) else \
@@ -218,15 +228,11 @@ def generate_dkdv(kernel: TiledKernel) -> str:
                  "pid_n * BLOCK_N", transposed=True, group_setup=head)
     dk_base = "DKey + b.to(tl.int64) * stride_dkb + hk.to(tl.int64) * stride_dkh"
     splits = split_heads(kernel) is not None
-    args = [*kernel.args(), *(("PartDKV", "SplitCount") if splits else ())]
-    return finish(kernel, HEADER.format(what="dK/dV kernel", signature=kernel.signature, listing=kernel.listing)
-                  + "\n" + _DKDV.substitute(
-            name=kernel.name.replace("_fwd_", "_dkdv_"), extra_args="".join(f"\n    {a}," for a in args),
-            split_reduce=indent(_split_reduce(kernel), 4) if splits else "",
+    return kernel_source(kernel, "dK/dV kernel", name, parameters, _DKDV.substitute(
+            acc_dtype=kernel.accumulator, split_reduce=indent(_split_reduce(kernel), 4) if splits else "",
             k_in=("k_pos < tl.where(last, N_K, 0)  # only the last of a split stores" if splits
                   else "k_pos < N_K  # rows of keys past a sequence's length get zeros"),
-            constexprs=constexpr_args(kernel, even_keys=True, even_queries=True), columns=indent(columns(kernel), 4),
-            strides=QKV_STRIDES, kv_args=kv_args(kernel), key_block=indent(key_block(kernel, even_keys=True), 4),
+            columns=indent(columns(kernel), 4), key_block=indent(key_block(kernel, even_keys=True), 4),
             program=indent(program(kernel, "pid_n", "BLOCK_N", "N_K", transposed=True), 4),
             k_load=indent(operand(kernel, "k", "k_base", "k_pos[:, None] * stride_kn", "k_pos", "k_ok", "stride_kd",
                                   True), 4),
@@ -240,7 +246,8 @@ def generate_dkdv(kernel: TiledKernel) -> str:
             dv_mask=f" & {mask}" if mask else ""))
 
 
-def generate_dq(kernel: TiledKernel, tensor_grads: tuple[tuple[Instance, str], ...] = ()) -> str:
+def generate_dq(kernel: LoweredProgram, name: str, parameters: tuple[Param, ...],
+                tensor_grads: tuple[tuple[Instance, str], ...] = ()) -> str:
     """Triton source of the dQ kernel; it also writes the score-shaped gradients named in ``tensor_grads``."""
     chained = _only(kernel, {(inst.prefix, name) for inst, name in tensor_grads})
     body = visit(chained, lambda masked, implied: _dq_body(chained, masked, implied), "start_n", "BLOCK_N",
@@ -248,12 +255,8 @@ def generate_dq(kernel: TiledKernel, tensor_grads: tuple[tuple[Instance, str], .
     dq_base = "DQuery + b.to(tl.int64) * stride_dqb + h.to(tl.int64) * stride_dqh"
     do = masked_load("DO + b.to(tl.int64) * stride_dob + h.to(tl.int64) * stride_doh + q_idx[:, None] * "
                      "stride_dom + dv[None, :] * stride_dod", "q_ok[:, None]", dv_mask(kernel))
-    args = [*kernel.args(), *_tensor_grad_args(kernel, tensor_grads)]
-    return finish(kernel, HEADER.format(what="dQ kernel", signature=kernel.signature, listing=kernel.listing)
-                  + "\n" + _DQ.substitute(
-            name=kernel.name.replace("_fwd_", "_dq_"), extra_args="".join(f"\n    {a}," for a in args),
-            constexprs=constexpr_args(kernel, even_keys=True, even_queries=True) + " HAS_DLSE: tl.constexpr,",
-            strides=QKV_STRIDES, kv_args=kv_args(kernel), query_block=indent(query_block(kernel, even_queries=True), 4),
+    return kernel_source(kernel, "dQ kernel", name, parameters, _DQ.substitute(
+            query_block=indent(query_block(kernel, even_queries=True), 4),
             q_load=indent(operand(kernel, "q", "q_base", "q_idx[:, None] * stride_qm", "q_pos", "q_ok", "stride_qd",
                                   True), 4),
             do_load=do, k_base=kv_base(kernel, "k"), v_base=kv_base(kernel, "v"),
@@ -264,7 +267,7 @@ def generate_dq(kernel: TiledKernel, tensor_grads: tuple[tuple[Instance, str], .
             dq_store=indent(_store(kernel, "DQuery", "dq", dq_base, "q_idx", "q_ok", "stride_dqm", "stride_dqd"), 4)))
 
 
-def _only(kernel: TiledKernel, wanted: set[tuple[str, str]]) -> TiledKernel:
+def _only(kernel: LoweredProgram, wanted: set[tuple[str, str]]) -> LoweredProgram:
     """The kernel with each modification's tensor_grads cut down to the gradients asked for."""
     mods = tuple(attrs.evolve(m, fragment=attrs.evolve(m.fragment, tensor_grads=tuple(
         (name, expr) for name, expr in m.fragment.tensor_grads if (m.prefix, name) in wanted))) for m in kernel.mods)

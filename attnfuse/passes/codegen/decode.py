@@ -10,19 +10,15 @@ from __future__ import annotations
 
 import string
 
-from ..lower import TiledKernel, masked_head
-from .common import (HEADER, QKV_STRIDES, columns, constexpr_args, dv_mask, finish, indent, key_range, kv_args,
-                     kv_base, kv_length, loops, operand, prologues)
+from ..launch_spec import INT, TENSOR, Param, params
+from ..lower import LoweredProgram, masked_head
+from .common import columns, constexpr_params, dv_mask, indent, kernel_source, kv_params, qkv_strides
+from .loops import key_range, loops
+from .operands import kv_base, kv_length, operand
+from .scores import prologues
 from .forward import key_tile
 
 _KERNEL = string.Template('''\
-def $name(
-    Q, K, V, PartOut, PartLse,
-$strides
-    HQ, Nq, N_K,$kv_args
-    SPLIT, NUM_SPLITS,$extra_args
-    $constexprs
-):
     # One program per (split of the keys, batch x kv head, block of rows); row r is query r % Nq of the
     # group's query head r // Nq, so the whole group shares each K and V tile.
     pid_s = tl.program_id(0)
@@ -39,7 +35,7 @@ $kv_length    r = pid_r * BLOCK_M + tl.arange(0, BLOCK_M)
     q_pos = q_idx + (Nk - Nq)
 $columns    q_base = Q + b.to(tl.int64) * stride_qb
 $q_load$prologues
-    acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=$acc_dtype)
 $norm_init
     q_lo = Nk - Nq
     q_hi = Nk - 1
@@ -53,15 +49,20 @@ $norm_finalize
 $store_lse''')
 
 
-def generate_decode(kernel: TiledKernel) -> str:
+def decode_params(kernel: LoweredProgram) -> tuple[Param, ...]:
+    """The split-KV kernel's parameters, in order."""
+    return (params(TENSOR, "Q", "K", "V", "PartOut", "PartLse") + qkv_strides() + params(INT, "HQ", "Nq", "N_K")
+            + kv_params(kernel) + params(INT, "SPLIT", "NUM_SPLITS") + kernel.args()
+            + constexpr_params(kernel, even_keys=True))
+
+
+def generate_decode(kernel: LoweredProgram, name: str, parameters: tuple[Param, ...]) -> str:
     """Triton source of the split-KV kernel; its normaliser must say how splits combine."""
     norm = kernel.normaliser.fragment
     mask = dv_mask(kernel)
     store_lse = "    tl.store(PartLse + part, lse, mask=q_ok)\n" if norm.combine == "logsumexp" else ""
-    return finish(kernel, HEADER.format(what="split-KV decoding kernel", signature=kernel.signature,
-                                        listing=kernel.listing) + "\n" + _KERNEL.substitute(
-        name=kernel.name.replace("_fwd_", "_decode_"), strides=QKV_STRIDES, kv_args=kv_args(kernel),
-        extra_args="".join(f"\n    {a}," for a in kernel.args()), constexprs=constexpr_args(kernel, even_keys=True),
+    return kernel_source(kernel, "split-KV decoding kernel", name, parameters, _KERNEL.substitute(
+            acc_dtype=kernel.accumulator,
         kv_length=indent(kv_length(kernel), 4), columns=indent(columns(kernel), 4),
         q_load=indent(operand(kernel, "q", "q_base", "q_head[:, None].to(tl.int64) * stride_qh + q_idx[:, None] * "
                               "stride_qm", "q_pos", "q_ok", "stride_qd", True), 4),

@@ -7,22 +7,17 @@ from __future__ import annotations
 
 import string
 
-from ..lower import TiledKernel
-from .common import (HEADER, QKV_STRIDES, constexpr_args, dv_mask, finish, indent, key_masked, key_offsets,
-                     key_range, kv_args, kv_base, masked_load, masked_values, masks_keys, normaliser_update, operand,
-                     precision, prologues, qk_product, query_block, scores, visit, with_bounds)
+from ..launch_spec import INT, TENSOR, Param, params, strides
+from ..lower import LoweredProgram
+from .common import constexpr_params, dv_mask, indent, kernel_source, kv_params, masked_load, precision, qkv_strides
+from .loops import key_range, query_block, visit
+from .operands import key_masked, key_offsets, kv_base, operand, qk_product
+from .scores import masked_values, masks_keys, normaliser_update, prologues, scores, with_bounds
 
 _KERNEL = string.Template('''\
-def $name(
-    Q, K, V, Out, Lse,
-$strides
-    stride_ob, stride_oh, stride_om, stride_od,
-    HQ, Nq, N_K,$kv_args$extra_args
-    $constexprs
-):
     # One program per (query block, batch x query head).
 $query_block$q_load$prologues
-    acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=$acc_dtype)
 $norm_init
     # Keys [lo, hi) can be kept by some row of this block; [full_lo, full_hi) by all of them.
 $key_range
@@ -36,7 +31,7 @@ $norm_finalize
 $store_lse''')
 
 
-def key_tile(kernel: TiledKernel, masked: bool, implied: str | None = None) -> str:
+def key_tile(kernel: LoweredProgram, masked: bool, implied: str | None = None) -> str:
     """One step of the key loop: load the k tile (transformed), scores, normaliser update, then P·V. With
     EVEN_K, ``k_ok`` is constant true and Triton drops the masks of the loads."""
     masked = key_masked(kernel, masked)
@@ -51,18 +46,23 @@ def key_tile(kernel: TiledKernel, masked: bool, implied: str | None = None) -> s
             + f"acc = tl.dot(p.to(V.dtype.element_ty), v, acc{precision(kernel)})\n")
 
 
-def generate_forward(kernel: TiledKernel) -> str:
-    """Triton source of the forward kernel (one undecorated function named ``kernel.name``)."""
+def forward_params(kernel: LoweredProgram) -> tuple[Param, ...]:
+    """The forward kernel's parameters, in order."""
+    return (params(TENSOR, "Q", "K", "V", "Out", "Lse") + qkv_strides() + strides("o", "bhmd", "Out")
+            + params(INT, "HQ", "Nq", "N_K") + kv_params(kernel) + kernel.args()
+            + constexpr_params(kernel, even_keys=True, even_queries=True))
+
+
+def generate_forward(kernel: LoweredProgram, name: str, parameters: tuple[Param, ...]) -> str:
+    """Triton source of the forward kernel (one undecorated function ``name`` taking ``parameters``)."""
     norm = kernel.normaliser.fragment
     mask = dv_mask(kernel)
     store_lse = ""
     if kernel.config.save_lse:
         store_lse = indent("tl.store(Lse + pid_bh.to(tl.int64) * Nq + q_idx, lse, mask=q_ok)", 4)
-    return finish(kernel, HEADER.format(what="forward kernel", signature=kernel.signature, listing=kernel.listing)
-                  + "\n" + _KERNEL.substitute(
-            name=kernel.name, extra_args="".join(f"\n    {a}," for a in kernel.args()),
-            constexprs=constexpr_args(kernel, even_keys=True, even_queries=True),
-            strides=QKV_STRIDES, kv_args=kv_args(kernel), query_block=indent(query_block(kernel, even_queries=True), 4),
+    return kernel_source(kernel, "forward kernel", name, parameters, _KERNEL.substitute(
+            acc_dtype=kernel.accumulator,
+            query_block=indent(query_block(kernel, even_queries=True), 4),
             k_base=kv_base(kernel, "k"), v_base=kv_base(kernel, "v"),
             q_load=indent(operand(kernel, "q", "q_base", "q_idx[:, None] * stride_qm", "q_pos", "q_ok", "stride_qd",
                                   True), 4),

@@ -12,16 +12,13 @@ from __future__ import annotations
 
 import string
 
-from ..lower import TiledKernel
-from .common import HEADER, columns, constexpr_args, finish, indent, key_block, operand, operand_grad
+from ..launch_spec import INT, TENSOR, Param, params, strides
+from ..lower import LoweredProgram
+from .common import columns, constexpr_params, half_mask, indent, kernel_source
+from .loops import key_block
+from .operands import operand, operand_grad
 
 _KERNEL = string.Template('''\
-def $name(
-    $pointers
-    $strides
-    HQ, Nq, N_K, BATCH,$extra_args
-    $constexprs
-):
     # A 1-D grid: $layout
     pid = tl.program_id(0)
 $sides''')
@@ -41,7 +38,7 @@ _SITE = {"q": ("q_idx", "q_pos", "q_ok", "h"), "k": ("k_pos", "k_pos", "k_ok", "
 _ROWS = {"q": ("Nq", "BLOCK_M"), "k": ("N_K", "BLOCK_N")}  # rows, block
 
 
-def _rows(kernel: TiledKernel, x: str) -> str:
+def _rows(kernel: LoweredProgram, x: str) -> str:
     """The program's block of q rows (positions after the keys, bottom-right aligned) or of k rows, and
     its heads (at the k site ``h`` is the group's first query head)."""
     if x == "k":
@@ -50,11 +47,11 @@ def _rows(kernel: TiledKernel, x: str) -> str:
             "q_idx = pid_n * BLOCK_M + tl.arange(0, BLOCK_M)\nq_pos = q_idx + (Nk - Nq)\nq_ok = q_idx < Nq\n")
 
 
-def _side(kernel: TiledKernel, x: str, first: str, gradient: bool) -> str:
+def _side(kernel: LoweredProgram, x: str, first: str, gradient: bool) -> str:
     """One side's program body; its programs start at ``first`` in the grid."""
     idx, pos, ok, head = _SITE[x]
     rows_n, block = _ROWS[x]
-    h_mask = "" if kernel.block_h * 2 == kernel.config.head_dim else " & (dh[None, :] < HALF)"
+    h_mask = half_mask(kernel, joined=True)
     body = ""
     if gradient:
         g = (f"G{x.upper()} + b.to(tl.int64) * stride_{x}ob + {head}.to(tl.int64) * stride_{x}oh"
@@ -70,11 +67,22 @@ def _side(kernel: TiledKernel, x: str, first: str, gradient: bool) -> str:
         body=body, result="g" if gradient else x, store_mask=f"{ok}[:, None]{h_mask}")
 
 
-def _generate(kernel: TiledKernel, sides: tuple[str, ...], gradient: bool) -> str:
-    """The pass over ``sides`` ("q", "k" or both): with both, q's programs come first, then k's."""
+def pass_params(kernel: LoweredProgram, sides: tuple[str, ...], gradient: bool) -> tuple[Param, ...]:
+    """A pass's parameters: each side's X, then each XOut (then each GX: ``gradient``), the strides of each
+    X then of each XOut (GX has XOut's), HQ, Nq, N_K, BATCH, the plugins' arguments."""
     pointers = [x.upper() for x in sides] + [f"{x.upper()}Out" for x in sides]
     pointers += [f"G{x.upper()}" for x in sides] if gradient else []
-    strides = [f"stride_{x}{o}{dim}" for o in ("", "o") for x in sides for dim in "bhnd"]
+    owners = [(x, x.upper()) for x in sides] + [(f"{x}o", f"{x.upper()}Out") for x in sides]  # (prefix, tensor)
+    return (params(TENSOR, *pointers) + tuple(p for prefix, owner in owners for p in strides(prefix, "bhnd", owner))
+            + params(INT, "HQ", "Nq", "N_K", "BATCH") + kernel.args() + constexpr_params(kernel))
+
+
+def generate_pass(kernel: LoweredProgram, name: str, parameters: tuple[Param, ...], sides: tuple[str, ...],
+                  gradient: bool) -> str:
+    """The pass over ``sides`` ("q", "k" or both; with both, q's programs come first, then k's): it writes
+    the transformed rows (contiguous rows, no per-sequence lengths; grid: one program per block of rows,
+    BLOCK_M of q, BLOCK_N of k, per batch and head of each side), or with ``gradient`` turns GX, the float32
+    gradient with respect to each transformed side X, into the gradient of X itself, XOut."""
     if sides == ("q", "k"):
         q_programs = "tl.cdiv(Nq, BLOCK_M) * BATCH * HQ"
         code = (f"q_programs = {q_programs}\nif pid >= q_programs:\n"
@@ -86,28 +94,5 @@ def _generate(kernel: TiledKernel, sides: tuple[str, ...], gradient: bool) -> st
         code = _side(kernel, x, "0", gradient)
         layout = f"one program per (block of {x} rows, batch x {'head' if x == 'q' else 'kv head'})."
     what = "gradient pass" if gradient else "transform pass"
-    return finish(kernel, HEADER.format(what=f"{what} of {' and '.join(sides)} (hoisted qk transforms)",
-                                        signature=kernel.signature, listing=kernel.listing) + "\n" + _KERNEL.substitute(
-        name=pass_name(kernel, gradient), pointers=", ".join(pointers) + ",",
-        strides="\n    ".join(", ".join(strides[i:i + 4]) + "," for i in range(0, len(strides), 4)),
-        extra_args="".join(f"\n    {a}," for a in kernel.args()), constexprs=constexpr_args(kernel), layout=layout,
-        sides=indent(code, 4)))
-
-
-def pass_name(kernel: TiledKernel, gradient: bool = False) -> str:
-    return kernel.name.replace("_fwd_", f"_{'grad' if gradient else 'transform'}pass_")
-
-
-def generate_transform_pass(kernel: TiledKernel, sides: tuple[str, ...]) -> str:
-    """Triton source that writes the transformed rows of ``sides`` ("q", "k" or both, in that order):
-    (each side's X, then each XOut, strides of each X then of each XOut, HQ, Nq, N_K, BATCH, plugin
-    arguments); contiguous rows, no per-sequence lengths. Grid: one program per block of rows (BLOCK_M of q,
-    BLOCK_N of k) per batch and head of each side."""
-    return _generate(kernel, sides, gradient=False)
-
-
-def generate_gradient_pass(kernel: TiledKernel, sides: tuple[str, ...]) -> str:
-    """Triton source that turns GX, the float32 gradient with respect to each transformed side X, into the
-    gradient of X itself, XOut: (each X, each XOut, each GX, strides of each X then of each XOut (GX has
-    XOut's), HQ, Nq, N_K, BATCH, plugin arguments)."""
-    return _generate(kernel, sides, gradient=True)
+    return kernel_source(kernel, f"{what} of {' and '.join(sides)} (hoisted qk transforms)", name, parameters,
+                         _KERNEL.substitute(layout=layout, sides=indent(code, 4)))

@@ -1,0 +1,168 @@
+"""Which blocks a program visits: its place in the grid (block order of a listing mask), the block ranges
+the masks' facts give, and the masked / unmasked / block-list loops over them."""
+from __future__ import annotations
+
+from ..lower import LoweredProgram, masked_head
+from .common import columns, indent
+from .operands import kv_length
+from .scores import has_masks
+
+
+def query_block(kernel: LoweredProgram, even_queries: bool = False) -> str:
+    """Program -> (query block, batch, query head, kv head): the block's rows, their positions, and the span
+    ``q_lo`` .. ``q_hi`` of positions the masks' facts take. The longest rows start first (see ``program``).
+    ``even_queries``: the kernel takes EVEN_M (Nq a multiple of BLOCK_M), which makes ``q_ok`` constant
+    true, so the row masks of q's load and out's store drop (and the registers they hold)."""
+    q_ok = "(q_idx < Nq) | EVEN_M" if even_queries else "q_idx < Nq"
+    return (program(kernel, "pid_m", "BLOCK_M", "Nq") + "b = pid_bh // HQ\nh = pid_bh % HQ\nhk = h // GROUP\n"
+            + kv_length(kernel)
+            + f"q_idx = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)\nq_pos = q_idx + (Nk - Nq)\nq_ok = {q_ok}\n"
+            + "q_lo = pid_m * BLOCK_M + (Nk - Nq)\nq_hi = tl.minimum(pid_m * BLOCK_M + BLOCK_M, Nq) - 1 + (Nk - Nq)\n"
+            + columns(kernel) + "q_base = Q + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh\n")
+
+
+def program(kernel: LoweredProgram, pid: str, block: str, rows: str, transposed: bool = False) -> str:
+    """This program's block ``pid`` (of ``block`` rows; ``rows`` in all) and ``pid_bh`` (batch x head).
+
+    Grid (blocks, heads) in launch order, query blocks last first (the longest causal rows start first);
+    or, when the listing mask orders its blocks (key blocks when ``transposed``), grid (heads, slots):
+    slot by slot its blocks heaviest first, each block of its size taking size // ``block`` programs, of
+    which one past ``rows`` returns at once. With ``split_heads`` (dK/dV), the slots of the first blocks
+    come GROUP times, one program per query head of the group: ``one_head``, heads ``g_lo`` .. ``g_hi``."""
+    m = listing_mask(kernel)
+    order = None if m is None else (m.fragment.block_list.q_order if transposed else m.fragment.block_list.order)
+    if order is None:
+        first = "tl.program_id(0)" if transposed else "tl.num_programs(0) - 1 - tl.program_id(0)"
+        return f"{pid} = {first}\npid_bh = tl.program_id(1)\n"
+    code = (f"# slots run {m.prefix}'s blocks heaviest first, each for every head before the next\n"
+            f"pid_bh = tl.program_id(0)\nrun_tiles = {m.code(m.fragment.block_list.size)} // {block}\n"
+            "slot = tl.program_id(1)\n")
+    heavy = split_heads(kernel) if transposed else None
+    if heavy is not None:
+        code += (f"# the first {heavy} blocks' slots come once per query head of the group\n"
+                 f"split_slots = {heavy} * run_tiles\none_head = slot < split_slots * GROUP\n"
+                 "g_lo = tl.where(one_head, slot % GROUP, 0)\ng_hi = tl.where(one_head, slot % GROUP + 1, GROUP)\n"
+                 "slot = tl.where(one_head, slot // GROUP, slot - split_slots * (GROUP - 1))\n")
+    return code + (f"{pid} = {m.code(order, slot='slot // run_tiles')} * run_tiles + slot % run_tiles\n"
+                   f"if {pid} * {block} >= {rows}:\n    return\n")
+
+
+def split_heads(kernel: LoweredProgram) -> str | None:
+    """Code of the number of key blocks (first in the listing mask's order) whose dK/dV the kernel splits
+    over the query heads of a GQA group (``BlockList.q_split``), if it splits any."""
+    m = listing_mask(kernel)
+    if kernel.config.group == 1 or not scheduled(kernel, transposed=True) or m.fragment.block_list.q_split is None:
+        return None
+    return m.code(m.fragment.block_list.q_split)
+
+
+def scheduled(kernel: LoweredProgram, transposed: bool = False) -> bool:
+    """Whether the kernel's programs follow a listing mask's block order (see ``program``)."""
+    m = listing_mask(kernel)
+    return m is not None and (m.fragment.block_list.q_order if transposed else m.fragment.block_list.order) is not None
+
+
+def key_block(kernel: LoweredProgram, even_keys: bool = False) -> str:
+    """Program (key block ``pid_n``, batch x kv head ``pid_bh``) -> batch, kv head, ``Nk`` and the block's
+    keys ``k_pos`` with ``k_ok`` (constant true with ``even_keys``: the kernel takes EVEN_K)."""
+    k_ok = "(k_pos < Nk) | EVEN_K" if even_keys else "k_pos < Nk"
+    return ("HKV = HQ // GROUP\nb = pid_bh // HKV\nhk = pid_bh % HKV\n" + kv_length(kernel)
+            + f"k_pos = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)\nk_ok = {k_ok}\n")
+
+
+def block_range(kernel: LoweredProgram, facts: str, full_facts: str, block: str, count: str, offset: str,
+                placeholders: dict[str, str], window: tuple[str, str] | None = None) -> str:
+    """Loop bounds over index space [0, count): ``start``, ``full_start``, ``full_end``, ``hi``.
+
+    Blocks in [start, full_start) and [full_end, hi) need the mask; [full_start, full_end) are kept whole.
+    The masks' facts are positions; an index is its position minus ``offset``. ``window``: (lo, hi) indices
+    this program is limited to (a split of the keys), block-aligned.
+    """
+    lines = ["lo = 0", f"hi = {count}", "full_lo = 0", f"full_hi = {count}"]
+    for m in kernel.masks:
+        f = m.fragment
+        if getattr(f, facts) is not None:
+            lo, hi = (m.code(e, **placeholders) for e in getattr(f, facts))
+            lines += [f"lo = tl.maximum(lo, {lo} - {offset})  # {m.prefix}", f"hi = tl.minimum(hi, {hi} - {offset})"]
+        if getattr(f, full_facts) is not None:
+            lo, hi = (m.code(e, **placeholders) for e in getattr(f, full_facts))
+            lines += [f"full_lo = tl.maximum(full_lo, {lo} - {offset})  # {m.prefix}",
+                      f"full_hi = tl.minimum(full_hi, {hi} - {offset})"]
+        elif f.keep is not None:
+            lines.append(f"full_hi = 0  # {m.prefix} gives no full blocks")
+    lines += [
+        f"lo = tl.minimum(tl.maximum(lo, 0), {count})",
+        f"hi = tl.maximum(tl.minimum(hi, {count}), lo)",
+    ]
+    if window is not None:  # starts block-aligned, so no block is visited by two programs
+        lines += [f"w_lo = {window[0]}  # this program's split", f"w_hi = tl.maximum({window[1]}, w_lo)",
+                  "lo = tl.minimum(tl.maximum(lo, w_lo), w_hi)", "hi = tl.maximum(tl.minimum(hi, w_hi), lo)"]
+    lines += [
+        "full_lo = tl.minimum(tl.maximum(full_lo, lo), hi)",
+        "full_hi = tl.maximum(tl.minimum(full_hi, hi), full_lo)",
+        f"start = lo // {block} * {block}",
+        f"full_start = tl.minimum((full_lo + {block} - 1) // {block} * {block}, hi)",
+        f"full_end = tl.maximum(tl.minimum(full_hi // {block} * {block}, {count} // {block} * {block}), full_start)",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def key_range(kernel: LoweredProgram, window: tuple[str, str] | None = None) -> str:
+    """Forward, dQ and decode: which key blocks a query block (positions q_lo .. q_hi) visits, within
+    ``window`` (a decode program's split) when given."""
+    if not has_masks(kernel) and window is None:
+        return "start = 0\nhi = Nk\nfull_start = 0\nfull_end = Nk // BLOCK_N * BLOCK_N\n"
+    return block_range(kernel, "kv_range", "full_range", "BLOCK_N", "Nk", "0", {"q_lo": "q_lo", "q_hi": "q_hi"},
+                       window)
+
+
+def listing_mask(kernel: LoweredProgram):
+    """The mask that lists the blocks it keeps anything in (block sparsity), if the program has one."""
+    return next((m for m in kernel.masks if m.fragment.block_list is not None), None)
+
+
+def visit(kernel: LoweredProgram, body, var: str, block: str, block_start: str, transposed: bool = False,
+          group_setup: str | None = None) -> str:
+    """The loops over key blocks (query blocks, ``transposed``, for dK/dV); ``body(masked, implied)`` gives
+    a loop body. With a listing mask: one flat loop over the tiles of its listed blocks (flat, so Triton
+    pipelines the loads across blocks), skipping tiles outside [start, hi) when other masks bound the
+    range; otherwise ``loops``. ``group_setup``: per query head ``g`` of a kv head's group (dK/dV), the
+    code that points the loop at that head's rows: the loops then visit every head's blocks."""
+    m = listing_mask(kernel)
+    if m is None:
+        head = has_masks(kernel) if transposed else masked_head(kernel.masks)
+        return loops(lambda masked: body(masked, None), var, block, head, group_setup)
+    heads = "g_lo, g_hi" if transposed and split_heads(kernel) is not None else "GROUP"
+    bl = m.fragment.block_list
+    count = m.code(bl.q_count if transposed else bl.count, block="list_block")
+    index = m.code(bl.q_index if transposed else bl.index, block="list_block", i="list_t // list_tiles")
+    tile = body(True, m.prefix)
+    if any(other.fragment.kv_range is not None for other in kernel.masks if other is not m):
+        tile = f"if ({var} + {block} > start) & ({var} < hi):\n{indent(tile, 4)}"
+    code = (f"# {m.prefix}: visit only the blocks it lists, tile by tile\nlist_size = {m.code(bl.size)}\n"
+            f"list_tiles = list_size // {block}\nlist_block = ({block_start}) // list_size\n"
+            f"for list_t in range(0, {count} * list_tiles):\n"
+            f"    {var} = {index} * list_size + list_t % list_tiles * {block}\n{indent(tile, 4)}")
+    if group_setup is None:
+        return code
+    # the lists differ from head to head: one flat loop per head
+    return f"for g in range({heads}):\n{indent(group_setup, 4)}{indent(code, 4)}"
+
+
+def loops(body, var: str, block: str, has_head: bool, group_setup: str | None = None) -> str:
+    """The masked head, unmasked middle and masked tail loops; ``body(masked)`` gives a loop body.
+
+    With ``group_setup``, each loop steps through (query head g of the group, block) pairs in one flat
+    loop: Triton pipelines it across heads, and a loop nest (per head, then per block) would keep about
+    twice the registers live and spill."""
+    def loop(comment: str, lo: str, hi: str, masked: bool) -> str:
+        if group_setup is None:
+            return f"# {comment}\nfor {var} in range({lo}, {hi}, {block}):\n{indent(body(masked), 4)}"
+        return (f"# {comment}, for each query head of the group\nsteps = ({hi} - {lo} + {block} - 1) // {block}\n"
+                f"for t in range(0, GROUP * steps):\n    g = t // steps\n    {var} = {lo} + (t - g * steps) * {block}\n"
+                f"{indent(group_setup, 4)}{indent(body(masked), 4)}")
+
+    parts = [loop("masked head", "start", "full_start", True)] if has_head else []
+    parts.append(loop("full blocks: no mask arithmetic", "full_start", "full_end", False))
+    parts.append(loop("masked tail", "full_end", "hi", True))
+    return "\n".join(parts)

@@ -1,0 +1,100 @@
+"""Operand loads: the q and k tiles with their qk transforms (and the transforms' gradients), the
+q·kᵀ product, and where a key tile's rows lie in a contiguous or paged cache."""
+from __future__ import annotations
+
+from ..lower import LoweredProgram
+from .common import fragment, half_mask, masked_load, precision, split, transformed
+
+
+def operand(kernel: LoweredProgram, x: str, base: str, rows: str, pos: str, ok: str, stride_d: str,
+            masked: bool) -> str:
+    """Load the q or k tile (row offsets ``rows``, (rows, 1)) and run the qk transforms on it.
+
+    With no transform: one (rows, BLOCK_D) tile ``x``. With transforms: the halves ``x1``, ``x2``
+    (rows, BLOCK_H), columns [0, D/2) and [D/2, D), transformed in float32 and cast back for the
+    products; ``x_in<i>_1``/``_2`` keep each transform's input for the backward's vector-Jacobian products.
+    Rows a transform pass already transformed (``config.q_transformed``, ``k_transformed``) are only loaded.
+    """
+    row_mask = f"{ok}[:, None]" if masked else ""
+    if not split(kernel):
+        d_mask = "" if kernel.block_d == kernel.config.head_dim else "(d[None, :] < D)"
+        return f"{x} = {masked_load(f'{base} + {rows} + d[None, :] * {stride_d}', row_mask, d_mask)}\n"
+    h_mask = half_mask(kernel)
+    fragment_ok = " & ".join(m for m in (f"{ok}[:, None]", h_mask) if m)
+    lines = [f"{x}_ptrs = {base} + {rows} + dh[None, :] * {stride_d}",
+             f"{x}1f = {masked_load(f'{x}_ptrs', row_mask, h_mask)}.to({kernel.accumulator})",
+             f"{x}2f = {masked_load(f'{x}_ptrs + HALF * {stride_d}', row_mask, h_mask)}.to({kernel.accumulator})"]
+    for i, t in enumerate(kernel.transforms):
+        text = getattr(t.fragment, x)
+        if text and not transformed(kernel, x):
+            lines += [f"{x}_in{i}_1 = {x}1f", f"{x}_in{i}_2 = {x}2f", f"# {t.prefix}: qk transform of {x}",
+                      fragment(t.code(text, x1=f"{x}1f", x2=f"{x}2f", pos=pos, ok=fragment_ok,
+                                      tmp=f"{x}_{t.prefix}"))]
+    lines += [f"{x}1 = {x}1f.to({x.upper()}.dtype.element_ty)", f"{x}2 = {x}2f.to({x.upper()}.dtype.element_ty)"]
+    return "\n".join(lines) + "\n"
+
+
+def operand_grad(kernel: LoweredProgram, x: str, grad: str, pos: str, ok: str) -> str:
+    """Run the transforms' vector-Jacobian products, last transform first, on gradient halves
+    ``grad1``/``grad2`` (with respect to the transformed ``x``), giving the gradient of the loaded ``x``."""
+    if transformed(kernel, x):  # a gradient pass carries it back through the transforms
+        return ""
+    h_mask = half_mask(kernel)
+    fragment_ok = " & ".join(m for m in (f"{ok}[:, None]", h_mask) if m)
+    lines = []
+    for i, t in reversed(list(enumerate(kernel.transforms))):
+        text = getattr(t.fragment, f"{x}_grad")
+        if getattr(t.fragment, x):
+            lines += [f"# {t.prefix}: gradient through the qk transform of {x}",
+                      fragment(t.code(text, g1=f"{grad}1", g2=f"{grad}2", x1=f"{x}_in{i}_1",
+                                      x2=f"{x}_in{i}_2", pos=pos, ok=fragment_ok, tmp=f"d{x}_{t.prefix}"))]
+    return "\n".join(lines) + "\n" if lines else ""
+
+
+def qk_product(kernel: LoweredProgram, transposed: bool = False) -> str:
+    """The raw scores ``s`` = q·kᵀ, (BLOCK_M, BLOCK_N). ``transposed``: computed as (k·qᵀ)ᵀ, for kernels
+    whose next products take ``tl.trans`` of the weights (dK/dV): the transposed weights are then already
+    in the product's register layout, with no round trip through shared memory."""
+    p = precision(kernel)
+    a, b, out = ("k", "q", "sT") if transposed else ("q", "k", "s")
+    if split(kernel):
+        code = f"{out} = tl.dot({a}1, tl.trans({b}1){p})\n{out} = tl.dot({a}2, tl.trans({b}2), {out}{p})\n"
+    else:
+        code = f"{out} = tl.dot({a}, tl.trans({b}){p})\n"
+    return code + ("s = tl.trans(sT)\n" if transposed else "")
+
+
+def kv_length(kernel: LoweredProgram) -> str:
+    """``Nk``: the number of keys of sequence ``b`` (the cache's capacity N_K unless lengths are given); a
+    length outside [0, N_K] counts as the nearest bound, so no key outside the cache is ever visited."""
+    if kernel.config.kv_lens:
+        return "Nk = tl.minimum(tl.maximum(tl.load(KvLens + b), 0), N_K).to(tl.int32)\n"
+    return "Nk = N_K\n"
+
+
+def kv_base(kernel: LoweredProgram, x: str) -> str:
+    """The base pointer of k or v rows for (b, hk); a paged cache finds each row's page per tile."""
+    batch = "" if kernel.config.paged else f"b.to(tl.int64) * stride_{x}b + "
+    return f"{x.upper()} + {batch}hk.to(tl.int64) * stride_{x}h"
+
+
+def key_offsets(kernel: LoweredProgram) -> str:
+    """Per key tile: ``k_off``, ``v_off`` (BLOCK_N,), the offsets of keys ``k_pos`` from ``kv_base``.
+
+    A paged cache's keys on a page outside the pool [0, NUM_PAGES) (a bad block_table entry) are absent:
+    ``k_ok`` drops them, so no load touches them and they do not contribute (a paged kernel masks every
+    key tile, see ``key_masked``)."""
+    if kernel.config.paged:
+        return ("page = tl.load(BlockTable + b.to(tl.int64) * stride_btb + (k_pos // PAGE_SIZE) * stride_btp, "
+                "mask=k_ok, other=-1)\n"
+                "k_ok = k_ok & (page >= 0) & (page < NUM_PAGES)  # a page outside the pool: nothing is read\n"
+                "page = page.to(tl.int64)\n"
+                "k_off = page * stride_kb + (k_pos % PAGE_SIZE) * stride_kn\n"
+                "v_off = page * stride_vb + (k_pos % PAGE_SIZE) * stride_vn\n")
+    return "k_off = k_pos * stride_kn\nv_off = k_pos * stride_vn\n"
+
+
+def key_masked(kernel: LoweredProgram, masked: bool) -> bool:
+    """Whether a key tile masks its keys: in masked loops, and in every loop of a paged kernel, whose
+    ``k_ok`` also drops keys on pages outside the pool (see ``key_offsets``)."""
+    return masked or kernel.config.paged

@@ -1,0 +1,38 @@
+"""Which gradients a differentiable call computes, checked the same way for eager calls and the op."""
+from __future__ import annotations
+
+from typing import Collection
+
+from ..errors import InputError, ProgramError
+from ..passes.lower import Instance, LoweredProgram
+
+
+def _no_backward(what: str) -> ProgramError:
+    return ProgramError(f"gradients were asked for, but {what} declares no backward; compute under "
+                        f"torch.no_grad(), or give the combinator its backward fragment")
+
+
+def check_differentiable(lowered: LoweredProgram) -> None:
+    """Raise unless every combinator of the program declares its backward."""
+    for t in lowered.transforms:
+        if not t.fragment.differentiable():
+            raise _no_backward(f"the qk transform {t.apply.combinator}")
+    for m in lowered.mods:
+        if m.fragment.grad is None:
+            raise _no_backward(f"the score modification {m.apply.combinator}")
+    if lowered.normaliser.fragment.grad is None:
+        raise _no_backward(f"the normaliser {lowered.normaliser.apply.combinator}")
+
+
+def tensor_grads(lowered: LoweredProgram, wanted: Collection[str]) -> tuple[tuple[Instance, str], ...]:
+    """The (modification instance, parameter) pairs that write the gradients of the runtime inputs named in
+    ``wanted`` (argument names); an InputError for a wanted input whose combinator declares no gradient."""
+    found = tuple((m, name) for m in lowered.mods for name, _ in m.fragment.tensor_grads
+                  if m.apply.inputs().get(name) is not None and m.apply.inputs()[name].name in wanted)
+    covered = {m.apply.inputs()[name].name for m, name in found}
+    for inst in lowered.instances():
+        for param, sym in inst.apply.inputs().items():
+            if sym.name in wanted and sym.name not in covered:
+                raise InputError(f"{inst.apply.combinator}: its input {param!r} (argument {sym.name!r}) requires "
+                                 f"grad, but {inst.apply.combinator} declares no gradient for it; pass it detached")
+    return found

@@ -1,0 +1,163 @@
+"""The compiler's Plan: every kernel's launch spec is the parameter list of its ``def`` line, and binding
+checks argument names."""
+import ast
+
+import attrs
+import pytest
+import torch
+
+import attnfuse as af
+from attnfuse.passes.launch_spec import CONSTEXPR
+from attnfuse.passes.lower import KernelConfig
+from attnfuse.passes.plan import build_plan
+
+
+@af.attention
+def llama(q, k, v):
+    return af.softmax(af.causal(af.rope(q, k))) @ v
+
+
+@af.attention
+def alibi_window(q, k, v):
+    return af.softmax(af.alibi(af.sliding_window(af.scaled_dot_product(q, k), 20, 5))) @ v
+
+
+@af.attention
+def sparse(q, k, v, block_mask):
+    return af.softmax(af.block_sparse(af.scaled_dot_product(q, k), block_mask)) @ v
+
+
+@af.attention
+def biased(q, k, v, bias):
+    return af.softmax(af.additive_bias(af.scaled_dot_product(q, k), bias)) @ v
+
+
+BASE = KernelConfig(arch="interpreter", dtype="float32", head_dim=32, head_dim_v=32, group=1, save_lse=True,
+                    fp32_precision="ieee")
+CONFIGS = [BASE, attrs.evolve(BASE, group=2, wide_offsets=True), attrs.evolve(BASE, kv_lens=True, paged=True),
+           attrs.evolve(BASE, dtype="float64", head_dim=24, q_transformed=True, k_transformed=True)]
+
+
+NAME_PARTS = {"forward": "fwd", "transform": "transformpass", "gradient": "gradpass"}
+
+
+def _graph(program):
+    """The program's graph (a runtime input's value does not matter to the trace)."""
+    return program.graph(*(torch.empty(0) for _ in program._extra))
+
+
+def _def_line(source: str, name: str) -> list[tuple[str, bool]]:
+    """The parameters of function ``name`` in ``source``: (name, annotated tl.constexpr)."""
+    [fn] = [node for node in ast.parse(source).body if isinstance(node, ast.FunctionDef) and node.name == name]
+    return [(a.arg, a.annotation is not None and ast.unparse(a.annotation) == "tl.constexpr") for a in fn.args.args]
+
+
+def _specs(plan):
+    grads = tuple((m, name) for m in plan.lowered.mods for name, _ in m.fragment.tensor_grads)
+    specs = [plan.forward, plan.decode, plan.dkdv, plan.dq(), plan.dq(grads), plan.transform, plan.gradient]
+    return [s for s in specs if s is not None]
+
+
+@pytest.mark.parametrize("program", [llama, alibi_window, sparse, biased], ids=lambda p: p.fn.__name__)
+@pytest.mark.parametrize("config", CONFIGS, ids=["plain", "gqa-wide", "paged", "float64-transformed"])
+def test_launch_spec_is_the_def_line(program, config):
+    plan = build_plan(_graph(program), config)
+    kinds = {s.kind for s in _specs(plan)}
+    assert kinds >= {"forward", "decode", "dkdv", "dq"}
+    if program is llama and not (config.kv_lens or config.k_transformed):
+        assert {"transform", "gradient"} <= kinds
+    for spec in _specs(plan):
+        assert spec.name == f"attnfuse_{NAME_PARTS.get(spec.kind, spec.kind)}_{plan.lowered.signature[:12]}"
+        assert _def_line(spec.source, spec.name) == [(p.name, p.kind == CONSTEXPR) for p in spec.launch.params]
+        assert set(spec.launch.constants) <= {p.name for p in spec.launch.params if p.kind == CONSTEXPR}
+
+
+def test_biased_dq_takes_its_gradient_buffer():
+    plan = build_plan(_graph(biased), BASE)
+    [mod] = plan.lowered.mods
+    spec = plan.dq(((mod, "bias"),))
+    names = [p.name for p in spec.launch.params]
+    assert spec.grad_buffers == ("additive_bias_1_dbias",)
+    assert names[names.index("additive_bias_1_dbias"):][:5] == [
+        "additive_bias_1_dbias", *(f"additive_bias_1_dbias_s{i}" for i in range(4))]
+
+
+def test_wide_offsets_cast_exactly_the_stride_parameters():
+    plan = build_plan(_graph(sparse), attrs.evolve(BASE, wide_offsets=True))
+    source = plan.forward.source
+    casts = [line.split("=")[0].strip() for line in source.splitlines() if "= tl.cast(" in line and "tl.int64)" in line]
+    assert casts == list(plan.forward.launch.stride_names)
+    assert "stride_btb" not in casts and "block_sparse_1_kv_num_s2" in casts
+
+
+def test_bind_names_a_missing_or_unknown_argument():
+    """Arguments bind by name, strides from the tensor they belong to; a missing or unknown name is named."""
+    launch = build_plan(_graph(llama), BASE).forward.launch
+    q, k, v, out = (torch.empty_strided((1, 2, 3, 4), stride, dtype=torch.float32) for stride in
+                    ((24, 12, 4, 1), (24, 1, 8, 2), (100, 30, 10, 1), (96, 48, 16, 4)))
+    rank = {p.name: sum(s.of == p.name for s in launch.params) for p in launch.params if p.kind == "tensor"}
+    given = {p.name: torch.empty((2,) * rank[p.name]) if p.kind == "tensor" else 7
+             for p in launch.params if p.kind not in ("stride", "constexpr")}
+    given.update(Q=q, K=k, V=v, Out=out)
+    bound = dict(zip(launch.runtime_names, launch.bind(given)))
+    assert [bound[f"stride_q{d}"] for d in "bhmd"] == list(q.stride())
+    assert [bound[f"stride_k{d}"] for d in "bhnd"] == list(k.stride())
+    assert [bound[f"stride_o{d}"] for d in "bhmd"] == list(out.stride())
+    assert [bound[f"rope_0_cos_s{i}"] for i in range(3)] == [4, 2, 1] and bound["Lse"] is given["Lse"]
+    del given["HQ"]
+    with pytest.raises(TypeError, match=r"missing \['HQ'\], unknown \[\]"):
+        launch.bind(given)
+    with pytest.raises(TypeError, match=r"missing \[\], unknown \['stride_qb'\]"):
+        launch.bind({**given, "HQ": 2, "stride_qb": 1})
+    with pytest.raises(TypeError, match=r"wrong number of dimensions"):
+        launch.bind({**given, "HQ": 2, "Q": q[0]})
+    with pytest.raises(TypeError, match=r"constexprs .* missing \['EVEN_M'\]"):
+        launch.constexprs({"EVEN_K": True})
+
+
+@pytest.mark.parametrize("lo", ["0", "(0)", " 0 ", "((0))"])
+def test_a_fact_starting_at_zero_is_parsed_not_compared(lo):
+    """Block facts are parsed when declared: "(0)" is 0, so the loops are the same as for "0"."""
+    from attnfuse.combinator import Range
+    from attnfuse.passes.codegen import forward_params, generate_forward
+    from attnfuse.passes.lower import masked_head
+
+    assert Range(lo, "$q_hi + 1").starts_at_zero
+    assert not Range("$q_lo - 4", "$q_hi + 1").starts_at_zero and not Range("0.0 + 1", "Nk").starts_at_zero
+    lowered = build_plan(_graph(llama), BASE).lowered
+    [causal] = lowered.masks
+    facts = attrs.evolve(causal.fragment, kv_range=(lo, causal.fragment.kv_range.hi),
+                         full_range=(lo, causal.fragment.full_range.hi))
+    rewritten = attrs.evolve(lowered, masks=(attrs.evolve(causal, fragment=facts),))
+    assert not masked_head(rewritten.masks)
+    source = generate_forward(rewritten, "k", forward_params(rewritten))
+    assert "# masked head" not in source
+    assert source == generate_forward(lowered, "k", forward_params(lowered)).replace(
+        f"tl.maximum(lo, 0 - 0)", f"tl.maximum(lo, {lo} - 0)").replace(
+        f"tl.maximum(full_lo, 0 - 0)", f"tl.maximum(full_lo, {lo} - 0)")
+
+
+def test_float64_accumulates_in_float64_without_rewriting_text():
+    """The accumulation type is spelt by codegen and by fragments' $acc_dtype; nothing else changes."""
+    lowered32 = build_plan(_graph(alibi_window), BASE).lowered
+    lowered64 = build_plan(_graph(alibi_window), attrs.evolve(BASE, dtype="float64")).lowered
+    assert (lowered32.accumulator, lowered64.accumulator) == ("tl.float32", "tl.float64")
+    source32 = build_plan(_graph(alibi_window), BASE).forward.source
+    source64 = build_plan(_graph(alibi_window), attrs.evolve(BASE, dtype="float64")).forward.source
+    assert "tl.float64" not in source32 and "tl.float32" not in source64
+    assert "tl.load(alibi_1_slopes + h * alibi_1_slopes_s0).to(tl.float64)" in source64
+
+
+def test_runtime_reads_plans_not_codegen():
+    """The runtime launches what the plan describes: no runtime module imports the code generator."""
+    import pathlib
+
+    import attnfuse.runtime
+
+    offenders = []
+    for path in pathlib.Path(attnfuse.runtime.__file__).parent.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            modules = [node.module or ""] if isinstance(node, ast.ImportFrom) else \
+                [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            offenders += [f"{path.name}: {m}" for m in modules if "codegen" in m]
+    assert offenders == []
