@@ -14,16 +14,11 @@ CPU_TOLERANCE = 1e-4
 BF16_ATOL = 1.6e-2
 
 
-def _rotate_half(x):
-    import torch
-
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
 def rope_float32(x, positions, theta: float = 10000.0):
     """x (B, H, N, D) rotated at ``positions`` (N,) in float32, NeoX half split as plugins/rope.py does."""
     import torch
+
+    from ..rotary import rotate_half
 
     D = x.shape[-1]
     inv_freq = theta ** (-torch.arange(0, D, 2, dtype=torch.float64, device=x.device) / D)
@@ -31,7 +26,7 @@ def rope_float32(x, positions, theta: float = 10000.0):
     angles = torch.cat((freqs, freqs), dim=-1)
     cos, sin = angles.cos().float(), angles.sin().float()
     x = x.float()
-    return x * cos + _rotate_half(x) * sin
+    return x * cos + rotate_half(x) * sin
 
 
 def _causal_flops(B: int, H: int, N: int, D: int) -> float:

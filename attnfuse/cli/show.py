@@ -115,7 +115,7 @@ def cmd_show(args: argparse.Namespace, out: TextIO) -> int:
     if args.source_only:
         out.write(kernel.source if kernel.source.endswith("\n") else kernel.source + "\n")
         return 0
-    tiled = compile_forward(graph, config).tiled
+    lowered = compile_forward(graph, config).plan.lowered
     doc = first_line(program.fn.__doc__ or "")
     listing = ir.render(graph)
     print(f"# program    {spec}" + (f"  ({doc})" if doc else ""), file=out)
@@ -126,7 +126,7 @@ def cmd_show(args: argparse.Namespace, out: TextIO) -> int:
         print(f"    signature {ir.signature(graph)}", file=out)
     print("# kernel     " + " ".join(f"{k}={v}" for k, v in attrs.asdict(config).items()), file=out)
     tiles = " ".join(f"{k}={v}" for k, v in attrs.asdict(kernel.tiles).items())
-    print(f"# tiles      {tiles} block_d={tiled.block_d} block_dv={tiled.block_dv}", file=out)
+    print(f"# tiles      {tiles} block_d={lowered.block_d} block_dv={lowered.block_dv}", file=out)
     print(f"# name       {kernel.name}", file=out)
     print(f"# path       {kernel.path}", file=out)
     print("# source", file=out)

@@ -6,12 +6,11 @@ from typing import Any
 
 import torch
 
-from ..passes.lower import LoweredProgram
 from ..passes.plan import Plan
 from .inputs import KVCache, accumulator_dtype, empty_like_layout, even_keys, kv_launch_args
 from .kernel import CompiledKernel
-from .plugin_args import PluginArgs, Prepared
 from .launcher import block_grid
+from .plugin_args import PluginArgs, Prepared
 
 
 class ForwardKernel:
@@ -23,11 +22,6 @@ class ForwardKernel:
         self.source = self.kernel.source
         self.path = self.kernel.path
         self.plugin_args = PluginArgs(plan.lowered)
-
-    @property
-    def tiled(self) -> LoweredProgram:
-        """The plan's lowered program (the name ``attnfuse show`` reads)."""
-        return self.plan.lowered
 
     def __call__(self, q: torch.Tensor, kv: KVCache, inputs: dict[str, Any],
                  prepared: Prepared | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
