@@ -8,3 +8,5 @@ rm -rf .base && mkdir -p .base
 git archive "${1:?a commit}" attnfuse plugins | tar -x -C .base
 mv .base/plugins .base/attnfuse_plugins
 rm -rf .base/attnfuse/bench && cp -r attnfuse/bench .base/attnfuse/bench && rm -rf .base/attnfuse/bench/__pycache__
+# modules the benchmark code imports that an older tree may lack
+for module in rotary.py; do [ -e ".base/attnfuse/$module" ] || cp "attnfuse/$module" ".base/attnfuse/$module"; done

@@ -34,8 +34,10 @@ for step in "$@"; do
     bench_base)
       # python -m attnfuse.bench: the old tree's attnfuse.cli has no bench command; third-party plugins
       # (contrib/) may need the new API, so the old tree loads its built-ins only
-      ATTNFUSE_DISABLE_PLUGIN_AUTOLOAD=1 PYTHONPATH=$PWD/.base timeout "${STEP_TIMEOUT:-0}" python3 -m attnfuse.bench ${BENCH_ARGS:-} \
-        --markdown "$OUT/bench_base.md" --json "$OUT/bench_base.json" 2>&1 | tee "$OUT/bench_base.log" ;;
+      # run from inside .base: `python -m` puts the current directory first on sys.path, ahead of PYTHONPATH
+      (cd .base && python3 -c "import attnfuse; print('kernels of', attnfuse.__file__)" \
+        && ATTNFUSE_DISABLE_PLUGIN_AUTOLOAD=1 timeout "${STEP_TIMEOUT:-0}" python3 -m attnfuse.bench ${BENCH_ARGS:-} \
+        --markdown "$OUT/bench_base.md" --json "$OUT/bench_base.json") 2>&1 | tee "$OUT/bench_base.log" ;;
     hf_layer)
       timeout "${STEP_TIMEOUT:-0}" python3 benchmarks/hf_layer.py ${HF_ARGS:-} 2>&1 | tee "$OUT/hf_layer.log" ;;
     validation)
