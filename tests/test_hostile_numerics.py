@@ -68,6 +68,18 @@ def test_masked_non_finite_value_does_not_reach_rows_that_mask_it(bad):
     assert torch.isfinite(out[0, 0, :20]).all() and not torch.isfinite(out[0, 0, 20:]).any()
 
 
+def test_opposite_infinities_in_one_column_and_overflowing_sums_are_handled_exactly():
+    """Tiles are screened by v's column sums: +inf and -inf in one column (a NaN sum) still take the exact
+    path, and finite float16 values whose column sum overflows take it too, with the plain result."""
+    q, k, v = _qkv(1, 2, 2, 24, 24, 16, torch.float16)
+    v[0, 0, 20, 2], v[0, 0, 22, 2] = float("inf"), float("-inf")
+    v[0, 1, :, 5] = 6.0e4  # 24 x 6e4 overflows float16 (and sums past any one value)
+    out = causal(q, k, v)
+    expected = kept_keys_only(q.double(), k.double(), v.double(), lambda i, j: j <= i)
+    _same(out, expected, atol=2e-2)  # float16 rounding; column 5 is exactly 6e4 in every row
+    assert torch.isfinite(out[0, 0, :20]).all() and torch.isfinite(out[0, 1]).all()
+
+
 def test_backward_with_a_masked_nan_value_matches_the_math():
     """dV stays finite (it does not depend on V); dQ, dK are NaN exactly where a kept value's NaN reaches."""
     q, k, v = _qkv(1, 2, 1, 40, 40, 16)
