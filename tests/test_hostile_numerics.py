@@ -69,8 +69,8 @@ def test_masked_non_finite_value_does_not_reach_rows_that_mask_it(bad):
 
 
 def test_opposite_infinities_in_one_column_and_overflowing_sums_are_handled_exactly():
-    """Tiles are screened by v's column sums: +inf and -inf in one column (a NaN sum) still take the exact
-    path, and finite float16 values whose column sum overflows take it too, with the plain result."""
+    """+inf and -inf in one column of a masked tile, and large finite float16 values whose sum overflows,
+    give the math's result."""
     q, k, v = _qkv(1, 2, 2, 24, 24, 16, torch.float16)
     v[0, 0, 20, 2], v[0, 0, 22, 2] = float("inf"), float("-inf")
     v[0, 1, :, 5] = 6.0e4  # 24 x 6e4 overflows float16 (and sums past any one value)

@@ -21,7 +21,7 @@ from .common import (columns, constexpr_params, dv_mask, fragment, half_mask, in
                      masked_load, precision, qkv_strides, split)
 from .loops import block_range, key_block, key_range, program, query_block, split_heads, visit
 from .operands import key_masked, key_offsets, kv_base, operand, operand_grad, qk_product
-from .scores import has_masks, masks_keys, prologues, scores, some_value_not_finite, with_bounds
+from .scores import has_masks, masks_keys, prologues, scores, with_bounds
 
 _DKDV = string.Template('''\
     # One program per (key block, batch x kv head): dK, dV of these keys, summed over the group's heads.
@@ -114,11 +114,10 @@ def _dkdv_body(kernel: LoweredProgram, masked: bool, implied: str | None) -> str
     return rows + with_bounds(code)
 
 
-def finite_values(kernel: LoweredProgram) -> str:
-    """dP = dO·Vᵀ must not carry a masked key's NaN or inf into dS (its weight is 0, and 0 · NaN is NaN). A row
-    that keeps a non-finite value has a non-finite output, hence a non-finite delta and dS, as the math says,
-    so a tile's values may be made finite (those of a tile that holds a non-finite value)."""
-    return f'if {some_value_not_finite(kernel)}:\n    v = tl.where(tl.abs(v) < float("inf"), v, 0.0)\n'
+# dP = dO·Vᵀ must not carry a masked key's NaN or inf into dS (its weight is 0, and 0 · NaN is NaN). A row
+# that keeps a non-finite value has a non-finite output, hence a non-finite delta and dS, as the math says,
+# so the values may be made finite in every tile the loops visit.
+FINITE_VALUES = 'v = tl.where(tl.abs(v) < float("inf"), v, 0.0)\n'
 
 
 def _dq_body(kernel: LoweredProgram, masked: bool, implied: str | None) -> str:
@@ -129,7 +128,7 @@ def _dq_body(kernel: LoweredProgram, masked: bool, implied: str | None) -> str:
                     dv_mask(kernel))
     keys = "k_pos = start_n + tl.arange(0, BLOCK_N)\nk_ok = (k_pos < Nk) | EVEN_K\n" + key_offsets(kernel)
     code = (operand(kernel, "k", "k_base", "k_off[:, None]", "k_pos", "k_ok", "stride_kd", masked)
-            + f"v = {v}\n" + (finite_values(kernel) if masks_keys(kernel, masked, implied) else "")
+            + f"v = {v}\n" + (FINITE_VALUES if masks_keys(kernel, masked, implied) else "")
             + qk_product(kernel) + _recompute(kernel, masked, implied)
             + f"dp = tl.dot(do, tl.trans(v){p})\n" + _chain(kernel, masked, True))
     code += _accumulate(kernel, "dq", f"ds.to({dtype})", "k")
@@ -239,7 +238,7 @@ def generate_dkdv(kernel: LoweredProgram, name: str, parameters: tuple[Param, ..
                                   True), 4),
             v_load=masked_load("V + b.to(tl.int64) * stride_vb + hk.to(tl.int64) * stride_vh + k_pos[:, None] * "
                                "stride_vn + dv[None, :] * stride_vd", "k_ok[:, None]", mask),
-            finite_values=indent(finite_values(kernel) if has_masks(kernel) else "", 4),
+            finite_values=indent(FINITE_VALUES if has_masks(kernel) else "", 4),
             dk_init=indent(_accumulators(kernel, "dk", "BLOCK_N"), 4), query_range=indent(query_range, 4),
             loops=indent(body, 4),
             dk_grad=indent(operand_grad(kernel, "k", "dk", "k_pos", "k_ok"), 4),

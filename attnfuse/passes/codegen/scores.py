@@ -3,7 +3,7 @@ normaliser's update, and the guards that keep masked keys' non-finite values out
 from __future__ import annotations
 
 from ..lower import LoweredProgram
-from .common import fragment, precision
+from .common import fragment
 
 
 def prologues(kernel: LoweredProgram) -> str:
@@ -67,22 +67,13 @@ def masks_keys(kernel: LoweredProgram, masked: bool, implied: str | None = None)
     return masked and any(m.fragment.keep and m.prefix != implied for m in kernel.masks)
 
 
-def some_value_not_finite(kernel: LoweredProgram) -> str:
-    """The condition "the tile ``v`` holds a NaN or an infinity", cheaply: v's column sums by one small tl.dot
-    are then not finite. v stays in the layout tl.dot reads (an elementwise test over the tile would move it
-    to registers in every step, which costs sliding windows half their speed); finite values whose sum
-    overflows pass too, and only make the exact path below run for nothing."""
-    sums = f"tl.dot(tl.full([16, BLOCK_N], 1.0, V.dtype.element_ty), v{precision(kernel)})"
-    return f'tl.max(tl.where(tl.abs({sums}) < float("inf"), 0, 1)) > 0'
-
-
 def masked_values(kernel: LoweredProgram) -> str:
     """Masked keys must not reach P·V: their weight is 0, but 0 · NaN is NaN. So a tile's non-finite values
     become 0, and a row that keeps a key whose value is non-finite gets NaN in that value's columns (as
     the math would; with several such keys in one tile, in the union of their columns). Only tiles with a
-    non-finite value take that branch."""
-    return (f"if {some_value_not_finite(kernel)}:\n"
-            "    v_finite = tl.abs(v) < float(\"inf\")  # false for NaN too\n"
+    non-finite value take the second branch."""
+    return ("v_finite = tl.abs(v) < float(\"inf\")  # false for NaN too\n"
+            "if tl.max(tl.where(v_finite, 0, 1)) > 0:\n"
             "    key_bad = tl.max(tl.where(v_finite, 0, 1), axis=1)\n"
             "    row_bad = tl.max(tl.where(keep & (key_bad[None, :] > 0), 1, 0), axis=1)\n"
             "    col_bad = tl.max(tl.where(v_finite, 0, 1), axis=0)\n"
