@@ -19,14 +19,13 @@ import torch.utils._pytree as pytree
 
 from .. import ir
 from ..block_mask import BlockMask
-from ..errors import InputError
-from ..passes.lower import fragment_of
 from .call_spec import (MASK_TENSORS, CallSpec, flatten_inputs, key_of, plain_tensors, spec_of, tensor_names,
                         unflatten_inputs)
 from . import gradients
 from .hoisted import HoistedBackward, HoistedForward, worth_hoisting
 from .inputs import accumulator_dtype, check_cache, empty_like_layout, kernel_config, kv_cache
-from .launch import compile_backward, compile_forward, compile_hoisted_backward, planned, run_attention
+from .launch import (compile_backward, compile_forward, compile_hoisted_backward, keeps_lse, planned,
+                     run_attention)
 from .offsets import inputs_fit
 from .validate import check_cache_values
 
@@ -157,10 +156,7 @@ def call(graph: ir.MatMulPV, q: Any, k: Any, v: Any, inputs: dict[str, Any], *, 
     if not all(isinstance(t, torch.Tensor) for t in tensors) or not all(
             isinstance(t, (torch.Tensor, BlockMask)) for t in inputs.values()):  # run_attention names the error
         return run_attention(graph, q, k, v, inputs, return_lse=return_lse, kv_lens=kv_lens, block_table=block_table)
-    lse_kept = fragment_of(graph.weights.apply).has_lse
-    if return_lse and not lse_kept:
-        raise InputError(f"return_lse=True needs a normaliser with a log-sum-exp; "
-                         f"{graph.weights.apply.combinator} has none (softmax has)")
+    lse_kept = keeps_lse(graph, return_lse)
     grad = torch.is_grad_enabled() and any(
         isinstance(t, torch.Tensor) and t.requires_grad for t in (q, k, v, *inputs.values()))
     grads = tuple(n for n, t in inputs.items() if isinstance(t, torch.Tensor) and t.requires_grad) if grad else ()

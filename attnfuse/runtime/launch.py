@@ -122,6 +122,16 @@ def clear_cache() -> None:
     _calls.clear()
 
 
+def keeps_lse(graph: ir.MatMulPV, return_lse: bool) -> bool:
+    """Whether the program's normaliser has a log-sum-exp; an InputError when ``return_lse`` asks for one
+    it has not."""
+    has_lse = fragment_of(graph.weights.apply).has_lse
+    if return_lse and not has_lse:
+        raise InputError(f"return_lse=True needs a normaliser with a log-sum-exp; "
+                         f"{graph.weights.apply.combinator} has none (softmax has)")
+    return has_lse
+
+
 def run_attention(graph: ir.MatMulPV, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                   inputs: dict[str, Any] | None = None, *, return_lse: bool = False,
                   kv_lens: torch.Tensor | None = None, block_table: torch.Tensor | None = None,
@@ -201,10 +211,7 @@ def _plan(graph: ir.MatMulPV, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     """Check a new call signature; its forward kernel, its split-KV kernel if it takes that path, and with
     gradients wanted the backward kernels (those that write no tensor input's gradient)."""
     kv = check_cache(q, k, v, kv_lens, block_table)
-    has_lse = fragment_of(graph.weights.apply).has_lse
-    if return_lse and not has_lse:
-        raise InputError(f"return_lse=True needs a normaliser with a log-sum-exp; "
-                         f"{graph.weights.apply.combinator} has none (softmax has)")
+    has_lse = keeps_lse(graph, return_lse)
     if wants_grad and block_table is not None:
         raise InputError("gradients through a paged cache are not supported; pass contiguous k and v to train")
     forward = compile_forward(graph, kernel_config(q, kv, return_lse or (wants_grad and has_lse), inputs_wide))
