@@ -103,11 +103,10 @@ def main() -> None:
     config = LlamaConfig(**(TINY if args.tiny else LLAMA3_8B), num_hidden_layers=1, attn_implementation="sdpa")
     layer = LlamaDecoderLayer(config, layer_idx=0).to(device, dtype)
     rotary = LlamaRotaryEmbedding(config).to(device)
-    cases = {N: Case(layer, rotary, N, dtype) for N in sorted(set(lengths) | {compile_length})}
     backends = [b for b in BACKENDS if not (args.tiny and b == "flex_attention")]  # no flex backward on the CPU
     if args.profile:
-        return profile(layer, cases[args.profile] if args.profile in cases else Case(layer, rotary, args.profile, dtype),
-                       backends)
+        return profile(layer, Case(layer, rotary, args.profile, dtype), backends)
+    cases = {N: Case(layer, rotary, N, dtype) for N in sorted(set(lengths) | {compile_length})}
     results: dict[tuple, float] = {}
     for backend in backends:  # fuse_rope last: its wrapper stays on the layer
         use(layer, backend)
@@ -119,15 +118,15 @@ def main() -> None:
         if not args.no_compile:
             case = cases[compile_length]
             start = time.perf_counter()
+            compiler = "aot_eager" if args.tiny else "inductor"
             try:  # fullgraph: a graph break raises
-                compiled = torch.compile(case.forward, backend="aot_eager" if args.tiny else "inductor",
-                                         fullgraph=True)
+                compiled = torch.compile(case.forward, backend=compiler, fullgraph=True)
                 case.train_step(backend, compiled)  # compiles
                 results[backend, compile_length, "fullgraph"] = "yes"
             except Exception as exc:  # noqa: BLE001 - reported in the table, then compiled with breaks
                 torch._dynamo.reset()
                 results[backend, compile_length, "fullgraph"] = f"no ({type(exc).__name__})"
-                compiled = torch.compile(case.forward, backend="aot_eager" if args.tiny else "inductor")
+                compiled = torch.compile(case.forward, backend=compiler)
                 case.train_step(backend, compiled)
             results[backend, compile_length, "compile_s"] = time.perf_counter() - start
             results[backend, compile_length, "train_compiled"] = bench(lambda: case.train_step(backend, compiled),
