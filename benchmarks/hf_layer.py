@@ -154,7 +154,8 @@ def main() -> None:
 
 
 def profile(layer: LlamaDecoderLayer, case: Case, backends: list[str]) -> None:
-    """The GPU kernels of one training step per backend, most time first (after two warm-up steps)."""
+    """The GPU kernels of one training step per backend, most time first (after two warm-up steps), and
+    where the GPU waits for the host: its idle time inside the step and the longest gaps."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
@@ -163,11 +164,37 @@ def profile(layer: LlamaDecoderLayer, case: Case, backends: list[str]) -> None:
         for _ in range(2):
             case.train_step(backend)
         torch.cuda.synchronize()
-        with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+        with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             case.train_step(backend)
             torch.cuda.synchronize()
         print(f"=== {backend}, N={case.N}")
         print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=12, max_name_column_width=70))
+        print_gaps(prof.events())
+
+
+def print_gaps(events, shown: int = 5) -> None:
+    """The GPU's busy and idle time between its first and last kernel, and its ``shown`` longest idle gaps
+    with the kernel before each and the innermost host operations running when it began."""
+    from torch.autograd import DeviceType
+
+    kernels = sorted((e.time_range.start, e.time_range.end, e.name) for e in events if e.device_type == DeviceType.CUDA)
+    if not kernels:
+        return
+    host = [e for e in events if e.device_type == DeviceType.CPU]
+    gaps, end, busy, before = [], kernels[0][0], 0.0, ""
+    for start, stop, name in kernels:
+        if start > end:
+            gaps.append((start - end, end, before))
+        busy += max(0.0, stop - max(start, end))
+        if stop > end:
+            end, before = stop, name
+    span = end - kernels[0][0]
+    print(f"GPU busy {busy / 1e3:.3f} ms of {span / 1e3:.3f} ms from first to last kernel "
+          f"(idle {(span - busy) / 1e3:.3f} ms in {len(gaps)} gaps)")
+    for length, at, before in sorted(gaps, reverse=True)[:shown]:
+        running = sorted((e.time_range.end - e.time_range.start, e.name) for e in host
+                         if e.time_range.start <= at <= e.time_range.end)
+        print(f"  {length:8.1f} us after {before[:60]}; host in: {', '.join(n for _, n in running[:3])}")
 
 
 def op_overhead(device: torch.device, dtype: torch.dtype, calls: int = 2000) -> None:

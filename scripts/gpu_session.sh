@@ -4,7 +4,7 @@
 #   bench_base: the same benchmark code (this tree's attnfuse/bench) on the kernels in .base (attnfuse/ and
 #   attnfuse_plugins/ of an earlier commit, with this tree's attnfuse/bench copied in:
 #   `bash scripts/base_tree.sh REV`, then carry .base), for before/after tables from one call.
-# Knobs: HF_ARGS (see benchmarks/hf_layer.py), TESTS (pytest paths), MAXFAIL (failures before pytest stops; 1), FUZZ (examples per combinator), SWEEP_CASES / SWEEP_KERNEL (see
+# Knobs: HF_ARGS (see benchmarks/hf_layer.py), SWEEP_ARGS (more sweep_tiles.py arguments), TESTS (pytest paths), MAXFAIL (failures before pytest stops; 1), FUZZ (examples per combinator), SWEEP_CASES / SWEEP_KERNEL (see
 # benchmarks/sweep_tiles.py), BENCH_ARGS (see `attnfuse bench --help`), BENCH_NAME (the
 # files' name under $OUT; bench), BENCH_PLOT (set: draw the plot), STEP_TIMEOUT (seconds
 # per step, so one step cannot use up the device call; 0, the default, is none).
@@ -25,7 +25,7 @@ for step in "$@"; do
       ATTNFUSE_FUZZ_EXAMPLES=${FUZZ:-40} timeout "${STEP_TIMEOUT:-0}" python3 -m pytest -q --maxfail=${MAXFAIL:-1} -p no:cacheprovider \
         ${TESTS:-tests/test_gpu.py tests/test_conformance.py} 2>&1 | tee "$OUT/pytest.log" | tail -25 ;;
     sweep)
-      (cd benchmarks && timeout "${STEP_TIMEOUT:-0}" python3 sweep_tiles.py --kernel "${SWEEP_KERNEL:-forward}" ${SWEEP_CASES:+--cases $SWEEP_CASES}) \
+      (cd benchmarks && timeout "${STEP_TIMEOUT:-0}" python3 sweep_tiles.py --kernel "${SWEEP_KERNEL:-forward}" ${SWEEP_CASES:+--cases $SWEEP_CASES} ${SWEEP_ARGS:-}) \
         2>&1 | tee "$OUT/sweep.log" | grep -E "BEST|failed|Error" ;;
     bench)
       name=${BENCH_NAME:-bench}

@@ -173,7 +173,11 @@ def test_generated_source_splits_full_and_masked_blocks():
     full_loop = source.split("# full blocks: no mask arithmetic")[1].split("# masked tail")[0]
     assert "for start_n in range(full_start, full_end, BLOCK_N)" in full_loop
     assert "keep" not in full_loop and "tl.where(keep" in source
-    assert source.count("tl.dot(q, tl.trans(k)") == 2  # full blocks from key 0, then the masked diagonal
+    loops, redo = source.split("# A masked key's non-finite value reaches acc")
+    assert loops.count("tl.dot(q, tl.trans(k)") == 2  # full blocks from key 0, then the masked diagonal
+    assert "v_finite" not in loops  # values are tested only when a block's accumulator is not finite
+    assert redo.count("tl.dot(q, tl.trans(k)") == 1 and "for start_n in range(start, hi, BLOCK_N)" in redo
+    assert "v_finite" in redo
     assert "# masked head" not in source  # causal keeps keys from position 0: no masked blocks come first
     assert "# masked head" in window.source(q, k, v, 30, 0)  # a window's first blocks are partly masked
     assert "# masked head" not in dense.source(q, k, v)  # no mask: only the tail past the last full block

@@ -139,3 +139,28 @@ def test_relu_attention_float16_weights_do_not_overflow():
     assert expected.abs().max() > 10 and expected.abs().max() < 6e4
     assert torch.isfinite(out).all()
     torch.testing.assert_close(out.double(), expected, rtol=5e-3, atol=0)
+
+
+@af.attention
+def causal_bias(q, k, v, bias):
+    return af.softmax(af.causal(af.additive_bias(af.scaled_dot_product(q, k), bias))) @ v
+
+
+def test_bias_gradient_of_pairs_that_mask_a_nan_value_is_zero():
+    """A masked key's NaN value never reaches the score-shaped gradient of a bias: masked pairs get 0, as in
+    the float64 reference, also in rows that keep the key (whose kept pairs get the math's NaN)."""
+    torch.manual_seed(5)
+    q, k, v = _qkv(1, 2, 2, 24, 24, 16)
+    v[0, 1, 17, 4] = float("nan")
+    bias = torch.randn(1, 2, 24, 24, dtype=torch.float64)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v, bias)]
+    out = causal_bias(*leaves)
+    dout = torch.randn_like(out)
+    out.backward(dout)
+    oracle = [t.clone().requires_grad_() for t in (q, k, v, bias)]
+    causal_bias.reference(*oracle).backward(dout)
+    _same(leaves[3].grad, oracle[3].grad, atol=1e-10)
+    grad = leaves[3].grad[0, 1]
+    kept = torch.ones(24, 24, dtype=torch.bool).tril()
+    assert torch.isfinite(grad[:17]).all() and torch.isfinite(grad[~kept]).all()
+    assert not torch.isfinite(grad[17:][kept[17:]]).any()

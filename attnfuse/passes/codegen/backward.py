@@ -21,13 +21,13 @@ from .common import (columns, constexpr_params, dv_mask, fragment, half_mask, in
                      masked_load, precision, qkv_strides, split)
 from .loops import block_range, key_block, key_range, program, query_block, split_heads, visit
 from .operands import key_masked, key_offsets, kv_base, operand, operand_grad, qk_product
-from .scores import has_masks, masks_keys, prologues, scores, with_bounds
+from .scores import has_masks, prologues, scores, with_bounds
 
 _DKDV = string.Template('''\
     # One program per (key block, batch x kv head): dK, dV of these keys, summed over the group's heads.
 $program$key_block$columns    k_base = K + b.to(tl.int64) * stride_kb + hk.to(tl.int64) * stride_kh
 $k_load    v = $v_load
-$finite_values$dk_init    dv_acc = tl.zeros([BLOCK_N, BLOCK_DV], dtype=$acc_dtype)
+$dk_init    dv_acc = tl.zeros([BLOCK_N, BLOCK_DV], dtype=$acc_dtype)
     # Query rows that keep some key of this block (positions k_lo .. k_hi), and those that keep all of it.
     k_lo = pid_n * BLOCK_N
     k_hi = tl.minimum(pid_n * BLOCK_N + BLOCK_N, Nk) - 1
@@ -78,7 +78,10 @@ def _recompute(kernel: LoweredProgram, masked: bool, implied: str | None) -> str
 
 
 def _chain(kernel: LoweredProgram, masked: bool, write_tensor_grads: bool) -> str:
-    """``ds`` from ``dp`` through the normaliser, then back through every modification, last first."""
+    """``ds`` from ``dp`` through the normaliser, then back through every modification, last first. A masked
+    pair's ds, and its tensor inputs' gradients, are 0: dP = dO·Vᵀ carries a masked key's NaN or inf value
+    (its weight is 0, but 0 · NaN is NaN). A row that keeps a non-finite value has a non-finite output,
+    hence a non-finite delta and ds, as the math says."""
     norm = kernel.normaliser
     code = f"# {norm.prefix}: gradient of the scores\n{fragment(norm.fragment.grad)}\n"
     mods = kernel.mods
@@ -88,6 +91,7 @@ def _chain(kernel: LoweredProgram, masked: bool, write_tensor_grads: bool) -> st
         if write_tensor_grads:
             for name, expr in m.fragment.tensor_grads:
                 value = m.code(expr, s_in=s_in, s_out=s_out)
+                value = f"tl.where(keep, {value}, 0.0)" if masked else value
                 grad = grad_buffer(m, name)
                 code += (f"tl.store({grad} + b.to(tl.int64) * {grad}_s0 + h.to(tl.int64) * {grad}_s1 + "
                          f"q_idx[:, None].to(tl.int64) * {grad}_s2 + k_pos[None, :] * {grad}_s3, {value}, "
@@ -109,15 +113,10 @@ def _dkdv_body(kernel: LoweredProgram, masked: bool, implied: str | None) -> str
             + f"do = {masked_load('do_base + q_idx[:, None] * stride_dom + dv[None, :] * stride_dod', f'{ok}[:, None]' if masked else '', dv_mask(kernel))}\n"
             + _rows(kernel, masked) + qk_product(kernel, transposed=True) + _recompute(kernel, masked, implied)
             + f"dv_acc = tl.dot(tl.trans(p.to({dtype})), do, dv_acc{p})\n"
-            + f"dp = tl.trans(tl.dot(v, tl.trans(do){p}))\n" + _chain(kernel, masked, False))
+            + f"dp = tl.trans(tl.dot(v, tl.trans(do){p}))\n"
+            + _chain(kernel, masked, False))
     code += _accumulate(kernel, "dk", f"tl.trans(ds.to({dtype}))", "q")
     return rows + with_bounds(code)
-
-
-# dP = dO·Vᵀ must not carry a masked key's NaN or inf into dS (its weight is 0, and 0 · NaN is NaN). A row
-# that keeps a non-finite value has a non-finite output, hence a non-finite delta and dS, as the math says,
-# so the values may be made finite in every tile the loops visit.
-FINITE_VALUES = 'v = tl.where(tl.abs(v) < float("inf"), v, 0.0)\n'
 
 
 def _dq_body(kernel: LoweredProgram, masked: bool, implied: str | None) -> str:
@@ -128,9 +127,9 @@ def _dq_body(kernel: LoweredProgram, masked: bool, implied: str | None) -> str:
                     dv_mask(kernel))
     keys = "k_pos = start_n + tl.arange(0, BLOCK_N)\nk_ok = (k_pos < Nk) | EVEN_K\n" + key_offsets(kernel)
     code = (operand(kernel, "k", "k_base", "k_off[:, None]", "k_pos", "k_ok", "stride_kd", masked)
-            + f"v = {v}\n" + (FINITE_VALUES if masks_keys(kernel, masked, implied) else "")
-            + qk_product(kernel) + _recompute(kernel, masked, implied)
-            + f"dp = tl.dot(do, tl.trans(v){p})\n" + _chain(kernel, masked, True))
+            + f"v = {v}\n" + qk_product(kernel) + _recompute(kernel, masked, implied)
+            + f"dp = tl.dot(do, tl.trans(v){p})\n"
+            + _chain(kernel, masked, True))
     code += _accumulate(kernel, "dq", f"ds.to({dtype})", "k")
     return keys + with_bounds(code)
 
@@ -238,7 +237,6 @@ def generate_dkdv(kernel: LoweredProgram, name: str, parameters: tuple[Param, ..
                                   True), 4),
             v_load=masked_load("V + b.to(tl.int64) * stride_vb + hk.to(tl.int64) * stride_vh + k_pos[:, None] * "
                                "stride_vn + dv[None, :] * stride_vd", "k_ok[:, None]", mask),
-            finite_values=indent(FINITE_VALUES if has_masks(kernel) else "", 4),
             dk_init=indent(_accumulators(kernel, "dk", "BLOCK_N"), 4), query_range=indent(query_range, 4),
             loops=indent(body, 4),
             dk_grad=indent(operand_grad(kernel, "k", "dk", "k_pos", "k_ok"), 4),

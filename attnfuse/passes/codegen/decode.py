@@ -13,9 +13,9 @@ import string
 from ..launch_spec import INT, TENSOR, Param, params
 from ..lower import LoweredProgram, masked_head
 from .common import columns, constexpr_params, dv_mask, indent, kernel_source, kv_params, qkv_strides
-from .loops import key_range, loops
+from .loops import every_block, key_range, loops
 from .operands import kv_base, kv_length, operand
-from .scores import prologues
+from .scores import masks_keys, poisoned_redo, prologues
 from .forward import key_tile
 
 _KERNEL = string.Template('''\
@@ -56,6 +56,16 @@ def decode_params(kernel: LoweredProgram) -> tuple[Param, ...]:
             + constexpr_params(kernel, even_keys=True))
 
 
+def _key_loops(kernel: LoweredProgram) -> str:
+    """The forward's key loops over this program's split, then ``poisoned_redo`` where a tile can mask keys
+    (every mask masks element by element here)."""
+    fast = loops(lambda masked: key_tile(kernel, masked), "start_n", "BLOCK_N", masked_head(kernel.masks))
+    if not masks_keys(kernel, True):
+        return fast
+    return fast + poisoned_redo(kernel, every_block(lambda masked: key_tile(kernel, masked, careful=True),
+                                                    "start_n", "BLOCK_N"))
+
+
 def generate_decode(kernel: LoweredProgram, name: str, parameters: tuple[Param, ...]) -> str:
     """Triton source of the split-KV kernel; its normaliser must say how splits combine."""
     norm = kernel.normaliser.fragment
@@ -69,5 +79,5 @@ def generate_decode(kernel: LoweredProgram, name: str, parameters: tuple[Param, 
         prologues=indent(prologues(kernel), 4), norm_init=indent(norm.init, 4),
         key_range=indent(key_range(kernel, ("pid_s * SPLIT", "tl.minimum(pid_s * SPLIT + SPLIT, Nk)")), 4),
         k_base=kv_base(kernel, "k"), v_base=kv_base(kernel, "v"),
-        loops=indent(loops(lambda masked: key_tile(kernel, masked), "start_n", "BLOCK_N", masked_head(kernel.masks)), 4),
+        loops=indent(_key_loops(kernel), 4),
         norm_finalize=indent(norm.finalize, 4), dv_mask=f" & {mask}" if mask else "", store_lse=store_lse))

@@ -10,9 +10,9 @@ import string
 from ..launch_spec import INT, TENSOR, Param, params, strides
 from ..lower import LoweredProgram
 from .common import constexpr_params, dv_mask, indent, kernel_source, kv_params, masked_load, precision, qkv_strides
-from .loops import key_range, query_block, visit
+from .loops import every_block, key_range, listing_mask, query_block, visit
 from .operands import key_masked, key_offsets, kv_base, operand, qk_product
-from .scores import masked_values, masks_keys, normaliser_update, prologues, scores, with_bounds
+from .scores import masked_values, masks_keys, normaliser_update, poisoned_redo, prologues, scores, with_bounds
 
 _KERNEL = string.Template('''\
     # One program per (query block, batch x query head).
@@ -31,9 +31,10 @@ $norm_finalize
 $store_lse''')
 
 
-def key_tile(kernel: LoweredProgram, masked: bool, implied: str | None = None) -> str:
+def key_tile(kernel: LoweredProgram, masked: bool, implied: str | None = None, careful: bool = False) -> str:
     """One step of the key loop: load the k tile (transformed), scores, normaliser update, then P·V. With
-    EVEN_K, ``k_ok`` is constant true and Triton drops the masks of the loads."""
+    EVEN_K, ``k_ok`` is constant true and Triton drops the masks of the loads. ``careful``: a masked tile
+    keeps its masked keys' non-finite values out of P·V (see ``poisoned_redo``)."""
     masked = key_masked(kernel, masked)
     v = masked_load("v_base + v_off[:, None] + dv[None, :] * stride_vd", "k_ok[:, None]" if masked else "",
                     dv_mask(kernel))
@@ -42,8 +43,21 @@ def key_tile(kernel: LoweredProgram, masked: bool, implied: str | None = None) -
             + key_offsets(kernel)
             + with_bounds(operand(kernel, "k", "k_base", "k_off[:, None]", "k_pos", "k_ok", "stride_kd", masked)
                           + qk_product(kernel) + score)
-            + f"v = {v}\n" + (masked_values(kernel) if masks_keys(kernel, masked, implied) else "")
+            + f"v = {v}\n" + (masked_values(kernel) if careful and masks_keys(kernel, masked, implied) else "")
             + f"acc = tl.dot(p.to(V.dtype.element_ty), v, acc{precision(kernel)})\n")
+
+
+def key_loops(kernel: LoweredProgram) -> str:
+    """The forward's key loops, then ``poisoned_redo`` where a tile can mask keys."""
+    def visited(careful: bool) -> str:
+        return visit(kernel, lambda masked, implied: key_tile(kernel, masked, implied, careful), "start_n",
+                     "BLOCK_N", "pid_m * BLOCK_M")
+    listing = listing_mask(kernel)
+    if not masks_keys(kernel, True, listing and listing.prefix):
+        return visited(False)
+    careful = visited(True) if listing else every_block(lambda masked: key_tile(kernel, masked, None, True),
+                                                        "start_n", "BLOCK_N")
+    return visited(False) + poisoned_redo(kernel, careful)
 
 
 def forward_params(kernel: LoweredProgram) -> tuple[Param, ...]:
@@ -68,6 +82,5 @@ def generate_forward(kernel: LoweredProgram, name: str, parameters: tuple[Param,
                                   True), 4),
             prologues=indent(prologues(kernel), 4), norm_init=indent(norm.init, 4),
             key_range=indent(key_range(kernel), 4),
-            loops=indent(visit(kernel, lambda masked, implied: key_tile(kernel, masked, implied), "start_n", "BLOCK_N",
-                               "pid_m * BLOCK_M"), 4),
+            loops=indent(key_loops(kernel), 4),
             norm_finalize=indent(norm.finalize, 4), dv_mask=f" & {mask}" if mask else "", store_lse=store_lse))

@@ -166,3 +166,9 @@ def loops(body, var: str, block: str, has_head: bool, group_setup: str | None = 
     parts.append(loop("full blocks: no mask arithmetic", "full_start", "full_end", False))
     parts.append(loop("masked tail", "full_end", "hi", True))
     return "\n".join(parts)
+
+
+def every_block(body, var: str, block: str) -> str:
+    """One loop over every block in [start, hi), each as a masked one (``body(True)``): less code than
+    ``loops``, for a rarely taken path."""
+    return f"for {var} in range(start, hi, {block}):\n{indent(body(True), 4)}"
