@@ -90,8 +90,8 @@ def main() -> None:
     parser.add_argument("--no-compile", action="store_true")
     parser.add_argument("--tiny", action="store_true", help="tiny layer, float32 on the CPU: checks the script runs")
     parser.add_argument("--overhead-only", action="store_true", help="only op_overhead()")
-    parser.add_argument("--profile", type=int, metavar="N", help="only profile one training step per backend at N: "
-                        "the GPU kernels that take the most time")
+    parser.add_argument("--profile", type=int, metavar="N", help="only profile three back-to-back training steps per "
+                        "backend at N: the GPU kernels that take the most time, and the GPU's idle gaps")
     args = parser.parse_args()
     device = torch.device("cpu" if args.tiny else "cuda")
     dtype = torch.float32 if args.tiny else torch.bfloat16
@@ -153,9 +153,9 @@ def main() -> None:
     op_overhead(device, dtype)
 
 
-def profile(layer: LlamaDecoderLayer, case: Case, backends: list[str]) -> None:
-    """The GPU kernels of one training step per backend, most time first (after two warm-up steps), and
-    where the GPU waits for the host: its idle time inside the step and the longest gaps."""
+def profile(layer: LlamaDecoderLayer, case: Case, backends: list[str], steps: int = 3) -> None:
+    """The GPU kernels of ``steps`` back-to-back training steps per backend (as do_bench runs them, after
+    two warm-up steps), most time first, and where the GPU waits: its idle time and the longest gaps."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
@@ -165,9 +165,10 @@ def profile(layer: LlamaDecoderLayer, case: Case, backends: list[str]) -> None:
             case.train_step(backend)
         torch.cuda.synchronize()
         with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            case.train_step(backend)
+            for _ in range(steps):
+                case.train_step(backend)
             torch.cuda.synchronize()
-        print(f"=== {backend}, N={case.N}")
+        print(f"=== {backend}, N={case.N}, {steps} steps")
         print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=12, max_name_column_width=70))
         print_gaps(prof.events())
 
