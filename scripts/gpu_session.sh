@@ -4,7 +4,7 @@
 #   bench_base: the same benchmark code (this tree's attnfuse/bench) on the kernels in .base (attnfuse/ and
 #   attnfuse_plugins/ of an earlier commit, with this tree's attnfuse/bench copied in:
 #   `bash scripts/base_tree.sh REV`, then carry .base), for before/after tables from one call.
-# Knobs: HF_ARGS (see benchmarks/hf_layer.py), SWEEP_ARGS (more sweep_tiles.py arguments), TESTS (pytest paths), MAXFAIL (failures before pytest stops; 1), FUZZ (examples per combinator), SWEEP_CASES / SWEEP_KERNEL (see
+# Knobs: HF_ARGS (see benchmarks/hf_layer.py), SWEEP_ARGS (more sweep_tiles.py arguments), TESTS (pytest paths), WORKERS (pytest-xdist processes; 4), MAXFAIL (failures before pytest stops; 1), FUZZ (examples per combinator), SWEEP_CASES / SWEEP_KERNEL (see
 # benchmarks/sweep_tiles.py), BENCH_ARGS (see `attnfuse bench --help`), BENCH_NAME (the
 # files' name under $OUT; bench), BENCH_PLOT (set: draw the plot), STEP_TIMEOUT (seconds
 # per step, so one step cannot use up the device call; 0, the default, is none).
@@ -22,7 +22,9 @@ for step in "$@"; do
       nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,clocks.mem,power.draw,temperature.gpu --format=csv \
         | tee "$OUT/gpu.txt" ;;
     test)
-      ATTNFUSE_FUZZ_EXAMPLES=${FUZZ:-40} timeout "${STEP_TIMEOUT:-0}" python3 -m pytest -q --maxfail=${MAXFAIL:-1} -p no:cacheprovider \
+      # WORKERS pytest-xdist processes share the GPU: the tests' time is mostly kernel compiles, on the CPUs
+      ATTNFUSE_FUZZ_EXAMPLES=${FUZZ:-40} timeout "${STEP_TIMEOUT:-0}" python3 -m pytest -q -rfE -n ${WORKERS:-4} \
+        --maxfail=${MAXFAIL:-1} -p no:cacheprovider \
         ${TESTS:-tests/test_gpu.py tests/test_conformance.py} 2>&1 | tee "$OUT/pytest.log" | tail -25 ;;
     sweep)
       (cd benchmarks && timeout "${STEP_TIMEOUT:-0}" python3 sweep_tiles.py --kernel "${SWEEP_KERNEL:-forward}" ${SWEEP_CASES:+--cases $SWEEP_CASES} ${SWEEP_ARGS:-}) \
