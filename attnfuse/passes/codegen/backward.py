@@ -113,8 +113,7 @@ def _dkdv_body(kernel: LoweredProgram, masked: bool, implied: str | None) -> str
             + f"do = {masked_load('do_base + q_idx[:, None] * stride_dom + dv[None, :] * stride_dod', f'{ok}[:, None]' if masked else '', dv_mask(kernel))}\n"
             + _rows(kernel, masked) + qk_product(kernel, transposed=True) + _recompute(kernel, masked, implied)
             + f"dv_acc = tl.dot(tl.trans(p.to({dtype})), do, dv_acc{p})\n"
-            + f"dp = tl.trans(tl.dot(v, tl.trans(do){p}))\n"
-            + _chain(kernel, masked, False))
+            + f"dp = tl.trans(tl.dot(v, tl.trans(do){p}))\n" + _chain(kernel, masked, False))
     code += _accumulate(kernel, "dk", f"tl.trans(ds.to({dtype}))", "q")
     return rows + with_bounds(code)
 
@@ -128,8 +127,7 @@ def _dq_body(kernel: LoweredProgram, masked: bool, implied: str | None) -> str:
     keys = "k_pos = start_n + tl.arange(0, BLOCK_N)\nk_ok = (k_pos < Nk) | EVEN_K\n" + key_offsets(kernel)
     code = (operand(kernel, "k", "k_base", "k_off[:, None]", "k_pos", "k_ok", "stride_kd", masked)
             + f"v = {v}\n" + qk_product(kernel) + _recompute(kernel, masked, implied)
-            + f"dp = tl.dot(do, tl.trans(v){p})\n"
-            + _chain(kernel, masked, True))
+            + f"dp = tl.dot(do, tl.trans(v){p})\n" + _chain(kernel, masked, True))
     code += _accumulate(kernel, "dq", f"ds.to({dtype})", "k")
     return keys + with_bounds(code)
 
