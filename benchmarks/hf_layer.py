@@ -4,6 +4,8 @@ attention implementation: sdpa, flex_attention, attnfuse, attnfuse with fuse_rop
     python benchmarks/hf_layer.py [--lengths 2048,4096,8192] [--compile-length 4096] [--no-compile]
     python benchmarks/hf_layer.py --tiny        # a CPU smoke run of the script (interpreter; no timings worth reading)
     python benchmarks/hf_layer.py --overhead-only   # just the op boundary's host time per call
+    python benchmarks/hf_layer.py --profile 8192    # the kernels and GPU idle gaps of three training steps
+    python benchmarks/hf_layer.py --timing 8192     # a training step timed four ways (do_bench's figure explained)
 
 For each N: the forward alone, and a training step (forward, backward, AdamW step), medians in ms from
 triton.testing.do_bench, all in one process; then one torch.compile'd training step per implementation at
@@ -90,6 +92,8 @@ def main() -> None:
     parser.add_argument("--no-compile", action="store_true")
     parser.add_argument("--tiny", action="store_true", help="tiny layer, float32 on the CPU: checks the script runs")
     parser.add_argument("--overhead-only", action="store_true", help="only op_overhead()")
+    parser.add_argument("--timing", type=int, metavar="N", help="only time a training step per backend at N four "
+                        "ways (do_bench; synchronised single steps; back-to-back steps; the SM clock after each)")
     parser.add_argument("--profile", type=int, metavar="N", help="only profile three back-to-back training steps per "
                         "backend at N: the GPU kernels that take the most time, and the GPU's idle gaps")
     args = parser.parse_args()
@@ -106,6 +110,8 @@ def main() -> None:
     backends = [b for b in BACKENDS if not (args.tiny and b == "flex_attention")]  # no flex backward on the CPU
     if args.profile:
         return profile(layer, Case(layer, rotary, args.profile, dtype), backends)
+    if args.timing:
+        return timing(layer, Case(layer, rotary, args.timing, dtype), backends)
     cases = {N: Case(layer, rotary, N, dtype) for N in sorted(set(lengths) | {compile_length})}
     results: dict[tuple, float] = {}
     for backend in backends:  # fuse_rope last: its wrapper stays on the layer
@@ -171,6 +177,41 @@ def profile(layer: LlamaDecoderLayer, case: Case, backends: list[str], steps: in
         print(f"=== {backend}, N={case.N}, {steps} steps")
         print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=12, max_name_column_width=70))
         print_gaps(prof.events())
+
+
+def timing(layer: LlamaDecoderLayer, case: Case, backends: list[str], steps: int = 10) -> None:
+    """A training step's ms per backend: do_bench's median; the mean of ``steps`` steps each between two
+    synchronisations (CUDA events); ``steps`` back-to-back steps' total over ``steps``; each followed by the SM
+    clock in MHz (NVML, where the nvidia-ml-py package is present): whether do_bench's figure is the kernels',
+    the host's or a lower clock's."""
+    def clock() -> str:
+        try:
+            return f"{torch.cuda.clock_rate()} MHz"
+        except Exception:  # noqa: BLE001 - no NVML binding on this machine
+            return "clock n/a"
+
+    print(f"training step at N={case.N}: ms (SM clock after)")
+    for backend in backends:
+        use(layer, backend)
+        for _ in range(3):
+            case.train_step(backend)
+        row = f"{backend:<22} do_bench {bench(lambda: case.train_step(backend), case.device):8.3f} ({clock()})"
+        single = []
+        for _ in range(steps):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            torch.cuda.synchronize()
+            start.record()
+            case.train_step(backend)
+            end.record()
+            torch.cuda.synchronize()
+            single.append(start.elapsed_time(end))
+        row += f"  single {sum(single) / steps:8.3f} ({clock()})"
+        torch.cuda.synchronize()
+        began = time.perf_counter()
+        for _ in range(steps):
+            case.train_step(backend)
+        torch.cuda.synchronize()
+        print(row + f"  back-to-back {(time.perf_counter() - began) * 1e3 / steps:8.3f} ({clock()})", flush=True)
 
 
 def print_gaps(events, shown: int = 5) -> None:
