@@ -1,8 +1,10 @@
 """The HuggingFace backend on tiny random-weight models (float32, CPU): attn_implementation="attnfuse" gives
 eager's logits, gradients and greedy generations, with padding, sliding windows and GQA; fuse_rope; custom
 programs. Needs ``pip install attnfuse[hf]``."""
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -186,9 +188,6 @@ def test_compiled_model_fullgraph_equals_eager(fused):
 def test_table_9_script_runs_on_a_tiny_layer(tmp_path):
     """benchmarks/hf_layer.py (the paper's Table 9) in its CPU smoke mode: a row for every backend it times
     on the CPU, and the op-overhead lines."""
-    import os
-    from pathlib import Path
-
     script = Path(__file__).resolve().parents[1] / "benchmarks" / "hf_layer.py"
     env = {**os.environ, "ATTNFUSE_CACHE_DIR": str(tmp_path)}
     run = subprocess.run([sys.executable, str(script), "--tiny", "--lengths", "32", "--no-compile"],
