@@ -12,7 +12,19 @@ from .inputs import KVCache, accumulator_dtype, empty_like_layout, even_keys, kv
 from .kernel import CompiledKernel
 from .plugin_args import PluginArgs, Prepared
 from .offsets import rows_fit
-from .launcher import block_grid
+from .launcher import block_grid, cdiv, multiprocessors
+
+SPLIT_PROGRAMS_PER_SM = 4  # a smaller GQA dK/dV grid splits its first key blocks (benchmarks/sweep_tiles.py)
+
+
+def split_blocks(key_blocks: int, rows: int, group: int, device: torch.device) -> int:
+    """How many of the first key blocks a GQA dK/dV launch without a listing mask (``key_blocks`` in each of
+    ``rows`` batch x kv head rows) runs as one program per query head of the group: enough for
+    SPLIT_PROGRAMS_PER_SM programs per multiprocessor (8 in all under the interpreter). Under causal masks
+    the first blocks are the heaviest, so splitting them also evens out the programs' work."""
+    wanted = SPLIT_PROGRAMS_PER_SM * multiprocessors(device) if device.type == "cuda" else 8
+    missing = wanted - key_blocks * rows
+    return 0 if missing <= 0 else min(key_blocks, cdiv(missing, rows * (group - 1)))
 
 
 def _sum_to(grad: torch.Tensor, shape: torch.Size) -> torch.Tensor:
@@ -79,12 +91,17 @@ class BackwardKernels:
                            dq_spec.launch.bind({**shared, "O": out, "DLse": delta if dlse is None else dlse,
                                                 "DQuery": dq, **pargs, **grad_args}),
                            q.device, limit=limit, HAS_DLSE=dlse is not None, EVEN_K=even_keys(kv), EVEN_M=even_m)
-            splits = dkdv_spec.split_heads  # heavy key blocks split over a group's query heads
-            scratch = self._split_buffers(B * Hkv * heavy * limit, Hq // Hkv, q) if splits else ()
+            split_args = {}
+            if dkdv_spec.split_heads:  # heavy key blocks split over a group's query heads
+                block_rows = limit or self.dkdv.tiles.block_n
+                if not dkdv_spec.scheduled:  # no listing mask: as many of the first blocks as the grid needs
+                    heavy = split_blocks(cdiv(Nk, block_rows), B * Hkv, Hq // Hkv, q.device)
+                    split_args["SPLIT_BLOCKS"] = heavy
+                shares, counts = self._split_buffers(B * Hkv * heavy * block_rows, Hq // Hkv, q)
+                split_args.update(PartDKV=shares, SplitCount=counts)
             self.dkdv.launch(block_grid(Nk, B * Hkv, "block_n", limit if dkdv_spec.scheduled else None,
-                                        heavy * (Hq // Hkv - 1) if splits else 0),
-                             dkdv_spec.launch.bind({**shared, "DKey": dk, "DValue": dv, **pargs,
-                                                    **dict(zip(("PartDKV", "SplitCount"), scratch))}),
+                                        heavy * (Hq // Hkv - 1)),
+                             dkdv_spec.launch.bind({**shared, "DKey": dk, "DValue": dv, **pargs, **split_args}),
                              q.device, limit=limit, EVEN_K=even_keys(kv), EVEN_M=even_m)
         else:
             for g in (dq, dk, dv):

@@ -1,7 +1,6 @@
 """The split-KV decoding launcher: phase one (generated kernel) over key splits, phase two (combine)."""
 from __future__ import annotations
 
-import functools
 import math
 from typing import Any
 
@@ -12,21 +11,16 @@ from .combine import combine
 from .inputs import KVCache, accumulator_dtype, empty_like_layout, even_keys, kv_launch_args
 from .kernel import CompiledKernel
 from .plugin_args import PluginArgs
-from .launcher import cdiv, next_power_of_2
+from .launcher import cdiv, multiprocessors, next_power_of_2
 
 MAX_QUERIES = 16  # decoding and speculative decoding: at most this many queries take the split path
 PROGRAMS_PER_SM = 2  # split-KV programs to have in flight per multiprocessor (benchmarks/sweep_tiles.py)
 
 
-@functools.lru_cache(maxsize=None)
-def _multiprocessors(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def _parallelism(device: torch.device) -> int:
     """Programs worth having in flight: PROGRAMS_PER_SM per multiprocessor on a GPU; a few under the
     interpreter."""
-    return PROGRAMS_PER_SM * _multiprocessors(device) if device.type == "cuda" else 4
+    return PROGRAMS_PER_SM * multiprocessors(device) if device.type == "cuda" else 4
 
 
 def split_plan(B: int, Hkv: int, row_blocks: int, capacity: int, block_n: int, device: torch.device

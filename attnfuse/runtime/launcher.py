@@ -9,6 +9,7 @@ call goes through Triton's own path, which feeds the hooks.
 """
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable
 
 import torch
@@ -25,12 +26,18 @@ def cdiv(a: int, b: int) -> int:
 def block_grid(rows: int, heads: int, tile: str, listed_block: int | None = None, extra_blocks: int = 0
                ) -> Callable[[Any], tuple[int, int]]:
     """The grid, as a function of the tiles, of a kernel with one program per (block of ``rows``, head):
-    (row blocks, heads), the block ``tiles.<tile>`` rows. ``listed_block``: the block size of the listing
-    mask whose order the kernel follows (codegen's ``program``): (heads, slots), each listed block taking
-    listed_block // tile slots, and ``extra_blocks`` more listed blocks' worth (dK/dV's split blocks)."""
+    (row blocks, heads), the block ``tiles.<tile>`` rows, and ``extra_blocks`` more (dK/dV's split blocks).
+    ``listed_block``: the block size of the listing mask whose order the kernel follows (codegen's
+    ``program``): (heads, slots), each listed block, and each extra one, taking listed_block // tile slots."""
     if listed_block is None:
-        return lambda tiles: (cdiv(rows, getattr(tiles, tile)), heads)
+        return lambda tiles: (cdiv(rows, getattr(tiles, tile)) + extra_blocks, heads)
     return lambda tiles: (heads, (cdiv(rows, listed_block) + extra_blocks) * (listed_block // getattr(tiles, tile)))
+
+
+@functools.lru_cache(maxsize=None)
+def multiprocessors(device: torch.device) -> int:
+    """The GPU's multiprocessor count."""
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def next_power_of_2(n: int) -> int:

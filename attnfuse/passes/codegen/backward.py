@@ -4,7 +4,9 @@
 rowsum(dO ∘ O) − dLSE (stored for the next kernel), accumulates dQ over key blocks, and writes the
 score-shaped gradients of tensor inputs (an additive bias). ``dkdv``: one program per (key block, batch x
 kv head) accumulates dK and dV over the query blocks that can see it, and over the query heads of its GQA
-group, so no two programs write the same rows. No atomics: results are bitwise identical run to run.
+group, so no two programs write the same rows. Heavy key blocks (the first ones, when the grid is small;
+those a listing mask names) take one program per query head instead, and the group's last to finish sums
+their shares in head order: results are bitwise identical run to run.
 Both loop over the same blocks the forward visits, split the same way into masked and unmasked loops.
 The dK/dV kernel computes its scores and dP transposed, (keys, queries), as FlashAttention does, so the
 weights and ds enter its products as register operands.
@@ -19,7 +21,7 @@ from ..launch_spec import INT, TENSOR, Param, indexed_strides, params, strides
 from ..lower import Instance, LoweredProgram
 from .common import (columns, constexpr_params, dv_mask, fragment, half_mask, indent, kernel_source, kv_params,
                      masked_load, precision, qkv_strides, split)
-from .loops import block_range, key_block, key_range, program, query_block, split_heads, visit
+from .loops import SPLIT_BLOCKS, block_range, key_block, key_range, program, query_block, split_heads, visit
 from .operands import key_masked, key_offsets, kv_base, operand, operand_grad, qk_product
 from .scores import has_masks, prologues, scores, with_bounds
 
@@ -194,11 +196,13 @@ def _tensor_grad_params(grads: tuple[tuple[Instance, str], ...]) -> tuple[Param,
 
 
 def dkdv_params(kernel: LoweredProgram) -> tuple[Param, ...]:
-    """The dK/dV kernel's parameters, in order (PartDKV and SplitCount when it splits heavy key blocks)."""
+    """The dK/dV kernel's parameters, in order (PartDKV and SplitCount when it splits heavy key blocks, after
+    SPLIT_BLOCKS when the runtime says how many)."""
     return (params(TENSOR, "Q", "K", "V", "DO", "Lse", "Delta", "DKey", "DValue") + qkv_strides()
             + strides("do", "bhmd", "DO") + strides("dk", "bhnd", "DKey") + strides("dv", "bhnd", "DValue")
             + params(INT, "HQ", "Nq", "N_K")
             + kv_params(kernel) + kernel.args()
+            + (params(INT, SPLIT_BLOCKS) if split_heads(kernel) == SPLIT_BLOCKS else ())
             + (params(TENSOR, "PartDKV", "SplitCount") if split_heads(kernel) is not None else ())
             + constexpr_params(kernel, even_keys=True, even_queries=True))
 

@@ -31,27 +31,46 @@ def program(kernel: LoweredProgram, pid: str, block: str, rows: str, transposed:
     come GROUP times, one program per query head of the group: ``one_head``, heads ``g_lo`` .. ``g_hi``."""
     m = listing_mask(kernel)
     order = None if m is None else (m.fragment.block_list.q_order if transposed else m.fragment.block_list.order)
+    heavy = split_heads(kernel) if transposed else None
     if order is None:
+        if heavy is not None:  # key blocks in order, the first (under causal masks, the heaviest) split
+            return ("pid_bh = tl.program_id(1)\nslot = tl.program_id(0)\n"
+                    + _split_slots(f"# the first {heavy} key blocks come once per query head of the group",
+                                   heavy) + f"{pid} = slot\n")
         first = "tl.program_id(0)" if transposed else "tl.num_programs(0) - 1 - tl.program_id(0)"
         return f"{pid} = {first}\npid_bh = tl.program_id(1)\n"
     code = (f"# slots run {m.prefix}'s blocks heaviest first, each for every head before the next\n"
             f"pid_bh = tl.program_id(0)\nrun_tiles = {m.code(m.fragment.block_list.size)} // {block}\n"
             "slot = tl.program_id(1)\n")
-    heavy = split_heads(kernel) if transposed else None
     if heavy is not None:
-        code += (f"# the first {heavy} blocks' slots come once per query head of the group\n"
-                 f"split_slots = {heavy} * run_tiles\none_head = slot < split_slots * GROUP\n"
-                 "g_lo = tl.where(one_head, slot % GROUP, 0)\ng_hi = tl.where(one_head, slot % GROUP + 1, GROUP)\n"
-                 "slot = tl.where(one_head, slot // GROUP, slot - split_slots * (GROUP - 1))\n")
+        code += _split_slots(f"# the first {heavy} blocks' slots come once per query head of the group",
+                             f"{heavy} * run_tiles")
     return code + (f"{pid} = {m.code(order, slot='slot // run_tiles')} * run_tiles + slot % run_tiles\n"
                    f"if {pid} * {block} >= {rows}:\n    return\n")
 
 
+def _split_slots(comment: str, split_slots: str) -> str:
+    """Slots ``slot`` -> the one-head programs of the first ``split_slots`` slots (GROUP each, head
+    ``slot % GROUP``), then the slots after them, each for every head; ``slot`` becomes the slot's index."""
+    return (f"{comment}\nsplit_slots = {split_slots}\none_head = slot < split_slots * GROUP\n"
+            "g_lo = tl.where(one_head, slot % GROUP, 0)\ng_hi = tl.where(one_head, slot % GROUP + 1, GROUP)\n"
+            "slot = tl.where(one_head, slot // GROUP, slot - split_slots * (GROUP - 1))\n")
+
+
+SPLIT_BLOCKS = "SPLIT_BLOCKS"  # dK/dV of a GQA program without a listing mask: a runtime int parameter
+
+
 def split_heads(kernel: LoweredProgram) -> str | None:
-    """Code of the number of key blocks (first in the listing mask's order) whose dK/dV the kernel splits
-    over the query heads of a GQA group (``BlockList.q_split``), if it splits any."""
+    """Code of the number of key blocks whose dK/dV the kernel splits over the query heads of a GQA group,
+    if it splits any: with a listing mask, the first in its order (``BlockList.q_split``); without one,
+    the first ``SPLIT_BLOCKS`` (the runtime's choice: under causal masks the first blocks are the heaviest,
+    and a small grid needs more programs)."""
     m = listing_mask(kernel)
-    if kernel.config.group == 1 or not scheduled(kernel, transposed=True) or m.fragment.block_list.q_split is None:
+    if kernel.config.group == 1:
+        return None
+    if m is None:
+        return SPLIT_BLOCKS
+    if not scheduled(kernel, transposed=True) or m.fragment.block_list.q_split is None:
         return None
     return m.code(m.fragment.block_list.q_split)
 
@@ -129,10 +148,11 @@ def visit(kernel: LoweredProgram, body, var: str, block: str, block_start: str, 
     range; otherwise ``loops``. ``group_setup``: per query head ``g`` of a kv head's group (dK/dV), the
     code that points the loop at that head's rows: the loops then visit every head's blocks."""
     m = listing_mask(kernel)
+    split = transposed and split_heads(kernel) is not None
     if m is None:
         head = has_masks(kernel) if transposed else masked_head(kernel.masks)
-        return loops(lambda masked: body(masked, None), var, block, head, group_setup)
-    heads = "g_lo, g_hi" if transposed and split_heads(kernel) is not None else "GROUP"
+        return loops(lambda masked: body(masked, None), var, block, head, group_setup, split)
+    heads = "g_lo, g_hi" if split else "GROUP"
     bl = m.fragment.block_list
     count = m.code(bl.q_count if transposed else bl.count, block="list_block")
     index = m.code(bl.q_index if transposed else bl.index, block="list_block", i="list_t // list_tiles")
@@ -149,17 +169,21 @@ def visit(kernel: LoweredProgram, body, var: str, block: str, block_start: str, 
     return f"for g in range({heads}):\n{indent(group_setup, 4)}{indent(code, 4)}"
 
 
-def loops(body, var: str, block: str, has_head: bool, group_setup: str | None = None) -> str:
+def loops(body, var: str, block: str, has_head: bool, group_setup: str | None = None, split: bool = False) -> str:
     """The masked head, unmasked middle and masked tail loops; ``body(masked)`` gives a loop body.
 
     With ``group_setup``, each loop steps through (query head g of the group, block) pairs in one flat
     loop: Triton pipelines it across heads, and a loop nest (per head, then per block) would keep about
-    twice the registers live and spill."""
+    twice the registers live and spill. ``split``: only heads ``g_lo`` .. ``g_hi`` (see ``program``)."""
+    # the loop's head: the step's index i among the program's heads, and the head g
+    heads, i, head = (("(g_hi - g_lo)", "i", "i = t // steps\ng = g_lo + i\n") if split
+                      else ("GROUP", "g", "g = t // steps\n"))
+
     def loop(comment: str, lo: str, hi: str, masked: bool) -> str:
         if group_setup is None:
             return f"# {comment}\nfor {var} in range({lo}, {hi}, {block}):\n{indent(body(masked), 4)}"
         return (f"# {comment}, for each query head of the group\nsteps = ({hi} - {lo} + {block} - 1) // {block}\n"
-                f"for t in range(0, GROUP * steps):\n    g = t // steps\n    {var} = {lo} + (t - g * steps) * {block}\n"
+                f"for t in range(0, {heads} * steps):\n{indent(head, 4)}    {var} = {lo} + (t - {i} * steps) * {block}\n"
                 f"{indent(group_setup, 4)}{indent(body(masked), 4)}")
 
     parts = [loop("masked head", "start", "full_start", True)] if has_head else []
