@@ -1,10 +1,12 @@
 """Tile sweep: block sizes, warps and stages, through the plugin tile-rule hook.
 
     python benchmarks/sweep_tiles.py [--kernel forward|backward] [--cases gpt2:4096:causal,llama3-8b:8192:causal,...]
+    python benchmarks/sweep_tiles.py --kernel backward --split-per-sm 0 2 4 8 [--dkdv-tiles ...] [--cases ...]
     python benchmarks/sweep_tiles.py --kernel decode [--cases llama3-70b:1,llama3-8b:8,...]
 
 Prints the median ms of each configuration per case and the best; the winners go in attnfuse/passes/tile.py
-(decode: also the split count, attnfuse.runtime.decode.PROGRAMS_PER_SM). Decode cases are timed from CUDA
+(decode: also the split count, attnfuse.runtime.decode.PROGRAMS_PER_SM; backward: the GQA dK/dV grid size
+under which key blocks split, attnfuse.runtime.backward.SPLIT_PROGRAMS_PER_SM). Decode cases are timed from CUDA
 graph replays, so host time does not hide the kernels'.
 """
 from __future__ import annotations
@@ -17,7 +19,7 @@ from triton.testing import do_bench, do_bench_cudagraph
 
 import attnfuse as af
 from attnfuse.passes.tile import TileConfig, TileRule
-from attnfuse.runtime import decode
+from attnfuse.runtime import backward, decode
 from attnfuse.bench.cases import (DECODE_MODELS, GEOMETRIES, PROGRAMS, bigbird_blocks, bigbird_program,
                                   decode_program, pairs)
 from attnfuse.runtime.launch import clear_cache
@@ -104,6 +106,8 @@ def main() -> None:
                                                         "(default: BACKWARD_CONFIGS)")
     parser.add_argument("--dq-tiles", nargs="+", help="backward: the same for dQ")
     parser.add_argument("--tiles", nargs="+", help="forward: BLOCK_M,BLOCK_N,warps,stages to sweep (default: CONFIGS)")
+    parser.add_argument("--split-per-sm", nargs="+", type=int, help="backward: values of "
+                        "attnfuse.runtime.backward.SPLIT_PROGRAMS_PER_SM to sweep too (0: no split)")
     args = parser.parse_args()
     if args.tiles:
         for D in CONFIGS:
@@ -138,7 +142,12 @@ def main() -> None:
             return torch.autograd.grad(out, (q, k, v), out) if training else out
         configs = list(itertools.product(BACKWARD_CONFIGS["dkdv"][D], BACKWARD_CONFIGS["dq"][D])) if training \
             else CONFIGS[D]
-        sweep(case, args.kernel, configs, step, flops, "TFLOP/s")
+        default_split = backward.SPLIT_PROGRAMS_PER_SM
+        for per_sm in args.split_per_sm or [default_split]:
+            backward.SPLIT_PROGRAMS_PER_SM = per_sm
+            sweep(f"{case} split<{per_sm}/SM" if args.split_per_sm else case, args.kernel, configs, step, flops,
+                  "TFLOP/s")
+        backward.SPLIT_PROGRAMS_PER_SM = default_split
     clear_cache()
 
 
