@@ -107,12 +107,12 @@ def test_gradcheck_float64(program, extra):
 
 
 @pytest.mark.parametrize("program", [causal, llama, window], ids=lambda p: p.__name__)
-@pytest.mark.parametrize("shape,split", [((1, 4, 1, 96, 96), 2), ((1, 4, 1, 30, 30), 1), ((1, 6, 2, 50, 80), 1),
+@pytest.mark.parametrize("shape,split", [((1, 4, 1, 96, 96), 3), ((1, 4, 1, 30, 30), 1), ((1, 6, 2, 50, 80), 3),
                                          ((2, 4, 2, 64, 64), 0)], ids=str)
 def test_gqa_key_blocks_split_over_the_group_heads(program, shape, split):
-    """A GQA dK/dV grid too small for the GPU (here the interpreter's 8 programs) runs its first key blocks
-    as one program per query head, and the group's last program sums the shares: some of the blocks, all
-    of them (one block), or none. Gradients match float64, and a second run is bitwise equal."""
+    """A GQA dK/dV grid too small for the GPU (here the interpreter's 8 programs) runs its key blocks as one
+    program per query head, and the group's last program sums the shares (ragged and one-block grids too);
+    a large enough grid splits none. Gradients match float64, and a second run is bitwise equal."""
     B, Hq, Hkv, Nq, Nk = shape
     assert split_blocks(-(-Nk // 32), B * Hkv, Hq // Hkv, torch.device("cpu")) == split  # 32-key tiles
     q, k, v = _qkv(B, Hq, Hkv, Nq, Nk, 32, 32, torch.float32, seed=11)
