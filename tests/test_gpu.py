@@ -67,18 +67,24 @@ def test_bf16_fuzz_long_sequences():
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_backward_matches_sdpa(dtype):
-    B, Hq, Hkv, N, D = 1, 8, 2, 1000, 128
+@pytest.mark.parametrize("B,Hq,Hkv,N", [(1, 8, 2, 1000), (1, 32, 8, 2048), (8, 8, 4, 3200)],
+                         ids=["gqa4-split", "llama3-8b-split", "gqa2-unsplit"])
+def test_backward_matches_sdpa(dtype, B, Hq, Hkv, N):
+    """Causal GQA gradients against float64 SDPA, and a second step bitwise equal: grids small enough that
+    the dK/dV kernel splits its key blocks over the group's heads (summing the shares through a counter),
+    and one large enough that it does not (on an H200's 132 multiprocessors)."""
+    D, g = 128, Hq // Hkv
     leaves = [torch.randn(B, h, N, D, device="cuda", dtype=dtype, requires_grad=True) for h in (Hq, Hkv, Hkv)]
     dout = torch.randn(B, Hq, N, D, device="cuda", dtype=dtype)
     got = torch.autograd.grad(causal(*leaves), leaves, dout)
+    assert all(torch.equal(a, b) for a, b in zip(got, torch.autograd.grad(causal(*leaves), leaves, dout)))
     q, k, v = (t.detach().double().requires_grad_(True) for t in leaves)
-    ref = torch.nn.functional.scaled_dot_product_attention(q, k.repeat_interleave(4, 1), v.repeat_interleave(4, 1),
+    ref = torch.nn.functional.scaled_dot_product_attention(q, k.repeat_interleave(g, 1), v.repeat_interleave(g, 1),
                                                            is_causal=True)
     want = torch.autograd.grad(ref, (q, k, v), dout.double())
     lowp = [t.detach().requires_grad_(True) for t in leaves]
     ref_lowp = torch.nn.functional.scaled_dot_product_attention(
-        lowp[0], lowp[1].repeat_interleave(4, 1), lowp[2].repeat_interleave(4, 1), is_causal=True)
+        lowp[0], lowp[1].repeat_interleave(g, 1), lowp[2].repeat_interleave(g, 1), is_causal=True)
     want_lowp = torch.autograd.grad(ref_lowp, lowp, dout)
     for name, a, b, c in zip(("dq", "dk", "dv"), got, want, want_lowp):
         assert_matches_reference(a, b, c, dtype, what=name)
