@@ -83,6 +83,19 @@ def sweep(case: str, kernel: str, configs, step, amount: float, unit: str, timer
     print(f"BEST {best[1]}: {best[0]:.4f} ms {amount / best[0] / 1e9:.0f} {unit}", flush=True)
 
 
+def kernel_time(fn, steps: int = 20) -> float:
+    """ms of GPU kernel time per call of ``fn``: the sum of its kernels' times under torch.profiler, which
+    the host's speed does not change."""
+    from torch.profiler import ProfilerActivity, profile
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            fn()
+        torch.cuda.synchronize()
+    return sum(e.self_device_time_total for e in prof.key_averages()) / steps / 1e3
+
+
 def sweep_decode(cases: str) -> None:
     for case in cases.split(","):
         model, B = case.split(":")
@@ -106,6 +119,8 @@ def main() -> None:
                                                         "(default: BACKWARD_CONFIGS)")
     parser.add_argument("--dq-tiles", nargs="+", help="backward: the same for dQ")
     parser.add_argument("--tiles", nargs="+", help="forward: BLOCK_M,BLOCK_N,warps,stages to sweep (default: CONFIGS)")
+    parser.add_argument("--gpu-time", action="store_true", help="time the kernels alone (torch.profiler's sum "
+                        "of kernel times per step), not do_bench's wall time: small steps are host-bound")
     parser.add_argument("--split-per-sm", nargs="+", type=int, help="backward: values of "
                         "attnfuse.runtime.backward.SPLIT_PROGRAMS_PER_SM to sweep too (0: no split)")
     args = parser.parse_args()
@@ -146,7 +161,7 @@ def main() -> None:
         for per_sm in args.split_per_sm or [default_split]:
             backward.SPLIT_PROGRAMS_PER_SM = per_sm
             sweep(f"{case} split<{per_sm}/SM" if args.split_per_sm else case, args.kernel, configs, step, flops,
-                  "TFLOP/s")
+                  "TFLOP/s", timer=kernel_time if args.gpu_time else None)
         backward.SPLIT_PROGRAMS_PER_SM = default_split
     clear_cache()
 
