@@ -111,8 +111,9 @@ def test_gradcheck_float64(program, extra):
                                          ((2, 4, 2, 64, 64), 0)], ids=str)
 def test_gqa_key_blocks_split_over_the_group_heads(program, shape, split):
     """A GQA dK/dV grid too small for the GPU (here the interpreter's 8 programs) runs its key blocks as one
-    program per query head, and the group's last program sums the shares (ragged and one-block grids too);
-    a large enough grid splits none. Gradients match float64, and a second run is bitwise equal."""
+    program per query head, and the group's last program sums the shares; a block that fewer than 64 query
+    rows see (the interpreter's threshold) runs whole in its group's first program, the others leaving at
+    once; a large enough grid splits nothing. Gradients match float64, and a second run is bitwise equal."""
     B, Hq, Hkv, Nq, Nk = shape
     assert split_blocks(-(-Nk // 32), B * Hkv, Hq // Hkv, torch.device("cpu")) == split  # 32-key tiles
     q, k, v = _qkv(B, Hq, Hkv, Nq, Nk, 32, 32, torch.float32, seed=11)

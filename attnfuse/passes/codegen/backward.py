@@ -35,7 +35,7 @@ $dk_init    dv_acc = tl.zeros([BLOCK_N, BLOCK_DV], dtype=$acc_dtype)
     k_hi = tl.minimum(pid_n * BLOCK_N + BLOCK_N, Nk) - 1
 $query_range
     full_end = tl.where((pid_n + 1) * BLOCK_N > Nk, full_start, full_end)  # a partial key block is never full
-$loops
+$light$loops
 $split_reduce    k_in = $k_in
 $dk_grad$dk_store    tl.store(DValue + b.to(tl.int64) * stride_dvb + hk.to(tl.int64) * stride_dvh + k_pos[:, None] * stride_dvn
              + dv[None, :] * stride_dvd, dv_acc.to(DValue.dtype.element_ty), mask=k_in[:, None]$dv_mask)
@@ -184,6 +184,17 @@ def _split_reduce(kernel: LoweredProgram) -> str:
             + zeros + "        for j in range(GROUP):\n" + sums)
 
 
+_LIGHT = """\
+# a split key block that fewer than SPLIT_ROWS query rows see runs whole in its group's first program
+light = one_head & (hi - start < SPLIT_ROWS)
+if light & (g_lo > 0):
+    return
+one_head = one_head & (hi - start >= SPLIT_ROWS)
+g_lo = tl.where(light, 0, g_lo)
+g_hi = tl.where(light, GROUP, g_hi)
+"""
+
+
 def grad_buffer(inst: Instance, name: str) -> str:
     """The dQ kernel's parameter of the (B, Hq, Nq, Nk) buffer of the gradient of ``inst``'s input ``name``."""
     return f"{inst.prefix}_d{name}"
@@ -197,12 +208,12 @@ def _tensor_grad_params(grads: tuple[tuple[Instance, str], ...]) -> tuple[Param,
 
 def dkdv_params(kernel: LoweredProgram) -> tuple[Param, ...]:
     """The dK/dV kernel's parameters, in order (PartDKV and SplitCount when it splits heavy key blocks, after
-    SPLIT_BLOCKS when the runtime says how many)."""
+    SPLIT_BLOCKS and SPLIT_ROWS when the runtime says how many blocks, and how many query rows a block needs)."""
     return (params(TENSOR, "Q", "K", "V", "DO", "Lse", "Delta", "DKey", "DValue") + qkv_strides()
             + strides("do", "bhmd", "DO") + strides("dk", "bhnd", "DKey") + strides("dv", "bhnd", "DValue")
             + params(INT, "HQ", "Nq", "N_K")
             + kv_params(kernel) + kernel.args()
-            + (params(INT, SPLIT_BLOCKS) if split_heads(kernel) == SPLIT_BLOCKS else ())
+            + (params(INT, SPLIT_BLOCKS, "SPLIT_ROWS") if split_heads(kernel) == SPLIT_BLOCKS else ())
             + (params(TENSOR, "PartDKV", "SplitCount") if split_heads(kernel) is not None else ())
             + constexpr_params(kernel, even_keys=True, even_queries=True))
 
@@ -231,6 +242,7 @@ def generate_dkdv(kernel: LoweredProgram, name: str, parameters: tuple[Param, ..
     splits = split_heads(kernel) is not None
     return kernel_source(kernel, "dK/dV kernel", name, parameters, _DKDV.substitute(
             acc_dtype=kernel.accumulator, split_reduce=indent(_split_reduce(kernel), 4) if splits else "",
+            light=indent(_LIGHT, 4) if split_heads(kernel) == SPLIT_BLOCKS else "",
             k_in=("k_pos < tl.where(last, N_K, 0)  # only the last of a split stores" if splits
                   else "k_pos < N_K  # rows of keys past a sequence's length get zeros"),
             columns=indent(columns(kernel), 4), key_block=indent(key_block(kernel, even_keys=True), 4),
