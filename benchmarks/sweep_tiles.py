@@ -23,6 +23,7 @@ from attnfuse.runtime import backward, decode
 from attnfuse.bench.cases import (DECODE_MODELS, GEOMETRIES, PROGRAMS, bigbird_blocks, bigbird_program,
                                   decode_program, pairs)
 from attnfuse.runtime.launch import clear_cache
+from profile_training import kernel_means
 
 BACKWARD_CONFIGS = {  # per head dim: (BLOCK_M, BLOCK_N, warps, stages) of dK/dV, then of dQ; pairs swept
     "dkdv": {64: [(64, 64, 4, 3), (64, 128, 8, 3), (32, 128, 4, 3)],
@@ -83,17 +84,10 @@ def sweep(case: str, kernel: str, configs, step, amount: float, unit: str, timer
     print(f"BEST {best[1]}: {best[0]:.4f} ms {amount / best[0] / 1e9:.0f} {unit}", flush=True)
 
 
-def kernel_time(fn, steps: int = 20) -> float:
+def kernel_time(fn) -> float:
     """ms of GPU kernel time per call of ``fn``: the sum of its kernels' times under torch.profiler, which
     the host's speed does not change."""
-    from torch.profiler import ProfilerActivity, profile
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(steps):
-            fn()
-        torch.cuda.synchronize()
-    return sum(e.self_device_time_total for e in prof.key_averages()) / steps / 1e3
+    return sum(us for us, _ in kernel_means(fn, calls=20)) / 1e3
 
 
 def sweep_decode(cases: str) -> None:
