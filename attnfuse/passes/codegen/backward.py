@@ -4,9 +4,9 @@
 rowsum(dO ∘ O) − dLSE (stored for the next kernel), accumulates dQ over key blocks, and writes the
 score-shaped gradients of tensor inputs (an additive bias). ``dkdv``: one program per (key block, batch x
 kv head) accumulates dK and dV over the query blocks that can see it, and over the query heads of its GQA
-group, so no two programs write the same rows. Heavy key blocks (the first ones, when the grid is small;
-those a listing mask names) take one program per query head instead, and the group's last to finish sums
-their shares in head order: results are bitwise identical run to run.
+group, so no two programs write the same rows. The key blocks of a small GQA grid (those that enough query
+rows see), and the heavy blocks a listing mask names, take one program per query head instead, and the
+group's last to finish sums their shares in head order: results are bitwise identical run to run.
 Both loop over the same blocks the forward visits, split the same way into masked and unmasked loops.
 The dK/dV kernel computes its scores and dP transposed, (keys, queries), as FlashAttention does, so the
 weights and ds enter its products as register operands.

@@ -63,8 +63,7 @@ SPLIT_BLOCKS = "SPLIT_BLOCKS"  # dK/dV of a GQA program without a listing mask: 
 def split_heads(kernel: LoweredProgram) -> str | None:
     """Code of the number of key blocks whose dK/dV the kernel splits over the query heads of a GQA group,
     if it splits any: with a listing mask, the first in its order (``BlockList.q_split``); without one,
-    the first ``SPLIT_BLOCKS`` (the runtime's choice: under causal masks the first blocks are the heaviest,
-    and a small grid needs more programs)."""
+    the first ``SPLIT_BLOCKS``, the runtime's choice (all of a small grid's, or none)."""
     m = listing_mask(kernel)
     if kernel.config.group == 1:
         return None
