@@ -21,6 +21,7 @@ from ..launch_spec import INT, TENSOR, Param, indexed_strides, params, strides
 from ..lower import Instance, LoweredProgram
 from .common import (columns, constexpr_params, dv_mask, fragment, half_mask, indent, kernel_source, kv_params,
                      masked_load, precision, qkv_strides, split)
+from .head_split import LIGHT_BLOCKS, share_sum
 from .loops import SPLIT_BLOCKS, block_range, key_block, key_range, program, query_block, split_heads, visit
 from .operands import key_masked, key_offsets, kv_base, operand, operand_grad, qk_product
 from .scores import has_masks, prologues, scores, with_bounds
@@ -160,41 +161,6 @@ def _store(kernel: LoweredProgram, out: str, acc: str, base: str, rows: str, ok:
             f"{acc}.to({out}.dtype.element_ty), mask={ok}[:, None]{d_mask})\n")
 
 
-def _split_reduce(kernel: LoweredProgram) -> str:
-    """After the loops of a dK/dV kernel that splits heavy key blocks over a group's query heads: a
-    one-head program stores its share of the accumulators in PartDKV and counts it in SplitCount; the
-    group's last to finish sums the shares, in head order, and is the one (``last``) that stores."""
-    halves = [("dk1", "BLOCK_H", "dh"), ("dk2", "BLOCK_H", "dh")] if split(kernel) else [("dk", "BLOCK_D", "d")]
-    accs = [*halves, ("dv_acc", "BLOCK_DV", "dv")]
-    part = f"BLOCK_N * ({' + '.join(width for _, width, _ in accs)})"
-    offsets = ["0"] + [f"BLOCK_N * ({' + '.join(w for _, w, _ in accs[:i])})" for i in range(1, len(accs))]
-
-    def at(share: str, i: int) -> str:
-        name, width, col = accs[i]
-        return f"PartDKV + ({share}) * ({part}) + {offsets[i]} + rows_n[:, None] * {width} + {col}[None, :]"
-    stores = "".join(f"    tl.store({at('share + g_lo', i)}, {name})\n" for i, (name, _, _) in enumerate(accs))
-    zeros = "".join(f"        {name} = tl.zeros([BLOCK_N, {width}], dtype={kernel.accumulator})\n" for name, width, _ in accs)
-    sums = "".join(f"            {name} += tl.load({at('share + j', i)}, cache_modifier=\".cg\")\n"
-                   for i, (name, _, _) in enumerate(accs))
-    return ("last = pid_n >= 0\nif one_head:  # this head's share of a heavy key block\n"
-            "    share = (pid_bh * split_slots + slot).to(tl.int64) * GROUP\n    rows_n = tl.arange(0, BLOCK_N)\n"
-            + stores + "    count = tl.atomic_add(SplitCount + pid_bh * split_slots + slot, 1)\n"
-            "    last = count == GROUP - 1\n    if last:  # the group's last share: sum them all, in head order\n"
-            "        tl.store(SplitCount + pid_bh * split_slots + slot, 0)  # zero again for the next launch\n"
-            + zeros + "        for j in range(GROUP):\n" + sums)
-
-
-_LIGHT = """\
-# a split key block that fewer than SPLIT_ROWS query rows see runs whole in its group's first program
-light = one_head & (hi - start < SPLIT_ROWS)
-if light & (g_lo > 0):
-    return
-one_head = one_head & (hi - start >= SPLIT_ROWS)
-g_lo = tl.where(light, 0, g_lo)
-g_hi = tl.where(light, GROUP, g_hi)
-"""
-
-
 def grad_buffer(inst: Instance, name: str) -> str:
     """The dQ kernel's parameter of the (B, Hq, Nq, Nk) buffer of the gradient of ``inst``'s input ``name``."""
     return f"{inst.prefix}_d{name}"
@@ -241,8 +207,8 @@ def generate_dkdv(kernel: LoweredProgram, name: str, parameters: tuple[Param, ..
     dk_base = "DKey + b.to(tl.int64) * stride_dkb + hk.to(tl.int64) * stride_dkh"
     splits = split_heads(kernel) is not None
     return kernel_source(kernel, "dK/dV kernel", name, parameters, _DKDV.substitute(
-            acc_dtype=kernel.accumulator, split_reduce=indent(_split_reduce(kernel), 4) if splits else "",
-            light=indent(_LIGHT, 4) if split_heads(kernel) == SPLIT_BLOCKS else "",
+            acc_dtype=kernel.accumulator, split_reduce=indent(share_sum(kernel), 4) if splits else "",
+            light=indent(LIGHT_BLOCKS, 4) if split_heads(kernel) == SPLIT_BLOCKS else "",
             k_in=("k_pos < tl.where(last, N_K, 0)  # only the last of a split stores" if splits
                   else "k_pos < N_K  # rows of keys past a sequence's length get zeros"),
             columns=indent(columns(kernel), 4), key_block=indent(key_block(kernel, even_keys=True), 4),
