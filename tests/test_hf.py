@@ -196,3 +196,12 @@ def test_table_9_script_runs_on_a_tiny_layer(tmp_path):
     rows = [line.split()[0] for line in run.stdout.splitlines() if line.split()[1:2] == ["32"]]
     assert rows == ["sdpa", "attnfuse", "attnfuse+fuse_rope"], run.stdout
     assert "the custom op" in run.stdout
+
+
+def test_layer_steps_script_imports_table_9s_layer():
+    """benchmarks/layer_steps.py (GPU only: a profile and timings of Table 9's training steps) imports its
+    layer and implementations from hf_layer.py; its help runs anywhere."""
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "layer_steps.py"
+    run = subprocess.run([sys.executable, str(script), "--help"], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "--timing" in run.stdout and "--profile" in run.stdout
