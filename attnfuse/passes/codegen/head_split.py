@@ -36,7 +36,8 @@ def share_sum(kernel: LoweredProgram) -> str:
                    for i, (name, _, _) in enumerate(accs))
     return ("last = pid_n >= 0\nif one_head:  # this head's share of a heavy key block\n"
             "    share = (pid_bh * split_slots + slot).to(tl.int64) * GROUP\n    rows_n = tl.arange(0, BLOCK_N)\n"
-            + stores + "    count = tl.atomic_add(SplitCount + pid_bh * split_slots + slot, 1)\n"
+            + stores + "    tl.debug_barrier()  # every thread's stores before the count that publishes them\n"
+            "    count = tl.atomic_add(SplitCount + pid_bh * split_slots + slot, 1)\n"
             "    last = count == GROUP - 1\n    if last:  # the group's last share: sum them all, in head order\n"
             "        tl.store(SplitCount + pid_bh * split_slots + slot, 0)  # zero again for the next launch\n"
             + zeros + "        for j in range(GROUP):\n" + sums)
