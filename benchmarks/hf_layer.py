@@ -10,7 +10,7 @@ on the same inputs; then one torch.compile'd training step per implementation at
 implementation runs on its own copy of the layer (same weights). The implementations take turns: in each of
 --rounds rounds each is timed once (triton.testing.do_bench's median), in an order rotated every round, so
 none always runs on a GPU that the others have heated; a figure is the median of its rounds, "spread" the
-range of its rounds over that median. Runs in about 5 minutes on an H200. Also ``op_overhead()``: the host
+range of its rounds over that median. Runs in about 2 minutes on an H200. Also ``op_overhead()``: the host
 time of a program call through the custom op against ``run_attention`` directly. benchmarks/layer_steps.py
 looks inside the training steps (a profile; other ways of timing them).
 """

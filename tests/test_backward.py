@@ -115,7 +115,7 @@ def test_gqa_key_blocks_split_over_the_group_heads(program, shape, split):
     rows see (the interpreter's threshold) runs whole in its group's first program, the others leaving at
     once; a large enough grid splits nothing. Gradients match float64, and a second run is bitwise equal."""
     B, Hq, Hkv, Nq, Nk = shape
-    assert split_blocks(-(-Nk // 32), B * Hkv, Hq // Hkv, torch.device("cpu")) == split  # 32-key tiles
+    assert split_blocks(-(-Nk // 32), B * Hkv, Hq // Hkv, torch.device("cpu")) == (split, 64)  # 32-key tiles
     q, k, v = _qkv(B, Hq, Hkv, Nq, Nk, 32, 32, torch.float32, seed=11)
     _check_grads(program, q, k, v)
     dout = torch.randn(B, Hq, Nq, 32)

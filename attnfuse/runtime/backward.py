@@ -15,18 +15,20 @@ from .offsets import rows_fit
 from .launcher import block_grid, cdiv, multiprocessors
 
 SPLIT_PROGRAMS_PER_SM = 12  # a smaller GQA dK/dV grid splits its key blocks (benchmarks/sweep_tiles.py)
-SPLIT_QUERY_ROWS = 512  # of which it splits the blocks this many query rows see (64 under the interpreter)
+SPLIT_QUERY_ROWS = 512  # of which it splits the blocks this many query rows see
 
 
-def split_blocks(key_blocks: int, rows: int, group: int, device: torch.device) -> int:
-    """How many of the first key blocks a GQA dK/dV launch without a listing mask (``key_blocks`` in each of
-    ``rows`` batch x kv head rows) runs as one program per query head of the group: all of them when the
-    grid would have fewer than SPLIT_PROGRAMS_PER_SM programs per multiprocessor (8 in all under the
-    interpreter), else none. The kernel runs a block whole after all when fewer than SPLIT_QUERY_ROWS query
-    rows see it (a sliding window's blocks, the last causal ones): summing the shares would cost more than
-    the split saves."""
-    wanted = SPLIT_PROGRAMS_PER_SM * multiprocessors(device) if device.type == "cuda" else 8
-    return key_blocks if group > 1 and key_blocks * rows < wanted else 0
+def split_blocks(key_blocks: int, rows: int, group: int, device: torch.device) -> tuple[int, int]:
+    """(SPLIT_BLOCKS, SPLIT_ROWS) of a GQA dK/dV launch without a listing mask (``key_blocks`` in each of
+    ``rows`` batch x kv head rows): how many of the first key blocks run as one program per query head of
+    the group, and how many query rows must see a block for it to split. All blocks when the grid would
+    have fewer than SPLIT_PROGRAMS_PER_SM programs per multiprocessor, else none; a block that fewer than
+    SPLIT_QUERY_ROWS query rows see (a sliding window's blocks, the last causal ones) runs whole after all:
+    summing the shares would cost more than the split saves. Under the interpreter: 8 programs, 64 rows."""
+    cuda = device.type == "cuda"
+    wanted = SPLIT_PROGRAMS_PER_SM * multiprocessors(device) if cuda else 8
+    blocks = key_blocks if group > 1 and key_blocks * rows < wanted else 0
+    return blocks, SPLIT_QUERY_ROWS if cuda else 64
 
 
 def _sum_to(grad: torch.Tensor, shape: torch.Size) -> torch.Tensor:
@@ -97,8 +99,8 @@ class BackwardKernels:
             if dkdv_spec.split_heads:  # heavy key blocks split over a group's query heads
                 block_rows = limit or self.dkdv.tiles.block_n
                 if not dkdv_spec.scheduled:  # no listing mask: as many of the first blocks as the grid needs
-                    heavy = split_blocks(cdiv(Nk, block_rows), B * Hkv, Hq // Hkv, q.device)
-                    split_args.update(SPLIT_BLOCKS=heavy, SPLIT_ROWS=SPLIT_QUERY_ROWS if q.is_cuda else 64)
+                    heavy, split_rows = split_blocks(cdiv(Nk, block_rows), B * Hkv, Hq // Hkv, q.device)
+                    split_args.update(SPLIT_BLOCKS=heavy, SPLIT_ROWS=split_rows)
                 shares, counts = self._split_buffers(B * Hkv * heavy * block_rows, Hq // Hkv, q)
                 split_args.update(PartDKV=shares, SplitCount=counts)
             self.dkdv.launch(block_grid(Nk, B * Hkv, "block_n", limit if dkdv_spec.scheduled else None,
