@@ -58,10 +58,13 @@ class BackwardKernels:
     def _split_buffers(self, keys: int, group: int, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Scratch of a dK/dV launch that splits heavy key blocks (``keys`` rows in all, over every batch
         and kv head) over the ``group`` query heads: each head's share of dK and dV, in the accumulators'
-        precision, and one zeroed counter per key tile (tiles have at least 16 rows)."""
-        shares = torch.empty(max(1, keys * group * self._share_width), dtype=accumulator_dtype(q.dtype),
-                             device=q.device)
-        return shares, torch.zeros(max(1, keys // 16), dtype=torch.int32, device=q.device)
+        precision, and one zeroed counter per key tile (tiles have at least 16 rows). With no ``keys`` the
+        kernel reads neither: one-element placeholders, and no fill to launch."""
+        dtype = accumulator_dtype(q.dtype)
+        if not keys:
+            return torch.empty(1, dtype=dtype, device=q.device), torch.empty(1, dtype=torch.int32, device=q.device)
+        shares = torch.empty(keys * group * self._share_width, dtype=dtype, device=q.device)
+        return shares, torch.zeros(keys // 16, dtype=torch.int32, device=q.device)
 
     def __call__(self, q: torch.Tensor, kv: KVCache, out: torch.Tensor,
                  lse: torch.Tensor | None, dout: torch.Tensor | None, dlse: torch.Tensor | None,
