@@ -19,6 +19,7 @@ from .codegen import (constants, decode_params, dkdv_params, dq_params, forward_
                       generate_dkdv, generate_dq, generate_forward, generate_pass, grad_buffer, pass_params,
                       scheduled, split, split_heads)
 from .fuse import fuse
+from .hopper import HopperForward, hopper_forward
 from .launch_spec import LaunchSpec, Param
 from .lower import Instance, KernelConfig, LoweredProgram, lower
 from .tile import TileConfig
@@ -79,6 +80,7 @@ class Plan:
     dkdv: KernelSpec
     transform: KernelSpec | None
     gradient: KernelSpec | None
+    hopper: HopperForward | None = None
 
     @property
     def config(self) -> KernelConfig:
@@ -126,4 +128,5 @@ def build_plan(graph: ir.MatMulPV, config: KernelConfig) -> Plan:
         dkdv=_spec(lowered, "dkdv", dkdv_params(lowered), functools.partial(generate_dkdv, lowered),
                    scheduled=scheduled(lowered, transposed=True), split_heads=split_heads(lowered) is not None),
         transform=_pass(lowered, False) if hoistable(lowered) else None,
-        gradient=_pass(lowered, True) if hoistable(lowered) else None)
+        gradient=_pass(lowered, True) if hoistable(lowered) else None,
+        hopper=hopper_forward(lowered))

@@ -1,4 +1,5 @@
-"""The forward launcher: out (and lse) from q, k, v through one generated kernel."""
+"""The forward launcher: out (and lse) from q, k, v through one generated kernel, or on Hopper, for the
+programs and tensors it serves, through the Gluon template (``hopper.py``)."""
 from __future__ import annotations
 
 import math
@@ -8,6 +9,7 @@ import torch
 
 from ..passes.plan import Plan
 from .inputs import KVCache, accumulator_dtype, empty_like_layout, even_keys, kv_launch_args
+from .hopper import HopperLauncher
 from .kernel import CompiledKernel
 from .launcher import block_grid
 from .plugin_args import PluginArgs, Prepared
@@ -22,6 +24,7 @@ class ForwardKernel:
         self.source = self.kernel.source
         self.path = self.kernel.path
         self.plugin_args = PluginArgs(plan.lowered)
+        self.hopper = HopperLauncher(plan.hopper) if plan.hopper is not None else None
 
     def __call__(self, q: torch.Tensor, kv: KVCache, inputs: dict[str, Any],
                  prepared: Prepared | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -38,6 +41,9 @@ class ForwardKernel:
             out.zero_()
             if lse is not None:
                 lse.fill_(-math.inf)
+            return out, lse
+        if self.hopper is not None and self.hopper.fits(q, k, v, out):
+            self.hopper(q, k, v, out, lse)
             return out, lse
         pargs, limit, _ = prepared or self.plugin_args(q, kv, inputs)
         spec = self.kernel.spec

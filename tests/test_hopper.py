@@ -1,0 +1,183 @@
+"""The Hopper forward template: which programs and tensors it serves, that it compiles for sm90 (on any
+machine), and on an H100/H200 that it matches the float64 reference and reads only inside its tensors."""
+import os
+import re
+import subprocess
+import tempfile
+
+import attrs
+import pytest
+import torch
+import triton
+
+import attnfuse as af
+from attnfuse.examples import EXAMPLES
+from attnfuse.passes.lower import KernelConfig
+from attnfuse.runtime import hopper
+from attnfuse.runtime.launch import compile_plan
+from attnfuse.testing import assert_matches_reference
+
+from conftest import CUDA
+
+HOPPER = CUDA and torch.cuda.get_device_capability() == (9, 0)
+requires_hopper = pytest.mark.skipif(not HOPPER, reason="needs an sm90 GPU (H100/H200)")
+SM90 = KernelConfig(arch="sm90", dtype="bfloat16", head_dim=128, head_dim_v=128, group=4, save_lse=True,
+                    fp32_precision="ieee")
+
+
+@af.attention
+def causal(q, k, v):
+    return af.softmax(af.causal(af.scaled_dot_product(q, k))) @ v
+
+
+@af.attention
+def dense(q, k, v, scale):
+    return af.softmax(af.full(af.scaled_dot_product(q, k, scale=scale))) @ v
+
+
+@pytest.mark.parametrize("program,config,served", [
+    (causal, {}, "causal"), (dense, {}, "dense"), (causal, {"dtype": "float16", "head_dim": 64, "head_dim_v": 64},
+                                                   "causal"),
+    (EXAMPLES["llama"], {"q_transformed": True, "k_transformed": True}, "causal"),  # after a transform pass
+    (EXAMPLES["llama"], {}, None), (EXAMPLES["mistral"], {}, None), (EXAMPLES["alibi"], {}, None),
+    (EXAMPLES["relu"], {}, None), (causal, {"kv_lens": True}, None), (causal, {"paged": True}, None),
+    (causal, {"arch": "sm80"}, None), (causal, {"dtype": "float32"}, None),
+    (causal, {"head_dim": 96, "head_dim_v": 96}, None), (causal, {"head_dim_v": 64}, None),
+])
+def test_plan_serves_softmax_with_causal_or_no_mask_on_sm90(program, config, served):
+    graph = program.graph(0.3) if program is dense else program.graph()
+    plan = compile_plan(graph, attrs.evolve(SM90, **config))
+    if served is None:
+        assert plan.hopper is None
+    else:
+        assert plan.hopper is not None and plan.hopper.causal == (served == "causal")
+        scale = 0.3 if program is dense else plan.config.head_dim ** -0.5
+        assert plan.hopper.qk_scale == pytest.approx(scale * 1.4426950408889634)
+
+
+def test_tensors_tma_cannot_address_fall_back():
+    base = torch.empty(2 * 8 * 64 * 130, dtype=torch.bfloat16)
+    hf_layout = base[:2 * 8 * 64 * 128].view(2, 64, 8, 128).transpose(1, 2)
+    assert hopper.HopperLauncher.fits(hf_layout)
+    assert hopper.HopperLauncher.fits(base[:64 * 128].view(1, 1, 64, 128).expand(1, 1, 64, 128))
+    assert not hopper.HopperLauncher.fits(base[1:1 + 2 * 8 * 64 * 128].view(2, 8, 64, 128))  # 2-byte offset
+    assert not hopper.HopperLauncher.fits(base[:64 * 128].view(1, 1, 64, 128).expand(2, 4, 64, 128))  # stride 0
+    assert not hopper.HopperLauncher.fits(base.view(2, 8, 64, 130)[..., :128])  # 260-byte rows
+
+
+@pytest.mark.parametrize("head_dim,causal_mask", [(128, True), (64, False)])
+def test_kernel_compiles_for_sm90_within_shared_memory(head_dim, causal_mask):
+    """The Gluon kernel through Triton and ptxas for sm90 (no GPU needed), in an H100's shared memory."""
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from attnfuse.runtime.hopper_kernel import hopper_forward_kernel
+
+    def desc(rows):
+        layout = gl.NVMMASharedLayout.get_default_for([1, 1, rows, head_dim], gl.bfloat16)
+        return f"tensordesc<bf16[1, 1, {rows}, {head_dim}],{layout!r}>"
+
+    signature = {"q_desc": desc(64), "k_desc": desc(128), "v_desc": desc(128), "o_desc": desc(64), "q": "*bf16",
+                 "k": "*bf16", "v": "*bf16", "out": "*bf16", "lse": "*fp32",
+                 "n_q": "i32", "n_k": "i32", "heads_q": "i32", "group": "i32", "qk_scale": "fp32",
+                 "BLOCK_N": "constexpr", "STAGES": "constexpr", "CAUSAL": "constexpr", "SAVE_LSE": "constexpr"}
+    constants = {"BLOCK_N": 128, "STAGES": 3, "CAUSAL": causal_mask, "SAVE_LSE": True}
+    compiled = triton.compile(GluonASTSource(hopper_forward_kernel, signature, constants),
+                              target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "maxnreg": 168})
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx") as ptx:
+        ptx.write(compiled.asm["ptx"])
+        ptx.flush()
+        report = subprocess.run([ptxas, "-arch=sm_90a", "-v", ptx.name, "-o", os.devnull], capture_output=True,
+                                text=True, check=True).stderr
+    assert re.search(r"Used \d+ registers", report), report
+    assert compiled.metadata.shared <= 232448  # an H100's shared memory per block
+
+
+def _spy(monkeypatch):
+    calls = []
+    launch = hopper.HopperLauncher.__call__
+    monkeypatch.setattr(hopper.HopperLauncher, "__call__", lambda self, *a: (calls.append(1), launch(self, *a))[1])
+    return calls
+
+
+@requires_hopper
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("B,Hq,Hkv,Nq,Nk,D", [(2, 8, 2, 1000, 1000, 128), (1, 4, 4, 300, 1000, 128),
+                                              (1, 4, 1, 1000, 300, 64), (3, 6, 3, 129, 257, 64),
+                                              (1, 32, 8, 4096, 4096, 128)])
+@pytest.mark.parametrize("program", [causal, dense], ids=["causal", "dense"])
+def test_hopper_forward_matches_float64(monkeypatch, program, B, Hq, Hkv, Nq, Nk, D, dtype):
+    """Out and lse of the template (it ran) against the float64 reference; q in HF's (B, Nq, Hq, D) order.
+    Partial blocks, GQA, Nq < Nk, and Nq > Nk (causal: the first rows keep no key: out 0, lse -inf)."""
+    calls = _spy(monkeypatch)
+    q = torch.randn(B, Nq, Hq, D, device="cuda", dtype=dtype).transpose(1, 2)
+    k, v = (torch.randn(B, Hkv, Nk, D, device="cuda", dtype=dtype) for _ in range(2))
+    args = (0.2,) if program is dense else ()
+    out, lse = program(q, k, v, *args, return_lse=True)
+    assert calls, "the Hopper template did not run"
+    ref, ref_lse = program.reference(q, k, v, *args, return_lse=True)
+    assert_matches_reference(out, ref, program.reference(q, k, v, *args, dtype=dtype), dtype)
+    finite = torch.isfinite(ref_lse)
+    assert torch.equal(torch.isfinite(lse), finite.to(lse.device))
+    torch.testing.assert_close(lse.double()[finite], ref_lse[finite].to(lse.device), atol=1e-4, rtol=0)
+
+
+@requires_hopper
+def test_hopper_forward_reads_nothing_outside_its_views(monkeypatch):
+    """q, k, v are views into NaN arenas (rows before and after, a wider head dim): partial tiles read
+    zeros, not the neighbours (a NaN would spread); out, lse and the gradients (the generated backward on
+    the template's lse) match float64."""
+    calls = _spy(monkeypatch)
+    B, Hq, Hkv, N, D = 2, 4, 2, 200, 128
+    views = []
+    for heads in (Hq, Hkv, Hkv):
+        arena = torch.full((B, heads, N + 300, D + 64), float("nan"), device="cuda", dtype=torch.bfloat16)
+        view = arena[:, :, 150:150 + N, 32:32 + D]
+        view.copy_(torch.randn(B, heads, N, D))
+        views.append(view.requires_grad_())
+    out, lse = causal(*views, return_lse=True)
+    assert calls and not out.isnan().any() and not lse.isnan().any()
+    ref, ref_lse = causal.reference(*views, return_lse=True)
+    assert_matches_reference(out, ref, causal.reference(*views, dtype=torch.bfloat16), torch.bfloat16)
+    torch.testing.assert_close(lse.double(), ref_lse.to(lse.device), atol=1e-4, rtol=0)
+    dout = torch.randn_like(out)
+    grads = torch.autograd.grad(out, views, dout)
+    ref_grads = torch.autograd.grad(causal.reference(*views), views, dout.double())
+    lowp_grads = torch.autograd.grad(causal.reference(*views, dtype=torch.bfloat16), views, dout)
+    for got, want, lowp, name in zip(grads, ref_grads, lowp_grads, "qkv"):
+        assert_matches_reference(got, want, lowp, torch.bfloat16, what=f"d{name}")
+
+
+@requires_hopper
+@pytest.mark.parametrize("program", [causal, dense], ids=["causal", "dense"])
+def test_hopper_forward_non_finite_values_match_the_math(monkeypatch, program):
+    """Non-finite values in v, in and outside the causal diagonal blocks, two of them in one 16-key step in
+    different columns: a row that masks such a key stays finite; one that keeps it is non-finite exactly in
+    that key's column, as float64's is (the careful redo; the rest of the rows and columns unchanged)."""
+    calls = _spy(monkeypatch)
+    q, k, v = (torch.randn(1, 2, 700, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    v[0, 0, 300, 7], v[0, 0, 301, 90], v[0, 1, 650, 3], v[0, 1, 20, 5] = (float("nan"), float("inf"),
+                                                                         float("-inf"), float("nan"))
+    args = (0.1,) if program is dense else ()
+    out, lse = program(q, k, v, *args, return_lse=True)
+    assert calls
+    want, want_lse = program.reference(q, k, v, *args, return_lse=True)
+    finite = torch.isfinite(want)
+    assert torch.equal(torch.isfinite(out).cpu(), finite.cpu())
+    assert_matches_reference(out.double().where(finite, 0), want.where(finite, 0),
+                             program.reference(q, k, v, *args, dtype=torch.bfloat16).where(finite, 0), torch.bfloat16)
+    torch.testing.assert_close(lse.double(), want_lse.to(lse.device), atol=1e-4, rtol=0)
+
+
+@requires_hopper
+def test_tensors_tma_cannot_address_run_the_generated_kernel(monkeypatch):
+    calls = _spy(monkeypatch)
+    flat = torch.randn(2 * 8 * 500 * 64 + 1, device="cuda", dtype=torch.float16)
+    q = flat[1:].view(2, 8, 500, 64)  # 2 bytes past an aligned base
+    k, v = (torch.randn(2, 8, 500, 64, device="cuda", dtype=torch.float16) for _ in range(2))
+    out = causal(q, k, v)
+    assert not calls
+    assert_matches_reference(out, causal.reference(q, k, v), causal.reference(q, k, v, dtype=torch.float16),
+                             torch.float16)
