@@ -15,11 +15,20 @@ def _triton_key(arg):
     return native_specialize_impl(BaseBackend, arg, False, True, True)
 
 
+def _descriptors():
+    """TMA descriptors as the Hopper forward makes them: two tiles, two dtypes, two head dims."""
+    from attnfuse.runtime.hopper import HopperLauncher
+
+    rows = torch.randn(2, 4, 256, 128)
+    return [HopperLauncher._describe(t, tile) for t in (rows.bfloat16(), rows.half(), rows[..., :64].bfloat16())
+            for tile in (64, 128)]
+
+
 def test_keys_are_at_least_as_fine_as_tritons():
     base = torch.randn(64)
     values = [0, 1, 2, 3, 15, 16, 17, 32, 48, 1000, 1024, -1, -16, 2**31 - 16, 2**31 - 1, 2**31, 2**31 + 16,
               2**40, -2**31, -2**31 - 1, 2**63 - 16, 2**63, 0.5, 1.0, True, False, None,
-              base, base[1:], base[4:], base.half(), base.half()[8:], base.double()]
+              base, base[1:], base[4:], base.half(), base.half()[8:], base.double(), *_descriptors()]
     for a, b in itertools.combinations(values, 2):
         if call_key((a,)) == call_key((b,)):
             assert _triton_key(a) == _triton_key(b), (a, b)

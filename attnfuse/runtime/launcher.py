@@ -5,7 +5,8 @@ Triton's ``kernel[grid](...)`` binds and specialises every argument on every cal
 call by what Triton specialises on (each tensor's dtype and 16-byte alignment; each integer's being 1,
 a multiple of 16, or past 32 bits; the constexprs, warps and stages) and sends later calls with the same
 key straight to the compiled kernel's C launcher. While a launch hook is installed (a profiler), every
-call goes through Triton's own path, which feeds the hooks.
+call goes through Triton's own path, which feeds the hooks. Gluon kernels launch the same way; a TMA
+descriptor argument is keyed by its tile, layout, dtype and alignment (Triton encodes it on every call).
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from typing import Any, Callable
 
 import torch
 from triton import knobs
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from triton.runtime import driver
 from triton.runtime.jit import JITFunction
 
@@ -53,9 +55,13 @@ def _tensor_key(a: torch.Tensor) -> tuple:
     return (a.dtype, a.data_ptr() % 16 == 0)
 
 
+def _descriptor_key(a: TensorDescriptor) -> tuple:
+    return (tuple(a.block_shape), a.layout, a.padding, _tensor_key(a.base))
+
+
 _KEYS: dict[type, Callable[[Any], Any]] = {
     int: _int_key, bool: lambda a: ("bool", a), float: lambda a: float, type(None): lambda a: None,
-    torch.Tensor: _tensor_key, torch.nn.Parameter: _tensor_key,
+    torch.Tensor: _tensor_key, torch.nn.Parameter: _tensor_key, TensorDescriptor: _descriptor_key,
 }
 
 
@@ -101,20 +107,22 @@ class Launcher:
         self._compiled: dict[tuple, Any] = {}
 
     def launch(self, grid: tuple[int, ...], args: tuple, constexprs: dict[str, Any], num_warps: int = 4,
-               num_stages: int = 2, device: torch.device | None = None) -> None:
-        """Launch on ``grid`` in the current stream of ``device`` (the current device when None)."""
+               num_stages: int = 2, device: torch.device | None = None, maxnreg: int | None = None) -> None:
+        """Launch on ``grid`` in the current stream of ``device`` (the current device when None);
+        ``maxnreg``: the register cap per thread (a warp-specialised kernel's budget), if any."""
         current = torch.cuda.current_device()
         if device is not None and device.index != current:
             with torch.cuda.device(device):
-                return self.launch(grid, args, constexprs, num_warps, num_stages)
+                return self.launch(grid, args, constexprs, num_warps, num_stages, maxnreg=maxnreg)
         if len(args) != self._runtime_count:
             raise TypeError(f"{self.fn.__name__} takes {self._runtime_count} runtime arguments, got {len(args)}")
         tail = tuple([constexprs[name] for name in self._constexpr_names])
-        key = (current, num_warps, num_stages, tail, call_key(args))
+        key = (current, num_warps, num_stages, maxnreg, tail, call_key(args))
         launch = self._compiled.get(key)
         if launch is None or _hooked(knobs.runtime.launch_enter_hook) or _hooked(knobs.runtime.launch_exit_hook):
+            options = {"maxnreg": maxnreg} if maxnreg is not None else {}
             self._compiled[key] = _direct_launch(
-                self.fn[grid](*args, **constexprs, num_warps=num_warps, num_stages=num_stages))
+                self.fn[grid](*args, **constexprs, num_warps=num_warps, num_stages=num_stages, **options))
             return
         launch(grid, driver.active.get_current_stream(current), args, tail)
 
