@@ -115,7 +115,8 @@ def cmd_show(args: argparse.Namespace, out: TextIO) -> int:
     if args.source_only:
         out.write(kernel.source if kernel.source.endswith("\n") else kernel.source + "\n")
         return 0
-    lowered = compile_forward(graph, config).plan.lowered
+    plan = compile_forward(graph, config).plan
+    lowered = plan.lowered
     doc = first_line(program.fn.__doc__ or "")
     listing = ir.render(graph)
     print(f"# program    {spec}" + (f"  ({doc})" if doc else ""), file=out)
@@ -129,6 +130,9 @@ def cmd_show(args: argparse.Namespace, out: TextIO) -> int:
     print(f"# tiles      {tiles} block_d={lowered.block_d} block_dv={lowered.block_dv}", file=out)
     print(f"# name       {kernel.name}", file=out)
     print(f"# path       {kernel.path}", file=out)
+    if args.kernel == "forward" and plan.hopper is not None:
+        print(f"# hopper     causal={plan.hopper.causal}: on tensors TMA can address, this forward runs the "
+              f"Hopper template (attnfuse/runtime/hopper_kernel.py); the source below serves the others", file=out)
     print("# source", file=out)
     out.write(kernel.source if kernel.source.endswith("\n") else kernel.source + "\n")
     return 0
