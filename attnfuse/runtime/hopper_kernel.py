@@ -46,6 +46,18 @@ def _loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, bars, b, hq, hkv, m0
 
 
 @gluon.jit
+def _softmax_step(s, m_i, l_i):
+    """One block of the online softmax, scores s (rows, keys) in log2 units: the block's weights p, the
+    factor alpha of the rows' earlier sums, and the new running max and sum (a row that has kept no key
+    yet keeps max -inf and weights 0)."""
+    m_new = gl.maximum(m_i, gl.max(s, 1))
+    m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = gl.exp2(m_i - m_use)
+    p = gl.exp2(s - gl.expand_dims(m_use, 1))
+    return p, alpha, m_new, l_i * alpha + gl.sum(p, 1)
+
+
+@gluon.jit
 def _masked(s, i, row_pos, n_k, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, s_layout: gl.constexpr):
     """Scores (64, BLOCK_N) of key block i with keys past n_k, and (causal) past each row's position, -inf."""
     k_pos = i * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
@@ -109,13 +121,7 @@ def _careful(q_ptr, k_ptr, v_ptr, o_ptr, q_desc, k_desc, v_desc, o_desc, lse_row
         keep = gl.expand_dims(k_pos < n_k, 0) & gl.expand_dims(row < n_q, 1)  # (64, CAREFUL_KEYS)
         if CAUSAL:
             keep = keep & (gl.expand_dims(k_pos, 0) <= gl.expand_dims(row_pos, 1))
-        s = gl.where(keep, s, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(s, 1))
-        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = gl.exp2(m_i - m_use)
-        p = gl.exp2(s - gl.expand_dims(m_use, 1))
-        l_i = l_i * alpha + gl.sum(p, 1)
-        m_i = m_new
+        p, alpha, m_i, l_i = _softmax_step(gl.where(keep, s, float("-inf")), m_i, l_i)
         v = _tile(v_ptr, v_desc, b, hkv, start, n_k, CAREFUL_KEYS, b_op)
         finite = gl.abs(v.to(gl.float32)) < float("inf")  # false for NaN too
         poisoned = mma_v2(gl.convert_layout(gl.where(keep, 1.0, 0.0).to(dtype), a_op),
@@ -177,12 +183,7 @@ def _consumer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, bars, b, hq, hkv, 
         s = s * qk_scale
         if i >= first_masked:
             s = _masked(s, i, row_pos, n_k, BLOCK_N, CAUSAL, s_layout)
-        m_new = gl.maximum(m_i, gl.max(s, 1))
-        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = gl.exp2(m_i - m_use)
-        p = gl.exp2(s - gl.expand_dims(m_use, 1))
-        l_i = l_i * alpha + gl.sum(p, 1)
-        m_i = m_new
+        p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i)
         acc, _ = warpgroup_mma_wait(0, deps=(acc, v))
         mbarrier.arrive(kv_free.index(prev), count=1)
         acc = acc * gl.expand_dims(gl.convert_layout(alpha, o_rows), 1)
