@@ -4,8 +4,8 @@ One program per (128-query block, batch x query head). A loader warp brings the 
 and then each K and V block through TMA into a ring of ``STAGES`` shared-memory stages; two consumer
 warpgroups take 64 query rows each and free a stage when both have read it. A consumer issues block i's
 QKᵀ before block i-1's P·V, so its softmax of block i runs while the tensor cores multiply; the two
-consumers drift apart, so one's softmax also runs under the other's matmuls. TMA reads only inside the
-tensors' shapes (it fills the rest of a tile with zeros) and writes only inside out's.
+consumers are not in lockstep, so one's softmax can also run under the other's matmuls. TMA reads only
+inside the tensors' shapes (it fills the rest of a tile with zeros) and writes only inside out's.
 
 Scores are ``q·kᵀ · qk_scale`` in log2 units (the program's scale times log2(e)), so exp2 is exact exp.
 """
