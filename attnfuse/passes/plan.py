@@ -71,7 +71,8 @@ def hoistable(lowered: LoweredProgram) -> bool:
 class Plan:
     """Every kernel of one program for one configuration. ``transform`` and ``gradient`` (the passes of
     hoisted qk transforms) exist when the keys' transforms are ``hoistable``; the kernels a hoisted call
-    runs between the passes are those of ``hoisted_config``'s plan."""
+    runs between the passes are those of ``hoisted_config``'s plan. ``hopper``: the Hopper forward
+    template's constants where it serves the program's forward (``passes/hopper.py``), else None."""
 
     graph: ir.MatMulPV
     lowered: LoweredProgram
