@@ -1,5 +1,5 @@
 """Where the time of one forward+backward (causal, sliding window, RoPE+causal or BigBird) goes: each CUDA kernel's time
-(torch.profiler), the host time per call, AttnFuse against flex_attention (and SDPA's host time), and
+(torch.profiler) and the host time per call, AttnFuse against flex_attention and cuDNN SDPA, and
 optionally the Python functions that take AttnFuse's host time (cProfile).
 
     python benchmarks/profile_training.py [--cases llama3-8b:2048,gpt2:2048] [--variant rope_causal] [--host-profile]
@@ -113,8 +113,7 @@ def main() -> None:
             host_time(f"{label} fwd+bwd", step)  # first: a profiler may leave launch hooks behind
             if args.host_profile and name == "attnfuse":
                 host_profile(label, step)
-            if name != "sdpa (cuDNN)":
-                kernel_times(label, step)
+            kernel_times(label, step)
 
 
 if __name__ == "__main__":
