@@ -1,5 +1,6 @@
-"""The Hopper forward template: which programs and tensors it serves, that it compiles for sm90 (on any
-machine), and on an H100/H200 that it matches the float64 reference and reads only inside its tensors."""
+"""The Hopper templates (the forward and the dK/dV kernel): which programs and tensors they serve, that
+they compile for sm90 (on any machine), and on an H100/H200 that they match the float64 reference and read
+only inside their tensors."""
 import os
 import re
 import subprocess
@@ -53,6 +54,7 @@ def test_plan_serves_softmax_with_causal_or_no_mask_on_sm90(program, config, ser
         assert plan.hopper is not None and plan.hopper.causal == (served == "causal")
         scale = 0.3 if program is dense else plan.config.head_dim ** -0.5
         assert plan.hopper.qk_scale == pytest.approx(scale * 1.4426950408889634)
+        assert plan.hopper.scale == pytest.approx(scale)
 
 
 def test_tensors_tma_cannot_address_fall_back():
@@ -95,10 +97,33 @@ def test_kernel_compiles_for_sm90_within_shared_memory(causal_mask):
     assert compiled.metadata.shared <= 232448  # an H100's shared memory per block
 
 
-def _spy(monkeypatch):
+@pytest.mark.parametrize("causal_mask,split", [(True, False), (False, True)])
+def test_dkdv_kernel_compiles_for_sm90_within_shared_memory(causal_mask, split):
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from attnfuse.runtime.hopper_dkdv_kernel import hopper_dkdv_kernel
+
+    layout = gl.NVMMASharedLayout.get_default_for([1, 1, 64, 128], gl.bfloat16)
+    tile = f"tensordesc<bf16[1, 1, 64, 128],{layout!r}>"
+    grad = "*fp32" if split else "*bf16"
+    signature = {"q_desc": tile, "do_desc": tile, "k_desc": tile, "v_desc": tile, "lse": "*fp32", "delta": "*fp32",
+                 "dk": grad, "dv": grad, **{f"stride_d{x}{y}": "i32" for x in "kv" for y in "bhn"},
+                 "n_q": "i32", "n_k": "i32", "heads_q": "i32", "group": "i32", "qk_scale": "fp32", "scale": "fp32",
+                 "BLOCK_M": "constexpr", "STAGES": "constexpr", "CAUSAL": "constexpr", "SPLIT": "constexpr"}
+    constants = {"BLOCK_M": hopper.DKDV_BLOCK_M, "STAGES": hopper.DKDV_STAGES, "CAUSAL": causal_mask, "SPLIT": split}
+    compiled = triton.compile(GluonASTSource(hopper_dkdv_kernel, signature, constants),
+                              target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "maxnreg": 168})
+    assert "wgmma.mma_async" in compiled.asm["ptx"]
+    assert compiled.metadata.shared <= 232448
+
+
+def _spy(monkeypatch, method="__call__"):
+    """The list that each call of the launcher's ``method`` (the forward, or "dkdv") appends to."""
     calls = []
-    launch = hopper.HopperLauncher.__call__
-    monkeypatch.setattr(hopper.HopperLauncher, "__call__", lambda self, *a: (calls.append(1), launch(self, *a))[1])
+    launch = getattr(hopper.HopperLauncher, method)
+    monkeypatch.setattr(hopper.HopperLauncher, method, lambda self, *a: (calls.append(1), launch(self, *a))[1])
     return calls
 
 
@@ -124,11 +149,34 @@ def test_hopper_forward_matches_float64(monkeypatch, program, B, Hq, Hkv, Nq, Nk
 
 
 @requires_hopper
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("B,Hq,Hkv,Nq,Nk", [(2, 8, 2, 1000, 1000), (1, 4, 4, 300, 1000), (1, 4, 1, 1000, 300),
+                                            (3, 6, 3, 129, 257), (1, 32, 8, 4096, 4096), (1, 8, 1, 64, 40)])
+@pytest.mark.parametrize("program", [causal, dense], ids=["causal", "dense"])
+def test_hopper_dkdv_matches_float64(monkeypatch, program, B, Hq, Hkv, Nq, Nk, dtype):
+    """dq, dk, dv of a training step whose dK/dV ran the template, against float64 autograd of the reference;
+    q and dout in HF's (B, N, H, D) order. GQA groups split over query heads (small grids) and looped
+    (1 x 32 x 8 at 4096), partial blocks, Nq < Nk and Nq > Nk (causal: rows that keep no key)."""
+    calls = _spy(monkeypatch, "dkdv")
+    q = torch.randn(B, Nq, Hq, 128, device="cuda", dtype=dtype).transpose(1, 2)
+    k, v = (torch.randn(B, Hkv, Nk, 128, device="cuda", dtype=dtype) for _ in range(2))
+    leaves = [t.requires_grad_() for t in (q, k, v)]
+    dout = torch.randn(B, Nq, Hq, 128, device="cuda", dtype=dtype).transpose(1, 2)
+    args = (0.2,) if program is dense else ()
+    grads = torch.autograd.grad(program(*leaves, *args), leaves, dout)
+    assert calls, "the Hopper dK/dV template did not run"
+    want = torch.autograd.grad(program.reference(*leaves, *args), leaves, dout.double())
+    lowp = torch.autograd.grad(program.reference(*leaves, *args, dtype=dtype), leaves, dout)
+    for got, ref, ref_lowp, name in zip(grads, want, lowp, "qkv"):
+        assert_matches_reference(got, ref, ref_lowp, dtype, what=f"d{name}")
+
+
+@requires_hopper
 def test_hopper_forward_reads_nothing_outside_its_views(monkeypatch):
     """q, k, v are views into NaN arenas (rows before and after, a wider head dim): partial tiles read
-    zeros, not the neighbours (a NaN would spread); out, lse and the gradients (the generated backward on
-    the template's lse) match float64."""
-    calls = _spy(monkeypatch)
+    zeros, not the neighbours (a NaN would spread); out, lse and the gradients (the dK/dV template too)
+    match float64."""
+    calls, backward = _spy(monkeypatch), _spy(monkeypatch, "dkdv")
     B, Hq, Hkv, N, D = 2, 4, 2, 200, 128
     views = []
     for heads in (Hq, Hkv, Hkv):
@@ -145,6 +193,7 @@ def test_hopper_forward_reads_nothing_outside_its_views(monkeypatch):
     grads = torch.autograd.grad(out, views, dout)
     ref_grads = torch.autograd.grad(causal.reference(*views), views, dout.double())
     lowp_grads = torch.autograd.grad(causal.reference(*views, dtype=torch.bfloat16), views, dout)
+    assert backward
     for got, want, lowp, name in zip(grads, ref_grads, lowp_grads, "qkv"):
         assert_matches_reference(got, want, lowp, torch.bfloat16, what=f"d{name}")
 

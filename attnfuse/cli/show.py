@@ -130,9 +130,10 @@ def cmd_show(args: argparse.Namespace, out: TextIO) -> int:
     print(f"# tiles      {tiles} block_d={lowered.block_d} block_dv={lowered.block_dv}", file=out)
     print(f"# name       {kernel.name}", file=out)
     print(f"# path       {kernel.path}", file=out)
-    if args.kernel == "forward" and plan.hopper is not None:
-        print(f"# hopper     causal={plan.hopper.causal}: on tensors TMA can address, this forward runs the "
-              f"Hopper template (attnfuse/runtime/hopper_kernel.py); the source below serves the others", file=out)
+    template = {"forward": "hopper_kernel.py", "dkdv": "hopper_dkdv_kernel.py"}.get(args.kernel)
+    if template and plan.hopper is not None:
+        print(f"# hopper     causal={plan.hopper.causal}: on tensors TMA can address, this kernel's work runs the "
+              f"Hopper template (attnfuse/runtime/{template}); the source below serves the others", file=out)
     print("# source", file=out)
     out.write(kernel.source if kernel.source.endswith("\n") else kernel.source + "\n")
     return 0

@@ -1,9 +1,10 @@
-"""Which programs the Hopper forward template (``runtime/hopper_kernel.py``) serves, and how.
+"""Which programs the Hopper templates serve (the forward, ``runtime/hopper_kernel.py``, and the dK/dV
+kernel, ``runtime/hopper_dkdv_kernel.py``), and how.
 
-The template is hand-written in Gluon, not spliced from fragments: it implements the built-in ``softmax``
-normaliser with a ``causal`` mask or none, on scores q·kᵀ·scale that need no qk transform in the kernel
-(a transform pass may have applied one). Every other program, and every call whose tensors TMA cannot
-describe, runs the generated Triton forward.
+The templates are hand-written in Gluon, not spliced from fragments: they implement the built-in
+``softmax`` normaliser with a ``causal`` mask or none, on scores q·kᵀ·scale that need no qk transform in
+the kernel (a transform pass may have applied one). Every other program, and every call whose tensors
+TMA cannot describe, runs the generated Triton kernels.
 """
 from __future__ import annotations
 
@@ -16,18 +17,20 @@ HEAD_DIMS = (128,)  # those benchmarked against the generated kernel (docs/archi
 
 
 @frozen
-class HopperForward:
-    """The template's constants for one program: ``causal`` (else no mask), the scores' factor in log2
-    units, and its tiles (keys per block, shared-memory stages)."""
+class HopperPlan:
+    """The templates' constants for one program: ``causal`` (else no mask), the scores' factor in log2
+    units (``qk_scale``) and the program's own (``scale``, dS's factor), and the forward's tiles (keys per
+    block, shared-memory stages)."""
 
     causal: bool
     qk_scale: float
+    scale: float
     block_n: int = 128
     stages: int = 3
 
 
-def hopper_forward(lowered: LoweredProgram) -> HopperForward | None:
-    """The template's constants for ``lowered``, or None where it does not apply."""
+def hopper_plan(lowered: LoweredProgram) -> HopperPlan | None:
+    """The templates' constants for ``lowered``, or None where they do not apply."""
     c = lowered.config
     if (c.arch != "sm90" or c.dtype not in ("float16", "bfloat16") or c.head_dim != c.head_dim_v
             or c.head_dim not in HEAD_DIMS or c.kv_lens or c.paged or split(lowered) or lowered.mods
@@ -36,4 +39,4 @@ def hopper_forward(lowered: LoweredProgram) -> HopperForward | None:
     masks = [m for m in lowered.masks if m.fragment.keep is not None]
     if any(m.apply.combinator != "causal" for m in masks):
         return None
-    return HopperForward(causal=bool(masks), qk_scale=lowered.scale * lowered.score_factor)
+    return HopperPlan(causal=bool(masks), qk_scale=lowered.scale * lowered.score_factor, scale=lowered.scale)

@@ -19,7 +19,7 @@ from .codegen import (constants, decode_params, dkdv_params, dq_params, forward_
                       generate_dkdv, generate_dq, generate_forward, generate_pass, grad_buffer, pass_params,
                       scheduled, split, split_heads)
 from .fuse import fuse
-from .hopper import HopperForward, hopper_forward
+from .hopper import HopperPlan, hopper_plan
 from .launch_spec import LaunchSpec, Param
 from .lower import Instance, KernelConfig, LoweredProgram, lower
 from .tile import TileConfig
@@ -71,8 +71,9 @@ def hoistable(lowered: LoweredProgram) -> bool:
 class Plan:
     """Every kernel of one program for one configuration. ``transform`` and ``gradient`` (the passes of
     hoisted qk transforms) exist when the keys' transforms are ``hoistable``; the kernels a hoisted call
-    runs between the passes are those of ``hoisted_config``'s plan. ``hopper``: the Hopper forward
-    template's constants where it serves the program's forward (``passes/hopper.py``), else None."""
+    runs between the passes are those of ``hoisted_config``'s plan. ``hopper``: the Hopper
+    templates' constants where they serve the program's forward and dK/dV (``passes/hopper.py``), else
+    None."""
 
     graph: ir.MatMulPV
     lowered: LoweredProgram
@@ -81,7 +82,7 @@ class Plan:
     dkdv: KernelSpec
     transform: KernelSpec | None
     gradient: KernelSpec | None
-    hopper: HopperForward | None = None
+    hopper: HopperPlan | None = None
 
     @property
     def config(self) -> KernelConfig:
@@ -130,4 +131,4 @@ def build_plan(graph: ir.MatMulPV, config: KernelConfig) -> Plan:
                    scheduled=scheduled(lowered, transposed=True), split_heads=split_heads(lowered) is not None),
         transform=_pass(lowered, False) if hoistable(lowered) else None,
         gradient=_pass(lowered, True) if hoistable(lowered) else None,
-        hopper=hopper_forward(lowered))
+        hopper=hopper_plan(lowered))

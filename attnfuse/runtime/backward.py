@@ -1,5 +1,6 @@
-"""The backward launcher: the dQ kernel (which also writes each row's delta), then the dK/dV kernel, then
-tensor gradients."""
+"""The backward launcher: the dQ kernel (which also writes each row's delta), then the dK/dV kernel (on
+Hopper, for the programs and tensors it serves, the Gluon template: ``hopper.py``), then tensor
+gradients."""
 from __future__ import annotations
 
 from typing import Any
@@ -8,6 +9,7 @@ import torch
 
 from ..passes.lower import Instance
 from ..passes.plan import Plan
+from .hopper import HopperLauncher
 from .inputs import KVCache, accumulator_dtype, empty_like_layout, even_keys, kv_launch_args
 from .kernel import CompiledKernel
 from .plugin_args import PluginArgs, Prepared
@@ -52,6 +54,7 @@ class BackwardKernels:
         self.dkdv = CompiledKernel(plan.dkdv, interpreted)
         self.dq = CompiledKernel(plan.dq(tensor_grads), interpreted)
         self.plugin_args = PluginArgs(plan.lowered)
+        self.hopper = HopperLauncher(plan.hopper) if plan.hopper is not None else None
         width = plan.dkdv.launch.constants
         self._share_width = (2 * width["BLOCK_H"] if plan.dkdv.halves else width["BLOCK_D"]) + width["BLOCK_DV"]
 
@@ -65,6 +68,25 @@ class BackwardKernels:
             return torch.empty(1, dtype=dtype, device=q.device), torch.empty(1, dtype=torch.int32, device=q.device)
         shares = torch.empty(keys * group * self._share_width, dtype=dtype, device=q.device)
         return shares, torch.zeros(keys // 16, dtype=torch.int32, device=q.device)
+
+    def _generated_dkdv(self, q: torch.Tensor, kv: KVCache, dk: torch.Tensor, dv: torch.Tensor, shared: dict[str, Any], pargs: dict[str, Any], limit: int | None,
+                        heavy: int, even_m: Any) -> None:
+        """The generated dK/dV kernel's launch, with its split scratch when it splits heavy key blocks."""
+        B, Hq = q.shape[:2]
+        Hkv, Nk = kv.k.shape[1], kv.k.shape[2]
+        dkdv_spec = self.dkdv.spec
+        split_args = {}
+        if dkdv_spec.split_heads:  # heavy key blocks split over a group's query heads
+            block_rows = limit or self.dkdv.tiles.block_n
+            if not dkdv_spec.scheduled:  # no listing mask: as many of the first blocks as the grid needs
+                heavy, split_rows = split_blocks(cdiv(Nk, block_rows), B * Hkv, Hq // Hkv, q.device)
+                split_args.update(SPLIT_BLOCKS=heavy, SPLIT_ROWS=split_rows)
+            shares, counts = self._split_buffers(B * Hkv * heavy * block_rows, Hq // Hkv, q)
+            split_args.update(PartDKV=shares, SplitCount=counts)
+        self.dkdv.launch(block_grid(Nk, B * Hkv, "block_n", limit if dkdv_spec.scheduled else None,
+                                    heavy * (Hq // Hkv - 1)),
+                         dkdv_spec.launch.bind({**shared, "DKey": dk, "DValue": dv, **pargs, **split_args}),
+                         q.device, limit=limit, EVEN_K=even_keys(kv), EVEN_M=even_m)
 
     def __call__(self, q: torch.Tensor, kv: KVCache, out: torch.Tensor,
                  lse: torch.Tensor | None, dout: torch.Tensor | None, dlse: torch.Tensor | None,
@@ -93,23 +115,16 @@ class BackwardKernels:
             pargs, limit, heavy = prepared or self.plugin_args(q, kv, inputs)
             grad_args = dict(zip(self.dq.spec.grad_buffers, buffers))
             even_m = lambda tiles: Nq % tiles.block_m == 0  # noqa: E731
-            dq_spec, dkdv_spec = self.dq.spec, self.dkdv.spec
+            dq_spec = self.dq.spec
             self.dq.launch(block_grid(Nq, B * Hq, "block_m", limit if dq_spec.scheduled else None),
                            dq_spec.launch.bind({**shared, "O": out, "DLse": delta if dlse is None else dlse,
                                                 "DQuery": dq, **pargs, **grad_args}),
                            q.device, limit=limit, HAS_DLSE=dlse is not None, EVEN_K=even_keys(kv), EVEN_M=even_m)
-            split_args = {}
-            if dkdv_spec.split_heads:  # heavy key blocks split over a group's query heads
-                block_rows = limit or self.dkdv.tiles.block_n
-                if not dkdv_spec.scheduled:  # no listing mask: as many of the first blocks as the grid needs
-                    heavy, split_rows = split_blocks(cdiv(Nk, block_rows), B * Hkv, Hq // Hkv, q.device)
-                    split_args.update(SPLIT_BLOCKS=heavy, SPLIT_ROWS=split_rows)
-                shares, counts = self._split_buffers(B * Hkv * heavy * block_rows, Hq // Hkv, q)
-                split_args.update(PartDKV=shares, SplitCount=counts)
-            self.dkdv.launch(block_grid(Nk, B * Hkv, "block_n", limit if dkdv_spec.scheduled else None,
-                                        heavy * (Hq // Hkv - 1)),
-                             dkdv_spec.launch.bind({**shared, "DKey": dk, "DValue": dv, **pargs, **split_args}),
-                             q.device, limit=limit, EVEN_K=even_keys(kv), EVEN_M=even_m)
+            if (self.hopper is not None and lse is not delta and self.hopper.fits(q, k, v, dout)
+                    and dk.stride(3) == dv.stride(3) == 1):
+                self.hopper.dkdv(q, k, v, dout, lse, delta, dk, dv)
+            else:
+                self._generated_dkdv(q, kv, dk, dv, shared, pargs, limit, heavy, even_m)
         else:
             for g in (dq, dk, dv):
                 g.zero_()

@@ -1,4 +1,5 @@
-"""The Hopper forward's launcher: TMA descriptors of q, k, v and out, then one launch of the Gluon kernel."""
+"""The Hopper templates' launcher: TMA descriptors of the tensors, then one launch of a Gluon kernel (the
+forward, or the backward's dK/dV)."""
 from __future__ import annotations
 
 import functools
@@ -7,11 +8,15 @@ import torch
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from ..passes.hopper import HopperForward
+from ..passes.hopper import HopperPlan
+from .hopper_dkdv_kernel import hopper_dkdv_kernel
 from .hopper_kernel import hopper_forward_kernel
-from .launcher import Launcher, cdiv
+from .launcher import Launcher, cdiv, multiprocessors
 
-_ROWS = 128  # query rows per program (two consumer warpgroups of 64)
+_ROWS = 128  # query rows (forward) or keys (dK/dV) per program: two consumer warpgroups of 64
+DKDV_BLOCK_M = 64  # query rows per step of the dK/dV kernel
+DKDV_STAGES = 2  # its Q and dO stages in shared memory
+DKDV_SPLIT_WAVES = 1.0  # a GQA grid of fewer key-block programs than this many per multiprocessor splits
 _TMA_LIMIT = 1 << 40  # bytes: a TMA stride must stay below it
 
 
@@ -29,11 +34,12 @@ def _tma_strides(t: torch.Tensor) -> list[int]:
 
 
 class HopperLauncher:
-    """Launches the Hopper forward template for one program (``HopperForward``'s constants)."""
+    """Launches the Hopper templates for one program (``HopperPlan``'s constants)."""
 
     _launcher = Launcher(hopper_forward_kernel)
+    _dkdv = Launcher(hopper_dkdv_kernel)
 
-    def __init__(self, spec: HopperForward):
+    def __init__(self, spec: HopperPlan):
         self.spec = spec
         self._constexprs = {"BLOCK_N": spec.block_n, "STAGES": spec.stages, "CAUSAL": spec.causal}
 
@@ -59,6 +65,33 @@ class HopperLauncher:
                 Hq // k.shape[1], self.spec.qk_scale)
         self._launcher.launch((cdiv(Nq, _ROWS), B * Hq), args, {**self._constexprs, "SAVE_LSE": lse is not None},
                               num_warps=4, device=q.device, maxnreg=168)
+
+    def dkdv(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor, lse: torch.Tensor,
+             delta: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor) -> None:
+        """q and dout (B, Hq, Nq, D), k and v (B, Hkv, Nk, D) with Nq, Nk >= 1, lse and delta (B, Hq, Nq)
+        float32 contiguous -> dk, dv (k's and v's shapes, unit last strides, any float dtype), written in
+        place. When the grid of key blocks would not fill the GPU once, each program takes one query head
+        of a GQA group and the group's float32 shares are summed here."""
+        B, Hq, Nq, D = q.shape
+        Hkv, Nk = k.shape[1], k.shape[2]
+        group, blocks = Hq // Hkv, cdiv(Nk, _ROWS)
+        split = group > 1 and B * Hkv * blocks < DKDV_SPLIT_WAVES * multiprocessors(q.device)
+        if split:
+            part = torch.empty((2, B, Hq, Nk, D), dtype=torch.float32, device=q.device)
+            outputs = (part[0], part[1])
+        else:
+            outputs = (dk, dv)
+        self._dkdv.launch((B * (Hq if split else Hkv), blocks),
+                          (self._describe(q, DKDV_BLOCK_M), self._describe(dout, DKDV_BLOCK_M),
+                           self._describe(k, _ROWS // 2), self._describe(v, _ROWS // 2), lse, delta, *outputs,
+                           *outputs[0].stride()[:3], *outputs[1].stride()[:3], Nq, Nk, Hq, group,
+                           self.spec.qk_scale, self.spec.scale),
+                          {"BLOCK_M": DKDV_BLOCK_M, "STAGES": DKDV_STAGES, "CAUSAL": self.spec.causal,
+                           "SPLIT": split}, num_warps=4, device=q.device, maxnreg=168)
+        if split:
+            shares = part.view(2, B, Hkv, group, Nk, D).sum(3)
+            dk.copy_(shares[0])
+            dv.copy_(shares[1])
 
 
 @functools.lru_cache(maxsize=None)
