@@ -71,8 +71,9 @@ def test_bf16_fuzz_long_sequences():
                          ids=["gqa4-split", "llama3-8b-split", "gqa2-unsplit"])
 def test_backward_matches_sdpa(dtype, B, Hq, Hkv, N):
     """Causal GQA gradients against float64 SDPA, and a second step bitwise equal: grids small enough that
-    the dK/dV kernel splits its key blocks over the group's heads (summing the shares through a counter),
-    and one large enough that it does not (on an H200's 132 multiprocessors)."""
+    the dK/dV kernel splits its key blocks over the group's heads, and one large enough that it does not
+    (on an H200's 132 multiprocessors, where these run the Hopper dK/dV template, which sums the shares
+    with torch.sum; the generated kernel sums them through a counter)."""
     D, g = 128, Hq // Hkv
     leaves = [torch.randn(B, h, N, D, device="cuda", dtype=dtype, requires_grad=True) for h in (Hq, Hkv, Hkv)]
     dout = torch.randn(B, Hq, N, D, device="cuda", dtype=dtype)
