@@ -69,8 +69,9 @@ class BackwardKernels:
         shares = torch.empty(keys * group * self._share_width, dtype=dtype, device=q.device)
         return shares, torch.zeros(keys // 16, dtype=torch.int32, device=q.device)
 
-    def _generated_dkdv(self, q: torch.Tensor, kv: KVCache, dk: torch.Tensor, dv: torch.Tensor, shared: dict[str, Any], pargs: dict[str, Any], limit: int | None,
-                        heavy: int, even_m: Any) -> None:
+    def _generated_dkdv(self, q: torch.Tensor, kv: KVCache, dk: torch.Tensor, dv: torch.Tensor,
+                        shared: dict[str, Any], pargs: dict[str, Any], limit: int | None, heavy: int,
+                        even_m: Any) -> None:
         """The generated dK/dV kernel's launch, with its split scratch when it splits heavy key blocks."""
         B, Hq = q.shape[:2]
         Hkv, Nk = kv.k.shape[1], kv.k.shape[2]
@@ -97,7 +98,7 @@ class BackwardKernels:
         gradients of tensor inputs by name. ``prepared``: the plugin arguments, if the caller has them."""
         k, v = kv.k, kv.v
         B, Hq, Nq, D = q.shape
-        Hkv, Nk, DV = k.shape[1], k.shape[2], v.shape[3]
+        Nk, DV = k.shape[2], v.shape[3]
         if dout is None:
             dout = torch.zeros_like(out)
         elif not (self.plan.config.wide_offsets or rows_fit(dout)):  # a view the int32 kernels cannot address
@@ -108,6 +109,7 @@ class BackwardKernels:
                    for _ in self.tensor_grads]
         if q.numel() and k.numel():
             delta = torch.empty((B, Hq, Nq), dtype=accumulator_dtype(q.dtype), device=q.device)  # dQ writes it
+            saved_lse = lse is not None
             lse = delta if lse is None else lse  # a placeholder pointer when the normaliser saves none
             dlse = dlse.to(delta.dtype).contiguous() if dlse is not None else None
             shared = {"Q": q, "K": k, "V": v, "DO": dout, "Lse": lse, "Delta": delta, "HQ": Hq, "Nq": Nq,
@@ -120,7 +122,7 @@ class BackwardKernels:
                            dq_spec.launch.bind({**shared, "O": out, "DLse": delta if dlse is None else dlse,
                                                 "DQuery": dq, **pargs, **grad_args}),
                            q.device, limit=limit, HAS_DLSE=dlse is not None, EVEN_K=even_keys(kv), EVEN_M=even_m)
-            if (self.hopper is not None and lse is not delta and self.hopper.fits(q, k, v, dout)
+            if (self.hopper is not None and saved_lse and self.hopper.fits(q, k, v, dout)
                     and dk.stride(3) == dv.stride(3) == 1):
                 self.hopper.dkdv(q, k, v, dout, lse, delta, dk, dv)
             else:

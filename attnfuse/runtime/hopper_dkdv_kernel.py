@@ -141,8 +141,8 @@ def _consumer(k_desc, q_smem, do_smem, k_smem, v_smem, bars, b, h0, hkv, n0, j_l
 
 @gluon.jit
 def hopper_dkdv_kernel(q_desc, do_desc, k_desc, v_desc, lse, delta, dk, dv, stride_dkb, stride_dkh, stride_dkn,
-                       stride_dvb, stride_dvh, stride_dvn, n_q, n_k, heads_q, group, qk_scale, scale, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-                       SPLIT: gl.constexpr):
+                       stride_dvb, stride_dvh, stride_dvn, n_q, n_k, heads_q, group, qk_scale, scale,
+                       BLOCK_M: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, SPLIT: gl.constexpr):
     """q_desc, do_desc: (B, Hq, Nq, D) in [1, 1, BLOCK_M, D] tiles; k_desc, v_desc: (B, Hkv, Nk, D) in
     [1, 1, 64, D] tiles; lse, delta: (B, Hq, Nq) float32; dk, dv: (B, Hkv, Nk, D) with a unit last stride,
     or with SPLIT each query head's shares (B, Hq, Nk, D). qk_scale: the scores' factor in log2 units;
