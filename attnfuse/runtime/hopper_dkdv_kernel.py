@@ -27,7 +27,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 
-from .hopper_kernel import ROWS, _warpgroup_layout
+from .hopper_kernel import ROWS, _warpgroup_layout, ring
 
 LOG2E = gl.constexpr(1.4426950408889634)
 
@@ -170,20 +170,12 @@ def hopper_dkdv_kernel(q_desc, do_desc, k_desc, v_desc, lse, delta, dk, dv, stri
     n_qblocks = gl.cdiv(n_q, BLOCK_M) - j_lo
     n_iter = heads * n_qblocks
 
-    q_smem = gl.allocate_shared_memory(q_desc.dtype, [STAGES] + q_desc.block_type.shape, q_desc.layout)
-    do_smem = gl.allocate_shared_memory(do_desc.dtype, [STAGES] + do_desc.block_type.shape, do_desc.layout)
+    q_smem, do_smem, q_ready, do_ready, free = ring(q_desc, do_desc, STAGES)
     k_smem = gl.allocate_shared_memory(k_desc.dtype, [2] + k_desc.block_type.shape, k_desc.layout)
     v_smem = gl.allocate_shared_memory(v_desc.dtype, [2] + v_desc.block_type.shape, v_desc.layout)
     kv_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    q_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    do_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(2):
         mbarrier.init(kv_ready.index(i), count=1)
-    for i in gl.static_range(STAGES):
-        mbarrier.init(q_ready.index(i), count=1)
-        mbarrier.init(do_ready.index(i), count=1)
-        mbarrier.init(free.index(i), count=2)  # both consumers
     bars = (kv_ready, q_ready, do_ready, free)
     dk_strides = (stride_dkb, stride_dkh, stride_dkn)
     dv_strides = (stride_dvb, stride_dvh, stride_dvn)

@@ -28,6 +28,23 @@ def _warpgroup_layout(columns):
 
 
 @gluon.jit
+def ring(a_desc, b_desc, STAGES: gl.constexpr):
+    """Shared memory for two tensors' tiles streamed through ``STAGES`` stages (a loader warp fills them,
+    two consumer warpgroups read them): the tiles of each, a ready barrier per stage for each (TMA
+    completes it), and a free barrier per stage that both consumers arrive on."""
+    a_smem = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
+    b_smem = gl.allocate_shared_memory(b_desc.dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
+    a_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    b_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(a_ready.index(i), count=1)
+        mbarrier.init(b_ready.index(i), count=1)
+        mbarrier.init(free.index(i), count=2)  # both consumers
+    return a_smem, b_smem, a_ready, b_ready, free
+
+
+@gluon.jit
 def _loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, bars, b, hq, hkv, m0, n_blocks,
             BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
     """One warp: the Q tiles, then K and V block i into stage i % STAGES once both consumers freed it."""
@@ -231,18 +248,10 @@ def hopper_forward_kernel(q_desc, k_desc, v_desc, o_desc, q, k, v, out, lse, n_q
     n_blocks = gl.maximum(gl.cdiv(n_seen, BLOCK_N), 1)  # at least one, so rows with no key get 0 and -inf
 
     q_smem = gl.allocate_shared_memory(q_desc.dtype, [2] + q_desc.block_type.shape, q_desc.layout)
-    k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
-    v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
     q_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    kv_free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(2):
         mbarrier.init(q_ready.index(i), count=1)
-    for i in gl.static_range(STAGES):
-        mbarrier.init(k_ready.index(i), count=1)
-        mbarrier.init(v_ready.index(i), count=1)
-        mbarrier.init(kv_free.index(i), count=2)  # both consumers
+    k_smem, v_smem, k_ready, v_ready, kv_free = ring(k_desc, v_desc, STAGES)
     bars = (q_ready, k_ready, v_ready, kv_free)
     lse_row = lse + bh.to(gl.int64) * n_q
     # The argument tuples are written out: a tuple built by concatenation loses its constexprs.
