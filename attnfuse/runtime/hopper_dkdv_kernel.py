@@ -119,7 +119,7 @@ def _consumer(k_desc, q_smem, do_smem, k_smem, v_smem, bars, b, h0, hkv, n0, j_l
         dpt, _, _ = warpgroup_mma_wait(0, deps=(dpt, v, do))
         dst = pt * (dpt - gl.expand_dims(delta_t, 0))
         if CAUSAL:
-            if j < first_full:
+            if j < first_full:  # the mask again: cheaper than keeping it live across the dPᵀ wait
                 dst = gl.where(_keep(key_pos, query, n_q, n_k), dst, 0.0)
         dv = warpgroup_mma(gl.convert_layout(pt.to(dtype), op_layout), do, dv, is_async=True)
         dk = warpgroup_mma(gl.convert_layout(dst.to(dtype), op_layout), q, dk, is_async=True)
