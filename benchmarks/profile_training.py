@@ -3,6 +3,7 @@
 optionally the Python functions that take AttnFuse's host time (cProfile).
 
     python benchmarks/profile_training.py [--cases llama3-8b:2048,gpt2:2048] [--variant rope_causal] [--host-profile]
+        [--ops]
 
 When the host time per call exceeds the kernels' sum, a call is host-bound and do_bench's figure for it
 measures the host as much as the kernels.
@@ -41,6 +42,22 @@ def kernel_times(name: str, step, calls: int = 10) -> None:
     print(f"--- {name}: kernels {sum(t for t, _ in rows):.0f} us per call")
     for t, key in rows[:8]:
         print(f"   {t:8.1f} us  {key[:70]}")
+
+
+def op_times(name: str, step, calls: int = 10) -> None:
+    """Print the PyTorch ops (aten::…) whose kernels take GPU time in ``step``: the copies, fills, sums
+    and conversions around the attention kernels."""
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            step()
+        torch.cuda.synchronize()
+    print(f"--- {name}: PyTorch ops with GPU time")
+    for e in sorted(prof.key_averages(), key=lambda e: -e.device_time_total):
+        if e.key.startswith("aten::") and e.device_time_total > 0:
+            print(f"   {e.device_time_total / calls:8.1f} us  {e.key}")
 
 
 def host_time(name: str, step, calls: int = 50) -> None:
@@ -83,6 +100,7 @@ def main() -> None:
     parser.add_argument("--variant", default="causal",
                         help="causal, sliding_window, rope_causal (flex on pre-rotated q, k) or bigbird (block-sparse)")
     parser.add_argument("--host-profile", action="store_true", help="also print cProfile's host functions")
+    parser.add_argument("--ops", action="store_true", help="also print AttnFuse's PyTorch ops with GPU time")
     args = parser.parse_args()
     for case in args.cases.split(","):
         geometry, N = case.split(":")
@@ -113,6 +131,8 @@ def main() -> None:
             host_time(f"{label} fwd+bwd", step)  # first: a profiler may leave launch hooks behind
             if args.host_profile and name == "attnfuse":
                 host_profile(label, step)
+            if args.ops and name == "attnfuse":
+                op_times(label, step)
             kernel_times(label, step)
 
 
