@@ -23,15 +23,21 @@ from attnfuse.bench.baselines import flex, flex_block_mask, flex_case, pre_rotat
 from attnfuse.bench.cases import GEOMETRIES, PROGRAMS, bigbird_blocks, bigbird_program, rope_tables
 
 
-def kernel_means(step, calls: int = 10) -> list[tuple[float, str]]:
-    """(mean µs per call of ``step``, name) of each CUDA kernel it runs, longest first (torch.profiler)."""
+def _profiled(step, calls: int, activities: list) -> profile:
+    """torch.profiler's record of ``calls`` calls of ``step``, after three warm-up calls."""
     for _ in range(3):
         step()
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    with profile(activities=activities) as prof:
         for _ in range(calls):
             step()
         torch.cuda.synchronize()
+    return prof
+
+
+def kernel_means(step, calls: int = 10) -> list[tuple[float, str]]:
+    """(mean µs per call of ``step``, name) of each CUDA kernel it runs, longest first (torch.profiler)."""
+    prof = _profiled(step, calls, [ProfilerActivity.CUDA])
     return sorted(((e.self_device_time_total / calls, e.key) for e in prof.key_averages()
                    if e.self_device_time_total > 0), reverse=True)
 
@@ -47,13 +53,7 @@ def kernel_times(name: str, step, calls: int = 10) -> None:
 def op_times(name: str, step, calls: int = 10) -> None:
     """Print the PyTorch ops (aten::…) whose kernels take GPU time in ``step``: the copies, fills, sums
     and conversions around the attention kernels."""
-    for _ in range(3):
-        step()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        for _ in range(calls):
-            step()
-        torch.cuda.synchronize()
+    prof = _profiled(step, calls, [ProfilerActivity.CPU, ProfilerActivity.CUDA])
     print(f"--- {name}: PyTorch ops with GPU time")
     for e in sorted(prof.key_averages(), key=lambda e: -e.device_time_total):
         if e.key.startswith("aten::") and e.device_time_total > 0:
