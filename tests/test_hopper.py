@@ -67,6 +67,22 @@ def test_tensors_tma_cannot_address_fall_back():
     assert not hopper.HopperLauncher.fits(base.view(2, 8, 64, 130)[..., :128])  # 260-byte rows
 
 
+@pytest.mark.parametrize("layout", ["aligned", "offset", "strided", "odd_length"])
+def test_dkdv_row_statistics_are_read_from_16_byte_aligned_rows(layout):
+    """The dK/dV template's TMA reads of lse and delta start on 16-byte boundaries: each (batch, head)'s row
+    starts a multiple of 4 float32 in; rows that do not are copied, padded, and rows that do are not."""
+    base = torch.randn(2 * 8 * 132 + 1)
+    t = {"aligned": base[:2 * 8 * 64].view(2, 8, 64), "offset": base[1:1 + 2 * 8 * 64].view(2, 8, 64),
+         "strided": base[:2 * 8 * 65].view(2, 8, 65)[..., :64], "odd_length": base[:2 * 8 * 129].view(2, 8, 129)}[layout]
+    stride = -(-t.shape[2] // 4) * 4
+    flat = hopper.HopperLauncher._describe_rows(t).base
+    assert flat.shape == (2 * 8 * stride,) and flat.data_ptr() % 16 == 0
+    assert (flat.data_ptr() == t.data_ptr()) == (layout == "aligned")
+    assert torch.equal(flat.view(2, 8, stride)[..., :t.shape[2]], t)
+    assert hopper.HopperLauncher.rows_fit(t)
+    assert not hopper.HopperLauncher.rows_fit(torch.empty(1).expand(2**16, 2**8, 2**7 - 1))
+
+
 @pytest.mark.parametrize("causal_mask", [True, False])
 def test_kernel_compiles_for_sm90_within_shared_memory(causal_mask):
     """The Gluon kernel through Triton and ptxas for sm90 (no GPU needed), in an H100's shared memory."""
@@ -108,9 +124,11 @@ def test_dkdv_kernel_compiles_for_sm90_within_shared_memory(causal_mask, split):
     layout = gl.NVMMASharedLayout.get_default_for([1, 1, 64, 128], gl.bfloat16)
     tile = f"tensordesc<bf16[1, 1, 64, 128],{layout!r}>"
     grad = "*fp32" if split else "*bf16"
-    signature = {"q_desc": tile, "do_desc": tile, "k_desc": tile, "v_desc": tile, "lse": "*fp32", "delta": "*fp32",
+    rows = f"tensordesc<fp32[{hopper.DKDV_BLOCK_M}],{hopper._ROW_LAYOUT!r}>"
+    signature = {"q_desc": tile, "do_desc": tile, "k_desc": tile, "v_desc": tile, "lse_desc": rows, "delta_desc": rows,
                  "dk": grad, "dv": grad, **{f"stride_d{x}{y}": "i32" for x in "kv" for y in "bhn"},
-                 "n_q": "i32", "n_k": "i32", "heads_q": "i32", "group": "i32", "qk_scale": "fp32", "scale": "fp32",
+                 "n_q": "i32", "n_k": "i32", "heads_q": "i32", "group": "i32", "row_stride": "i32", "qk_scale": "fp32",
+                 "scale": "fp32",
                  "BLOCK_M": "constexpr", "STAGES": "constexpr", "CAUSAL": "constexpr", "SPLIT": "constexpr"}
     constants = {"BLOCK_M": hopper.DKDV_BLOCK_M, "STAGES": hopper.DKDV_STAGES, "CAUSAL": causal_mask, "SPLIT": split}
     compiled = triton.compile(GluonASTSource(hopper_dkdv_kernel, signature, constants),

@@ -123,7 +123,7 @@ class BackwardKernels:
                                                 "DQuery": dq, **pargs, **grad_args}),
                            q.device, limit=limit, HAS_DLSE=dlse is not None, EVEN_K=even_keys(kv), EVEN_M=even_m)
             if (self.hopper is not None and saved_lse and self.hopper.fits(q, k, v, dout)
-                    and dk.stride(3) == dv.stride(3) == 1):
+                    and self.hopper.rows_fit(lse) and dk.stride(3) == dv.stride(3) == 1):
                 self.hopper.dkdv(q, k, v, dout, lse, delta, dk, dv)
             else:
                 self._generated_dkdv(q, kv, dk, dv, shared, pargs, limit, heavy, even_m)

@@ -18,6 +18,13 @@ DKDV_BLOCK_M = 64  # query rows per step of the dK/dV kernel
 DKDV_STAGES = 2  # its Q and dO stages in shared memory
 DKDV_SPLIT_WAVES = 1.0  # a GQA grid of fewer key-block programs than this many per multiprocessor splits
 _TMA_LIMIT = 1 << 40  # bytes: a TMA stride must stay below it
+_ROW_LAYOUT = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1)  # lse and delta rows
+
+
+def _row_stride(n: int) -> int:
+    """Where the dK/dV template's flat lse and delta rows of n values start: a multiple of 4 float32 (a TMA
+    read starts on a 16-byte boundary)."""
+    return cdiv(n, 4) * 4
 
 
 def _describable(t: torch.Tensor) -> bool:
@@ -49,6 +56,25 @@ class HopperLauncher:
         return all(_describable(t) for t in tensors)
 
     @staticmethod
+    def rows_fit(lse: torch.Tensor) -> bool:
+        """Whether the dK/dV template can address lse's (B, Hq, Nq) rows, padded to ``_row_stride``, with
+        int32 TMA coordinates (else the caller runs the generated dK/dV kernel)."""
+        B, Hq, Nq = lse.shape
+        return B * Hq * _row_stride(Nq) < 2**31
+
+    @staticmethod
+    def _describe_rows(t: torch.Tensor) -> TensorDescriptor:
+        """``t`` (B, Hq, Nq) float32 as one flat row in which each (batch, head)'s Nq values start every
+        ``_row_stride(Nq)`` elements, read in [DKDV_BLOCK_M] tiles: ``t`` itself when it is laid out so, else
+        a padded copy."""
+        B, Hq, Nq = t.shape
+        stride = _row_stride(Nq)
+        if not (t.is_contiguous() and stride == Nq and t.data_ptr() % 16 == 0):
+            t = torch.nn.functional.pad(t.reshape(B * Hq, Nq), (0, stride - Nq))
+        flat = t.reshape(-1)
+        return TensorDescriptor(flat, [flat.numel()], [1], [DKDV_BLOCK_M], _ROW_LAYOUT)
+
+    @staticmethod
     def _describe(t: torch.Tensor, rows: int) -> TensorDescriptor:
         """``t`` (4-d) read and written in [1, 1, rows, D] tiles."""
         block = [1, 1, rows, t.shape[3]]
@@ -69,7 +95,7 @@ class HopperLauncher:
     def dkdv(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor, lse: torch.Tensor,
              delta: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor) -> None:
         """q and dout (B, Hq, Nq, D), k and v (B, Hkv, Nk, D) with Nq, Nk >= 1, lse and delta (B, Hq, Nq)
-        float32 contiguous -> dk, dv (k's and v's shapes, unit last strides, any float dtype), written in
+        float32 (``rows_fit``) -> dk, dv (k's and v's shapes, unit last strides, any float dtype), written in
         place. When the grid of key blocks would not fill the GPU once, each program takes one query head
         of a GQA group and the group's float32 shares are summed here."""
         B, Hq, Nq, D = q.shape
@@ -83,9 +109,10 @@ class HopperLauncher:
             outputs = (dk, dv)
         self._dkdv.launch((B * (Hq if split else Hkv), blocks),
                           (self._describe(q, DKDV_BLOCK_M), self._describe(dout, DKDV_BLOCK_M),
-                           self._describe(k, _ROWS // 2), self._describe(v, _ROWS // 2), lse, delta, *outputs,
+                           self._describe(k, _ROWS // 2), self._describe(v, _ROWS // 2), self._describe_rows(lse),
+                           self._describe_rows(delta), *outputs,
                            *outputs[0].stride()[:3], *outputs[1].stride()[:3], Nq, Nk, Hq, group,
-                           self.spec.qk_scale, self.spec.scale),
+                           _row_stride(Nq), self.spec.qk_scale, self.spec.scale),
                           {"BLOCK_M": DKDV_BLOCK_M, "STAGES": DKDV_STAGES, "CAUSAL": self.spec.causal,
                            "SPLIT": split}, num_warps=4, device=q.device, maxnreg=168)
         if split:

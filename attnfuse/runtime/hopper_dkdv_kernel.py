@@ -3,21 +3,22 @@ the keys and values, warp-specialised like the forward template (``hopper_kernel
 
 One program per (128-key block, batch x kv head), or, with SPLIT, per (128-key block, batch x query head).
 A loader warp brings the block's two 64-row K and V tiles once, then the Q and dO tiles of every query
-block that sees the keys, for each query head of the GQA group (one head with SPLIT), through TMA into a
-ring of ``STAGES`` stages; two consumer warpgroups take 64 keys each and free a stage when both have read
+block that sees the keys, with their rows' lse and delta, for each query head of the GQA group (one head
+with SPLIT), through TMA into a ring of ``STAGES`` stages; two consumer warpgroups take 64 keys each and free a stage when both have read
 it. A consumer recomputes its weights transposed, (keys, queries), so they and dS enter the dV and dK
 products as register operands (FlashAttention's order):
 
     Sᵀ = K·Qᵀ, Pᵀ = exp2(Sᵀ·qk_scale − lse·log2 e), dPᵀ = V·dOᵀ, dSᵀ = Pᵀ ∘ (dPᵀ − delta),
     dV += Pᵀ·dO, dK += dSᵀ·Q, and at the end dK *= scale.
 
-Sᵀ and dPᵀ are issued together, and a step's softmax runs while dPᵀ multiplies; the next step's row
-statistics load while dV and dK multiply. A step waits for its dV and dK products before the next one
-starts: carrying them in flight across steps makes ptxas serialise every wgmma (too few registers).
+Sᵀ and dPᵀ are issued together, and a step's softmax runs while dPᵀ multiplies. A step waits for its dV
+and dK products before the next one starts: carrying them in flight across steps makes ptxas serialise
+every wgmma (too few registers). The row statistics come from shared memory when they are needed, not
+from registers loaded a step ahead: their 32 registers a thread made ptxas spill inside the loop.
 
 lse (natural log) and delta = rowsum(dO ∘ O) − dlse are the forward's and the dQ kernel's. A masked pair's
 weight and dS are 0, whatever its key's value (dPᵀ carries a masked key's NaN value). TMA reads only
-inside the tensors' shapes (zeros past them); query rows past Nq get lse +inf, so weight 0. dK and dV
+inside the tensors' shapes (zeros past them); query rows past Nq get lse +inf, so weight 0, and delta 0. dK and dV
 are stored from registers, masked to the keys below Nk, in their own dtype (float32 dK for a hoisted
 transform's gradient pass), or with SPLIT as one query head's float32 shares, which the launcher sums.
 """
@@ -33,10 +34,12 @@ LOG2E = gl.constexpr(1.4426950408889634)
 
 
 @gluon.jit
-def _loader(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, bars, b, h0, hkv, n0, j_lo,
-            n_qblocks, n_iter, BLOCK_M: gl.constexpr, STAGES: gl.constexpr):
-    """One warp: both halves' K and V tiles, then step t's Q and dO tiles into stage t % STAGES once both
-    consumers freed it. Step t is query block j_lo + t % n_qblocks of query head h0 + t // n_qblocks."""
+def _loader(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_smem, do_smem, k_smem, v_smem, lse_smem,
+            delta_smem, bars, b, h0, hkv, n0, j_lo, n_qblocks, n_iter, row_stride, heads_q, BLOCK_M: gl.constexpr,
+            STAGES: gl.constexpr):
+    """One warp: both halves' K and V tiles, then step t's Q tile with its rows' lse and its dO tile with
+    their delta into stage t % STAGES once both consumers freed it. Step t is query block
+    j_lo + t % n_qblocks of query head h0 + t // n_qblocks."""
     kv_ready, q_ready, do_ready, free = bars
     for half in gl.static_range(2):
         mbarrier.expect(kv_ready.index(half), k_desc.block_type.nbytes + v_desc.block_type.nbytes)
@@ -49,10 +52,13 @@ def _loader(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, ba
         h = h0 + t // n_qblocks
         m = (j_lo + t % n_qblocks) * BLOCK_M
         mbarrier.wait(free.index(stage), ((t // STAGES) & 1) ^ 1)
-        mbarrier.expect(q_ready.index(stage), q_desc.block_type.nbytes)
+        row = (b * heads_q + h) * row_stride + m  # in lse's and delta's flat rows
+        mbarrier.expect(q_ready.index(stage), q_desc.block_type.nbytes + lse_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(q_desc, [b, h, m, 0], q_ready.index(stage), q_smem.index(stage))
-        mbarrier.expect(do_ready.index(stage), do_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(lse_desc, [row], q_ready.index(stage), lse_smem.index(stage))
+        mbarrier.expect(do_ready.index(stage), do_desc.block_type.nbytes + delta_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(do_desc, [b, h, m, 0], do_ready.index(stage), do_smem.index(stage))
+        tma.async_copy_global_to_shared(delta_desc, [row], do_ready.index(stage), delta_smem.index(stage))
 
 
 @gluon.jit
@@ -63,20 +69,8 @@ def _keep(key_pos, query, n_q, n_k):
 
 
 @gluon.jit
-def _row_stats(lse, delta, first_row, t, j_lo, n_qblocks, n_iter, n_q, BLOCK_M: gl.constexpr,
-               layout: gl.constexpr):
-    """Step t's query rows' lse in log2 units (+inf past Nq, past the last step, and where the row keeps
-    no key, so their weights are 0) and delta (0 there). ``first_row``: the row of (batch, head h0)."""
-    query = (j_lo + t % n_qblocks) * BLOCK_M + gl.arange(0, BLOCK_M, layout=layout)
-    rows = (first_row + t // n_qblocks).to(gl.int64) * n_q + query
-    ok = (query < n_q) & (t < n_iter)
-    lse_t = gl.load(lse + rows, mask=ok, other=float("inf"))
-    return gl.where(lse_t == float("-inf"), float("inf"), lse_t * LOG2E), gl.load(delta + rows, mask=ok, other=0.0)
-
-
-@gluon.jit
-def _consumer(k_desc, q_smem, do_smem, k_smem, v_smem, bars, b, h0, hkv, n0, j_lo, n_qblocks, n_iter,
-              first_full, lse, delta, dk_ptr, dv_ptr, dk_strides, dv_strides, n_q, n_k, heads_q, qk_scale, scale,
+def _consumer(k_desc, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, bars, b, h0, hkv, n0, j_lo,
+              n_qblocks, n_iter, first_full, dk_ptr, dv_ptr, dk_strides, dv_strides, n_q, n_k, qk_scale, scale,
               HALF: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
               SPLIT: gl.constexpr):
     """One warpgroup: dK and dV of keys [n0 + HALF * 64, +64) over the loader's steps; query blocks before
@@ -98,7 +92,6 @@ def _consumer(k_desc, q_smem, do_smem, k_smem, v_smem, bars, b, h0, hkv, n0, j_l
     dv = gl.zeros([ROWS, HEAD_DIM], gl.float32, acc_layout)
     mbarrier.wait(kv_ready.index(HALF), 0)
 
-    lse_t, delta_t = _row_stats(lse, delta, b * heads_q + h0, 0, j_lo, n_qblocks, n_iter, n_q, BLOCK_M, columns)
     for t in range(n_iter):
         stage = t % STAGES
         phase = (t // STAGES) & 1
@@ -110,12 +103,18 @@ def _consumer(k_desc, q_smem, do_smem, k_smem, v_smem, bars, b, h0, hkv, n0, j_l
         mbarrier.wait(do_ready.index(stage), phase)
         do = do_smem.index(stage).reshape([BLOCK_M, HEAD_DIM])
         dpt = warpgroup_mma(v, do.permute((1, 0)), no_scores, use_acc=False, is_async=True)
+        # The step's rows' lse in log2 units, +inf past Nq (TMA brought the next head's rows or zeros there)
+        # and where a row keeps no key, so their weights are 0; delta is 0 there.
+        in_rows = query < n_q
+        lse_t = lse_smem.index(stage).load(columns)
+        lse_t = gl.where(in_rows & (lse_t != float("-inf")), lse_t * LOG2E, float("inf"))
         st, _, _ = warpgroup_mma_wait(1, deps=(st, k, q))  # Sᵀ done; dPᵀ may still run
         st = st * qk_scale
         if CAUSAL:
             if j < first_full:  # some pair of this step is masked
                 st = gl.where(_keep(key_pos, query, n_q, n_k), st, float("-inf"))
         pt = gl.exp2(st - gl.expand_dims(lse_t, 0))
+        delta_t = gl.where(in_rows, delta_smem.index(stage).load(columns), 0.0)
         dpt, _, _ = warpgroup_mma_wait(0, deps=(dpt, v, do))
         dst = pt * (dpt - gl.expand_dims(delta_t, 0))
         if CAUSAL:
@@ -123,9 +122,6 @@ def _consumer(k_desc, q_smem, do_smem, k_smem, v_smem, bars, b, h0, hkv, n0, j_l
                 dst = gl.where(_keep(key_pos, query, n_q, n_k), dst, 0.0)
         dv = warpgroup_mma(gl.convert_layout(pt.to(dtype), op_layout), do, dv, is_async=True)
         dk = warpgroup_mma(gl.convert_layout(dst.to(dtype), op_layout), q, dk, is_async=True)
-        # The next step's row statistics, loaded while the products run.
-        lse_t, delta_t = _row_stats(lse, delta, b * heads_q + h0, t + 1, j_lo, n_qblocks, n_iter, n_q, BLOCK_M,
-                                    columns)
         dv, dk, _, _ = warpgroup_mma_wait(0, deps=(dv, dk, do, q))
         mbarrier.arrive(free.index(stage), count=1)
 
@@ -140,13 +136,14 @@ def _consumer(k_desc, q_smem, do_smem, k_smem, v_smem, bars, b, h0, hkv, n0, j_l
 
 
 @gluon.jit
-def hopper_dkdv_kernel(q_desc, do_desc, k_desc, v_desc, lse, delta, dk, dv, stride_dkb, stride_dkh, stride_dkn,
-                       stride_dvb, stride_dvh, stride_dvn, n_q, n_k, heads_q, group, qk_scale, scale,
-                       BLOCK_M: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, SPLIT: gl.constexpr):
+def hopper_dkdv_kernel(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, dk, dv, stride_dkb, stride_dkh,
+                       stride_dkn, stride_dvb, stride_dvh, stride_dvn, n_q, n_k, heads_q, group, row_stride, qk_scale,
+                       scale, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, SPLIT: gl.constexpr):
     """q_desc, do_desc: (B, Hq, Nq, D) in [1, 1, BLOCK_M, D] tiles; k_desc, v_desc: (B, Hkv, Nk, D) in
-    [1, 1, 64, D] tiles; lse, delta: (B, Hq, Nq) float32; dk, dv: (B, Hkv, Nk, D) with a unit last stride,
-    or with SPLIT each query head's shares (B, Hq, Nk, D). qk_scale: the scores' factor in log2 units;
-    scale: the program's.
+    [1, 1, 64, D] tiles; lse_desc, delta_desc: float32 (B * Hq * row_stride,), each (batch, head)'s Nq values
+    starting every row_stride, in [BLOCK_M] tiles; dk, dv: (B, Hkv, Nk, D) with a unit last stride, or with
+    SPLIT each query head's shares (B, Hq, Nk, D). qk_scale: the scores' factor in log2 units; scale: the
+    program's.
     Grid (B * Hkv, cdiv(Nk, 128)), or (B * Hq, ...) with SPLIT: the blocks that most queries see first.
     4 warps (one consumer) plus the workers: a consumer and the loader."""
     bh = gl.program_id(0)
@@ -173,6 +170,8 @@ def hopper_dkdv_kernel(q_desc, do_desc, k_desc, v_desc, lse, delta, dk, dv, stri
     q_smem, do_smem, q_ready, do_ready, free = ring(q_desc, do_desc, STAGES)
     k_smem = gl.allocate_shared_memory(k_desc.dtype, [2] + k_desc.block_type.shape, k_desc.layout)
     v_smem = gl.allocate_shared_memory(v_desc.dtype, [2] + v_desc.block_type.shape, v_desc.layout)
+    lse_smem = gl.allocate_shared_memory(gl.float32, [STAGES] + lse_desc.block_type.shape, lse_desc.layout)
+    delta_smem = gl.allocate_shared_memory(gl.float32, [STAGES] + delta_desc.block_type.shape, delta_desc.layout)
     kv_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(2):
         mbarrier.init(kv_ready.index(i), count=1)
@@ -181,12 +180,12 @@ def hopper_dkdv_kernel(q_desc, do_desc, k_desc, v_desc, lse, delta, dk, dv, stri
     dv_strides = (stride_dvb, stride_dvh, stride_dvn)
     # The argument tuples are written out: a tuple built by concatenation loses its constexprs.
     gl.warp_specialize([
-        (_consumer, (k_desc, q_smem, do_smem, k_smem, v_smem, bars, b, h0, hkv, n0, j_lo, n_qblocks, n_iter,
-                     first_full, lse, delta, dk, dv, dk_strides, dv_strides, n_q, n_k, heads_q, qk_scale, scale, 0,
+        (_consumer, (k_desc, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, bars, b, h0, hkv, n0, j_lo,
+                     n_qblocks, n_iter, first_full, dk, dv, dk_strides, dv_strides, n_q, n_k, qk_scale, scale, 0,
                      BLOCK_M, STAGES, CAUSAL, SPLIT)),
-        (_consumer, (k_desc, q_smem, do_smem, k_smem, v_smem, bars, b, h0, hkv, n0, j_lo, n_qblocks, n_iter,
-                     first_full, lse, delta, dk, dv, dk_strides, dv_strides, n_q, n_k, heads_q, qk_scale, scale, 1,
+        (_consumer, (k_desc, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, bars, b, h0, hkv, n0, j_lo,
+                     n_qblocks, n_iter, first_full, dk, dv, dk_strides, dv_strides, n_q, n_k, qk_scale, scale, 1,
                      BLOCK_M, STAGES, CAUSAL, SPLIT)),
-        (_loader, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, bars, b, h0, hkv, n0, j_lo,
-                   n_qblocks, n_iter, BLOCK_M, STAGES)),
+        (_loader, (q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_smem, do_smem, k_smem, v_smem, lse_smem,
+                   delta_smem, bars, b, h0, hkv, n0, j_lo, n_qblocks, n_iter, row_stride, heads_q, BLOCK_M, STAGES)),
     ], [4, 1], [240, 24])
