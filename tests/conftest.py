@@ -3,6 +3,7 @@ print their replay blob, the device tests run on, and how many examples the fuzz
 
 Under pytest-xdist (``-n 2``) every worker is its own process with its own session: its own kernel cache
 directory, named after the worker, and the same seed for a test whichever worker runs it."""
+import contextlib
 import os
 import random
 import shutil
@@ -70,3 +71,15 @@ def hoisted_last_call() -> bool:
 
     forward, _, _ = launch._calls[next(reversed(launch._calls))]
     return isinstance(forward, hoisted.HoistedForward)
+
+
+@contextlib.contextmanager
+def deterministic_algorithms():
+    """``torch.use_deterministic_algorithms(True)`` inside the block (the setting before it restored after)."""
+    before = torch.are_deterministic_algorithms_enabled()
+    warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(before, warn_only=warn_only)

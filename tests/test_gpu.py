@@ -5,7 +5,7 @@ import torch
 import attnfuse as af
 from attnfuse.testing import assert_matches_reference
 
-from conftest import hoisted_last_call, requires_cuda
+from conftest import deterministic_algorithms, hoisted_last_call, requires_cuda
 
 pytestmark = requires_cuda
 
@@ -70,15 +70,20 @@ def test_bf16_fuzz_long_sequences():
 @pytest.mark.parametrize("B,Hq,Hkv,N", [(1, 8, 2, 1000), (1, 32, 8, 2048), (8, 8, 4, 3200)],
                          ids=["gqa4-split", "llama3-8b-split", "gqa2-unsplit"])
 def test_backward_matches_sdpa(dtype, B, Hq, Hkv, N):
-    """Causal GQA gradients against float64 SDPA, and a second step bitwise equal: grids small enough that
-    the dK/dV kernel splits its key blocks over the group's heads, and one large enough that it does not
-    (on an H200's 132 multiprocessors, where these run the Hopper dK/dV template, which sums the shares
-    with torch.sum; the generated kernel sums them through a counter)."""
+    """Causal GQA gradients against float64 SDPA: grids small enough that the dK/dV kernel splits its key
+    blocks over the group's heads, and one large enough that it does not (on an H200's 132
+    multiprocessors, where these run the Hopper dK/dV template, which sums the shares with torch.sum; the
+    generated kernel sums them through a counter). dK and dV of a second step are bitwise equal; so is dQ
+    under torch.use_deterministic_algorithms (by default the Hopper template adds dQ up with TMA reduce-adds)."""
     D, g = 128, Hq // Hkv
     leaves = [torch.randn(B, h, N, D, device="cuda", dtype=dtype, requires_grad=True) for h in (Hq, Hkv, Hkv)]
     dout = torch.randn(B, Hq, N, D, device="cuda", dtype=dtype)
     got = torch.autograd.grad(causal(*leaves), leaves, dout)
-    assert all(torch.equal(a, b) for a, b in zip(got, torch.autograd.grad(causal(*leaves), leaves, dout)))
+    again = torch.autograd.grad(causal(*leaves), leaves, dout)
+    assert torch.equal(got[1], again[1]) and torch.equal(got[2], again[2])
+    with deterministic_algorithms():
+        steady = torch.autograd.grad(causal(*leaves), leaves, dout)
+        assert all(torch.equal(a, b) for a, b in zip(steady, torch.autograd.grad(causal(*leaves), leaves, dout)))
     q, k, v = (t.detach().double().requires_grad_(True) for t in leaves)
     ref = torch.nn.functional.scaled_dot_product_attention(q, k.repeat_interleave(g, 1), v.repeat_interleave(g, 1),
                                                            is_causal=True)
@@ -87,7 +92,8 @@ def test_backward_matches_sdpa(dtype, B, Hq, Hkv, N):
     ref_lowp = torch.nn.functional.scaled_dot_product_attention(
         lowp[0], lowp[1].repeat_interleave(g, 1), lowp[2].repeat_interleave(g, 1), is_causal=True)
     want_lowp = torch.autograd.grad(ref_lowp, lowp, dout)
-    for name, a, b, c in zip(("dq", "dk", "dv"), got, want, want_lowp):
+    for name, a, b, c in zip(("dq", "dk", "dv", "dq deterministic"), (*got, steady[0]), (*want, want[0]),
+                             (*want_lowp, want_lowp[0])):
         assert_matches_reference(a, b, c, dtype, what=name)
 
 

@@ -1,6 +1,7 @@
 """The Hopper templates (the forward and the dK/dV kernel): which programs and tensors they serve, that
 they compile for sm90 (on any machine), and on an H100/H200 that they match the float64 reference and read
 only inside their tensors."""
+import contextlib
 import os
 import re
 import subprocess
@@ -18,7 +19,7 @@ from attnfuse.runtime import hopper
 from attnfuse.runtime.launch import compile_plan
 from attnfuse.testing import assert_matches_reference
 
-from conftest import CUDA
+from conftest import CUDA, deterministic_algorithms
 
 HOPPER = CUDA and torch.cuda.get_device_capability() == (9, 0)
 requires_hopper = pytest.mark.skipif(not HOPPER, reason="needs an sm90 GPU (H100/H200)")
@@ -73,7 +74,8 @@ def test_dkdv_row_statistics_are_read_from_16_byte_aligned_rows(layout):
     starts a multiple of 4 float32 in; rows that do not are copied, padded, and rows that do are not."""
     base = torch.randn(2 * 8 * 132 + 1)
     t = {"aligned": base[:2 * 8 * 64].view(2, 8, 64), "offset": base[1:1 + 2 * 8 * 64].view(2, 8, 64),
-         "strided": base[:2 * 8 * 65].view(2, 8, 65)[..., :64], "odd_length": base[:2 * 8 * 129].view(2, 8, 129)}[layout]
+         "strided": base[:2 * 8 * 65].view(2, 8, 65)[..., :64],
+         "odd_length": base[:2 * 8 * 129].view(2, 8, 129)}[layout]
     stride = -(-t.shape[2] // 4) * 4
     flat = hopper.HopperLauncher._describe_rows(t).base
     assert flat.shape == (2 * 8 * stride,) and flat.data_ptr() % 16 == 0
@@ -113,8 +115,8 @@ def test_kernel_compiles_for_sm90_within_shared_memory(causal_mask):
     assert compiled.metadata.shared <= 232448  # an H100's shared memory per block
 
 
-@pytest.mark.parametrize("causal_mask,split", [(True, False), (False, True)])
-def test_dkdv_kernel_compiles_for_sm90_within_shared_memory(causal_mask, split):
+@pytest.mark.parametrize("causal_mask,split,fuse_dq", [(True, False, True), (False, True, True), (True, False, False)])
+def test_dkdv_kernel_compiles_for_sm90_within_shared_memory(causal_mask, split, fuse_dq):
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -123,26 +125,51 @@ def test_dkdv_kernel_compiles_for_sm90_within_shared_memory(causal_mask, split):
 
     layout = gl.NVMMASharedLayout.get_default_for([1, 1, 64, 128], gl.bfloat16)
     tile = f"tensordesc<bf16[1, 1, 64, 128],{layout!r}>"
+    dq_layout = gl.NVMMASharedLayout.get_default_for([1, 1, 64, 64], gl.float32)
+    dq_tile = f"tensordesc<fp32[1, 1, 64, 64],{dq_layout!r}>" if fuse_dq else "constexpr"
     grad = "*fp32" if split else "*bf16"
     rows = f"tensordesc<fp32[{hopper.DKDV_BLOCK_M}],{hopper._ROW_LAYOUT!r}>"
     signature = {"q_desc": tile, "do_desc": tile, "k_desc": tile, "v_desc": tile, "lse_desc": rows, "delta_desc": rows,
-                 "dk": grad, "dv": grad, **{f"stride_d{x}{y}": "i32" for x in "kv" for y in "bhn"},
+                 "dk": grad, "dv": grad, "dq_desc": dq_tile, **{f"stride_d{x}{y}": "i32" for x in "kv" for y in "bhn"},
                  "n_q": "i32", "n_k": "i32", "heads_q": "i32", "group": "i32", "row_stride": "i32", "qk_scale": "fp32",
-                 "scale": "fp32",
-                 "BLOCK_M": "constexpr", "STAGES": "constexpr", "CAUSAL": "constexpr", "SPLIT": "constexpr"}
-    constants = {"BLOCK_M": hopper.DKDV_BLOCK_M, "STAGES": hopper.DKDV_STAGES, "CAUSAL": causal_mask, "SPLIT": split}
+                 "scale": "fp32", "BLOCK_M": "constexpr", "STAGES": "constexpr", "CAUSAL": "constexpr",
+                 "SPLIT": "constexpr", "FUSE_DQ": "constexpr"}
+    constants = {"BLOCK_M": hopper.DKDV_BLOCK_M, "STAGES": hopper.DKDV_STAGES, "CAUSAL": causal_mask, "SPLIT": split,
+                 "FUSE_DQ": fuse_dq, **({} if fuse_dq else {"dq_desc": None})}
     compiled = triton.compile(GluonASTSource(hopper_dkdv_kernel, signature, constants),
                               target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "maxnreg": 168})
     assert "wgmma.mma_async" in compiled.asm["ptx"]
+    assert ("cp.reduce.async.bulk.tensor" in compiled.asm["ptx"]) == fuse_dq
     assert compiled.metadata.shared <= 232448
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("with_dlse", [False, True])
+def test_row_delta_matches_float64(dtype, with_dlse):
+    """The fused-dQ backward's delta kernel, rowsum(dO ∘ O) − dlse, on strided (B, H, N, D) views against
+    float64 (run by the interpreter here, compiled on a GPU by the tests below)."""
+    from attnfuse.runtime.row_delta import ROWS, row_delta
+
+    B, H, N, D = 2, 3, ROWS + 5, 64
+    out = torch.randn(B, N, H, D, dtype=dtype).transpose(1, 2)  # HF's layout
+    dout = torch.randn(B, H, N, 2 * D, dtype=dtype)[..., ::2]  # a last stride of 2
+    dlse = torch.randn(B, H, N) if with_dlse else None
+    want = (out.double() * dout.double()).sum(-1) - (dlse.double() if with_dlse else 0)
+    torch.testing.assert_close(row_delta(out, dout, dlse).double(), want, rtol=0, atol=1e-5)
+
+
 def _spy(monkeypatch, method="__call__"):
-    """The list that each call of the launcher's ``method`` (the forward, or "dkdv") appends to."""
+    """The list to which each call of the launcher's ``method`` (the forward, or "dkdv") appends its
+    arguments (the dK/dV kernel's ninth is dQ's accumulator, when it computes dQ too)."""
     calls = []
     launch = getattr(hopper.HopperLauncher, method)
-    monkeypatch.setattr(hopper.HopperLauncher, method, lambda self, *a: (calls.append(1), launch(self, *a))[1])
+    monkeypatch.setattr(hopper.HopperLauncher, method, lambda self, *a: (calls.append(a), launch(self, *a))[1])
     return calls
+
+
+def _fused_dq(calls) -> bool:
+    """Whether every dK/dV template call that ``_spy`` recorded computed dQ too."""
+    return all(len(args) == 9 for args in calls)
 
 
 @requires_hopper
@@ -172,7 +199,7 @@ def test_hopper_forward_matches_float64(monkeypatch, program, B, Hq, Hkv, Nq, Nk
                                             (3, 6, 3, 129, 257), (1, 32, 8, 4096, 4096), (1, 8, 1, 64, 40)])
 @pytest.mark.parametrize("program", [causal, dense], ids=["causal", "dense"])
 def test_hopper_dkdv_matches_float64(monkeypatch, program, B, Hq, Hkv, Nq, Nk, dtype):
-    """dq, dk, dv of a training step whose dK/dV ran the template, against float64 autograd of the reference;
+    """dq, dk, dv of a training step whose dQ, dK and dV ran the template, against float64 autograd of the reference;
     q and dout in HF's (B, N, H, D) order. GQA groups split over query heads (small grids) and looped
     (1 x 32 x 8 at 4096), partial blocks, Nq < Nk and Nq > Nk (causal: rows that keep no key)."""
     calls = _spy(monkeypatch, "dkdv")
@@ -183,6 +210,7 @@ def test_hopper_dkdv_matches_float64(monkeypatch, program, B, Hq, Hkv, Nq, Nk, d
     args = (0.2,) if program is dense else ()
     grads = torch.autograd.grad(program(*leaves, *args), leaves, dout)
     assert calls, "the Hopper dK/dV template did not run"
+    assert _fused_dq(calls), "the Hopper dK/dV template did not compute dQ"
     want = torch.autograd.grad(program.reference(*leaves, *args), leaves, dout.double())
     lowp = torch.autograd.grad(program.reference(*leaves, *args, dtype=dtype), leaves, dout)
     for got, ref, ref_lowp, name in zip(grads, want, lowp, "qkv"):
@@ -211,9 +239,38 @@ def test_hopper_forward_reads_nothing_outside_its_views(monkeypatch):
     grads = torch.autograd.grad(out, views, dout)
     ref_grads = torch.autograd.grad(causal.reference(*views), views, dout.double())
     lowp_grads = torch.autograd.grad(causal.reference(*views, dtype=torch.bfloat16), views, dout)
-    assert backward
+    assert backward and _fused_dq(backward)
     for got, want, lowp, name in zip(grads, ref_grads, lowp_grads, "qkv"):
         assert_matches_reference(got, want, lowp, torch.bfloat16, what=f"d{name}")
+
+
+@requires_hopper
+@pytest.mark.parametrize("deterministic", [False, True], ids=["fused-dq", "deterministic"])
+@pytest.mark.parametrize("program", [causal, dense], ids=["causal", "dense"])
+def test_hopper_backward_through_lse(monkeypatch, program, deterministic):
+    """A loss of out and lse (so dlse enters delta), with dQ in the template (float32 reduce-adds) or, under
+    torch.use_deterministic_algorithms, in the generated dQ kernel, whose gradients are then bitwise
+    equal from step to step; against float64 autograd of the reference. Partial blocks, GQA."""
+    calls = _spy(monkeypatch, "dkdv")
+    B, Hq, Hkv, Nq, Nk = 2, 8, 2, 700, 900
+    leaves = [torch.randn(B, h, n, 128, device="cuda", dtype=torch.bfloat16).requires_grad_()
+              for h, n in ((Hq, Nq), (Hkv, Nk), (Hkv, Nk))]
+    dout, dlse = torch.randn(B, Hq, Nq, 128, device="cuda", dtype=torch.bfloat16), torch.randn(B, Hq, Nq, device="cuda")
+    args = (0.1,) if program is dense else ()
+
+    def step(fn):
+        out, lse = fn(*leaves, *args, return_lse=True)
+        return torch.autograd.grad((out.double() * dout.double()).sum() + (lse.double() * dlse.double()).sum(), leaves)
+
+    with deterministic_algorithms() if deterministic else contextlib.nullcontext():
+        grads = step(program)
+        if deterministic:
+            assert all(torch.equal(a, b) for a, b in zip(grads, step(program)))
+    assert calls and _fused_dq(calls) != deterministic
+    want = step(program.reference)
+    lowp = step(lambda *a, **kw: program.reference(*a, **kw, dtype=torch.bfloat16))
+    for got, ref, ref_lowp, name in zip(grads, want, lowp, "qkv"):
+        assert_matches_reference(got, ref, ref_lowp, torch.bfloat16, what=f"d{name}")
 
 
 @requires_hopper

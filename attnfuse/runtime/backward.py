@@ -1,6 +1,7 @@
-"""The backward launcher: the dQ kernel (which also writes each row's delta), then the dK/dV kernel (on
-Hopper, for the programs and tensors it serves, the Gluon template: ``hopper.py``), then tensor
-gradients."""
+"""The backward launcher: the dQ kernel (which also writes each row's delta), then the dK/dV kernel, then
+tensor gradients. On Hopper, for the programs and tensors it serves, the Gluon dK/dV template
+(``hopper.py``) computes dQ too, after a small kernel for delta (``row_delta.py``), unless
+``torch.use_deterministic_algorithms`` is on: its dQ is a sum of float32 reduce-adds in no fixed order."""
 from __future__ import annotations
 
 from typing import Any
@@ -13,6 +14,7 @@ from .hopper import HopperLauncher
 from .inputs import KVCache, accumulator_dtype, empty_like_layout, even_keys, kv_launch_args
 from .kernel import CompiledKernel
 from .plugin_args import PluginArgs, Prepared
+from .row_delta import row_delta
 from .offsets import rows_fit
 from .launcher import block_grid, cdiv, multiprocessors
 
@@ -89,6 +91,40 @@ class BackwardKernels:
                          dkdv_spec.launch.bind({**shared, "DKey": dk, "DValue": dv, **pargs, **split_args}),
                          q.device, limit=limit, EVEN_K=even_keys(kv), EVEN_M=even_m)
 
+    def _fused_dq(self, q: torch.Tensor, kv: KVCache, out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor,
+                  dlse: torch.Tensor | None, dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor) -> None:
+        """The Hopper template's launch that computes dQ too (float32 reduce-adds into a zeroed
+        accumulator), after delta's own small kernel."""
+        delta = row_delta(out, dout, dlse)
+        direct = dq.dtype == torch.float32 and dq.is_contiguous()
+        acc = dq.zero_() if direct else torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        self.hopper.dkdv(q, kv.k, kv.v, dout, lse, delta, dk, dv, acc)
+        if not direct:
+            dq.copy_(acc)
+
+    def _dq_then_dkdv(self, q: torch.Tensor, kv: KVCache, out: torch.Tensor, lse: torch.Tensor | None,
+                      dout: torch.Tensor, dlse: torch.Tensor | None, dq: torch.Tensor, dk: torch.Tensor,
+                      dv: torch.Tensor, inputs: dict[str, Any], prepared: Prepared | None,
+                      buffers: list[torch.Tensor], template: bool) -> None:
+        """The generated dQ kernel (which writes delta and the tensor gradients' buffers), then the dK/dV
+        kernel: the template if ``template``, else the generated one. Deterministic."""
+        B, Hq, Nq, _ = q.shape
+        delta = torch.empty((B, Hq, Nq), dtype=accumulator_dtype(q.dtype), device=q.device)  # dQ writes it
+        shared = {"Q": q, "K": kv.k, "V": kv.v, "DO": dout, "Lse": delta if lse is None else lse, "Delta": delta,
+                  "HQ": Hq, "Nq": Nq, **kv_launch_args(kv)}  # Lse: a placeholder when the normaliser saves none
+        pargs, limit, heavy = prepared or self.plugin_args(q, kv, inputs)
+        grad_args = dict(zip(self.dq.spec.grad_buffers, buffers))
+        even_m = lambda tiles: Nq % tiles.block_m == 0  # noqa: E731
+        dq_spec = self.dq.spec
+        self.dq.launch(block_grid(Nq, B * Hq, "block_m", limit if dq_spec.scheduled else None),
+                       dq_spec.launch.bind({**shared, "O": out, "DLse": delta if dlse is None else dlse,
+                                            "DQuery": dq, **pargs, **grad_args}),
+                       q.device, limit=limit, HAS_DLSE=dlse is not None, EVEN_K=even_keys(kv), EVEN_M=even_m)
+        if template:
+            self.hopper.dkdv(q, kv.k, kv.v, dout, lse, delta, dk, dv)
+        else:
+            self._generated_dkdv(q, kv, dk, dv, shared, pargs, limit, heavy, even_m)
+
     def __call__(self, q: torch.Tensor, kv: KVCache, out: torch.Tensor,
                  lse: torch.Tensor | None, dout: torch.Tensor | None, dlse: torch.Tensor | None,
                  inputs: dict[str, Any], dqk_dtype: torch.dtype | None = None,
@@ -108,25 +144,13 @@ class BackwardKernels:
         buffers = [torch.zeros((B, Hq, Nq, Nk), dtype=accumulator_dtype(q.dtype), device=q.device)
                    for _ in self.tensor_grads]
         if q.numel() and k.numel():
-            delta = torch.empty((B, Hq, Nq), dtype=accumulator_dtype(q.dtype), device=q.device)  # dQ writes it
-            saved_lse = lse is not None
-            lse = delta if lse is None else lse  # a placeholder pointer when the normaliser saves none
-            dlse = dlse.to(delta.dtype).contiguous() if dlse is not None else None
-            shared = {"Q": q, "K": k, "V": v, "DO": dout, "Lse": lse, "Delta": delta, "HQ": Hq, "Nq": Nq,
-                      **kv_launch_args(kv)}
-            pargs, limit, heavy = prepared or self.plugin_args(q, kv, inputs)
-            grad_args = dict(zip(self.dq.spec.grad_buffers, buffers))
-            even_m = lambda tiles: Nq % tiles.block_m == 0  # noqa: E731
-            dq_spec = self.dq.spec
-            self.dq.launch(block_grid(Nq, B * Hq, "block_m", limit if dq_spec.scheduled else None),
-                           dq_spec.launch.bind({**shared, "O": out, "DLse": delta if dlse is None else dlse,
-                                                "DQuery": dq, **pargs, **grad_args}),
-                           q.device, limit=limit, HAS_DLSE=dlse is not None, EVEN_K=even_keys(kv), EVEN_M=even_m)
-            if (self.hopper is not None and saved_lse and self.hopper.fits(q, k, v, dout)
-                    and self.hopper.rows_fit(lse) and dk.stride(3) == dv.stride(3) == 1):
-                self.hopper.dkdv(q, k, v, dout, lse, delta, dk, dv)
+            dlse = dlse.to(accumulator_dtype(q.dtype)).contiguous() if dlse is not None else None
+            template = (self.hopper is not None and lse is not None and self.hopper.fits(q, k, v, dout)
+                        and self.hopper.rows_fit(lse) and dk.stride(3) == dv.stride(3) == 1)
+            if template and not self.tensor_grads and not torch.are_deterministic_algorithms_enabled():
+                self._fused_dq(q, kv, out, lse, dout, dlse, dq, dk, dv)
             else:
-                self._generated_dkdv(q, kv, dk, dv, shared, pargs, limit, heavy, even_m)
+                self._dq_then_dkdv(q, kv, out, lse, dout, dlse, dq, dk, dv, inputs, prepared, buffers, template)
         else:
             for g in (dq, dk, dv):
                 g.zero_()

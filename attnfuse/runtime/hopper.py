@@ -75,10 +75,11 @@ class HopperLauncher:
         return TensorDescriptor(flat, [flat.numel()], [1], [DKDV_BLOCK_M], _ROW_LAYOUT)
 
     @staticmethod
-    def _describe(t: torch.Tensor, rows: int) -> TensorDescriptor:
-        """``t`` (4-d) read and written in [1, 1, rows, D] tiles."""
-        block = [1, 1, rows, t.shape[3]]
-        return TensorDescriptor(t, list(t.shape), _tma_strides(t), block, _layout(rows, t.shape[3], t.dtype))
+    def _describe(t: torch.Tensor, rows: int, columns: int | None = None) -> TensorDescriptor:
+        """``t`` (4-d) read and written in [1, 1, rows, columns] tiles (columns: all of D by default)."""
+        columns = columns or t.shape[3]
+        return TensorDescriptor(t, list(t.shape), _tma_strides(t), [1, 1, rows, columns],
+                                _layout(rows, columns, t.dtype))
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                  lse: torch.Tensor | None) -> None:
@@ -93,11 +94,13 @@ class HopperLauncher:
                               num_warps=4, device=q.device, maxnreg=168)
 
     def dkdv(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor, lse: torch.Tensor,
-             delta: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor) -> None:
+             delta: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, dq: torch.Tensor | None = None) -> None:
         """q and dout (B, Hq, Nq, D), k and v (B, Hkv, Nk, D) with Nq, Nk >= 1, lse and delta (B, Hq, Nq)
         float32 (``rows_fit``) -> dk, dv (k's and v's shapes, unit last strides, any float dtype), written in
-        place. When the grid of key blocks would not fill the GPU once, each program takes one query head
-        of a GQA group and the group's float32 shares are summed here."""
+        place, and, if ``dq`` (B, Hq, Nq, D) float32 contiguous zeros is given, dQ added into it (TMA's
+        float32 reduce-adds of each program's share of each tile: the order of the sum, so its last bits,
+        vary from run to run). When the grid of key blocks would not fill the GPU once, each program takes
+        one query head of a GQA group and the group's float32 shares of dK and dV are summed here."""
         B, Hq, Nq, D = q.shape
         Hkv, Nk = k.shape[1], k.shape[2]
         group, blocks = Hq // Hkv, cdiv(Nk, _ROWS)
@@ -107,22 +110,25 @@ class HopperLauncher:
             outputs = (part[0], part[1])
         else:
             outputs = (dk, dv)
+        dq_tiles = None if dq is None else self._describe(dq, DKDV_BLOCK_M, D // 2)
         self._dkdv.launch((B * (Hq if split else Hkv), blocks),
                           (self._describe(q, DKDV_BLOCK_M), self._describe(dout, DKDV_BLOCK_M),
                            self._describe(k, _ROWS // 2), self._describe(v, _ROWS // 2), self._describe_rows(lse),
-                           self._describe_rows(delta), *outputs,
-                           *outputs[0].stride()[:3], *outputs[1].stride()[:3], Nq, Nk, Hq, group,
-                           _row_stride(Nq), self.spec.qk_scale, self.spec.scale),
+                           self._describe_rows(delta), *outputs, dq_tiles, *outputs[0].stride()[:3],
+                           *outputs[1].stride()[:3], Nq, Nk, Hq, group, _row_stride(Nq), self.spec.qk_scale,
+                           self.spec.scale),
                           {"BLOCK_M": DKDV_BLOCK_M, "STAGES": DKDV_STAGES, "CAUSAL": self.spec.causal,
-                           "SPLIT": split}, num_warps=4, device=q.device, maxnreg=168)
+                           "SPLIT": split, "FUSE_DQ": dq is not None}, num_warps=4, device=q.device, maxnreg=168)
         if split:
             shares = part.view(2, B, Hkv, group, Nk, D).sum(3)
             dk.copy_(shares[0])
             dv.copy_(shares[1])
 
 
+_GLUON_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float32: gl.float32}
+
+
 @functools.lru_cache(maxsize=None)
-def _layout(rows: int, head_dim: int, dtype: torch.dtype) -> gl.NVMMASharedLayout:
-    """The shared-memory layout of a [1, 1, rows, head_dim] tile (TMA's and wgmma's)."""
-    return gl.NVMMASharedLayout.get_default_for([1, 1, rows, head_dim],
-                                                gl.bfloat16 if dtype == torch.bfloat16 else gl.float16)
+def _layout(rows: int, columns: int, dtype: torch.dtype) -> gl.NVMMASharedLayout:
+    """The shared-memory layout of a [1, 1, rows, columns] tile (TMA's and wgmma's)."""
+    return gl.NVMMASharedLayout.get_default_for([1, 1, rows, columns], _GLUON_DTYPES[dtype])

@@ -1,12 +1,13 @@
 """The Hopper dK/dV template, in Gluon: the backward of softmax attention with a causal mask or none, for
-the keys and values, warp-specialised like the forward template (``hopper_kernel.py``).
+the keys and values and, with FUSE_DQ, the queries, warp-specialised like the forward template
+(``hopper_kernel.py``).
 
 One program per (128-key block, batch x kv head), or, with SPLIT, per (128-key block, batch x query head).
 A loader warp brings the block's two 64-row K and V tiles once, then the Q and dO tiles of every query
 block that sees the keys, with their rows' lse and delta, for each query head of the GQA group (one head
-with SPLIT), through TMA into a ring of ``STAGES`` stages; two consumer warpgroups take 64 keys each and free a stage when both have read
-it. A consumer recomputes its weights transposed, (keys, queries), so they and dS enter the dV and dK
-products as register operands (FlashAttention's order):
+with SPLIT), through TMA into a ring of ``STAGES`` stages; two consumer warpgroups take 64 keys each and
+free a stage when both have read it. A consumer recomputes its weights transposed, (keys, queries), so
+they and dS enter the dV and dK products as register operands (FlashAttention's order):
 
     Sᵀ = K·Qᵀ, Pᵀ = exp2(Sᵀ·qk_scale − lse·log2 e), dPᵀ = V·dOᵀ, dSᵀ = Pᵀ ∘ (dPᵀ − delta),
     dV += Pᵀ·dO, dK += dSᵀ·Q, and at the end dK *= scale.
@@ -16,17 +17,26 @@ and dK products before the next one starts: carrying them in flight across steps
 every wgmma (too few registers). The row statistics come from shared memory when they are needed, not
 from registers loaded a step ahead: their 32 registers a thread made ptxas spill inside the loop.
 
-lse (natural log) and delta = rowsum(dO ∘ O) − dlse are the forward's and the dQ kernel's. A masked pair's
-weight and dS are 0, whatever its key's value (dPᵀ carries a masked key's NaN value). TMA reads only
-inside the tensors' shapes (zeros past them); query rows past Nq get lse +inf, so weight 0, and delta 0. dK and dV
-are stored from registers, masked to the keys below Nk, in their own dtype (float32 dK for a hoisted
-transform's gradient pass), or with SPLIT as one query head's float32 shares, which the launcher sums.
+With FUSE_DQ each consumer also stages its dSᵀ in shared memory; once both halves are there (an
+mbarrier), each computes half of the step's dQ columns, dS·K[:, half] over all 128 keys, and stages it
+(times scale) for a reducer warp, which adds it into dQ's float32 accumulator with a TMA reduce-add.
+Programs add into the same dQ tiles in no fixed order, so dQ's last bits vary from run to run.
+
+lse (natural log) and delta = rowsum(dO ∘ O) − dlse come from the forward and from the dQ kernel (or
+``row_delta.py``). A masked pair's weight and dS are 0, whatever its key's value (dPᵀ carries a masked
+key's NaN value). TMA reads only inside the tensors' shapes (zeros past them); query rows past Nq get lse
++inf, so weight 0, and delta 0, and with FUSE_DQ keys past Nk get dS 0. dK and dV are stored from
+registers, masked to the keys below Nk, in their own dtype (float32 dK for a hoisted transform's gradient
+pass), or with SPLIT as one query head's float32 shares, which the launcher sums.
 """
 from __future__ import annotations
 
+from triton._C.libtriton import ir
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.language._core import builtin
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                              warpgroup_mma_wait)
 
 from .hopper_kernel import ROWS, _warpgroup_layout, ring
 
@@ -40,7 +50,7 @@ def _loader(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_smem, do_sm
     """One warp: both halves' K and V tiles, then step t's Q tile with its rows' lse and its dO tile with
     their delta into stage t % STAGES once both consumers freed it. Step t is query block
     j_lo + t % n_qblocks of query head h0 + t // n_qblocks."""
-    kv_ready, q_ready, do_ready, free = bars
+    kv_ready, q_ready, do_ready, free, _, _, _ = bars
     for half in gl.static_range(2):
         mbarrier.expect(kv_ready.index(half), k_desc.block_type.nbytes + v_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(k_desc, [b, hkv, n0 + half * ROWS, 0], kv_ready.index(half),
@@ -68,19 +78,66 @@ def _keep(key_pos, query, n_q, n_k):
     return key_pos <= gl.expand_dims(query + (n_k - n_q), 0)
 
 
+@builtin
+def _tma_add(tensor_desc, coord, src, _semantic=None):
+    """Add shared-memory tile ``src`` into ``tensor_desc``'s tensor at ``coord`` with one TMA reduce
+    (cp.reduce.async.bulk.tensor, asynchronous like a TMA store; ``tma.store_wait`` waits for it). Triton
+    3.6 builds the op, but Gluon's Hopper ``tma`` module does not expose it."""
+    coord = _semantic._convert_to_ir_values(coord, require_i64=False)
+    _semantic.builder.create_async_tma_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord, src.handle)
+
+
 @gluon.jit
-def _consumer(k_desc, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, bars, b, h0, hkv, n0, j_lo,
-              n_qblocks, n_iter, first_full, dk_ptr, dv_ptr, dk_strides, dv_strides, n_q, n_k, qk_scale, scale,
-              HALF: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-              SPLIT: gl.constexpr):
+def _reducer(dq_desc, dq_smem, bars, b, h0, j_lo, n_qblocks, n_iter, BLOCK_M: gl.constexpr, FUSE_DQ: gl.constexpr):
+    """One warp (idle without FUSE_DQ): adds each step's two dQ halves, once the consumers staged them, into
+    dQ's float32 accumulator, and frees the staging tiles once the reduces have read them."""
+    _, _, _, _, _, dq_full, dq_empty = bars
+    if FUSE_DQ:
+        COLUMNS: gl.constexpr = dq_desc.block_type.shape[3]
+        for t in range(n_iter):
+            for half in gl.static_range(2):
+                mbarrier.wait(dq_full.index(half), t & 1)
+                _tma_add(dq_desc, [b, h0 + t // n_qblocks, (j_lo + t % n_qblocks) * BLOCK_M, half * COLUMNS],
+                         dq_smem.index(half))
+            tma.store_wait(0)
+            mbarrier.arrive(dq_empty.index(0), count=1)
+            mbarrier.arrive(dq_empty.index(1), count=1)
+
+
+@gluon.jit
+def _dq_half(ds, ds_smem, k_smem, ds_ready, no_dq, t, HALF: gl.constexpr):
+    """Issues this warpgroup's half of step t's dQ columns, dS (queries, 128 keys) · K[:, half], once both
+    consumers have staged their dSᵀ (ds: this one's, (64 keys, queries)) in the buffers of step t's parity."""
+    columns: gl.constexpr = no_dq.shape[1]  # D / 2
+    HEAD_DIM: gl.constexpr = 2 * columns
+    first = 2 * (t % 2)  # buffers first + HALF for each half's keys
+    ds_smem.index(first + HALF).store(ds)
+    fence_async_shared()
+    gl.thread_barrier()
+    mbarrier.arrive(ds_ready, count=1)
+    mbarrier.wait(ds_ready, t & 1)
+    dq = warpgroup_mma(ds_smem.index(first).permute((1, 0)),
+                       k_smem.index(0).reshape([ROWS, HEAD_DIM]).slice(HALF * columns, columns, 1), no_dq,
+                       use_acc=False, is_async=True)
+    return warpgroup_mma(ds_smem.index(first + 1).permute((1, 0)),
+                         k_smem.index(1).reshape([ROWS, HEAD_DIM]).slice(HALF * columns, columns, 1), dq,
+                         is_async=True)
+
+
+@gluon.jit
+def _consumer(k_desc, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq_smem, bars, b, h0, hkv,
+              n0, j_lo, n_qblocks, n_iter, first_full, dk_ptr, dv_ptr, dk_strides, dv_strides, n_q, n_k, qk_scale,
+              scale, HALF: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+              SPLIT: gl.constexpr, FUSE_DQ: gl.constexpr):
     """One warpgroup: dK and dV of keys [n0 + HALF * 64, +64) over the loader's steps; query blocks before
     ``first_full`` are masked. Writes them (with SPLIT, its query head's shares) to rows of dk_ptr and
     dv_ptr by their (batch, head, row) strides."""
-    kv_ready, q_ready, do_ready, free = bars
+    kv_ready, q_ready, do_ready, free, ds_ready, dq_full, dq_empty = bars
     HEAD_DIM: gl.constexpr = k_desc.block_type.shape[3]
     dtype: gl.constexpr = k_desc.dtype
     st_layout: gl.constexpr = _warpgroup_layout(BLOCK_M)
     acc_layout: gl.constexpr = _warpgroup_layout(HEAD_DIM)
+    dq_layout: gl.constexpr = _warpgroup_layout(HEAD_DIM // 2)
     op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
     columns: gl.constexpr = gl.SliceLayout(0, st_layout)
 
@@ -90,6 +147,8 @@ def _consumer(k_desc, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, bar
     no_scores = gl.zeros([ROWS, BLOCK_M], gl.float32, st_layout)
     dk = gl.zeros([ROWS, HEAD_DIM], gl.float32, acc_layout)
     dv = gl.zeros([ROWS, HEAD_DIM], gl.float32, acc_layout)
+    no_dq = gl.zeros([BLOCK_M, HEAD_DIM // 2], gl.float32, dq_layout)
+    key_bound = n0 + 2 * ROWS > n_k  # the block has keys past Nk: TMA's zero rows, whose weights are not 0
     mbarrier.wait(kv_ready.index(HALF), 0)
 
     for t in range(n_iter):
@@ -120,9 +179,24 @@ def _consumer(k_desc, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, bar
         if CAUSAL:
             if j < first_full:  # the mask again: cheaper than keeping it live across the dPᵀ wait
                 dst = gl.where(_keep(key_pos, query, n_q, n_k), dst, 0.0)
+        if FUSE_DQ:
+            if key_bound:  # dQ sums dS over all 128 keys: a zero key's weight must be 0, not exp(-lse)
+                dst = gl.where(key_pos < n_k, dst, 0.0)
+        ds = dst.to(dtype)
         dv = warpgroup_mma(gl.convert_layout(pt.to(dtype), op_layout), do, dv, is_async=True)
-        dk = warpgroup_mma(gl.convert_layout(dst.to(dtype), op_layout), q, dk, is_async=True)
-        dv, dk, _, _ = warpgroup_mma_wait(0, deps=(dv, dk, do, q))
+        if FUSE_DQ:
+            dq = _dq_half(ds, ds_smem, k_smem, ds_ready, no_dq, t, HALF)
+        dk = warpgroup_mma(gl.convert_layout(ds, op_layout), q, dk, is_async=True)
+        if FUSE_DQ:
+            dv, dq, _, _ = warpgroup_mma_wait(1, deps=(dv, dq, do, ds_smem))
+            mbarrier.wait(dq_empty.index(HALF), (t & 1) ^ 1)  # the reducer has read this half's last tile
+            dq_smem.index(HALF).reshape([BLOCK_M, HEAD_DIM // 2]).store(dq * scale)
+            fence_async_shared()
+            gl.thread_barrier()
+            mbarrier.arrive(dq_full.index(HALF), count=1)
+            dk, _ = warpgroup_mma_wait(0, deps=(dk, q))
+        else:
+            dv, dk, _, _ = warpgroup_mma_wait(0, deps=(dv, dk, do, q))
         mbarrier.arrive(free.index(stage), count=1)
 
     dk = dk * scale
@@ -136,16 +210,18 @@ def _consumer(k_desc, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, bar
 
 
 @gluon.jit
-def hopper_dkdv_kernel(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, dk, dv, stride_dkb, stride_dkh,
-                       stride_dkn, stride_dvb, stride_dvh, stride_dvn, n_q, n_k, heads_q, group, row_stride, qk_scale,
-                       scale, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, SPLIT: gl.constexpr):
+def hopper_dkdv_kernel(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, dk, dv, dq_desc, stride_dkb,
+                       stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn, n_q, n_k, heads_q, group,
+                       row_stride, qk_scale, scale, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
+                       CAUSAL: gl.constexpr, SPLIT: gl.constexpr, FUSE_DQ: gl.constexpr):
     """q_desc, do_desc: (B, Hq, Nq, D) in [1, 1, BLOCK_M, D] tiles; k_desc, v_desc: (B, Hkv, Nk, D) in
     [1, 1, 64, D] tiles; lse_desc, delta_desc: float32 (B * Hq * row_stride,), each (batch, head)'s Nq values
     starting every row_stride, in [BLOCK_M] tiles; dk, dv: (B, Hkv, Nk, D) with a unit last stride, or with
-    SPLIT each query head's shares (B, Hq, Nk, D). qk_scale: the scores' factor in log2 units; scale: the
-    program's.
+    SPLIT each query head's shares (B, Hq, Nk, D). With FUSE_DQ, dq_desc: dQ's float32 accumulator
+    (B, Hq, Nq, D) in [1, 1, BLOCK_M, D / 2] tiles, zeros or a sum to add to (else None). qk_scale: the
+    scores' factor in log2 units; scale: the program's.
     Grid (B * Hkv, cdiv(Nk, 128)), or (B * Hq, ...) with SPLIT: the blocks that most queries see first.
-    4 warps (one consumer) plus the workers: a consumer and the loader."""
+    4 warps (one consumer) plus the workers: a consumer, the loader and dQ's reducer."""
     bh = gl.program_id(0)
     n0 = gl.program_id(1) * (2 * ROWS)
     if SPLIT:
@@ -175,17 +251,32 @@ def hopper_dkdv_kernel(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, dk
     kv_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(2):
         mbarrier.init(kv_ready.index(i), count=1)
-    bars = (kv_ready, q_ready, do_ready, free)
+    if FUSE_DQ:  # both halves of two steps' dSᵀ, and the tiles of dQ's halves
+        ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, BLOCK_M], k_desc.dtype)
+        ds_smem = gl.allocate_shared_memory(k_desc.dtype, [4, ROWS, BLOCK_M], ds_layout)
+        dq_smem = gl.allocate_shared_memory(dq_desc.dtype, [2] + dq_desc.block_type.shape, dq_desc.layout)
+    else:  # unused
+        ds_smem = k_smem
+        dq_smem = k_smem
+    ds_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    mbarrier.init(ds_ready, count=2)  # both consumers
+    dq_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    dq_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(2):
+        mbarrier.init(dq_full.index(i), count=1)
+        mbarrier.init(dq_empty.index(i), count=1)
+    bars = (kv_ready, q_ready, do_ready, free, ds_ready, dq_full, dq_empty)
     dk_strides = (stride_dkb, stride_dkh, stride_dkn)
     dv_strides = (stride_dvb, stride_dvh, stride_dvn)
     # The argument tuples are written out: a tuple built by concatenation loses its constexprs.
     gl.warp_specialize([
-        (_consumer, (k_desc, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, bars, b, h0, hkv, n0, j_lo,
-                     n_qblocks, n_iter, first_full, dk, dv, dk_strides, dv_strides, n_q, n_k, qk_scale, scale, 0,
-                     BLOCK_M, STAGES, CAUSAL, SPLIT)),
-        (_consumer, (k_desc, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, bars, b, h0, hkv, n0, j_lo,
-                     n_qblocks, n_iter, first_full, dk, dv, dk_strides, dv_strides, n_q, n_k, qk_scale, scale, 1,
-                     BLOCK_M, STAGES, CAUSAL, SPLIT)),
+        (_consumer, (k_desc, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq_smem, bars, b, h0,
+                     hkv, n0, j_lo, n_qblocks, n_iter, first_full, dk, dv, dk_strides, dv_strides, n_q, n_k,
+                     qk_scale, scale, 0, BLOCK_M, STAGES, CAUSAL, SPLIT, FUSE_DQ)),
+        (_consumer, (k_desc, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq_smem, bars, b, h0,
+                     hkv, n0, j_lo, n_qblocks, n_iter, first_full, dk, dv, dk_strides, dv_strides, n_q, n_k,
+                     qk_scale, scale, 1, BLOCK_M, STAGES, CAUSAL, SPLIT, FUSE_DQ)),
         (_loader, (q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_smem, do_smem, k_smem, v_smem, lse_smem,
                    delta_smem, bars, b, h0, hkv, n0, j_lo, n_qblocks, n_iter, row_stride, heads_q, BLOCK_M, STAGES)),
-    ], [4, 1], [240, 24])
+        (_reducer, (dq_desc, dq_smem, bars, b, h0, j_lo, n_qblocks, n_iter, BLOCK_M, FUSE_DQ)),
+    ], [4, 1, 1], [240, 24, 24])
