@@ -66,6 +66,18 @@ def test_bf16_fuzz_long_sequences():
     check_combinator(None, dtypes=(torch.bfloat16,), max_examples=30, max_n=2000, head_dims=(64, 128))
 
 
+def _causal_sdpa_grads(leaves, dout, group, dtype):
+    """dq, dk, dv of causal SDPA in ``dtype`` (k and v repeated over the GQA group), one batch element at a
+    time: the float64 math path keeps (Hq, N, N) score-sized tensors, too much at once for a shared GPU."""
+    grads = []
+    for b in range(dout.shape[0]):
+        q, k, v = (t[b:b + 1].detach().to(dtype).requires_grad_(True) for t in leaves)
+        out = torch.nn.functional.scaled_dot_product_attention(q, k.repeat_interleave(group, 1),
+                                                               v.repeat_interleave(group, 1), is_causal=True)
+        grads.append(torch.autograd.grad(out, (q, k, v), dout[b:b + 1].to(dtype)))
+    return [torch.cat(parts) for parts in zip(*grads)]
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("B,Hq,Hkv,N", [(1, 8, 2, 1000), (1, 32, 8, 2048), (8, 8, 4, 3200)],
                          ids=["gqa4-split", "llama3-8b-split", "gqa2-unsplit"])
@@ -84,14 +96,8 @@ def test_backward_matches_sdpa(dtype, B, Hq, Hkv, N):
     with deterministic_algorithms():
         steady = torch.autograd.grad(causal(*leaves), leaves, dout)
         assert all(torch.equal(a, b) for a, b in zip(steady, torch.autograd.grad(causal(*leaves), leaves, dout)))
-    q, k, v = (t.detach().double().requires_grad_(True) for t in leaves)
-    ref = torch.nn.functional.scaled_dot_product_attention(q, k.repeat_interleave(g, 1), v.repeat_interleave(g, 1),
-                                                           is_causal=True)
-    want = torch.autograd.grad(ref, (q, k, v), dout.double())
-    lowp = [t.detach().requires_grad_(True) for t in leaves]
-    ref_lowp = torch.nn.functional.scaled_dot_product_attention(
-        lowp[0], lowp[1].repeat_interleave(g, 1), lowp[2].repeat_interleave(g, 1), is_causal=True)
-    want_lowp = torch.autograd.grad(ref_lowp, lowp, dout)
+    want = _causal_sdpa_grads(leaves, dout, g, torch.float64)
+    want_lowp = _causal_sdpa_grads(leaves, dout, g, dtype)
     for name, a, b, c in zip(("dq", "dk", "dv", "dq deterministic"), (*got, steady[0]), (*want, want[0]),
                              (*want_lowp, want_lowp[0])):
         assert_matches_reference(a, b, c, dtype, what=name)
