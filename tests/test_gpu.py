@@ -84,8 +84,8 @@ def _causal_sdpa_grads(leaves, dout, group, dtype):
 def test_backward_matches_sdpa(dtype, B, Hq, Hkv, N):
     """Causal GQA gradients against float64 SDPA: grids small enough that the dK/dV kernel splits its key
     blocks over the group's heads, and one large enough that it does not (on an H200's 132
-    multiprocessors, where these run the Hopper dK/dV template, which sums the shares with torch.sum; the
-    generated kernel sums them through a counter). dK and dV of a second step are bitwise equal; so is dQ
+    multiprocessors, where these run the Hopper dK/dV template; it and the generated kernel sum the shares
+    in the group's last program, through a counter). dK and dV of a second step are bitwise equal; so is dQ
     under torch.use_deterministic_algorithms (by default the Hopper template adds dQ up with TMA reduce-adds)."""
     D, g = 128, Hq // Hkv
     leaves = [torch.randn(B, h, N, D, device="cuda", dtype=dtype, requires_grad=True) for h in (Hq, Hkv, Hkv)]

@@ -127,10 +127,9 @@ def test_dkdv_kernel_compiles_for_sm90_within_shared_memory(causal_mask, split, 
     tile = f"tensordesc<bf16[1, 1, 64, 128],{layout!r}>"
     dq_layout = gl.NVMMASharedLayout.get_default_for([1, 1, 64, 64], gl.float32)
     dq_tile = f"tensordesc<fp32[1, 1, 64, 64],{dq_layout!r}>" if fuse_dq else "constexpr"
-    grad = "*fp32" if split else "*bf16"
     rows = f"tensordesc<fp32[{hopper.DKDV_BLOCK_M}],{hopper._ROW_LAYOUT!r}>"
     signature = {"q_desc": tile, "do_desc": tile, "k_desc": tile, "v_desc": tile, "lse_desc": rows, "delta_desc": rows,
-                 "dk": grad, "dv": grad, "dq_desc": dq_tile, **{f"stride_d{x}{y}": "i32" for x in "kv" for y in "bhn"},
+                 "dk": "*bf16", "dv": "*bf16", "dq_desc": dq_tile, "shares": "*fp32", "counts": "*i32", **{f"stride_d{x}{y}": "i32" for x in "kv" for y in "bhn"},
                  "n_q": "i32", "n_k": "i32", "heads_q": "i32", "group": "i32", "row_stride": "i32", "qk_scale": "fp32",
                  "scale": "fp32", "BLOCK_M": "constexpr", "STAGES": "constexpr", "CAUSAL": "constexpr",
                  "SPLIT": "constexpr", "FUSE_DQ": "constexpr"}
@@ -140,6 +139,7 @@ def test_dkdv_kernel_compiles_for_sm90_within_shared_memory(causal_mask, split, 
                               target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "maxnreg": 168})
     assert "wgmma.mma_async" in compiled.asm["ptx"]
     assert ("cp.reduce.async.bulk.tensor" in compiled.asm["ptx"]) == fuse_dq
+    assert ("atom.global.gpu.acq_rel.add" in compiled.asm["ptx"]) == split  # the count of a split's shares
     assert compiled.metadata.shared <= 232448
 
 
@@ -147,7 +147,8 @@ def test_dkdv_kernel_compiles_for_sm90_within_shared_memory(causal_mask, split, 
 @pytest.mark.parametrize("with_dlse", [False, True])
 def test_row_delta_matches_float64(dtype, with_dlse):
     """The fused-dQ backward's delta kernel, rowsum(dO ∘ O) − dlse, on strided (B, H, N, D) views against
-    float64 (run by the interpreter here, compiled on a GPU by the tests below)."""
+    float64 (run by the interpreter here, compiled on a GPU by the tests below), and the accumulator it
+    zeroes."""
     from attnfuse.runtime.row_delta import ROWS, row_delta
 
     B, H, N, D = 2, 3, ROWS + 5, 64
@@ -156,6 +157,9 @@ def test_row_delta_matches_float64(dtype, with_dlse):
     dlse = torch.randn(B, H, N) if with_dlse else None
     want = (out.double() * dout.double()).sum(-1) - (dlse.double() if with_dlse else 0)
     torch.testing.assert_close(row_delta(out, dout, dlse).double(), want, rtol=0, atol=1e-5)
+    acc = torch.randn(B, H, N, D)
+    torch.testing.assert_close(row_delta(out, dout, dlse, zeroed=acc).double(), want, rtol=0, atol=1e-5)
+    assert not acc.any()
 
 
 def _spy(monkeypatch, method="__call__"):

@@ -93,11 +93,11 @@ class BackwardKernels:
 
     def _fused_dq(self, q: torch.Tensor, kv: KVCache, out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor,
                   dlse: torch.Tensor | None, dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor) -> None:
-        """The Hopper template's launch that computes dQ too (float32 reduce-adds into a zeroed
-        accumulator), after delta's own small kernel."""
-        delta = row_delta(out, dout, dlse)
+        """The Hopper template's launch that computes dQ too (float32 reduce-adds into an accumulator),
+        after a small kernel that computes delta and zeroes the accumulator."""
         direct = dq.dtype == torch.float32 and dq.is_contiguous()
-        acc = dq.zero_() if direct else torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        acc = dq if direct else torch.empty(q.shape, dtype=torch.float32, device=q.device)
+        delta = row_delta(out, dout, dlse, zeroed=acc)
         self.hopper.dkdv(q, kv.k, kv.v, dout, lse, delta, dk, dv, acc)
         if not direct:
             dq.copy_(acc)

@@ -100,29 +100,25 @@ class HopperLauncher:
         place, and, if ``dq`` (B, Hq, Nq, D) float32 contiguous zeros is given, dQ added into it (TMA's
         float32 reduce-adds of each program's share of each tile: the order of the sum, so its last bits,
         vary from run to run). When the grid of key blocks would not fill the GPU once, each program takes
-        one query head of a GQA group and the group's float32 shares of dK and dV are summed here."""
+        one query head of a GQA group, and the group's last program to finish sums their float32 shares."""
         B, Hq, Nq, D = q.shape
         Hkv, Nk = k.shape[1], k.shape[2]
         group, blocks = Hq // Hkv, cdiv(Nk, _ROWS)
         split = group > 1 and B * Hkv * blocks < DKDV_SPLIT_WAVES * multiprocessors(q.device)
-        if split:
-            part = torch.empty((2, B, Hq, Nk, D), dtype=torch.float32, device=q.device)
-            outputs = (part[0], part[1])
-        else:
-            outputs = (dk, dv)
+        if split:  # each query head's shares, and a count of them per 64-key tile
+            shares = torch.empty((B, Hq, 2, Nk, D), dtype=torch.float32, device=q.device)
+            counts = torch.zeros(B * Hkv * 2 * blocks, dtype=torch.int32, device=q.device)
+        else:  # unused
+            shares = counts = dk
         dq_tiles = None if dq is None else self._describe(dq, DKDV_BLOCK_M, D // 2)
         self._dkdv.launch((B * (Hq if split else Hkv), blocks),
                           (self._describe(q, DKDV_BLOCK_M), self._describe(dout, DKDV_BLOCK_M),
                            self._describe(k, _ROWS // 2), self._describe(v, _ROWS // 2), self._describe_rows(lse),
-                           self._describe_rows(delta), *outputs, dq_tiles, *outputs[0].stride()[:3],
-                           *outputs[1].stride()[:3], Nq, Nk, Hq, group, _row_stride(Nq), self.spec.qk_scale,
+                           self._describe_rows(delta), dk, dv, dq_tiles, shares, counts, *dk.stride()[:3],
+                           *dv.stride()[:3], Nq, Nk, Hq, group, _row_stride(Nq), self.spec.qk_scale,
                            self.spec.scale),
                           {"BLOCK_M": DKDV_BLOCK_M, "STAGES": DKDV_STAGES, "CAUSAL": self.spec.causal,
                            "SPLIT": split, "FUSE_DQ": dq is not None}, num_warps=4, device=q.device, maxnreg=168)
-        if split:
-            shares = part.view(2, B, Hkv, group, Nk, D).sum(3)
-            dk.copy_(shares[0])
-            dv.copy_(shares[1])
 
 
 _GLUON_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float32: gl.float32}

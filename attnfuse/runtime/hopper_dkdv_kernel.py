@@ -27,7 +27,9 @@ lse (natural log) and delta = rowsum(dO ∘ O) − dlse come from the forward an
 key's NaN value). TMA reads only inside the tensors' shapes (zeros past them); query rows past Nq get lse
 +inf, so weight 0, and delta 0, and with FUSE_DQ keys past Nk get dS 0. dK and dV are stored from
 registers, masked to the keys below Nk, in their own dtype (float32 dK for a hoisted transform's gradient
-pass), or with SPLIT as one query head's float32 shares, which the launcher sums.
+pass). With SPLIT each program stores its query head's float32 shares and counts them; the group's last
+program to finish reads the group's shares back, sums them in head order and stores the sums (the generated
+kernel's split, ``passes/codegen/head_split.py``), so dK and dV stay deterministic.
 """
 from __future__ import annotations
 
@@ -126,12 +128,12 @@ def _dq_half(ds, ds_smem, k_smem, ds_ready, no_dq, t, HALF: gl.constexpr):
 
 @gluon.jit
 def _consumer(k_desc, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq_smem, bars, b, h0, hkv,
-              n0, j_lo, n_qblocks, n_iter, first_full, dk_ptr, dv_ptr, dk_strides, dv_strides, n_q, n_k, qk_scale,
-              scale, HALF: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+              n0, j_lo, n_qblocks, n_iter, first_full, dk_ptr, dv_ptr, dk_strides, dv_strides, shares, counts, n_q,
+              n_k, heads_q, group, qk_scale, scale, HALF: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
               SPLIT: gl.constexpr, FUSE_DQ: gl.constexpr):
     """One warpgroup: dK and dV of keys [n0 + HALF * 64, +64) over the loader's steps; query blocks before
-    ``first_full`` are masked. Writes them (with SPLIT, its query head's shares) to rows of dk_ptr and
-    dv_ptr by their (batch, head, row) strides."""
+    ``first_full`` are masked. Writes them to rows of dk_ptr and dv_ptr by their (batch, head, row) strides
+    (with SPLIT, through its query head's shares: see ``_sum_shares``)."""
     kv_ready, q_ready, do_ready, free, ds_ready, dq_full, dq_empty = bars
     HEAD_DIM: gl.constexpr = k_desc.block_type.shape[3]
     dtype: gl.constexpr = k_desc.dtype
@@ -202,22 +204,59 @@ def _consumer(k_desc, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_
     dk = dk * scale
     key = gl.expand_dims(n0 + HALF * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, acc_layout)), 1)
     d = gl.expand_dims(gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, acc_layout)), 0)
-    head = h0 if SPLIT else hkv  # with SPLIT, this query head's share
-    gl.store(dk_ptr + b.to(gl.int64) * dk_strides[0] + head.to(gl.int64) * dk_strides[1]
+    if SPLIT:  # this query head's shares; the group's last program to finish sums them all
+        dk, dv, last = _sum_shares(dk, dv, shares, counts, key, d, b, h0, hkv, heads_q, group, n_k, n0, HALF)
+        if last:
+            _store_grads(dk, dv, dk_ptr, dv_ptr, dk_strides, dv_strides, key, d, b, hkv, n_k)
+    else:
+        _store_grads(dk, dv, dk_ptr, dv_ptr, dk_strides, dv_strides, key, d, b, hkv, n_k)
+
+
+@gluon.jit
+def _sum_shares(dk, dv, shares, counts, key, d, b, h0, hkv, heads_q, group, n_k, n0, HALF: gl.constexpr):
+    """Stores query head h0's float32 shares of dK and dV (64 keys, D) at key rows ``key`` of ``shares``
+    (B, Hq, 2, Nk, D), and counts them in this 64-key tile's zeroed counter. Returns the group's sums, in
+    head order (deterministic), and whether this program is the last of its group, the one that stores them."""
+    HEAD_DIM: gl.constexpr = dk.shape[1]
+    rows = key.to(gl.int64) * HEAD_DIM + d
+    keep = key < n_k
+    head_size = n_k.to(gl.int64) * (2 * HEAD_DIM)  # one head's two shares
+    mine = shares + (b * heads_q + h0).to(gl.int64) * head_size + rows
+    gl.store(mine, dk, mask=keep)
+    gl.store(mine + n_k.to(gl.int64) * HEAD_DIM, dv, mask=keep)
+    gl.thread_barrier()  # every thread's stores before the count that publishes them
+    tile = (b * (heads_q // group) + hkv) * (2 * gl.cdiv(n_k, 2 * ROWS)) + n0 // ROWS + HALF
+    last = gl.atomic_add(counts + tile, 1, sem="acq_rel", scope="gpu") == group - 1
+    dk = gl.zeros_like(dk)
+    dv = gl.zeros_like(dv)
+    if last:
+        first = shares + (b * heads_q + hkv * group).to(gl.int64) * head_size + rows
+        for j in range(group):
+            dk += gl.load(first + j * head_size, mask=keep, other=0.0, cache_modifier=".cg")
+            dv += gl.load(first + j * head_size + n_k.to(gl.int64) * HEAD_DIM, mask=keep, other=0.0,
+                          cache_modifier=".cg")
+    return dk, dv, last
+
+
+@gluon.jit
+def _store_grads(dk, dv, dk_ptr, dv_ptr, dk_strides, dv_strides, key, d, b, hkv, n_k):
+    """Stores dK and dV (64 keys, D) at key rows ``key`` (below Nk) of kv head hkv, in the outputs' dtypes."""
+    gl.store(dk_ptr + b.to(gl.int64) * dk_strides[0] + hkv.to(gl.int64) * dk_strides[1]
              + key.to(gl.int64) * dk_strides[2] + d, dk.to(dk_ptr.dtype.element_ty), mask=key < n_k)
-    gl.store(dv_ptr + b.to(gl.int64) * dv_strides[0] + head.to(gl.int64) * dv_strides[1]
+    gl.store(dv_ptr + b.to(gl.int64) * dv_strides[0] + hkv.to(gl.int64) * dv_strides[1]
              + key.to(gl.int64) * dv_strides[2] + d, dv.to(dv_ptr.dtype.element_ty), mask=key < n_k)
 
 
 @gluon.jit
-def hopper_dkdv_kernel(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, dk, dv, dq_desc, stride_dkb,
-                       stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn, n_q, n_k, heads_q, group,
-                       row_stride, qk_scale, scale, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
+def hopper_dkdv_kernel(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, dk, dv, dq_desc, shares, counts,
+                       stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn, n_q, n_k, heads_q,
+                       group, row_stride, qk_scale, scale, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
                        CAUSAL: gl.constexpr, SPLIT: gl.constexpr, FUSE_DQ: gl.constexpr):
     """q_desc, do_desc: (B, Hq, Nq, D) in [1, 1, BLOCK_M, D] tiles; k_desc, v_desc: (B, Hkv, Nk, D) in
     [1, 1, 64, D] tiles; lse_desc, delta_desc: float32 (B * Hq * row_stride,), each (batch, head)'s Nq values
-    starting every row_stride, in [BLOCK_M] tiles; dk, dv: (B, Hkv, Nk, D) with a unit last stride, or with
-    SPLIT each query head's shares (B, Hq, Nk, D). With FUSE_DQ, dq_desc: dQ's float32 accumulator
+    starting every row_stride, in [BLOCK_M] tiles; dk, dv: (B, Hkv, Nk, D) with a unit last stride. With
+    SPLIT, shares: float32 scratch (B, Hq, 2, Nk, D); counts: int32 zeros, one per 64-key tile
+    (B * Hkv * 2 * cdiv(Nk, 128)); else unused. With FUSE_DQ, dq_desc: dQ's float32 accumulator
     (B, Hq, Nq, D) in [1, 1, BLOCK_M, D / 2] tiles, zeros or a sum to add to (else None). qk_scale: the
     scores' factor in log2 units; scale: the program's.
     Grid (B * Hkv, cdiv(Nk, 128)), or (B * Hq, ...) with SPLIT: the blocks that most queries see first.
@@ -271,11 +310,11 @@ def hopper_dkdv_kernel(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, dk
     # The argument tuples are written out: a tuple built by concatenation loses its constexprs.
     gl.warp_specialize([
         (_consumer, (k_desc, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq_smem, bars, b, h0,
-                     hkv, n0, j_lo, n_qblocks, n_iter, first_full, dk, dv, dk_strides, dv_strides, n_q, n_k,
-                     qk_scale, scale, 0, BLOCK_M, STAGES, CAUSAL, SPLIT, FUSE_DQ)),
+                     hkv, n0, j_lo, n_qblocks, n_iter, first_full, dk, dv, dk_strides, dv_strides, shares, counts,
+                     n_q, n_k, heads_q, group, qk_scale, scale, 0, BLOCK_M, STAGES, CAUSAL, SPLIT, FUSE_DQ)),
         (_consumer, (k_desc, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq_smem, bars, b, h0,
-                     hkv, n0, j_lo, n_qblocks, n_iter, first_full, dk, dv, dk_strides, dv_strides, n_q, n_k,
-                     qk_scale, scale, 1, BLOCK_M, STAGES, CAUSAL, SPLIT, FUSE_DQ)),
+                     hkv, n0, j_lo, n_qblocks, n_iter, first_full, dk, dv, dk_strides, dv_strides, shares, counts,
+                     n_q, n_k, heads_q, group, qk_scale, scale, 1, BLOCK_M, STAGES, CAUSAL, SPLIT, FUSE_DQ)),
         (_loader, (q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_smem, do_smem, k_smem, v_smem, lse_smem,
                    delta_smem, bars, b, h0, hkv, n0, j_lo, n_qblocks, n_iter, row_stride, heads_q, BLOCK_M, STAGES)),
         (_reducer, (dq_desc, dq_smem, bars, b, h0, j_lo, n_qblocks, n_iter, BLOCK_M, FUSE_DQ)),

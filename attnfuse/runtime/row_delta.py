@@ -1,5 +1,6 @@
 """Each query row's delta = rowsum(dO ∘ O) − dlse in float32, the softmax backward's row term, for the
-Hopper dK/dV template when it also computes dQ (otherwise the generated dQ kernel writes delta)."""
+Hopper dK/dV template when it also computes dQ (otherwise the generated dQ kernel writes delta); the same
+launch zeroes dQ's float32 accumulator."""
 from __future__ import annotations
 
 import torch
@@ -12,9 +13,9 @@ from .launcher import Launcher, cdiv
 ROWS = 32  # query rows per program
 
 
-def _row_delta_kernel(Out, DOut, DLse, Delta, n_rows, Nq, H, stride_ob, stride_oh, stride_on, stride_od,
+def _row_delta_kernel(Out, DOut, DLse, Delta, Zeroed, n_rows, Nq, H, stride_ob, stride_oh, stride_on, stride_od,
                       stride_gb, stride_gh, stride_gn, stride_gd,
-                      HEAD_DIM: tl.constexpr, ROWS: tl.constexpr, HAS_DLSE: tl.constexpr):
+                      HEAD_DIM: tl.constexpr, ROWS: tl.constexpr, HAS_DLSE: tl.constexpr, ZERO: tl.constexpr):
     row = tl.program_id(0) * ROWS + tl.arange(0, ROWS)  # (b * H + h) * Nq + i
     keep = row < n_rows
     b = (row // Nq // H).to(tl.int64)
@@ -29,20 +30,25 @@ def _row_delta_kernel(Out, DOut, DLse, Delta, n_rows, Nq, H, stride_ob, stride_o
     if HAS_DLSE:
         delta -= tl.load(DLse + row, mask=keep, other=0.0)
     tl.store(Delta + row, delta, mask=keep)
+    if ZERO:
+        tl.store(Zeroed + row.to(tl.int64)[:, None] * HEAD_DIM + d, tl.zeros([ROWS, HEAD_DIM], tl.float32),
+                 mask=keep[:, None])
 
 
 _jitted = Launcher(triton.jit(_row_delta_kernel))
 _interpreted = InterpretedKernel(_row_delta_kernel)
 
 
-def row_delta(out: torch.Tensor, dout: torch.Tensor, dlse: torch.Tensor | None) -> torch.Tensor:
+def row_delta(out: torch.Tensor, dout: torch.Tensor, dlse: torch.Tensor | None,
+              zeroed: torch.Tensor | None = None) -> torch.Tensor:
     """out, dout (B, H, Nq, D), D a power of two; dlse (B, H, Nq) float32 contiguous or None
-    -> delta (B, H, Nq) float32."""
+    -> delta (B, H, Nq) float32; ``zeroed`` (B, H, Nq, D) float32 contiguous, if given, is filled with zeros."""
     B, H, Nq, D = out.shape
     delta = torch.empty((B, H, Nq), dtype=torch.float32, device=out.device)
     rows = B * H * Nq
     kernel = _jitted if out.is_cuda else _interpreted
-    kernel.launch((cdiv(rows, ROWS),), (out, dout, delta if dlse is None else dlse, delta, rows, Nq, H,
-                                        *out.stride(), *dout.stride()),
-                  dict(HEAD_DIM=D, ROWS=ROWS, HAS_DLSE=dlse is not None), device=out.device)
+    kernel.launch((cdiv(rows, ROWS),), (out, dout, delta if dlse is None else dlse, delta,
+                                        delta if zeroed is None else zeroed, rows, Nq, H, *out.stride(),
+                                        *dout.stride()),
+                  dict(HEAD_DIM=D, ROWS=ROWS, HAS_DLSE=dlse is not None, ZERO=zeroed is not None), device=out.device)
     return delta
