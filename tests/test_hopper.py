@@ -115,8 +115,9 @@ def test_kernel_compiles_for_sm90_within_shared_memory(causal_mask):
     assert compiled.metadata.shared <= 232448  # an H100's shared memory per block
 
 
-@pytest.mark.parametrize("causal_mask,split,fuse_dq", [(True, False, True), (False, True, True), (True, False, False)])
-def test_dkdv_kernel_compiles_for_sm90_within_shared_memory(causal_mask, split, fuse_dq):
+@pytest.mark.parametrize("causal_mask,group_sum,fuse_dq", [(True, "none", True), (False, "atomic", True),
+                                                             (True, "last", True), (True, "none", False)])
+def test_dkdv_kernel_compiles_for_sm90_within_shared_memory(causal_mask, group_sum, fuse_dq):
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -129,18 +130,32 @@ def test_dkdv_kernel_compiles_for_sm90_within_shared_memory(causal_mask, split, 
     dq_tile = f"tensordesc<fp32[1, 1, 64, 64],{dq_layout!r}>" if fuse_dq else "constexpr"
     rows = f"tensordesc<fp32[{hopper.DKDV_BLOCK_M}],{hopper._ROW_LAYOUT!r}>"
     signature = {"q_desc": tile, "do_desc": tile, "k_desc": tile, "v_desc": tile, "lse_desc": rows, "delta_desc": rows,
-                 "dk": "*bf16", "dv": "*bf16", "dq_desc": dq_tile, "shares": "*fp32", "counts": "*i32", **{f"stride_d{x}{y}": "i32" for x in "kv" for y in "bhn"},
-                 "n_q": "i32", "n_k": "i32", "heads_q": "i32", "group": "i32", "row_stride": "i32", "qk_scale": "fp32",
-                 "scale": "fp32", "BLOCK_M": "constexpr", "STAGES": "constexpr", "CAUSAL": "constexpr",
-                 "SPLIT": "constexpr", "FUSE_DQ": "constexpr"}
-    constants = {"BLOCK_M": hopper.DKDV_BLOCK_M, "STAGES": hopper.DKDV_STAGES, "CAUSAL": causal_mask, "SPLIT": split,
-                 "FUSE_DQ": fuse_dq, **({} if fuse_dq else {"dq_desc": None})}
+                 "dk": "*bf16", "dv": "*bf16", "dq_desc": dq_tile, "dk_part": "*fp32", "dv_part": "*fp32",
+                 "part_size": "i32", "counts": "*i32", **{f"stride_d{x}{y}": "i32" for x in "kv" for y in "bhn"},
+                 **{name: "i32" for name in ("n_q", "n_k", "heads_q", "group", "heads", "row_stride")},
+                 "qk_scale": "fp32", "scale": "fp32", "BLOCK_M": "constexpr", "STAGES": "constexpr",
+                 "CAUSAL": "constexpr", "GROUP_SUM": "constexpr", "FUSE_DQ": "constexpr"}
+    constants = {"BLOCK_M": hopper.DKDV_BLOCK_M, "STAGES": hopper.DKDV_STAGES, "CAUSAL": causal_mask,
+                 "GROUP_SUM": group_sum, "FUSE_DQ": fuse_dq, **({} if fuse_dq else {"dq_desc": None})}
     compiled = triton.compile(GluonASTSource(hopper_dkdv_kernel, signature, constants),
                               target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "maxnreg": 168})
-    assert "wgmma.mma_async" in compiled.asm["ptx"]
-    assert ("cp.reduce.async.bulk.tensor" in compiled.asm["ptx"]) == fuse_dq
-    assert ("atom.global.gpu.acq_rel.add" in compiled.asm["ptx"]) == split  # the count of a split's shares
+    ptx = compiled.asm["ptx"]
+    assert "wgmma.mma_async" in ptx
+    assert ("cp.reduce.async.bulk.tensor" in ptx) == fuse_dq
+    assert ("atom.global.gpu.relaxed.add.f32" in ptx) == (group_sum == "atomic")  # the shares' adds
+    assert ("atom.global.gpu.acq_rel.add" in ptx) == (group_sum == "last")  # their count
     assert compiled.metadata.shared <= 232448
+
+
+def test_dkdv_group_parts(monkeypatch):
+    """How many programs share a GQA group's query heads: none split when the whole-group grid fills an
+    H200 (132 multiprocessors) once; else the fewest parts (divisors of the group) that fill it 1.5 times."""
+    from attnfuse.runtime.hopper import _group_parts
+
+    monkeypatch.setattr(hopper, "multiprocessors", lambda device: 132)
+    assert [_group_parts(programs, 4, None) for programs in (132, 128, 99, 64, 30)] == [1, 2, 2, 4, 4]
+    assert [_group_parts(programs, 6, None) for programs in (128, 60, 20)] == [2, 6, 6]
+    assert _group_parts(10, 1, None) == 1
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])

@@ -17,6 +17,7 @@ _ROWS = 128  # query rows (forward) or keys (dK/dV) per program: two consumer wa
 DKDV_BLOCK_M = 64  # query rows per step of the dK/dV kernel
 DKDV_STAGES = 2  # its Q and dO stages in shared memory
 DKDV_SPLIT_WAVES = 1.0  # a GQA grid of fewer key-block programs than this many per multiprocessor splits
+DKDV_SPLIT_FILL = 1.5  # its groups' query heads, over the fewest programs that give this many per multiprocessor
 _TMA_LIMIT = 1 << 40  # bytes: a TMA stride must stay below it
 _ROW_LAYOUT = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1)  # lse and delta rows
 
@@ -99,26 +100,47 @@ class HopperLauncher:
         float32 (``rows_fit``) -> dk, dv (k's and v's shapes, unit last strides, any float dtype), written in
         place, and, if ``dq`` (B, Hq, Nq, D) float32 contiguous zeros is given, dQ added into it (TMA's
         float32 reduce-adds of each program's share of each tile: the order of the sum, so its last bits,
-        vary from run to run). When the grid of key blocks would not fill the GPU once, each program takes
-        one query head of a GQA group, and the group's last program to finish sums their float32 shares."""
+        vary from run to run). When the grid of key blocks would not fill the GPU once, a GQA group's query
+        heads are split over ``_group_parts`` programs, whose float32 shares of dK and dV are added up
+        atomically, or, under ``torch.use_deterministic_algorithms``, summed in order by the last of them."""
         B, Hq, Nq, D = q.shape
         Hkv, Nk = k.shape[1], k.shape[2]
         group, blocks = Hq // Hkv, cdiv(Nk, _ROWS)
-        split = group > 1 and B * Hkv * blocks < DKDV_SPLIT_WAVES * multiprocessors(q.device)
-        if split:  # each query head's shares, and a count of them per 64-key tile
-            shares = torch.empty((B, Hq, 2, Nk, D), dtype=torch.float32, device=q.device)
+        parts = _group_parts(B * Hkv * blocks, group, q.device)
+        counts = dk  # unused unless the last part sums
+        if parts == 1:
+            group_sum, dk_part, dv_part = "none", dk, dv
+        elif torch.are_deterministic_algorithms_enabled():
+            group_sum = "last"
+            dk_part, dv_part = torch.empty((2, parts, B, Hkv, Nk, D), dtype=torch.float32, device=q.device)
             counts = torch.zeros(B * Hkv * 2 * blocks, dtype=torch.int32, device=q.device)
-        else:  # unused
-            shares = counts = dk
+        else:
+            group_sum = "atomic"
+            dk_part, dv_part = torch.zeros((2, B, Hkv, Nk, D), dtype=torch.float32, device=q.device)
         dq_tiles = None if dq is None else self._describe(dq, DKDV_BLOCK_M, D // 2)
-        self._dkdv.launch((B * (Hq if split else Hkv), blocks),
+        self._dkdv.launch((B * Hq // (group // parts), blocks),
                           (self._describe(q, DKDV_BLOCK_M), self._describe(dout, DKDV_BLOCK_M),
                            self._describe(k, _ROWS // 2), self._describe(v, _ROWS // 2), self._describe_rows(lse),
-                           self._describe_rows(delta), dk, dv, dq_tiles, shares, counts, *dk.stride()[:3],
-                           *dv.stride()[:3], Nq, Nk, Hq, group, _row_stride(Nq), self.spec.qk_scale,
-                           self.spec.scale),
+                           self._describe_rows(delta), dk, dv, dq_tiles, dk_part, dv_part, B * Hkv * Nk * D, counts,
+                           *dk.stride()[:3], *dv.stride()[:3], Nq, Nk, Hq, group, group // parts, _row_stride(Nq),
+                           self.spec.qk_scale, self.spec.scale),
                           {"BLOCK_M": DKDV_BLOCK_M, "STAGES": DKDV_STAGES, "CAUSAL": self.spec.causal,
-                           "SPLIT": split, "FUSE_DQ": dq is not None}, num_warps=4, device=q.device, maxnreg=168)
+                           "GROUP_SUM": group_sum, "FUSE_DQ": dq is not None},
+                          num_warps=4, device=q.device, maxnreg=168)
+        if group_sum == "atomic":
+            dk.copy_(dk_part)
+            dv.copy_(dv_part)
+
+
+def _group_parts(programs: int, group: int, device: torch.device) -> int:
+    """Over how many programs the dK/dV template splits each GQA group's query heads (a divisor of
+    ``group``), given ``programs``, its grid with whole groups: 1 when that grid fills the GPU
+    DKDV_SPLIT_WAVES times, else the fewest parts that fill it DKDV_SPLIT_FILL times (or one per head)."""
+    wave = multiprocessors(device)
+    if programs >= DKDV_SPLIT_WAVES * wave:
+        return 1
+    return next(p for p in range(1, group + 1) if group % p == 0 and (programs * p >= DKDV_SPLIT_FILL * wave
+                                                                       or p == group))
 
 
 _GLUON_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float32: gl.float32}

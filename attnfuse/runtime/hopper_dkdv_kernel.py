@@ -2,10 +2,10 @@
 the keys and values and, with FUSE_DQ, the queries, warp-specialised like the forward template
 (``hopper_kernel.py``).
 
-One program per (128-key block, batch x kv head), or, with SPLIT, per (128-key block, batch x query head).
-A loader warp brings the block's two 64-row K and V tiles once, then the Q and dO tiles of every query
-block that sees the keys, with their rows' lse and delta, for each query head of the GQA group (one head
-with SPLIT), through TMA into a ring of ``STAGES`` stages; two consumer warpgroups take 64 keys each and
+One program per (128-key block, batch x kv head), or, when that grid is small, per (128-key block, batch x
+part of a GQA group's query heads). A loader warp brings the block's two 64-row K and V tiles once, then
+the Q and dO tiles of every query block that sees the keys, with their rows' lse and delta, for each of
+the program's query heads, through TMA into a ring of ``STAGES`` stages; two consumer warpgroups take 64 keys each and
 free a stage when both have read it. A consumer recomputes its weights transposed, (keys, queries), so
 they and dS enter the dV and dK products as register operands (FlashAttention's order):
 
@@ -27,9 +27,9 @@ lse (natural log) and delta = rowsum(dO ∘ O) − dlse come from the forward an
 key's NaN value). TMA reads only inside the tensors' shapes (zeros past them); query rows past Nq get lse
 +inf, so weight 0, and delta 0, and with FUSE_DQ keys past Nk get dS 0. dK and dV are stored from
 registers, masked to the keys below Nk, in their own dtype (float32 dK for a hoisted transform's gradient
-pass). With SPLIT each program stores its query head's float32 shares and counts them; the group's last
-program to finish reads the group's shares back, sums them in head order and stores the sums (the generated
-kernel's split, ``passes/codegen/head_split.py``), so dK and dV stay deterministic.
+pass). When a group's heads are split over programs, their float32 shares are added up atomically, or,
+deterministically, stored and counted, and the group's last program to finish sums them in order (the
+generated kernel's split, ``passes/codegen/head_split.py``): GROUP_SUM.
 """
 from __future__ import annotations
 
@@ -128,12 +128,13 @@ def _dq_half(ds, ds_smem, k_smem, ds_ready, no_dq, t, HALF: gl.constexpr):
 
 @gluon.jit
 def _consumer(k_desc, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq_smem, bars, b, h0, hkv,
-              n0, j_lo, n_qblocks, n_iter, first_full, dk_ptr, dv_ptr, dk_strides, dv_strides, shares, counts, n_q,
-              n_k, heads_q, group, qk_scale, scale, HALF: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-              SPLIT: gl.constexpr, FUSE_DQ: gl.constexpr):
+              n0, j_lo, n_qblocks, n_iter, first_full, dk_ptr, dv_ptr, dk_strides, dv_strides, dk_part, dv_part,
+              part_size, counts, n_q, n_k, heads, heads_q, group, qk_scale, scale, HALF: gl.constexpr,
+              BLOCK_M: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, GROUP_SUM: gl.constexpr,
+              FUSE_DQ: gl.constexpr):
     """One warpgroup: dK and dV of keys [n0 + HALF * 64, +64) over the loader's steps; query blocks before
-    ``first_full`` are masked. Writes them to rows of dk_ptr and dv_ptr by their (batch, head, row) strides
-    (with SPLIT, through its query head's shares: see ``_sum_shares``)."""
+    ``first_full`` are masked. Writes them to rows of dk_ptr and dv_ptr by their (batch, head, row) strides,
+    or, when the program has part of a GQA group's query heads, as GROUP_SUM says (``hopper_dkdv_kernel``)."""
     kv_ready, q_ready, do_ready, free, ds_ready, dq_full, dq_empty = bars
     HEAD_DIM: gl.constexpr = k_desc.block_type.shape[3]
     dtype: gl.constexpr = k_desc.dtype
@@ -204,8 +205,13 @@ def _consumer(k_desc, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_
     dk = dk * scale
     key = gl.expand_dims(n0 + HALF * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, acc_layout)), 1)
     d = gl.expand_dims(gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, acc_layout)), 0)
-    if SPLIT:  # this query head's shares; the group's last program to finish sums them all
-        dk, dv, last = _sum_shares(dk, dv, shares, counts, key, d, b, h0, hkv, heads_q, group, n_k, n0, HALF)
+    if GROUP_SUM == "atomic":  # add into the group's float32 sums
+        sums = ((b * (heads_q // group) + hkv).to(gl.int64) * n_k + key) * HEAD_DIM + d
+        gl.atomic_add(dk_part + sums, dk, mask=key < n_k, sem="relaxed")
+        gl.atomic_add(dv_part + sums, dv, mask=key < n_k, sem="relaxed")
+    elif GROUP_SUM == "last":  # this part's shares; the group's last program to finish sums them all
+        dk, dv, last = _sum_shares(dk, dv, dk_part, dv_part, part_size, counts, key, d, b, h0, hkv, heads, heads_q,
+                                   group, n_k, n0, HALF)
         if last:
             _store_grads(dk, dv, dk_ptr, dv_ptr, dk_strides, dv_strides, key, d, b, hkv, n_k)
     else:
@@ -213,28 +219,28 @@ def _consumer(k_desc, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_
 
 
 @gluon.jit
-def _sum_shares(dk, dv, shares, counts, key, d, b, h0, hkv, heads_q, group, n_k, n0, HALF: gl.constexpr):
-    """Stores query head h0's float32 shares of dK and dV (64 keys, D) at key rows ``key`` of ``shares``
-    (B, Hq, 2, Nk, D), and counts them in this 64-key tile's zeroed counter. Returns the group's sums, in
-    head order (deterministic), and whether this program is the last of its group, the one that stores them."""
+def _sum_shares(dk, dv, dk_part, dv_part, part_size, counts, key, d, b, h0, hkv, heads, heads_q, group, n_k, n0,
+                HALF: gl.constexpr):
+    """Stores this program's float32 shares of dK and dV (64 keys, D; query heads [h0, h0 + heads)) at key
+    rows ``key`` of its part of dk_part and dv_part (group / heads parts of part_size, each (B, Hkv, Nk, D)),
+    and counts them in this 64-key tile's zeroed counter. Returns the group's sums, in part order
+    (deterministic), and whether this program is the last of its group, the one that stores them."""
     HEAD_DIM: gl.constexpr = dk.shape[1]
-    rows = key.to(gl.int64) * HEAD_DIM + d
+    rows = ((b * (heads_q // group) + hkv).to(gl.int64) * n_k + key) * HEAD_DIM + d
     keep = key < n_k
-    head_size = n_k.to(gl.int64) * (2 * HEAD_DIM)  # one head's two shares
-    mine = shares + (b * heads_q + h0).to(gl.int64) * head_size + rows
-    gl.store(mine, dk, mask=keep)
-    gl.store(mine + n_k.to(gl.int64) * HEAD_DIM, dv, mask=keep)
+    mine = (h0 % group // heads).to(gl.int64) * part_size + rows
+    gl.store(dk_part + mine, dk, mask=keep)
+    gl.store(dv_part + mine, dv, mask=keep)
     gl.thread_barrier()  # every thread's stores before the count that publishes them
     tile = (b * (heads_q // group) + hkv) * (2 * gl.cdiv(n_k, 2 * ROWS)) + n0 // ROWS + HALF
-    last = gl.atomic_add(counts + tile, 1, sem="acq_rel", scope="gpu") == group - 1
+    parts = group // heads
+    last = gl.atomic_add(counts + tile, 1, sem="acq_rel", scope="gpu") == parts - 1
     dk = gl.zeros_like(dk)
     dv = gl.zeros_like(dv)
     if last:
-        first = shares + (b * heads_q + hkv * group).to(gl.int64) * head_size + rows
-        for j in range(group):
-            dk += gl.load(first + j * head_size, mask=keep, other=0.0, cache_modifier=".cg")
-            dv += gl.load(first + j * head_size + n_k.to(gl.int64) * HEAD_DIM, mask=keep, other=0.0,
-                          cache_modifier=".cg")
+        for j in range(parts):
+            dk += gl.load(dk_part + j * part_size + rows, mask=keep, other=0.0, cache_modifier=".cg")
+            dv += gl.load(dv_part + j * part_size + rows, mask=keep, other=0.0, cache_modifier=".cg")
     return dk, dv, last
 
 
@@ -248,31 +254,29 @@ def _store_grads(dk, dv, dk_ptr, dv_ptr, dk_strides, dv_strides, key, d, b, hkv,
 
 
 @gluon.jit
-def hopper_dkdv_kernel(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, dk, dv, dq_desc, shares, counts,
-                       stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn, n_q, n_k, heads_q,
-                       group, row_stride, qk_scale, scale, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
-                       CAUSAL: gl.constexpr, SPLIT: gl.constexpr, FUSE_DQ: gl.constexpr):
+def hopper_dkdv_kernel(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, dk, dv, dq_desc, dk_part, dv_part,
+                       part_size, counts, stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn, n_q,
+                       n_k, heads_q, group, heads, row_stride, qk_scale, scale, BLOCK_M: gl.constexpr,
+                       STAGES: gl.constexpr, CAUSAL: gl.constexpr, GROUP_SUM: gl.constexpr, FUSE_DQ: gl.constexpr):
     """q_desc, do_desc: (B, Hq, Nq, D) in [1, 1, BLOCK_M, D] tiles; k_desc, v_desc: (B, Hkv, Nk, D) in
     [1, 1, 64, D] tiles; lse_desc, delta_desc: float32 (B * Hq * row_stride,), each (batch, head)'s Nq values
     starting every row_stride, in [BLOCK_M] tiles; dk, dv: (B, Hkv, Nk, D) with a unit last stride. With
-    SPLIT, shares: float32 scratch (B, Hq, 2, Nk, D); counts: int32 zeros, one per 64-key tile
-    (B * Hkv * 2 * cdiv(Nk, 128)); else unused. With FUSE_DQ, dq_desc: dQ's float32 accumulator
-    (B, Hq, Nq, D) in [1, 1, BLOCK_M, D / 2] tiles, zeros or a sum to add to (else None). qk_scale: the
-    scores' factor in log2 units; scale: the program's.
-    Grid (B * Hkv, cdiv(Nk, 128)), or (B * Hq, ...) with SPLIT: the blocks that most queries see first.
+    FUSE_DQ, dq_desc: dQ's float32 accumulator (B, Hq, Nq, D) in [1, 1, BLOCK_M, D / 2] tiles, zeros or a
+    sum to add to (else None). qk_scale: the scores' factor in log2 units; scale: the program's.
+    Grid (B * Hq / heads, cdiv(Nk, 128)), the blocks that most queries see first: a program takes ``heads``
+    query heads of a GQA group (a divisor of it). With all of them (GROUP_SUM "none") it stores dK and dV;
+    else they are summed over the group's programs, as GROUP_SUM says:
+    - "atomic": each adds its float32 shares into dk_part and dv_part, float32 zeros (B, Hkv, Nk, D); the
+      order of the adds, so the sums' last bits, vary from run to run;
+    - "last": each stores them in its part of dk_part and dv_part, float32 (group / heads, B, Hkv, Nk, D)
+      with part_size elements a part, and counts them in counts, int32 zeros, one per 64-key tile
+      (B * Hkv * 2 * cdiv(Nk, 128)); the last program to finish sums the parts in order and stores dK, dV.
     4 warps (one consumer) plus the workers: a consumer, the loader and dQ's reducer."""
     bh = gl.program_id(0)
     n0 = gl.program_id(1) * (2 * ROWS)
-    if SPLIT:
-        b = bh // heads_q
-        h0 = bh % heads_q
-        hkv = h0 // group
-        heads = 1
-    else:
-        b = bh // (heads_q // group)
-        hkv = bh % (heads_q // group)
-        h0 = hkv * group
-        heads = group
+    b = bh // (heads_q // heads)
+    h0 = bh % (heads_q // heads) * heads
+    hkv = h0 // group
     if CAUSAL:  # query row r keeps key c when c <= r + Nk - Nq
         j_lo = gl.maximum(n0 - (n_k - n_q), 0) // BLOCK_M
         first_full = gl.cdiv(gl.maximum(n0 + 2 * ROWS - 1 - (n_k - n_q), 0), BLOCK_M)
@@ -310,11 +314,13 @@ def hopper_dkdv_kernel(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, dk
     # The argument tuples are written out: a tuple built by concatenation loses its constexprs.
     gl.warp_specialize([
         (_consumer, (k_desc, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq_smem, bars, b, h0,
-                     hkv, n0, j_lo, n_qblocks, n_iter, first_full, dk, dv, dk_strides, dv_strides, shares, counts,
-                     n_q, n_k, heads_q, group, qk_scale, scale, 0, BLOCK_M, STAGES, CAUSAL, SPLIT, FUSE_DQ)),
+                     hkv, n0, j_lo, n_qblocks, n_iter, first_full, dk, dv, dk_strides, dv_strides, dk_part, dv_part,
+                     part_size, counts, n_q, n_k, heads, heads_q, group, qk_scale, scale, 0, BLOCK_M, STAGES, CAUSAL,
+                     GROUP_SUM, FUSE_DQ)),
         (_consumer, (k_desc, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq_smem, bars, b, h0,
-                     hkv, n0, j_lo, n_qblocks, n_iter, first_full, dk, dv, dk_strides, dv_strides, shares, counts,
-                     n_q, n_k, heads_q, group, qk_scale, scale, 1, BLOCK_M, STAGES, CAUSAL, SPLIT, FUSE_DQ)),
+                     hkv, n0, j_lo, n_qblocks, n_iter, first_full, dk, dv, dk_strides, dv_strides, dk_part, dv_part,
+                     part_size, counts, n_q, n_k, heads, heads_q, group, qk_scale, scale, 1, BLOCK_M, STAGES, CAUSAL,
+                     GROUP_SUM, FUSE_DQ)),
         (_loader, (q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_smem, do_smem, k_smem, v_smem, lse_smem,
                    delta_smem, bars, b, h0, hkv, n0, j_lo, n_qblocks, n_iter, row_stride, heads_q, BLOCK_M, STAGES)),
         (_reducer, (dq_desc, dq_smem, bars, b, h0, j_lo, n_qblocks, n_iter, BLOCK_M, FUSE_DQ)),
