@@ -1,10 +1,11 @@
-"""The Hopper dK/dV template's knobs (query rows per step, Q/dO stages, when a GQA grid splits over query
-heads), timed as GPU kernel time per Llama-3-8B forward+backward (torch.profiler's sum of its kernels),
-with each kernel's share; and the backward's two paths: dQ inside the template (the default) or, under
-torch.use_deterministic_algorithms, the generated dQ kernel first.
+"""The Hopper dK/dV template's knobs (query rows per step, Q/dO stages, when a GQA grid splits its groups'
+query heads and into how many parts), timed as GPU kernel time per Llama-3-8B forward+backward
+(torch.profiler's sum of its kernels), with each kernel's share; and the backward's two paths: dQ inside
+the template (the default) or, under torch.use_deterministic_algorithms, the generated dQ kernel first
+(and a split group's shares summed in order rather than added atomically).
 
     python benchmarks/sweep_hopper_dkdv.py [--N 2048 4096 8192] [--block-m 32 64] [--stages 2 3] [--split-waves 0 1 2]
-        [--paths fused deterministic] [--programs causal dense] [--rounds 2]
+        [--split-fill 1.5 3] [--paths fused deterministic] [--programs causal dense] [--rounds 2]
 """
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ def main() -> None:
     parser.add_argument("--block-m", type=int, nargs="+", default=[hopper.DKDV_BLOCK_M])
     parser.add_argument("--stages", type=int, nargs="+", default=[hopper.DKDV_STAGES])
     parser.add_argument("--split-waves", type=float, nargs="+", default=[hopper.DKDV_SPLIT_WAVES])
+    parser.add_argument("--split-fill", type=float, nargs="+", default=[hopper.DKDV_SPLIT_FILL])
     parser.add_argument("--paths", nargs="+", default=["fused"], choices=["fused", "deterministic"])
     parser.add_argument("--programs", nargs="+", default=["causal"], choices=["causal", "dense"])
     parser.add_argument("--rounds", type=int, default=1, help="times each setting is timed, in turns")
@@ -33,16 +35,17 @@ def main() -> None:
         leaves = [torch.randn(B, h, N, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
                   for h in (Hq, Hkv, Hkv)]
         dout = torch.randn(B, Hq, N, D, device="cuda", dtype=torch.bfloat16)
-        settings = list(itertools.product(args.block_m, args.stages, args.split_waves, args.paths))
-        for _, (block_m, stages, waves, path) in itertools.product(range(args.rounds), settings):
-            hopper.DKDV_BLOCK_M, hopper.DKDV_STAGES, hopper.DKDV_SPLIT_WAVES = block_m, stages, waves
+        settings = list(itertools.product(args.block_m, args.stages, args.split_waves, args.split_fill, args.paths))
+        for _, (block_m, stages, waves, fill, path) in itertools.product(range(args.rounds), settings):
+            hopper.DKDV_BLOCK_M, hopper.DKDV_STAGES = block_m, stages
+            hopper.DKDV_SPLIT_WAVES, hopper.DKDV_SPLIT_FILL = waves, fill
             torch.use_deterministic_algorithms(path == "deterministic")
             try:
                 rows = kernel_means(lambda: torch.autograd.grad(PROGRAMS[program](*leaves), leaves, dout))
             finally:
                 torch.use_deterministic_algorithms(False)
             parts = ", ".join(f"{key[:24]} {t:.1f}" for t, key in rows[:6])
-            print(f"{program} N {N} block_m {block_m} stages {stages} split_waves {waves} {path}: "
+            print(f"{program} N {N} block_m {block_m} stages {stages} split_waves {waves} split_fill {fill} {path}: "
                   f"{sum(t for t, _ in rows):.1f} us ({parts})", flush=True)
 
 
