@@ -91,7 +91,7 @@ class HopperLauncher:
         args = (self._describe(q, _ROWS // 2), self._describe(k, block_n), self._describe(v, block_n),
                 self._describe(out, _ROWS // 2), q, k, v, out, out if lse is None else lse, Nq, k.shape[2], Hq,
                 Hq // k.shape[1], self.spec.qk_scale)
-        self._launcher.launch((cdiv(Nq, _ROWS), B * Hq), args, {**self._constexprs, "SAVE_LSE": lse is not None},
+        self._launcher.launch((B * Hq, cdiv(Nq, _ROWS)), args, {**self._constexprs, "SAVE_LSE": lse is not None},
                               num_warps=4, device=q.device, maxnreg=168)
 
     def dkdv(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor, lse: torch.Tensor,

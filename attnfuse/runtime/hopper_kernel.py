@@ -233,9 +233,10 @@ def hopper_forward_kernel(q_desc, k_desc, v_desc, o_desc, q, k, v, out, lse, n_q
     """q_desc, o_desc: (B, Hq, Nq, D) in [1, 1, 64, D] tiles; k_desc, v_desc: (B, Hkv, Nk, D) in
     [1, 1, BLOCK_N, D] tiles; q, k, v, out: the same tensors' pointers (the careful redo reads and writes
     through them, with the descriptors' strides); lse (B, Hq, Nq) float32 (natural log), written if SAVE_LSE.
-    Grid (cdiv(Nq, 128), B * Hq); 4 warps (one consumer) plus the workers: a consumer and the loader."""
-    m0 = (gl.num_programs(0) - 1 - gl.program_id(0)) * (2 * ROWS)  # the longest causal rows first
-    bh = gl.program_id(1)
+    Grid (B * Hq, cdiv(Nq, 128)), so every head's longest causal rows start first; 4 warps (one consumer)
+    plus the workers: a consumer and the loader."""
+    bh = gl.program_id(0)
+    m0 = (gl.num_programs(1) - 1 - gl.program_id(1)) * (2 * ROWS)
     b = bh // heads_q
     hq = bh % heads_q
     hkv = hq // group
