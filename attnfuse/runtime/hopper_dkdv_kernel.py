@@ -5,9 +5,9 @@ the keys and values and, with FUSE_DQ, the queries, warp-specialised like the fo
 One program per (128-key block, batch x kv head), or, when that grid is small, per (128-key block, batch x
 part of a GQA group's query heads). A loader warp brings the block's two 64-row K and V tiles once, then
 the Q and dO tiles of every query block that sees the keys, with their rows' lse and delta, for each of
-the program's query heads, through TMA into a ring of ``STAGES`` stages; two consumer warpgroups take 64 keys each and
-free a stage when both have read it. A consumer recomputes its weights transposed, (keys, queries), so
-they and dS enter the dV and dK products as register operands (FlashAttention's order):
+the program's query heads, through TMA into a ring of ``STAGES`` stages; two consumer warpgroups take 64
+keys each and free a stage when both have read it. A consumer recomputes its weights transposed, (keys,
+queries), so they and dS enter the dV and dK products as register operands (FlashAttention's order):
 
     Sᵀ = K·Qᵀ, Pᵀ = exp2(Sᵀ·qk_scale − lse·log2 e), dPᵀ = V·dOᵀ, dSᵀ = Pᵀ ∘ (dPᵀ − delta),
     dV += Pᵀ·dO, dK += dSᵀ·Q, and at the end dK *= scale.
