@@ -10,7 +10,8 @@ on the same inputs; then one torch.compile'd training step per implementation at
 implementation runs on its own copy of the layer (same weights). The implementations take turns: in each of
 --rounds rounds each is timed once (triton.testing.do_bench's median), in an order rotated every round, so
 none always runs on a GPU that the others have heated; a figure is the median of its rounds, "spread" the
-range of its rounds over that median. Runs in about 2 minutes on an H200. Also ``op_overhead()``: the host
+range of its rounds over that median, and "paired" the median of each round's ratio to SDPA's figure in
+that round. Runs in about 2 minutes on an H200. Also ``op_overhead()``: the host
 time of a program call through the custom op against ``run_attention`` directly. benchmarks/layer_steps.py
 looks inside the training steps (a profile; other ways of timing them).
 """
@@ -126,6 +127,12 @@ def median_and_spread(times: list[float]) -> tuple[float, float]:
     return median, (max(times) - min(times)) / median
 
 
+def paired_ratio(times: list[float], baseline: list[float]) -> float:
+    """The median over rounds of a figure's ms over the baseline's in the same round: each pair is timed
+    seconds apart, under the same clocks and heat, which a ratio of the two medians does not ensure."""
+    return statistics.median(t / b for t, b in zip(times, baseline))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--lengths", default="2048,4096,8192")
@@ -154,16 +161,18 @@ def main() -> None:
         results.update({(name, N, "train"): t for name, t in times.items()})
     print(f"Llama-3-8B decoder layer, B1, {'tiny CPU' if args.tiny else 'bf16'}: median ms of {args.rounds} rounds, "
           f"model TFLOP/s (training step: forward + backward + AdamW, counted as 3 forwards); ratio: ms / sdpa's "
-          f"ms; spread: (slowest - fastest round) / median")
-    print(f"{'backend':<22}{'N':>6}{'fwd ms':>9}{'TFLOP/s':>9}{'ratio':>8}{'spread':>8}"
-          f"{'train ms':>10}{'TFLOP/s':>9}{'ratio':>8}{'spread':>8}")
+          f"ms; paired: the median of the rounds' own ratios to sdpa; spread: (slowest - fastest round) / median")
+    print(f"{'backend':<22}{'N':>6}{'fwd ms':>9}{'TFLOP/s':>9}{'ratio':>8}{'paired':>8}{'spread':>8}"
+          f"{'train ms':>10}{'TFLOP/s':>9}{'ratio':>8}{'paired':>8}{'spread':>8}")
     for name in backends:
         for N in lengths:
             row = f"{name:<22}{N:>6}"
             for step, count in (("forward", 1), ("train", 3)):
                 ms, spread = median_and_spread(results[name, N, step])
                 ratio = ms / median_and_spread(results["sdpa", N, step])[0]
-                row += f"{ms:>9.3f}{count * layer_flops(config, N) / ms / 1e9:>9.1f}{ratio:>8.3f}{spread:>8.1%}"
+                paired = paired_ratio(results[name, N, step], results["sdpa", N, step])
+                row += (f"{ms:>9.3f}{count * layer_flops(config, N) / ms / 1e9:>9.1f}{ratio:>8.3f}{paired:>8.3f}"
+                        f"{spread:>8.1%}")
             print(row)
     if not args.no_compile:
         compiled_steps(backends, inputs(compile_length), args.tiny, args.rounds, device)
@@ -192,11 +201,11 @@ def compiled_steps(backends: dict[str, Backend], case: Inputs, tiny: bool, round
     times = in_rounds({name: (lambda b=backends[name], f=f: b.train_step(case, f)) for name, f in compiled.items()},
                       rounds, device)
     print(f"\ntorch.compile'd forward+backward (AdamW eager), N={case.N}: median ms of {rounds} rounds, ratio to "
-          f"sdpa, spread, first call's compile in s, whether fullgraph=True compiled")
+          f"sdpa, paired ratio, spread, first call's compile in s, whether fullgraph=True compiled")
     for name, t in times.items():
         ms, spread = median_and_spread(t)
-        print(f"{name:<22}{ms:>10.3f}{ms / median_and_spread(times['sdpa'])[0]:>8.3f}{spread:>8.1%}"
-              f"{compile_s[name]:>8.1f}  {fullgraph[name]}")
+        print(f"{name:<22}{ms:>10.3f}{ms / median_and_spread(times['sdpa'])[0]:>8.3f}"
+              f"{paired_ratio(t, times['sdpa']):>8.3f}{spread:>8.1%}{compile_s[name]:>8.1f}  {fullgraph[name]}")
 
 
 def op_overhead(device: torch.device, dtype: torch.dtype, calls: int = 2000) -> None:
