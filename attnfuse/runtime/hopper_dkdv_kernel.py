@@ -205,36 +205,33 @@ def _consumer(k_desc, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_
     dk = dk * scale
     key = gl.expand_dims(n0 + HALF * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, acc_layout)), 1)
     d = gl.expand_dims(gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, acc_layout)), 0)
-    if GROUP_SUM == "atomic":  # add into the group's float32 sums
-        sums = ((b * (heads_q // group) + hkv).to(gl.int64) * n_k + key) * HEAD_DIM + d
-        gl.atomic_add(dk_part + sums, dk, mask=key < n_k, sem="relaxed")
-        gl.atomic_add(dv_part + sums, dv, mask=key < n_k, sem="relaxed")
-    elif GROUP_SUM == "last":  # this part's shares; the group's last program to finish sums them all
-        dk, dv, last = _sum_shares(dk, dv, dk_part, dv_part, part_size, counts, key, d, b, h0, hkv, heads, heads_q,
-                                   group, n_k, n0, HALF)
-        if last:
-            _store_grads(dk, dv, dk_ptr, dv_ptr, dk_strides, dv_strides, key, d, b, hkv, n_k)
-    else:
+    if GROUP_SUM == "none":
         _store_grads(dk, dv, dk_ptr, dv_ptr, dk_strides, dv_strides, key, d, b, hkv, n_k)
+    else:  # a split group: these rows of its float32 (B, Hkv, Nk, D) sums, or of each part's shares
+        kv_row = b * (heads_q // group) + hkv
+        rows = (kv_row.to(gl.int64) * n_k + key) * HEAD_DIM + d
+        if GROUP_SUM == "atomic":
+            gl.atomic_add(dk_part + rows, dk, mask=key < n_k, sem="relaxed")
+            gl.atomic_add(dv_part + rows, dv, mask=key < n_k, sem="relaxed")
+        else:  # "last": this part's shares; the group's last program to finish sums them all
+            tile = kv_row * (2 * gl.cdiv(n_k, 2 * ROWS)) + n0 // ROWS + HALF  # this 64-key tile's counter
+            dk, dv, last = _sum_shares(dk, dv, dk_part, dv_part, part_size, counts + tile, rows, key < n_k,
+                                       h0 % group // heads, group // heads)
+            if last:
+                _store_grads(dk, dv, dk_ptr, dv_ptr, dk_strides, dv_strides, key, d, b, hkv, n_k)
 
 
 @gluon.jit
-def _sum_shares(dk, dv, dk_part, dv_part, part_size, counts, key, d, b, h0, hkv, heads, heads_q, group, n_k, n0,
-                HALF: gl.constexpr):
-    """Stores this program's float32 shares of dK and dV (64 keys, D; query heads [h0, h0 + heads)) at key
-    rows ``key`` of its part of dk_part and dv_part (group / heads parts of part_size, each (B, Hkv, Nk, D)),
-    and counts them in this 64-key tile's zeroed counter. Returns the group's sums, in part order
+def _sum_shares(dk, dv, dk_part, dv_part, part_size, count, rows, keep, part, parts):
+    """Stores this program's float32 shares of dK and dV (64 keys, D) at ``rows`` (where ``keep``) of part
+    ``part`` of dk_part and dv_part (``parts`` parts of part_size elements, each (B, Hkv, Nk, D)), and
+    counts them in ``count``, its tile's zeroed counter. Returns the group's sums, in part order
     (deterministic), and whether this program is the last of its group, the one that stores them."""
-    HEAD_DIM: gl.constexpr = dk.shape[1]
-    rows = ((b * (heads_q // group) + hkv).to(gl.int64) * n_k + key) * HEAD_DIM + d
-    keep = key < n_k
-    mine = (h0 % group // heads).to(gl.int64) * part_size + rows
+    mine = part.to(gl.int64) * part_size + rows
     gl.store(dk_part + mine, dk, mask=keep)
     gl.store(dv_part + mine, dv, mask=keep)
     gl.thread_barrier()  # every thread's stores before the count that publishes them
-    tile = (b * (heads_q // group) + hkv) * (2 * gl.cdiv(n_k, 2 * ROWS)) + n0 // ROWS + HALF
-    parts = group // heads
-    last = gl.atomic_add(counts + tile, 1, sem="acq_rel", scope="gpu") == parts - 1
+    last = gl.atomic_add(count, 1, sem="acq_rel", scope="gpu") == parts - 1
     dk = gl.zeros_like(dk)
     dv = gl.zeros_like(dv)
     if last:
