@@ -266,12 +266,14 @@ def test_hopper_forward_reads_nothing_outside_its_views(monkeypatch):
 @requires_hopper
 @pytest.mark.parametrize("deterministic", [False, True], ids=["fused-dq", "deterministic"])
 @pytest.mark.parametrize("program", [causal, dense], ids=["causal", "dense"])
-def test_hopper_backward_through_lse(monkeypatch, program, deterministic):
+@pytest.mark.parametrize("B,Hq,Hkv,Nq,Nk", [(2, 8, 2, 700, 900), (1, 32, 8, 1500, 1700)],
+                         ids=["four-parts", "two-parts"])
+def test_hopper_backward_through_lse(monkeypatch, program, deterministic, B, Hq, Hkv, Nq, Nk):
     """A loss of out and lse (so dlse enters delta), with dQ in the template (float32 reduce-adds) or, under
     torch.use_deterministic_algorithms, in the generated dQ kernel, whose gradients are then bitwise
-    equal from step to step; against float64 autograd of the reference. Partial blocks, GQA."""
+    equal from step to step; against float64 autograd of the reference. Partial blocks, GQA groups split
+    over four programs or (by default summed by the last of them) two, on an H200's 132 multiprocessors."""
     calls = _spy(monkeypatch, "dkdv")
-    B, Hq, Hkv, Nq, Nk = 2, 8, 2, 700, 900
     leaves = [torch.randn(B, h, n, 128, device="cuda", dtype=torch.bfloat16).requires_grad_()
               for h, n in ((Hq, Nq), (Hkv, Nk), (Hkv, Nk))]
     dout, dlse = torch.randn(B, Hq, Nq, 128, device="cuda", dtype=torch.bfloat16), torch.randn(B, Hq, Nq, device="cuda")

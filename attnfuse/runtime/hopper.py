@@ -101,8 +101,9 @@ class HopperLauncher:
         place, and, if ``dq`` (B, Hq, Nq, D) float32 contiguous zeros is given, dQ added into it (TMA's
         float32 reduce-adds of each program's share of each tile: the order of the sum, so its last bits,
         vary from run to run). When the grid of key blocks would not fill the GPU once, a GQA group's query
-        heads are split over ``_group_parts`` programs, whose float32 shares of dK and dV are added up
-        atomically, or, under ``torch.use_deterministic_algorithms``, summed in order by the last of them."""
+        heads are split over ``_group_parts`` programs, whose float32 shares of dK and dV are summed in order
+        by the last of them when there are two parts or under ``torch.use_deterministic_algorithms``, else
+        added up atomically."""
         B, Hq, Nq, D = q.shape
         Hkv, Nk = k.shape[1], k.shape[2]
         group, blocks = Hq // Hkv, cdiv(Nk, _ROWS)
@@ -110,7 +111,7 @@ class HopperLauncher:
         counts = dk  # unused unless the last part sums
         if parts == 1:
             group_sum, dk_part, dv_part = "none", dk, dv
-        elif torch.are_deterministic_algorithms_enabled():
+        elif parts == 2 or torch.are_deterministic_algorithms_enabled():
             group_sum = "last"
             dk_part, dv_part = torch.empty((2, parts, B, Hkv, Nk, D), dtype=torch.float32, device=q.device)
             counts = torch.zeros(B * Hkv * 2 * blocks, dtype=torch.int32, device=q.device)

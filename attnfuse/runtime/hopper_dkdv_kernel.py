@@ -226,18 +226,24 @@ def _sum_shares(dk, dv, dk_part, dv_part, part_size, count, rows, keep, part, pa
     """Stores this program's float32 shares of dK and dV (64 keys, D) at ``rows`` (where ``keep``) of part
     ``part`` of dk_part and dv_part (``parts`` parts of part_size elements, each (B, Hkv, Nk, D)), and
     counts them in ``count``, its tile's zeroed counter. Returns the group's sums, in part order
-    (deterministic), and whether this program is the last of its group, the one that stores them."""
+    (deterministic), and whether this program is the last of its group, the one that stores them. Of two
+    parts the last adds the other's shares to its own, in registers: a + b is b + a, bit for bit."""
     mine = part.to(gl.int64) * part_size + rows
     gl.store(dk_part + mine, dk, mask=keep)
     gl.store(dv_part + mine, dv, mask=keep)
     gl.thread_barrier()  # every thread's stores before the count that publishes them
     last = gl.atomic_add(count, 1, sem="acq_rel", scope="gpu") == parts - 1
-    dk = gl.zeros_like(dk)
-    dv = gl.zeros_like(dv)
     if last:
-        for j in range(parts):
-            dk += gl.load(dk_part + j * part_size + rows, mask=keep, other=0.0, cache_modifier=".cg")
-            dv += gl.load(dv_part + j * part_size + rows, mask=keep, other=0.0, cache_modifier=".cg")
+        if parts == 2:
+            other = (1 - part).to(gl.int64) * part_size + rows
+            dk += gl.load(dk_part + other, mask=keep, other=0.0, cache_modifier=".cg")
+            dv += gl.load(dv_part + other, mask=keep, other=0.0, cache_modifier=".cg")
+        else:
+            dk = gl.zeros_like(dk)
+            dv = gl.zeros_like(dv)
+            for j in range(parts):
+                dk += gl.load(dk_part + j * part_size + rows, mask=keep, other=0.0, cache_modifier=".cg")
+                dv += gl.load(dv_part + j * part_size + rows, mask=keep, other=0.0, cache_modifier=".cg")
     return dk, dv, last
 
 
