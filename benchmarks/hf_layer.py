@@ -110,14 +110,15 @@ def setup(tiny: bool) -> tuple[LlamaConfig, dict[str, Backend], Callable[[int], 
     return config, backends, lambda N: Inputs(config, rotary, N, device, dtype)
 
 
-def in_rounds(steps: dict[str, Callable[[], None]], rounds: int, device: torch.device) -> dict[str, list[float]]:
-    """Each step's ms in each of ``rounds`` rounds; every round times every step once, starting one step
-    later than the round before."""
+def in_rounds(steps: dict[str, Callable[[], None]], rounds: int, device: torch.device,
+              measure: Callable | None = None) -> dict[str, list[float]]:
+    """Each step's ms in each of ``rounds`` rounds (``bench``, or ``measure(step)``); every round times every
+    step once, starting one step later than the round before."""
     names = list(steps)
     times: dict[str, list[float]] = {name: [] for name in names}
     for r in range(rounds):
         for name in names[r % len(names):] + names[:r % len(names)]:
-            times[name].append(bench(steps[name], device))
+            times[name].append(measure(steps[name]) if measure else bench(steps[name], device))
     return times
 
 
