@@ -107,6 +107,30 @@ def test_backward_matches_sdpa(dtype, B, Hq, Hkv, N, bitwise):
         assert_matches_reference(a, b, c, dtype, what=name)
 
 
+def test_more_batch_heads_than_a_grid_holds_along_y():
+    """B x H = 65600 (batch, head) programs, past CUDA's 65535 along a grid's y: the generated kernels (head
+    dim 64) take them over y and z (tests/test_grid.py). Training against float64 SDPA, and split-KV
+    decoding of one query a sequence."""
+    B, H, N, D = 4100, 16, 16, 64
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    leaves = [torch.randn(B, H, N, D, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3)]
+    dout = torch.randn(B, H, N, D, device="cuda", dtype=torch.bfloat16)
+    out = causal(*leaves)
+    grads = torch.autograd.grad(out, leaves, dout)
+    refs = {}
+    for dtype in (torch.float64, torch.bfloat16):
+        ref_leaves = [t.detach().to(dtype).requires_grad_() for t in leaves]
+        ref = sdpa(*ref_leaves, is_causal=True)
+        refs[dtype] = (ref, *torch.autograd.grad(ref, ref_leaves, dout.to(dtype)))
+    for name, got, want, lowp in zip(("out", "dq", "dk", "dv"), (out, *grads), refs[torch.float64],
+                                     refs[torch.bfloat16]):
+        assert_matches_reference(got, want, lowp, torch.bfloat16, what=name)
+    q = torch.randn(B, H, 1, D, device="cuda", dtype=torch.bfloat16)
+    k, v = (t.detach() for t in leaves[1:])
+    assert_matches_reference(dense(q, k, v), sdpa(q.double(), k.double(), v.double()), sdpa(q, k, v),
+                             torch.bfloat16, what="decoding")
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_rope_backward_hoisted(dtype):
     """RoPE+causal training at a size where the rotations are hoisted into passes (forward and backward),

@@ -87,7 +87,7 @@ class BackwardKernels:
             shares, counts = self._split_buffers(B * Hkv * heavy * block_rows, Hq // Hkv, q)
             split_args.update(PartDKV=shares, SplitCount=counts)
         self.dkdv.launch(block_grid(Nk, B * Hkv, "block_n", limit if dkdv_spec.scheduled else None,
-                                    heavy * (Hq // Hkv - 1)),
+                                    heavy * (Hq // Hkv - 1), what="B x Hkv"),
                          dkdv_spec.launch.bind({**shared, "DKey": dk, "DValue": dv, **pargs, **split_args}),
                          q.device, limit=limit, EVEN_K=even_keys(kv), EVEN_M=even_m)
 
@@ -116,7 +116,7 @@ class BackwardKernels:
         grad_args = dict(zip(self.dq.spec.grad_buffers, buffers))
         even_m = lambda tiles: Nq % tiles.block_m == 0  # noqa: E731
         dq_spec = self.dq.spec
-        self.dq.launch(block_grid(Nq, B * Hq, "block_m", limit if dq_spec.scheduled else None),
+        self.dq.launch(block_grid(Nq, B * Hq, "block_m", limit if dq_spec.scheduled else None, what="B x Hq"),
                        dq_spec.launch.bind({**shared, "O": out, "DLse": delta if dlse is None else dlse,
                                             "DQuery": dq, **pargs, **grad_args}),
                        q.device, limit=limit, HAS_DLSE=dlse is not None, EVEN_K=even_keys(kv), EVEN_M=even_m)

@@ -11,7 +11,7 @@ from .combine import combine
 from .inputs import KVCache, accumulator_dtype, empty_like_layout, even_keys, kv_launch_args
 from .kernel import CompiledKernel
 from .plugin_args import PluginArgs
-from .launcher import cdiv, multiprocessors, next_power_of_2
+from .launcher import cdiv, head_grid, multiprocessors, next_power_of_2
 
 MAX_QUERIES = 16  # decoding and speculative decoding: at most this many queries take the split path
 PROGRAMS_PER_SM = 2  # split-KV programs to have in flight per multiprocessor (benchmarks/sweep_tiles.py)
@@ -65,7 +65,8 @@ class DecodeKernel:
         args = self.kernel.spec.launch.bind({
             "Q": q, "K": kv.k, "V": kv.v, "PartOut": part_out, "PartLse": part_lse, "HQ": Hq, "Nq": Nq,
             **kv_launch_args(kv), "SPLIT": split_keys, "NUM_SPLITS": splits, **self.plugin_args(q, kv, inputs).args})
-        self.kernel.launch(lambda tiles: (splits, B * Hkv, row_blocks), args, q.device, block_m=block_m,
+        y, z = head_grid(B * Hkv, "B x Hkv")  # z > 1 only past 65535 heads: z * row_blocks stays small
+        self.kernel.launch(lambda tiles: (splits, y, z * row_blocks), args, q.device, block_m=block_m,
                            EVEN_K=even_keys(kv))
         combine(part_out, part_lse, out, lse, self._logsumexp)
         return out, lse

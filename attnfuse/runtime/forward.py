@@ -49,6 +49,7 @@ class ForwardKernel:
         spec = self.kernel.spec
         args = spec.launch.bind({"Q": q, "K": k, "V": v, "Out": out, "Lse": out if lse is None else lse, "HQ": Hq,
                                  "Nq": Nq, **kv_launch_args(kv), **pargs})
-        self.kernel.launch(block_grid(Nq, B * Hq, "block_m", limit if spec.scheduled else None), args, q.device,
-                           limit=limit, EVEN_K=even_keys(kv), EVEN_M=lambda tiles: Nq % tiles.block_m == 0)
+        grid = block_grid(Nq, B * Hq, "block_m", limit if spec.scheduled else None, what="B x Hq")
+        self.kernel.launch(grid, args, q.device, limit=limit, EVEN_K=even_keys(kv),
+                           EVEN_M=lambda tiles: Nq % tiles.block_m == 0)
         return out, lse

@@ -19,20 +19,43 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from triton.runtime import driver
 from triton.runtime.jit import JITFunction
 
+from ..errors import InputError
+
 
 def cdiv(a: int, b: int) -> int:
     """ceil(a / b) on the host (``triton.cdiv`` is a jit function: µs per call from Python)."""
     return -(-a // b)
 
 
-def block_grid(rows: int, heads: int, tile: str, listed_block: int | None = None, extra_blocks: int = 0
-               ) -> Callable[[Any], tuple[int, int]]:
+GRID_YZ_LIMIT = 65535  # CUDA's largest grid size along y and along z (x: 2**31 - 1)
+
+
+def head_grid(heads: int, what: str) -> tuple[int, int]:
+    """The grid's (y, z) sizes for ``heads`` (batch x head) programs, y * z == heads, each at most
+    GRID_YZ_LIMIT: (heads, 1) when they fit along y; a generated kernel's program takes head
+    ``program_id(1) + program_id(2) * num_programs(1)``. ``what`` names the count in the error raised when
+    no such split exists: one of more than 65535 sequences, whose count has no divisor between
+    count / 65535 and 65535 (any count B x H with B and H at most 65535 splits)."""
+    if heads <= GRID_YZ_LIMIT:
+        return heads, 1
+    for z in range(cdiv(heads, GRID_YZ_LIMIT), GRID_YZ_LIMIT + 1):
+        if heads % z == 0:
+            return heads // z, z
+    raise InputError(f"{what} = {heads} programs cannot be laid out on a CUDA grid: above {GRID_YZ_LIMIT} they "
+                     f"are split over two grid dimensions of at most {GRID_YZ_LIMIT} each, and {heads} has no "
+                     f"divisor that allows it; pass at most {GRID_YZ_LIMIT} sequences a call")
+
+
+def block_grid(rows: int, heads: int, tile: str, listed_block: int | None = None, extra_blocks: int = 0,
+               what: str = "B x H") -> Callable[[Any], tuple[int, ...]]:
     """The grid, as a function of the tiles, of a kernel with one program per (block of ``rows``, head):
-    (row blocks, heads), the block ``tiles.<tile>`` rows, and ``extra_blocks`` more (dK/dV's split blocks).
-    ``listed_block``: the block size of the listing mask whose order the kernel follows (codegen's
-    ``program``): (heads, slots), each listed block, and each extra one, taking listed_block // tile slots."""
+    (row blocks, heads), or with more heads than a grid's y size, (row blocks, *``head_grid``); the block
+    ``tiles.<tile>`` rows, and ``extra_blocks`` more (dK/dV's split blocks). ``listed_block``: the block size
+    of the listing mask whose order the kernel follows (codegen's ``program``): (heads, slots), each listed
+    block, and each extra one, taking listed_block // tile slots. ``what``: how the error names ``heads``."""
     if listed_block is None:
-        return lambda tiles: (cdiv(rows, getattr(tiles, tile)) + extra_blocks, heads)
+        y, z = head_grid(heads, what)
+        return lambda tiles: (cdiv(rows, getattr(tiles, tile)) + extra_blocks, y, z)
     return lambda tiles: (heads, (cdiv(rows, listed_block) + extra_blocks) * (listed_block // getattr(tiles, tile)))
 
 

@@ -20,10 +20,12 @@ from .forward import key_tile
 
 _KERNEL = string.Template('''\
     # One program per (split of the keys, batch x kv head, block of rows); row r is query r % Nq of the
-    # group's query head r // Nq, so the whole group shares each K and V tile.
+    # group's query head r // Nq, so the whole group shares each K and V tile. Grid (splits, heads, row
+    # blocks), or past 65535 heads (splits, y, z * row blocks) with y * z heads.
     pid_s = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    pid_r = tl.program_id(2)
+    row_blocks = tl.cdiv(GROUP * Nq, BLOCK_M)
+    pid_r = tl.program_id(2) % row_blocks
+    pid_bh = tl.program_id(1) + tl.program_id(2) // row_blocks * tl.num_programs(1)
     HKV = HQ // GROUP
     b = pid_bh // HKV
     hk = pid_bh % HKV

@@ -21,10 +21,15 @@ def query_block(kernel: LoweredProgram, even_queries: bool = False) -> str:
             + columns(kernel) + "q_base = Q + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh\n")
 
 
+# Grid (blocks, heads) or, past a grid's y size, (blocks, y, z) with y * z heads (runtime ``head_grid``)
+HEAD_OF_PROGRAM = "pid_bh = tl.program_id(1) + tl.program_id(2) * tl.num_programs(1)\n"
+
+
 def program(kernel: LoweredProgram, pid: str, block: str, rows: str, transposed: bool = False) -> str:
     """This program's block ``pid`` (of ``block`` rows; ``rows`` in all) and ``pid_bh`` (batch x head).
 
-    Grid (blocks, heads) in launch order, query blocks last first (the longest causal rows start first);
+    Grid (blocks, heads) in launch order (``HEAD_OF_PROGRAM``: past 65535 heads, (blocks, y, z)), query
+    blocks last first (the longest causal rows start first);
     or, when the listing mask orders its blocks (key blocks when ``transposed``), grid (heads, slots):
     slot by slot its blocks heaviest first, each block of its size taking size // ``block`` programs, of
     which one past ``rows`` returns at once. With ``split_heads`` (dK/dV), the slots of the first blocks
@@ -34,11 +39,11 @@ def program(kernel: LoweredProgram, pid: str, block: str, rows: str, transposed:
     heavy = split_heads(kernel) if transposed else None
     if order is None:
         if heavy is not None:  # key blocks in order, the first (under causal masks, the heaviest) split
-            return ("pid_bh = tl.program_id(1)\nslot = tl.program_id(0)\n"
+            return (HEAD_OF_PROGRAM + "slot = tl.program_id(0)\n"
                     + _split_slots(f"# the first {heavy} key blocks come once per query head of the group",
                                    heavy) + f"{pid} = slot\n")
         first = "tl.program_id(0)" if transposed else "tl.num_programs(0) - 1 - tl.program_id(0)"
-        return f"{pid} = {first}\npid_bh = tl.program_id(1)\n"
+        return f"{pid} = {first}\n" + HEAD_OF_PROGRAM
     code = (f"# slots run {m.prefix}'s blocks heaviest first, each for every head before the next\n"
             f"pid_bh = tl.program_id(0)\nrun_tiles = {m.code(m.fragment.block_list.size)} // {block}\n"
             "slot = tl.program_id(1)\n")

@@ -1,0 +1,68 @@
+"""More (batch, head) programs than a CUDA grid holds along y (65535): the generated kernels take them over
+the grid's y and z. The interpreter has no such limit, so these tests lower it (``GRID_YZ_LIMIT``) to run
+the split layout on small inputs; tests/test_gpu.py runs it past the real one."""
+import pytest
+import torch
+
+import attnfuse as af
+from attnfuse.errors import InputError
+from attnfuse.runtime import launch, launcher
+from attnfuse.runtime.launcher import head_grid
+from attnfuse.testing import assert_matches_reference
+
+
+@af.attention
+def causal(q, k, v):
+    return af.softmax(af.causal(af.scaled_dot_product(q, k))) @ v
+
+
+def test_head_grid_splits_heads_over_y_and_z():
+    assert head_grid(65535, "B x Hq") == (65535, 1)
+    assert head_grid(65536, "B x Hq") == (32768, 2)
+    assert head_grid(4096 * 32, "B x Hq") == (65536 // 2, 4)
+    for heads in (65535 * 3, 70000, 65535 * 8, 65535 * 65535):
+        y, z = head_grid(heads, "B x Hq")
+        assert y * z == heads and y <= 65535 and z <= 65535
+
+
+def test_head_grid_names_a_count_it_cannot_split():
+    with pytest.raises(InputError, match=r"B x Hkv = 196611 programs .* at most 65535 sequences a call"):
+        head_grid(65537 * 3, "B x Hkv")  # 65537 sequences (a prime count), 3 heads
+
+
+@pytest.fixture
+def small_grid_limit(monkeypatch):
+    """A grid limit of 4 along y and z, with no plan cached under the real one."""
+    monkeypatch.setattr(launcher, "GRID_YZ_LIMIT", 4)
+    launch.clear_cache()
+    yield
+    launch.clear_cache()
+
+
+def test_training_past_the_grid_limit_matches_float64(small_grid_limit):
+    """Forward, dQ and dK/dV kernels with 12 query-head and 6 kv-head programs on a grid of at most 4 along
+    y: (blocks, 4, 3) and (blocks, 3, 2)."""
+    B, Hq, Hkv, N, D = 3, 4, 2, 40, 16
+    leaves = [torch.randn(B, h, N, D, requires_grad=True) for h in (Hq, Hkv, Hkv)]
+    dout = torch.randn(B, Hq, N, D)
+    out = causal(*leaves)
+    assert_matches_reference(out, causal.reference(*leaves), causal.reference(*leaves, dtype=torch.float32),
+                             torch.float32)
+    grads = torch.autograd.grad(out, leaves, dout)
+    want = torch.autograd.grad(causal.reference(*leaves), leaves, dout.double())
+    lowp = torch.autograd.grad(causal.reference(*leaves, dtype=torch.float32), leaves, dout)
+    for got, ref, ref_lowp, name in zip(grads, want, lowp, "qkv"):
+        assert_matches_reference(got, ref, ref_lowp, torch.float32, what=f"d{name}")
+
+
+def test_split_kv_decoding_past_the_grid_limit_matches_float64(small_grid_limit):
+    """Split-KV decoding with 6 kv-head programs, each with two blocks of query rows (a group of 8 heads
+    of 16 queries): grid (splits, 3, 2 x 2)."""
+    B, Hq, Hkv, Nq, N, D = 3, 16, 2, 16, 70, 16
+    q = torch.randn(B, Hq, Nq, D)
+    k, v = (torch.randn(B, Hkv, N, D) for _ in range(2))
+    lens = torch.tensor([70, 33, 52], dtype=torch.int32)
+    out = launch.run_attention(causal.graph(), q, k, v, kv_lens=lens, split_kv=True)
+    assert launch._decode
+    assert_matches_reference(out, causal.reference(q, k, v, kv_lens=lens),
+                             causal.reference(q, k, v, kv_lens=lens, dtype=torch.float32), torch.float32)
