@@ -39,12 +39,14 @@ def small_grid_limit(monkeypatch):
     launch.clear_cache()
 
 
-def test_training_past_the_grid_limit_matches_float64(small_grid_limit):
+@pytest.mark.parametrize("Nq,Nk", [(40, 40), (80, 16)], ids=["square", "one-split-key-block"])
+def test_training_past_the_grid_limit_matches_float64(small_grid_limit, Nq, Nk):
     """Forward, dQ and dK/dV kernels with 12 query-head and 6 kv-head programs on a grid of at most 4 along
-    y: (blocks, 4, 3) and (blocks, 3, 2)."""
-    B, Hq, Hkv, N, D = 3, 4, 2, 40, 16
-    leaves = [torch.randn(B, h, N, D, requires_grad=True) for h in (Hq, Hkv, Hkv)]
-    dout = torch.randn(B, Hq, N, D)
+    y: (blocks, 4, 3) and (blocks, 3, 2). With one key block that 80 queries see, the dK/dV kernel splits
+    it over the group's query heads (``split_blocks``: under the interpreter, grids under 8 programs)."""
+    B, Hq, Hkv, D = 3, 4, 2, 16
+    leaves = [torch.randn(B, h, n, D, requires_grad=True) for h, n in ((Hq, Nq), (Hkv, Nk), (Hkv, Nk))]
+    dout = torch.randn(B, Hq, Nq, D)
     out = causal(*leaves)
     assert_matches_reference(out, causal.reference(*leaves), causal.reference(*leaves, dtype=torch.float32),
                              torch.float32)
