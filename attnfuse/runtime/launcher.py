@@ -46,8 +46,8 @@ def head_grid(heads: int, what: str) -> tuple[int, int]:
                      f"divisor that allows it; pass at most {GRID_YZ_LIMIT} sequences a call")
 
 
-def block_grid(rows: int, heads: int, tile: str, listed_block: int | None = None, extra_blocks: int = 0,
-               what: str = "B x H") -> Callable[[Any], tuple[int, ...]]:
+def block_grid(rows: int, heads: int, tile: str, listed_block: int | None = None, extra_blocks: int = 0, *,
+               what: str) -> Callable[[Any], tuple[int, ...]]:
     """The grid, as a function of the tiles, of a kernel with one program per (block of ``rows``, head):
     (row blocks, heads), or with more heads than a grid's y size, (row blocks, *``head_grid``); the block
     ``tiles.<tile>`` rows, and ``extra_blocks`` more (dK/dV's split blocks). ``listed_block``: the block size
