@@ -68,6 +68,26 @@ def test_tensors_tma_cannot_address_fall_back():
     assert not hopper.HopperLauncher.fits(base.view(2, 8, 64, 130)[..., :128])  # 260-byte rows
 
 
+def test_descriptors_pass_the_checks_they_skip():
+    """The launcher builds TMA descriptors without TensorDescriptor's own checks (``fits`` made them): each
+    one it builds for a tensor ``fits`` accepts passes those checks, field for field."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    base = torch.empty(2 * 8 * 64 * 130, dtype=torch.bfloat16)
+    tensors = [base[:2 * 8 * 64 * 128].view(2, 64, 8, 128).transpose(1, 2),  # HF's (B, N, H, D) projections
+               base[:64 * 128].view(1, 1, 64, 128).expand(1, 1, 64, 128), base[:8 * 64 * 128].view(1, 8, 64, 128),
+               torch.empty(3, 5, 64, 128, dtype=torch.float32)]
+    described = [hopper.HopperLauncher._describe(t, rows, columns) for t in tensors if hopper.HopperLauncher.fits(t)
+                 for rows, columns in ((64, None), (128, None), (64, 64))]
+    described += [hopper.HopperLauncher._describe_rows(torch.randn(2, 8, n)) for n in (64, 129)]
+    assert len(described) == 14
+    for d in described:
+        checked = TensorDescriptor(d.base, d.shape, d.strides, d.block_shape, d.layout)
+        assert checked.base is d.base
+        assert (checked.shape, checked.strides, checked.block_shape, checked.layout, checked.padding) == \
+            (d.shape, d.strides, d.block_shape, d.layout, d.padding)
+
+
 @pytest.mark.parametrize("layout", ["aligned", "offset", "strided", "odd_length"])
 def test_dkdv_row_statistics_are_read_from_16_byte_aligned_rows(layout):
     """The dK/dV template's TMA reads of lse and delta start on 16-byte boundaries: each (batch, head)'s row

@@ -31,14 +31,24 @@ def _row_stride(n: int) -> int:
 def _describable(t: torch.Tensor) -> bool:
     """Whether TMA can address ``t`` (4-d): a unit last stride, a 16-byte aligned base, and along each other
     dim longer than 1 a stride that is a positive multiple of 16 bytes below 2**40 (not a broadcast)."""
-    size = t.element_size()
-    return t.stride(3) == 1 and t.data_ptr() % 16 == 0 and all(
-        n == 1 or (s > 0 and (s * size) % 16 == 0 and s * size < _TMA_LIMIT) for n, s in zip(t.shape[:3], t.stride()))
+    strides, size = t.stride(), t.element_size()
+    if strides[3] != 1 or t.data_ptr() % 16:
+        return False
+    for n, s in zip(t.shape[:3], strides):
+        if n != 1 and not (0 < s * size < _TMA_LIMIT and s * size % 16 == 0):
+            return False
+    return True
 
 
-def _tma_strides(t: torch.Tensor) -> list[int]:
-    """``t``'s strides, with a dim of length 1 (never stepped along) given a valid 16-byte one."""
-    return [s if n > 1 else 16 // t.element_size() for n, s in zip(t.shape[:3], t.stride())] + [1]
+def _descriptor(base: torch.Tensor, shape: list[int], strides: list[int], block_shape: list[int],
+                layout: gl.NVMMASharedLayout) -> TensorDescriptor:
+    """``TensorDescriptor(base, shape, strides, block_shape, layout)`` without its constructor's checks (which
+    take longer than the launch): ``fits`` checked the tensors' bases and strides, ``_describe_rows`` makes
+    its flat rows aligned, and the tiles are powers of two."""
+    descriptor = object.__new__(TensorDescriptor)
+    descriptor.__dict__.update(base=base, shape=shape, strides=strides, block_shape=block_shape, layout=layout,
+                               padding="zero")
+    return descriptor
 
 
 class HopperLauncher:
@@ -73,14 +83,16 @@ class HopperLauncher:
         if not (t.is_contiguous() and stride == Nq and t.data_ptr() % 16 == 0):
             t = torch.nn.functional.pad(t.reshape(B * Hq, Nq), (0, stride - Nq))
         flat = t.reshape(-1)
-        return TensorDescriptor(flat, [flat.numel()], [1], [DKDV_BLOCK_M], _ROW_LAYOUT)
+        return _descriptor(flat, [flat.numel()], [1], [DKDV_BLOCK_M], _ROW_LAYOUT)
 
     @staticmethod
     def _describe(t: torch.Tensor, rows: int, columns: int | None = None) -> TensorDescriptor:
         """``t`` (4-d) read and written in [1, 1, rows, columns] tiles (columns: all of D by default)."""
-        columns = columns or t.shape[3]
-        return TensorDescriptor(t, list(t.shape), _tma_strides(t), [1, 1, rows, columns],
-                                _layout(rows, columns, t.dtype))
+        shape = list(t.shape)
+        columns = columns or shape[3]
+        unit = 16 // t.element_size()  # a dim of length 1 is never stepped along: any valid stride will do
+        strides = [s if n > 1 else unit for n, s in zip(shape[:3], t.stride())] + [1]
+        return _descriptor(t, shape, strides, [1, 1, rows, columns], _layout(rows, columns, t.dtype))
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                  lse: torch.Tensor | None) -> None:
