@@ -38,7 +38,7 @@ TEMPLATE_NAMES = TILE | {
     "pid", "pid_m", "pid_n", "pid_bh", "pid_r", "pid_s", "q_head", "r", "rows", "part", "q_programs", "blocks",
     "lo", "hi", "full_lo", "full_hi", "start", "full_start", "full_end", "start_n", "start_m", "w_lo", "w_hi",
     "steps", "t", "i", "g", "g_lo", "g_hi", "one_head", "slot", "split_slots", "light", "share", "rows_n",
-    "count", "last", "j", "run_tiles", "list_size", "row_blocks",
+    "count", "last", "j", "run_tiles", "list_size", "row_blocks", "head_lo", "group_heads",
     "list_tiles", "list_block", "list_t", "page", "HKV", "SPLIT", "NUM_SPLITS", "EVEN_K", "EVEN_M",
     "q", "k", "v", "q1", "q2", "k1", "k2", "q1f", "q2f", "k1f", "k2f", "q_ptrs", "k_ptrs", "k_in", "q_base",
     "k_base", "v_base", "do_base", "k_off", "v_off", "o_ptrs", "qo_ptrs", "ko_ptrs", "s", "sT", "s_nat", "keep",

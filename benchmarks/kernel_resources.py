@@ -22,7 +22,8 @@ from attnfuse.cli import resolve_program
 from attnfuse.passes.lower import KernelConfig, fragment_of
 from attnfuse.runtime.launch import KERNEL_KINDS, compile_forward, compiled_kernel
 
-_SIZES = {"HQ", "Nq", "N_K", "BATCH", "PAGE_SIZE", "NUM_PAGES", "SPLIT", "NUM_SPLITS", "SPLIT_BLOCKS", "SPLIT_ROWS"}
+_SIZES = {"HQ", "Nq", "N_K", "BATCH", "PAGE_SIZE", "NUM_PAGES", "SPLIT", "NUM_SPLITS", "SPLIT_BLOCKS", "SPLIT_ROWS",
+          "HEAD_GROUP"}
 _FLOAT32 = {"Lse", "Delta", "PartOut", "PartLse", "DLse", "PartDKV"}
 _INT32 = {"KvLens", "BlockTable", "SplitCount"}
 

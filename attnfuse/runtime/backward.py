@@ -11,12 +11,12 @@ import torch
 from ..passes.lower import Instance
 from ..passes.plan import Plan
 from .hopper import HopperLauncher
-from .inputs import KVCache, accumulator_dtype, empty_like_layout, even_keys, kv_launch_args
+from .inputs import KVCache, accumulator_dtype, empty_like_layout, even_keys, heads_together, kv_launch_args
 from .kernel import CompiledKernel
 from .plugin_args import PluginArgs, Prepared
 from .row_delta import row_delta
 from .offsets import rows_fit
-from .launcher import block_grid, cdiv, multiprocessors
+from .launcher import block_grid, cdiv, multiprocessors, query_grid
 
 SPLIT_PROGRAMS_PER_SM = 12  # a smaller GQA dK/dV grid splits its key blocks (benchmarks/sweep_tiles.py)
 SPLIT_QUERY_ROWS = 512  # of which it splits the blocks this many query rows see
@@ -116,9 +116,10 @@ class BackwardKernels:
         grad_args = dict(zip(self.dq.spec.grad_buffers, buffers))
         even_m = lambda tiles: Nq % tiles.block_m == 0  # noqa: E731
         dq_spec = self.dq.spec
-        self.dq.launch(block_grid(Nq, B * Hq, "block_m", limit if dq_spec.scheduled else None, what="B x Hq"),
+        self.dq.launch(query_grid(Nq, B * Hq, limit if dq_spec.scheduled else None),
                        dq_spec.launch.bind({**shared, "O": out, "DLse": delta if dlse is None else dlse,
-                                            "DQuery": dq, **pargs, **grad_args}),
+                                            "DQuery": dq, "HEAD_GROUP": heads_together(q, kv), **pargs,
+                                            **grad_args}),
                        q.device, limit=limit, HAS_DLSE=dlse is not None, EVEN_K=even_keys(kv), EVEN_M=even_m)
         if template:
             self.hopper.dkdv(q, kv.k, kv.v, dout, lse, delta, dk, dv)

@@ -8,10 +8,10 @@ from typing import Any
 import torch
 
 from ..passes.plan import Plan
-from .inputs import KVCache, accumulator_dtype, empty_like_layout, even_keys, kv_launch_args
+from .inputs import KVCache, accumulator_dtype, empty_like_layout, even_keys, heads_together, kv_launch_args
 from .hopper import HopperLauncher
 from .kernel import CompiledKernel
-from .launcher import block_grid
+from .launcher import query_grid
 from .plugin_args import PluginArgs, Prepared
 
 
@@ -48,8 +48,8 @@ class ForwardKernel:
         pargs, limit, _ = prepared or self.plugin_args(q, kv, inputs)
         spec = self.kernel.spec
         args = spec.launch.bind({"Q": q, "K": k, "V": v, "Out": out, "Lse": out if lse is None else lse, "HQ": Hq,
-                                 "Nq": Nq, **kv_launch_args(kv), **pargs})
-        grid = block_grid(Nq, B * Hq, "block_m", limit if spec.scheduled else None, what="B x Hq")
+                                 "Nq": Nq, "HEAD_GROUP": heads_together(q, kv), **kv_launch_args(kv), **pargs})
+        grid = query_grid(Nq, B * Hq, limit if spec.scheduled else None)
         self.kernel.launch(grid, args, q.device, limit=limit, EVEN_K=even_keys(kv),
                            EVEN_M=lambda tiles: Nq % tiles.block_m == 0)
         return out, lse

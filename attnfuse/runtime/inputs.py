@@ -10,6 +10,7 @@ from attrs import frozen
 from ..errors import InputError
 from ..passes.lower import KernelConfig, accumulator_type
 from .offsets import rows_fit
+from .launcher import head_group
 
 DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32", torch.float64: "float64"}
 _ACCUMULATORS = {dtype: getattr(torch, accumulator_type(name)) for dtype, name in DTYPES.items()}
@@ -192,6 +193,14 @@ def kv_launch_args(kv: KVCache) -> dict[str, Any]:
     if kv.block_table is not None:
         args.update(BlockTable=kv.block_table, PAGE_SIZE=kv.page_size, NUM_PAGES=kv.k.shape[0])
     return args
+
+
+def heads_together(q: torch.Tensor, kv: KVCache) -> int:
+    """HEAD_GROUP of a forward or dQ launch on q (B, Hq, Nq, D) (``launcher.head_group``): each of the
+    B x Hkv kv heads holds its capacity of rows of keys and values."""
+    k, v = kv.k, kv.v
+    kv_bytes = q.shape[0] * k.shape[1] * kv.capacity * (k.shape[3] * k.element_size() + v.shape[3] * v.element_size())
+    return head_group(q.shape[0] * q.shape[1], kv_bytes, q.device)
 
 
 def even_keys(kv: KVCache) -> Any:

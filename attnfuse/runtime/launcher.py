@@ -59,6 +59,35 @@ def block_grid(rows: int, heads: int, tile: str, listed_block: int | None = None
     return lambda tiles: (heads, (cdiv(rows, listed_block) + extra_blocks) * (listed_block // getattr(tiles, tile)))
 
 
+L2_SHARE = 0.75  # all heads together while their keys and values fill at most this share of the L2 cache
+INTERPRETER_HEAD_GROUP = 3  # on CPU tensors: groups of 3 heads, so that the tests run the grouping
+
+
+def query_grid(rows: int, heads: int, listed_block: int | None = None) -> Callable[[Any], tuple[int, ...]]:
+    """The grid, as a function of the tiles, of a query-block kernel (forward, dQ) with ``heads`` (batch x
+    query head) of ``rows`` rows: (blocks x heads,), which the kernel walks in groups of ``head_group``
+    heads (codegen ``loops.program``); with a listing mask of ``listed_block``, ``block_grid``'s."""
+    if listed_block is not None:
+        return block_grid(rows, heads, "block_m", listed_block, what="B x Hq")
+    return lambda tiles: (cdiv(rows, tiles.block_m) * heads,)
+
+
+def head_group(heads: int, kv_bytes: int, device: torch.device) -> int:
+    """HEAD_GROUP of a query-block kernel: how many of its ``heads`` run together, each block of theirs
+    (the longest first) before the next. All of them when their keys and values (``kv_bytes`` in all) fit
+    in L2_SHARE of the L2 cache: a causal grid's work then ends evenly. Else one head at a time, whose
+    programs share the keys they read (``benchmarks/sweep_head_group.py``)."""
+    if device.type != "cuda":
+        return min(heads, INTERPRETER_HEAD_GROUP)
+    return heads if kv_bytes <= L2_SHARE * l2_bytes(device) else 1
+
+
+@functools.lru_cache(maxsize=None)
+def l2_bytes(device: torch.device) -> int:
+    """The GPU's L2 cache size in bytes."""
+    return torch.cuda.get_device_properties(device).L2_cache_size
+
+
 @functools.lru_cache(maxsize=None)
 def multiprocessors(device: torch.device) -> int:
     """The GPU's multiprocessor count."""

@@ -22,7 +22,7 @@ from ..lower import Instance, LoweredProgram
 from .common import (columns, constexpr_params, dv_mask, fragment, half_mask, indent, kernel_source, kv_params,
                      masked_load, precision, qkv_strides, split)
 from .head_split import LIGHT_BLOCKS, share_sum
-from .loops import SPLIT_BLOCKS, block_range, key_block, key_range, program, query_block, split_heads, visit
+from .loops import HEAD_GROUP, SPLIT_BLOCKS, block_range, key_block, key_range, program, query_block, split_heads, visit
 from .operands import key_masked, key_offsets, kv_base, operand, operand_grad, qk_product
 from .scores import has_masks, prologues, scores, with_bounds
 
@@ -188,7 +188,7 @@ def dq_params(kernel: LoweredProgram, tensor_grads: tuple[tuple[Instance, str], 
     """The dQ kernel's parameters, in order, with the buffers of the score-shaped gradients it writes."""
     return (params(TENSOR, "Q", "K", "V", "DO", "O", "Lse", "DLse", "Delta", "DQuery") + qkv_strides()
             + strides("do", "bhmd", "DO") + strides("o", "bhmd", "O") + strides("dq", "bhmd", "DQuery")
-            + params(INT, "HQ", "Nq", "N_K")
+            + params(INT, "HQ", "Nq", "N_K", HEAD_GROUP)
             + kv_params(kernel) + kernel.args() + _tensor_grad_params(tensor_grads)
             + constexpr_params(kernel, True, True, "HAS_DLSE"))
 

@@ -10,7 +10,7 @@ import string
 from ..launch_spec import INT, TENSOR, Param, params, strides
 from ..lower import LoweredProgram
 from .common import constexpr_params, dv_mask, indent, kernel_source, kv_params, masked_load, precision, qkv_strides
-from .loops import every_block, key_range, listing_mask, query_block, visit
+from .loops import HEAD_GROUP, every_block, key_range, listing_mask, query_block, visit
 from .operands import key_masked, key_offsets, kv_base, operand, qk_product
 from .scores import masked_values, masks_keys, normaliser_update, poisoned_redo, prologues, scores, with_bounds
 
@@ -63,7 +63,7 @@ def key_loops(kernel: LoweredProgram) -> str:
 def forward_params(kernel: LoweredProgram) -> tuple[Param, ...]:
     """The forward kernel's parameters, in order."""
     return (params(TENSOR, "Q", "K", "V", "Out", "Lse") + qkv_strides() + strides("o", "bhmd", "Out")
-            + params(INT, "HQ", "Nq", "N_K") + kv_params(kernel) + kernel.args()
+            + params(INT, "HQ", "Nq", "N_K", HEAD_GROUP) + kv_params(kernel) + kernel.args()
             + constexpr_params(kernel, even_keys=True, even_queries=True))
 
 

@@ -23,13 +23,27 @@ def query_block(kernel: LoweredProgram, even_queries: bool = False) -> str:
 
 # Grid (blocks, heads) or, past a grid's y size, (blocks, y, z) with y * z heads (runtime ``head_grid``)
 HEAD_OF_PROGRAM = "pid_bh = tl.program_id(1) + tl.program_id(2) * tl.num_programs(1)\n"
+HEAD_GROUP = "HEAD_GROUP"  # query-block kernels without a listing mask: heads per group, a runtime int
+
+
+def _grouped(pid: str, block: str, rows: str) -> str:
+    """Grid (blocks x heads,): the heads in groups of HEAD_GROUP (the last may be smaller), a group's
+    blocks last first, each block for every head of the group before the next (runtime ``query_grid``)."""
+    return ("# heads in groups of HEAD_GROUP; in a group, each block (last first) for all its heads\n"
+            f"blocks = tl.cdiv({rows}, {block})\npid = tl.program_id(0)\n"
+            f"head_lo = pid // ({HEAD_GROUP} * blocks) * {HEAD_GROUP}\n"
+            f"group_heads = tl.minimum({HEAD_GROUP}, tl.num_programs(0) // blocks - head_lo)\n"
+            f"slot = pid - head_lo * blocks\n{pid} = blocks - 1 - slot // group_heads\n"
+            "pid_bh = head_lo + slot % group_heads\n")
 
 
 def program(kernel: LoweredProgram, pid: str, block: str, rows: str, transposed: bool = False) -> str:
     """This program's block ``pid`` (of ``block`` rows; ``rows`` in all) and ``pid_bh`` (batch x head).
 
-    Grid (blocks, heads) in launch order (``HEAD_OF_PROGRAM``: past 65535 heads, (blocks, y, z)), query
-    blocks last first (the longest causal rows start first);
+    Query blocks: grid (blocks x heads,), the heads in groups of HEAD_GROUP whose keys and values share the
+    L2 cache, a group's blocks last first, each for all its heads (the longest causal rows start first);
+    key blocks (``transposed``): grid (blocks, heads) in order (``HEAD_OF_PROGRAM``: past 65535 heads,
+    (blocks, y, z));
     or, when the listing mask orders its blocks (key blocks when ``transposed``), grid (heads, slots):
     slot by slot its blocks heaviest first, each block of its size taking size // ``block`` programs, of
     which one past ``rows`` returns at once. With ``split_heads`` (dK/dV), the slots of the first blocks
@@ -42,8 +56,9 @@ def program(kernel: LoweredProgram, pid: str, block: str, rows: str, transposed:
             return (HEAD_OF_PROGRAM + "slot = tl.program_id(0)\n"
                     + _split_slots(f"# the first {heavy} key blocks come once per query head of the group",
                                    heavy) + f"{pid} = slot\n")
-        first = "tl.program_id(0)" if transposed else "tl.num_programs(0) - 1 - tl.program_id(0)"
-        return f"{pid} = {first}\n" + HEAD_OF_PROGRAM
+        if not transposed:
+            return _grouped(pid, block, rows)
+        return f"{pid} = tl.program_id(0)\n" + HEAD_OF_PROGRAM
     code = (f"# slots run {m.prefix}'s blocks heaviest first, each for every head before the next\n"
             f"pid_bh = tl.program_id(0)\nrun_tiles = {m.code(m.fragment.block_list.size)} // {block}\n"
             "slot = tl.program_id(1)\n")
