@@ -78,8 +78,9 @@ def small_grid_limit(monkeypatch):
 
 @pytest.mark.parametrize("Nq,Nk", [(40, 40), (80, 16)], ids=["square", "one-split-key-block"])
 def test_training_past_the_grid_limit_matches_float64(small_grid_limit, Nq, Nk):
-    """The dK/dV kernel's 6 kv-head programs on a grid of at most 4 along y: (blocks, 3, 2). With one key block that 80 queries see, the dK/dV kernel splits
-    it over the group's query heads (``split_blocks``: under the interpreter, grids under 8 programs)."""
+    """The dK/dV kernel's 6 kv-head programs on a grid of at most 4 along y: (blocks, 3, 2). With one key
+    block that 80 queries see, the kernel splits it over the group's query heads (``split_blocks``: under
+    the interpreter, grids under 8 programs)."""
     _check_training(3, 4, 2, Nq, Nk)
 
 
