@@ -131,6 +131,30 @@ def test_more_batch_heads_than_a_grid_holds_along_y():
                              torch.bfloat16, what="decoding")
 
 
+@pytest.mark.parametrize("share", [0.0, float("inf")], ids=["one-head", "all-heads"])
+def test_query_kernels_head_groups_match_sdpa(monkeypatch, share):
+    """The generated forward and dQ kernels walking their heads one at a time (L2_SHARE 0: keys and values
+    never fit in the L2 cache) and all together (L2_SHARE inf), 3 x 8 query heads (GQA 4) at head dim 64
+    with 1000 queries (a partial last block): causal training against float64 SDPA."""
+    from attnfuse.runtime import launcher
+
+    monkeypatch.setattr(launcher, "L2_SHARE", share)
+    B, Hq, Hkv, N, D = 3, 8, 2, 1000, 64
+    leaves = [torch.randn(B, h, N, D, device="cuda", dtype=torch.bfloat16, requires_grad=True) for h in (Hq, Hkv, Hkv)]
+    dout = torch.randn(B, Hq, N, D, device="cuda", dtype=torch.bfloat16)
+    out = causal(*leaves)
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    q, k, v = (t.detach() for t in leaves)
+    expand = dict(enable_gqa=True, is_causal=True)
+    assert_matches_reference(out, sdpa(q.double(), k.double(), v.double(), **expand), sdpa(q, k, v, **expand),
+                             torch.bfloat16, what="out")
+    got = torch.autograd.grad(out, leaves, dout)
+    want = _causal_sdpa_grads(leaves, dout, Hq // Hkv, torch.float64)
+    want_lowp = _causal_sdpa_grads(leaves, dout, Hq // Hkv, torch.bfloat16)
+    for name, a, b, c in zip(("dq", "dk", "dv"), got, want, want_lowp):
+        assert_matches_reference(a, b, c, torch.bfloat16, what=name)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_rope_backward_hoisted(dtype):
     """RoPE+causal training at a size where the rotations are hoisted into passes (forward and backward),
