@@ -58,12 +58,13 @@ def main() -> None:
             step = (lambda p=program, x=leaves: p(*x))
         kv_mb = B * Hkv * N * D * 2 * 2 / 1e6
         steps[f"{geometry} {variant} N{N}{' fwd+bwd' if backward else ''} (K, V {kv_mb:.1f} MB)"] = (geometry, step)
-    names = list(choices(args.shares, "gpt2"))
+    chooser = {geometry: choices(args.shares, geometry) for geometry in GEOMETRIES}
+    names = list(chooser["gpt2"])
     times = {(case, name): [] for case in steps for name in names}
     for r in range(args.rounds):
         for name in names:
             for case, (geometry, step) in steps.items():
-                inputs.head_group = choices(args.shares, geometry)[name]
+                inputs.head_group = chooser[geometry][name]
                 times[(case, name)].append(triton.testing.do_bench(step))
         print(f"round {r + 1} done", flush=True)
     inputs.head_group = launcher.head_group
