@@ -183,7 +183,7 @@ def test_dkdv_group_parts(monkeypatch):
 def test_row_delta_matches_float64(dtype, with_dlse):
     """The fused-dQ backward's delta kernel, rowsum(dO ∘ O) − dlse, on strided (B, H, N, D) views against
     float64 (run by the interpreter here, compiled on a GPU by the tests below), and the accumulator it
-    zeroes."""
+    zeroes, in (B, H, N, D) or HF's (B, N, H, D) memory order."""
     from attnfuse.runtime.row_delta import ROWS, row_delta
 
     B, H, N, D = 2, 3, ROWS + 5, 64
@@ -192,9 +192,9 @@ def test_row_delta_matches_float64(dtype, with_dlse):
     dlse = torch.randn(B, H, N) if with_dlse else None
     want = (out.double() * dout.double()).sum(-1) - (dlse.double() if with_dlse else 0)
     torch.testing.assert_close(row_delta(out, dout, dlse).double(), want, rtol=0, atol=1e-5)
-    acc = torch.randn(B, H, N, D)
-    torch.testing.assert_close(row_delta(out, dout, dlse, zeroed=acc).double(), want, rtol=0, atol=1e-5)
-    assert not acc.any()
+    for acc in torch.randn(B, H, N, D), torch.randn(B, N, H, D).transpose(1, 2):  # dQ's, in q's memory order
+        torch.testing.assert_close(row_delta(out, dout, dlse, zeroed=acc).double(), want, rtol=0, atol=1e-5)
+        assert not acc.any()
 
 
 def _spy(monkeypatch, method="__call__"):

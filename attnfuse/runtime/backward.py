@@ -94,9 +94,11 @@ class BackwardKernels:
     def _fused_dq(self, q: torch.Tensor, kv: KVCache, out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor,
                   dlse: torch.Tensor | None, dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor) -> None:
         """The Hopper template's launch that computes dQ too (float32 reduce-adds into an accumulator),
-        after a small kernel that computes delta and zeroes the accumulator."""
+        after a small kernel that computes delta and zeroes the accumulator. The accumulator has q's memory
+        order, as dq has, so that converting it is a plain copy (HF's (B, N, H, D) order made it a
+        transposing one, at half the speed)."""
         direct = dq.dtype == torch.float32 and dq.is_contiguous()
-        acc = dq if direct else torch.empty(q.shape, dtype=torch.float32, device=q.device)
+        acc = dq if direct else empty_like_layout(q, q.shape[3], torch.float32)
         delta = row_delta(out, dout, dlse, zeroed=acc)
         self.hopper.dkdv(q, kv.k, kv.v, dout, lse, delta, dk, dv, acc)
         if not direct:

@@ -42,7 +42,8 @@ _interpreted = InterpretedKernel(_row_delta_kernel)
 def row_delta(out: torch.Tensor, dout: torch.Tensor, dlse: torch.Tensor | None,
               zeroed: torch.Tensor | None = None) -> torch.Tensor:
     """out, dout (B, H, Nq, D), D a power of two; dlse (B, H, Nq) float32 contiguous or None
-    -> delta (B, H, Nq) float32; ``zeroed`` (B, H, Nq, D) float32 contiguous, if given, is filled with zeros."""
+    -> delta (B, H, Nq) float32; ``zeroed`` (B, H, Nq, D) float32, dense in any order of its dims with a unit
+    last stride, if given, is filled with zeros (its B * H * Nq * D elements from its first)."""
     B, H, Nq, D = out.shape
     delta = torch.empty((B, H, Nq), dtype=torch.float32, device=out.device)
     rows = B * H * Nq
