@@ -58,6 +58,13 @@ def test_plan_serves_softmax_with_causal_or_no_mask_on_sm90(program, config, ser
         assert plan.hopper.scale == pytest.approx(scale)
 
 
+@pytest.mark.parametrize("scale", [-0.3, 0.0])
+def test_plan_leaves_scales_not_above_zero_to_the_generated_kernels(scale):
+    """The forward template keeps its running max on q·kᵀ unscaled, which only a positive scale allows."""
+    assert compile_plan(dense.graph(scale), SM90).hopper is None
+    assert compile_plan(dense.graph(0.3), SM90).hopper is not None
+
+
 def test_tensors_tma_cannot_address_fall_back():
     base = torch.empty(2 * 8 * 64 * 130, dtype=torch.bfloat16)
     hf_layout = base[:2 * 8 * 64 * 128].view(2, 64, 8, 128).transpose(1, 2)

@@ -171,11 +171,10 @@ def _consumer(k_desc, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_
         lse_t = lse_smem.index(stage).load(columns)
         lse_t = gl.where(in_rows & (lse_t != float("-inf")), lse_t * LOG2E, float("inf"))
         st, _, _ = warpgroup_mma_wait(1, deps=(st, k, q))  # Sᵀ done; dPᵀ may still run
-        st = st * qk_scale
+        pt = gl.exp2(st * qk_scale - gl.expand_dims(lse_t, 0))  # one fused multiply-add a score
         if CAUSAL:
             if j < first_full:  # some pair of this step is masked
-                st = gl.where(_keep(key_pos, query, n_q, n_k), st, float("-inf"))
-        pt = gl.exp2(st - gl.expand_dims(lse_t, 0))
+                pt = gl.where(_keep(key_pos, query, n_q, n_k), pt, 0.0)
         delta_t = gl.where(in_rows, delta_smem.index(stage).load(columns), 0.0)
         dpt, _, _ = warpgroup_mma_wait(0, deps=(dpt, v, do))
         dst = pt * (dpt - gl.expand_dims(delta_t, 0))

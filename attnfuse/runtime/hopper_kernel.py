@@ -7,7 +7,9 @@ QKᵀ before block i-1's P·V, so its softmax of block i runs while the tensor c
 consumers are not in lockstep, so one's softmax can also run under the other's matmuls. TMA reads only
 inside the tensors' shapes (it fills the rest of a tile with zeros) and writes only inside out's.
 
-Scores are ``q·kᵀ · qk_scale`` in log2 units (the program's scale times log2(e)), so exp2 is exact exp.
+Scores are ``q·kᵀ · qk_scale`` in log2 units (the program's scale times log2(e), positive), so exp2 is exact
+exp. The running max is kept on the unscaled ``q·kᵀ`` and the factor applied inside the exponent, one fused
+multiply-add a score (``exp2(s · qk_scale − max · qk_scale)``), as FlashAttention-3 does.
 """
 from __future__ import annotations
 
@@ -63,15 +65,30 @@ def _loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, bars, b, hq, hkv, m0
 
 
 @gluon.jit
-def _softmax_step(s, m_i, l_i):
-    """One block of the online softmax, scores s (rows, keys) in log2 units: the block's weights p, the
-    factor alpha of the rows' earlier sums, and the new running max and sum (a row that has kept no key
-    yet keeps max -inf and weights 0)."""
+def _max_offset(m, qk_scale):
+    """What the weights' exponents subtract: a rows' max ``m`` of q·kᵀ in log2 units, 0 where the row has kept
+    no key yet (max -inf)."""
+    return gl.where(m == float("-inf"), 0.0, m * qk_scale)
+
+
+@gluon.jit
+def _softmax_step(s, m_i, l_i, qk_scale):
+    """One block of the online softmax, s = q·kᵀ (rows, keys) with masked scores -inf: the block's weights
+    p, the factor alpha of the rows' earlier sums, and the new running max (of q·kᵀ) and sum (a row that has
+    kept no key yet keeps max -inf and weights 0)."""
     m_new = gl.maximum(m_i, gl.max(s, 1))
-    m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = gl.exp2(m_i - m_use)
-    p = gl.exp2(s - gl.expand_dims(m_use, 1))
+    offset = _max_offset(m_new, qk_scale)
+    alpha = gl.exp2(m_i * qk_scale - offset)
+    p = gl.exp2(s * qk_scale - gl.expand_dims(offset, 1))
     return p, alpha, m_new, l_i * alpha + gl.sum(p, 1)
+
+
+@gluon.jit
+def _lse(m_i, l_i, qk_scale):
+    """The rows' natural-log sum of exp (-inf where a row kept no key, l_i 0), from their max of q·kᵀ and
+    their sum of weights."""
+    return gl.where(l_i == 0.0, float("-inf"),
+                    (m_i * qk_scale + gl.log2(gl.where(l_i == 0.0, 1.0, l_i))) * 0.6931471805599453)
 
 
 @gluon.jit
@@ -133,12 +150,12 @@ def _careful(q_ptr, k_ptr, v_ptr, o_ptr, q_desc, k_desc, v_desc, o_desc, lse_row
     poisoned = gl.zeros([ROWS, HEAD_DIM], gl.float32, mma)  # kept keys with a non-finite value, by column
     for start in range(0, n_seen, CAREFUL_KEYS):
         k_t = _tile_t(k_ptr, k_desc, b, hkv, start, n_k, CAREFUL_KEYS, b_op)
-        s = mma_v2(q, k_t, gl.zeros([ROWS, CAREFUL_KEYS], gl.float32, mma)) * qk_scale
+        s = mma_v2(q, k_t, gl.zeros([ROWS, CAREFUL_KEYS], gl.float32, mma))
         k_pos = start + gl.arange(0, CAREFUL_KEYS, layout=gl.SliceLayout(0, mma))
         keep = gl.expand_dims(k_pos < n_k, 0) & gl.expand_dims(row < n_q, 1)  # (64, CAREFUL_KEYS)
         if CAUSAL:
             keep = keep & (gl.expand_dims(k_pos, 0) <= gl.expand_dims(row_pos, 1))
-        p, alpha, m_i, l_i = _softmax_step(gl.where(keep, s, float("-inf")), m_i, l_i)
+        p, alpha, m_i, l_i = _softmax_step(gl.where(keep, s, float("-inf")), m_i, l_i, qk_scale)
         v = _tile(v_ptr, v_desc, b, hkv, start, n_k, CAREFUL_KEYS, b_op)
         finite = gl.abs(v.to(gl.float32)) < float("inf")  # false for NaN too
         poisoned = mma_v2(gl.convert_layout(gl.where(keep, 1.0, 0.0).to(dtype), a_op),
@@ -148,8 +165,7 @@ def _careful(q_ptr, k_ptr, v_ptr, o_ptr, q_desc, k_desc, v_desc, o_desc, lse_row
     l_use = gl.where(l_i == 0.0, 1.0, l_i)
     out = gl.where(poisoned > 0.0, float("nan"), acc / gl.expand_dims(l_use, 1))
     if SAVE_LSE:
-        gl.store(lse_row + row, gl.where(l_i == 0.0, float("-inf"), (m_i + gl.log2(l_use)) * 0.6931471805599453),
-                 mask=row < n_q)
+        gl.store(lse_row + row, _lse(m_i, l_i, qk_scale), mask=row < n_q)
     d = gl.expand_dims(gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, mma)), 0)
     gl.store(o_ptr + _offsets(o_desc, b, hq, gl.expand_dims(row, 1), d), out.to(dtype),
              mask=gl.expand_dims(row < n_q, 1))
@@ -179,11 +195,11 @@ def _consumer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, bars, b, hq, hkv, 
     # Block 0: its weights; its P·V is issued in the next step, under block 1's softmax.
     mbarrier.wait(k_ready.index(0), 0)
     k = k_smem.index(0).reshape([BLOCK_N, HEAD_DIM])
-    s = warpgroup_mma(q, k.permute((1, 0)), no_scores, use_acc=False) * qk_scale
+    s = warpgroup_mma(q, k.permute((1, 0)), no_scores, use_acc=False)
     if first_masked == 0:
         s = _masked(s, 0, row_pos, n_k, BLOCK_N, CAUSAL, s_layout)
     m_i = gl.max(s, 1)
-    p = gl.exp2(s - gl.expand_dims(gl.where(m_i == float("-inf"), 0.0, m_i), 1))
+    p = gl.exp2(s * qk_scale - gl.expand_dims(_max_offset(m_i, qk_scale), 1))
     l_i = gl.sum(p, 1)
     acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, o_layout)
 
@@ -197,10 +213,9 @@ def _consumer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, bars, b, hq, hkv, 
         v = v_smem.index(prev).reshape([BLOCK_N, HEAD_DIM])
         acc = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout), v, acc, is_async=True)
         s, _, _ = warpgroup_mma_wait(1, deps=(s_next, q, k))  # QKᵀ done; P·V may still run
-        s = s * qk_scale
         if i >= first_masked:
             s = _masked(s, i, row_pos, n_k, BLOCK_N, CAUSAL, s_layout)
-        p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i)
+        p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, qk_scale)
         acc, _ = warpgroup_mma_wait(0, deps=(acc, v))
         mbarrier.arrive(kv_free.index(prev), count=1)
         acc = acc * gl.expand_dims(gl.convert_layout(alpha, o_rows), 1)
@@ -219,8 +234,7 @@ def _consumer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, bars, b, hq, hkv, 
         l_use = gl.where(l_i == 0.0, 1.0, l_i)
         out = acc / gl.expand_dims(gl.convert_layout(l_use, o_rows), 1)
         if SAVE_LSE:
-            lse = gl.where(l_i == 0.0, float("-inf"), (m_i + gl.log2(l_use)) * 0.6931471805599453)
-            gl.store(lse_row + row, lse, mask=row < n_q)
+            gl.store(lse_row + row, _lse(m_i, l_i, qk_scale), mask=row < n_q)
         q.store(out.to(dtype))  # the Q tile is read: stage out there
         fence_async_shared()
         tma.async_copy_shared_to_global(o_desc, [b, hq, m0 + HALF * ROWS, 0], q_smem.index(HALF))
