@@ -2,6 +2,7 @@
 they compile for sm90 (on any machine), and on an H100/H200 that they match the float64 reference and read
 only inside their tensors."""
 import contextlib
+import math
 import os
 import re
 import subprocess
@@ -86,8 +87,9 @@ def test_descriptors_pass_the_checks_they_skip():
                torch.empty(3, 5, 64, 128, dtype=torch.float32)]
     described = [hopper.HopperLauncher._describe(t, rows, columns) for t in tensors if hopper.HopperLauncher.fits(t)
                  for rows, columns in ((64, None), (128, None), (64, 64))]
-    described += [hopper.HopperLauncher._describe_rows(torch.randn(2, 8, n)) for n in (64, 129)]
-    assert len(described) == 14
+    described += [hopper.HopperLauncher._describe_rows(rows) for n in (64, 129)
+                  for rows in hopper.HopperLauncher.rows(torch.randn(2, 8, n), delta=torch.randn(2, 8, n))]
+    assert len(described) == 16
     for d in described:
         checked = TensorDescriptor(d.base, d.shape, d.strides, d.block_shape, d.layout)
         assert checked.base is d.base
@@ -95,20 +97,25 @@ def test_descriptors_pass_the_checks_they_skip():
             (d.shape, d.strides, d.block_shape, d.layout, d.padding)
 
 
-@pytest.mark.parametrize("layout", ["aligned", "offset", "strided", "odd_length"])
-def test_dkdv_row_statistics_are_read_from_16_byte_aligned_rows(layout):
-    """The dK/dV template's TMA reads of lse and delta start on 16-byte boundaries: each (batch, head)'s row
-    starts a multiple of 4 float32 in; rows that do not are copied, padded, and rows that do are not."""
-    base = torch.randn(2 * 8 * 132 + 1)
-    t = {"aligned": base[:2 * 8 * 64].view(2, 8, 64), "offset": base[1:1 + 2 * 8 * 64].view(2, 8, 64),
-         "strided": base[:2 * 8 * 65].view(2, 8, 65)[..., :64],
-         "odd_length": base[:2 * 8 * 129].view(2, 8, 129)}[layout]
-    stride = -(-t.shape[2] // 4) * 4
-    flat = hopper.HopperLauncher._describe_rows(t).base
-    assert flat.shape == (2 * 8 * stride,) and flat.data_ptr() % 16 == 0
-    assert (flat.data_ptr() == t.data_ptr()) == (layout == "aligned")
-    assert torch.equal(flat.view(2, 8, stride)[..., :t.shape[2]], t)
-    assert hopper.HopperLauncher.rows_fit(t)
+@pytest.mark.parametrize("N", [64, 129, 1])
+def test_template_rows_pad_each_head_to_whole_query_blocks(N):
+    """The dK/dV template's lse and delta rows: lse in log2 units (+inf where a row keeps no key), each
+    (batch, head)'s N values padded with +inf and 0 to whole 64-row blocks, 16-byte aligned for TMA; the
+    given delta as it is (on strided views, run by the interpreter here)."""
+    B, H, block = 2, 3, hopper.DKDV_BLOCK_M
+    lse = torch.randn(B, H, 2 * N)[..., ::2]
+    lse[0, 1, 0] = float("-inf")  # a row that keeps no key
+    delta = torch.randn(B, N, H).transpose(1, 2)
+    lse_rows, delta_rows = hopper.HopperLauncher.rows(lse, delta=delta)
+    padded = -(-N // block) * block
+    assert lse_rows.shape == delta_rows.shape == (B * H * padded,)
+    assert lse_rows.data_ptr() % 16 == 0 and delta_rows.data_ptr() % 16 == 0 and padded * 4 % 16 == 0
+    want = torch.where(lse == float("-inf"), float("inf"), lse.double() * math.log2(math.e))
+    torch.testing.assert_close(lse_rows.view(B, H, padded)[..., :N].double(), want, rtol=1e-6, atol=0)
+    assert torch.equal(delta_rows.view(B, H, padded)[..., :N], delta)
+    assert (lse_rows.view(B, H, padded)[..., N:] == float("inf")).all()
+    assert not delta_rows.view(B, H, padded)[..., N:].any()
+    assert hopper.HopperLauncher.rows_fit(lse)
     assert not hopper.HopperLauncher.rows_fit(torch.empty(1).expand(2**16, 2**8, 2**7 - 1))
 
 
@@ -187,26 +194,29 @@ def test_dkdv_group_parts(monkeypatch):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("with_dlse", [False, True])
-def test_row_delta_matches_float64(dtype, with_dlse):
-    """The fused-dQ backward's delta kernel, rowsum(dO ∘ O) − dlse, on strided (B, H, N, D) views against
-    float64 (run by the interpreter here, compiled on a GPU by the tests below), and the accumulator it
-    zeroes, in (B, H, N, D) or HF's (B, N, H, D) memory order."""
-    from attnfuse.runtime.row_delta import ROWS, row_delta
+def test_template_rows_delta_matches_float64(dtype, with_dlse):
+    """The fused-dQ backward's row statistics kernel: delta = rowsum(dO ∘ O) − dlse on strided (B, H, N, D)
+    views against float64, 0 in the padding (run by the interpreter here, compiled on a GPU by the tests
+    below), and the accumulator it zeroes, in (B, H, N, D) or HF's (B, N, H, D) memory order."""
+    from attnfuse.runtime.template_rows import ROWS
 
     B, H, N, D = 2, 3, ROWS + 5, 64
+    padded = -(-N // hopper.DKDV_BLOCK_M) * hopper.DKDV_BLOCK_M
     out = torch.randn(B, N, H, D, dtype=dtype).transpose(1, 2)  # HF's layout
     dout = torch.randn(B, H, N, 2 * D, dtype=dtype)[..., ::2]  # a last stride of 2
     dlse = torch.randn(B, H, N) if with_dlse else None
+    lse = torch.randn(B, H, N)
     want = (out.double() * dout.double()).sum(-1) - (dlse.double() if with_dlse else 0)
-    torch.testing.assert_close(row_delta(out, dout, dlse).double(), want, rtol=0, atol=1e-5)
-    for acc in torch.randn(B, H, N, D), torch.randn(B, N, H, D).transpose(1, 2):  # dQ's, in q's memory order
-        torch.testing.assert_close(row_delta(out, dout, dlse, zeroed=acc).double(), want, rtol=0, atol=1e-5)
-        assert not acc.any()
+    for acc in None, torch.randn(B, H, N, D), torch.randn(B, N, H, D).transpose(1, 2):  # dQ's, in q's order
+        _, delta_rows = hopper.HopperLauncher.rows(lse, out=out, dout=dout, dlse=dlse, zeroed=acc)
+        torch.testing.assert_close(delta_rows.view(B, H, padded)[..., :N].double(), want, rtol=0, atol=1e-5)
+        assert not delta_rows.view(B, H, padded)[..., N:].any()
+        assert acc is None or not acc.any()
 
 
 def _spy(monkeypatch, method="__call__"):
     """The list to which each call of the launcher's ``method`` (the forward, or "dkdv") appends its
-    arguments (the dK/dV kernel's ninth is dQ's accumulator, when it computes dQ too)."""
+    arguments (the dK/dV kernel's eighth is dQ's accumulator, when it computes dQ too)."""
     calls = []
     launch = getattr(hopper.HopperLauncher, method)
     monkeypatch.setattr(hopper.HopperLauncher, method, lambda self, *a: (calls.append(a), launch(self, *a))[1])
@@ -215,7 +225,7 @@ def _spy(monkeypatch, method="__call__"):
 
 def _fused_dq(calls) -> bool:
     """Whether every dK/dV template call that ``_spy`` recorded computed dQ too."""
-    return all(len(args) == 9 for args in calls)
+    return all(len(args) == 8 for args in calls)
 
 
 @requires_hopper

@@ -1,6 +1,6 @@
 """The backward launcher: the dQ kernel (which also writes each row's delta), then the dK/dV kernel, then
 tensor gradients. On Hopper, for the programs and tensors it serves, the Gluon dK/dV template
-(``hopper.py``) computes dQ too, after a small kernel for delta (``row_delta.py``), unless
+(``hopper.py``) computes dQ too, after a small kernel for its row statistics (``template_rows.py``), unless
 ``torch.use_deterministic_algorithms`` is on: its dQ is a sum of float32 reduce-adds in no fixed order."""
 from __future__ import annotations
 
@@ -14,7 +14,6 @@ from .hopper import HopperLauncher
 from .inputs import KVCache, accumulator_dtype, empty_like_layout, even_keys, heads_together, kv_launch_args
 from .kernel import CompiledKernel
 from .plugin_args import PluginArgs, Prepared
-from .row_delta import row_delta
 from .offsets import rows_fit
 from .launcher import block_grid, cdiv, multiprocessors, query_grid
 
@@ -94,13 +93,13 @@ class BackwardKernels:
     def _fused_dq(self, q: torch.Tensor, kv: KVCache, out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor,
                   dlse: torch.Tensor | None, dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor) -> None:
         """The Hopper template's launch that computes dQ too (float32 reduce-adds into an accumulator),
-        after a small kernel that computes delta and zeroes the accumulator. The accumulator has q's memory
-        order, as dq has, so that converting it is a plain copy (HF's (B, N, H, D) order made it a
-        transposing one, at half the speed)."""
+        after a small kernel that computes its row statistics (delta too) and zeroes the accumulator. The
+        accumulator has q's memory order, as dq has, so that converting it is a plain copy (HF's (B, N, H,
+        D) order made it a transposing one, at half the speed)."""
         direct = dq.dtype == torch.float32 and dq.is_contiguous()
         acc = dq if direct else empty_like_layout(q, q.shape[3], torch.float32)
-        delta = row_delta(out, dout, dlse, zeroed=acc)
-        self.hopper.dkdv(q, kv.k, kv.v, dout, lse, delta, dk, dv, acc)
+        rows = self.hopper.rows(lse, out=out, dout=dout, dlse=dlse, zeroed=acc)
+        self.hopper.dkdv(q, kv.k, kv.v, dout, rows, dk, dv, acc)
         if not direct:
             dq.copy_(acc)
 
@@ -124,7 +123,7 @@ class BackwardKernels:
                                             **grad_args}),
                        q.device, limit=limit, HAS_DLSE=dlse is not None, EVEN_K=even_keys(kv), EVEN_M=even_m)
         if template:
-            self.hopper.dkdv(q, kv.k, kv.v, dout, lse, delta, dk, dv)
+            self.hopper.dkdv(q, kv.k, kv.v, dout, self.hopper.rows(lse, delta=delta), dk, dv)
         else:
             self._generated_dkdv(q, kv, dk, dv, shared, pargs, limit, heavy, even_m)
 

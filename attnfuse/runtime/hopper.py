@@ -12,6 +12,7 @@ from ..passes.hopper import HopperPlan
 from .hopper_dkdv_kernel import hopper_dkdv_kernel
 from .hopper_kernel import hopper_forward_kernel
 from .launcher import Launcher, cdiv, multiprocessors
+from .template_rows import padded_rows, template_rows
 
 _ROWS = 128  # query rows (forward) or keys (dK/dV) per program: two consumer warpgroups of 64
 DKDV_BLOCK_M = 64  # query rows per step of the dK/dV kernel
@@ -20,12 +21,6 @@ DKDV_SPLIT_WAVES = 1.0  # a GQA grid of fewer key-block programs than this many 
 DKDV_SPLIT_FILL = 1.5  # its groups' query heads, over the fewest programs that give this many per multiprocessor
 _TMA_LIMIT = 1 << 40  # bytes: a TMA stride must stay below it
 _ROW_LAYOUT = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1)  # lse and delta rows
-
-
-def _row_stride(n: int) -> int:
-    """Where the dK/dV template's flat lse and delta rows of n values start: a multiple of 4 float32 (a TMA
-    read starts on a 16-byte boundary)."""
-    return cdiv(n, 4) * 4
 
 
 def _describable(t: torch.Tensor) -> bool:
@@ -43,8 +38,8 @@ def _describable(t: torch.Tensor) -> bool:
 def _descriptor(base: torch.Tensor, shape: list[int], strides: list[int], block_shape: list[int],
                 layout: gl.NVMMASharedLayout) -> TensorDescriptor:
     """``TensorDescriptor(base, shape, strides, block_shape, layout)`` without its constructor's checks (which
-    take longer than the launch): ``fits`` checked the tensors' bases and strides, ``_describe_rows`` makes
-    its flat rows aligned, and the tiles are powers of two."""
+    take longer than the launch): ``fits`` checked the tensors' bases and strides, the template's flat rows
+    are fresh tensors padded to whole tiles, and the tiles are powers of two."""
     descriptor = object.__new__(TensorDescriptor)
     descriptor.__dict__.update(base=base, shape=shape, strides=strides, block_shape=block_shape, layout=layout,
                                padding="zero")
@@ -68,22 +63,21 @@ class HopperLauncher:
 
     @staticmethod
     def rows_fit(lse: torch.Tensor) -> bool:
-        """Whether the dK/dV template can address lse's (B, Hq, Nq) rows, padded to ``_row_stride``, with
-        int32 TMA coordinates (else the caller runs the generated dK/dV kernel)."""
+        """Whether the dK/dV template can address lse's (B, Hq, Nq) rows, padded to whole query blocks
+        (``rows``), with int32 TMA coordinates (else the caller runs the generated dK/dV kernel)."""
         B, Hq, Nq = lse.shape
-        return B * Hq * _row_stride(Nq) < 2**31
+        return B * Hq * padded_rows(Nq, DKDV_BLOCK_M) < 2**31
 
     @staticmethod
-    def _describe_rows(t: torch.Tensor) -> TensorDescriptor:
-        """``t`` (B, Hq, Nq) float32 as one flat row in which each (batch, head)'s Nq values start every
-        ``_row_stride(Nq)`` elements, read in [DKDV_BLOCK_M] tiles: ``t`` itself when it is laid out so, else
-        a padded copy."""
-        B, Hq, Nq = t.shape
-        stride = _row_stride(Nq)
-        if not (t.is_contiguous() and stride == Nq and t.data_ptr() % 16 == 0):
-            t = torch.nn.functional.pad(t.reshape(B * Hq, Nq), (0, stride - Nq))
-        flat = t.reshape(-1)
-        return _descriptor(flat, [flat.numel()], [1], [DKDV_BLOCK_M], _ROW_LAYOUT)
+    def rows(lse: torch.Tensor, **delta_from) -> tuple[torch.Tensor, torch.Tensor]:
+        """The dK/dV template's lse and delta rows (``template_rows.template_rows``, whose keyword arguments
+        say where delta comes from) for its query blocks."""
+        return template_rows(lse, DKDV_BLOCK_M, **delta_from)
+
+    @staticmethod
+    def _describe_rows(rows: torch.Tensor) -> TensorDescriptor:
+        """The flat float32 rows of ``rows`` read in [DKDV_BLOCK_M] tiles."""
+        return _descriptor(rows, [rows.numel()], [1], [DKDV_BLOCK_M], _ROW_LAYOUT)
 
     @staticmethod
     def _describe(t: torch.Tensor, rows: int, columns: int | None = None) -> TensorDescriptor:
@@ -106,10 +100,11 @@ class HopperLauncher:
         self._launcher.launch((B * Hq, cdiv(Nq, _ROWS)), args, {**self._constexprs, "SAVE_LSE": lse is not None},
                               num_warps=4, device=q.device, maxnreg=168)
 
-    def dkdv(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor, lse: torch.Tensor,
-             delta: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, dq: torch.Tensor | None = None) -> None:
-        """q and dout (B, Hq, Nq, D), k and v (B, Hkv, Nk, D) with Nq, Nk >= 1, lse and delta (B, Hq, Nq)
-        float32 (``rows_fit``) -> dk, dv (k's and v's shapes, unit last strides, any float dtype), written in
+    def dkdv(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor,
+             rows: tuple[torch.Tensor, torch.Tensor], dk: torch.Tensor, dv: torch.Tensor,
+             dq: torch.Tensor | None = None) -> None:
+        """q and dout (B, Hq, Nq, D), k and v (B, Hkv, Nk, D) with Nq, Nk >= 1, ``rows``: the rows' lse and
+        delta from ``rows`` (``rows_fit``) -> dk, dv (k's and v's shapes, unit last strides, any float dtype), written in
         place, and, if ``dq`` (B, Hq, Nq, D) float32 zeros (dense, any order of its dims, a unit last stride)
         is given, dQ added into it (TMA's float32 reduce-adds of each program's share of each tile: the order
         of the sum, so its last bits, vary from run to run). When the grid of key blocks would not fill the
@@ -133,10 +128,10 @@ class HopperLauncher:
         dq_tiles = None if dq is None else self._describe(dq, DKDV_BLOCK_M, D // 2)
         self._dkdv.launch((B * Hq // (group // parts), blocks),
                           (self._describe(q, DKDV_BLOCK_M), self._describe(dout, DKDV_BLOCK_M),
-                           self._describe(k, _ROWS // 2), self._describe(v, _ROWS // 2), self._describe_rows(lse),
-                           self._describe_rows(delta), dk, dv, dq_tiles, dk_part, dv_part, B * Hkv * Nk * D, counts,
-                           *dk.stride()[:3], *dv.stride()[:3], Nq, Nk, Hq, group, group // parts, _row_stride(Nq),
-                           self.spec.qk_scale, self.spec.scale),
+                           self._describe(k, _ROWS // 2), self._describe(v, _ROWS // 2),
+                           *(self._describe_rows(r) for r in rows), dk, dv, dq_tiles, dk_part, dv_part,
+                           B * Hkv * Nk * D, counts, *dk.stride()[:3], *dv.stride()[:3], Nq, Nk, Hq, group,
+                           group // parts, padded_rows(Nq, DKDV_BLOCK_M), self.spec.qk_scale, self.spec.scale),
                           {"BLOCK_M": DKDV_BLOCK_M, "STAGES": DKDV_STAGES, "CAUSAL": self.spec.causal,
                            "GROUP_SUM": group_sum, "FUSE_DQ": dq is not None},
                           num_warps=4, device=q.device, maxnreg=168)

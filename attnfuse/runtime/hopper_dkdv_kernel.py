@@ -9,7 +9,7 @@ the program's query heads, through TMA into a ring of ``STAGES`` stages; two con
 keys each and free a stage when both have read it. A consumer recomputes its weights transposed, (keys,
 queries), so they and dS enter the dV and dK products as register operands (FlashAttention's order):
 
-    Sᵀ = K·Qᵀ, Pᵀ = exp2(Sᵀ·qk_scale − lse·log2 e), dPᵀ = V·dOᵀ, dSᵀ = Pᵀ ∘ (dPᵀ − delta),
+    Sᵀ = K·Qᵀ, Pᵀ = exp2(Sᵀ·qk_scale − lse₂), dPᵀ = V·dOᵀ, dSᵀ = Pᵀ ∘ (dPᵀ − delta),
     dV += Pᵀ·dO, dK += dSᵀ·Q, and at the end dK *= scale.
 
 Sᵀ and dPᵀ are issued together, and a step's softmax runs while dPᵀ multiplies. A step waits for its dV
@@ -22,10 +22,10 @@ mbarrier), each computes half of the step's dQ columns, dS·K[:, half] over all 
 (times scale) for a reducer warp, which adds it into dQ's float32 accumulator with a TMA reduce-add.
 Programs add into the same dQ tiles in no fixed order, so dQ's last bits vary from run to run.
 
-lse (natural log) and delta = rowsum(dO ∘ O) − dlse come from the forward and from the dQ kernel (or
-``row_delta.py``). A masked pair's weight and dS are 0, whatever its key's value (dPᵀ carries a masked
-key's NaN value). TMA reads only inside the tensors' shapes (zeros past them); query rows past Nq get lse
-+inf, so weight 0, and delta 0, and with FUSE_DQ keys past Nk get dS 0. dK and dV are stored from
+lse₂ (lse in log2 units) and delta = rowsum(dO ∘ O) − dlse are read from ``template_rows.py``'s padded
+rows: +inf and 0 where a row keeps no key and past Nq, so those rows' weights are 0 without a test a step.
+A masked pair's weight and dS are 0, whatever its key's value (dPᵀ carries a masked key's NaN value). TMA
+reads only inside the tensors' shapes (zeros past them), and with FUSE_DQ keys past Nk get dS 0. dK and dV are stored from
 registers, masked to the keys below Nk, in their own dtype (float32 dK for a hoisted transform's gradient
 pass). When a group's heads are split over programs, their float32 shares are added up atomically, or,
 deterministically, stored and counted, and the group's last program to finish sums them in order (the
@@ -41,8 +41,6 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma_wait)
 
 from .hopper_kernel import ROWS, _warpgroup_layout, ring
-
-LOG2E = gl.constexpr(1.4426950408889634)
 
 
 @gluon.jit
@@ -165,17 +163,13 @@ def _consumer(k_desc, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_
         mbarrier.wait(do_ready.index(stage), phase)
         do = do_smem.index(stage).reshape([BLOCK_M, HEAD_DIM])
         dpt = warpgroup_mma(v, do.permute((1, 0)), no_scores, use_acc=False, is_async=True)
-        # The step's rows' lse in log2 units, +inf past Nq (TMA brought the next head's rows or zeros there)
-        # and where a row keeps no key, so their weights are 0; delta is 0 there.
-        in_rows = query < n_q
         lse_t = lse_smem.index(stage).load(columns)
-        lse_t = gl.where(in_rows & (lse_t != float("-inf")), lse_t * LOG2E, float("inf"))
         st, _, _ = warpgroup_mma_wait(1, deps=(st, k, q))  # Sᵀ done; dPᵀ may still run
         pt = gl.exp2(st * qk_scale - gl.expand_dims(lse_t, 0))  # one fused multiply-add a score
         if CAUSAL:
             if j < first_full:  # some pair of this step is masked
                 pt = gl.where(_keep(key_pos, query, n_q, n_k), pt, 0.0)
-        delta_t = gl.where(in_rows, delta_smem.index(stage).load(columns), 0.0)
+        delta_t = delta_smem.index(stage).load(columns)
         dpt, _, _ = warpgroup_mma_wait(0, deps=(dpt, v, do))
         dst = pt * (dpt - gl.expand_dims(delta_t, 0))
         if CAUSAL:
@@ -261,8 +255,9 @@ def hopper_dkdv_kernel(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, dk
                        n_k, heads_q, group, heads, row_stride, qk_scale, scale, BLOCK_M: gl.constexpr,
                        STAGES: gl.constexpr, CAUSAL: gl.constexpr, GROUP_SUM: gl.constexpr, FUSE_DQ: gl.constexpr):
     """q_desc, do_desc: (B, Hq, Nq, D) in [1, 1, BLOCK_M, D] tiles; k_desc, v_desc: (B, Hkv, Nk, D) in
-    [1, 1, 64, D] tiles; lse_desc, delta_desc: float32 (B * Hq * row_stride,), each (batch, head)'s Nq values
-    starting every row_stride, in [BLOCK_M] tiles; dk, dv: (B, Hkv, Nk, D) with a unit last stride. With
+    [1, 1, 64, D] tiles; lse_desc, delta_desc: the rows' lse₂ and delta (``template_rows.py``), float32
+    (B * Hq * row_stride,), each (batch, head)'s row_stride values (Nq padded to whole BLOCK_M tiles), in
+    [BLOCK_M] tiles; dk, dv: (B, Hkv, Nk, D) with a unit last stride. With
     FUSE_DQ, dq_desc: dQ's float32 accumulator (B, Hq, Nq, D) in [1, 1, BLOCK_M, D / 2] tiles, zeros or a
     sum to add to (else None). qk_scale: the scores' factor in log2 units; scale: the program's.
     Grid (B * Hq / heads, cdiv(Nk, 128)), the blocks that most queries see first: a program takes ``heads``
