@@ -117,6 +117,8 @@ def test_template_rows_pad_each_head_to_whole_query_blocks(N):
     assert not delta_rows.view(B, H, padded)[..., N:].any()
     assert hopper.HopperLauncher.rows_fit(lse)
     assert not hopper.HopperLauncher.rows_fit(torch.empty(1).expand(2**16, 2**8, 2**7 - 1))
+    with pytest.raises(ValueError, match="zeroed"):  # only the launch that computes delta zeroes
+        hopper.HopperLauncher.rows(lse, delta=delta, zeroed=torch.ones(B, H, N, 16))
 
 
 @pytest.mark.parametrize("causal_mask", [True, False])

@@ -75,6 +75,9 @@ def template_rows(lse: torch.Tensor, block: int, *, delta: torch.Tensor | None =
         delta = lse  # unused
         strides = (*out.stride(), *dout.stride())
     else:
+        if zeroed is not None:
+            raise ValueError("template_rows: zeroed is filled by the launch that computes delta; pass out and "
+                             "dout instead of delta")
         out = dout = lse  # unused
         strides = (0,) * 8
     n_rows = B * H * padded
