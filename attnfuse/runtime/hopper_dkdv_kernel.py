@@ -27,9 +27,9 @@ rows: +inf and 0 where a row keeps no key and past Nq, so those rows' weights ar
 A masked pair's weight and dS are 0, whatever its key's value (dPᵀ carries a masked key's NaN value). TMA
 reads only inside the tensors' shapes (zeros past them), and with FUSE_DQ keys past Nk get dS 0. dK and
 dV are stored from registers, masked to the keys below Nk, in their own dtype (float32 dK for a hoisted
-transform's gradient pass). When a group's heads are split over programs, their float32 shares are added up atomically, or,
-deterministically, stored and counted, and the group's last program to finish sums them in order (the
-generated kernel's split, ``passes/codegen/head_split.py``): GROUP_SUM.
+transform's gradient pass). When a group's heads are split over programs, their float32 shares are added
+up atomically, or, deterministically, stored and counted, and the group's last program to finish sums them
+in order (the generated kernel's split, ``passes/codegen/head_split.py``): GROUP_SUM.
 """
 from __future__ import annotations
 
@@ -258,7 +258,8 @@ def hopper_dkdv_kernel(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, dk
     [1, 1, 64, D] tiles; lse_desc, delta_desc: the rows' lse₂ and delta (``template_rows.py``), float32
     (B * Hq * row_stride,), each (batch, head)'s row_stride values (Nq padded to whole BLOCK_M tiles), in
     [BLOCK_M] tiles; dk, dv: (B, Hkv, Nk, D) with a unit last stride. With FUSE_DQ, dq_desc: dQ's float32
-    accumulator (B, Hq, Nq, D) in [1, 1, BLOCK_M, D / 2] tiles, zeros or a sum to add to (else None). qk_scale: the scores' factor in log2 units; scale: the program's.
+    accumulator (B, Hq, Nq, D) in [1, 1, BLOCK_M, D / 2] tiles, zeros or a sum to add to (else None).
+    qk_scale: the scores' factor in log2 units; scale: the program's.
     Grid (B * Hq / heads, cdiv(Nk, 128)), the blocks that most queries see first: a program takes ``heads``
     query heads of a GQA group (a divisor of it). With all of them (GROUP_SUM "none") it stores dK and dV;
     else they are summed over the group's programs, as GROUP_SUM says:
