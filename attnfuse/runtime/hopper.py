@@ -103,14 +103,14 @@ class HopperLauncher:
     def dkdv(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor,
              rows: tuple[torch.Tensor, torch.Tensor], dk: torch.Tensor, dv: torch.Tensor,
              dq: torch.Tensor | None = None) -> None:
-        """q and dout (B, Hq, Nq, D), k and v (B, Hkv, Nk, D) with Nq, Nk >= 1, ``rows``: the rows' lse and
-        delta from ``rows`` (``rows_fit``) -> dk, dv (k's and v's shapes, unit last strides, any float
-        dtype), written in place, and, if ``dq`` (B, Hq, Nq, D) float32 zeros (dense, any order of its dims, a
-        unit last stride) is given, dQ added into it (TMA's float32 reduce-adds of each program's share of
-        each tile: the order of the sum, so its last bits, vary from run to run). When the grid of key blocks would not fill the
-        GPU once, a GQA group's query heads are split over ``_group_parts`` programs, whose float32 shares of
-        dK and dV are summed in order by the last of them when there are two parts or under
-        ``torch.use_deterministic_algorithms``, else added up atomically."""
+        """q and dout (B, Hq, Nq, D), k and v (B, Hkv, Nk, D) with Nq, Nk >= 1, ``rows``: the rows' lse and delta
+        from ``rows`` (``rows_fit``) -> dk, dv (k's and v's shapes, unit last strides, any float dtype), written in
+        place, and, if ``dq`` (B, Hq, Nq, D) float32 zeros (dense, any order of its dims, a unit last stride) is
+        given, dQ added into it (TMA's float32 reduce-adds of each program's share of each tile: the order of the
+        sum, so its last bits, vary from run to run). When the grid of key blocks would not fill the GPU once, a GQA
+        group's query heads are split over ``_group_parts`` programs, whose float32 shares of dK and dV are summed
+        in order by the last of them when there are two parts or under ``torch.use_deterministic_algorithms``, else
+        added up atomically."""
         B, Hq, Nq, D = q.shape
         Hkv, Nk = k.shape[1], k.shape[2]
         group, blocks = Hq // Hkv, cdiv(Nk, _ROWS)
