@@ -137,8 +137,7 @@ def _backward(ctx, dout, dlse, _):
 
 
 def _no_second_derivative(ctx, *grads):
-    raise RuntimeError("attnfuse: second derivatives are not supported (a gradient taken with create_graph=True "
-                       "cannot be differentiated again): the backward kernels are not differentiable")
+    raise gradients.no_double_backward()
 
 
 for _device in ("CPU", "CUDA"):

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Collection
 
-from ..errors import InputError, ProgramError
+from ..errors import InputError, ProgramError, UnsupportedError
 from ..passes.lower import Instance, LoweredProgram
 
 
@@ -36,3 +36,12 @@ def tensor_grads(lowered: LoweredProgram, wanted: Collection[str]) -> tuple[tupl
                 raise InputError(f"{inst.apply.combinator}: its input {param!r} (argument {sym.name!r}) requires "
                                  f"grad, but {inst.apply.combinator} declares no gradient for it; pass it detached")
     return found
+
+
+def no_double_backward() -> UnsupportedError:
+    """The error of differentiating a program call's gradient again (eager calls and the op alike)."""
+    return UnsupportedError(
+        "double backward through an attnfuse program is not supported: a gradient taken with create_graph=True "
+        "(a gradient penalty, a Hessian-vector product) was differentiated again, and the fused backward kernels "
+        "have no derivative of their own. Use the gradient without differentiating it (first order works under "
+        "create_graph=True), or differentiate program.reference(...), the plain PyTorch composition, twice")

@@ -9,7 +9,7 @@ from .. import ir
 from ..errors import InputError
 from ..passes.lower import Instance, KernelConfig, fragment_of
 from ..passes.plan import Plan, build_plan
-from .autograd import AttentionFunction
+from .autograd import AttentionFunction, Kernels, runtime_tensors
 from .backward import BackwardKernels
 from .decode import MAX_QUERIES, DecodeKernel
 from .forward import ForwardKernel
@@ -175,9 +175,10 @@ def run_attention(graph: ir.MatMulPV, q: torch.Tensor, k: torch.Tensor, v: torch
         if tensor_grads:
             compile_ = compile_hoisted_backward if isinstance(forward, HoistedForward) else compile_backward
             backward = compile_(graph, forward.plan.config, tensor_grads)
-        names = tuple(dict.fromkeys(inst.apply.inputs()[name].name for inst, name in tensor_grads))
-        out, lse = AttentionFunction.apply(forward, backward, inputs, names, kv, q, k, v,
-                                           *(inputs[n] for n in names))
+        grads = tuple(dict.fromkeys(inst.apply.inputs()[name].name for inst, name in tensor_grads))
+        tensors, names = runtime_tensors(inputs)
+        out, lse = AttentionFunction.apply(Kernels(forward, backward, grads), inputs, tuple(names), q, k, v, kv_lens,
+                                           *tensors)
     return (out, lse) if return_lse else out
 
 
