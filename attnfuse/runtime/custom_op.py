@@ -34,7 +34,8 @@ def _differentiable_plan(spec: CallSpec, q, k, v, kv_lens, block_table, values):
     """The forward and backward kernels of a differentiable call (raising as ``run_attention`` does)."""
     forward, _, backward = planned(spec.graph, q, k, v, kv_lens, block_table, spec.save_lse, True, False,
                                    bool(values) and not inputs_fit(values))
-    tensor_grads = gradients.tensor_grads(forward.plan.lowered, spec.grads) if spec.grads else ()
+    tensor_grads = gradients.tensor_grads(forward.plan.lowered, values, spec.grads, (*q.shape[:3], k.shape[2])) \
+        if spec.grads else ()
     if tensor_grads:
         compile_ = compile_hoisted_backward if isinstance(forward, HoistedForward) else compile_backward
         backward = compile_(spec.graph, forward.plan.config, tensor_grads)

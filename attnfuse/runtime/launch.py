@@ -171,7 +171,8 @@ def run_attention(graph: ir.MatMulPV, q: torch.Tensor, k: torch.Tensor, v: torch
         out, lse = forward(q, kv, inputs)
     else:
         wanted = [n for n, t in inputs.items() if isinstance(t, torch.Tensor) and t.requires_grad]
-        tensor_grads = tensor_grads_of(forward.plan.lowered, wanted) if wanted else ()
+        tensor_grads = tensor_grads_of(forward.plan.lowered, inputs, wanted, (*q.shape[:3], kv.capacity)) \
+            if wanted else ()
         if tensor_grads:
             compile_ = compile_hoisted_backward if isinstance(forward, HoistedForward) else compile_backward
             backward = compile_(graph, forward.plan.config, tensor_grads)
