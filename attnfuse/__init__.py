@@ -16,7 +16,7 @@ from typing import Any, Callable
 
 from .block_mask import BlockMask, create_block_mask
 from .combinator import Combinator, Role
-from .errors import AttnFuseError, InputError, KernelCacheError, PluginError, ProgramError
+from .errors import AttnFuseError, InputError, KernelCacheError, PluginError, ProgramError, UnsupportedError
 from .hookspecs import hookimpl
 from .plugin_manager import combinators, register_plugin, unregister_plugin
 from .program import AttentionProgram, attention
@@ -25,8 +25,8 @@ from .runtime.launch import run_attention
 __all__ = [
     "AttentionProgram", "AttnFuseError", "BlockMask", "Combinator", "InputError", "KernelCacheError", "PluginError",
     "ProgramError",
-    "Role", "attention", "combinators", "create_block_mask", "hookimpl", "register_plugin", "run_attention",
-    "unregister_plugin",
+    "Role", "UnsupportedError", "attention", "combinators", "create_block_mask", "hookimpl", "register_plugin",
+    "run_attention", "unregister_plugin",
 ]
 __version__ = "0.1.0"
 

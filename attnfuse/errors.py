@@ -24,3 +24,8 @@ class InputError(AttnFuseError, ValueError):
 
 class KernelCacheError(AttnFuseError):
     """A generated kernel's file in the on-disk cache could not be written, read or loaded."""
+
+
+class UnsupportedError(AttnFuseError, RuntimeError):
+    """An operation AttnFuse refuses rather than compute wrongly: differentiating a gradient of a program call
+    again (double backward). (Also a RuntimeError, as torch's own refusals are.)"""

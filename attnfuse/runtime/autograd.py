@@ -1,49 +1,101 @@
 """``torch.autograd.Function`` around the fused forward and the backward kernels."""
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable, NamedTuple
 
 import torch
-from torch.autograd.function import once_differentiable
 
 from .backward import BackwardKernels
+from .call_spec import flatten_inputs
 from .forward import ForwardKernel
+from .gradients import no_double_backward
 from .hoisted import HoistedBackward, HoistedForward
-from .inputs import KVCache
+from .inputs import kv_cache
+
+
+class Kernels(NamedTuple):
+    """What a differentiable call runs: its forward, its backward, and the argument names of the runtime
+    inputs whose gradients the backward writes."""
+
+    forward: ForwardKernel | HoistedForward
+    backward: BackwardKernels | HoistedBackward
+    grads: tuple[str, ...]
+
+
+def runtime_tensors(inputs: dict[str, Any]) -> tuple[list[torch.Tensor], list[str | None]]:
+    """Every tensor of a call's runtime inputs, as the op takes them (a ``BlockMask``'s tensors too), and for
+    each the argument name of a tensor input, or None for a mask's tensor."""
+    tensors: list[torch.Tensor] = []
+    names: list[str | None] = []
+    for name, value in inputs.items():
+        parts = [value] if isinstance(value, torch.Tensor) else flatten_inputs({name: value})[1]
+        tensors += parts
+        names += [name] if isinstance(value, torch.Tensor) else [None] * len(parts)
+    return tensors, names
 
 
 class AttentionFunction(torch.autograd.Function):
-    """out, lse = f(q, k, v, *tensor_inputs); the forward saves one log-sum-exp per query row, and with
-    hoisted qk transforms the transformed copies of q and k, which the backward reads instead of
-    transforming q and k again. The plugins prepare their kernel arguments once, for both.
+    """out, lse = f(q, k, v, kv_lens, *tensors), ``tensors`` every tensor of the runtime inputs and ``names``
+    their names (``runtime_tensors``). The forward saves one log-sum-exp per query row, and with hoisted qk
+    transforms the transformed copies of q and k, which the backward reads instead of transforming q and k
+    again. The plugins prepare their kernel arguments once, for both.
 
-    Once differentiable: a gradient taken with ``create_graph=True`` cannot be differentiated again (torch
-    raises a RuntimeError), rather than silently acting as a constant in a gradient penalty."""
+    The forward saves the caller's kv_lens and runtime tensors themselves, not copies the plugins prepared, so
+    that editing one in place before the backward raises torch's "modified by an inplace operation" error
+    rather than giving gradients of the new values.
+
+    First order only: a gradient taken with ``create_graph=True`` is connected to q, k, v, the tensor inputs
+    and the incoming gradients through a node whose backward raises ``af.UnsupportedError``, so differentiating
+    it again raises, whatever the incoming gradient (``once_differentiable`` raises only when the incoming
+    gradient requires grad: a constant one such as ``out.sum()``'s dropped the second-order term silently)."""
 
     @staticmethod
-    def forward(ctx, forward: ForwardKernel | HoistedForward, backward: BackwardKernels | HoistedBackward,
-                inputs: dict[str, Any], grad_inputs: tuple[str, ...], kv: KVCache, q: torch.Tensor, k: torch.Tensor,
-                v: torch.Tensor, *tensor_inputs: torch.Tensor):
-        """``kv``: the call's view of k and v (contiguous: no gradient flows through a paged cache)."""
+    def forward(ctx, kernels: Kernels, inputs: dict[str, Any], names: tuple[str | None, ...], q: torch.Tensor,
+                k: torch.Tensor, v: torch.Tensor, kv_lens: torch.Tensor | None, *tensors: torch.Tensor):
+        """q (B, Hq, Nq, D), k (B, Hkv, Nk, D), v (B, Hkv, Nk, DV) (no gradient flows through a paged cache),
+        kv_lens (B,) or None; ``inputs`` the runtime inputs by name, whose tensors are ``tensors``."""
+        kv = kv_cache(k, v, kv_lens, None)
+        forward = kernels.forward
         prepared = forward.plugin_args(q, kv, inputs)
         if isinstance(forward, HoistedForward):  # keep the transformed q and k for the hoisted backward
             out, lse, copies = forward.run(q, kv, inputs, prepared)
         else:
             (out, lse), copies = forward(q, kv, inputs, prepared), {}
-        ctx.save_for_backward(q, k, v, out, lse, *copies.values())
-        ctx.sides = tuple(copies)
-        ctx.backward_kernels, ctx.inputs, ctx.grad_inputs = backward, inputs, grad_inputs
-        ctx.kv = kv._replace(k=None, v=None)  # k and v are saved tensors
-        ctx.prepared = prepared
+        ctx.save_for_backward(q, k, v, out, lse, kv_lens, *tensors, *copies.values())
+        ctx.kernels, ctx.inputs, ctx.names, ctx.sides, ctx.prepared = kernels, inputs, names, tuple(copies), prepared
         ctx.set_materialize_grads(False)
         return out, lse
 
     @staticmethod
-    @once_differentiable  # the backward kernels are not differentiable: a second derivative raises
     def backward(ctx, dout: torch.Tensor | None, dlse: torch.Tensor | None):
-        q, k, v, out, lse, *copies = ctx.saved_tensors
-        kv = ctx.kv._replace(k=k, v=v)
+        q, k, v, out, lse, kv_lens, *rest = ctx.saved_tensors  # torch raises here if one was edited in place
+        tensors, copies = rest[:len(ctx.names)], rest[len(ctx.names):]
+        kernels = ctx.kernels
         extra = {"copies": dict(zip(ctx.sides, copies))} if ctx.sides else {}
-        dq, dk, dv, grads = ctx.backward_kernels(q, kv, out, lse, dout, dlse, ctx.inputs, prepared=ctx.prepared,
-                                                 **extra)
-        return (None, None, None, None, None, dq, dk, dv, *(grads.get(name) for name in ctx.grad_inputs))
+
+        def gradients() -> tuple[torch.Tensor, ...]:
+            dq, dk, dv, grads = kernels.backward(q, kv_cache(k, v, kv_lens, None), out, lse, dout, dlse, ctx.inputs,
+                                                 prepared=ctx.prepared, **extra)
+            return dq, dk, dv, *(grads[name] for name in kernels.grads)
+
+        if torch.is_grad_enabled():  # create_graph=True: the results must raise if differentiated again
+            wanted = (t for t, name in zip(tensors, ctx.names) if name in kernels.grads)
+            anchors = (t for t in (q, k, v, dout, dlse, *wanted) if t is not None)
+            dq, dk, dv, *grads = _FirstOrderOnly.apply(gradients, *anchors)
+        else:
+            dq, dk, dv, *grads = gradients()
+        by_name = dict(zip(kernels.grads, grads))
+        return (None, None, None, dq, dk, dv, None, *(by_name.get(name) for name in ctx.names))
+
+
+class _FirstOrderOnly(torch.autograd.Function):
+    """The gradients ``compute()`` returns, as outputs of a node whose inputs are ``anchors`` (every tensor they
+    depend on that may require grad) and whose backward raises ``af.UnsupportedError``."""
+
+    @staticmethod
+    def forward(ctx, compute: Callable[[], tuple[torch.Tensor, ...]], *anchors: torch.Tensor):
+        return compute()
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor):
+        raise no_double_backward()

@@ -34,7 +34,8 @@ def _differentiable_plan(spec: CallSpec, q, k, v, kv_lens, block_table, values):
     """The forward and backward kernels of a differentiable call (raising as ``run_attention`` does)."""
     forward, _, backward = planned(spec.graph, q, k, v, kv_lens, block_table, spec.save_lse, True, False,
                                    bool(values) and not inputs_fit(values))
-    tensor_grads = gradients.tensor_grads(forward.plan.lowered, spec.grads) if spec.grads else ()
+    tensor_grads = gradients.tensor_grads(forward.plan.lowered, values, spec.grads, (*q.shape[:3], k.shape[2])) \
+        if spec.grads else ()
     if tensor_grads:
         compile_ = compile_hoisted_backward if isinstance(forward, HoistedForward) else compile_backward
         backward = compile_(spec.graph, forward.plan.config, tensor_grads)
@@ -137,8 +138,7 @@ def _backward(ctx, dout, dlse, _):
 
 
 def _no_second_derivative(ctx, *grads):
-    raise RuntimeError("attnfuse: second derivatives are not supported (a gradient taken with create_graph=True "
-                       "cannot be differentiated again): the backward kernels are not differentiable")
+    raise gradients.no_double_backward()
 
 
 for _device in ("CPU", "CUDA"):

@@ -9,7 +9,7 @@ from .. import ir
 from ..errors import InputError
 from ..passes.lower import Instance, KernelConfig, fragment_of
 from ..passes.plan import Plan, build_plan
-from .autograd import AttentionFunction
+from .autograd import AttentionFunction, Kernels, runtime_tensors
 from .backward import BackwardKernels
 from .decode import MAX_QUERIES, DecodeKernel
 from .forward import ForwardKernel
@@ -171,13 +171,15 @@ def run_attention(graph: ir.MatMulPV, q: torch.Tensor, k: torch.Tensor, v: torch
         out, lse = forward(q, kv, inputs)
     else:
         wanted = [n for n, t in inputs.items() if isinstance(t, torch.Tensor) and t.requires_grad]
-        tensor_grads = tensor_grads_of(forward.plan.lowered, wanted) if wanted else ()
+        tensor_grads = tensor_grads_of(forward.plan.lowered, inputs, wanted, (*q.shape[:3], kv.capacity)) \
+            if wanted else ()
         if tensor_grads:
             compile_ = compile_hoisted_backward if isinstance(forward, HoistedForward) else compile_backward
             backward = compile_(graph, forward.plan.config, tensor_grads)
-        names = tuple(dict.fromkeys(inst.apply.inputs()[name].name for inst, name in tensor_grads))
-        out, lse = AttentionFunction.apply(forward, backward, inputs, names, kv, q, k, v,
-                                           *(inputs[n] for n in names))
+        grads = tuple(dict.fromkeys(inst.apply.inputs()[name].name for inst, name in tensor_grads))
+        tensors, names = runtime_tensors(inputs)
+        out, lse = AttentionFunction.apply(Kernels(forward, backward, grads), inputs, tuple(names), q, k, v, kv_lens,
+                                           *tensors)
     return (out, lse) if return_lse else out
 
 
