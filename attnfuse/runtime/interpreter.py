@@ -106,6 +106,8 @@ class InterpretedKernel:
 
     def __init__(self, fn: Callable):
         self._fn = InterpretedFunction(fn)
+        self._fn.rewritten_fn = {}  # its own: Triton's class-wide dict would keep every kernel ever loaded alive
+        self._fn.rewrite()  # now, not inside the launch lock, and just after ``fn``'s source was registered
 
     def launch(self, grid: tuple[int, ...], args: tuple, constexprs: dict[str, Any], num_warps: int = 4,
                num_stages: int = 2, device: Any = None) -> None:
