@@ -8,8 +8,8 @@ and Triton's interpreter (which read a kernel's source with ``inspect.getsourcel
 
 The directory must belong to the current user and be writable by no one else (a ``KernelCacheError``
 otherwise); directories made here are private (0o700). Its kernel files are kept under
-``$ATTNFUSE_CACHE_MAX_BYTES`` in all (``DEFAULT_MAX_BYTES`` by default), the least recently used removed
-first when a new one is written.
+``$ATTNFUSE_CACHE_MAX_BYTES`` in all (``DEFAULT_MAX_BYTES`` by default): a write that takes them past it
+removes the least recently written or used first.
 """
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ from ..errors import KernelCacheError
 
 CACHE_ENV = "ATTNFUSE_CACHE_DIR"
 MAX_BYTES_ENV = "ATTNFUSE_CACHE_MAX_BYTES"
-DEFAULT_MAX_BYTES = 64 * 2**20  # a generated kernel is 10-60 KB: over a thousand of them
+DEFAULT_MAX_BYTES = 64 * 2**20  # a generated kernel's file is 5-20 KB: thousands of them
 KERNEL_FILE = re.compile(r"attnfuse_\w+_[0-9a-f]{16}\.py")  # "<kernel name>_<source digest>.py"
 
 _lock = threading.Lock()
@@ -148,33 +148,30 @@ def kernel_files(directory: Path) -> list[KernelFile]:
 
 
 def evict(directory: Path, cap: int, keep: Path | None = None) -> int:
-    """Remove ``directory``'s least recently used kernel files (never ``keep``) until they hold at most
-    ``cap`` bytes in all; the bytes left."""
+    """If ``directory``'s kernel files hold more than ``cap`` bytes, remove the least recently used (never
+    ``keep``) until they hold at most 90% of it, so that the next writes need not evict again; the bytes
+    left."""
     files = kernel_files(directory)
     total = sum(f.size for f in files)
+    if total <= cap:
+        return total
     for f in files:
-        if total <= cap:
+        if total <= cap - cap // 10:
             break
-        if f.path == keep:
-            continue
-        try:
-            f.path.unlink()
-        except FileNotFoundError:
-            pass
-        total -= f.size
+        if f.path != keep:
+            f.path.unlink(missing_ok=True)
+            total -= f.size
     return total
 
 
 def _count_written(directory: Path, path: Path, size: int) -> None:
-    """Add a written file to this process's count of the directory's bytes; past the cap, count the
-    directory again (the first write does too: other processes' files count) and evict."""
+    """Add a written file to this process's count of the directory's bytes; count the directory itself (with
+    other processes' files), and evict, on the first write and on one that takes the count past the cap."""
     cap = max_bytes()
     with _lock:
         total = _totals.get(directory)
-        if total is None or total + size > cap:
-            _totals[directory] = evict(directory, cap, keep=path)
-        else:
-            _totals[directory] = total + size
+        fits = total is not None and total + size <= cap
+        _totals[directory] = total + size if fits else evict(directory, cap, keep=path)
 
 
 def clear(directory: Path) -> tuple[int, int]:
