@@ -65,8 +65,8 @@ def _unchecked_hash_pyc(code, path) -> bytes:
 def _timestamp_pyc(code, path) -> bytes:
     """Bytecode whose header copies the real file's mtime and size, as the import system checks them."""
     st = path.stat()
-    return (importlib.util.MAGIC_NUMBER + (0).to_bytes(4, "little") + (int(st.st_mtime) & 0xFFFFFFFF).to_bytes(4, "little")
-            + (st.st_size & 0xFFFFFFFF).to_bytes(4, "little") + marshal.dumps(code))
+    header = [0, int(st.st_mtime) & 0xFFFFFFFF, st.st_size & 0xFFFFFFFF]  # flags 0: checked by timestamp
+    return importlib.util.MAGIC_NUMBER + b"".join(n.to_bytes(4, "little") for n in header) + marshal.dumps(code)
 
 
 @pytest.mark.parametrize("pyc", [_unchecked_hash_pyc, _timestamp_pyc], ids=["unchecked-hash", "timestamp"])
