@@ -1,6 +1,6 @@
 """Programs called from many threads at once: first calls (tracing and compiling), decoding and training.
 Every result equals the float64 reference, and each program is traced, and each (graph, config) planned
-and each kernel loaded, exactly once."""
+and each kernel loaded, exactly once (on a GPU, each binary compiled once); and the cache doing it, LRUCache."""
 import threading
 from collections import Counter
 
@@ -12,6 +12,7 @@ from attnfuse import program as program_module
 from attnfuse.runtime import kernel as kernel_module
 from attnfuse.runtime import launch, launcher
 from conftest import CUDA
+from attnfuse.lru import LRUCache
 from attnfuse.runtime.launch import clear_cache
 from attnfuse.testing import assert_matches_reference
 
@@ -134,3 +135,41 @@ def test_decoding_and_training_threads_on_one_program(builds):
     _together([maker(dtype) for dtype in DTYPES["cpu"] for maker in (decode, train) for _ in range(THREADS // 4)])
     _assert_once(builds)
     assert len(builds["traces"]) == 1
+
+
+def test_lru_cache_builds_a_key_once_while_other_keys_build():
+    cache = LRUCache(4)
+    building, release = threading.Event(), threading.Event()
+    built = Counter()
+
+    def build(key, fail):
+        built[key] += 1
+        if built[key] == 1:  # the first build of each key waits until released, then fails if told to
+            building.set()
+            release.wait()
+            if fail:
+                raise ValueError(key)
+        return [key, built[key]]
+
+    for key, fail in (("a", False), ("b", True)):
+        building.clear(), release.clear()
+        got = []
+
+        def ask():
+            try:
+                got.append(cache.get_or_build(key, lambda: build(key, fail)))
+            except ValueError as exc:
+                got.append(exc)
+        threads = [threading.Thread(target=ask) for _ in range(5)]
+        threads[0].start()
+        building.wait()
+        assert cache.get_or_build("other", lambda: ["other"]) == ["other"]  # not held up by the build under way
+        for t in threads[1:]:
+            t.start()
+        release.set()
+        for t in threads:
+            t.join()
+        # built once, and shared; after a failed build (its error to its own caller) one waiting thread built
+        # it again, and the others share that value
+        values = [v for v in got if not isinstance(v, ValueError)]
+        assert built[key] == 1 + fail and len(values) == 5 - fail and all(v is cache.get(key) for v in values)

@@ -76,16 +76,16 @@ def check_directory(directory: Path) -> None:
 
 def _private_directory(directory: Path) -> None:
     """Make ``directory`` and its missing parents with mode 0o700, then check it."""
-    missing = []
-    while not directory.exists() and directory != directory.parent:
-        missing.append(directory)
-        directory = directory.parent
+    missing, parent = [], directory
+    while not parent.exists() and parent != parent.parent:
+        missing.append(parent)
+        parent = parent.parent
     for path in reversed(missing):
         try:
             path.mkdir(mode=0o700)
         except FileExistsError:  # made meanwhile by another thread or process: checked below like any other
             pass
-    check_directory(missing[0] if missing else directory)
+    check_directory(directory)
 
 
 def write_source(name: str, source: str) -> Path:
@@ -125,6 +125,8 @@ def _content(path: Path) -> str | None:
 
 
 class KernelFile(NamedTuple):
+    """A kernel file in the cache: its path, size in bytes and modification time in ns."""
+
     path: Path
     size: int
     mtime_ns: int
