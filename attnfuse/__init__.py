@@ -20,11 +20,12 @@ from .errors import AttnFuseError, InputError, KernelCacheError, PluginError, Pr
 from .hookspecs import hookimpl
 from .plugin_manager import combinators, register_plugin, unregister_plugin
 from .program import AttentionProgram, attention
+from .recompile import RecompileWarning
 from .runtime.launch import run_attention
 
 __all__ = [
     "AttentionProgram", "AttnFuseError", "BlockMask", "Combinator", "InputError", "KernelCacheError", "PluginError",
-    "ProgramError",
+    "ProgramError", "RecompileWarning",
     "Role", "UnsupportedError", "attention", "combinators", "create_block_mask", "hookimpl", "register_plugin",
     "run_attention", "unregister_plugin",
 ]

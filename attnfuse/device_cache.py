@@ -9,39 +9,35 @@ keeps nothing.
 """
 from __future__ import annotations
 
-from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Hashable, TypeVar
 
 import torch
 
+from .lru import LRUCache
+
 __all__ = ["device_cached", "clear_device_cache"]
 
 T = TypeVar("T")
 MAX_ENTRIES = 64
-_kept: OrderedDict[tuple, Any] = OrderedDict()
+_kept: LRUCache[tuple, Any] = LRUCache(MAX_ENTRIES)
 _side_streams: dict[torch.device, torch.cuda.Stream] = {}
 _worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="attnfuse-device-cache")
 
 
 def device_cached(key: Hashable, make: Callable[[], T], device: torch.device) -> T:
-    """``make()`` (a tensor or a tuple of tensors on ``device``), computed on first use of ``key`` and kept (the
-    ``MAX_ENTRIES`` most recently used keys). ``key`` must hold everything ``make`` depends on."""
+    """``make()`` (a tensor or a tuple of tensors on ``device``), computed on first use of ``key`` (once, when
+    threads ask at once) and kept (the ``MAX_ENTRIES`` most recently used keys). ``key`` must hold everything
+    ``make`` depends on."""
     entry = (key, torch.device(device))
     found = _kept.get(entry)
     if found is not None:
-        _kept.move_to_end(entry)
         return found
     if entry[1].type == "cuda":
         if torch.cuda.is_current_stream_capturing():
             return make()
-        made = _made_outside_graph_pools(make, entry[1])
-    else:
-        made = make()
-    _kept[entry] = made
-    if len(_kept) > MAX_ENTRIES:
-        _kept.popitem(last=False)
-    return made
+        return _kept.get_or_build(entry, lambda: _made_outside_graph_pools(make, entry[1]))
+    return _kept.get_or_build(entry, make)
 
 
 def clear_device_cache() -> None:

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import functools
 import inspect
+import threading
+import warnings
 from typing import Any, Callable
 
 import torch
@@ -11,7 +13,9 @@ from . import ir
 from .combinator import Combinator
 from .dsl import RUNTIME, Symbol, trace
 from .errors import InputError, ProgramError
+from .lru import LRUCache
 from .outside_values import OutsideReads, freeze
+from .recompile import RecompileWarning, Recompiles
 from .reference import evaluate
 from .passes.lower import fragment_of
 from .runtime import custom_op
@@ -20,6 +24,7 @@ from .runtime.offsets import inputs_fit
 from .runtime.validate import check_cache_values
 
 RESERVED_ARGUMENTS = ("return_lse", "kv_lens", "block_table", "validate")
+MAX_TRACES = 64  # graphs kept per program: past RECOMPILE_LIMIT (8) configurations it warns (recompile.py)
 
 
 def _is_runtime_input(value: Any) -> bool:
@@ -56,8 +61,9 @@ class AttentionProgram:
                                 for own, alias in zip(self._qkv, ("q", "k", "v")))
         self._qkv_keywords = frozenset(n for names in self._qkv_names for n in names)
         self._outside = OutsideReads(fn, ignored=(AttentionProgram, Combinator))
-        self._traces: dict[tuple, ir.MatMulPV] = {}
-        self._tracing = False
+        self._traces: LRUCache[tuple, ir.MatMulPV] = LRUCache(MAX_TRACES)
+        self._tracing = threading.local()  # .active: this thread is running fn on symbols
+        self._recompiles = Recompiles(fn.__qualname__, tuple(n for n, _ in self._extra))
         functools.update_wrapper(self, fn)
 
     def _take_qkv(self, args: tuple, kwargs: dict) -> tuple[tuple, tuple, dict]:
@@ -78,7 +84,7 @@ class AttentionProgram:
                     raise TypeError(f"{self.fn.__name__}() is missing the argument {names[0]!r}")
             qkv, args = tuple(values), args[3:]
         if any(isinstance(t, Symbol) for t in qkv):
-            if self._tracing:
+            if getattr(self._tracing, "active", False):
                 raise ProgramError(f"{self.fn.__name__} calls itself while it is traced: a program cannot be "
                                    f"recursive (it would trace without end)")
             raise ProgramError(f"{self.fn.__name__} is called inside another program: programs cannot be called "
@@ -126,15 +132,24 @@ class AttentionProgram:
         key = (tuple(s if s is RUNTIME else freeze(s) for s in statics), self._outside.key())
         graph = self._traces.get(key)
         if graph is None:
-            if self._tracing:
+            if getattr(self._tracing, "active", False):
                 raise ProgramError(f"{self.fn.__name__} is traced again while it is being traced: a program "
                                    f"cannot use itself (it would trace without end)")
-            extras = {n: value for (n, _), value in zip(self._extra, statics)}
-            self._tracing = True
-            try:
-                graph = self._traces[key] = trace(self.fn, self._qkv, extras)
-            finally:
-                self._tracing = False
+            graph = self._traces.get_or_build(key, lambda: self._new_trace(key, statics))
+            message = self._recompiles.warning()
+            if message is not None:
+                warnings.warn(message, RecompileWarning, stacklevel=3)
+        return graph
+
+    def _new_trace(self, key: tuple, statics: tuple) -> ir.MatMulPV:
+        """Run the function on symbols (once per key: other threads asking for it wait, ``LRUCache``)."""
+        extras = {n: value for (n, _), value in zip(self._extra, statics)}
+        self._tracing.active = True
+        try:
+            graph = trace(self.fn, self._qkv, extras)
+        finally:
+            self._tracing.active = False
+        self._recompiles.traced(key[0], key[1:])
         return graph
 
     def __call__(self, *args: Any, return_lse: bool = False, kv_lens: torch.Tensor | None = None,

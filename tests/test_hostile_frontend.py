@@ -195,16 +195,14 @@ def test_an_unwritable_cache_file_is_named(tmp_path, monkeypatch):
         causal_softmax(*_qkv(9))
 
 
-def test_a_cache_file_that_fails_to_load_is_named(tmp_path):
-    path = tmp_path / "attnfuse_fwd_broken.py"
-    path.write_text("import triton\n\ndef kernel(\n")
-    with pytest.raises(KernelCacheError, match=rf"kernel cache file {re.escape(str(path))} could not be loaded: "
-                                               r"SyntaxError"):
-        load_function(path, "kernel")
-    path.write_text("x = 1\n")
-    with pytest.raises(KernelCacheError, match=rf"kernel cache file {re.escape(str(path))} could not be loaded: "
-                                               r"AttributeError"):
-        load_function(path, "kernel")
+def test_a_kernel_source_that_fails_to_load_is_named(tmp_path):
+    path = tmp_path / "attnfuse_fwd_broken.py"  # the source's readable copy: named, never read
+    with pytest.raises(KernelCacheError, match=rf"generated kernel kernel could not be loaded: SyntaxError.*\(its "
+                                               rf"source is in {re.escape(str(path))}\)"):
+        load_function("import triton\n\ndef kernel(\n", "kernel", path)
+    with pytest.raises(KernelCacheError, match=r"generated kernel kernel could not be loaded: its source defines no "
+                                               rf"function kernel \(its source is in {re.escape(str(path))}\)"):
+        load_function("x = 1\n", "kernel", path)
 
 
 # 4. A BlockMask edited after it was built ------------------------------------------------------------------

@@ -6,8 +6,9 @@
     attnfuse demo
     attnfuse bench --suite forward --json out.json --plot out.png     (a CUDA GPU; attnfuse/bench/)
     attnfuse new prefix_lm --role mask
+    attnfuse cache --info                                             (or --clear: the on-disk kernel cache)
 
-One module per command (``listing``, ``show``, ``new``, ``demo``; ``bench`` is ``attnfuse.bench.command``),
+One module per command (``listing``, ``show``, ``new``, ``demo``, ``cache``; ``bench`` is ``attnfuse.bench.command``),
 each adding its subparser; this module builds the parser and runs the chosen command.
 """
 from __future__ import annotations
@@ -17,7 +18,7 @@ import os
 import sys
 from typing import Sequence
 
-from . import demo, listing, new, show
+from . import cache, demo, listing, new, show
 from .common import PROG, CLIError
 from .demo import rope_float32
 from .show import default_arch, resolve_program
@@ -34,7 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
-    for command in (listing, show, new, demo):
+    for command in (listing, show, new, demo, cache):
         command.add_parser(sub)
     add_bench_parser(sub)
     return parser

@@ -10,6 +10,8 @@ import re
 import traceback
 from pathlib import Path
 
+from .source_cache import code_filename
+
 _FRAGMENT_COMMENT = re.compile(r"^\s*# ((\w+?)_\d+): (.*)$")
 
 
@@ -17,7 +19,7 @@ def _line(source: str, path: Path, name: str, exc: BaseException) -> int | None:
     """The 1-based line of ``source`` the error points at, if it can be found."""
     cause: BaseException | None = exc
     while cause is not None:  # the interpreter wraps the error raised in the kernel
-        frames = [f for f in traceback.extract_tb(cause.__traceback__) if Path(f.filename) == path]
+        frames = [f for f in traceback.extract_tb(cause.__traceback__) if f.filename == code_filename(path)]
         if frames:
             return frames[-1].lineno
         cause = cause.__cause__

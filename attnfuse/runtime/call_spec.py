@@ -15,6 +15,7 @@ from attrs import frozen
 from .. import ir
 from ..block_mask import BlockMask
 from ..errors import InputError, PluginError
+from ..lru import LRUCache
 from ..plugin_manager import registered
 
 MASK_TENSORS = ("active", "kv_num_blocks", "kv_indices", "q_num_blocks", "q_indices", "q_block_order",
@@ -37,8 +38,9 @@ class CallSpec:
     grads: tuple
 
 
-_specs: dict[str, CallSpec] = {}
-_keys: dict[tuple, str] = {}  # by the spec's fields: a warm call builds no CallSpec
+MAX_SPECS = 1024  # call specs kept (a program's few per configuration); one dropped is parsed back if needed
+_specs: LRUCache[str, CallSpec] = LRUCache(MAX_SPECS)
+_keys: LRUCache[tuple, str] = LRUCache(MAX_SPECS)  # by the spec's fields: a warm call builds no CallSpec
 
 
 def key_of(graph: ir.MatMulPV, inputs: tuple, save_lse: bool, grad: bool, grads: tuple) -> str:
@@ -46,9 +48,15 @@ def key_of(graph: ir.MatMulPV, inputs: tuple, save_lse: bool, grad: bool, grads:
     fields = (graph, inputs, save_lse, grad, grads)
     key = _keys.get(fields)
     if key is None:
-        spec = CallSpec(graph=graph, inputs=inputs, save_lse=save_lse, grad=grad, grads=grads)
-        key = _keys[fields] = repr(spec)
-        _specs[key] = spec
+        key = _keys.get_or_build(fields, lambda: _register(CallSpec(graph=graph, inputs=inputs, save_lse=save_lse,
+                                                                    grad=grad, grads=grads)))
+    return key
+
+
+def _register(spec: CallSpec) -> str:
+    """Keep ``spec`` under its key (its repr); the key."""
+    key = repr(spec)
+    _specs.get_or_build(key, lambda: spec)
     return key
 
 
@@ -58,10 +66,7 @@ def call_key(spec: CallSpec) -> str:
 
 
 def spec_of(key: str) -> CallSpec:
-    spec = _specs.get(key)
-    if spec is None:
-        spec = _specs[key] = _parse(key)
-    return spec
+    return _specs.get_or_build(key, lambda: _parse(key))
 
 
 def _apply(**fields: Any) -> ir.Apply:

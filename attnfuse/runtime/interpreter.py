@@ -106,6 +106,12 @@ class InterpretedKernel:
 
     def __init__(self, fn: Callable):
         self._fn = InterpretedFunction(fn)
+        self._fn.rewritten_fn = {}  # its own: Triton's class-wide dict would keep every kernel ever loaded alive
+        # Rewritten now, while fn's source is registered, and under the lock like every other rewrite (a
+        # helper's, at launch): CPython 3.11's ast module keeps one recursion counter per interpreter, so
+        # parses on two threads at once can raise a spurious SystemError (python/cpython#106905).
+        with _lock:
+            self._fn.rewrite()
 
     def launch(self, grid: tuple[int, ...], args: tuple, constexprs: dict[str, Any], num_warps: int = 4,
                num_stages: int = 2, device: Any = None) -> None:

@@ -1,5 +1,6 @@
 """One generated kernel, ready to launch: on the GPU through ``triton.jit``, on CPU tensors through the
-interpreter. A launch that needs more shared memory than the GPU has retries with smaller tiles."""
+interpreter. Its function is compiled from the source in memory (``source_cache.load_function``); the file on
+disk is a readable copy. A launch that needs more shared memory than the GPU has retries with smaller tiles."""
 from __future__ import annotations
 
 from typing import Any, Callable
@@ -30,15 +31,15 @@ def smaller_tiles(tiles: TileConfig) -> TileConfig:
 
 
 class CompiledKernel:
-    """A planned kernel's source (written to the on-disk cache), loaded and launchable; launched on CPU
-    tensors (``interpreted``) through Triton's interpreter."""
+    """A planned kernel's source, compiled in memory (a readable copy written to the on-disk cache) and
+    launchable; launched on CPU tensors (``interpreted``) through Triton's interpreter."""
 
     def __init__(self, spec: KernelSpec, interpreted: bool):
         self.spec = spec
         self.name = spec.name
         self.source = spec.source
         self.path = write_source(self.name, self.source)
-        fn = load_function(self.path, self.name)
+        fn = load_function(self.source, self.name, self.path)
         self._kernel = InterpretedKernel(fn) if interpreted else Launcher(triton.jit(fn))
         self.tiles = spec.tiles  # shrinks if the GPU lacks the shared memory the tile table assumed
 

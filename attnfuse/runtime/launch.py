@@ -7,6 +7,7 @@ import torch
 
 from .. import ir
 from ..errors import InputError
+from ..lru import LRUCache
 from ..passes.lower import Instance, KernelConfig, fragment_of
 from ..passes.plan import Plan, build_plan
 from .autograd import AttentionFunction, Kernels, runtime_tensors
@@ -24,72 +25,64 @@ from .validate import check_cache_values
 __all__ = ["KERNEL_KINDS", "check_cache", "check_inputs", "clear_cache", "compile_backward", "compile_decode",
            "compile_forward", "compile_plan", "compiled_kernel", "kernel_config", "run_attention"]
 
-_compiled: dict[tuple[ir.MatMulPV, KernelConfig], Plan] = {}
-_forward: dict[tuple[ir.MatMulPV, KernelConfig], ForwardKernel] = {}
-_decode: dict[tuple[ir.MatMulPV, KernelConfig], DecodeKernel] = {}
-_backward: dict[tuple, BackwardKernels | HoistedBackward] = {}
-_hoisted: dict[tuple[ir.MatMulPV, KernelConfig], HoistedForward] = {}
 CallKernels = tuple[ForwardKernel | HoistedForward, DecodeKernel | None, BackwardKernels | HoistedBackward | None]
-_calls: dict[tuple, CallKernels] = {}  # call signature -> kernels
-_MAX_CALLS = 4096
+
+# The in-process caches, least recently used dropped first (``lru.py``). A model runs a few configurations of
+# each program (dtype, head dims, lse, gradients, decoding), and a program traced for more than
+# RECOMPILE_LIMIT (8) configurations warns (``recompile.py``): each kernel cache holds 16 such programs' worth.
+# A plan is small beside its kernels (no binaries), and shared by them. A call signature (shapes and strides
+# included: one per sequence length) is a small tuple of references; those are forgotten whenever a kernel
+# is dropped, so they never keep a dropped kernel alive.
+MAX_PLANS = 256
+MAX_KERNELS = 128
+MAX_CALLS = 4096
+
+_calls: LRUCache[tuple, CallKernels] = LRUCache(MAX_CALLS)  # call signature -> kernels
+_compiled: LRUCache[tuple[ir.MatMulPV, KernelConfig], Plan] = LRUCache(MAX_PLANS)
+_forward: LRUCache[tuple[ir.MatMulPV, KernelConfig], ForwardKernel] = LRUCache(MAX_KERNELS, _calls.clear)
+_decode: LRUCache[tuple[ir.MatMulPV, KernelConfig], DecodeKernel] = LRUCache(MAX_KERNELS, _calls.clear)
+_backward: LRUCache[tuple, BackwardKernels | HoistedBackward] = LRUCache(MAX_KERNELS, _calls.clear)
+_hoisted: LRUCache[tuple[ir.MatMulPV, KernelConfig], HoistedForward] = LRUCache(MAX_KERNELS, _calls.clear)
 
 
 def compile_plan(graph: ir.MatMulPV, config: KernelConfig) -> Plan:
     """The compiler's plan of ``graph`` for ``config`` (every kernel's spec; sources on first use), cached."""
-    key = (graph, config)
-    plan = _compiled.get(key)
-    if plan is None:
-        plan = _compiled[key] = build_plan(graph, config)
-    return plan
+    return _compiled.get_or_build((graph, config), lambda: build_plan(graph, config))
 
 
 def compile_forward(graph: ir.MatMulPV, config: KernelConfig) -> ForwardKernel:
     """The forward kernel of ``graph`` for ``config``, generated on first use and cached."""
-    key = (graph, config)
-    kernel = _forward.get(key)
-    if kernel is None:
-        kernel = _forward[key] = ForwardKernel(compile_plan(graph, config))
-    return kernel
+    return _forward.get_or_build((graph, config), lambda: ForwardKernel(compile_plan(graph, config)))
 
 
 def compile_hoisted(graph: ir.MatMulPV, config: KernelConfig) -> HoistedForward:
     """The forward of ``graph`` with its qk transforms hoisted into transform passes over q and k."""
-    key = (graph, config)
-    kernel = _hoisted.get(key)
-    if kernel is None:
+    def build() -> HoistedForward:
         fused = compile_forward(graph, config)
-        kernel = _hoisted[key] = HoistedForward(fused, compile_forward(graph, fused.plan.hoisted_config))
-    return kernel
+        return HoistedForward(fused, compile_forward(graph, fused.plan.hoisted_config))
+    return _hoisted.get_or_build((graph, config), build)
 
 
 def compile_hoisted_backward(graph: ir.MatMulPV, config: KernelConfig,
                              tensor_grads: tuple[tuple[Instance, str], ...] = ()) -> HoistedBackward:
     """The backward of ``graph`` with its qk transforms hoisted into transform and gradient passes."""
-    key = (graph, config, "hoisted", tuple((inst.prefix, name) for inst, name in tensor_grads))
-    kernels = _backward.get(key)
-    if kernels is None:
+    def build() -> HoistedBackward:
         fused = compile_plan(graph, config)
-        kernels = _backward[key] = HoistedBackward(fused, compile_backward(graph, fused.hoisted_config, tensor_grads))
-    return kernels
+        return HoistedBackward(fused, compile_backward(graph, fused.hoisted_config, tensor_grads))
+    key = (graph, config, "hoisted", tuple((inst.prefix, name) for inst, name in tensor_grads))
+    return _backward.get_or_build(key, build)
 
 
 def compile_decode(graph: ir.MatMulPV, config: KernelConfig) -> DecodeKernel:
     """The split-KV decoding kernel of ``graph`` for ``config``, generated on first use and cached."""
-    key = (graph, config)
-    kernel = _decode.get(key)
-    if kernel is None:
-        kernel = _decode[key] = DecodeKernel(compile_plan(graph, config))
-    return kernel
+    return _decode.get_or_build((graph, config), lambda: DecodeKernel(compile_plan(graph, config)))
 
 
 def compile_backward(graph: ir.MatMulPV, config: KernelConfig,
                      tensor_grads: tuple[tuple[Instance, str], ...] = ()) -> BackwardKernels:
     """The backward kernels of ``graph`` for ``config``, writing the tensor gradients named."""
     key = (graph, config, tuple((inst.prefix, name) for inst, name in tensor_grads))
-    kernels = _backward.get(key)
-    if kernels is None:
-        kernels = _backward[key] = BackwardKernels(compile_plan(graph, config), tensor_grads)
-    return kernels
+    return _backward.get_or_build(key, lambda: BackwardKernels(compile_plan(graph, config), tensor_grads))
 
 
 KERNEL_KINDS = ("forward", "decode", "dkdv", "dq", "transform")
@@ -191,10 +184,8 @@ def planned(graph: ir.MatMulPV, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
                  split_kv, torch.backends.cuda.matmul.allow_tf32, inputs_wide)
     kernels = _calls.get(signature)
     if kernels is None:
-        kernels = _plan(graph, q, k, v, kv_lens, block_table, return_lse, wants_grad, split_kv, inputs_wide)
-        if len(_calls) >= _MAX_CALLS:
-            _calls.clear()
-        _calls[signature] = kernels
+        kernels = _calls.get_or_build(signature, lambda: _plan(graph, q, k, v, kv_lens, block_table, return_lse,
+                                                              wants_grad, split_kv, inputs_wide))
     return kernels
 
 

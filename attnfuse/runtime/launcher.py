@@ -11,6 +11,7 @@ descriptor argument is keyed by its tile, layout, dtype and alignment (Triton en
 from __future__ import annotations
 
 import functools
+import threading
 from typing import Any, Callable
 
 import torch
@@ -157,6 +158,7 @@ class Launcher:
         self._runtime_count = first
         self._constexpr_names = tuple(fn.arg_names[first:])
         self._compiled: dict[tuple, Any] = {}
+        self._compiling = threading.Lock()  # a new specialisation compiles once, whichever threads launch it
 
     def launch(self, grid: tuple[int, ...], args: tuple, constexprs: dict[str, Any], num_warps: int = 4,
                num_stages: int = 2, device: torch.device | None = None, maxnreg: int | None = None) -> None:
@@ -171,11 +173,15 @@ class Launcher:
         tail = tuple([constexprs[name] for name in self._constexpr_names])
         key = (current, num_warps, num_stages, maxnreg, tail, call_key(args))
         launch = self._compiled.get(key)
-        if launch is None or _hooked(knobs.runtime.launch_enter_hook) or _hooked(knobs.runtime.launch_exit_hook):
-            options = {"maxnreg": maxnreg} if maxnreg is not None else {}
-            self._compiled[key] = _direct_launch(
-                self.fn[grid](*args, **constexprs, num_warps=num_warps, num_stages=num_stages, **options))
-            return
+        hooked = _hooked(knobs.runtime.launch_enter_hook) or _hooked(knobs.runtime.launch_exit_hook)
+        if launch is None or hooked:
+            with self._compiling:
+                launch = None if hooked else self._compiled.get(key)
+                if launch is None:
+                    options = {"maxnreg": maxnreg} if maxnreg is not None else {}
+                    self._compiled[key] = _direct_launch(
+                        self.fn[grid](*args, **constexprs, num_warps=num_warps, num_stages=num_stages, **options))
+                    return
         launch(grid, driver.active.get_current_stream(current), args, tail)
 
 
