@@ -62,7 +62,9 @@ def report(kernel, lowered, tiles: tuple[int, int, int, int], dtype: str) -> str
     values = {k: v for k, v in values.items() if k in fn.arg_names}
     compiled = triton.compile(ASTSource(fn, types, values, attributes), target=GPUTarget("cuda", 90, 32),
                               options=dict(num_warps=warps, num_stages=stages))
-    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    # the ptxas Triton compiled with: torch.compile sets TRITON_PTXAS_PATH to torch's own (a newer CUDA), whose
+    # PTX version an older ptxas refuses
+    ptxas = triton.knobs.nvidia.ptxas.path
     with tempfile.NamedTemporaryFile("w", suffix=".ptx") as ptx:
         ptx.write(compiled.asm["ptx"])
         ptx.flush()

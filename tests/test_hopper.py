@@ -141,7 +141,9 @@ def test_kernel_compiles_for_sm90_within_shared_memory(causal_mask):
     constants = {"BLOCK_N": 128, "STAGES": 3, "CAUSAL": causal_mask, "SAVE_LSE": True}
     compiled = triton.compile(GluonASTSource(hopper_forward_kernel, signature, constants),
                               target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "maxnreg": 168})
-    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    # the ptxas Triton compiled with: torch.compile sets TRITON_PTXAS_PATH to torch's own (a newer CUDA), whose
+    # PTX version an older ptxas refuses
+    ptxas = triton.knobs.nvidia.ptxas.path
     with tempfile.NamedTemporaryFile("w", suffix=".ptx") as ptx:
         ptx.write(compiled.asm["ptx"])
         ptx.flush()
