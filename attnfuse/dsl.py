@@ -12,7 +12,7 @@ from .combinator import REQUIRED, Combinator, Param, Role
 from .errors import ProgramError
 from .plugin_manager import Registered
 from .ir import Apply, BiasOp, MaskOp, MatMulPV, NormOp, ScoreOp, TensorSym
-from .static_values import STATIC_TYPES, literal
+from .static_values import STATIC_TYPES, exact, literal
 
 _NAMES = {"q": "the query tensor q", "k": "the key tensor k", "v": "the value tensor v"}
 
@@ -173,7 +173,8 @@ def _apply(record: Registered, args: tuple, kwargs: dict) -> Apply:
             if isinstance(value, Symbol):
                 raise ProgramError(f"{comb.name}: parameter {p.name!r} is static (a number or flag baked "
                                    f"into the kernel), got {value.what}")
-            if type(value) not in STATIC_TYPES:  # exactly: a subclass's repr is its own to choose
+            value = exact(value)  # a subclass's repr is its own to choose: keep only the value it holds
+            if type(value) not in STATIC_TYPES:
                 raise ProgramError(f"{comb.name}: parameter {p.name!r} must be None, bool, int, float or str, "
                                    f"got {type(value).__name__}")
             _check_static(comb, p, value)

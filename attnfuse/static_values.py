@@ -25,7 +25,8 @@ ALLOWED = ("None, a bool, an int in [-2**63, 2**63 - 1], a float that is 0 or of
 
 def literal(value: Any) -> str:
     """The source text of a static value (``ALLOWED``); raises ValueError saying what was given and what
-    is allowed. Subclasses of int, float and str are refused: their ``repr`` is theirs to choose."""
+    is allowed. Subclasses of int, float and str are refused (``exact`` converts them): their ``repr`` is
+    theirs to choose."""
     kind = type(value)
     if value is None or kind is bool:
         return repr(value)
@@ -46,6 +47,18 @@ def literal(value: Any) -> str:
         raise ValueError(f"a str must be an identifier-like token of at most 64 ASCII letters, digits and '_', "
                          f"not starting with a digit (such as 'neox'), got {given}")
     raise ValueError(f"must be {ALLOWED}; got a {kind.__module__}.{kind.__qualname__}")
+
+
+def exact(value: Any) -> Any:
+    """A subclass of int, float or str (an IntEnum member, a numpy.float64) as the plain int, float or str
+    it holds (read by the base type's own method), so nothing the subclass overrides, its ``repr`` above
+    all, reaches a source; any other value as it is."""
+    if type(value) in STATIC_TYPES:
+        return value
+    for base, plain in ((int, int.__int__), (float, float.__float__), (str, str.__str__)):
+        if isinstance(value, base):
+            return plain(value)
+    return value
 
 
 def shown(value: Any) -> str:

@@ -94,17 +94,20 @@ def test_a_string_closing_the_header_docstring_is_refused_and_never_runs(tmp_pat
     assert not marker.exists()
 
 
-def test_a_float_subclass_with_its_own_repr_is_refused_and_never_runs(tmp_path):
+def test_a_float_subclass_counts_by_its_value_and_its_repr_never_runs(tmp_path):
+    """An int/float/str subclass (numpy.float64, an IntEnum) is converted to the plain value it holds."""
     marker = tmp_path / "ran"
 
     class Sneaky(float):
         def __repr__(self):
             return f'(__import__("pathlib").Path("{marker}").write_text("ran") and 2.0)'
 
-    for use in _every_use(scaled, Sneaky(2.0), "plain"):
-        with pytest.raises(ProgramError, match=r"_test_scaled: parameter 'factor' must be None, bool, int, float or "
-                                               r"str, got Sneaky"):
-            use()
+    q, k, v = _qkv()
+    got = scaled(q, k, v, Sneaky(0.5), "plain")
+    assert_matches_reference(got, scaled.reference(q, k, v, 0.5, "plain"),
+                             scaled.reference(q, k, v, 0.5, "plain", dtype=q.dtype), q.dtype)
+    source = scaled.source(q, k, v, Sneaky(0.5), "plain")
+    assert "factor=0.5, mode='plain'" in source and "__import__" not in source
     assert not marker.exists()
 
 
