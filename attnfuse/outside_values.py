@@ -21,16 +21,19 @@ from __future__ import annotations
 import builtins
 import dis
 import enum
+import os
 import sys
+import sysconfig
 import types
 from typing import Any, Callable, Iterator
 
 from .errors import ProgramError
 
-LIBRARIES = frozenset({"attnfuse", "attnfuse_plugins", "torch", "triton", "numpy", "builtins"}
-                      | set(sys.stdlib_module_names))
-"""Top-level packages whose code is taken as fixed: their functions are not analysed, their modules'
-attributes are not read per call."""
+LIBRARIES = frozenset({"attnfuse", "attnfuse_plugins", "torch", "triton", "numpy", "builtins"})
+"""Top-level packages whose code is taken as fixed, with the standard library's: their functions are not
+analysed, their modules' attributes are not read per call."""
+_STDLIB = os.path.join(os.path.realpath(sysconfig.get_paths()["stdlib"]), "")
+_libraries: dict[str, tuple[Any, bool]] = {}  # by top-level name: (the module it was found for, whether a library)
 
 _OPAQUE_BUILTINS = frozenset({"globals", "vars", "eval", "exec"})
 _ROOTS = {"LOAD_GLOBAL": "the global", "LOAD_NAME": "the global", "LOAD_FROM_DICT_OR_GLOBALS": "the global",
@@ -93,7 +96,18 @@ def _module_name(value: Any) -> str | None:
 
 
 def _library(name: str | None) -> bool:
-    return isinstance(name, str) and name.partition(".")[0] in LIBRARIES
+    """Whether the module ``name`` is in ``LIBRARIES`` or the standard library (a module of the user's
+    named like one, a ``code.py``, is not)."""
+    if not isinstance(name, str):
+        return False
+    top = name.partition(".")[0]
+    module = sys.modules.get(top)
+    found = _libraries.get(top)
+    if found is None or found[0] is not module:
+        file = getattr(module, "__file__", None)
+        found = _libraries[top] = module, top in LIBRARIES or (top in sys.stdlib_module_names and (
+            file is None or os.path.realpath(file).startswith(_STDLIB)))
+    return found[1]
 
 
 def _user(value: Any) -> bool:
@@ -210,9 +224,9 @@ class OutsideReads:
 
     def _check_import(self, module: str, where: str) -> None:
         if not _library(module):
-            raise ProgramError(f"{self._name}{where} imports {module!r} inside a function: what it then reads "
-                               f"from it cannot be found; import {module!r} at module level, or pass the values "
-                               f"as arguments")
+            what = repr(module) if module else "a module of its package (a relative import)"
+            raise ProgramError(f"{self._name}{where} imports {what} inside a function: what it then reads from "
+                               f"it cannot be found; import it at module level, or pass the values as arguments")
 
     def _follow(self, read: _Read, todo: list) -> _Read | None:
         """The read as tracked (its chain cut where it leaves user namespaces), or None when it reads only a
