@@ -190,13 +190,13 @@ class OutsideReads:
     def _analyse(self) -> None:
         """Find the reads of ``fn`` and of the user functions they reach (a worklist, each function once)."""
         reads: dict[tuple, _Read] = {}
-        self._functions: set[int] = set()
+        self._functions: dict[int, Any] = {}  # by id, kept alive so that no other object takes the id
         todo = [self._fn] if isinstance(self._fn, types.FunctionType) else []  # a callable object: not inspected
         while todo:
             f = todo.pop()
             if id(f) in self._functions:
                 continue
-            self._functions.add(id(f))
+            self._functions[id(f)] = f
             where = "" if f is self._fn else f" (in {f.__qualname__})"
             cells = dict(zip(f.__code__.co_freevars, f.__closure__ or ()))
             for what, name, attributes in _chains(f.__code__):
@@ -215,10 +215,9 @@ class OutsideReads:
                                                f"found, so a changed value could not trace again; read "
                                                f"globals by name, or pass values as arguments")
                         continue
-                read = _Read(holder, name, attributes, f"{what} {'.'.join((name, *attributes))!r}{where}")
-                found = self._follow(read, todo)
-                if found is not None:
-                    reads.setdefault((id(holder), name, found.attributes), found)
+                read = self._follow(holder, name, attributes, what, where, todo)
+                if read is not None:
+                    reads.setdefault((id(holder), name, read.attributes), read)
         self._reads = tuple(reads.values())
         self.empty = not self._reads
 
@@ -228,19 +227,21 @@ class OutsideReads:
             raise ProgramError(f"{self._name}{where} imports {what} inside a function: what it then reads from "
                                f"it cannot be found; import it at module level, or pass the values as arguments")
 
-    def _follow(self, read: _Read, todo: list) -> _Read | None:
-        """The read as tracked (its chain cut where it leaves user namespaces), or None when it reads only a
-        library's module; user functions it reaches join ``todo``."""
-        value = read.holder.get(read.name, _EMPTY) if isinstance(read.holder, dict) else _contents(read.holder)
+    def _follow(self, holder: Any, name: str, attributes: tuple[str, ...], what: str, where: str,
+                todo: list) -> _Read | None:
+        """The read of ``name`` in ``holder`` as tracked, its chain of ``attributes`` cut where it leaves user
+        namespaces; None when it reads a library's module. User functions it reaches join ``todo``."""
+        read = _Read(holder, name, (), "")
+        value = read.value()
         if isinstance(value, types.ModuleType) and not _namespace(value):
             return None  # af, torch, math: fixed code
         used: list[str] = []
-        for attribute in read.attributes:
+        for attribute in attributes:
             if not _namespace(value):
                 break
             used.append(attribute)
             value = getattr(value, attribute, _EMPTY)
-        read = _Read(read.holder, read.name, tuple(used), read.label)
+        read = _Read(holder, name, tuple(used), f"{what} {'.'.join((name, *used))!r}{where}")
         self._reach(value, read, todo)
         return read
 
@@ -256,7 +257,7 @@ class OutsideReads:
             if isinstance(value, types.FunctionType):
                 todo.append(value)
             elif isinstance(value, type) and issubclass(value, BaseException):
-                self._functions.add(id(value))  # raised, not read from
+                self._functions[id(value)] = value  # raised, not read from
             else:
                 what = "a bound method" if isinstance(value, types.MethodType) else \
                     f"the {'module' if isinstance(value, types.ModuleType) else 'class'} itself"

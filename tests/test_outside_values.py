@@ -220,6 +220,21 @@ def test_an_unchanged_value_reuses_the_trace():
         assert program.graph() is program.graph()
 
 
+NORMALISER = af.softmax
+
+
+@af.attention
+def chosen_normaliser(q, k, v):
+    return NORMALISER(af.scaled_dot_product(q, k, scale=1.0)) @ v
+
+
+def test_a_rebound_combinator_traces_again(monkeypatch):
+    """Code read from outside counts by identity: a global naming another combinator is a new trace."""
+    assert chosen_normaliser.graph().weights.apply.combinator == "softmax"
+    monkeypatch.setitem(globals(), "NORMALISER", af.relu_attention)
+    assert chosen_normaliser.graph().weights.apply.combinator == "relu_attention"
+
+
 def test_a_program_reading_only_library_code_adds_no_reads():
     @af.attention
     def plain(q, k, v):
