@@ -8,10 +8,11 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from .combinator import REQUIRED, Combinator, Role
+from .combinator import REQUIRED, Combinator, Param, Role
 from .errors import ProgramError
 from .plugin_manager import Registered
-from .ir import Apply, BiasOp, MaskOp, MatMulPV, NormOp, ScoreOp, TensorSym, _static_value
+from .ir import Apply, BiasOp, MaskOp, MatMulPV, NormOp, ScoreOp, TensorSym
+from .static_values import STATIC_TYPES, exact, literal
 
 _NAMES = {"q": "the query tensor q", "k": "the key tensor k", "v": "the value tensor v"}
 
@@ -172,16 +173,28 @@ def _apply(record: Registered, args: tuple, kwargs: dict) -> Apply:
             if isinstance(value, Symbol):
                 raise ProgramError(f"{comb.name}: parameter {p.name!r} is static (a number or flag baked "
                                    f"into the kernel), got {value.what}")
-            if not _static_value(value):
-                raise ProgramError(f"{comb.name}: parameter {p.name!r} must be None, bool, int, float or "
-                                   f"str, got {type(value).__name__}")
-            if p.check is not None:
-                try:
-                    p.check(value)
-                except (ValueError, TypeError) as exc:
-                    raise ProgramError(f"{comb.name}: parameter {p.name!r}: {exc}") from None
+            value = exact(value)  # a subclass's repr is its own to choose: keep only the value it holds
+            if type(value) not in STATIC_TYPES:
+                raise ProgramError(f"{comb.name}: parameter {p.name!r} must be None, bool, int, float or str, "
+                                   f"got {type(value).__name__}")
+            _check_static(comb, p, value)
         params.append((p.name, value))
     return Apply(combinator=comb.name, params=tuple(params), record=record)
+
+
+def _check_static(comb: Combinator, p: Param, value: Any) -> None:
+    """The plugin's check (what this parameter allows), then ``literal`` (what any value written into a
+    kernel's source may be), here, before any source exists; either refusal is a ProgramError."""
+    try:
+        if p.check is not None:
+            try:
+                p.check(value)
+            except ArithmeticError:  # a check computing with a number no kernel takes (10**400): say so
+                literal(value)
+                raise
+        literal(value)
+    except (ValueError, TypeError, ArithmeticError) as exc:
+        raise ProgramError(f"{comb.name}: parameter {p.name!r}: {exc}") from None
 
 
 def dsl_function(record: Registered) -> Callable:

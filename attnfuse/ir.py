@@ -12,6 +12,9 @@ from typing import TYPE_CHECKING, Any, Union
 from attrs import field, frozen
 from attrs.validators import deep_iterable, in_, instance_of
 
+from .errors import ProgramError
+from .static_values import literal
+
 if TYPE_CHECKING:
     from .combinator import Combinator
     from .plugin_manager import Registered
@@ -33,18 +36,22 @@ class TensorSym:
     kind: str = field(validator=in_(("q", "k", "v", "input")))
 
 
-def _check_params(_, __, params: tuple) -> None:
+def _check_params(apply: Apply, _, params: tuple) -> None:
+    """Every static value must have a literal (``static_values.literal``): it is written into the source."""
     for name, value in params:
-        if not (isinstance(value, TensorSym) or _static_value(value)):
-            raise ValueError(f"parameter {name!r}: a static value must be None, bool, int, float, str or a "
-                             f"tuple of those, got {type(value).__name__}")
+        if not isinstance(value, TensorSym):
+            try:
+                literal(value)
+            except ValueError as exc:
+                raise ProgramError(f"{apply.combinator}: parameter {name!r}: {exc}") from None
 
 
 @frozen(kw_only=True, cache_hash=True)
 class Apply:
     """One application of a combinator: its name and parameters, in declaration order.
 
-    Static parameters hold their values; runtime inputs hold the ``TensorSym`` they are read from.
+    Static parameters hold their values, each one ``static_values.literal`` can write (else a ProgramError
+    naming the combinator and parameter); runtime inputs hold the ``TensorSym`` they are read from.
     ``record``: the registered combinator the name resolved to when the program was traced, so no pass
     looks it up again; it takes no part in equality, hash or repr (the signature covers the name).
     """
@@ -69,7 +76,7 @@ class Apply:
         return {n: inputs[v.name] if isinstance(v, TensorSym) else v for n, v in self.params}
 
     def __str__(self) -> str:
-        args = ", ".join(f"{n}={v.name if isinstance(v, TensorSym) else repr(v)}" for n, v in self.params)
+        args = ", ".join(f"{n}={v.name if isinstance(v, TensorSym) else literal(v)}" for n, v in self.params)
         return f"{self.combinator}({args})"
 
 

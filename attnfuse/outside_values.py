@@ -1,92 +1,306 @@
-"""What an ``@af.attention`` function reads from outside its arguments: closure cells and module globals.
+"""What an ``@af.attention`` function reads from outside its arguments, found from its bytecode.
 
-A program is traced once per configuration and what it reads is baked into the kernel, so a value read from
-an enclosing scope (``cfg["scale"]``) or a global (``WINDOW``) is frozen into the trace key: a changed value
-retraces. Code (functions, combinators) inside such values counts by identity, so a program built from a list
-of combinators works. Values that cannot be frozen (tensors, other objects) are a ProgramError: pass them as
-arguments.
+A program is traced once per configuration and what it reads is baked into the kernel, so every value it
+reads from outside its arguments is part of the trace key: a changed value traces again. The reads are
+found once, at decoration, from the bytecode (``dis``) of the function and of every plain Python function
+of user code it reaches (not AttnFuse's, torch's, triton's, numpy's or the standard library's):
+
+* the closure cells and module globals it loads, in its own code and in the functions defined in it;
+* attribute chains rooted at one of those bound to a module or class of user code (``Cfg.left``,
+  ``cfgmod.SCALE``, ``pkg.mod.X``);
+* the same, recursively, in the functions those reads reach (helpers, called by name or through a chain).
+
+Each call resolves only those paths and freezes their values. Code in them counts by identity, so a
+rebound helper traces again (and is analysed anew). A value that cannot be frozen (a tensor, another
+object), and a read the analysis cannot follow (a module of user code imported inside a function, a user
+module or class used as a value rather than through its attributes, a bound method, ``globals()``,
+``vars()``, ``eval``, ``exec``), is a ProgramError: pass such values as arguments.
 """
 from __future__ import annotations
 
 import builtins
 import dis
+import enum
+import os
+import sys
+import sysconfig
 import types
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from .errors import ProgramError
 
-_CODE_TYPES = (types.ModuleType, types.FunctionType, types.BuiltinFunctionType, types.MethodType, type)
+LIBRARIES = frozenset({"attnfuse", "attnfuse_plugins", "torch", "triton", "numpy", "builtins"})
+"""Top-level packages whose code is taken as fixed, with the standard library's: their functions are not
+analysed, their modules' attributes are not read per call."""
+_STDLIB = os.path.join(os.path.realpath(sysconfig.get_paths()["stdlib"]), "")
+_libraries: dict[str, tuple[Any, bool]] = {}  # by top-level name: (the module it was found for, whether a library)
+
+_OPAQUE_BUILTINS = frozenset({"globals", "vars", "eval", "exec"})
+_ROOTS = {"LOAD_GLOBAL": "the global", "LOAD_NAME": "the global", "LOAD_FROM_DICT_OR_GLOBALS": "the global",
+          "LOAD_DEREF": "the closure variable", "LOAD_CLASSDEREF": "the closure variable",
+          "LOAD_FROM_DICT_OR_DEREF": "the closure variable"}
+_ATTRIBUTES = frozenset({"LOAD_ATTR", "LOAD_METHOD"})  # 3.12 folds LOAD_METHOD into LOAD_ATTR; argval: the name
+_CODE = (types.FunctionType, types.MethodType, types.ModuleType, type, types.BuiltinFunctionType)
 
 
-def freeze(value: Any, by_identity: tuple[type, ...] = ()) -> Any:
-    """A hashable key for a static value that tells its type apart (``True``, ``1`` and ``1.0`` differ):
-    None, bool, int, float, str, and tuples, lists and dicts of those; objects of the ``by_identity`` types
-    (code: functions, combinators) stand for themselves. Raises TypeError naming any other type."""
-    if value is None or isinstance(value, (bool, int, float, str)):
-        return type(value), value
+_PLAIN = frozenset({type(None), bool, int, str})
+_BY_ITSELF = frozenset({types.FunctionType, types.BuiltinFunctionType, types.ModuleType, type})
+"""Types whose objects are equal and hash only to themselves: a key part can hold them as they are."""
+
+
+def freeze(value: Any, by_identity: tuple[type, ...] = (), on_code: Callable[[Any], None] | None = None) -> Any:
+    """A hashable key for a static value that tells its type apart (``True``, ``1`` and ``1.0`` differ; every
+    NaN is the same): None, bool, int, float, str, and tuples, lists and dicts of those; objects of the
+    ``by_identity`` types (code: functions, combinators) stand for themselves, each passed to ``on_code``.
+    Raises TypeError naming any other type."""
+    kind = type(value)
+    if kind in _PLAIN:
+        return kind, value
+    if kind in _BY_ITSELF and isinstance(value, by_identity):
+        if on_code is not None:
+            on_code(value)
+        return kind, value
+    if isinstance(value, float):
+        return kind, (value if value == value else "nan")
+    if isinstance(value, (int, str, enum.Enum)):  # IntEnum, str subclasses; an Enum member is a singleton
+        return kind, value
     if isinstance(value, (tuple, list)):
-        return type(value), tuple(freeze(v, by_identity) for v in value)
+        return kind, tuple(freeze(v, by_identity, on_code) for v in value)
     if isinstance(value, dict):
-        return dict, tuple((freeze(k, by_identity), freeze(v, by_identity)) for k, v in value.items())
+        return dict, tuple((freeze(k, by_identity, on_code), freeze(v, by_identity, on_code))
+                           for k, v in value.items())
     if isinstance(value, by_identity):
-        return type(value), id(value)  # the program keeps it alive through its closure or globals
-    raise TypeError(type(value).__name__)
+        if on_code is not None:
+            on_code(value)
+        return kind, (value if kind in _BY_ITSELF else _Same(value))
+    raise TypeError(kind.__name__)
 
 
-def _global_loads(code: types.CodeType) -> list[str]:
-    """Names ``code`` and the functions and lambdas defined in it load as globals."""
-    names = [ins.argval for ins in dis.get_instructions(code) if ins.opname == "LOAD_GLOBAL"]
+class _Same:
+    """A key part equal only to one object, which it keeps alive (so no later object takes its id)."""
+
+    __slots__ = ("obj",)
+
+    def __init__(self, obj: Any):
+        self.obj = obj
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Same) and other.obj is self.obj
+
+    def __hash__(self) -> int:
+        return id(self.obj)
+
+
+def _module_name(value: Any) -> str | None:
+    return value.__name__ if isinstance(value, types.ModuleType) else getattr(value, "__module__", None)
+
+
+def _library(name: str | None) -> bool:
+    """Whether the module ``name`` is in ``LIBRARIES`` or the standard library (a module of the user's
+    named like one, a ``code.py``, is not)."""
+    if not isinstance(name, str):
+        return False
+    top = name.partition(".")[0]
+    module = sys.modules.get(top)
+    found = _libraries.get(top)
+    if found is None or found[0] is not module:
+        file = getattr(module, "__file__", None)
+        found = _libraries[top] = module, top in LIBRARIES or (top in sys.stdlib_module_names and (
+            file is None or os.path.realpath(file).startswith(_STDLIB)))
+    return found[1]
+
+
+def _user(value: Any) -> bool:
+    """Code of the user's (a function, method, module or class outside ``LIBRARIES``)."""
+    return isinstance(value, _CODE) and not isinstance(value, types.BuiltinFunctionType) \
+        and not _library(_module_name(value))
+
+
+def _namespace(value: Any) -> bool:
+    """A module or class of user code: a read's attribute chain continues through it."""
+    return isinstance(value, (types.ModuleType, type)) and not _library(_module_name(value))
+
+
+def _codes(code: types.CodeType) -> Iterator[types.CodeType]:
+    """``code`` and the code of the functions, lambdas and comprehensions defined in it."""
+    yield code
     for const in code.co_consts:
         if isinstance(const, types.CodeType):
-            names += _global_loads(const)
-    return list(dict.fromkeys(names))
+            yield from _codes(const)
+
+
+def _chains(code: types.CodeType) -> Iterator[tuple[str, str, tuple[str, ...]]]:
+    """(what, name, attributes) for each load of a global or closure variable followed by attribute loads
+    (``Cfg.left``: "the global", "Cfg", ("left",)), and ("import", module, ()) for each import."""
+    for c in _codes(code):
+        chain = None
+        for ins in dis.get_instructions(c):
+            if chain is not None and ins.opname in _ATTRIBUTES:
+                chain[2].append(ins.argval)
+                continue
+            if chain is not None:
+                yield chain[0], chain[1], tuple(chain[2])
+                chain = None
+            if ins.opname in _ROOTS:
+                chain = (_ROOTS[ins.opname], ins.argval, [])
+            elif ins.opname == "IMPORT_NAME":
+                yield "import", ins.argval, ()
+        if chain is not None:
+            yield chain[0], chain[1], tuple(chain[2])
+
+
+class _Stale(Exception):
+    """A read resolved to code of the user's that the analysis did not see: analyse again."""
+
+
+class _Read:
+    """One path read at each call: a global (``holder`` a globals dict) or closure cell, then attributes
+    followed while the value is a module or class of user code."""
+
+    __slots__ = ("holder", "name", "attributes", "label")
+
+    def __init__(self, holder: Any, name: str, attributes: tuple[str, ...], label: str):
+        self.holder, self.name, self.attributes, self.label = holder, name, attributes, label
+
+    def value(self) -> Any:
+        holder = self.holder
+        value = holder.get(self.name, _EMPTY) if isinstance(holder, dict) else _contents(holder)
+        for attribute in self.attributes:
+            if not _namespace(value):
+                break
+            value = getattr(value, attribute, _EMPTY)
+        return value
 
 
 class OutsideReads:
-    """The closure variables and globals ``fn`` (and what it defines) reads, found once at decoration.
+    """The values ``fn`` (and the user code it reaches) reads from outside its arguments, found at
+    decoration; ``key()`` freezes them at each call.
 
-    Names bound to code (modules, functions, classes, and the ``ignored`` types: combinators, programs) or to
-    builtins are left out then, so a program that reads only those adds no work per call.
+    Globals and closure variables bound to modules of ``LIBRARIES`` (``af``, ``torch``, ``math``) and
+    builtins are left out, so a program that reads only those adds no work per call (``empty``). Objects of
+    the ``ignored`` types (combinators, programs) count by identity.
     """
 
     def __init__(self, fn: Callable, ignored: tuple[type, ...]):
-        self._ignored = _CODE_TYPES + ignored
+        self._fn = fn.__func__ if isinstance(fn, types.MethodType) else fn  # a method's reads through self: not followed
         self._name = getattr(fn, "__qualname__", repr(fn))
-        code = getattr(fn, "__code__", None)  # None: a callable object, whose reads are not inspected
-        self._globals = getattr(fn, "__globals__", {})
-        cells = zip(code.co_freevars, fn.__closure__ or ()) if code else ()
-        self._cells = tuple((n, c) for n, c in cells if not self._is_code(_contents(c)))
-        self._global_names = tuple(
-            n for n in (_global_loads(code) if code else ())
-            if not (self._is_code(self._globals.get(n, _EMPTY)) or (n not in self._globals and hasattr(builtins, n))))
-        self.empty = not self._cells and not self._global_names
+        self._identity = _CODE + ignored
+        self._analyse()
 
-    def _is_code(self, value: Any) -> bool:
-        return isinstance(value, self._ignored)
+    def _analyse(self) -> None:
+        """Find the reads of ``fn`` and of the user functions they reach (a worklist, each function once)."""
+        reads: dict[tuple, _Read] = {}
+        self._functions: dict[int, Any] = {}  # by id, kept alive so that no other object takes the id
+        todo = [self._fn] if isinstance(self._fn, types.FunctionType) else []  # a callable object: not inspected
+        while todo:
+            f = todo.pop()
+            if id(f) in self._functions:
+                continue
+            self._functions[id(f)] = f
+            where = "" if f is self._fn else f" (in {f.__qualname__})"
+            cells = dict(zip(f.__code__.co_freevars, f.__closure__ or ()))
+            for what, name, attributes in _chains(f.__code__):
+                if what == "import":
+                    self._check_import(name, where)
+                    continue
+                if what == "the closure variable":
+                    if name not in cells:
+                        continue  # a local variable of f that a function defined in f reads
+                    holder = cells[name]
+                else:
+                    holder = f.__globals__
+                    if name not in holder and hasattr(builtins, name):
+                        if name in _OPAQUE_BUILTINS:
+                            raise ProgramError(f"{self._name}{where} calls {name}(): what it reads cannot be "
+                                               f"found, so a changed value could not trace again; read "
+                                               f"globals by name, or pass values as arguments")
+                        continue
+                read = self._follow(holder, name, attributes, what, where, todo)
+                if read is not None:
+                    reads.setdefault((id(holder), name, read.attributes), read)
+        self._reads = tuple(reads.values())
+        self.empty = not self._reads
+
+    def _check_import(self, module: str, where: str) -> None:
+        if not _library(module):
+            what = repr(module) if module else "a module of its package (a relative import)"
+            raise ProgramError(f"{self._name}{where} imports {what} inside a function: what it then reads from "
+                               f"it cannot be found; import it at module level, or pass the values as arguments")
+
+    def _follow(self, holder: Any, name: str, attributes: tuple[str, ...], what: str, where: str,
+                todo: list) -> _Read | None:
+        """The read of ``name`` in ``holder`` as tracked, its chain of ``attributes`` cut where it leaves user
+        namespaces; None when it reads a library's module. User functions it reaches join ``todo``."""
+        read = _Read(holder, name, (), "")
+        value = read.value()
+        if isinstance(value, types.ModuleType) and not _namespace(value):
+            return None  # af, torch, math: fixed code
+        used: list[str] = []
+        for attribute in attributes:
+            if not _namespace(value):
+                break
+            used.append(attribute)
+            value = getattr(value, attribute, _EMPTY)
+        read = _Read(holder, name, tuple(used), f"{what} {'.'.join((name, *used))!r}{where}")
+        self._reach(value, read, todo)
+        return read
+
+    def _reach(self, value: Any, read: _Read, todo: list) -> None:
+        """Queue the user functions ``value`` holds; refuse user code whose reads cannot be followed."""
+        if isinstance(value, (tuple, list)):
+            for v in value:
+                self._reach(v, read, todo)
+        elif isinstance(value, dict):
+            for item in value.items():
+                self._reach(item, read, todo)
+        elif _user(value):
+            if isinstance(value, types.FunctionType):
+                todo.append(value)
+            elif isinstance(value, type) and issubclass(value, BaseException):
+                self._functions[id(value)] = value  # raised, not read from
+            else:
+                what = "a bound method" if isinstance(value, types.MethodType) else \
+                    f"the {'module' if isinstance(value, types.ModuleType) else 'class'} itself"
+                raise ProgramError(
+                    f"{self._name} reads {read.label}, {what}: AttnFuse follows reads of a module's or class's "
+                    f"attributes by name (Cfg.left) and calls of plain functions, but not what is read through "
+                    f"a module, class or instance passed around as a value; read its attributes by name, or "
+                    f"pass the values as arguments")
 
     def key(self) -> tuple:
-        """The frozen values read now, by name; () when the function reads none."""
+        """The frozen values read now, in a fixed order; () when the function reads none."""
         if self.empty:
             return ()
-        found = [(n, "the closure variable", _contents(c)) for n, c in self._cells]
-        found += [(n, "the global", self._globals.get(n, _EMPTY)) for n in self._global_names]
+        try:
+            return self._key()
+        except _Stale:
+            self._analyse()  # it queues every user function the reads hold and refuses other user code
+            return self._key()
+
+    def _key(self) -> tuple:
         key = []
-        for name, what, value in found:
-            if value is _EMPTY or self._is_code(value):
+        for read in self._reads:
+            value = read.value()
+            if value is _EMPTY:
+                key.append(None)  # unassigned: the function itself raises NameError or AttributeError
                 continue
             try:
-                key.append((name, freeze(value, self._ignored)))
+                key.append(freeze(value, self._identity, self._check_code))
             except TypeError as exc:
                 raise ProgramError(
-                    f"{self._name} reads {what} {name!r}, which holds a {exc}: a program is "
-                    f"traced once and what it reads from outside its arguments is baked into the kernel, so such "
-                    f"a value must be None, bool, int, float, str, or a tuple, list or dict of those; pass {name!r} "
-                    f"as an argument of the program instead") from None
+                    f"{self._name} reads {read.label}, which holds a {exc}: a program is traced once and what it "
+                    f"reads from outside its arguments is baked into the kernel, so such a value must be None, "
+                    f"bool, int, float, str, or a tuple, list or dict of those; pass "
+                    f"{'.'.join((read.name, *read.attributes))!r} as an argument of the program instead") from None
         return tuple(key)
+
+    def _check_code(self, value: Any) -> None:
+        if id(value) not in self._functions and _user(value):
+            raise _Stale
 
 
 class _Empty:
-    """An unassigned closure cell or undefined global (the function itself raises NameError if it reads one)."""
+    """An unassigned closure cell, undefined global or missing attribute (the function raises if it reads one)."""
 
 
 _EMPTY: Any = _Empty()

@@ -6,15 +6,17 @@ from attnfuse.checks import non_negative_int
 from attnfuse.combinator import Combinator, MaskFragment, Param, Role
 
 
-def reference(ctx, left, right):
-    """keep (1, 1, Nq, Nk)."""
-    return (ctx.k_pos >= ctx.q_pos - left) & (ctx.k_pos <= ctx.q_pos + right)
-
-
 UNBOUNDED = 2**30
 """A side of the window at least this wide has no bound: its condition and facts are left out of the kernel.
 That is exact for sequences of up to 2**30 keys (no key lies further away), and keeps the int32 position
 arithmetic of the kernels from overflowing (``q_hi + right + 1`` with right = 2**31 would)."""
+
+
+def reference(ctx, left, right):
+    """keep (1, 1, Nq, Nk). Sides are clamped to 2**40, wider than any two positions are apart (both lie in
+    (-2**31, 2**31)), so the int64 position arithmetic cannot overflow (``q_pos + (2**63 - 1)`` would)."""
+    left, right = min(left, 2**40), min(right, 2**40)
+    return (ctx.k_pos >= ctx.q_pos - left) & (ctx.k_pos <= ctx.q_pos + right)
 
 
 def fragment(left, right):

@@ -16,8 +16,9 @@ from attrs import frozen
 from .. import ir
 
 from ..combinator import ACCUMULATOR, INPUT, BlockList, MaskFragment, NormaliserFragment, QKTransformFragment, Role, ScoreModFragment
-from ..errors import InputError
+from ..errors import InputError, ProgramError
 from ..fragment_lint import lint
+from ..static_values import literal
 from .fuse import FusedProgram
 from .launch_spec import SCALAR, TENSOR, Param, indexed_strides
 from .tile import TileConfig, choose_tiles
@@ -159,7 +160,7 @@ def instance(app: ir.Apply, index: int, accumulator: str = "tl.float32") -> Inst
     ``$acc_dtype`` -> ``accumulator``."""
     comb = app.declaration
     prefix = f"{comb.name}_{index}"
-    mapping: dict[str, str] = {name: repr(value) for name, value in app.static().items()}
+    mapping: dict[str, str] = {name: literal(value) for name, value in app.static().items()}
     mapping["self"] = prefix
     mapping[ACCUMULATOR] = accumulator
     args: list[Param] = []
@@ -222,13 +223,27 @@ def lower(fused: FusedProgram, config: KernelConfig, listing: str = "") -> Lower
     block_dv = _block(config.head_dim_v)
     variant, widest = _variant(transforms, masks), max(block_d, block_dv)
     tiles = {kind: choose_tiles(config.arch, variant, widest, kind) for kind in TILED_KERNELS}
-    scale = fused.source.static()["scale"]
-    scale = 1.0 / math.sqrt(config.head_dim) if scale is None else float(scale)
+    scale = _scale(fused.source, normaliser, config.head_dim)
     return LoweredProgram(
         signature=fused.signature, listing=listing, config=config, accumulator=accumulator, tiles=tiles,
         block_d=block_d, block_dv=block_dv,
         block_h=_block(config.head_dim // 2), scale=scale, score_factor=normaliser.fragment.score_factor,
         transforms=tuple(transforms), mods=mods, masks=masks, normaliser=normaliser)
+
+
+def _scale(source: ir.Apply, normaliser: Instance, head_dim: int) -> float:
+    """The score source's scale (None: 1/√D). The kernels write it, and it times the normaliser's score
+    factor, as literals, so both must be values ``literal`` writes."""
+    scale = source.static()["scale"]
+    scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
+    factor = normaliser.fragment.score_factor
+    try:
+        literal(scale)
+        literal(scale * factor)
+    except ValueError as exc:
+        raise ProgramError(f"{source.combinator}: parameter 'scale' (times {factor!r}, the score factor of "
+                           f"{normaliser.apply.combinator}): {exc}") from None
+    return scale
 
 
 def _one_listing(masks: tuple[Instance, ...]) -> tuple[Instance, ...]:

@@ -28,6 +28,7 @@ from ..combinator import INPUT, Combinator, MaskFragment, Role
 from ..plugin_manager import combinators
 from ..reference import make_context
 from ..runtime.inputs import LaunchContext
+from ..static_values import literal
 from .strategies import Shape
 from .triton_shim import Pointer, evaluate, integer
 
@@ -74,7 +75,7 @@ class _Evaluator:
         B, Hq, Hkv, Nq, Nk, kv_lens = grid
         self.comb, self.params, self.fragment = comb, params, fragment
         self.names: dict[str, Any] = {}
-        mapping = {p.name: repr(params[p.name]) for p in comb.params if not p.runtime}
+        mapping = {p.name: literal(params[p.name]) for p in comb.params if not p.runtime}
         mapping["self"] = f"{comb.name}_0"
         lens = None if kv_lens is None else torch.tensor(kv_lens, dtype=torch.int32)
         prepared = comb.prepare(LaunchContext(B=B, Hq=Hq, Hkv=Hkv, Nq=Nq, Nk=Nk, D=16, DV=16,

@@ -33,6 +33,18 @@ def kv_params(kernel: LoweredProgram) -> tuple[Param, ...]:
     return found
 
 
+def docstring_text(text: str) -> str:
+    """``text`` written as the body of a triple-quoted string, so that no text can end it early: the
+    module's docstring is then exactly ``text``, whatever it holds."""
+    return "".join(map(_escaped, text))
+
+
+def _escaped(c: str) -> str:
+    if c in '\\"':
+        return "\\" + c
+    return c if c == "\n" or c.isprintable() else c.encode("unicode_escape").decode("ascii")
+
+
 def kernel_source(kernel: LoweredProgram, what: str, name: str, parameters: tuple[Param, ...], body: str) -> str:
     """A generated file: the header, the ``def`` line written from ``parameters`` (the launch spec's), and
     ``body``. With ``wide_offsets`` every stride parameter is made int64 on entry: every offset is a sum of
@@ -42,8 +54,9 @@ def kernel_source(kernel: LoweredProgram, what: str, name: str, parameters: tupl
     if kernel.config.wide_offsets:
         casts = "    # offsets can pass 2**31 - 1 elements: every stride is int64\n" + "".join(
             f"    {p.name} = tl.cast({p.name}, tl.int64)\n" for p in parameters if p.kind == STRIDE)
-    return (HEADER.format(what=what, signature=kernel.signature, listing=kernel.listing) + "\n"
-            + render_signature(name, parameters) + casts + body)
+    header = HEADER.format(what=docstring_text(what), signature=kernel.signature,
+                           listing=docstring_text(kernel.listing))
+    return header + "\n" + render_signature(name, parameters) + casts + body
 
 
 def indent(code: str, spaces: int) -> str:
