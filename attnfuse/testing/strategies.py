@@ -5,7 +5,7 @@ import inspect
 from typing import Any
 
 import torch
-from attrs import frozen
+from attrs import field, frozen
 from hypothesis import strategies as st
 
 from ..combinator import REQUIRED, Combinator, Role
@@ -44,6 +44,12 @@ def shapes(draw, max_n: int = 80, head_dims: tuple[int, ...] = (16, 32, 64, 80, 
                  DV=draw(st.sampled_from([D, D, draw(st.sampled_from(head_dims))])))
 
 
+def describe(extras: dict[str, Any]) -> str:
+    """Runtime inputs by name, tensors as their shape and dtype (a failure report never prints them whole)."""
+    return ", ".join(f"{n}: {tuple(v.shape)} {v.dtype}" if isinstance(v, torch.Tensor) else f"{n}: {v!r}"
+                     for n, v in extras.items())
+
+
 @frozen(kw_only=True, eq=False)
 class ProgramCase:
     """A drawn program, its shape and the extra arguments (runtime inputs) to call it with."""
@@ -51,7 +57,11 @@ class ProgramCase:
     program: AttentionProgram
     text: str
     shape: Shape
-    extras: dict[str, Any]
+    extras: dict[str, Any] = field(repr=lambda extras: f"{{{describe(extras)}}}")  # shapes, not whole tensors
+
+    def _repr_pretty_(self, printer, cycle: bool) -> None:
+        """How Hypothesis prints a failing draw: this repr, tensors as shapes."""
+        printer.text(repr(self))
 
     def inputs(self, dtype: torch.dtype, device: str, seed: int) -> tuple[torch.Tensor, ...]:
         """Fresh random q, k, v (not contiguous when the seed is odd: a (B, N, H, D) layout, transposed)."""
