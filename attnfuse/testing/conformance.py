@@ -14,13 +14,14 @@ import torch
 from hypothesis import HealthCheck, Phase, given, note, settings
 from hypothesis import strategies as st
 
+from ..combinator import REQUIRED
 from ..passes.fuse import fuse
 from ..passes.lower import fragment_of, instance
 from ..errors import PluginError
 from ..plugin_manager import broken_plugins, combinators
 from ..runtime.source_cache import CACHE_ENV
 from .mask_facts import check_mask_facts
-from .strategies import ProgramCase, Shape, describe, pool, program_cases, shapes
+from .strategies import ProgramCase, Shape, describe, drawable, pool, program_cases, shapes
 from .tolerances import assert_matches_reference
 
 
@@ -125,9 +126,13 @@ def check_combinator(name: str | None = None, *, device: str | None = None,
     registry = combinators()
     if name is not None and name not in registry:
         raise PluginError(f"check_combinator: no combinator named {name!r} is registered{_broken_note()}")
+    if name is not None and not drawable(registry[name].combinator):
+        required = [p.name for p in registry[name].combinator.params if p.default is REQUIRED]
+        raise PluginError(f"check_combinator: combinator {name!r} declares no examples(draw, shape), so the kit "
+                          f"cannot draw its parameters {required}, which have no default; declare examples")
     if name is None or installed:
         _fail_on_broken()
-    for mask in ([name] if name is not None else sorted(registry)):
+    for mask in ([name] if name is not None else sorted(n for n, r in registry.items() if drawable(r.combinator))):
         check_mask_facts(mask)
     device = device or default_device()
     dtypes = dtypes or default_dtypes(device)

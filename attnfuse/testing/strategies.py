@@ -78,7 +78,8 @@ class ProgramCase:
         return {n: v.to(device) if isinstance(v, torch.Tensor) else v for n, v in self.extras.items()}
 
 
-def _drawable(comb: Combinator) -> bool:
+def drawable(comb: Combinator) -> bool:
+    """Whether the kit can draw the combinator's parameters: it declares ``examples``, or none is required."""
     return comb.examples is not None or all(p.default is not REQUIRED for p in comb.params)
 
 
@@ -116,7 +117,7 @@ def program_cases(draw, shape: Shape, include: str | None = None, max_mods: int 
     for name, entry in combinators().items():
         if names is not None and name not in names and name != include:
             continue
-        if _drawable(entry.combinator) and _compatible(entry.combinator, shape):
+        if drawable(entry.combinator) and _compatible(entry.combinator, shape):
             by_role[entry.combinator.role].append(entry.combinator)
     for role in by_role:
         by_role[role].sort(key=lambda c: c.name)
