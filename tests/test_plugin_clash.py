@@ -67,11 +67,12 @@ def site(tmp_path_factory) -> Path:
     distribution(root, "attnfuse-clash-b", {"clash_b": "attnfuse_clash_b"}, {"attnfuse_clash_b": masks("clash_twice")})
     distribution(root, "attnfuse-clash-c", {"clash_c": "attnfuse_clash_c"},
                  {"attnfuse_clash_c": masks("attention", "clash_c_only")})
-    distribution(root, "attnfuse-clash-typo", {"typo": "attnfuse_clash_typo"}, {"attnfuse_clash_typo": KEEP_ALL + textwrap.dedent("""
+    typo = KEEP_ALL + textwrap.dedent("""
         @attnfuse.hookimpl
         def attnfuse_combinatorz():
             return [keep_all("clash_typo")]
-    """)})
+    """)
+    distribution(root, "attnfuse-clash-typo", {"typo": "attnfuse_clash_typo"}, {"attnfuse_clash_typo": typo})
     distribution(root, "attnfuse-clash-shared1", {"shared": "attnfuse_clash_shared"},
                  {"attnfuse_clash_shared": masks("clash_shared")})
     distribution(root, "attnfuse-clash-shared2", {"shared": "attnfuse_clash_shared"}, {})
