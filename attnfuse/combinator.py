@@ -27,7 +27,7 @@ from typing import Any, Callable
 import attrs
 from attrs import field, frozen
 
-from .errors import DeclarationError
+from .errors import DeclarationError, deprecated
 from .fragments import (ACCUMULATOR, BlockList, MaskFragment, NormaliserFragment, QKTransformFragment, Range,
                         ScoreModFragment, ScoreSourceFragment)
 
@@ -227,10 +227,11 @@ class Combinator:
     @examples.validator
     def _check_examples(self, _, examples) -> None:
         required = [p.name for p in self.params if p.default is REQUIRED]
-        if examples is None and required:
-            raise DeclarationError(f"combinator {self.name!r}: parameters {required} have no default, so it "
-                                   f"must declare examples(draw, shape) -> {{param: value}} for the "
-                                   f"conformance kit")
+        if examples is None and required:  # allowed by the contract of 2026-11-30
+            deprecated(("examples", self.name), f"combinator {self.name!r}: parameters {required} have no "
+                       f"default and it declares no examples, so the conformance kit cannot draw them; deprecated "
+                       f"since 2026-12-01, an error in a future release: declare examples(draw, shape) -> "
+                       f"{{param: value}}", stacklevel=3)
         if examples is not None and not callable(examples):
             raise DeclarationError(f"combinator {self.name!r}: examples must be a function (draw, shape), got "
                                    f"{type(examples).__name__}")

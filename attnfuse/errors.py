@@ -1,4 +1,9 @@
-"""Exceptions AttnFuse raises. Each message names the argument or combinator and what is allowed."""
+"""Exceptions AttnFuse raises, and its deprecation warnings. Each message names the argument or combinator and
+what is allowed (or, deprecated, how to move)."""
+from __future__ import annotations
+
+import threading
+import warnings
 
 
 class AttnFuseError(Exception):
@@ -29,3 +34,18 @@ class KernelCacheError(AttnFuseError):
 class UnsupportedError(AttnFuseError, RuntimeError):
     """An operation AttnFuse refuses rather than compute wrongly: differentiating a gradient of a program call
     again (double backward). (Also a RuntimeError, as torch's own refusals are.)"""
+
+
+_deprecations_lock = threading.Lock()
+_deprecations_warned: set[tuple] = set()
+
+
+def deprecated(subject: tuple, message: str, stacklevel: int = 2) -> None:
+    """Warn ``message`` as a DeprecationWarning the first time this process sees ``subject`` (a combinator,
+    say): a deprecated form of the plugin contract keeps working for one release, and says how to move.
+    ``stacklevel`` as for ``warnings.warn``, counted from the caller."""
+    with _deprecations_lock:
+        if subject in _deprecations_warned:
+            return
+        _deprecations_warned.add(subject)
+    warnings.warn(message, DeprecationWarning, stacklevel=stacklevel + 1)

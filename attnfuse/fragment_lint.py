@@ -12,6 +12,10 @@ linter parses each fragment field with ``ast`` (placeholders replaced by marker 
 
 Each refusal is a ``PluginError`` naming the combinator, its distribution, the fragment field and the
 offending lines. Nothing in the kernel text changes: the check only reads it.
+
+A fragment that spells the accumulation type ``tl.float32`` instead of ``$acc_dtype`` (the contract of
+2026-11-30) is accepted with a DeprecationWarning, once per combinator: it computes in float32 as before,
+and ``refuse_old_accumulator`` refuses a float64 call of it, which it would silently compute in float32.
 """
 from __future__ import annotations
 
@@ -26,7 +30,7 @@ from attrs import frozen
 
 from .combinator import (ACCUMULATOR, BlockList, Combinator, MaskFragment, NormaliserFragment, QKTransformFragment,
                          Range, ScoreModFragment, ScoreSourceFragment)
-from .errors import PluginError
+from .errors import InputError, PluginError, deprecated
 
 BUILTINS = frozenset({"float", "int", "range", "min", "max", "abs", "True", "False", "None", "tl", "triton"})
 COMMON = BUILTINS | {"b", "h", "hk", "Nq", "Nk", "N_K", "HQ", "GROUP", "D", "DV", "HALF", "BLOCK_M", "BLOCK_N",
@@ -191,13 +195,7 @@ def _fields(fragment: Any) -> Iterator[tuple[str, str, Any]]:
             yield from ((f"{f.name}.{path}", text, rec) for path, text, rec in _fields(value))
 
 
-_OLD_ACCUMULATOR = re.compile(r"\btl\.float32\b")  # the spelling $acc_dtype replaced
-
-
-def _line_of(text: str, pattern: re.Pattern) -> int:
-    """The line of ``pattern``'s first match in the dedented, stripped text (as ``_excerpt`` numbers lines)."""
-    lines = textwrap.dedent(text).strip().splitlines()
-    return next((i + 1 for i, line in enumerate(lines) if pattern.search(line)), 1)
+_OLD_ACCUMULATOR = re.compile(r"\btl\.float32\b")  # the spelling $acc_dtype replaced on 2026-12-01
 
 
 def lint(comb: Combinator, fragment: Any, distribution: str) -> None:
@@ -217,14 +215,40 @@ def lint(comb: Combinator, fragment: Any, distribution: str) -> None:
         if slot is None or not text.strip():
             continue
         found = list(_problems(text, slot, mapping, own))
-        if _OLD_ACCUMULATOR.search(text):
-            found.insert(0, ("spells the accumulation type tl.float32, which stays float32 for float64 inputs; "
-                             "write $acc_dtype (tl.float32, or tl.float64 for float64 inputs)",
-                             _line_of(text, _OLD_ACCUMULATOR)))
         if found:
             message, line = found[0]
             raise PluginError(f"combinator {comb.name!r} of distribution {distribution!r}, fragment field "
                               f"{path!r}: {message}\n{_excerpt(text, line)}")
+    old = old_accumulator_fields(fragment)
+    if old:
+        deprecated(("tl.float32", distribution, comb.name), f"{_where(comb, distribution, old)}: spells the "
+                   f"accumulation type tl.float32, as the plugin contract of 2026-11-30 did; deprecated since "
+                   f"2026-12-01, refused in a future release: write $acc_dtype instead (tl.float32, or tl.float64 "
+                   f"for float64 inputs). Until then it computes in float32 as before, and float64 calls are refused")
+
+
+def old_accumulator_fields(fragment: Any) -> list[str]:
+    """The fields of ``fragment`` (paths, as ``lint`` names them) that spell the accumulation type
+    ``tl.float32`` where ``$acc_dtype`` belongs: the deprecated contract of 2026-11-30."""
+    if isinstance(fragment, ScoreSourceFragment):
+        fragment = fragment.transform
+    return [] if fragment is None else [path for path, text, _ in _fields(fragment) if _OLD_ACCUMULATOR.search(text)]
+
+
+def refuse_old_accumulator(comb: Combinator, fragment: Any, distribution: str, accumulator: str) -> None:
+    """Raise InputError when ``fragment`` spells tl.float32 and the call accumulates in ``accumulator``
+    (``tl.float64`` for float64 inputs): it would silently compute in float32."""
+    old = old_accumulator_fields(fragment)
+    if old and accumulator != "tl.float32":
+        raise InputError(f"{_where(comb, distribution, old)}: spells the accumulation type tl.float32 (the "
+                         f"deprecated contract of 2026-11-30), so it would compute in float32 for these "
+                         f"{accumulator[3:]} inputs; call it with float32, float16 or bfloat16 inputs, or write "
+                         f"$acc_dtype in that fragment (tl.float32, or tl.float64 for float64 inputs)")
+
+
+def _where(comb: Combinator, distribution: str, fields: list[str]) -> str:
+    names = ", ".join(map(repr, fields))
+    return f"combinator {comb.name!r} of distribution {distribution!r}, fragment field{'s' * (len(fields) > 1)} {names}"
 
 
 def _defined(text: str, mapping: dict[str, str]) -> set[str]:

@@ -24,7 +24,8 @@ def attnfuse_combinators() -> list:
     """Return the combinators this plugin provides.
 
     :return: a list of :class:`attnfuse.combinator.Combinator` declarations. Each becomes ``af.<name>``.
-        A name already provided by another plugin is an error naming both distributions.
+        A name another plugin also provides is skipped with a warning naming both distributions (a
+        built-in keeps its name; see docs/plugins.md); from ``register_plugin`` it is a PluginError.
     """
 
 

@@ -5,9 +5,12 @@ the ``attnfuse`` distribution itself), load the built-ins no entry point named (
 without ``pip install``; see ``builtin_plugins``), check for hook implementations no hookspec knows.
 Setting ``ATTNFUSE_DISABLE_PLUGIN_AUTOLOAD=1`` loads the built-ins only.
 
-An installed plugin that fails (its import raises, its hook raises or returns something other than valid
-combinators) is reported with a warning, listed by ``broken_plugins()`` and skipped: the rest keep working.
-A plugin registered from code (``register_plugin``) that fails is refused with a ``PluginError`` instead.
+One installed plugin never takes the others down. A plugin that fails (its import raises, it implements
+an unknown hook, its hook raises or returns something other than valid combinators) is reported with a
+warning, listed by ``broken_plugins()`` and skipped. A combinator whose name another plugin also declares,
+or attnfuse's own API uses, is skipped alone (the plugin's other combinators stay): a built-in keeps its
+name; two installed packages that declare one name both lose it (neither takes precedence). A plugin
+registered from code (``register_plugin``) that fails or clashes is refused with a ``PluginError`` instead.
 """
 from __future__ import annotations
 
@@ -30,6 +33,8 @@ from .hookspecs import NAME
 
 DISABLE_AUTOLOAD_ENV = "ATTNFUSE_DISABLE_PLUGIN_AUTOLOAD"
 BUILTIN_DISTRIBUTION = "attnfuse"
+IN_CODE = "<registered in code: {}>"
+"""The distribution ``register_plugin`` records for plugin ``{}``."""
 
 
 @frozen
@@ -43,18 +48,19 @@ class Registered:
 
 @frozen
 class BrokenPlugin:
-    """A plugin that was skipped, and why."""
+    """A plugin that was skipped, or the one combinator of it that was (``combinator``), and why."""
 
     plugin: str
     distribution: str
     cause: str  # a whole sentence naming the plugin and distribution
+    combinator: str | None = None  # None: the whole plugin was skipped
 
     def describe(self) -> str:
         return self.cause
 
 
 class PluginWarning(UserWarning):
-    """An installed plugin is broken and was skipped."""
+    """An installed plugin, or one combinator of it, was skipped."""
 
 
 _lock = threading.RLock()
@@ -92,10 +98,7 @@ def plugin_manager() -> pluggy.PluginManager:
             for module in missing:
                 _load(pm, f"{BUILTIN_DISTRIBUTION}:{module}", BUILTIN_DISTRIBUTION,
                       f"{builtin_plugins.PACKAGE}.{module}", functools.partial(builtin_plugins.load, module))
-            try:
-                pm.check_pending()
-            except pluggy.PluginValidationError as exc:
-                raise PluginError(f"a plugin implements a hook attnfuse does not know: {exc}") from exc
+            _drop_unknown_hooks(pm)
             _manager = pm
         return _manager
 
@@ -108,8 +111,30 @@ def _load(pm: pluggy.PluginManager, name: str, dist: str, target: str, load) -> 
         _load_failures.append(BrokenPlugin(name, dist, f"plugin {name!r} of distribution {dist!r}: failed to "
                                                        f"import {target}: {type(exc).__name__}: {exc}"))
         return
-    pm.register(plugin, name=name)
+    try:
+        pm.register(plugin, name=name)
+    except Exception as exc:  # a hook pluggy refuses, or a module another entry point registered already
+        _load_failures.append(BrokenPlugin(name, dist, f"plugin {name!r} of distribution {dist!r}: failed to "
+                                                       f"register {target}: {type(exc).__name__}: {exc}"))
+        return
     _distributions[name] = dist
+
+
+def _drop_unknown_hooks(pm: pluggy.PluginManager) -> None:
+    """Unregister each installed plugin implementing a hook no hookspec declares (a typo such as
+    ``attnfuse_combinatorz``), keeping it as broken; such a built-in is a PluginError."""
+    while True:
+        try:
+            pm.check_pending()
+            return
+        except pluggy.PluginValidationError as exc:
+            name = pm.get_name(exc.plugin)
+            dist = _distributions.pop(name, "unknown")
+            if dist == BUILTIN_DISTRIBUTION:
+                raise PluginError(f"a plugin implements a hook attnfuse does not know: {exc}") from exc
+            pm.unregister(name=name)
+            _load_failures.append(BrokenPlugin(name, dist, f"plugin {name!r} of distribution {dist!r}: "
+                                                           f"implements a hook attnfuse does not know: {exc}"))
 
 
 def register_plugin(plugin: Any, name: str | None = None) -> None:
@@ -129,12 +154,12 @@ def register_plugin(plugin: Any, name: str | None = None) -> None:
             raise PluginError(f"plugin {name or plugin!r}: {exc}") from exc
         try:
             pm.check_pending()
-            _distributions[name] = f"<registered in code: {name}>"
+            _distributions[name] = IN_CODE.format(name)
             registry, broken = _collect(pm)
             failed = [b for b in broken if b.plugin == name]
             if failed:
                 raise PluginError(failed[0].cause)
-            _registry, _broken[:] = registry, broken
+            _publish(registry, broken)
         except (PluginError, pluggy.PluginValidationError) as exc:
             pm.unregister(name=name)
             _distributions.pop(name, None)
@@ -153,20 +178,25 @@ def unregister_plugin(name: str) -> None:
 
 def combinators() -> dict[str, Registered]:
     """Every registered combinator by name (of the plugins that work; see ``broken_plugins``)."""
-    global _registry
     with _lock:
         if _registry is None:
-            registry, broken = _collect(plugin_manager())
-            new = [b for b in broken if b not in _broken]
-            _broken[:] = broken
-            for b in new:
-                warnings.warn(f"attnfuse skipped a broken {b.describe()}", PluginWarning, stacklevel=2)
-            _registry = registry
+            _publish(*_collect(plugin_manager()))
         return _registry
 
 
+def _publish(registry: dict[str, Registered], broken: list[BrokenPlugin]) -> None:
+    """Make ``registry`` current; warn once of each plugin or combinator newly skipped."""
+    global _registry
+    new = [b for b in broken if b not in _broken]
+    _broken[:] = broken
+    _registry = registry
+    for b in new:
+        what = f"combinator {b.combinator!r}: " if b.combinator else "a broken "
+        warnings.warn(f"attnfuse skipped {what}{b.describe()}", PluginWarning, stacklevel=3)
+
+
 def broken_plugins() -> list[BrokenPlugin]:
-    """The installed plugins that were skipped because they failed, with the cause."""
+    """The installed plugins, or single combinators of them, that were skipped, with the cause."""
     with _lock:
         combinators()
         return list(_broken)
@@ -183,34 +213,91 @@ def _reserved_names() -> set[str]:
     return set(vars(attnfuse)) | set(attnfuse.__all__) | submodules
 
 
+def name_in_use(name: str) -> str | None:
+    """Why a new combinator could not be called ``name`` (a phrase), or None when the name is free."""
+    if name in _reserved_names():
+        return "a name attnfuse's own API uses"
+    entry = combinators().get(name)
+    if entry is not None:
+        kind = "built-in" if entry.distribution == BUILTIN_DISTRIBUTION else "installed"
+        return f"the name of the {kind} combinator of distribution {entry.distribution!r}"
+    skipped = [b.distribution for b in broken_plugins() if b.combinator == name]
+    if skipped:
+        return f"a name installed distributions already clash over ({', '.join(sorted(set(skipped)))})"
+    return None
+
+
 def _collect(pm: pluggy.PluginManager) -> tuple[dict[str, Registered], list[BrokenPlugin]]:
-    """The combinators of the working plugins, and the plugins that failed (load failures included)."""
-    found: dict[str, Registered] = {}
+    """The combinators of the working plugins, and the plugins or combinators skipped (load failures
+    included)."""
     broken = list(_load_failures)
+    claims: dict[str, list[Registered]] = {}
     reserved = _reserved_names()
-    for impl in pm.hook.attnfuse_combinators.get_hookimpls():
+    for impl in pm.hook.attnfuse_combinators.get_hookimpls():  # in registration order
         plugin_name = impl.plugin_name
         dist = _distributions.get(plugin_name, "unknown")
         try:
-            provided = _provided(impl, plugin_name, dist, reserved)
+            provided = _provided(impl, plugin_name, dist)
         except PluginError as exc:
             broken.append(BrokenPlugin(plugin_name, dist, str(exc)))
             continue
         for comb in provided:
-            if comb.name in found:
-                other = found[comb.name]
-                raise PluginError(
-                    f"combinator {comb.name!r} is declared twice: by plugin {other.plugin!r} of distribution "
-                    f"{other.distribution!r} and by plugin {plugin_name!r} of distribution {dist!r}; "
-                    f"uninstall one, or set {DISABLE_AUTOLOAD_ENV}=1 to load the built-ins only")
-            found[comb.name] = Registered(comb, dist, plugin_name)
+            if comb.name in reserved:
+                broken.append(BrokenPlugin(plugin_name, dist, f"plugin {plugin_name!r} of distribution {dist!r} "
+                                                              f"declares combinator {comb.name!r}, a name attnfuse's "
+                                                              f"own API uses; choose another", comb.name))
+            else:
+                claims.setdefault(comb.name, []).append(Registered(comb, dist, plugin_name))
+    found: dict[str, Registered] = {}
+    for name, entries in claims.items():
+        kept, reason = _winner(entries)
+        if kept is not None:
+            found[name] = kept
+        broken += [BrokenPlugin(e.plugin, e.distribution, _clash(name, entries, e, kept, reason), name)
+                   for e in entries if e is not kept]
     if not any(r.distribution == BUILTIN_DISTRIBUTION for r in found.values()):
         causes = "; ".join(b.cause for b in broken if b.distribution == BUILTIN_DISTRIBUTION)
         raise PluginError(f"no built-in combinators could be loaded: {causes or 'none is registered'}")
     return found, broken
 
 
-def _provided(impl, plugin_name: str, dist: str, reserved: set[str]) -> list[Combinator]:
+def _in_code(distribution: str) -> bool:
+    return distribution.startswith(IN_CODE.format(""))
+
+
+def _winner(entries: list[Registered]) -> tuple[Registered | None, str]:
+    """Of the plugins declaring one name (in registration order), the one that keeps it, and why: the
+    built-in; else the one installed plugin, over plugins registered in code; else, among plugins
+    registered in code, the first. Of several installed plugins none does: no installed package takes
+    precedence over another, and choosing one would make a program's meaning depend on what else is
+    installed."""
+    if len(entries) == 1:
+        return entries[0], ""
+    builtins = [e for e in entries if e.distribution == BUILTIN_DISTRIBUTION]
+    if len(builtins) > 1:
+        raise PluginError(f"built-in plugins {[e.plugin for e in builtins]} declare one combinator twice")
+    if builtins:
+        return builtins[0], "the built-in keeps its name"
+    installed = [e for e in entries if not _in_code(e.distribution)]
+    if len(installed) == 1:
+        return installed[0], "the installed plugin keeps its name"
+    if not installed:
+        return entries[0], "the plugin registered first keeps its name"
+    dists = sorted({e.distribution for e in installed})
+    return None, (f"no installed package takes precedence over another, so none of them provides it: uninstall "
+                  f"all but one of {', '.join(dists)}, or set {DISABLE_AUTOLOAD_ENV}=1 to load the built-ins only")
+
+
+def _clash(name: str, entries: list[Registered], loser: Registered, kept: Registered | None, reason: str) -> str:
+    """The cause recorded for ``loser``, one of the plugins declaring combinator ``name``."""
+    others = sorted((e for e in entries if e is not loser), key=lambda e: (e.distribution, e.plugin))
+    by = " and by ".join(f"plugin {e.plugin!r} of distribution {e.distribution!r}" for e in [*others, loser])
+    if kept is not None:
+        reason += f", so plugin {loser.plugin!r} cannot provide it: give its combinator another name"
+    return f"combinator {name!r} is declared twice: by {by}; {reason}"
+
+
+def _provided(impl, plugin_name: str, dist: str) -> list[Combinator]:
     """One plugin's combinators, checked; a PluginError naming the plugin and distribution if it fails."""
     where = f"plugin {plugin_name!r} of distribution {dist!r}"
     try:
@@ -222,9 +309,6 @@ def _provided(impl, plugin_name: str, dist: str, reserved: set[str]) -> list[Com
         if not isinstance(comb, Combinator):
             raise PluginError(f"{where} returned {type(comb).__name__} from attnfuse_combinators(), "
                               f"not a Combinator")
-        if comb.name in reserved:
-            raise PluginError(f"{where} declares combinator {comb.name!r}, a name attnfuse's own API uses; "
-                              f"choose another")
         if comb.name in names:
             raise PluginError(f"combinator {comb.name!r} is declared twice, by {where}")
         names.add(comb.name)

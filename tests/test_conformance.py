@@ -4,11 +4,21 @@ import pytest
 
 import attnfuse as af
 from attnfuse.testing import check_combinator
+from attnfuse.testing.strategies import drawable
 
 from conftest import CUDA, fuzz_examples
 
 
-@pytest.mark.parametrize("name", sorted(af.combinators()))
+def _checkable(name: str):
+    """The kit cannot draw the parameters of a combinator that has required ones and no examples (a form
+    deprecated since 2026-12-01; tests/legacy_plugin's mask is one): its own tests check it."""
+    if drawable(af.combinators()[name].combinator):
+        return name
+    return pytest.param(name, marks=pytest.mark.skip(reason=f"{name} declares no examples for its required "
+                                                            f"parameters (deprecated); the kit cannot draw them"))
+
+
+@pytest.mark.parametrize("name", [_checkable(n) for n in sorted(af.combinators())])
 def test_combinator_conforms(name):
     if CUDA:
         check_combinator(name, max_examples=fuzz_examples(6, 60), max_n=300,

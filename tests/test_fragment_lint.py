@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ast
 import re
+import warnings
 
 import pytest
 import torch
@@ -12,8 +13,8 @@ import attnfuse as af
 from attnfuse import examples
 from attnfuse.combinator import (Combinator, MaskFragment, NormaliserFragment, Param, QKTransformFragment, Role,
                                  ScoreModFragment)
-from attnfuse.errors import PluginError
-from attnfuse.fragment_lint import TEMPLATE_NAMES, _TEMPLATE_PATTERN, lint
+from attnfuse.errors import InputError, PluginError
+from attnfuse.fragment_lint import TEMPLATE_NAMES, _TEMPLATE_PATTERN, lint, refuse_old_accumulator
 
 MOD_REF = lambda s, ctx: s  # noqa: E731
 
@@ -65,12 +66,24 @@ def test_valid_fragments_pass():
         lint(comb, comb.fragment, "dist-x")
 
 
-def test_old_accumulator_spelling_refused():
-    """tl.float32 in a fragment would stay float32 for float64 inputs: the linter asks for $acc_dtype."""
-    refused(norm(init="running = tl.zeros([BLOCK_M], dtype=tl.float32)", finalize="out = acc"), "init",
-            r"spells the accumulation type tl.float32, which stays float32 for float64 inputs; write \$acc_dtype",
-            "  1 | running = tl.zeros([BLOCK_M], dtype=tl.float32)")
-    refused(mod("${self}_w = s\ns = ${self}_w.to(tl.float32)"), "body", r"spells the accumulation type", "  2 | ")
+def test_old_accumulator_spelling_deprecated():
+    """tl.float32 where $acc_dtype belongs (the contract of 2026-11-30) is accepted with one DeprecationWarning
+    per combinator; it still gets every other check, and a float64 call of it is refused."""
+    old = norm(init="running = tl.zeros([BLOCK_M], dtype=tl.float32)", update="p = s.to(tl.float32)",
+               finalize="out = acc")
+    with pytest.warns(DeprecationWarning, match=r"combinator '_test_lint' of distribution 'dist-old-lint', fragment "
+                                                r"fields 'init', 'update': spells the accumulation type tl\.float32, "
+                                                r".*write \$acc_dtype instead"):
+        lint(old, old.fragment, "dist-old-lint")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        lint(old, old.fragment, "dist-old-lint")  # once per combinator
+    refused(mod("${self}_w = s\nk_pos = ${self}_w.to(tl.float32)"), "body", "writes 'k_pos'", "  2 | ")
+    refuse_old_accumulator(old, old.fragment, "dist-old-lint", "tl.float32")
+    with pytest.raises(InputError, match=r"combinator '_test_lint' of distribution 'dist-old-lint', fragment fields "
+                                         r"'init', 'update': spells the accumulation type tl\.float32 .*so it would "
+                                         r"compute in float32 for these float64 inputs"):
+        refuse_old_accumulator(old, old.fragment, "dist-old-lint", "tl.float64")
 
 
 def test_normaliser_slots():

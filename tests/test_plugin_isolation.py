@@ -64,9 +64,11 @@ def test_unknown_role_lists_the_roles(role):
 
 
 def test_required_parameter_needs_examples():
-    with pytest.raises(DeclarationError, match=r"combinator '_test_decl': parameters \['width'\] have no default, "
-                                               r"so it must declare examples\(draw, shape\)"):
-        mask(params=[Param(name="width")], reference=lambda ctx, width: None)
+    """Deprecated, not refused: the contract of 2026-11-30 allowed it (tests/test_deprecated_contract.py)."""
+    with pytest.warns(DeprecationWarning, match=r"combinator '_test_decl_width': parameters \['width'\] have no "
+                                                r"default and it declares no examples, .*declare examples\(draw, "
+                                                r"shape\)"):
+        mask(name="_test_decl_width", params=[Param(name="width")], reference=lambda ctx, width: None)
     mask(params=[Param(name="width")], reference=lambda ctx, width: None, examples=lambda draw, shape: {"width": 1})
 
 

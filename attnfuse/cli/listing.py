@@ -1,4 +1,5 @@
-"""``attnfuse list``: every registered combinator, and the plugins skipped as broken."""
+"""``attnfuse list``: every registered combinator, the plugins skipped as broken, and the combinators skipped
+because another plugin or attnfuse itself has their name."""
 from __future__ import annotations
 
 import argparse
@@ -33,15 +34,20 @@ def cmd_list(args: argparse.Namespace, out: TextIO) -> int:
     dists = sorted({r.distribution for _, r in entries})
     print(f"\n{len(rows)} combinators from {len(dists)} distribution(s): {', '.join(dists)}", file=out)
     broken = broken_plugins()
-    if broken:
-        print(f"\n{len(broken)} broken plugin(s), skipped:", file=out)
-        for b in broken:
+    plugins, clashes = [b for b in broken if b.combinator is None], [b for b in broken if b.combinator is not None]
+    if plugins:
+        print(f"\n{len(plugins)} broken plugin(s), skipped:", file=out)
+        for b in plugins:
             print(f"  BROKEN  {b.describe()}", file=out)
+    if clashes:
+        print(f"\n{len(clashes)} combinator(s) skipped, their names taken:", file=out)
+        for b in clashes:
+            print(f"  SKIPPED {b.describe()}", file=out)
     return 1 if broken and args.strict else 0
 
 
 def add_parser(sub) -> None:
     """Add ``list`` to the command's subparsers."""
-    p = sub.add_parser("list", help="list every registered combinator, and plugins skipped as broken")
-    p.add_argument("--strict", action="store_true", help="exit 1 when a plugin is broken")
+    p = sub.add_parser("list", help="list every registered combinator, and plugins or combinators skipped")
+    p.add_argument("--strict", action="store_true", help="exit 1 when a plugin or combinator was skipped")
     p.set_defaults(func=cmd_list)

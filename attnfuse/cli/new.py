@@ -18,7 +18,8 @@ def add_parser(sub) -> None:
     p = sub.add_parser("new", help="write a pip-installable plugin package for a new combinator",
                        description="Write a plugin package: pyproject with the entry point, one module with "
                                    "every field of the role filled in and commented, a conformance test, a README.")
-    p.add_argument("name", metavar="NAME", help="the combinator's name (af.NAME), a lower-case identifier")
+    p.add_argument("name", metavar="NAME", help="the combinator's name (af.NAME), a lower-case identifier that no "
+                                                 "registered combinator and no name of attnfuse's own API has")
     p.add_argument("--role", required=True, choices=("mask", "normaliser", "score_mod", "score_source", "transform"))
     p.add_argument("--dir", metavar="DIR", help="where to write it (default: ./attnfuse-NAME)")
     p.set_defaults(func=cmd_new)

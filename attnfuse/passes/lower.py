@@ -17,7 +17,7 @@ from .. import ir
 
 from ..combinator import ACCUMULATOR, INPUT, BlockList, MaskFragment, NormaliserFragment, QKTransformFragment, Role, ScoreModFragment
 from ..errors import InputError, ProgramError
-from ..fragment_lint import lint
+from ..fragment_lint import lint, refuse_old_accumulator
 from ..static_values import literal
 from .fuse import FusedProgram
 from .launch_spec import SCALAR, TENSOR, Param, indexed_strides
@@ -175,6 +175,7 @@ def instance(app: ir.Apply, index: int, accumulator: str = "tl.float32") -> Inst
     fragment = fragment_of(app)
     if not attrs.has(type(comb.fragment)):  # a fragment function's result: checked as registration checks
         lint(comb, fragment, app.record.distribution)
+    refuse_old_accumulator(comb, fragment, app.record.distribution, accumulator)  # deprecated tl.float32
     fragment = _resolve(fragment, mapping)
     _check_placeholders(comb.name, fragment)
     return Instance(prefix=prefix, apply=app, role=comb.role, fragment=fragment, args=tuple(args))

@@ -115,8 +115,9 @@ class InterpretedKernel:
 
     def launch(self, grid: tuple[int, ...], args: tuple, constexprs: dict[str, Any], num_warps: int = 4,
                num_stages: int = 2, device: Any = None) -> None:
-        """Run on ``grid`` (warps, stages and device mean nothing to the interpreter)."""
-        with _interpreter_patches(args):
+        """Run on ``grid`` (warps, stages and device mean nothing to the interpreter). numpy's floating-point
+        warnings (log(0) = -inf for a masked row, say) are silenced for the launch, as a GPU raises none."""
+        with _interpreter_patches(args), np.errstate(all="ignore"):
             try:
                 self._fn[grid](*args, **constexprs)
             except InterpreterError as exc:

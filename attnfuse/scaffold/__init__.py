@@ -6,6 +6,7 @@ plugin, and a README. It installs and passes its test as generated; the author t
 """
 from __future__ import annotations
 
+import importlib.util
 import keyword
 from importlib import resources
 from pathlib import Path
@@ -24,6 +25,21 @@ def package_names(name: str) -> tuple[str, str]:
     return f"attnfuse-{name.replace('_', '-')}", f"attnfuse_{name}"
 
 
+def _check_free(name: str, module: str) -> None:
+    """Refuse a name the package could not provide once installed: attnfuse's own (its API, its submodules),
+    a registered combinator's (installed beside it, the new one would be skipped), or one whose module is
+    importable already (one would shadow the other)."""
+    from ..plugin_manager import name_in_use
+
+    taken = name_in_use(name)
+    if taken is not None:
+        raise InputError(f"NAME {name!r} is {taken}: installed, the new package could not provide af.{name}; "
+                         f"choose another name")
+    if importlib.util.find_spec(module) is not None:
+        raise InputError(f"NAME {name!r} would make a module {module!r}, but a module of that name is importable "
+                         f"already; choose another name")
+
+
 def scaffold(name: str, role: str, directory: Path | None = None) -> Path:
     """Write the package for combinator ``name`` of ``role`` into ``directory`` (default
     ./attnfuse-<name>); return the directory. Refuses to overwrite an existing one."""
@@ -32,6 +48,7 @@ def scaffold(name: str, role: str, directory: Path | None = None) -> Path:
     if role not in ROLES:
         raise InputError(f"--role must be one of {', '.join(ROLES)}, got {role!r}")
     dist, module = package_names(name)
+    _check_free(name, module)
     root = Path(directory) if directory is not None else Path.cwd() / dist
     if root.exists() and any(root.iterdir()):
         raise InputError(f"directory {str(root)!r} exists and is not empty; choose another (--dir)")

@@ -14,13 +14,14 @@ import torch
 from hypothesis import HealthCheck, Phase, given, note, settings
 from hypothesis import strategies as st
 
+from ..combinator import REQUIRED
 from ..passes.fuse import fuse
 from ..passes.lower import fragment_of, instance
 from ..errors import PluginError
 from ..plugin_manager import broken_plugins, combinators
 from ..runtime.source_cache import CACHE_ENV
 from .mask_facts import check_mask_facts
-from .strategies import ProgramCase, Shape, pool, program_cases, shapes
+from .strategies import ProgramCase, Shape, describe, drawable, pool, program_cases, shapes
 from .tolerances import assert_matches_reference
 
 
@@ -67,6 +68,7 @@ def check_program_case(case: ProgramCase, dtype: torch.dtype, device: str, seed:
     """Run ``case`` fused and compare out, lse (when the normaliser has one) and, with ``grads``, the
     gradients of q, k, v and of tensor inputs with declared gradients, with the reference's. ``kv_lens``:
     per-sequence key counts (a KV cache; with at most 16 queries and no gradients, the split-KV path)."""
+    __tracebackhide__ = True  # pytest: a failure is its message, not this frame's tensors
     q, k, v = case.inputs(dtype, device, seed)
     extras = dict(case.extras_on(device))
     if kv_lens is not None:
@@ -90,7 +92,8 @@ def check_program_case(case: ProgramCase, dtype: torch.dtype, device: str, seed:
         ref64, ref_lowp = (ref64, None), (ref_lowp, None)
     assert_matches_reference(out, ref64[0], ref_lowp[0], dtype, what=f"out of {case.text}")
     if has_lse:
-        assert lse.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
+        if lse.dtype != (torch.float64 if dtype == torch.float64 else torch.float32):
+            raise AssertionError(f"lse of {case.text}: dtype {lse.dtype} for {dtype} inputs")
         assert_matches_reference(lse, ref64[1], ref_lowp[1], dtype, what=f"lse of {case.text}")
     if not can_grad:
         return
@@ -119,12 +122,17 @@ def check_combinator(name: str | None = None, *, device: str | None = None,
     it: the seed to pass back, the drawn program, shape and parameters (``show_tensors``: the extra tensors
     in full).
     """
+    __tracebackhide__ = True
     registry = combinators()
     if name is not None and name not in registry:
         raise PluginError(f"check_combinator: no combinator named {name!r} is registered{_broken_note()}")
+    if name is not None and not drawable(registry[name].combinator):
+        required = [p.name for p in registry[name].combinator.params if p.default is REQUIRED]
+        raise PluginError(f"check_combinator: combinator {name!r} declares no examples(draw, shape), so the kit "
+                          f"cannot draw its parameters {required}, which have no default; declare examples")
     if name is None or installed:
         _fail_on_broken()
-    for mask in ([name] if name is not None else sorted(registry)):
+    for mask in ([name] if name is not None else sorted(n for n, r in registry.items() if drawable(r.combinator))):
         check_mask_facts(mask)
     device = device or default_device()
     dtypes = dtypes or default_dtypes(device)
@@ -136,6 +144,7 @@ def check_combinator(name: str | None = None, *, device: str | None = None,
               suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
     @given(data=st.data())
     def conforms(data):
+        __tracebackhide__ = True
         shape = data.draw(shapes(max_n=max_n, head_dims=head_dims), label="shape")
         case = data.draw(program_cases(shape, include=name, names=names), label="program")
         note(f"program: {case.text}")
@@ -166,6 +175,7 @@ def check_fixed_case(name: str, names: tuple[str, ...], device: str) -> None:
     """One deterministic program using ``name`` (the first Hypothesis draws for a fixed shape), forward and
     backward in float32, so that a wrong backward fails every run, not only runs that happen to draw
     gradients."""
+    __tracebackhide__ = True
     cases: list[ProgramCase] = []
 
     @settings(max_examples=1, derandomize=True, database=None, deadline=None, phases=(Phase.generate,),
@@ -193,8 +203,7 @@ def _add_note(exc: BaseException, note_text: str) -> None:
 
 def _show(extras: dict, full: bool) -> str:
     if not full:
-        return ", ".join(f"{n}: {tuple(v.shape)} {v.dtype}" if isinstance(v, torch.Tensor) else f"{n}: {v!r}"
-                         for n, v in extras.items()) or "none"
+        return describe(extras) or "none"
     with _full_print():
         return "\n".join(f"{n} = {v!r}" for n, v in extras.items()) or "none"
 

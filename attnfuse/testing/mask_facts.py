@@ -116,7 +116,8 @@ def _reference_keep(comb: Combinator, params: dict[str, Any], grid: tuple) -> to
 
 
 def violations(name: str, examples: int = 8) -> list[str]:
-    """Every disagreement between mask ``name``'s fragment (keep, facts, block lists) and its reference."""
+    """Every disagreement between mask ``name``'s fragment (keep, facts, block lists) and its reference, each
+    message once (the first ``MAX_REPORTED``)."""
     comb = combinators()[name].combinator
     if comb.role is not Role.MASK:
         return []
@@ -131,7 +132,9 @@ def violations(name: str, examples: int = 8) -> list[str]:
             keep = _reference_keep(comb, params, grid)
             where = f"B={B}, Hq={Hq}, Nq={Nq}, Nk={Nk}, kv_lens={kv_lens}, params={_show(params)}"
             for problem in _check(ev, keep, grid):
-                found.append(f"combinator {name!r}: {problem} ({where})")
+                message = f"combinator {name!r}: {problem} ({where})"
+                if message not in found:  # block sizes that give the same blocks find the same violation
+                    found.append(message)
                 if len(found) >= MAX_REPORTED:
                     return found
     return found

@@ -12,6 +12,7 @@ Options: ``--attnfuse-examples=N`` (Hypothesis examples per check; default 8 und
 """
 from __future__ import annotations
 
+import traceback
 from typing import Any, Callable
 
 import pytest
@@ -32,6 +33,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 def _checker(config: pytest.Config) -> Callable[..., None]:
     def check(name: str, **options: Any) -> None:
+        __tracebackhide__ = True
         import torch
 
         from .conformance import check_combinator
@@ -64,6 +66,16 @@ class ConformanceItem(pytest.Item):
 
     def reportinfo(self):
         return "attnfuse-conformance", None, f"conformance of {self.combinator}"
+
+    def repr_failure(self, excinfo: pytest.ExceptionInfo[BaseException], style=None):
+        """The kit's own findings (a wrong value or fact, a broken plugin) as their message with its replay
+        notes; anything else as a short traceback from here on, without pytest's own frames."""
+        from ..errors import AttnFuseError
+
+        if isinstance(excinfo.value, (AssertionError, AttnFuseError)):
+            return "".join(traceback.format_exception_only(excinfo.type, excinfo.value)).rstrip()
+        excinfo.traceback = excinfo.traceback.cut(path=__file__)
+        return super().repr_failure(excinfo, style="short")
 
 
 def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list) -> None:

@@ -5,7 +5,7 @@ import inspect
 from typing import Any
 
 import torch
-from attrs import frozen
+from attrs import field, frozen
 from hypothesis import strategies as st
 
 from ..combinator import REQUIRED, Combinator, Role
@@ -44,6 +44,12 @@ def shapes(draw, max_n: int = 80, head_dims: tuple[int, ...] = (16, 32, 64, 80, 
                  DV=draw(st.sampled_from([D, D, draw(st.sampled_from(head_dims))])))
 
 
+def describe(extras: dict[str, Any]) -> str:
+    """Runtime inputs by name, tensors as their shape and dtype (a failure report never prints them whole)."""
+    return ", ".join(f"{n}: {tuple(v.shape)} {v.dtype}" if isinstance(v, torch.Tensor) else f"{n}: {v!r}"
+                     for n, v in extras.items())
+
+
 @frozen(kw_only=True, eq=False)
 class ProgramCase:
     """A drawn program, its shape and the extra arguments (runtime inputs) to call it with."""
@@ -51,7 +57,11 @@ class ProgramCase:
     program: AttentionProgram
     text: str
     shape: Shape
-    extras: dict[str, Any]
+    extras: dict[str, Any] = field(repr=lambda extras: f"{{{describe(extras)}}}")  # shapes, not whole tensors
+
+    def _repr_pretty_(self, printer, cycle: bool) -> None:
+        """How Hypothesis prints a failing draw: this repr, tensors as shapes."""
+        printer.text(repr(self))
 
     def inputs(self, dtype: torch.dtype, device: str, seed: int) -> tuple[torch.Tensor, ...]:
         """Fresh random q, k, v (not contiguous when the seed is odd: a (B, N, H, D) layout, transposed)."""
@@ -68,7 +78,8 @@ class ProgramCase:
         return {n: v.to(device) if isinstance(v, torch.Tensor) else v for n, v in self.extras.items()}
 
 
-def _drawable(comb: Combinator) -> bool:
+def drawable(comb: Combinator) -> bool:
+    """Whether the kit can draw the combinator's parameters: it declares ``examples``, or none is required."""
     return comb.examples is not None or all(p.default is not REQUIRED for p in comb.params)
 
 
@@ -106,7 +117,7 @@ def program_cases(draw, shape: Shape, include: str | None = None, max_mods: int 
     for name, entry in combinators().items():
         if names is not None and name not in names and name != include:
             continue
-        if _drawable(entry.combinator) and _compatible(entry.combinator, shape):
+        if drawable(entry.combinator) and _compatible(entry.combinator, shape):
             by_role[entry.combinator.role].append(entry.combinator)
     for role in by_role:
         by_role[role].sort(key=lambda c: c.name)

@@ -25,18 +25,39 @@ def assert_matches_reference(actual: torch.Tensor, reference64: torch.Tensor, re
     broadcast over the scores); rounding errors of independent terms grow like its square root, so the
     ATOL floor does too. (FlashAttention's backward computes rowsum(dO∘O) from the rounded output, so
     score gradients of a row do not cancel exactly in low precision, as they do in PyTorch's softmax.)
+
+    The message names the shape and the worst element (its index, both values and the tolerance), never
+    whole tensors.
     """
-    assert actual.shape == reference64.shape, f"{what}: shape {tuple(actual.shape)} != {tuple(reference64.shape)}"
+    __tracebackhide__ = True  # pytest: the failure is the message, not this frame's tensors
+    if actual.shape != reference64.shape:
+        raise AssertionError(f"{what}: shape {tuple(actual.shape)} != the reference's {tuple(reference64.shape)}")
     actual64 = actual.detach().to(torch.float64).cpu()
     ref = reference64.detach().cpu()
     finite = torch.isfinite(ref)
-    assert torch.equal(torch.isfinite(actual64), finite), f"{what}: non-finite values differ from the reference"
-    assert torch.equal(actual64[~finite], ref[~finite]), f"{what}: infinities differ from the reference"
+    where = f"{what}: shape {tuple(actual.shape)} {actual.dtype}"
+    same = (torch.isfinite(actual64) == finite) & (finite | (actual64 == ref))  # the same infinities (NaN never)
+    if not same.all():
+        index = _index(~same)
+        raise AssertionError(f"{where}; {int((~same).sum())} element(s) differ from the reference in being "
+                             f"non-finite, first at index {index}: actual {actual64[index].item():.6g}, "
+                             f"expected {ref[index].item():.6g}")
     if not finite.any():
         return
-    err = (actual64 - ref)[finite].abs().max().item()
-    torch_err = (reference_in_dtype.detach().to(torch.float64).cpu() - ref)[finite].abs().max().item()
+    errors = torch.where(finite, (actual64 - ref).abs(), 0.0)
+    torch_err = torch.where(finite, (reference_in_dtype.detach().to(torch.float64).cpu() - ref).abs(), 0.0).max()
     scale = max(1.0, ref[finite].abs().max().item())
-    bound = 2 * torch_err + ATOL[dtype or actual.dtype] * scale * summed ** 0.5
-    assert err <= bound, (f"{what}: max error {err:.3g} > bound {bound:.3g} "
-                          f"(torch's own {dtype or actual.dtype} error {torch_err:.3g}, scale {scale:.3g})")
+    bound = 2 * torch_err.item() + ATOL[dtype or actual.dtype] * scale * summed ** 0.5
+    if not errors.max().item() <= bound:  # a NaN bound (the naive evaluator's NaN) fails too
+        index = _index(errors == errors.max())
+        raise AssertionError(
+            f"{where}; {int((~(errors <= bound)).sum())} element(s) beyond the tolerance, the worst at index {index}: "
+            f"actual {actual64[index].item():.6g}, expected {ref[index].item():.6g} (float64 reference), error "
+            f"{errors[index].item():.3g} > tolerance {bound:.3g} (2 x torch's own {dtype or actual.dtype} error "
+            f"{torch_err.item():.3g} + {ATOL[dtype or actual.dtype]:g} x scale {scale:.3g}"
+            f"{f' x sqrt({summed})' if summed != 1 else ''})")
+
+
+def _index(where: torch.Tensor) -> tuple[int, ...]:
+    """The first index at which the bool tensor ``where`` holds."""
+    return tuple(where.nonzero()[0].tolist())
