@@ -10,7 +10,7 @@ from typing import Callable, Sequence
 import torch
 from attrs import field, fields, frozen
 
-from .block_mask_checks import TENSORS, checked, edited, lengths, remember, versions
+from .block_mask_checks import TENSORS, checked, lengths, remember, remembered, versions
 from .errors import InputError
 
 
@@ -71,28 +71,36 @@ class BlockMask:
     _versions: tuple[int, ...] = field(init=False, repr=False)
 
     def __attrs_post_init__(self) -> None:
-        tensors = checked(self._sizes(), {name: getattr(self, name) for name in TENSORS})
-        for name, t in zip(TENSORS, tensors):
-            object.__setattr__(self, name, t)
-        object.__setattr__(self, "_versions", versions(tensors))
-
-    def _sizes(self) -> tuple[int, int, int, int]:
-        return self.Nq, self.Nk, self.block_size, self.kv_heavy_blocks
+        given = self.tensors()
+        tensors, now = checked((self.Nq, self.Nk, self.block_size, self.kv_heavy_blocks), given)
+        if tensors is not given:  # inference tensors copied
+            for name, t in zip(TENSORS, tensors):
+                object.__setattr__(self, name, t)
+        object.__setattr__(self, "_versions", now)
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
         """The seven tensors, in ``TENSORS`` order."""
         return tuple(getattr(self, name) for name in TENSORS)
 
     def check_unchanged(self) -> None:
-        """Raise InputError if a tensor of the mask was edited in place since it was built."""
-        if versions(self.tensors()) != self._versions:
+        """Raise InputError if a tensor of the mask was edited in place since it was built (or if it never
+        was: an object unpickled without its state)."""
+        try:
+            now, built = versions(self.tensors()), self._versions
+        except AttributeError:
+            raise InputError("block_mask: this BlockMask has no fields (unpickled without its state?); build "
+                             "a new mask") from None
+        if now != built:
             raise InputError(EDITED)
 
     @classmethod
     def rebuilt(cls, sizes: tuple, tensors: Sequence[torch.Tensor]) -> "BlockMask":
         """A mask's ``sizes`` (Nq, Nk, block_size, kv_heavy_blocks) and ``tensors`` (``TENSORS`` order), as
-        the op boundary passes them, back into a mask: an InputError if they are a mask's edited since."""
-        if edited(tuple(tensors), tuple(sizes)):
+        the op boundary passes them on every call, back into a mask: an InputError if they are a mask's,
+        edited since it was built."""
+        tensors, sizes = tuple(tensors), tuple(sizes)
+        seen = remembered(tensors, sizes)
+        if seen is not None and seen != versions(tensors):
             raise InputError(EDITED)
         Nq, Nk, block_size, heavy = sizes
         return cls(Nq=Nq, Nk=Nk, block_size=block_size, kv_heavy_blocks=heavy, **dict(zip(TENSORS, tensors)))

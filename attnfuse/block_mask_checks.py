@@ -14,61 +14,61 @@ from typing import Callable
 
 import torch
 from torch._subclasses.fake_tensor import is_fake
-from torch.utils.weak import WeakIdKeyDictionary
 
 from .errors import InputError
 
 TENSORS = ("active", "kv_num_blocks", "kv_indices", "q_num_blocks", "q_indices", "q_block_order",
            "kv_block_order")
 
-# active -> (weak references to the other six tensors, the seven versions, (Nq, Nk, block_size, heavy))
-_remembered = WeakIdKeyDictionary()
+# id(active) -> (weak references to the seven tensors, their versions, (Nq, Nk, block_size, heavy)); an
+# entry goes when its active tensor does
+_remembered: dict[int, tuple] = {}
 
 
 def versions(tensors) -> tuple[int, ...]:
     """The tensors' version counters (-1 for an inference tensor, which has none)."""
-    return tuple(-1 if t.is_inference() else t._version for t in tensors)
+    try:
+        return tuple(t._version for t in tensors)
+    except RuntimeError:  # an inference tensor
+        return tuple(-1 if t.is_inference() else t._version for t in tensors)
 
 
 def remember(tensors: tuple, sizes: tuple) -> None:
     """Record ``tensors`` (the seven, in ``TENSORS`` order) at their current versions as a valid mask."""
-    _remembered[tensors[0]] = (tuple(weakref.ref(t) for t in tensors[1:]), versions(tensors), sizes)
+    key = id(tensors[0])
+    forget = lambda _, key=key: _remembered.pop(key, None)  # noqa: E731
+    _remembered[key] = ((weakref.ref(tensors[0], forget), *map(weakref.ref, tensors[1:])), versions(tensors), sizes)
 
 
-def _record(tensors: tuple, sizes: tuple):
-    """The remembered versions of exactly these tensor objects with these sizes, or None."""
-    record = _remembered.get(tensors[0])
-    if record is None or record[2] != sizes or any(r() is not t for r, t in zip(record[0], tensors[1:])):
+def remembered(tensors: tuple, sizes: tuple) -> tuple[int, ...] | None:
+    """The versions at which exactly these tensor objects, with these sizes (ints, not 64.0 or True), were
+    remembered, or None."""
+    record = _remembered.get(id(tensors[0]))
+    if record is None or record[2] != sizes or any(type(n) is not int for n in sizes) or any(
+            r() is not t for r, t in zip(record[0], tensors)):
         return None
     return record[1]
 
 
-def edited(tensors: tuple, sizes: tuple) -> bool:
-    """Whether these tensors were remembered as a mask and edited in place since."""
-    seen = _record(tensors, sizes)
-    return seen is not None and seen != versions(tensors)
-
-
-def checked(sizes: tuple, fields: dict) -> tuple[torch.Tensor, ...]:
-    """The seven tensors of a mask with these ``sizes`` (Nq, Nk, block_size, kv_heavy_blocks) and tensor
-    ``fields`` by name, after raising InputError, naming the entry, unless they form a valid mask;
-    inference tensors (which have no version counter) are replaced by normal copies. Values are not
-    checked on fake or meta tensors (tracing), which hold none."""
-    for name in TENSORS:
-        if not isinstance(fields[name], torch.Tensor):
-            raise InputError(f"block_mask.{name} must be a tensor, got {type(fields[name]).__name__}")
-    tensors = tuple(fields[name] for name in TENSORS)
-    if _record(tensors, sizes) == versions(tensors):
-        return tensors
-    if any(t.is_inference() for t in tensors):
+def checked(sizes: tuple, tensors: tuple) -> tuple[tuple[torch.Tensor, ...], tuple[int, ...]]:
+    """The seven ``tensors`` (``TENSORS`` order) of a mask with these ``sizes`` (Nq, Nk, block_size,
+    kv_heavy_blocks), inference tensors (which have no version counter) replaced by normal copies, and
+    their versions, after raising InputError, naming the entry, unless they form a valid mask. Values
+    are not checked on fake or meta tensors (tracing), which hold none."""
+    for name, t in zip(TENSORS, tensors):
+        if not isinstance(t, torch.Tensor):
+            raise InputError(f"block_mask.{name} must be a tensor, got {type(t).__name__}")
+    now = versions(tensors)
+    if remembered(tensors, sizes) == now:
+        return tensors, now
+    if -1 in now and any(t.is_inference() for t in tensors):
         with torch.inference_mode(False):
             tensors = tuple(t.clone() if t.is_inference() and not is_fake(t) else t for t in tensors)
     _check_metadata(sizes, dict(zip(TENSORS, tensors)))
-    if any(t.is_meta or is_fake(t) for t in tensors):
-        return tensors
-    _check_values(dict(zip(TENSORS, tensors)))
-    remember(tensors, sizes)
-    return tensors
+    if not any(t.is_meta or is_fake(t) for t in tensors):
+        _check_values(dict(zip(TENSORS, tensors)))
+        remember(tensors, sizes)
+    return tensors, versions(tensors)
 
 
 def lengths(Nq: int, Nk: int) -> None:

@@ -5,6 +5,7 @@ change with the tensor it was built from, and copies and files round-trip (and a
 The interpreter bounds-checks loads against the storages of the kernel's tensors, so k and v here are views
 into a larger buffer whose other elements are NaN: a read outside the views shows in the output."""
 import copy
+import copyreg
 import io
 import pickle
 
@@ -16,6 +17,8 @@ from attnfuse import InputError
 from attnfuse.block_mask import BlockMask
 from attnfuse.runtime import interpreter
 from attnfuse.testing import assert_matches_reference
+
+from conftest import requires_cuda
 
 N, BS, D = 64, 16, 16  # 4 x 4 blocks
 EDITED_RE = r"block_mask: its tensors were edited in place after it was built.*build a new mask"
@@ -330,3 +333,28 @@ def test_a_file_holding_hostile_lists_is_refused(case, weights_only, monkeypatch
 def test_a_malformed_state_is_refused(state):
     with pytest.raises(InputError, match=r"a pickled BlockMask's state must be a dict of \['Nk', 'Nq', "):
         BlockMask.__new__(BlockMask).__setstate__(state)
+
+
+def test_a_file_holding_a_mask_without_its_state_is_refused_at_use(monkeypatch):
+    mask = _causal()
+    monkeypatch.setattr(BlockMask, "__reduce_ex__", lambda self, protocol: (copyreg.__newobj__, (BlockMask,)))
+    loaded = _saved(mask, weights_only=True)  # NEWOBJ with no BUILD: an instance with no fields
+    monkeypatch.undo()
+    q, k, v = _qkv()
+    with pytest.raises(InputError, match=r"block_mask: this BlockMask has no fields \(unpickled without its state"):
+        sparse(q, k, v, loaded)
+
+
+@requires_cuda
+def test_on_cuda_lists_are_checked_and_a_valid_mask_round_trips():
+    g = torch.Generator().manual_seed(2)
+    fields = {name: t.cuda() if isinstance(t, torch.Tensor) else t for name, t in _shuffled(_causal(), g).items()}
+    hostile = dict(fields, kv_indices=fields["kv_indices"].clone())
+    hostile["kv_indices"][0, 1, 3, 2] = 9
+    with pytest.raises(InputError, match=r"block_mask\.kv_indices\[0, 1, 3, 2\] = 9 is outside \[0, 4\)"):
+        BlockMask(**hostile)
+    mask = BlockMask(**fields)
+    q, k, v = (t.cuda() for t in _qkv(dtype=torch.float16))
+    for copied in (mask, _saved(mask, weights_only=True), copy.deepcopy(mask)):
+        assert copied.active.is_cuda
+        _matches_reference(sparse(q, k, v, copied), q, k, v, _causal())
