@@ -5,11 +5,12 @@ with B and H broadcast takes a few MB. Blocks index query and key *indices* (not
 """
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
-from attrs import field, frozen
+from attrs import field, fields, frozen
 
+from .block_mask_checks import TENSORS, checked, lengths, remember, remembered, versions
 from .errors import InputError
 
 
@@ -18,14 +19,20 @@ def _block_size(_, __, value: int) -> None:
         raise InputError(f"block_size must be a power of two >= 16, got {value!r}")
 
 
+EDITED = ("block_mask: its tensors were edited in place after it was built (e.g. mask.active[...] = False), so "
+          "its block lists no longer match them; build a new mask (af.BlockMask.from_blocks(active, Nq, Nk, "
+          "block_size) or af.create_block_mask)")
+
+
 @frozen(kw_only=True, eq=False)
 class BlockMask:
     """Active blocks of a (B, H, Nq, Nk) attention, B and H possibly broadcast (size 1).
 
     ``active`` (Bm, Hm, QB, KB) bool, QB = ceil(Nq / block_size), KB = ceil(Nk / block_size).
     Row CSR (forward and dQ): ``kv_num_blocks`` (Bm, Hm, QB) int32 and ``kv_indices`` (Bm, Hm, QB, KB)
-    int32, the active key blocks of each query block first, ascending. Column CSR (dK, dV):
-    ``q_num_blocks`` (Bm, Hm, KB) and ``q_indices`` (Bm, Hm, KB, QB).
+    int32, the active key blocks of each query block first (``from_blocks``: ascending; the entries past
+    a row's count are never read). Column CSR (dK, dV): ``q_num_blocks`` (Bm, Hm, KB) and ``q_indices``
+    (Bm, Hm, KB, QB).
     Schedule: ``q_block_order`` (QB,) int32, the query blocks by how many key blocks they list over all
     batches and heads, most first, the order the forward and dQ kernels run them in (the longest rows
     start first, so none is left running alone at the end); ``kv_block_order`` (KB,) the same for key
@@ -33,11 +40,19 @@ class BlockMask:
     the mean number of query blocks (global tokens' columns): the dK/dV kernel spreads each of them over
     the query heads of a GQA group, so one program does not run a group's long lists alone.
 
-    A mask is a value: its lists are derived once, when it is built. Editing one of its tensors in place
-    afterwards (``mask.active[...] = False``, or the tensor ``from_blocks`` was given) makes every later use
-    (a launch, the reference, ``to_dense``) raise an InputError asking for a new mask, rather than silently
-    running the old lists. (Re-deriving on use instead would hide device reductions and a host sync in a
-    launch, and change a mask other calls may share.) The check reads the tensors' version counters: no work.
+    Every mask is checked when it is built, whether by ``from_blocks``, by this constructor, as a copy or
+    loaded from a file (``block_mask_checks``): each list names its row's active blocks (in any order),
+    each once; the orders are permutations; ``kv_heavy_blocks`` is in [0, KB]. Otherwise an InputError
+    names the entry. Inference tensors given to the constructor are replaced by normal copies.
+
+    A mask is a value: ``from_blocks`` copies the grid it is given. Editing one of its tensors in place
+    afterwards (``mask.active[...] = False``), in any mode (inference mode too), makes every later use (a
+    launch, the reference, ``to_dense``, a copy) raise an InputError asking for a new mask, rather than
+    silently running the old lists. (Re-deriving on use instead would hide device reductions and a host
+    sync in a launch, and change a mask other calls may share.) The check reads the tensors' version
+    counters: no work. Copies (``copy``, ``deepcopy``, pickle, ``torch.save``/``torch.load``, with
+    ``weights_only=True`` once ``BlockMask`` is in ``torch.serialization``'s safe globals) are rebuilt
+    through the constructor, so checked.
     """
 
     __attnfuse_runtime_input__ = True
@@ -56,37 +71,76 @@ class BlockMask:
     _versions: tuple[int, ...] = field(init=False, repr=False)
 
     def __attrs_post_init__(self) -> None:
-        object.__setattr__(self, "_versions", self._tensor_versions())
+        given = self.tensors()
+        tensors, now = checked((self.Nq, self.Nk, self.block_size, self.kv_heavy_blocks), given)
+        if tensors is not given:  # inference tensors copied
+            for name, t in zip(TENSORS, tensors):
+                object.__setattr__(self, name, t)
+        object.__setattr__(self, "_versions", now)
 
-    def _tensor_versions(self) -> tuple[int, ...]:
-        tensors = (self.active, self.kv_num_blocks, self.kv_indices, self.q_num_blocks, self.q_indices,
-                   self.q_block_order, self.kv_block_order)
-        return tuple(-1 if t.is_inference() else t._version for t in tensors)  # inference tensors: no counter
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        """The seven tensors, in ``TENSORS`` order."""
+        return tuple(getattr(self, name) for name in TENSORS)
 
     def check_unchanged(self) -> None:
-        """Raise InputError if a tensor of the mask was edited in place since it was built."""
-        if self._tensor_versions() != self._versions:
-            raise InputError("block_mask: its tensors were edited in place after it was built (e.g. "
-                             "mask.active[...] = False), so its block lists no longer match them; build a new mask "
-                             "(af.BlockMask.from_blocks(active, Nq, Nk, block_size) or af.create_block_mask)")
+        """Raise InputError if a tensor of the mask was edited in place since it was built (or if it never
+        was: an object unpickled without its state)."""
+        try:
+            now, built = versions(self.tensors()), self._versions
+        except AttributeError:
+            raise InputError("block_mask: this BlockMask has no fields (unpickled without its state?); build "
+                             "a new mask") from None
+        if now != built:
+            raise InputError(EDITED)
+
+    @classmethod
+    def rebuilt(cls, sizes: tuple, tensors: Sequence[torch.Tensor]) -> "BlockMask":
+        """A mask's ``sizes`` (Nq, Nk, block_size, kv_heavy_blocks) and ``tensors`` (``TENSORS`` order), as
+        the op boundary passes them on every call, back into a mask: an InputError if they are a mask's,
+        edited since it was built."""
+        tensors, sizes = tuple(tensors), tuple(sizes)
+        seen = remembered(tensors, sizes)
+        if seen is not None and seen != versions(tensors):
+            raise InputError(EDITED)
+        Nq, Nk, block_size, heavy = sizes
+        return cls(Nq=Nq, Nk=Nk, block_size=block_size, kv_heavy_blocks=heavy, **dict(zip(TENSORS, tensors)))
+
+    def __getstate__(self) -> dict:
+        self.check_unchanged()
+        return {"Nq": self.Nq, "Nk": self.Nk, "block_size": self.block_size, "kv_heavy_blocks": self.kv_heavy_blocks,
+                **dict(zip(TENSORS, self.tensors()))}
+
+    def __setstate__(self, state: dict) -> None:
+        """A copy or an unpickled mask, built (and so checked) by the constructor."""
+        names = {"Nq", "Nk", "block_size", "kv_heavy_blocks", *TENSORS}
+        if not isinstance(state, dict) or set(state) != names:
+            raise InputError(f"a pickled BlockMask's state must be a dict of {sorted(names)}, got "
+                             f"{sorted(state) if isinstance(state, dict) else type(state).__name__}")
+        built = BlockMask(**state)
+        for f in fields(BlockMask):
+            object.__setattr__(self, f.name, getattr(built, f.name))
 
     @classmethod
     def from_blocks(cls, active: torch.Tensor, Nq: int, Nk: int, block_size: int = 128) -> "BlockMask":
-        """From a boolean block grid (QB, KB), (H, QB, KB) or (B, H, QB, KB)."""
+        """From a boolean block grid (QB, KB), (H, QB, KB) or (B, H, QB, KB), copied: the mask does not
+        change when ``active`` does."""
         _block_size(None, None, block_size)
+        lengths(Nq, Nk)
         if not isinstance(active, torch.Tensor) or active.dtype != torch.bool or not 2 <= active.dim() <= 4:
             raise InputError("active must be a bool tensor (QB, KB), (H, QB, KB) or (B, H, QB, KB)")
         qb, kb = -(-Nq // block_size), -(-Nk // block_size)
         if tuple(active.shape[-2:]) != (qb, kb):
             raise InputError(f"active must end in (ceil(Nq/block_size), ceil(Nk/block_size)) = ({qb}, {kb}), "
                              f"got {tuple(active.shape)}")
-        active = active.reshape((1,) * (4 - active.dim()) + tuple(active.shape))
-        kv_num, kv_idx = _csr(active)
-        q_num, q_idx = _csr(active.transpose(-1, -2))
-        q_totals, kv_totals = kv_num.sum(dim=(0, 1)), q_num.sum(dim=(0, 1))  # list lengths per block
-        return cls(Nq=Nq, Nk=Nk, block_size=block_size, active=active, kv_num_blocks=kv_num,
-                   kv_indices=kv_idx, q_num_blocks=q_num, q_indices=q_idx, q_block_order=_heaviest_first(q_totals),
-                   kv_block_order=_heaviest_first(kv_totals), kv_heavy_blocks=_heavy(kv_totals))
+        with torch.inference_mode(False):  # normal tensors: their version counters see edits in any mode
+            active = active.reshape((1,) * (4 - active.dim()) + tuple(active.shape)).clone()
+            kv_num, kv_idx = _csr(active)
+            q_num, q_idx = _csr(active.transpose(-1, -2))
+            q_totals, kv_totals = kv_num.sum(dim=(0, 1)), q_num.sum(dim=(0, 1))  # list lengths per block
+            tensors = (active, kv_num, kv_idx, q_num, q_idx, _heaviest_first(q_totals), _heaviest_first(kv_totals))
+        heavy = _heavy(kv_totals)
+        remember(tensors, (Nq, Nk, block_size, heavy))  # derived here: nothing to check
+        return cls(Nq=Nq, Nk=Nk, block_size=block_size, kv_heavy_blocks=heavy, **dict(zip(TENSORS, tensors)))
 
     def sparsity(self) -> float:
         """Fraction of blocks that are inactive."""
@@ -130,9 +184,7 @@ def create_block_mask(predicate: Callable, B: int | None, H: int | None, Nq: int
     and kv_block (1, 1, 1, KB) — B' = 1 when B is None, likewise H — and returns which blocks are active.
     """
     _block_size(None, None, block_size)
-    for name, n in (("Nq", Nq), ("Nk", Nk)):
-        if not isinstance(n, int) or n < 1:
-            raise InputError(f"{name} must be a positive int, got {n!r}")
+    lengths(Nq, Nk)
     qb, kb = -(-Nq // block_size), -(-Nk // block_size)
     b = torch.arange(B or 1, device=device).view(-1, 1, 1, 1)
     h = torch.arange(H or 1, device=device).view(1, -1, 1, 1)

@@ -13,11 +13,11 @@ def _check(block_mask, B: int, Hq: int, Nq: int, Nk: int) -> BlockMask:
     if not isinstance(block_mask, BlockMask):
         raise InputError(f"block_sparse: block_mask must be an attnfuse BlockMask (af.create_block_mask), "
                          f"got {type(block_mask).__name__}")
+    block_mask.check_unchanged()  # a mask is checked when built: unedited, it is still valid
     Bm, Hm = block_mask.active.shape[:2]
     if (block_mask.Nq, block_mask.Nk) != (Nq, Nk) or Bm not in (1, B) or Hm not in (1, Hq):
         raise InputError(f"block_sparse: block_mask was built for B={Bm}, H={Hm}, Nq={block_mask.Nq}, "
                          f"Nk={block_mask.Nk}; the call has B={B}, Hq={Hq}, Nq={Nq}, Nk={Nk}")
-    block_mask.check_unchanged()
     return block_mask
 
 

@@ -14,12 +14,10 @@ from attrs import frozen
 
 from .. import ir
 from ..block_mask import BlockMask
+from ..block_mask_checks import TENSORS as MASK_TENSORS
 from ..errors import InputError, PluginError
 from ..lru import LRUCache
 from ..plugin_manager import registered
-
-MASK_TENSORS = ("active", "kv_num_blocks", "kv_indices", "q_num_blocks", "q_indices", "q_block_order",
-                 "kv_block_order")
 
 
 @frozen(kw_only=True, cache_hash=True)
@@ -111,7 +109,7 @@ def flatten_inputs(inputs: dict[str, Any]) -> tuple[tuple, list[torch.Tensor]]:
         if isinstance(value, BlockMask):
             value.check_unchanged()
             layout.append((name, (value.Nq, value.Nk, value.block_size, value.kv_heavy_blocks)))
-            tensors += [getattr(value, t) for t in MASK_TENSORS]
+            tensors += value.tensors()
         else:
             layout.append((name, None))
             tensors.append(value)
@@ -119,15 +117,13 @@ def flatten_inputs(inputs: dict[str, Any]) -> tuple[tuple, list[torch.Tensor]]:
 
 
 def unflatten_inputs(spec: CallSpec, tensors: list[torch.Tensor]) -> dict[str, Any]:
-    """The runtime inputs by name from the op's tensor list (block masks rebuilt)."""
+    """The runtime inputs by name from the op's tensor list (block masks rebuilt, refused if edited)."""
     inputs, i = {}, 0
     for name, mask in spec.inputs:
         if mask is None:
             inputs[name], i = tensors[i], i + 1
         else:
-            Nq, Nk, block_size, heavy = mask
-            parts = dict(zip(MASK_TENSORS, tensors[i:i + len(MASK_TENSORS)]))
-            inputs[name] = BlockMask(Nq=Nq, Nk=Nk, block_size=block_size, kv_heavy_blocks=heavy, **parts)
+            inputs[name] = BlockMask.rebuilt(mask, tensors[i:i + len(MASK_TENSORS)])
             i += len(MASK_TENSORS)
     return inputs
 

@@ -19,7 +19,7 @@ import torch.utils._pytree as pytree
 
 from .. import ir
 from ..block_mask import BlockMask
-from .call_spec import (MASK_TENSORS, CallSpec, flatten_inputs, key_of, plain_tensors, spec_of, tensor_names,
+from .call_spec import (CallSpec, flatten_inputs, key_of, plain_tensors, spec_of, tensor_names,
                         unflatten_inputs)
 from . import gradients
 from .hoisted import HoistedBackward, HoistedForward, worth_hoisting
@@ -229,12 +229,11 @@ def show_none(value: Any) -> Any:
 
 
 def _flatten_mask(mask: BlockMask) -> tuple[list[torch.Tensor], tuple]:
-    return [getattr(mask, t) for t in MASK_TENSORS], (mask.Nq, mask.Nk, mask.block_size, mask.kv_heavy_blocks)
+    return list(mask.tensors()), (mask.Nq, mask.Nk, mask.block_size, mask.kv_heavy_blocks)
 
 
 def _unflatten_mask(tensors, sizes: tuple) -> BlockMask:
-    Nq, Nk, block_size, heavy = sizes
-    return BlockMask(Nq=Nq, Nk=Nk, block_size=block_size, kv_heavy_blocks=heavy, **dict(zip(MASK_TENSORS, tensors)))
+    return BlockMask.rebuilt(sizes, tensors)
 
 
 pytree.register_pytree_node(BlockMask, _flatten_mask, _unflatten_mask, serialized_type_name="attnfuse.BlockMask")
