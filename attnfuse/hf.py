@@ -70,9 +70,11 @@ def _refuse_unsupported(name: str, module: torch.nn.Module, dropout: float, kwar
 
 def _bias(mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
     """HF's attention mask as an additive bias in ``dtype``: 0 where it keeps a key, -inf elsewhere. A query
-    row that keeps no key (a padding token's) gets output 0 and no gradient, where HF's eager attention, which
-    adds the dtype's minimum, averages all values; the rows of real tokens are equal. (A finite minimum would
-    lose the scores to rounding, and the backward's recomputed weights with them.)"""
+    row that keeps no key (left padding's) gets output 0 and no gradient, as in torch's SDPA (HF's "sdpa"),
+    so a left-padded batch's loss and gradients equal sdpa's. HF's eager attention, which adds the dtype's
+    minimum, averages all values there instead: the last padding position predicts the first real token,
+    so eager's loss and gradients differ. (A finite minimum would lose the scores to rounding, and the
+    backward's recomputed weights with them.)"""
     if mask is None:
         return None
     if mask.dtype == torch.bool:
@@ -123,8 +125,9 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
 def _program_forward(name: str, program: AttentionProgram) -> Callable:
     """An HF attention function running ``program``; it gets q, k, v and, by name, those of ``scale``
     (the module's scaling), ``bias`` (the mask as an additive bias (B, 1, Nq, Nk), or None where causal alone
-    is right) and ``window`` (a sliding window's left extent when there is no mask, else None) it declares.
-    A mask given to a program without ``bias`` is an InputError."""
+    is right; a row that keeps no key is all -inf, to which ``softmax`` gives 0, as SDPA does) and
+    ``window`` (a sliding window's left extent when there is no mask, else None) it declares. A mask given
+    to a program without ``bias`` is an InputError."""
     declared = {n for n, _ in program._extra}
 
     def forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None, sliding_window=None,
