@@ -176,3 +176,20 @@ def test_interpreted_launch_raises_no_floating_point_warning():
     ref, ref_lse = program.reference(q, k, v, mask, return_lse=True, dtype=torch.float64)
     assert torch.isneginf(lse[1]).all() and torch.isneginf(ref_lse[1]).all()
     torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
+
+
+def test_interpreted_launch_raises_no_warning_on_nan_rows():
+    """Query rows of NaN make every score of their rows NaN: the interpreter's all-NaN row maxima warn nothing,
+    as a GPU raises none, and the output equals the float64 reference's, NaN where the reference has NaN."""
+    @af.attention
+    def program(q, k, v):
+        return af.softmax(af.causal(af.scaled_dot_product(q, k))) @ v
+
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(1, 2, 64, 32, generator=g) for _ in range(3))
+    q[:, :, :32] = float("nan")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = program(q, k, v)
+    assert [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)] == []
+    torch.testing.assert_close(out.double(), program.reference(q, k, v), equal_nan=True, atol=1e-5, rtol=1e-5)

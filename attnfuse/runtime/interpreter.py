@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import warnings
 from typing import Any, Callable
 
 import numpy as np
@@ -116,8 +117,10 @@ class InterpretedKernel:
     def launch(self, grid: tuple[int, ...], args: tuple, constexprs: dict[str, Any], num_warps: int = 4,
                num_stages: int = 2, device: Any = None) -> None:
         """Run on ``grid`` (warps, stages and device mean nothing to the interpreter). numpy's floating-point
-        warnings (log(0) = -inf for a masked row, say) are silenced for the launch, as a GPU raises none."""
-        with _interpreter_patches(args), np.errstate(all="ignore"):
+        warnings (log(0) = -inf for a masked row, say), and the interpreter's own RuntimeWarnings about them
+        (an all-NaN max of a row that keeps no key), are silenced for the launch, as a GPU raises none."""
+        with _interpreter_patches(args), np.errstate(all="ignore"), warnings.catch_warnings():
+            warnings.filterwarnings("ignore", category=RuntimeWarning, module=r"triton\.runtime\.interpreter")
             try:
                 self._fn[grid](*args, **constexprs)
             except InterpreterError as exc:
