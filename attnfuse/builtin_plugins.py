@@ -21,7 +21,7 @@ PACKAGE = "attnfuse_plugins"
 # The modules of plugins/, as pyproject.toml's [project.entry-points.attnfuse] lists them (a test keeps the
 # two equal), in that order.
 MODULES = ("scaled_dot_product", "rope", "causal", "sliding_window", "full", "block_sparse", "alibi",
-           "additive_bias", "softmax", "relu_attention")
+           "additive_bias", "softcap", "softmax", "relu_attention", "softmax_with_sinks")
 
 
 def load(module: str) -> ModuleType:

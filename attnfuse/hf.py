@@ -6,9 +6,9 @@
 Every attention layer then runs one fused AttnFuse kernel. The mask HF builds for it is SDPA's (a boolean
 (B, 1, Nq, Nk) mask, or None where causal alone is right): None runs ``causal`` (or ``sliding_window`` for a
 model's sliding layers) on the keys as given; a mask (padding, packed sequences, a sliding window) becomes
-an additive bias of 0 and -inf (see ``_bias`` for padding rows). GQA runs natively, ``scaling``
-is the program's scale, Gemma 2's softcapping runs the ``softcap`` combinator when the attnfuse-softcap
-plugin is installed. Dropout, attention sinks and position biases raise a clear error.
+an additive bias of 0 and -inf (see ``_bias`` for padding rows). GQA runs natively, ``scaling`` is the
+program's scale, Gemma 2's logit softcapping runs the built-in ``softcap``, and attention sinks (``s_aux``:
+GPT-OSS) the built-in ``softmax_with_sinks``. Dropout and position biases raise a clear error.
 
 ``register(name, program)`` registers any ``@af.attention`` program; ``fuse_rope(model)`` moves the
 rotary embedding of Llama-family models into the kernel (see ``attnfuse.hf_rope``).
@@ -22,18 +22,19 @@ from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 import attnfuse as af
+from . import hf_rope
 from .errors import InputError
+from .hf_rope import ROPE_KWARG
 from .program import AttentionProgram
 
 __all__ = ["attention_forward", "fuse_rope", "register"]
 
-ROPE_KWARG = "attnfuse_rope"  # (cos (B, Nq, D), sin, rotate_keys), passed by fuse_rope's forwards
-
 
 @af.attention
-def hf_attention(q, k, v, bias, cos, sin, scale, window, causal, rotate_keys, softcap=None):
+def hf_attention(q, k, v, bias, cos, sin, scale, window, causal, rotate_keys, softcap=None, sinks=None):
     """What HF's attention asks for: the scaled product (rotated first when given cos and sin), softcapped
-    if asked (Gemma 2), then the mask as an additive bias, or a sliding window, or causal, then softmax."""
+    if asked (Gemma 2), then the mask as an additive bias, or a sliding window, or causal, then softmax, with
+    each head's sink logit (Hq,) in its denominator when given (GPT-OSS)."""
     if cos is None:
         s = af.scaled_dot_product(q, k, scale=scale)
     else:
@@ -46,26 +47,30 @@ def hf_attention(q, k, v, bias, cos, sin, scale, window, causal, rotate_keys, so
         s = af.sliding_window(s, window, 0)
     elif causal:
         s = af.causal(s)
-    return af.softmax(s) @ v
-
-
-def _softcap_available() -> bool:
-    return "softcap" in af.combinators()
+    return (af.softmax(s) if sinks is None else af.softmax_with_sinks(s, sinks)) @ v
 
 
 def _refuse_unsupported(name: str, module: torch.nn.Module, dropout: float, kwargs: dict[str, Any],
-                        softcap_ok: bool = False) -> None:
-    if kwargs.get("softcap") is not None and not (softcap_ok and _softcap_available()):
-        how = "install the attnfuse-softcap plugin (contrib/attnfuse-softcap), or " if softcap_ok else ""
-        raise InputError(f"attn_implementation={name!r}: softcap={kwargs['softcap']} (attention logit softcapping, "
-                         f"as Gemma 2 uses) is not supported here; {how}use attn_implementation='eager'")
+                        supported: tuple[str, ...] = ()) -> None:
+    """An InputError for what ``name`` cannot honour: dropout, and each keyword HF passes that is not in
+    ``supported`` (``"softcap"``, ``"s_aux"``: what ``attn_implementation="attnfuse"`` runs)."""
     if dropout:
         raise InputError(f"attn_implementation={name!r}: dropout={dropout} is not supported; set the model's "
                          f"attention_dropout to 0 (or call model.eval())")
-    for key in ("s_aux", "sinks", "position_bias"):
-        if kwargs.get(key) is not None:
+    for key in ("softcap", "s_aux", "sinks", "position_bias"):
+        if kwargs.get(key) is not None and key not in supported:
+            how = "attn_implementation='attnfuse' or 'eager'" if key in ("softcap", "s_aux") else \
+                "attn_implementation='eager'"
             raise InputError(f"attn_implementation={name!r}: {key} (given by {type(module).__name__}) is not "
-                             f"supported; use attn_implementation='eager'")
+                             f"supported here; use {how}")
+
+
+def _with_sink_gradient(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+    """``out`` (B, Hq, Nq, DV) of ``softmax_with_sinks``, unchanged, with the gradient of ``sinks`` (Hq,), which
+    the kernels do not compute: d out / d sink_h = -w·out, where w = exp(sink_h - lse) is the sink's own weight
+    (``lse`` (B, Hq, Nq) includes the sink). The factor 1 - (w - w.detach()) is exactly 1; its derivative is -w."""
+    w = torch.exp(sinks.view(1, -1, 1).to(lse.dtype) - lse.detach())
+    return (out.to(lse.dtype) * (1.0 - (w - w.detach())).unsqueeze(-1)).to(out.dtype)
 
 
 def _bias(mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
@@ -102,8 +107,9 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
                       attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
                       sliding_window: int | None = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
     """HF's attention function signature: query (B, Hq, Nq, D), key and value (B, Hkv, Nk, D) -> the output
-    (B, Nq, Hq, D) and no weights."""
-    _refuse_unsupported("attnfuse", module, dropout, kwargs, softcap_ok=True)
+    (B, Nq, Hq, D) and no weights. ``softcap`` (Gemma 2) and ``s_aux`` (each head's sink logit (Hq,): GPT-OSS)
+    are honoured; the sinks get their gradient too."""
+    _refuse_unsupported("attnfuse", module, dropout, kwargs, supported=("softcap", "s_aux"))
     Nq, Nk = query.shape[2], key.shape[2]
     causal = kwargs.get("is_causal")
     causal = getattr(module, "is_causal", True) if causal is None else causal
@@ -116,9 +122,14 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     if attention_mask is not None and attention_mask.dim() == 4:
         attention_mask = attention_mask[..., :Nk]
     window = None if sliding_window is None or attention_mask is not None else sliding_window - 1
+    sinks = kwargs.get("s_aux")
+    sink_grad = sinks is not None and sinks.requires_grad and torch.is_grad_enabled()
     out = hf_attention(query, key, value, _bias(attention_mask, query.dtype), cos, sin,
                        None if scaling is None else float(scaling), window, bool(causal), rotate_keys,
-                       None if kwargs.get("softcap") is None else float(kwargs["softcap"]))
+                       None if kwargs.get("softcap") is None else float(kwargs["softcap"]),
+                       None if sinks is None else sinks.detach(), return_lse=sink_grad)
+    if sink_grad:
+        out = _with_sink_gradient(*out, sinks)
     return out.transpose(1, 2), None
 
 
@@ -159,6 +170,4 @@ AttentionMaskInterface.register("attnfuse", sdpa_mask)
 def fuse_rope(model: torch.nn.Module) -> torch.nn.Module:
     """Run the rotary embedding of ``model``'s attention layers inside the kernel (Llama, Mistral, Qwen2,
     Qwen3); switches the model to ``attn_implementation="attnfuse"``. Returns the model."""
-    from .hf_rope import fuse
-
-    return fuse(model)
+    return hf_rope.fuse(model)

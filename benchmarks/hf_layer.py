@@ -2,6 +2,7 @@
 attention implementation: sdpa, flex_attention, attnfuse, attnfuse with fuse_rope.
 
     python benchmarks/hf_layer.py [--lengths 2048,4096,8192] [--compile-length 4096] [--no-compile] [--rounds 5]
+    python benchmarks/hf_layer.py --rounds 15 --markdown-section docs/benchmarks.md   # rewrite its section there
     python benchmarks/hf_layer.py --tiny        # a CPU smoke run of the script (interpreter; no timings worth reading)
     python benchmarks/hf_layer.py --overhead-only   # just the op boundary's host time per call
 
@@ -20,6 +21,7 @@ from __future__ import annotations
 import argparse
 import copy
 import statistics
+import sys
 import time
 from typing import Callable
 
@@ -28,6 +30,7 @@ from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
 
 import attnfuse as af
+from attnfuse.bench import report
 from attnfuse.runtime import custom_op
 import attnfuse.hf
 
@@ -35,6 +38,7 @@ LLAMA3_8B = dict(hidden_size=4096, num_attention_heads=32, num_key_value_heads=8
                  rope_theta=500000.0, max_position_embeddings=8192)
 TINY = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128)
 BACKENDS = ("sdpa", "flex_attention", "attnfuse", "attnfuse+fuse_rope")
+SECTION = "hf_layer"  # its marked section of docs/benchmarks.md (--markdown-section)
 
 
 def layer_flops(config: LlamaConfig, N: int) -> float:
@@ -134,6 +138,20 @@ def paired_ratio(times: list[float], baseline: list[float]) -> float:
     return statistics.median(t / b for t, b in zip(times, baseline))
 
 
+def explanation(config: LlamaConfig, rounds: int) -> str:
+    """What the section's tables measure."""
+    h, heads = config.hidden_size, config.num_attention_heads
+    return (f"One LlamaDecoderLayer (random weights, B1, Hq {heads}, Hkv {config.num_key_value_heads}, D {h // heads}, "
+            f"hidden {h}, MLP {config.intermediate_size}) per attn_implementation, all in one process on the same "
+            f"inputs: the forward alone, and a training step (forward, backward, AdamW). Each implementation runs on "
+            f"its own copy of the layer, and they take turns: in each of {rounds} rounds each is timed once (the "
+            f"median of triton.testing.do_bench), in an order rotated every round. A figure is the median of its "
+            f"rounds; \"spread\" is the range of its rounds over that median. TFLOP/s count the layer's model FLOPs "
+            f"(projections, MLP and causal attention; a training step as three forwards); \"ratio\" is the time over "
+            f"SDPA's, \"paired\" the median of each round's own ratio to SDPA's figure in that round. Host time per "
+            f"call: a warm call on a tiny causal input, so the kernel's time does not count.")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--lengths", default="2048,4096,8192")
@@ -142,11 +160,15 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5, help="timings per figure, taken in turns (5)")
     parser.add_argument("--tiny", action="store_true", help="tiny layer, float32 on the CPU: checks the script runs")
     parser.add_argument("--overhead-only", action="store_true", help="only op_overhead()")
+    parser.add_argument("--markdown-section", metavar="PATH",
+                        help=f"also write the tables as the section '{SECTION}' of the page at PATH "
+                             f"(docs/benchmarks.md), replacing only that section")
     args = parser.parse_args()
     device = torch.device("cpu" if args.tiny else "cuda")
     dtype = torch.float32 if args.tiny else torch.bfloat16
     if args.overhead_only:
-        return op_overhead(device, dtype)
+        op_overhead(device, dtype)
+        return
     lengths = [32, 48] if args.tiny else [int(n) for n in args.lengths.split(",")]
     compile_length = 32 if args.tiny else args.compile_length
     config, backends, inputs = setup(args.tiny)
@@ -165,24 +187,36 @@ def main() -> None:
           f"ms; paired: the median of the rounds' own ratios to sdpa; spread: (slowest - fastest round) / median")
     print(f"{'backend':<22}{'N':>6}{'fwd ms':>9}{'TFLOP/s':>9}{'ratio':>8}{'paired':>8}{'spread':>8}"
           f"{'train ms':>10}{'TFLOP/s':>9}{'ratio':>8}{'paired':>8}{'spread':>8}")
+    table = ["| backend | N | forward ms (TFLOP/s) | ratio | paired | spread | training step ms (TFLOP/s) | ratio | "
+             "paired | spread |", "|---|---|---|---|---|---|---|---|---|---|"]
     for name in backends:
         for N in lengths:
-            row = f"{name:<22}{N:>6}"
+            row, cells = f"{name:<22}{N:>6}", [name, str(N)]
             for step, count in (("forward", 1), ("train", 3)):
                 ms, spread = median_and_spread(results[name, N, step])
                 ratio = ms / median_and_spread(results["sdpa", N, step])[0]
                 paired = paired_ratio(results[name, N, step], results["sdpa", N, step])
-                row += (f"{ms:>9.3f}{count * layer_flops(config, N) / ms / 1e9:>9.1f}{ratio:>8.3f}{paired:>8.3f}"
-                        f"{spread:>8.1%}")
+                tflops = count * layer_flops(config, N) / ms / 1e9
+                row += f"{ms:>9.3f}{tflops:>9.1f}{ratio:>8.3f}{paired:>8.3f}{spread:>8.1%}"
+                cells += [f"{ms:.3f} ({tflops:.1f})", f"{ratio:.3f}", f"{paired:.3f}", f"{spread:.1%}"]
             print(row)
+            table.append(f"| {' | '.join(cells)} |")
     if not args.no_compile:
-        compiled_steps(backends, inputs(compile_length), args.tiny, args.rounds, device)
+        table += ["", *compiled_steps(backends, inputs(compile_length), args.tiny, args.rounds, device)]
     print()
-    op_overhead(device, dtype)
+    overhead = op_overhead(device, dtype)
+    if args.markdown_section:
+        meta = report.script_meta(sys.argv, "float32" if args.tiny else "bf16")
+        lines = report.heading("##", "A Llama-3-8B decoder layer through HuggingFace (the paper's Table 9)", meta,
+                               explanation(config, args.rounds))
+        lines += [*table, "", *(f"- host time per call, {label}: {us:.1f} µs" for label, us in overhead)]
+        report.write_section(args.markdown_section, SECTION, "\n".join(lines))
 
 
-def compiled_steps(backends: dict[str, Backend], case: Inputs, tiny: bool, rounds: int, device: torch.device) -> None:
-    """Each implementation's training step with its layer's forward torch.compile'd (fullgraph where it can)."""
+def compiled_steps(backends: dict[str, Backend], case: Inputs, tiny: bool, rounds: int,
+                   device: torch.device) -> list[str]:
+    """Each implementation's training step with its layer's forward torch.compile'd (fullgraph where it can);
+    prints them, and returns their markdown table."""
     compiled, compile_s, fullgraph = {}, {}, {}
     for name, backend in backends.items():
         start = time.perf_counter()
@@ -203,16 +237,21 @@ def compiled_steps(backends: dict[str, Backend], case: Inputs, tiny: bool, round
                       rounds, device)
     print(f"\ntorch.compile'd forward+backward (AdamW eager), N={case.N}: median ms of {rounds} rounds, ratio to "
           f"sdpa, paired ratio, spread, first call's compile in s, whether fullgraph=True compiled")
+    table = [f"| backend | compiled training step ms, N {case.N} | ratio | paired | spread | first call's compile, s | "
+             f"fullgraph |", "|---|---|---|---|---|---|---|"]
     for name, t in times.items():
         ms, spread = median_and_spread(t)
-        print(f"{name:<22}{ms:>10.3f}{ms / median_and_spread(times['sdpa'])[0]:>8.3f}"
-              f"{paired_ratio(t, times['sdpa']):>8.3f}{spread:>8.1%}{compile_s[name]:>8.1f}  {fullgraph[name]}")
+        ratio, paired = ms / median_and_spread(times["sdpa"])[0], paired_ratio(t, times["sdpa"])
+        print(f"{name:<22}{ms:>10.3f}{ratio:>8.3f}{paired:>8.3f}{spread:>8.1%}{compile_s[name]:>8.1f}  {fullgraph[name]}")
+        table.append(f"| {name} | {ms:.3f} | {ratio:.3f} | {paired:.3f} | {spread:.1%} | {compile_s[name]:.1f} | "
+                     f"{fullgraph[name]} |")
+    return table
 
 
-def op_overhead(device: torch.device, dtype: torch.dtype, calls: int = 2000) -> None:
+def op_overhead(device: torch.device, dtype: torch.dtype, calls: int = 2000) -> list[tuple[str, float]]:
     """Host time per call of a warm eager program call (binding, plan lookup, launch), of the custom op that
     compiled code calls, and of ``af.run_attention`` on the traced graph, on a tiny input (so the kernel's
-    time does not count)."""
+    time does not count): printed, and returned as (label, µs) pairs."""
     @af.attention
     def causal(q, k, v):
         return af.softmax(af.causal(af.scaled_dot_product(q, k))) @ v
@@ -221,6 +260,7 @@ def op_overhead(device: torch.device, dtype: torch.dtype, calls: int = 2000) -> 
     graph = causal.graph()
     calls = calls if device.type == "cuda" else 20
     through_op = (lambda: custom_op.call(graph, q, k, v, {}, return_lse=False, kv_lens=None, block_table=None))
+    measured = []
     for label, fn in (("eager program call", lambda: causal(q, k, v)), ("the custom op", through_op),
                       ("af.run_attention", lambda: af.run_attention(graph, q, k, v))):
         fn()
@@ -233,6 +273,8 @@ def op_overhead(device: torch.device, dtype: torch.dtype, calls: int = 2000) -> 
         if device.type == "cuda":
             torch.cuda.synchronize()
         print(f"{label:<28}{host:8.1f} us host time per call")
+        measured.append((label, host))
+    return measured
 
 
 if __name__ == "__main__":

@@ -54,7 +54,8 @@ def test_bench_without_cuda_says_so_and_exits_2(monkeypatch, capsys):
 def test_plot_without_matplotlib_is_refused_before_running(monkeypatch, capsys, tmp_path):
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib raises ImportError
     assert main(["bench", "--plot", str(tmp_path / "out.png")]) == 2
-    assert "--plot needs matplotlib: pip install 'attnfuse[bench]'" in capsys.readouterr().err
+    assert "--plot needs matplotlib: pip install matplotlib (from a clone of attnfuse: pip install -e '.[bench]')" \
+        in capsys.readouterr().err
     assert not (tmp_path / "out.png").exists()
 
 
@@ -133,12 +134,12 @@ def test_markdown_page_has_the_run_one_table_per_suite_and_the_plot(tmp_path):
 
 def test_rewriting_the_page_keeps_the_sections_of_other_commands(tmp_path):
     path = tmp_path / "benchmarks.md"
-    other = f"{report.KEPT}\n\n## A decoder layer\n\n| backend | ms |\n|---|---|\n| sdpa | 1.773 |\n"
+    other = "<!-- BEGIN hf_layer -->\n## A decoder layer\n\n| backend | ms |\n|---|---|\n| sdpa | 1.773 |\n<!-- END hf_layer -->\n"
     path.write_text("# Benchmarks: an older run\n\n## Forward\n\n| old table |\n\n" + other)
     result = sample_report()
     page = report.markdown_page(result, page=str(path), kept=report.kept_sections(str(path)))
     assert page.startswith("# Benchmarks: NVIDIA H200, 2026-11-29") and "| old table |" not in page
-    assert page.endswith("\n" + other)
+    assert page.endswith("\n" + other + "\n")
     assert report.kept_sections(str(tmp_path / "absent.md")) == ""
 
 

@@ -20,12 +20,14 @@ BUILTINS = {
     "rope": "score source",
     "alibi": "score modification",
     "additive_bias": "score modification",
+    "softcap": "score modification",
     "causal": "mask",
     "sliding_window": "mask",
     "full": "mask",
     "block_sparse": "mask",
     "softmax": "normaliser",
     "relu_attention": "normaliser",
+    "softmax_with_sinks": "normaliser",
 }
 SMALL = ["--arch", "interpreter", "--dtype", "float32", "--head-dim", "32"]
 

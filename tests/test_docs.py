@@ -1,5 +1,6 @@
 """Docs that agree with the code: README's figures are on the benchmark page, the tile table of
-docs/plugins.md is the code's, and the ```python blocks of README.md and docs/*.md run.
+docs/plugins.md is the code's, the ```python blocks of README.md and docs/*.md run, and README.md and docs/
+hold no commit hashes (the docs say what is true now; a commit belongs in CHANGELOG.md or git's history).
 
 docs/writing-a-combinator.md's blocks are tested with that tutorial. A block that cannot run on a CPU
 (a fragment, a signature, pseudo-code) is marked by a line ``<!-- no-run: why -->`` just before it.
@@ -7,6 +8,8 @@ docs/writing-a-combinator.md's blocks are tested with that tutorial. A block tha
 from __future__ import annotations
 
 import re
+import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -45,12 +48,62 @@ def section(text: str, heading: str) -> str:
     return text[start:end if end != -1 else None]
 
 
+HEX = re.compile(r"(?<![\w`])(`?)([0-9a-f]{7,40})\1(?![\w`])")
+HASH_PAGES = ["README.md", *(f"docs/{p.name}" for p in sorted((ROOT / "docs").glob("*.md")))]
+
+
+def commits(tokens: set[str]) -> set[str]:
+    """The tokens this clone's git resolves to a commit (abbreviated or whole); none without git or history."""
+    git = shutil.which("git")
+    if not tokens or git is None or not (ROOT / ".git").exists():
+        return set()
+    done = subprocess.run([git, "-C", str(ROOT), "cat-file", "--batch-check"], input="".join(
+        f"{t}^{{commit}}\n" for t in sorted(tokens)), capture_output=True, text=True, timeout=60)
+    return {t for t, line in zip(sorted(tokens), done.stdout.splitlines()) if line.split()[1:2] == ["commit"]}
+
+
+def hashes(text: str) -> set[str]:
+    """Commit hashes in ``text``: a backticked run of 7 to 40 lowercase hex digits with a digit among them (what
+    else would it be?), or any such run that is a commit of this repository (a clone without that history, or
+    a commit of another clone, is caught by the first rule)."""
+    found = HEX.findall(text)
+    return ({token for ticks, token in found if ticks and re.search(r"\d", token)}
+            | commits({token for _, token in found}))
+
+
+@pytest.mark.parametrize("page", HASH_PAGES)
+def test_no_commit_hashes_in_readme_or_docs(page):
+    assert sorted(hashes((ROOT / page).read_text())) == []
+
+
+def test_hash_finder():
+    assert hashes("at `6009329`, not `defaced`, `attnfuse_fwd_6009329abcd` or LOG2E 1.4426950408889634") == {"6009329"}
+    git = shutil.which("git")
+    head = git and subprocess.run([git, "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True,
+                                  text=True).stdout.strip()
+    if not head or not commits({head}):
+        pytest.skip("not a git clone with history: only backticked hashes are found")
+    assert hashes(f"a bare {head[:9]}, and {head}, but not `attnfuse_fwd_{head[:12]}`") == {head[:9], head}
+
+
 def test_every_figure_of_readmes_status_is_on_the_benchmark_page():
     status = section((ROOT / "README.md").read_text(), "## Status")
     page = numbers((ROOT / "docs/benchmarks.md").read_text().replace("N", " "))
     quoted = numbers(status)
-    assert {"1.127", "3511", "0.44", "16384"} <= quoted  # the figures are found at all
+    assert {"1.48", "28.12", "0.44", "16384"} <= quoted  # the figures are found at all
     assert sorted(quoted - page) == []
+
+
+def test_readmes_status_is_short():
+    lines = [line for line in section((ROOT / "README.md").read_text(), "## Status").splitlines()[2:] if line]
+    assert len(lines) <= 12, lines
+
+
+def test_architecture_is_a_reference_of_at_most_350_lines():
+    text = (ROOT / "docs/architecture.md").read_text()
+    assert len(text.splitlines()) < 350
+    assert "## Compiler and runtime boundary" in text  # the section the compiler's structure is described in
+    assert re.search(r"\bsince `|\bthe second run\b", text) is None
 
 
 def test_figure_pattern():

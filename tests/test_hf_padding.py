@@ -58,8 +58,6 @@ def _model(family):
     config_name, model_name, extra = FAMILIES[family]
     if not hasattr(transformers, model_name):
         pytest.skip(f"transformers {transformers.__version__} has no {model_name}")
-    if family == "gemma2" and "softcap" not in af.combinators():
-        pytest.skip("Gemma 2 needs the softcap plugin: pip install -e contrib/attnfuse-softcap")
     config = getattr(transformers, config_name)(**SIZES, **extra, use_cache=False)
     return getattr(transformers, model_name)(config).train()
 

@@ -35,8 +35,10 @@ BUILTINS = {
     "block_sparse": Role.MASK,
     "alibi": Role.SCORE_MOD,
     "additive_bias": Role.SCORE_MOD,
+    "softcap": Role.SCORE_MOD,
     "softmax": Role.NORMALISER,
     "relu_attention": Role.NORMALISER,
+    "softmax_with_sinks": Role.NORMALISER,
 }
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -1,7 +1,7 @@
 """A third party can add a combinator of any role without touching AttnFuse's core.
 
-The built-ins cover score sources, score modifications, masks and normalisers, and attnfuse-softcap adds
-another score modification. This file declares, as a third party would, one plugin for each role left:
+The built-ins cover score sources, score modifications, masks and normalisers. This file declares, as a
+third party would, one plugin for each role left:
 
 Their names start with ``_test_`` so that an installed package providing the real thing (say a
 ``sigmoid_attention``) cannot clash with them:

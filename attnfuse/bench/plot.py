@@ -1,11 +1,11 @@
 """Speed against N: one panel per (suite, geometry, variant), a line per contender (matplotlib, the
-optional extra ``attnfuse[bench]``)."""
+optional extra ``bench``)."""
 from __future__ import annotations
 
 from .rows import CONTENDERS, SUITE_TITLES, Row
 
 PLOTTED_SUITES = ("forward", "backward", "sparse")  # suites whose cases step through N
-MISSING = "--plot needs matplotlib: pip install 'attnfuse[bench]' (or pip install matplotlib)"
+MISSING = "--plot needs matplotlib: pip install matplotlib (from a clone of attnfuse: pip install -e '.[bench]')"
 
 
 def require_matplotlib() -> None:

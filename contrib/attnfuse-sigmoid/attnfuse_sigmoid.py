@@ -18,9 +18,9 @@ import math
 
 import torch
 
-import attnfuse
 from attnfuse.checks import finite_number_or_none
 from attnfuse.combinator import Combinator, NormaliserFragment, Param, Role, ScalarArg
+from attnfuse.hookspecs import hookimpl
 
 __all__ = ["COMBINATOR", "attnfuse_combinators", "examples", "offset", "reference"]
 __version__ = "0.1.0"
@@ -84,6 +84,6 @@ COMBINATOR = Combinator(
 )
 
 
-@attnfuse.hookimpl
+@hookimpl
 def attnfuse_combinators():
     return [COMBINATOR]

@@ -1,14 +1,4 @@
-"""softcap(s, cap): Gemma-2 logit soft-capping, s <- cap·tanh(s/cap), as a third-party AttnFuse combinator.
-
-Installing this distribution is all it takes: its ``attnfuse`` entry point registers the module, and the
-combinator becomes ``af.softcap``::
-
-    @af.attention
-    def gemma2(q, k, v):
-        s = af.scaled_dot_product(q, k)
-        s = af.softcap(s, 50.0)
-        s = af.causal(s)
-        return af.softmax(s) @ v
+"""softcap(s, cap): logit soft-capping, s <- cap·tanh(s/cap) (Gemma 2).
 
 The kernel has no ``tl.tanh`` it can rely on (Triton's interpreter has none), so the fragment computes
 tanh(x), x = s/cap, in two branches, both accurate to a few float32 ulps:
@@ -23,12 +13,9 @@ from __future__ import annotations
 
 import torch
 
-import attnfuse
 from attnfuse.checks import positive_number
 from attnfuse.combinator import Combinator, Param, Role, ScoreModFragment
-
-__all__ = ["COMBINATOR", "attnfuse_combinators", "examples", "reference"]
-__version__ = "0.1.0"
+from attnfuse.hookspecs import hookimpl
 
 
 def reference(s: torch.Tensor, ctx, cap: float) -> torch.Tensor:
@@ -37,7 +24,7 @@ def reference(s: torch.Tensor, ctx, cap: float) -> torch.Tensor:
 
 
 def examples(draw, shape):
-    """Parameters for the conformance fuzzer: small caps bite hard, large ones barely."""
+    """Caps for the conformance kit: small caps bite hard, large ones barely."""
     from hypothesis import strategies as st
 
     return {"cap": draw(st.sampled_from([1.0, 5.0, 20.0, 50.0]))}
@@ -50,8 +37,6 @@ COMBINATOR = Combinator(
     params=[Param(name="cap", check=positive_number, doc="the cap, a finite number > 0 (Gemma 2: 50.0)")],
     reference=reference,
     fragment=ScoreModFragment(
-        # $cap is baked in as a literal; ${self}_* are temporaries private to this application;
-        # tanh is computed in two branches, as the module docstring explains.
         body="""
             ${self}_a = tl.abs(s / $cap)
             ${self}_x2 = tl.minimum(${self}_a * ${self}_a, 0.0625)
@@ -68,6 +53,6 @@ COMBINATOR = Combinator(
 )
 
 
-@attnfuse.hookimpl
+@hookimpl
 def attnfuse_combinators():
     return [COMBINATOR]

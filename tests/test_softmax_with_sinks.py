@@ -1,5 +1,5 @@
-"""Tests of attnfuse-sinks: the conformance kit, fixed programs against hand-written float64 math (out,
-lse and gradients), fully masked rows, the input errors and the distribution's registration."""
+"""The built-in softmax_with_sinks (attention sinks, GPT-OSS): the conformance kit, fixed programs against
+hand-written float64 math (out, lse and gradients), fully masked rows, the input errors and its registration."""
 from __future__ import annotations
 
 import math
@@ -21,9 +21,9 @@ def test_conforms(attnfuse_conformance):
     attnfuse_conformance("softmax_with_sinks")
 
 
-def test_registered_by_its_distribution():
+def test_is_a_builtin():
     entry = af.combinators()["softmax_with_sinks"]
-    assert entry.distribution == "attnfuse-sinks"
+    assert entry.distribution == "attnfuse"
     assert entry.combinator.role is af.Role.NORMALISER
 
 

@@ -1,4 +1,5 @@
-"""Tests of the attnfuse-softcap plugin: conformance fuzzing, a fixed program, registration, checks."""
+"""The built-in softcap (Gemma 2's logit soft-capping): conformance fuzzing, a fixed program, registration,
+the tanh's accuracy for any cap, parameter checks, gradients."""
 from __future__ import annotations
 
 import math
@@ -19,9 +20,9 @@ if torch.cuda.is_available():
               for dtype in (torch.float32, torch.float16, torch.bfloat16)]
 
 
-def test_softcap_is_registered_by_its_distribution():
+def test_softcap_is_a_builtin():
     entry = af.combinators()["softcap"]
-    assert entry.distribution == "attnfuse-softcap"
+    assert entry.distribution == "attnfuse"
     assert entry.combinator.role is af.Role.SCORE_MOD
     assert callable(af.softcap)
     assert "cap" in af.softcap.__doc__
@@ -31,7 +32,7 @@ def test_attnfuse_list_shows_softcap(capsys):
     cli = pytest.importorskip("attnfuse.cli")
     assert cli.main(["list"]) == 0
     row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("softcap "))
-    assert row.split()[1:5] == ["score", "modification", "attnfuse-softcap", "Logit"]
+    assert row.split()[1:5] == ["score", "modification", "attnfuse", "Logit"]
 
 
 def test_softcap_conforms():

@@ -5,14 +5,10 @@ competes with the keys for weight but carries no value, so a head may attend to 
 
     weights[j] = exp(s_j) / (exp(sinks[h]) + sum_k exp(s_k))
 
-    @af.attention
-    def gpt_oss(q, k, v, sinks):
-        s = af.sliding_window(af.scaled_dot_product(q, k), 127)
-        return af.softmax_with_sinks(s, sinks) @ v
-
-``sinks`` is a float tensor (Hq,), passed at every call. The log-sum-exp includes the sink. Gradients
-flow to q, k and v; the sinks themselves get none (freeze them, or train them with the reference).
-Split-KV decoding is not offered (``combine=None``): each split would count the sink again.
+``sinks`` is a float tensor (Hq,), passed at every call. The log-sum-exp includes the sink, and a row that
+keeps no key gives output 0 and lse ``sinks[h]``. Gradients flow to q, k and v; the kernels give the sinks
+none, so pass them detached (``attnfuse.hf`` adds their gradient from the lse for GPT-OSS). Split-KV
+decoding is not offered (``combine=None``): each split would count the sink again.
 """
 from __future__ import annotations
 
@@ -20,12 +16,9 @@ import math
 
 import torch
 
-import attnfuse
 from attnfuse.combinator import Combinator, NormaliserFragment, Param, Role, TensorArg
 from attnfuse.errors import InputError
-
-__all__ = ["COMBINATOR", "attnfuse_combinators", "examples", "reference"]
-__version__ = "0.1.0"
+from attnfuse.hookspecs import hookimpl
 
 LOG2E = 1.4426950408889634
 
@@ -58,9 +51,8 @@ def examples(draw, shape):
     """Sinks from far below the scores (no effect) to far above (most weight on the sink)."""
     from hypothesis import strategies as st
 
-    from attnfuse.testing import random_tensor
-
-    return {"sinks": random_tensor(draw, shape.Hq) * draw(st.sampled_from([0.5, 3.0])) + draw(st.sampled_from([-8.0, 0.0, 4.0]))}
+    noise = torch.randn(shape.Hq, generator=torch.Generator().manual_seed(draw(st.integers(0, 2**31 - 1))))
+    return {"sinks": noise * draw(st.sampled_from([0.5, 3.0])) + draw(st.sampled_from([-8.0, 0.0, 4.0]))}
 
 
 def _update(factor: str) -> str:
@@ -111,6 +103,6 @@ COMBINATOR = Combinator(
 )
 
 
-@attnfuse.hookimpl
+@hookimpl
 def attnfuse_combinators():
     return [COMBINATOR]
