@@ -293,7 +293,8 @@ def _clash(name: str, entries: list[Registered], loser: Registered, kept: Regist
     others = sorted((e for e in entries if e is not loser), key=lambda e: (e.distribution, e.plugin))
     by = " and by ".join(f"plugin {e.plugin!r} of distribution {e.distribution!r}" for e in [*others, loser])
     if kept is not None:
-        reason += f", so plugin {loser.plugin!r} cannot provide it: give its combinator another name"
+        reason += (f", so plugin {loser.plugin!r} cannot provide it: give its combinator another name, or "
+                   f"uninstall {loser.distribution!r} if it only provides what {kept.distribution!r} does")
     return f"combinator {name!r} is declared twice: by {by}; {reason}"
 
 
