@@ -12,7 +12,7 @@ import torch
 from . import ir
 from .combinator import Combinator
 from .dsl import RUNTIME, Symbol, trace
-from .errors import InputError, ProgramError, UnsupportedError
+from .errors import InputError, ProgramError
 from .lru import LRUCache
 from .outside_values import OutsideReads, freeze
 from .recompile import RecompileWarning, Recompiles
@@ -166,26 +166,24 @@ class AttentionProgram:
         block_table first (one host sync; InputError for a negative or > 2**31 - 1 length, or a used entry
         outside the pool); False skips it, and the kernels still read nothing outside the pool.
         ``q_offset``, ``k_offset``: the positions of query 0 and key 0 (query i at q_offset + i, key j at
-        k_offset + j) in a sequence of ``seq_len`` keys, for a chunk of a longer sequence. See
+        k_offset + j) in a sequence of ``seq_len`` keys, for a chunk of a longer sequence; under
+        torch.compile such a call runs eagerly, outside the graph (the op takes no positions yet). See
         ``attnfuse.run_attention``.
         """
-        positioned = q_offset is not None or k_offset is not None or seq_len is not None
         if torch.compiler.is_compiling():  # one opaque call to Dynamo (see custom_op.opaque_program_call)
-            if positioned:
-                raise UnsupportedError("q_offset, k_offset and seq_len are not supported under torch.compile yet; "
-                                       "call the program eagerly (or attnfuse.run_attention) for a positioned chunk")
+            if q_offset is not None or k_offset is not None or seq_len is not None:  # eager: a graph break
+                return torch.compiler.disable(self.__call__)(
+                    *args, return_lse=return_lse, kv_lens=kv_lens, block_table=block_table, validate=validate,
+                    q_offset=q_offset, k_offset=k_offset, seq_len=seq_len, **kwargs)
             hide = custom_op.hide_none
             return custom_op.opaque_program_call(self, hide(args), hide(kwargs), return_lse, hide(kv_lens),
                                                  hide(block_table))
         # eager: straight to the kernels (the op boundary costs host time that only a compiler needs)
         (q, k, v), args, kwargs = self._take_qkv(args, kwargs)
         statics, inputs = self._bind(args, kwargs) if args or kwargs or self._extra else ((), {})
-        if positioned:
-            return run_attention(self._trace(statics), q, k, v, inputs, return_lse=return_lse, kv_lens=kv_lens,
-                                 block_table=block_table, validate=validate, q_offset=q_offset, k_offset=k_offset,
-                                 seq_len=seq_len)
         return run_attention(self._trace(statics), q, k, v, inputs, return_lse=return_lse, kv_lens=kv_lens,
-                             block_table=block_table, validate=validate)
+                             block_table=block_table, validate=validate, q_offset=q_offset, k_offset=k_offset,
+                             seq_len=seq_len)
 
     def __eq__(self, other: object) -> bool:  # by identity; defined for torch.compile (a pytree constant)
         return self is other

@@ -240,6 +240,19 @@ def test_a_plugin_with_prepare_must_declare_it_takes_offsets():
         attrs.evolve(alibi, takes_offsets=1)
 
 
+def test_under_torch_compile_a_call_with_offsets_runs_eagerly():
+    """Dynamo leaves a call with positions out of the graph (a graph break) and runs it eagerly: the same
+    result and gradients as an eager call."""
+    q, k, v = (torch.randn(1, h, n, 16, requires_grad=True) for h, n in ((2, 12), (1, 30), (1, 30)))
+    step = torch.compile(lambda q, k, v: window_alibi(q, k, v, q_offset=9, k_offset=4) * 2, backend="eager")
+    got = step(q, k, v)
+    want = window_alibi(q, k, v, q_offset=9, k_offset=4) * 2
+    assert torch.equal(got, want)
+    dout = torch.randn(got.shape)
+    for g, w in zip(torch.autograd.grad(got, (q, k, v), dout), torch.autograd.grad(want, (q, k, v), dout)):
+        assert torch.equal(g, w)
+
+
 def test_offset_names_are_reserved():
     with pytest.raises(af.ProgramError, match=r"argument name\(s\) \['q_offset'\] are reserved"):
         @af.attention
