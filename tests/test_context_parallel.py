@@ -238,8 +238,7 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
         rings = {name: _ring(afd, name, world) for name in CASES}
         results["launches"] = {"causal": _forward_launches(afd, causal, "zigzag", world),
                                "window_alibi": _forward_launches(afd, window_alibi, "contiguous", world)}
-        if world == 2:
-            results["errors"] = _errors(afd, world, rank)
+        results["errors"] = _errors(afd, world, rank)
         for i, name in enumerate(CASES):  # the checks, shared out: they need no other rank
             if i % world == rank:
                 results["cases"][name] = _check(name, world, rings[name])
@@ -284,17 +283,17 @@ def test_pairs_a_mask_empties_are_skipped(ring):
     assert [r["launches"]["window_alibi"] for r in results] == [1] + [2] * (world - 1)
 
 
-ERRORS = {
+ERRORS = {  # the message each rank gets, {w} the world size and {c} the zigzag chunk count 2w
     "no_combine": r"ProgramError: context_parallel: the normaliser softmax_with_sinks declares no combine rule",
     "block_sparse": r"ProgramError: context_parallel: the mask block_sparse lists blocks by their index",
     "reads_indices": r"ProgramError: context_parallel: additive_bias reads k_idx, q_idx: indices",
     "odd_shard": r"InputError: context_parallel: a shard of 21 rows cannot hold 2 equal chunks \(layout 'zigzag'\): "
-                 r"the sequence length must be a multiple of 4",
+                 r"the sequence length must be a multiple of {c}",
     "unequal_shards": r"InputError: context_parallel: every rank must give shards of equal size, but q's shape "
-                      r"differs \(rank 0: \[1, 2, 20, 16\], rank 1: \[1, 2, 22, 16\]\)",
+                      r"differs \(rank 0: \[1, 2, 20, 16\], rank 1: \[1, 2, 22, 16\]",
     "kv_shorter": r"InputError: context_parallel: q, k and v shards must have the same length, got 20, 18 and 18",
-    "shard_split": r"InputError: shard: a sequence of 10 rows \(dim 2\) cannot be split by layout 'zigzag' over 2 "
-                   r"ranks: it needs a multiple of 4",
+    "shard_split": r"InputError: shard: a sequence of {shard_rows} rows \(dim 2\) cannot be split by layout 'zigzag' "
+                   r"over {w} ranks: it needs a multiple of {c}",
     "lse_of_relu": r"InputError: return_lse=True needs a normaliser with a log-sum-exp",
     "sharded_unknown": r"InputError: context_parallel: sharded names 'cos', which is not a runtime input",
     "input_grad": r"InputError: context_parallel: runtime inputs \['sinks'\] require grad",
@@ -306,13 +305,12 @@ ERRORS = {
 
 @pytest.mark.parametrize("error", list(ERRORS))
 def test_bad_use_is_a_clear_error(ring, error):
+    """Every rank raises the error (rank 0 alone for a group of one, which only it is in)."""
     world, results = ring
-    if world != 2:
-        pytest.skip("the errors are checked with 2 processes")
-    assert error in results[0]["errors"]
-    for rank, r in enumerate(results):
-        if error in r["errors"]:
-            assert re.match(ERRORS[error], r["errors"][error]), (rank, r["errors"][error])
+    pattern = ERRORS[error].format(w=world, c=2 * world, shard_rows=4 * world + 2)
+    ranks = [0] if error == "group_of_one" else range(world)
+    for rank in ranks:
+        assert re.match(pattern, results[rank]["errors"][error]), (rank, results[rank]["errors"][error])
 
 
 def test_without_a_process_group_is_an_input_error():
