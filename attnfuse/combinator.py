@@ -14,7 +14,8 @@ The fragment records of each role are in ``attnfuse.fragments`` (and importable 
 
 Fragments may also read the template's variables, documented in docs/writing-a-combinator.md:
 ``b``, ``h``, ``hk`` (batch, query head, key/value head), ``q_idx``, ``q_pos`` (BLOCK_M,),
-``k_pos`` (BLOCK_N,), ``in_bounds`` (BLOCK_M, BLOCK_N), ``Nq``, ``Nk``, ``d`` (BLOCK_D,), ``D``,
+``k_idx``, ``k_pos`` (BLOCK_N,: the keys' indices in k, and their positions), ``in_bounds`` (BLOCK_M,
+BLOCK_N), ``Nq``, ``Nk``, ``d`` (BLOCK_D,), ``D``,
 ``s`` (the score tile, float32), ``acc``, ``p``.
 """
 from __future__ import annotations
@@ -163,6 +164,12 @@ class Combinator:
     ``fragment`` may also be a function of the parameters returning the fragment (static values, and
     ``INPUT`` for a runtime input that was given): a specialisation chosen at compile time (rope picks its
     table layout this way).
+    ``takes_offsets``: calls that give ``q_offset``/``k_offset`` (a chunk of a longer sequence) may run a
+    combinator with a ``prepare`` only if it declares True: its fragments index its tensors by ``k_idx``,
+    ``q_idx`` or heads (a table read at a position covers every position below ``LaunchContext.seq_len``),
+    and its ``prepare`` takes the sequence's length from ``seq_len`` where it means the sequence's. A
+    combinator without ``prepare`` reads no memory of its own and needs no declaration. Default False:
+    such calls raise an InputError naming it.
     """
 
     name: str = field(validator=_identifier)
@@ -175,6 +182,7 @@ class Combinator:
     scalars: tuple[ScalarArg, ...] = field(default=(), converter=tuple)
     prepare: Callable[..., dict[str, Any]] | None = field(default=None)
     examples: Callable[..., dict[str, Any]] | None = field(default=None)
+    takes_offsets: bool = field(default=False)
 
     @params.validator
     def _check_params(self, _, params) -> None:
@@ -205,6 +213,11 @@ class Combinator:
         if prepare is not None and not callable(prepare):
             raise DeclarationError(f"combinator {self.name!r}: prepare must be a function (ctx, **params), "
                                    f"got {type(prepare).__name__}")
+
+    @takes_offsets.validator
+    def _check_takes_offsets(self, _, value) -> None:
+        if not isinstance(value, bool):
+            raise DeclarationError(f"combinator {self.name!r}: takes_offsets must be True or False, got {value!r}")
 
     def __attrs_post_init__(self) -> None:
         self._check_reference(self.reference)

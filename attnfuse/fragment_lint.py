@@ -36,7 +36,7 @@ BUILTINS = frozenset({"float", "int", "range", "min", "max", "abs", "True", "Fal
 COMMON = BUILTINS | {"b", "h", "hk", "Nq", "Nk", "N_K", "HQ", "GROUP", "D", "DV", "HALF", "BLOCK_M", "BLOCK_N",
                      "BLOCK_D", "BLOCK_DV", "BLOCK_H", "d", "dv", "dh", "q_idx", "q_pos", "q_ok"}
 """What every statement fragment may read (the prologue runs before the key loop)."""
-TILE = COMMON | {"k_pos", "k_ok", "in_bounds"}
+TILE = COMMON | {"k_idx", "k_pos", "k_ok", "in_bounds"}
 """What fragments inside the key loop may read besides."""
 TEMPLATE_NAMES = TILE | {
     "pid", "pid_m", "pid_n", "pid_bh", "pid_r", "pid_s", "q_head", "r", "rows", "part", "q_programs", "blocks",
@@ -207,12 +207,14 @@ def lint(comb: Combinator, fragment: Any, distribution: str) -> None:
             return
     state = rows_state = frozenset()
     if isinstance(fragment, NormaliserFragment):
+        if fragment.partial is not None:  # its own state: linted as a normaliser of its own
+            lint(comb, fragment.partial, distribution)
         state = frozenset(_defined(fragment.init, mapping))
         rows_state = frozenset(_defined(fragment.backward_rows, mapping))
     own = ("_self__", "_tmp__") if isinstance(fragment, QKTransformFragment) else ("_self__",)
     for path, text, record in _fields(fragment):
         slot = _slots(record, state, rows_state).get(path.split(".")[-1].split("[")[0])
-        if slot is None or not text.strip():
+        if slot is None or not text.strip() or path.startswith("partial."):
             continue
         found = list(_problems(text, slot, mapping, own))
         if found:
@@ -225,6 +227,26 @@ def lint(comb: Combinator, fragment: Any, distribution: str) -> None:
                    f"accumulation type tl.float32, as the plugin contract of 2026-11-30 did; deprecated since "
                    f"2026-12-01, refused in a future release: write $acc_dtype instead (tl.float32, or tl.float64 "
                    f"for float64 inputs). Until then it computes in float32 as before, and float64 calls are refused")
+
+
+def template_reads(comb: Combinator, fragment: Any) -> frozenset[str]:
+    """The kernel template's names (``q_idx``, ``k_pos``, ``Nq`` ...) that the fields of ``comb``'s
+    ``fragment`` (as declared, placeholders unresolved) read."""
+    if isinstance(fragment, ScoreSourceFragment):
+        fragment = fragment.transform
+        if fragment is None:
+            return frozenset()
+    mapping = _markers(comb)
+    found: set[str] = set()
+    for path, text, record in _fields(fragment):
+        slot = _slots(record, frozenset(), frozenset()).get(path.split(".")[-1].split("[")[0])
+        if slot is None or not text.strip():
+            continue
+        try:
+            found |= _names(_parse(text, slot.expression, mapping))[1].keys() & TEMPLATE_NAMES
+        except SyntaxError:  # lint reports it
+            continue
+    return frozenset(found)
 
 
 def old_accumulator_fields(fragment: Any) -> list[str]:

@@ -124,7 +124,7 @@ class MaskFragment:
     """Which keys a query keeps, plus block facts the compiler uses to bound and split the key loops.
 
     ``keep``: a boolean expression broadcastable to (BLOCK_M, BLOCK_N), of ``q_pos[:, None]``,
-    ``k_pos[None, :]``, ``q_idx``, ``b``, ``h``. ``None`` keeps every key.
+    ``k_pos[None, :]``, ``q_idx``, ``k_idx``, ``b``, ``h``. ``None`` keeps every key.
     ``kv_range``: (lo, hi) key positions outside of which no query of a block with positions
     ``$q_lo`` ... ``$q_hi`` keeps anything; ``None`` when unknown. Blocks outside are never visited.
     ``full_range``: (lo, hi) key positions every query of such a block keeps; blocks inside run with no
@@ -166,6 +166,13 @@ class NormaliserFragment:
     ``out``; an unnormalised normaliser such as relu_attention), or None (no split path; decoding runs the
     regular kernel).
 
+    ``partial`` (optional, with ``combine``): the fragment of a partial result, over some of a row's keys,
+    for a normaliser whose result also holds a term that depends on no key (a sink's logit in the
+    denominator). It leaves that term out; a merge of one whole result (this fragment) with partial ones
+    (``partial``) by ``combine`` then counts it once. Without it, every result over some keys is merged as
+    is. Context parallelism (``attnfuse.distributed``) uses it; the split-KV path does not take such
+    normalisers.
+
     ``smooth=False``: the weights' derivative jumps (relu at 0), so rounding a score across the jump
     changes a gradient by a whole term; the conformance suite then compares gradients only in float32
     and float64, where that is rare.
@@ -183,7 +190,20 @@ class NormaliserFragment:
     grad: str | None = None
     needs_delta: bool = False
     combine: str | None = field(default=None, validator=attrs.validators.in_((None, "logsumexp", "sum")))
+    partial: NormaliserFragment | None = field(default=None)
     smooth: bool = True
+
+    @partial.validator
+    def _check_partial(self, _, partial) -> None:
+        if partial is None:
+            return
+        if not isinstance(partial, NormaliserFragment) or partial.partial is not None:
+            raise DeclarationError(f"a normaliser's partial must be a NormaliserFragment without a partial of its "
+                                   f"own, got {partial!r}")
+        if self.combine is None or partial.combine != self.combine or partial.has_lse != self.has_lse:
+            raise DeclarationError(f"a normaliser's partial results are merged by its combine rule: it needs one, "
+                                   f"and its partial the same combine and has_lse (combine {self.combine!r} / "
+                                   f"{partial.combine!r}, has_lse {self.has_lse} / {partial.has_lse})")
 
 
 ACCUMULATOR = "acc_dtype"

@@ -19,11 +19,12 @@ from .recompile import RecompileWarning, Recompiles
 from .reference import evaluate
 from .passes.lower import fragment_of
 from .runtime import custom_op
+from .runtime.inputs import check_positions
 from .runtime.launch import check_cache, compiled_kernel, kernel_config, run_attention
 from .runtime.offsets import inputs_fit
 from .runtime.validate import check_cache_values
 
-RESERVED_ARGUMENTS = ("return_lse", "kv_lens", "block_table", "validate")
+RESERVED_ARGUMENTS = ("return_lse", "kv_lens", "block_table", "validate", "q_offset", "k_offset", "seq_len")
 MAX_TRACES = 64  # graphs kept per program: past RECOMPILE_LIMIT (8) configurations it warns (recompile.py)
 
 
@@ -153,7 +154,8 @@ class AttentionProgram:
         return graph
 
     def __call__(self, *args: Any, return_lse: bool = False, kv_lens: torch.Tensor | None = None,
-                 block_table: torch.Tensor | None = None, validate: bool = True, **kwargs: Any):
+                 block_table: torch.Tensor | None = None, validate: bool = True, q_offset: int | None = None,
+                 k_offset: int | None = None, seq_len: int | None = None, **kwargs: Any):
         """The fused kernel's result: out (B, Hq, Nq, DV), or (out, lse) when ``return_lse``.
 
         Called as ``program(q, k, v, *extra, **extra)``; q, k, v may also be given by keyword, by the
@@ -162,10 +164,17 @@ class AttentionProgram:
         i + kv_lens[b] - Nq). ``block_table`` (B, max_pages) int32 or int64: k and v are a paged cache's
         pools (pages, page_size, Hkv, D). ``validate`` (default True): check the values of kv_lens and
         block_table first (one host sync; InputError for a negative or > 2**31 - 1 length, or a used entry
-        outside the pool); False skips it, and the kernels still read nothing outside the pool. See
+        outside the pool); False skips it, and the kernels still read nothing outside the pool.
+        ``q_offset``, ``k_offset``: the positions of query 0 and key 0 (query i at q_offset + i, key j at
+        k_offset + j) in a sequence of ``seq_len`` keys, for a chunk of a longer sequence; under
+        torch.compile such a call runs eagerly, outside the graph (the op takes no positions yet). See
         ``attnfuse.run_attention``.
         """
         if torch.compiler.is_compiling():  # one opaque call to Dynamo (see custom_op.opaque_program_call)
+            if q_offset is not None or k_offset is not None or seq_len is not None:  # eager: a graph break
+                return torch.compiler.disable(self.__call__)(
+                    *args, return_lse=return_lse, kv_lens=kv_lens, block_table=block_table, validate=validate,
+                    q_offset=q_offset, k_offset=k_offset, seq_len=seq_len, **kwargs)
             hide = custom_op.hide_none
             return custom_op.opaque_program_call(self, hide(args), hide(kwargs), return_lse, hide(kv_lens),
                                                  hide(block_table))
@@ -173,7 +182,8 @@ class AttentionProgram:
         (q, k, v), args, kwargs = self._take_qkv(args, kwargs)
         statics, inputs = self._bind(args, kwargs) if args or kwargs or self._extra else ((), {})
         return run_attention(self._trace(statics), q, k, v, inputs, return_lse=return_lse, kv_lens=kv_lens,
-                             block_table=block_table, validate=validate)
+                             block_table=block_table, validate=validate, q_offset=q_offset, k_offset=k_offset,
+                             seq_len=seq_len)
 
     def __eq__(self, other: object) -> bool:  # by identity; defined for torch.compile (a pytree constant)
         return self is other
@@ -181,15 +191,19 @@ class AttentionProgram:
     __hash__ = object.__hash__
 
     def reference(self, *args: Any, return_lse: bool = False, dtype: torch.dtype = torch.float64,
-                  kv_lens: torch.Tensor | None = None, block_table: torch.Tensor | None = None, **kwargs: Any):
+                  kv_lens: torch.Tensor | None = None, block_table: torch.Tensor | None = None,
+                  q_offset: int | None = None, k_offset: int | None = None, seq_len: int | None = None,
+                  **kwargs: Any):
         """The naive PyTorch result computed in ``dtype`` (float64 by default), as the oracle for tests;
-        kv_lens and block_table values are checked as a validated call checks them."""
+        kv_lens and block_table values are checked as a validated call checks them, positions as a call's."""
         (q, k, v), args, kwargs = self._take_qkv(args, kwargs)
         check_cache(q, k, v, kv_lens, block_table)
+        positions = check_positions(q_offset, k_offset, seq_len, q.shape[2], k.shape[2], kv_lens, block_table)
         if kv_lens is not None:
             check_cache_values(kv_lens, block_table, *(k.shape[:2] if block_table is not None else (0, 0)))
         key, inputs = self._bind(args, kwargs)
-        out, lse = evaluate(self._trace(key), q, k, v, inputs, dtype=dtype, kv_lens=kv_lens, block_table=block_table)
+        out, lse = evaluate(self._trace(key), q, k, v, inputs, dtype=dtype, kv_lens=kv_lens, block_table=block_table,
+                            positions=positions)
         if not return_lse:
             return out
         if lse is None:
@@ -197,11 +211,14 @@ class AttentionProgram:
         return out, lse
 
     def source(self, *args: Any, return_lse: bool = False, kernel: str = "forward",
-               kv_lens: torch.Tensor | None = None, block_table: torch.Tensor | None = None, **kwargs: Any) -> str:
+               kv_lens: torch.Tensor | None = None, block_table: torch.Tensor | None = None,
+               q_offset: int | None = None, k_offset: int | None = None, seq_len: int | None = None,
+               **kwargs: Any) -> str:
         """The generated Triton source of one kernel for these inputs: ``kernel`` is "forward", "decode"
         (the split-KV path), "dkdv" or "dq" (the backward's)."""
         (q, k, v), args, kwargs = self._take_qkv(args, kwargs)
-        kv = check_cache(q, k, v, kv_lens, block_table)
+        kv = check_cache(q, k, v, kv_lens, block_table)._replace(positions=check_positions(
+            q_offset, k_offset, seq_len, q.shape[2], k.shape[2], kv_lens, block_table))
         key, inputs = self._bind(args, kwargs)
         graph = self._trace(key)
         save_lse = return_lse or (kernel in ("dkdv", "dq") and fragment_of(graph.weights.apply).has_lse)

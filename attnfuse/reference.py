@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import attrs
 import torch
 from attrs import frozen
 
@@ -21,6 +22,8 @@ class Context:
     key j at ``j``, where ``n_keys`` (B or 1, 1, 1, 1) counts each sequence's keys (``Nk`` unless the call
     gave kv_lens). ``q_idx`` is (1, 1, Nq, 1), ``q_pos`` (B or 1, 1, Nq, 1), ``k_pos`` (1, 1, 1, Nk); all
     int64, so that they broadcast against scores (B, Hq, Nq, Nk). ``dtype`` is the evaluator's precision.
+    A call that gives its positions places query i at ``q_offset + i`` and key j at ``k_offset + j`` in a
+    sequence of ``seq_len`` keys (``n_keys``); without them ``q_offset`` is None and ``seq_len`` is Nk.
     """
 
     B: int
@@ -36,19 +39,26 @@ class Context:
     n_keys: torch.Tensor
     dtype: torch.dtype
     device: torch.device
+    q_offset: int | None = None
+    k_offset: int = 0
+    seq_len: int = attrs.field(default=attrs.Factory(lambda self: self.Nk, takes_self=True))
 
 
 def make_context(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dtype: torch.dtype,
-                 kv_lens: torch.Tensor | None = None) -> Context:
-    """The context of inputs q (B, Hq, Nq, D), k (B, Hkv, Nk, D), v (B, Hkv, Nk, DV), kv_lens (B,) or None."""
+                 kv_lens: torch.Tensor | None = None, positions: Any = None) -> Context:
+    """The context of inputs q (B, Hq, Nq, D), k (B, Hkv, Nk, D), v (B, Hkv, Nk, DV), kv_lens (B,) or None,
+    and the call's ``Positions`` (``runtime.inputs``) or None."""
     B, Hq, Nq, D = q.shape
     Hkv, Nk, DV = k.shape[1], k.shape[2], v.shape[3]
     q_idx = torch.arange(Nq, device=q.device).view(1, 1, Nq, 1)
     k_pos = torch.arange(Nk, device=q.device).view(1, 1, 1, Nk)
+    sizes = dict(B=B, Hq=Hq, Hkv=Hkv, Nq=Nq, Nk=Nk, D=D, DV=DV, q_idx=q_idx, dtype=dtype, device=q.device)
+    if positions is not None:
+        return Context(**sizes, q_pos=q_idx + positions.q_offset, k_pos=k_pos + positions.k_offset,
+                       n_keys=torch.full((1, 1, 1, 1), positions.seq_len, device=q.device), **positions._asdict())
     n_keys = torch.full((1, 1, 1, 1), Nk, device=q.device) if kv_lens is None else \
         kv_lens.to(device=q.device, dtype=torch.int64).clamp(max=Nk).view(B, 1, 1, 1)
-    return Context(B=B, Hq=Hq, Hkv=Hkv, Nq=Nq, Nk=Nk, D=D, DV=DV, q_idx=q_idx, q_pos=q_idx + n_keys - Nq,
-                   k_pos=k_pos, n_keys=n_keys, dtype=dtype, device=q.device)
+    return Context(**sizes, q_pos=q_idx + n_keys - Nq, k_pos=k_pos, n_keys=n_keys)
 
 
 def gather_pages(pool: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
@@ -66,16 +76,18 @@ def _values(app: ir.Apply, inputs: dict[str, Any], dtype: torch.dtype) -> dict[s
 
 def evaluate(graph: ir.MatMulPV, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              inputs: dict[str, Any], dtype: torch.dtype = torch.float64, kv_lens: torch.Tensor | None = None,
-             block_table: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+             block_table: torch.Tensor | None = None, positions: Any = None
+             ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Run ``graph`` naively in ``dtype``.
 
     :param inputs: the runtime inputs by argument name (bias, cos/sin tables, block masks).
     :param kv_lens: (B,) keys per sequence, or None; ``block_table``: k, v are paged pools (see run_attention).
+    :param positions: the call's ``Positions`` (q_offset, k_offset, seq_len), or None.
     :return: out (B, Hq, Nq, DV) and lse (B, Hq, Nq), natural log, or None if the normaliser has none.
     """
     if block_table is not None:
         k, v = gather_pages(k, block_table), gather_pages(v, block_table)
-    ctx = make_context(q, k, v, dtype, kv_lens)
+    ctx = make_context(q, k, v, dtype, kv_lens, positions)
     group = ctx.Hq // ctx.Hkv
     q = q.to(dtype)
     k = k.to(dtype).repeat_interleave(group, dim=1)

@@ -50,13 +50,14 @@ COMBINATOR = Combinator(
     fragment=ScoreModFragment(
         body="""
             s = s + tl.load($bias + b.to(tl.int64) * $bias_s0 + h.to(tl.int64) * $bias_s1
-                            + q_idx[:, None].to(tl.int64) * $bias_s2 + k_pos[None, :] * $bias_s3,
+                            + q_idx[:, None].to(tl.int64) * $bias_s2 + k_idx[None, :] * $bias_s3,
                             mask=in_bounds, other=0.0).to($acc_dtype)
         """,
         grad="",
         tensor_grads=[("bias", "ds")],
     ),
     examples=examples,
+    takes_offsets=True,
 )
 
 

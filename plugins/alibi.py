@@ -74,6 +74,7 @@ COMBINATOR = Combinator(
         grad="",
     ),
     examples=examples,
+    takes_offsets=True,
 )
 
 

@@ -72,7 +72,7 @@ COMBINATOR = Combinator(
     prepare=prepare,
     fragment=MaskFragment(
         keep="""(tl.load($active + b.to(tl.int64) * $active_s0 + h.to(tl.int64) * $active_s1
-                         + (q_idx // $block_size)[:, None] * $active_s2 + (k_pos // $block_size)[None, :] * $active_s3,
+                         + (q_idx // $block_size)[:, None] * $active_s2 + (k_idx // $block_size)[None, :] * $active_s3,
                          mask=in_bounds, other=0) != 0)""",
         block_list=BlockList(
             size="$block_size",
@@ -86,6 +86,7 @@ COMBINATOR = Combinator(
         ),
     ),
     examples=examples,
+    takes_offsets=True,
 )
 
 

@@ -2,8 +2,9 @@
 scaled product.
 
 NeoX/Llama half-split rotation (HF ``rotate_half``): x·cos + rotate_half(x)·sin, q at its position
-q' = i + Nk - Nq and k at j. ``cos``/``sin`` tables of shape (Nk, D) or (B, Nk, D), row = position, as HF
-builds them, override ``theta`` (so any RoPE scaling works). Fused: the kernel rotates the q tile once
+q' = i + Nk - Nq and k at j (or where the call's q_offset and k_offset place them). ``cos``/``sin`` tables
+of shape (Nk, D) or (B, Nk, D) (seq_len rows with offsets), row = position, as HF builds them, override
+``theta`` (so any RoPE scaling works). Fused: the kernel rotates the q tile once
 before the key loop and each k tile inside it. ``rotate_keys=False``: the keys were rotated when they were
 written to a KV cache, so only q is rotated (the usual choice when decoding from a cache).
 """
@@ -39,17 +40,18 @@ def _check_tables(cos, sin, ctx):
         raise InputError(f"rope: the head dim must be even to rotate halves, got D={ctx.D}")
     if cos is None:
         return
-    if ctx.Nq > ctx.Nk:
+    if ctx.q_offset is None and ctx.Nq > ctx.Nk:
         raise InputError(f"rope: cos/sin tables are indexed by position, so they need Nq <= Nk "
                          f"(got Nq={ctx.Nq}, Nk={ctx.Nk}); pass theta instead")
+    rows, what = (ctx.Nk, "Nk") if ctx.q_offset is None else (ctx.seq_len, "seq_len")  # positions lie below it
     for name, t in (("cos", cos), ("sin", sin)):
         if not isinstance(t, torch.Tensor) or not t.is_floating_point():
             raise InputError(f"rope: {name} must be a float tensor")
-        ok = (t.dim() == 2 or (t.dim() == 3 and t.shape[0] in (1, ctx.B))) and t.shape[-2] >= ctx.Nk \
+        ok = (t.dim() == 2 or (t.dim() == 3 and t.shape[0] in (1, ctx.B))) and t.shape[-2] >= rows \
             and t.shape[-1] == ctx.D
         if not ok:
-            raise InputError(f"rope: {name} must have shape (Nk, D) or (B, Nk, D) = ({ctx.Nk}, {ctx.D}) or "
-                             f"({ctx.B}, {ctx.Nk}, {ctx.D}) (more rows are allowed), got {tuple(t.shape)}")
+            raise InputError(f"rope: {name} must have shape ({what}, D) or (B, {what}, D) = ({rows}, {ctx.D}) or "
+                             f"({ctx.B}, {rows}, {ctx.D}) (more rows are allowed), got {tuple(t.shape)}")
 
 
 def reference(q, k, ctx, theta, scale, cos, sin, rotate_keys):
@@ -91,8 +93,11 @@ def prepare(ctx, theta, scale, cos, sin, rotate_keys):
     _check_tables(cos, sin, ctx)
     if cos is None:
         first = -ctx.Nq if ctx.kv_lens is not None else min(0, ctx.Nk - ctx.Nq)  # the lowest query position
+        last = ctx.Nk
+        if ctx.q_offset is not None:  # the call's positions: one table for every chunk of the sequence
+            first, last = 0, ctx.seq_len
         dtype = torch.float64 if ctx.dtype == torch.float64 else torch.float32
-        cos, sin = _theta_tables(float(theta), first, ctx.Nk, ctx.D, ctx.B, ctx.device, dtype)
+        cos, sin = _theta_tables(float(theta), first, last, ctx.D, ctx.B, ctx.device, dtype)
         return {"cos": cos, "sin": sin, "first": first}
     if ctx.kv_lens is not None and bool((ctx.kv_lens < ctx.Nq).any()):  # one host sync, tables only
         raise InputError(f"rope: cos/sin tables are indexed by position, so every sequence needs at least "
@@ -148,8 +153,10 @@ COMBINATOR = Combinator(
     params=[
         Param(name="theta", default=10000.0, check=positive_number, doc="base of the rotation frequencies"),
         Param(name="scale", default=None, check=finite_number_or_none, doc="None means 1/√D"),
-        Param(name="cos", runtime=True, default=None, doc="(Nk, D) or (B, Nk, D) table; overrides theta"),
-        Param(name="sin", runtime=True, default=None, doc="(Nk, D) or (B, Nk, D) table; overrides theta"),
+        Param(name="cos", runtime=True, default=None,
+              doc="(Nk, D) or (B, Nk, D) table (seq_len rows with offsets); overrides theta"),
+        Param(name="sin", runtime=True, default=None,
+              doc="(Nk, D) or (B, Nk, D) table (seq_len rows with offsets); overrides theta"),
         Param(name="rotate_keys", default=True, check=_boolean,
               doc="False: keys come rotated already (a RoPE'd KV cache); only q is rotated"),
     ],
@@ -159,6 +166,7 @@ COMBINATOR = Combinator(
     prepare=prepare,
     fragment=fragment,
     examples=examples,
+    takes_offsets=True,
 )
 
 

@@ -214,7 +214,7 @@ def test_whole_key_blocks_drop_the_load_masks():
     assert even_keys(KVCache(k=k, v=k, capacity=64, lens=None))(tiles)
     assert not even_keys(KVCache(k=k, v=k, capacity=70, lens=None))(tiles)
     assert even_keys(KVCache(k=k, v=k, capacity=64, lens=torch.tensor([64], dtype=torch.int32))) is False
-    assert "k_ok = (k_pos < Nk) | EVEN_K" in causal.source(*_qkv(1, 2, 1, 64, 64, 32, 32, torch.float32))
+    assert "k_ok = (k_idx < Nk) | EVEN_K" in causal.source(*_qkv(1, 2, 1, 64, 64, 32, 32, torch.float32))
     for Nk in (64, 70):
         q, k, v = _qkv(1, 2, 1, 40, Nk, 32, 32, torch.float32, seed=Nk)
         assert_matches_reference(causal(q, k, v), causal.reference(q, k, v),

@@ -41,6 +41,8 @@ class KernelConfig:
     q_transformed: bool = False  # q arrives with its qk transforms applied (by a transform pass)
     k_transformed: bool = False  # likewise k
     wide_offsets: bool = False  # some element offset can pass 2**31 - 1: every stride is int64 in the kernels
+    positions: bool = False  # the call gives its queries' and keys' first positions (Q_OFFSET, K_OFFSET, N_SEQ)
+    partial: bool = False  # a partial result over some of each row's keys: the normaliser's ``partial`` fragment
 
 
 def accumulator_type(dtype: str) -> str:
@@ -220,6 +222,8 @@ def lower(fused: FusedProgram, config: KernelConfig, listing: str = "") -> Lower
     mods = tuple(inst(m) for m in fused.mods)
     masks = _one_listing(tuple(inst(m) for m in fused.masks))
     normaliser = inst(fused.normaliser)
+    if config.partial and normaliser.fragment.partial is not None:
+        normaliser = attrs.evolve(normaliser, fragment=normaliser.fragment.partial)
     block_d = _block(config.head_dim)
     block_dv = _block(config.head_dim_v)
     variant, widest = _variant(transforms, masks), max(block_d, block_dv)

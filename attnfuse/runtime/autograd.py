@@ -10,7 +10,7 @@ from .call_spec import flatten_inputs
 from .forward import ForwardKernel
 from .gradients import no_double_backward
 from .hoisted import HoistedBackward, HoistedForward
-from .inputs import kv_cache
+from .inputs import Positions, kv_cache
 
 
 class Kernels(NamedTuple):
@@ -50,11 +50,13 @@ class AttentionFunction(torch.autograd.Function):
     gradient requires grad: a constant one such as ``out.sum()``'s dropped the second-order term silently)."""
 
     @staticmethod
-    def forward(ctx, kernels: Kernels, inputs: dict[str, Any], names: tuple[str | None, ...], q: torch.Tensor,
-                k: torch.Tensor, v: torch.Tensor, kv_lens: torch.Tensor | None, *tensors: torch.Tensor):
+    def forward(ctx, kernels: Kernels, inputs: dict[str, Any], names: tuple[str | None, ...],
+                positions: Positions | None, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                kv_lens: torch.Tensor | None, *tensors: torch.Tensor):
         """q (B, Hq, Nq, D), k (B, Hkv, Nk, D), v (B, Hkv, Nk, DV) (no gradient flows through a paged cache),
-        kv_lens (B,) or None; ``inputs`` the runtime inputs by name, whose tensors are ``tensors``."""
-        kv = kv_cache(k, v, kv_lens, None)
+        kv_lens (B,) or None, the call's positions or None; ``inputs`` the runtime inputs by name, whose
+        tensors are ``tensors``."""
+        kv = kv_cache(k, v, kv_lens, None, positions)
         forward = kernels.forward
         prepared = forward.plugin_args(q, kv, inputs)
         if isinstance(forward, HoistedForward):  # keep the transformed q and k for the hoisted backward
@@ -63,6 +65,7 @@ class AttentionFunction(torch.autograd.Function):
             (out, lse), copies = forward(q, kv, inputs, prepared), {}
         ctx.save_for_backward(q, k, v, out, lse, kv_lens, *tensors, *copies.values())
         ctx.kernels, ctx.inputs, ctx.names, ctx.sides, ctx.prepared = kernels, inputs, names, tuple(copies), prepared
+        ctx.positions = positions
         ctx.set_materialize_grads(False)
         return out, lse
 
@@ -74,8 +77,9 @@ class AttentionFunction(torch.autograd.Function):
         extra = {"copies": dict(zip(ctx.sides, copies))} if ctx.sides else {}
 
         def gradients() -> tuple[torch.Tensor, ...]:
-            dq, dk, dv, grads = kernels.backward(q, kv_cache(k, v, kv_lens, None), out, lse, dout, dlse, ctx.inputs,
-                                                 prepared=ctx.prepared, **extra)
+            kv = kv_cache(k, v, kv_lens, None, ctx.positions)
+            dq, dk, dv, grads = kernels.backward(q, kv, out, lse, dout, dlse, ctx.inputs, prepared=ctx.prepared,
+                                                 **extra)
             return dq, dk, dv, *(grads[name] for name in kernels.grads)
 
         if torch.is_grad_enabled():  # create_graph=True: the results must raise if differentiated again
@@ -85,7 +89,7 @@ class AttentionFunction(torch.autograd.Function):
         else:
             dq, dk, dv, *grads = gradients()
         by_name = dict(zip(kernels.grads, grads))
-        return (None, None, None, dq, dk, dv, None, *(by_name.get(name) for name in ctx.names))
+        return (None, None, None, None, dq, dk, dv, None, *(by_name.get(name) for name in ctx.names))
 
 
 class _FirstOrderOnly(torch.autograd.Function):

@@ -16,7 +16,7 @@ import torch
 from ..passes.plan import KernelSpec, Plan
 from .backward import BackwardKernels
 from .forward import ForwardKernel
-from .inputs import KVCache, accumulator_dtype, empty_like_layout
+from .inputs import KVCache, accumulator_dtype, empty_like_layout, position_args
 from .kernel import CompiledKernel
 from .plugin_args import PluginArgs, Prepared
 from .launcher import cdiv
@@ -43,7 +43,7 @@ class TransformPass:
                  grads: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
         """rows by side: q (B, Hq, Nq, D), k (B, Hkv, Nk, D) -> the transformed rows by side, or with
         ``grads`` (float32, each in its rows' shape and memory order) the gradients of the rows; in the
-        rows' dtypes and memory orders."""
+        rows' dtypes and memory orders. ``pargs``: the plugins' arguments, and the call's positions'."""
         sides = self.sides
         outs = {x: empty_like_layout(rows[x], rows[x].shape[3], rows[x].dtype) for x in sides}
         if grads is not None and any(grads[x].stride() != outs[x].stride() for x in sides):
@@ -91,7 +91,7 @@ class HoistedForward:
         """out, lse, and the transformed copies by side ("q", "k"), for the backward to reuse.
         ``prepared``: the plugin arguments, if the caller has them already."""
         prepared = prepared or self.plugin_args(q, kv, inputs)
-        copies = self.transform({"q": q, "k": kv.k}, prepared.args, q.shape[1], q.shape[2])
+        copies = self.transform({"q": q, "k": kv.k}, {**prepared.args, **position_args(kv)}, q.shape[1], q.shape[2])
         out, lse = self.main(copies.get("q", q), kv._replace(k=copies["k"]), inputs, prepared)
         return out, lse, copies
 
@@ -117,9 +117,10 @@ class HoistedBackward:
         prepared = prepared or self.plugin_args(q, kv, inputs)
         Hq, Nq = q.shape[1], q.shape[2]
         rows = {"q": q, "k": kv.k}
-        copies = copies or self.transform(rows, prepared.args, Hq, Nq)
+        pargs = {**prepared.args, **position_args(kv)}
+        copies = copies or self.transform(rows, pargs, Hq, Nq)
         dq, dk, dv, grads = self.inner(copies.get("q", q), kv._replace(k=copies["k"]), out, lse, dout, dlse,
                                        inputs, dqk_dtype=accumulator_dtype(q.dtype), prepared=prepared)
-        of_rows = self.gradient(rows, prepared.args, Hq, Nq,
+        of_rows = self.gradient(rows, pargs, Hq, Nq,
                                 grads={"q": dq, "k": dk})  # float32, with respect to the transformed rows
         return of_rows["q"] if "q" in of_rows else dq.to(q.dtype), of_rows["k"], dv, grads

@@ -2,8 +2,10 @@
 from __future__ import annotations
 
 import functools
+import operator
 from typing import Any, NamedTuple
 
+import attrs
 import torch
 from attrs import frozen
 
@@ -24,13 +26,59 @@ def accumulator_dtype(dtype: torch.dtype) -> torch.dtype:
     return _ACCUMULATORS[dtype]
 
 
+MAX_POSITION = 2**31 - 1  # positions are int32 in the kernels
+
+
+class Positions(NamedTuple):
+    """Where a call's queries and keys sit in their sequence: query i at ``q_offset + i``, key j at
+    ``k_offset + j``; ``seq_len``, the sequence's length (its number of keys: what fragments read as ``Nk``,
+    and what masks' facts take as "no limit"), at least every position plus one."""
+
+    q_offset: int
+    k_offset: int
+    seq_len: int
+
+
+def check_positions(q_offset: Any, k_offset: Any, seq_len: Any, Nq: int, Nk: int, kv_lens: Any = None,
+                    block_table: Any = None) -> Positions | None:
+    """The call's ``Positions``, or None when it gives none (bottom-right alignment). A missing offset is 0;
+    ``seq_len`` defaults to the last position plus one. InputError naming the argument otherwise."""
+    if q_offset is None and k_offset is None:
+        if seq_len is not None:
+            raise InputError(f"seq_len={seq_len!r} needs q_offset or k_offset: without them the call's keys are "
+                             f"its whole sequence")
+        return None
+    if kv_lens is not None or block_table is not None:
+        raise InputError("q_offset and k_offset cannot be combined with kv_lens or block_table: a cache's lengths "
+                         "already place its queries (query i of sequence b at i + kv_lens[b] - Nq)")
+    values = {}
+    for name, value in (("q_offset", q_offset), ("k_offset", k_offset), ("seq_len", seq_len)):
+        if value is None:
+            continue
+        try:
+            values[name] = operator.index(value)
+        except TypeError:
+            raise InputError(f"{name} must be an int, got {type(value).__name__}") from None
+        if isinstance(value, bool) or not 0 <= values[name] <= MAX_POSITION:
+            raise InputError(f"{name} must be an int in [0, {MAX_POSITION}], got {value!r}")
+    q_offset, k_offset = values.get("q_offset", 0), values.get("k_offset", 0)
+    end = max(q_offset + Nq, k_offset + Nk)
+    seq_len = values.get("seq_len", end)
+    if not end <= seq_len <= MAX_POSITION:
+        raise InputError(f"seq_len must be at least the last position plus one, max(q_offset + Nq, k_offset + Nk) "
+                         f"= max({q_offset} + {Nq}, {k_offset} + {Nk}) = {end}, and at most {MAX_POSITION}; got "
+                         f"{seq_len}")
+    return Positions(q_offset, k_offset, seq_len)
+
+
 class KVCache(NamedTuple):
     """Keys and values as the kernels read them (a tuple: built on every call).
 
     ``k``, ``v``: 4-D views in (batch or page, head, row, dim) order: the inputs themselves, or a paged
     cache's pools (pages, page_size, Hkv, D) with the head moved second. ``capacity``: key positions a
     sequence can have (Nk, or block_table's pages times page_size). ``lens``: per-sequence key counts
-    (B,) int32, or None when every sequence has ``capacity`` keys.
+    (B,) int32, or None when every sequence has ``capacity`` keys. ``positions``: where the call's queries
+    and keys sit (``Positions``), or None: key j at j, query i at i + Nk - Nq (i + lens[b] - Nq).
     """
 
     k: torch.Tensor
@@ -39,6 +87,7 @@ class KVCache(NamedTuple):
     lens: torch.Tensor | None = None
     block_table: torch.Tensor | None = None
     page_size: int = 0
+    positions: Positions | None = None
 
 
 @frozen(kw_only=True, eq=False)
@@ -46,7 +95,9 @@ class LaunchContext:
     """What a plugin's ``prepare`` may read: the call's sizes, device and dtype.
 
     ``Nk`` is the key capacity; with ``kv_lens`` (B,) int32, each sequence has its own count of keys (up
-    to it), and query i of sequence b sits at position i + kv_lens[b] - Nq.
+    to it), and query i of sequence b sits at position i + kv_lens[b] - Nq. When the call gives its
+    positions, ``q_offset`` is its first query's (else None: bottom-right alignment), ``k_offset`` its
+    first key's, and ``seq_len`` the sequence's length, above every position (``Nk`` without positions).
     """
 
     B: int
@@ -59,12 +110,16 @@ class LaunchContext:
     device: torch.device
     dtype: torch.dtype
     kv_lens: torch.Tensor | None = None
+    q_offset: int | None = None
+    k_offset: int = 0
+    seq_len: int = attrs.field(default=attrs.Factory(lambda self: self.Nk, takes_self=True))
 
 
 def launch_context(q: torch.Tensor, kv: KVCache) -> LaunchContext:
     B, Hq, Nq, D = q.shape
+    at = {} if kv.positions is None else kv.positions._asdict()
     return LaunchContext(B=B, Hq=Hq, Hkv=kv.k.shape[1], Nq=Nq, Nk=kv.capacity, D=D, DV=kv.v.shape[3],
-                         device=q.device, dtype=q.dtype, kv_lens=kv.lens)
+                         device=q.device, dtype=q.dtype, kv_lens=kv.lens, **at)
 
 
 def check_cache(q: torch.Tensor, k: Any, v: Any, kv_lens: Any = None, block_table: Any = None) -> KVCache:
@@ -102,18 +157,18 @@ def check_cache(q: torch.Tensor, k: Any, v: Any, kv_lens: Any = None, block_tabl
     return kv_cache(k, v, kv_lens, block_table)
 
 
-def kv_cache(k: torch.Tensor, v: torch.Tensor, kv_lens: torch.Tensor | None, block_table: torch.Tensor | None
-             ) -> KVCache:
+def kv_cache(k: torch.Tensor, v: torch.Tensor, kv_lens: torch.Tensor | None, block_table: torch.Tensor | None,
+             positions: Positions | None = None) -> KVCache:
     """The KV view of inputs :func:`check_cache` accepted (it checks no values: lengths outside [0,
     capacity] count as the nearest bound, never wrapped; an int64 block table goes to the kernels as it
-    is, which drop keys on pages outside the pool)."""
+    is, which drop keys on pages outside the pool), and the call's ``positions`` (checked)."""
     capacity = k.shape[2] if block_table is None else block_table.shape[1] * k.shape[1]
     if kv_lens is not None and kv_lens.dtype != torch.int32:
         kv_lens = kv_lens.clamp(0, capacity).to(torch.int32)
     if kv_lens is not None and not kv_lens.is_contiguous():
         kv_lens = kv_lens.contiguous()
     if block_table is None:
-        return KVCache(k=k, v=v, capacity=capacity, lens=kv_lens)
+        return KVCache(k=k, v=v, capacity=capacity, lens=kv_lens, positions=positions)
     return KVCache(k=k.permute(0, 2, 1, 3), v=v.permute(0, 2, 1, 3), capacity=capacity, lens=kv_lens,
                    block_table=block_table, page_size=k.shape[1])
 
@@ -173,7 +228,8 @@ def kernel_config(q: torch.Tensor, kv: KVCache, save_lse: bool, inputs_wide: boo
     return KernelConfig(arch=_arch(q.device), dtype=DTYPES[q.dtype], head_dim=q.shape[3],
                         head_dim_v=kv.v.shape[3], group=q.shape[1] // kv.k.shape[1], save_lse=save_lse,
                         fp32_precision="tf32" if tf32 else "ieee", kv_lens=kv.lens is not None,
-                        paged=kv.block_table is not None, wide_offsets=inputs_wide or not _rows_fit(q, kv))
+                        paged=kv.block_table is not None, wide_offsets=inputs_wide or not _rows_fit(q, kv),
+                        positions=kv.positions is not None)
 
 
 def _rows_fit(q: torch.Tensor, kv: KVCache) -> bool:
@@ -186,13 +242,19 @@ def _rows_fit(q: torch.Tensor, kv: KVCache) -> bool:
 
 def kv_launch_args(kv: KVCache) -> dict[str, Any]:
     """The kernel arguments of the cache by name: its capacity ``N_K``, lengths, and a paged cache's block
-    table (its strides come with it), page size and number of pages."""
-    args: dict[str, Any] = {"N_K": kv.capacity}
+    table (its strides come with it), page size and number of pages; or the call's positions."""
+    args: dict[str, Any] = {"N_K": kv.capacity, **position_args(kv)}
     if kv.lens is not None:
         args["KvLens"] = kv.lens
     if kv.block_table is not None:
         args.update(BlockTable=kv.block_table, PAGE_SIZE=kv.page_size, NUM_PAGES=kv.k.shape[0])
     return args
+
+
+def position_args(kv: KVCache) -> dict[str, int]:
+    """The kernel arguments of the call's positions by name (none when it gives none)."""
+    at = kv.positions
+    return {} if at is None else {"Q_OFFSET": at.q_offset, "K_OFFSET": at.k_offset, "N_SEQ": at.seq_len}
 
 
 def heads_together(q: torch.Tensor, kv: KVCache) -> int:

@@ -17,9 +17,10 @@ from .forward import ForwardKernel
 from .gradients import check_differentiable
 from .gradients import tensor_grads as tensor_grads_of
 from .hoisted import HoistedBackward, HoistedForward, worth_hoisting
-from .inputs import check_cache, check_inputs, kernel_config, kv_cache
+from .inputs import Positions, check_cache, check_inputs, check_positions, kernel_config, kv_cache
 from .kernel import CompiledKernel
 from .offsets import inputs_fit
+from .plugin_args import check_takes_offsets
 from .validate import check_cache_values
 
 __all__ = ["KERNEL_KINDS", "check_cache", "check_inputs", "clear_cache", "compile_backward", "compile_decode",
@@ -99,6 +100,9 @@ def compiled_kernel(graph: ir.MatMulPV, config: KernelConfig, kind: str) -> Comp
                              "a cache with kv_lens or pages, where the transform stays in the key loop)")
         return compile_hoisted(graph, config).transform.kernel
     if kind == "decode":
+        if config.positions:
+            raise InputError("kernel='decode': the split-KV kernel places queries bottom-right; a call with "
+                             "q_offset or k_offset runs the forward kernel")
         return compile_decode(graph, config).kernel
     if kind in ("dkdv", "dq"):
         return getattr(compile_backward(graph, config), kind)
@@ -128,7 +132,8 @@ def keeps_lse(graph: ir.MatMulPV, return_lse: bool) -> bool:
 def run_attention(graph: ir.MatMulPV, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                   inputs: dict[str, Any] | None = None, *, return_lse: bool = False,
                   kv_lens: torch.Tensor | None = None, block_table: torch.Tensor | None = None,
-                  split_kv: bool | None = None, validate: bool = True):
+                  split_kv: bool | None = None, validate: bool = True, q_offset: int | None = None,
+                  k_offset: int | None = None, seq_len: int | None = None):
     """Run a traced program on q (B, Hq, Nq, D), k (B, Hkv, Nk, D), v (B, Hkv, Nk, DV).
 
     Differentiable (q, k, v and declared tensor inputs) when autograd asks for gradients.
@@ -147,17 +152,29 @@ def run_attention(graph: ir.MatMulPV, q: torch.Tensor, k: torch.Tensor, v: torch
         that checks upstream; a CUDA graph capture, which cannot sync): lengths outside [0, capacity]
         then count as the nearest bound, and keys on a page outside the pool are absent (the kernels
         never read outside the pool).
+    :param q_offset: the position of query 0 (query i at q_offset + i) and ``k_offset`` that of key 0 (key
+        j at k_offset + j): a chunk of a longer sequence (chunked prefill, a shard of context parallelism).
+        Either given, the other defaults to 0; not with kv_lens or block_table. Masks, position biases and
+        rotations follow these positions; tensors a plugin indexes by query and key (additive_bias's
+        bias, a BlockMask) still follow the call's indices. None (default): key j at j, query i at
+        i + Nk - Nq. Runtime values: a new offset compiles nothing.
+    :param seq_len: with offsets, the sequence's length (default: the last position plus one), what
+        fragments read as the number of keys (relu_attention divides by it).
     :return: out (B, Hq, Nq, DV), or (out, lse) with lse (B, Hq, Nq) float32 when ``return_lse``.
     """
     inputs = inputs or {}
     wants_grad = torch.is_grad_enabled() and any(
         isinstance(t, torch.Tensor) and t.requires_grad for t in (q, k, v, *inputs.values()))
     inputs_wide = bool(inputs) and not inputs_fit(inputs)
+    positions = None
+    if q_offset is not None or k_offset is not None or seq_len is not None:
+        check_inputs(q, k, v, paged=block_table is not None)
+        positions = check_positions(q_offset, k_offset, seq_len, q.shape[2], k.shape[2], kv_lens, block_table)
     forward, decode, backward = planned(graph, q, k, v, kv_lens, block_table, return_lse, wants_grad, split_kv,
-                                        inputs_wide)
+                                        inputs_wide, positions)
     if validate and kv_lens is not None:
         check_cache_values(kv_lens, block_table, *(k.shape[:2] if block_table is not None else (0, 0)))
-    kv = kv_cache(k, v, kv_lens, block_table)
+    kv = kv_cache(k, v, kv_lens, block_table, positions)
     if decode is not None:
         out, lse = decode(q, kv, inputs)
     elif not wants_grad:
@@ -171,21 +188,23 @@ def run_attention(graph: ir.MatMulPV, q: torch.Tensor, k: torch.Tensor, v: torch
             backward = compile_(graph, forward.plan.config, tensor_grads)
         grads = tuple(dict.fromkeys(inst.apply.inputs()[name].name for inst, name in tensor_grads))
         tensors, names = runtime_tensors(inputs)
-        out, lse = AttentionFunction.apply(Kernels(forward, backward, grads), inputs, tuple(names), q, k, v, kv_lens,
-                                           *tensors)
+        out, lse = AttentionFunction.apply(Kernels(forward, backward, grads), inputs, tuple(names), positions, q, k,
+                                           v, kv_lens, *tensors)
     return (out, lse) if return_lse else out
 
 
 def planned(graph: ir.MatMulPV, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_lens: Any, block_table: Any,
-            return_lse: bool, wants_grad: bool, split_kv: bool | None, inputs_wide: bool = False) -> CallKernels:
+            return_lse: bool, wants_grad: bool, split_kv: bool | None, inputs_wide: bool = False,
+            positions: Positions | None = None) -> CallKernels:
     """The call's kernels: everything decided from its metadata alone is decided once per call signature
-    (``inputs_wide``: some runtime input needs 64-bit offsets, ``offsets.inputs_fit``)."""
+    (``inputs_wide``: some runtime input needs 64-bit offsets, ``offsets.inputs_fit``; ``positions``: the
+    call's, checked, whose presence alone matters here)."""
     signature = (graph, _meta(q), _meta(k), _meta(v), _meta(kv_lens), _meta(block_table), return_lse, wants_grad,
-                 split_kv, torch.backends.cuda.matmul.allow_tf32, inputs_wide)
+                 split_kv, torch.backends.cuda.matmul.allow_tf32, inputs_wide, positions is not None)
     kernels = _calls.get(signature)
     if kernels is None:
         kernels = _calls.get_or_build(signature, lambda: _plan(graph, q, k, v, kv_lens, block_table, return_lse,
-                                                              wants_grad, split_kv, inputs_wide))
+                                                              wants_grad, split_kv, inputs_wide, positions))
     return kernels
 
 
@@ -200,19 +219,25 @@ def _meta(t: Any) -> Any:
 
 
 def _plan(graph: ir.MatMulPV, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_lens: Any, block_table: Any,
-          return_lse: bool, wants_grad: bool, split_kv: bool | None, inputs_wide: bool) -> CallKernels:
+          return_lse: bool, wants_grad: bool, split_kv: bool | None, inputs_wide: bool,
+          positions: Positions | None) -> CallKernels:
     """Check a new call signature; its forward kernel, its split-KV kernel if it takes that path, and with
-    gradients wanted the backward kernels (those that write no tensor input's gradient)."""
-    kv = check_cache(q, k, v, kv_lens, block_table)
+    gradients wanted the backward kernels (those that write no tensor input's gradient). A call that gives
+    its positions never takes the split-KV path (its kernel places queries bottom-right)."""
+    kv = check_cache(q, k, v, kv_lens, block_table)._replace(positions=positions)
     has_lse = keeps_lse(graph, return_lse)
     if wants_grad and block_table is not None:
         raise InputError("gradients through a paged cache are not supported; pass contiguous k and v to train")
     forward = compile_forward(graph, kernel_config(q, kv, return_lse or (wants_grad and has_lse), inputs_wide))
-    can_split = not wants_grad and forward.plan.lowered.normaliser.fragment.combine is not None
+    if positions is not None:
+        check_takes_offsets(forward.plan.lowered)
+    norm = forward.plan.lowered.normaliser.fragment
+    can_split = not wants_grad and norm.combine is not None and norm.partial is None and positions is None
     if split_kv is None:
         split_kv = can_split and q.shape[2] <= MAX_QUERIES
     elif split_kv and not can_split:
-        raise InputError("the split-KV path has no backward, and needs a normaliser that can combine splits")
+        raise InputError("the split-KV path has no backward, needs a normaliser that can combine splits (and "
+                         "declares no partial fragment), and takes no q_offset or k_offset")
     if split_kv:
         return forward, compile_decode(graph, forward.plan.config), None
     if wants_grad:

@@ -22,6 +22,19 @@ class Prepared(NamedTuple):
     heavy: int
 
 
+def check_takes_offsets(lowered: LoweredProgram) -> None:
+    """InputError unless every combinator of ``lowered`` with a ``prepare`` declares ``takes_offsets``: a call
+    that gives q_offset or k_offset places keys at positions past the call's rows, which a plugin written
+    for positions that are indices could read its tensors at."""
+    for inst in lowered.instances():
+        comb = inst.apply.declaration
+        if comb.prepare is not None and not comb.takes_offsets:
+            raise InputError(f"q_offset/k_offset: {comb.name} prepares kernel arguments but does not declare "
+                             f"takes_offsets=True (that its fragments index its tensors by k_idx, q_idx or heads, "
+                             f"and its prepare follows LaunchContext.seq_len), so it may read them at positions "
+                             f"past the call's rows; call it without offsets")
+
+
 class PluginArgs:
     """The kernel arguments the plugins of one lowered program give through ``prepare``."""
 

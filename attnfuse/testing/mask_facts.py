@@ -186,7 +186,8 @@ def _row_blocks(Nq: int) -> Iterator[range]:
 def _check_keep(ev, kept, base, offset, nk, b, h) -> Iterator[str]:
     Nq = kept.shape[0]
     q_idx, k_pos = torch.arange(Nq), torch.arange(nk)
-    names = {**base, "q_idx": q_idx, "q_pos": q_idx + offset, "k_pos": k_pos, "q_ok": torch.ones(Nq, dtype=torch.bool),
+    names = {**base, "q_idx": q_idx, "q_pos": q_idx + offset, "k_pos": k_pos, "k_idx": k_pos,
+             "q_ok": torch.ones(Nq, dtype=torch.bool),
              "k_ok": torch.ones(nk, dtype=torch.bool), "in_bounds": torch.ones(Nq, nk, dtype=torch.bool)}
     got = torch.broadcast_to(torch.as_tensor(ev.value(ev.code(ev.fragment.keep), **names)).bool(), (Nq, nk))
     wrong = (got != kept).nonzero()

@@ -3,7 +3,7 @@
 Sigmoid attention (Ramapuram et al., 2024, "Theory, Analysis, and Best Practices for Sigmoid
 Self-Attention") replaces softmax by an element-wise sigmoid; a bias b = -log(n), n the number of keys,
 keeps the weights' sum near 1 at the start of training. ``bias=None`` means that default (n: the key
-capacity Nk); a number overrides it::
+capacity Nk, or the sequence's length ``seq_len`` for a call on a chunk of it); a number overrides it::
 
     @af.attention
     def sigmoid_causal(q, k, v):
@@ -36,15 +36,16 @@ def reference(s: torch.Tensor, keep, ctx, bias):
 
     torch.sigmoid rather than 1 / (1 + exp(-x)): in float16, exp(-x) overflows for x < -11 and the
     gradient of the written-out formula becomes inf / inf = NaN (the tests check the formula in float64)."""
-    weights = torch.sigmoid(s + offset(bias, ctx.Nk))
+    weights = torch.sigmoid(s + offset(bias, ctx.seq_len))
     if keep is not None:
         weights = torch.where(keep, weights, torch.zeros_like(weights))
     return weights, None
 
 
 def prepare(ctx, bias):
-    """The offset is a kernel argument (not a literal): -log(Nk) changes with every key count."""
-    return {"offset": offset(bias, ctx.Nk)}
+    """The offset is a kernel argument (not a literal): -log(Nk) changes with every key count (the sequence's
+    length ``seq_len`` for a chunk of it, as in context parallelism; Nk otherwise)."""
+    return {"offset": offset(bias, ctx.seq_len)}
 
 
 def examples(draw, shape):
@@ -81,6 +82,7 @@ COMBINATOR = Combinator(
         combine="sum",
     ),
     examples=examples,
+    takes_offsets=True,
 )
 
 

@@ -23,7 +23,8 @@ from .common import (columns, constexpr_params, dv_mask, fragment, half_mask, in
                      masked_load, precision, qkv_strides, split)
 from .head_split import LIGHT_BLOCKS, share_sum
 from .loops import HEAD_GROUP, SPLIT_BLOCKS, block_range, key_block, key_range, program, query_block, split_heads, visit
-from .operands import key_masked, key_offsets, kv_base, operand, operand_grad, qk_product
+from .operands import (key_count, key_masked, key_offsets, key_rows, key_shift, kv_base, operand, operand_grad,
+                       qk_product, query_shift)
 from .scores import has_masks, prologues, scores, with_bounds
 
 _DKDV = string.Template('''\
@@ -32,13 +33,13 @@ $program$key_block$columns    k_base = K + b.to(tl.int64) * stride_kb + hk.to(tl
 $k_load    v = $v_load
 $dk_init    dv_acc = tl.zeros([BLOCK_N, BLOCK_DV], dtype=$acc_dtype)
     # Query rows that keep some key of this block (positions k_lo .. k_hi), and those that keep all of it.
-    k_lo = pid_n * BLOCK_N
-    k_hi = tl.minimum(pid_n * BLOCK_N + BLOCK_N, Nk) - 1
+    k_lo = pid_n * BLOCK_N + $k_shift
+    k_hi = tl.minimum(pid_n * BLOCK_N + BLOCK_N, $n_keys) - 1 + $k_shift
 $query_range
-    full_end = tl.where((pid_n + 1) * BLOCK_N > Nk, full_start, full_end)  # a partial key block is never full
+    full_end = tl.where((pid_n + 1) * BLOCK_N > $n_keys, full_start, full_end)  # a partial key block is never full
 $light$loops
 $split_reduce    k_in = $k_in
-$dk_grad$dk_store    tl.store(DValue + b.to(tl.int64) * stride_dvb + hk.to(tl.int64) * stride_dvh + k_pos[:, None] * stride_dvn
+$dk_grad$dk_store    tl.store(DValue + b.to(tl.int64) * stride_dvb + hk.to(tl.int64) * stride_dvh + k_idx[:, None] * stride_dvn
              + dv[None, :] * stride_dvd, dv_acc.to(DValue.dtype.element_ty), mask=k_in[:, None]$dv_mask)
 ''')
 
@@ -97,7 +98,7 @@ def _chain(kernel: LoweredProgram, masked: bool, write_tensor_grads: bool) -> st
                 value = f"tl.where(keep, {value}, 0.0)" if masked else value
                 grad = grad_buffer(m, name)
                 code += (f"tl.store({grad} + b.to(tl.int64) * {grad}_s0 + h.to(tl.int64) * {grad}_s1 + "
-                         f"q_idx[:, None].to(tl.int64) * {grad}_s2 + k_pos[None, :] * {grad}_s3, {value}, "
+                         f"q_idx[:, None].to(tl.int64) * {grad}_s2 + k_idx[None, :] * {grad}_s3, {value}, "
                          f"mask=in_bounds)\n")
         if m.fragment.grad:
             code += f"# {m.prefix}: gradient through the score modification\n"
@@ -111,7 +112,8 @@ def _dkdv_body(kernel: LoweredProgram, masked: bool, implied: str | None) -> str
     p = precision(kernel)
     ok = "q_ok" if masked else ""
     dtype = "Q.dtype.element_ty"
-    rows = "q_idx = start_m + tl.arange(0, BLOCK_M)\nq_pos = q_idx + (Nk - Nq)\nq_ok = (q_idx < Nq) | EVEN_M\n"
+    rows = (f"q_idx = start_m + tl.arange(0, BLOCK_M)\nq_pos = q_idx + {query_shift(kernel)}\n"
+            "q_ok = (q_idx < Nq) | EVEN_M\n")
     code = (operand(kernel, "q", "q_base", "q_idx[:, None] * stride_qm", "q_pos", "q_ok", "stride_qd", masked)
             + f"do = {masked_load('do_base + q_idx[:, None] * stride_dom + dv[None, :] * stride_dod', f'{ok}[:, None]' if masked else '', dv_mask(kernel))}\n"
             + _rows(kernel, masked) + qk_product(kernel, transposed=True) + _recompute(kernel, masked, implied)
@@ -127,7 +129,7 @@ def _dq_body(kernel: LoweredProgram, masked: bool, implied: str | None) -> str:
     dtype = "Q.dtype.element_ty"
     v = masked_load("v_base + v_off[:, None] + dv[None, :] * stride_vd", "k_ok[:, None]" if masked else "",
                     dv_mask(kernel))
-    keys = "k_pos = start_n + tl.arange(0, BLOCK_N)\nk_ok = (k_pos < Nk) | EVEN_K\n" + key_offsets(kernel)
+    keys = key_rows(kernel, "start_n") + key_offsets(kernel)
     code = (operand(kernel, "k", "k_base", "k_off[:, None]", "k_pos", "k_ok", "stride_kd", masked)
             + f"v = {v}\n" + qk_product(kernel) + _recompute(kernel, masked, implied)
             + f"dp = tl.dot(do, tl.trans(v){p})\n" + _chain(kernel, masked, True))
@@ -196,7 +198,7 @@ def dq_params(kernel: LoweredProgram, tensor_grads: tuple[tuple[Instance, str], 
 def generate_dkdv(kernel: LoweredProgram, name: str, parameters: tuple[Param, ...]) -> str:
     """Triton source of the dK/dV kernel (one undecorated function ``name`` taking ``parameters``)."""
     mask = dv_mask(kernel)
-    query_range = block_range(kernel, "q_range", "q_full_range", "BLOCK_M", "Nq", "(Nk - Nq)",
+    query_range = block_range(kernel, "q_range", "q_full_range", "BLOCK_M", "Nq", query_shift(kernel),
                               {"k_lo": "k_lo", "k_hi": "k_hi"}) if has_masks(kernel) else \
         "start = 0\nhi = Nq\nfull_start = 0\nfull_end = Nq // BLOCK_M * BLOCK_M\n"
     head = ("h = hk * GROUP + g\nq_base = Q + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh\n"
@@ -209,18 +211,19 @@ def generate_dkdv(kernel: LoweredProgram, name: str, parameters: tuple[Param, ..
     return kernel_source(kernel, "dK/dV kernel", name, parameters, _DKDV.substitute(
             acc_dtype=kernel.accumulator, split_reduce=indent(share_sum(kernel), 4) if splits else "",
             light=indent(LIGHT_BLOCKS, 4) if split_heads(kernel) == SPLIT_BLOCKS else "",
-            k_in=("k_pos < tl.where(last, N_K, 0)  # only the last of a split stores" if splits
-                  else "k_pos < N_K  # rows of keys past a sequence's length get zeros"),
+            k_in=("k_idx < tl.where(last, N_K, 0)  # only the last of a split stores" if splits
+                  else "k_idx < N_K  # rows of keys past a sequence's length get zeros"),
+            k_shift=key_shift(kernel), n_keys=key_count(kernel),
             columns=indent(columns(kernel), 4), key_block=indent(key_block(kernel, even_keys=True), 4),
             program=indent(program(kernel, "pid_n", "BLOCK_N", "N_K", transposed=True), 4),
-            k_load=indent(operand(kernel, "k", "k_base", "k_pos[:, None] * stride_kn", "k_pos", "k_ok", "stride_kd",
+            k_load=indent(operand(kernel, "k", "k_base", "k_idx[:, None] * stride_kn", "k_pos", "k_ok", "stride_kd",
                                   True), 4),
-            v_load=masked_load("V + b.to(tl.int64) * stride_vb + hk.to(tl.int64) * stride_vh + k_pos[:, None] * "
+            v_load=masked_load("V + b.to(tl.int64) * stride_vb + hk.to(tl.int64) * stride_vh + k_idx[:, None] * "
                                "stride_vn + dv[None, :] * stride_vd", "k_ok[:, None]", mask),
             dk_init=indent(_accumulators(kernel, "dk", "BLOCK_N"), 4), query_range=indent(query_range, 4),
             loops=indent(body, 4),
             dk_grad=indent(operand_grad(kernel, "k", "dk", "k_pos", "k_ok"), 4),
-            dk_store=indent(_store(kernel, "DKey", "dk", dk_base, "k_pos", "k_in", "stride_dkn", "stride_dkd"), 4),
+            dk_store=indent(_store(kernel, "DKey", "dk", dk_base, "k_idx", "k_in", "stride_dkn", "stride_dkd"), 4),
             dv_mask=f" & {mask}" if mask else ""))
 
 

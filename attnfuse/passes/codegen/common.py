@@ -25,8 +25,11 @@ def qkv_strides() -> tuple[Param, ...]:
 
 
 def kv_params(kernel: LoweredProgram) -> tuple[Param, ...]:
-    """After ``N_K``: per-sequence lengths, a paged cache's block table, page size and number of pages."""
+    """After ``N_K``: per-sequence lengths, a paged cache's block table, page size and number of pages; or
+    the call's positions: its first query's and first key's, and the sequence's length (``positions``)."""
     found = params(TENSOR, "KvLens") if kernel.config.kv_lens else ()
+    if kernel.config.positions:
+        found += params(INT, "Q_OFFSET", "K_OFFSET", "N_SEQ")
     if kernel.config.paged:
         found += (params(TENSOR, "BlockTable") + strides("bt", "bp", "BlockTable")
                   + params(INT, "PAGE_SIZE", "NUM_PAGES"))

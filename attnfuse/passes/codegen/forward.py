@@ -11,7 +11,7 @@ from ..launch_spec import INT, TENSOR, Param, params, strides
 from ..lower import LoweredProgram
 from .common import constexpr_params, dv_mask, indent, kernel_source, kv_params, masked_load, precision, qkv_strides
 from .loops import HEAD_GROUP, every_block, key_range, listing_mask, query_block, visit
-from .operands import key_masked, key_offsets, kv_base, operand, qk_product
+from .operands import key_masked, key_offsets, key_rows, kv_base, operand, qk_product
 from .scores import masked_values, masks_keys, normaliser_update, poisoned_redo, prologues, scores, with_bounds
 
 _KERNEL = string.Template('''\
@@ -39,8 +39,7 @@ def key_tile(kernel: LoweredProgram, masked: bool, implied: str | None = None, c
     v = masked_load("v_base + v_off[:, None] + dv[None, :] * stride_vd", "k_ok[:, None]" if masked else "",
                     dv_mask(kernel))
     score = scores(kernel, masked, implied=implied, fold=True) + normaliser_update(kernel)
-    return ("k_pos = start_n + tl.arange(0, BLOCK_N)\nk_ok = (k_pos < Nk) | EVEN_K  # all true: whole blocks\n"
-            + key_offsets(kernel)
+    return (key_rows(kernel, "start_n") + key_offsets(kernel)
             + with_bounds(operand(kernel, "k", "k_base", "k_off[:, None]", "k_pos", "k_ok", "stride_kd", masked)
                           + qk_product(kernel) + score)
             + f"v = {v}\n" + (masked_values(kernel) if careful and masks_keys(kernel, masked, implied) else "")

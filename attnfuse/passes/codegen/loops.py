@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from ..lower import LoweredProgram, masked_head
 from .common import columns, indent
-from .operands import kv_length
+from .operands import key_count, key_rows, key_shift, kv_length, query_shift
 from .scores import has_masks
 
 
@@ -14,10 +14,11 @@ def query_block(kernel: LoweredProgram, even_queries: bool = False) -> str:
     ``even_queries``: the kernel takes EVEN_M (Nq a multiple of BLOCK_M), which makes ``q_ok`` constant
     true, so the row masks of q's load and out's store drop (and the registers they hold)."""
     q_ok = "(q_idx < Nq) | EVEN_M" if even_queries else "q_idx < Nq"
+    shift = query_shift(kernel)
     return (program(kernel, "pid_m", "BLOCK_M", "Nq") + "b = pid_bh // HQ\nh = pid_bh % HQ\nhk = h // GROUP\n"
             + kv_length(kernel)
-            + f"q_idx = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)\nq_pos = q_idx + (Nk - Nq)\nq_ok = {q_ok}\n"
-            + "q_lo = pid_m * BLOCK_M + (Nk - Nq)\nq_hi = tl.minimum(pid_m * BLOCK_M + BLOCK_M, Nq) - 1 + (Nk - Nq)\n"
+            + f"q_idx = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)\nq_pos = q_idx + {shift}\nq_ok = {q_ok}\n"
+            + f"q_lo = pid_m * BLOCK_M + {shift}\nq_hi = tl.minimum(pid_m * BLOCK_M + BLOCK_M, Nq) - 1 + {shift}\n"
             + columns(kernel) + "q_base = Q + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh\n")
 
 
@@ -102,10 +103,9 @@ def scheduled(kernel: LoweredProgram, transposed: bool = False) -> bool:
 
 def key_block(kernel: LoweredProgram, even_keys: bool = False) -> str:
     """Program (key block ``pid_n``, batch x kv head ``pid_bh``) -> batch, kv head, ``Nk`` and the block's
-    keys ``k_pos`` with ``k_ok`` (constant true with ``even_keys``: the kernel takes EVEN_K)."""
-    k_ok = "(k_pos < Nk) | EVEN_K" if even_keys else "k_pos < Nk"
+    keys ``k_idx``, ``k_pos`` with ``k_ok`` (constant true with ``even_keys``: the kernel takes EVEN_K)."""
     return ("HKV = HQ // GROUP\nb = pid_bh // HKV\nhk = pid_bh % HKV\n" + kv_length(kernel)
-            + f"k_pos = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)\nk_ok = {k_ok}\n")
+            + key_rows(kernel, "pid_n * BLOCK_N", even_keys))
 
 
 def block_range(kernel: LoweredProgram, facts: str, full_facts: str, block: str, count: str, offset: str,
@@ -148,10 +148,11 @@ def block_range(kernel: LoweredProgram, facts: str, full_facts: str, block: str,
 def key_range(kernel: LoweredProgram, window: tuple[str, str] | None = None) -> str:
     """Forward, dQ and decode: which key blocks a query block (positions q_lo .. q_hi) visits, within
     ``window`` (a decode program's split) when given."""
+    count = key_count(kernel)
     if not has_masks(kernel) and window is None:
-        return "start = 0\nhi = Nk\nfull_start = 0\nfull_end = Nk // BLOCK_N * BLOCK_N\n"
-    return block_range(kernel, "kv_range", "full_range", "BLOCK_N", "Nk", "0", {"q_lo": "q_lo", "q_hi": "q_hi"},
-                       window)
+        return f"start = 0\nhi = {count}\nfull_start = 0\nfull_end = {count} // BLOCK_N * BLOCK_N\n"
+    return block_range(kernel, "kv_range", "full_range", "BLOCK_N", count, key_shift(kernel),
+                       {"q_lo": "q_lo", "q_hi": "q_hi"}, window)
 
 
 def listing_mask(kernel: LoweredProgram):

@@ -66,10 +66,38 @@ def qk_product(kernel: LoweredProgram, transposed: bool = False) -> str:
 
 def kv_length(kernel: LoweredProgram) -> str:
     """``Nk``: the number of keys of sequence ``b`` (the cache's capacity N_K unless lengths are given); a
-    length outside [0, N_K] counts as the nearest bound, so no key outside the cache is ever visited."""
+    length outside [0, N_K] counts as the nearest bound, so no key outside the cache is ever visited. With
+    ``positions``, the sequence's length N_SEQ: the call's keys are some of them (``key_count``)."""
+    if kernel.config.positions:
+        return "Nk = N_SEQ  # the sequence's keys; this call's are N_K of them, from position K_OFFSET\n"
     if kernel.config.kv_lens:
         return "Nk = tl.minimum(tl.maximum(tl.load(KvLens + b), 0), N_K).to(tl.int32)\n"
     return "Nk = N_K\n"
+
+
+def key_count(kernel: LoweredProgram) -> str:
+    """How many keys the call's k holds for this sequence (key indices lie below it): ``Nk``, or with
+    ``positions`` (where ``Nk`` is the sequence's length) N_K."""
+    return "N_K" if kernel.config.positions else "Nk"
+
+
+def query_shift(kernel: LoweredProgram) -> str:
+    """Query index -> position: bottom-right aligned, ``(Nk - Nq)``, or the call's Q_OFFSET."""
+    return "Q_OFFSET" if kernel.config.positions else "(Nk - Nq)"
+
+
+def key_shift(kernel: LoweredProgram) -> str:
+    """Key index -> position: ``0``, or the call's K_OFFSET."""
+    return "K_OFFSET" if kernel.config.positions else "0"
+
+
+def key_rows(kernel: LoweredProgram, first: str, even_keys: bool = True) -> str:
+    """A tile's keys from index ``first``: ``k_idx`` (rows of k and v), ``k_ok`` (constant true with
+    ``even_keys`` and EVEN_K) and ``k_pos``, their positions (``k_idx`` plus K_OFFSET with ``positions``)."""
+    bound = f"k_idx < {key_count(kernel)}"
+    pos = "k_idx + K_OFFSET" if kernel.config.positions else "k_idx"
+    return (f"k_idx = {first} + tl.arange(0, BLOCK_N)\nk_ok = {f'({bound}) | EVEN_K' if even_keys else bound}\n"
+            f"k_pos = {pos}\n")
 
 
 def kv_base(kernel: LoweredProgram, x: str) -> str:
@@ -79,19 +107,19 @@ def kv_base(kernel: LoweredProgram, x: str) -> str:
 
 
 def key_offsets(kernel: LoweredProgram) -> str:
-    """Per key tile: ``k_off``, ``v_off`` (BLOCK_N,), the offsets of keys ``k_pos`` from ``kv_base``.
+    """Per key tile: ``k_off``, ``v_off`` (BLOCK_N,), the offsets of keys ``k_idx`` from ``kv_base``.
 
     A paged cache's keys on a page outside the pool [0, NUM_PAGES) (a bad block_table entry) are absent:
     ``k_ok`` drops them, so no load touches them and they do not contribute (a paged kernel masks every
     key tile, see ``key_masked``)."""
     if kernel.config.paged:
-        return ("page = tl.load(BlockTable + b.to(tl.int64) * stride_btb + (k_pos // PAGE_SIZE) * stride_btp, "
+        return ("page = tl.load(BlockTable + b.to(tl.int64) * stride_btb + (k_idx // PAGE_SIZE) * stride_btp, "
                 "mask=k_ok, other=-1)\n"
                 "k_ok = k_ok & (page >= 0) & (page < NUM_PAGES)  # a page outside the pool: nothing is read\n"
                 "page = page.to(tl.int64)\n"
-                "k_off = page * stride_kb + (k_pos % PAGE_SIZE) * stride_kn\n"
-                "v_off = page * stride_vb + (k_pos % PAGE_SIZE) * stride_vn\n")
-    return "k_off = k_pos * stride_kn\nv_off = k_pos * stride_vn\n"
+                "k_off = page * stride_kb + (k_idx % PAGE_SIZE) * stride_kn\n"
+                "v_off = page * stride_vb + (k_idx % PAGE_SIZE) * stride_vn\n")
+    return "k_off = k_idx * stride_kn\nv_off = k_idx * stride_vn\n"
 
 
 def key_masked(kernel: LoweredProgram, masked: bool) -> bool:

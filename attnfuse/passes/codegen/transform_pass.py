@@ -16,7 +16,7 @@ from ..launch_spec import INT, TENSOR, Param, params, strides
 from ..lower import LoweredProgram
 from .common import columns, constexpr_params, half_mask, indent, kernel_source
 from .loops import key_block
-from .operands import operand, operand_grad
+from .operands import kv_length, operand, operand_grad, query_shift
 
 _KERNEL = string.Template('''\
     # A 1-D grid: $layout
@@ -34,7 +34,7 @@ tl.store(${x}o_ptrs, ${result}1.to(${X}Out.dtype.element_ty), mask=$store_mask)
 tl.store(${x}o_ptrs + HALF * stride_${x}od, ${result}2.to(${X}Out.dtype.element_ty), mask=$store_mask)
 ''')
 
-_SITE = {"q": ("q_idx", "q_pos", "q_ok", "h"), "k": ("k_pos", "k_pos", "k_ok", "hk")}  # idx, pos, ok, head
+_SITE = {"q": ("q_idx", "q_pos", "q_ok", "h"), "k": ("k_idx", "k_pos", "k_ok", "hk")}  # idx, pos, ok, head
 _ROWS = {"q": ("Nq", "BLOCK_M"), "k": ("N_K", "BLOCK_N")}  # rows, block
 
 
@@ -43,8 +43,9 @@ def _rows(kernel: LoweredProgram, x: str) -> str:
     its heads (at the k site ``h`` is the group's first query head)."""
     if x == "k":
         return key_block(kernel) + "h = hk * GROUP\n"
-    return ("b = pid_bh // HQ\nh = pid_bh % HQ\nhk = h // GROUP\nNk = N_K\n"
-            "q_idx = pid_n * BLOCK_M + tl.arange(0, BLOCK_M)\nq_pos = q_idx + (Nk - Nq)\nq_ok = q_idx < Nq\n")
+    return ("b = pid_bh // HQ\nh = pid_bh % HQ\nhk = h // GROUP\n" + kv_length(kernel)
+            + f"q_idx = pid_n * BLOCK_M + tl.arange(0, BLOCK_M)\nq_pos = q_idx + {query_shift(kernel)}\n"
+            "q_ok = q_idx < Nq\n")
 
 
 def _side(kernel: LoweredProgram, x: str, first: str, gradient: bool) -> str:
@@ -74,7 +75,9 @@ def pass_params(kernel: LoweredProgram, sides: tuple[str, ...], gradient: bool) 
     pointers += [f"G{x.upper()}" for x in sides] if gradient else []
     owners = [(x, x.upper()) for x in sides] + [(f"{x}o", f"{x.upper()}Out") for x in sides]  # (prefix, tensor)
     return (params(TENSOR, *pointers) + tuple(p for prefix, owner in owners for p in strides(prefix, "bhnd", owner))
-            + params(INT, "HQ", "Nq", "N_K", "BATCH") + kernel.args() + constexpr_params(kernel))
+            + params(INT, "HQ", "Nq", "N_K", "BATCH") + (params(INT, "Q_OFFSET", "K_OFFSET", "N_SEQ")
+                                                         if kernel.config.positions else ())
+            + kernel.args() + constexpr_params(kernel))
 
 
 def generate_pass(kernel: LoweredProgram, name: str, parameters: tuple[Param, ...], sides: tuple[str, ...],

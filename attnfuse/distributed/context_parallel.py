@@ -1,0 +1,256 @@
+"""``context_parallel``: one attention program over a sequence split across the ranks of a process group.
+
+Each rank holds its shard of q, k and v (``layout.shard``). The K/V shards travel around a ring (``ring.py``)
+while each rank runs the program's kernels on its query chunks against the key chunks at hand, at their
+global positions (``q_offset``, ``k_offset``, ``seq_len``: one compiled kernel serves every chunk pair).
+Results over the chunks of keys merge by the normaliser's combine rule (``merge.py``). The backward runs
+the backward kernels on the same pairs, with the rows' global out and lse; dK and dV accumulate (in
+float32) while they travel the ring back to their owners, so no gradient is accumulated with atomics and
+every sum has a fixed order.
+"""
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+import attrs
+import torch
+
+from ..errors import InputError
+from ..lru import LRUCache
+from ..passes.lower import LoweredProgram
+from ..program import AttentionProgram
+from ..runtime.autograd import _FirstOrderOnly
+from ..runtime.hoisted import HoistedForward
+from ..runtime.inputs import DTYPES, Positions, accumulator_dtype, check_inputs, kernel_config, kv_cache
+from ..runtime.launch import compile_forward, compile_hoisted, compile_plan, keeps_lse, planned
+from ..runtime.offsets import inputs_fit
+from .layout import check_layout, check_same, chunk_count, group_of, rank_chunks, unshard
+from .merge import merge, nothing
+from .pairs import RingProgram, keeps_any, ring_program
+from .ring import Ring
+
+MAX_PROGRAMS = 64  # graphs whose ring checks are kept (a program's traces: one per static setting)
+
+
+def context_parallel(program: AttentionProgram, group: Any = None, layout: str = "zigzag",
+                     sharded: dict[str, int] | None = None) -> ContextParallel:
+    """``program`` over a sequence split across the ranks of ``group`` (None: the default group).
+
+    The result is called like the program, on each rank with its shards of q (B, Hq, N/W, D), k and v
+    (B, Hkv, N/W, D/DV) (``attnfuse.distributed.shard`` with the same ``layout``), and returns the rank's
+    shard of out (B, Hq, N/W, DV), or (out, lse) with ``return_lse=True``: equal to the program on the whole
+    sequence, forward and backward. Every rank must call it (it communicates).
+
+    :param layout: ``"zigzag"`` (rank r holds chunks r and 2W-1-r of 2W: balanced under a causal mask) or
+        ``"contiguous"`` (chunk r of W: for programs without a causal mask).
+    :param sharded: the runtime inputs given as this rank's shards, by argument name, with the dim that
+        holds their sequence (RoPE tables (N, D): ``{"cos": 0, "sin": 0}``); they are gathered once per call.
+        Other runtime inputs are passed whole, the same on every rank (indexed by position, or per head).
+    """
+    return ContextParallel(program, group, layout, sharded)
+
+
+class ContextParallel:
+    """A program split over the ranks of a group (see ``context_parallel``)."""
+
+    def __init__(self, program: AttentionProgram, group: Any, layout: str, sharded: dict[str, int] | None):
+        if not isinstance(program, AttentionProgram):
+            raise InputError(f"context_parallel: program must be an @af.attention program, got "
+                             f"{type(program).__name__}")
+        self.program = program
+        self.layout = check_layout(layout)
+        group, rank, world = group_of(group)
+        if world == 1:
+            raise InputError("context_parallel: the group has one rank, so there is nothing to split; call the "
+                             "program itself")
+        self.ring = Ring(group, rank, world)
+        self._programs: LRUCache[Any, RingProgram] = LRUCache(MAX_PROGRAMS)
+        self.sharded = dict(sharded or {})
+        for name, dim in self.sharded.items():
+            if not isinstance(dim, int) or isinstance(dim, bool):
+                raise InputError(f"context_parallel: sharded[{name!r}] must be the int dim of its sequence, got "
+                                 f"{dim!r}")
+
+    def ring_program(self, graph: Any, lowered: LoweredProgram) -> RingProgram:
+        """The ring's view of a traced program (checked once per graph)."""
+        return self._programs.get_or_build(graph, lambda: ring_program(lowered))
+
+    def __call__(self, *args: Any, return_lse: bool = False, **kwargs: Any):
+        """out (B, Hq, N/W, DV) of this rank's rows, or (out, lse) with lse (B, Hq, N/W) float32."""
+        (q, k, v), args, kwargs = self.program._take_qkv(args, kwargs)
+        statics, inputs = self.program._bind(args, kwargs)
+        graph = self.program._trace(statics)
+        check_inputs(q, k, v)
+        ring = self.ring
+        n = q.shape[2]
+        if k.shape[2] != n or v.shape[2] != n:
+            raise InputError(f"context_parallel: q, k and v shards must have the same length, got {n}, {k.shape[2]} "
+                             f"and {v.shape[2]}")
+        per_rank = len(rank_chunks(self.layout, ring.rank, ring.world))
+        if n % per_rank:
+            raise InputError(f"context_parallel: a shard of {n} rows cannot hold {per_rank} equal chunks (layout "
+                             f"{self.layout!r}): the sequence length must be a multiple of "
+                             f"{chunk_count(self.layout, ring.world)}")
+        check_same(ring.group, ring.world, q.device, {"q's shape": list(q.shape), "k's shape": list(k.shape),
+                                                     "v's shape": list(v.shape),
+                                                     "dtype": [list(DTYPES).index(q.dtype)]}, "context_parallel")
+        for name, dim in self.sharded.items():
+            if name not in inputs:
+                raise InputError(f"context_parallel: sharded names {name!r}, which is not a runtime input of this "
+                                 f"call ({', '.join(inputs) or 'none'})")
+            inputs[name] = unshard(inputs[name], ring.group, self.layout, dim)
+        wanted = [name for name, t in inputs.items() if isinstance(t, torch.Tensor) and t.requires_grad]
+        if wanted:
+            raise InputError(f"context_parallel: runtime inputs {wanted} require grad, which a ring does not "
+                             f"compute; pass them detached")
+        call = _Call(self, graph, inputs, q, k, v, return_lse)
+        if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+            out, lse = _RingAttention.apply(call, q, k, v)
+        else:
+            out, lse = call.forward(q, k, v)
+        return (out, lse) if return_lse else out
+
+
+class _Call:
+    """One call's ring: its program, inputs and chunk geometry, the kernels of its chunk pairs, the pairs
+    the masks keep anything in, and the forward and backward loops."""
+
+    def __init__(self, cp: ContextParallel, graph: Any, inputs: dict[str, Any], q: torch.Tensor, k: torch.Tensor,
+                 v: torch.Tensor, return_lse: bool):
+        ring = self.ring = cp.ring
+        self.inputs = inputs
+        self.q_chunks = rank_chunks(cp.layout, ring.rank, ring.world)
+        self.owners = [rank_chunks(cp.layout, r, ring.world) for r in range(ring.world)]
+        self.size = q.shape[2] // len(self.q_chunks)  # rows of a chunk
+        self.seq_len = self.size * chunk_count(cp.layout, ring.world)
+        self.dtype = accumulator_dtype(q.dtype)
+        wants_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+        rows = self._rows(q, 0)
+        kv = self._kv(k.contiguous(), v.contiguous(), 0, 0, 0)  # as the ring passes them on
+        inputs_wide = bool(inputs) and not inputs_fit(inputs)
+        has_lse = keeps_lse(graph, return_lse)
+        config = kernel_config(rows, kv, has_lse, inputs_wide)  # planned's for this call: checked before it runs
+        self.program = cp.ring_program(graph, compile_plan(graph, config).lowered)
+        self.forward_kernel, _, self.backward_kernels = planned(
+            graph, rows, kv.k, kv.v, None, None, has_lse, wants_grad, False, inputs_wide, kv.positions)
+        self.partial_kernel = None
+        if self.program.partial:  # every row's result counts the normaliser's key-independent term once
+            config = attrs.evolve(self.forward_kernel.plan.config, partial=True)
+            hoisted = isinstance(self.forward_kernel, HoistedForward)
+            self.partial_kernel = (compile_hoisted if hoisted else compile_forward)(graph, config)
+        self._kept: dict[tuple[int, int], bool] = {}
+        self._names = {"Nk": self.seq_len, "HQ": q.shape[1], "GROUP": q.shape[1] // k.shape[1]}
+
+    def _rows(self, x: torch.Tensor, i: int) -> torch.Tensor:
+        """Chunk ``i`` (in this shard's order) of a shard (B, H, N/W, ...) or of its lse (B, H, N/W)."""
+        return x.narrow(2, i * self.size, self.size)
+
+    def _kv(self, k: torch.Tensor, v: torch.Tensor, j: int, q_chunk: int, k_chunk: int):
+        """The KV view of key chunk ``j`` of a K/V shard, against query chunk ``q_chunk``, at their positions."""
+        positions = Positions(q_chunk * self.size, k_chunk * self.size, self.seq_len)
+        return kv_cache(self._rows(k, j), self._rows(v, j), None, None, positions)
+
+    def _pairs(self, step: int):
+        """(query slot, query chunk, key slot, key chunk) of a step: the keys of rank (rank - step)'s shard."""
+        owner = self.owners[(self.ring.rank - step) % self.ring.world]
+        return itertools.product(enumerate(self.q_chunks), enumerate(owner))
+
+    def _keeps(self, q_chunk: int, k_chunk: int) -> bool:
+        """Whether some query of ``q_chunk`` may keep some key of ``k_chunk`` (the masks' facts)."""
+        key = (q_chunk, k_chunk)
+        if key not in self._kept:
+            s = self.size
+            self._kept[key] = keeps_any(self.program.masks, range(q_chunk * s, q_chunk * s + s),
+                                        range(k_chunk * s, k_chunk * s + s), self._names)
+        return self._kept[key]
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """This shard's out (B, Hq, N/W, DV) in q's dtype and lse (B, Hq, N/W) (None for a "sum" normaliser).
+        With a ``partial`` normaliser fragment, each query chunk's pair with its own key chunk (step 0) runs
+        the whole fragment, launched even if its mask keeps nothing there, and every other pair the partial."""
+        combine = self.program.combine
+        totals: list = [None] * len(self.q_chunks)
+        kv = (k.contiguous(), v.contiguous())
+        for step in range(self.ring.world):
+            transfer = self.ring.pass_on(kv) if step + 1 < self.ring.world else None
+            for (i, qc), (j, kc) in self._pairs(step):
+                counts_term = step == 0 and qc == kc  # with a partial fragment: the one pair that runs the whole
+                if not (self._keeps(qc, kc) or (counts_term and self.partial_kernel is not None)):
+                    continue
+                kernel = self.forward_kernel if counts_term or self.partial_kernel is None else self.partial_kernel
+                part = kernel(self._rows(q, i), self._kv(*kv, j, qc, kc), self.inputs)
+                totals[i] = merge(totals[i], part, combine, self.dtype)
+            if transfer is not None:
+                kv = transfer.wait()
+        out = q.new_empty((*q.shape[:3], v.shape[3]))
+        lse = q.new_empty(q.shape[:3], dtype=self.dtype) if combine == "logsumexp" else None
+        for i, total in enumerate(totals):
+            chunk_out, chunk_lse = total or nothing((*q.shape[:2], self.size), v.shape[3], combine, self.dtype,
+                                                    q.device)
+            self._rows(out, i).copy_(chunk_out)
+            if lse is not None:
+                self._rows(lse, i).copy_(chunk_lse)
+        return out, lse
+
+    def backward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                 lse: torch.Tensor | None, dout: torch.Tensor | None, dlse: torch.Tensor | None
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """dq, dk, dv of this rank's shards, in their dtypes. Each pair runs the backward kernels with its
+        rows' global out and lse; dQ sums here, dK and dV in float32 buffers that travel with the keys."""
+        dout = torch.zeros_like(out) if dout is None else dout
+        dq = torch.zeros(q.shape, dtype=self.dtype, device=q.device)
+        dkv = (torch.zeros(k.shape, dtype=self.dtype, device=k.device),
+               torch.zeros(v.shape, dtype=self.dtype, device=v.device))
+        kv = (k.contiguous(), v.contiguous())
+        sums = None  # dK, dV on their way from the previous rank
+        for step in range(self.ring.world):
+            transfer = self.ring.pass_on(kv) if step + 1 < self.ring.world else None
+            parts = []
+            for (i, qc), (j, kc) in self._pairs(step):
+                if not self._keeps(qc, kc):
+                    continue
+                rows_lse = None if lse is None else self._rows(lse, i).contiguous()
+                rows_dlse = None if dlse is None else self._rows(dlse, i).contiguous()
+                dq_i, dk_j, dv_j, _ = self.backward_kernels(
+                    self._rows(q, i), self._kv(*kv, j, qc, kc), self._rows(out, i), rows_lse,
+                    self._rows(dout, i), rows_dlse, self.inputs)
+                self._rows(dq, i).add_(dq_i)
+                parts.append((j, dk_j, dv_j))
+            if sums is not None:
+                dkv = sums.wait()
+            for j, dk_j, dv_j in parts:
+                self._rows(dkv[0], j).add_(dk_j)
+                self._rows(dkv[1], j).add_(dv_j)
+            sums = self.ring.pass_on(dkv)
+            if transfer is not None:
+                kv = transfer.wait()
+        dk, dv = sums.wait()  # this rank's own keys' gradients, back from the last rank they visited
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+class _RingAttention(torch.autograd.Function):
+    """out, lse = ring(q, k, v); the backward runs the ring's backward. First order only, as a program
+    call is."""
+
+    @staticmethod
+    def forward(ctx, call: _Call, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+        out, lse = call.forward(q, k, v)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.call = call
+        ctx.set_materialize_grads(False)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout: torch.Tensor | None, dlse: torch.Tensor | None):
+        q, k, v, out, lse = ctx.saved_tensors
+
+        def gradients() -> tuple[torch.Tensor, ...]:
+            return ctx.call.backward(q, k, v, out, lse, dout, dlse)
+
+        if torch.is_grad_enabled():  # create_graph=True: the results must raise if differentiated again
+            grads = _FirstOrderOnly.apply(gradients, *(t for t in (q, k, v, dout, dlse) if t is not None))
+        else:
+            grads = gradients()
+        return (None, *grads)
