@@ -7,8 +7,10 @@ competes with the keys for weight but carries no value, so a head may attend to 
 
 ``sinks`` is a float tensor (Hq,), passed at every call. The log-sum-exp includes the sink, and a row that
 keeps no key gives output 0 and lse ``sinks[h]``. Gradients flow to q, k and v; the kernels give the sinks
-none, so pass them detached (``attnfuse.hf`` adds their gradient from the lse for GPT-OSS). Split-KV
-decoding is not offered (``combine=None``): each split would count the sink again.
+none, so pass them detached (``attnfuse.hf`` adds their gradient from the lse for GPT-OSS). Partial results
+over disjoint keys merge by log-sum-exp when only one of them counts the sink: the others run ``partial``,
+softmax's fragment, which leaves it out. Context parallelism (``attnfuse.distributed``) does that; split-KV
+decoding, whose splits are alike, is not offered.
 """
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ import torch
 from attnfuse.combinator import Combinator, NormaliserFragment, Param, Role, TensorArg
 from attnfuse.errors import InputError
 from attnfuse.hookspecs import hookimpl
+from attnfuse_plugins.softmax import COMBINATOR as SOFTMAX
 
 LOG2E = 1.4426950408889634
 
@@ -97,9 +100,11 @@ COMBINATOR = Combinator(
         recompute="p = tl.math.exp2(s - lse2[:, None])",
         grad="ds = p * (dp - delta[:, None])",    # d lse / d s_j = p_j: the sink only changes lse
         needs_delta=True,
-        combine=None,
+        combine="logsumexp",
+        partial=SOFTMAX.fragment,                 # a partial result over keys alone: the sink left out
     ),
     examples=examples,
+    takes_offsets=True,                           # its one tensor is read by head, never by position
 )
 
 

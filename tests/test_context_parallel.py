@@ -56,7 +56,7 @@ def window_alibi(q, k, v):
 
 @af.attention
 def sinks_window(q, k, v, sinks):
-    return af.cp_sinks(af.sliding_window(af.scaled_dot_product(q, k), 13), sinks) @ v
+    return af.softmax_with_sinks(af.sliding_window(af.scaled_dot_product(q, k), 13), sinks) @ v
 
 
 @af.attention
@@ -70,8 +70,8 @@ def sigmoid_window(q, k, v):
 
 
 @af.attention
-def contrib_sinks(q, k, v, sinks):
-    return af.softmax_with_sinks(af.causal(af.scaled_dot_product(q, k)), sinks) @ v
+def no_combine(q, k, v):
+    return af._cp_no_combine(af.causal(af.scaled_dot_product(q, k))) @ v
 
 
 @af.attention
@@ -95,14 +95,11 @@ class _Provides:
         return list(self.combinators)
 
 
-def _register_sinks_once() -> None:
-    """``cp_sinks``: the installed softmax_with_sinks with the declarations a ring needs (what that plugin
-    should declare): a combine rule, softmax's fragment as its ``partial`` (which leaves the sink out), and
-    that it takes offsets (its one tensor is read by head)."""
-    sinks = af.combinators()["softmax_with_sinks"].combinator
-    partial = af.combinators()["softmax"].combinator.fragment
-    af.register_plugin(_Provides(attrs.evolve(sinks, name="cp_sinks", takes_offsets=True, fragment=attrs.evolve(
-        sinks.fragment, combine="logsumexp", partial=partial))), name="cp_sinks")
+def _register_no_combine_once() -> None:
+    """``_cp_no_combine``: softmax without a combine rule, which a ring cannot merge."""
+    softmax = af.combinators()["softmax"].combinator
+    af.register_plugin(_Provides(attrs.evolve(softmax, name="_cp_no_combine", fragment=attrs.evolve(
+        softmax.fragment, combine=None))), name="_cp_no_combine")
 
 
 # name: (program, layout, (B, Hq, Hkv), extras, sharded); chunks of 10 rows, head dim 16
@@ -206,7 +203,7 @@ def _errors(afd, world: int, rank: int) -> dict[str, str]:
         return torch.randn(1, h, n, D)
 
     found = {
-        "no_combine": _error(lambda: afd.context_parallel(contrib_sinks)(q(), q(h=1), q(h=1), torch.zeros(2))),
+        "no_combine": _error(lambda: afd.context_parallel(no_combine)(q(), q(h=1), q(h=1))),
         "block_sparse": _error(lambda: afd.context_parallel(sparse)(q(), q(), q(), af.create_block_mask(
             lambda b, h, qb, kb: qb >= kb, None, None, 20, 20, block_size=16))),
         "reads_indices": _error(lambda: afd.context_parallel(biased)(q(), q(), q(), torch.zeros(20, 20))),
@@ -232,7 +229,7 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
     torch.manual_seed(rank)  # the draws of the launch counts and the errors (the cases seed their own)
     import attnfuse.distributed as afd
 
-    _register_sinks_once()
+    _register_no_combine_once()
     results: dict = {"cases": {}, "launches": {}}
     try:
         rings = {name: _ring(afd, name, world) for name in CASES}
@@ -284,7 +281,7 @@ def test_pairs_a_mask_empties_are_skipped(ring):
 
 
 ERRORS = {  # the message each rank gets, {w} the world size and {c} the zigzag chunk count 2w
-    "no_combine": r"ProgramError: context_parallel: the normaliser softmax_with_sinks declares no combine rule",
+    "no_combine": r"ProgramError: context_parallel: the normaliser _cp_no_combine declares no combine rule",
     "block_sparse": r"ProgramError: context_parallel: the mask block_sparse lists blocks by their index",
     "reads_indices": r"ProgramError: context_parallel: additive_bias reads k_idx, q_idx: indices",
     "odd_shard": r"InputError: context_parallel: a shard of 21 rows cannot hold 2 equal chunks \(layout 'zigzag'\): "
