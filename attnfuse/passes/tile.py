@@ -5,24 +5,10 @@ wins; the table runs from specific to general and ends with a rule that matches 
 """
 from __future__ import annotations
 
-from attrs import field, frozen
+from attrs import frozen
 
+from ..plan import TileConfig
 from ..plugin_manager import tile_rules
-
-
-def _tile_size(_, attribute, value: int) -> None:
-    if value < 16 or value & (value - 1):
-        raise ValueError(f"{attribute.name} must be a power of two >= 16, got {value}")
-
-
-@frozen(kw_only=True)
-class TileConfig:
-    """Launch shape of one kernel: BLOCK_M query rows by BLOCK_N keys per step."""
-
-    block_m: int = field(validator=_tile_size)
-    block_n: int = field(validator=_tile_size)
-    num_warps: int = 4
-    num_stages: int = 2
 
 
 @frozen(kw_only=True)

@@ -8,7 +8,7 @@ import torch
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from ..passes.hopper import HopperPlan
+from ..plan import HopperPlan
 from .hopper_dkdv_kernel import hopper_dkdv_kernel
 from .hopper_kernel import hopper_forward_kernel
 from .launcher import Launcher, cdiv, multiprocessors

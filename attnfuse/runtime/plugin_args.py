@@ -6,8 +6,7 @@ from typing import Any, NamedTuple
 import torch
 
 from ..errors import InputError, PluginError
-from ..passes.launch_spec import STRIDE
-from ..passes.lower import LoweredProgram
+from ..plan import Plan
 from .inputs import KVCache, launch_context
 
 
@@ -23,22 +22,21 @@ class Prepared(NamedTuple):
 
 
 class PluginArgs:
-    """The kernel arguments the plugins of one lowered program give through ``prepare``."""
+    """The kernel arguments the plugins of one plan give through ``prepare``."""
 
-    def __init__(self, lowered: LoweredProgram):
-        self._plugins = tuple((inst, inst.apply.declaration) for inst in lowered.instances() if inst.args)
-        self._names = tuple(p.name for p in lowered.args() if p.kind != STRIDE)  # strides come with tensors
-        listing = next((m.fragment.block_list for m in lowered.masks if m.fragment.block_list is not None), None)
-        self._limit = listing and listing.size
-        self._split = listing and listing.q_split
+    def __init__(self, plan: Plan):
+        self._plugins = tuple((call.prefix, call.apply, call.apply.declaration) for call in plan.plugin_calls)
+        self._names = plan.plugin_args
+        self._limit = plan.block_limit
+        self._split = plan.heavy_split
 
     def __call__(self, q: torch.Tensor, kv: KVCache, inputs: dict[str, Any]) -> Prepared:
         """The plugins' arguments for one call."""
         args: list = []
         scalars: dict[str, Any] = {}
         ctx = launch_context(q, kv) if self._plugins else None
-        for inst, comb in self._plugins:
-            prepared = comb.prepare(ctx, **inst.apply.values(inputs))
+        for prefix, apply, comb in self._plugins:
+            prepared = comb.prepare(ctx, **apply.values(inputs))
             for t in comb.tensors:
                 tensor = prepared[t.name]
                 if not isinstance(tensor, torch.Tensor) or tensor.dim() != t.rank:
@@ -49,7 +47,7 @@ class PluginArgs:
                 args.append(tensor)
             for sc in comb.scalars:
                 args.append(prepared[sc.name])
-                scalars[f"{inst.prefix}_{sc.name}"] = prepared[sc.name]
+                scalars[f"{prefix}_{sc.name}"] = prepared[sc.name]
         return Prepared(dict(zip(self._names, args, strict=True)),
                         None if self._limit is None else int(scalars[self._limit]),
                         int(scalars[self._split]) if self._split else 0)
