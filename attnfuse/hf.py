@@ -23,11 +23,10 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 import attnfuse as af
 from .errors import InputError
+from .hf_rope import ROPE_KWARG, fuse
 from .program import AttentionProgram
 
 __all__ = ["attention_forward", "fuse_rope", "register"]
-
-ROPE_KWARG = "attnfuse_rope"  # (cos (B, Nq, D), sin, rotate_keys), passed by fuse_rope's forwards
 
 
 @af.attention
@@ -159,6 +158,4 @@ AttentionMaskInterface.register("attnfuse", sdpa_mask)
 def fuse_rope(model: torch.nn.Module) -> torch.nn.Module:
     """Run the rotary embedding of ``model``'s attention layers inside the kernel (Llama, Mistral, Qwen2,
     Qwen3); switches the model to ``attn_implementation="attnfuse"``. Returns the model."""
-    from .hf_rope import fuse
-
     return fuse(model)

@@ -18,8 +18,8 @@ from typing import Any, Callable
 import torch
 
 from .errors import InputError
-from .hf import ROPE_KWARG
 
+ROPE_KWARG = "attnfuse_rope"  # (cos (B, Nq, D), sin, rotate_keys), passed by the fused layers' forwards
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3")  # modeling modules whose attention rotates this way
 CACHE_ARGUMENTS = ("cache", "past_key_values", "past_key_value")  # the name differs between versions
 
