@@ -328,9 +328,12 @@ def lookup(name: str) -> Combinator:
     return registered(name).combinator
 
 
-def tile_rules() -> list:
-    """Tile rules contributed by plugins (see ``attnfuse_tile_configs``)."""
-    rules: list = []
-    for result in plugin_manager().hook.attnfuse_tile_configs():
-        rules.extend(result or ())
-    return rules
+def tile_config(kernel: str, arch: str, variant: str, head_dim: int) -> Any:
+    """The tiles plugins choose for one kernel: the first ``attnfuse_tile_config`` result, else the config of
+    the first matching rule of ``attnfuse_tile_configs``; None when no plugin chooses."""
+    hook = plugin_manager().hook
+    config = hook.attnfuse_tile_config(kernel=kernel, arch=arch, variant=variant, head_dim=head_dim)
+    if config is None:
+        config = next((rule.config for rules in hook.attnfuse_tile_configs() for rule in rules or ()
+                       if rule.matches(kernel, arch, variant, head_dim)), None)
+    return config
