@@ -9,7 +9,6 @@ the names given are exactly the kernel's.
 from __future__ import annotations
 
 import functools
-import itertools
 import operator
 from typing import Any, Callable
 
@@ -101,10 +100,14 @@ class LaunchSpec:
     def bind(self, args: dict[str, Any]) -> tuple:
         """The runtime arguments in the kernel's order, from ``args``: every tensor, int and scalar parameter
         by name (a stride parameter comes from its tensor's strides)."""
-        if args.keys() != self._given:
+        try:
+            flat = self._get_given(args)
+            for tensor in self._get_owners(args):
+                flat += tensor.stride()
+        except KeyError:
             _mismatch(self.kernel, "argument", args.keys(), self._given)
-        flat = self._get_given(args) + tuple(itertools.chain.from_iterable(
-            [t.stride() for t in self._get_owners(args)]))
+        if len(args) != len(self._given):
+            _mismatch(self.kernel, "argument", args.keys(), self._given)
         if len(flat) != self._count:
             raise TypeError(f"{self.kernel}: a tensor argument has the wrong number of dimensions for its strides")
         return self._order(flat)

@@ -93,8 +93,8 @@ def planned(graph: ir.MatMulPV, q: Any, k: Any, v: Any, inputs: dict[str, Any], 
     """The call's ``Call``, decided once per call signature. ``grads``: None when no gradient is wanted,
     else the runtime inputs whose gradients are (``wanted_grads``)."""
     signature = (graph, _meta(q), _meta(k), _meta(v), _meta(kv_lens), _meta(block_table),
-                 tuple([(name, _meta(value)) for name, value in inputs.items()]), return_lse, grads, split_kv,
-                 torch.backends.cuda.matmul.allow_tf32)
+                 tuple([(name, _meta(value)) for name, value in inputs.items()]) if inputs else (),
+                 return_lse, grads, split_kv, torch.backends.cuda.matmul.allow_tf32)
     call = _calls.get(signature)
     if call is None:
         call = _calls.get_or_build(signature, lambda: _decide(graph, q, k, v, inputs, kv_lens, block_table,
