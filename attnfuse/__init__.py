@@ -12,13 +12,14 @@ Every registered combinator (built-in or from an installed plugin) is an attribu
 """
 from __future__ import annotations
 
+import pkgutil
 from typing import Any, Callable
 
 from .block_mask import BlockMask, create_block_mask
 from .combinator import Combinator, Role
 from .errors import AttnFuseError, InputError, KernelCacheError, PluginError, ProgramError, UnsupportedError
 from .hookspecs import hookimpl
-from .plugin_manager import combinators, register_plugin, unregister_plugin
+from .plugin_manager import combinators, register_plugin, reserve_names, unregister_plugin
 from .program import AttentionProgram, attention
 from .recompile import RecompileWarning
 from .runtime.launch import run_attention
@@ -53,3 +54,6 @@ def __getattr__(name: str) -> Any:
 
 def __dir__() -> list[str]:
     return sorted(set(globals()) | set(combinators()))
+
+
+reserve_names({*globals(), *__all__, *(module.name for module in pkgutil.iter_modules(__path__))})

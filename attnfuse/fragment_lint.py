@@ -258,13 +258,13 @@ def old_accumulator_fields(fragment: Any) -> list[str]:
 
 
 def refuse_old_accumulator(comb: Combinator, fragment: Any, distribution: str, accumulator: str) -> None:
-    """Raise InputError when ``fragment`` spells tl.float32 and the call accumulates in ``accumulator``
-    (``tl.float64`` for float64 inputs): it would silently compute in float32."""
+    """Raise InputError when ``fragment`` spells tl.float32 and the call accumulates in dtype ``accumulator``
+    ("float64" for float64 inputs): it would silently compute in float32."""
     old = old_accumulator_fields(fragment)
-    if old and accumulator != "tl.float32":
+    if old and accumulator != "float32":
         raise InputError(f"{_where(comb, distribution, old)}: spells the accumulation type tl.float32 (the "
                          f"deprecated contract of 2026-11-30), so it would compute in float32 for these "
-                         f"{accumulator[3:]} inputs; call it with float32, float16 or bfloat16 inputs, or write "
+                         f"{accumulator} inputs; call it with float32, float16 or bfloat16 inputs, or write "
                          f"$acc_dtype in that fragment (tl.float32, or tl.float64 for float64 inputs)")
 
 

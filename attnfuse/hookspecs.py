@@ -29,11 +29,29 @@ def attnfuse_combinators() -> list:
     """
 
 
+@hookspec(firstresult=True)
+def attnfuse_tile_config(kernel: str, arch: str, variant: str, head_dim: int):
+    """Choose the tiles of one generated kernel, or leave the choice to the next plugin.
+
+    Called when a program is compiled, for each kernel kind. The first implementation that returns tiles
+    decides (pluggy's ``firstresult``), before the rules of ``attnfuse_tile_configs`` and the built-in table.
+    An implementation takes only the arguments it uses, by name. Call
+    ``attnfuse.runtime.launch.clear_cache()`` after registering one at run time.
+
+    :param kernel: "forward", "dkdv", "dq" or "decode".
+    :param arch: "sm90", "sm80", ... or "interpreter".
+    :param variant: "dense", "masked", "window", "listed" or "rope" (``attnfuse.passes.tile.TileRule``).
+    :param head_dim: the wider head dim of q/k and v, padded to a power of two.
+    :return: an :class:`attnfuse.plan.TileConfig`, or None.
+    """
+
+
 @hookspec
 def attnfuse_tile_configs() -> list:
-    """Return tile configurations that take precedence over the built-in tuning table.
+    """Return tile rules that take precedence over the built-in tuning table.
 
     :return: a list of :class:`attnfuse.passes.tile.TileRule`. The first rule matching a kernel's
-        (kernel kind, arch, variant, head dim) wins; plugins' rules are tried before the built-in table.
-        Call ``attnfuse.runtime.launch.clear_cache()`` after registering rules at run time.
+        (kernel kind, arch, variant, head dim) wins; plugins' rules are tried after ``attnfuse_tile_config``
+        and before the built-in table. Call ``attnfuse.runtime.launch.clear_cache()`` after registering
+        rules at run time.
     """

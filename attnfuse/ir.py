@@ -7,11 +7,13 @@ keyed by the graph (equal structure, equal key) and the launch configuration.
 from __future__ import annotations
 
 import hashlib
-from typing import TYPE_CHECKING, Any, Union
+from typing import TYPE_CHECKING, Any, Callable, Union
 
+import attrs
 from attrs import field, frozen
 from attrs.validators import deep_iterable, in_, instance_of
 
+from .combinator import INPUT
 from .errors import ProgramError
 from .static_values import literal
 
@@ -32,7 +34,7 @@ def _static_value(value: Any) -> bool:
 class TensorSym:
     """An argument of the traced function: ``q``, ``k``, ``v`` or a runtime ``input`` (bias, tables, ...)."""
 
-    name: str
+    name: str = field(validator=instance_of(str))
     kind: str = field(validator=in_(("q", "k", "v", "input")))
 
 
@@ -75,6 +77,11 @@ class Apply:
         """Every parameter's value, runtime inputs looked up by argument name in ``inputs``."""
         return {n: inputs[v.name] if isinstance(v, TensorSym) else v for n, v in self.params}
 
+    def fragment(self) -> Any:
+        """The combinator's fragment for this application, before substitution (a fragment function gets
+        the parameters: static values, and ``INPUT`` for each runtime input given)."""
+        return self.declaration.fragment_for({n: INPUT if isinstance(v, TensorSym) else v for n, v in self.params})
+
     def __str__(self) -> str:
         args = ", ".join(f"{n}={v.name if isinstance(v, TensorSym) else literal(v)}" for n, v in self.params)
         return f"{self.combinator}({args})"
@@ -84,10 +91,10 @@ class Apply:
 class ScoreOp:
     """s = (T(q)·T(k)ᵀ)·scale: the qk transforms T applied in order, then the source's own (rope's rotation)."""
 
-    q: TensorSym
-    k: TensorSym
+    q: TensorSym = field(validator=instance_of(TensorSym))
+    k: TensorSym = field(validator=instance_of(TensorSym))
     transforms: tuple[Apply, ...] = field(converter=tuple, validator=deep_iterable(instance_of(Apply)))
-    source: Apply
+    source: Apply = field(validator=instance_of(Apply))
 
 
 Score = Union[ScoreOp, "BiasOp", "MaskOp"]
@@ -104,7 +111,7 @@ class BiasOp:
     """A score modification: s <- g(s, ...)."""
 
     input: Score = field(validator=_score_node)
-    apply: Apply
+    apply: Apply = field(validator=instance_of(Apply))
 
 
 @frozen(kw_only=True, cache_hash=True)
@@ -112,7 +119,7 @@ class MaskOp:
     """A mask: keys it does not keep get weight 0, whatever comes after."""
 
     input: Score = field(validator=_score_node)
-    apply: Apply
+    apply: Apply = field(validator=instance_of(Apply))
 
 
 @frozen(kw_only=True, cache_hash=True)
@@ -120,7 +127,7 @@ class NormOp:
     """The normaliser turning scores into weights."""
 
     input: Score = field(validator=_score_node)
-    apply: Apply
+    apply: Apply = field(validator=instance_of(Apply))
 
 
 @frozen(kw_only=True, cache_hash=True)
@@ -128,7 +135,43 @@ class MatMulPV:
     """out = weights @ v: the root of every graph."""
 
     weights: NormOp = field(validator=instance_of(NormOp))
-    v: TensorSym
+    v: TensorSym = field(validator=instance_of(TensorSym))
+
+    @property
+    def has_lse(self) -> bool:
+        """Whether the program's normaliser keeps a log-sum-exp (``return_lse`` needs one; softmax has)."""
+        return self.weights.apply.fragment().has_lse
+
+
+_NODES = {cls.__name__: cls for cls in (TensorSym, Apply, ScoreOp, BiasOp, MaskOp, NormOp, MatMulPV)}
+
+
+def to_data(value: Any) -> Any:
+    """An IR node (or a static value) as plain data, JSON's types only: a node is ``{"node": <type>, <field>:
+    <data>, ...}`` (an application without its resolved record), a tuple ``{"tuple": [...]}``."""
+    if isinstance(value, tuple):
+        return {"tuple": [to_data(v) for v in value]}
+    if isinstance(value, tuple(_NODES.values())):
+        return {"node": type(value).__name__,
+                **{f.name: to_data(getattr(value, f.name)) for f in attrs.fields(type(value)) if f.eq}}
+    return value
+
+
+def from_data(data: Any, resolve: Callable[[str], Registered]) -> Any:
+    """The node (or value) ``to_data`` gave ``data`` for, each application's combinator resolved by
+    ``resolve(name)``; constructors only (their checks run), so no data can run code. A ``KeyError``,
+    ``TypeError`` or ``ValueError`` for data no node gives."""
+    if isinstance(data, list):
+        raise TypeError("a list where a node, a tuple or a static value belongs")
+    if not isinstance(data, dict):
+        return data
+    if data.keys() == {"tuple"} and isinstance(data["tuple"], list):
+        return tuple(from_data(v, resolve) for v in data["tuple"])
+    cls = _NODES[data["node"]]
+    fields = {name: from_data(value, resolve) for name, value in data.items() if name != "node"}
+    if cls is Apply:
+        fields["record"] = resolve(fields["combinator"])
+    return cls(**fields)
 
 
 def signature(graph: MatMulPV) -> str:

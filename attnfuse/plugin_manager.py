@@ -19,7 +19,7 @@ import importlib.metadata
 import os
 import threading
 import warnings
-from typing import Any
+from typing import Any, Iterable
 
 import attrs
 import pluggy
@@ -69,6 +69,7 @@ _broken: list[BrokenPlugin] = []
 _manager: pluggy.PluginManager | None = None
 _distributions: dict[str, str] = {}
 _registry: dict[str, Registered] | None = None
+_reserved: frozenset[str] = frozenset()  # the names the attnfuse module defines (``reserve_names``)
 
 
 def _autoload_disabled() -> bool:
@@ -202,20 +203,18 @@ def broken_plugins() -> list[BrokenPlugin]:
         return list(_broken)
 
 
-def _reserved_names() -> set[str]:
-    """Names the ``attnfuse`` module defines itself (API, submodules), so ``af.<name>`` cannot reach a
-    combinator of that name."""
-    import pkgutil
-
-    import attnfuse
-
-    submodules = {m.name for m in pkgutil.iter_modules(attnfuse.__path__)}
-    return set(vars(attnfuse)) | set(attnfuse.__all__) | submodules
+def reserve_names(names: Iterable[str]) -> None:
+    """Keep ``names``, those the ``attnfuse`` module defines itself (its API and submodules; its
+    ``__init__`` gives them), from every combinator: ``af.<name>`` could not reach one of that name."""
+    global _registry, _reserved
+    with _lock:
+        _reserved = frozenset(names)
+        _registry = None  # collected again, against these names
 
 
 def name_in_use(name: str) -> str | None:
     """Why a new combinator could not be called ``name`` (a phrase), or None when the name is free."""
-    if name in _reserved_names():
+    if name in _reserved:
         return "a name attnfuse's own API uses"
     entry = combinators().get(name)
     if entry is not None:
@@ -232,7 +231,6 @@ def _collect(pm: pluggy.PluginManager) -> tuple[dict[str, Registered], list[Brok
     included)."""
     broken = list(_load_failures)
     claims: dict[str, list[Registered]] = {}
-    reserved = _reserved_names()
     for impl in pm.hook.attnfuse_combinators.get_hookimpls():  # in registration order
         plugin_name = impl.plugin_name
         dist = _distributions.get(plugin_name, "unknown")
@@ -242,7 +240,7 @@ def _collect(pm: pluggy.PluginManager) -> tuple[dict[str, Registered], list[Brok
             broken.append(BrokenPlugin(plugin_name, dist, str(exc)))
             continue
         for comb in provided:
-            if comb.name in reserved:
+            if comb.name in _reserved:
                 broken.append(BrokenPlugin(plugin_name, dist, f"plugin {plugin_name!r} of distribution {dist!r} "
                                                               f"declares combinator {comb.name!r}, a name attnfuse's "
                                                               f"own API uses; choose another", comb.name))
@@ -331,9 +329,12 @@ def lookup(name: str) -> Combinator:
     return registered(name).combinator
 
 
-def tile_rules() -> list:
-    """Tile rules contributed by plugins (see ``attnfuse_tile_configs``)."""
-    rules: list = []
-    for result in plugin_manager().hook.attnfuse_tile_configs():
-        rules.extend(result or ())
-    return rules
+def tile_config(kernel: str, arch: str, variant: str, head_dim: int) -> Any:
+    """The tiles plugins choose for one kernel: the first ``attnfuse_tile_config`` result, else the config of
+    the first matching rule of ``attnfuse_tile_configs``; None when no plugin chooses."""
+    hook = plugin_manager().hook
+    config = hook.attnfuse_tile_config(kernel=kernel, arch=arch, variant=variant, head_dim=head_dim)
+    if config is None:
+        config = next((rule.config for rules in hook.attnfuse_tile_configs() for rule in rules or ()
+                       if rule.matches(kernel, arch, variant, head_dim)), None)
+    return config

@@ -17,10 +17,10 @@ from .lru import LRUCache
 from .outside_values import OutsideReads, freeze
 from .recompile import RecompileWarning, Recompiles
 from .reference import evaluate
-from .passes.lower import fragment_of
-from .runtime import custom_op
-from .runtime.inputs import check_positions
-from .runtime.launch import check_cache, compiled_kernel, kernel_config, run_attention
+from . import custom_op
+from .runtime.launch import run_attention
+from .runtime.inputs import check_cache, check_positions, kernel_config
+from .runtime.compiled import compiled_kernel
 from .runtime.offsets import inputs_fit
 from .runtime.validate import check_cache_values
 
@@ -221,7 +221,7 @@ class AttentionProgram:
             q_offset, k_offset, seq_len, q.shape[2], k.shape[2], kv_lens, block_table))
         key, inputs = self._bind(args, kwargs)
         graph = self._trace(key)
-        save_lse = return_lse or (kernel in ("dkdv", "dq") and fragment_of(graph.weights.apply).has_lse)
+        save_lse = return_lse or (kernel in ("dkdv", "dq") and graph.has_lse)
         return compiled_kernel(graph, kernel_config(q, kv, save_lse, not inputs_fit(inputs)), kernel).source
 
     def __repr__(self) -> str:

@@ -30,8 +30,8 @@ from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
 
 import attnfuse as af
+from attnfuse import custom_op
 from attnfuse.bench import report
-from attnfuse.runtime import custom_op
 import attnfuse.hf
 
 LLAMA3_8B = dict(hidden_size=4096, num_attention_heads=32, num_key_value_heads=8, intermediate_size=14336,

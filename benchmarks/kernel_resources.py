@@ -19,8 +19,8 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from attnfuse.cli import resolve_program
-from attnfuse.passes.lower import KernelConfig, fragment_of
-from attnfuse.runtime.launch import KERNEL_KINDS, compile_forward, compiled_kernel
+from attnfuse.plan import KernelConfig
+from attnfuse.runtime.compiled import KERNEL_KINDS, compiled
 
 _SIZES = {"HQ", "Nq", "N_K", "BATCH", "PAGE_SIZE", "NUM_PAGES", "SPLIT", "NUM_SPLITS", "SPLIT_BLOCKS", "SPLIT_ROWS",
           "HEAD_GROUP"}
@@ -51,11 +51,11 @@ def signature(fn, tensors: dict[str, int], dtype: str) -> tuple[dict, dict, dict
     return types, values, attributes
 
 
-def report(kernel, lowered, tiles: tuple[int, int, int, int], dtype: str) -> str:
+def report(kernel, plan, tiles: tuple[int, int, int, int], dtype: str) -> str:
     block_m, block_n, warps, stages = tiles
     fn = kernel._kernel.fn
-    tensors = {f"{inst.prefix}_{t.name}": t.rank for inst in lowered.instances()
-               for t in inst.apply.declaration.tensors}
+    tensors = {f"{call.prefix}_{t.name}": t.rank for call in plan.plugin_calls
+               for t in call.apply.declaration.tensors}
     types, values, attributes = signature(fn, tensors, dtype)
     values.update(kernel.spec.launch.constants, BLOCK_M=block_m, BLOCK_N=block_n)
     values.update({name: True for name in ("EVEN_K", "EVEN_M") if name in fn.arg_names})
@@ -92,16 +92,16 @@ def main() -> None:
     graph = program.graph()
     training = args.kernel in ("dkdv", "dq")
     config = KernelConfig(arch="sm90", dtype=args.dtype, head_dim=args.head_dim, head_dim_v=args.head_dim,
-                          group=args.group, save_lse=training and fragment_of(graph.weights.apply).has_lse,
+                          group=args.group, save_lse=training and graph.has_lse,
                           fp32_precision="ieee")
     if args.hoisted:
-        config = compile_forward(graph, config).plan.hoisted_config
-    kernel = compiled_kernel(graph, config, args.kernel)
-    lowered = compile_forward(graph, config).plan.lowered
+        config = compiled(graph, config).plan.hoisted_config
+    program_kernels = compiled(graph, config)
+    kernel = program_kernels.kernel(args.kernel)
     print(f"{kernel.name} ({kernel.path})")
     for spec in args.tiles:
         tiles = tuple(int(x) for x in spec.split(","))
-        print("  " + report(kernel, lowered, tiles, "bf16" if args.dtype == "bfloat16" else "fp16"), flush=True)
+        print("  " + report(kernel, program_kernels.plan, tiles, "bf16" if args.dtype == "bfloat16" else "fp16"), flush=True)
 
 
 if __name__ == "__main__":

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import torch
 
-import attnfuse
 from attnfuse.combinator import Combinator, Param, Role, ScoreModFragment, TensorArg
 from attnfuse.errors import InputError
+from attnfuse.hookspecs import hookimpl
 
 
 def _broadcast(bias, B: int, Hq: int, Nq: int, Nk: int) -> torch.Tensor:
@@ -32,7 +32,7 @@ def prepare(ctx, bias):
 def examples(draw, shape):
     from hypothesis import strategies as st
 
-    from attnfuse.testing import random_tensor
+    from attnfuse.examples_support import random_tensor
 
     full = (shape.B, shape.Hq, shape.Nq, shape.Nk)
     kept = draw(st.tuples(*(st.booleans() for _ in full)))  # broadcast along the dims not kept
@@ -61,6 +61,6 @@ COMBINATOR = Combinator(
 )
 
 
-@attnfuse.hookimpl
+@hookimpl
 def attnfuse_combinators():
     return [COMBINATOR]

@@ -5,10 +5,10 @@ import math
 
 import torch
 
-import attnfuse
 from attnfuse.combinator import Combinator, Param, Role, ScoreModFragment, TensorArg
 from attnfuse.device_cache import device_cached
 from attnfuse.errors import InputError
+from attnfuse.hookspecs import hookimpl
 
 
 def default_slopes(num_heads: int) -> list[float]:
@@ -53,7 +53,7 @@ def prepare(ctx, slopes):
 def examples(draw, shape):
     from hypothesis import strategies as st
 
-    from attnfuse.testing import random_tensor
+    from attnfuse.examples_support import random_tensor
 
     if draw(st.booleans()):
         return {"slopes": None}
@@ -78,6 +78,6 @@ COMBINATOR = Combinator(
 )
 
 
-@attnfuse.hookimpl
+@hookimpl
 def attnfuse_combinators():
     return [COMBINATOR]

@@ -3,10 +3,10 @@ from __future__ import annotations
 
 import torch
 
-import attnfuse
 from attnfuse.block_mask import BlockMask
 from attnfuse.combinator import BlockList, Combinator, MaskFragment, Param, Role, ScalarArg, TensorArg
 from attnfuse.errors import InputError
+from attnfuse.hookspecs import hookimpl
 
 
 def _check(block_mask, B: int, Hq: int, Nq: int, Nk: int) -> BlockMask:
@@ -49,7 +49,7 @@ def examples(draw, shape):
     from hypothesis import strategies as st
 
     from attnfuse.block_mask import create_block_mask
-    from attnfuse.testing import random_tensor
+    from attnfuse.examples_support import random_tensor
 
     bs = draw(st.sampled_from([16, 32]))
     scores = random_tensor(draw, shape.B, 1, -(-shape.Nq // bs), -(-shape.Nk // bs))
@@ -90,6 +90,6 @@ COMBINATOR = Combinator(
 )
 
 
-@attnfuse.hookimpl
+@hookimpl
 def attnfuse_combinators():
     return [COMBINATOR]

@@ -1,8 +1,8 @@
 """causal(s): query i at position q' = i + Nk - Nq keeps keys j <= q'."""
 from __future__ import annotations
 
-import attnfuse
 from attnfuse.combinator import Combinator, MaskFragment, Role
+from attnfuse.hookspecs import hookimpl
 
 
 def reference(ctx):
@@ -25,6 +25,6 @@ COMBINATOR = Combinator(
 )
 
 
-@attnfuse.hookimpl
+@hookimpl
 def attnfuse_combinators():
     return [COMBINATOR]

@@ -1,8 +1,8 @@
 """full(s): no mask; every key is kept."""
 from __future__ import annotations
 
-import attnfuse
 from attnfuse.combinator import Combinator, MaskFragment, Role
+from attnfuse.hookspecs import hookimpl
 
 
 def reference(ctx):
@@ -18,6 +18,6 @@ COMBINATOR = Combinator(
 )
 
 
-@attnfuse.hookimpl
+@hookimpl
 def attnfuse_combinators():
     return [COMBINATOR]

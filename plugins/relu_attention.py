@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import torch
 
-import attnfuse
 from attnfuse.combinator import Combinator, NormaliserFragment, Role
+from attnfuse.hookspecs import hookimpl
 
 
 def reference(s, keep, ctx):
@@ -44,6 +44,6 @@ COMBINATOR = Combinator(
 )
 
 
-@attnfuse.hookimpl
+@hookimpl
 def attnfuse_combinators():
     return [COMBINATOR]

@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import torch
 
-import attnfuse
 from attnfuse.checks import finite_number_or_none, positive_number
 from attnfuse.combinator import (Combinator, Param, QKTransformFragment, Role, ScalarArg, ScoreSourceFragment,
                                  TensorArg)
 from attnfuse.device_cache import device_cached
 from attnfuse.errors import InputError
+from attnfuse.hookspecs import hookimpl
 from attnfuse.rotary import rotate_half
 
 
@@ -109,7 +109,7 @@ def prepare(ctx, theta, scale, cos, sin, rotate_keys):
 def examples(draw, shape):
     from hypothesis import strategies as st
 
-    from attnfuse.testing import random_tensor
+    from attnfuse.examples_support import random_tensor
 
     params = {"theta": draw(st.sampled_from([10000.0, 500.0])), "scale": draw(st.sampled_from([None, 0.2])),
               "cos": None, "sin": None, "rotate_keys": draw(st.booleans())}
@@ -170,6 +170,6 @@ COMBINATOR = Combinator(
 )
 
 
-@attnfuse.hookimpl
+@hookimpl
 def attnfuse_combinators():
     return [COMBINATOR]

@@ -1,9 +1,9 @@
 """scaled_dot_product(q, k, scale=None): s = q·kᵀ·scale, with scale defaulting to 1/√D."""
 from __future__ import annotations
 
-import attnfuse
 from attnfuse.checks import finite_number_or_none
 from attnfuse.combinator import Combinator, Param, Role, ScoreSourceFragment
+from attnfuse.hookspecs import hookimpl
 
 
 def reference(q, k, ctx, scale):
@@ -30,6 +30,6 @@ COMBINATOR = Combinator(
 )
 
 
-@attnfuse.hookimpl
+@hookimpl
 def attnfuse_combinators():
     return [COMBINATOR]

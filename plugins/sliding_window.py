@@ -1,9 +1,9 @@
 """sliding_window(s, left, right=0): keep q' - left <= j <= q' + right (FlashAttention's window_size)."""
 from __future__ import annotations
 
-import attnfuse
 from attnfuse.checks import non_negative_int
 from attnfuse.combinator import Combinator, MaskFragment, Param, Role
+from attnfuse.hookspecs import hookimpl
 
 
 UNBOUNDED = 2**30
@@ -53,6 +53,6 @@ COMBINATOR = Combinator(
 )
 
 
-@attnfuse.hookimpl
+@hookimpl
 def attnfuse_combinators():
     return [COMBINATOR]

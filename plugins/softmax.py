@@ -8,8 +8,8 @@ import math
 
 import torch
 
-import attnfuse
 from attnfuse.combinator import Combinator, NormaliserFragment, Role
+from attnfuse.hookspecs import hookimpl
 
 
 def reference(s, keep, ctx):
@@ -68,6 +68,6 @@ COMBINATOR = Combinator(
 )
 
 
-@attnfuse.hookimpl
+@hookimpl
 def attnfuse_combinators():
     return [COMBINATOR]

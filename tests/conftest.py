@@ -65,12 +65,18 @@ def fuzz_examples(cpu_default: int, gpu_default: int) -> int:
     return int(os.environ.get("ATTNFUSE_FUZZ_EXAMPLES", gpu_default if CUDA else cpu_default))
 
 
+def last_call():
+    """The ``Call`` (``attnfuse.runtime.call``) of the latest new call signature."""
+    from attnfuse.runtime import launch
+
+    return launch._calls[next(reversed(launch._calls))]
+
+
 def hoisted_last_call() -> bool:
     """Whether the latest new call signature was planned with its qk transforms hoisted into passes."""
-    from attnfuse.runtime import hoisted, launch
+    from attnfuse.runtime import hoisted
 
-    forward, _, _ = launch._calls[next(reversed(launch._calls))]
-    return isinstance(forward, hoisted.HoistedForward)
+    return isinstance(last_call().forward, hoisted.HoistedForward)
 
 
 @contextlib.contextmanager

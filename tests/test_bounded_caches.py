@@ -1,9 +1,10 @@
-"""Every cache is bounded: a program's traces, the plans, kernels and call signatures in memory (least recently
-used dropped first), the kernel files on disk (a size cap); a program that keeps being traced again warns once;
+"""Every cache is bounded: a program's traces and the call signatures in memory (least recently used dropped
+first; a program's kernels live while a cached call uses them), the kernel files on disk (a size cap); a program that keeps being traced again warns once;
 ``attnfuse cache --info`` and ``--clear``."""
 import os
 import time
 import warnings
+import weakref
 
 import pytest
 import torch
@@ -11,8 +12,9 @@ import torch
 import attnfuse as af
 from attnfuse import KernelCacheError, RecompileWarning, recompile
 from attnfuse.cli import main
+from attnfuse.lru import LRUCache
 from attnfuse.program import MAX_TRACES
-from attnfuse.runtime import launch, source_cache
+from attnfuse.runtime import compiled, launch, source_cache
 from attnfuse.runtime.launch import clear_cache
 from attnfuse.runtime.source_cache import CACHE_ENV, MAX_BYTES_ENV, write_source
 
@@ -41,7 +43,7 @@ class _Kernel:
 @pytest.fixture
 def stub_kernels(monkeypatch):
     for name in ("ForwardKernel", "DecodeKernel", "BackwardKernels"):
-        monkeypatch.setattr(launch, name, _Kernel)
+        monkeypatch.setattr(compiled, name, _Kernel)
     clear_cache()
     yield
     clear_cache()
@@ -54,48 +56,40 @@ def no_recompile_warning():
         yield
 
 
-def _config(q):
-    return launch.kernel_config(q, launch.check_cache(q, q, q, None, None), False)
+def _planned(graph, q):
+    return launch.planned(graph, q, q, q, {}, None, None, return_lse=False, grads=None, split_kv=False)
 
 
-def test_memory_caches_stay_at_their_bounds_and_keep_what_is_used(stub_kernels, no_recompile_warning):
-    config = _config(torch.empty(1, 2, 16, 16))
+def test_memory_caches_stay_at_their_bounds_and_keep_what_is_used(stub_kernels, no_recompile_warning, monkeypatch):
+    """Past their bounds a program's traces and the calls drop the least recently used; a program's kernels
+    live exactly while a cached call uses them."""
+    monkeypatch.setattr(launch, "_calls", LRUCache(16))
     program = af.attention(windowed.fn)  # its own traces
-    used = program.graph(0)
-    kernels = [launch.compile_forward(used, config), launch.compile_decode(used, config),
-               launch.compile_backward(used, config)]
-    caches = {"traces": program._traces, "plans": launch._compiled, "forward": launch._forward,
-              "decode": launch._decode, "backward": launch._backward}
-    built = {}
-    for left in range(1, CONFIGS):
-        graph = program.graph(left)
-        built[left] = launch.compile_forward(graph, config)
-        launch.compile_decode(graph, config), launch.compile_backward(graph, config)
-        assert program.graph(0) is used  # used all along: kept
-        assert [launch.compile_forward(used, config), launch.compile_decode(used, config),
-                launch.compile_backward(used, config)] == kernels
-        assert all(len(cache) <= cache.size for cache in caches.values())
-    bounds = {"traces": MAX_TRACES, "plans": launch.MAX_PLANS, "forward": launch.MAX_KERNELS,
-              "decode": launch.MAX_KERNELS, "backward": launch.MAX_KERNELS}
-    assert {name: len(cache) for name, cache in caches.items()} == bounds
-    assert launch.compile_forward(program.graph(CONFIGS - 1), config) is built[CONFIGS - 1]  # recent: kept
-    assert launch.compile_forward(program.graph(1), config) is not built[1]  # the oldest: dropped, built again
+    q = torch.empty(1, 2, 16, 16)
+    used = _planned(program.graph(0), q)
+    first = weakref.ref(_planned(program.graph(1), q).compiled)
+    for left in range(2, CONFIGS):
+        built = _planned(program.graph(left), q)
+        assert _planned(program.graph(0), q) is used  # used all along: kept
+        assert len(program._traces) <= MAX_TRACES and len(launch._calls) <= 16
+    assert (len(program._traces), len(launch._calls)) == (MAX_TRACES, 16)
+    assert len(compiled._index) == 16  # the kernels of the cached calls, and no others
+    assert _planned(program.graph(CONFIGS - 1), q) is built  # recent: kept
+    assert first() is None  # the oldest: dropped, its kernels freed
 
 
-def test_call_signatures_are_bounded_and_forgotten_when_a_kernel_is_dropped(monkeypatch):
+def test_call_signatures_are_bounded_and_share_their_programs_kernels():
     clear_cache()
     graph = windowed.graph(3)
     for n in range(1, launch.MAX_CALLS + 20):  # a signature per sequence length
-        q = torch.empty(1, 2, n, 16)
-        launch.planned(graph, q, q, q, None, None, False, False, False)
-    assert len(launch._calls) == launch.MAX_CALLS and len(launch._forward) == 1
-    monkeypatch.setattr(launch, "ForwardKernel", _Kernel)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", RecompileWarning)
-        for left in range(launch.MAX_KERNELS):  # the real kernel above is dropped
-            launch.compile_forward(windowed.graph(left + 4), _config(q))
-    assert len(launch._calls) == 0  # no signature keeps the dropped kernel alive
+        _planned(graph, torch.empty(1, 2, n, 16))
+    calls = launch._calls.values()
+    assert len(calls) == launch.MAX_CALLS
+    assert len({id(call.compiled) for call in calls}) == len({id(call.forward) for call in calls}) == 1
+    kept = weakref.ref(calls[0].compiled)
+    del calls
     clear_cache()
+    assert kept() is None and len(compiled._index) == 0  # no call uses them: the kernels are freed
 
 
 def test_recompile_warning_fires_once_naming_the_program_and_what_changed():

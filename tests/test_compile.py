@@ -1,13 +1,15 @@
 """torch.compile: a program call is one opaque op (torch.ops.attnfuse.attention), so Dynamo sees no graph
 break, fullgraph compiles run forward and backward with eager's results, and dynamic shapes do not recompile
 per length. On the CPU the op runs Triton's interpreter, which Dynamo never traces (aot_eager backend)."""
+import json
+
 import pytest
 import torch
 from torch._dynamo.testing import CompileCounterWithBackend
 
 import attnfuse as af
 from attnfuse.errors import InputError
-from attnfuse.runtime import call_spec
+from attnfuse import call_spec
 
 
 @af.attention
@@ -141,16 +143,18 @@ def test_op_passes_opcheck():
                           (call_spec.call_key(spec), q, k, v, None, None, flat))
 
 
-def test_key_of_an_unseen_call_is_parsed_back():
-    """A compiled graph loaded from a cache in a fresh process carries keys this process never built."""
+def test_key_of_an_unseen_call_is_rebuilt():
+    """A compiled graph loaded from a cache in a fresh process carries keys this process never built: their
+    data, rebuilt with the IR's constructors; a key that is no spec's data is refused, and nothing in it runs."""
     @af.attention
     def scaled(q, k, v, theta):
         return af.softmax(af.sliding_window(af.rope(q, k, theta=theta, scale=-0.25), 3, 1)) @ v
     spec = call_spec.CallSpec(graph=scaled.graph(theta=500.0), inputs=(("bias", None),), save_lse=False, grad=False,
                               grads=())
-    key = repr(spec)
-    assert call_spec._parse(key) == spec
-    with pytest.raises(InputError, match="key must be the repr of a CallSpec"):
-        call_spec.spec_of("__import__('os')")
-    with pytest.raises(InputError, match="key must be the repr of a CallSpec"):
-        call_spec.spec_of("CallSpec(graph=print(1))")
+    key = json.dumps(spec.to_data())
+    assert key not in call_spec._specs and call_spec.spec_of(key) == spec
+    assert call_spec.spec_of(key).graph.weights.input.input.source.record is af.combinators()["rope"]
+    for bad in ("__import__('os')", "CallSpec(graph=print(1))", "[]", json.dumps({**spec.to_data(), "graph": 1}),
+                key.replace('"rope"', '"no_such_combinator"'), key.replace('"MaskOp"', '"print"')):
+        with pytest.raises(InputError, match="key must be the data of a CallSpec"):
+            call_spec.spec_of(bad)

@@ -9,7 +9,7 @@ import attnfuse as af
 from attnfuse.block_mask import create_block_mask
 from attnfuse.testing import assert_matches_reference
 
-from conftest import hoisted_last_call
+from conftest import hoisted_last_call, last_call
 
 
 @af.attention
@@ -253,7 +253,8 @@ def test_hoisted_transforms_leave_a_plain_kernel(monkeypatch, dtype):
     launch.clear_cache()
     out = llama(q, k, v)
     assert hoisted_last_call()
-    [main] = [f for f in launch._forward.values() if f.plan.config.q_transformed]
+    main = last_call().forward.main
+    assert main.plan.config.q_transformed
     assert "qk transform" not in main.source and "tl.dot(q, tl.trans(k)" in main.source  # one whole product
     references = llama.reference(q, k, v), llama.reference(q, k, v, dtype=dtype)
     assert_matches_reference(out, *references, dtype)
@@ -275,7 +276,7 @@ def test_one_kernel_launch_per_call(monkeypatch):
 
     q, k, v = _qkv(1, 2, 2, 40, 40, 32, 32, torch.float32)
     llama(q, k, v)
-    kernel = launch.compile_forward(llama.graph(), launch.kernel_config(q, launch.check_cache(q, k, v), save_lse=False)).kernel
+    kernel = last_call().forward.kernel
     calls = []
     original = kernel.launch
     monkeypatch.setattr(kernel, "launch", lambda *args, **kwargs: calls.append(args) or original(*args, **kwargs))

@@ -79,11 +79,11 @@ def test_old_accumulator_spelling_deprecated():
         warnings.simplefilter("error")
         lint(old, old.fragment, "dist-old-lint")  # once per combinator
     refused(mod("${self}_w = s\nk_pos = ${self}_w.to(tl.float32)"), "body", "writes 'k_pos'", "  2 | ")
-    refuse_old_accumulator(old, old.fragment, "dist-old-lint", "tl.float32")
+    refuse_old_accumulator(old, old.fragment, "dist-old-lint", "float32")
     with pytest.raises(InputError, match=r"combinator '_test_lint' of distribution 'dist-old-lint', fragment fields "
                                          r"'init', 'update': spells the accumulation type tl\.float32 .*so it would "
                                          r"compute in float32 for these float64 inputs"):
-        refuse_old_accumulator(old, old.fragment, "dist-old-lint", "tl.float64")
+        refuse_old_accumulator(old, old.fragment, "dist-old-lint", "float64")
 
 
 def test_normaliser_slots():

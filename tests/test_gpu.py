@@ -239,7 +239,7 @@ def test_fast_launch_path_respecialises():
         assert_matches_reference(out, ref, ref_lowp, torch.float16, what=f"N={N} offset={offset}")
 
 
-# torch.compile and CUDA graphs (the op boundary, attnfuse/runtime/custom_op.py) ------------------------------
+# torch.compile and CUDA graphs (the op boundary, attnfuse/custom_op.py) --------------------------------------
 
 @af.attention
 def llama_window(q, k, v, window):

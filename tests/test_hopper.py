@@ -15,9 +15,9 @@ import triton
 
 import attnfuse as af
 from attnfuse.examples import EXAMPLES
-from attnfuse.passes.lower import KernelConfig
+from attnfuse.plan import KernelConfig
 from attnfuse.runtime import hopper
-from attnfuse.runtime.launch import compile_plan
+from attnfuse.passes.compiler import compile as compile_plan
 from attnfuse.testing import assert_matches_reference
 
 from conftest import CUDA, deterministic_algorithms

@@ -172,7 +172,7 @@ def test_wide_forward_and_backward_match_the_reference(wide, monkeypatch):
     for program, extra in ((llama, ()), (biased, (bias,))):
         out = program(q, k, v, *extra)
         assert hoisted_last_call() == (program is llama)
-        assert all(kernel.plan.config.wide_offsets for kernel in launch._forward.values())
+        assert all(call.compiled.config.wide_offsets for call in launch._calls.values())
         ref = program.reference(q, k, v, *extra)
         torch.testing.assert_close(out, ref, atol=1e-10, rtol=0)
         leaves = (q, k, v, *extra)
@@ -185,7 +185,7 @@ def test_wide_paged_decode_matches_the_reference(wide, split_kv):
     q, pool_k, pool_v, table, lens = _paged(seed=12, Hq=4, Nq=2)
     out = launch.run_attention(llama.graph(), q, pool_k, pool_v, kv_lens=lens, block_table=table,
                                split_kv=split_kv)
-    assert all(kernel.plan.config.wide_offsets for kernel in launch._forward.values())
+    assert all(call.compiled.config.wide_offsets for call in launch._calls.values())
     torch.testing.assert_close(out, llama.reference(q, pool_k, pool_v, kv_lens=lens, block_table=table),
                                atol=1e-10, rtol=0)
 

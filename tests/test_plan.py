@@ -7,9 +7,9 @@ import pytest
 import torch
 
 import attnfuse as af
-from attnfuse.passes.launch_spec import CONSTEXPR
-from attnfuse.passes.lower import KernelConfig
-from attnfuse.passes.plan import build_plan
+from attnfuse.launch_spec import CONSTEXPR
+from attnfuse.passes.compiler import compile as build_plan, lowered as lowered_of
+from attnfuse.plan import KernelConfig
 
 
 @af.attention
@@ -53,7 +53,7 @@ def _def_line(source: str, name: str) -> list[tuple[str, bool]]:
 
 
 def _specs(plan):
-    grads = tuple((m, name) for m in plan.lowered.mods for name, _ in m.fragment.tensor_grads)
+    grads = tuple(g for g in plan.input_gradients if g.prefix is not None)
     specs = [plan.forward, plan.decode, plan.dkdv, plan.dq(), plan.dq(grads), plan.transform, plan.gradient]
     return [s for s in specs if s is not None]
 
@@ -67,15 +67,16 @@ def test_launch_spec_is_the_def_line(program, config):
     if program is llama and not (config.kv_lens or config.k_transformed):
         assert {"transform", "gradient"} <= kinds
     for spec in _specs(plan):
-        assert spec.name == f"attnfuse_{NAME_PARTS.get(spec.kind, spec.kind)}_{plan.lowered.signature[:12]}"
+        assert spec.name == f"attnfuse_{NAME_PARTS.get(spec.kind, spec.kind)}_{plan.signature[:12]}"
         assert _def_line(spec.source, spec.name) == [(p.name, p.kind == CONSTEXPR) for p in spec.launch.params]
         assert set(spec.launch.constants) <= {p.name for p in spec.launch.params if p.kind == CONSTEXPR}
 
 
 def test_biased_dq_takes_its_gradient_buffer():
     plan = build_plan(_graph(biased), BASE)
-    [mod] = plan.lowered.mods
-    spec = plan.dq(((mod, "bias"),))
+    [gradient] = plan.input_gradients
+    assert (gradient.argument, gradient.param, gradient.prefix) == ("bias", "bias", "additive_bias_1")
+    spec = plan.dq((gradient,))
     names = [p.name for p in spec.launch.params]
     assert spec.grad_buffers == ("additive_bias_1_dbias",)
     assert names[names.index("additive_bias_1_dbias"):][:5] == [
@@ -124,7 +125,7 @@ def test_a_fact_starting_at_zero_is_parsed_not_compared(lo):
 
     assert Range(lo, "$q_hi + 1").starts_at_zero
     assert not Range("$q_lo - 4", "$q_hi + 1").starts_at_zero and not Range("0.0 + 1", "Nk").starts_at_zero
-    lowered = build_plan(_graph(llama), BASE).lowered
+    lowered = lowered_of(_graph(llama), BASE)
     [causal] = lowered.masks
     facts = attrs.evolve(causal.fragment, kv_range=(lo, causal.fragment.kv_range.hi),
                          full_range=(lo, causal.fragment.full_range.hi))
@@ -139,8 +140,8 @@ def test_a_fact_starting_at_zero_is_parsed_not_compared(lo):
 
 def test_float64_accumulates_in_float64_without_rewriting_text():
     """The accumulation type is spelt by codegen and by fragments' $acc_dtype; nothing else changes."""
-    lowered32 = build_plan(_graph(alibi_window), BASE).lowered
-    lowered64 = build_plan(_graph(alibi_window), attrs.evolve(BASE, dtype="float64")).lowered
+    lowered32 = lowered_of(_graph(alibi_window), BASE)
+    lowered64 = lowered_of(_graph(alibi_window), attrs.evolve(BASE, dtype="float64"))
     assert (lowered32.accumulator, lowered64.accumulator) == ("tl.float32", "tl.float64")
     source32 = build_plan(_graph(alibi_window), BASE).forward.source
     source64 = build_plan(_graph(alibi_window), attrs.evolve(BASE, dtype="float64")).forward.source

@@ -24,7 +24,8 @@ from attnfuse import PluginError, hookspecs
 from attnfuse.checks import positive_number
 from attnfuse.combinator import (Combinator, MaskFragment, NormaliserFragment, Param, QKTransformFragment, Role,
                                  ScalarArg, ScoreModFragment, ScoreSourceFragment, TensorArg)
-from attnfuse.plugin_manager import BUILTIN_DISTRIBUTION, DISABLE_AUTOLOAD_ENV, _reserved_names, plugin_manager
+from attnfuse import plugin_manager as plugin_manager_module
+from attnfuse.plugin_manager import BUILTIN_DISTRIBUTION, DISABLE_AUTOLOAD_ENV, plugin_manager
 
 BUILTINS = {
     "scaled_dot_product": Role.SCORE_SOURCE,
@@ -220,7 +221,7 @@ def test_every_module_attribute_is_reserved(name):
 def test_reserved_names_cover_the_public_api():
     public = {n for n in af.__all__ if n not in ("unregister_plugin", "AttnFuseError", "InputError", "PluginError",
                                                   "ProgramError")}
-    assert public <= _reserved_names()
+    assert public <= plugin_manager_module._reserved
 
 
 @pytest.mark.parametrize("bad", ["causal", 42, None, keep_all_mask], ids=["str", "int", "None", "function"])

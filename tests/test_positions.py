@@ -150,13 +150,13 @@ def test_chunked_prefill_equals_the_whole_sequence():
 def test_one_kernel_serves_every_offset(monkeypatch):
     """Offsets are runtime arguments: new values compile nothing. Calls without offsets compile kernels with
     no offset arguments (as before offsets existed)."""
-    from attnfuse.passes import plan as plan_module
+    from attnfuse.passes import compiler
     from attnfuse.runtime import launch
 
     launch.clear_cache()
     built = []
-    original = plan_module.build_plan
-    monkeypatch.setattr(launch, "build_plan", lambda graph, config: built.append(config) or original(graph, config))
+    original = compiler.compile
+    monkeypatch.setattr(compiler, "compile", lambda graph, config: built.append(config) or original(graph, config))
     q, k, v = torch.randn(1, 2, 20, 16), torch.randn(1, 1, 30, 16), torch.randn(1, 1, 30, 16)
     for q_offset, k_offset in ((0, 0), (50, 3), (7, 90)):
         out = window_alibi(q, k, v, q_offset=q_offset, k_offset=k_offset)

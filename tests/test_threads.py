@@ -10,7 +10,8 @@ import torch
 import attnfuse as af
 from attnfuse import program as program_module
 from attnfuse.runtime import kernel as kernel_module
-from attnfuse.runtime import launch, launcher
+from attnfuse.passes import compiler
+from attnfuse.runtime import launcher
 from conftest import CUDA
 from attnfuse.lru import LRUCache
 from attnfuse.runtime.launch import clear_cache
@@ -37,7 +38,7 @@ def _programs():
 def builds(monkeypatch):
     """How many times each function was traced, each (graph, config) planned and each kernel loaded."""
     counts = {"traces": Counter(), "plans": Counter(), "kernels": Counter(), "binaries": Counter()}
-    trace, build_plan, load_function = program_module.trace, launch.build_plan, kernel_module.load_function
+    trace, compile_plan, load_function = program_module.trace, compiler.compile, kernel_module.load_function
 
     def counted(what, fn, key):
         def wrapper(*args):
@@ -46,7 +47,7 @@ def builds(monkeypatch):
         return wrapper
 
     monkeypatch.setattr(program_module, "trace", counted("traces", trace, lambda fn, *_: fn))
-    monkeypatch.setattr(launch, "build_plan", counted("plans", build_plan, lambda graph, config: (graph, config)))
+    monkeypatch.setattr(compiler, "compile", counted("plans", compile_plan, lambda graph, config: (graph, config)))
     monkeypatch.setattr(kernel_module, "load_function",
                         counted("kernels", load_function, lambda source, name, path: (name, source)))
     clear_cache()

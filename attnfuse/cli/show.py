@@ -88,9 +88,9 @@ def cmd_show(args: argparse.Namespace, out: TextIO) -> int:
     import attrs
 
     from .. import ir
-    from ..passes.lower import KernelConfig, fragment_of
+    from ..plan import KernelConfig
+    from ..runtime.compiled import compiled
     from ..runtime.inputs import MAX_HEAD_DIM
-    from ..runtime.launch import compile_forward, compiled_kernel
 
     program, spec = resolve_program(args.program)
     _check_showable(program, spec)
@@ -101,22 +101,23 @@ def cmd_show(args: argparse.Namespace, out: TextIO) -> int:
     for name, dim in (("--head-dim", args.head_dim), ("--head-dim-v", head_dim_v)):
         if dim > MAX_HEAD_DIM:
             raise CLIError(f"{name} must be at most {MAX_HEAD_DIM}, got {dim}")
-    if args.lse and not fragment_of(graph.weights.apply).has_lse:
+    has_lse = graph.has_lse
+    if args.lse and not has_lse:
         raise CLIError(f"--lse needs a normaliser with a log-sum-exp; {graph.weights.apply.combinator} has none "
                        f"(softmax has)")
     training = args.kernel in ("dkdv", "dq")
     config = KernelConfig(arch=arch, dtype=dtype, head_dim=args.head_dim, head_dim_v=head_dim_v, group=args.group,
-                          save_lse=args.lse or (training and fragment_of(graph.weights.apply).has_lse),
+                          save_lse=args.lse or (training and has_lse),
                           fp32_precision="ieee")
-    kernel = compiled_kernel(graph, config, args.kernel)
+    program_kernels = compiled(graph, config)
+    kernel = program_kernels.kernel(args.kernel)
     if args.path_only:
         print(kernel.path, file=out)
         return 0
     if args.source_only:
         out.write(kernel.source if kernel.source.endswith("\n") else kernel.source + "\n")
         return 0
-    plan = compile_forward(graph, config).plan
-    lowered = plan.lowered
+    plan = program_kernels.plan
     doc = first_line(program.fn.__doc__ or "")
     listing = ir.render(graph)
     print(f"# program    {spec}" + (f"  ({doc})" if doc else ""), file=out)
@@ -127,7 +128,8 @@ def cmd_show(args: argparse.Namespace, out: TextIO) -> int:
         print(f"    signature {ir.signature(graph)}", file=out)
     print("# kernel     " + " ".join(f"{k}={v}" for k, v in attrs.asdict(config).items()), file=out)
     tiles = " ".join(f"{k}={v}" for k, v in attrs.asdict(kernel.tiles).items())
-    print(f"# tiles      {tiles} block_d={lowered.block_d} block_dv={lowered.block_dv}", file=out)
+    widths = kernel.spec.launch.constants
+    print(f"# tiles      {tiles} block_d={widths['BLOCK_D']} block_dv={widths['BLOCK_DV']}", file=out)
     print(f"# name       {kernel.name}", file=out)
     print(f"# path       {kernel.path}", file=out)
     template = {"forward": "hopper_kernel.py", "dkdv": "hopper_dkdv_kernel.py"}.get(args.kernel)

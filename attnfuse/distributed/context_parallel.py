@@ -18,13 +18,14 @@ import torch
 
 from ..errors import InputError
 from ..lru import LRUCache
-from ..passes.lower import LoweredProgram
+from ..passes.compiler import lowered
+from ..plan import KernelConfig
 from ..program import AttentionProgram
 from ..runtime.autograd import _FirstOrderOnly
+from ..runtime.compiled import compiled
 from ..runtime.hoisted import HoistedForward
-from ..runtime.inputs import DTYPES, Positions, accumulator_dtype, check_inputs, kernel_config, kv_cache
-from ..runtime.launch import compile_forward, compile_hoisted, compile_plan, keeps_lse, planned
-from ..runtime.offsets import inputs_fit
+from ..runtime.inputs import DTYPES, Positions, accumulator_dtype, check_inputs, kv_cache
+from ..runtime.launch import keeps_lse, planned
 from .layout import check_layout, check_same, chunk_count, group_of, rank_chunks, unshard
 from .merge import merge, nothing
 from .pairs import RingProgram, keeps_any, ring_program
@@ -72,9 +73,9 @@ class ContextParallel:
                 raise InputError(f"context_parallel: sharded[{name!r}] must be the int dim of its sequence, got "
                                  f"{dim!r}")
 
-    def ring_program(self, graph: Any, lowered: LoweredProgram) -> RingProgram:
-        """The ring's view of a traced program (checked once per graph)."""
-        return self._programs.get_or_build(graph, lambda: ring_program(lowered))
+    def ring_program(self, graph: Any, config: KernelConfig) -> RingProgram:
+        """The ring's view of a traced program, lowered for ``config`` (checked once per graph)."""
+        return self._programs.get_or_build(graph, lambda: ring_program(lowered(graph, config)))
 
     def __call__(self, *args: Any, return_lse: bool = False, **kwargs: Any):
         """out (B, Hq, N/W, DV) of this rank's rows, or (out, lse) with lse (B, Hq, N/W) float32."""
@@ -128,17 +129,14 @@ class _Call:
         wants_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
         rows = self._rows(q, 0)
         kv = self._kv(k.contiguous(), v.contiguous(), 0, 0, 0)  # as the ring passes them on
-        inputs_wide = bool(inputs) and not inputs_fit(inputs)
-        has_lse = keeps_lse(graph, return_lse)
-        config = kernel_config(rows, kv, has_lse, inputs_wide)  # planned's for this call: checked before it runs
-        self.program = cp.ring_program(graph, compile_plan(graph, config).lowered)
-        self.forward_kernel, _, self.backward_kernels = planned(
-            graph, rows, kv.k, kv.v, None, None, has_lse, wants_grad, False, inputs_wide, kv.positions)
+        call = planned(graph, rows, kv.k, kv.v, inputs, None, None, return_lse=keeps_lse(graph, return_lse),
+                       grads=() if wants_grad else None, split_kv=False, positions=kv.positions)
+        self.program = cp.ring_program(graph, call.compiled.config)
+        self.forward_kernel, self.backward_kernels = call.forward, call.backward
         self.partial_kernel = None
         if self.program.partial:  # every row's result counts the normaliser's key-independent term once
-            config = attrs.evolve(self.forward_kernel.plan.config, partial=True)
-            hoisted = isinstance(self.forward_kernel, HoistedForward)
-            self.partial_kernel = (compile_hoisted if hoisted else compile_forward)(graph, config)
+            kernels = compiled(graph, attrs.evolve(call.compiled.config, partial=True))
+            self.partial_kernel = kernels.hoisted if isinstance(call.forward, HoistedForward) else kernels.forward
         self._kept: dict[tuple[int, int], bool] = {}
         self._names = {"Nk": self.seq_len, "HQ": q.shape[1], "GROUP": q.shape[1] // k.shape[1]}
 

@@ -13,7 +13,7 @@ from attrs import frozen
 
 from ..errors import ProgramError
 from ..fragment_lint import template_reads
-from ..passes.lower import Instance, LoweredProgram, fragment_of
+from ..passes.lower import Instance, LoweredProgram
 
 INDEX_NAMES = frozenset({"q_idx", "k_idx", "Nq", "N_K"})
 """Template names that mean something else in a chunk than in the whole sequence."""
@@ -50,7 +50,7 @@ def ring_program(lowered: LoweredProgram) -> RingProgram:
                                f"whole sequence (block sparsity), which a ring's chunks renumber; it is not supported "
                                f"there: write the mask with positions (keep, kv_range) instead")
     for inst in lowered.instances():
-        reads = sorted(template_reads(inst.apply.declaration, fragment_of(inst.apply)) & INDEX_NAMES)
+        reads = sorted(template_reads(inst.apply.declaration, inst.apply.fragment()) & INDEX_NAMES)
         if reads:
             raise ProgramError(f"context_parallel: {inst.apply.combinator} reads {', '.join(reads)}: indices into the "
                                f"call's tensors, or its sizes, which differ between a chunk and the whole sequence; a "

@@ -1,2 +1,4 @@
-"""The compiler: fuse (recognise and verify) -> tile (choose block sizes) -> lower (flat record) -> plan (a
-``KernelSpec`` per kernel: name, tiles, launch spec, and codegen's source on first use)."""
+"""The compiler: ``compiler.compile(graph, config) -> Plan``, its one entry point. fuse (recognise and
+verify) -> lower (a flat record; tile chooses its block sizes) -> the plan (``attnfuse/plan.py``: a
+``KernelSpec`` per kernel, with name, tiles, launch spec and codegen's source on first use, and the facts a
+call needs)."""

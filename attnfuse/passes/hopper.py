@@ -9,25 +9,11 @@ that gives its positions (``KernelConfig.positions``) runs the generated Triton 
 """
 from __future__ import annotations
 
-from attrs import frozen
-
+from ..plan import HopperPlan
 from .codegen import split
 from .lower import LoweredProgram
 
 HEAD_DIMS = (128,)  # those benchmarked against the generated kernel (docs/architecture.md)
-
-
-@frozen
-class HopperPlan:
-    """The templates' constants for one program: ``causal`` (else no mask), the scores' factor in log2
-    units (``qk_scale``) and the program's own (``scale``, dS's factor), and the forward's tiles (keys per
-    block, shared-memory stages)."""
-
-    causal: bool
-    qk_scale: float
-    scale: float
-    block_n: int = 128
-    stages: int = 3
 
 
 def hopper_plan(lowered: LoweredProgram) -> HopperPlan | None:

@@ -15,39 +15,14 @@ from attrs import frozen
 
 from .. import ir
 
-from ..combinator import ACCUMULATOR, INPUT, BlockList, MaskFragment, NormaliserFragment, QKTransformFragment, Role, ScoreModFragment
+from ..combinator import ACCUMULATOR, BlockList, MaskFragment, NormaliserFragment, QKTransformFragment, Role, ScoreModFragment
 from ..errors import InputError, ProgramError
 from ..fragment_lint import lint, refuse_old_accumulator
+from ..launch_spec import SCALAR, TENSOR, Param, indexed_strides
+from ..plan import KernelConfig, TileConfig, accumulator_type
 from ..static_values import literal
 from .fuse import FusedProgram
-from .launch_spec import SCALAR, TENSOR, Param, indexed_strides
-from .tile import TileConfig, choose_tiles
-
-
-
-@frozen(kw_only=True, cache_hash=True)
-class KernelConfig:
-    """What besides the program's structure decides the kernel: one compiled kernel per distinct value."""
-
-    arch: str            # "sm90", "sm80", ... or "interpreter"
-    dtype: str           # "float16", "bfloat16", "float32" or "float64"
-    head_dim: int        # D of q and k
-    head_dim_v: int      # D of v
-    group: int           # Hq // Hkv
-    save_lse: bool       # write the log-sum-exp of each row
-    fp32_precision: str  # "ieee" or "tf32": how a float32 tl.dot multiplies
-    kv_lens: bool = False  # per-sequence key counts (B,): keys past a sequence's count do not exist for it
-    paged: bool = False    # k, v are page pools (pages, page_size, Hkv, D) read through a block table
-    q_transformed: bool = False  # q arrives with its qk transforms applied (by a transform pass)
-    k_transformed: bool = False  # likewise k
-    wide_offsets: bool = False  # some element offset can pass 2**31 - 1: every stride is int64 in the kernels
-    positions: bool = False  # the call gives its queries' and keys' first positions (Q_OFFSET, K_OFFSET, N_SEQ)
-    partial: bool = False  # a partial result over some of each row's keys: the normaliser's ``partial`` fragment
-
-
-def accumulator_type(dtype: str) -> str:
-    """The type inputs of ``dtype`` accumulate in: float64 for float64 (for gradcheck), else float32."""
-    return "float64" if dtype == "float64" else "float32"
+from .tile import choose_tiles
 
 
 @frozen(kw_only=True)
@@ -84,7 +59,7 @@ class LoweredProgram:
     signature: str
     listing: str
     config: KernelConfig
-    accumulator: str        # the accumulation type: "tl.float32", or "tl.float64" for float64 inputs
+    accumulator_dtype: str  # the accumulation dtype: "float32", or "float64" for float64 inputs
     tiles: dict[str, TileConfig]
     block_d: int
     block_dv: int
@@ -95,6 +70,11 @@ class LoweredProgram:
     mods: tuple[Instance, ...]
     masks: tuple[Instance, ...]
     normaliser: Instance
+
+    @property
+    def accumulator(self) -> str:
+        """The accumulation type as kernel code: ``tl.float32`` or ``tl.float64``."""
+        return f"tl.{self.accumulator_dtype}"
 
     def instances(self) -> tuple[Instance, ...]:
         return (*self.transforms, *self.mods, *self.masks, self.normaliser)
@@ -151,20 +131,14 @@ def _check_placeholders(combinator: str, value: Any, allowed: frozenset = frozen
                                 f.name if site else field)
 
 
-def fragment_of(app: ir.Apply) -> Any:
-    """The fragment of one application, before substitution (a fragment function gets its parameters:
-    static values, and ``INPUT`` for each runtime input given)."""
-    return app.declaration.fragment_for({n: INPUT if isinstance(v, ir.TensorSym) else v for n, v in app.params})
-
-
-def instance(app: ir.Apply, index: int, accumulator: str = "tl.float32") -> Instance:
+def instance(app: ir.Apply, index: int, accumulator: str = "float32") -> Instance:
     """Resolve one application: ``$param`` -> literal, ``$tensor``/``$tensor_s<i>``/``$scalar`` -> argument,
-    ``$acc_dtype`` -> ``accumulator``."""
+    ``$acc_dtype`` -> the type of dtype ``accumulator``."""
     comb = app.declaration
     prefix = f"{comb.name}_{index}"
     mapping: dict[str, str] = {name: literal(value) for name, value in app.static().items()}
     mapping["self"] = prefix
-    mapping[ACCUMULATOR] = accumulator
+    mapping[ACCUMULATOR] = f"tl.{accumulator}"
     args: list[Param] = []
     for t in comb.tensors:
         tensor, tensor_strides = f"{prefix}_{t.name}", indexed_strides(f"{prefix}_{t.name}", t.rank)
@@ -174,7 +148,7 @@ def instance(app: ir.Apply, index: int, accumulator: str = "tl.float32") -> Inst
     for sc in comb.scalars:
         mapping[sc.name] = f"{prefix}_{sc.name}"
         args.append(Param(f"{prefix}_{sc.name}", SCALAR))
-    fragment = fragment_of(app)
+    fragment = app.fragment()
     if not attrs.has(type(comb.fragment)):  # a fragment function's result: checked as registration checks
         lint(comb, fragment, app.record.distribution)
     refuse_old_accumulator(comb, fragment, app.record.distribution, accumulator)  # deprecated tl.float32
@@ -207,7 +181,7 @@ def _variant(transforms: list[Instance], masks: tuple[Instance, ...]) -> str:
 def lower(fused: FusedProgram, config: KernelConfig, listing: str = "") -> LoweredProgram:
     """Flatten a fused program for one configuration."""
     counter = iter(range(1_000_000))
-    accumulator = f"tl.{accumulator_type(config.dtype)}"
+    accumulator = accumulator_type(config.dtype)
 
     def inst(app: ir.Apply) -> Instance:
         return instance(app, next(counter), accumulator)
@@ -230,7 +204,7 @@ def lower(fused: FusedProgram, config: KernelConfig, listing: str = "") -> Lower
     tiles = {kind: choose_tiles(config.arch, variant, widest, kind) for kind in TILED_KERNELS}
     scale = _scale(fused.source, normaliser, config.head_dim)
     return LoweredProgram(
-        signature=fused.signature, listing=listing, config=config, accumulator=accumulator, tiles=tiles,
+        signature=fused.signature, listing=listing, config=config, accumulator_dtype=accumulator, tiles=tiles,
         block_d=block_d, block_dv=block_dv,
         block_h=_block(config.head_dim // 2), scale=scale, score_factor=normaliser.fragment.score_factor,
         transforms=tuple(transforms), mods=mods, masks=masks, normaliser=normaliser)

@@ -1,28 +1,16 @@
 """Pass 2, tile: block sizes, warps and pipeline stages from a table keyed by arch, variant and head dim.
 
-Plugins may put rules ahead of the table (hook ``attnfuse_tile_configs``). The first rule that matches
-wins; the table runs from specific to general and ends with a rule that matches everything.
+Plugins choose first (hooks ``attnfuse_tile_config``, then the rules of ``attnfuse_tile_configs``); where none
+does, the first rule of the table that matches wins: it runs from specific to general and ends with a rule
+that matches everything.
 """
 from __future__ import annotations
 
-from attrs import field, frozen
+from attrs import frozen
 
-from ..plugin_manager import tile_rules
-
-
-def _tile_size(_, attribute, value: int) -> None:
-    if value < 16 or value & (value - 1):
-        raise ValueError(f"{attribute.name} must be a power of two >= 16, got {value}")
-
-
-@frozen(kw_only=True)
-class TileConfig:
-    """Launch shape of one kernel: BLOCK_M query rows by BLOCK_N keys per step."""
-
-    block_m: int = field(validator=_tile_size)
-    block_n: int = field(validator=_tile_size)
-    num_warps: int = 4
-    num_stages: int = 2
+from ..errors import PluginError
+from ..plan import TileConfig
+from ..plugin_manager import tile_config
 
 
 @frozen(kw_only=True)
@@ -92,8 +80,14 @@ def markdown_table(rules: tuple[TileRule, ...] = TABLE) -> str:
 
 
 def choose_tiles(arch: str, variant: str, head_dim: int, kernel: str) -> TileConfig:
-    """The first matching rule's config: plugin rules first, then the table."""
-    for rule in (*tile_rules(), *TABLE):
+    """The tiles plugins choose (``plugin_manager.tile_config``), else the first matching rule's of the table."""
+    chosen = tile_config(kernel, arch, variant, head_dim)
+    if chosen is not None:
+        if not isinstance(chosen, TileConfig):
+            raise PluginError(f"a plugin chose {chosen!r} as the tiles of the {kernel} kernel (arch {arch}, variant "
+                              f"{variant}, head dim {head_dim}); a tile hook must give an attnfuse.plan.TileConfig")
+        return chosen
+    for rule in TABLE:
         if rule.matches(kernel, arch, variant, head_dim):
             return rule.config
     raise LookupError(f"no tile rule for kernel={kernel} arch={arch} variant={variant} head_dim={head_dim}")

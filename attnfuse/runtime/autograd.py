@@ -1,36 +1,32 @@
 """``torch.autograd.Function`` around the fused forward and the backward kernels."""
 from __future__ import annotations
 
-from typing import Any, Callable, NamedTuple
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
-from .backward import BackwardKernels
-from .call_spec import flatten_inputs
-from .forward import ForwardKernel
+from ..block_mask import BlockMask
 from .gradients import no_double_backward
-from .hoisted import HoistedBackward, HoistedForward
 from .inputs import Positions, kv_cache
 
-
-class Kernels(NamedTuple):
-    """What a differentiable call runs: its forward, its backward, and the argument names of the runtime
-    inputs whose gradients the backward writes."""
-
-    forward: ForwardKernel | HoistedForward
-    backward: BackwardKernels | HoistedBackward
-    grads: tuple[str, ...]
+if TYPE_CHECKING:
+    from .call import Call
 
 
 def runtime_tensors(inputs: dict[str, Any]) -> tuple[list[torch.Tensor], list[str | None]]:
-    """Every tensor of a call's runtime inputs, as the op takes them (a ``BlockMask``'s tensors too), and for
-    each the argument name of a tensor input, or None for a mask's tensor."""
+    """Every tensor of a call's runtime inputs (a ``BlockMask``'s tensors too), and for each the argument
+    name of a tensor input, or None for a mask's tensor."""
     tensors: list[torch.Tensor] = []
     names: list[str | None] = []
     for name, value in inputs.items():
-        parts = [value] if isinstance(value, torch.Tensor) else flatten_inputs({name: value})[1]
-        tensors += parts
-        names += [name] if isinstance(value, torch.Tensor) else [None] * len(parts)
+        if isinstance(value, BlockMask):
+            value.check_unchanged()
+            parts = list(value.tensors())
+            tensors += parts
+            names += [None] * len(parts)
+        else:
+            tensors.append(value)
+            names.append(name)
     return tensors, names
 
 
@@ -50,21 +46,17 @@ class AttentionFunction(torch.autograd.Function):
     gradient requires grad: a constant one such as ``out.sum()``'s dropped the second-order term silently)."""
 
     @staticmethod
-    def forward(ctx, kernels: Kernels, inputs: dict[str, Any], names: tuple[str | None, ...],
+    def forward(ctx, call: Call, inputs: dict[str, Any], names: tuple[str | None, ...],
                 positions: Positions | None, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv_lens: torch.Tensor | None, *tensors: torch.Tensor):
         """q (B, Hq, Nq, D), k (B, Hkv, Nk, D), v (B, Hkv, Nk, DV) (no gradient flows through a paged cache),
         kv_lens (B,) or None, the call's positions or None; ``inputs`` the runtime inputs by name, whose
-        tensors are ``tensors``."""
+        tensors are ``tensors``; ``call`` the kernels of the call's signature."""
         kv = kv_cache(k, v, kv_lens, None, positions)
-        forward = kernels.forward
-        prepared = forward.plugin_args(q, kv, inputs)
-        if isinstance(forward, HoistedForward):  # keep the transformed q and k for the hoisted backward
-            out, lse, copies = forward.run(q, kv, inputs, prepared)
-        else:
-            (out, lse), copies = forward(q, kv, inputs, prepared), {}
+        prepared = call.prepare(q, kv, inputs)
+        out, lse, copies = call.run_forward(q, kv, inputs, prepared)
         ctx.save_for_backward(q, k, v, out, lse, kv_lens, *tensors, *copies.values())
-        ctx.kernels, ctx.inputs, ctx.names, ctx.sides, ctx.prepared = kernels, inputs, names, tuple(copies), prepared
+        ctx.call, ctx.inputs, ctx.names, ctx.sides, ctx.prepared = call, inputs, names, tuple(copies), prepared
         ctx.positions = positions
         ctx.set_materialize_grads(False)
         return out, lse
@@ -73,22 +65,21 @@ class AttentionFunction(torch.autograd.Function):
     def backward(ctx, dout: torch.Tensor | None, dlse: torch.Tensor | None):
         q, k, v, out, lse, kv_lens, *rest = ctx.saved_tensors  # torch raises here if one was edited in place
         tensors, copies = rest[:len(ctx.names)], rest[len(ctx.names):]
-        kernels = ctx.kernels
-        extra = {"copies": dict(zip(ctx.sides, copies))} if ctx.sides else {}
+        call = ctx.call
 
         def gradients() -> tuple[torch.Tensor, ...]:
             kv = kv_cache(k, v, kv_lens, None, ctx.positions)
-            dq, dk, dv, grads = kernels.backward(q, kv, out, lse, dout, dlse, ctx.inputs, prepared=ctx.prepared,
-                                                 **extra)
-            return dq, dk, dv, *(grads[name] for name in kernels.grads)
+            dq, dk, dv, grads = call.run_backward(q, kv, out, lse, dout, dlse, ctx.inputs, ctx.prepared,
+                                                  dict(zip(ctx.sides, copies)))
+            return dq, dk, dv, *(grads[name] for name in call.grads)
 
         if torch.is_grad_enabled():  # create_graph=True: the results must raise if differentiated again
-            wanted = (t for t, name in zip(tensors, ctx.names) if name in kernels.grads)
+            wanted = (t for t, name in zip(tensors, ctx.names) if name in call.grads)
             anchors = (t for t in (q, k, v, dout, dlse, *wanted) if t is not None)
             dq, dk, dv, *grads = _FirstOrderOnly.apply(gradients, *anchors)
         else:
             dq, dk, dv, *grads = gradients()
-        by_name = dict(zip(kernels.grads, grads))
+        by_name = dict(zip(call.grads, grads))
         return (None, None, None, None, dq, dk, dv, None, *(by_name.get(name) for name in ctx.names))
 
 

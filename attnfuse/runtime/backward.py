@@ -8,8 +8,7 @@ from typing import Any
 
 import torch
 
-from ..passes.lower import Instance
-from ..passes.plan import Plan
+from ..plan import InputGradient, Plan
 from .hopper import HopperLauncher
 from .inputs import KVCache, accumulator_dtype, empty_like_layout, even_keys, heads_together, kv_launch_args
 from .kernel import CompiledKernel
@@ -44,17 +43,17 @@ def _sum_to(grad: torch.Tensor, shape: torch.Size) -> torch.Tensor:
 class BackwardKernels:
     """The gradient kernels of one program and configuration, writing the tensor gradients asked for.
 
-    ``tensor_grads``: (modification instance, parameter) pairs whose score-shaped gradient the dQ kernel
-    writes; each is summed to its input's shape.
+    ``tensor_grads``: the runtime inputs (of ``plan.input_gradients``) whose score-shaped gradient the dQ
+    kernel writes; each is summed to its input's shape.
     """
 
-    def __init__(self, plan: Plan, tensor_grads: tuple[tuple[Instance, str], ...]):
+    def __init__(self, plan: Plan, tensor_grads: tuple[InputGradient, ...]):
         self.plan = plan
         self.tensor_grads = tensor_grads
         interpreted = plan.config.arch == "interpreter"
         self.dkdv = CompiledKernel(plan.dkdv, interpreted)
         self.dq = CompiledKernel(plan.dq(tensor_grads), interpreted)
-        self.plugin_args = PluginArgs(plan.lowered)
+        self.plugin_args = PluginArgs(plan)
         self.hopper = HopperLauncher(plan.hopper) if plan.hopper is not None else None
         width = plan.dkdv.launch.constants
         self._share_width = (2 * width["BLOCK_H"] if plan.dkdv.halves else width["BLOCK_D"]) + width["BLOCK_DV"]
@@ -157,8 +156,8 @@ class BackwardKernels:
             for g in (dq, dk, dv):
                 g.zero_()
         grads: dict[str, torch.Tensor] = {}
-        for (inst, name), buffer in zip(self.tensor_grads, buffers):
-            arg = inst.apply.inputs()[name].name
+        for gradient, buffer in zip(self.tensor_grads, buffers):
+            arg = gradient.argument
             grad = _sum_to(buffer, inputs[arg].shape).to(inputs[arg].dtype)
             grads[arg] = grads[arg] + grad if arg in grads else grad
         return dq, dk, dv, grads

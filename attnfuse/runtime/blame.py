@@ -32,8 +32,9 @@ def _line(source: str, path: Path, name: str, exc: BaseException) -> int | None:
     return None
 
 
-def blame(source: str, path: Path, name: str, exc: BaseException) -> str | None:
-    """A sentence naming the combinator (and its distribution) whose fragment holds the failing line."""
+def blame(source: str, path: Path, name: str, exc: BaseException, origins: dict[str, str]) -> str | None:
+    """A sentence naming the combinator (and its distribution, from ``origins``: by application prefix) whose
+    fragment holds the failing line."""
     line = _line(source, path, name, exc)
     lines = source.splitlines()
     if line is None or not 1 <= line <= len(lines):
@@ -42,10 +43,7 @@ def blame(source: str, path: Path, name: str, exc: BaseException) -> str | None:
         found = _FRAGMENT_COMMENT.match(text)
         if found:
             application, combinator, what = found.groups()
-            from ..plugin_manager import combinators
-
-            entry = combinators().get(combinator)
-            dist = f" of distribution {entry.distribution!r}" if entry else ""
+            dist = f" of distribution {origins[application]!r}" if application in origins else ""
             return (f"the failing line is in the fragment of combinator {combinator!r}{dist} ({application}: "
                     f"{what}): {path}:{line}: {lines[line - 1].strip()}")
         if text.startswith("def "):

@@ -5,6 +5,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..launch_spec import CONSTEXPR, INT, TENSOR, LaunchSpec, params, strides
 from .interpreter import InterpretedKernel
 from .launcher import Launcher, next_power_of_2
 
@@ -38,6 +39,9 @@ def _combine_kernel(PartOut, PartLse, Out, Lse,
              out.to(Out.dtype.element_ty), mask=cols < DV)
 
 
+COMBINE = LaunchSpec("_combine_kernel", params(TENSOR, "PartOut", "PartLse", "Out", "Lse") + strides("o", "bhmd", "Out")
+                     + params(INT, "HQ", "Nq", "DV", "NUM_SPLITS")
+                     + params(CONSTEXPR, "LOGSUMEXP", "SAVE_LSE", "BLOCK_S", "BLOCK_DV"), tiles=())
 _jitted = Launcher(triton.jit(_combine_kernel))
 _interpreted = InterpretedKernel(_combine_kernel)
 
@@ -48,7 +52,9 @@ def combine(part_out: torch.Tensor, part_lse: torch.Tensor, out: torch.Tensor, l
     B, Hq, Nq, DV = out.shape
     splits = part_out.shape[1]
     kernel = _jitted if out.is_cuda else _interpreted
-    kernel.launch((B * Hq * Nq,), (part_out, part_lse, out, out if lse is None else lse, *out.stride(), Hq, Nq, DV,
-                                   splits),
-                  dict(LOGSUMEXP=logsumexp, SAVE_LSE=lse is not None, BLOCK_S=max(2, next_power_of_2(splits)),
-                       BLOCK_DV=max(16, next_power_of_2(DV))), device=out.device)
+    kernel.launch((B * Hq * Nq,),
+                  COMBINE.bind({"PartOut": part_out, "PartLse": part_lse, "Out": out, "Lse": out if lse is None else lse,
+                                "HQ": Hq, "Nq": Nq, "DV": DV, "NUM_SPLITS": splits}),
+                  COMBINE.constexprs({"LOGSUMEXP": logsumexp, "SAVE_LSE": lse is not None,
+                                      "BLOCK_S": max(2, next_power_of_2(splits)),
+                                      "BLOCK_DV": max(16, next_power_of_2(DV))}), device=out.device)

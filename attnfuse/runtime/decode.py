@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from ..passes.plan import Plan
+from ..plan import Plan
 from .combine import combine
 from .inputs import KVCache, accumulator_dtype, empty_like_layout, even_keys, kv_launch_args
 from .kernel import CompiledKernel
@@ -39,8 +39,8 @@ class DecodeKernel:
         self.plan = plan
         self.kernel = CompiledKernel(plan.decode, plan.config.arch == "interpreter")
         self.source = self.kernel.source
-        self.plugin_args = PluginArgs(plan.lowered)
-        self._logsumexp = plan.lowered.normaliser.fragment.combine == "logsumexp"
+        self.plugin_args = PluginArgs(plan)
+        self._logsumexp = plan.combine == "logsumexp"
 
     def __call__(self, q: torch.Tensor, kv: KVCache, inputs: dict[str, Any]
                  ) -> tuple[torch.Tensor, torch.Tensor | None]:

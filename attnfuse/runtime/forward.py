@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from ..passes.plan import Plan
+from ..plan import Plan
 from .inputs import KVCache, accumulator_dtype, empty_like_layout, even_keys, heads_together, kv_launch_args
 from .hopper import HopperLauncher
 from .kernel import CompiledKernel
@@ -23,7 +23,7 @@ class ForwardKernel:
         self.kernel = CompiledKernel(plan.forward, plan.config.arch == "interpreter")
         self.source = self.kernel.source
         self.path = self.kernel.path
-        self.plugin_args = PluginArgs(plan.lowered)
+        self.plugin_args = PluginArgs(plan)
         self.hopper = HopperLauncher(plan.hopper) if plan.hopper is not None else None
 
     def __call__(self, q: torch.Tensor, kv: KVCache, inputs: dict[str, Any],

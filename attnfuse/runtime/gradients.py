@@ -4,46 +4,33 @@ from __future__ import annotations
 from typing import Any, Collection
 
 from ..errors import InputError, ProgramError, UnsupportedError
-from ..passes.lower import Instance, LoweredProgram
+from ..plan import InputGradient, Plan
 
 
-def _no_backward(what: str) -> ProgramError:
-    return ProgramError(f"gradients were asked for, but {what} declares no backward; compute under "
-                        f"torch.no_grad(), or give the combinator its backward fragment")
-
-
-def check_differentiable(lowered: LoweredProgram) -> None:
+def check_differentiable(plan: Plan) -> None:
     """Raise unless every combinator of the program declares its backward."""
-    for t in lowered.transforms:
-        if not t.fragment.differentiable():
-            raise _no_backward(f"the qk transform {t.apply.combinator}")
-    for m in lowered.mods:
-        if m.fragment.grad is None:
-            raise _no_backward(f"the score modification {m.apply.combinator}")
-    if lowered.normaliser.fragment.grad is None:
-        raise _no_backward(f"the normaliser {lowered.normaliser.apply.combinator}")
+    if plan.missing_backward is not None:
+        raise ProgramError(f"gradients were asked for, but {plan.missing_backward} declares no backward; compute "
+                           f"under torch.no_grad(), or give the combinator its backward fragment")
 
 
-def tensor_grads(lowered: LoweredProgram, inputs: dict[str, Any], wanted: Collection[str],
-                 scores: tuple[int, int, int, int]) -> tuple[tuple[Instance, str], ...]:
-    """The (modification instance, parameter) pairs that write the gradients of the runtime inputs named in
-    ``wanted`` (argument names of ``inputs``). An InputError, before anything runs, for a wanted input whose
-    combinator declares no gradient for it, or whose shape does not broadcast to the scores ``scores`` (B, Hq,
-    Nq, Nk) by torch's rules: the kernels write its gradient score by score, summed to its shape."""
-    found = tuple((m, name) for m in lowered.mods for name, _ in m.fragment.tensor_grads
-                  if m.apply.inputs().get(name) is not None and m.apply.inputs()[name].name in wanted)
-    covered = {m.apply.inputs()[name].name for m, name in found}
-    for inst in lowered.instances():
-        for param, sym in inst.apply.inputs().items():
-            if sym.name in wanted and sym.name not in covered:
-                raise InputError(f"{inst.apply.combinator}: its input {param!r} (argument {sym.name!r}) requires "
-                                 f"grad, but {inst.apply.combinator} declares no gradient for it; pass it detached")
-    for inst, param in found:
-        arg = inst.apply.inputs()[param].name
-        shape = tuple(inputs[arg].shape)
+def tensor_grads(plan: Plan, inputs: dict[str, Any], wanted: Collection[str],
+                 scores: tuple[int, int, int, int]) -> tuple[InputGradient, ...]:
+    """The gradients the dQ kernel writes for the runtime inputs named in ``wanted`` (argument names of
+    ``inputs``). An InputError, before anything runs, for a wanted input whose combinator declares no
+    gradient for it, or whose shape does not broadcast to the scores ``scores`` (B, Hq, Nq, Nk) by torch's
+    rules: the kernels write its gradient score by score, summed to its shape."""
+    found = tuple(g for g in plan.input_gradients if g.prefix is not None and g.argument in wanted)
+    covered = {g.argument for g in found}
+    for g in plan.input_gradients:
+        if g.argument in wanted and g.argument not in covered:
+            raise InputError(f"{g.combinator}: its input {g.param!r} (argument {g.argument!r}) requires grad, but "
+                             f"{g.combinator} declares no gradient for it; pass it detached")
+    for g in found:
+        shape = tuple(inputs[g.argument].shape)
         if not _broadcasts(shape, scores):
             raise InputError(
-                f"{inst.apply.combinator}: its input {param!r} (argument {arg!r}) requires grad and has shape "
+                f"{g.combinator}: its input {g.param!r} (argument {g.argument!r}) requires grad and has shape "
                 f"{shape}, which does not broadcast to the scores (B, Hq, Nq, Nk) = {scores}; its gradient is "
                 f"summed over the dims it broadcasts along, so it must have at most 4 dims, each 1 or the scores' "
                 f"size, aligned from the right (torch's rules): per head, (Hq, 1, 1); or pass it detached")

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from ..passes.plan import KernelSpec, Plan
+from ..plan import KernelSpec, Plan
 from .backward import BackwardKernels
 from .forward import ForwardKernel
 from .inputs import KVCache, accumulator_dtype, empty_like_layout, position_args
@@ -106,7 +106,7 @@ class HoistedBackward:
         interpreted = fused.config.arch == "interpreter"
         self.transform = TransformPass(fused.transform, interpreted)
         self.gradient = TransformPass(fused.gradient, interpreted)
-        self.plugin_args = PluginArgs(fused.lowered)
+        self.plugin_args = PluginArgs(fused)
 
     def __call__(self, q: torch.Tensor, kv: KVCache, out: torch.Tensor, lse: torch.Tensor | None,
                  dout: torch.Tensor | None, dlse: torch.Tensor | None, inputs: dict[str, Any],

@@ -8,7 +8,8 @@ import torch
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from ..passes.hopper import HopperPlan
+from ..launch_spec import CONSTEXPR, INT, SCALAR, TENSOR, LaunchSpec, params
+from ..plan import HopperPlan
 from .hopper_dkdv_kernel import hopper_dkdv_kernel
 from .hopper_kernel import hopper_forward_kernel
 from .launcher import Launcher, cdiv, multiprocessors
@@ -21,6 +22,19 @@ DKDV_SPLIT_WAVES = 1.0  # a GQA grid of fewer key-block programs than this many 
 DKDV_SPLIT_FILL = 1.5  # its groups' query heads, over the fewest programs that give this many per multiprocessor
 _TMA_LIMIT = 1 << 40  # bytes: a TMA stride must stay below it
 _ROW_LAYOUT = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1)  # lse and delta rows
+
+FORWARD = LaunchSpec("hopper_forward_kernel",
+                     params(TENSOR, "q_desc", "k_desc", "v_desc", "o_desc", "q", "k", "v", "out", "lse")
+                     + params(INT, "n_q", "n_k", "heads_q", "group") + params(SCALAR, "qk_scale")
+                     + params(CONSTEXPR, "BLOCK_N", "STAGES", "CAUSAL", "SAVE_LSE"), tiles=())
+DKDV = LaunchSpec("hopper_dkdv_kernel",
+                  params(TENSOR, "q_desc", "do_desc", "k_desc", "v_desc", "lse_desc", "delta_desc", "dk", "dv",
+                         "dq_desc", "dk_part", "dv_part")
+                  + params(INT, "part_size") + params(TENSOR, "counts")
+                  + params(INT, "stride_dkb", "stride_dkh", "stride_dkn", "stride_dvb", "stride_dvh", "stride_dvn",
+                           "n_q", "n_k", "heads_q", "group", "heads", "row_stride")
+                  + params(SCALAR, "qk_scale", "scale")
+                  + params(CONSTEXPR, "BLOCK_M", "STAGES", "CAUSAL", "GROUP_SUM", "FUSE_DQ"), tiles=())
 
 
 def _describable(t: torch.Tensor) -> bool:
@@ -94,10 +108,13 @@ class HopperLauncher:
         lse (B, Hq, Nq) float32 contiguous, written in place."""
         B, Hq, Nq, _ = q.shape
         block_n = self.spec.block_n
-        args = (self._describe(q, _ROWS // 2), self._describe(k, block_n), self._describe(v, block_n),
-                self._describe(out, _ROWS // 2), q, k, v, out, out if lse is None else lse, Nq, k.shape[2], Hq,
-                Hq // k.shape[1], self.spec.qk_scale)
-        self._launcher.launch((B * Hq, cdiv(Nq, _ROWS)), args, {**self._constexprs, "SAVE_LSE": lse is not None},
+        args = FORWARD.bind({
+            "q_desc": self._describe(q, _ROWS // 2), "k_desc": self._describe(k, block_n),
+            "v_desc": self._describe(v, block_n), "o_desc": self._describe(out, _ROWS // 2), "q": q, "k": k, "v": v,
+            "out": out, "lse": out if lse is None else lse, "n_q": Nq, "n_k": k.shape[2], "heads_q": Hq,
+            "group": Hq // k.shape[1], "qk_scale": self.spec.qk_scale})
+        self._launcher.launch((B * Hq, cdiv(Nq, _ROWS)), args,
+                              FORWARD.constexprs({**self._constexprs, "SAVE_LSE": lse is not None}),
                               num_warps=4, device=q.device, maxnreg=168)
 
     def dkdv(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor,
@@ -126,14 +143,19 @@ class HopperLauncher:
             group_sum = "atomic"
             dk_part, dv_part = torch.zeros((2, B, Hkv, Nk, D), dtype=torch.float32, device=q.device)
         dq_tiles = None if dq is None else self._describe(dq, DKDV_BLOCK_M, D // 2)
-        self._dkdv.launch((B * Hq // (group // parts), blocks),
-                          (self._describe(q, DKDV_BLOCK_M), self._describe(dout, DKDV_BLOCK_M),
-                           self._describe(k, _ROWS // 2), self._describe(v, _ROWS // 2),
-                           *(self._describe_rows(r) for r in rows), dk, dv, dq_tiles, dk_part, dv_part,
-                           B * Hkv * Nk * D, counts, *dk.stride()[:3], *dv.stride()[:3], Nq, Nk, Hq, group,
-                           group // parts, padded_rows(Nq, DKDV_BLOCK_M), self.spec.qk_scale, self.spec.scale),
-                          {"BLOCK_M": DKDV_BLOCK_M, "STAGES": DKDV_STAGES, "CAUSAL": self.spec.causal,
-                           "GROUP_SUM": group_sum, "FUSE_DQ": dq is not None},
+        lse_rows, delta_rows = rows
+        args = DKDV.bind({
+            "q_desc": self._describe(q, DKDV_BLOCK_M), "do_desc": self._describe(dout, DKDV_BLOCK_M),
+            "k_desc": self._describe(k, _ROWS // 2), "v_desc": self._describe(v, _ROWS // 2),
+            "lse_desc": self._describe_rows(lse_rows), "delta_desc": self._describe_rows(delta_rows), "dk": dk,
+            "dv": dv, "dq_desc": dq_tiles, "dk_part": dk_part, "dv_part": dv_part, "part_size": B * Hkv * Nk * D,
+            "counts": counts, **dict(zip(("stride_dkb", "stride_dkh", "stride_dkn"), dk.stride())),
+            **dict(zip(("stride_dvb", "stride_dvh", "stride_dvn"), dv.stride())), "n_q": Nq, "n_k": Nk,
+            "heads_q": Hq, "group": group, "heads": group // parts, "row_stride": padded_rows(Nq, DKDV_BLOCK_M),
+            "qk_scale": self.spec.qk_scale, "scale": self.spec.scale})
+        self._dkdv.launch((B * Hq // (group // parts), blocks), args,
+                          DKDV.constexprs({"BLOCK_M": DKDV_BLOCK_M, "STAGES": DKDV_STAGES, "CAUSAL": self.spec.causal,
+                                           "GROUP_SUM": group_sum, "FUSE_DQ": dq is not None}),
                           num_warps=4, device=q.device, maxnreg=168)
         if group_sum == "atomic":
             dk.copy_(dk_part)

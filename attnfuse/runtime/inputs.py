@@ -10,7 +10,7 @@ import torch
 from attrs import frozen
 
 from ..errors import InputError
-from ..passes.lower import KernelConfig, accumulator_type
+from ..plan import KernelConfig, accumulator_type
 from .offsets import rows_fit
 from .launcher import head_group
 
@@ -22,7 +22,7 @@ MAX_HEAD_DIM = 256
 
 
 def accumulator_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The torch dtype inputs of ``dtype`` accumulate in, as the kernels do (``lower.accumulator_type``)."""
+    """The torch dtype inputs of ``dtype`` accumulate in, as the kernels do (``plan.accumulator_type``)."""
     return _ACCUMULATORS[dtype]
 
 

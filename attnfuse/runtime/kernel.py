@@ -11,8 +11,7 @@ import triton
 from triton.runtime.errors import OutOfResources
 
 from ..errors import InputError
-from ..passes.plan import KernelSpec
-from ..passes.tile import TileConfig
+from ..plan import KernelSpec, TileConfig
 from .blame import blame
 from .interpreter import InterpretedKernel
 from .launcher import Launcher
@@ -62,7 +61,7 @@ class CompiledKernel:
             except OutOfResources:
                 self.tiles = smaller_tiles(self.tiles)
             except Exception as exc:
-                culprit = blame(self.source, self.path, self.name, exc)
+                culprit = blame(self.source, self.path, self.name, exc, self.spec.origins)
                 if culprit is not None and hasattr(exc, "add_note"):
                     exc.add_note(culprit)
                 raise

@@ -6,8 +6,7 @@ from typing import Any, NamedTuple
 import torch
 
 from ..errors import InputError, PluginError
-from ..passes.launch_spec import STRIDE
-from ..passes.lower import LoweredProgram
+from ..plan import Plan
 from .inputs import KVCache, launch_context
 
 
@@ -22,36 +21,34 @@ class Prepared(NamedTuple):
     heavy: int
 
 
-def check_takes_offsets(lowered: LoweredProgram) -> None:
-    """InputError unless every combinator of ``lowered`` with a ``prepare`` declares ``takes_offsets``: a call
-    that gives q_offset or k_offset places keys at positions past the call's rows, which a plugin written
-    for positions that are indices could read its tensors at."""
-    for inst in lowered.instances():
-        comb = inst.apply.declaration
-        if comb.prepare is not None and not comb.takes_offsets:
-            raise InputError(f"q_offset/k_offset: {comb.name} prepares kernel arguments but does not declare "
-                             f"takes_offsets=True (that its fragments index its tensors by k_idx, q_idx or heads, "
-                             f"and its prepare follows LaunchContext.seq_len), so it may read them at positions "
-                             f"past the call's rows; call it without offsets")
+def check_takes_offsets(plan: Plan) -> None:
+    """InputError when a combinator of ``plan`` has a ``prepare`` but does not declare ``takes_offsets``: a
+    call that gives q_offset or k_offset places keys at positions past the call's rows, which a plugin
+    written for positions that are indices could read its tensors at."""
+    name = plan.refuses_offsets
+    if name is not None:
+        raise InputError(f"q_offset/k_offset: {name} prepares kernel arguments but does not declare "
+                         f"takes_offsets=True (that its fragments index its tensors by k_idx, q_idx or heads, "
+                         f"and its prepare follows LaunchContext.seq_len), so it may read them at positions "
+                         f"past the call's rows; call it without offsets")
 
 
 class PluginArgs:
-    """The kernel arguments the plugins of one lowered program give through ``prepare``."""
+    """The kernel arguments the plugins of one plan give through ``prepare``."""
 
-    def __init__(self, lowered: LoweredProgram):
-        self._plugins = tuple((inst, inst.apply.declaration) for inst in lowered.instances() if inst.args)
-        self._names = tuple(p.name for p in lowered.args() if p.kind != STRIDE)  # strides come with tensors
-        listing = next((m.fragment.block_list for m in lowered.masks if m.fragment.block_list is not None), None)
-        self._limit = listing and listing.size
-        self._split = listing and listing.q_split
+    def __init__(self, plan: Plan):
+        self._plugins = tuple((call.prefix, call.apply, call.apply.declaration) for call in plan.plugin_calls)
+        self._names = plan.plugin_args
+        self._limit = plan.block_limit
+        self._split = plan.heavy_split
 
     def __call__(self, q: torch.Tensor, kv: KVCache, inputs: dict[str, Any]) -> Prepared:
         """The plugins' arguments for one call."""
         args: list = []
         scalars: dict[str, Any] = {}
         ctx = launch_context(q, kv) if self._plugins else None
-        for inst, comb in self._plugins:
-            prepared = comb.prepare(ctx, **inst.apply.values(inputs))
+        for prefix, apply, comb in self._plugins:
+            prepared = comb.prepare(ctx, **apply.values(inputs))
             for t in comb.tensors:
                 tensor = prepared[t.name]
                 if not isinstance(tensor, torch.Tensor) or tensor.dim() != t.rank:
@@ -62,7 +59,7 @@ class PluginArgs:
                 args.append(tensor)
             for sc in comb.scalars:
                 args.append(prepared[sc.name])
-                scalars[f"{inst.prefix}_{sc.name}"] = prepared[sc.name]
+                scalars[f"{prefix}_{sc.name}"] = prepared[sc.name]
         return Prepared(dict(zip(self._names, args, strict=True)),
                         None if self._limit is None else int(scalars[self._limit]),
                         int(scalars[self._split]) if self._split else 0)

@@ -12,6 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..launch_spec import CONSTEXPR, INT, SCALAR, TENSOR, LaunchSpec, params
 from .interpreter import InterpretedKernel
 from .launcher import Launcher, cdiv
 
@@ -49,6 +50,11 @@ def _template_rows_kernel(Lse, Delta, DLse, Out, DOut, LseRows, DeltaRows, Zeroe
                  mask=real[:, None])
 
 
+_STRIDES = tuple(f"stride_{x}{d}" for x in "og" for d in "bhnd")  # of Out and DOut, or 0s when they are unused
+TEMPLATE_ROWS = LaunchSpec(
+    "_template_rows_kernel", params(TENSOR, "Lse", "Delta", "DLse", "Out", "DOut", "LseRows", "DeltaRows", "Zeroed")
+    + params(INT, "n_rows", "Nq", "padded", "H", *_STRIDES) + params(SCALAR, "log2e")
+    + params(CONSTEXPR, "HEAD_DIM", "ROWS", "COMPUTE_DELTA", "HAS_DLSE", "ZERO"), tiles=())
 _jitted = Launcher(triton.jit(_template_rows_kernel))
 _interpreted = InterpretedKernel(_template_rows_kernel)
 
@@ -83,9 +89,13 @@ def template_rows(lse: torch.Tensor, block: int, *, delta: torch.Tensor | None =
     n_rows = B * H * padded
     kernel = _jitted if lse.is_cuda else _interpreted
     kernel.launch((cdiv(n_rows, ROWS),),
-                  (lse.contiguous(), delta.contiguous(), lse if dlse is None else dlse.contiguous(), out, dout,
-                   lse_rows, delta_rows, lse if zeroed is None else zeroed, n_rows, Nq, padded, H, *strides,
-                   math.log2(math.e)),
-                  dict(HEAD_DIM=out.shape[3] if compute else 16, ROWS=ROWS, COMPUTE_DELTA=compute,
-                       HAS_DLSE=dlse is not None, ZERO=zeroed is not None), device=lse.device)
+                  TEMPLATE_ROWS.bind({"Lse": lse.contiguous(), "Delta": delta.contiguous(),
+                                      "DLse": lse if dlse is None else dlse.contiguous(), "Out": out, "DOut": dout,
+                                      "LseRows": lse_rows, "DeltaRows": delta_rows,
+                                      "Zeroed": lse if zeroed is None else zeroed, "n_rows": n_rows, "Nq": Nq,
+                                      "padded": padded, "H": H, **dict(zip(_STRIDES, strides)),
+                                      "log2e": math.log2(math.e)}),
+                  TEMPLATE_ROWS.constexprs({"HEAD_DIM": out.shape[3] if compute else 16, "ROWS": ROWS,
+                                            "COMPUTE_DELTA": compute, "HAS_DLSE": dlse is not None,
+                                            "ZERO": zeroed is not None}), device=lse.device)
     return lse_rows, delta_rows

@@ -14,6 +14,7 @@ import triton
 import triton.language as tl
 
 from ..errors import InputError
+from ..launch_spec import CONSTEXPR, INT, STRIDE, TENSOR, LaunchSpec, Param, params
 from .interpreter import InterpretedKernel
 from .launcher import Launcher, next_power_of_2
 
@@ -39,6 +40,10 @@ def _check_kernel(KvLens, BlockTable, Status, stride_l, stride_btb, stride_btp, 
     tl.store(Status + b, status)
 
 
+CHECK = LaunchSpec("_check_kernel", params(TENSOR, "KvLens", "BlockTable", "Status")
+                   + (Param("stride_l", STRIDE, "KvLens"),) + params(INT, "stride_btb", "stride_btp", "PAGE_SIZE",
+                                                                    "NUM_PAGES", "CAPACITY")
+                   + params(CONSTEXPR, "PAGED", "BLOCK_P"), tiles=())
 _jitted = Launcher(triton.jit(_check_kernel))
 _interpreted = InterpretedKernel(_check_kernel)
 
@@ -59,9 +64,11 @@ def check_cache_values(kv_lens: torch.Tensor, block_table: torch.Tensor | None, 
     table = block_table if paged else kv_lens
     max_pages = block_table.shape[1] if paged else 0
     kernel = _interpreted if kv_lens.device.type == "cpu" else _jitted
-    kernel.launch((B,), (kv_lens, table, status, kv_lens.stride(0), *(table.stride() if paged else (0, 0)),
-                         max(page_size, 1), num_pages, max_pages * page_size),
-                  dict(PAGED=paged, BLOCK_P=min(1024, max(16, next_power_of_2(max(max_pages, 1))))),
+    stride_btb, stride_btp = table.stride() if paged else (0, 0)
+    kernel.launch((B,), CHECK.bind({"KvLens": kv_lens, "BlockTable": table, "Status": status, "stride_btb": stride_btb,
+                                    "stride_btp": stride_btp, "PAGE_SIZE": max(page_size, 1), "NUM_PAGES": num_pages,
+                                    "CAPACITY": max_pages * page_size}),
+                  CHECK.constexprs({"PAGED": paged, "BLOCK_P": min(1024, max(16, next_power_of_2(max(max_pages, 1))))}),
                   device=kv_lens.device)
     statuses = status.tolist()  # the one host sync
     if min(statuses) == OK == max(statuses):

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from ..combinator import REQUIRED
 from ..passes.fuse import fuse
-from ..passes.lower import fragment_of, instance
+from ..passes.lower import instance
 from ..errors import PluginError
 from ..plugin_manager import broken_plugins, combinators
 from ..runtime.source_cache import CACHE_ENV
@@ -74,7 +74,7 @@ def check_program_case(case: ProgramCase, dtype: torch.dtype, device: str, seed:
     if kv_lens is not None:
         extras["kv_lens"] = torch.tensor(kv_lens, dtype=torch.int32, device=device)
     graph = case.program.graph(**{n: x for n, x in extras.items() if n != "kv_lens"})
-    norm = fragment_of(graph.weights.apply)
+    norm = graph.weights.apply.fragment()
     has_lse = norm.has_lse
     can_grad, grad_extras = differentiable(case, extras) if grads else (False, ())
     if dtype in (torch.float16, torch.bfloat16) and not norm.smooth:

@@ -9,6 +9,7 @@ from attrs import field, frozen
 from hypothesis import strategies as st
 
 from ..combinator import REQUIRED, Combinator, Role
+from ..examples_support import random_tensor
 from ..plugin_manager import BUILTIN_DISTRIBUTION, combinators
 from ..program import AttentionProgram
 
@@ -24,12 +25,6 @@ class Shape:
     Nk: int
     D: int
     DV: int
-
-
-def random_tensor(draw, *size: int) -> torch.Tensor:
-    """A float32 CPU tensor of standard normal values, reproducible from a drawn seed."""
-    seed = draw(st.integers(0, 2**31 - 1))
-    return torch.randn(size, generator=torch.Generator().manual_seed(seed))
 
 
 @st.composite

@@ -17,7 +17,7 @@ import string
 
 import attrs
 
-from ..launch_spec import INT, TENSOR, Param, indexed_strides, params, strides
+from ...launch_spec import INT, TENSOR, Param, indexed_strides, params, strides
 from ..lower import Instance, LoweredProgram
 from .common import (columns, constexpr_params, dv_mask, fragment, half_mask, indent, kernel_source, kv_params,
                      masked_load, precision, qkv_strides, split)

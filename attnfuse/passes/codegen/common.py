@@ -5,7 +5,7 @@ from __future__ import annotations
 import textwrap
 from typing import Any
 
-from ..launch_spec import CONSTEXPR, INT, STRIDE, TENSOR, Param, params, render_signature, strides
+from ...launch_spec import CONSTEXPR, INT, STRIDE, TENSOR, Param, params, render_signature, strides
 from ..lower import LoweredProgram
 
 HEADER = '''\
@@ -74,7 +74,7 @@ def fragment(text: str) -> str:
 
 def precision(kernel: LoweredProgram) -> str:
     """tl.dot keywords: a float32 product IEEE (or TF32, as torch's flag asks); a float64 one in float64."""
-    if kernel.accumulator == "tl.float64":
+    if kernel.accumulator_dtype == "float64":
         return ", out_dtype=tl.float64"
     return f', input_precision="{kernel.config.fp32_precision}"' if kernel.config.dtype == "float32" else ""
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import string
 
-from ..launch_spec import INT, TENSOR, Param, params
+from ...launch_spec import INT, TENSOR, Param, params
 from ..lower import LoweredProgram, masked_head
 from .common import columns, constexpr_params, dv_mask, indent, kernel_source, kv_params, qkv_strides
 from .loops import every_block, key_range, loops

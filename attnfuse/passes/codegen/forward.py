@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import string
 
-from ..launch_spec import INT, TENSOR, Param, params, strides
+from ...launch_spec import INT, TENSOR, Param, params, strides
 from ..lower import LoweredProgram
 from .common import constexpr_params, dv_mask, indent, kernel_source, kv_params, masked_load, precision, qkv_strides
 from .loops import HEAD_GROUP, every_block, key_range, listing_mask, query_block, visit

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import string
 
-from ..launch_spec import INT, TENSOR, Param, params, strides
+from ...launch_spec import INT, TENSOR, Param, params, strides
 from ..lower import LoweredProgram
 from .common import columns, constexpr_params, half_mask, indent, kernel_source
 from .loops import key_block

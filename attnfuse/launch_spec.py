@@ -1,15 +1,14 @@
-"""Launch specs: a generated kernel's parameters, in order, described once.
+"""Launch specs: a kernel's parameters, in order, described once; every launch binds its arguments by name.
 
-The same description writes the kernel's ``def`` line (``render_signature``) and binds a launch's
-arguments by name (``LaunchSpec.bind``), so the source and the launch cannot disagree on the order of two
-arguments. A stride parameter names the tensor parameter it belongs to: a launch gives the tensor, and
+For a generated kernel the same description writes the ``def`` line (``render_signature``) and binds a
+launch's arguments (``LaunchSpec.bind``), so the source and the launch cannot disagree on the order of two
+arguments; a hand-written kernel's spec is checked against its function's parameters by the tests. A stride parameter names the tensor parameter it belongs to: a launch gives the tensor, and
 binding takes the strides from it, so no stride can be paired with the wrong tensor. Binding checks that
 the names given are exactly the kernel's.
 """
 from __future__ import annotations
 
 import functools
-import itertools
 import operator
 from typing import Any, Callable
 
@@ -65,13 +64,15 @@ def render_signature(name: str, parameters: tuple[Param, ...]) -> str:
 
 class LaunchSpec:
     """The ordered parameters of one kernel, and ``constants``: the values of the constexprs fixed when it
-    was planned. The other constexprs are BLOCK_M and BLOCK_N (from the launch's tiles) and those each
-    launch gives (``launch_constexprs``: EVEN_K, EVEN_M, HAS_DLSE)."""
+    was planned. The other constexprs are ``tiles`` (a generated kernel's BLOCK_M and BLOCK_N, from the
+    launch's tiles) and those each launch gives (``launch_constexprs``: a generated kernel's EVEN_K, EVEN_M,
+    HAS_DLSE; every constexpr of a hand-written kernel, which takes no ``tiles``)."""
 
-    def __init__(self, kernel: str, parameters: tuple[Param, ...], constants: dict[str, Any]):
+    def __init__(self, kernel: str, parameters: tuple[Param, ...], constants: dict[str, Any] | None = None,
+                 tiles: tuple[str, ...] = TILE_CONSTEXPRS):
         self.kernel = kernel
         self.params = parameters
-        self.constants = dict(constants)
+        self.constants = dict(constants or {})
         kinds = [p.kind == CONSTEXPR for p in parameters]
         if any(kinds[i] and not kinds[i + 1] for i in range(len(kinds) - 1)):
             raise ValueError(f"{kernel}: constexpr parameters must come after every runtime parameter")
@@ -91,18 +92,22 @@ class LaunchSpec:
         self._count = len(flat)
         self._order = _getter([position[n] for n in self.runtime_names])
         constexprs = {p.name for p in parameters if p.kind == CONSTEXPR}
-        unknown = set(constants) - constexprs
+        unknown = set(self.constants) - constexprs
         if unknown:
             raise ValueError(f"{kernel}: constants {sorted(unknown)} are not constexpr parameters of the kernel")
-        self.launch_constexprs = frozenset(constexprs - set(constants) - set(TILE_CONSTEXPRS))
+        self.launch_constexprs = frozenset(constexprs - set(self.constants) - set(tiles))
 
     def bind(self, args: dict[str, Any]) -> tuple:
         """The runtime arguments in the kernel's order, from ``args``: every tensor, int and scalar parameter
         by name (a stride parameter comes from its tensor's strides)."""
-        if args.keys() != self._given:
+        try:
+            flat = self._get_given(args)
+            for tensor in self._get_owners(args):
+                flat += tensor.stride()
+        except KeyError:
             _mismatch(self.kernel, "argument", args.keys(), self._given)
-        flat = self._get_given(args) + tuple(itertools.chain.from_iterable(
-            [t.stride() for t in self._get_owners(args)]))
+        if len(args) != len(self._given):
+            _mismatch(self.kernel, "argument", args.keys(), self._given)
         if len(flat) != self._count:
             raise TypeError(f"{self.kernel}: a tensor argument has the wrong number of dimensions for its strides")
         return self._order(flat)

@@ -1,23 +1,26 @@
-"""``CallSpec``: what is static about a program call, and its string form, the key of the op's calls.
+"""``CallSpec``: what is static about a program call, and its key, the op's static argument.
 
-The key is the spec's canonical ``repr``. A compiled graph loaded from a cache in a fresh process carries keys
-this process never built, so a key not registered here is parsed back (a restricted evaluator over the IR's
-constructors; nothing else is evaluated).
+The key is the spec's data form (``to_data``: the graph as ``ir.to_data`` writes it, plain values besides),
+JSON-encoded: a torch op takes no Python object as a graph constant on every supported torch, but a string.
+A key this process made maps back to its spec without parsing. A compiled graph loaded from a cache in a
+fresh process carries keys this process never made: ``spec_of`` rebuilds those from their data with the
+IR's constructors (nothing is evaluated), resolving each combinator by name as tracing does.
 """
 from __future__ import annotations
 
-import ast
+import json
 from typing import Any
 
 import torch
-from attrs import frozen
+from attrs import field, frozen
+from attrs.validators import instance_of
 
-from .. import ir
-from ..block_mask import BlockMask
-from ..block_mask_checks import TENSORS as MASK_TENSORS
-from ..errors import InputError, PluginError
-from ..lru import LRUCache
-from ..plugin_manager import registered
+from . import ir
+from .block_mask import BlockMask
+from .block_mask_checks import TENSORS as MASK_TENSORS
+from .errors import InputError, PluginError
+from .lru import LRUCache
+from .plugin_manager import registered
 
 
 @frozen(kw_only=True, cache_hash=True)
@@ -29,14 +32,27 @@ class CallSpec:
     tensor. ``grad``: the call is differentiable (no split-KV path). ``grads``: the inputs whose gradient the
     backward returns."""
 
-    graph: ir.MatMulPV
+    graph: ir.MatMulPV = field(validator=instance_of(ir.MatMulPV))
     inputs: tuple
     save_lse: bool
     grad: bool
     grads: tuple
 
+    def to_data(self) -> dict[str, Any]:
+        """The spec as plain data (JSON's types)."""
+        return {"graph": ir.to_data(self.graph), "inputs": [[name, mask] for name, mask in self.inputs],
+                "save_lse": self.save_lse, "grad": self.grad, "grads": list(self.grads)}
 
-MAX_SPECS = 1024  # call specs kept (a program's few per configuration); one dropped is parsed back if needed
+    @classmethod
+    def from_data(cls, data: dict[str, Any]) -> CallSpec:
+        """The spec ``to_data`` gave ``data`` for (combinators resolved by name)."""
+        return cls(graph=ir.from_data(data["graph"], registered),
+                   inputs=tuple((str(name), None if mask is None else tuple(int(n) for n in mask))
+                                for name, mask in data["inputs"]),
+                   save_lse=bool(data["save_lse"]), grad=bool(data["grad"]), grads=tuple(map(str, data["grads"])))
+
+
+MAX_SPECS = 1024  # call specs kept (a program's few per configuration); one dropped is rebuilt if needed
 _specs: LRUCache[str, CallSpec] = LRUCache(MAX_SPECS)
 _keys: LRUCache[tuple, str] = LRUCache(MAX_SPECS)  # by the spec's fields: a warm call builds no CallSpec
 
@@ -52,8 +68,8 @@ def key_of(graph: ir.MatMulPV, inputs: tuple, save_lse: bool, grad: bool, grads:
 
 
 def _register(spec: CallSpec) -> str:
-    """Keep ``spec`` under its key (its repr); the key."""
-    key = repr(spec)
+    """Keep ``spec`` under its key; the key."""
+    key = json.dumps(spec.to_data(), separators=(",", ":"))
     _specs.get_or_build(key, lambda: spec)
     return key
 
@@ -64,42 +80,17 @@ def call_key(spec: CallSpec) -> str:
 
 
 def spec_of(key: str) -> CallSpec:
-    return _specs.get_or_build(key, lambda: _parse(key))
+    """The spec of an op's key: one this process made, or one rebuilt from the key's data."""
+    return _specs.get_or_build(key, lambda: _rebuilt(key))
 
 
-def _apply(**fields: Any) -> ir.Apply:
-    """An application parsed from a key: its combinator resolved by name, as tracing resolves it."""
-    return ir.Apply(**fields, record=registered(fields.get("combinator")))
-
-
-_CONSTRUCTORS = {c.__name__: c for c in (CallSpec, ir.MatMulPV, ir.NormOp, ir.MaskOp, ir.BiasOp, ir.ScoreOp,
-                                         ir.TensorSym)} | {"Apply": _apply}
-
-
-def _parse(key: str) -> CallSpec:
-    """A ``CallSpec`` from its repr: constants, tuples, -x, inf, nan and calls of the IR's constructors with
-    keyword arguments; anything else is an InputError."""
-    def value(node: ast.AST) -> Any:
-        if isinstance(node, ast.Constant):
-            return node.value
-        if isinstance(node, ast.Tuple):
-            return tuple(value(e) for e in node.elts)
-        if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
-            return -value(node.operand)
-        if isinstance(node, ast.Name) and node.id in ("inf", "nan"):
-            return float(node.id)
-        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in _CONSTRUCTORS \
-                and not node.args:
-            return _CONSTRUCTORS[node.func.id](**{kw.arg: value(kw.value) for kw in node.keywords})
-        raise ValueError(ast.dump(node)[:80])
+def _rebuilt(key: str) -> CallSpec:
+    """A ``CallSpec`` from its key's data; an InputError for a key that is no spec's."""
     try:
-        spec = value(ast.parse(key, mode="eval").body)
-    except (SyntaxError, ValueError, TypeError, PluginError):
-        spec = None
-    if not isinstance(spec, CallSpec):
-        raise InputError(f"attnfuse::attention: key must be the repr of a CallSpec (constants and the IR's "
-                         f"constructors called with keywords), got {key[:80]!r}")
-    return spec
+        return CallSpec.from_data(json.loads(key))
+    except (ValueError, TypeError, KeyError, AttributeError, RecursionError, PluginError):
+        raise InputError(f"attnfuse::attention: key must be the data of a CallSpec (CallSpec.to_data, "
+                         f"JSON-encoded), got {key[:80]!r}") from None
 
 
 def flatten_inputs(inputs: dict[str, Any]) -> tuple[tuple, list[torch.Tensor]]:

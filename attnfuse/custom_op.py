@@ -1,4 +1,4 @@
-"""The op boundary: every program call is ``torch.ops.attnfuse.attention``, opaque to ``torch.compile``.
+"""The op boundary: under ``torch.compile`` every program call is ``torch.ops.attnfuse.attention``, opaque.
 
 ``call`` describes the call by a ``CallSpec`` (see ``call_spec``) and passes its key, a string, as the op's
 static argument; the tensors are q, k, v, kv_lens?, block_table? and the runtime inputs as one list (a
@@ -6,41 +6,25 @@ static argument; the tensors are q, k, v, kv_lens?, block_table? and the runtime
 ``opaque_program_call`` (``torch._dynamo.nonstrict_trace``), so Dynamo traces none of AttnFuse's Python and
 AOT autograd records just the op. The backward is a second op, ``attnfuse::attention_backward``, registered
 as the first one's autograd formula, so the backward kernels run under compile too. Both bodies run the
-kernels ``run_attention`` plans. A differentiable call whose plan hoists the qk transforms returns the
-transformed q and k rows as a third output, which the backward reads instead of transforming again.
+``Call`` an eager call of the same signature runs (``runtime.launch.planned``). A differentiable call whose
+plan hoists the qk transforms returns the transformed q and k rows as a third output, which the backward
+reads instead of transforming again.
 """
 from __future__ import annotations
 
 from typing import Any, Optional
 
-import attrs
 import torch
 import torch.utils._pytree as pytree
 
-from .. import ir
-from ..block_mask import BlockMask
-from .call_spec import (CallSpec, flatten_inputs, key_of, plain_tensors, spec_of, tensor_names,
-                        unflatten_inputs)
-from . import gradients
-from .hoisted import HoistedBackward, HoistedForward, worth_hoisting
-from .inputs import accumulator_dtype, check_cache, empty_like_layout, kernel_config, kv_cache
-from .launch import (compile_backward, compile_forward, compile_hoisted_backward, keeps_lse, planned,
-                     run_attention)
-from .offsets import inputs_fit
-from .validate import check_cache_values
-
-
-def _differentiable_plan(spec: CallSpec, q, k, v, kv_lens, block_table, values):
-    """The forward and backward kernels of a differentiable call (raising as ``run_attention`` does)."""
-    forward, _, backward = planned(spec.graph, q, k, v, kv_lens, block_table, spec.save_lse, True, False,
-                                   bool(values) and not inputs_fit(values))
-    tensor_grads = gradients.tensor_grads(forward.plan.lowered, values, spec.grads, (*q.shape[:3], k.shape[2])) \
-        if spec.grads else ()
-    if tensor_grads:
-        compile_ = compile_hoisted_backward if isinstance(forward, HoistedForward) else compile_backward
-        backward = compile_(spec.graph, forward.plan.config, tensor_grads)
-    return forward, backward
-
+from . import ir
+from .block_mask import BlockMask
+from .call_spec import flatten_inputs, key_of, plain_tensors, spec_of, tensor_names, unflatten_inputs
+from .runtime import gradients
+from .runtime.launch import hoisted_sides, keeps_lse, planned, run_attention, wanted_grads
+from .runtime.inputs import accumulator_dtype, check_cache, empty_like_layout, kv_cache
+from .runtime.offsets import inputs_fit
+from .runtime.validate import check_cache_values
 
 _LIBRARY = torch.library.Library("attnfuse", "DEF")  # not torch.library.custom_op: its wrappers cost ~60 us a call
 _LIBRARY.define("attention(str key, Tensor q, Tensor k, Tensor v, Tensor? kv_lens, Tensor? block_table, "
@@ -50,8 +34,8 @@ _LIBRARY.define("attention_backward(str key, Tensor q, Tensor k, Tensor v, Tenso
 
 
 def _attention(key: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_lens: Optional[torch.Tensor],
-                 block_table: Optional[torch.Tensor], inputs: list[torch.Tensor]
-                 ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+               block_table: Optional[torch.Tensor], inputs: list[torch.Tensor]
+               ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
     """out (B, Hq, Nq, DV) in q's memory order; lse (B, Hq, Nq) when the spec saves it, else (0,); the
     transformed rows of the hoisted sides ("q", "k" order) of a differentiable hoisted call, else []."""
     spec = spec_of(key)
@@ -59,18 +43,16 @@ def _attention(key: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_l
     # kv_lens and block_table values are checked as an eager call checks them, except inside a CUDA graph
     # capture, which cannot read them on the host (the kernels still read nothing outside the cache)
     validate = kv_lens is not None and not (q.is_cuda and torch.cuda.is_current_stream_capturing())
-    if not spec.grad:
-        result = run_attention(spec.graph, q, k, v, values, return_lse=spec.save_lse, kv_lens=kv_lens,
-                               block_table=block_table, validate=validate)
-        return (*result, []) if spec.save_lse else (result, q.new_empty(0, dtype=torch.float32), [])
+    call = planned(spec.graph, q, k, v, values, kv_lens, block_table, return_lse=spec.save_lse,
+                   grads=spec.grads if spec.grad else None, split_kv=False if spec.grad else None)
     if validate:
         check_cache_values(kv_lens, block_table, *(k.shape[:2] if block_table is not None else (0, 0)))
-    forward, _ = _differentiable_plan(spec, q, k, v, kv_lens, block_table, values)
-    kv = kv_cache(k, v, kv_lens, None)
-    if isinstance(forward, HoistedForward):
-        out, lse, copies = forward.run(q, kv, values)
+    if not spec.grad:
+        out, lse = call(q, k, v, values, kv_lens, block_table)
+        copies = {}
     else:
-        (out, lse), copies = forward(q, kv, values), {}
+        kv = kv_cache(k, v, kv_lens, None)
+        out, lse, copies = call.run_forward(q, kv, values, call.prepare(q, kv, values))
     return out, q.new_empty(0, dtype=torch.float32) if lse is None else lse, list(copies.values())
 
 
@@ -83,17 +65,11 @@ def _attention_fake(key, q, k, v, kv_lens, block_table, inputs):
     out = empty_like_layout(q, v.shape[-1], q.dtype)
     lse = q.new_empty(q.shape[:3], dtype=accumulator_dtype(q.dtype)) if spec.save_lse else \
         q.new_empty(0, dtype=torch.float32)
-    copies = []
-    if spec.grad and block_table is None:  # the plan's choice, from the call's metadata (head dims specialised)
-        config = kernel_config(q, kv_cache(k, v, kv_lens, None), spec.save_lse,
-                               bool(inputs) and not inputs_fit(unflatten_inputs(spec, inputs)))
-        config = attrs.evolve(config, head_dim=int(config.head_dim), head_dim_v=int(config.head_dim_v),
-                              group=int(config.group))
-        forward = compile_forward(spec.graph, config)
-        if worth_hoisting(forward, q.shape[2]):
-            rows = {"q": q, "k": k}
-            copies = [empty_like_layout(rows[x], rows[x].shape[3], rows[x].dtype) for x in forward.plan.transform.sides]
-    return out, lse, copies
+    sides = hoisted_sides(spec.graph, q, k, v, kv_lens, spec.save_lse,
+                          bool(inputs) and not inputs_fit(unflatten_inputs(spec, inputs))) \
+        if spec.grad and block_table is None else ()
+    rows = {"q": q, "k": k}
+    return out, lse, [empty_like_layout(rows[x], rows[x].shape[3], rows[x].dtype) for x in sides]
 
 
 def _attention_backward(key: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
@@ -103,11 +79,10 @@ def _attention_backward(key: str, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
     """[dq, dk, dv, *gradients of spec.grads], each in its input's shape, dtype and memory order."""
     spec = spec_of(key)
     values = unflatten_inputs(spec, inputs)
-    _, backward = _differentiable_plan(spec, q, k, v, kv_lens, None, values)
-    extra = {"copies": dict(zip(backward.transform.sides, copies))} \
-        if copies and isinstance(backward, HoistedBackward) else {}
-    dq, dk, dv, grads = backward(q, kv_cache(k, v, kv_lens, None), out, lse if spec.save_lse else None, dout, dlse,
-                                 values, **extra)
+    call = planned(spec.graph, q, k, v, values, kv_lens, None, return_lse=spec.save_lse, grads=spec.grads,
+                   split_kv=False)
+    dq, dk, dv, grads = call.run_backward(q, kv_cache(k, v, kv_lens, None), out, lse if spec.save_lse else None,
+                                          dout, dlse, values, None, dict(zip(call.sides, copies)))
     return [dq, dk, dv, *(grads[name] for name in spec.grads)]
 
 
@@ -157,11 +132,9 @@ def call(graph: ir.MatMulPV, q: Any, k: Any, v: Any, inputs: dict[str, Any], *, 
             isinstance(t, (torch.Tensor, BlockMask)) for t in inputs.values()):  # run_attention names the error
         return run_attention(graph, q, k, v, inputs, return_lse=return_lse, kv_lens=kv_lens, block_table=block_table)
     lse_kept = keeps_lse(graph, return_lse)
-    grad = torch.is_grad_enabled() and any(
-        isinstance(t, torch.Tensor) and t.requires_grad for t in (q, k, v, *inputs.values()))
-    grads = tuple(n for n, t in inputs.items() if isinstance(t, torch.Tensor) and t.requires_grad) if grad else ()
+    grads = wanted_grads(q, k, v, inputs)
     layout, flat = flatten_inputs(inputs)
-    key = key_of(graph, layout, return_lse or (grad and lse_kept), grad, grads)
+    key = key_of(graph, layout, return_lse or (grads is not None and lse_kept), grads is not None, grads or ())
     out, lse, _ = torch.ops.attnfuse.attention.default(key, q, k, v, kv_lens, block_table, flat)
     return (out, lse) if return_lse else out
 

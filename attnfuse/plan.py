@@ -1,0 +1,174 @@
+"""The Plan: what the compiler (``passes.compiler.compile``) tells the runtime about one program.
+
+The compiler writes a ``Plan`` per (graph, ``KernelConfig``); the runtime reads it and nothing else of the
+compiler. It holds every fact a call needs: the kernels (a ``KernelSpec`` each: name, tiles, launch spec,
+source on first use), which plugins give kernel arguments, how split-KV results merge, whether the program
+has a backward, which runtime inputs can have gradients, and whether the Hopper templates serve it.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Callable
+
+import attrs
+from attrs import field, frozen
+
+from . import ir
+from .launch_spec import LaunchSpec, Param
+
+
+def accumulator_type(dtype: str) -> str:
+    """The dtype inputs of ``dtype`` accumulate in: "float64" for float64 (for gradcheck), else "float32"."""
+    return "float64" if dtype == "float64" else "float32"
+
+
+@frozen(kw_only=True, cache_hash=True)
+class KernelConfig:
+    """What besides the program's structure decides its kernels (the compile key): one plan per value."""
+
+    arch: str            # "sm90", "sm80", ... or "interpreter"
+    dtype: str           # "float16", "bfloat16", "float32" or "float64"
+    head_dim: int        # D of q and k
+    head_dim_v: int      # D of v
+    group: int           # Hq // Hkv
+    save_lse: bool       # write the log-sum-exp of each row
+    fp32_precision: str  # "ieee" or "tf32": how a float32 tl.dot multiplies
+    kv_lens: bool = False  # per-sequence key counts (B,): keys past a sequence's count do not exist for it
+    paged: bool = False    # k, v are page pools (pages, page_size, Hkv, D) read through a block table
+    q_transformed: bool = False  # q arrives with its qk transforms applied (by a transform pass)
+    k_transformed: bool = False  # likewise k
+    wide_offsets: bool = False  # some element offset can pass 2**31 - 1: every stride is int64 in the kernels
+    positions: bool = False  # the call gives its queries' and keys' first positions (Q_OFFSET, K_OFFSET, N_SEQ)
+    partial: bool = False  # a partial result over some of each row's keys: the normaliser's ``partial`` fragment
+
+
+def _tile_size(_, attribute, value: int) -> None:
+    if value < 16 or value & (value - 1):
+        raise ValueError(f"{attribute.name} must be a power of two >= 16, got {value}")
+
+
+@frozen(kw_only=True)
+class TileConfig:
+    """Launch shape of one kernel: BLOCK_M query rows by BLOCK_N keys per step."""
+
+    block_m: int = field(validator=_tile_size)
+    block_n: int = field(validator=_tile_size)
+    num_warps: int = 4
+    num_stages: int = 2
+
+
+@frozen
+class HopperPlan:
+    """The Hopper templates' constants for one program: ``causal`` (else no mask), the scores' factor in log2
+    units (``qk_scale``) and the program's own (``scale``, dS's factor), and the forward's tiles (keys per
+    block, shared-memory stages)."""
+
+    causal: bool
+    qk_scale: float
+    scale: float
+    block_n: int = 128
+    stages: int = 3
+
+
+@frozen(kw_only=True)
+class PluginCall:
+    """One combinator application whose plugin gives kernel arguments: ``apply.declaration.prepare`` of
+    its parameter values, the tensors and scalars it declares, named ``<prefix>_<name>`` in the kernels."""
+
+    prefix: str
+    apply: ir.Apply
+
+
+@frozen(kw_only=True)
+class InputGradient:
+    """A runtime argument (``argument``) that parameter ``param`` of combinator ``combinator`` reads. With a
+    ``prefix`` (the score modification's application), the dQ kernel can write its score-shaped gradient;
+    None: the combinator declares no gradient for it."""
+
+    argument: str
+    combinator: str
+    param: str
+    prefix: str | None
+
+
+@frozen(kw_only=True, slots=False, eq=False)
+class KernelSpec:
+    """One generated kernel: what the runtime needs to load and launch it.
+
+    ``scheduled``: its programs follow a listing mask's block order (grid (heads, slots)). ``split_heads``:
+    (dK/dV) it splits heavy key blocks over a GQA group's query heads, and takes PartDKV and SplitCount.
+    ``halves``: q and k are handled as two halves of the head dim. ``sides``: (passes) the sides it covers.
+    ``grad_buffers``: (dQ) the parameters of the score-shaped gradient buffers it writes, in the order of
+    its tensor gradients; each takes its strides as ``<buffer>_s<i>``. ``origins``: the distribution of
+    each combinator application's plugin, by the prefix that names its fragment in the source.
+    """
+
+    kind: str
+    name: str
+    tiles: TileConfig
+    launch: LaunchSpec
+    generate: Callable[[str, tuple[Param, ...]], str] = field(repr=False)
+    origins: dict[str, str] = field(factory=dict, repr=False)
+    scheduled: bool = False
+    split_heads: bool = False
+    halves: bool = False
+    sides: tuple[str, ...] = ()
+    grad_buffers: tuple[str, ...] = ()
+
+    @functools.cached_property
+    def source(self) -> str:
+        """The kernel's Triton source (one undecorated function named ``name``), generated on first use."""
+        return self.generate(self.name, self.launch.params)
+
+
+@frozen(kw_only=True, slots=False, eq=False)
+class Plan:
+    """Every kernel of one program for one configuration, and the facts a call needs.
+
+    ``has_lse``: the normaliser keeps a log-sum-exp. ``combine``: how results over disjoint keys merge
+    ("logsumexp", "sum"; the split-KV path, a context-parallel ring), or None: no split path. ``partial``:
+    the normaliser declares a fragment for results over some of a row's keys (``KernelConfig.partial``
+    compiles it), so the split-KV path, which would count its key-independent term in every split, does
+    not take it. ``refuses_offsets``: the first combinator with a ``prepare`` that does not declare
+    ``takes_offsets`` (a call giving q_offset or k_offset refuses it), or None. ``missing_backward``: the combinator declaring no backward (as "the
+    score modification <name>"), or None. ``plugin_calls``: the applications whose plugins give kernel
+    arguments, in the kernels' order; ``plugin_args``: those arguments' parameter names (tensors, then
+    scalars; strides are bound from their tensors). ``block_limit`` and ``heavy_split``: the scalar
+    arguments of the listing mask giving its block size (the largest tile) and how many heavy key blocks
+    the dK/dV kernel splits over a GQA group's query heads. ``input_gradients``: every runtime input a
+    combinator reads. ``transform`` and ``gradient`` (the passes of hoisted qk transforms) exist when the
+    keys' transforms are hoistable; a hoisted call runs the kernels of ``hoisted_config``'s plan between
+    them. ``hopper``: the Hopper templates' constants where they serve the forward and dK/dV, else None.
+    """
+
+    graph: ir.MatMulPV
+    config: KernelConfig
+    signature: str
+    listing: str
+    has_lse: bool
+    combine: str | None
+    partial: bool
+    refuses_offsets: str | None
+    missing_backward: str | None
+    plugin_calls: tuple[PluginCall, ...]
+    plugin_args: tuple[str, ...]
+    block_limit: str | None
+    heavy_split: str | None
+    input_gradients: tuple[InputGradient, ...]
+    forward: KernelSpec
+    decode: KernelSpec
+    dkdv: KernelSpec
+    transform: KernelSpec | None
+    gradient: KernelSpec | None
+    hopper: HopperPlan | None
+    dq_for: Callable[[tuple[InputGradient, ...]], KernelSpec] = field(repr=False)
+
+    def dq(self, gradients: tuple[InputGradient, ...] = ()) -> KernelSpec:
+        """The dQ kernel, writing the score-shaped gradients of ``gradients`` (of ``input_gradients``)."""
+        return self.dq_for(gradients)
+
+    @property
+    def hoisted_config(self) -> KernelConfig:
+        """The configuration of the kernels that read the passes' transformed copies."""
+        sides = self.transform.sides if self.transform is not None else ()
+        return attrs.evolve(self.config, **{f"{x}_transformed": x in sides for x in "qk"})

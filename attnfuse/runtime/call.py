@@ -1,0 +1,67 @@
+"""``Call``: what one call signature runs, decided once; a warm call looks it up and runs it."""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .autograd import AttentionFunction, runtime_tensors
+from .backward import BackwardKernels
+from .decode import DecodeKernel
+from .forward import ForwardKernel
+from .hoisted import HoistedBackward, HoistedForward
+from .inputs import KVCache, Positions, kv_cache
+from .compiled import Compiled
+from .plugin_args import Prepared
+
+
+class Call:
+    """The kernels of one call signature (``launch.planned``) and how they run: ``decode`` (the split-KV
+    path), or ``forward`` (fused, or a ``HoistedForward``) and, when gradients are wanted, ``backward``,
+    which also writes the gradients of the runtime inputs named in ``grads``. ``sides``: those of q and k a
+    hoisted forward keeps transformed copies of. ``compiled``: the program's kernels these come from, kept
+    alive while the call is cached, so other signatures share them."""
+
+    def __init__(self, compiled: Compiled, *, forward: ForwardKernel | HoistedForward | None = None,
+                 decode: DecodeKernel | None = None, backward: BackwardKernels | HoistedBackward | None = None,
+                 grads: tuple[str, ...] = ()):
+        self.compiled = compiled
+        self.forward = forward
+        self.decode = decode
+        self.backward = backward
+        self.grads = grads
+        self._hoisted = isinstance(forward, HoistedForward)
+        self.sides = forward.transform.sides if self._hoisted else ()
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inputs: dict[str, Any],
+                 kv_lens: torch.Tensor | None, block_table: torch.Tensor | None, positions: Positions | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """out (B, Hq, Nq, DV) and lse (B, Hq, Nq) or None; differentiable when the call has a backward.
+        ``positions``: the call's (checked), when its signature has them."""
+        kv = kv_cache(k, v, kv_lens, block_table, positions)
+        if self.decode is not None:
+            return self.decode(q, kv, inputs)
+        if self.backward is None:
+            return self.forward(q, kv, inputs)
+        tensors, names = runtime_tensors(inputs)
+        return AttentionFunction.apply(self, inputs, tuple(names), positions, q, k, v, kv_lens, *tensors)
+
+    def prepare(self, q: torch.Tensor, kv: KVCache, inputs: dict[str, Any]) -> Prepared:
+        """The plugins' kernel arguments, for a forward and its backward alike."""
+        return self.forward.plugin_args(q, kv, inputs)
+
+    def run_forward(self, q: torch.Tensor, kv: KVCache, inputs: dict[str, Any], prepared: Prepared
+                    ) -> tuple[torch.Tensor, torch.Tensor | None, dict[str, torch.Tensor]]:
+        """out, lse, and a hoisted forward's transformed copies of q and k by side (else none), which the
+        backward reads instead of transforming q and k again."""
+        if self._hoisted:
+            return self.forward.run(q, kv, inputs, prepared)
+        return (*self.forward(q, kv, inputs, prepared), {})
+
+    def run_backward(self, q: torch.Tensor, kv: KVCache, out: torch.Tensor, lse: torch.Tensor | None,
+                     dout: torch.Tensor | None, dlse: torch.Tensor | None, inputs: dict[str, Any],
+                     prepared: Prepared | None, copies: dict[str, torch.Tensor]
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+        """dq, dk, dv and the gradients of ``grads`` by name (``BackwardKernels.__call__``)."""
+        extra = {"copies": copies} if copies else {}
+        return self.backward(q, kv, out, lse, dout, dlse, inputs, prepared=prepared, **extra)

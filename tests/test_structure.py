@@ -1,0 +1,179 @@
+"""The import structure, read from the source with ``ast``: the runtime sees the compiler only through
+``compile`` (and the Plan types, which live outside it), no module imports itself back, and plugins import
+only what a plugin needs.
+
+    python -m pytest -q tests/test_structure.py
+"""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = {"attnfuse": ROOT / "attnfuse", "attnfuse_plugins": ROOT / "plugins"}
+
+# What a plugin may import of AttnFuse: the hook marker, the declaration and fragment types, the errors it
+# raises, parameter checks, the rotation helper, the device cache, the BlockMask type, and what its
+# ``examples`` draw with. None of these imports the frontend, the compiler, the runtime or the plugin manager.
+# A built-in may also import another built-in (which imports only these).
+PLUGIN_API = {"attnfuse.hookspecs", "attnfuse.combinator", "attnfuse.fragments", "attnfuse.errors", "attnfuse.checks",
+              "attnfuse.rotary", "attnfuse.device_cache", "attnfuse.block_mask", "attnfuse.examples_support"}
+OUTSIDE_PLUGIN_API = ("attnfuse.program", "attnfuse.dsl", "attnfuse.ir", "attnfuse.plugin_manager", "attnfuse.passes",
+                      "attnfuse.runtime", "attnfuse.testing")
+
+
+def _modules() -> dict[str, Path]:
+    found = {}
+    for package, folder in PACKAGES.items():
+        for path in folder.rglob("*.py"):
+            parts = [package, *path.relative_to(folder).with_suffix("").parts]
+            found[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return found
+
+
+MODULES = _modules()
+
+
+class _Imports(ast.NodeVisitor):
+    """Every import of one module: (target module, at module level, only for type checking)."""
+
+    def __init__(self, name: str, is_package: bool):
+        self.package = name if is_package else name.rpartition(".")[0]
+        self.found: list[tuple[str, bool, bool]] = []
+        self._depth = 0
+        self._type_checking = 0
+
+    def _add(self, target: str) -> None:
+        self.found.append((target, self._depth == 0, self._type_checking > 0))
+
+    def visit_FunctionDef(self, node) -> None:
+        self._depth += 1
+        self.generic_visit(node)
+        self._depth -= 1
+
+    visit_AsyncFunctionDef = visit_Lambda = visit_FunctionDef
+
+    def visit_If(self, node: ast.If) -> None:
+        checking = isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING"
+        self._type_checking += checking
+        for child in node.body:
+            self.visit(child)
+        self._type_checking -= checking
+        for child in node.orelse:
+            self.visit(child)
+
+    def visit_Import(self, node: ast.Import) -> None:
+        for alias in node.names:
+            self._add(alias.name)
+
+    def visit_ImportFrom(self, node: ast.ImportFrom) -> None:
+        base = node.module or ""
+        if node.level:
+            parts = self.package.split(".")
+            base = ".".join(parts[:len(parts) - node.level + 1] + ([node.module] if node.module else []))
+        for alias in node.names:
+            self._add(f"{base}.{alias.name}" if f"{base}.{alias.name}" in MODULES else base)
+
+
+def _imports() -> dict[str, list[tuple[str, bool, bool]]]:
+    imports = {}
+    for name, path in MODULES.items():
+        visitor = _Imports(name, path.name == "__init__.py")
+        visitor.visit(ast.parse(path.read_text(), str(path)))
+        imports[name] = [(t, top, typing) for t, top, typing in visitor.found if t in MODULES]
+    return imports
+
+
+IMPORTS = _imports()
+
+
+def _in(module: str, *packages: str) -> bool:
+    return any(module == p or module.startswith(p + ".") for p in packages)
+
+
+def test_the_runtime_sees_the_compiler_only_through_compile():
+    """At most 2 (runtime file, compiler file) import pairs, none into codegen or lower, counting every
+    import (in functions, and for type checking, too)."""
+    pairs = {(source, target) for source, found in IMPORTS.items() if _in(source, "attnfuse.runtime")
+             for target, _, _ in found if _in(target, "attnfuse.passes")}
+    assert len(pairs) <= 2, sorted(pairs)
+    assert not [p for p in pairs if _in(p[1], "attnfuse.passes.codegen", "attnfuse.passes.lower")], sorted(pairs)
+
+
+def test_nothing_after_tracing_looks_a_combinator_up():
+    """The runtime never asks the plugin manager anything; the compiler asks it only for tiles (the
+    ``attnfuse_tile_config`` hook), in the tile pass."""
+    askers = {source for source, found in IMPORTS.items() if _in(source, "attnfuse.runtime", "attnfuse.passes")
+              for target, _, _ in found if target == "attnfuse.plugin_manager"}
+    assert askers <= {"attnfuse.passes.tile"}, sorted(askers)
+
+
+def _cycles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module, or of one importing itself (Tarjan)."""
+    index, low, stack, on_stack, found = {}, {}, [], set(), []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in edges.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1 or v in edges.get(v, ()):
+                found.append(sorted(component))
+
+    for v in sorted(edges):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_no_import_circle():
+    """No circle among the modules' imports: at module level, nor through an import inside a function (only
+    ``TYPE_CHECKING``'s, which never run, are left out)."""
+    edges = {source: {t for t, _, typing in found if not typing} for source, found in IMPORTS.items()}
+    assert _cycles(edges) == []
+
+
+def test_the_circle_check_finds_circles():
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert _cycles({"a": {"a"}}) == [["a"]] and _cycles({"a": {"b"}, "b": set()}) == []
+
+
+BUILTINS = sorted(m for m in MODULES if _in(m, "attnfuse_plugins") and m != "attnfuse_plugins")
+
+
+@pytest.mark.parametrize("plugin", BUILTINS)
+def test_a_builtin_plugin_imports_only_the_plugin_api(plugin):
+    """The plugin API, and other built-ins (softmax_with_sinks takes softmax's fragment as its partial one),
+    which import only the plugin API themselves (and no circle: ``test_no_import_circle``)."""
+    assert {target for target, _, _ in IMPORTS[plugin]} <= PLUGIN_API | set(BUILTINS)
+
+
+def test_the_plugin_api_imports_nothing_else_of_attnfuse():
+    """What the plugin API modules import, at any depth, is neither the frontend, the compiler, the runtime
+    nor the plugin manager (nor the package itself, which imports all of them)."""
+    reached, todo = set(), list(PLUGIN_API)
+    while todo:
+        module = todo.pop()
+        if module not in reached:
+            reached.add(module)
+            todo += [t for t, top, typing in IMPORTS[module] if top and not typing]
+    assert "attnfuse" not in reached and not [m for m in reached if _in(m, *OUTSIDE_PLUGIN_API)], sorted(reached)
+
+
+def test_the_plugin_manager_does_not_import_the_package():
+    assert "attnfuse" not in {target for target, _, _ in IMPORTS["attnfuse.plugin_manager"]}

@@ -1,0 +1,80 @@
+"""Tiles chosen by plugins: the ``attnfuse_tile_config`` hook (pluggy's firstresult: the first plugin that
+answers decides) comes before the rules of ``attnfuse_tile_configs``, which come before the built-in table;
+the kernels run with the tiles chosen and still match the reference."""
+import pytest
+import torch
+
+import attnfuse as af
+from attnfuse import PluginError
+from attnfuse.hookspecs import hookimpl
+from attnfuse.passes.tile import TileRule, choose_tiles
+from attnfuse.plan import TileConfig
+from attnfuse.runtime.launch import clear_cache
+from attnfuse.testing import assert_matches_reference
+
+from conftest import last_call
+
+CHOSEN = TileConfig(block_m=16, block_n=64, num_warps=1, num_stages=1)
+RULED = TileConfig(block_m=64, block_n=16, num_warps=1, num_stages=1)
+
+
+@af.attention
+def causal(q, k, v):
+    return af.softmax(af.causal(af.scaled_dot_product(q, k))) @ v
+
+
+class Chooser:
+    """Chooses the forward's tiles on the interpreter; takes only the arguments it reads."""
+
+    def __init__(self, tiles):
+        self.tiles = tiles
+
+    @hookimpl
+    def attnfuse_tile_config(self, kernel, arch):
+        return self.tiles if (kernel, arch) == ("forward", "interpreter") else None
+
+
+class Rules:
+    @hookimpl
+    def attnfuse_tile_configs(self):
+        return [TileRule(arch="interpreter", kernel="forward", config=RULED)]
+
+
+@pytest.fixture
+def registered():
+    names = []
+
+    def register(plugin):
+        names.append(f"test-tiles-{len(names)}")
+        af.register_plugin(plugin, name=names[-1])
+        clear_cache()
+    yield register
+    for name in names:
+        af.unregister_plugin(name)
+    clear_cache()
+
+
+def test_the_first_answer_decides_before_the_rules_and_the_table(registered):
+    table = choose_tiles("interpreter", "masked", 32, "forward")
+    registered(Rules())
+    assert choose_tiles("interpreter", "masked", 32, "forward") == RULED
+    registered(Chooser(None))  # declines: the rules decide
+    assert choose_tiles("interpreter", "masked", 32, "forward") == RULED
+    registered(Chooser(CHOSEN))
+    assert choose_tiles("interpreter", "masked", 32, "forward") == CHOSEN
+    assert choose_tiles("interpreter", "masked", 32, "dq") == table  # no plugin chooses: the table
+
+
+def test_a_program_runs_with_the_tiles_chosen(registered):
+    q, k, v = torch.randn(1, 2, 40, 16), torch.randn(1, 2, 40, 16), torch.randn(1, 2, 40, 16)
+    registered(Chooser(CHOSEN))
+    out = causal(q, k, v)
+    assert last_call().forward.kernel.tiles == CHOSEN
+    assert_matches_reference(out, causal.reference(q, k, v), causal.reference(q, k, v, dtype=torch.float32),
+                             torch.float32)
+
+
+def test_an_answer_that_is_not_tiles_is_a_plugin_error(registered):
+    registered(Chooser((16, 16)))
+    with pytest.raises(PluginError, match=r"chose \(16, 16\) as the tiles of the forward kernel"):
+        choose_tiles("interpreter", "masked", 32, "forward")
