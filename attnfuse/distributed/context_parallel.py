@@ -132,7 +132,7 @@ class _Call:
         call = planned(graph, rows, kv.k, kv.v, inputs, None, None, return_lse=keeps_lse(graph, return_lse),
                        grads=() if wants_grad else None, split_kv=False, positions=kv.positions)
         self.program = cp.ring_program(graph, call.compiled.config)
-        self.forward_kernel, self.backward_kernels = call.forward, call.backward
+        self.forward_kernel, self.call = call.forward, call  # its backward generated when first run
         self.partial_kernel = None
         if self.program.partial:  # every row's result counts the normaliser's key-independent term once
             kernels = compiled(graph, attrs.evolve(call.compiled.config, partial=True))
@@ -211,7 +211,7 @@ class _Call:
                     continue
                 rows_lse = None if lse is None else self._rows(lse, i).contiguous()
                 rows_dlse = None if dlse is None else self._rows(dlse, i).contiguous()
-                dq_i, dk_j, dv_j, _ = self.backward_kernels(
+                dq_i, dk_j, dv_j, _ = self.call.backward(
                     self._rows(q, i), self._kv(*kv, j, qc, kc), self._rows(out, i), rows_lse,
                     self._rows(dout, i), rows_dlse, self.inputs)
                 self._rows(dq, i).add_(dq_i)

@@ -1,7 +1,7 @@
 """``Call``: what one call signature runs, decided once; a warm call looks it up and runs it."""
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -18,17 +18,19 @@ from .plugin_args import Prepared
 class Call:
     """The kernels of one call signature (``launch.planned``) and how they run: ``decode`` (the split-KV
     path), or ``forward`` (fused, or a ``HoistedForward``) and, when gradients are wanted, ``backward``,
-    which also writes the gradients of the runtime inputs named in ``grads``. ``sides``: those of q and k a
+    which also writes the gradients of the runtime inputs named in ``grads``: built by ``build_backward``
+    when a gradient is first computed, so a forward that is never differentiated generates no backward. ``sides``: those of q and k a
     hoisted forward keeps transformed copies of. ``compiled``: the program's kernels these come from, kept
     alive while the call is cached, so other signatures share them."""
 
     def __init__(self, compiled: Compiled, *, forward: ForwardKernel | HoistedForward | None = None,
-                 decode: DecodeKernel | None = None, backward: BackwardKernels | HoistedBackward | None = None,
+                 decode: DecodeKernel | None = None,
+                 build_backward: Callable[[], BackwardKernels | HoistedBackward] | None = None,
                  grads: tuple[str, ...] = ()):
         self.compiled = compiled
         self.forward = forward
         self.decode = decode
-        self.backward = backward
+        self.build_backward = build_backward  # ``Compiled`` memoises it: every call returns the same kernels
         self.grads = grads
         self._hoisted = isinstance(forward, HoistedForward)
         self.sides = forward.transform.sides if self._hoisted else ()
@@ -41,10 +43,15 @@ class Call:
         kv = kv_cache(k, v, kv_lens, block_table, positions)
         if self.decode is not None:
             return self.decode(q, kv, inputs)
-        if self.backward is None:
+        if self.build_backward is None:
             return self.forward(q, kv, inputs)
         tensors, names = runtime_tensors(inputs)
         return AttentionFunction.apply(self, inputs, tuple(names), positions, q, k, v, kv_lens, *tensors)
+
+    @property
+    def backward(self) -> BackwardKernels | HoistedBackward | None:
+        """The backward kernels, generated on first use; None when the call wants no gradient."""
+        return None if self.build_backward is None else self.build_backward()
 
     def prepare(self, q: torch.Tensor, kv: KVCache, inputs: dict[str, Any]) -> Prepared:
         """The plugins' kernel arguments, for a forward and its backward alike."""

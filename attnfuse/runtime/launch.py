@@ -7,6 +7,7 @@ decides it once per signature, as a ``Call``; a warm call is a lookup in one bou
 """
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 import attrs
@@ -159,9 +160,9 @@ def _decide(graph: ir.MatMulPV, q: Any, k: Any, v: Any, inputs: dict[str, Any], 
         gradients = tensor_grads(plan, inputs, grads, (*q.shape[:3], kv.capacity)) if grads else ()
     if worth_hoisting(program.forward, q.shape[2]):
         return Call(program, forward=program.hoisted, grads=_names(gradients),
-                    backward=program.hoisted_backward(gradients) if grads is not None else None)
+                    build_backward=partial(program.hoisted_backward, gradients) if grads is not None else None)
     return Call(program, forward=program.forward, grads=_names(gradients),
-                backward=program.backward(gradients) if grads is not None else None)
+                build_backward=partial(program.backward, gradients) if grads is not None else None)
 
 
 def _names(gradients: tuple) -> tuple[str, ...]:
