@@ -7,6 +7,7 @@ import torch
 
 from .baselines import flex, sdpa
 from .cases import GEOMETRIES, causal, rope_causal
+from .host_time import breakdown_lines
 
 
 def memory_lines(N: int = 16384) -> list[str]:
@@ -73,4 +74,4 @@ def overhead_lines() -> list[str]:
         host = (time.perf_counter() - t0) / n
         torch.cuda.synchronize()
         lines.append(f"warm host time per call, {name}: {host * 1e6:.1f} us")
-    return lines
+    return lines + breakdown_lines("cuda")
