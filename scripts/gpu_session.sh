@@ -4,7 +4,7 @@
 #   bench_base: the same benchmark code (this tree's attnfuse/bench) on the kernels in .base (attnfuse/ and
 #   attnfuse_plugins/ of an earlier commit, with this tree's attnfuse/bench copied in:
 #   `bash scripts/base_tree.sh REV`, then carry .base), for before/after tables from one call.
-# Knobs: DKDV_ARGS (see benchmarks/sweep_hopper_dkdv.py), PROFILE_ARGS (see benchmarks/profile_training.py), HF_ARGS (see benchmarks/hf_layer.py), LAYER_STEPS_ARGS (see benchmarks/layer_steps.py; --timing 8192), SWEEP_ARGS (more sweep_tiles.py arguments), TESTS (pytest paths), WORKERS (pytest-xdist processes; 4), MAXFAIL (failures before pytest stops; 1), FUZZ (examples per combinator), SWEEP_CASES / SWEEP_KERNEL (see
+# Knobs: DKDV_ARGS (see benchmarks/sweep_hopper_dkdv.py), PROFILE_ARGS (see benchmarks/profile_training.py), HF_ARGS (see benchmarks/hf_layer.py), HF_GEN_ARGS (see benchmarks/hf_generate.py), LAYER_STEPS_ARGS (see benchmarks/layer_steps.py; --timing 8192), SWEEP_ARGS (more sweep_tiles.py arguments), TESTS (pytest paths), WORKERS (pytest-xdist processes; 4), MAXFAIL (failures before pytest stops; 1), FUZZ (examples per combinator), SWEEP_CASES / SWEEP_KERNEL (see
 # benchmarks/sweep_tiles.py), BENCH_ARGS (see `attnfuse bench --help`), BENCH_NAME (the
 # files' name under $OUT; bench), BENCH_PLOT (set: draw the plot), STEP_TIMEOUT (seconds
 # per step, so one step cannot use up the device call; 0, the default, is none).
@@ -42,6 +42,8 @@ for step in "$@"; do
         --markdown "$OUT/bench_base.md" --json "$OUT/bench_base.json") 2>&1 | tee "$OUT/bench_base.log" ;;
     hf_layer)
       timeout "${STEP_TIMEOUT:-0}" python3 benchmarks/hf_layer.py ${HF_ARGS:-} 2>&1 | tee "$OUT/hf_layer.log" ;;
+    hf_generate)
+      timeout "${STEP_TIMEOUT:-0}" python3 benchmarks/hf_generate.py ${HF_GEN_ARGS:-} 2>&1 | tee "$OUT/hf_generate.log" ;;
     profile)
       timeout "${STEP_TIMEOUT:-0}" python3 benchmarks/profile_training.py ${PROFILE_ARGS:-} 2>&1 | tee "$OUT/profile.log" ;;
     dkdv_sweep)

@@ -5,9 +5,9 @@ A cell is a median ms with TFLOP/s (compute-bound suites) or GB/s (decoding) in 
 columns are a baseline's time over AttnFuse's (above 1: AttnFuse is faster).
 
 A marked section runs from a line ``<!-- BEGIN name -->`` to a line ``<!-- END name -->``. Its command
-(``benchmarks/hf_layer.py --markdown-section PATH``, ``benchmarks/validation_cost.py --markdown-section
-PATH``) replaces it and nothing else (``write_section``); ``attnfuse bench --markdown`` rewrites the page
-around the marked sections and keeps them.
+(``benchmarks/hf_layer.py``, ``benchmarks/validation_cost.py`` or ``benchmarks/hf_generate.py``, each with
+``--markdown-section PATH``) replaces it and nothing else (``write_section``); ``attnfuse bench --markdown``
+rewrites the page around the marked sections and keeps them.
 """
 from __future__ import annotations
 
