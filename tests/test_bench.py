@@ -184,3 +184,20 @@ def test_plot_draws_a_panel_per_suite_geometry_and_variant(tmp_path):
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert plot.plot(result.rows[-1:], str(tmp_path / "none.png"), "decode only") == 0
     assert not (tmp_path / "none.png").exists()
+
+
+def test_overhead_breakdown_times_each_piece_of_a_warm_call():
+    """The host breakdown runs anywhere (here, launches through the interpreter): every case, every piece."""
+    from attnfuse.bench.host_time import PIECES, breakdown_lines
+
+    lines = breakdown_lines("cpu", calls=1, N=16, D=16)
+    assert [line.split(":")[0] for line in lines] == [
+        "host time per warm call, causal", "host time per warm call, rope+causal, cos/sin tables",
+        "host time per warm call, BlockMask (causal blocks)",
+        "host time per warm call, decode, paged, kv_lens and block_table, validated"]
+    for line in lines:
+        checked = "decode" in line
+        assert all((piece in line) == (checked or piece != "kv_lens/block_table check") for piece in PIECES[1:])
+        figures = [float(word) for word in line.replace("(", " ").replace(",", " ").replace(")", " ").split()
+                   if word.replace(".", "", 1).isdigit()]
+        assert figures and all(f > 0 for f in figures)
