@@ -138,3 +138,20 @@ def test_the_backward_is_generated_when_a_gradient_is_first_computed(Nq):
                               dout.double())
     for got, want in zip((dq, dk, dv), ref):
         torch.testing.assert_close(got.double(), want, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("limit", [200, 1000, 5000])
+def test_the_quick_offset_decision_never_says_fit_where_the_layouts_do_not(monkeypatch, limit):
+    """A new signature decides 64-bit offsets from the tensors' element counts when that settles it, and
+    builds the layouts the runtime allocates only otherwise: the quick answer "fits" must agree with them."""
+    from attnfuse.runtime import inputs, offsets
+
+    monkeypatch.setattr(offsets, "OFFSET_LIMIT", limit)
+    generator = torch.Generator().manual_seed(limit)
+    for _ in range(200):
+        B, H, N, D, width = (int(torch.randint(1, hi, (), generator=generator)) for hi in (3, 5, 40, 24, 40))
+        order = torch.randperm(4, generator=generator).tolist()
+        t = torch.empty([(B, H, N, D)[i] for i in order]).permute(*sorted(range(4), key=order.__getitem__))
+        width = max(width, D)
+        if offsets.rows_fit(t) and offsets.any_layout_fits(t, width):
+            assert inputs._layouts_fit((t,), width), (t.shape, t.stride(), width)

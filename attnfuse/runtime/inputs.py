@@ -11,7 +11,7 @@ from attrs import frozen
 
 from ..errors import InputError
 from ..plan import KernelConfig, accumulator_type
-from .offsets import rows_fit
+from .offsets import any_layout_fits, rows_fit
 from .launcher import head_group
 
 DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32", torch.float64: "float64"}
@@ -236,8 +236,17 @@ def _rows_fit(q: torch.Tensor, kv: KVCache) -> bool:
     """Whether the row and column offsets of q, k, v and of the outputs, gradients and transformed copies
     the runtime allocates in their memory orders (head dim up to max(D, DV)) fit int32 kernels."""
     width = max(q.shape[3], kv.v.shape[3])
-    metas = [torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta") for t in (q, kv.k, kv.v)]
-    return all(rows_fit(t) for t in (q, kv.k, kv.v, *(empty_like_layout(m, width, m.dtype) for m in metas)))
+    tensors = (q, kv.k, kv.v)
+    if all(rows_fit(t) and any_layout_fits(t, width) for t in tensors):
+        return True  # the common case, decided without building the layouts
+    return all(map(rows_fit, tensors)) and _layouts_fit(tensors, width)
+
+
+def _layouts_fit(tensors: tuple[torch.Tensor, ...], width: int) -> bool:
+    """Whether the tensors the runtime allocates in the memory orders of ``tensors`` with last dim ``width``
+    fit int32 kernels (built on the meta device)."""
+    metas = [torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta") for t in tensors]
+    return all(rows_fit(empty_like_layout(m, width, m.dtype)) for m in metas)
 
 
 def kv_launch_args(kv: KVCache) -> dict[str, Any]:

@@ -8,6 +8,7 @@ memory orders, and any runtime input tensor (plugins address those; all of its d
 """
 from __future__ import annotations
 
+import math
 from typing import Any, Iterable
 
 import torch
@@ -24,6 +25,12 @@ def extent(t: torch.Tensor, dims: Iterable[int] | None = None) -> int:
 def rows_fit(t: torch.Tensor) -> bool:
     """Whether the row-and-column offsets of a 4-D (batch, head, row, dim) tensor fit an int32 kernel."""
     return extent(t, (2, 3)) <= OFFSET_LIMIT
+
+
+def any_layout_fits(t: torch.Tensor, last_dim: int) -> bool:
+    """Whether every dense tensor shaped like ``t`` but for its last dim (``last_dim``) fits an int32 kernel,
+    whatever its memory order: its largest offset is below its element count."""
+    return math.prod(t.shape[:-1]) * last_dim <= OFFSET_LIMIT + 1
 
 
 def inputs_fit(inputs: dict[str, Any]) -> bool:
