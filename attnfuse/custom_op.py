@@ -40,12 +40,9 @@ def _attention(key: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_l
     transformed rows of the hoisted sides ("q", "k" order) of a differentiable hoisted call, else []."""
     spec = spec_of(key)
     values = unflatten_inputs(spec, inputs)
-    # kv_lens and block_table values are checked as an eager call checks them, except inside a CUDA graph
-    # capture, which cannot read them on the host (the kernels still read nothing outside the cache)
-    validate = kv_lens is not None and not (q.is_cuda and torch.cuda.is_current_stream_capturing())
     call = planned(spec.graph, q, k, v, values, kv_lens, block_table, return_lse=spec.save_lse,
                    grads=spec.grads if spec.grad else None, split_kv=False if spec.grad else None)
-    if validate:
+    if kv_lens is not None:  # checked as an eager call checks them, on the device (inside a capture too)
         check_cache_values(kv_lens, block_table, *(k.shape[:2] if block_table is not None else (0, 0)))
     if not spec.grad:
         out, lse = call(q, k, v, values, kv_lens, block_table)

@@ -200,7 +200,8 @@ class AttentionProgram:
         check_cache(q, k, v, kv_lens, block_table)
         positions = check_positions(q_offset, k_offset, seq_len, q.shape[2], k.shape[2], kv_lens, block_table)
         if kv_lens is not None:
-            check_cache_values(kv_lens, block_table, *(k.shape[:2] if block_table is not None else (0, 0)))
+            check_cache_values(kv_lens, block_table, *(k.shape[:2] if block_table is not None else (0, 0)),
+                               wait=True)
         key, inputs = self._bind(args, kwargs)
         out, lse = evaluate(self._trace(key), q, k, v, inputs, dtype=dtype, kv_lens=kv_lens, block_table=block_table,
                             positions=positions)
