@@ -168,7 +168,7 @@ def check_errors(device: torch.device | str | int | None = None) -> None:
         records = list(_records.values())
     else:
         device = torch.device(device)
-        if device.type == "cuda" and device.index is None:
+        if device.type == "cuda" and device.index is None and torch.cuda.is_available():
             device = torch.device("cuda", torch.cuda.current_device())
         records = [_records[device]] if device in _records else []
     for record in records:
