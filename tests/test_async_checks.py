@@ -296,3 +296,11 @@ def test_the_op_under_torch_compile_checks_as_an_eager_call_does(deferred, valid
         event.done = True
         with pytest.raises(af.InputError, match=BAD_1_1):
             compiled(q, pool_k, pool_v, lens, table)
+
+
+def test_a_cuda_record_is_not_made_inside_a_capture(monkeypatch):
+    """Its memory would belong to the graph's pool: the capture needs a validated warm-up call first."""
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    with pytest.raises(af.InputError, match=r"inside a CUDA graph capture needs cuda:0's error record, which is made "
+                                            r"outside a capture: make one validated call on cuda:0 before capturing"):
+        error_record._made(torch.device("cuda", 0))
