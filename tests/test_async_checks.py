@@ -192,6 +192,7 @@ def test_a_capture_checks_but_neither_copies_nor_reports(deferred):
     event.done = True  # copy 1 complete, not yet looked at
     capture["on"] = True
     bad()  # the captured check: recorded, no query, no copy
+    good(validate=False)  # nor does an unvalidated call query inside a capture
     assert (event.recorded, event.queried) == (1, 0) and record.values[0] == error_record.BAD_PAGE
     with pytest.raises(af.InputError, match=r"check_errors\(\) waits for the device, which a CUDA graph capture"):
         af.check_errors()

@@ -78,7 +78,7 @@ class ErrorRecord:
             return
         capturing = self._capturing()
         if not capturing:
-            self.report()
+            self._report()
         launch(self.values)  # inside a capture: launched at every replay
         if not self._in_flight and not capturing:
             with self._lock:
@@ -88,7 +88,11 @@ class ErrorRecord:
                     self._in_flight = True
 
     def report(self) -> None:
-        """Raise the InputError of an error whose copy has completed (deferred; outside a capture)."""
+        """Raise the InputError of an error whose copy has completed (deferred; nothing inside a capture)."""
+        if self._in_flight and not self._capturing():
+            self._report()
+
+    def _report(self) -> None:
         if not self._in_flight or not self._event.query():
             return
         with self._lock:
@@ -98,12 +102,14 @@ class ErrorRecord:
             self._raise_if_error(self._host.tolist())
 
     def wait(self) -> None:
-        """Wait for every check launched so far (a host sync on CUDA) and raise the InputError of a
-        recorded error."""
+        """Wait for every check launched so far on the device, in any stream (a host sync on CUDA), and raise
+        the InputError of a recorded error."""
         if self._deferred and self._capturing():
             raise InputError("attnfuse.check_errors() waits for the device, which a CUDA graph capture cannot; "
                              "call it after the capture, or after a replay")
         with self._lock:
+            if self.values.is_cuda:
+                torch.cuda.synchronize(self.values.device)
             if self._in_flight:  # its copy must not report this error again later
                 self._event.synchronize()
                 self._in_flight = False
@@ -154,7 +160,7 @@ def report(device: torch.device) -> None:
     """Raise an error recorded on ``device`` whose copy has arrived (a call with kv_lens that validates
     nothing); no record is made."""
     found = _records.get(device)
-    if found is not None and found._in_flight:
+    if found is not None:
         found.report()
 
 
