@@ -305,3 +305,22 @@ def test_a_cuda_record_is_not_made_inside_a_capture(monkeypatch):
     with pytest.raises(af.InputError, match=r"inside a CUDA graph capture needs cuda:0's error record, which is made "
                                             r"outside a capture: make one validated call on cuda:0 before capturing"):
         error_record._made(torch.device("cuda", 0))
+
+
+@pytest.mark.parametrize("ones", [False, True], ids=["ints", "page_size_and_pages_1"])
+def test_the_check_kernel_compiles_for_sm90_with_one_compare_and_swap(ones):
+    """Triton's compiler and ptxas, not the interpreter (no GPU needed): one thread of the program swaps, and
+    the others see its result; also with PAGE_SIZE and NUM_PAGES specialised to the constant 1."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    ints = ("PAGE_SIZE", "NUM_PAGES")
+    signature = {"KvLens": "*i32", "BlockTable": "*i64", "Record": "*i64", "stride_l": "i32", "stride_btb": "i32",
+                 "stride_btp": "i32", **{n: "constexpr" if ones else "i32" for n in ints}, "CAPACITY": "i32",
+                 "PAGED": "constexpr", "BLOCK_P": "constexpr"}
+    constants = {"PAGED": True, "BLOCK_P": 16, **({n: 1 for n in ints} if ones else {})}
+    compiled = triton.compile(ASTSource(validate._jitted.fn, signature, constants),
+                              target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+    ptx = compiled.asm["ptx"]
+    assert ptx.count("atom.global.acq_rel.gpu.cas.b64") == 1 and "bar.sync" in ptx and compiled.asm["cubin"]
