@@ -22,12 +22,14 @@ from .hookspecs import hookimpl
 from .plugin_manager import combinators, register_plugin, reserve_names, unregister_plugin
 from .program import AttentionProgram, attention
 from .recompile import RecompileWarning
+from .runtime.error_record import check_errors
 from .runtime.launch import run_attention
 
 __all__ = [
     "AttentionProgram", "AttnFuseError", "BlockMask", "Combinator", "InputError", "KernelCacheError", "PluginError",
     "ProgramError", "RecompileWarning",
-    "Role", "UnsupportedError", "attention", "combinators", "create_block_mask", "hookimpl", "register_plugin",
+    "Role", "UnsupportedError", "attention", "check_errors", "combinators", "create_block_mask", "hookimpl",
+    "register_plugin",
     "run_attention", "unregister_plugin",
 ]
 __version__ = "0.1.0"

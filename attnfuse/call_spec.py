@@ -30,18 +30,19 @@ class CallSpec:
     ``inputs``: (argument name, None for a tensor or (Nq, Nk, block_size, kv_heavy_blocks) for a BlockMask)
     in the order of the op's input list. ``save_lse``: the op returns lse (B, Hq, Nq), else an empty (0,)
     tensor. ``grad``: the call is differentiable (no split-KV path). ``grads``: the inputs whose gradient the
-    backward returns."""
+    backward returns. ``validate``: the call checks its kv_lens and block_table values (``validate.py``)."""
 
     graph: ir.MatMulPV = field(validator=instance_of(ir.MatMulPV))
     inputs: tuple
     save_lse: bool
     grad: bool
     grads: tuple
+    validate: bool = True
 
     def to_data(self) -> dict[str, Any]:
         """The spec as plain data (JSON's types)."""
         return {"graph": ir.to_data(self.graph), "inputs": [[name, mask] for name, mask in self.inputs],
-                "save_lse": self.save_lse, "grad": self.grad, "grads": list(self.grads)}
+                "save_lse": self.save_lse, "grad": self.grad, "grads": list(self.grads), "validate": self.validate}
 
     @classmethod
     def from_data(cls, data: dict[str, Any]) -> CallSpec:
@@ -49,7 +50,8 @@ class CallSpec:
         return cls(graph=ir.from_data(data["graph"], registered),
                    inputs=tuple((str(name), None if mask is None else tuple(int(n) for n in mask))
                                 for name, mask in data["inputs"]),
-                   save_lse=bool(data["save_lse"]), grad=bool(data["grad"]), grads=tuple(map(str, data["grads"])))
+                   save_lse=bool(data["save_lse"]), grad=bool(data["grad"]), grads=tuple(map(str, data["grads"])),
+                   validate=bool(data.get("validate", True)))  # keys made before it was a field validate
 
 
 MAX_SPECS = 1024  # call specs kept (a program's few per configuration); one dropped is rebuilt if needed
@@ -57,13 +59,14 @@ _specs: LRUCache[str, CallSpec] = LRUCache(MAX_SPECS)
 _keys: LRUCache[tuple, str] = LRUCache(MAX_SPECS)  # by the spec's fields: a warm call builds no CallSpec
 
 
-def key_of(graph: ir.MatMulPV, inputs: tuple, save_lse: bool, grad: bool, grads: tuple) -> str:
+def key_of(graph: ir.MatMulPV, inputs: tuple, save_lse: bool, grad: bool, grads: tuple,
+           validate: bool = True) -> str:
     """The op's string argument for the spec of these fields (registered, so the op finds it unparsed)."""
-    fields = (graph, inputs, save_lse, grad, grads)
+    fields = (graph, inputs, save_lse, grad, grads, validate)
     key = _keys.get(fields)
     if key is None:
         key = _keys.get_or_build(fields, lambda: _register(CallSpec(graph=graph, inputs=inputs, save_lse=save_lse,
-                                                                    grad=grad, grads=grads)))
+                                                                    grad=grad, grads=grads, validate=validate)))
     return key
 
 
@@ -76,7 +79,7 @@ def _register(spec: CallSpec) -> str:
 
 def call_key(spec: CallSpec) -> str:
     """The op's string argument for ``spec``."""
-    return key_of(spec.graph, spec.inputs, spec.save_lse, spec.grad, spec.grads)
+    return key_of(spec.graph, spec.inputs, spec.save_lse, spec.grad, spec.grads, spec.validate)
 
 
 def spec_of(key: str) -> CallSpec:

@@ -23,6 +23,7 @@ from .call_spec import flatten_inputs, key_of, plain_tensors, spec_of, tensor_na
 from .runtime import gradients
 from .runtime.launch import hoisted_sides, keeps_lse, planned, run_attention, wanted_grads
 from .runtime.inputs import accumulator_dtype, check_cache, empty_like_layout, kv_cache
+from .runtime.error_record import report
 from .runtime.offsets import inputs_fit
 from .runtime.validate import check_cache_values
 
@@ -40,13 +41,12 @@ def _attention(key: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_l
     transformed rows of the hoisted sides ("q", "k" order) of a differentiable hoisted call, else []."""
     spec = spec_of(key)
     values = unflatten_inputs(spec, inputs)
-    # kv_lens and block_table values are checked as an eager call checks them, except inside a CUDA graph
-    # capture, which cannot read them on the host (the kernels still read nothing outside the cache)
-    validate = kv_lens is not None and not (q.is_cuda and torch.cuda.is_current_stream_capturing())
     call = planned(spec.graph, q, k, v, values, kv_lens, block_table, return_lse=spec.save_lse,
                    grads=spec.grads if spec.grad else None, split_kv=False if spec.grad else None)
-    if validate:
+    if kv_lens is not None and spec.validate:  # as an eager call checks them: on the device, in a capture too
         check_cache_values(kv_lens, block_table, *(k.shape[:2] if block_table is not None else (0, 0)))
+    elif kv_lens is not None:
+        report(kv_lens.device)
     if not spec.grad:
         out, lse = call(q, k, v, values, kv_lens, block_table)
         copies = {}
@@ -125,16 +125,18 @@ torch.library.register_autograd("attnfuse::attention_backward", _no_second_deriv
 
 
 def call(graph: ir.MatMulPV, q: Any, k: Any, v: Any, inputs: dict[str, Any], *, return_lse: bool,
-         kv_lens: Any, block_table: Any):
+         kv_lens: Any, block_table: Any, validate: bool = True):
     """``run_attention``'s result through the op: out, or (out, lse) when ``return_lse``."""
     tensors = (q, k, v, *(t for t in (kv_lens, block_table) if t is not None))
     if not all(isinstance(t, torch.Tensor) for t in tensors) or not all(
             isinstance(t, (torch.Tensor, BlockMask)) for t in inputs.values()):  # run_attention names the error
-        return run_attention(graph, q, k, v, inputs, return_lse=return_lse, kv_lens=kv_lens, block_table=block_table)
+        return run_attention(graph, q, k, v, inputs, return_lse=return_lse, kv_lens=kv_lens, block_table=block_table,
+                             validate=validate)
     lse_kept = keeps_lse(graph, return_lse)
     grads = wanted_grads(q, k, v, inputs)
     layout, flat = flatten_inputs(inputs)
-    key = key_of(graph, layout, return_lse or (grads is not None and lse_kept), grads is not None, grads or ())
+    key = key_of(graph, layout, return_lse or (grads is not None and lse_kept), grads is not None, grads or (),
+                 validate)
     out, lse, _ = torch.ops.attnfuse.attention.default(key, q, k, v, kv_lens, block_table, flat)
     return (out, lse) if return_lse else out
 

@@ -36,7 +36,7 @@ def device_cached(key: Hashable, make: Callable[[], T], device: torch.device) ->
     if entry[1].type == "cuda":
         if torch.cuda.is_current_stream_capturing():
             return make()
-        return _kept.get_or_build(entry, lambda: _made_outside_graph_pools(make, entry[1]))
+        return _kept.get_or_build(entry, lambda: made_outside_graph_pools(make, entry[1]))
     return _kept.get_or_build(entry, make)
 
 
@@ -45,7 +45,7 @@ def clear_device_cache() -> None:
     _kept.clear()
 
 
-def _made_outside_graph_pools(make: Callable[[], T], device: torch.device) -> T:
+def made_outside_graph_pools(make: Callable[[], T], device: torch.device) -> T:
     """``make()`` run by the worker thread on its own stream, ordered after the current stream's work so far
     and before its later work."""
     current = torch.cuda.current_stream(device)

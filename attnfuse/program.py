@@ -163,8 +163,9 @@ class AttentionProgram:
         ``kv_lens`` (B,) int32 or int64: keys per sequence of a KV cache (query i of sequence b at position
         i + kv_lens[b] - Nq). ``block_table`` (B, max_pages) int32 or int64: k and v are a paged cache's
         pools (pages, page_size, Hkv, D). ``validate`` (default True): check the values of kv_lens and
-        block_table first (one host sync; InputError for a negative or > 2**31 - 1 length, or a used entry
-        outside the pool); False skips it, and the kernels still read nothing outside the pool.
+        block_table on the device, with no host sync (InputError for a negative or > 2**31 - 1 length, or a
+        used entry outside the pool: raised by the call on CPU, on CUDA by a later call or
+        ``attnfuse.check_errors()``); False skips it, and the kernels still read nothing outside the pool.
         ``q_offset``, ``k_offset``: the positions of query 0 and key 0 (query i at q_offset + i, key j at
         k_offset + j) in a sequence of ``seq_len`` keys, for a chunk of a longer sequence; under
         torch.compile such a call runs eagerly, outside the graph (the op takes no positions yet). See
@@ -177,7 +178,7 @@ class AttentionProgram:
                     q_offset=q_offset, k_offset=k_offset, seq_len=seq_len, **kwargs)
             hide = custom_op.hide_none
             return custom_op.opaque_program_call(self, hide(args), hide(kwargs), return_lse, hide(kv_lens),
-                                                 hide(block_table))
+                                                 hide(block_table), validate)
         # eager: straight to the kernels (the op boundary costs host time that only a compiler needs)
         (q, k, v), args, kwargs = self._take_qkv(args, kwargs)
         statics, inputs = self._bind(args, kwargs) if args or kwargs or self._extra else ((), {})
@@ -200,7 +201,8 @@ class AttentionProgram:
         check_cache(q, k, v, kv_lens, block_table)
         positions = check_positions(q_offset, k_offset, seq_len, q.shape[2], k.shape[2], kv_lens, block_table)
         if kv_lens is not None:
-            check_cache_values(kv_lens, block_table, *(k.shape[:2] if block_table is not None else (0, 0)))
+            check_cache_values(kv_lens, block_table, *(k.shape[:2] if block_table is not None else (0, 0)),
+                               wait=True)
         key, inputs = self._bind(args, kwargs)
         out, lse = evaluate(self._trace(key), q, k, v, inputs, dtype=dtype, kv_lens=kv_lens, block_table=block_table,
                             positions=positions)
@@ -228,12 +230,13 @@ class AttentionProgram:
         return f"<attnfuse program {self.fn.__qualname__}>"
 
 
-def _call(program: AttentionProgram, args: tuple, kwargs: dict, return_lse: bool, kv_lens: Any, block_table: Any):
+def _call(program: AttentionProgram, args: tuple, kwargs: dict, return_lse: bool, kv_lens: Any, block_table: Any,
+          validate: bool = True):
     """A program call: bind the arguments, find the trace, run it through ``torch.ops.attnfuse.attention``."""
     (q, k, v), args, kwargs = program._take_qkv(args, kwargs)
     statics, inputs = program._bind(args, kwargs) if args or kwargs or program._extra else ((), {})
     return custom_op.call(program._trace(statics), q, k, v, inputs, return_lse=return_lse, kv_lens=kv_lens,
-                          block_table=block_table)
+                          block_table=block_table, validate=validate)
 
 
 custom_op.register_constant(AttentionProgram)

@@ -277,6 +277,13 @@ def test_compile_reduce_overhead_decode_with_kv_lens_and_block_table():
         out = step(q, pool_k, pool_v, lens, table).clone()
         want = llama_window.reference(q, pool_k, pool_v, 1000, kv_lens=lens, block_table=table)
         torch.testing.assert_close(out.double(), want, atol=2e-2, rtol=0)
+    af.check_errors()
+    hostile = table.clone()
+    hostile[1, 0] = -1
+    step(q, pool_k, pool_v, lens, hostile)  # the captured check runs at every replay
+    with pytest.raises(af.InputError, match=r"block_table\[1, 0\] = -1 is not a page of the pool: the 32 entries "):
+        af.check_errors()
+    af.check_errors()  # raised once
 
 
 def test_hf_llama_bf16_attnfuse_and_fuse_rope_match_sdpa():
@@ -312,7 +319,7 @@ def test_paged_pool_in_a_nan_arena_reads_nothing_outside_it(split_kv):
     """The pool is a view into an arena whose 8 pages before and after it are NaN. With validate=False,
     each hostile block_table entry makes its page's keys absent: no NaN, and the output equals a float64
     computation without those keys (an entry wrapped to int32, 2**32 + 3 -> page 3, would differ).
-    Validated, the same call raises."""
+    Validated, the same call records the entry of one of the four sequences, which af.check_errors() raises."""
     P, guard, page, B, Hq, Hkv, Nq, D = 64, 8, 16, 4, 32, 8, 4, 128
     g = torch.Generator(device="cuda").manual_seed(0)
     arenas = [torch.full((P + 2 * guard, page, Hkv, D), float("nan"), device="cuda", dtype=torch.float16)
@@ -338,8 +345,84 @@ def test_paged_pool_in_a_nan_arena_reads_nothing_outside_it(split_kv):
             pos <= torch.arange(Nq, device="cuda")[:, None] + lens[:, None, None, None] - Nq)
         want = torch.nn.functional.scaled_dot_product_attention(q.double(), k, v, attn_mask=keep)
         torch.testing.assert_close(out.double(), want, atol=2e-3, rtol=0, msg=f"block_table entry {value}")
-        with pytest.raises(af.InputError, match=rf"block_table\[0, 1\] = {value} is not a page of the pool"):
+        with pytest.raises(af.InputError, match=rf"block_table\[[0-3], 1\] = {value} is not a page of the pool"):
             af.run_attention(causal.graph(), q, pool_k, pool_v, kv_lens=lens, block_table=hostile, split_kv=split_kv)
+            af.check_errors()
+
+
+
+def _paged_decode_case(B=4, Hq=32, Hkv=8, D=128, page=16, pages=16):
+    """q (B, Hq, 1, D) fp16, pools (B * pages, page, Hkv, D), a shuffled table (B, pages) int32, ragged lens."""
+    g = torch.Generator(device="cuda").manual_seed(3)
+    pool_k, pool_v = (torch.randn(B * pages, page, Hkv, D, device="cuda", dtype=torch.float16, generator=g)
+                      for _ in range(2))
+    table = torch.randperm(B * pages, device="cuda", generator=g).to(torch.int32).view(B, pages)
+    lens = torch.tensor([pages * page, 17, 100, 1][:B], dtype=torch.int32, device="cuda")
+    q = torch.randn(B, Hq, 1, D, device="cuda", dtype=torch.float16, generator=g)
+    return q, pool_k, pool_v, table, lens
+
+
+def test_validated_calls_never_synchronise_and_a_later_call_raises_once():
+    """With torch's sync debug mode set to error, validated paged decode calls run (no host sync); a bad
+    entry is raised by one of the next calls after the device has finished, once."""
+    q, pool_k, pool_v, table, lens = _paged_decode_case()
+    call = lambda t: causal(q, pool_k, pool_v, kv_lens=lens, block_table=t)  # noqa: E731
+    want = causal.reference(q, pool_k, pool_v, kv_lens=lens, block_table=table)
+    call(table)  # the device's error record is made (outside the checked region)
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        outs = [call(table) for _ in range(3)]
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    for out in outs:
+        torch.testing.assert_close(out.double(), want, atol=2e-3, rtol=0)
+    hostile = table.clone()
+    hostile[2, 5] = 10**6  # sequence 2 (100 keys) uses 7 entries
+    call(hostile)
+    raised = []
+    for _ in range(3):
+        torch.cuda.synchronize()
+        try:
+            call(table)
+        except af.InputError as error:
+            raised.append(str(error))
+    assert len(raised) == 1 and raised[0].startswith(
+        "block_table[2, 5] = 1000000 is not a page of the pool: the 7 entries sequence 2 uses (kv_lens[2] = 100, "
+        "page_size 16) must each be in [0, 64)"), raised
+    af.check_errors()
+
+
+def test_validated_decode_inside_a_cuda_graph_checks_at_every_replay():
+    """A validated paged decode captured by torch.cuda.graph (the record made by a warm-up call): replays
+    follow the table's values, an entry edited to a bad one is raised by af.check_errors() after the replay,
+    and its keys are absent from that replay's output."""
+    q, pool_k, pool_v, table, lens = _paged_decode_case()
+    step = lambda: causal(q, pool_k, pool_v, kv_lens=lens, block_table=table)  # noqa: E731
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    af.check_errors()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    good = table.clone()
+    for slot, value in ((None, None), (0, 10**6), (None, None), (3, -1)):
+        table.copy_(good)
+        if slot is not None:
+            table[0, slot] = value  # sequence 0 (256 keys) uses all 16 entries
+        graph.replay()
+        if slot is None:
+            af.check_errors()
+            want = causal.reference(q, pool_k, pool_v, kv_lens=lens, block_table=table)
+            torch.testing.assert_close(out.double(), want, atol=2e-3, rtol=0)
+        else:
+            with pytest.raises(af.InputError, match=rf"^block_table\[0, {slot}\] = {value} is not a page of the "
+                                                    rf"pool: the 16 entries sequence 0 uses"):
+                af.check_errors()
+            torch.testing.assert_close(out[1:].double(), causal.reference(q[1:], pool_k, pool_v, kv_lens=lens[1:],
+                                                                          block_table=good[1:]), atol=2e-3, rtol=0)
 
 
 def _causal_rows_reference(q, k, v, dtype):

@@ -24,6 +24,7 @@ from .hoisted import worth_hoisting
 from .inputs import Positions, check_cache, check_inputs, check_positions, kernel_config, kv_cache
 from .offsets import inputs_fit
 from .plugin_args import check_takes_offsets
+from .error_record import report
 from .validate import check_cache_values
 
 # A model runs a few signatures per program (dtype, head dims, gradients, decoding) and one per sequence
@@ -73,13 +74,16 @@ def run_attention(graph: ir.MatMulPV, q: torch.Tensor, k: torch.Tensor, v: torch
         pools (pages, page_size, Hkv, D) and kv_lens is required.
     :param split_kv: run the split-KV decoding path (None: when Nq <= 16, no gradient is wanted and the
         normaliser can combine splits).
-    :param validate: with ``kv_lens``, check their values (and a paged cache's table) before launching: every
-        length in [0, 2**31 - 1], every block_table entry a sequence uses (its first
-        ceil(min(kv_lens[b], capacity) / page_size)) a page of the pool; entries past those may hold
-        anything. One small kernel and one host sync per call. ``validate=False`` skips both (a server
-        that checks upstream; a CUDA graph capture, which cannot sync): lengths outside [0, capacity]
-        then count as the nearest bound, and keys on a page outside the pool are absent (the kernels
-        never read outside the pool).
+    :param validate: with ``kv_lens``, check their values (and a paged cache's table): every length in
+        [0, 2**31 - 1], every block_table entry a sequence uses (its first ceil(min(kv_lens[b], capacity) /
+        page_size)) a page of the pool; entries past those may hold anything. One small kernel in the call's
+        stream records the first bad entry in the device's error record, with no host sync (so it also runs
+        inside a CUDA graph capture, at every replay). The ``InputError`` naming it is raised by the call
+        itself on CPU; on CUDA asynchronously, like CUDA's own errors: by a later call with ``kv_lens`` once
+        the record's copy has reached the host, or by ``attnfuse.check_errors()``, which waits for it.
+        ``validate=False`` skips the check (a server that checks upstream): lengths outside [0, capacity]
+        then count as the nearest bound, and keys on a page outside the pool are absent (the kernels never
+        read outside the pool, validated or not).
     :param q_offset: the position of query 0 (query i at q_offset + i) and ``k_offset`` that of key 0 (key
         j at k_offset + j): a chunk of a longer sequence (chunked prefill, a shard of context parallelism).
         Either given, the other defaults to 0; not with kv_lens or block_table. Masks, position biases and
@@ -97,8 +101,11 @@ def run_attention(graph: ir.MatMulPV, q: torch.Tensor, k: torch.Tensor, v: torch
         positions = check_positions(q_offset, k_offset, seq_len, q.shape[2], k.shape[2], kv_lens, block_table)
     call = planned(graph, q, k, v, inputs, kv_lens, block_table, return_lse=return_lse,
                    grads=wanted_grads(q, k, v, inputs), split_kv=split_kv, positions=positions)
-    if validate and kv_lens is not None:
-        check_cache_values(kv_lens, block_table, *(k.shape[:2] if block_table is not None else (0, 0)))
+    if kv_lens is not None:
+        if validate:
+            check_cache_values(kv_lens, block_table, *(k.shape[:2] if block_table is not None else (0, 0)))
+        else:
+            report(kv_lens.device)
     out, lse = call(q, k, v, inputs, kv_lens, block_table, positions)
     return (out, lse) if return_lse else out
 
