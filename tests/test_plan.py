@@ -8,7 +8,7 @@ import torch
 
 import attnfuse as af
 from attnfuse.launch_spec import CONSTEXPR
-from attnfuse.passes.compiler import compile as build_plan, lowered as lowered_of
+from attnfuse.passes.compiler import compile as compile_plan, lowered as lowered_of
 from attnfuse.plan import KernelConfig
 
 
@@ -61,7 +61,7 @@ def _specs(plan):
 @pytest.mark.parametrize("program", [llama, alibi_window, sparse, biased], ids=lambda p: p.fn.__name__)
 @pytest.mark.parametrize("config", CONFIGS, ids=["plain", "gqa-wide", "paged", "float64-transformed"])
 def test_launch_spec_is_the_def_line(program, config):
-    plan = build_plan(_graph(program), config)
+    plan = compile_plan(_graph(program), config)
     kinds = {s.kind for s in _specs(plan)}
     assert kinds >= {"forward", "decode", "dkdv", "dq"}
     if program is llama and not (config.kv_lens or config.k_transformed):
@@ -73,7 +73,7 @@ def test_launch_spec_is_the_def_line(program, config):
 
 
 def test_biased_dq_takes_its_gradient_buffer():
-    plan = build_plan(_graph(biased), BASE)
+    plan = compile_plan(_graph(biased), BASE)
     [gradient] = plan.input_gradients
     assert (gradient.argument, gradient.param, gradient.prefix) == ("bias", "bias", "additive_bias_1")
     spec = plan.dq((gradient,))
@@ -84,7 +84,7 @@ def test_biased_dq_takes_its_gradient_buffer():
 
 
 def test_wide_offsets_cast_exactly_the_stride_parameters():
-    plan = build_plan(_graph(sparse), attrs.evolve(BASE, wide_offsets=True))
+    plan = compile_plan(_graph(sparse), attrs.evolve(BASE, wide_offsets=True))
     source = plan.forward.source
     casts = [line.split("=")[0].strip() for line in source.splitlines() if "= tl.cast(" in line and "tl.int64)" in line]
     assert casts == list(plan.forward.launch.stride_names)
@@ -93,7 +93,7 @@ def test_wide_offsets_cast_exactly_the_stride_parameters():
 
 def test_bind_names_a_missing_or_unknown_argument():
     """Arguments bind by name, strides from the tensor they belong to; a missing or unknown name is named."""
-    launch = build_plan(_graph(llama), BASE).forward.launch
+    launch = compile_plan(_graph(llama), BASE).forward.launch
     q, k, v, out = (torch.empty_strided((1, 2, 3, 4), stride, dtype=torch.float32) for stride in
                     ((24, 12, 4, 1), (24, 1, 8, 2), (100, 30, 10, 1), (96, 48, 16, 4)))
     rank = {p.name: sum(s.of == p.name for s in launch.params) for p in launch.params if p.kind == "tensor"}
@@ -143,8 +143,8 @@ def test_float64_accumulates_in_float64_without_rewriting_text():
     lowered32 = lowered_of(_graph(alibi_window), BASE)
     lowered64 = lowered_of(_graph(alibi_window), attrs.evolve(BASE, dtype="float64"))
     assert (lowered32.accumulator, lowered64.accumulator) == ("tl.float32", "tl.float64")
-    source32 = build_plan(_graph(alibi_window), BASE).forward.source
-    source64 = build_plan(_graph(alibi_window), attrs.evolve(BASE, dtype="float64")).forward.source
+    source32 = compile_plan(_graph(alibi_window), BASE).forward.source
+    source64 = compile_plan(_graph(alibi_window), attrs.evolve(BASE, dtype="float64")).forward.source
     assert "tl.float64" not in source32 and "tl.float32" not in source64
     assert "tl.load(alibi_1_slopes + h * alibi_1_slopes_s0).to(tl.float64)" in source64
 
