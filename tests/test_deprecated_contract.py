@@ -1,5 +1,6 @@
 """The plugin contract of 2026-11-30 keeps working with a DeprecationWarning (see CHANGELOG.md): fragments that
-spell the accumulation type tl.float32, and required parameters without examples. Plugins registered from
+spell the accumulation type tl.float32, required parameters without examples, and the fragment lookup
+``attnfuse.passes.lower.fragment_of`` that docs/writing-a-combinator.md named until 2026-12-03. Plugins registered from
 code here; tests/legacy_plugin/attnfuse-legacy-demo checks an installed package of such plugins."""
 from __future__ import annotations
 
@@ -96,3 +97,18 @@ def test_required_parameter_without_examples_warns_once_and_works():
             check_combinator("_test_old_width")
     finally:
         af.unregister_plugin(name)
+
+
+def test_fragment_of_warns_and_gives_the_applications_fragment():
+    from attnfuse.passes.lower import fragment_of
+
+    @af.attention
+    def windowed(q, k, v):
+        return af.softmax(af.sliding_window(af.scaled_dot_product(q, k), 3)) @ v
+
+    graph = windowed.graph()
+    for app in (graph.weights.apply, graph.weights.input.apply):  # softmax, sliding_window
+        with pytest.warns(DeprecationWarning, match=r"fragment_of\(app\) is deprecated since 2026-12-03 .* call "
+                                                    r"app.fragment\(\)"):
+            old = fragment_of(app)
+        assert old == app.fragment()

@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 import re
 import string
+import warnings
 from typing import Any
 
 import attrs
@@ -129,6 +130,13 @@ def _check_placeholders(combinator: str, value: Any, allowed: frozenset = frozen
             site = _SITE.get((type(value), f.name))
             _check_placeholders(combinator, getattr(value, f.name), frozenset(site) if site else allowed,
                                 f.name if site else field)
+
+
+def fragment_of(app: ir.Apply) -> Any:
+    """Deprecated since 2026-12-03 (documented for plugin authors until then): ``app.fragment()``."""
+    warnings.warn("attnfuse.passes.lower.fragment_of(app) is deprecated since 2026-12-03 and will be removed in a "
+                  "future release: call app.fragment() on the ir.Apply instead", DeprecationWarning, stacklevel=2)
+    return app.fragment()
 
 
 def instance(app: ir.Apply, index: int, accumulator: str = "float32") -> Instance:
