@@ -20,6 +20,7 @@ transformers = pytest.importorskip("transformers")
 import attnfuse as af  # noqa: E402
 import attnfuse.hf  # noqa: E402
 from attnfuse.testing import assert_matches_reference  # noqa: E402
+from hf_training import padded_batch, training_step  # noqa: E402
 
 SIZES = dict(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_hidden_layers=2,
              intermediate_size=32, vocab_size=64, use_cache=False, initializer_range=0.2)
@@ -40,32 +41,12 @@ def _model(family):
     return model
 
 
-def _batch(B=2, N=12, pads=(5, 0)):
-    """Token ids (B, N), the attention mask (left padding on the first sequence) and labels (-100 on padding)."""
-    ids = torch.randint(0, SIZES["vocab_size"], (B, N))
-    mask = torch.ones(B, N, dtype=torch.long)
-    for b, pad in enumerate(pads):
-        mask[b, :pad] = 0
-    return ids, mask, ids.masked_fill(mask == 0, -100)
-
-
-def _step(model, implementation, batch):
-    """One training step's loss, logits (B, N, V) and every parameter gradient under ``implementation``."""
-    ids, mask, labels = batch
-    model.set_attn_implementation(implementation)
-    model.zero_grad()
-    out = model(ids, attention_mask=mask, labels=labels)
-    out.loss.backward()
-    return {"loss": out.loss.detach(), "logits": out.logits.detach(),
-            **{name: p.grad.clone() for name, p in model.named_parameters()}}
-
-
 def _assert_equals_eager(model, batch, real=None):
     """attnfuse's step against eager's in float64 (the reference) and float32 (its own error); ``real``: the
     (B, N) positions whose logits are compared (None: all)."""
-    want64 = _step(copy.deepcopy(model).double(), "eager", batch)
-    want32 = _step(model, "eager", batch)
-    got = _step(model, "attnfuse", batch)
+    want64 = training_step(copy.deepcopy(model).double(), "eager", batch)
+    want32 = training_step(model, "eager", batch)
+    got = training_step(model, "attnfuse", batch)
     assert got.keys() == want64.keys()
     for name in want64:
         pick = (lambda t: t[real]) if name == "logits" and real is not None else (lambda t: t)
@@ -74,7 +55,7 @@ def _assert_equals_eager(model, batch, real=None):
 
 
 def _logits_differ(model, batch, want):
-    return (_step(model, "eager", batch)["logits"] - want["logits"]).abs().max() > 1e-2
+    return (training_step(model, "eager", batch)["logits"] - want["logits"]).abs().max() > 1e-2
 
 
 def test_the_combinators_are_builtins():
@@ -83,7 +64,7 @@ def test_the_combinators_are_builtins():
 
 
 def test_gemma2_softcapping_and_window_equal_eager():
-    model, batch = _model("gemma2"), _batch(pads=(0, 0))
+    model, batch = _model("gemma2"), padded_batch(SIZES["vocab_size"], pads=(0, 0))
     assert model.config.layer_types == ["sliding_attention", "full_attention"]
     want = _assert_equals_eager(model, batch)
     for layer in model.model.layers:
@@ -98,7 +79,7 @@ def test_gemma2_softcapping_and_window_equal_eager():
 def test_gpt_oss_sinks_and_window_equal_eager_with_left_padding():
     """A left-padding row keeps no key: with a sink, eager and attnfuse both give it all to the sink (output
     0), so the padded batch matches eager everywhere, and the sinks' gradients too."""
-    model, batch = _model("gpt_oss"), _batch()
+    model, batch = _model("gpt_oss"), padded_batch(SIZES["vocab_size"], pads=(5, 0))
     assert model.config.layer_types == ["sliding_attention", "full_attention"]
     want = _assert_equals_eager(model, batch)
     assert all(layer.self_attn.sinks.grad.abs().max() > 0 for layer in model.model.layers)
@@ -116,7 +97,7 @@ def test_gpt_oss_generate_gives_eager_greedy_tokens():
     """Decoding from a cache: a sliding layer and a full one, with sinks, one query at a time."""
     model = _model("gpt_oss").eval()
     model.config.use_cache = True
-    ids, mask, _ = _batch(N=8, pads=(3, 0))
+    ids, mask, _ = padded_batch(SIZES["vocab_size"], N=8, pads=(3, 0))
     options = dict(attention_mask=mask, max_new_tokens=5, do_sample=False)
     model.set_attn_implementation("eager")
     want = model.generate(ids, **options)
@@ -130,7 +111,7 @@ def test_a_registered_program_refuses_sinks_it_cannot_honour():
         return af.softmax(af.causal(af.scaled_dot_product(q, k))) @ v
 
     attnfuse.hf.register("test_hf_models_causal_only", causal_only)
-    model, (ids, _, _) = _model("gpt_oss"), _batch()
+    model, (ids, _, _) = _model("gpt_oss"), padded_batch(SIZES["vocab_size"], pads=(5, 0))
     model.set_attn_implementation("test_hf_models_causal_only")
     with pytest.raises(af.InputError, match=r"s_aux \(given by GptOssAttention\) is not supported here; use "
                                             r"attn_implementation='attnfuse' or 'eager'"):

@@ -23,6 +23,7 @@ transformers = pytest.importorskip("transformers")
 import attnfuse as af  # noqa: E402
 import attnfuse.hf  # noqa: E402
 from attnfuse.testing.tolerances import assert_matches_reference  # noqa: E402
+from hf_training import padded_batch, training_step  # noqa: E402
 
 SIZES = dict(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2, intermediate_size=64,
              vocab_size=64, head_dim=8)
@@ -62,29 +63,10 @@ def _model(family):
     return getattr(transformers, model_name)(config).train()
 
 
-def _left_padded_batch(B=2, N=12, pads=(5, 2)):
-    """Token ids (B, N), HF's attention mask (0 on padding) and labels (ids, -100 on padding)."""
-    ids = torch.randint(0, SIZES["vocab_size"], (B, N))
-    mask = torch.ones(B, N, dtype=torch.long)
-    for b, pad in enumerate(pads):
-        mask[b, :pad] = 0
-    return ids, mask, ids.masked_fill(mask == 0, -100)
-
-
-def _step(model, implementation, batch):
-    """One training step's loss, logits (B, N, V) and parameter gradients under ``implementation``."""
-    ids, mask, labels = batch
-    model.set_attn_implementation(implementation)
-    model.zero_grad()
-    out = model(ids, attention_mask=mask, labels=labels)
-    out.loss.backward()
-    return {"loss": out.loss.detach(), "logits": out.logits.detach(),
-            **{name: p.grad.clone() for name, p in model.named_parameters()}}
-
-
 def _reference(model, implementation, batch):
     """(float64 results, float32 results) of ``implementation``: the reference and its own float32 error."""
-    return _step(copy.deepcopy(model).double(), implementation, batch), _step(model, implementation, batch)
+    return (training_step(copy.deepcopy(model).double(), implementation, batch),
+            training_step(model, implementation, batch))
 
 
 def _assert_matches(got, want64, want32):
@@ -99,22 +81,22 @@ def _relative_difference(a, b):
 
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_left_padded_training_equals_sdpa(family):
-    model, batch = _model(family), _left_padded_batch()
+    model, batch = _model(family), padded_batch(SIZES["vocab_size"])
     if family == "gemma2":  # HF gives Gemma 2 no sdpa backend: the same rule on its eager attention
         want64, want32 = _reference(model, REFERENCE, batch)
     else:
         want64, want32 = _reference(model, "sdpa", batch)
-        _assert_matches(_step(model, REFERENCE, batch), want64, want32)  # Gemma 2's reference follows sdpa
-    eager = _step(model, "eager", batch)
+        _assert_matches(training_step(model, REFERENCE, batch), want64, want32)  # Gemma 2's reference follows sdpa
+    eager = training_step(model, "eager", batch)
     assert _relative_difference(eager, want32) > 1e-2  # the padding rows' convention reaches loss and gradients
-    _assert_matches(_step(model, "attnfuse", batch), want64, want32)
+    _assert_matches(training_step(model, "attnfuse", batch), want64, want32)
 
 
 def test_left_padded_training_with_fuse_rope_equals_sdpa():
-    model, batch = _model("llama"), _left_padded_batch()
+    model, batch = _model("llama"), padded_batch(SIZES["vocab_size"])
     want64, want32 = _reference(model, "sdpa", batch)
     attnfuse.hf.fuse_rope(model)
-    _assert_matches(_step(model, "attnfuse", batch), want64, want32)
+    _assert_matches(training_step(model, "attnfuse", batch), want64, want32)
 
 
 def test_registered_program_left_padded_training_equals_sdpa():
@@ -124,6 +106,6 @@ def test_registered_program_left_padded_training_equals_sdpa():
         return af.softmax(af.causal(s) if bias is None else af.additive_bias(s, bias)) @ v
 
     attnfuse.hf.register("test_hf_padding_causal_biased", causal_biased)
-    model, batch = _model("qwen2"), _left_padded_batch()
+    model, batch = _model("qwen2"), padded_batch(SIZES["vocab_size"])
     want64, want32 = _reference(model, "sdpa", batch)
-    _assert_matches(_step(model, "test_hf_padding_causal_biased", batch), want64, want32)
+    _assert_matches(training_step(model, "test_hf_padding_causal_biased", batch), want64, want32)
