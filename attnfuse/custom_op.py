@@ -23,9 +23,8 @@ from .call_spec import flatten_inputs, key_of, plain_tensors, spec_of, tensor_na
 from .runtime import gradients
 from .runtime.launch import hoisted_sides, keeps_lse, planned, run_attention, wanted_grads
 from .runtime.inputs import accumulator_dtype, check_cache, empty_like_layout, kv_cache
-from .runtime.error_record import report
 from .runtime.offsets import inputs_fit
-from .runtime.validate import check_cache_values
+from .runtime.validate import check_call_values
 
 _LIBRARY = torch.library.Library("attnfuse", "DEF")  # not torch.library.custom_op: its wrappers cost ~60 us a call
 _LIBRARY.define("attention(str key, Tensor q, Tensor k, Tensor v, Tensor? kv_lens, Tensor? block_table, "
@@ -43,10 +42,7 @@ def _attention(key: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_l
     values = unflatten_inputs(spec, inputs)
     call = planned(spec.graph, q, k, v, values, kv_lens, block_table, return_lse=spec.save_lse,
                    grads=spec.grads if spec.grad else None, split_kv=False if spec.grad else None)
-    if kv_lens is not None and spec.validate:  # as an eager call checks them: on the device, in a capture too
-        check_cache_values(kv_lens, block_table, *(k.shape[:2] if block_table is not None else (0, 0)))
-    elif kv_lens is not None:
-        report(kv_lens.device)
+    check_call_values(k, kv_lens, block_table, validate=spec.validate)  # as an eager call: on the device
     if not spec.grad:
         out, lse = call(q, k, v, values, kv_lens, block_table)
         copies = {}

@@ -22,7 +22,7 @@ from .runtime.launch import run_attention
 from .runtime.inputs import check_cache, check_positions, kernel_config
 from .runtime.compiled import compiled_kernel
 from .runtime.offsets import inputs_fit
-from .runtime.validate import check_cache_values
+from .runtime.validate import check_call_values
 
 RESERVED_ARGUMENTS = ("return_lse", "kv_lens", "block_table", "validate", "q_offset", "k_offset", "seq_len")
 MAX_TRACES = 64  # graphs kept per program: past RECOMPILE_LIMIT (8) configurations it warns (recompile.py)
@@ -200,9 +200,7 @@ class AttentionProgram:
         (q, k, v), args, kwargs = self._take_qkv(args, kwargs)
         check_cache(q, k, v, kv_lens, block_table)
         positions = check_positions(q_offset, k_offset, seq_len, q.shape[2], k.shape[2], kv_lens, block_table)
-        if kv_lens is not None:
-            check_cache_values(kv_lens, block_table, *(k.shape[:2] if block_table is not None else (0, 0)),
-                               wait=True)
+        check_call_values(k, kv_lens, block_table, wait=True)
         key, inputs = self._bind(args, kwargs)
         out, lse = evaluate(self._trace(key), q, k, v, inputs, dtype=dtype, kv_lens=kv_lens, block_table=block_table,
                             positions=positions)

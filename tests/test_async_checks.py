@@ -211,7 +211,7 @@ def test_unvalidated_calls_report_but_make_no_record_and_launch_no_check(deferre
     with pytest.raises(af.InputError, match=BAD_1_1):
         good(validate=False)  # a call with kv_lens reports a recorded error
     monkeypatch.setattr(error_record, "_records", {})
-    monkeypatch.setattr(launch, "check_cache_values", None)  # a validated call would fail here
+    monkeypatch.setattr(validate, "check_cache_values", None)  # a check would fail here
     bad(validate=False)
     assert error_record._records == {}
 

@@ -9,7 +9,7 @@ import torch
 
 import attnfuse as af
 from attnfuse.runtime import launch
-from attnfuse.runtime.validate import check_cache_values
+from attnfuse.runtime.validate import check_call_values
 
 from .cases import bigbird_program, causal, decode_program, rope_tables
 
@@ -53,8 +53,7 @@ def breakdown(program: af.AttentionProgram, q, k, v, *extra: Any, calls: int = 5
         "launches": lambda: call(q, k, v, inputs, kv_lens, block_table),
     }
     if kv_lens is not None:
-        pages = k.shape[:2] if block_table is not None else (0, 0)
-        pieces["kv_lens/block_table check"] = lambda: check_cache_values(kv_lens, block_table, *pages)
+        pieces["kv_lens/block_table check"] = lambda: check_call_values(k, kv_lens, block_table)
     return {name: per_call_us(pieces[name], calls) for name in PIECES if name in pieces}
 
 

@@ -130,7 +130,7 @@ def check_cache(q: torch.Tensor, k: Any, v: Any, kv_lens: Any = None, block_tabl
     ``kv_lens`` (B,) int32 or int64 required. ``kv_lens`` values above the capacity count as the capacity.
 
     This checks types, shapes and devices only (once per call signature). The values of kv_lens and
-    block_table are checked on every call by ``validate.check_cache_values`` unless the call passes
+    block_table are checked on every call by ``validate.check_call_values`` unless the call passes
     ``validate=False``; without that check the kernels still never read outside the cache (see
     ``kv_cache``).
     """

@@ -24,8 +24,7 @@ from .hoisted import worth_hoisting
 from .inputs import Positions, check_cache, check_inputs, check_positions, kernel_config, kv_cache
 from .offsets import inputs_fit
 from .plugin_args import check_takes_offsets
-from .error_record import report
-from .validate import check_cache_values
+from .validate import check_call_values
 
 # A model runs a few signatures per program (dtype, head dims, gradients, decoding) and one per sequence
 # length: least recently used dropped first (``lru.py``). A call holds its program's kernels, which every
@@ -101,11 +100,7 @@ def run_attention(graph: ir.MatMulPV, q: torch.Tensor, k: torch.Tensor, v: torch
         positions = check_positions(q_offset, k_offset, seq_len, q.shape[2], k.shape[2], kv_lens, block_table)
     call = planned(graph, q, k, v, inputs, kv_lens, block_table, return_lse=return_lse,
                    grads=wanted_grads(q, k, v, inputs), split_kv=split_kv, positions=positions)
-    if kv_lens is not None:
-        if validate:
-            check_cache_values(kv_lens, block_table, *(k.shape[:2] if block_table is not None else (0, 0)))
-        else:
-            report(kv_lens.device)
+    check_call_values(k, kv_lens, block_table, validate=validate)
     out, lse = call(q, k, v, inputs, kv_lens, block_table, positions)
     return (out, lse) if return_lse else out
 

@@ -87,3 +87,16 @@ def check_cache_values(kv_lens: torch.Tensor, block_table: torch.Tensor | None, 
     record.run_check(launch)
     if wait:
         record.wait()
+
+
+def check_call_values(k: torch.Tensor, kv_lens: torch.Tensor | None, block_table: torch.Tensor | None, *,
+                      validate: bool = True, wait: bool = False) -> None:
+    """A call's values of ``kv_lens`` and ``block_table`` (``k`` is the cache, or a paged cache's pool (pages,
+    page_size, Hkv, D)): nothing without kv_lens; ``check_cache_values`` when validating; otherwise only an
+    error an earlier validated call recorded is reported (``error_record.report``), and nothing is checked."""
+    if kv_lens is None:
+        return
+    if not validate:
+        error_record.report(kv_lens.device)
+        return
+    check_cache_values(kv_lens, block_table, *(k.shape[:2] if block_table is not None else (0, 0)), wait=wait)
