@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 from attrs import field, frozen
-from attrs.validators import instance_of
+from attrs.validators import in_, instance_of
 
 from . import ir
 from .block_mask import BlockMask
@@ -21,6 +21,7 @@ from .block_mask_checks import TENSORS as MASK_TENSORS
 from .errors import InputError, PluginError
 from .lru import LRUCache
 from .plugin_manager import registered
+from .runtime.kv_layout import KV_LAYOUTS
 
 
 @frozen(kw_only=True, cache_hash=True)
@@ -30,7 +31,9 @@ class CallSpec:
     ``inputs``: (argument name, None for a tensor or (Nq, Nk, block_size, kv_heavy_blocks) for a BlockMask)
     in the order of the op's input list. ``save_lse``: the op returns lse (B, Hq, Nq), else an empty (0,)
     tensor. ``grad``: the call is differentiable (no split-KV path). ``grads``: the inputs whose gradient the
-    backward returns. ``validate``: the call checks its kv_lens and block_table values (``validate.py``)."""
+    backward returns. ``validate``: the call checks its kv_lens and block_table values (``validate.py``).
+    ``kv_layout``: a paged call's pool layout as the caller named it ("NHD", "HND"), or None
+    (``runtime/kv_layout.py``)."""
 
     graph: ir.MatMulPV = field(validator=instance_of(ir.MatMulPV))
     inputs: tuple
@@ -38,11 +41,13 @@ class CallSpec:
     grad: bool
     grads: tuple
     validate: bool = True
+    kv_layout: str | None = field(default=None, validator=in_((None, *KV_LAYOUTS)))
 
     def to_data(self) -> dict[str, Any]:
         """The spec as plain data (JSON's types)."""
         return {"graph": ir.to_data(self.graph), "inputs": [[name, mask] for name, mask in self.inputs],
-                "save_lse": self.save_lse, "grad": self.grad, "grads": list(self.grads), "validate": self.validate}
+                "save_lse": self.save_lse, "grad": self.grad, "grads": list(self.grads), "validate": self.validate,
+                "kv_layout": self.kv_layout}
 
     @classmethod
     def from_data(cls, data: dict[str, Any]) -> CallSpec:
@@ -51,7 +56,8 @@ class CallSpec:
                    inputs=tuple((str(name), None if mask is None else tuple(int(n) for n in mask))
                                 for name, mask in data["inputs"]),
                    save_lse=bool(data["save_lse"]), grad=bool(data["grad"]), grads=tuple(map(str, data["grads"])),
-                   validate=bool(data.get("validate", True)))  # keys made before it was a field validate
+                   validate=bool(data.get("validate", True)),  # keys made before it was a field validate
+                   kv_layout=data.get("kv_layout"))  # and read their pools as a call naming no layout
 
 
 MAX_SPECS = 1024  # call specs kept (a program's few per configuration); one dropped is rebuilt if needed
@@ -60,13 +66,14 @@ _keys: LRUCache[tuple, str] = LRUCache(MAX_SPECS)  # by the spec's fields: a war
 
 
 def key_of(graph: ir.MatMulPV, inputs: tuple, save_lse: bool, grad: bool, grads: tuple,
-           validate: bool = True) -> str:
+           validate: bool = True, kv_layout: str | None = None) -> str:
     """The op's string argument for the spec of these fields (registered, so the op finds it unparsed)."""
-    fields = (graph, inputs, save_lse, grad, grads, validate)
+    fields = (graph, inputs, save_lse, grad, grads, validate, kv_layout)
     key = _keys.get(fields)
     if key is None:
         key = _keys.get_or_build(fields, lambda: _register(CallSpec(graph=graph, inputs=inputs, save_lse=save_lse,
-                                                                    grad=grad, grads=grads, validate=validate)))
+                                                                    grad=grad, grads=grads, validate=validate,
+                                                                    kv_layout=kv_layout)))
     return key
 
 
@@ -79,7 +86,7 @@ def _register(spec: CallSpec) -> str:
 
 def call_key(spec: CallSpec) -> str:
     """The op's string argument for ``spec``."""
-    return key_of(spec.graph, spec.inputs, spec.save_lse, spec.grad, spec.grads, spec.validate)
+    return key_of(spec.graph, spec.inputs, spec.save_lse, spec.grad, spec.grads, spec.validate, spec.kv_layout)
 
 
 def spec_of(key: str) -> CallSpec:

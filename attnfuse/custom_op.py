@@ -23,6 +23,7 @@ from .call_spec import flatten_inputs, key_of, plain_tensors, spec_of, tensor_na
 from .runtime import gradients
 from .runtime.launch import hoisted_sides, keeps_lse, planned, run_attention, wanted_grads
 from .runtime.inputs import accumulator_dtype, check_cache, empty_like_layout, kv_cache
+from .runtime.kv_layout import check_kv_layout
 from .runtime.offsets import inputs_fit
 from .runtime.validate import check_call_values
 
@@ -41,8 +42,10 @@ def _attention(key: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_l
     spec = spec_of(key)
     values = unflatten_inputs(spec, inputs)
     call = planned(spec.graph, q, k, v, values, kv_lens, block_table, return_lse=spec.save_lse,
-                   grads=spec.grads if spec.grad else None, split_kv=False if spec.grad else None)
-    check_call_values(k, kv_lens, block_table, validate=spec.validate)  # as an eager call: on the device
+                   grads=spec.grads if spec.grad else None, split_kv=False if spec.grad else None,
+                   kv_layout=spec.kv_layout)
+    check_call_values(k, kv_lens, block_table, kv_layout=call.kv_layout,
+                      validate=spec.validate)  # as an eager call: on the device
     if not spec.grad:
         out, lse = call(q, k, v, values, kv_lens, block_table)
         copies = {}
@@ -56,8 +59,8 @@ def _attention(key: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_l
 def _attention_fake(key, q, k, v, kv_lens, block_table, inputs):
     """The outputs' metadata; the inputs' checks run here too, so a bad call fails while it is compiled (and
     meta tensors, which take this path, are refused as ``run_attention`` refuses them)."""
-    check_cache(q, k, v, kv_lens, block_table)
     spec = spec_of(key)
+    check_cache(q, k, v, kv_lens, block_table, spec.kv_layout)
     out = empty_like_layout(q, v.shape[-1], q.dtype)
     lse = q.new_empty(q.shape[:3], dtype=accumulator_dtype(q.dtype)) if spec.save_lse else \
         q.new_empty(0, dtype=torch.float32)
@@ -121,18 +124,19 @@ torch.library.register_autograd("attnfuse::attention_backward", _no_second_deriv
 
 
 def call(graph: ir.MatMulPV, q: Any, k: Any, v: Any, inputs: dict[str, Any], *, return_lse: bool,
-         kv_lens: Any, block_table: Any, validate: bool = True):
+         kv_lens: Any, block_table: Any, validate: bool = True, kv_layout: Any = None):
     """``run_attention``'s result through the op: out, or (out, lse) when ``return_lse``."""
     tensors = (q, k, v, *(t for t in (kv_lens, block_table) if t is not None))
     if not all(isinstance(t, torch.Tensor) for t in tensors) or not all(
             isinstance(t, (torch.Tensor, BlockMask)) for t in inputs.values()):  # run_attention names the error
         return run_attention(graph, q, k, v, inputs, return_lse=return_lse, kv_lens=kv_lens, block_table=block_table,
-                             validate=validate)
+                             validate=validate, kv_layout=kv_layout)
+    check_kv_layout(kv_layout, block_table is not None)  # a CallSpec takes only a layout a call may name
     lse_kept = keeps_lse(graph, return_lse)
     grads = wanted_grads(q, k, v, inputs)
     layout, flat = flatten_inputs(inputs)
     key = key_of(graph, layout, return_lse or (grads is not None and lse_kept), grads is not None, grads or (),
-                 validate)
+                 validate, kv_layout)
     out, lse, _ = torch.ops.attnfuse.attention.default(key, q, k, v, kv_lens, block_table, flat)
     return (out, lse) if return_lse else out
 

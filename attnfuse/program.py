@@ -24,7 +24,8 @@ from .runtime.compiled import compiled_kernel
 from .runtime.offsets import inputs_fit
 from .runtime.validate import check_call_values
 
-RESERVED_ARGUMENTS = ("return_lse", "kv_lens", "block_table", "validate", "q_offset", "k_offset", "seq_len")
+RESERVED_ARGUMENTS = ("return_lse", "kv_lens", "block_table", "kv_layout", "validate", "q_offset", "k_offset",
+                      "seq_len")
 MAX_TRACES = 64  # graphs kept per program: past RECOMPILE_LIMIT (8) configurations it warns (recompile.py)
 
 
@@ -154,18 +155,20 @@ class AttentionProgram:
         return graph
 
     def __call__(self, *args: Any, return_lse: bool = False, kv_lens: torch.Tensor | None = None,
-                 block_table: torch.Tensor | None = None, validate: bool = True, q_offset: int | None = None,
-                 k_offset: int | None = None, seq_len: int | None = None, **kwargs: Any):
+                 block_table: torch.Tensor | None = None, kv_layout: str | None = None, validate: bool = True,
+                 q_offset: int | None = None, k_offset: int | None = None, seq_len: int | None = None, **kwargs: Any):
         """The fused kernel's result: out (B, Hq, Nq, DV), or (out, lse) when ``return_lse``.
 
         Called as ``program(q, k, v, *extra, **extra)``; q, k, v may also be given by keyword, by the
         function's own parameter names (``query=``) or as ``q=``, ``k=``, ``v=``.
         ``kv_lens`` (B,) int32 or int64: keys per sequence of a KV cache (query i of sequence b at position
         i + kv_lens[b] - Nq). ``block_table`` (B, max_pages) int32 or int64: k and v are a paged cache's
-        pools (pages, page_size, Hkv, D). ``validate`` (default True): check the values of kv_lens and
-        block_table on the device, with no host sync (InputError for a negative or > 2**31 - 1 length, or a
-        used entry outside the pool: raised by the call on CPU, on CUDA by a later call or
-        ``attnfuse.check_errors()``); False skips it, and the kernels still read nothing outside the pool.
+        pools, in ``kv_layout`` "NHD" (pages, page_size, Hkv, D) or "HND" (pages, Hkv, page_size, D); None
+        reads "NHD" and refuses a shape both would fit. ``validate`` (default True): check the values of
+        kv_lens and block_table on the device, with no host sync (InputError for a negative length or one
+        above the capacity, or a used entry outside the pool: raised by the call on CPU, on CUDA by a later
+        call or ``attnfuse.check_errors()``); False skips it, and the kernels still read nothing outside the
+        cache.
         ``q_offset``, ``k_offset``: the positions of query 0 and key 0 (query i at q_offset + i, key j at
         k_offset + j) in a sequence of ``seq_len`` keys, for a chunk of a longer sequence; under
         torch.compile such a call runs eagerly, outside the graph (the op takes no positions yet). See
@@ -174,17 +177,17 @@ class AttentionProgram:
         if torch.compiler.is_compiling():  # one opaque call to Dynamo (see custom_op.opaque_program_call)
             if q_offset is not None or k_offset is not None or seq_len is not None:  # eager: a graph break
                 return torch.compiler.disable(self.__call__)(
-                    *args, return_lse=return_lse, kv_lens=kv_lens, block_table=block_table, validate=validate,
-                    q_offset=q_offset, k_offset=k_offset, seq_len=seq_len, **kwargs)
+                    *args, return_lse=return_lse, kv_lens=kv_lens, block_table=block_table, kv_layout=kv_layout,
+                    validate=validate, q_offset=q_offset, k_offset=k_offset, seq_len=seq_len, **kwargs)
             hide = custom_op.hide_none
             return custom_op.opaque_program_call(self, hide(args), hide(kwargs), return_lse, hide(kv_lens),
-                                                 hide(block_table), validate)
+                                                 hide(block_table), validate, hide(kv_layout))
         # eager: straight to the kernels (the op boundary costs host time that only a compiler needs)
         (q, k, v), args, kwargs = self._take_qkv(args, kwargs)
         statics, inputs = self._bind(args, kwargs) if args or kwargs or self._extra else ((), {})
         return run_attention(self._trace(statics), q, k, v, inputs, return_lse=return_lse, kv_lens=kv_lens,
                              block_table=block_table, validate=validate, q_offset=q_offset, k_offset=k_offset,
-                             seq_len=seq_len)
+                             seq_len=seq_len, kv_layout=kv_layout)
 
     def __eq__(self, other: object) -> bool:  # by identity; defined for torch.compile (a pytree constant)
         return self is other
@@ -193,17 +196,18 @@ class AttentionProgram:
 
     def reference(self, *args: Any, return_lse: bool = False, dtype: torch.dtype = torch.float64,
                   kv_lens: torch.Tensor | None = None, block_table: torch.Tensor | None = None,
-                  q_offset: int | None = None, k_offset: int | None = None, seq_len: int | None = None,
-                  **kwargs: Any):
+                  kv_layout: str | None = None, q_offset: int | None = None, k_offset: int | None = None,
+                  seq_len: int | None = None, **kwargs: Any):
         """The naive PyTorch result computed in ``dtype`` (float64 by default), as the oracle for tests;
-        kv_lens and block_table values are checked as a validated call checks them, positions as a call's."""
+        kv_lens and block_table values are checked as a validated call checks them, positions and a paged
+        cache's ``kv_layout`` as a call's."""
         (q, k, v), args, kwargs = self._take_qkv(args, kwargs)
-        check_cache(q, k, v, kv_lens, block_table)
+        layout = check_cache(q, k, v, kv_lens, block_table, kv_layout).kv_layout
         positions = check_positions(q_offset, k_offset, seq_len, q.shape[2], k.shape[2], kv_lens, block_table)
-        check_call_values(k, kv_lens, block_table, wait=True)
+        check_call_values(k, kv_lens, block_table, kv_layout=layout, wait=True)
         key, inputs = self._bind(args, kwargs)
         out, lse = evaluate(self._trace(key), q, k, v, inputs, dtype=dtype, kv_lens=kv_lens, block_table=block_table,
-                            positions=positions)
+                            positions=positions, kv_layout=layout or "NHD")
         if not return_lse:
             return out
         if lse is None:
@@ -212,12 +216,12 @@ class AttentionProgram:
 
     def source(self, *args: Any, return_lse: bool = False, kernel: str = "forward",
                kv_lens: torch.Tensor | None = None, block_table: torch.Tensor | None = None,
-               q_offset: int | None = None, k_offset: int | None = None, seq_len: int | None = None,
-               **kwargs: Any) -> str:
+               kv_layout: str | None = None, q_offset: int | None = None, k_offset: int | None = None,
+               seq_len: int | None = None, **kwargs: Any) -> str:
         """The generated Triton source of one kernel for these inputs: ``kernel`` is "forward", "decode"
         (the split-KV path), "dkdv" or "dq" (the backward's)."""
         (q, k, v), args, kwargs = self._take_qkv(args, kwargs)
-        kv = check_cache(q, k, v, kv_lens, block_table)._replace(positions=check_positions(
+        kv = check_cache(q, k, v, kv_lens, block_table, kv_layout)._replace(positions=check_positions(
             q_offset, k_offset, seq_len, q.shape[2], k.shape[2], kv_lens, block_table))
         key, inputs = self._bind(args, kwargs)
         graph = self._trace(key)
@@ -229,12 +233,12 @@ class AttentionProgram:
 
 
 def _call(program: AttentionProgram, args: tuple, kwargs: dict, return_lse: bool, kv_lens: Any, block_table: Any,
-          validate: bool = True):
+          validate: bool = True, kv_layout: str | None = None):
     """A program call: bind the arguments, find the trace, run it through ``torch.ops.attnfuse.attention``."""
     (q, k, v), args, kwargs = program._take_qkv(args, kwargs)
     statics, inputs = program._bind(args, kwargs) if args or kwargs or program._extra else ((), {})
     return custom_op.call(program._trace(statics), q, k, v, inputs, return_lse=return_lse, kv_lens=kv_lens,
-                          block_table=block_table, validate=validate)
+                          block_table=block_table, validate=validate, kv_layout=kv_layout)
 
 
 custom_op.register_constant(AttentionProgram)

@@ -12,6 +12,7 @@ import torch
 from attrs import frozen
 
 from . import ir
+from .runtime.kv_layout import head_second
 
 
 @frozen(kw_only=True, eq=False)
@@ -61,12 +62,14 @@ def make_context(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dtype: torch
     return Context(**sizes, q_pos=q_idx + n_keys - Nq, k_pos=k_pos, n_keys=n_keys)
 
 
-def gather_pages(pool: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
-    """A paged pool (pages, page_size, H, D) and block table (B, max_pages) -> (B, H, max_pages·page_size, D).
-    Entries outside the pool (unused ones, past a sequence's length, may hold anything) read the nearest page."""
+def gather_pages(pool: torch.Tensor, block_table: torch.Tensor, kv_layout: str = "NHD") -> torch.Tensor:
+    """A paged pool in ``kv_layout`` ("NHD": (pages, page_size, H, D); "HND": (pages, H, page_size, D)) and
+    block table (B, max_pages) -> (B, H, max_pages·page_size, D). Entries outside the pool (unused ones, past
+    a sequence's length, may hold anything) read the nearest page."""
     B, pages = block_table.shape
-    rows = pool[block_table.long().clamp(0, max(pool.shape[0] - 1, 0))]  # (B, max_pages, page_size, H, D)
-    return rows.reshape(B, pages * pool.shape[1], pool.shape[2], pool.shape[3]).transpose(1, 2)
+    pool = head_second(pool, kv_layout)  # (pages, H, page_size, D)
+    rows = pool[block_table.long().clamp(0, max(pool.shape[0] - 1, 0))]  # (B, max_pages, H, page_size, D)
+    return rows.transpose(1, 2).reshape(B, pool.shape[1], pages * pool.shape[2], pool.shape[3])
 
 
 def _values(app: ir.Apply, inputs: dict[str, Any], dtype: torch.dtype) -> dict[str, Any]:
@@ -76,17 +79,18 @@ def _values(app: ir.Apply, inputs: dict[str, Any], dtype: torch.dtype) -> dict[s
 
 def evaluate(graph: ir.MatMulPV, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              inputs: dict[str, Any], dtype: torch.dtype = torch.float64, kv_lens: torch.Tensor | None = None,
-             block_table: torch.Tensor | None = None, positions: Any = None
+             block_table: torch.Tensor | None = None, positions: Any = None, kv_layout: str = "NHD"
              ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Run ``graph`` naively in ``dtype``.
 
     :param inputs: the runtime inputs by argument name (bias, cos/sin tables, block masks).
-    :param kv_lens: (B,) keys per sequence, or None; ``block_table``: k, v are paged pools (see run_attention).
+    :param kv_lens: (B,) keys per sequence, or None; ``block_table``: k, v are paged pools in ``kv_layout``
+        (see run_attention; here "NHD" or "HND", as decided).
     :param positions: the call's ``Positions`` (q_offset, k_offset, seq_len), or None.
     :return: out (B, Hq, Nq, DV) and lse (B, Hq, Nq), natural log, or None if the normaliser has none.
     """
     if block_table is not None:
-        k, v = gather_pages(k, block_table), gather_pages(v, block_table)
+        k, v = gather_pages(k, block_table, kv_layout), gather_pages(v, block_table, kv_layout)
     ctx = make_context(q, k, v, dtype, kv_lens, positions)
     group = ctx.Hq // ctx.Hkv
     q = q.to(dtype)

@@ -38,7 +38,7 @@ def decode_step(page_size: int, B: int = 8, Hq: int = 32, Hkv: int = 8, D: int =
     q = torch.randn(B, Hq, 1, D, device="cuda", dtype=torch.bfloat16)
 
     def step(validate: bool):
-        return lambda: llama(q, pool_k, pool_v, kv_lens=lens, block_table=table, validate=validate)
+        return lambda: llama(q, pool_k, pool_v, kv_lens=lens, block_table=table, kv_layout="NHD", validate=validate)
     return step(True), step(False)
 
 

@@ -21,17 +21,19 @@ class Call:
     which also writes the gradients of the runtime inputs named in ``grads``: built by ``build_backward``
     when a gradient is first computed, so a forward that is never differentiated generates no backward. ``sides``: those of q and k a
     hoisted forward keeps transformed copies of. ``compiled``: the program's kernels these come from, kept
-    alive while the call is cached, so other signatures share them."""
+    alive while the call is cached, so other signatures share them. ``kv_layout``: the layout a paged
+    call's pools are read in (``kv_layout.py``), decided with the call; None for a contiguous cache."""
 
     def __init__(self, compiled: Compiled, *, forward: ForwardKernel | HoistedForward | None = None,
                  decode: DecodeKernel | None = None,
                  build_backward: Callable[[], BackwardKernels | HoistedBackward] | None = None,
-                 grads: tuple[str, ...] = ()):
+                 grads: tuple[str, ...] = (), kv_layout: str | None = None):
         self.compiled = compiled
         self.forward = forward
         self.decode = decode
         self.build_backward = build_backward  # ``Compiled`` memoises it: every call returns the same kernels
         self.grads = grads
+        self.kv_layout = kv_layout
         self._hoisted = isinstance(forward, HoistedForward)
         self.sides = forward.transform.sides if self._hoisted else ()
 
@@ -40,7 +42,7 @@ class Call:
                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """out (B, Hq, Nq, DV) and lse (B, Hq, Nq) or None; differentiable when the call has a backward.
         ``positions``: the call's (checked), when its signature has them."""
-        kv = kv_cache(k, v, kv_lens, block_table, positions)
+        kv = kv_cache(k, v, kv_lens, block_table, positions, self.kv_layout)
         if self.decode is not None:
             return self.decode(q, kv, inputs)
         if self.build_backward is None:

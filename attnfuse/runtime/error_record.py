@@ -22,17 +22,25 @@ import torch
 from ..device_cache import made_outside_graph_pools
 from ..errors import InputError
 
-FIELDS = ("kind", "sequence", "slot", "value", "length", "used", "num_pages", "page_size")
+FIELDS = ("kind", "sequence", "slot", "value", "length", "used", "num_pages", "page_size", "capacity")
 RECORD_SIZE = len(FIELDS)
 NO_ERROR, BAD_LENGTH, BAD_PAGE = 0, 1, 2  # kinds
 MAX_LENGTH = 2**31 - 1
 
 
 def message(values: list[int]) -> str:
-    """The InputError message of a record's ``values`` (``FIELDS``; kind BAD_LENGTH or BAD_PAGE)."""
-    kind, b, slot, value, length, used, num_pages, page_size = values
+    """The InputError message of a record's ``values`` (``FIELDS``; kind BAD_LENGTH or BAD_PAGE; page_size 0
+    for a contiguous cache; capacity: its key rows per sequence, at most MAX_LENGTH)."""
+    kind, b, slot, value, length, used, num_pages, page_size, capacity = values
     if kind == BAD_LENGTH:
-        return f"kv_lens[{b}] = {value}: a sequence's key count must be in [0, {MAX_LENGTH}]"
+        if capacity >= MAX_LENGTH:
+            held = "no more than an int32 counts"
+        elif page_size:
+            held = f"the capacity of its paged cache: block_table's {capacity // page_size} pages x page_size " \
+                f"{page_size}"
+        else:
+            held = f"the capacity of the contiguous cache: Nk = {capacity}"
+        return f"kv_lens[{b}] = {value}: a sequence's key count must be in [0, {capacity}], {held}"
     return (f"block_table[{b}, {slot}] = {value} is not a page of the pool: the {used} entries sequence {b} uses "
             f"(kv_lens[{b}] = {length}, page_size {page_size}) must each be in [0, {num_pages})")
 

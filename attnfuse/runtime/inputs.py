@@ -11,6 +11,7 @@ from attrs import frozen
 
 from ..errors import InputError
 from ..plan import KernelConfig, accumulator_type
+from .kv_layout import check_kv_layout, head_second, pool_layout
 from .offsets import any_layout_fits, rows_fit
 from .launcher import head_group
 
@@ -75,10 +76,11 @@ class KVCache(NamedTuple):
     """Keys and values as the kernels read them (a tuple: built on every call).
 
     ``k``, ``v``: 4-D views in (batch or page, head, row, dim) order: the inputs themselves, or a paged
-    cache's pools (pages, page_size, Hkv, D) with the head moved second. ``capacity``: key positions a
-    sequence can have (Nk, or block_table's pages times page_size). ``lens``: per-sequence key counts
-    (B,) int32, or None when every sequence has ``capacity`` keys. ``positions``: where the call's queries
-    and keys sit (``Positions``), or None: key j at j, query i at i + Nk - Nq (i + lens[b] - Nq).
+    cache's pools as (pages, Hkv, page_size, D) views (``kv_layout.head_second``). ``capacity``: key
+    positions a sequence can have (Nk, or block_table's pages times page_size). ``lens``: per-sequence key
+    counts (B,) int32, or None when every sequence has ``capacity`` keys. ``positions``: where the call's
+    queries and keys sit (``Positions``), or None: key j at j, query i at i + Nk - Nq (i + lens[b] - Nq).
+    ``kv_layout``: a paged cache's pool layout, "NHD" or "HND" (``kv_layout.py``); None for a contiguous one.
     """
 
     k: torch.Tensor
@@ -88,6 +90,7 @@ class KVCache(NamedTuple):
     block_table: torch.Tensor | None = None
     page_size: int = 0
     positions: Positions | None = None
+    kv_layout: str | None = None
 
 
 @frozen(kw_only=True, eq=False)
@@ -122,19 +125,21 @@ def launch_context(q: torch.Tensor, kv: KVCache) -> LaunchContext:
                          device=q.device, dtype=q.dtype, kv_lens=kv.lens, **at)
 
 
-def check_cache(q: torch.Tensor, k: Any, v: Any, kv_lens: Any = None, block_table: Any = None) -> KVCache:
+def check_cache(q: torch.Tensor, k: Any, v: Any, kv_lens: Any = None, block_table: Any = None,
+                kv_layout: Any = None) -> KVCache:
     """Check q, k, v and the cache layout; return the KV view the kernels read.
 
     Contiguous cache: k (B, Hkv, Nk, D), v (B, Hkv, Nk, DV). Paged cache (``block_table`` given): k, v
-    (num_pages, page_size, Hkv, D/DV), ``block_table`` (B, max_pages) int32 or int64 page indices, and
-    ``kv_lens`` (B,) int32 or int64 required. ``kv_lens`` values above the capacity count as the capacity.
+    pools in ``kv_layout`` ("NHD": (num_pages, page_size, Hkv, D/DV); "HND": (num_pages, Hkv, page_size,
+    D/DV); None: "NHD" unless the shape is ambiguous, see ``kv_layout.pool_layout``), ``block_table`` (B,
+    max_pages) int32 or int64 page indices, and ``kv_lens`` (B,) int32 or int64 required.
 
-    This checks types, shapes and devices only (once per call signature). The values of kv_lens and
-    block_table are checked on every call by ``validate.check_call_values`` unless the call passes
-    ``validate=False``; without that check the kernels still never read outside the cache (see
-    ``kv_cache``).
+    This checks types, shapes and devices only (once per call signature). The values of kv_lens (each in
+    [0, capacity]) and block_table are checked on every call by ``validate.check_call_values`` unless the
+    call passes ``validate=False``; without that check the kernels still never read outside the cache
+    (see ``kv_cache``).
     """
-    check_inputs(q, k, v, paged=block_table is not None)
+    layout = check_inputs(q, k, v, paged=block_table is not None, kv_layout=kv_layout)
     if block_table is not None:
         if not isinstance(block_table, torch.Tensor) or block_table.dim() != 2 or block_table.shape[0] != q.shape[0] \
                 or block_table.dtype not in (torch.int32, torch.int64):
@@ -154,28 +159,33 @@ def check_cache(q: torch.Tensor, k: Any, v: Any, kv_lens: Any = None, block_tabl
                              f"{tuple(getattr(kv_lens, 'shape', ()))}")
         if kv_lens.device != q.device:
             raise InputError(f"kv_lens is on {kv_lens.device}, q on {q.device}")
-    return kv_cache(k, v, kv_lens, block_table)
+    return kv_cache(k, v, kv_lens, block_table, kv_layout=layout)
 
 
 def kv_cache(k: torch.Tensor, v: torch.Tensor, kv_lens: torch.Tensor | None, block_table: torch.Tensor | None,
-             positions: Positions | None = None) -> KVCache:
-    """The KV view of inputs :func:`check_cache` accepted (it checks no values: lengths outside [0,
-    capacity] count as the nearest bound, never wrapped; an int64 block table goes to the kernels as it
-    is, which drop keys on pages outside the pool), and the call's ``positions`` (checked)."""
-    capacity = k.shape[2] if block_table is None else block_table.shape[1] * k.shape[1]
+             positions: Positions | None = None, kv_layout: str | None = "NHD") -> KVCache:
+    """The KV view of inputs :func:`check_cache` accepted, a paged cache's pools read in ``kv_layout``
+    (the one it decided). It checks no values: lengths outside [0, capacity] count as the nearest bound,
+    never wrapped; an int64 block table goes to the kernels as it is, which drop keys on pages outside the
+    pool. ``positions``: the call's (checked)."""
+    if block_table is not None:
+        k, v = head_second(k, kv_layout), head_second(v, kv_layout)
+    capacity = k.shape[2] if block_table is None else block_table.shape[1] * k.shape[2]
     if kv_lens is not None and kv_lens.dtype != torch.int32:
         kv_lens = kv_lens.clamp(0, capacity).to(torch.int32)
     if kv_lens is not None and not kv_lens.is_contiguous():
         kv_lens = kv_lens.contiguous()
     if block_table is None:
         return KVCache(k=k, v=v, capacity=capacity, lens=kv_lens, positions=positions)
-    return KVCache(k=k.permute(0, 2, 1, 3), v=v.permute(0, 2, 1, 3), capacity=capacity, lens=kv_lens,
-                   block_table=block_table, page_size=k.shape[1])
+    return KVCache(k=k, v=v, capacity=capacity, lens=kv_lens, block_table=block_table, page_size=k.shape[2],
+                   kv_layout=kv_layout)
 
 
-def check_inputs(q: Any, k: Any, v: Any, paged: bool = False) -> None:
+def check_inputs(q: Any, k: Any, v: Any, paged: bool = False, kv_layout: Any = None) -> str | None:
     """Raise InputError unless q (B, Hq, Nq, D), k (B, Hkv, Nk, D), v (B, Hkv, Nk, DV) fit together
-    (with ``paged``: k (pages, page_size, Hkv, D), v (pages, page_size, Hkv, DV))."""
+    (with ``paged``: k, v pools (pages, page_size, Hkv, D/DV) or, in ``kv_layout`` "HND", (pages, Hkv,
+    page_size, D/DV)). Returns the layout a paged call's pools are read in (``kv_layout.pool_layout``)."""
+    check_kv_layout(kv_layout, paged)
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise InputError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -192,18 +202,22 @@ def check_inputs(q: Any, k: Any, v: Any, paged: bool = False) -> None:
     if q.device.type == "cpu" and q.dtype == torch.bfloat16:
         raise InputError("bfloat16 on the CPU would run through Triton's interpreter, which computes bfloat16 "
                          "wrongly; use float16 or float32 on the CPU, or a CUDA device")
+    layout = None
     if paged:
-        if k.shape[:2] != v.shape[:2] or k.shape[2] != v.shape[2]:
-            raise InputError(f"paged k and v must be pools (pages, page_size, Hkv, D) with the same pages, page size "
-                             f"and heads, got {tuple(k.shape)} and {tuple(v.shape)}")
-        k, v = k.permute(0, 2, 1, 3), v.permute(0, 2, 1, 3)
+        if k.shape[:3] != v.shape[:3]:
+            raise InputError(f"paged k and v must be pools (pages, page_size, Hkv, D) (or, with kv_layout='HND', "
+                             f"(pages, Hkv, page_size, D)) with the same pages, page size and heads, got "
+                             f"{tuple(k.shape)} and {tuple(v.shape)}")
+        layout = pool_layout(q.shape[1], tuple(k.shape), kv_layout)
+        k, v = head_second(k, layout), head_second(v, layout)
     (B, Hq, _, D), (Bk, Hkv, Nk, Dk), (Bv, Hv, Nv, DV) = q.shape, k.shape, v.shape
     if not paged and not B == Bk == Bv:
         raise InputError(f"q, k and v must share the batch size, got {B}, {Bk}, {Bv}")
     if Hkv != Hv:
         raise InputError(f"k and v must have the same number of heads, got {Hkv} and {Hv}")
     if Hkv == 0 or Hq % Hkv:
-        raise InputError(f"q's head count Hq={Hq} must be a multiple of k's and v's Hkv={Hkv} (GQA/MQA)")
+        read = "" if layout is None else f", the pools read as kv_layout={layout!r}"
+        raise InputError(f"q's head count Hq={Hq} must be a multiple of k's and v's Hkv={Hkv} (GQA/MQA{read})")
     if D != Dk:
         raise InputError(f"q and k must have the same head dim, got {D} and {Dk}")
     if Nk != Nv:
@@ -211,6 +225,7 @@ def check_inputs(q: Any, k: Any, v: Any, paged: bool = False) -> None:
     for name, dim in (("q and k", D), ("v", DV)):
         if not 1 <= dim <= MAX_HEAD_DIM:
             raise InputError(f"the head dim of {name} must be between 1 and {MAX_HEAD_DIM}, got {dim}")
+    return layout
 
 
 @functools.lru_cache(maxsize=None)

@@ -1,8 +1,8 @@
 """The one path from a program call to its launches, for eager calls and the op alike.
 
 A call signature (the graph; shape, strides, dtype and device of q, k, v, kv_lens, block_table and every
-runtime input; the gradients wanted; the call's flags) decides everything but the tensors' values: the
-checks, the kernels, the path (split-KV decoding, a fused or hoisted forward, a backward). ``planned``
+runtime input; the gradients wanted; the call's flags, ``kv_layout`` among them) decides everything but
+the tensors' values: the checks, the kernels, the path (split-KV decoding, a fused or hoisted forward, a backward). ``planned``
 decides it once per signature, as a ``Call``; a warm call is a lookup in one bounded cache, then launches.
 """
 from __future__ import annotations
@@ -22,6 +22,7 @@ from .decode import MAX_QUERIES
 from .gradients import check_differentiable, tensor_grads
 from .hoisted import worth_hoisting
 from .inputs import Positions, check_cache, check_inputs, check_positions, kernel_config, kv_cache
+from .kv_layout import check_kv_layout
 from .offsets import inputs_fit
 from .plugin_args import check_takes_offsets
 from .validate import check_call_values
@@ -61,28 +62,32 @@ def run_attention(graph: ir.MatMulPV, q: torch.Tensor, k: torch.Tensor, v: torch
                   inputs: dict[str, Any] | None = None, *, return_lse: bool = False,
                   kv_lens: torch.Tensor | None = None, block_table: torch.Tensor | None = None,
                   split_kv: bool | None = None, validate: bool = True, q_offset: int | None = None,
-                  k_offset: int | None = None, seq_len: int | None = None):
+                  k_offset: int | None = None, seq_len: int | None = None, kv_layout: str | None = None):
     """Run a traced program on q (B, Hq, Nq, D), k (B, Hkv, Nk, D), v (B, Hkv, Nk, DV).
 
     Differentiable (q, k, v and declared tensor inputs) when autograd asks for gradients.
 
     :param inputs: runtime inputs (bias, cos/sin tables, ...) by argument name of the traced function.
-    :param kv_lens: (B,) int32 (or int64) keys per sequence; query i of sequence b sits at position
-        i + kv_lens[b] - Nq. Values above the capacity count as the capacity.
+    :param kv_lens: (B,) int32 (or int64) keys per sequence, each in [0, capacity] (Nk, or a paged cache's
+        max_pages * page_size); query i of sequence b sits at position i + kv_lens[b] - Nq.
     :param block_table: (B, max_pages) int32 (or int64) page indices, for a paged cache: k, v are then
-        pools (pages, page_size, Hkv, D) and kv_lens is required.
+        pools in ``kv_layout`` and kv_lens is required.
+    :param kv_layout: a paged cache's pool layout: "NHD", pools (pages, page_size, Hkv, D) (AttnFuse's), or
+        "HND", pools (pages, Hkv, page_size, D) (FlashInfer's and vLLM's), read through strides with no
+        copy. None (default) reads "NHD" but refuses, with an InputError, pools whose shape both layouts
+        would read with a head count dividing Hq. Only with block_table.
     :param split_kv: run the split-KV decoding path (None: when Nq <= 16, no gradient is wanted and the
         normaliser can combine splits).
     :param validate: with ``kv_lens``, check their values (and a paged cache's table): every length in
-        [0, 2**31 - 1], every block_table entry a sequence uses (its first ceil(min(kv_lens[b], capacity) /
-        page_size)) a page of the pool; entries past those may hold anything. One small kernel in the call's
+        [0, capacity] (and at most 2**31 - 1), every block_table entry a sequence uses (its first
+        ceil(kv_lens[b] / page_size)) a page of the pool; entries past those may hold anything. One small kernel in the call's
         stream records the first bad entry in the device's error record, with no host sync (so it also runs
         inside a CUDA graph capture, at every replay). The ``InputError`` naming it is raised by the call
         itself on CPU; on CUDA asynchronously, like CUDA's own errors: by a later call with ``kv_lens`` once
         the record's copy has reached the host, or by ``attnfuse.check_errors()``, which waits for it.
         ``validate=False`` skips the check (a server that checks upstream): lengths outside [0, capacity]
-        then count as the nearest bound, and keys on a page outside the pool are absent (the kernels never
-        read outside the pool, validated or not).
+        then count as the nearest bound (no key past the capacity is ever read), and keys on a page
+        outside the pool are absent (the kernels never read outside the pool, validated or not).
     :param q_offset: the position of query 0 (query i at q_offset + i) and ``k_offset`` that of key 0 (key
         j at k_offset + j): a chunk of a longer sequence (chunked prefill, a shard of context parallelism).
         Either given, the other defaults to 0; not with kv_lens or block_table. Masks, position biases and
@@ -96,28 +101,30 @@ def run_attention(graph: ir.MatMulPV, q: torch.Tensor, k: torch.Tensor, v: torch
     inputs = inputs or {}
     positions = None
     if q_offset is not None or k_offset is not None or seq_len is not None:
-        check_inputs(q, k, v, paged=block_table is not None)
+        check_inputs(q, k, v, paged=block_table is not None, kv_layout=kv_layout)
         positions = check_positions(q_offset, k_offset, seq_len, q.shape[2], k.shape[2], kv_lens, block_table)
     call = planned(graph, q, k, v, inputs, kv_lens, block_table, return_lse=return_lse,
-                   grads=wanted_grads(q, k, v, inputs), split_kv=split_kv, positions=positions)
-    check_call_values(k, kv_lens, block_table, validate=validate)
+                   grads=wanted_grads(q, k, v, inputs), split_kv=split_kv, positions=positions, kv_layout=kv_layout)
+    check_call_values(k, kv_lens, block_table, kv_layout=call.kv_layout, validate=validate)
     out, lse = call(q, k, v, inputs, kv_lens, block_table, positions)
     return (out, lse) if return_lse else out
 
 
 def planned(graph: ir.MatMulPV, q: Any, k: Any, v: Any, inputs: dict[str, Any], kv_lens: Any, block_table: Any,
             *, return_lse: bool, grads: tuple[str, ...] | None, split_kv: bool | None,
-            positions: Positions | None = None) -> Call:
+            positions: Positions | None = None, kv_layout: Any = None) -> Call:
     """The call's ``Call``, decided once per call signature. ``grads``: None when no gradient is wanted,
     else the runtime inputs whose gradients are (``wanted_grads``). ``positions``: the call's, checked,
-    whose presence alone matters here (the kernels take their values as runtime ints)."""
+    whose presence alone matters here (the kernels take their values as runtime ints). ``kv_layout``: as
+    the caller named it (``kv_layout.check_kv_layout``)."""
+    check_kv_layout(kv_layout, block_table is not None)  # a valid key before the lookup
     signature = (graph, _meta(q), _meta(k), _meta(v), _meta(kv_lens), _meta(block_table),
                  tuple([(name, _meta(value)) for name, value in inputs.items()]) if inputs else (),
-                 return_lse, grads, split_kv, torch.backends.cuda.matmul.allow_tf32, positions is not None)
+                 return_lse, grads, split_kv, torch.backends.cuda.matmul.allow_tf32, positions is not None, kv_layout)
     call = _calls.get(signature)
     if call is None:
         call = _calls.get_or_build(signature, lambda: _decide(graph, q, k, v, inputs, kv_lens, block_table,
-                                                              return_lse, grads, split_kv, positions))
+                                                              return_lse, grads, split_kv, positions, kv_layout))
     return call
 
 
@@ -135,11 +142,11 @@ def _meta(t: Any) -> Any:
 
 def _decide(graph: ir.MatMulPV, q: Any, k: Any, v: Any, inputs: dict[str, Any], kv_lens: Any, block_table: Any,
             return_lse: bool, grads: tuple[str, ...] | None, split_kv: bool | None,
-            positions: Positions | None) -> Call:
+            positions: Positions | None, kv_layout: str | None) -> Call:
     """Check a new call signature and choose its kernels: the split-KV kernel if it takes that path, else
     its forward (hoisted when worth it) and, with gradients wanted, the backward writing them. A call that
     gives its positions never takes the split-KV path (its kernel places queries bottom-right)."""
-    kv = check_cache(q, k, v, kv_lens, block_table)._replace(positions=positions)
+    kv = check_cache(q, k, v, kv_lens, block_table, kv_layout)._replace(positions=positions)
     has_lse = keeps_lse(graph, return_lse)
     if grads is not None and block_table is not None:
         raise InputError("gradients through a paged cache are not supported; pass contiguous k and v to train")
@@ -155,15 +162,15 @@ def _decide(graph: ir.MatMulPV, q: Any, k: Any, v: Any, inputs: dict[str, Any], 
         raise InputError("the split-KV path has no backward, needs a normaliser that can combine splits (and "
                          "declares no partial fragment), and takes no q_offset or k_offset")
     if split_kv:
-        return Call(program, decode=program.decode)
+        return Call(program, decode=program.decode, kv_layout=kv.kv_layout)
     gradients = ()
     if grads is not None:
         check_differentiable(plan)
         gradients = tensor_grads(plan, inputs, grads, (*q.shape[:3], kv.capacity)) if grads else ()
     if worth_hoisting(program.forward, q.shape[2]):
-        return Call(program, forward=program.hoisted, grads=_names(gradients),
+        return Call(program, forward=program.hoisted, grads=_names(gradients), kv_layout=kv.kv_layout,
                     build_backward=partial(program.hoisted_backward, gradients) if grads is not None else None)
-    return Call(program, forward=program.forward, grads=_names(gradients),
+    return Call(program, forward=program.forward, grads=_names(gradients), kv_layout=kv.kv_layout,
                 build_backward=partial(program.backward, gradients) if grads is not None else None)
 
 
