@@ -19,10 +19,12 @@ P, PAGE, HKV, HQ, NQ, D = 6, 16, 2, 4, 2, 16  # pool pages, page size, kv heads,
 CPU = torch.device("cpu")
 
 # Every hostile value tests/test_hostile_memory.py and tests/test_gpu.py use: block_table entries ("page"; P is
-# the first page past the pool, 64 in test_gpu's 64-page pool) and kv_lens ("length").
+# the first page past the pool, 64 in test_gpu's 64-page pool) and kv_lens ("length"; the cache holds 3 * PAGE
+# keys per sequence, so 3 * PAGE + 1 is the first length past its capacity).
 HOSTILE = [("page", P, torch.int32), ("page", -1, torch.int32), ("page", 10**6, torch.int32),
            ("page", -2**31, torch.int32), ("page", 2**32 + 3, torch.int64),
-           ("length", 2**32 + 5, torch.int64), ("length", -1, torch.int64)]
+           ("length", 2**32 + 5, torch.int64), ("length", -1, torch.int64), ("length", 3 * PAGE + 1, torch.int32),
+           ("length", 2**31 - 1, torch.int32), ("length", 3 * PAGE + 1, torch.int64)]
 CASES = [(what, value, dtype, cache) for what, value, dtype in HOSTILE
          for cache in (("paged",) if what == "page" else ("contiguous", "paged"))]
 
@@ -53,11 +55,13 @@ def _hostile(what, value, dtype, table, lens):
     return table, lens
 
 
-def _message(what, value):
+def _message(what, value, cache):
     if what == "page":
         return (rf"block_table\[1, 1\] = {value} is not a page of the pool: the 2 entries sequence 1 uses "
                 rf"\(kv_lens\[1\] = 30, page_size {PAGE}\) must each be in \[0, {P}\)")
-    return rf"kv_lens\[1\] = {value}: a sequence's key count must be in \[0, 2147483647\]"
+    capacity = (rf"the capacity of the contiguous cache: Nk = {3 * PAGE}" if cache == "contiguous" else
+                rf"the capacity of its paged cache: block_table's 3 pages x page_size {PAGE}")
+    return rf"kv_lens\[1\] = {value}: a sequence's key count must be in \[0, {3 * PAGE}\], {capacity}$"
 
 
 def _call(q, pool_k, pool_v, k, v, table, lens, cache, split_kv, validate=True):
@@ -72,13 +76,13 @@ def _call(q, pool_k, pool_v, k, v, table, lens, cache, split_kv, validate=True):
 def test_hostile_value_is_named_and_never_read(what, value, dtype, cache, split_kv):
     q, pool_k, pool_v, k, v, table, lens = _cache()
     bad_table, bad_lens = _hostile(what, value, dtype, table, lens)
-    with pytest.raises(af.InputError, match=_message(what, value)):
+    with pytest.raises(af.InputError, match=_message(what, value, cache)):
         _call(q, pool_k, pool_v, k, v, bad_table, bad_lens, cache, split_kv)
     good = _call(q, pool_k, pool_v, k, v, table, lens, cache, split_kv)  # raised once: the record is clear
     torch.testing.assert_close(good, dense.reference(q, k, v, kv_lens=lens), atol=1e-10, rtol=0)
 
     out = _call(q, pool_k, pool_v, k, v, bad_table, bad_lens, cache, split_kv, validate=False)
-    if what == "length":  # counts as the nearest bound: 2**32 + 5 as the capacity (48 keys), -1 as none
+    if what == "length":  # counts as the nearest bound: 49 or 2**32 + 5 as the capacity (48 keys), -1 as none
         want = dense.reference(q, k, v, kv_lens=bad_lens.clamp(0, 3 * PAGE))
     else:  # the keys on the bad page (16..29 of sequence 1) are absent
         want = torch.cat((dense.reference(q[:1], k[:1], v[:1], kv_lens=lens[:1]),
@@ -233,20 +237,23 @@ def test_the_check_writes_the_record_without_reading_values_on_the_host(deferred
         raise AssertionError("a host read of a tensor's values inside the check")
     for name in ("tolist", "item", "__int__", "__index__", "__bool__", "__float__", "numpy", "cpu"):
         monkeypatch.setattr(torch.Tensor, name, refuse)
-    validate.check_cache_values(lens, table, P, PAGE)
+    validate.check_cache_values(lens, table, P, PAGE, 3 * PAGE)
     monkeypatch.undo()
-    assert record.values.tolist() == [error_record.BAD_PAGE, 1, 1, 2**32 + 3, 30, 2, P, PAGE]
+    assert record.values.tolist() == [error_record.BAD_PAGE, 1, 1, 2**32 + 3, 30, 2, P, PAGE, 3 * PAGE]
     assert event.recorded == 1 and record._host.tolist() == record.values.tolist()  # the copy, not a read
 
 
-def test_the_check_kernel_records_a_length_with_its_sequence():
+@pytest.mark.parametrize("bad", [-4, 8])
+def test_the_check_kernel_records_a_length_with_its_sequence(bad):
+    """A negative length, or one past the capacity (7 keys here), of sequence 2; its neighbours fit."""
     values = torch.zeros(RECORD_SIZE, dtype=torch.int64)
     record = ErrorRecord(values, deferred=False)
-    lens = torch.tensor([5, 7, -4], dtype=torch.int64)
-    with pytest.raises(af.InputError, match=r"^kv_lens\[2\] = -4: a sequence's key count must be in \[0, "):
+    lens = torch.tensor([5, 7, bad], dtype=torch.int64)
+    with pytest.raises(af.InputError, match=rf"^kv_lens\[2\] = {bad}: a sequence's key count must be in \[0, 7\], "
+                                            rf"the capacity of the contiguous cache: Nk = 7$"):
         record.run_check(lambda v: validate._interpreted.launch(
             (3,), validate.CHECK.bind({"KvLens": lens, "BlockTable": lens, "Record": v, "stride_btb": 0,
-                                       "stride_btp": 0, "PAGE_SIZE": 1, "NUM_PAGES": 0, "CAPACITY": 0}),
+                                       "stride_btp": 0, "PAGE_SIZE": 0, "NUM_PAGES": 0, "CAPACITY": 7}),
             validate.CHECK.constexprs({"PAGED": False, "BLOCK_P": 16})))
     assert not values.any()
 

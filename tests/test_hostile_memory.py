@@ -1,5 +1,5 @@
-"""Memory safety under hostile cache inputs: block_table entries outside the pool, kv_lens past int32 or
-negative, and offsets past 2**31 - 1 elements (the int64 kernels, forced on small CPU problems).
+"""Memory safety under hostile cache inputs: block_table entries outside the pool, kv_lens past the cache's
+capacity, past int32 or negative, and offsets past 2**31 - 1 elements (the int64 kernels, forced on small CPU problems).
 
 The interpreter bounds-checks every load and store (an address outside the kernel's tensors raises
 IndexError), so a call that returns proves that nothing outside the pool was read.
@@ -92,17 +92,20 @@ def test_unused_entries_may_hold_anything(split_kv):
     torch.testing.assert_close(out, _causal_without(q, pool_k, pool_v, table, lens, set()), atol=1e-10, rtol=0)
 
 
-@pytest.mark.parametrize("length", [2**32 + 5, -1])
-def test_kv_lens_outside_int32_or_negative_are_rejected(length):
+@pytest.mark.parametrize("length", [2**32 + 5, 3 * PAGE + 1, -1])
+def test_kv_lens_past_the_capacity_or_negative_are_rejected(length):
+    """The table's 3 pages of PAGE keys hold 48 keys per sequence, as the contiguous cache's Nk."""
     q, pool_k, pool_v, table, lens = _paged(seed=4)
     lens = lens.to(torch.int64)
     lens[1] = length
     with pytest.raises(af.InputError, match=rf"kv_lens\[1\] = {length}: a sequence's key count must be in "
-                                            rf"\[0, 2147483647\]"):
+                                            rf"\[0, 48\], the capacity of its paged cache: block_table's 3 pages "
+                                            rf"x page_size {PAGE}"):
         causal(q, pool_k, pool_v, kv_lens=lens, block_table=table)
     k, v = (torch.randn(2, HKV, 48, D, dtype=torch.float64, generator=torch.Generator().manual_seed(5))
             for _ in range(2))
-    with pytest.raises(af.InputError, match=rf"kv_lens\[1\] = {length}"):  # a contiguous cache too
+    with pytest.raises(af.InputError, match=rf"kv_lens\[1\] = {length}: a sequence's key count must be in "
+                                            rf"\[0, 48\], the capacity of the contiguous cache: Nk = 48"):
         causal(q, k, v, kv_lens=lens)
 
 
@@ -119,12 +122,19 @@ def test_without_validation_keys_on_a_bad_page_are_absent(value, dtype, split_kv
     torch.testing.assert_close(out, want, atol=1e-10, rtol=0)
 
 
-def test_without_validation_lengths_count_as_the_nearest_bound():
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
+def test_without_validation_lengths_count_as_the_nearest_bound(dtype):
+    """Past the capacity (by one key, by most of int32, or past int32: never wrapped): no key outside the
+    table's pages is read (the interpreter would raise), and the length counts as the capacity."""
     q, pool_k, pool_v, table, _ = _paged(seed=7)
-    hostile = torch.tensor([2**32 + 5, 30], dtype=torch.int64)
-    out = causal(q, pool_k, pool_v, kv_lens=hostile, block_table=table, validate=False)
-    capacity = torch.tensor([3 * PAGE, 30], dtype=torch.int32)  # 2**32 + 5 counts as the capacity, not as 5
-    torch.testing.assert_close(out, _causal_without(q, pool_k, pool_v, table, capacity, set()), atol=1e-10, rtol=0)
+    for hostile, counted in (([3 * PAGE + 1, 30], [3 * PAGE, 30]), ([30, 2**31 - 1], [30, 3 * PAGE]),
+                             ([2**32 + 5, 30], [3 * PAGE, 30])):
+        if dtype == torch.int32 and max(hostile) > 2**31 - 1:
+            continue
+        out = causal(q, pool_k, pool_v, kv_lens=torch.tensor(hostile, dtype=dtype), block_table=table,
+                     validate=False)
+        want = _causal_without(q, pool_k, pool_v, table, torch.tensor(counted), set())
+        torch.testing.assert_close(out, want, atol=1e-10, rtol=0)
 
 
 def test_validate_is_reserved_for_the_call():
