@@ -333,7 +333,7 @@ def test_paged_pool_in_a_nan_arena_reads_nothing_outside_it(split_kv):
     for value, dtype in HOSTILE_PAGES:
         hostile = table.to(dtype, copy=True)
         hostile[:, 1] = value  # slot 1 of every sequence: keys 16..31
-        out = af.run_attention(causal.graph(), q, pool_k, pool_v, kv_lens=lens, block_table=hostile,
+        out = af.run_attention(causal.graph(), q, pool_k, pool_v, kv_lens=lens, block_table=hostile, kv_layout="NHD",
                                split_kv=split_kv, validate=False)
         assert not out.isnan().any(), f"block_table entry {value}: a NaN from outside the pool"
         pages = table.long()
@@ -346,13 +346,15 @@ def test_paged_pool_in_a_nan_arena_reads_nothing_outside_it(split_kv):
         want = torch.nn.functional.scaled_dot_product_attention(q.double(), k, v, attn_mask=keep)
         torch.testing.assert_close(out.double(), want, atol=2e-3, rtol=0, msg=f"block_table entry {value}")
         with pytest.raises(af.InputError, match=rf"block_table\[[0-3], 1\] = {value} is not a page of the pool"):
-            af.run_attention(causal.graph(), q, pool_k, pool_v, kv_lens=lens, block_table=hostile, split_kv=split_kv)
+            af.run_attention(causal.graph(), q, pool_k, pool_v, kv_lens=lens, block_table=hostile, kv_layout="NHD",
+                             split_kv=split_kv)
             af.check_errors()
 
 
 
 def _paged_decode_case(B=4, Hq=32, Hkv=8, D=128, page=16, pages=16):
-    """q (B, Hq, 1, D) fp16, pools (B * pages, page, Hkv, D), a shuffled table (B, pages) int32, ragged lens."""
+    """q (B, Hq, 1, D) fp16, pools (B * pages, page, Hkv, D) (kv_layout "NHD": page 16 and Hkv 8 read either way
+    for Hq 32), a shuffled table (B, pages) int32, ragged lens."""
     g = torch.Generator(device="cuda").manual_seed(3)
     pool_k, pool_v = (torch.randn(B * pages, page, Hkv, D, device="cuda", dtype=torch.float16, generator=g)
                       for _ in range(2))
@@ -366,8 +368,8 @@ def test_validated_calls_never_synchronise_and_a_later_call_raises_once():
     """With torch's sync debug mode set to error, validated paged decode calls run (no host sync); a bad
     entry is raised by one of the next calls after the device has finished, once."""
     q, pool_k, pool_v, table, lens = _paged_decode_case()
-    call = lambda t: causal(q, pool_k, pool_v, kv_lens=lens, block_table=t)  # noqa: E731
-    want = causal.reference(q, pool_k, pool_v, kv_lens=lens, block_table=table)
+    call = lambda t: causal(q, pool_k, pool_v, kv_lens=lens, block_table=t, kv_layout="NHD")  # noqa: E731
+    want = causal.reference(q, pool_k, pool_v, kv_lens=lens, block_table=table, kv_layout="NHD")
     call(table)  # the device's error record is made (outside the checked region)
     torch.cuda.set_sync_debug_mode("error")
     try:
@@ -397,7 +399,7 @@ def test_validated_decode_inside_a_cuda_graph_checks_at_every_replay():
     follow the table's values, an entry edited to a bad one is raised by af.check_errors() after the replay,
     and its keys are absent from that replay's output."""
     q, pool_k, pool_v, table, lens = _paged_decode_case()
-    step = lambda: causal(q, pool_k, pool_v, kv_lens=lens, block_table=table)  # noqa: E731
+    step = lambda: causal(q, pool_k, pool_v, kv_lens=lens, block_table=table, kv_layout="NHD")  # noqa: E731
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -415,14 +417,15 @@ def test_validated_decode_inside_a_cuda_graph_checks_at_every_replay():
         graph.replay()
         if slot is None:
             af.check_errors()
-            want = causal.reference(q, pool_k, pool_v, kv_lens=lens, block_table=table)
+            want = causal.reference(q, pool_k, pool_v, kv_lens=lens, block_table=table, kv_layout="NHD")
             torch.testing.assert_close(out.double(), want, atol=2e-3, rtol=0)
         else:
             with pytest.raises(af.InputError, match=rf"^block_table\[0, {slot}\] = {value} is not a page of the "
                                                     rf"pool: the 16 entries sequence 0 uses"):
                 af.check_errors()
             torch.testing.assert_close(out[1:].double(), causal.reference(q[1:], pool_k, pool_v, kv_lens=lens[1:],
-                                                                          block_table=good[1:]), atol=2e-3, rtol=0)
+                                                                          block_table=good[1:], kv_layout="NHD"),
+                                       atol=2e-3, rtol=0)
 
 
 def _causal_rows_reference(q, k, v, dtype):

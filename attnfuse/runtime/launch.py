@@ -2,8 +2,9 @@
 
 A call signature (the graph; shape, strides, dtype and device of q, k, v, kv_lens, block_table and every
 runtime input; the gradients wanted; the call's flags, ``kv_layout`` among them) decides everything but
-the tensors' values: the checks, the kernels, the path (split-KV decoding, a fused or hoisted forward, a backward). ``planned``
-decides it once per signature, as a ``Call``; a warm call is a lookup in one bounded cache, then launches.
+the tensors' values: the checks, the kernels, the path (split-KV decoding, a fused or hoisted forward, a
+backward). ``planned`` decides it once per signature, as a ``Call``; a warm call is a lookup in one bounded
+cache, then launches.
 """
 from __future__ import annotations
 
@@ -80,11 +81,12 @@ def run_attention(graph: ir.MatMulPV, q: torch.Tensor, k: torch.Tensor, v: torch
         normaliser can combine splits).
     :param validate: with ``kv_lens``, check their values (and a paged cache's table): every length in
         [0, capacity] (and at most 2**31 - 1), every block_table entry a sequence uses (its first
-        ceil(kv_lens[b] / page_size)) a page of the pool; entries past those may hold anything. One small kernel in the call's
-        stream records the first bad entry in the device's error record, with no host sync (so it also runs
-        inside a CUDA graph capture, at every replay). The ``InputError`` naming it is raised by the call
-        itself on CPU; on CUDA asynchronously, like CUDA's own errors: by a later call with ``kv_lens`` once
-        the record's copy has reached the host, or by ``attnfuse.check_errors()``, which waits for it.
+        ceil(kv_lens[b] / page_size)) a page of the pool; entries past those may hold anything. One small
+        kernel in the call's stream records the first bad entry in the device's error record, with no host
+        sync (so it also runs inside a CUDA graph capture, at every replay). The ``InputError`` naming it is
+        raised by the call itself on CPU; on CUDA asynchronously, like CUDA's own errors: by a later call
+        with ``kv_lens`` once the record's copy has reached the host, or by ``attnfuse.check_errors()``,
+        which waits for it.
         ``validate=False`` skips the check (a server that checks upstream): lengths outside [0, capacity]
         then count as the nearest bound (no key past the capacity is ever read), and keys on a page
         outside the pool are absent (the kernels never read outside the pool, validated or not).

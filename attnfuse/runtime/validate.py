@@ -6,8 +6,9 @@ as the capacity), but a bad entry still means a wrong answer for that sequence. 
 ``kv_lens`` checks, unless the caller opts out (``validate=False``): each length is in [0, capacity] (Nk,
 or block_table's max_pages * page_size; and at most 2**31 - 1), and each block_table entry a sequence
 uses (the first ceil(kv_lens[b] / page_size) of row b) is a page of the pool, [0, num_pages). Entries past
-those are unused and may hold anything (-1 padding). One program per sequence, in the call's stream, writes the first bad entry it finds into the
-device's error record (``error_record.py``), which reports it: at once on CPU, at a later call on CUDA.
+those are unused and may hold anything (-1 padding). One program per sequence, in the call's stream,
+writes the first bad entry it finds into the device's error record (``error_record.py``), which reports
+it: at once on CPU, at a later call on CUDA.
 """
 from __future__ import annotations
 
@@ -83,7 +84,7 @@ def check_cache_values(kv_lens: torch.Tensor, block_table: torch.Tensor | None, 
     kernel = _interpreted if kv_lens.device.type == "cpu" else _jitted
     stride_btb, stride_btp = table.stride() if paged else (0, 0)
     args = {"KvLens": kv_lens, "BlockTable": table, "stride_btb": stride_btb, "stride_btp": stride_btp,
-            "PAGE_SIZE": page_size if paged else 0, "NUM_PAGES": num_pages,
+            "PAGE_SIZE": max(page_size, 1) if paged else 0, "NUM_PAGES": num_pages,
             "CAPACITY": min(capacity, error_record.MAX_LENGTH)}
     constexprs = CHECK.constexprs({"PAGED": paged, "BLOCK_P": min(1024, max(16, next_power_of_2(max(max_pages, 1))))})
 
