@@ -9,7 +9,7 @@ import attnfuse as af
 from attnfuse.combinator import Combinator, MaskFragment, Role
 from attnfuse.testing.mask_facts import MaskFactError, check_mask_facts, violations
 from attnfuse.testing.planted_bugs import PLANTED, catch_rate, planted
-from attnfuse.testing.triton_shim import TL, Pointer, evaluate, integer
+from attnfuse.host_eval import TL, Pointer, evaluate, integer
 
 BUILTIN_MASKS = sorted(n for n, r in af.combinators().items()
                        if r.combinator.role is Role.MASK and r.distribution == "attnfuse")

@@ -20,15 +20,17 @@ from ..errors import InputError
 from ..lru import LRUCache
 from ..passes.compiler import lowered
 from ..plan import KernelConfig
-from ..program import AttentionProgram
+from ..program import RESERVED_ARGUMENTS, AttentionProgram
 from ..runtime.autograd import _FirstOrderOnly
 from ..runtime.compiled import compiled
 from ..runtime.hoisted import HoistedForward
-from ..runtime.inputs import DTYPES, Positions, accumulator_dtype, check_inputs, kv_cache
+from ..runtime.inputs import Positions, accumulator_dtype, check_inputs, kv_cache
 from ..runtime.launch import keeps_lse, planned
-from .layout import check_layout, check_same, chunk_count, group_of, rank_chunks, unshard
+from .agree import Facts, agree
+from .layout import (check_chunks, check_dim, check_layout, check_shard_layout, chunk_count, gather, group_of,
+                     rank_chunks, with_layout)
 from .merge import merge, nothing
-from .pairs import RingProgram, keeps_any, ring_program
+from .pairs import RingProgram, check_takes_offsets, keeps_any, ring_program
 from .ring import Ring
 
 MAX_PROGRAMS = 64  # graphs whose ring checks are kept (a program's traces: one per static setting)
@@ -67,6 +69,7 @@ class ContextParallel:
                              "program itself")
         self.ring = Ring(group, rank, world)
         self._programs: LRUCache[Any, RingProgram] = LRUCache(MAX_PROGRAMS)
+        self._takes_offsets: LRUCache[Any, Any] = LRUCache(MAX_PROGRAMS)  # graphs checked by check_takes_offsets
         self.sharded = dict(sharded or {})
         for name, dim in self.sharded.items():
             if not isinstance(dim, int) or isinstance(dim, bool):
@@ -78,39 +81,77 @@ class ContextParallel:
         return self._programs.get_or_build(graph, lambda: ring_program(lowered(graph, config)))
 
     def __call__(self, *args: Any, return_lse: bool = False, **kwargs: Any):
-        """out (B, Hq, N/W, DV) of this rank's rows, or (out, lse) with lse (B, Hq, N/W) float32."""
-        (q, k, v), args, kwargs = self.program._take_qkv(args, kwargs)
-        statics, inputs = self.program._bind(args, kwargs)
-        graph = self.program._trace(statics)
-        check_inputs(q, k, v)
+        """out (B, Hq, N/W, DV) of this rank's rows, or (out, lse) with lse (B, Hq, N/W) float32.
+
+        Every rank checks its own call first, then one small all-gather tells every rank whether all calls
+        are good and alike (``agree``): a bad call on one rank raises on every rank, before any collective
+        that would wait for it."""
         ring = self.ring
-        n = q.shape[2]
-        if k.shape[2] != n or v.shape[2] != n:
-            raise InputError(f"context_parallel: q, k and v shards must have the same length, got {n}, {k.shape[2]} "
-                             f"and {v.shape[2]}")
-        per_rank = len(rank_chunks(self.layout, ring.rank, ring.world))
-        if n % per_rank:
-            raise InputError(f"context_parallel: a shard of {n} rows cannot hold {per_rank} equal chunks (layout "
-                             f"{self.layout!r}): the sequence length must be a multiple of "
-                             f"{chunk_count(self.layout, ring.world)}")
-        check_same(ring.group, ring.world, q.device, {"q's shape": list(q.shape), "k's shape": list(k.shape),
-                                                     "v's shape": list(v.shape),
-                                                     "dtype": [list(DTYPES).index(q.dtype)]}, "context_parallel")
+        try:
+            graph, (q, k, v), inputs, facts = self._checked(args, kwargs, return_lse)
+            failure = None
+        except Exception as exc:  # every rank must hear of it, whatever it is
+            facts, failure = None, exc
+        agree(ring.group, ring.world, facts, failure, "context_parallel",
+              "every rank must give shards of equal size (attnfuse.distributed.shard gives each rank N / W rows of "
+              "the sequence) and the same other arguments")
         for name, dim in self.sharded.items():
-            if name not in inputs:
-                raise InputError(f"context_parallel: sharded names {name!r}, which is not a runtime input of this "
-                                 f"call ({', '.join(inputs) or 'none'})")
-            inputs[name] = unshard(inputs[name], ring.group, self.layout, dim)
-        wanted = [name for name, t in inputs.items() if isinstance(t, torch.Tensor) and t.requires_grad]
-        if wanted:
-            raise InputError(f"context_parallel: runtime inputs {wanted} require grad, which a ring does not "
-                             f"compute; pass them detached")
+            inputs[name] = gather(inputs[name], ring.group, self.layout, dim)
         call = _Call(self, graph, inputs, q, k, v, return_lse)
         if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
             out, lse = _RingAttention.apply(call, q, k, v)
         else:
             out, lse = call.forward(q, k, v)
-        return (out, lse) if return_lse else out
+        with_layout(out, self.layout)
+        return (out, with_layout(lse, self.layout)) if return_lse else out
+
+    def _checked(self, args: tuple, kwargs: dict, return_lse: bool) -> tuple[Any, tuple, dict[str, Any], Facts]:
+        """This rank's call, checked without other ranks: (graph, (q, k, v), runtime inputs, the facts every
+        rank's call must share)."""
+        refused = [name for name in RESERVED_ARGUMENTS if name in kwargs]
+        if refused:
+            cache = ("; kv_lens and block_table describe a decoding cache, which needs no ring: call the program "
+                     "itself on it" if {"kv_lens", "block_table", "validate"} & set(refused) else "")
+            raise InputError(f"context_parallel: the ring takes no {' or '.join(refused)}: it splits one whole "
+                             f"sequence (q, k and v shards of the same length) and sets every chunk's positions "
+                             f"itself{cache}")
+        (q, k, v), args, kwargs = self.program._take_qkv(args, kwargs)
+        statics, inputs = self.program._bind(args, kwargs)
+        graph = self.program._trace(statics)
+        self._takes_offsets.get_or_build(graph, lambda: check_takes_offsets(graph))
+        check_inputs(q, k, v)
+        n = q.shape[2]
+        if k.shape[2] != n or v.shape[2] != n:
+            raise InputError(f"context_parallel: q, k and v shards must have the same length, got {n}, {k.shape[2]} "
+                             f"and {v.shape[2]}")
+        per_rank = len(rank_chunks(self.layout, self.ring.rank, self.ring.world))
+        if n % per_rank:
+            raise InputError(f"context_parallel: a shard of {n} rows cannot hold {per_rank} equal chunks (layout "
+                             f"{self.layout!r}): the sequence length must be a multiple of "
+                             f"{chunk_count(self.layout, self.ring.world)}")
+        for name, t in (("q", q), ("k", k), ("v", v)):
+            check_shard_layout(t, self.layout, "context_parallel", name)
+        for name, dim in self.sharded.items():
+            if name not in inputs:
+                raise InputError(f"context_parallel: sharded names {name!r}, which is not a runtime input of this "
+                                 f"call ({', '.join(inputs) or 'none'})")
+            if not isinstance(inputs[name], torch.Tensor):
+                raise InputError(f"context_parallel: sharded names {name!r}, a {type(inputs[name]).__name__}: only "
+                                 f"tensors can be given as shards")
+            check_dim(inputs[name], dim, f"context_parallel: sharded[{name!r}]", name)
+            check_chunks(inputs[name], dim, self.layout, self.ring.rank, self.ring.world, f"context_parallel: {name}")
+            check_shard_layout(inputs[name], self.layout, "context_parallel", name)
+        wanted = [name for name, t in inputs.items() if isinstance(t, torch.Tensor) and t.requires_grad]
+        if wanted:
+            raise InputError(f"context_parallel: runtime inputs {wanted} require grad, which a ring does not "
+                             f"compute; pass them detached")
+        facts = {"q's shape": list(q.shape), "k's shape": list(k.shape), "v's shape": list(v.shape),
+                 "the dtype": str(q.dtype), "the static arguments": repr(statics), "return_lse": return_lse,
+                 "the gradients wanted": torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)),
+                 "the layout": self.layout, "sharded": sorted(self.sharded.items()),
+                 **{f"{name}'s shape and dtype": [list(t.shape), str(t.dtype)] if isinstance(t, torch.Tensor)
+                    else type(t).__name__ for name, t in inputs.items()}}
+        return graph, (q, k, v), inputs, facts
 
 
 class _Call:

@@ -8,18 +8,18 @@ skipped without a launch.
 """
 from __future__ import annotations
 
-import types
+import torch
 from attrs import frozen
 
 from ..errors import ProgramError
 from ..fragment_lint import template_reads
+from ..host_eval import evaluate, integer
+from ..ir import MatMulPV
+from ..passes.fuse import fuse
 from ..passes.lower import Instance, LoweredProgram
 
 INDEX_NAMES = frozenset({"q_idx", "k_idx", "Nq", "N_K"})
 """Template names that mean something else in a chunk than in the whole sequence."""
-
-_TL = types.SimpleNamespace(minimum=min, maximum=max, where=lambda c, a, b: a if c else b,
-                            cdiv=lambda a, b: -(-a // b))
 
 
 @frozen
@@ -59,6 +59,22 @@ def ring_program(lowered: LoweredProgram) -> RingProgram:
                        masks=tuple(m for m in lowered.masks if m.fragment.keep is not None))
 
 
+def check_takes_offsets(graph: MatMulPV) -> MatMulPV:
+    """``graph``, or a ProgramError naming its first combinator that prepares kernel arguments but does not
+    declare ``takes_offsets``: the ring runs every chunk at its position in the sequence (q_offset,
+    k_offset), which such a combinator cannot take."""
+    for app in fuse(graph).applications():
+        comb = app.declaration
+        if comb.prepare is not None and not comb.takes_offsets:
+            raise ProgramError(f"context_parallel: {app.combinator} cannot take position offsets: it prepares "
+                               f"kernel arguments but does not declare takes_offsets=True, and the ring runs every "
+                               f"shard but the first at an offset into the sequence (q_offset, k_offset). Its "
+                               f"author declares Combinator(..., takes_offsets=True) once its prepare and fragments "
+                               f"are right for a chunk of a longer sequence (docs/writing-a-combinator.md, "
+                               f"section 2: takes_offsets)")
+    return graph
+
+
 def keeps_any(masks: tuple[Instance, ...], queries: range, keys: range, names: dict[str, int]) -> bool:
     """Whether some query at positions ``queries`` may keep some key at positions ``keys``, by the masks'
     ``kv_range`` facts. ``names``: the template's sizes the facts may read (``Nk`` the sequence's length).
@@ -76,7 +92,9 @@ def keeps_any(masks: tuple[Instance, ...], queries: range, keys: range, names: d
 def _value(expression: str, names: dict[str, int]) -> int | None:
     """The integer value of a fact's expression, or None when it reads something the host does not know."""
     try:
-        value = eval(expression, {"__builtins__": {"min": min, "max": max}, "tl": _TL}, dict(names))
-    except (NameError, AttributeError, TypeError, ValueError, ArithmeticError):
+        value = evaluate(expression, {name: integer(v) for name, v in names.items()})
+    except (NameError, AttributeError, TypeError, ValueError, ArithmeticError, RuntimeError):
         return None
-    return value if isinstance(value, int) else None
+    if isinstance(value, torch.Tensor) and value.dim() == 0 and not value.is_floating_point():
+        return int(value)
+    return value if isinstance(value, int) and not isinstance(value, bool) else None

@@ -4,7 +4,7 @@ A wrong fact is a silently wrong kernel: a key outside ``kv_range`` is never vis
 ``full_range`` is never masked. A fuzzer hits the one block where a fact is off by one only by luck, so
 these checks enumerate small problems instead (Nq < Nk, Nq = Nk, Nq > Nk, per-sequence ``kv_lens``,
 several block sizes, the decode kernel's block of every query, the plugin's own ``examples`` for
-parameters) and evaluate the fragment's expressions in plain torch (``triton_shim``), block by block:
+parameters) and evaluate the fragment's expressions in plain torch (``attnfuse.host_eval``), block by block:
 
 * ``keep`` equals the reference's keep, element by element;
 * ``kv_range``: every key a query of the block keeps lies in it; ``full_range``: every query of the block
@@ -30,7 +30,7 @@ from ..reference import make_context
 from ..runtime.inputs import LaunchContext
 from ..static_values import literal
 from .strategies import Shape
-from .triton_shim import Pointer, evaluate, integer
+from ..host_eval import Pointer, evaluate, integer
 
 # (B, Hq, Hkv, Nq, Nk, kv_lens or None): Nq below, equal to and above Nk; sizes off the block multiples.
 GRIDS: tuple[tuple[int, int, int, int, int, tuple[int, ...] | None], ...] = (

@@ -1,6 +1,8 @@
-"""Evaluate a fragment's Triton expressions (a mask's ``keep``, its facts, its block lists) in plain torch.
+"""Evaluate a fragment's Triton expressions (a mask's ``keep``, its facts, its block lists) on the host, in
+plain torch, without compiling a kernel.
 
-The mask-fact checks run these expressions over many small grids, so they must not compile kernels. The
+The mask-fact checks (``attnfuse.testing.mask_facts``) run them over many small grids; a context-parallel
+ring (``attnfuse.distributed.pairs``) evaluates ``kv_range`` facts for its chunks' positions. The
 expressions use a small part of ``triton.language``: pointer arithmetic on a plugin's tensors, ``tl.load``
 (with ``mask`` and ``other``), ``tl.minimum``/``tl.maximum``/``tl.where`` and casts. ``TL`` provides those
 on torch tensors; integer values are int64 tensors, pointers are ``Pointer`` objects.
