@@ -4,6 +4,7 @@ from __future__ import annotations
 import functools
 import inspect
 import threading
+import types
 import warnings
 from typing import Any, Callable
 
@@ -32,6 +33,27 @@ def _is_runtime_input(value: Any) -> bool:
     return isinstance(value, torch.Tensor) or getattr(value, "__attnfuse_runtime_input__", False)
 
 
+def _refuse_method(fn: Callable) -> None:
+    """A ProgramError for a method (a function taking ``self`` or ``cls`` first, or a bound method): what it
+    reads through ``self`` is not part of the trace key, so a changed attribute would not trace again."""
+    name = getattr(fn, "__qualname__", repr(fn))
+    if isinstance(fn, types.MethodType):
+        first, what = "self", "a bound method"
+    else:
+        try:
+            first = next(iter(inspect.signature(fn).parameters), None)
+        except (TypeError, ValueError):
+            return
+        if first not in ("self", "cls"):
+            return
+        what = f"it takes {first!r} first"
+    raise ProgramError(
+        f"@af.attention function {name} is a method ({what}): a program must be a plain function of "
+        f"(q, k, v, extra arguments), since values read through {first} would not be part of its trace key. "
+        f"Define the program at module level and call it from the method, passing what it needs from {first} "
+        f"as arguments: `return my_program(q, k, v, window=self.window)`")
+
+
 class AttentionProgram:
     """An attention variant, traced once per configuration of its extra arguments.
 
@@ -42,6 +64,7 @@ class AttentionProgram:
     """
 
     def __init__(self, fn: Callable):
+        _refuse_method(fn)
         params = list(inspect.signature(fn).parameters.values())
         plain = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD,
                  inspect.Parameter.KEYWORD_ONLY)

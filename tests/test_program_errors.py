@@ -446,3 +446,53 @@ def test_probing_a_symbol_still_answers():
     plain = af.attention(lambda q, k, v: af.softmax(af.scaled_dot_product(q, k)) @ v)
     assert af.attention(prog).graph() == plain.graph()
     assert seen == {"default": "absent", "has": (False, False)}
+
+
+# --- methods ------------------------------------------------------------------------------------------
+
+class Model:
+    window = 4
+
+    def forward(self, q, k, v):
+        return af.softmax(af.sliding_window(af.scaled_dot_product(q, k), self.window)) @ v
+
+    def forward_with(self, q, k, v, bias):
+        return af.softmax(af.additive_bias(af.scaled_dot_product(q, k), bias)) @ v
+
+    @classmethod
+    def forward_of_class(cls, q, k, v):
+        return af.softmax(af.sliding_window(af.scaled_dot_product(q, k), cls.window)) @ v
+
+    @af.attention
+    def program_of_qkv(q, k, v):  # a plain function of q, k, v kept in a class: allowed  # noqa: N805
+        return af.softmax(af.scaled_dot_product(q, k)) @ v
+
+
+@pytest.mark.parametrize("method, name, first", [
+    (Model.forward, "Model.forward", "it takes 'self' first"),
+    (Model.forward_with, "Model.forward_with", "it takes 'self' first"),
+    (Model().forward, "Model.forward", "a bound method"),
+    (Model.forward_of_class, "Model.forward_of_class", "a bound method"),
+    (Model.forward_of_class.__func__, "Model.forward_of_class", "it takes 'cls' first"),
+], ids=["function", "with an extra", "bound", "classmethod", "cls"])
+def test_a_method_is_refused_at_decoration_saying_how_to_use_a_program_from_a_class(method, name, first):
+    with pytest.raises(ProgramError) as info:
+        af.attention(method)
+    message = str(info.value)
+    assert f"@af.attention function {name} is a method ({first})" in message
+    assert "a program must be a plain function of (q, k, v, extra arguments)" in message
+    assert "Define the program at module level and call it from the method" in message
+
+
+def test_a_method_decorated_in_a_class_body_is_refused_there():
+    with pytest.raises(ProgramError, match=r"function .*Layer\.attend is a method \(it takes 'self' first\)"):
+        class Layer:
+            @af.attention
+            def attend(self, q, k, v):
+                return af.softmax(af.scaled_dot_product(q, k)) @ v
+
+
+def test_a_program_of_q_k_v_kept_in_a_class_is_reached_through_an_instance():
+    plain = af.attention(lambda q, k, v: af.softmax(af.scaled_dot_product(q, k)) @ v)
+    assert Model().program_of_qkv is Model.program_of_qkv
+    assert Model().program_of_qkv.graph() == plain.graph()
