@@ -62,6 +62,10 @@ def resolve_program(spec: str):
         module = importlib.import_module(module_name)
     except Exception as exc:
         raise CLIError(f"cannot import module {module_name!r}: {type(exc).__name__}: {exc}") from exc
+    except SystemExit as exc:  # sys.exit() at import: a script, not a module defining programs
+        raise CLIError(f"module {module_name!r} exited while it was imported (SystemExit, code {exc.code!r}), before "
+                       f"`show` could read {attribute!r}; keep a script's code under `if __name__ == "
+                       f"\"__main__\":`") from None
     finally:
         if added and os.getcwd() in sys.path:
             sys.path.remove(os.getcwd())
