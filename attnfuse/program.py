@@ -160,10 +160,25 @@ class AttentionProgram:
                 raise ProgramError(f"{self.fn.__name__} is traced again while it is being traced: a program "
                                    f"cannot use itself (it would trace without end)")
             graph = self._traces.get_or_build(key, lambda: self._new_trace(key, statics))
-            message = self._recompiles.warning()
+            message = self._recompiles.warning(lambda name: self._static_only(name, statics))
             if message is not None:
                 warnings.warn(message, RecompileWarning, stacklevel=3)
         return graph
+
+    def _static_only(self, name: str, statics: tuple) -> str | None:
+        """Why the extra argument ``name`` cannot be a runtime input, found by tracing the program with it as
+        one (the other arguments as in ``statics``): None when that trace succeeds."""
+        extras = {n: RUNTIME if n == name else value for (n, _), value in zip(self._extra, statics)}
+        self._tracing.active = True
+        try:
+            trace(self.fn, self._qkv, extras)
+        except ProgramError as exc:
+            return str(exc)
+        except Exception as exc:  # the program computes with the value in Python (range(n), math.sqrt(x))
+            return f"the program computes with it in Python: {type(exc).__name__}: {exc}"
+        finally:
+            self._tracing.active = False
+        return None
 
     def _new_trace(self, key: tuple, statics: tuple) -> ir.MatMulPV:
         """Run the function on symbols (once per key: other threads asking for it wait, ``LRUCache``)."""
