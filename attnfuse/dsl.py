@@ -48,11 +48,11 @@ class Symbol:
         raise NoTensorAttribute(
             f"the attribute {name!r} of {self.what}: inside an @af.attention program, q, k, v, the scores and "
             f"the weights are symbols, not tensors (a program is traced once for every shape, dtype and device), "
-            f"so they have no shape, dtype, device or tensor methods. A program may only apply combinators to q, k, v and the scores "
-            f"(af.scaled_dot_product, af.rope, af.causal, af.softmax, ...) and end with `weights @ v`. Sizes are "
-            f"read where they are known: a combinator's reference and prepare get them from ctx (ctx.Nq, ctx.Nk, "
-            f"ctx.D, ...) and its fragments read Nq, Nk and D; a value computed from a tensor's shape "
-            f"(scale=1 / math.sqrt(q.shape[-1])) is computed outside and passed as an extra argument")
+            f"so they have no shape, dtype, device or tensor methods. A program may only apply combinators to q, k, "
+            f"v and the scores (af.scaled_dot_product, af.rope, af.causal, af.softmax, ...) and end with "
+            f"`weights @ v`. Sizes are read where they are known: a combinator's reference and prepare get them "
+            f"from ctx (ctx.Nq, ctx.Nk, ctx.D, ...) and its fragments read Nq, Nk and D; a value computed from a "
+            f"tensor's shape (scale=1 / math.sqrt(q.shape[-1])) is computed outside and passed as an extra argument")
 
     def __bool__(self):
         self._refuse("a truth test (if/while/and/or)")

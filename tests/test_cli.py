@@ -8,6 +8,7 @@ import tomllib
 from pathlib import Path
 
 import pytest
+import torch
 
 import attnfuse as af
 from attnfuse import ir
@@ -47,6 +48,31 @@ def needs_bias(q, k, v, bias):
     s = af.scaled_dot_product(q, k)
     s = af.additive_bias(s, bias)
     return af.softmax(s) @ v
+
+
+@af.attention
+def sparse(q, k, v, block_mask):
+    return af.softmax(af.block_sparse(af.scaled_dot_product(q, k), block_mask)) @ v
+
+
+@af.attention
+def rope_tables(q, k, v, cos, sin):
+    return af.softmax(af.causal(af.rope(q, k, cos=cos, sin=sin))) @ v
+
+
+@af.attention
+def rope_optional_tables(q, k, v, cos=None, sin=None):
+    return af.softmax(af.causal(af.rope(q, k, cos=cos, sin=sin))) @ v
+
+
+@af.attention
+def with_sinks(q, k, v, sinks, left=3):
+    return af.softmax_with_sinks(af.sliding_window(af.scaled_dot_product(q, k), left), sinks) @ v
+
+
+@af.attention
+def needs_window(q, k, v, left):
+    return af.softmax(af.sliding_window(af.scaled_dot_product(q, k), left)) @ v
 
 
 not_a_program = 42
@@ -160,7 +186,6 @@ def test_show_module_attribute(capsys):
     (["show", f"{__name__}:not_a_program"], "not an AttentionProgram"),
     (["show", f"{__name__}:missing"], "has no attribute 'missing'"),
     (["show", "attnfuse_no_such_module:x"], "cannot import module 'attnfuse_no_such_module'"),
-    (["show", f"{__name__}:needs_bias", *SMALL], "extra arguments have defaults"),
     (["show", "relu", "--lse", *SMALL], "log-sum-exp"),
     (["show", "llama", "--head-dim", "512"], "at most 256"),
 ])
@@ -283,3 +308,95 @@ def test_new_writes_a_pyproject_that_parses_for_every_accepted_name(capsys, tmp_
     meta = tomllib.loads((tmp_path / "pkg" / "pyproject.toml").read_text())
     assert DISTRIBUTION.fullmatch(meta["project"]["name"])
     assert meta["project"]["entry-points"]["attnfuse"] == {name: f"attnfuse_{name}"}
+
+
+# ------------------------------------------------------------------------------- show: runtime inputs
+
+N, D = 32, 32
+
+
+def _tables():
+    return {"cos": torch.randn(N, D), "sin": torch.randn(N, D)}
+
+
+RUNTIME_PROGRAMS = [  # (program, show's extra options, the same call's real extra arguments)
+    ("needs_bias", [], lambda: {"bias": torch.randn(1, 2, N, N)}),
+    ("sparse", [], lambda: {"block_mask": af.BlockMask.from_blocks(torch.rand(1, 2, 2, 2) < 0.7, N, N, 16)}),
+    ("rope_tables", [], _tables),
+    ("rope_optional_tables", ["--input", "cos", "--input", "sin"], _tables),
+    ("rope_optional_tables", [], dict),
+    ("with_sinks", [], lambda: {"sinks": torch.randn(2)}),
+    ("with_sinks", ["--arg", "left=5"], lambda: {"sinks": torch.randn(2), "left": 5}),
+    ("needs_window", ["--arg", "left=7"], lambda: {"left": 7}),
+]
+
+
+@pytest.mark.parametrize("kernel", ["forward", "dkdv"])
+@pytest.mark.parametrize("name, options, extra", RUNTIME_PROGRAMS,
+                         ids=[f"{n}{'-' if o else ''}{'-'.join(o)}" for n, o, _ in RUNTIME_PROGRAMS])
+def test_show_traces_runtime_inputs_as_a_call_with_tensors_does(capsys, name, options, extra, kernel):
+    """`show` of a program with runtime tensor arguments prints the kernel a call with real tensors compiles."""
+    program = globals()[name]
+    code, out, err = run(capsys, "show", f"{__name__}:{name}", *SMALL, *options, "--kernel", kernel)
+    assert code == 0, err
+    values = extra()
+    q, k, v = (torch.randn(1, 2, N, D) for _ in range(3))
+    assert ir.signature(program.graph(**values)) in out
+    expected = program.source(q, k, v, **values, kernel=kernel)
+    assert out.split("# source\n", 1)[1] == expected + ("" if expected.endswith("\n") else "\n")
+    runtime = [n for n, value in values.items() if not isinstance(value, int)]
+    for argument in runtime:
+        assert f"{argument}=<runtime input>" in out.split("\n")[1]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["needs_window"], r"sliding_window: parameter 'left' is static .*got the input 'left'.*`show` traced "
+                       r".*:needs_window with left as runtime input\(s\); give a static argument's value with "
+                       r"--arg NAME=VALUE"),
+    (["needs_bias", "--arg", "bais=1"], r"--arg/--input: 'bais' is no argument of the program: .*:needs_bias "
+                                        r"takes the extra argument\(s\) bias"),
+    (["needs_window", "--input", "right"], r"'right' is no argument of the program: .* takes the extra "
+                                           r"argument\(s\) left"),
+    (["needs_window", "--arg", "left"], r"--arg: expected NAME=VALUE, got 'left'"),
+    (["needs_window", "--arg", "left=1+"], r"--arg: VALUE '1\+' is not a Python literal"),
+    (["needs_window", "--arg", "left=[1]"], r"argument 'left' must be a tensor, a BlockMask, or a static"),
+    (["needs_window", "--arg", "left=2", "--input", "left"], r"--input left: 'left' has a static value"),
+    (["needs_bias", "--arg", "bias=0.5"], r"additive_bias: parameter 'bias' is a runtime input"),
+    (["llama", "--input", "cos"], r"'cos' is no argument of the program: .* takes no extra argument"),
+])
+def test_show_arguments_errors_name_the_argument_and_what_is_allowed(capsys, argv, message):
+    name, *options = argv
+    spec = name if name in EXAMPLES else f"{__name__}:{name}"
+    code, out, err = run(capsys, "show", spec, *SMALL, *options)
+    assert code == 2 and out == ""
+    assert err.startswith("attnfuse: error: ") and re.search(message, err), err
+
+
+def test_show_a_third_party_plugin_with_a_runtime_tensor(capsys, tmp_path, monkeypatch):
+    """A package as `attnfuse new ... --role score_mod` writes it (a runtime (Hq,) tensor), registered, and a
+    program in a module of its author's: `show` prints the kernel a call with the tensor compiles."""
+    import importlib.util
+
+    from attnfuse.scaffold import scaffold
+
+    root = scaffold("shown_head_weights", "score_mod", tmp_path / "pkg")
+    module = "attnfuse_shown_head_weights"
+    spec = importlib.util.spec_from_file_location(module, root / f"{module}.py")
+    plugin = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(plugin)
+    (tmp_path / "shown_models.py").write_text(
+        "import attnfuse as af\n\n\n@af.attention\ndef weighted(q, k, v, weights):\n"
+        "    return af.softmax(af.shown_head_weights(af.causal(af.scaled_dot_product(q, k)), weights)) @ v\n")
+    monkeypatch.chdir(tmp_path)
+    af.register_plugin(plugin, name="test-show-third-party")
+    try:
+        code, out, err = run(capsys, "show", "shown_models:weighted", *SMALL)
+        assert code == 0, err
+        program = sys.modules["shown_models"].weighted
+        q, k, v = (torch.randn(1, 2, N, D) for _ in range(3))
+        weights = torch.randn(2)
+        assert "shown_head_weights(weights=weights)" in out and "# arguments  weights=<runtime input>" in out
+        assert out.split("# source\n", 1)[1] == program.source(q, k, v, weights)
+    finally:
+        af.unregister_plugin("test-show-third-party")
+        sys.modules.pop("shown_models", None)
