@@ -1,7 +1,7 @@
 """Tracing: the DSL's symbolic values and the functions ``af.<combinator>`` that build IR from them.
 
 While an ``@af.attention`` function is traced, its arguments are symbols. Combinators turn them into
-IR nodes; anything else done to a symbol (arithmetic, a torch function, ``if s:``) is a ProgramError,
+IR nodes; anything else done to a symbol (arithmetic, a torch function, ``if s:``, ``s.shape``) is a ProgramError,
 since it could not be fused.
 """
 from __future__ import annotations
@@ -15,6 +15,11 @@ from .ir import Apply, BiasOp, MaskOp, MatMulPV, NormOp, ScoreOp, TensorSym
 from .static_values import STATIC_TYPES, exact, literal
 
 _NAMES = {"q": "the query tensor q", "k": "the key tensor k", "v": "the value tensor v"}
+
+
+class NoTensorAttribute(ProgramError, AttributeError):
+    """A tensor attribute or method asked of a traced value (``s.shape``). Also an AttributeError, so that
+    ``getattr(symbol, name, default)`` and ``hasattr`` still answer."""
 
 
 class Symbol:
@@ -35,6 +40,19 @@ class Symbol:
         if symbol is None:
             raise ProgramError(f"{name} on a traced value is not part of the AttnFuse DSL")
         symbol._refuse(name)
+
+    def __getattr__(self, name: str):
+        """Reached only for a name the symbol lacks: a tensor's attribute or method (``s.shape``, ``q.float()``)."""
+        if name.startswith("__") and name.endswith("__") or name in type(self).__slots__:  # protocols, unset slots
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        raise NoTensorAttribute(
+            f"the attribute {name!r} of {self.what}: inside an @af.attention program, q, k, v, the scores and "
+            f"the weights are symbols, not tensors (a program is traced once for every shape, dtype and device), "
+            f"so they have no shape, dtype, device or tensor methods. A program may only apply combinators to q, k, "
+            f"v and the scores (af.scaled_dot_product, af.rope, af.causal, af.softmax, ...) and end with "
+            f"`weights @ v`. Sizes are read where they are known: a combinator's reference and prepare get them "
+            f"from ctx (ctx.Nq, ctx.Nk, ctx.D, ...) and its fragments read Nq, Nk and D; a value computed from a "
+            f"tensor's shape (scale=1 / math.sqrt(q.shape[-1])) is computed outside and passed as an extra argument")
 
     def __bool__(self):
         self._refuse("a truth test (if/while/and/or)")

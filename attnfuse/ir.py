@@ -190,6 +190,16 @@ def chain(graph: MatMulPV) -> list:
     return nodes[::-1]
 
 
+def input_names(graph: MatMulPV) -> tuple[str, ...]:
+    """The argument names of the runtime inputs the graph reads, each once, in the order of its nodes."""
+    names: dict[str, None] = {}
+    for node in chain(graph):
+        applies = (*node.transforms, node.source) if isinstance(node, ScoreOp) else (
+            () if isinstance(node, MatMulPV) else (node.apply,))
+        names.update((sym.name, None) for apply in applies for sym in apply.inputs().values())
+    return tuple(names)
+
+
 def render(graph: MatMulPV) -> str:
     """A readable listing of the graph, one node a line."""
     lines = []

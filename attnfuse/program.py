@@ -4,6 +4,7 @@ from __future__ import annotations
 import functools
 import inspect
 import threading
+import types
 import warnings
 from typing import Any, Callable
 
@@ -33,6 +34,27 @@ def _is_runtime_input(value: Any) -> bool:
     return isinstance(value, torch.Tensor) or getattr(value, "__attnfuse_runtime_input__", False)
 
 
+def _refuse_method(fn: Callable) -> None:
+    """A ProgramError for a method (a function taking ``self`` or ``cls`` first, or a bound method): what it
+    reads through ``self`` is not part of the trace key, so a changed attribute would not trace again."""
+    name = getattr(fn, "__qualname__", repr(fn))
+    if isinstance(fn, types.MethodType):
+        first, what = "self", "a bound method"
+    else:
+        try:
+            first = next(iter(inspect.signature(fn).parameters), None)
+        except (TypeError, ValueError):
+            return
+        if first not in ("self", "cls"):
+            return
+        what = f"it takes {first!r} first"
+    raise ProgramError(
+        f"@af.attention function {name} is a method ({what}): a program must be a plain function of "
+        f"(q, k, v, extra arguments), since values read through {first} would not be part of its trace key. "
+        f"Define the program at module level and call it from the method, passing what it needs from {first} "
+        f"as arguments: `return my_program(q, k, v, window=self.window)`")
+
+
 class AttentionProgram:
     """An attention variant, traced once per configuration of its extra arguments.
 
@@ -43,6 +65,7 @@ class AttentionProgram:
     """
 
     def __init__(self, fn: Callable):
+        _refuse_method(fn)
         params = list(inspect.signature(fn).parameters.values())
         plain = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD,
                  inspect.Parameter.KEYWORD_ONLY)
@@ -138,10 +161,25 @@ class AttentionProgram:
                 raise ProgramError(f"{self.fn.__name__} is traced again while it is being traced: a program "
                                    f"cannot use itself (it would trace without end)")
             graph = self._traces.get_or_build(key, lambda: self._new_trace(key, statics))
-            message = self._recompiles.warning()
+            message = self._recompiles.warning(lambda name: self._static_only(name, statics))
             if message is not None:
                 warnings.warn(message, RecompileWarning, stacklevel=3)
         return graph
+
+    def _static_only(self, name: str, statics: tuple) -> str | None:
+        """Why the extra argument ``name`` cannot be a runtime input, found by tracing the program with it as
+        one (the other arguments as in ``statics``): None when that trace succeeds."""
+        extras = {n: RUNTIME if n == name else value for (n, _), value in zip(self._extra, statics)}
+        self._tracing.active = True
+        try:
+            trace(self.fn, self._qkv, extras)
+        except ProgramError as exc:
+            return str(exc)
+        except Exception as exc:  # the program computes with the value in Python (range(n), math.sqrt(x))
+            return f"the program computes with it in Python: {type(exc).__name__}: {exc}"
+        finally:
+            self._tracing.active = False
+        return None
 
     def _new_trace(self, key: tuple, statics: tuple) -> ir.MatMulPV:
         """Run the function on symbols (once per key: other threads asking for it wait, ``LRUCache``)."""

@@ -2,13 +2,15 @@
 
 Every new static value of an extra argument (or changed value the program reads from a closure or global)
 traces the program again and compiles new kernels, seconds each on a GPU. A value that changes from call to
-call belongs in a tensor argument (a runtime input). Raise the limit with
+call belongs in a tensor argument (a runtime input) where the combinator's parameter it feeds takes one
+(``Param(runtime=True)``); the warning says, for each argument that changed, whether it can. Raise the limit with
 ``attnfuse.recompile.RECOMPILE_LIMIT = 32``, or silence the warning with
 ``warnings.filterwarnings("ignore", category=attnfuse.RecompileWarning)``.
 """
 from __future__ import annotations
 
 import threading
+from typing import Callable
 
 RECOMPILE_LIMIT = 8  # as torch.compile's default recompile_limit
 OUTSIDE = "values it reads from closures or globals"
@@ -43,14 +45,32 @@ class Recompiles:
             if outside != first_outside:
                 self._changed[OUTSIDE] = None
 
-    def warning(self) -> str | None:
-        """The warning's message, the first time the count is past ``RECOMPILE_LIMIT``; else None."""
+    def warning(self, static_only: Callable[[str], str | None]) -> str | None:
+        """The warning's message, the first time the count is past ``RECOMPILE_LIMIT``; else None.
+        ``static_only(name)``: why the extra argument ``name`` cannot be a runtime tensor (it feeds a parameter
+        that the combinator's declaration makes static), or None when it can; called only for the message."""
         with self._lock:
             if self._warned or self._count <= RECOMPILE_LIMIT:
                 return None
             self._warned = True
-            changed = ", ".join(n if n == OUTSIDE else repr(n) for n in self._changed)
-        return (f"program {self._program} has been traced for {self._count} static configurations (more than "
-                f"attnfuse.recompile.RECOMPILE_LIMIT = {RECOMPILE_LIMIT}); changing: {changed}. Each new value "
-                f"traces it again and compiles new kernels: pass a value that changes between calls as a tensor "
-                f"argument (a runtime input), or raise attnfuse.recompile.RECOMPILE_LIMIT")
+            changed = list(self._changed)
+        head = (f"program {self._program} has been traced for {self._count} static configurations (more than "
+                f"attnfuse.recompile.RECOMPILE_LIMIT = {RECOMPILE_LIMIT}); changing: "
+                f"{', '.join(n if n == OUTSIDE else repr(n) for n in changed)}. Each new value traces it again and "
+                f"compiles new kernels. ")
+        advice, static = [], []
+        for name in changed:
+            if name == OUTSIDE:
+                advice.append("Pass a value read from a closure or global as an argument of the program instead, "
+                              "a tensor where a combinator's parameter takes a runtime tensor. ")
+                continue
+            reason = static_only(name)
+            if reason is None:
+                advice.append(f"{name!r} may be a runtime input: pass it as a tensor argument and a new value "
+                              f"compiles nothing. ")
+            else:
+                static.append(name)
+                advice.append(f"{name!r} can only be static ({reason}): each of its values is a kernel of its own. ")
+        tail = ("Use fewer distinct values, or raise attnfuse.recompile.RECOMPILE_LIMIT" if static else
+                "Or raise attnfuse.recompile.RECOMPILE_LIMIT")
+        return head + "".join(advice) + tail

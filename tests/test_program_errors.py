@@ -396,3 +396,103 @@ def test_unknown_combinator_attribute():
 def test_dunder_attribute_is_a_plain_attribute_error():
     with pytest.raises(AttributeError):
         af.__no_such_dunder__  # noqa: B018
+
+
+# --- tensor attributes and methods asked of a symbol ---------------------------------------------------
+
+def _symbol_of(kind: str, q, k, v, bias):
+    """The traced value of ``kind`` inside a program."""
+    s = af.scaled_dot_product(q, k)
+    w = af.softmax(s)
+    return {"q": q, "k": k, "v": v, "input": bias, "scores": s, "weights": w, "output": w @ v}[kind]
+
+
+SYMBOL_NAMES = {"q": "the query tensor q", "k": "the key tensor k", "v": "the value tensor v",
+                "input": "the input 'bias'", "scores": "the scores", "weights": "the normalised weights",
+                "output": "the attention output"}
+
+
+@pytest.mark.parametrize("kind", list(SYMBOL_NAMES))
+@pytest.mark.parametrize("name, use", [
+    ("shape", lambda x: x.shape), ("dtype", lambda x: x.dtype), ("device", lambda x: x.device),
+    ("size", lambda x: x.size(-1)), ("float", lambda x: x.float()), ("T", lambda x: x.T),
+    ("softmax", lambda x: x.softmax(-1)), ("ndim", lambda x: x.ndim)], ids=lambda p: p if isinstance(p, str) else "")
+def test_tensor_attribute_of_a_symbol_names_it_and_what_is_allowed(kind, name, use):
+    def prog(q, k, v, bias):
+        use(_symbol_of(kind, q, k, v, bias))
+        return af.softmax(af.scaled_dot_product(q, k)) @ v
+
+    program = af.attention(prog)
+    with pytest.raises(ProgramError) as info:
+        program(*qkv(), torch.randn(1, 2, 8, 8))
+    message = str(info.value)
+    assert f"the attribute {name!r} of {SYMBOL_NAMES[kind]}" in message
+    assert "may only apply combinators" in message and "ctx.D" in message and "extra argument" in message
+
+
+def test_probing_a_symbol_still_answers():
+    """getattr with a default, hasattr and copy see an AttributeError (protocols probe symbols)."""
+    import copy
+
+    seen = {}
+
+    def prog(q, k, v):
+        s = af.scaled_dot_product(q, k)
+        seen["default"] = getattr(s, "shape", "absent")
+        seen["has"] = hasattr(q, "dtype"), hasattr(s, "__array_interface__")
+        copy.copy(s)
+        return af.softmax(s) @ v
+
+    plain = af.attention(lambda q, k, v: af.softmax(af.scaled_dot_product(q, k)) @ v)
+    assert af.attention(prog).graph() == plain.graph()
+    assert seen == {"default": "absent", "has": (False, False)}
+
+
+# --- methods ------------------------------------------------------------------------------------------
+
+class Model:
+    window = 4
+
+    def forward(self, q, k, v):
+        return af.softmax(af.sliding_window(af.scaled_dot_product(q, k), self.window)) @ v
+
+    def forward_with(self, q, k, v, bias):
+        return af.softmax(af.additive_bias(af.scaled_dot_product(q, k), bias)) @ v
+
+    @classmethod
+    def forward_of_class(cls, q, k, v):
+        return af.softmax(af.sliding_window(af.scaled_dot_product(q, k), cls.window)) @ v
+
+    @af.attention
+    def program_of_qkv(q, k, v):  # a plain function of q, k, v kept in a class: allowed  # noqa: N805
+        return af.softmax(af.scaled_dot_product(q, k)) @ v
+
+
+@pytest.mark.parametrize("method, name, first", [
+    (Model.forward, "Model.forward", "it takes 'self' first"),
+    (Model.forward_with, "Model.forward_with", "it takes 'self' first"),
+    (Model().forward, "Model.forward", "a bound method"),
+    (Model.forward_of_class, "Model.forward_of_class", "a bound method"),
+    (Model.forward_of_class.__func__, "Model.forward_of_class", "it takes 'cls' first"),
+], ids=["function", "with an extra", "bound", "classmethod", "cls"])
+def test_a_method_is_refused_at_decoration_saying_how_to_use_a_program_from_a_class(method, name, first):
+    with pytest.raises(ProgramError) as info:
+        af.attention(method)
+    message = str(info.value)
+    assert f"@af.attention function {name} is a method ({first})" in message
+    assert "a program must be a plain function of (q, k, v, extra arguments)" in message
+    assert "Define the program at module level and call it from the method" in message
+
+
+def test_a_method_decorated_in_a_class_body_is_refused_there():
+    with pytest.raises(ProgramError, match=r"function .*Layer\.attend is a method \(it takes 'self' first\)"):
+        class Layer:
+            @af.attention
+            def attend(self, q, k, v):
+                return af.softmax(af.scaled_dot_product(q, k)) @ v
+
+
+def test_a_program_of_q_k_v_kept_in_a_class_is_reached_through_an_instance():
+    plain = af.attention(lambda q, k, v: af.softmax(af.scaled_dot_product(q, k)) @ v)
+    assert Model().program_of_qkv is Model.program_of_qkv
+    assert Model().program_of_qkv.graph() == plain.graph()

@@ -3,6 +3,7 @@
     attnfuse list
     attnfuse show llama --arch interpreter --dtype float32 --head-dim 32
     attnfuse show mypackage.models:my_attention --source-only > kernel.py
+    attnfuse show mymodule:windowed --arg left=128 --input cos        (extra arguments: static, runtime)
     attnfuse demo
     attnfuse bench --suite forward --json out.json --plot out.png     (a CUDA GPU; attnfuse/bench/)
     attnfuse new prefix_lm --role mask

@@ -4,6 +4,8 @@ from __future__ import annotations
 import argparse
 from typing import TextIO
 
+from .common import CLIError
+
 
 def _size(n: int) -> str:
     """``n`` bytes, readable: "512 B", "3.4 KiB", "64.0 MiB"."""
@@ -18,11 +20,18 @@ def cmd_cache(args: argparse.Namespace, out: TextIO) -> int:
                                         max_bytes)
 
     directory = cache_dir()
-    if args.clear:
-        count, size = clear(directory)
-        print(f"removed {count} kernel file(s), {_size(size)}, from {directory}", file=out)
-        return 0
-    files = kernel_files(directory)
+    if directory.exists() and not directory.is_dir():
+        raise CLIError(f"the kernel cache path {directory} (${CACHE_ENV}) is not a directory; set ${CACHE_ENV} to a "
+                       f"directory of your own, or remove the file")
+    try:
+        if args.clear:
+            count, size = clear(directory)
+            print(f"removed {count} kernel file(s), {_size(size)}, from {directory}", file=out)
+            return 0
+        files = kernel_files(directory)
+    except OSError as exc:
+        raise CLIError(f"cannot {'clear' if args.clear else 'read'} the kernel cache directory {directory} "
+                       f"(${CACHE_ENV}): {exc.strerror or exc}") from None
     total = sum(f.size for f in files)
     cap = max_bytes()
     try:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import ast
 import importlib
 import inspect
 import os
@@ -62,6 +63,10 @@ def resolve_program(spec: str):
         module = importlib.import_module(module_name)
     except Exception as exc:
         raise CLIError(f"cannot import module {module_name!r}: {type(exc).__name__}: {exc}") from exc
+    except SystemExit as exc:  # sys.exit() at import: a script, not a module defining programs
+        raise CLIError(f"module {module_name!r} exited while it was imported (SystemExit, code {exc.code!r}), before "
+                       f"`show` could read {attribute!r}; keep a script's code under `if __name__ == "
+                       f"\"__main__\":`") from None
     finally:
         if added and os.getcwd() in sys.path:
             sys.path.remove(os.getcwd())
@@ -76,12 +81,67 @@ def resolve_program(spec: str):
     return value, spec
 
 
-def _check_showable(program, spec: str) -> None:
+class RuntimePlaceholder:
+    """Stands for a runtime input (a tensor or BlockMask) while `show` traces a program: the kernel depends on
+    which runtime inputs are given, not on their values, shapes or dtypes (a combinator's declaration fixes
+    each tensor's rank; strides are kernel arguments)."""
+
+    __attnfuse_runtime_input__ = True
+
+    def __repr__(self) -> str:
+        return "<runtime input>"
+
+
+def _static(text: str):
+    """An ``--arg`` VALUE: a Python literal (None, True, 3, 0.5, 'neox'), or a bare word as a str."""
+    try:
+        return ast.literal_eval(text)
+    except (ValueError, SyntaxError, MemoryError, RecursionError):
+        if re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", text):
+            return text
+        raise CLIError(f"--arg: VALUE {text!r} is not a Python literal (None, True, 3, 0.5, 'neox') or a "
+                       f"word") from None
+
+
+def _arguments(program, spec: str, statics: list[str], inputs: list[str]) -> dict:
+    """The extra arguments `show` traces ``program`` with: ``--arg NAME=VALUE`` static values, ``--input NAME``
+    runtime inputs, and for each argument with no default given neither, a runtime input (a placeholder)."""
     params = list(inspect.signature(program.fn).parameters.values())[3:]
-    missing = [p.name for p in params if p.default is inspect.Parameter.empty]
-    if missing:
-        raise CLIError(f"{spec} takes extra argument(s) {', '.join(missing)} with no default; `show` needs a "
-                       f"program whose extra arguments have defaults (it traces the program with them)")
+    names = [p.name for p in params]
+    allowed = f"{spec} takes the extra argument(s) {', '.join(names)}" if names else f"{spec} takes no extra argument"
+    chosen: dict = {}
+    for item in statics:
+        name, sep, text = item.partition("=")
+        if not sep or not name:
+            raise CLIError(f"--arg: expected NAME=VALUE, got {item!r}")
+        chosen[name] = _static(text)
+    for name in inputs:
+        if name in chosen:
+            raise CLIError(f"--input {name}: {name!r} has a static value from --arg already; give it once")
+        chosen[name] = RuntimePlaceholder()
+    unknown = [n for n in chosen if n not in names]
+    if unknown:
+        raise CLIError(f"--arg/--input: {', '.join(map(repr, unknown))} "
+                       f"{'is no argument' if len(unknown) == 1 else 'are no arguments'} of the program: {allowed}")
+    for p in params:
+        if p.name not in chosen and p.default is inspect.Parameter.empty:
+            chosen[p.name] = RuntimePlaceholder()
+    return chosen
+
+
+def _graph(program, spec: str, arguments: dict):
+    """The program's graph for ``arguments``; a ProgramError from a placeholder feeding a static parameter
+    says how to give that argument's value."""
+    from ..errors import ProgramError
+
+    try:
+        return program.graph(**arguments)
+    except ProgramError as exc:
+        placeholders = [n for n, v in arguments.items() if isinstance(v, RuntimePlaceholder)]
+        if not placeholders:
+            raise
+        raise ProgramError(f"{exc} (`show` traced {spec} with {', '.join(placeholders)} as runtime input(s); give a "
+                           f"static argument's value with --arg NAME=VALUE)") from None
 
 
 def cmd_show(args: argparse.Namespace, out: TextIO) -> int:
@@ -93,8 +153,8 @@ def cmd_show(args: argparse.Namespace, out: TextIO) -> int:
     from ..runtime.inputs import MAX_HEAD_DIM
 
     program, spec = resolve_program(args.program)
-    _check_showable(program, spec)
-    graph = program.graph()
+    arguments = _arguments(program, spec, args.arg, args.input)
+    graph = _graph(program, spec, arguments)
     arch = args.arch or default_arch()
     dtype = args.dtype or ("float32" if arch == "interpreter" else "bfloat16")
     head_dim_v = args.head_dim_v or args.head_dim
@@ -121,6 +181,8 @@ def cmd_show(args: argparse.Namespace, out: TextIO) -> int:
     doc = first_line(program.fn.__doc__ or "")
     listing = ir.render(graph)
     print(f"# program    {spec}" + (f"  ({doc})" if doc else ""), file=out)
+    if arguments:
+        print("# arguments  " + ", ".join(f"{n}={v!r}" for n, v in arguments.items()), file=out)
     print("# IR", file=out)
     for line in listing.splitlines():
         print(f"    {line}", file=out)
@@ -146,7 +208,10 @@ def add_parser(sub) -> None:
     """Add ``show`` to the command's subparsers."""
     p = sub.add_parser("show", help="show a program's IR, kernel configuration and generated Triton source",
                        description="Show a program's IR, signature, kernel and tile configuration, and the "
-                                   "generated Triton source (no tensors needed).")
+                                   "generated Triton source (no tensors needed). Extra arguments with no default are "
+                                   "traced as runtime inputs (the kernel depends on which are given, not on their "
+                                   "shapes); --arg gives a static one's value, --input makes a defaulted one a "
+                                   "runtime input.")
     p.add_argument("program", metavar="PROGRAM",
                    help="an example name (llama, gpt2, mistral, alibi, relu) or module:attribute")
     p.add_argument("--dtype", choices=("float16", "bfloat16", "float32"),
@@ -157,6 +222,12 @@ def add_parser(sub) -> None:
     p.add_argument("--arch", type=_arch, metavar="ARCH",
                    help="interpreter, sm90, sm80, ... (default: the local GPU's, else interpreter)")
     p.add_argument("--lse", action="store_true", help="a kernel that also writes the log-sum-exp")
+    p.add_argument("--arg", action="append", default=[], metavar="NAME=VALUE",
+                   help="a static extra argument of the program: a Python literal (None, True, 3, 0.5, 'neox') or "
+                        "a word; repeatable")
+    p.add_argument("--input", action="append", default=[], metavar="NAME",
+                   help="an extra argument given as a runtime input (a tensor or BlockMask), such as rope's cos and "
+                        "sin; repeatable. Arguments with no default and no --arg are runtime inputs already")
     p.add_argument("--kernel", choices=("forward", "decode", "dkdv", "dq", "transform"), default="forward",
                    help="which generated kernel: the forward (default), the split-KV decoding kernel, the "
                         "backward's dK/dV or dQ kernel, or the transform pass (q and k rows' qk transforms, hoisted)")

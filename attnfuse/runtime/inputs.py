@@ -1,6 +1,7 @@
 """Call inputs: checks with clear errors, the configuration part of the cache key, plugin arguments."""
 from __future__ import annotations
 
+import difflib
 import functools
 import operator
 from typing import Any, NamedTuple
@@ -9,6 +10,7 @@ import attrs
 import torch
 from attrs import frozen
 
+from .. import ir
 from ..errors import InputError
 from ..plan import KernelConfig, accumulator_type
 from .kv_layout import check_kv_layout, head_second, pool_layout
@@ -123,6 +125,26 @@ def launch_context(q: torch.Tensor, kv: KVCache) -> LaunchContext:
     at = {} if kv.positions is None else kv.positions._asdict()
     return LaunchContext(B=B, Hq=Hq, Hkv=kv.k.shape[1], Nq=Nq, Nk=kv.capacity, D=D, DV=kv.v.shape[3],
                          device=q.device, dtype=q.dtype, kv_lens=kv.lens, **at)
+
+
+def check_input_names(graph: ir.MatMulPV, inputs: dict[str, Any]) -> None:
+    """Raise an InputError unless ``inputs`` holds every runtime input the graph reads (by argument name),
+    naming those missing, the names expected and, for a misspelling, the given name closest to each.
+    Inputs the graph does not read are allowed: a program passes each of its tensor arguments, used or not."""
+    expected = ir.input_names(graph)
+    missing = [name for name in expected if name not in inputs]
+    if not missing:
+        return
+    unknown = [name for name in inputs if name not in expected]
+    hints = []
+    for name in missing:
+        close = difflib.get_close_matches(name, unknown, n=1)
+        if close:
+            hints.append(f"{name!r} for the given {close[0]!r}")
+    raise InputError(f"inputs: the program reads the runtime input(s) {', '.join(map(repr, missing))}, which the "
+                     f"call does not give; it expects inputs named {', '.join(map(repr, expected))}"
+                     + (f", got {', '.join(map(repr, inputs))}" if inputs else ", got none")
+                     + (f"; did you mean {', '.join(hints)}?" if hints else ""))
 
 
 def check_cache(q: torch.Tensor, k: Any, v: Any, kv_lens: Any = None, block_table: Any = None,

@@ -22,7 +22,8 @@ from .call import Call
 from .decode import MAX_QUERIES
 from .gradients import check_differentiable, tensor_grads
 from .hoisted import worth_hoisting
-from .inputs import Positions, check_cache, check_inputs, check_positions, kernel_config, kv_cache
+from .inputs import (Positions, check_cache, check_input_names, check_inputs, check_positions, kernel_config,
+                     kv_cache)
 from .kv_layout import check_kv_layout
 from .offsets import inputs_fit
 from .plugin_args import check_takes_offsets
@@ -68,7 +69,8 @@ def run_attention(graph: ir.MatMulPV, q: torch.Tensor, k: torch.Tensor, v: torch
 
     Differentiable (q, k, v and declared tensor inputs) when autograd asks for gradients.
 
-    :param inputs: runtime inputs (bias, cos/sin tables, ...) by argument name of the traced function.
+    :param inputs: runtime inputs (bias, cos/sin tables, ...) by argument name of the traced function: each
+        one the graph reads (``ir.input_names``), else an InputError naming it; others are ignored.
     :param kv_lens: (B,) int32 (or int64) keys per sequence, each in [0, capacity] (Nk, or a paged cache's
         max_pages * page_size); query i of sequence b sits at position i + kv_lens[b] - Nq.
     :param block_table: (B, max_pages) int32 (or int64) page indices, for a paged cache: k, v are then
@@ -149,6 +151,7 @@ def _decide(graph: ir.MatMulPV, q: Any, k: Any, v: Any, inputs: dict[str, Any], 
     its forward (hoisted when worth it) and, with gradients wanted, the backward writing them. A call that
     gives its positions never takes the split-KV path (its kernel places queries bottom-right)."""
     kv = check_cache(q, k, v, kv_lens, block_table, kv_layout)._replace(positions=positions)
+    check_input_names(graph, inputs)
     has_lse = keeps_lse(graph, return_lse)
     if grads is not None and block_table is not None:
         raise InputError("gradients through a paged cache are not supported; pass contiguous k and v to train")

@@ -8,11 +8,15 @@ from __future__ import annotations
 
 import importlib.util
 import keyword
+import re
 from importlib import resources
 from pathlib import Path
 
 from ..errors import InputError
 
+NAME = re.compile(r"[a-z](?:[a-z0-9_]*[a-z0-9])?")
+"""A combinator name the package can carry: TOML bare keys and distribution names are ASCII, and a distribution
+name ends with a letter or digit (attnfuse-NAME, with '-' for '_')."""
 ROLES = ("mask", "normaliser", "score_mod", "score_source", "transform")
 
 
@@ -43,8 +47,11 @@ def _check_free(name: str, module: str) -> None:
 def scaffold(name: str, role: str, directory: Path | None = None) -> Path:
     """Write the package for combinator ``name`` of ``role`` into ``directory`` (default
     ./attnfuse-<name>); return the directory. Refuses to overwrite an existing one."""
-    if not name.isidentifier() or keyword.iskeyword(name) or name.startswith("_") or name != name.lower():
-        raise InputError(f"NAME must be a lower-case Python identifier not starting with '_', got {name!r}")
+    if not NAME.fullmatch(name) or keyword.iskeyword(name):
+        raise InputError(f"NAME must be a lower-case Python identifier of ASCII letters a-z, digits and '_', "
+                         f"starting with a letter and not ending with '_', and no keyword: it names the module, the "
+                         f"distribution attnfuse-NAME and the entry point in pyproject.toml, which allow no more; "
+                         f"got {name!r}")
     if role not in ROLES:
         raise InputError(f"--role must be one of {', '.join(ROLES)}, got {role!r}")
     dist, module = package_names(name)
