@@ -16,7 +16,8 @@ from attrs import frozen
 
 from .. import ir
 
-from ..combinator import ACCUMULATOR, BlockList, MaskFragment, NormaliserFragment, QKTransformFragment, Role, ScoreModFragment
+from ..combinator import (ACCUMULATOR, BlockList, MaskFragment, NormaliserFragment, QKTransformFragment, Role,
+                          ScoreModFragment)
 from ..errors import InputError, ProgramError
 from ..fragment_lint import lint, refuse_old_accumulator
 from ..launch_spec import SCALAR, TENSOR, Param, indexed_strides
