@@ -1,4 +1,5 @@
-"""Pass 2, tile: block sizes, warps and pipeline stages from a table keyed by arch, variant and head dim.
+"""Tiles: block sizes, warps and pipeline stages from a table keyed by arch, variant and head dim. Not a pass of
+its own: ``lower`` calls ``choose_tiles`` for each kernel and keeps the answers in the ``LoweredProgram``.
 
 Plugins choose first (hooks ``attnfuse_tile_config``, then the rules of ``attnfuse_tile_configs``); where none
 does, the first rule of the table that matches wins: it runs from specific to general and ends with a rule
