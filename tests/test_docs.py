@@ -107,6 +107,21 @@ def test_no_commit_hashes_or_issue_numbers_anywhere_in_the_tree():
     assert found == {}
 
 
+RUN_LOG = re.compile(r"(?<![\w.])\d+ (?:passed|failed|skipped|errors?|pass(?:es)?|fail(?:s|ures)?|skips?)\b")
+
+
+@pytest.mark.parametrize("page", ["README.md", "CONTRIBUTING.md", *HASH_PAGES[1:]])
+def test_no_run_logs_in_the_docs(page):
+    """The docs say how to run the tests and what they cover, not what one run printed."""
+    assert RUN_LOG.findall((ROOT / page).read_text()) == []
+
+
+def test_run_log_finder():
+    text = ("printed `142 passed, 28 warnings`; 33 pass and 56 skip, 83 passes and no failure, 2 failed; "
+            "12 passes over; transformers 5.24 pass it")
+    assert RUN_LOG.findall(text) == ["142 passed", "33 pass", "56 skip", "83 passes", "2 failed", "12 passes"]
+
+
 def test_issue_finder():
     text = "see issue 14, Issues #3 and PR 7; (#12). Not triton-lang/triton#9171, not &#160; or # 1 or N=14."
     assert [m.group(0).strip() for m in ISSUE.finditer(text)] == ["issue 14", "Issues #3", "PR 7", "(#12"]
