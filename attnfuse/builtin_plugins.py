@@ -6,11 +6,17 @@ The plugin manager loads from here, as pytest loads its default plugins, only th
 point named: under the same plugin names, so none is registered twice. Their package ``attnfuse_plugins``
 is the clone's ``plugins/`` folder (pyproject's ``package-dir``); imported from a clone, it is loaded from
 there.
+
+The list of built-ins is kept once, in pyproject.toml's ``[project.entry-points.attnfuse]``: ``MODULES`` is
+read from the pyproject.toml of the source tree this ``attnfuse`` was imported from, where there is one (a
+clone, installed or not), else from the installed distribution's entry points.
 """
 from __future__ import annotations
 
 import importlib
+import importlib.metadata
 import importlib.util
+import re
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -18,10 +24,39 @@ from types import ModuleType
 from .errors import PluginError
 
 PACKAGE = "attnfuse_plugins"
-# The modules of plugins/, as pyproject.toml's [project.entry-points.attnfuse] lists them (a test keeps the
-# two equal), in that order.
-MODULES = ("scaled_dot_product", "rope", "causal", "sliding_window", "full", "block_sparse", "alibi",
-           "additive_bias", "softcap", "softmax", "relu_attention", "softmax_with_sinks")
+DISTRIBUTION = "attnfuse"
+SECTION = f"[project.entry-points.{DISTRIBUTION}]"
+_ENTRY = re.compile(rf'(?P<name>[A-Za-z0-9_]+)\s*=\s*"{PACKAGE}\.(?P<module>[A-Za-z0-9_]+)"\s*(#.*)?')
+
+
+def declared_modules(pyproject: str) -> tuple[str, ...] | None:
+    """The built-in modules (``<name> = "attnfuse_plugins.<name>"`` lines) that the text of a pyproject.toml
+    declares in ``[project.entry-points.attnfuse]``, in order; None where it has no such table."""
+    lines = pyproject.splitlines()
+    if SECTION not in (line.strip() for line in lines):
+        return None
+    table = lines[[line.strip() for line in lines].index(SECTION) + 1:]
+    table = table[:next((i for i, line in enumerate(table) if line.lstrip().startswith("[")), len(table))]
+    found = [_ENTRY.fullmatch(line.strip()) for line in table if line.strip() and not line.lstrip().startswith("#")]
+    if not all(found) or any(m["name"] != m["module"] for m in found):
+        raise PluginError(f"{SECTION} of pyproject.toml: every line must read <name> = \"{PACKAGE}.<name>\"")
+    return tuple(m["module"] for m in found)
+
+
+def _modules() -> tuple[str, ...]:
+    """The built-ins' modules, from the source tree's pyproject.toml, else the installed metadata, else none."""
+    pyproject = Path(__file__).resolve().parent.parent / "pyproject.toml"
+    declared = declared_modules(pyproject.read_text()) if pyproject.is_file() else None
+    if declared is not None:
+        return declared
+    try:
+        entry_points = importlib.metadata.distribution(DISTRIBUTION).entry_points
+    except importlib.metadata.PackageNotFoundError:
+        return ()
+    return tuple(ep.name for ep in entry_points if ep.group == DISTRIBUTION)
+
+
+MODULES = _modules()
 
 
 def load(module: str) -> ModuleType:

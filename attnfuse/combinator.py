@@ -25,7 +25,6 @@ import inspect
 import keyword
 from typing import Any, Callable
 
-import attrs
 from attrs import field, frozen
 
 from .errors import DeclarationError, deprecated

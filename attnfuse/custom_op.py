@@ -105,8 +105,8 @@ def _backward(ctx, dout, dlse, _):
     tensors, copies = rest[:ctx.counts[0]], rest[ctx.counts[0]:]
     spec = spec_of(ctx.key)
     dout = torch.zeros_like(out) if dout is None else dout
-    grads = torch.ops.attnfuse.attention_backward(ctx.key, q, k, v, out, lse, dout, dlse if spec.save_lse else None, kv_lens,
-                                  tensors, copies)
+    grads = torch.ops.attnfuse.attention_backward(ctx.key, q, k, v, out, lse, dout,
+                                                  dlse if spec.save_lse else None, kv_lens, tensors, copies)
     by_name = dict(zip(spec.grads, grads[3:]))
     return None, grads[0], grads[1], grads[2], None, None, [by_name.get(n) for n in tensor_names(spec)]
 
@@ -148,23 +148,20 @@ def __getattr__(name: str) -> Any:
     """``opaque_program_call``: ``PROGRAM_CALL`` of ``hide_none``'s arguments, as one opaque call to Dynamo
     (``torch._dynamo.nonstrict_trace``): AOT autograd runs it on fake tensors and records the op it calls. Its
     arguments must be tensors, constants or pytree types, and not None. Made on first use, which is Dynamo's
-    lookup while it traces a program call, so ``import attnfuse`` does not import torch._dynamo. Before
-    torch 2.7, which has no nonstrict_trace, Dynamo traces the call."""
+    lookup while it traces a program call, so ``import attnfuse`` does not import torch._dynamo."""
     if name != "opaque_program_call":
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     import torch._dynamo
 
     def program_call(*args: Any):
         return PROGRAM_CALL(*show_none(args))
-    nonstrict_trace = getattr(torch._dynamo, "nonstrict_trace", None)
-    made = globals()[name] = program_call if nonstrict_trace is None else nonstrict_trace(program_call)
+    made = globals()[name] = torch._dynamo.nonstrict_trace(program_call)
     return made
 
 
 def register_constant(cls: type) -> None:
     """Let instances of ``cls`` (hashable, compared by identity) be arguments of an opaque function."""
-    if hasattr(pytree, "register_constant"):  # torch >= 2.7
-        pytree.register_constant(cls)
+    pytree.register_constant(cls)
 
 
 class _NoneArgument:

@@ -176,7 +176,7 @@ def _show(name: str) -> str:
     for n in _SITE:
         if name == f"_{n}_":
             return f"${n}"
-    return f"${{self}}_" if name == "_self__" else ("${tmp}_" if name == "_tmp__" else repr(name))
+    return "${self}_" if name == "_self__" else ("${tmp}_" if name == "_tmp__" else repr(name))
 
 
 def _fields(fragment: Any) -> Iterator[tuple[str, str, Any]]:
@@ -283,4 +283,5 @@ def _defined(text: str, mapping: dict[str, str]) -> set[str]:
 def _excerpt(text: str, line: int) -> str:
     lines = textwrap.dedent(text).strip().splitlines()
     lo = max(line - 2, 0)
-    return "\n".join(f"{'>' if i + 1 == line else ' '} {i + 1:3} | {lines[i]}" for i in range(lo, min(line + 1, len(lines))))
+    return "\n".join(f"{'>' if i + 1 == line else ' '} {i + 1:3} | {lines[i]}"
+                     for i in range(lo, min(line + 1, len(lines))))

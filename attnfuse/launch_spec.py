@@ -1,10 +1,10 @@
 """Launch specs: a kernel's parameters, in order, described once; every launch binds its arguments by name.
 
-For a generated kernel the same description writes the ``def`` line (``render_signature``) and binds a
-launch's arguments (``LaunchSpec.bind``), so the source and the launch cannot disagree on the order of two
-arguments; a hand-written kernel's spec is checked against its function's parameters by the tests. A stride parameter names the tensor parameter it belongs to: a launch gives the tensor, and
-binding takes the strides from it, so no stride can be paired with the wrong tensor. Binding checks that
-the names given are exactly the kernel's.
+For a generated kernel the same description writes the ``def`` line (``render_signature``) and binds a launch's
+arguments (``LaunchSpec.bind``), so the source and the launch cannot disagree on the order of two arguments; a
+hand-written kernel's spec is checked against its function's parameters by the tests. A stride parameter names the
+tensor parameter it belongs to: a launch gives the tensor, and binding takes the strides from it, so no stride can be
+paired with the wrong tensor. Binding checks that the names given are exactly the kernel's.
 """
 from __future__ import annotations
 

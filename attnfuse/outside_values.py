@@ -182,7 +182,8 @@ class OutsideReads:
     """
 
     def __init__(self, fn: Callable, ignored: tuple[type, ...]):
-        self._fn = fn.__func__ if isinstance(fn, types.MethodType) else fn  # a method's reads through self: not followed
+        # a method's reads through self: not followed
+        self._fn = fn.__func__ if isinstance(fn, types.MethodType) else fn
         self._name = getattr(fn, "__qualname__", repr(fn))
         self._identity = _CODE + ignored
         self._analyse()

@@ -130,8 +130,9 @@ class Plan:
     the normaliser declares a fragment for results over some of a row's keys (``KernelConfig.partial``
     compiles it), so the split-KV path, which would count its key-independent term in every split, does
     not take it. ``refuses_offsets``: the first combinator with a ``prepare`` that does not declare
-    ``takes_offsets`` (a call giving q_offset or k_offset refuses it), or None. ``missing_backward``: the combinator declaring no backward (as "the
-    score modification <name>"), or None. ``plugin_calls``: the applications whose plugins give kernel
+    ``takes_offsets`` (a call giving q_offset or k_offset refuses it), or None.
+    ``missing_backward``: the combinator declaring no backward (as "the score modification <name>"), or None.
+    ``plugin_calls``: the applications whose plugins give kernel
     arguments, in the kernels' order; ``plugin_args``: those arguments' parameter names (tensors, then
     scalars; strides are bound from their tensors). ``block_limit`` and ``heavy_split``: the scalar
     arguments of the listing mask giving its block size (the largest tile) and how many heavy key blocks

@@ -53,7 +53,7 @@ def rope_causal(q, k, v):
 PROGRAMS = {"causal": causal, "rope_causal": rope_causal}
 
 
-# The scaling model's inputs. Measured: docs/benchmarks.md (H200, 2026-12-01, commit 5db19bf), Llama-3-8B causal,
+# The scaling model's inputs. Measured: docs/benchmarks.md (H200), Llama-3-8B causal,
 # AttnFuse's generated kernels (the ring's: the Hopper templates take no positions), ms by shard length.
 MEASURED_FORWARD_MS = {2048: 0.111, 8192: 1.127, 16384: 4.219}
 MEASURED_STEP_MS = {2048: 0.680, 8192: 5.020}  # forward+backward

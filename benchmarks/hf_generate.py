@@ -214,9 +214,7 @@ def section(rows: list[dict], args: argparse.Namespace, meta: dict[str, str]) ->
 
 def main(argv: list[str] | None = None) -> None:
     args = parse(argv)
-    for limit in ("recompile_limit", "cache_size_limit"):  # a model per implementation: one compile each
-        if hasattr(torch._dynamo.config, limit):
-            setattr(torch._dynamo.config, limit, 64)
+    torch._dynamo.config.recompile_limit = 64  # a model per implementation: one compile each
     models = build_models(args)
     print(f"HF generate(): {args.layers} layers, hidden {args.hidden}, {args.dtype} on {args.device}, prompt "
           f"{args.prompt}, {args.new_tokens} new tokens; median of {args.runs} rounds after {args.warmup} warm-up")

@@ -242,7 +242,8 @@ def compiled_steps(backends: dict[str, Backend], case: Inputs, tiny: bool, round
     for name, t in times.items():
         ms, spread = median_and_spread(t)
         ratio, paired = ms / median_and_spread(times["sdpa"])[0], paired_ratio(t, times["sdpa"])
-        print(f"{name:<22}{ms:>10.3f}{ratio:>8.3f}{paired:>8.3f}{spread:>8.1%}{compile_s[name]:>8.1f}  {fullgraph[name]}")
+        print(f"{name:<22}{ms:>10.3f}{ratio:>8.3f}{paired:>8.3f}{spread:>8.1%}{compile_s[name]:>8.1f}"
+              f"  {fullgraph[name]}")
         table.append(f"| {name} | {ms:.3f} | {ratio:.3f} | {paired:.3f} | {spread:.1%} | {compile_s[name]:.1f} | "
                      f"{fullgraph[name]} |")
     return table
@@ -259,7 +260,8 @@ def op_overhead(device: torch.device, dtype: torch.dtype, calls: int = 2000) -> 
     q, k, v = (torch.randn(1, 1, 16, 16, device=device, dtype=dtype) for _ in range(3))
     graph = causal.graph()
     calls = calls if device.type == "cuda" else 20
-    through_op = (lambda: custom_op.call(graph, q, k, v, {}, return_lse=False, kv_lens=None, block_table=None))
+    def through_op():
+        return custom_op.call(graph, q, k, v, {}, return_lse=False, kv_lens=None, block_table=None)
     measured = []
     for label, fn in (("eager program call", lambda: causal(q, k, v)), ("the custom op", through_op),
                       ("af.run_attention", lambda: af.run_attention(graph, q, k, v))):

@@ -101,7 +101,8 @@ def main() -> None:
     print(f"{kernel.name} ({kernel.path})")
     for spec in args.tiles:
         tiles = tuple(int(x) for x in spec.split(","))
-        print("  " + report(kernel, program_kernels.plan, tiles, "bf16" if args.dtype == "bfloat16" else "fp16"), flush=True)
+        dtype = "bf16" if args.dtype == "bfloat16" else "fp16"
+        print("  " + report(kernel, program_kernels.plan, tiles, dtype), flush=True)
 
 
 if __name__ == "__main__":

@@ -120,7 +120,8 @@ def gpu_busy(step: Callable[[], None], steps: int = 3) -> float:
 def busy(backends: dict[str, Backend], inputs: Callable[[int], Inputs], lengths: list[int], rounds: int = 3) -> None:
     """The GPU's busy ms per forward and per training step of each backend at each N, in ``rounds`` rounds
     taken in turns (as hf_layer.py's timings): the median, its ratio to sdpa's, and the paired ratio."""
-    print(f"GPU busy ms per step (torch.profiler; median of {rounds} rounds of 3 steps), ratio and paired ratio to sdpa")
+    print(f"GPU busy ms per step (torch.profiler; median of {rounds} rounds of 3 steps), "
+          "ratio and paired ratio to sdpa")
     for N in lengths:
         case = inputs(N)
 

@@ -53,9 +53,11 @@ def main() -> None:
         program = PROGRAMS[variant]
         if backward:
             dout = torch.randn(B, Hq, N, D, device="cuda", dtype=torch.bfloat16)
-            step = (lambda p=program, x=leaves, g=dout: torch.autograd.grad(p(*x), x, g))
+            def step(p=program, x=leaves, g=dout):
+                return torch.autograd.grad(p(*x), x, g)
         else:
-            step = (lambda p=program, x=leaves: p(*x))
+            def step(p=program, x=leaves):
+                return p(*x)
         kv_mb = B * Hkv * N * D * 2 * 2 / 1e6
         steps[f"{geometry} {variant} N{N}{' fwd+bwd' if backward else ''} (K, V {kv_mb:.1f} MB)"] = (geometry, step)
     chooser = {geometry: choices(args.shares, geometry) for geometry in GEOMETRIES}

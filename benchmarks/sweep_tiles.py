@@ -62,7 +62,8 @@ def sweep(case: str, kernel: str, configs, step, amount: float, unit: str, timer
         if kernel == "backward":
             dkdv, dq = config
             rules = [TileRule(config=tiles(*dkdv), kernel="dkdv"), TileRule(config=tiles(*dq), kernel="dq")]
-            label = f"{case} dK/dV BM{dkdv[0]} BN{dkdv[1]} w{dkdv[2]} s{dkdv[3]}, dQ BM{dq[0]} BN{dq[1]} w{dq[2]} s{dq[3]}"
+            label = (f"{case} dK/dV BM{dkdv[0]} BN{dkdv[1]} w{dkdv[2]} s{dkdv[3]}, "
+                     f"dQ BM{dq[0]} BN{dq[1]} w{dq[2]} s{dq[3]}")
         else:
             bm, bn, warps, stages, *per_sm = config
             rules = [TileRule(config=tiles(bm, bn, warps, stages), kernel=kernel)]

@@ -1,8 +1,8 @@
 """What checking kv_lens and block_table costs a paged decode step (GPU only).
 
 An 8-sequence decode step (Hq 32, Hkv 8, D 128, bf16, 4096-token caches, pages of 16 and 64 tokens) with
-``validate=True`` (one check kernel, which records a bad entry on the device: no host sync) and ``validate=False``: medians from
-triton.testing.do_bench, and their ratio.
+``validate=True`` (one check kernel, which records a bad entry on the device: no host sync) and
+``validate=False``: medians from triton.testing.do_bench, and their ratio.
 
     python benchmarks/validation_cost.py
     python benchmarks/validation_cost.py --markdown-section docs/benchmarks.md   # rewrite its section there

@@ -92,7 +92,8 @@ def test_cells_and_ratios_match_the_printed_figures():
                                                 "n/a (no GQA) | 1.388 (396) | 1.19× | 0.88× | 3.9e-03 |")
     assert report.format_row(window, table) == ("| llama3-8b N4096 sliding_window | 0.086 (194) | — | — | — | "
                                                 "0.110 (151) | 1.28× | — | 3.9e-03 |")  # 16645095424 FLOPs
-    assert report.format_row(training, [training]) == "| gpt2 N2048 sliding_window fwd+bwd | 0.509 (42) | 0.620 (34) | 1.22× | — |"
+    assert report.format_row(training, [training]) == (
+        "| gpt2 N2048 sliding_window fwd+bwd | 0.509 (42) | 0.620 (34) | 1.22× | — |")
     assert report.cell(decode, "attnfuse") == "0.039 (3459 GB/s)"  # 134217728 bytes / 0.0388 ms
 
 
@@ -134,7 +135,8 @@ def test_markdown_page_has_the_run_one_table_per_suite_and_the_plot(tmp_path):
 
 def test_rewriting_the_page_keeps_the_sections_of_other_commands(tmp_path):
     path = tmp_path / "benchmarks.md"
-    other = "<!-- BEGIN hf_layer -->\n## A decoder layer\n\n| backend | ms |\n|---|---|\n| sdpa | 1.773 |\n<!-- END hf_layer -->\n"
+    other = ("<!-- BEGIN hf_layer -->\n## A decoder layer\n\n| backend | ms |\n|---|---|\n| sdpa | 1.773 |\n"
+             "<!-- END hf_layer -->\n")
     path.write_text("# Benchmarks: an older run\n\n## Forward\n\n| old table |\n\n" + other)
     result = sample_report()
     page = report.markdown_page(result, page=str(path), kept=report.kept_sections(str(path)))

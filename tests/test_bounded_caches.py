@@ -1,6 +1,6 @@
 """Every cache is bounded: a program's traces and the call signatures in memory (least recently used dropped
-first; a program's kernels live while a cached call uses them), the kernel files on disk (a size cap); a program that keeps being traced again warns once;
-``attnfuse cache --info`` and ``--clear``."""
+first; a program's kernels live while a cached call uses them), the kernel files on disk (a size cap); a
+program that keeps being traced again warns once; ``attnfuse cache --info`` and ``--clear``."""
 import os
 import time
 import warnings

@@ -11,27 +11,14 @@ import pytest
 import torch
 
 import attnfuse as af
-from attnfuse import ir
+from attnfuse import builtin_plugins, ir
 from attnfuse.cli import main
 from attnfuse.combinator import Role
 from attnfuse.examples import EXAMPLES, llama
 from attnfuse.program import AttentionProgram
 from attnfuse.runtime.source_cache import CACHE_ENV
 
-BUILTINS = {
-    "scaled_dot_product": "score source",
-    "rope": "score source",
-    "alibi": "score modification",
-    "additive_bias": "score modification",
-    "softcap": "score modification",
-    "causal": "mask",
-    "sliding_window": "mask",
-    "full": "mask",
-    "block_sparse": "mask",
-    "softmax": "normaliser",
-    "relu_attention": "normaliser",
-    "softmax_with_sinks": "normaliser",
-}
+BUILTINS = builtin_plugins.MODULES  # pyproject.toml's entry points
 SMALL = ["--arch", "interpreter", "--dtype", "float32", "--head-dim", "32"]
 
 
@@ -109,11 +96,11 @@ def test_list_shows_every_builtin_with_role_and_distribution(capsys):
     lines = out.splitlines()
     assert lines[0].split() == ["NAME", "ROLE", "DISTRIBUTION", "DESCRIPTION"]
     rows = {line.split()[0]: line for line in lines[1:] if line.strip() and not line[0].isdigit()}
-    for name, role in BUILTINS.items():
+    for name in BUILTINS:
         assert name in rows, f"{name} missing from `attnfuse list`"
         cells = rows[name].split("  ")
         cells = [c.strip() for c in cells if c.strip()]
-        assert cells[:3] == [name, role, "attnfuse"], rows[name]
+        assert cells[:3] == [name, af.combinators()[name].combinator.role.value, "attnfuse"], rows[name]
         assert len(cells) == 4 and cells[3]  # the doc's first line
     assert "Rotary position embedding" in rows["rope"]
 

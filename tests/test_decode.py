@@ -140,7 +140,8 @@ def test_bad_cache_inputs():
         llama(q, k, v, kv_lens=torch.tensor([3], dtype=torch.int32))
     with pytest.raises(af.InputError, match=r"a paged cache \(block_table given\) needs kv_lens"):
         llama(q, k.transpose(1, 2), v.transpose(1, 2), block_table=torch.zeros(2, 1, dtype=torch.int32))
-    with pytest.raises(af.InputError, match=r"block_table must be an int32 \(or int64\) tensor of shape \(B, max_pages\)"):
+    with pytest.raises(af.InputError,
+                       match=r"block_table must be an int32 \(or int64\) tensor of shape \(B, max_pages\)"):
         llama(q, k.transpose(1, 2), v.transpose(1, 2), kv_lens=torch.tensor([1, 1], dtype=torch.int32),
               block_table=torch.zeros(3, 1, dtype=torch.int32))
     with pytest.raises(af.InputError, match=r"the split-KV path has no backward"):

@@ -76,6 +76,57 @@ def test_no_commit_hashes_in_readme_or_docs(page):
     assert sorted(hashes((ROOT / page).read_text())) == []
 
 
+ISSUE = re.compile(r"\b(?:issue|PR|pull request)s?\s+#?\d+\b|(?:^|[^\w/&])#\d+\b", re.I | re.M)
+# this file names hashes and issue numbers to test the finders; CHANGELOG.md is history
+NOT_SCANNED = {"CHANGELOG.md", "tests/test_docs.py"}
+
+
+def tracked_text_files() -> list[str]:
+    """Every text file of the clone that git tracks (code, docs, scripts, configuration); none without git."""
+    git = shutil.which("git")
+    if git is None or not (ROOT / ".git").exists():
+        return []
+    files = subprocess.run([git, "-C", str(ROOT), "ls-files"], capture_output=True, text=True,
+                           check=True).stdout.splitlines()
+    return [f for f in files if f not in NOT_SCANNED and (ROOT / f).is_file() and b"\0" not in (ROOT / f).read_bytes()]
+
+
+def test_no_commit_hashes_or_issue_numbers_anywhere_in_the_tree():
+    """Code comments, docstrings, scripts and docs say why, not where in the history: no commit hash (that this
+    clone resolves, or backticked) and no "issue 14" or "#14" (an upstream project's ``owner/repo#N`` is a
+    citation and allowed)."""
+    files = tracked_text_files()
+    if not files:
+        pytest.skip("not a git clone: the tracked files are unknown")
+    found = {}
+    for path in files:
+        text = (ROOT / path).read_text(errors="replace")
+        refs = sorted(hashes(text)) + [m.group(0).strip() for m in ISSUE.finditer(text)]
+        if refs:
+            found[path] = refs
+    assert found == {}
+
+
+RUN_LOG = re.compile(r"(?<![\w.])\d+ (?:passed|failed|skipped|errors?|pass(?:es)?|fail(?:s|ures)?|skips?)\b")
+
+
+@pytest.mark.parametrize("page", ["README.md", "CONTRIBUTING.md", *HASH_PAGES[1:]])
+def test_no_run_logs_in_the_docs(page):
+    """The docs say how to run the tests and what they cover, not what one run printed."""
+    assert RUN_LOG.findall((ROOT / page).read_text()) == []
+
+
+def test_run_log_finder():
+    text = ("printed `142 passed, 28 warnings`; 33 pass and 56 skip, 83 passes and no failure, 2 failed; "
+            "12 passes over; transformers 5.24 pass it")
+    assert RUN_LOG.findall(text) == ["142 passed", "33 pass", "56 skip", "83 passes", "2 failed", "12 passes"]
+
+
+def test_issue_finder():
+    text = "see issue 14, Issues #3 and PR 7; (#12). Not triton-lang/triton#9171, not &#160; or # 1 or N=14."
+    assert [m.group(0).strip() for m in ISSUE.finditer(text)] == ["issue 14", "Issues #3", "PR 7", "(#12"]
+
+
 def test_hash_finder():
     assert hashes("at `6009329`, not `defaced`, `attnfuse_fwd_6009329abcd` or LOG2E 1.4426950408889634") == {"6009329"}
     git = shutil.which("git")

@@ -22,6 +22,7 @@ FENCED = re.compile(r"^```[^\n]*\n(.*?)^```", re.M | re.S)
 INLINE = re.compile(r"`([^`\n]+)`")
 COMMAND = re.compile(r"\bpip install\b(?P<args>[^;&|#]*)")
 FLAGS = {"-q", "--quiet", "-U", "--upgrade", "--no-deps", "--no-build-isolation", "-e", "--editable"}
+INDEXES = {"https://download.pytorch.org/whl/cpu"}  # --index-url: PyTorch's CPU wheels, for torch alone
 
 
 def commands(text: str) -> list[str]:
@@ -33,8 +34,14 @@ def commands(text: str) -> list[str]:
 
 def problems(args: str, root: Path = ROOT) -> list[str]:
     """What in one ``pip install`` argument string would not install from a clone at ``root``."""
-    found = []
-    for word in shlex.split(args):
+    found, words = [], shlex.split(args)
+    if "--index-url" in words:
+        at = words.index("--index-url")
+        url, words = words[at + 1:at + 2], words[:at] + words[at + 2:]
+        others = [w for w in words if not w.startswith("-") and re.split(r"[<>=!~\[]", w)[0] != "torch"]
+        if not url or url[0] not in INDEXES or others:
+            found.append(f"--index-url {' '.join(url)}: only {', '.join(sorted(INDEXES))}, for torch alone")
+    for word in words:
         if word in FLAGS:
             continue
         if word.startswith("-"):
@@ -81,6 +88,8 @@ def test_commands_are_found_in_blocks_and_inline_code():
     ('-e ".[hf,gpu]"', ".[hf,gpu]: . has no extra 'gpu' (it has bench, hf, test)"),
     ("-e contrib/attnfuse-softcap", "contrib/attnfuse-softcap: no pyproject.toml at contrib/attnfuse-softcap"),
     ("-r requirements.txt", "-r: an option this check does not know"),
+    ("torch --index-url https://example.com/simple", "--index-url https://example.com/simple: only"),
+    ("triton==3.6.0 --index-url https://download.pytorch.org/whl/cpu", "--index-url https://download.pytorch.org"),
 ])
 def test_what_would_fail_is_named(args, says):
     assert any(p.startswith(says) for p in problems(args)), problems(args)
@@ -89,3 +98,4 @@ def test_what_would_fail_is_named(args, says):
 def test_what_works_passes():
     assert problems('--no-deps -e . -e contrib/attnfuse-sigmoid -e ".[test,bench,hf]"') == []
     assert problems('torch==2.13.0 triton==3.6.0 "numpy<2.3"') == []
+    assert problems("torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu") == []

@@ -272,7 +272,6 @@ def test_key_pass_needs_key_transforms():
 
 
 def test_one_kernel_launch_per_call(monkeypatch):
-    from attnfuse.runtime import launch
 
     q, k, v = _qkv(1, 2, 2, 40, 40, 32, 32, torch.float32)
     llama(q, k, v)

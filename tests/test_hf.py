@@ -140,8 +140,8 @@ def test_registered_program_runs_the_model_and_must_honour_masks():
     attnfuse.hf.register("causal_only", causal_only)
     model, ids, mask = _model(), torch.randint(0, 128, (2, 20)), _padding()
     real = mask.bool()
-    torch.testing.assert_close(_logits(model, "causal_biased", ids, mask)[real], _logits(model, "eager", ids, mask)[real],
-                               atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(_logits(model, "causal_biased", ids, mask)[real],
+                               _logits(model, "eager", ids, mask)[real], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(_logits(model, "causal_only", ids), _logits(model, "eager", ids), atol=1e-5, rtol=1e-5)
     with pytest.raises(InputError, match="takes no 'bias' argument"):
         _logits(model, "causal_only", ids, mask)

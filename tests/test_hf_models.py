@@ -4,8 +4,8 @@ softcapping runs the built-in ``softcap``, GPT-OSS's attention sinks (``s_aux``)
 
 Tiny random-weight models (2 layers, head dim 8, weights of std 0.2 so that scores are large enough for a cap
 to bite; GPT-OSS with 2 experts, both chosen for every token so that no routing decision can flip, run by
-HF's eager experts, which also take float64), float32 on the CPU. The reference is HF's eager attention, run in float64 and
-in float32, and the tolerance ``attnfuse.testing.assert_matches_reference``'s: twice eager's own float32
+HF's eager experts, which also take float64), float32 on the CPU. The reference is HF's eager attention, run
+in float64 and in float32, and the tolerance ``attnfuse.testing.assert_matches_reference``'s: twice eager's own float32
 error plus ``ATOL[float32]`` times the tensor's scale. transformers offers neither model on sdpa (Gemma 2:
 sdpa does not softcap; GPT-OSS: sdpa has no sinks), so eager is the reference. Each test also checks that
 what it exercises binds: without the cap, the sinks or the window, eager's logits differ.

@@ -59,7 +59,7 @@ def _same(out, expected, atol):
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
 def test_masked_non_finite_value_does_not_reach_rows_that_mask_it(bad):
-    """The issue's case: v[0, 0, 20] = NaN with causal and N 24 made rows 0-19 NaN."""
+    """A masked NaN or inf in v reaches no row that masks it: v[0, 0, 20] with causal and N 24 (rows 0-19)."""
     q, k, v = _qkv(1, 2, 2, 24, 24, 16, torch.float32)
     v[0, 0, 20] = bad
     out = causal(q, k, v)

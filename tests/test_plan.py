@@ -134,8 +134,8 @@ def test_a_fact_starting_at_zero_is_parsed_not_compared(lo):
     source = generate_forward(rewritten, "k", forward_params(rewritten))
     assert "# masked head" not in source
     assert source == generate_forward(lowered, "k", forward_params(lowered)).replace(
-        f"tl.maximum(lo, 0 - 0)", f"tl.maximum(lo, {lo} - 0)").replace(
-        f"tl.maximum(full_lo, 0 - 0)", f"tl.maximum(full_lo, {lo} - 0)")
+        "tl.maximum(lo, 0 - 0)", f"tl.maximum(lo, {lo} - 0)").replace(
+        "tl.maximum(full_lo, 0 - 0)", f"tl.maximum(full_lo, {lo} - 0)")
 
 
 def test_float64_accumulates_in_float64_without_rewriting_text():

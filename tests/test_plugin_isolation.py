@@ -146,7 +146,8 @@ def test_broken_installed_plugins_are_skipped_and_reported(broken_site):
     assert done.returncode == 0, done.stderr
     assert "causal ['attnfuse-test-badimport', 'attnfuse-test-raises']" in done.stdout
     assert "PluginWarning: attnfuse skipped a broken plugin 'attnfuse-test-raises:attnfuse_test_raises' of " \
-           "distribution 'attnfuse-test-raises': attnfuse_combinators() raised RuntimeError: no GPU found" in done.stderr
+           "distribution 'attnfuse-test-raises': attnfuse_combinators() raised RuntimeError: no GPU found" \
+           in done.stderr
     assert "distribution 'attnfuse-test-badimport': failed to import attnfuse_test_badimport: DeclarationError: " \
            "combinator 'bad': reference must be a function" in done.stderr
 
@@ -175,7 +176,8 @@ def test_conformance_kit_fails_on_broken_plugins_when_drawing_from_all(broken_si
 
 @pytest.fixture
 def two_plugins():
-    a = mask(name="_test_iso_a", reference=lambda ctx: ctx.k_pos >= 0, fragment=MaskFragment(keep="k_pos[None, :] >= 0"))
+    a = mask(name="_test_iso_a", reference=lambda ctx: ctx.k_pos >= 0,
+             fragment=MaskFragment(keep="k_pos[None, :] >= 0"))
     b = mask(name="_test_iso_b")
 
     class Plugin:

@@ -20,27 +20,15 @@ import pytest
 import torch
 
 import attnfuse as af
-from attnfuse import PluginError, hookspecs
+from attnfuse import PluginError, builtin_plugins, hookspecs
 from attnfuse.checks import positive_number
 from attnfuse.combinator import (Combinator, MaskFragment, NormaliserFragment, Param, QKTransformFragment, Role,
                                  ScalarArg, ScoreModFragment, ScoreSourceFragment, TensorArg)
 from attnfuse import plugin_manager as plugin_manager_module
 from attnfuse.plugin_manager import BUILTIN_DISTRIBUTION, DISABLE_AUTOLOAD_ENV, plugin_manager
 
-BUILTINS = {
-    "scaled_dot_product": Role.SCORE_SOURCE,
-    "rope": Role.SCORE_SOURCE,
-    "causal": Role.MASK,
-    "sliding_window": Role.MASK,
-    "full": Role.MASK,
-    "block_sparse": Role.MASK,
-    "alibi": Role.SCORE_MOD,
-    "additive_bias": Role.SCORE_MOD,
-    "softcap": Role.SCORE_MOD,
-    "softmax": Role.NORMALISER,
-    "relu_attention": Role.NORMALISER,
-    "softmax_with_sinks": Role.NORMALISER,
-}
+# pyproject.toml's entry points; their roles are those of the docs' tables (tests/test_docs_references.py)
+BUILTINS = builtin_plugins.MODULES
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -76,13 +64,13 @@ def keep_all_mask(name: str) -> Combinator:
 # --- the built-ins ---------------------------------------------------------------------------------------
 
 
-def test_builtins_present_with_roles_and_distribution():
+def test_builtins_present_with_distribution():
     registry = af.combinators()
-    for name, role in BUILTINS.items():
+    assert BUILTINS, "no built-in entry points in pyproject.toml"
+    for name in BUILTINS:
         assert name in registry, name
         entry = registry[name]
         assert entry.combinator.name == name
-        assert entry.combinator.role is role, name
         assert entry.distribution == BUILTIN_DISTRIBUTION == "attnfuse"
         assert entry.plugin == f"attnfuse:{name}"
 
@@ -115,7 +103,8 @@ def test_builtin_parameters_documented(name):
 
 def test_af_docstring_signature():
     assert af.sliding_window.__doc__.startswith("sliding_window(s, left, right=0)  [mask]")
-    assert af.rope.__doc__.startswith("rope(q, k, theta=10000.0, scale=None, cos=None, sin=None, rotate_keys=True)  [score source]")
+    assert af.rope.__doc__.startswith(
+        "rope(q, k, theta=10000.0, scale=None, cos=None, sin=None, rotate_keys=True)  [score source]")
     assert af.causal.__doc__.startswith("causal(s)  [mask]")
 
 

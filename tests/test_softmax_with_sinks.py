@@ -99,7 +99,8 @@ def test_decoding_with_kv_lens():
 SHAPE_OR_DTYPE = r"softmax_with_sinks: sinks must be a float tensor of shape \(Hq,\) = \(2,\)"
 
 
-@pytest.mark.parametrize("sinks, says", [(torch.zeros(3), SHAPE_OR_DTYPE), (torch.zeros(2, dtype=torch.int64), SHAPE_OR_DTYPE),
+@pytest.mark.parametrize("sinks, says", [(torch.zeros(3), SHAPE_OR_DTYPE),
+                                         (torch.zeros(2, dtype=torch.int64), SHAPE_OR_DTYPE),
                                          ([0.0, 0.0], r"argument 'sinks' must be a tensor")],
                          ids=["shape", "dtype", "list"])
 def test_bad_sinks_is_an_input_error_naming_sinks(sinks, says):

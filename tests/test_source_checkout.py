@@ -1,4 +1,4 @@
-"""The built-ins without installed entry points: a source tree on PYTHONPATH, never ``pip install``-ed (issue 14).
+"""The built-ins without installed entry points: a source tree on PYTHONPATH, never ``pip install``-ed.
 
 The subprocess tests run ``python -S`` (no site-packages, so no attnfuse distribution and no editable finder)
 with PYTHONPATH = a copy of the source tree, then a folder linking every package of the site folders except

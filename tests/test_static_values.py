@@ -178,13 +178,15 @@ BUILTIN_PARAMETERS = {
     ("rope", "theta"): lambda x: lambda q, k, v: af.softmax(af.rope(q, k, theta=x)) @ v,
     ("rope", "scale"): lambda x: lambda q, k, v: af.softmax(af.rope(q, k, scale=x)) @ v,
     ("rope", "rotate_keys"): lambda x: lambda q, k, v: af.softmax(af.rope(q, k, rotate_keys=x)) @ v,
-    ("sliding_window", "left"): lambda x: lambda q, k, v: af.softmax(af.sliding_window(af.scaled_dot_product(q, k), x)) @ v,
+    ("sliding_window", "left"): lambda x: lambda q, k, v: af.softmax(
+        af.sliding_window(af.scaled_dot_product(q, k), x)) @ v,
     ("sliding_window", "right"): lambda x: lambda q, k, v: af.softmax(
         af.sliding_window(af.scaled_dot_product(q, k), 1, x)) @ v,
     ("softcap", "cap"): lambda x: lambda q, k, v: af.softmax(af.softcap(af.scaled_dot_product(q, k), x)) @ v,
     ("sigmoid_attention", "bias"): lambda x: lambda q, k, v: af.sigmoid_attention(af.scaled_dot_product(q, k), x) @ v,
     ("alibi", "slopes"): lambda x: lambda q, k, v: af.softmax(af.alibi(af.scaled_dot_product(q, k), x)) @ v,
-    ("softmax_with_sinks", "sinks"): lambda x: lambda q, k, v: af.softmax_with_sinks(af.scaled_dot_product(q, k), x) @ v,
+    ("softmax_with_sinks", "sinks"): lambda x: lambda q, k, v: af.softmax_with_sinks(
+        af.scaled_dot_product(q, k), x) @ v,
 }
 BAD_NUMBERS = {"10**400": 10**400, "-10**400": -10**400, "2**70": 2**70, "2**63": 2**63, "inf": math.inf,
                "-inf": -math.inf, "nan": math.nan, "1e39": 1e39, "1e-300": 1e-300, "True": True}

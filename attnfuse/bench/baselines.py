@@ -21,9 +21,7 @@ def compiled():
     import torch._dynamo
     from torch.nn.attention.flex_attention import flex_attention
 
-    torch._dynamo.config.cache_size_limit = 1000
-    if hasattr(torch._dynamo.config, "recompile_limit"):
-        torch._dynamo.config.recompile_limit = 1000
+    torch._dynamo.config.recompile_limit = 1000
     rotate = torch.compile(lambda q, k, cos, sin: (_rotate(q, cos, sin), _rotate(k, cos, sin)))
     return torch.compile(flex_attention, dynamic=False), rotate
 

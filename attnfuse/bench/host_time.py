@@ -70,7 +70,7 @@ def rope_tables_causal(q, k, v, cos, sin):
 
 
 def breakdown_lines(device: str, calls: int = 500, N: int = 128, D: int = 64) -> list[str]:
-    """The breakdown of tiny calls (B1, 4 heads, ``N`` rows, head dim ``D``) of the issue's cases: causal,
+    """The breakdown of tiny calls (B1, 4 heads, ``N`` rows, head dim ``D``) of four kinds of call: causal,
     rope+causal with cos/sin tables, a BlockMask program, and a decoding step (one query) on a paged cache
     with kv_lens and block_table, validated."""
     dtype = torch.bfloat16 if device == "cuda" else torch.float32

@@ -1,4 +1,4 @@
-"""``compile(graph, config) -> Plan``: the compiler's one entry point (fuse -> lower, with tile -> plan).
+"""``compile(graph, config) -> Plan``: the compiler's one entry point (fuse -> lower, which picks the tiles -> plan).
 
 Each kernel's spec holds its name (``attnfuse_<kind>_<first 12 hex digits of the signature>``), its tiles, its
 launch spec (the ordered parameters that also write its ``def`` line, and its constexpr values), the
@@ -25,7 +25,7 @@ NAME_PARTS = {"forward": "fwd", "decode": "decode", "dkdv": "dkdv", "dq": "dq", 
 
 
 def lowered(graph: ir.MatMulPV, config: KernelConfig) -> LoweredProgram:
-    """fuse -> lower (+ tile): the flat record codegen writes ``graph``'s kernels for ``config`` from."""
+    """fuse -> lower (tiles included): the flat record codegen writes ``graph``'s kernels for ``config`` from."""
     return lower(fuse(graph), config, listing=ir.render(graph))
 
 

@@ -1,7 +1,8 @@
-"""Pass 3, lower: a fused program plus a launch configuration -> a flat ``LoweredProgram`` record.
+"""Pass 2, lower: a fused program plus a launch configuration -> a flat ``LoweredProgram`` record.
 
-The record holds every constant codegen needs; fragments come out with their parameters substituted,
-leaving only the template's own placeholders (``$x``, ``$pos``, ``$q_lo`` ...).
+The record holds every constant codegen needs, each kernel's tiles among them (``tile.choose_tiles``, asked here
+for every kernel of ``TILED_KERNELS``); fragments come out with their parameters substituted, leaving only the
+template's own placeholders (``$x``, ``$pos``, ``$q_lo`` ...).
 """
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ from attrs import frozen
 
 from .. import ir
 
-from ..combinator import ACCUMULATOR, BlockList, MaskFragment, NormaliserFragment, QKTransformFragment, Role, ScoreModFragment
+from ..combinator import (ACCUMULATOR, BlockList, MaskFragment, NormaliserFragment, QKTransformFragment, Role,
+                          ScoreModFragment)
 from ..errors import InputError, ProgramError
 from ..fragment_lint import lint, refuse_old_accumulator
 from ..launch_spec import SCALAR, TENSOR, Param, indexed_strides

@@ -1,4 +1,5 @@
-"""Pass 2, tile: block sizes, warps and pipeline stages from a table keyed by arch, variant and head dim.
+"""Tiles: block sizes, warps and pipeline stages from a table keyed by arch, variant and head dim. Not a pass of
+its own: ``lower`` calls ``choose_tiles`` for each kernel and keeps the answers in the ``LoweredProgram``.
 
 Plugins choose first (hooks ``attnfuse_tile_config``, then the rules of ``attnfuse_tile_configs``); where none
 does, the first rule of the table that matches wins: it runs from specific to general and ends with a rule
@@ -37,8 +38,7 @@ TABLE: tuple[TileRule, ...] = (
     # Interpreter: small tiles keep CPU runs quick and put several blocks in small test shapes.
     TileRule(arch="interpreter", kernel="decode", config=T(block_m=32, block_n=16, num_warps=1, num_stages=1)),
     TileRule(arch="interpreter", config=T(block_m=32, block_n=32, num_warps=1, num_stages=1)),
-    # H100/H200, from sweeps on an H200 (benchmarks/sweep_tiles.py; the logs are in the git history of
-    # docs/benchmarks/, e.g. `git show 6042eba:docs/benchmarks/2026-11-29-h200-session5-sweeps.log`).
+    # H100/H200: the winners of tile sweeps on an H200 (benchmarks/sweep_tiles.py, through the tile-rule hook).
     TileRule(arch="sm90", kernel="forward", head_dim=(1, 64),
              config=T(block_m=64, block_n=64, num_warps=4, num_stages=3)),
     TileRule(arch="sm90", kernel="forward", variant="window", head_dim=(65, 128),
@@ -48,15 +48,18 @@ TABLE: tuple[TileRule, ...] = (
     TileRule(arch="sm90", kernel="forward", head_dim=(65, 128),
              config=T(block_m=128, block_n=128, num_warps=8, num_stages=3)),
     TileRule(arch="sm90", kernel="dkdv", head_dim=(1, 64), config=T(block_m=64, block_n=64, num_warps=4, num_stages=3)),
-    TileRule(arch="sm90", kernel="dkdv", head_dim=(65, 128), config=T(block_m=64, block_n=64, num_warps=4, num_stages=2)),
+    TileRule(arch="sm90", kernel="dkdv", head_dim=(65, 128),
+             config=T(block_m=64, block_n=64, num_warps=4, num_stages=2)),
     TileRule(arch="sm90", kernel="dq", head_dim=(1, 64), config=T(block_m=64, block_n=64, num_warps=4, num_stages=3)),
     TileRule(arch="sm90", kernel="dq", variant="listed", head_dim=(65, 128),
              config=T(block_m=64, block_n=64, num_warps=4, num_stages=3)),
-    TileRule(arch="sm90", kernel="dq", head_dim=(65, 128), config=T(block_m=128, block_n=64, num_warps=8, num_stages=3)),
+    TileRule(arch="sm90", kernel="dq", head_dim=(65, 128),
+             config=T(block_m=128, block_n=64, num_warps=8, num_stages=3)),
     TileRule(arch="sm90", head_dim=(129, 256), config=T(block_m=64, block_n=64, num_warps=4, num_stages=2)),
     # Split-KV decoding, swept on the H200 with runtime.decode.PROGRAMS_PER_SM = 2
-    # (`git show 6042eba:docs/benchmarks/2026-11-29-h200-sweep-decode.log`).
-    TileRule(arch="sm90", kernel="decode", head_dim=(1, 128), config=T(block_m=64, block_n=64, num_warps=4, num_stages=3)),
+    # (benchmarks/sweep_tiles.py --kernel decode).
+    TileRule(arch="sm90", kernel="decode", head_dim=(1, 128),
+             config=T(block_m=64, block_n=64, num_warps=4, num_stages=3)),
     # Any other GPU: conservative tiles that fit every recent part's shared memory.
     TileRule(head_dim=(1, 128), config=T(block_m=64, block_n=64, num_warps=4, num_stages=2)),
     TileRule(config=T(block_m=64, block_n=32, num_warps=4, num_stages=1)),

@@ -53,8 +53,9 @@ def combine(part_out: torch.Tensor, part_lse: torch.Tensor, out: torch.Tensor, l
     splits = part_out.shape[1]
     kernel = _jitted if out.is_cuda else _interpreted
     kernel.launch((B * Hq * Nq,),
-                  COMBINE.bind({"PartOut": part_out, "PartLse": part_lse, "Out": out, "Lse": out if lse is None else lse,
-                                "HQ": Hq, "Nq": Nq, "DV": DV, "NUM_SPLITS": splits}),
+                  COMBINE.bind({"PartOut": part_out, "PartLse": part_lse, "Out": out,
+                                "Lse": out if lse is None else lse, "HQ": Hq, "Nq": Nq, "DV": DV,
+                                "NUM_SPLITS": splits}),
                   COMBINE.constexprs({"LOGSUMEXP": logsumexp, "SAVE_LSE": lse is not None,
                                       "BLOCK_S": max(2, next_power_of_2(splits)),
                                       "BLOCK_DV": max(16, next_power_of_2(DV))}), device=out.device)

@@ -9,7 +9,7 @@ from attrs import field, frozen
 from hypothesis import strategies as st
 
 from ..combinator import REQUIRED, Combinator, Role
-from ..examples_support import random_tensor
+from ..examples_support import random_tensor  # noqa: F401 (attnfuse.testing exports it from here)
 from ..plugin_manager import BUILTIN_DISTRIBUTION, combinators
 from ..program import AttentionProgram
 

@@ -1,4 +1,4 @@
-"""Pass 4, codegen: a ``LoweredProgram`` -> Triton source, one self-contained function per kernel, and each
+"""Pass 3, codegen: a ``LoweredProgram`` -> Triton source, one self-contained function per kernel, and each
 kernel's parameters (``*_params``), from which both its ``def`` line and its launch spec are made.
 
 Every variant decision is made here, in Python, so the kernels have no runtime branch on the program's

@@ -39,8 +39,9 @@ $query_range
     full_end = tl.where((pid_n + 1) * BLOCK_N > $n_keys, full_start, full_end)  # a partial key block is never full
 $light$loops
 $split_reduce    k_in = $k_in
-$dk_grad$dk_store    tl.store(DValue + b.to(tl.int64) * stride_dvb + hk.to(tl.int64) * stride_dvh + k_idx[:, None] * stride_dvn
-             + dv[None, :] * stride_dvd, dv_acc.to(DValue.dtype.element_ty), mask=k_in[:, None]$dv_mask)
+$dk_grad$dk_store    tl.store(DValue + b.to(tl.int64) * stride_dvb + hk.to(tl.int64) * stride_dvh
+             + k_idx[:, None] * stride_dvn + dv[None, :] * stride_dvd, dv_acc.to(DValue.dtype.element_ty),
+             mask=k_in[:, None]$dv_mask)
 ''')
 
 _DQ = string.Template('''\
@@ -114,8 +115,9 @@ def _dkdv_body(kernel: LoweredProgram, masked: bool, implied: str | None) -> str
     dtype = "Q.dtype.element_ty"
     rows = (f"q_idx = start_m + tl.arange(0, BLOCK_M)\nq_pos = q_idx + {query_shift(kernel)}\n"
             "q_ok = (q_idx < Nq) | EVEN_M\n")
+    do_ptrs = "do_base + q_idx[:, None] * stride_dom + dv[None, :] * stride_dod"
     code = (operand(kernel, "q", "q_base", "q_idx[:, None] * stride_qm", "q_pos", "q_ok", "stride_qd", masked)
-            + f"do = {masked_load('do_base + q_idx[:, None] * stride_dom + dv[None, :] * stride_dod', f'{ok}[:, None]' if masked else '', dv_mask(kernel))}\n"
+            + f"do = {masked_load(do_ptrs, f'{ok}[:, None]' if masked else '', dv_mask(kernel))}\n"
             + _rows(kernel, masked) + qk_product(kernel, transposed=True) + _recompute(kernel, masked, implied)
             + f"dv_acc = tl.dot(tl.trans(p.to({dtype})), do, dv_acc{p})\n"
             + f"dp = tl.trans(tl.dot(v, tl.trans(do){p}))\n" + _chain(kernel, masked, False))
@@ -157,7 +159,8 @@ def _store(kernel: LoweredProgram, out: str, acc: str, base: str, rows: str, ok:
         h_mask = half_mask(kernel, joined=True)
         ptrs = f"{base} + {rows}[:, None] * {stride_row} + dh[None, :] * {stride_d}"
         return (f"tl.store({ptrs}, {acc}1.to({out}.dtype.element_ty), mask={ok}[:, None]{h_mask})\n"
-                f"tl.store({ptrs} + HALF * {stride_d}, {acc}2.to({out}.dtype.element_ty), mask={ok}[:, None]{h_mask})\n")
+                f"tl.store({ptrs} + HALF * {stride_d}, {acc}2.to({out}.dtype.element_ty), "
+                f"mask={ok}[:, None]{h_mask})\n")
     d_mask = "" if kernel.block_d == kernel.config.head_dim else " & (d[None, :] < D)"
     return (f"tl.store({base} + {rows}[:, None] * {stride_row} + d[None, :] * {stride_d}, "
             f"{acc}.to({out}.dtype.element_ty), mask={ok}[:, None]{d_mask})\n")

@@ -31,7 +31,8 @@ def share_sum(kernel: LoweredProgram) -> str:
         name, width, col = accs[i]
         return f"PartDKV + ({share}) * ({part}) + {offsets[i]} + rows_n[:, None] * {width} + {col}[None, :]"
     stores = "".join(f"    tl.store({at('share + g_lo', i)}, {name})\n" for i, (name, _, _) in enumerate(accs))
-    zeros = "".join(f"        {name} = tl.zeros([BLOCK_N, {width}], dtype={kernel.accumulator})\n" for name, width, _ in accs)
+    zeros = "".join(f"        {name} = tl.zeros([BLOCK_N, {width}], dtype={kernel.accumulator})\n"
+                    for name, width, _ in accs)
     sums = "".join(f"            {name} += tl.load({at('share + j', i)}, cache_modifier=\".cg\")\n"
                    for i, (name, _, _) in enumerate(accs))
     return ("last = pid_n >= 0\nif one_head:  # this head's share of a heavy key block\n"

@@ -203,7 +203,8 @@ def loops(body, var: str, block: str, has_head: bool, group_setup: str | None = 
         if group_setup is None:
             return f"# {comment}\nfor {var} in range({lo}, {hi}, {block}):\n{indent(body(masked), 4)}"
         return (f"# {comment}, for each query head of the group\nsteps = ({hi} - {lo} + {block} - 1) // {block}\n"
-                f"for t in range(0, {heads} * steps):\n{indent(head, 4)}    {var} = {lo} + (t - {i} * steps) * {block}\n"
+                f"for t in range(0, {heads} * steps):\n{indent(head, 4)}"
+                f"    {var} = {lo} + (t - {i} * steps) * {block}\n"
                 f"{indent(group_setup, 4)}{indent(body(masked), 4)}")
 
     parts = [loop("masked head", "start", "full_start", True)] if has_head else []
