@@ -21,8 +21,9 @@ class Call:
     which also writes the gradients of the runtime inputs named in ``grads``: built by ``build_backward``
     when a gradient is first computed, so a forward that is never differentiated generates no backward.
     ``sides``: those of q and k a hoisted forward keeps transformed copies of. ``compiled``: the program's
-    kernels these come from, kept alive while the call is cached, so other signatures share them. ``kv_layout``: the layout a paged call's pools are read in
-    (``kv_layout.py``), decided with the call; None for a contiguous cache."""
+    kernels these come from, kept alive while the call is cached, so other signatures share them.
+    ``kv_layout``: the layout a paged call's pools are read in (``kv_layout.py``), decided with the call;
+    None for a contiguous cache."""
 
     def __init__(self, compiled: Compiled, *, forward: ForwardKernel | HoistedForward | None = None,
                  decode: DecodeKernel | None = None,
