@@ -49,8 +49,8 @@ _BY_ITSELF = frozenset({types.FunctionType, types.BuiltinFunctionType, types.Mod
 
 
 def freeze(value: Any, by_identity: tuple[type, ...] = (), on_code: Callable[[Any], None] | None = None) -> Any:
-    """A hashable key for a static value that tells its type apart (``True``, ``1`` and ``1.0`` differ; every
-    NaN is the same): None, bool, int, float, str, and tuples, lists and dicts of those; objects of the
+    """A hashable key for a static value that tells its type apart (``True``, ``1`` and ``1.0`` differ, and
+    ``-0.0`` and ``0.0``; every NaN is the same): None, bool, int, float, str, and tuples, lists and dicts of those; objects of the
     ``by_identity`` types (code: functions, combinators) stand for themselves, each passed to ``on_code``.
     Raises TypeError naming any other type."""
     kind = type(value)
@@ -61,7 +61,7 @@ def freeze(value: Any, by_identity: tuple[type, ...] = (), on_code: Callable[[An
             on_code(value)
         return kind, value
     if isinstance(value, float):
-        return kind, (value if value == value else "nan")
+        return kind, float.__repr__(value)  # exact (repr round-trips), with the sign of a zero; "nan" for any NaN
     if isinstance(value, (int, str, enum.Enum)):  # IntEnum, str subclasses; an Enum member is a singleton
         return kind, value
     if isinstance(value, (tuple, list)):
