@@ -66,8 +66,9 @@ _BY_ITSELF = frozenset({types.FunctionType, types.BuiltinFunctionType, types.Mod
 
 def freeze(value: Any, by_identity: tuple[type, ...] = (), on_code: Callable[[Any], None] | None = None) -> Any:
     """A hashable key for a static value that tells its type apart (``True``, ``1`` and ``1.0`` differ, and
-    ``-0.0`` and ``0.0``; every NaN is the same): None, bool, int, float, str, and tuples, lists and dicts of those; objects of the
-    ``by_identity`` types (code: functions, combinators) stand for themselves, each passed to ``on_code``.
+    ``-0.0`` and ``0.0``; every NaN is the same): None, bool, int, float, str, and tuples, lists and dicts of
+    those; objects of the ``by_identity`` types (code: functions, combinators) stand for themselves, each
+    passed to ``on_code``.
     Raises TypeError naming any other type."""
     kind = type(value)
     if kind in _PLAIN:

@@ -108,8 +108,12 @@ class Die(BaseException):
     """A BaseException of the plugin's own, neither Exception nor an interrupt."""
 
 
-ENDINGS = {"sys.exit": lambda: sys.exit(3), "SystemExit": lambda: (_ for _ in ()).throw(SystemExit("bye")),
-           "GeneratorExit": lambda: (_ for _ in ()).throw(GeneratorExit()), "a BaseException": lambda: (_ for _ in ()).throw(Die("dead"))}
+def _raise(exc: BaseException):
+    raise exc
+
+
+ENDINGS = {"sys.exit": lambda: sys.exit(3), "SystemExit": lambda: _raise(SystemExit("bye")),
+           "GeneratorExit": lambda: _raise(GeneratorExit()), "a BaseException": lambda: _raise(Die("dead"))}
 
 
 @pytest.mark.parametrize("ending", sorted(ENDINGS))
