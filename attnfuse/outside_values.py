@@ -134,9 +134,9 @@ def _state_module(name: Any) -> bool:
 
 
 def _stdlib_state(value: Any) -> str | None:
-    """The standard-library module of changing state that ``value`` is, or is code or an object of (a bound
-    method counts by its object too: ``os.environ.get``, ``random.random``); None for anything else."""
-    for holder in (value, getattr(value, "__self__", None)) if isinstance(value, _CODE) else (value,):
+    """The standard-library module of changing state that ``value`` is or is code of (a bound method counts by
+    its object too: ``os.environ.get``, ``random.random``); None for anything else (other values are frozen)."""
+    for holder in (value, getattr(value, "__self__", None)) if isinstance(value, _CODE) else ():
         if _state_module(_module_name(holder)):
             return _module_name(holder)
     return None
