@@ -68,8 +68,12 @@ def _refuse_unsupported(name: str, module: torch.nn.Module, dropout: float, kwar
 def _with_sink_gradient(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
     """``out`` (B, Hq, Nq, DV) of ``softmax_with_sinks``, unchanged, with the gradient of ``sinks`` (Hq,), which
     the kernels do not compute: d out / d sink_h = -w·out, where w = exp(sink_h - lse) is the sink's own weight
-    (``lse`` (B, Hq, Nq) includes the sink). The factor 1 - (w - w.detach()) is exactly 1; its derivative is -w."""
-    w = torch.exp(sinks.view(1, -1, 1).to(lse.dtype) - lse.detach())
+    (``lse`` (B, Hq, Nq) includes the sink). The factor 1 - (w - w.detach()) is exactly 1; its derivative is -w.
+    An infinite sink equal to the lse (-inf in a row with no key, +inf) has w 1 with no derivative: out is 0
+    there, and so is -w·out (no inf - inf makes the out NaN)."""
+    sink = sinks.view(1, -1, 1).to(lse.dtype)
+    lse = lse.detach()
+    w = torch.exp(torch.where(torch.isinf(sink) & (sink == lse), 0.0, sink - lse))
     return (out.to(lse.dtype) * (1.0 - (w - w.detach())).unsqueeze(-1)).to(out.dtype)
 
 

@@ -15,7 +15,7 @@ from attrs.validators import deep_iterable, in_, instance_of
 
 from .combinator import INPUT
 from .errors import ProgramError
-from .static_values import literal
+from .static_values import literal, typed
 
 if TYPE_CHECKING:
     from .combinator import Combinator
@@ -48,6 +48,11 @@ def _check_params(apply: Apply, _, params: tuple) -> None:
                 raise ProgramError(f"{apply.combinator}: parameter {name!r}: {exc}") from None
 
 
+def _params_key(params: tuple[tuple[str, Any], ...]) -> tuple:
+    """Parameters as they compare: a static value by ``typed`` (``True`` is not ``1``, ``-0.0`` not ``0.0``)."""
+    return tuple((n, v if isinstance(v, TensorSym) else typed(v)) for n, v in params)
+
+
 @frozen(kw_only=True, cache_hash=True)
 class Apply:
     """One application of a combinator: its name and parameters, in declaration order.
@@ -55,11 +60,12 @@ class Apply:
     Static parameters hold their values, each one ``static_values.literal`` can write (else a ProgramError
     naming the combinator and parameter); runtime inputs hold the ``TensorSym`` they are read from.
     ``record``: the registered combinator the name resolved to when the program was traced, so no pass
-    looks it up again; it takes no part in equality, hash or repr (the signature covers the name).
+    looks it up again; it takes no part in equality, hash or repr (the signature covers the name). Static
+    values compare by type and literal, so applications of ``True`` and ``1`` are different graphs.
     """
 
     combinator: str
-    params: tuple[tuple[str, Any], ...] = field(converter=tuple, validator=_check_params)
+    params: tuple[tuple[str, Any], ...] = field(converter=tuple, validator=_check_params, eq=_params_key)
     record: Registered = field(eq=False, repr=False)
 
     @property

@@ -14,7 +14,13 @@ Each call resolves only those paths and freezes their values. Code in them count
 rebound helper traces again (and is analysed anew). A value that cannot be frozen (a tensor, another
 object), and a read the analysis cannot follow (a module of user code imported inside a function, a user
 module or class used as a value rather than through its attributes, a bound method, ``globals()``,
-``vars()``, ``eval``, ``exec``), is a ProgramError: pass such values as arguments.
+``vars()``, ``eval``, ``exec``, ``__import__``), is a ProgramError: pass such values as arguments.
+
+The standard library is fixed code only where it holds no state (``FIXED_STDLIB``: math, operator,
+functools ...). A read of any other standard-library module, of its code or of its objects (``os.environ``,
+``os.getenv``, ``time.time``, ``random.random``, ``sys.argv``, ``datetime.datetime.now``), an import of one
+inside a function, and a call of ``open`` or ``input`` is a ProgramError naming the read: what such a call
+returns can change between calls, and no key could follow it.
 """
 from __future__ import annotations
 
@@ -35,7 +41,17 @@ analysed, their modules' attributes are not read per call."""
 _STDLIB = os.path.join(os.path.realpath(sysconfig.get_paths()["stdlib"]), "")
 _libraries: dict[str, tuple[Any, bool]] = {}  # by top-level name: (the module it was found for, whether a library)
 
-_OPAQUE_BUILTINS = frozenset({"globals", "vars", "eval", "exec"})
+_OPAQUE_BUILTINS = frozenset({"globals", "vars", "eval", "exec", "__import__"})
+_STATE_BUILTINS = frozenset({"open", "input"})  # read files and the terminal
+FIXED_STDLIB = frozenset({"math", "cmath", "operator", "functools", "itertools", "numbers", "enum", "typing", "types",
+                          "dataclasses", "collections", "abc", "string", "re", "fractions", "bisect", "heapq", "copy",
+                          "warnings", "contextlib", "textwrap", "keyword", "builtins"})
+"""Standard-library modules (by top-level name, a leading ``_`` dropped: ``_operator``) taken as fixed code and
+constants. Every other one holds state that can change between calls (``os.environ``, ``time.time()``,
+``random.random()``, ``sys.argv``, files): a program reading it, its code or its objects is refused."""
+_STATE_ADVICE = ("can change between calls (the environment, files, the clock, random numbers, sys.argv), while a "
+                 "program is traced once and what it reads is baked into its kernel: read it outside the program "
+                 "and pass the value as an argument")
 _ROOTS = {"LOAD_GLOBAL": "the global", "LOAD_NAME": "the global", "LOAD_FROM_DICT_OR_GLOBALS": "the global",
           "LOAD_DEREF": "the closure variable", "LOAD_CLASSDEREF": "the closure variable",
           "LOAD_FROM_DICT_OR_DEREF": "the closure variable"}
@@ -49,9 +65,10 @@ _BY_ITSELF = frozenset({types.FunctionType, types.BuiltinFunctionType, types.Mod
 
 
 def freeze(value: Any, by_identity: tuple[type, ...] = (), on_code: Callable[[Any], None] | None = None) -> Any:
-    """A hashable key for a static value that tells its type apart (``True``, ``1`` and ``1.0`` differ; every
-    NaN is the same): None, bool, int, float, str, and tuples, lists and dicts of those; objects of the
-    ``by_identity`` types (code: functions, combinators) stand for themselves, each passed to ``on_code``.
+    """A hashable key for a static value that tells its type apart (``True``, ``1`` and ``1.0`` differ, and
+    ``-0.0`` and ``0.0``; every NaN is the same): None, bool, int, float, str, and tuples, lists and dicts of
+    those; objects of the ``by_identity`` types (code: functions, combinators) stand for themselves, each
+    passed to ``on_code``.
     Raises TypeError naming any other type."""
     kind = type(value)
     if kind in _PLAIN:
@@ -61,7 +78,7 @@ def freeze(value: Any, by_identity: tuple[type, ...] = (), on_code: Callable[[An
             on_code(value)
         return kind, value
     if isinstance(value, float):
-        return kind, (value if value == value else "nan")
+        return kind, float.__repr__(value)  # exact (repr round-trips), with the sign of a zero; "nan" for any NaN
     if isinstance(value, (int, str, enum.Enum)):  # IntEnum, str subclasses; an Enum member is a singleton
         return kind, value
     if isinstance(value, (tuple, list)):
@@ -108,6 +125,21 @@ def _library(name: str | None) -> bool:
         found = _libraries[top] = module, top in LIBRARIES or (top in sys.stdlib_module_names and (
             file is None or os.path.realpath(file).startswith(_STDLIB)))
     return found[1]
+
+
+def _state_module(name: Any) -> bool:
+    """Whether the module named ``name`` is of the standard library and outside ``FIXED_STDLIB``."""
+    top = name.partition(".")[0] if isinstance(name, str) else ""
+    return top in sys.stdlib_module_names and top.lstrip("_") not in FIXED_STDLIB and _library(name)
+
+
+def _stdlib_state(value: Any) -> str | None:
+    """The standard-library module of changing state that ``value`` is or is code of (a bound method counts by
+    its object too: ``os.environ.get``, ``random.random``); None for anything else (other values are frozen)."""
+    for holder in (value, getattr(value, "__self__", None)) if isinstance(value, _CODE) else ():
+        if _state_module(_module_name(holder)):
+            return _module_name(holder)
+    return None
 
 
 def _user(value: Any) -> bool:
@@ -215,6 +247,9 @@ class OutsideReads:
                             raise ProgramError(f"{self._name}{where} calls {name}(): what it reads cannot be "
                                                f"found, so a changed value could not trace again; read "
                                                f"globals by name, or pass values as arguments")
+                        if name in _STATE_BUILTINS:
+                            raise ProgramError(f"{self._name}{where} calls {name}(): it reads a file or the "
+                                               f"terminal, which {_STATE_ADVICE}")
                         continue
                 read = self._follow(holder, name, attributes, what, where, todo)
                 if read is not None:
@@ -223,6 +258,9 @@ class OutsideReads:
         self.empty = not self._reads
 
     def _check_import(self, module: str, where: str) -> None:
+        if _state_module(module):
+            raise ProgramError(f"{self._name}{where} imports {module!r} inside a function, standard-library "
+                               f"state that {_STATE_ADVICE}")
         if not _library(module):
             what = repr(module) if module else "a module of its package (a relative import)"
             raise ProgramError(f"{self._name}{where} imports {what} inside a function: what it then reads from "
@@ -234,17 +272,31 @@ class OutsideReads:
         namespaces; None when it reads a library's module. User functions it reaches join ``todo``."""
         read = _Read(holder, name, (), "")
         value = read.value()
-        if isinstance(value, types.ModuleType) and not _namespace(value):
-            return None  # af, torch, math: fixed code
         used: list[str] = []
         for attribute in attributes:
             if not _namespace(value):
                 break
             used.append(attribute)
             value = getattr(value, attribute, _EMPTY)
+        self._refuse_state(value, attributes[len(used):], f"{what} {'.'.join((name, *attributes))!r}{where}")
+        if not used and isinstance(value, types.ModuleType) and not _namespace(value):
+            return None  # af, torch, math: fixed code
         read = _Read(holder, name, tuple(used), f"{what} {'.'.join((name, *used))!r}{where}")
         self._reach(value, read, todo)
         return read
+
+    def _refuse_state(self, value: Any, attributes: tuple[str, ...], label: str) -> None:
+        """Refuse ``value``, or a module the rest of its chain of ``attributes`` passes through, when it is
+        standard-library state (``os``, ``time.time``, ``random.random``, ``sys.argv``)."""
+        for attribute in (None, *attributes):
+            if attribute is not None:
+                if not isinstance(value, types.ModuleType):
+                    return
+                value = getattr(value, attribute, _EMPTY)
+            module = _stdlib_state(value)
+            if module is not None:
+                raise ProgramError(f"{self._name} reads {label}, standard-library state of {module} that "
+                                   f"{_STATE_ADVICE}")
 
     def _reach(self, value: Any, read: _Read, todo: list) -> None:
         """Queue the user functions ``value`` holds; refuse user code whose reads cannot be followed."""
@@ -296,7 +348,7 @@ class OutsideReads:
         return tuple(key)
 
     def _check_code(self, value: Any) -> None:
-        if id(value) not in self._functions and _user(value):
+        if id(value) not in self._functions and (_user(value) or _stdlib_state(value) is not None):
             raise _Stale
 
 

@@ -5,7 +5,8 @@ the ``attnfuse`` distribution itself), load the built-ins no entry point named (
 without ``pip install``; see ``builtin_plugins``), check for hook implementations no hookspec knows.
 Setting ``ATTNFUSE_DISABLE_PLUGIN_AUTOLOAD=1`` loads the built-ins only.
 
-One installed plugin never takes the others down. A plugin that fails (its import raises, it implements
+One installed plugin never takes the others down. A plugin that fails (its import raises, even
+``SystemExit`` or another ``BaseException`` but ``KeyboardInterrupt``, which still interrupts; it implements
 an unknown hook, its hook raises or returns something other than valid combinators) is reported with a
 warning, listed by ``broken_plugins()`` and skipped. A combinator whose name another plugin also declares,
 or attnfuse's own API uses, is skipped alone (the plugin's other combinators stay): a built-in keeps its
@@ -81,6 +82,8 @@ def plugin_manager() -> pluggy.PluginManager:
     global _manager
     with _lock:
         if _manager is None:
+            _load_failures.clear()  # what a load an interrupt ended left
+            _distributions.clear()
             pm = pluggy.PluginManager(NAME)
             pm.add_hookspecs(hookspecs)
             skip_third_party = _autoload_disabled()
@@ -104,17 +107,30 @@ def plugin_manager() -> pluggy.PluginManager:
         return _manager
 
 
+def _ending(exc: BaseException) -> bool:
+    """Whether ``exc``, raised by a plugin's import or hook, makes the plugin broken: any exception, and any
+    other BaseException that would end the process (``sys.exit``, ``SystemExit``, ``GeneratorExit``, one of
+    the plugin's own), but not ``KeyboardInterrupt``: Ctrl-C while plugins load interrupts, as anywhere else
+    (an interrupt a plugin raises itself cannot be told apart from one, and is taken as one)."""
+    return not isinstance(exc, KeyboardInterrupt)
+
+
 def _load(pm: pluggy.PluginManager, name: str, dist: str, target: str, load) -> None:
-    """Import one plugin (``load()``) and register it as ``name``; a failure is kept as a broken plugin."""
+    """Import one plugin (``load()``) and register it as ``name``; a failure (``_ending``) is kept as a
+    broken plugin."""
     try:
         plugin = load()
-    except Exception as exc:
+    except BaseException as exc:
+        if not _ending(exc):
+            raise
         _load_failures.append(BrokenPlugin(name, dist, f"plugin {name!r} of distribution {dist!r}: failed to "
                                                        f"import {target}: {type(exc).__name__}: {exc}"))
         return
     try:
         pm.register(plugin, name=name)
-    except Exception as exc:  # a hook pluggy refuses, or a module another entry point registered already
+    except BaseException as exc:  # a hook pluggy refuses, or a module another entry point registered already
+        if not _ending(exc):
+            raise
         _load_failures.append(BrokenPlugin(name, dist, f"plugin {name!r} of distribution {dist!r}: failed to "
                                                        f"register {target}: {type(exc).__name__}: {exc}"))
         return
@@ -161,11 +177,13 @@ def register_plugin(plugin: Any, name: str | None = None) -> None:
             if failed:
                 raise PluginError(failed[0].cause)
             _publish(registry, broken)
-        except (PluginError, pluggy.PluginValidationError) as exc:
+        except BaseException as exc:  # a PluginError, or an interrupt while it loads: nothing stays registered
             pm.unregister(name=name)
             _distributions.pop(name, None)
             _registry = None
-            raise exc if isinstance(exc, PluginError) else PluginError(f"plugin {name!r}: {exc}") from exc
+            if isinstance(exc, pluggy.PluginValidationError):
+                raise PluginError(f"plugin {name!r}: {exc}") from exc
+            raise
 
 
 def unregister_plugin(name: str) -> None:
@@ -301,7 +319,9 @@ def _provided(impl, plugin_name: str, dist: str) -> list[Combinator]:
     where = f"plugin {plugin_name!r} of distribution {dist!r}"
     try:
         result = list(impl.function() or ())
-    except Exception as exc:
+    except BaseException as exc:
+        if not _ending(exc):
+            raise
         raise PluginError(f"{where}: attnfuse_combinators() raised {type(exc).__name__}: {exc}") from exc
     names: set[str] = set()
     for comb in result:

@@ -49,6 +49,12 @@ def literal(value: Any) -> str:
     raise ValueError(f"must be {ALLOWED}; got a {kind.__module__}.{kind.__qualname__}")
 
 
+def typed(value: Any) -> tuple[type, str]:
+    """A static value as a key that tells apart values Python calls equal but a kernel does not: ``True``,
+    ``1`` and ``1.0``; ``0``, ``False``, ``0.0`` and ``-0.0`` (its type and its ``literal``)."""
+    return type(value), literal(value)
+
+
 def exact(value: Any) -> Any:
     """A subclass of int, float or str (an IntEnum member, a numpy.float64) as the plain int, float or str
     it holds (read by the base type's own method), so nothing the subclass overrides, its ``repr`` above

@@ -6,10 +6,12 @@ competes with the keys for weight but carries no value, so a head may attend to 
     weights[j] = exp(s_j) / (exp(sinks[h]) + sum_k exp(s_k))
 
 ``sinks`` is a float tensor (Hq,), passed at every call. The log-sum-exp includes the sink, and a row that
-keeps no key gives output 0 and lse ``sinks[h]``. Gradients flow to q, k and v; the kernels give the sinks
-none, so pass them detached (``attnfuse.hf`` adds their gradient from the lse for GPT-OSS). Partial results
-over disjoint keys merge by log-sum-exp when only one of them counts the sink: the others run ``partial``,
-softmax's fragment, which leaves it out. Context parallelism (``attnfuse.distributed``) does that; split-KV
+keeps no key gives output 0 and lse ``sinks[h]``. A sink of -inf takes no weight (plain softmax; a row
+with no key: output 0, lse -inf), +inf all of it (output 0, lse +inf), and NaN gives NaN in its head's
+rows. Gradients flow to q, k and v; the kernels give the sinks none, so pass them detached
+(``attnfuse.hf`` adds their gradient from the lse for GPT-OSS). Partial results over disjoint keys merge
+by log-sum-exp when only one of them counts the sink: the others run ``partial``, softmax's fragment,
+which leaves it out. Context parallelism (``attnfuse.distributed``) does that; split-KV
 decoding, whose splits are alike, is not offered.
 """
 from __future__ import annotations
@@ -37,13 +39,18 @@ def reference(s: torch.Tensor, keep, ctx, sinks):
     """s (B, Hq, Nq, Nk) -> weights (B, Hq, Nq, Nk), lse (B, Hq, Nq), in s's dtype.
 
     With m = max(sink_h, max_j s_j): weights_j = exp(s_j - m) / (exp(sink_h - m) + sum_k exp(s_k - m)),
-    lse = m + log(that denominator). Excluded keys score -inf and weigh 0."""
+    lse = m + log(that denominator). Excluded keys score -inf and weigh 0. A -inf sink weighs 0 (a row with
+    no key: weights 0, lse -inf); a +inf sink takes all the weight (weights 0, lse +inf); NaN gives NaN."""
     if keep is not None:
         s = torch.where(keep, s, torch.full_like(s, -math.inf))
     sink = _sinks(sinks, ctx.Hq).to(device=s.device, dtype=s.dtype).view(1, ctx.Hq, 1, 1)
-    m = torch.maximum(s.amax(dim=-1, keepdim=True), sink)
-    total = torch.exp(sink - m) + torch.exp(s - m).sum(dim=-1, keepdim=True)
-    return torch.exp(s - m) / total, (m + torch.log(total)).squeeze(-1)
+    top = s.amax(dim=-1, keepdim=True)
+    m = torch.maximum(top, sink)
+    # an infinite m (no key and a -inf sink, or a +inf sink) shifts by the top score, or 0 with no key
+    m = torch.where(torch.isfinite(m), m, torch.where(torch.isfinite(top), top, torch.zeros_like(top)))
+    e = torch.exp(s - m)
+    total = torch.exp(sink - m) + e.sum(dim=-1, keepdim=True)
+    return e / torch.where(total == 0, torch.ones_like(total), total), (m + torch.log(total)).squeeze(-1)
 
 
 def prepare(ctx, sinks):
@@ -59,11 +66,14 @@ def examples(draw, shape):
 
 
 def _update(factor: str) -> str:
-    """FlashAttention's online softmax in exp2, on scores ``s * <factor>``; the state starts at the sink."""
+    """FlashAttention's online softmax in exp2, on scores ``s * <factor>``; the state starts at the sink.
+    An unchanged maximum keeps the sum as it is (alpha 1, also when it is infinite: a -inf sink and no key
+    yet, or a +inf sink), and a -inf one weighs every score 0, so no inf - inf makes a NaN."""
     return f"""
         m_new = tl.maximum(m_i, tl.max(s, 1){factor})
-        alpha = tl.math.exp2(m_i - m_new)
-        p = tl.math.exp2(s{factor} - m_new[:, None])
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.where(m_new == m_i, 1.0, tl.math.exp2(m_i - m_use))
+        p = tl.math.exp2(s{factor} - m_use[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]
         m_i = m_new

@@ -7,8 +7,17 @@ trace. Reads the analysis cannot follow are a ProgramError.
 """
 from __future__ import annotations
 
+import datetime
+import functools
 import importlib.util
+import math
+import operator
+import os
+import random
 import sys
+import time
+from os import getenv
+from random import uniform
 
 import pytest
 import torch
@@ -266,7 +275,10 @@ def uses_the_class(s):
      r"reads the global 'Cfg' \(in uses_the_class\), the class itself: .*read its attributes by name"),
     (lambda q, k, v: af.softmax(af.sliding_window(af.scaled_dot_product(q, k), globals()["WINDOW"])) @ v,
      r"calls globals\(\): what it reads cannot be found"),
-], ids=["a class as a value", "globals()"])
+    (lambda q, k, v: af.softmax(af.sliding_window(af.scaled_dot_product(q, k),
+                                                  int(__import__("os").environ["W"]))) @ v,
+     r"calls __import__\(\): what it reads cannot be found"),
+], ids=["a class as a value", "globals()", "__import__()"])
 def test_reads_that_cannot_be_followed_are_refused(body, match):
     with pytest.raises(ProgramError, match=match):
         af.attention(body)
@@ -295,3 +307,109 @@ def test_an_object_read_through_a_helper_names_it():
     with pytest.raises(ProgramError, match=r"reads the closure variable 'bias' \(in .*add_bias\), which holds a "
                                            r"Tensor.*pass 'bias' as an argument"):
         program(*(torch.randn(1, 2, N, D) for _ in range(3)))
+
+
+# Standard-library state: the environment, the clock, random numbers, sys.argv. No key can follow what a call
+# (os.getenv(), time.time()) returns, so every read of such a module, of its code or of its objects is refused
+# at decoration, naming the read; pure modules (math, operator, functools ...) stay fixed code.
+
+def _window_from_environment():
+    return int(os.environ.get("ATTNFUSE_TEST_WINDOW", "2"))
+
+
+STATE_READS = {
+    "os.environ.get": lambda q, k, v: af.softmax(af.sliding_window(
+        af.scaled_dot_product(q, k), int(os.environ.get("ATTNFUSE_TEST_WINDOW", "2")))) @ v,
+    "os.environ[]": lambda q, k, v: af.softmax(af.sliding_window(
+        af.scaled_dot_product(q, k), int(os.environ["ATTNFUSE_TEST_WINDOW"]))) @ v,
+    "os.getenv": lambda q, k, v: af.softmax(af.sliding_window(
+        af.scaled_dot_product(q, k), int(os.getenv("ATTNFUSE_TEST_WINDOW", "2")))) @ v,
+    "getenv": lambda q, k, v: af.softmax(af.sliding_window(
+        af.scaled_dot_product(q, k), int(getenv("ATTNFUSE_TEST_WINDOW", "2")))) @ v,
+    "environ.get": lambda q, k, v: af.softmax(af.sliding_window(
+        af.scaled_dot_product(q, k), int(get_environment("ATTNFUSE_TEST_WINDOW", "2")))) @ v,
+    "a helper": lambda q, k, v: af.softmax(af.sliding_window(af.scaled_dot_product(q, k),
+                                                             _window_from_environment())) @ v,
+    "time.time": lambda q, k, v: af.softmax(af.sliding_window(
+        af.scaled_dot_product(q, k), int(time.time()) % 5)) @ v,
+    "random.random": lambda q, k, v: af.softmax(af.scaled_dot_product(q, k, scale=random.random() + 0.5)) @ v,
+    "random (a bound method)": lambda q, k, v: af.softmax(af.scaled_dot_product(q, k, scale=uniform(0.5, 1))) @ v,
+    "sys.argv": lambda q, k, v: af.softmax(af.sliding_window(af.scaled_dot_product(q, k), len(sys.argv))) @ v,
+    "datetime": lambda q, k, v: af.softmax(af.sliding_window(
+        af.scaled_dot_product(q, k), datetime.datetime.now().second % 5)) @ v,
+    "os.path": lambda q, k, v: af.softmax(af.sliding_window(
+        af.scaled_dot_product(q, k), len(os.path.expanduser("~")))) @ v,
+}
+STATE_READ_LABELS = {
+    "os.environ.get": "the global 'os.environ.get', standard-library state of os",
+    "os.environ[]": "the global 'os.environ', standard-library state of os",
+    "os.getenv": "the global 'os.getenv', standard-library state of os",
+    "getenv": "the global 'getenv', standard-library state of os",
+    "environ.get": "the global 'get_environment', standard-library state of os",
+    "a helper": r"the global 'os.environ.get' \(in _window_from_environment\), standard-library state of os",
+    "time.time": "the global 'time.time', standard-library state of time",
+    "random.random": "the global 'random.random', standard-library state of random",
+    "random (a bound method)": "the global 'uniform', standard-library state of random",
+    "sys.argv": "the global 'sys.argv', standard-library state of sys",
+    "datetime": "the global 'datetime.datetime.now', standard-library state of datetime",
+    "os.path": "the global 'os.path.expanduser', standard-library state of os",
+}
+get_environment = os.environ.get
+
+
+@pytest.mark.parametrize("read", sorted(STATE_READS))
+def test_standard_library_state_is_refused_naming_the_read(read, monkeypatch):
+    """The class: reads of the environment, the clock, random numbers and sys.argv, through the module, a
+    name imported from it, a bound method of its objects or a helper; never a stale trace."""
+    monkeypatch.setenv("ATTNFUSE_TEST_WINDOW", "2")
+    with pytest.raises(ProgramError, match=rf"reads {STATE_READ_LABELS[read]} .*can change between calls.*pass the "
+                                           rf"value as an argument"):
+        af.attention(STATE_READS[read])
+
+
+def test_a_standard_library_module_imported_inside_a_function_is_refused():
+    def program(q, k, v):
+        import os as inner_os
+        return af.softmax(af.sliding_window(af.scaled_dot_product(q, k), int(inner_os.environ["W"]))) @ v
+
+    with pytest.raises(ProgramError, match=r"program imports 'os' inside a function, standard-library state .*pass "
+                                           r"the value as an argument"):
+        af.attention(program)
+
+
+@pytest.mark.parametrize("builtin", ["open", "input"])
+def test_builtins_reading_outside_state_are_refused(builtin):
+    body = {"open": lambda q, k, v: af.softmax(af.scaled_dot_product(q, k, scale=float(open("s").read()))) @ v,
+            "input": lambda q, k, v: af.softmax(af.scaled_dot_product(q, k, scale=float(input()))) @ v}[builtin]
+    with pytest.raises(ProgramError, match=rf"calls {builtin}\(\): .*can change between calls"):
+        af.attention(body)
+
+
+@af.attention
+def switched(q, k, v):
+    return af.softmax(af.sliding_window(af.scaled_dot_product(q, k, scale=1.0),
+                                        int(WINDOW_SOURCE("ATTNFUSE_TEST_WINDOW", "2")))) @ v
+
+
+def WINDOW_SOURCE(name, default):
+    return "3"
+
+
+def test_a_global_rebound_to_standard_library_state_is_refused_at_the_call(monkeypatch):
+    """A helper rebound after decoration to os.getenv: the next call refuses it (no trace of the old value)."""
+    check(switched, 1.0, 3)
+    monkeypatch.setitem(globals(), "WINDOW_SOURCE", os.getenv)
+    monkeypatch.setenv("ATTNFUSE_TEST_WINDOW", "5")
+    with pytest.raises(ProgramError, match=r"reads the global 'WINDOW_SOURCE', standard-library state of os"):
+        switched(*(torch.randn(1, 2, N, D) for _ in range(3)))
+
+
+def test_pure_standard_library_modules_are_fixed_code():
+    """math, operator, functools: read as fixed code, no read per call."""
+    @af.attention
+    def pure(q, k, v):
+        scale = functools.reduce(operator.mul, (math.sqrt(0.25), math.pi / math.pi))
+        return af.softmax(af.scaled_dot_product(q, k, scale=scale)) @ v
+
+    assert pure._outside.empty
+    check(pure, 0.5)

@@ -104,6 +104,47 @@ def test_raising_hook_is_refused_and_the_rest_keep_working():
     assert not any(b.plugin == "test-isolation-raises" for b in broken_plugins())
 
 
+class Die(BaseException):
+    """A BaseException of the plugin's own, neither Exception nor an interrupt."""
+
+
+def _raise(exc: BaseException):
+    raise exc
+
+
+ENDINGS = {"sys.exit": lambda: sys.exit(3), "SystemExit": lambda: _raise(SystemExit("bye")),
+           "GeneratorExit": lambda: _raise(GeneratorExit()), "a BaseException": lambda: _raise(Die("dead"))}
+
+
+@pytest.mark.parametrize("ending", sorted(ENDINGS))
+def test_a_hook_ending_the_process_is_refused_and_the_rest_keep_working(ending):
+    """SystemExit, GeneratorExit or another BaseException from a plugin's hook: a PluginError, never the end
+    of the process."""
+    class Exits:
+        @af.hookimpl
+        def attnfuse_combinators(self):
+            ENDINGS[ending]()
+
+    with pytest.raises(PluginError, match=r"plugin 'test-isolation-exits' of distribution .*: "
+                                          r"attnfuse_combinators\(\) raised (SystemExit|GeneratorExit|Die)"):
+        af.register_plugin(Exits(), name="test-isolation-exits")
+    assert "causal" in af.combinators() and callable(af.causal)
+
+
+def test_a_keyboard_interrupt_in_a_hook_still_interrupts():
+    """Ctrl-C while a plugin loads interrupts, as everywhere else (an interrupt raised by the plugin itself is
+    taken as one too); nothing of the plugin stays registered."""
+    class Interrupts:
+        @af.hookimpl
+        def attnfuse_combinators(self):
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        af.register_plugin(Interrupts(), name="test-isolation-interrupts")
+    assert af.plugin_manager.plugin_manager().get_plugin("test-isolation-interrupts") is None
+    assert "causal" in af.combinators()
+
+
 # --- broken installed plugins (in subprocesses) ------------------------------------------------------------
 
 def fake_distribution(root: Path, dist: str, module: str, body: str) -> None:
@@ -170,6 +211,53 @@ def test_conformance_kit_fails_on_broken_plugins_when_drawing_from_all(broken_si
     error = done.stderr.strip().splitlines()[-1]
     assert error.startswith("attnfuse.errors.PluginError: broken plugins: plugin ")
     assert "plugin 'attnfuse-test-raises:attnfuse_test_raises' of distribution 'attnfuse-test-raises'" in error
+
+
+ENDING_PLUGINS = {
+    "attnfuse-test-sysexit": ("import sys\nsys.exit(3)\n", "failed to import attnfuse_test_sysexit: SystemExit: 3"),
+    "attnfuse-test-systemexit": ("raise SystemExit('no GPU')\n",
+                                 "failed to import attnfuse_test_systemexit: SystemExit: no GPU"),
+    "attnfuse-test-generatorexit": ("raise GeneratorExit('closed')\n",
+                                    "failed to import attnfuse_test_generatorexit: GeneratorExit: closed"),
+    "attnfuse-test-baseexception": ("class Die(BaseException):\n    pass\nraise Die('dead')\n",
+                                    "failed to import attnfuse_test_baseexception: Die: dead"),
+    "attnfuse-test-hookexit": ("import sys, attnfuse\n@attnfuse.hookimpl\ndef attnfuse_combinators():\n"
+                               "    sys.exit('no licence')\n",
+                               "attnfuse_combinators() raised SystemExit: no licence"),
+}
+
+
+@pytest.fixture(scope="module")
+def ending_site(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("ending")
+    for dist, (body, _) in ENDING_PLUGINS.items():
+        fake_distribution(root, dist, dist.replace("-", "_"), body)
+    return root
+
+
+def test_installed_plugins_ending_the_process_are_skipped_and_reported(ending_site):
+    """Each kind of ending (sys.exit, SystemExit, GeneratorExit, a BaseException of its own; at import or in
+    its hook) is one broken plugin with a PluginWarning, and programs run."""
+    done = run_in(ending_site, "-W", "always", "-c", textwrap.dedent("""
+        import torch
+        import attnfuse as af
+        from attnfuse.plugin_manager import broken_plugins
+        q = torch.randn(1, 1, 8, 8)
+        out = af.attention(lambda q, k, v: af.softmax(af.scaled_dot_product(q, k)) @ v)(q, q, q)
+        print("ran", tuple(out.shape), sorted(b.distribution for b in broken_plugins()))
+    """))
+    assert done.returncode == 0, done.stderr
+    assert f"ran (1, 1, 8, 8) {sorted(ENDING_PLUGINS)}" in done.stdout
+    for dist, (_, cause) in ENDING_PLUGINS.items():
+        assert f"PluginWarning: attnfuse skipped a broken plugin '{dist}:{dist.replace('-', '_')}' of " \
+               f"distribution '{dist}': {cause}" in done.stderr
+
+
+def test_an_installed_plugin_raising_keyboard_interrupt_at_import_interrupts(tmp_path):
+    """A KeyboardInterrupt while plugins load is taken as the user's Ctrl-C: it propagates."""
+    fake_distribution(tmp_path, "attnfuse-test-interrupt", "attnfuse_test_interrupt", "raise KeyboardInterrupt\n")
+    done = run_in(tmp_path, "-c", "import attnfuse as af\naf.combinators()")
+    assert done.returncode != 0 and done.stderr.strip().endswith("KeyboardInterrupt"), done.stderr
 
 
 # --- the conformance kit -----------------------------------------------------------------------------------

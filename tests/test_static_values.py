@@ -10,9 +10,12 @@ built-ins' number parameters likewise.
 from __future__ import annotations
 
 import ast
+import decimal
+import fractions
 import math
 import re
 
+import numpy
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -23,7 +26,7 @@ from attnfuse import ir
 from attnfuse.combinator import REQUIRED, Combinator, Param, Role, ScoreModFragment
 from attnfuse.errors import ProgramError
 from attnfuse.passes.codegen.common import docstring_text
-from attnfuse.static_values import literal
+from attnfuse.static_values import exact, literal
 from attnfuse.testing import assert_matches_reference
 from attnfuse.testing.strategies import Shape
 
@@ -49,10 +52,36 @@ SCALED = Combinator(
 )
 
 
+def typed_factor(x) -> float:
+    """What ``_test_typed``'s x means by its type: a flag negates (True) or keeps (False), an int n scales by
+    n + 1, a float by itself, and a zero float by ±0.5 after its sign (so True, 1, 1.0 and 0, False, 0.0,
+    -0.0, all equal in Python, each mean something else)."""
+    if isinstance(x, bool):
+        return -1.0 if x else 1.0
+    if isinstance(x, int):
+        return float(x + 1)
+    return x if x != 0 else math.copysign(0.5, x)
+
+
+def typed_fragment(x):
+    factor = float.__repr__(typed_factor(x))
+    return ScoreModFragment(body=f"s = s * {factor}", grad=f"ds = ds * {factor}")
+
+
+TYPED = Combinator(
+    name="_test_typed",
+    role=Role.SCORE_MOD,
+    doc="s <- s·f(x), where f reads x's type as well as its value (typed_factor).",
+    params=[Param(name="x", default=1.0, doc="a flag, an int or a float")],
+    reference=lambda s, ctx, x: s * typed_factor(x),
+    fragment=typed_fragment,
+)
+
+
 class _Plugin:
     @af.hookimpl
     def attnfuse_combinators(self):
-        return [SCALED]
+        return [SCALED, TYPED]
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -67,6 +96,11 @@ def scaled_plugin():
 @af.attention
 def scaled(q, k, v, factor, mode):
     return af.softmax(af._test_scaled(af.scaled_dot_product(q, k), factor, mode)) @ v
+
+
+@af.attention
+def typed(q, k, v, x):
+    return af.softmax(af._test_typed(af.scaled_dot_product(q, k), x)) @ v
 
 
 def _qkv(dtype=torch.float32):
@@ -144,6 +178,99 @@ def test_valid_values_work_and_match_the_reference(factor, mode, dtype):
     assert_matches_reference(got, scaled.reference(q, k, v, factor, mode),
                              scaled.reference(q, k, v, factor, mode, dtype=dtype), dtype)
     assert f"factor={literal(factor)}, mode={mode!r}" in scaled.source(q, k, v, factor, mode)
+
+
+_OUTSIDE = {"x": 1}
+
+
+@af.attention
+def reads_outside(q, k, v):
+    return af.softmax(af._test_typed(af.scaled_dot_product(q, k), _OUTSIDE["x"])) @ v
+
+
+def _typed_reference(q, k, v, x, dtype=torch.float64):
+    """softmax(q·kᵀ/√D · typed_factor(x)) · v in ``dtype``, by torch alone: no trace a stale key could share."""
+    q, k, v = (t.to(dtype) for t in (q, k, v))
+    s = q @ k.transpose(-1, -2) * q.shape[-1] ** -0.5 * typed_factor(x)
+    return torch.softmax(s, dim=-1) @ v
+
+
+def _unboxed(box):
+    return box[0] if isinstance(box, (tuple, list)) else box
+
+
+EQUAL_ACROSS_TYPES = {
+    "one": [True, 1, 1.0, numpy.float64(1.0)],
+    "zero": [False, 0, 0.0, -0.0, numpy.float64(-0.0)],
+    "two": [2, 2.0],
+}
+
+
+@pytest.mark.parametrize("order", ["given", "reversed"])
+@pytest.mark.parametrize("group", sorted(EQUAL_ACROSS_TYPES))
+def test_values_equal_across_types_each_get_their_own_kernel(group, order):
+    """Static values that compare equal (True == 1 == 1.0, 0 == False == 0.0 == -0.0) but mean different things
+    to a combinator: each call, in any order, gets its own trace and kernel, and its own result."""
+    values = EQUAL_ACROSS_TYPES[group][::1 if order == "given" else -1]
+    q, k, v = _qkv()
+    for x in values:
+        got = typed(q, k, v, x)
+        assert_matches_reference(got, _typed_reference(q, k, v, x), _typed_reference(q, k, v, x, q.dtype),
+                                 q.dtype)
+        assert f"_test_typed(x={literal(exact(x))})" in typed.source(q, k, v, x)
+
+
+@pytest.mark.parametrize("group", sorted(EQUAL_ACROSS_TYPES))
+def test_outside_values_equal_across_types_each_get_their_own_kernel(group):
+    """The same through a value the program reads from outside (a closure), and a tuple element of one."""
+    q, k, v = _qkv()
+    for x in EQUAL_ACROSS_TYPES[group]:
+        for box in (x, (x,), [x]):
+            @af.attention
+            def outside(q, k, v):
+                return af.softmax(af._test_typed(af.scaled_dot_product(q, k), _unboxed(box))) @ v
+
+            got = outside(q, k, v)
+            assert_matches_reference(got, _typed_reference(q, k, v, x), _typed_reference(q, k, v, x, q.dtype),
+                                     q.dtype)
+
+
+def test_a_program_reading_a_changed_outside_value_of_an_equal_value_of_another_type_traces_again():
+    """One program object, its global changing from 1 to True to 1.0 to -0.0 and 0.0: each value its own result."""
+    q, k, v = _qkv()
+    for x in (1, True, 1.0, 0.0, -0.0, False, 0):
+        _OUTSIDE["x"] = x
+        got = reads_outside(q, k, v)
+        assert_matches_reference(got, _typed_reference(q, k, v, x), _typed_reference(q, k, v, x, q.dtype),
+                                 q.dtype)
+
+
+NOT_STATIC = {"numpy.int64": numpy.int64(1), "numpy.bool_": numpy.bool_(True), "numpy.float32": numpy.float32(0.5),
+              "Fraction": fractions.Fraction(1, 2), "Decimal": decimal.Decimal("0.5")}
+
+
+@pytest.mark.parametrize("x", list(NOT_STATIC.values()), ids=list(NOT_STATIC))
+def test_numbers_of_other_types_are_refused_not_taken_as_their_equal(x):
+    """Number types that are no bool, int or float subclass: a clear error as an argument and as a read from
+    outside, never the kernel of an equal value."""
+    q, k, v = _qkv()
+    name = type(x).__name__
+    with pytest.raises(af.InputError, match=rf"argument 'x' must be a tensor, a BlockMask, or a static .*got {name}"):
+        typed(q, k, v, x)
+
+    @af.attention
+    def outside(q, k, v):
+        return af.softmax(af._test_typed(af.scaled_dot_product(q, k), x)) @ v
+
+    with pytest.raises(ProgramError, match=rf"reads the closure variable 'x', which holds a {name}"):
+        outside(q, k, v)
+
+
+def test_graphs_with_values_equal_across_types_are_not_equal():
+    graphs = [typed.graph(x) for group in EQUAL_ACROSS_TYPES.values() for x in group]
+    distinct = {(type(exact(x)), literal(exact(x))) for group in EQUAL_ACROSS_TYPES.values() for x in group}
+    assert len(set(graphs)) == len(distinct)
+    assert len({ir.signature(g) for g in graphs}) == len(distinct)
 
 
 def test_the_header_docstring_is_exactly_the_listing():
