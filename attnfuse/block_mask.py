@@ -278,7 +278,8 @@ def create_block_mask(mask_mod: Callable, B: int | None, H: int | None, Nq: int 
     masks, index = torch.cat(masks), torch.cat(indices, dim=2)
     if stored:  # identical token masks (a causal mask's diagonal blocks) stored once
         unique, inverse = torch.unique(masks.view(stored, bs * bs), dim=0, return_inverse=True)
-        masks, index[index >= 0] = unique.view(-1, bs, bs), inverse.to(torch.int32)
+        partial = index >= 0
+        masks, index[partial] = unique.view(-1, bs, bs), inverse.to(torch.int32)[index[partial].long()]
     return BlockMask._derived(torch.cat(actives, dim=2), index, masks, Nq, Nk, bs)
 
 
