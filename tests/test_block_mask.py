@@ -204,7 +204,8 @@ def test_bad_lengths(Nq, Nk):
 def test_repr_and_sparsity():
     mask = create_block_mask_from_blocks(lambda b, h, qb, kb: qb >= kb, None, None, 64, 64, block_size=16)
     assert mask.sparsity() == pytest.approx(6 / 16)
-    assert repr(mask) == "BlockMask(Nq=64, Nk=64, block_size=16, shape=(1, 1, 4, 4), sparsity=37.5%)"
+    assert repr(mask) == ("BlockMask(Nq=64, Nk=64, block_size=16, shape=(1, 1, 4, 4), sparsity=37.5%, "
+                          "partial_blocks=0)")
 
 
 def test_is_a_runtime_input():
