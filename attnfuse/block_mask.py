@@ -227,7 +227,7 @@ MOVED = ("af.create_block_mask now evaluates its predicate per token, (b, h, q_i
          "create_block_mask does, and keeps the token-level mask inside partial blocks; it used to take block "
          "indices (b, h, q_block, kv_block). For a predicate of block indices, call "
          "af.create_block_mask_from_blocks(predicate, B, H, Nq, Nk, block_size=...) instead (same arguments). "
-         "This warning goes away in the next release")
+         "Changed 2026-12-05; this notice goes away in the next release")
 
 
 def create_block_mask(mask_mod: Callable, B: int | None, H: int | None, Nq: int | None = None,
