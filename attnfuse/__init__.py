@@ -15,7 +15,7 @@ from __future__ import annotations
 import pkgutil
 from typing import Any, Callable
 
-from .block_mask import BlockMask, create_block_mask
+from .block_mask import BlockMask, create_block_mask, create_block_mask_from_blocks
 from .combinator import Combinator, Role
 from .errors import AttnFuseError, InputError, KernelCacheError, PluginError, ProgramError, UnsupportedError
 from .hookspecs import hookimpl
@@ -28,7 +28,8 @@ from .runtime.launch import run_attention
 __all__ = [
     "AttentionProgram", "AttnFuseError", "BlockMask", "Combinator", "InputError", "KernelCacheError", "PluginError",
     "ProgramError", "RecompileWarning",
-    "Role", "UnsupportedError", "attention", "check_errors", "combinators", "create_block_mask", "hookimpl",
+    "Role", "UnsupportedError", "attention", "check_errors", "combinators", "create_block_mask",
+    "create_block_mask_from_blocks", "hookimpl",
     "register_plugin",
     "run_attention", "unregister_plugin",
 ]

@@ -18,7 +18,7 @@ from torch._subclasses.fake_tensor import is_fake
 from .errors import InputError
 
 TENSORS = ("active", "kv_num_blocks", "kv_indices", "q_num_blocks", "q_indices", "q_block_order",
-           "kv_block_order")
+           "kv_block_order", "partial_index", "partial_masks")
 
 # id(active) -> (weak references to the seven tensors, their versions, (Nq, Nk, block_size, heavy)); an
 # entry goes when its active tensor does
@@ -86,13 +86,19 @@ def _check_metadata(sizes: tuple, t: dict) -> None:
     if active.dim() != 4 or min(active.shape[:2]) < 1:
         raise InputError(f"block_mask.active must be a 4-D tensor (Bm, Hm, QB, KB) with Bm, Hm >= 1, got shape "
                          f"{tuple(active.shape)}")
+    if t["partial_masks"].dim() != 3:
+        raise InputError(f"block_mask.partial_masks must be a 3-D bool tensor (P, block_size, block_size), got "
+                         f"shape {tuple(t['partial_masks'].shape)}")
     Bm, Hm = active.shape[:2]
     expected = {"active": (torch.bool, (Bm, Hm, QB, KB), "(Bm, Hm, QB, KB)"),
                 "kv_num_blocks": (torch.int32, (Bm, Hm, QB), "(Bm, Hm, QB)"),
                 "kv_indices": (torch.int32, (Bm, Hm, QB, KB), "(Bm, Hm, QB, KB)"),
                 "q_num_blocks": (torch.int32, (Bm, Hm, KB), "(Bm, Hm, KB)"),
                 "q_indices": (torch.int32, (Bm, Hm, KB, QB), "(Bm, Hm, KB, QB)"),
-                "q_block_order": (torch.int32, (QB,), "(QB,)"), "kv_block_order": (torch.int32, (KB,), "(KB,)")}
+                "q_block_order": (torch.int32, (QB,), "(QB,)"), "kv_block_order": (torch.int32, (KB,), "(KB,)"),
+                "partial_index": (torch.int32, (Bm, Hm, QB, KB), "(Bm, Hm, QB, KB)"),
+                "partial_masks": (torch.bool, (t["partial_masks"].shape[0], block_size, block_size),
+                                  "(P, block_size, block_size)")}
     for name, (dtype, shape, dims) in expected.items():
         if t[name].dtype != dtype or tuple(t[name].shape) != shape:
             raise InputError(f"block_mask.{name} must be a {dtype} tensor {dims} = {shape} (QB = ceil(Nq / "
@@ -114,7 +120,7 @@ def _check_values(t: dict) -> None:
     active = t["active"]
     faults = [*_list_faults(t, "kv", "query", "key", active),
               *_list_faults(t, "q", "key", "query", active.transpose(-1, -2)),
-              *_order_faults(t, "q_block_order"), *_order_faults(t, "kv_block_order")]
+              *_order_faults(t, "q_block_order"), *_order_faults(t, "kv_block_order"), *_partial_faults(t)]
     failed = torch.stack([bad.any() for bad, _ in faults]).tolist()  # the one host sync
     for (bad, message), fails in zip(faults, failed):
         if fails:
@@ -179,3 +185,18 @@ def _order_faults(t: dict, name: str) -> list[Fault]:
          lambda i: f"block_mask.{name}{_at(i)} = {int(order[i[0]])} appears {int(times[int(order[i[0]])])} times; "
                    f"the order must be a permutation of [0, {n})"),
     ]
+
+
+def _partial_faults(t: dict) -> list[Fault]:
+    """``partial_index`` (Bm, Hm, QB, KB): -1 (a block kept in full, or inactive) or an index into
+    ``partial_masks`` (P, bs, bs), and -1 wherever ``active`` is False."""
+    index, P = t["partial_index"], t["partial_masks"].shape[0]
+
+    def entry(i: list[int]) -> str:
+        return f"block_mask.partial_index{_at(i)} = {int(index[tuple(i)])}"
+
+    return [((index < -1) | (index >= P),
+             lambda i: f"{entry(i)} is outside [-1, {P}) (-1, or one of the {P} partial_masks)"),
+            ((index != -1) & ~t["active"],
+             lambda i: f"{entry(i)} names a token mask for a block that block_mask.active{_at(i)} marks inactive; "
+                       f"it must be -1 there")]

@@ -80,7 +80,7 @@ def _slots(fragment: Any, state: frozenset, rows_state: frozenset) -> dict[str, 
     if isinstance(fragment, BlockList):
         at = BUILTINS | {"b", "h", "hk", "Nq", "Nk", "N_K", "HQ", "GROUP", "_block_", "_i_", "_slot_"}
         return {name: Slot(True, at) for name in ("size", "count", "index", "q_count", "q_index", "order",
-                                                  "q_order", "q_split")}
+                                                  "q_order", "q_split", "partial", "q_partial")}
     if isinstance(fragment, QKTransformFragment):
         site = COMMON | {"_x1_", "_x2_", "_pos_", "_ok_"}
         grad = site | {"_g1_", "_g2_"}

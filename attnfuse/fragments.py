@@ -67,7 +67,14 @@ class BlockList:
     returns; kernel tiles shrink to at most it). ``count`` and ``index`` give, for query block ``$block``,
     how many key blocks are listed and the ``$i``-th of them; ``q_count`` and ``q_index`` the same for the
     query blocks of key block ``$block`` (the backward's dK/dV loop). Listed blocks still run the mask's
-    other masks; the listing mask's own ``keep`` is then implied and skipped.
+    other masks; the listing mask's own ``keep`` is then implied and skipped, unless ``partial`` says the
+    block is partial.
+
+    ``partial`` (optional): for the ``$i``-th key block listed for query block ``$block``, whether some
+    pair of it is not kept (a token-level mask cut by the block grid): the kernels then apply the mask's
+    ``keep`` inside it, and skip it in the other listed blocks. ``q_partial`` the same for the ``$i``-th
+    query block listed for key block ``$block`` (dK/dV). Both or neither; None: every listed block is
+    kept in full.
 
     ``order`` (optional): the query block to run ``$slot``-th, a permutation of them, heaviest first;
     ``q_order`` the same for key blocks (dK/dV). With an order the kernels run a block for every batch
@@ -86,6 +93,13 @@ class BlockList:
     order: str | None = None
     q_order: str | None = None
     q_split: str | None = None
+    partial: str | None = None
+    q_partial: str | None = None
+
+    def __attrs_post_init__(self) -> None:
+        if (self.partial is None) != (self.q_partial is None):
+            raise DeclarationError("BlockList: give both partial and q_partial (the row and the column lists' "
+                                   "partial blocks) or neither")
 
 
 def _is_zero(text: str) -> bool:

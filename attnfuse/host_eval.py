@@ -36,6 +36,8 @@ class Pointer:
             return flat[offset]
         mask = torch.as_tensor(mask, dtype=torch.bool)
         offset, mask = torch.broadcast_tensors(offset, mask)
+        if size == 0 and not mask.any():  # an empty tensor, every lane masked off: nothing is read
+            return torch.full(mask.shape, other, dtype=flat.dtype)
         safe = torch.where(mask, offset, torch.zeros_like(offset)).clamp(0, size - 1)
         return torch.where(mask, flat[safe], torch.as_tensor(other, dtype=flat.dtype))
 

@@ -111,7 +111,7 @@ def _case(name: str):
         table = cos if name == "rope-cos" else sin
         return rope_tables, (q, k, v, cos, sin), {}, (q, k, v), lambda: table.mul_(-1)
     if name == "block-mask":
-        mask = af.create_block_mask(lambda b, h, qb, kb: qb >= kb, None, None, N, N, block_size=16)
+        mask = af.create_block_mask_from_blocks(lambda b, h, qb, kb: qb >= kb, None, None, N, N, block_size=16)
         return sparse, (q, k, v, mask), {}, (q, k, v), lambda: mask.kv_num_blocks.zero_()
     if name.startswith("kv-lens"):
         lens = torch.tensor([18], dtype=torch.int32 if name == "kv-lens-int32" else torch.int64)

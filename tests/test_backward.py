@@ -93,7 +93,8 @@ def test_bias_gradient_is_reduced_over_broadcast_dims(bias_shape):
     (window, lambda: ()),
     (relu_causal, lambda: ()),
     (rope_tables, lambda: (torch.rand(11, 8, dtype=torch.float64), torch.rand(11, 8, dtype=torch.float64))),
-    (sparse, lambda: (af.create_block_mask(lambda b, h, qb, kb: qb >= kb, None, None, 9, 11, block_size=16),)),
+    (sparse, lambda: (af.create_block_mask_from_blocks(lambda b, h, qb, kb: qb >= kb, None, None, 9, 11,
+                                                       block_size=16),)),
 ], ids=["rope-alibi-bias", "window", "relu", "rope-tables", "block-sparse"])
 def test_gradcheck_float64(program, extra):
     q, k, v = _qkv(1, 2, 1, 9, 11, 8, 8, torch.float64, seed=3)

@@ -6,7 +6,7 @@ import torch
 
 import attnfuse as af
 from attnfuse import InputError
-from attnfuse.block_mask import BlockMask, create_block_mask
+from attnfuse.block_mask import BlockMask, create_block_mask_from_blocks
 
 
 def cdiv(a: int, b: int) -> int:
@@ -62,17 +62,18 @@ def test_create_block_mask_from_random_predicate(seed):
     QB, KB = cdiv(Nq, bs), cdiv(Nk, bs)
     scores = torch.randn(B, H, QB, KB)
     threshold = float(torch.randn(()))
-    mask = create_block_mask(lambda b, h, qb, kb: scores[b, h, qb, kb] > threshold, B, H, Nq, Nk, block_size=bs)
+    mask = create_block_mask_from_blocks(lambda b, h, qb, kb: scores[b, h, qb, kb] > threshold, B, H, Nq, Nk,
+                                         block_size=bs)
     assert mask.active.shape == (B, H, QB, KB)
     assert torch.equal(mask.active, scores > threshold)
     check_csr(mask)
 
 
 def test_all_and_no_blocks_active():
-    full = create_block_mask(lambda b, h, qb, kb: qb >= 0, None, None, 64, 48, block_size=16)
+    full = create_block_mask_from_blocks(lambda b, h, qb, kb: qb >= 0, None, None, 64, 48, block_size=16)
     assert full.kv_num_blocks.tolist() == [[[3] * 4]] and full.sparsity() == 0.0
     check_csr(full)
-    empty = create_block_mask(lambda b, h, qb, kb: qb < 0, None, None, 64, 48, block_size=16)
+    empty = create_block_mask_from_blocks(lambda b, h, qb, kb: qb < 0, None, None, 64, 48, block_size=16)
     assert empty.kv_num_blocks.sum() == 0 and empty.q_num_blocks.sum() == 0 and empty.sparsity() == 1.0
     check_csr(empty)
 
@@ -84,7 +85,7 @@ def test_predicate_arguments():
         seen.update(b=b, h=h, qb=qb, kb=kb)
         return qb >= kb
 
-    create_block_mask(predicate, 2, 3, 64, 32, block_size=16)
+    create_block_mask_from_blocks(predicate, 2, 3, 64, 32, block_size=16)
     assert seen["b"].shape == (2, 1, 1, 1) and seen["h"].shape == (1, 3, 1, 1)
     assert seen["qb"].shape == (1, 1, 4, 1) and seen["kb"].shape == (1, 1, 1, 2)
     assert seen["b"].flatten().tolist() == [0, 1] and seen["kb"].flatten().tolist() == [0, 1]
@@ -95,7 +96,7 @@ def test_predicate_arguments():
 @pytest.mark.parametrize("B, H, shape", [(None, None, (1, 1)), (2, None, (2, 1)), (None, 3, (1, 3)),
                                          (2, 3, (2, 3))])
 def test_batch_and_head_broadcasting(B, H, shape):
-    mask = create_block_mask(lambda b, h, qb, kb: qb >= kb, B, H, 64, 64, block_size=16)
+    mask = create_block_mask_from_blocks(lambda b, h, qb, kb: qb >= kb, B, H, 64, 64, block_size=16)
     assert mask.active.shape == (*shape, 4, 4)
     expected = torch.ones(4, 4, dtype=torch.bool).tril()
     assert torch.equal(mask.active, expected.expand(*shape, 4, 4))
@@ -103,7 +104,7 @@ def test_batch_and_head_broadcasting(B, H, shape):
 
 
 def test_predicate_depending_on_batch_and_head():
-    mask = create_block_mask(lambda b, h, qb, kb: (qb + kb + b + h) % 2 == 0, 2, 2, 48, 48, block_size=16)
+    mask = create_block_mask_from_blocks(lambda b, h, qb, kb: (qb + kb + b + h) % 2 == 0, 2, 2, 48, 48, block_size=16)
     for b in range(2):
         for h in range(2):
             for i in range(3):
@@ -114,7 +115,7 @@ def test_predicate_depending_on_batch_and_head():
 
 @pytest.mark.parametrize("Nq, Nk, bs", [(100, 37, 16), (33, 65, 32), (129, 1, 64), (1, 300, 128), (17, 17, 16)])
 def test_n_not_a_multiple_of_block_size(Nq, Nk, bs):
-    mask = create_block_mask(lambda b, h, qb, kb: qb >= kb, None, None, Nq, Nk, block_size=bs)
+    mask = create_block_mask_from_blocks(lambda b, h, qb, kb: qb >= kb, None, None, Nq, Nk, block_size=bs)
     assert mask.active.shape == (1, 1, cdiv(Nq, bs), cdiv(Nk, bs))
     assert (mask.Nq, mask.Nk, mask.block_size) == (Nq, Nk, bs)
     check_csr(mask)
@@ -176,11 +177,11 @@ def test_from_blocks_bad_grid(active):
                          ids=["int64", "float", "uint8", "python int"])
 def test_predicate_must_return_bool(result):
     with pytest.raises(InputError, match=r"the block predicate must return a bool tensor, got torch\.\w+"):
-        create_block_mask(lambda b, h, qb, kb: result(qb, kb), None, None, 64, 64, block_size=16)
+        create_block_mask_from_blocks(lambda b, h, qb, kb: result(qb, kb), None, None, 64, 64, block_size=16)
 
 
 def test_predicate_may_return_a_python_bool():
-    mask = create_block_mask(lambda b, h, qb, kb: True, 2, None, 40, 40, block_size=16)
+    mask = create_block_mask_from_blocks(lambda b, h, qb, kb: True, 2, None, 40, 40, block_size=16)
     assert mask.active.shape == (2, 1, 3, 3) and bool(mask.active.all())
     check_csr(mask)
 
@@ -189,7 +190,7 @@ def test_predicate_may_return_a_python_bool():
 def test_bad_block_size(bs):
     match = r"block_size must be a power of two >= 16, got " + repr(bs).replace(".", r"\.")
     with pytest.raises(InputError, match=match):
-        create_block_mask(lambda b, h, qb, kb: qb >= kb, None, None, 64, 64, block_size=bs)
+        create_block_mask_from_blocks(lambda b, h, qb, kb: qb >= kb, None, None, 64, 64, block_size=bs)
     with pytest.raises(InputError, match=match):
         BlockMask.from_blocks(torch.ones(4, 4, dtype=torch.bool), 64, 64, block_size=bs)
 
@@ -197,13 +198,14 @@ def test_bad_block_size(bs):
 @pytest.mark.parametrize("Nq, Nk", [(0, 64), (64, 0), (-1, 64), (64.0, 64)])
 def test_bad_lengths(Nq, Nk):
     with pytest.raises(InputError, match=r"N[qk] must be a positive int, got "):
-        create_block_mask(lambda b, h, qb, kb: qb >= kb, None, None, Nq, Nk, block_size=16)
+        create_block_mask_from_blocks(lambda b, h, qb, kb: qb >= kb, None, None, Nq, Nk, block_size=16)
 
 
 def test_repr_and_sparsity():
-    mask = create_block_mask(lambda b, h, qb, kb: qb >= kb, None, None, 64, 64, block_size=16)
+    mask = create_block_mask_from_blocks(lambda b, h, qb, kb: qb >= kb, None, None, 64, 64, block_size=16)
     assert mask.sparsity() == pytest.approx(6 / 16)
-    assert repr(mask) == "BlockMask(Nq=64, Nk=64, block_size=16, shape=(1, 1, 4, 4), sparsity=37.5%)"
+    assert repr(mask) == ("BlockMask(Nq=64, Nk=64, block_size=16, shape=(1, 1, 4, 4), sparsity=37.5%, "
+                          "partial_blocks=0)")
 
 
 def test_is_a_runtime_input():
@@ -212,7 +214,8 @@ def test_is_a_runtime_input():
 
 def test_memory_of_a_128k_mask():
     N, bs = 131072, 128
-    mask = create_block_mask(lambda b, h, qb, kb: (qb >= kb) & (qb - kb < 64), None, None, N, N, block_size=bs)
+    mask = create_block_mask_from_blocks(lambda b, h, qb, kb: (qb >= kb) & (qb - kb < 64), None, None, N, N,
+                                         block_size=bs)
     assert mask.active.shape == (1, 1, N // bs, N // bs)
     parts = (mask.active, mask.kv_num_blocks, mask.kv_indices, mask.q_num_blocks, mask.q_indices)
     total = sum(t.numel() * t.element_size() for t in parts)
@@ -238,7 +241,7 @@ def sparse_causal(q, k, v, block_mask):
 def test_block_sparse_program_matches_reference(B, H):
     Nq, Nk, bs = 40, 36, 16
     scores = torch.randn(B or 1, H or 1, cdiv(Nq, bs), cdiv(Nk, bs))
-    mask = create_block_mask(lambda b, h, qb, kb: (scores[b, h, qb, kb] > 0) | (qb == kb), B, H, Nq, Nk,
+    mask = create_block_mask_from_blocks(lambda b, h, qb, kb: (scores[b, h, qb, kb] > 0) | (qb == kb), B, H, Nq, Nk,
                              block_size=bs)
     q, k, v = torch.randn(2, 2, Nq, 16), torch.randn(2, 2, Nk, 16), torch.randn(2, 2, Nk, 16)
     out = sparse_causal(q, k, v, mask)

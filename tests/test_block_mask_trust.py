@@ -23,7 +23,7 @@ from conftest import requires_cuda
 N, BS, D = 64, 16, 16  # 4 x 4 blocks
 EDITED_RE = r"block_mask: its tensors were edited in place after it was built.*build a new mask"
 TENSORS = ("active", "kv_num_blocks", "kv_indices", "q_num_blocks", "q_indices", "q_block_order",
-           "kv_block_order")
+           "kv_block_order")  # the constructor's tensors without partial blocks (partial_index, partial_masks)
 
 
 @af.attention
@@ -33,7 +33,7 @@ def sparse(q, k, v, block_mask):
 
 def _causal(H=2):
     """Blocks on and below the diagonal, for H heads: query block i lists key blocks 0..i."""
-    return af.create_block_mask(lambda b, h, qb, kb: qb >= kb, None, H, N, N, block_size=BS)
+    return af.create_block_mask_from_blocks(lambda b, h, qb, kb: qb >= kb, None, H, N, N, block_size=BS)
 
 
 def _fields(mask: BlockMask) -> dict:
@@ -43,7 +43,7 @@ def _fields(mask: BlockMask) -> dict:
 
 
 def _tensors(mask: BlockMask) -> tuple:
-    return tuple(getattr(mask, name) for name in TENSORS)
+    return mask.tensors()
 
 
 def _qkv(H=2, dtype=torch.float32, requires_grad=False):
@@ -213,7 +213,8 @@ def test_a_mask_is_checked_once_not_per_call(monkeypatch):
     rebuilt = BlockMask.rebuilt((mask.Nq, mask.Nk, mask.block_size, mask.kv_heavy_blocks), _tensors(mask))
     assert rebuilt.kv_indices is mask.kv_indices and copy.copy(mask).active is mask.active
     assert len(checks) == 1
-    af.create_block_mask(lambda b, h, qb, kb: qb >= kb, None, 2, N, N, block_size=BS)  # derived: nothing to check
+    af.create_block_mask_from_blocks(lambda b, h, qb, kb: qb >= kb, None, 2, N, N,
+                                     block_size=BS)  # derived: nothing to check
     assert len(checks) == 1
 
 
@@ -307,7 +308,8 @@ COPIES = {"deepcopy": copy.deepcopy, "copy": copy.copy, "pickle": lambda m: pick
 @pytest.mark.parametrize("how", COPIES)
 def test_a_copy_matches_the_reference_and_edits_to_it_are_refused(how):
     q, k, v = _qkv(dtype=torch.float64)
-    original = af.create_block_mask(lambda b, h, qb, kb: (qb + kb + h) % 3 != 1, None, 2, N, N, block_size=BS)
+    original = af.create_block_mask_from_blocks(lambda b, h, qb, kb: (qb + kb + h) % 3 != 1, None, 2, N, N,
+                                                block_size=BS)
     mask = COPIES[how](original)
     assert isinstance(mask, BlockMask) and all(torch.equal(a, b) for a, b in zip(_tensors(mask), _tensors(original)))
     _matches_reference(sparse(q, k, v, mask), q, k, v, original)

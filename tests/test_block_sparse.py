@@ -28,7 +28,7 @@ def bigbird(B, H, N, block_size, window=1, globals_=2, randoms=3, seed=0):
         band = (qb - kb).abs() <= window
         glob = (qb < globals_) | (kb < globals_)
         return band | glob | random[b, h, qb, kb]
-    return af.create_block_mask(predicate, B, H, N, N, block_size=block_size)
+    return af.create_block_mask_from_blocks(predicate, B, H, N, N, block_size=block_size)
 
 
 def _grads_match(program, q, k, v, *extra):
@@ -52,13 +52,15 @@ def test_bigbird_forward_and_backward(program, block_size):
 def test_gqa_and_broadcast_mask():
     q = torch.randn(1, 4, 100, 32, requires_grad=True)
     k, v = (torch.randn(1, 2, 100, 32, requires_grad=True) for _ in range(2))
-    mask = af.create_block_mask(lambda b, h, qb, kb: (qb + kb) % 3 != 0, None, None, 100, 100, block_size=32)
+    mask = af.create_block_mask_from_blocks(lambda b, h, qb, kb: (qb + kb) % 3 != 0, None, None, 100, 100,
+                                            block_size=32)
     _grads_match(sparse, q, k, v, mask)
 
 
 def test_rows_with_no_active_block_are_zero():
     q, k, v = (torch.randn(1, 2, 64, 16) for _ in range(3))
-    mask = af.create_block_mask(lambda b, h, qb, kb: qb + kb > 100, None, None, 64, 64, block_size=32)  # none
+    mask = af.create_block_mask_from_blocks(lambda b, h, qb, kb: qb + kb > 100, None, None, 64, 64,
+                                            block_size=32)  # none
     assert torch.equal(sparse(q, k, v, mask), torch.zeros(1, 2, 64, 16))
 
 
@@ -99,7 +101,7 @@ def _heavy_last_column(B, H, N, block_size):
     lists."""
     def predicate(b, h, qb, kb):
         return (qb == kb) | (kb == -(-N // block_size) - 1)
-    return af.create_block_mask(predicate, B, H, N, N, block_size=block_size)
+    return af.create_block_mask_from_blocks(predicate, B, H, N, N, block_size=block_size)
 
 
 @pytest.mark.parametrize("program,Hkv,N,make_mask", [

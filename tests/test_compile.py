@@ -42,7 +42,8 @@ def _tables(N, D):
 
 
 def _mask(N):
-    return af.create_block_mask(lambda b, h, qb, kb: (qb >= kb) | (kb == 0), None, None, N, N, block_size=16)
+    return af.create_block_mask_from_blocks(lambda b, h, qb, kb: (qb >= kb) | (kb == 0), None, None, N, N,
+                                            block_size=16)
 
 
 def _paged(B=2, Hkv=2, D=8, page=16, pages=4):

@@ -218,7 +218,7 @@ def _errors(afd, world: int, rank: int) -> dict[str, str]:
 
     found = {
         "no_combine": _error(lambda: afd.context_parallel(no_combine)(q(), q(h=1), q(h=1))),
-        "block_sparse": _error(lambda: afd.context_parallel(sparse)(q(), q(), q(), af.create_block_mask(
+        "block_sparse": _error(lambda: afd.context_parallel(sparse)(q(), q(), q(), af.create_block_mask_from_blocks(
             lambda b, h, qb, kb: qb >= kb, None, None, 20, 20, block_size=16))),
         "reads_indices": _error(lambda: afd.context_parallel(biased)(q(), q(), q(), torch.zeros(20, 20))),
         "no_offsets": _error(lambda: afd.context_parallel(no_offsets)(q(), q(h=1), q(h=1))),

@@ -77,7 +77,7 @@ def test_split_kv_with_an_unnormalised_normaliser_and_bias():
 
 def test_split_kv_float16_and_block_sparse():
     q, k, v = _cache(1, 4, 2, 5, 120, 32, torch.float16, seed=3)
-    bm = af.create_block_mask(lambda b, h, qb, kb: (kb % 2 == 0) | (kb == qb), 1, 4, 5, 120, block_size=16)
+    bm = af.create_block_mask_from_blocks(lambda b, h, qb, kb: (kb % 2 == 0) | (kb == qb), 1, 4, 5, 120, block_size=16)
     out = run_attention(sparse.graph(bm), q, k, v, {"block_mask": bm}, split_kv=True)
     _check(out, sparse.reference(q, k, v, bm), sparse.reference(q, k, v, bm, dtype=torch.float16), torch.float16)
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import attnfuse as af
-from attnfuse.block_mask import create_block_mask
+from attnfuse.block_mask import create_block_mask_from_blocks
 from attnfuse.testing import assert_matches_reference
 
 from conftest import hoisted_last_call, last_call
@@ -144,7 +144,7 @@ def test_matches_torch_sdpa(program, is_causal):
 def test_block_sparse_with_causal():
     q, k, v = _qkv(2, 2, 1, 100, 100, 32, 32, torch.float32, seed=13)
     table = torch.rand(2, 2, 4, 4, generator=torch.Generator().manual_seed(1))
-    mask = create_block_mask(lambda b, h, qb, kb: (table[b, h, qb, kb] > 0.5) | (qb == kb), 2, 2, 100, 100,
+    mask = create_block_mask_from_blocks(lambda b, h, qb, kb: (table[b, h, qb, kb] > 0.5) | (qb == kb), 2, 2, 100, 100,
                              block_size=32)
     _check(sparse, q, k, v, mask)
 

@@ -1,4 +1,6 @@
 """GPU-only checks: bfloat16, production shapes, against torch SDPA on the same inputs."""
+import warnings
+
 import pytest
 import torch
 
@@ -199,6 +201,37 @@ def test_block_sparse_bf16():
     q, k, v = (torch.randn(B, H, N, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     assert_matches_reference(sparse(q, k, v, mask), sparse.reference(q, k, v, mask),
                              sparse.reference(q, k, v, mask, dtype=torch.bfloat16), torch.bfloat16)
+
+
+def test_token_level_block_mask_bf16_matches_sdpa():
+    """flex's document-causal mask_mod through af.create_block_mask, bf16 forward and backward, against SDPA
+    with the same dense boolean mask (float64): partial blocks apply their token masks on the GPU too."""
+    B, H, N, D = 2, 4, 1000, 128
+
+    @af.attention
+    def sparse(q, k, v, block_mask):
+        return af.softmax(af.block_sparse(af.scaled_dot_product(q, k), block_mask)) @ v
+
+    docs = torch.randint(0, 5, (B, N), device="cuda").sort(dim=-1).values
+    mask_mod = lambda b, h, q_idx, kv_idx: (docs[b, q_idx] == docs[b, kv_idx]) & (kv_idx <= q_idx)  # noqa: E731
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        mask = af.create_block_mask(mask_mod, B, None, N, N, device="cuda")
+    assert mask.partial_blocks() > 0
+    idx = torch.arange(N, device="cuda")
+    dense = mask_mod(torch.arange(B, device="cuda").view(-1, 1, 1, 1), 0, idx.view(1, 1, -1, 1), idx.view(1, 1, 1, -1))
+    leaves = [torch.randn(B, H, N, D, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3)]
+    dout = torch.randn(B, H, N, D, device="cuda", dtype=torch.bfloat16)
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    out = sparse(*leaves, mask)
+    ref = sdpa(*(x.double() for x in leaves), attn_mask=dense)
+    ref_lowp = sdpa(*leaves, attn_mask=dense)
+    assert_matches_reference(out, ref, ref_lowp, torch.bfloat16)
+    got = torch.autograd.grad(out, leaves, dout)
+    want = torch.autograd.grad(ref, leaves, dout.double())
+    want_lowp = torch.autograd.grad(ref_lowp, leaves, dout)
+    for name, a, b, c in zip(("dq", "dk", "dv"), got, want, want_lowp):
+        assert_matches_reference(a, b, c, torch.bfloat16, what=name)
 
 
 def test_block_sparse_backward_bf16_splits_global_columns():

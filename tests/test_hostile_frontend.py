@@ -222,7 +222,7 @@ EDITED = r"block_mask: its tensors were edited in place after it was built.*buil
 
 def test_editing_a_block_mask_in_place_is_refused():
     q, k, v = _qkv(10, N=48)
-    mask = af.create_block_mask(lambda b, h, qb, kb: qb >= kb, None, None, 48, 48, block_size=16)
+    mask = af.create_block_mask_from_blocks(lambda b, h, qb, kb: qb >= kb, None, None, 48, 48, block_size=16)
     assert_attention(sparse(q, k, v, mask), q, k, v, keep=_block_keep(mask.active[0, 0], 16, 48))
     mask.active[0, 0, 2, 0] = False
     for use in (lambda: sparse(q, k, v, mask), lambda: sparse.reference(q, k, v, mask), mask.to_dense):
@@ -242,7 +242,7 @@ def test_editing_the_tensor_a_block_mask_was_built_from_leaves_the_mask_as_built
 
 def test_using_an_unedited_block_mask_derives_nothing_again(monkeypatch):
     q, k, v = _qkv(12, N=48)
-    mask = af.create_block_mask(lambda b, h, qb, kb: (qb + kb) % 2 == 0, None, None, 48, 48, block_size=16)
+    mask = af.create_block_mask_from_blocks(lambda b, h, qb, kb: (qb + kb) % 2 == 0, None, None, 48, 48, block_size=16)
 
     def derived_again(*args):
         raise AssertionError("the block lists were derived again")
@@ -290,4 +290,4 @@ def test_a_huge_negative_window_is_refused():
 def test_a_block_predicate_of_the_wrong_shape_is_named(predicate, got):
     match = r"the block predicate must return a bool tensor broadcastable to \(B, H, QB, KB\) = \(2, 1, 4, 3\).*" + got
     with pytest.raises(af.InputError, match=match):
-        af.create_block_mask(predicate, 2, None, 64, 48, block_size=16)
+        af.create_block_mask_from_blocks(predicate, 2, None, 64, 48, block_size=16)

@@ -12,7 +12,7 @@ import torch
 
 import attnfuse as af
 from attnfuse import InputError
-from attnfuse.block_mask import create_block_mask
+from attnfuse.block_mask import create_block_mask_from_blocks
 
 B, H, N, D = 1, 2, 8, 16
 
@@ -288,7 +288,7 @@ def test_alibi_slopes_of_wrong_shape(slopes):
 
 
 def test_block_sparse_mask_for_another_nq():
-    mask = create_block_mask(lambda b, h, qb, kb: qb >= kb, None, None, 4 * N, N, block_size=16)
+    mask = create_block_mask_from_blocks(lambda b, h, qb, kb: qb >= kb, None, None, 4 * N, N, block_size=16)
     match = (r"block_sparse: block_mask was built for B=1, H=1, Nq=32, Nk=8; "
              r"the call has B=1, Hq=2, Nq=8, Nk=8")
     with pytest.raises(InputError, match=match):
@@ -298,7 +298,7 @@ def test_block_sparse_mask_for_another_nq():
 
 
 def test_block_sparse_mask_for_another_batch_and_head_count():
-    mask = create_block_mask(lambda b, h, qb, kb: qb >= kb, 3, 5, N, N, block_size=16)
+    mask = create_block_mask_from_blocks(lambda b, h, qb, kb: qb >= kb, 3, 5, N, N, block_size=16)
     with pytest.raises(InputError, match=r"block_sparse: block_mask was built for B=3, H=5, Nq=8, Nk=8; "
                                          r"the call has B=1, Hq=2"):
         sparse(*qkv(), mask)

@@ -61,7 +61,8 @@ TESTS = textwrap.dedent("""
         from attnfuse.testing import assert_matches_reference
 
         q, k, v = (torch.randn(2, 2, n, 16) for n in (13, 32, 32))
-        mask = af.create_block_mask(lambda b, h, qb, kb: (b == 0) & (qb >= 0), 2, None, 13, 32, block_size=16)
+        mask = af.create_block_mask_from_blocks(lambda b, h, qb, kb: (b == 0) & (qb >= 0), 2, None, 13, 32,
+                                                block_size=16)
         out, lse = SPARSE(q, k, v, mask, return_lse=True)
         ref64, ref32 = (SPARSE.reference(q, k, v, mask, return_lse=True, dtype=d)
                         for d in (torch.float64, torch.float32))
@@ -173,7 +174,7 @@ def test_interpreted_launch_raises_no_floating_point_warning():
 
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(2, 2, n, 16, generator=g) for n in (13, 32, 32))
-    mask = af.create_block_mask(lambda b, h, qb, kb: (b == 0) & (qb >= 0), 2, None, 13, 32, block_size=16)
+    mask = af.create_block_mask_from_blocks(lambda b, h, qb, kb: (b == 0) & (qb >= 0), 2, None, 13, 32, block_size=16)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         out, lse = program(q, k, v, mask, return_lse=True)

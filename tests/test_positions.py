@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import attnfuse as af
-from attnfuse.block_mask import create_block_mask
+from attnfuse.block_mask import create_block_mask_from_blocks
 from attnfuse.runtime.launch import clear_cache
 from attnfuse.testing import assert_matches_reference
 
@@ -69,7 +69,7 @@ def _extras(program, Nq: int, Nk: int, seq_len: int, D: int) -> dict:
     if program is biased_causal:
         return {"bias": torch.randn(2, Nq, Nk)}
     if program is sparse_causal:
-        return {"block_mask": create_block_mask(lambda b, h, qb, kb: (qb + kb) % 3 != 1, None, None, Nq, Nk,
+        return {"block_mask": create_block_mask_from_blocks(lambda b, h, qb, kb: (qb + kb) % 3 != 1, None, None, Nq, Nk,
                                                 block_size=16)}
     return {}
 

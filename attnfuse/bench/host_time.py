@@ -76,8 +76,8 @@ def breakdown_lines(device: str, calls: int = 500, N: int = 128, D: int = 64) ->
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     q, k, v = (torch.randn(1, 4, N, D, device=device, dtype=dtype) for _ in range(3))
     cos, sin = rope_tables(N, D, device)
-    mask = af.create_block_mask(lambda b, h, qb, kb: kb <= qb, None, None, N, N, block_size=min(N, 64),
-                                device=device)
+    mask = af.create_block_mask_from_blocks(lambda b, h, qb, kb: kb <= qb, None, None, N, N,
+                                            block_size=min(N, 64), device=device)
     page, pages = 16, -(-N // 16)
     pool_k, pool_v = (torch.randn(pages, page, 4, D, device=device, dtype=dtype) for _ in range(2))
     table = torch.arange(pages, device=device, dtype=torch.int32)[None]

@@ -109,6 +109,7 @@ _SITE = {  # (fragment type, field) -> the template's own placeholders it may us
     (MaskFragment, "q_range"): {"k_lo", "k_hi"}, (MaskFragment, "q_full_range"): {"k_lo", "k_hi"},
     (BlockList, "count"): {"block"}, (BlockList, "index"): {"block", "i"},
     (BlockList, "q_count"): {"block"}, (BlockList, "q_index"): {"block", "i"},
+    (BlockList, "partial"): {"block", "i"}, (BlockList, "q_partial"): {"block", "i"},
     (BlockList, "order"): {"slot"}, (BlockList, "q_order"): {"slot"},
     (NormaliserFragment, "scaled_update"): {"factor"},
 }

@@ -10,7 +10,8 @@ parameters) and evaluate the fragment's expressions in plain torch (``attnfuse.h
 * ``kv_range``: every key a query of the block keeps lies in it; ``full_range``: every query of the block
   keeps every (existing) key in it;
 * ``q_range`` / ``q_full_range``: the same, transposed, for each key block;
-* ``block_list``: every block holding a kept element is listed, for query blocks and for key blocks.
+* ``block_list``: every block holding a kept element is listed, for query blocks and for key blocks, and
+  every listed block that ``partial`` (``q_partial``) does not mark partial keeps every element it has.
 
 Positions as the kernels see them: query i of sequence b at ``i + Nk_b - Nq``, key j at ``j``, where
 ``Nk_b`` is the sequence's key count. A mask with no facts is valid (the kernel visits every block).
@@ -252,10 +253,14 @@ def _check_lists(ev, kept, base, nk, b, h) -> Iterator[str]:
     bl = ev.fragment.block_list
     size = int(ev.value(ev.code(bl.size), **base))
     Nq = kept.shape[0]
-    for what, count_text, index_text, blocks, lines in (
-            ("query", bl.count, bl.index, -(-Nq // size), lambda i: kept[i * size:(i + 1) * size].any(0)),
-            ("key", bl.q_count, bl.q_index, -(-nk // size), lambda i: kept[:, i * size:(i + 1) * size].any(1))):
+    for what, count_text, index_text, partial_text, blocks, lines, tile in (
+            ("query", bl.count, bl.index, bl.partial, -(-Nq // size), lambda i: kept[i * size:(i + 1) * size].any(0),
+             lambda i, j: kept[i * size:(i + 1) * size, j * size:(j + 1) * size]),
+            ("key", bl.q_count, bl.q_index, bl.q_partial, -(-nk // size),
+             lambda i: kept[:, i * size:(i + 1) * size].any(1),
+             lambda i, j: kept[j * size:(j + 1) * size, i * size:(i + 1) * size])):
         count_code, index_code = ev.code(count_text, block="_block"), ev.code(index_text, block="_block", i="_i")
+        partial_code = None if partial_text is None else ev.code(partial_text, block="_block", i="_i")
         for block in range(blocks):
             names = {**base, "_block": integer(block)}
             n = int(ev.value(count_code, **names))
@@ -265,3 +270,8 @@ def _check_lists(ev, kept, base, nk, b, h) -> Iterator[str]:
             if missing:
                 yield (f"block_list omits block {missing[0]} from the list of {what} block {block} "
                        f"(size {size}, b={b}, h={h}), which keeps something in it")
+            for i in range(n if partial_code is not None else 0):
+                other = int(ev.value(index_code, **names, _i=integer(i)))
+                if not bool(ev.value(partial_code, **names, _i=integer(i))) and not tile(block, other).all():
+                    yield (f"block_list.{'q_' if what == 'key' else ''}partial calls block {other} of the list of "
+                           f"{what} block {block} (size {size}, b={b}, h={h}) kept in full, but it drops an element")

@@ -67,6 +67,8 @@ PLANTED: dict[str, tuple[str, Callable[[], Combinator]]] = {
     "block_list_short": ("block_sparse lists one key block too few per query block",
                          _block_list(count="tl.load($kv_num + b.to(tl.int64) * $kv_num_s0 + "
                                            "h.to(tl.int64) * $kv_num_s1 + ($$block) * $kv_num_s2) - 1")),
+    "partial_called_full": ("block_sparse's lists call every block full, so partial blocks keep every pair",
+                            _block_list(partial="$block_size < 0", q_partial="$block_size < 0")),
 }
 
 

@@ -177,6 +177,9 @@ def visit(kernel: LoweredProgram, body, var: str, block: str, block_start: str, 
     count = m.code(bl.q_count if transposed else bl.count, block="list_block")
     index = m.code(bl.q_index if transposed else bl.index, block="list_block", i="list_t // list_tiles")
     tile = body(True, m.prefix)
+    partial = bl.q_partial if transposed else bl.partial
+    if partial is not None:  # read by ``scores``: whether the listing mask's keep applies in this block
+        tile = f"list_partial = {m.code(partial, block='list_block', i='list_t // list_tiles')}\n{tile}"
     if any(other.fragment.kv_range is not None for other in kernel.masks if other is not m):
         tile = f"if ({var} + {block} > start) & ({var} < hi):\n{indent(tile, 4)}"
     code = (f"# {m.prefix}: visit only the blocks it lists, tile by tile\nlist_size = {m.code(bl.size)}\n"

@@ -54,8 +54,20 @@ def scores(kernel: LoweredProgram, masked: bool, rows_too: bool = False, stages:
     if masked:
         keeps = (["q_ok[:, None]"] if rows_too else []) + ["k_ok[None, :]"]
         keeps += [f"({m.fragment.keep})" for m in kernel.masks if m.fragment.keep and m.prefix != implied]
-        lines += [f"keep = {' & '.join(keeps)}", f"s = tl.where(keep, s, {kernel.normaliser.fragment.masked_score})"]
+        lines.append(f"keep = {' & '.join(keeps)}")
+        for m in _partial_listing(kernel, implied):
+            lines += ["keep = tl.broadcast_to(keep, (BLOCK_M, BLOCK_N))",
+                      f"if list_partial:  # {m.prefix}: a partial listed block, masked element by element",
+                      f"    keep = keep & ({m.fragment.keep})"]
+        lines.append(f"s = tl.where(keep, s, {kernel.normaliser.fragment.masked_score})")
     return "\n".join(lines) + "\n" if lines else ""
+
+
+def _partial_listing(kernel: LoweredProgram, implied: str | None) -> list:
+    """The listing mask ``implied`` names, if its lists mark partial blocks (``BlockList.partial``): its keep
+    still applies inside those (the loop defines ``list_partial``)."""
+    return [m for m in kernel.masks if m.prefix == implied and m.fragment.keep
+            and m.fragment.block_list is not None and m.fragment.block_list.partial is not None]
 
 
 def has_masks(kernel: LoweredProgram) -> bool:
@@ -64,7 +76,8 @@ def has_masks(kernel: LoweredProgram) -> bool:
 
 def masks_keys(kernel: LoweredProgram, masked: bool, implied: str | None = None) -> bool:
     """Whether a tile's ``keep`` can drop keys that lie in range (a mask's keep, beyond the loop's own)."""
-    return masked and any(m.fragment.keep and m.prefix != implied for m in kernel.masks)
+    return masked and (any(m.fragment.keep and m.prefix != implied for m in kernel.masks)
+                       or bool(_partial_listing(kernel, implied)))
 
 
 def masked_values(kernel: LoweredProgram) -> str:
