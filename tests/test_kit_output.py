@@ -18,8 +18,8 @@ import attnfuse as af
 from attnfuse.testing.mask_facts import MaskFactError, check_mask_facts
 from attnfuse.testing.planted_bugs import planted
 
-# The planted bugs, plus a bias whose body is wrong unless Nq == 37: the kit's fixed case (Nq=37) passes, so
-# only the fuzzer (Hypothesis) finds it, with a runtime tensor among the drawn inputs.
+# The planted bugs, plus a bias whose body is wrong unless the head dim is 32: the kit's fixed cases (D=32) pass,
+# so only the fuzzer (Hypothesis) finds it, with a runtime tensor among the drawn inputs.
 CONFTEST = textwrap.dedent("""
     import attrs
     import attnfuse as af
@@ -28,7 +28,7 @@ CONFTEST = textwrap.dedent("""
 
     bias = lookup("additive_bias")
     FUZZ_ONLY = attrs.evolve(bias, name="_kit_fuzz_only", fragment=attrs.evolve(
-        bias.fragment, body=bias.fragment.body.replace("s = s +", "s = s + (Nq != 37) * 0.5 +")))
+        bias.fragment, body=bias.fragment.body.replace("s = s +", "s = s + (D != 32) * 0.5 +")))
 
 
     class Plugin:

@@ -299,7 +299,8 @@ def test_failure_says_how_to_replay_it():
     finally:
         af.unregister_plugin("test-isolation-replay")
     notes = "\n".join(info.value.__notes__)
-    assert "fixed case: _planted_wrong_backward(" in notes and "Nq=37, Nk=45" in notes
+    assert "fixed case (prefill with gradients, GQA, Nq != Nk): _planted_wrong_backward(" in notes
+    assert "Nq=37, Nk=45" in notes and "with gradients" in notes
     assert "replay: check_combinator('_planted_wrong_backward', seed=12345, max_examples=2, installed=False" in notes
 
 

@@ -134,9 +134,15 @@ def program_cases(draw, shape: Shape, include: str | None = None, max_mods: int 
             chosen[comb.role] = [comb]
         elif comb not in chosen[comb.role]:
             chosen[comb.role].append(comb)
+    return case_of(draw, chosen, shape)
+
+
+def case_of(draw, chosen: dict[Role, list[Combinator]], shape: Shape) -> ProgramCase:
+    """The program applying the combinators ``chosen`` by role, in the order of the roles, with parameters
+    drawn from their examples for ``shape`` (``draw``: a Hypothesis draw)."""
     steps, extras = [], {}
     for role in (Role.QK_TRANSFORM, Role.SCORE_SOURCE, Role.SCORE_MOD, Role.MASK, Role.NORMALISER):
-        for comb in chosen[role]:
+        for comb in chosen.get(role, []):
             params = {}
             for name, value in _params(draw, comb, shape).items():
                 if getattr(value, "__attnfuse_runtime_input__", False) or isinstance(value, torch.Tensor):

@@ -1,8 +1,11 @@
 """Per-dtype tolerances, relative to PyTorch's own error in that dtype (as FlagAttention's tests do).
 
-A fused result passes when its largest error against the float64 reference is at most twice the error
-of the naive reference evaluated in the input dtype, plus ATOL[dtype] times the output's scale. fp16
-and bf16 kernels round P to the input dtype before P·V, as FlashAttention does, hence the floors.
+A fused result passes when its error against the float64 reference is, at every element, at most twice the
+error of the naive reference evaluated in the input dtype, plus ATOL[dtype] times the output's scale, plus
+what the caller derives for rounding the fused computation does and the naive one does not (the gradients'
+delta term: ``grad_bounds``). fp16 and bf16 kernels round P to the input dtype before P·V, as FlashAttention
+does, hence the floors. A naive result that overflows where float64 does not is a failure, never an
+infinite tolerance.
 """
 from __future__ import annotations
 
@@ -17,21 +20,25 @@ ATOL = {
 
 
 def assert_matches_reference(actual: torch.Tensor, reference64: torch.Tensor, reference_in_dtype: torch.Tensor,
-                             dtype: torch.dtype | None = None, what: str = "out", summed: int = 1) -> None:
+                             dtype: torch.dtype | None = None, what: str = "out", summed: int = 1,
+                             rounding: torch.Tensor | None = None) -> None:
     """Raise AssertionError unless ``actual`` is as close to the float64 reference as inputs of ``dtype``
     (default: actual's) allow; ``reference_in_dtype`` is the naive evaluator's result in that dtype.
 
     ``summed``: each element of ``actual`` is a sum of that many rounded terms (the gradient of a tensor
     broadcast over the scores); rounding errors of independent terms grow like its square root, so the
-    ATOL floor does too. (FlashAttention's backward computes rowsum(dO∘O) from the rounded output, so
-    score gradients of a row do not cancel exactly in low precision, as they do in PyTorch's softmax.)
+    ATOL floor does too. ``rounding``: a bound, per element (broadcastable to ``actual``), on the error that
+    the fused computation makes and the naive evaluator does not, derived by the caller from the magnitudes
+    involved (``attnfuse.testing.grad_bounds``); it is added to the tolerance.
 
-    The message names the shape and the worst element (its index, both values and the tolerance), never
-    whole tensors.
+    The tolerance is always finite: where the float64 reference is finite and the naive evaluator's result in
+    ``dtype`` is not (it overflowed), that is a failure of its own, reported as such. The message names the
+    shape and the worst element (its index, both values and the tolerance), never whole tensors.
     """
     __tracebackhide__ = True  # pytest: the failure is the message, not this frame's tensors
     if actual.shape != reference64.shape:
         raise AssertionError(f"{what}: shape {tuple(actual.shape)} != the reference's {tuple(reference64.shape)}")
+    dtype = dtype or actual.dtype
     actual64 = actual.detach().to(torch.float64).cpu()
     ref = reference64.detach().cpu()
     finite = torch.isfinite(ref)
@@ -44,18 +51,33 @@ def assert_matches_reference(actual: torch.Tensor, reference64: torch.Tensor, re
                              f"expected {ref[index].item():.6g}")
     if not finite.any():
         return
-    errors = torch.where(finite, (actual64 - ref).abs(), 0.0)
-    torch_err = torch.where(finite, (reference_in_dtype.detach().to(torch.float64).cpu() - ref).abs(), 0.0).max()
-    scale = max(1.0, ref[finite].abs().max().item())
-    bound = 2 * torch_err.item() + ATOL[dtype or actual.dtype] * scale * summed ** 0.5
-    if not errors.max().item() <= bound:  # a NaN bound (the naive evaluator's NaN) fails too
-        index = _index(errors == errors.max())
+    naive = reference_in_dtype.detach().to(torch.float64).cpu()
+    overflowed = finite & ~torch.isfinite(naive)
+    if overflowed.any():
+        index = _index(overflowed)
         raise AssertionError(
-            f"{where}; {int((~(errors <= bound)).sum())} element(s) beyond the tolerance, the worst at index {index}: "
+            f"{where}; the naive reference evaluated in {dtype} is non-finite at {int(overflowed.sum())} "
+            f"element(s) where the float64 reference is finite, first at index {index}: {naive[index].item():.6g} "
+            f"in {dtype}, {ref[index].item():.6g} in float64. These inputs overflow {dtype} in the unfused "
+            f"computation, so no tolerance relative to its error exists: check them in a wider dtype")
+    errors = torch.where(finite, (actual64 - ref).abs(), 0.0)
+    torch_err = torch.where(finite, (naive - ref).abs(), 0.0).max().item()
+    scale = max(1.0, ref[finite].abs().max().item())
+    floor = 2 * torch_err + ATOL[dtype] * scale * summed ** 0.5
+    derived = torch.zeros_like(ref) if rounding is None else rounding.detach().to(torch.float64).cpu().expand_as(ref)
+    if not bool(torch.isfinite(torch.where(finite, derived, 0.0)).all()) or bool((derived < 0).any()):
+        raise ValueError(f"{what}: the rounding bound must be finite and >= 0 wherever the reference is finite")
+    bound = floor + derived
+    if not bool((errors <= bound).all()):
+        beyond = ~(errors <= bound)
+        index = _index(errors - bound == (errors - bound).max())
+        derived_text = f" + derived rounding bound {derived[index].item():.3g}" if rounding is not None else ""
+        raise AssertionError(
+            f"{where}; {int(beyond.sum())} element(s) beyond the tolerance, the worst at index {index}: "
             f"actual {actual64[index].item():.6g}, expected {ref[index].item():.6g} (float64 reference), error "
-            f"{errors[index].item():.3g} > tolerance {bound:.3g} (2 x torch's own {dtype or actual.dtype} error "
-            f"{torch_err.item():.3g} + {ATOL[dtype or actual.dtype]:g} x scale {scale:.3g}"
-            f"{f' x sqrt({summed})' if summed != 1 else ''})")
+            f"{errors[index].item():.3g} > tolerance {bound[index].item():.3g} "
+            f"(2 x torch's own {dtype} error {torch_err:.3g} + {ATOL[dtype]:g} x scale {scale:.3g}"
+            f"{f' x sqrt({summed})' if summed != 1 else ''}{derived_text})")
 
 
 def _index(where: torch.Tensor) -> tuple[int, ...]:

@@ -1,0 +1,141 @@
+"""One program case run fused and compared with the float64 reference: the check the conformance kit repeats."""
+from __future__ import annotations
+
+import contextlib
+import sys
+
+import torch
+
+from ..passes.fuse import fuse
+from ..passes.lower import instance
+from .grad_bounds import delta_rounding
+from .strategies import ProgramCase, describe
+from .tolerances import assert_matches_reference
+
+
+def differentiable(case: ProgramCase, extras: dict) -> tuple[bool, tuple[str, ...]]:
+    """Whether every combinator of the program declares a backward, and which extra tensors get gradients."""
+    fused = fuse(case.program.graph(**extras))
+    grads: list[str] = []
+    for i, app in enumerate(fused.applications()):
+        fragment = instance(app, i).fragment
+        transform = getattr(fragment, "transform", fragment)
+        if hasattr(transform, "differentiable") and not transform.differentiable():
+            return False, ()
+        if getattr(fragment, "grad", "") is None:
+            return False, ()
+        for name, _ in getattr(fragment, "tensor_grads", ()):
+            if name in app.inputs():
+                grads.append(app.inputs()[name].name)
+    return True, tuple(dict.fromkeys(grads))
+
+
+def _synchronize(device: str) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _paged(k: torch.Tensor, v: torch.Tensor, page_size: int, seed: int) -> tuple[torch.Tensor, ...]:
+    """k (B, Hkv, Nk, D), v (B, Hkv, Nk, DV) -> pools (pages, page_size, Hkv, D or DV) holding them in shuffled
+    pages among two spare ones, and the block table (B, ceil(Nk / page_size)) int32."""
+    B, H, Nk, _ = k.shape
+    per_seq = -(-Nk // page_size)
+    order = torch.randperm(B * per_seq + 2, generator=torch.Generator().manual_seed(seed))
+    table = order[: B * per_seq].view(B, per_seq).to(torch.int32)
+
+    def pool(x):
+        padded = torch.nn.functional.pad(x, (0, 0, 0, per_seq * page_size - Nk))
+        pages = padded.transpose(1, 2).reshape(B * per_seq, page_size, H, x.shape[-1])
+        out = torch.randn(B * per_seq + 2, page_size, H, x.shape[-1], generator=torch.Generator().manual_seed(seed))
+        out = out.to(x.dtype).to(x.device)
+        out[table.view(-1).long()] = pages
+        return out
+    return pool(k), pool(v), table.to(k.device)
+
+
+def check_program_case(case: ProgramCase, dtype: torch.dtype, device: str, seed: int, grads: bool = False,
+                       kv_lens: list[int] | None = None, page_size: int | None = None,
+                       positions: tuple[int, int, int] | None = None) -> None:
+    """Run ``case`` fused and compare out, lse (when the normaliser has one) and, with ``grads``, the
+    gradients of q, k, v and of tensor inputs with declared gradients, with the reference's. ``kv_lens``:
+    per-sequence key counts (a KV cache; with at most 16 queries and no gradients, the split-KV path).
+    ``page_size`` (with ``kv_lens``, no gradients): k and v are stored as a paged cache of pages of that many
+    keys, in shuffled pages of a pool. ``positions``: (q_offset, k_offset, seq_len), a chunk of a longer
+    sequence."""
+    __tracebackhide__ = True  # pytest: a failure is its message, not this frame's tensors
+    q, k, v = case.inputs(dtype, device, seed)
+    extras = dict(case.extras_on(device))
+    call: dict = {}
+    if kv_lens is not None:
+        call["kv_lens"] = torch.tensor(kv_lens, dtype=torch.int32, device=device)
+    if positions is not None:
+        call.update(zip(("q_offset", "k_offset", "seq_len"), positions))
+    if page_size is not None:
+        if kv_lens is None or grads:
+            raise ValueError("check_program_case: page_size needs kv_lens, and no gradients")
+        k, v, call["block_table"] = _paged(k, v, page_size, seed)
+    graph = case.program.graph(**extras)
+    norm = graph.weights.apply.fragment()
+    has_lse = norm.has_lse
+    can_grad, grad_extras = differentiable(case, extras) if grads else (False, ())
+    if dtype in (torch.float16, torch.bfloat16) and not norm.smooth:
+        can_grad = False
+    leaves = [q, k, v] + [extras[n] for n in grad_extras]
+    if can_grad:
+        for t in leaves:
+            t.requires_grad_(True)
+    result = case.program(q, k, v, return_lse=has_lse, **call, **extras)
+    _synchronize(device)  # a fault in the fused kernel is reported with this example, not a later one
+    out, lse = result if has_lse else (result, None)
+    ref64 = case.program.reference(q, k, v, return_lse=has_lse, dtype=torch.float64, **call, **extras)
+    ref_lowp = case.program.reference(q, k, v, return_lse=has_lse, dtype=dtype, **call, **extras)
+    if not has_lse:
+        ref64, ref_lowp = (ref64, None), (ref_lowp, None)
+    assert_matches_reference(out, ref64[0], ref_lowp[0], dtype, what=f"out of {case.text}")
+    if has_lse:
+        if lse.dtype != (torch.float64 if dtype == torch.float64 else torch.float32):
+            raise AssertionError(f"lse of {case.text}: dtype {lse.dtype} for {dtype} inputs")
+        assert_matches_reference(lse, ref64[1], ref_lowp[1], dtype, what=f"lse of {case.text}")
+    if not can_grad:
+        return
+    g = torch.Generator().manual_seed(seed + 1)
+    dout = torch.randn(out.shape, generator=g).to(dtype).to(device)
+    got = torch.autograd.grad(out, leaves, dout)
+    _synchronize(device)
+    rounding = [None] * len(leaves)
+    if norm.needs_delta:
+        with torch.no_grad():
+            abs_weighted_v = case.program.reference(q.detach(), k.detach(), v.detach().abs(), return_lse=True,
+                                                    dtype=torch.float64, **call, **extras)[0]
+        rounding = delta_rounding(ref64[1], ref64[0], abs_weighted_v, dout, leaves, dtype)
+    want64 = torch.autograd.grad(ref64[0], leaves, dout.to(torch.float64))
+    want_lowp = torch.autograd.grad(ref_lowp[0], leaves, dout)
+    scores = q.shape[0] * q.shape[1] * q.shape[2] * k.shape[2]
+    summed = [1, 1, 1, *(scores // extras[n].numel() for n in grad_extras)]
+    names = ["dq", "dk", "dv", *(f"d{n}" for n in grad_extras)]
+    for name, a, b, c, n, r in zip(names, got, want64, want_lowp, summed, rounding):
+        assert_matches_reference(a, b, c, dtype, what=f"{name} of {case.text}", summed=n, rounding=r)
+
+
+def add_note(exc: BaseException, note_text: str) -> None:
+    """Attach replay information to a failure (Python 3.11's notes; printed on older Pythons)."""
+    if hasattr(exc, "add_note"):
+        exc.add_note(note_text)
+    else:
+        print(note_text, file=sys.stderr)
+
+
+def show_extras(extras: dict, full: bool) -> str:
+    if not full:
+        return describe(extras) or "none"
+    with _full_print():
+        return "\n".join(f"{n} = {v!r}" for n, v in extras.items()) or "none"
+
+
+@contextlib.contextmanager
+def _full_print():
+    torch.set_printoptions(profile="full")
+    try:
+        yield
+    finally:
+        torch.set_printoptions(profile="default")
