@@ -1,0 +1,58 @@
+"""Positions near the largest the calls allow (2**31 - 1): masks' facts and ``keep`` add window sides to
+positions, which would overflow int32 there. Calls whose positions reach 2**30 compute them in int64;
+forward and gradients match the float64 reference at those positions, and smaller calls keep int32 kernels."""
+import pytest
+import torch
+
+import attnfuse as af
+from attnfuse.runtime.inputs import MAX_POSITION, WIDE_POSITION
+from attnfuse.testing import assert_matches_reference
+
+
+@af.attention
+def window_alibi(q, k, v):
+    return af.softmax(af.alibi(af.sliding_window(af.scaled_dot_product(q, k), 7, 3))) @ v
+
+
+@af.attention
+def causal(q, k, v):
+    return af.softmax(af.causal(af.scaled_dot_product(q, k))) @ v
+
+
+@af.attention
+def wide_left_window(q, k, v):  # the widest bounded side: k_hi + left + 1 passes int32 near the end
+    return af.softmax(af.sliding_window(af.scaled_dot_product(q, k), 2**30 - 1, 4)) @ v
+
+
+# (Nq, Nk, q_offset, k_offset, seq_len), lengths off the interpreter's 32-row blocks, the last query at the last
+# position: keys ending there too; ending a little before; ending before the windows' reach, with seq_len given
+CASES = [(20, 37, MAX_POSITION - 20, MAX_POSITION - 37, None), (33, 40, MAX_POSITION - 33, MAX_POSITION - 42, None),
+         (20, 45, MAX_POSITION - 20, MAX_POSITION - 85, MAX_POSITION)]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "Nq{}_Nk{}_q{}_k{}_seq{}".format(*c))
+@pytest.mark.parametrize("program", [window_alibi, causal, wide_left_window], ids=lambda p: p.fn.__name__)
+def test_positions_near_the_limit_match_the_float64_reference(program, case):
+    Nq, Nk, q_offset, k_offset, seq_len = case
+    at = dict(q_offset=q_offset, k_offset=k_offset, seq_len=seq_len)
+    q = torch.randn(1, 4, Nq, 16, requires_grad=True)
+    k, v = (torch.randn(1, 2, Nk, 16, requires_grad=True) for _ in range(2))
+    out = program(q, k, v, **at)
+    want = program.reference(q, k, v, **at)
+    in_dtype = program.reference(q, k, v, **at, dtype=torch.float32)
+    assert_matches_reference(out, want, in_dtype, torch.float32)
+    dout = torch.randn(out.shape)
+    for name, g, w, b in zip("qkv", torch.autograd.grad(out, (q, k, v), dout),
+                             torch.autograd.grad(want, (q, k, v), dout.double()),
+                             torch.autograd.grad(in_dtype, (q, k, v), dout)):
+        assert_matches_reference(g, w, b, torch.float32, what=f"d{name}")
+
+
+def test_only_calls_reaching_wide_positions_widen_them():
+    """Positions below 2**30 keep the int32 kernels; from there the forward, dQ and dK/dV widen them."""
+    q, k, v = torch.randn(1, 2, 20, 16), torch.randn(1, 1, 30, 16), torch.randn(1, 1, 30, 16)
+    narrow = window_alibi.source(q, k, v, q_offset=5, seq_len=WIDE_POSITION)
+    assert "tl.int64) + Q_OFFSET" not in narrow and "(q_idx + Q_OFFSET).to(tl.int64)" not in narrow
+    for kernel in ("forward", "dq", "dkdv"):
+        source = window_alibi.source(q, k, v, q_offset=5, seq_len=WIDE_POSITION + 1, kernel=kernel)
+        assert "(q_idx + Q_OFFSET).to(tl.int64)" in source
