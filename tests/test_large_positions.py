@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import attnfuse as af
-from attnfuse.runtime.inputs import MAX_POSITION, WIDE_POSITION
+from attnfuse.runtime.inputs import MAX_POSITION, WIDE_POSITION, LaunchContext
 from attnfuse.testing import assert_matches_reference
 
 
@@ -56,3 +56,51 @@ def test_only_calls_reaching_wide_positions_widen_them():
     for kernel in ("forward", "dq", "dkdv"):
         source = window_alibi.source(q, k, v, q_offset=5, seq_len=WIDE_POSITION + 1, kernel=kernel)
         assert "(q_idx + Q_OFFSET).to(tl.int64)" in source
+
+
+@af.attention
+def llama(q, k, v):
+    return af.softmax(af.causal(af.rope(q, k))) @ v
+
+
+def _rotated64(x: torch.Tensor, first: int, theta: float = 10000.0) -> torch.Tensor:
+    """x (B, H, N, D) rotated in float64 at positions first .. first + N - 1 (NeoX/Llama halves)."""
+    D = x.shape[-1]
+    positions = torch.arange(first, first + x.shape[2], dtype=torch.float64)
+    freqs = positions[:, None] * theta ** (-torch.arange(0, D, 2, dtype=torch.float64) / D)
+    cos, sin = torch.cat((freqs, freqs), -1).cos(), torch.cat((freqs, freqs), -1).sin()
+    x = x.double()
+    return x * cos + torch.cat((-x[..., D // 2:], x[..., : D // 2]), -1) * sin
+
+
+def _causal_attention(q, k, v, q_offset, k_offset, dtype):
+    """softmax(q kᵀ / √D, key position <= query position) v, in ``dtype``; k, v (B, 1, Nk, D) broadcast."""
+    keep = (torch.arange(k.shape[2]) + k_offset)[None, :] <= (torch.arange(q.shape[2]) + q_offset)[:, None]
+    s = (q.to(dtype) @ k.to(dtype).transpose(-1, -2)) * q.shape[-1] ** -0.5
+    return torch.softmax(s.masked_fill(~keep, float("-inf")), -1) @ v.to(dtype)
+
+
+@pytest.mark.parametrize("q_offset,k_offset", [(2**20, 2**20 - 9), (2**30, 2**30 - 9), (2**30, 5)],
+                         ids=["near_2_20", "near_2_30", "queries_far_after_keys"])
+def test_rope_tables_cover_the_chunk_only(q_offset, k_offset):
+    """rope's theta tables at a large offset hold the chunk's rows only (not one for every position from 0),
+    and the chunk's out and gradients match a float64 rotation at those positions."""
+    B, Nq, Nk, D = 1, 4, 13, 8
+    rope = af.combinators()["rope"].combinator
+    ctx = LaunchContext(B=B, Hq=2, Hkv=1, Nq=Nq, Nk=Nk, D=D, DV=D, device=torch.device("cpu"),
+                           dtype=torch.float32, q_offset=q_offset, k_offset=k_offset,
+                           seq_len=max(q_offset + Nq, k_offset + Nk))
+    tables = rope.prepare(ctx, theta=10000.0, scale=None, cos=None, sin=None, rotate_keys=True)
+    assert sum(t.untyped_storage().nbytes() for t in tables.values() if isinstance(t, torch.Tensor)) \
+        <= 2 * (Nq + Nk) * D // 2 * 4
+    q = torch.randn(B, 2, Nq, D, requires_grad=True)
+    k, v = (torch.randn(B, 1, Nk, D, requires_grad=True) for _ in range(2))
+    out = llama(q, k, v, q_offset=q_offset, k_offset=k_offset)
+    want, in_dtype = (_causal_attention(_rotated64(q, q_offset).to(dtype), _rotated64(k, k_offset).to(dtype),
+                                        v, q_offset, k_offset, dtype) for dtype in (torch.float64, torch.float32))
+    assert_matches_reference(out, want, in_dtype, torch.float32)
+    dout = torch.randn(out.shape)
+    for name, g, w, b in zip("qkv", torch.autograd.grad(out, (q, k, v), dout),
+                             torch.autograd.grad(want, (q, k, v), dout.double()),
+                             torch.autograd.grad(in_dtype, (q, k, v), dout)):
+        assert_matches_reference(g, w, b, torch.float32, what=f"d{name}")
