@@ -45,10 +45,12 @@ class Positions(NamedTuple):
 
 def wide_positions(Nq: int, capacity: int, positions: Positions | None) -> bool:
     """Whether some position of a call can reach ``WIDE_POSITION`` in magnitude: with ``positions``, those
-    below ``seq_len``; without, queries from -Nq (Nq > Nk) and keys below the cache's ``capacity``."""
+    below ``seq_len``; without, queries from -Nq (Nq > Nk) and keys below the cache's ``capacity``. A symbolic
+    size (a fake tensor's, under torch.compile) is never compared, so no shape guard is made: the op's body
+    decides on the real sizes."""
     if positions is not None:
         return positions.seq_len > WIDE_POSITION
-    return max(Nq, capacity) > WIDE_POSITION
+    return any(type(n) is int and n > WIDE_POSITION for n in (Nq, capacity))
 
 
 def check_positions(q_offset: Any, k_offset: Any, seq_len: Any, Nq: int, Nk: int, kv_lens: Any = None,
