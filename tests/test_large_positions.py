@@ -104,3 +104,28 @@ def test_rope_tables_cover_the_chunk_only(q_offset, k_offset):
                              torch.autograd.grad(want, (q, k, v), dout.double()),
                              torch.autograd.grad(in_dtype, (q, k, v), dout)):
         assert_matches_reference(g, w, b, torch.float32, what=f"d{name}")
+
+
+@af.attention
+def lookback(q, k, v):  # 7 keys back, every key after: q_pos + right passes int32 for any position past 2**30
+    return af.softmax(af.sliding_window(af.scaled_dot_product(q, k), 7, 2**30 - 1)) @ v
+
+
+@pytest.mark.parametrize("Nq", [3, 20], ids=["split_kv", "forward"])
+def test_a_paged_cache_of_nearly_2_31_keys(Nq):
+    """A paged cache's capacity (pages x page size) can pass 2**30 with little memory: every table entry on
+    one 2**16-row page. The last Nq of 2**31 - 2**16 - 3 keys (the split-KV kernel for 3 queries, the forward
+    for 20) match the float64 reference on those keys, placed at their positions."""
+    P, pages, D = 2**16, 2**15 - 1, 8
+    pool_k, pool_v = torch.randn(1, P, 1, D), torch.randn(1, P, 1, D)
+    table = torch.zeros(1, pages, dtype=torch.int32)
+    n = pages * P - 3
+    q = torch.randn(1, 2, Nq, D)
+    out = lookback(q, pool_k, pool_v, kv_lens=torch.tensor([n], dtype=torch.int32), block_table=table)
+    first = n - Nq - 7  # the first key any query keeps
+    rows = torch.arange(first, n) % P
+    k, v = (pool[0, rows].transpose(0, 1)[None] for pool in (pool_k, pool_v))
+    at = dict(q_offset=n - Nq, k_offset=first, seq_len=n)
+    assert_matches_reference(out, lookback.reference(q, k, v, **at), lookback.reference(q, k, v, **at,
+                                                                                         dtype=torch.float32),
+                             torch.float32)
