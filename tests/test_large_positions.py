@@ -8,6 +8,8 @@ import attnfuse as af
 from attnfuse.runtime.inputs import MAX_POSITION, WIDE_POSITION, LaunchContext
 from attnfuse.testing import assert_matches_reference
 
+from conftest import hoisted_last_call
+
 
 @af.attention
 def window_alibi(q, k, v):
@@ -129,3 +131,22 @@ def test_a_paged_cache_of_nearly_2_31_keys(Nq):
     assert_matches_reference(out, lookback.reference(q, k, v, **at), lookback.reference(q, k, v, **at,
                                                                                          dtype=torch.float32),
                              torch.float32)
+
+
+def test_hoisted_rope_at_the_limit():
+    """Enough query blocks hoist RoPE into transform passes, which rotate at positions near 2**31 - 1 too
+    (int64 there): out and gradients against a float64 rotation at those positions."""
+    Nq, Nk, D = 130, 140, 16
+    q_offset, k_offset = MAX_POSITION - Nq, MAX_POSITION - Nk
+    q = torch.randn(1, 2, Nq, D, requires_grad=True)
+    k, v = (torch.randn(1, 1, Nk, D, requires_grad=True) for _ in range(2))
+    out = llama(q, k, v, q_offset=q_offset, k_offset=k_offset)
+    assert hoisted_last_call()
+    want, in_dtype = (_causal_attention(_rotated64(q, q_offset).to(dtype), _rotated64(k, k_offset).to(dtype),
+                                        v, q_offset, k_offset, dtype) for dtype in (torch.float64, torch.float32))
+    assert_matches_reference(out, want, in_dtype, torch.float32)
+    dout = torch.randn(out.shape)
+    for name, g, w, b in zip("qkv", torch.autograd.grad(out, (q, k, v), dout),
+                             torch.autograd.grad(want, (q, k, v), dout.double()),
+                             torch.autograd.grad(in_dtype, (q, k, v), dout)):
+        assert_matches_reference(g, w, b, torch.float32, what=f"d{name}")
