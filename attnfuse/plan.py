@@ -39,6 +39,7 @@ class KernelConfig:
     k_transformed: bool = False  # likewise k
     wide_offsets: bool = False  # some element offset can pass 2**31 - 1: every stride is int64 in the kernels
     positions: bool = False  # the call gives its queries' and keys' first positions (Q_OFFSET, K_OFFSET, N_SEQ)
+    wide_positions: bool = False  # some position can reach 2**30: positions and the masks' facts are int64
     partial: bool = False  # a partial result over some of each row's keys: the normaliser's ``partial`` fragment
 
 

@@ -90,20 +90,27 @@ def _theta_tables(theta: float, first: int, last: int, D: int, B: int, device: t
 
 
 def prepare(ctx, theta, scale, cos, sin, rotate_keys):
+    """Tables for q's rotation (``cos``, ``sin``, rows from position ``first``) and for k's (``key_cos``,
+    ``key_sin``, from ``key_first``). With theta they cover the positions the call can rotate: below Nk
+    without positions (one table for both), the call's queries' and keys' positions with them (a chunk far
+    into a long sequence gets tables of its own rows, not of every position before it)."""
     _check_tables(cos, sin, ctx)
     if cos is None:
-        first = -ctx.Nq if ctx.kv_lens is not None else min(0, ctx.Nk - ctx.Nq)  # the lowest query position
-        last = ctx.Nk
-        if ctx.q_offset is not None:  # the call's positions: one table for every chunk of the sequence
-            first, last = 0, ctx.seq_len
         dtype = torch.float64 if ctx.dtype == torch.float64 else torch.float32
-        cos, sin = _theta_tables(float(theta), first, last, ctx.D, ctx.B, ctx.device, dtype)
-        return {"cos": cos, "sin": sin, "first": first}
+        if ctx.q_offset is None:
+            first = -ctx.Nq if ctx.kv_lens is not None else min(0, ctx.Nk - ctx.Nq)  # the lowest query position
+            spans = ((first, ctx.Nk),) * 2
+        else:
+            spans = ((ctx.q_offset, ctx.q_offset + ctx.Nq), (ctx.k_offset, ctx.k_offset + ctx.Nk))
+        (q_cos, q_sin), (k_cos, k_sin) = (_theta_tables(float(theta), lo, hi, ctx.D, ctx.B, ctx.device, dtype)
+                                          for lo, hi in spans)
+        return {"cos": q_cos, "sin": q_sin, "first": spans[0][0],
+                "key_cos": k_cos, "key_sin": k_sin, "key_first": spans[1][0]}
     if ctx.kv_lens is not None and bool((ctx.kv_lens < ctx.Nq).any()):  # one host sync, tables only
         raise InputError(f"rope: cos/sin tables are indexed by position, so every sequence needs at least "
                          f"Nq={ctx.Nq} keys (kv_lens={ctx.kv_lens.tolist()}); pass theta instead")
     cos, sin = (t.expand(ctx.B, *t.shape[-2:]) for t in (cos, sin))
-    return {"cos": cos, "sin": sin, "first": 0}
+    return {"cos": cos, "sin": sin, "first": 0, "key_cos": cos, "key_sin": sin, "key_first": 0}
 
 
 def examples(draw, shape):
@@ -120,9 +127,25 @@ def examples(draw, shape):
     return params
 
 
-def _table(name: str, column: str) -> str:
-    return (f"tl.load(${name} + b.to(tl.int64) * ${name}_s0 + ($$pos - $first)[:, None] * ${name}_s1"
-            f" + ({column})[None, :] * ${name}_s2, mask=$$ok & ($$pos >= $first)[:, None], other=0.0).to($acc_dtype)")
+def _table(name: str, column: str, first: str) -> str:
+    return (f"tl.load(${name} + b.to(tl.int64) * ${name}_s0 + ($$pos - ${first})[:, None] * ${name}_s1"
+            f" + ({column})[None, :] * ${name}_s2, mask=$$ok & ($$pos >= ${first})[:, None], other=0.0).to($acc_dtype)")
+
+
+def _rotations(side: str, given: bool) -> tuple[str, str]:
+    """(rotate, rotate back) of q or k reading the tables of ``side`` ("" for q's, "key_" for k's)."""
+    cos, sin, first = f"{side}cos", f"{side}sin", f"{side}first"
+    if not given:
+        tables = (f"${{tmp}}_cos1 = {_table(cos, 'dh', first)}\n${{tmp}}_sin1 = {_table(sin, 'dh', first)}\n"
+                  "${tmp}_cos2 = ${tmp}_cos1\n${tmp}_sin2 = ${tmp}_sin1\n")
+    else:
+        tables = "".join(f"${{tmp}}_{t}{i} = {_table(name, col, first)}\n" for t, name in (("cos", cos), ("sin", sin))
+                         for i, col in ((1, "dh"), (2, "dh + HALF")))
+    rotate = tables + "${tmp}_x1 = $x1 * ${tmp}_cos1 - $x2 * ${tmp}_sin1\n" \
+                      "$x2 = $x2 * ${tmp}_cos2 + $x1 * ${tmp}_sin2\n$x1 = ${tmp}_x1\n"
+    rotate_back = tables + "${tmp}_g1 = $g1 * ${tmp}_cos1 + $g2 * ${tmp}_sin2\n" \
+                           "$g2 = $g2 * ${tmp}_cos2 - $g1 * ${tmp}_sin1\n$g1 = ${tmp}_g1\n"
+    return rotate, rotate_back
 
 
 def fragment(theta, scale, cos, sin, rotate_keys) -> ScoreSourceFragment:
@@ -130,20 +153,11 @@ def fragment(theta, scale, cos, sin, rotate_keys) -> ScoreSourceFragment:
 
     The gradient rotates back (the transpose): g1 <- g1·cos1 + g2·sin2, g2 <- g2·cos2 - g1·sin1.
     With theta, the two halves of the table are equal, so the table holds one (P, D/2); with given
-    cos/sin tables (P, D), each half reads its own columns.
+    cos/sin tables (P, D), each half reads its own columns. q reads ``cos``/``sin``, k ``key_cos``/``key_sin``.
     """
-    if cos is None:
-        tables = f"${{tmp}}_cos1 = {_table('cos', 'dh')}\n${{tmp}}_sin1 = {_table('sin', 'dh')}\n" \
-                 "${tmp}_cos2 = ${tmp}_cos1\n${tmp}_sin2 = ${tmp}_sin1\n"
-    else:
-        tables = "".join(f"${{tmp}}_{t}{i} = {_table(t, col)}\n"
-                         for t in ("cos", "sin") for i, col in ((1, "dh"), (2, "dh + HALF")))
-    rotate = tables + "${tmp}_x1 = $x1 * ${tmp}_cos1 - $x2 * ${tmp}_sin1\n" \
-                      "$x2 = $x2 * ${tmp}_cos2 + $x1 * ${tmp}_sin2\n$x1 = ${tmp}_x1\n"
-    rotate_back = tables + "${tmp}_g1 = $g1 * ${tmp}_cos1 + $g2 * ${tmp}_sin2\n" \
-                           "$g2 = $g2 * ${tmp}_cos2 - $g1 * ${tmp}_sin1\n$g1 = ${tmp}_g1\n"
+    (rotate_q, back_q), (rotate_k, back_k) = (_rotations(side, cos is not None) for side in ("", "key_"))
     return ScoreSourceFragment(transform=QKTransformFragment(
-        q=rotate, k=rotate if rotate_keys else "", q_grad=rotate_back, k_grad=rotate_back if rotate_keys else None))
+        q=rotate_q, k=rotate_k if rotate_keys else "", q_grad=back_q, k_grad=back_k if rotate_keys else None))
 
 
 COMBINATOR = Combinator(
@@ -161,8 +175,9 @@ COMBINATOR = Combinator(
               doc="False: keys come rotated already (a RoPE'd KV cache); only q is rotated"),
     ],
     reference=reference,
-    tensors=[TensorArg(name="cos", rank=3), TensorArg(name="sin", rank=3)],
-    scalars=[ScalarArg(name="first")],
+    tensors=[TensorArg(name="cos", rank=3), TensorArg(name="sin", rank=3), TensorArg(name="key_cos", rank=3),
+             TensorArg(name="key_sin", rank=3)],
+    scalars=[ScalarArg(name="first"), ScalarArg(name="key_first")],
     prepare=prepare,
     fragment=fragment,
     examples=examples,

@@ -80,6 +80,23 @@ def hoisted_last_call() -> bool:
 
 
 @contextlib.contextmanager
+def plan_setting(module, name: str, value):
+    """``module.name = value`` inside the block (a setting the runtime plans calls by, e.g.
+    ``hoisted.HOIST_MIN_QUERY_BLOCKS``), with no plan outliving the change either way: the calls and kernels
+    cached before are forgotten on entry, those planned under it on exit (``launch.clear_cache``)."""
+    from attnfuse.runtime import launch
+
+    before = getattr(module, name)
+    setattr(module, name, value)
+    launch.clear_cache()
+    try:
+        yield
+    finally:
+        setattr(module, name, before)
+        launch.clear_cache()
+
+
+@contextlib.contextmanager
 def deterministic_algorithms():
     """``torch.use_deterministic_algorithms(True)`` inside the block (the setting before it restored after)."""
     before = torch.are_deterministic_algorithms_enabled()

@@ -65,15 +65,26 @@ def test_rows_with_no_active_block_are_zero():
 
 
 def test_inactive_blocks_are_never_visited():
-    """NaN in every key block a query block does not list must not reach its rows (forward and dQ)."""
-    q, k, v = (torch.randn(1, 2, 128, 16) for _ in range(3))
+    """NaN in every key block a query block does not list must not reach its rows: the forward's, and dQ
+    of those rows (checked against float64 autograd through the reference on the clean values) and dK, dV of
+    the keys only those rows list."""
+    q, k, v = (torch.randn(1, 2, 128, 16, requires_grad=True) for _ in range(3))
     active = torch.eye(4, dtype=torch.bool)  # each query block sees its own key block only
     mask = af.BlockMask.from_blocks(active, 128, 128, block_size=32)
-    poisoned = v.clone()
+    poisoned = v.detach().clone()
     poisoned[:, :, 32:] = float("nan")
+    poisoned.requires_grad_(True)
     out = sparse(q, k, poisoned, mask)
     torch.testing.assert_close(out[:, :, :32], sparse(q, k, v, mask)[:, :, :32], atol=0, rtol=0)
     assert torch.isnan(out[:, :, 32:]).all()
+    dout = torch.zeros_like(out)
+    dout[:, :, :32] = torch.randn(1, 2, 32, 16)  # only the first query block's rows (the others are NaN)
+    dq, dk, dv = torch.autograd.grad(out, (q, k, poisoned), dout)
+    ref = sparse.reference(q, k, v, mask)
+    want = torch.autograd.grad(ref, (q, k, v), dout.double())
+    in_dtype = torch.autograd.grad(sparse.reference(q, k, v, mask, dtype=torch.float32), (q, k, v), dout)
+    for name, got, w, b in zip(("dq", "dk", "dv"), (dq, dk, dv), want, in_dtype):
+        assert_matches_reference(got[:, :, :32], w[:, :, :32], b[:, :, :32], torch.float32, what=name)
 
 
 def test_sparse_kernel_iterates_the_block_lists():

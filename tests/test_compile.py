@@ -10,6 +10,7 @@ from torch._dynamo.testing import CompileCounterWithBackend
 import attnfuse as af
 from attnfuse.errors import InputError
 from attnfuse import call_spec
+from attnfuse.testing import assert_matches_reference
 
 
 @af.attention
@@ -105,20 +106,50 @@ def test_fullgraph_return_lse_and_its_gradient():
         torch.testing.assert_close(got.double(), w, atol=2e-5, rtol=1e-4)
 
 
+def _grads_match_reference(program, out, q, k, v, *extra, what=""):
+    """out and the gradients of q, k, v (for a fresh random dout) against the float64 reference, with
+    extra runtime inputs ``extra``."""
+    want = program.reference(q, k, v, *extra)
+    in_dtype = program.reference(q, k, v, *extra, dtype=torch.float32)
+    assert_matches_reference(out, want, in_dtype, torch.float32, what=f"{what}out")
+    dout = torch.randn(out.shape)
+    for name, got, w, b in zip("qkv", torch.autograd.grad(out, (q, k, v), dout),
+                               torch.autograd.grad(want, (q, k, v), dout.double()),
+                               torch.autograd.grad(in_dtype, (q, k, v), dout)):
+        assert_matches_reference(got, w, b, torch.float32, what=f"{what}d{name}")
+
+
 def test_dynamic_sequence_lengths_compile_once():
+    """One compile over three lengths; each length's out and q, k, v gradients match float64."""
     counter = CompileCounterWithBackend("aot_eager")
     compiled = torch.compile(lambda q, k, v, cos, sin: llama(q, k, v, cos, sin), backend=counter, fullgraph=True,
                              dynamic=True)
     for n in (20, 33, 48):
         q, k, v = _qkv(N=n, requires_grad=True)
         cos, sin = _tables(n, 8)
-        out = compiled(q, k, v, cos, sin)
-        q.grad = None
-        out.sum().backward()
-        reference = llama.reference(q.detach(), k.detach(), v.detach(), cos, sin)
-        torch.testing.assert_close(out.detach().double(), reference, atol=2e-6, rtol=1e-5)
-        assert q.grad is not None and q.grad.shape == q.shape
+        _grads_match_reference(llama, compiled(q, k, v, cos, sin), q, k, v, cos, sin, what=f"N={n}: ")
     assert counter.frame_count == 1
+
+
+def test_inductor_on_the_cpu_matches_float64():
+    """Inductor (the default backend) compiles the ops around the call (one compile: the first on the CPU takes
+    tens of seconds); out and the gradients match float64 autograd through the reference."""
+    q, k, v = _qkv(N=20, requires_grad=True)
+    bias, mask = torch.randn(4, 20, 20), _mask(20)
+
+    def layer(q, k, v):
+        return biased_sparse(q * 0.5, k, v.tanh(), bias, mask).sigmoid()
+
+    def layer_reference(q, k, v, dtype=torch.float64):
+        return biased_sparse.reference(q * 0.5, k, v.tanh(), bias, mask, dtype=dtype).sigmoid()
+    out = torch.compile(layer, fullgraph=True)(q, k, v)
+    want, in_dtype = layer_reference(q, k, v), layer_reference(q, k, v, torch.float32)
+    assert_matches_reference(out, want, in_dtype, torch.float32)
+    dout = torch.randn(out.shape)
+    for name, got, w, b in zip("qkv", torch.autograd.grad(out, (q, k, v), dout),
+                               torch.autograd.grad(want, (q, k, v), dout.double()),
+                               torch.autograd.grad(in_dtype, (q, k, v), dout)):
+        assert_matches_reference(got, w, b, torch.float32, what=f"d{name}")
 
 
 def test_fullgraph_split_kv_decode_with_paged_cache():

@@ -2,6 +2,8 @@
 
 GPU runs of the same checks, with bfloat16 and larger shapes, are in test_gpu.py.
 """
+import math
+
 import pytest
 import torch
 
@@ -299,3 +301,36 @@ def test_scale_parameter():
     q, k, v = _qkv(1, 2, 2, 30, 30, 32, 32, torch.float32)
     expected = torch.nn.functional.scaled_dot_product_attention(q.double(), k.double(), v.double(), scale=0.3)
     torch.testing.assert_close(scaled(q, k, v).double(), expected, atol=2e-5, rtol=0)
+
+
+def _paper_alibi_slopes(heads: int) -> torch.Tensor:
+    """ALiBi's default slopes (Press et al., 2022), written out as the paper's reference code and HF's
+    ``build_alibi_tensor`` compute them: 2^(-8i/n), i = 1..n, for the closest power of two n <= heads;
+    past it, the odd powers 1, 3, 5, ... of 2^(-4/n) (the 2n-head sequence's every other slope)."""
+    closest = 2 ** math.floor(math.log2(heads))
+    base = torch.tensor(2 ** (-(2 ** -(math.log2(closest) - 3))), dtype=torch.float64)
+    slopes = torch.pow(base, torch.arange(1, 1 + closest, dtype=torch.float64))
+    if closest != heads:
+        extra_base = torch.tensor(2 ** (-(2 ** -(math.log2(2 * closest) - 3))), dtype=torch.float64)
+        remaining = min(closest, heads - closest)
+        slopes = torch.cat((slopes, torch.pow(extra_base, torch.arange(1, 1 + 2 * remaining, 2, dtype=torch.float64))))
+    return slopes
+
+
+@af.attention
+def alibi_only(q, k, v):
+    return af.softmax(af.alibi(af.scaled_dot_product(q, k))) @ v
+
+
+@pytest.mark.parametrize("heads", [1, 2, 3, 5, 6, 8, 12, 16, 20])
+def test_alibi_default_slopes_are_the_papers(heads):
+    """The kernel with the default slopes, and the reference, against attention with the paper's slopes
+    computed here in float64: s + slope_h·(j - i') for query position i' = i + Nk - Nq."""
+    q, k, v = _qkv(1, heads, heads, 24, 40, 16, 16, torch.float32, seed=heads)
+    assert torch.equal(_paper_alibi_slopes(8), 2.0 ** (-torch.arange(1, 9, dtype=torch.float64)))  # 2^(-8i/8)
+    distance = (torch.arange(40)[None, :] - (torch.arange(24) + 40 - 24)[:, None]).double()
+    scores = q.double() @ k.double().transpose(-1, -2) * 16 ** -0.5
+    want = torch.softmax(scores + _paper_alibi_slopes(heads).view(heads, 1, 1) * distance, -1) @ v.double()
+    assert_matches_reference(alibi_only(q, k, v), want, alibi_only.reference(q, k, v, dtype=torch.float32),
+                             torch.float32)
+    torch.testing.assert_close(alibi_only.reference(q, k, v), want, atol=1e-12, rtol=0)

@@ -1,11 +1,14 @@
 """The property fuzzer over the call paths the plain conformance check does not draw: paged caches, kv_lens
 with empty sequences, value rows poisoned with NaN, and qk transforms hoisted into passes (pre-rotated
 RoPE). Programs come from every registered combinator; each result is compared with the float64 reference.
-Hypothesis prints the blob that replays a failure (tests/conftest.py)."""
+Hypothesis draws from the test id's seed (tests/conftest.py), so a rerun replays a failure, and prints the
+blob that replays it alone."""
+import contextlib
+
 import attrs
 import pytest
 import torch
-from hypothesis import HealthCheck, Phase, given, note, settings
+from hypothesis import HealthCheck, Phase, given, note, seed, settings
 from hypothesis import strategies as st
 
 from attnfuse.errors import InputError
@@ -13,7 +16,7 @@ from attnfuse.runtime import hoisted
 from attnfuse.testing.strategies import program_cases, shapes
 from attnfuse.testing.tolerances import assert_matches_reference
 
-from conftest import CUDA, fuzz_examples
+from conftest import CUDA, fuzz_examples, hoisted_last_call, plan_setting, seed_of
 
 DEVICE = "cuda" if CUDA else "cpu"
 DTYPES = (torch.float16, torch.bfloat16, torch.float32) if CUDA else (torch.float32, torch.float16)
@@ -47,11 +50,9 @@ def _compare(out: torch.Tensor, ref64: torch.Tensor, ref_lowp: torch.Tensor, dty
 
 
 @pytest.mark.parametrize("path", ["paged", "empty_sequences", "nan_values", "hoisted"])
-def test_program_paths(path, monkeypatch):
-    if path == "hoisted":  # hoist whenever the program has a qk transform to hoist
-        monkeypatch.setattr(hoisted, "HOIST_MIN_QUERY_BLOCKS", 1)
-
+def test_program_paths(path, request):
     @FUZZ
+    @seed(seed_of(request.node.nodeid))
     @given(data=st.data())
     def conforms(data):
         shape = data.draw(shapes(max_n=64, head_dims=(16, 32)), label="shape")
@@ -88,4 +89,21 @@ def test_program_paths(path, monkeypatch):
         out = case.program(q, k, v, **extras, **call)
         _compare(out, ref64, ref_lowp, dtype, f"out of {case.text}")
 
-    conforms()
+    # "hoisted": hoist whenever the program has a qk transform to hoist
+    with plan_setting(hoisted, "HOIST_MIN_QUERY_BLOCKS", 1) if path == "hoisted" else contextlib.nullcontext():
+        conforms()
+
+
+def test_a_patched_plan_setting_reaches_calls_planned_before_and_ends_with_the_block():
+    """``plan_setting`` (what the hoisted fuzz path runs under): a call signature planned before the block is
+    planned again under the setting, and one planned under it again after."""
+    from attnfuse.examples import llama
+
+    q, k, v = torch.randn(1, 2, 20, 16), torch.randn(1, 1, 20, 16), torch.randn(1, 1, 20, 16)
+    llama(q, k, v)
+    assert not hoisted_last_call()  # one query block: not worth hoisting
+    with plan_setting(hoisted, "HOIST_MIN_QUERY_BLOCKS", 1):
+        llama(q, k, v)
+        assert hoisted_last_call()
+    llama(q, k, v)
+    assert not hoisted_last_call()

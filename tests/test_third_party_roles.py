@@ -30,7 +30,7 @@ from attnfuse.combinator import (Combinator, MaskFragment, NormaliserFragment, P
 from attnfuse.errors import InputError
 from attnfuse.testing import assert_matches_reference, check_combinator
 
-from conftest import hoisted_last_call
+from conftest import hoisted_last_call, plan_setting
 
 FUZZ_EXAMPLES = int(os.environ.get("ATTNFUSE_FUZZ_EXAMPLES", "6"))
 # Fixed programs run on the CPU (Triton's interpreter) always, and compiled on a GPU when there is one.
@@ -270,21 +270,20 @@ def test_qk_norm_scores_are_cosines():
     torch.testing.assert_close(got[0, 0], want, atol=1e-5, rtol=1e-5)
 
 
-def test_qk_norm_is_hoisted_like_rope(monkeypatch):
+def test_qk_norm_is_hoisted_like_rope():
     """A plugin's qk transform is hoisted into a transform pass as rope's is: each key's and query's L2
     norm runs once, and hoisted and fused outputs both match the reference."""
-    from attnfuse.runtime import hoisted, launch
+    from attnfuse.runtime import hoisted
 
     q, k, v = _inputs(1, 2, 1, 140, 150, 32, torch.float32, seed=_seed("qk_norm", "hoisted"), device="cpu")
     assert "qk transform of k" in qk_normed.source(q, k, v, kernel="transform")
     out = qk_normed(q, k, v)
     assert hoisted_last_call()
     _check(qk_normed, q, k, v, lse=True)
-    monkeypatch.setattr(hoisted, "HOIST_MIN_QUERY_BLOCKS", 10**9)
-    launch.clear_cache()
-    torch.testing.assert_close(out, qk_normed(q, k, v))
-    assert not hoisted_last_call()
-    _check(qk_normed, q, k, v, lse=True)
+    with plan_setting(hoisted, "HOIST_MIN_QUERY_BLOCKS", 10**9):
+        torch.testing.assert_close(out, qk_normed(q, k, v))
+        assert not hoisted_last_call()
+        _check(qk_normed, q, k, v, lse=True)
 
 
 def test_qk_norm_is_a_pair_transform():

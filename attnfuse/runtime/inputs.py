@@ -30,6 +30,10 @@ def accumulator_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 MAX_POSITION = 2**31 - 1  # positions are int32 in the kernels
+WIDE_POSITION = 2**30
+"""From this magnitude on, positions are int64 in the kernels (``KernelConfig.wide_positions``): a mask's
+facts and ``keep`` add a window side (below 2**30 for the built-ins, see ``sliding_window.UNBOUNDED``) to a
+position, which stays within int32 only for positions below it."""
 
 
 class Positions(NamedTuple):
@@ -40,6 +44,16 @@ class Positions(NamedTuple):
     q_offset: int
     k_offset: int
     seq_len: int
+
+
+def wide_positions(Nq: int, capacity: int, positions: Positions | None) -> bool:
+    """Whether some position of a call can reach ``WIDE_POSITION`` in magnitude: with ``positions``, those
+    below ``seq_len``; without, queries from -Nq (Nq > Nk) and keys below the cache's ``capacity``. A symbolic
+    size (a fake tensor's, under torch.compile) is never compared, so no shape guard is made: the op's body
+    decides on the real sizes."""
+    if positions is not None:
+        return positions.seq_len > WIDE_POSITION
+    return any(type(n) is int and n > WIDE_POSITION for n in (Nq, capacity))
 
 
 def check_positions(q_offset: Any, k_offset: Any, seq_len: Any, Nq: int, Nk: int, kv_lens: Any = None,
@@ -266,7 +280,8 @@ def kernel_config(q: torch.Tensor, kv: KVCache, save_lse: bool, inputs_wide: boo
                         head_dim_v=kv.v.shape[3], group=q.shape[1] // kv.k.shape[1], save_lse=save_lse,
                         fp32_precision="tf32" if tf32 else "ieee", kv_lens=kv.lens is not None,
                         paged=kv.block_table is not None, wide_offsets=inputs_wide or not _rows_fit(q, kv),
-                        positions=kv.positions is not None)
+                        positions=kv.positions is not None,
+                        wide_positions=wide_positions(q.shape[2], kv.capacity, kv.positions))
 
 
 def _rows_fit(q: torch.Tensor, kv: KVCache) -> bool:

@@ -23,7 +23,7 @@ from .decode import MAX_QUERIES
 from .gradients import check_differentiable, tensor_grads
 from .hoisted import worth_hoisting
 from .inputs import (Positions, check_cache, check_input_names, check_inputs, check_positions, kernel_config,
-                     kv_cache)
+                     kv_cache, wide_positions)
 from .kv_layout import check_kv_layout
 from .offsets import inputs_fit
 from .plugin_args import check_takes_offsets
@@ -119,12 +119,13 @@ def planned(graph: ir.MatMulPV, q: Any, k: Any, v: Any, inputs: dict[str, Any], 
             positions: Positions | None = None, kv_layout: Any = None) -> Call:
     """The call's ``Call``, decided once per call signature. ``grads``: None when no gradient is wanted,
     else the runtime inputs whose gradients are (``wanted_grads``). ``positions``: the call's, checked,
-    whose presence alone matters here (the kernels take their values as runtime ints). ``kv_layout``: as
-    the caller named it (``kv_layout.check_kv_layout``)."""
+    whose presence matters here, and whether they need int64 kernels (the kernels take their values as runtime
+    ints). ``kv_layout``: as the caller named it (``kv_layout.check_kv_layout``)."""
     check_kv_layout(kv_layout, block_table is not None)  # a valid key before the lookup
+    placed = None if positions is None else wide_positions(0, 0, positions)
     signature = (graph, _meta(q), _meta(k), _meta(v), _meta(kv_lens), _meta(block_table),
                  tuple([(name, _meta(value)) for name, value in inputs.items()]) if inputs else (),
-                 return_lse, grads, split_kv, torch.backends.cuda.matmul.allow_tf32, positions is not None, kv_layout)
+                 return_lse, grads, split_kv, torch.backends.cuda.matmul.allow_tf32, placed, kv_layout)
     call = _calls.get(signature)
     if call is None:
         call = _calls.get_or_build(signature, lambda: _decide(graph, q, k, v, inputs, kv_lens, block_table,

@@ -24,7 +24,7 @@ from .common import (columns, constexpr_params, dv_mask, fragment, half_mask, in
 from .head_split import LIGHT_BLOCKS, share_sum
 from .loops import HEAD_GROUP, SPLIT_BLOCKS, block_range, key_block, key_range, program, query_block, split_heads, visit
 from .operands import (key_count, key_masked, key_offsets, key_rows, key_shift, kv_base, operand, operand_grad,
-                       qk_product, query_shift)
+                       position, qk_product, query_shift)
 from .scores import has_masks, prologues, scores, with_bounds
 
 _DKDV = string.Template('''\
@@ -33,8 +33,8 @@ $program$key_block$columns    k_base = K + b.to(tl.int64) * stride_kb + hk.to(tl
 $k_load    v = $v_load
 $dk_init    dv_acc = tl.zeros([BLOCK_N, BLOCK_DV], dtype=$acc_dtype)
     # Query rows that keep some key of this block (positions k_lo .. k_hi), and those that keep all of it.
-    k_lo = pid_n * BLOCK_N + $k_shift
-    k_hi = tl.minimum(pid_n * BLOCK_N + BLOCK_N, $n_keys) - 1 + $k_shift
+    k_lo = $k_lo
+    k_hi = $k_hi
 $query_range
     full_end = tl.where((pid_n + 1) * BLOCK_N > $n_keys, full_start, full_end)  # a partial key block is never full
 $light$loops
@@ -113,7 +113,8 @@ def _dkdv_body(kernel: LoweredProgram, masked: bool, implied: str | None) -> str
     p = precision(kernel)
     ok = "q_ok" if masked else ""
     dtype = "Q.dtype.element_ty"
-    rows = (f"q_idx = start_m + tl.arange(0, BLOCK_M)\nq_pos = q_idx + {query_shift(kernel)}\n"
+    q_pos = position(kernel, f"q_idx + {query_shift(kernel)}")
+    rows = (f"q_idx = start_m + tl.arange(0, BLOCK_M)\nq_pos = {q_pos}\n"
             "q_ok = (q_idx < Nq) | EVEN_M\n")
     do_ptrs = "do_base + q_idx[:, None] * stride_dom + dv[None, :] * stride_dod"
     code = (operand(kernel, "q", "q_base", "q_idx[:, None] * stride_qm", "q_pos", "q_ok", "stride_qd", masked)
@@ -216,7 +217,9 @@ def generate_dkdv(kernel: LoweredProgram, name: str, parameters: tuple[Param, ..
             light=indent(LIGHT_BLOCKS, 4) if split_heads(kernel) == SPLIT_BLOCKS else "",
             k_in=("k_idx < tl.where(last, N_K, 0)  # only the last of a split stores" if splits
                   else "k_idx < N_K  # rows of keys past a sequence's length get zeros"),
-            k_shift=key_shift(kernel), n_keys=key_count(kernel),
+            k_lo=position(kernel, f"pid_n * BLOCK_N + {key_shift(kernel)}"), n_keys=key_count(kernel),
+            k_hi=position(kernel, f"tl.minimum(pid_n * BLOCK_N + BLOCK_N, {key_count(kernel)}) - 1 "
+                                  f"+ {key_shift(kernel)}"),
             columns=indent(columns(kernel), 4), key_block=indent(key_block(kernel, even_keys=True), 4),
             program=indent(program(kernel, "pid_n", "BLOCK_N", "N_K", transposed=True), 4),
             k_load=indent(operand(kernel, "k", "k_base", "k_idx[:, None] * stride_kn", "k_pos", "k_ok", "stride_kd",

@@ -14,7 +14,7 @@ from ...launch_spec import INT, TENSOR, Param, params
 from ..lower import LoweredProgram, masked_head
 from .common import columns, constexpr_params, dv_mask, indent, kernel_source, kv_params, qkv_strides
 from .loops import every_block, key_range, loops
-from .operands import kv_base, kv_length, operand
+from .operands import kv_base, kv_length, operand, position
 from .scores import masks_keys, poisoned_redo, prologues
 from .forward import key_tile
 
@@ -34,13 +34,13 @@ $kv_length    r = pid_r * BLOCK_M + tl.arange(0, BLOCK_M)
     q_idx = r % Nq
     q_head = hk * GROUP + tl.minimum(r // Nq, GROUP - 1)
     h = q_head[:, None]
-    q_pos = q_idx + (Nk - Nq)
+    q_pos = $q_pos
 $columns    q_base = Q + b.to(tl.int64) * stride_qb
 $q_load$prologues
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=$acc_dtype)
 $norm_init
-    q_lo = Nk - Nq
-    q_hi = Nk - 1
+    q_lo = $q_lo
+    q_hi = $q_hi
 $key_range
     k_base = $k_base
     v_base = $v_base
@@ -78,6 +78,7 @@ def generate_decode(kernel: LoweredProgram, name: str, parameters: tuple[Param, 
         kv_length=indent(kv_length(kernel), 4), columns=indent(columns(kernel), 4),
         q_load=indent(operand(kernel, "q", "q_base", "q_head[:, None].to(tl.int64) * stride_qh + q_idx[:, None] * "
                               "stride_qm", "q_pos", "q_ok", "stride_qd", True), 4),
+        q_pos=position(kernel, "q_idx + (Nk - Nq)"), q_lo=position(kernel, "Nk - Nq"), q_hi=position(kernel, "Nk - 1"),
         prologues=indent(prologues(kernel), 4), norm_init=indent(norm.init, 4),
         key_range=indent(key_range(kernel, ("pid_s * SPLIT", "tl.minimum(pid_s * SPLIT + SPLIT, Nk)")), 4),
         k_base=kv_base(kernel, "k"), v_base=kv_base(kernel, "v"),

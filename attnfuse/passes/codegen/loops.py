@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from ..lower import LoweredProgram, masked_head
 from .common import columns, indent
-from .operands import key_count, key_rows, key_shift, kv_length, query_shift
+from .operands import key_count, key_rows, key_shift, kv_length, position, query_shift
 from .scores import has_masks
 
 
@@ -17,8 +17,9 @@ def query_block(kernel: LoweredProgram, even_queries: bool = False) -> str:
     shift = query_shift(kernel)
     return (program(kernel, "pid_m", "BLOCK_M", "Nq") + "b = pid_bh // HQ\nh = pid_bh % HQ\nhk = h // GROUP\n"
             + kv_length(kernel)
-            + f"q_idx = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)\nq_pos = q_idx + {shift}\nq_ok = {q_ok}\n"
-            + f"q_lo = pid_m * BLOCK_M + {shift}\nq_hi = tl.minimum(pid_m * BLOCK_M + BLOCK_M, Nq) - 1 + {shift}\n"
+            + f"q_idx = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)\nq_pos = {position(kernel, f'q_idx + {shift}')}\n"
+            + f"q_ok = {q_ok}\nq_lo = {position(kernel, f'pid_m * BLOCK_M + {shift}')}\n"
+            + f"q_hi = {position(kernel, f'tl.minimum(pid_m * BLOCK_M + BLOCK_M, Nq) - 1 + {shift}')}\n"
             + columns(kernel) + "q_base = Q + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh\n")
 
 
@@ -128,16 +129,17 @@ def block_range(kernel: LoweredProgram, facts: str, full_facts: str, block: str,
                       f"full_hi = tl.minimum(full_hi, {hi} - {offset})"]
         elif f.keep is not None:
             lines.append(f"full_hi = 0  # {m.prefix} gives no full blocks")
+    narrow = ".to(tl.int32)" if kernel.config.wide_positions else ""  # int64 facts, clamped to [0, count]
     lines += [
-        f"lo = tl.minimum(tl.maximum(lo, 0), {count})",
-        f"hi = tl.maximum(tl.minimum(hi, {count}), lo)",
+        f"lo = tl.minimum(tl.maximum(lo, 0), {count}){narrow}",
+        f"hi = tl.maximum(tl.minimum(hi, {count}), lo){narrow}",
     ]
     if window is not None:  # starts block-aligned, so no block is visited by two programs
         lines += [f"w_lo = {window[0]}  # this program's split", f"w_hi = tl.maximum({window[1]}, w_lo)",
                   "lo = tl.minimum(tl.maximum(lo, w_lo), w_hi)", "hi = tl.maximum(tl.minimum(hi, w_hi), lo)"]
     lines += [
-        "full_lo = tl.minimum(tl.maximum(full_lo, lo), hi)",
-        "full_hi = tl.maximum(tl.minimum(full_hi, hi), full_lo)",
+        f"full_lo = tl.minimum(tl.maximum(full_lo, lo), hi){narrow}",
+        f"full_hi = tl.maximum(tl.minimum(full_hi, hi), full_lo){narrow}",
         f"start = lo // {block} * {block}",
         f"full_start = tl.minimum((full_lo + {block} - 1) // {block} * {block}, hi)",
         f"full_end = tl.maximum(tl.minimum(full_hi // {block} * {block}, {count} // {block} * {block}), full_start)",

@@ -81,6 +81,13 @@ def key_count(kernel: LoweredProgram) -> str:
     return "N_K" if kernel.config.positions else "Nk"
 
 
+def position(kernel: LoweredProgram, expr: str) -> str:
+    """A position (``q_pos``, ``k_pos``, ``q_lo`` ... ``k_hi``) as the kernel keeps it: ``expr`` fits int32,
+    but the masks' facts and ``keep`` add window sides to it, so with ``wide_positions`` (positions from
+    2**30) it is widened to int64 first (``block_range`` narrows the clamped bounds back)."""
+    return f"({expr}).to(tl.int64)" if kernel.config.wide_positions else expr
+
+
 def query_shift(kernel: LoweredProgram) -> str:
     """Query index -> position: bottom-right aligned, ``(Nk - Nq)``, or the call's Q_OFFSET."""
     return "Q_OFFSET" if kernel.config.positions else "(Nk - Nq)"
@@ -95,7 +102,7 @@ def key_rows(kernel: LoweredProgram, first: str, even_keys: bool = True) -> str:
     """A tile's keys from index ``first``: ``k_idx`` (rows of k and v), ``k_ok`` (constant true with
     ``even_keys`` and EVEN_K) and ``k_pos``, their positions (``k_idx`` plus K_OFFSET with ``positions``)."""
     bound = f"k_idx < {key_count(kernel)}"
-    pos = "k_idx + K_OFFSET" if kernel.config.positions else "k_idx"
+    pos = position(kernel, f"k_idx + {key_shift(kernel)}" if kernel.config.positions else "k_idx")
     return (f"k_idx = {first} + tl.arange(0, BLOCK_N)\nk_ok = {f'({bound}) | EVEN_K' if even_keys else bound}\n"
             f"k_pos = {pos}\n")
 

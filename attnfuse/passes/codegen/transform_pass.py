@@ -16,7 +16,7 @@ from ...launch_spec import INT, TENSOR, Param, params, strides
 from ..lower import LoweredProgram
 from .common import columns, constexpr_params, half_mask, indent, kernel_source
 from .loops import key_block
-from .operands import kv_length, operand, operand_grad, query_shift
+from .operands import kv_length, operand, operand_grad, position, query_shift
 
 _KERNEL = string.Template('''\
     # A 1-D grid: $layout
@@ -44,7 +44,8 @@ def _rows(kernel: LoweredProgram, x: str) -> str:
     if x == "k":
         return key_block(kernel) + "h = hk * GROUP\n"
     return ("b = pid_bh // HQ\nh = pid_bh % HQ\nhk = h // GROUP\n" + kv_length(kernel)
-            + f"q_idx = pid_n * BLOCK_M + tl.arange(0, BLOCK_M)\nq_pos = q_idx + {query_shift(kernel)}\n"
+            + "q_idx = pid_n * BLOCK_M + tl.arange(0, BLOCK_M)\n"
+            + f"q_pos = {position(kernel, f'q_idx + {query_shift(kernel)}')}\n"
             "q_ok = q_idx < Nq\n")
 
 
