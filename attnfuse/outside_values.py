@@ -287,10 +287,12 @@ class OutsideReads:
 
     def _refuse_state(self, value: Any, attributes: tuple[str, ...], label: str) -> None:
         """Refuse ``value``, or a module the rest of its chain of ``attributes`` passes through, when it is
-        standard-library state (``os``, ``time.time``, ``random.random``, ``sys.argv``)."""
+        standard-library state (``os``, ``time.time``, ``random.random``, ``sys.argv``). Only the standard
+        library's modules are walked: another module's attribute may be lazy (``af.softmax`` loads plugins)."""
         for attribute in (None, *attributes):
             if attribute is not None:
-                if not isinstance(value, types.ModuleType):
+                if not (isinstance(value, types.ModuleType)
+                        and value.__name__.partition(".")[0] in sys.stdlib_module_names):
                     return
                 value = getattr(value, attribute, _EMPTY)
             module = _stdlib_state(value)
