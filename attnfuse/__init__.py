@@ -10,6 +10,7 @@
 
 Every registered combinator (built-in or from an installed plugin) is an attribute: ``af.<name>``.
 """
+
 from __future__ import annotations
 
 import pkgutil
@@ -26,12 +27,26 @@ from .runtime.error_record import check_errors
 from .runtime.launch import run_attention
 
 __all__ = [
-    "AttentionProgram", "AttnFuseError", "BlockMask", "Combinator", "InputError", "KernelCacheError", "PluginError",
-    "ProgramError", "RecompileWarning",
-    "Role", "UnsupportedError", "attention", "check_errors", "combinators", "create_block_mask",
-    "create_block_mask_from_blocks", "hookimpl",
+    "AttentionProgram",
+    "AttnFuseError",
+    "BlockMask",
+    "Combinator",
+    "InputError",
+    "KernelCacheError",
+    "PluginError",
+    "ProgramError",
+    "RecompileWarning",
+    "Role",
+    "UnsupportedError",
+    "attention",
+    "check_errors",
+    "combinators",
+    "create_block_mask",
+    "create_block_mask_from_blocks",
+    "hookimpl",
     "register_plugin",
-    "run_attention", "unregister_plugin",
+    "run_attention",
+    "unregister_plugin",
 ]
 __version__ = "0.1.0"
 
@@ -47,8 +62,10 @@ def __getattr__(name: str) -> Any:
         raise AttributeError(name)
     entry = registered().get(name)
     if entry is None:
-        raise AttributeError(f"module 'attnfuse' has no attribute {name!r} (no combinator of that name is "
-                             f"registered; `attnfuse list` shows those that are)")
+        raise AttributeError(
+            f"module 'attnfuse' has no attribute {name!r} (no combinator of that name is "
+            f"registered; `attnfuse list` shows those that are)"
+        )
     fn = _functions.get(entry.combinator)
     if fn is None:
         fn = _functions[entry.combinator] = dsl_function(entry)

@@ -6,6 +6,7 @@ A mask holds the (Nq/bs) x (Nk/bs) block grid, plus one bs x bs token mask per d
 128k-token causal mask with B and H broadcast takes a few MB. Blocks index query and key *indices* (not
 positions).
 """
+
 from __future__ import annotations
 
 from typing import Callable, Sequence
@@ -22,9 +23,11 @@ def _block_size(_, __, value: int) -> None:
         raise InputError(f"block_size must be a power of two >= 16, got {value!r}")
 
 
-EDITED = ("block_mask: its tensors were edited in place after it was built (e.g. mask.active[...] = False), so "
-          "its block lists no longer match them; build a new mask (af.BlockMask.from_blocks(active, Nq, Nk, "
-          "block_size) or af.create_block_mask)")
+EDITED = (
+    "block_mask: its tensors were edited in place after it was built (e.g. mask.active[...] = False), so "
+    "its block lists no longer match them; build a new mask (af.BlockMask.from_blocks(active, Nq, Nk, "
+    "block_size) or af.create_block_mask)"
+)
 
 
 @frozen(kw_only=True, eq=False)
@@ -82,14 +85,19 @@ class BlockMask:
 
     def __attrs_post_init__(self) -> None:
         if (self.partial_index is None) != (self.partial_masks is None):
-            raise InputError("block_mask: give partial_index and partial_masks together, or neither (no partial "
-                             "block)")
+            raise InputError("block_mask: give partial_index and partial_masks together, or neither (no partial block)")
         if self.partial_index is None and isinstance(self.active, torch.Tensor):
             with torch.inference_mode(False):
-                object.__setattr__(self, "partial_index", torch.full(self.active.shape, -1, dtype=torch.int32,
-                                                                     device=self.active.device))
-                object.__setattr__(self, "partial_masks", torch.zeros(0, self.block_size, self.block_size,
-                                                                      dtype=torch.bool, device=self.active.device))
+                object.__setattr__(
+                    self,
+                    "partial_index",
+                    torch.full(self.active.shape, -1, dtype=torch.int32, device=self.active.device),
+                )
+                object.__setattr__(
+                    self,
+                    "partial_masks",
+                    torch.zeros(0, self.block_size, self.block_size, dtype=torch.bool, device=self.active.device),
+                )
         given = self.tensors()
         tensors, now = checked((self.Nq, self.Nk, self.block_size, self.kv_heavy_blocks), given)
         if tensors is not given:  # inference tensors copied
@@ -107,8 +115,9 @@ class BlockMask:
         try:
             now, built = versions(self.tensors()), self._versions
         except AttributeError:
-            raise InputError("block_mask: this BlockMask has no fields (unpickled without its state?); build "
-                             "a new mask") from None
+            raise InputError(
+                "block_mask: this BlockMask has no fields (unpickled without its state?); build a new mask"
+            ) from None
         if now != built:
             raise InputError(EDITED)
 
@@ -126,16 +135,23 @@ class BlockMask:
 
     def __getstate__(self) -> dict:
         self.check_unchanged()
-        return {"Nq": self.Nq, "Nk": self.Nk, "block_size": self.block_size, "kv_heavy_blocks": self.kv_heavy_blocks,
-                **dict(zip(TENSORS, self.tensors()))}
+        return {
+            "Nq": self.Nq,
+            "Nk": self.Nk,
+            "block_size": self.block_size,
+            "kv_heavy_blocks": self.kv_heavy_blocks,
+            **dict(zip(TENSORS, self.tensors())),
+        }
 
     def __setstate__(self, state: dict) -> None:
         """A copy or an unpickled mask, built (and so checked) by the constructor."""
         names = {"Nq", "Nk", "block_size", "kv_heavy_blocks", *TENSORS}
         partial = {"partial_index", "partial_masks"}  # a mask saved before masks had partial blocks lacks them
         if not isinstance(state, dict) or set(state) not in (names, names - partial):
-            raise InputError(f"a pickled BlockMask's state must be a dict of {sorted(names)}, got "
-                             f"{sorted(state) if isinstance(state, dict) else type(state).__name__}")
+            raise InputError(
+                f"a pickled BlockMask's state must be a dict of {sorted(names)}, got "
+                f"{sorted(state) if isinstance(state, dict) else type(state).__name__}"
+            )
         built = BlockMask(**state)
         for f in fields(BlockMask):
             object.__setattr__(self, f.name, getattr(built, f.name))
@@ -150,17 +166,28 @@ class BlockMask:
             raise InputError("active must be a bool tensor (QB, KB), (H, QB, KB) or (B, H, QB, KB)")
         qb, kb = -(-Nq // block_size), -(-Nk // block_size)
         if tuple(active.shape[-2:]) != (qb, kb):
-            raise InputError(f"active must end in (ceil(Nq/block_size), ceil(Nk/block_size)) = ({qb}, {kb}), "
-                             f"got {tuple(active.shape)}")
+            raise InputError(
+                f"active must end in (ceil(Nq/block_size), ceil(Nk/block_size)) = ({qb}, {kb}), "
+                f"got {tuple(active.shape)}"
+            )
         with torch.inference_mode(False):
             active = active.reshape((1,) * (4 - active.dim()) + tuple(active.shape))
-            no_partial = (torch.full(active.shape, -1, dtype=torch.int32, device=active.device),
-                          torch.zeros(0, block_size, block_size, dtype=torch.bool, device=active.device))
+            no_partial = (
+                torch.full(active.shape, -1, dtype=torch.int32, device=active.device),
+                torch.zeros(0, block_size, block_size, dtype=torch.bool, device=active.device),
+            )
         return cls._derived(active, *no_partial, Nq, Nk, block_size)
 
     @classmethod
-    def _derived(cls, active: torch.Tensor, partial_index: torch.Tensor, partial_masks: torch.Tensor, Nq: int,
-                 Nk: int, block_size: int) -> "BlockMask":
+    def _derived(
+        cls,
+        active: torch.Tensor,
+        partial_index: torch.Tensor,
+        partial_masks: torch.Tensor,
+        Nq: int,
+        Nk: int,
+        block_size: int,
+    ) -> "BlockMask":
         """The mask of a grid ``active`` (Bm, Hm, QB, KB) and its partial blocks (see the class), copied; its
         lists are derived here, so there is nothing to check."""
         with torch.inference_mode(False):  # normal tensors: their version counters see edits in any mode
@@ -168,8 +195,17 @@ class BlockMask:
             kv_num, kv_idx = _csr(active)
             q_num, q_idx = _csr(active.transpose(-1, -2))
             q_totals, kv_totals = kv_num.sum(dim=(0, 1)), q_num.sum(dim=(0, 1))  # list lengths per block
-            tensors = (active, kv_num, kv_idx, q_num, q_idx, _heaviest_first(q_totals), _heaviest_first(kv_totals),
-                       partial_index.clone(), partial_masks.clone())
+            tensors = (
+                active,
+                kv_num,
+                kv_idx,
+                q_num,
+                q_idx,
+                _heaviest_first(q_totals),
+                _heaviest_first(kv_totals),
+                partial_index.clone(),
+                partial_masks.clone(),
+            )
         heavy = _heavy(kv_totals)
         remember(tensors, (Nq, Nk, block_size, heavy))
         return cls(Nq=Nq, Nk=Nk, block_size=block_size, kv_heavy_blocks=heavy, **dict(zip(TENSORS, tensors)))
@@ -194,9 +230,11 @@ class BlockMask:
         return dense[..., : self.Nq, : self.Nk]
 
     def __repr__(self) -> str:
-        return (f"BlockMask(Nq={self.Nq}, Nk={self.Nk}, block_size={self.block_size}, "
-                f"shape={tuple(self.active.shape)}, sparsity={self.sparsity():.1%}, "
-                f"partial_blocks={self.partial_blocks()})")
+        return (
+            f"BlockMask(Nq={self.Nq}, Nk={self.Nk}, block_size={self.block_size}, "
+            f"shape={tuple(self.active.shape)}, sparsity={self.sparsity():.1%}, "
+            f"partial_blocks={self.partial_blocks()})"
+        )
 
 
 def _csr(active: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -217,23 +255,32 @@ def _heavy(totals: torch.Tensor) -> int:
     return int(((totals >= 2 * totals.float().mean()) & (totals > 0)).sum().item())
 
 
-
-
 CHUNK_ELEMENTS = 1 << 24
 """``create_block_mask`` evaluates the predicate on as many query-block rows at a time as keep its result
 (B', H', rows, Nk) within this many elements (at least one row of blocks)."""
 
-MOVED = ("af.create_block_mask now evaluates its predicate per token, (b, h, q_idx, kv_idx), as flex_attention's "
-         "create_block_mask does, and keeps the token-level mask inside partial blocks; it used to take block "
-         "indices (b, h, q_block, kv_block). For a predicate of block indices, call "
-         "af.create_block_mask_from_blocks(predicate, B, H, Nq, Nk, block_size=...) instead (same arguments). "
-         "Changed 2026-12-05; this notice goes away in the next release")
+MOVED = (
+    "af.create_block_mask now evaluates its predicate per token, (b, h, q_idx, kv_idx), as flex_attention's "
+    "create_block_mask does, and keeps the token-level mask inside partial blocks; it used to take block "
+    "indices (b, h, q_block, kv_block). For a predicate of block indices, call "
+    "af.create_block_mask_from_blocks(predicate, B, H, Nq, Nk, block_size=...) instead (same arguments). "
+    "Changed 2026-12-05; this notice goes away in the next release"
+)
 
 
-def create_block_mask(mask_mod: Callable, B: int | None, H: int | None, Nq: int | None = None,
-                      Nk: int | None = None, block_size: int | None = None, device: torch.device | str | None = None,
-                      *, Q_LEN: int | None = None, KV_LEN: int | None = None,
-                      BLOCK_SIZE: int | tuple[int, int] | None = None) -> BlockMask:
+def create_block_mask(
+    mask_mod: Callable,
+    B: int | None,
+    H: int | None,
+    Nq: int | None = None,
+    Nk: int | None = None,
+    block_size: int | None = None,
+    device: torch.device | str | None = None,
+    *,
+    Q_LEN: int | None = None,
+    KV_LEN: int | None = None,
+    BLOCK_SIZE: int | tuple[int, int] | None = None,
+) -> BlockMask:
     """A block mask from a token-level predicate, as ``torch.nn.attention.flex_attention.create_block_mask``.
 
     ``mask_mod(b, h, q_idx, kv_idx)`` gets broadcastable int64 tensors b (B', 1, 1, 1), h (1, H', 1, 1),
@@ -294,8 +341,10 @@ def _square(size):
     """flex's BLOCK_SIZE: an int, or a (q, kv) pair, which must be equal here."""
     if isinstance(size, (tuple, list)):
         if len(size) != 2 or size[0] != size[1]:
-            raise InputError(f"create_block_mask: BLOCK_SIZE must be an int or a (q, kv) pair of equal sizes (the "
-                             f"blocks are square), got {size!r}")
+            raise InputError(
+                f"create_block_mask: BLOCK_SIZE must be an int or a (q, kv) pair of equal sizes (the "
+                f"blocks are square), got {size!r}"
+            )
         return size[0]
     return size
 
@@ -313,17 +362,27 @@ def _kept(result, shape: tuple) -> torch.Tensor:
     """A predicate's result as a bool tensor ``shape``, or an InputError saying what it must be."""
     what = f"a bool tensor broadcastable to (B', H', rows, Nk) = {shape}"
     if not isinstance(result, torch.Tensor) or result.dtype != torch.bool:
-        raise InputError(f"the mask_mod of create_block_mask must return {what}, got "
-                         f"{result.dtype if isinstance(result, torch.Tensor) else type(result).__name__}")
+        raise InputError(
+            f"the mask_mod of create_block_mask must return {what}, got "
+            f"{result.dtype if isinstance(result, torch.Tensor) else type(result).__name__}"
+        )
     try:
         return torch.broadcast_to(result, shape)
     except RuntimeError:
-        raise InputError(f"the mask_mod of create_block_mask must return {what}, got shape "
-                         f"{tuple(result.shape)}") from None
+        raise InputError(
+            f"the mask_mod of create_block_mask must return {what}, got shape {tuple(result.shape)}"
+        ) from None
 
 
-def create_block_mask_from_blocks(predicate: Callable, B: int | None, H: int | None, Nq: int, Nk: int,
-                                  block_size: int = 128, device: torch.device | str | None = None) -> BlockMask:
+def create_block_mask_from_blocks(
+    predicate: Callable,
+    B: int | None,
+    H: int | None,
+    Nq: int,
+    Nk: int,
+    block_size: int = 128,
+    device: torch.device | str | None = None,
+) -> BlockMask:
     """A block mask from a block-level predicate: ``predicate(b, h, q_block, kv_block)``, evaluated once over
     the block grid, marks whole blocks active (every pair of an active block is kept).
 
@@ -342,14 +401,18 @@ def create_block_mask_from_blocks(predicate: Callable, B: int | None, H: int | N
     try:
         active = torch.as_tensor(result, device=device)
     except (TypeError, ValueError, RuntimeError):
-        raise InputError(f"the block predicate must return a bool tensor broadcastable to (B, H, QB, KB) = {grid}, "
-                         f"got {type(result).__name__}") from None
+        raise InputError(
+            f"the block predicate must return a bool tensor broadcastable to (B, H, QB, KB) = {grid}, "
+            f"got {type(result).__name__}"
+        ) from None
     if active.dtype != torch.bool:
         raise InputError(f"the block predicate must return a bool tensor, got {active.dtype}")
     try:
         active = torch.broadcast_to(active, grid).contiguous()
     except RuntimeError:
-        raise InputError(f"the block predicate must return a bool tensor broadcastable to (B, H, QB, KB) = {grid} "
-                         f"(QB = ceil(Nq / block_size), KB = ceil(Nk / block_size)), got shape "
-                         f"{tuple(active.shape)}") from None
+        raise InputError(
+            f"the block predicate must return a bool tensor broadcastable to (B, H, QB, KB) = {grid} "
+            f"(QB = ceil(Nq / block_size), KB = ceil(Nk / block_size)), got shape "
+            f"{tuple(active.shape)}"
+        ) from None
     return BlockMask.from_blocks(active, Nq, Nk, block_size)

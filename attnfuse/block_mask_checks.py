@@ -7,6 +7,7 @@ on the mask's device and one host sync. Tensors checked (or derived by ``BlockMa
 remembered by identity and version, so rebuilding a mask from them, as the torch.compile op boundary does
 on every call, costs no device work and no sync.
 """
+
 from __future__ import annotations
 
 import weakref
@@ -17,8 +18,17 @@ from torch._subclasses.fake_tensor import is_fake
 
 from .errors import InputError
 
-TENSORS = ("active", "kv_num_blocks", "kv_indices", "q_num_blocks", "q_indices", "q_block_order",
-           "kv_block_order", "partial_index", "partial_masks")
+TENSORS = (
+    "active",
+    "kv_num_blocks",
+    "kv_indices",
+    "q_num_blocks",
+    "q_indices",
+    "q_block_order",
+    "kv_block_order",
+    "partial_index",
+    "partial_masks",
+)
 
 # id(active) -> (weak references to the seven tensors, their versions, (Nq, Nk, block_size, heavy)); an
 # entry goes when its active tensor does
@@ -44,8 +54,12 @@ def remembered(tensors: tuple, sizes: tuple) -> tuple[int, ...] | None:
     """The versions at which exactly these tensor objects, with these sizes (ints, not 64.0 or True), were
     remembered, or None."""
     record = _remembered.get(id(tensors[0]))
-    if record is None or record[2] != sizes or any(type(n) is not int for n in sizes) or any(
-            r() is not t for r, t in zip(record[0], tensors)):
+    if (
+        record is None
+        or record[2] != sizes
+        or any(type(n) is not int for n in sizes)
+        or any(r() is not t for r, t in zip(record[0], tensors))
+    ):
         return None
     return record[1]
 
@@ -84,31 +98,43 @@ def _check_metadata(sizes: tuple, t: dict) -> None:
     QB, KB = -(-Nq // block_size), -(-Nk // block_size)
     active = t["active"]
     if active.dim() != 4 or min(active.shape[:2]) < 1:
-        raise InputError(f"block_mask.active must be a 4-D tensor (Bm, Hm, QB, KB) with Bm, Hm >= 1, got shape "
-                         f"{tuple(active.shape)}")
+        raise InputError(
+            f"block_mask.active must be a 4-D tensor (Bm, Hm, QB, KB) with Bm, Hm >= 1, got shape {tuple(active.shape)}"
+        )
     if t["partial_masks"].dim() != 3:
-        raise InputError(f"block_mask.partial_masks must be a 3-D bool tensor (P, block_size, block_size), got "
-                         f"shape {tuple(t['partial_masks'].shape)}")
+        raise InputError(
+            f"block_mask.partial_masks must be a 3-D bool tensor (P, block_size, block_size), got "
+            f"shape {tuple(t['partial_masks'].shape)}"
+        )
     Bm, Hm = active.shape[:2]
-    expected = {"active": (torch.bool, (Bm, Hm, QB, KB), "(Bm, Hm, QB, KB)"),
-                "kv_num_blocks": (torch.int32, (Bm, Hm, QB), "(Bm, Hm, QB)"),
-                "kv_indices": (torch.int32, (Bm, Hm, QB, KB), "(Bm, Hm, QB, KB)"),
-                "q_num_blocks": (torch.int32, (Bm, Hm, KB), "(Bm, Hm, KB)"),
-                "q_indices": (torch.int32, (Bm, Hm, KB, QB), "(Bm, Hm, KB, QB)"),
-                "q_block_order": (torch.int32, (QB,), "(QB,)"), "kv_block_order": (torch.int32, (KB,), "(KB,)"),
-                "partial_index": (torch.int32, (Bm, Hm, QB, KB), "(Bm, Hm, QB, KB)"),
-                "partial_masks": (torch.bool, (t["partial_masks"].shape[0], block_size, block_size),
-                                  "(P, block_size, block_size)")}
+    expected = {
+        "active": (torch.bool, (Bm, Hm, QB, KB), "(Bm, Hm, QB, KB)"),
+        "kv_num_blocks": (torch.int32, (Bm, Hm, QB), "(Bm, Hm, QB)"),
+        "kv_indices": (torch.int32, (Bm, Hm, QB, KB), "(Bm, Hm, QB, KB)"),
+        "q_num_blocks": (torch.int32, (Bm, Hm, KB), "(Bm, Hm, KB)"),
+        "q_indices": (torch.int32, (Bm, Hm, KB, QB), "(Bm, Hm, KB, QB)"),
+        "q_block_order": (torch.int32, (QB,), "(QB,)"),
+        "kv_block_order": (torch.int32, (KB,), "(KB,)"),
+        "partial_index": (torch.int32, (Bm, Hm, QB, KB), "(Bm, Hm, QB, KB)"),
+        "partial_masks": (
+            torch.bool,
+            (t["partial_masks"].shape[0], block_size, block_size),
+            "(P, block_size, block_size)",
+        ),
+    }
     for name, (dtype, shape, dims) in expected.items():
         if t[name].dtype != dtype or tuple(t[name].shape) != shape:
-            raise InputError(f"block_mask.{name} must be a {dtype} tensor {dims} = {shape} (QB = ceil(Nq / "
-                             f"block_size), KB = ceil(Nk / block_size)), got {t[name].dtype} {tuple(t[name].shape)}")
+            raise InputError(
+                f"block_mask.{name} must be a {dtype} tensor {dims} = {shape} (QB = ceil(Nq / "
+                f"block_size), KB = ceil(Nk / block_size)), got {t[name].dtype} {tuple(t[name].shape)}"
+            )
         if t[name].device != active.device:
-            raise InputError(f"block_mask.{name} is on {t[name].device}, block_mask.active on {active.device}: "
-                             f"a mask's tensors must share a device")
+            raise InputError(
+                f"block_mask.{name} is on {t[name].device}, block_mask.active on {active.device}: "
+                f"a mask's tensors must share a device"
+            )
     if isinstance(heavy, bool) or not isinstance(heavy, int) or not 0 <= heavy <= KB:
-        raise InputError(f"block_mask.kv_heavy_blocks must be an int in [0, {KB}] (KB, the key blocks), got "
-                         f"{heavy!r}")
+        raise InputError(f"block_mask.kv_heavy_blocks must be an int in [0, {KB}] (KB, the key blocks), got {heavy!r}")
 
 
 Fault = tuple[torch.Tensor, Callable[[list[int]], str]]  # where a rule fails (bool), and its message at an index
@@ -118,9 +144,13 @@ def _check_values(t: dict) -> None:
     """Raise InputError at the first entry that breaks a rule: the rules' failures are found on the mask's
     device, then one host sync reads whether any failed."""
     active = t["active"]
-    faults = [*_list_faults(t, "kv", "query", "key", active),
-              *_list_faults(t, "q", "key", "query", active.transpose(-1, -2)),
-              *_order_faults(t, "q_block_order"), *_order_faults(t, "kv_block_order"), *_partial_faults(t)]
+    faults = [
+        *_list_faults(t, "kv", "query", "key", active),
+        *_list_faults(t, "q", "key", "query", active.transpose(-1, -2)),
+        *_order_faults(t, "q_block_order"),
+        *_order_faults(t, "kv_block_order"),
+        *_partial_faults(t),
+    ]
     failed = torch.stack([bad.any() for bad, _ in faults]).tolist()  # the one host sync
     for (bad, message), fails in zip(faults, failed):
         if fails:
@@ -150,26 +180,35 @@ def _list_faults(t: dict, side: str, row: str, col: str, keep: torch.Tensor) -> 
 
     def repeated(i: list[int]) -> str:
         c = int(idx[tuple(i)])
-        return (f"{entry(i)} appears {int(times[tuple(i[:3] + [c])])} times in the list of {row} block {i[2]}; "
-                f"its first {num_name}{_at(i[:3])} = {int(num[tuple(i[:3])])} entries must be distinct")
+        return (
+            f"{entry(i)} appears {int(times[tuple(i[:3] + [c])])} times in the list of {row} block {i[2]}; "
+            f"its first {num_name}{_at(i[:3])} = {int(num[tuple(i[:3])])} entries must be distinct"
+        )
 
     def inactive(i: list[int]) -> str:
         c = int(idx[tuple(i)])
         grid = i[:2] + ([c, i[2]] if side == "q" else [i[2], c])
-        return (f"{entry(i)}: {row} block {i[2]} lists {col} block {c}, which block_mask.active{_at(grid)} marks "
-                f"inactive")
+        return (
+            f"{entry(i)}: {row} block {i[2]} lists {col} block {c}, which block_mask.active{_at(grid)} marks inactive"
+        )
 
     def miscounted(i: list[int]) -> str:
-        return (f"block_mask.{num_name}{_at(i)} = {int(num[tuple(i)])}, but block_mask.active marks "
-                f"{int(keep[tuple(i)].sum())} {col} blocks of {row} block {i[2]} active: the list must name each "
-                f"of them once")
+        return (
+            f"block_mask.{num_name}{_at(i)} = {int(num[tuple(i)])}, but block_mask.active marks "
+            f"{int(keep[tuple(i)].sum())} {col} blocks of {row} block {i[2]} active: the list must name each "
+            f"of them once"
+        )
 
-    return [((num < 0) | (num > C), lambda i: f"block_mask.{num_name}{_at(i)} = {int(num[tuple(i)])} is outside "
-                                              f"[0, {C}] (the {col} blocks)"),
-            (listed & ~inside, lambda i: f"{entry(i)} is outside [0, {C})"),
-            (counted & (times.gather(-1, cols) > 1), repeated),
-            (counted & ~keep.gather(-1, cols), inactive),
-            (num != keep.sum(-1), miscounted)]
+    return [
+        (
+            (num < 0) | (num > C),
+            lambda i: f"block_mask.{num_name}{_at(i)} = {int(num[tuple(i)])} is outside [0, {C}] (the {col} blocks)",
+        ),
+        (listed & ~inside, lambda i: f"{entry(i)} is outside [0, {C})"),
+        (counted & (times.gather(-1, cols) > 1), repeated),
+        (counted & ~keep.gather(-1, cols), inactive),
+        (num != keep.sum(-1), miscounted),
+    ]
 
 
 def _order_faults(t: dict, name: str) -> list[Fault]:
@@ -181,9 +220,13 @@ def _order_faults(t: dict, name: str) -> list[Fault]:
     times = torch.zeros(n, dtype=torch.int32, device=order.device).scatter_add_(0, slots, inside.int())
     return [
         (~inside, lambda i: f"block_mask.{name}{_at(i)} = {int(order[i[0]])} is outside [0, {n})"),
-        (inside & (times.gather(0, slots) > 1),
-         lambda i: f"block_mask.{name}{_at(i)} = {int(order[i[0]])} appears {int(times[int(order[i[0]])])} times; "
-                   f"the order must be a permutation of [0, {n})"),
+        (
+            inside & (times.gather(0, slots) > 1),
+            lambda i: (
+                f"block_mask.{name}{_at(i)} = {int(order[i[0]])} appears {int(times[int(order[i[0]])])} times; "
+                f"the order must be a permutation of [0, {n})"
+            ),
+        ),
     ]
 
 
@@ -195,8 +238,16 @@ def _partial_faults(t: dict) -> list[Fault]:
     def entry(i: list[int]) -> str:
         return f"block_mask.partial_index{_at(i)} = {int(index[tuple(i)])}"
 
-    return [((index < -1) | (index >= P),
-             lambda i: f"{entry(i)} is outside [-1, {P}) (-1, or one of the {P} partial_masks)"),
-            ((index != -1) & ~t["active"],
-             lambda i: f"{entry(i)} names a token mask for a block that block_mask.active{_at(i)} marks inactive; "
-                       f"it must be -1 there")]
+    return [
+        (
+            (index < -1) | (index >= P),
+            lambda i: f"{entry(i)} is outside [-1, {P}) (-1, or one of the {P} partial_masks)",
+        ),
+        (
+            (index != -1) & ~t["active"],
+            lambda i: (
+                f"{entry(i)} names a token mask for a block that block_mask.active{_at(i)} marks inactive; "
+                f"it must be -1 there"
+            ),
+        ),
+    ]

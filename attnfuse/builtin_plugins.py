@@ -11,6 +11,7 @@ The list of built-ins is kept once, in pyproject.toml's ``[project.entry-points.
 read from the pyproject.toml of the source tree this ``attnfuse`` was imported from, where there is one (a
 clone, installed or not), else from the installed distribution's entry points.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -35,11 +36,11 @@ def declared_modules(pyproject: str) -> tuple[str, ...] | None:
     lines = pyproject.splitlines()
     if SECTION not in (line.strip() for line in lines):
         return None
-    table = lines[[line.strip() for line in lines].index(SECTION) + 1:]
-    table = table[:next((i for i, line in enumerate(table) if line.lstrip().startswith("[")), len(table))]
+    table = lines[[line.strip() for line in lines].index(SECTION) + 1 :]
+    table = table[: next((i for i, line in enumerate(table) if line.lstrip().startswith("[")), len(table))]
     found = [_ENTRY.fullmatch(line.strip()) for line in table if line.strip() and not line.lstrip().startswith("#")]
     if not all(found) or any(m["name"] != m["module"] for m in found):
-        raise PluginError(f"{SECTION} of pyproject.toml: every line must read <name> = \"{PACKAGE}.<name>\"")
+        raise PluginError(f'{SECTION} of pyproject.toml: every line must read <name> = "{PACKAGE}.<name>"')
     return tuple(m["module"] for m in found)
 
 
@@ -76,9 +77,11 @@ def package() -> ModuleType:
     init = tree / "plugins" / "__init__.py"
     if not (init.is_file() and (tree / "pyproject.toml").is_file()):
         where = tree if (tree / "pyproject.toml").is_file() else "/path/to/your/attnfuse/clone"
-        raise PluginError(f"the built-in combinators were not found: attnfuse, imported from {tree / 'attnfuse'}, "
-                          f"is not installed (no 'attnfuse' entry points) and there is no {tree / 'plugins'} "
-                          f"folder beside it. Install it: python -m pip install -e {where}")
+        raise PluginError(
+            f"the built-in combinators were not found: attnfuse, imported from {tree / 'attnfuse'}, "
+            f"is not installed (no 'attnfuse' entry points) and there is no {tree / 'plugins'} "
+            f"folder beside it. Install it: python -m pip install -e {where}"
+        )
     spec = importlib.util.spec_from_file_location(PACKAGE, init, submodule_search_locations=[str(init.parent)])
     package = importlib.util.module_from_spec(spec)
     sys.modules[PACKAGE] = package

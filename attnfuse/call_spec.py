@@ -6,6 +6,7 @@ A key this process made maps back to its spec without parsing. A compiled graph 
 fresh process carries keys this process never made: ``spec_of`` rebuilds those from their data with the
 IR's constructors (nothing is evaluated), resolving each combinator by name as tracing does.
 """
+
 from __future__ import annotations
 
 import json
@@ -45,19 +46,30 @@ class CallSpec:
 
     def to_data(self) -> dict[str, Any]:
         """The spec as plain data (JSON's types)."""
-        return {"graph": ir.to_data(self.graph), "inputs": [[name, mask] for name, mask in self.inputs],
-                "save_lse": self.save_lse, "grad": self.grad, "grads": list(self.grads), "validate": self.validate,
-                "kv_layout": self.kv_layout}
+        return {
+            "graph": ir.to_data(self.graph),
+            "inputs": [[name, mask] for name, mask in self.inputs],
+            "save_lse": self.save_lse,
+            "grad": self.grad,
+            "grads": list(self.grads),
+            "validate": self.validate,
+            "kv_layout": self.kv_layout,
+        }
 
     @classmethod
     def from_data(cls, data: dict[str, Any]) -> CallSpec:
         """The spec ``to_data`` gave ``data`` for (combinators resolved by name)."""
-        return cls(graph=ir.from_data(data["graph"], registered),
-                   inputs=tuple((str(name), None if mask is None else tuple(int(n) for n in mask))
-                                for name, mask in data["inputs"]),
-                   save_lse=bool(data["save_lse"]), grad=bool(data["grad"]), grads=tuple(map(str, data["grads"])),
-                   validate=bool(data.get("validate", True)),  # keys made before it was a field validate
-                   kv_layout=data.get("kv_layout"))  # and read their pools as a call naming no layout
+        return cls(
+            graph=ir.from_data(data["graph"], registered),
+            inputs=tuple(
+                (str(name), None if mask is None else tuple(int(n) for n in mask)) for name, mask in data["inputs"]
+            ),
+            save_lse=bool(data["save_lse"]),
+            grad=bool(data["grad"]),
+            grads=tuple(map(str, data["grads"])),
+            validate=bool(data.get("validate", True)),  # keys made before it was a field validate
+            kv_layout=data.get("kv_layout"),
+        )  # and read their pools as a call naming no layout
 
 
 MAX_SPECS = 1024  # call specs kept (a program's few per configuration); one dropped is rebuilt if needed
@@ -65,15 +77,33 @@ _specs: LRUCache[str, CallSpec] = LRUCache(MAX_SPECS)
 _keys: LRUCache[tuple, str] = LRUCache(MAX_SPECS)  # by the spec's fields: a warm call builds no CallSpec
 
 
-def key_of(graph: ir.MatMulPV, inputs: tuple, save_lse: bool, grad: bool, grads: tuple,
-           validate: bool = True, kv_layout: str | None = None) -> str:
+def key_of(
+    graph: ir.MatMulPV,
+    inputs: tuple,
+    save_lse: bool,
+    grad: bool,
+    grads: tuple,
+    validate: bool = True,
+    kv_layout: str | None = None,
+) -> str:
     """The op's string argument for the spec of these fields (registered, so the op finds it unparsed)."""
     fields = (graph, inputs, save_lse, grad, grads, validate, kv_layout)
     key = _keys.get(fields)
     if key is None:
-        key = _keys.get_or_build(fields, lambda: _register(CallSpec(graph=graph, inputs=inputs, save_lse=save_lse,
-                                                                    grad=grad, grads=grads, validate=validate,
-                                                                    kv_layout=kv_layout)))
+        key = _keys.get_or_build(
+            fields,
+            lambda: _register(
+                CallSpec(
+                    graph=graph,
+                    inputs=inputs,
+                    save_lse=save_lse,
+                    grad=grad,
+                    grads=grads,
+                    validate=validate,
+                    kv_layout=kv_layout,
+                )
+            ),
+        )
     return key
 
 
@@ -99,8 +129,10 @@ def _rebuilt(key: str) -> CallSpec:
     try:
         return CallSpec.from_data(json.loads(key))
     except (ValueError, TypeError, KeyError, AttributeError, RecursionError, PluginError):
-        raise InputError(f"attnfuse::attention: key must be the data of a CallSpec (CallSpec.to_data, "
-                         f"JSON-encoded), got {key[:80]!r}") from None
+        raise InputError(
+            f"attnfuse::attention: key must be the data of a CallSpec (CallSpec.to_data, "
+            f"JSON-encoded), got {key[:80]!r}"
+        ) from None
 
 
 def flatten_inputs(inputs: dict[str, Any]) -> tuple[tuple, list[torch.Tensor]]:
@@ -124,10 +156,9 @@ def unflatten_inputs(spec: CallSpec, tensors: list[torch.Tensor]) -> dict[str, A
         if mask is None:
             inputs[name], i = tensors[i], i + 1
         else:
-            inputs[name] = BlockMask.rebuilt(mask, tensors[i:i + len(MASK_TENSORS)])
+            inputs[name] = BlockMask.rebuilt(mask, tensors[i : i + len(MASK_TENSORS)])
             i += len(MASK_TENSORS)
     return inputs
-
 
 
 def plain_tensors(spec: CallSpec, tensors: list[torch.Tensor]) -> dict[str, torch.Tensor]:

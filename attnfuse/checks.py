@@ -1,4 +1,5 @@
 """Parameter checks for combinator declarations: each raises ValueError saying what is allowed."""
+
 from __future__ import annotations
 
 import math

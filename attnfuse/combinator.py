@@ -18,6 +18,7 @@ Fragments may also read the template's variables, documented in docs/writing-a-c
 BLOCK_N), ``Nq``, ``Nk``, ``d`` (BLOCK_D,), ``D``,
 ``s`` (the score tile, float32), ``acc``, ``p``.
 """
+
 from __future__ import annotations
 
 import enum
@@ -28,12 +29,35 @@ from typing import Any, Callable
 from attrs import field, frozen
 
 from .errors import DeclarationError, deprecated
-from .fragments import (ACCUMULATOR, BlockList, MaskFragment, NormaliserFragment, QKTransformFragment, Range,
-                        ScoreModFragment, ScoreSourceFragment)
+from .fragments import (
+    ACCUMULATOR,
+    BlockList,
+    MaskFragment,
+    NormaliserFragment,
+    QKTransformFragment,
+    Range,
+    ScoreModFragment,
+    ScoreSourceFragment,
+)
 
-__all__ = ["ACCUMULATOR", "INPUT", "PLACEHOLDERS", "REQUIRED", "BlockList", "Combinator", "MaskFragment",
-           "NormaliserFragment", "Param", "QKTransformFragment", "Range", "Role", "ScalarArg", "ScoreModFragment",
-           "ScoreSourceFragment", "TensorArg"]
+__all__ = [
+    "ACCUMULATOR",
+    "INPUT",
+    "PLACEHOLDERS",
+    "REQUIRED",
+    "BlockList",
+    "Combinator",
+    "MaskFragment",
+    "NormaliserFragment",
+    "Param",
+    "QKTransformFragment",
+    "Range",
+    "Role",
+    "ScalarArg",
+    "ScoreModFragment",
+    "ScoreSourceFragment",
+    "TensorArg",
+]
 
 
 class Role(enum.Enum):
@@ -102,7 +126,8 @@ class ScalarArg:
 
 _TRANSFORM_PLACEHOLDERS = frozenset({"self", ACCUMULATOR, "x1", "x2", "pos", "ok", "tmp", "g1", "g2"})
 PLACEHOLDERS = {
-    Role.QK_TRANSFORM: _TRANSFORM_PLACEHOLDERS, Role.SCORE_SOURCE: _TRANSFORM_PLACEHOLDERS,
+    Role.QK_TRANSFORM: _TRANSFORM_PLACEHOLDERS,
+    Role.SCORE_SOURCE: _TRANSFORM_PLACEHOLDERS,
     Role.SCORE_MOD: frozenset({"self", ACCUMULATOR, "s_in", "s_out"}),
     Role.MASK: frozenset({"self", ACCUMULATOR, "q_lo", "q_hi", "k_lo", "k_hi", "block", "i", "slot"}),
     Role.NORMALISER: frozenset({"self", ACCUMULATOR, "factor"}),
@@ -110,8 +135,13 @@ PLACEHOLDERS = {
 """The template's own ``$placeholders`` by role; no parameter, tensor or scalar may take these names."""
 
 # Reference arguments before the parameters, by role.
-_REFERENCE_ARGS = {Role.QK_TRANSFORM: ("q", "k", "ctx"), Role.SCORE_SOURCE: ("q", "k", "ctx"),
-                   Role.SCORE_MOD: ("s", "ctx"), Role.MASK: ("ctx",), Role.NORMALISER: ("s", "keep", "ctx")}
+_REFERENCE_ARGS = {
+    Role.QK_TRANSFORM: ("q", "k", "ctx"),
+    Role.SCORE_SOURCE: ("q", "k", "ctx"),
+    Role.SCORE_MOD: ("s", "ctx"),
+    Role.MASK: ("ctx",),
+    Role.NORMALISER: ("s", "keep", "ctx"),
+}
 
 
 def _role(value: Any) -> "Role":
@@ -198,20 +228,24 @@ class Combinator:
                 raise DeclarationError(
                     f"combinator {self.name!r}: the name {name!r} is a placeholder of the {self.role.value} "
                     f"slot (${name}); rename the parameter, tensor or scalar (reserved there: "
-                    f"{', '.join(sorted(reserved))})")
+                    f"{', '.join(sorted(reserved))})"
+                )
         strides = {f"{t.name}_s{i}" for t in self.tensors for i in range(t.rank)}
         clash = (static & set(kernel)) | ((set(names) | set(kernel)) & strides)
         if clash or len(set(kernel)) != len(kernel):
-            raise DeclarationError(f"combinator {self.name!r}: {sorted(clash) or kernel} name two things a "
-                                   f"fragment's $placeholders would confuse; rename one")
+            raise DeclarationError(
+                f"combinator {self.name!r}: {sorted(clash) or kernel} name two things a "
+                f"fragment's $placeholders would confuse; rename one"
+            )
 
     @prepare.validator
     def _check_prepare(self, _, prepare) -> None:
         if (self.tensors or self.scalars) and prepare is None:
             raise DeclarationError(f"combinator {self.name!r} declares kernel tensors or scalars but no prepare()")
         if prepare is not None and not callable(prepare):
-            raise DeclarationError(f"combinator {self.name!r}: prepare must be a function (ctx, **params), "
-                                   f"got {type(prepare).__name__}")
+            raise DeclarationError(
+                f"combinator {self.name!r}: prepare must be a function (ctx, **params), got {type(prepare).__name__}"
+            )
 
     @takes_offsets.validator
     def _check_takes_offsets(self, _, value) -> None:
@@ -226,13 +260,15 @@ class Combinator:
         args = _REFERENCE_ARGS[self.role]
         shape = f"({', '.join(args)}, {', '.join(f'{p.name}=' for p in self.params) or '**params'})"
         if not callable(reference):
-            raise DeclarationError(f"combinator {self.name!r}: reference must be a function {shape}, "
-                                   f"got {type(reference).__name__}")
+            raise DeclarationError(
+                f"combinator {self.name!r}: reference must be a function {shape}, got {type(reference).__name__}"
+            )
         try:
             inspect.signature(reference).bind(*args, **{p.name: None for p in self.params})
         except TypeError as exc:
-            raise DeclarationError(f"combinator {self.name!r} ({self.role.value}): reference must take "
-                                   f"{shape}: {exc}") from None
+            raise DeclarationError(
+                f"combinator {self.name!r} ({self.role.value}): reference must take {shape}: {exc}"
+            ) from None
         except ValueError:
             pass  # no signature to inspect (a builtin): trust it
 
@@ -240,13 +276,18 @@ class Combinator:
     def _check_examples(self, _, examples) -> None:
         required = [p.name for p in self.params if p.default is REQUIRED]
         if examples is None and required:  # allowed by the contract of 2026-11-30
-            deprecated(("examples", self.name), f"combinator {self.name!r}: parameters {required} have no "
-                       f"default and it declares no examples, so the conformance kit cannot draw them; deprecated "
-                       f"since 2026-12-01, an error in a future release: declare examples(draw, shape) -> "
-                       f"{{param: value}}", stacklevel=3)
+            deprecated(
+                ("examples", self.name),
+                f"combinator {self.name!r}: parameters {required} have no "
+                f"default and it declares no examples, so the conformance kit cannot draw them; deprecated "
+                f"since 2026-12-01, an error in a future release: declare examples(draw, shape) -> "
+                f"{{param: value}}",
+                stacklevel=3,
+            )
         if examples is not None and not callable(examples):
-            raise DeclarationError(f"combinator {self.name!r}: examples must be a function (draw, shape), got "
-                                   f"{type(examples).__name__}")
+            raise DeclarationError(
+                f"combinator {self.name!r}: examples must be a function (draw, shape), got {type(examples).__name__}"
+            )
 
     def fragment_for(self, params: dict[str, Any]) -> Any:
         """The fragment for these parameters: static values, and ``INPUT`` for each runtime input given
@@ -260,8 +301,10 @@ class Combinator:
     def bind(self, args: tuple, kwargs: dict) -> dict[str, Any]:
         """Match a DSL call's parameters to the declaration; fill defaults; run the checks."""
         if len(args) > len(self.params):
-            raise TypeError(f"{self.name}() takes {len(self.params)} parameter(s) after its inputs, "
-                            f"got {len(args)}: {[p.name for p in self.params]}")
+            raise TypeError(
+                f"{self.name}() takes {len(self.params)} parameter(s) after its inputs, "
+                f"got {len(args)}: {[p.name for p in self.params]}"
+            )
         values = {p.name: a for p, a in zip(self.params, args)}
         for name, value in kwargs.items():
             if name in values:
@@ -276,4 +319,3 @@ class Combinator:
                     raise TypeError(f"{self.name}() is missing its parameter {p.name!r}")
                 values[p.name] = p.default
         return values
-

@@ -10,6 +10,7 @@ as the first one's autograd formula, so the backward kernels run under compile t
 plan hoists the qk transforms returns the transformed q and k rows as a third output, which the backward
 reads instead of transforming again.
 """
+
 from __future__ import annotations
 
 from typing import Any, Optional
@@ -28,24 +29,45 @@ from .runtime.offsets import inputs_fit
 from .runtime.validate import check_call_values
 
 _LIBRARY = torch.library.Library("attnfuse", "DEF")  # not torch.library.custom_op: its wrappers cost ~60 us a call
-_LIBRARY.define("attention(str key, Tensor q, Tensor k, Tensor v, Tensor? kv_lens, Tensor? block_table, "
-                "Tensor[] inputs) -> (Tensor, Tensor, Tensor[])")
-_LIBRARY.define("attention_backward(str key, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor dout, "
-                "Tensor? dlse, Tensor? kv_lens, Tensor[] inputs, Tensor[] copies) -> Tensor[]")
+_LIBRARY.define(
+    "attention(str key, Tensor q, Tensor k, Tensor v, Tensor? kv_lens, Tensor? block_table, "
+    "Tensor[] inputs) -> (Tensor, Tensor, Tensor[])"
+)
+_LIBRARY.define(
+    "attention_backward(str key, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor dout, "
+    "Tensor? dlse, Tensor? kv_lens, Tensor[] inputs, Tensor[] copies) -> Tensor[]"
+)
 
 
-def _attention(key: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_lens: Optional[torch.Tensor],
-               block_table: Optional[torch.Tensor], inputs: list[torch.Tensor]
-               ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+def _attention(
+    key: str,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_lens: Optional[torch.Tensor],
+    block_table: Optional[torch.Tensor],
+    inputs: list[torch.Tensor],
+) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
     """out (B, Hq, Nq, DV) in q's memory order; lse (B, Hq, Nq) when the spec saves it, else (0,); the
     transformed rows of the hoisted sides ("q", "k" order) of a differentiable hoisted call, else []."""
     spec = spec_of(key)
     values = unflatten_inputs(spec, inputs)
-    call = planned(spec.graph, q, k, v, values, kv_lens, block_table, return_lse=spec.save_lse,
-                   grads=spec.grads if spec.grad else None, split_kv=False if spec.grad else None,
-                   kv_layout=spec.kv_layout)
-    check_call_values(k, kv_lens, block_table, kv_layout=call.kv_layout,
-                      validate=spec.validate)  # as an eager call: on the device
+    call = planned(
+        spec.graph,
+        q,
+        k,
+        v,
+        values,
+        kv_lens,
+        block_table,
+        return_lse=spec.save_lse,
+        grads=spec.grads if spec.grad else None,
+        split_kv=False if spec.grad else None,
+        kv_layout=spec.kv_layout,
+    )
+    check_call_values(
+        k, kv_lens, block_table, kv_layout=call.kv_layout, validate=spec.validate
+    )  # as an eager call: on the device
     if not spec.grad:
         out, lse = call(q, k, v, values, kv_lens, block_table)
         copies = {}
@@ -62,26 +84,52 @@ def _attention_fake(key, q, k, v, kv_lens, block_table, inputs):
     spec = spec_of(key)
     check_cache(q, k, v, kv_lens, block_table, spec.kv_layout)
     out = empty_like_layout(q, v.shape[-1], q.dtype)
-    lse = q.new_empty(q.shape[:3], dtype=accumulator_dtype(q.dtype)) if spec.save_lse else \
-        q.new_empty(0, dtype=torch.float32)
-    sides = hoisted_sides(spec.graph, q, k, v, kv_lens, spec.save_lse,
-                          bool(inputs) and not inputs_fit(unflatten_inputs(spec, inputs))) \
-        if spec.grad and block_table is None else ()
+    lse = (
+        q.new_empty(q.shape[:3], dtype=accumulator_dtype(q.dtype))
+        if spec.save_lse
+        else q.new_empty(0, dtype=torch.float32)
+    )
+    sides = (
+        hoisted_sides(
+            spec.graph, q, k, v, kv_lens, spec.save_lse, bool(inputs) and not inputs_fit(unflatten_inputs(spec, inputs))
+        )
+        if spec.grad and block_table is None
+        else ()
+    )
     rows = {"q": q, "k": k}
     return out, lse, [empty_like_layout(rows[x], rows[x].shape[3], rows[x].dtype) for x in sides]
 
 
-def _attention_backward(key: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                          lse: torch.Tensor, dout: torch.Tensor, dlse: Optional[torch.Tensor],
-                          kv_lens: Optional[torch.Tensor], inputs: list[torch.Tensor], copies: list[torch.Tensor]
-                          ) -> list[torch.Tensor]:
+def _attention_backward(
+    key: str,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    dout: torch.Tensor,
+    dlse: Optional[torch.Tensor],
+    kv_lens: Optional[torch.Tensor],
+    inputs: list[torch.Tensor],
+    copies: list[torch.Tensor],
+) -> list[torch.Tensor]:
     """[dq, dk, dv, *gradients of spec.grads], each in its input's shape, dtype and memory order."""
     spec = spec_of(key)
     values = unflatten_inputs(spec, inputs)
-    call = planned(spec.graph, q, k, v, values, kv_lens, None, return_lse=spec.save_lse, grads=spec.grads,
-                   split_kv=False)
-    dq, dk, dv, grads = call.run_backward(q, kv_cache(k, v, kv_lens, None), out, lse if spec.save_lse else None,
-                                          dout, dlse, values, None, dict(zip(call.sides, copies)))
+    call = planned(
+        spec.graph, q, k, v, values, kv_lens, None, return_lse=spec.save_lse, grads=spec.grads, split_kv=False
+    )
+    dq, dk, dv, grads = call.run_backward(
+        q,
+        kv_cache(k, v, kv_lens, None),
+        out,
+        lse if spec.save_lse else None,
+        dout,
+        dlse,
+        values,
+        None,
+        dict(zip(call.sides, copies)),
+    )
     return [dq, dk, dv, *(grads[name] for name in spec.grads)]
 
 
@@ -102,11 +150,12 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, dout, dlse, _):
     q, k, v, out, lse, kv_lens, *rest = ctx.saved_tensors
-    tensors, copies = rest[:ctx.counts[0]], rest[ctx.counts[0]:]
+    tensors, copies = rest[: ctx.counts[0]], rest[ctx.counts[0] :]
     spec = spec_of(ctx.key)
     dout = torch.zeros_like(out) if dout is None else dout
-    grads = torch.ops.attnfuse.attention_backward(ctx.key, q, k, v, out, lse, dout,
-                                                  dlse if spec.save_lse else None, kv_lens, tensors, copies)
+    grads = torch.ops.attnfuse.attention_backward(
+        ctx.key, q, k, v, out, lse, dout, dlse if spec.save_lse else None, kv_lens, tensors, copies
+    )
     by_name = dict(zip(spec.grads, grads[3:]))
     return None, grads[0], grads[1], grads[2], None, None, [by_name.get(n) for n in tensor_names(spec)]
 
@@ -119,24 +168,54 @@ for _device in ("CPU", "CUDA"):
     _LIBRARY.impl("attention", _attention, _device)
     _LIBRARY.impl("attention_backward", _attention_backward, _device)
 torch.library.register_autograd("attnfuse::attention", _backward, setup_context=_setup_context, lib=_LIBRARY)
-torch.library.register_autograd("attnfuse::attention_backward", _no_second_derivative,
-                                setup_context=lambda ctx, inputs, output: None, lib=_LIBRARY)
+torch.library.register_autograd(
+    "attnfuse::attention_backward", _no_second_derivative, setup_context=lambda ctx, inputs, output: None, lib=_LIBRARY
+)
 
 
-def call(graph: ir.MatMulPV, q: Any, k: Any, v: Any, inputs: dict[str, Any], *, return_lse: bool,
-         kv_lens: Any, block_table: Any, validate: bool = True, kv_layout: Any = None):
+def call(
+    graph: ir.MatMulPV,
+    q: Any,
+    k: Any,
+    v: Any,
+    inputs: dict[str, Any],
+    *,
+    return_lse: bool,
+    kv_lens: Any,
+    block_table: Any,
+    validate: bool = True,
+    kv_layout: Any = None,
+):
     """``run_attention``'s result through the op: out, or (out, lse) when ``return_lse``."""
     tensors = (q, k, v, *(t for t in (kv_lens, block_table) if t is not None))
     if not all(isinstance(t, torch.Tensor) for t in tensors) or not all(
-            isinstance(t, (torch.Tensor, BlockMask)) for t in inputs.values()):  # run_attention names the error
-        return run_attention(graph, q, k, v, inputs, return_lse=return_lse, kv_lens=kv_lens, block_table=block_table,
-                             validate=validate, kv_layout=kv_layout)
+        isinstance(t, (torch.Tensor, BlockMask)) for t in inputs.values()
+    ):  # run_attention names the error
+        return run_attention(
+            graph,
+            q,
+            k,
+            v,
+            inputs,
+            return_lse=return_lse,
+            kv_lens=kv_lens,
+            block_table=block_table,
+            validate=validate,
+            kv_layout=kv_layout,
+        )
     check_kv_layout(kv_layout, block_table is not None)  # a CallSpec takes only a layout a call may name
     lse_kept = keeps_lse(graph, return_lse)
     grads = wanted_grads(q, k, v, inputs)
     layout, flat = flatten_inputs(inputs)
-    key = key_of(graph, layout, return_lse or (grads is not None and lse_kept), grads is not None, grads or (),
-                 validate, kv_layout)
+    key = key_of(
+        graph,
+        layout,
+        return_lse or (grads is not None and lse_kept),
+        grads is not None,
+        grads or (),
+        validate,
+        kv_layout,
+    )
     out, lse, _ = torch.ops.attnfuse.attention.default(key, q, k, v, kv_lens, block_table, flat)
     return (out, lse) if return_lse else out
 
@@ -155,6 +234,7 @@ def __getattr__(name: str) -> Any:
 
     def program_call(*args: Any):
         return PROGRAM_CALL(*show_none(args))
+
     made = globals()[name] = torch._dynamo.nonstrict_trace(program_call)
     return made
 

@@ -7,6 +7,7 @@ tensor made there and kept would be overwritten by the graph's later allocations
 thread and its own stream, which no graph pool serves. During a capture it makes them inside the graph and
 keeps nothing.
 """
+
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
@@ -57,6 +58,7 @@ def made_outside_graph_pools(make: Callable[[], T], device: torch.device) -> T:
     def run() -> T:
         with torch.cuda.device(device), torch.cuda.stream(side):
             return make()
+
     made = _worker.submit(run).result()
     current.wait_stream(side)
     for tensor in made if isinstance(made, tuple) else (made,):

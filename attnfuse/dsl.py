@@ -4,6 +4,7 @@ While an ``@af.attention`` function is traced, its arguments are symbols. Combin
 IR nodes; anything else done to a symbol (arithmetic, a torch function, ``if s:``, ``s.shape``) is a ProgramError,
 since it could not be fused.
 """
+
 from __future__ import annotations
 
 from typing import Any, Callable
@@ -31,7 +32,8 @@ class Symbol:
     def _refuse(self, operation: str):
         raise ProgramError(
             f"{operation} on {self.what} is not part of the AttnFuse DSL: a program may only apply "
-            f"combinators (af.scaled_dot_product, af.rope, af.causal, af.softmax, ...) and end with `weights @ v`")
+            f"combinators (af.scaled_dot_product, af.rope, af.causal, af.softmax, ...) and end with `weights @ v`"
+        )
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
@@ -52,7 +54,8 @@ class Symbol:
             f"v and the scores (af.scaled_dot_product, af.rope, af.causal, af.softmax, ...) and end with "
             f"`weights @ v`. Sizes are read where they are known: a combinator's reference and prepare get them "
             f"from ctx (ctx.Nq, ctx.Nk, ctx.D, ...) and its fragments read Nq, Nk and D; a value computed from a "
-            f"tensor's shape (scale=1 / math.sqrt(q.shape[-1])) is computed outside and passed as an extra argument")
+            f"tensor's shape (scale=1 / math.sqrt(q.shape[-1])) is computed outside and passed as an extra argument"
+        )
 
     def __bool__(self):
         self._refuse("a truth test (if/while/and/or)")
@@ -68,12 +71,27 @@ def _refusing(op: str):
     return lambda self, *args: self._refuse(f"the operator {op}")
 
 
-for _name, _op in [("add", "+"), ("sub", "-"), ("mul", "*"), ("truediv", "/"), ("floordiv", "//"),
-                   ("pow", "**"), ("mod", "%")]:
+for _name, _op in [
+    ("add", "+"),
+    ("sub", "-"),
+    ("mul", "*"),
+    ("truediv", "/"),
+    ("floordiv", "//"),
+    ("pow", "**"),
+    ("mod", "%"),
+]:
     setattr(Symbol, f"__{_name}__", _refusing(_op))
     setattr(Symbol, f"__r{_name}__", _refusing(_op))
-for _name, _op in [("neg", "unary -"), ("pos", "unary +"), ("abs", "abs()"), ("getitem", "indexing"),
-                   ("lt", "<"), ("le", "<="), ("gt", ">"), ("ge", ">=")]:
+for _name, _op in [
+    ("neg", "unary -"),
+    ("pos", "unary +"),
+    ("abs", "abs()"),
+    ("getitem", "indexing"),
+    ("lt", "<"),
+    ("le", "<="),
+    ("gt", ">"),
+    ("ge", ">="),
+]:
     setattr(Symbol, f"__{_name}__", _refusing(_op))
 
 
@@ -116,8 +134,10 @@ class WeightsSymbol(Symbol):
     def __matmul__(self, v):
         if not isinstance(v, TensorSymbol) or v.sym.kind != "v":
             got = v.what if isinstance(v, Symbol) else type(v).__name__
-            raise ProgramError(f"weights @ v: the right operand must be the value tensor v "
-                               f"(the decorated function's third argument), got {got}")
+            raise ProgramError(
+                f"weights @ v: the right operand must be the value tensor v "
+                f"(the decorated function's third argument), got {got}"
+            )
         if v.transforms:
             raise ProgramError("weights @ v: v must be the untransformed value tensor")
         return OutputSymbol(MatMulPV(weights=self.node, v=v.sym))
@@ -142,13 +162,19 @@ def _describe(value: Any) -> str:
 def _expect_qk(comb: Combinator, q: Any, k: Any) -> tuple[TensorSymbol, TensorSymbol]:
     for arg, kind, pos in ((q, "q", "first"), (k, "k", "second")):
         if not isinstance(arg, Symbol):
-            raise ProgramError(f"af.{comb.name} must be called inside an @af.attention function on its "
-                               f"symbolic arguments; got {_describe(arg)}")
+            raise ProgramError(
+                f"af.{comb.name} must be called inside an @af.attention function on its "
+                f"symbolic arguments; got {_describe(arg)}"
+            )
         if not isinstance(arg, TensorSymbol) or arg.sym.kind != kind:
-            extra = " (a qk transform acts on queries and keys only)" if getattr(
-                getattr(arg, "sym", None), "kind", None) == "v" else ""
-            raise ProgramError(f"{comb.name}(q, k): its {pos} argument must be {_NAMES[kind]}, "
-                               f"got {_describe(arg)}{extra}")
+            extra = (
+                " (a qk transform acts on queries and keys only)"
+                if getattr(getattr(arg, "sym", None), "kind", None) == "v"
+                else ""
+            )
+            raise ProgramError(
+                f"{comb.name}(q, k): its {pos} argument must be {_NAMES[kind]}, got {_describe(arg)}{extra}"
+            )
     if q.transforms != k.transforms:
         raise ProgramError(f"{comb.name}(q, k): q and k must come from the same qk transforms")
     return q, k
@@ -159,16 +185,21 @@ def _expect_score(comb: Combinator, s: Any) -> ScoreSymbol:
         return s
     if isinstance(s, WeightsSymbol):
         if comb.role is Role.NORMALISER:
-            raise ProgramError(f"two normalisers: {comb.name} applied to weights a normaliser already "
-                               f"produced; a program has exactly one normaliser")
+            raise ProgramError(
+                f"two normalisers: {comb.name} applied to weights a normaliser already "
+                f"produced; a program has exactly one normaliser"
+            )
         kind = "masks" if comb.role is Role.MASK else "score modifications"
-        raise ProgramError(f"{comb.name} applied after the normaliser: {kind} act on scores, so apply "
-                           f"{comb.name} before softmax/relu_attention")
+        raise ProgramError(
+            f"{comb.name} applied after the normaliser: {kind} act on scores, so apply "
+            f"{comb.name} before softmax/relu_attention"
+        )
     if isinstance(s, TensorSymbol):
-        raise ProgramError(f"{comb.name} takes scores, got {s.what}; make scores first with "
-                           f"af.scaled_dot_product(q, k) or af.rope(q, k)")
-    raise ProgramError(f"af.{comb.name} must be called inside an @af.attention function on scores; "
-                       f"got {_describe(s)}")
+        raise ProgramError(
+            f"{comb.name} takes scores, got {s.what}; make scores first with "
+            f"af.scaled_dot_product(q, k) or af.rope(q, k)"
+        )
+    raise ProgramError(f"af.{comb.name} must be called inside an @af.attention function on scores; got {_describe(s)}")
 
 
 def _apply(record: Registered, args: tuple, kwargs: dict) -> Apply:
@@ -185,16 +216,21 @@ def _apply(record: Registered, args: tuple, kwargs: dict) -> Apply:
                 what = _describe(value) if isinstance(value, Symbol) else f"a concrete {type(value).__name__}"
                 raise ProgramError(
                     f"{comb.name}: parameter {p.name!r} is a runtime input, so it must be an argument of the "
-                    f"decorated function (passed at every call), got {what}")
+                    f"decorated function (passed at every call), got {what}"
+                )
             value = value.sym
         else:
             if isinstance(value, Symbol):
-                raise ProgramError(f"{comb.name}: parameter {p.name!r} is static (a number or flag baked "
-                                   f"into the kernel), got {value.what}")
+                raise ProgramError(
+                    f"{comb.name}: parameter {p.name!r} is static (a number or flag baked "
+                    f"into the kernel), got {value.what}"
+                )
             value = exact(value)  # a subclass's repr is its own to choose: keep only the value it holds
             if type(value) not in STATIC_TYPES:
-                raise ProgramError(f"{comb.name}: parameter {p.name!r} must be None, bool, int, float or str, "
-                                   f"got {type(value).__name__}")
+                raise ProgramError(
+                    f"{comb.name}: parameter {p.name!r} must be None, bool, int, float or str, "
+                    f"got {type(value).__name__}"
+                )
             _check_static(comb, p, value)
         params.append((p.name, value))
     return Apply(combinator=comb.name, params=tuple(params), record=record)
@@ -220,16 +256,19 @@ def dsl_function(record: Registered) -> Callable:
     applications carry ``record``."""
     comb = record.combinator
     if comb.role is Role.SCORE_SOURCE:
+
         def fn(q, k, *args, **kwargs):
             q, k = _expect_qk(comb, q, k)
             op = ScoreOp(q=q.sym, k=k.sym, transforms=q.transforms, source=_apply(record, args, kwargs))
             return ScoreSymbol(op)
     elif comb.role is Role.QK_TRANSFORM:
+
         def fn(q, k, *args, **kwargs):
             q, k = _expect_qk(comb, q, k)
             app = _apply(record, args, kwargs)
             return TensorSymbol(q.sym, q.transforms + (app,)), TensorSymbol(k.sym, k.transforms + (app,))
     elif comb.role is Role.NORMALISER:
+
         def fn(s, *args, **kwargs):
             s = _expect_score(comb, s)
             return WeightsSymbol(NormOp(input=s.node, apply=_apply(record, args, kwargs)))
@@ -239,6 +278,7 @@ def dsl_function(record: Registered) -> Callable:
         def fn(s, *args, **kwargs):
             s = _expect_score(comb, s)
             return ScoreSymbol(node_type(input=s.node, apply=_apply(record, args, kwargs)))
+
     fn.__name__ = fn.__qualname__ = comb.name
     signature = ", ".join(p.name if p.default is REQUIRED else f"{p.name}={p.default!r}" for p in comb.params)
     inputs = "q, k" if comb.role in (Role.SCORE_SOURCE, Role.QK_TRANSFORM) else "s"
@@ -253,16 +293,19 @@ def trace(fn: Callable, arg_names: tuple[str, ...], extras: dict[str, Any]) -> M
     (a tensor or block mask, traced as a symbol) or to its static value.
     """
     q, k, v = (TensorSymbol(TensorSym(name=n, kind=kind)) for n, kind in zip(arg_names, ("q", "k", "v")))
-    kwargs = {name: TensorSymbol(TensorSym(name=name, kind="input")) if value is RUNTIME else value
-              for name, value in extras.items()}
+    kwargs = {
+        name: TensorSymbol(TensorSym(name=name, kind="input")) if value is RUNTIME else value
+        for name, value in extras.items()
+    }
     result = fn(q, k, v, **kwargs)
     if isinstance(result, OutputSymbol):
         return result.node
     if isinstance(result, WeightsSymbol):
         raise ProgramError("the program returns weights with no `@ v`: end it with `return af.softmax(s) @ v`")
     if isinstance(result, ScoreSymbol):
-        raise ProgramError("the program returns scores: it needs a normaliser and `@ v`, "
-                           "e.g. `return af.softmax(s) @ v`")
+        raise ProgramError(
+            "the program returns scores: it needs a normaliser and `@ v`, e.g. `return af.softmax(s) @ v`"
+        )
     raise ProgramError(f"the program must return `weights @ v`, got {_describe(result)}")
 
 

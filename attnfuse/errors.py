@@ -1,5 +1,6 @@
 """Exceptions AttnFuse raises, and its deprecation warnings. Each message names the argument or combinator and
 what is allowed (or, deprecated, how to move)."""
+
 from __future__ import annotations
 
 import threading

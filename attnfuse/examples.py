@@ -1,8 +1,9 @@
 """Named example programs, as ``attnfuse show <name>`` and ``attnfuse demo`` use them.
 
-    from attnfuse.examples import EXAMPLES, llama
-    out = llama(q, k, v)
+from attnfuse.examples import EXAMPLES, llama
+out = llama(q, k, v)
 """
+
 from __future__ import annotations
 
 import attnfuse as af

@@ -2,6 +2,7 @@
 
 A plugin module may import it (it imports nothing of AttnFuse); ``attnfuse.testing`` re-exports it.
 """
+
 from __future__ import annotations
 
 import torch

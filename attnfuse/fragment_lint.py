@@ -17,6 +17,7 @@ A fragment that spells the accumulation type ``tl.float32`` instead of ``$acc_dt
 2026-11-30) is accepted with a DeprecationWarning, once per combinator: it computes in float32 as before,
 and ``refuse_old_accumulator`` refuses a float64 call of it, which it would silently compute in float32.
 """
+
 from __future__ import annotations
 
 import ast
@@ -28,26 +29,151 @@ from typing import Any, Iterator
 import attrs
 from attrs import frozen
 
-from .combinator import (ACCUMULATOR, BlockList, Combinator, MaskFragment, NormaliserFragment, QKTransformFragment,
-                         Range, ScoreModFragment, ScoreSourceFragment)
+from .combinator import (
+    ACCUMULATOR,
+    BlockList,
+    Combinator,
+    MaskFragment,
+    NormaliserFragment,
+    QKTransformFragment,
+    Range,
+    ScoreModFragment,
+    ScoreSourceFragment,
+)
 from .errors import InputError, PluginError, deprecated
 
 BUILTINS = frozenset({"float", "int", "range", "min", "max", "abs", "True", "False", "None", "tl", "triton"})
-COMMON = BUILTINS | {"b", "h", "hk", "Nq", "Nk", "N_K", "HQ", "GROUP", "D", "DV", "HALF", "BLOCK_M", "BLOCK_N",
-                     "BLOCK_D", "BLOCK_DV", "BLOCK_H", "d", "dv", "dh", "q_idx", "q_pos", "q_ok"}
+COMMON = BUILTINS | {
+    "b",
+    "h",
+    "hk",
+    "Nq",
+    "Nk",
+    "N_K",
+    "HQ",
+    "GROUP",
+    "D",
+    "DV",
+    "HALF",
+    "BLOCK_M",
+    "BLOCK_N",
+    "BLOCK_D",
+    "BLOCK_DV",
+    "BLOCK_H",
+    "d",
+    "dv",
+    "dh",
+    "q_idx",
+    "q_pos",
+    "q_ok",
+}
 """What every statement fragment may read (the prologue runs before the key loop)."""
 TILE = COMMON | {"k_idx", "k_pos", "k_ok", "in_bounds"}
 """What fragments inside the key loop may read besides."""
 TEMPLATE_NAMES = TILE | {
-    "pid", "pid_m", "pid_n", "pid_bh", "pid_r", "pid_s", "q_head", "r", "rows", "part", "q_programs", "blocks",
-    "lo", "hi", "full_lo", "full_hi", "start", "full_start", "full_end", "start_n", "start_m", "w_lo", "w_hi",
-    "steps", "t", "i", "g", "g_lo", "g_hi", "one_head", "slot", "split_slots", "light", "share", "rows_n",
-    "count", "last", "j", "run_tiles", "list_size", "row_blocks", "head_lo", "group_heads",
-    "list_tiles", "list_block", "list_t", "page", "HKV", "SPLIT", "NUM_SPLITS", "EVEN_K", "EVEN_M",
-    "q", "k", "v", "q1", "q2", "k1", "k2", "q1f", "q2f", "k1f", "k2f", "q_ptrs", "k_ptrs", "k_in", "q_base",
-    "k_base", "v_base", "do_base", "k_off", "v_off", "o_ptrs", "qo_ptrs", "ko_ptrs", "s", "sT", "s_nat", "keep",
-    "p", "acc", "out", "lse", "o", "do", "dp", "ds", "delta", "dq", "dk", "dq1", "dq2", "dk1", "dk2", "dv_acc",
-    "q_lo", "q_hi", "k_lo", "k_hi", "v_finite", "key_bad", "row_bad", "col_bad",
+    "pid",
+    "pid_m",
+    "pid_n",
+    "pid_bh",
+    "pid_r",
+    "pid_s",
+    "q_head",
+    "r",
+    "rows",
+    "part",
+    "q_programs",
+    "blocks",
+    "lo",
+    "hi",
+    "full_lo",
+    "full_hi",
+    "start",
+    "full_start",
+    "full_end",
+    "start_n",
+    "start_m",
+    "w_lo",
+    "w_hi",
+    "steps",
+    "t",
+    "i",
+    "g",
+    "g_lo",
+    "g_hi",
+    "one_head",
+    "slot",
+    "split_slots",
+    "light",
+    "share",
+    "rows_n",
+    "count",
+    "last",
+    "j",
+    "run_tiles",
+    "list_size",
+    "row_blocks",
+    "head_lo",
+    "group_heads",
+    "list_tiles",
+    "list_block",
+    "list_t",
+    "page",
+    "HKV",
+    "SPLIT",
+    "NUM_SPLITS",
+    "EVEN_K",
+    "EVEN_M",
+    "q",
+    "k",
+    "v",
+    "q1",
+    "q2",
+    "k1",
+    "k2",
+    "q1f",
+    "q2f",
+    "k1f",
+    "k2f",
+    "q_ptrs",
+    "k_ptrs",
+    "k_in",
+    "q_base",
+    "k_base",
+    "v_base",
+    "do_base",
+    "k_off",
+    "v_off",
+    "o_ptrs",
+    "qo_ptrs",
+    "ko_ptrs",
+    "s",
+    "sT",
+    "s_nat",
+    "keep",
+    "p",
+    "acc",
+    "out",
+    "lse",
+    "o",
+    "do",
+    "dp",
+    "ds",
+    "delta",
+    "dq",
+    "dk",
+    "dq1",
+    "dq2",
+    "dk1",
+    "dk2",
+    "dv_acc",
+    "q_lo",
+    "q_hi",
+    "k_lo",
+    "k_hi",
+    "v_finite",
+    "key_bad",
+    "row_bad",
+    "col_bad",
 }
 """Names the kernel templates define (tests/test_fragment_lint.py checks generated kernels against it)."""
 _TEMPLATE_PATTERN = re.compile(r"^(s_\d+|[qk]_in\d+_[12]|stride_\w+|[A-Z]\w*)$")
@@ -59,46 +185,76 @@ class Slot:
 
     expression: bool
     reads: frozenset = frozenset()
-    writes: frozenset = frozenset()    # template names it may (re)write
+    writes: frozenset = frozenset()  # template names it may (re)write
     must_write: frozenset = frozenset()
-    prefixed: bool = True              # its temporaries must be ${self}_ (or ${tmp}_) names
+    prefixed: bool = True  # its temporaries must be ${self}_ (or ${tmp}_) names
 
 
 def _slots(fragment: Any, state: frozenset, rows_state: frozenset) -> dict[str, Slot]:
     """The slots of one fragment; ``state``/``rows_state``: the names a normaliser's init/backward_rows set."""
     f = frozenset
     if isinstance(fragment, ScoreModFragment):
-        return {"body": Slot(False, TILE | {"s"}, f({"s"}), f({"s"})), "prologue": Slot(False, COMMON),
-                "grad": Slot(False, TILE | {"s", "ds", "_s_in_", "_s_out_"}, f({"ds"}), f({"ds"})),
-                "tensor_grads": Slot(True, TILE | {"s", "ds", "_s_in_", "_s_out_"})}
+        return {
+            "body": Slot(False, TILE | {"s"}, f({"s"}), f({"s"})),
+            "prologue": Slot(False, COMMON),
+            "grad": Slot(False, TILE | {"s", "ds", "_s_in_", "_s_out_"}, f({"ds"}), f({"ds"})),
+            "tensor_grads": Slot(True, TILE | {"s", "ds", "_s_in_", "_s_out_"}),
+        }
     if isinstance(fragment, MaskFragment):
         facts = BUILTINS | {"b", "h", "hk", "Nq", "Nk", "N_K", "HQ", "GROUP"}
-        return {"keep": Slot(True, TILE), "kv_range": Slot(True, facts | {"_q_lo_", "_q_hi_"}),
-                "full_range": Slot(True, facts | {"_q_lo_", "_q_hi_"}),
-                "q_range": Slot(True, facts | {"_k_lo_", "_k_hi_"}),
-                "q_full_range": Slot(True, facts | {"_k_lo_", "_k_hi_"})}
+        return {
+            "keep": Slot(True, TILE),
+            "kv_range": Slot(True, facts | {"_q_lo_", "_q_hi_"}),
+            "full_range": Slot(True, facts | {"_q_lo_", "_q_hi_"}),
+            "q_range": Slot(True, facts | {"_k_lo_", "_k_hi_"}),
+            "q_full_range": Slot(True, facts | {"_k_lo_", "_k_hi_"}),
+        }
     if isinstance(fragment, BlockList):
         at = BUILTINS | {"b", "h", "hk", "Nq", "Nk", "N_K", "HQ", "GROUP", "_block_", "_i_", "_slot_"}
-        return {name: Slot(True, at) for name in ("size", "count", "index", "q_count", "q_index", "order",
-                                                  "q_order", "q_split", "partial", "q_partial")}
+        return {
+            name: Slot(True, at)
+            for name in (
+                "size",
+                "count",
+                "index",
+                "q_count",
+                "q_index",
+                "order",
+                "q_order",
+                "q_split",
+                "partial",
+                "q_partial",
+            )
+        }
     if isinstance(fragment, QKTransformFragment):
         site = COMMON | {"_x1_", "_x2_", "_pos_", "_ok_"}
         grad = site | {"_g1_", "_g2_"}
-        return {"q": Slot(False, site, f({"_x1_", "_x2_"})), "k": Slot(False, site, f({"_x1_", "_x2_"})),
-                "q_grad": Slot(False, grad, f({"_g1_", "_g2_"})), "k_grad": Slot(False, grad, f({"_g1_", "_g2_"}))}
+        return {
+            "q": Slot(False, site, f({"_x1_", "_x2_"})),
+            "k": Slot(False, site, f({"_x1_", "_x2_"})),
+            "q_grad": Slot(False, grad, f({"_g1_", "_g2_"})),
+            "k_grad": Slot(False, grad, f({"_g1_", "_g2_"})),
+        }
     if isinstance(fragment, NormaliserFragment):
         update = TILE | {"s", "acc"} | state
         lse = f({"lse"}) if fragment.has_lse else f()
         rows = COMMON | state | lse
         backward = TILE | {"s"} | rows_state | lse
-        return {"init": Slot(False, COMMON, prefixed=False),
-                "update": Slot(False, update, f({"p", "acc"}), f({"p"}), prefixed=False),
-                "scaled_update": Slot(False, update | {"_factor_"}, f({"p", "acc"}), f({"p"}), prefixed=False),
-                "finalize": Slot(False, COMMON | {"acc"} | state, f({"out", "lse"}), f({"out"}) | lse, prefixed=False),
-                "backward_rows": Slot(False, rows, prefixed=False),
-                "recompute": Slot(False, backward, f({"p"}), f({"p"}), prefixed=False),
-                "grad": Slot(False, backward | {"p", "dp"} | (f({"delta"}) if fragment.needs_delta else f()),
-                             f({"ds"}), f({"ds"}), prefixed=False)}
+        return {
+            "init": Slot(False, COMMON, prefixed=False),
+            "update": Slot(False, update, f({"p", "acc"}), f({"p"}), prefixed=False),
+            "scaled_update": Slot(False, update | {"_factor_"}, f({"p", "acc"}), f({"p"}), prefixed=False),
+            "finalize": Slot(False, COMMON | {"acc"} | state, f({"out", "lse"}), f({"out"}) | lse, prefixed=False),
+            "backward_rows": Slot(False, rows, prefixed=False),
+            "recompute": Slot(False, backward, f({"p"}), f({"p"}), prefixed=False),
+            "grad": Slot(
+                False,
+                backward | {"p", "dp"} | (f({"delta"}) if fragment.needs_delta else f()),
+                f({"ds"}),
+                f({"ds"}),
+                prefixed=False,
+            ),
+        }
     return {}
 
 
@@ -113,8 +269,26 @@ def _markers(comb: Combinator) -> dict[str, str]:
     return mapping
 
 
-_SITE = ("self", "tmp", "x1", "x2", "pos", "ok", "g1", "g2", "s_in", "s_out", "q_lo", "q_hi", "k_lo", "k_hi",
-         "block", "i", "slot", "factor")
+_SITE = (
+    "self",
+    "tmp",
+    "x1",
+    "x2",
+    "pos",
+    "ok",
+    "g1",
+    "g2",
+    "s_in",
+    "s_out",
+    "q_lo",
+    "q_hi",
+    "k_lo",
+    "k_hi",
+    "block",
+    "i",
+    "slot",
+    "factor",
+)
 
 
 def _parse(text: str, expression: bool, mapping: dict[str, str]) -> ast.AST:
@@ -159,11 +333,17 @@ def _problems(text: str, slot: Slot, mapping: dict[str, str], own: tuple[str, ..
         if name in slot.writes:
             continue
         if name in TEMPLATE_NAMES or _TEMPLATE_PATTERN.match(name) or name in plugin_names:
-            yield f"writes {_show(name)}, which the kernel template owns (this slot may write " \
-                  f"{', '.join(sorted(map(_show, slot.writes))) or 'only its own temporaries'})", line
+            yield (
+                f"writes {_show(name)}, which the kernel template owns (this slot may write "
+                f"{', '.join(sorted(map(_show, slot.writes))) or 'only its own temporaries'})",
+                line,
+            )
         elif slot.prefixed and not name.startswith(own):
-            yield f"writes {name!r}: name temporaries {' or '.join(_show(o) + '<name>' for o in own)}, so that " \
-                  f"they cannot collide with the template's or another combinator's", line
+            yield (
+                f"writes {name!r}: name temporaries {' or '.join(_show(o) + '<name>' for o in own)}, so that "
+                f"they cannot collide with the template's or another combinator's",
+                line,
+            )
     for name, line in read.items():
         if name in slot.reads or name in plugin_names or name.startswith(own):
             continue
@@ -219,14 +399,19 @@ def lint(comb: Combinator, fragment: Any, distribution: str) -> None:
         found = list(_problems(text, slot, mapping, own))
         if found:
             message, line = found[0]
-            raise PluginError(f"combinator {comb.name!r} of distribution {distribution!r}, fragment field "
-                              f"{path!r}: {message}\n{_excerpt(text, line)}")
+            raise PluginError(
+                f"combinator {comb.name!r} of distribution {distribution!r}, fragment field "
+                f"{path!r}: {message}\n{_excerpt(text, line)}"
+            )
     old = old_accumulator_fields(fragment)
     if old:
-        deprecated(("tl.float32", distribution, comb.name), f"{_where(comb, distribution, old)}: spells the "
-                   f"accumulation type tl.float32, as the plugin contract of 2026-11-30 did; deprecated since "
-                   f"2026-12-01, refused in a future release: write $acc_dtype instead (tl.float32, or tl.float64 "
-                   f"for float64 inputs). Until then it computes in float32 as before, and float64 calls are refused")
+        deprecated(
+            ("tl.float32", distribution, comb.name),
+            f"{_where(comb, distribution, old)}: spells the "
+            f"accumulation type tl.float32, as the plugin contract of 2026-11-30 did; deprecated since "
+            f"2026-12-01, refused in a future release: write $acc_dtype instead (tl.float32, or tl.float64 "
+            f"for float64 inputs). Until then it computes in float32 as before, and float64 calls are refused",
+        )
 
 
 def template_reads(comb: Combinator, fragment: Any) -> frozenset[str]:
@@ -262,10 +447,12 @@ def refuse_old_accumulator(comb: Combinator, fragment: Any, distribution: str, a
     ("float64" for float64 inputs): it would silently compute in float32."""
     old = old_accumulator_fields(fragment)
     if old and accumulator != "float32":
-        raise InputError(f"{_where(comb, distribution, old)}: spells the accumulation type tl.float32 (the "
-                         f"deprecated contract of 2026-11-30), so it would compute in float32 for these "
-                         f"{accumulator} inputs; call it with float32, float16 or bfloat16 inputs, or write "
-                         f"$acc_dtype in that fragment (tl.float32, or tl.float64 for float64 inputs)")
+        raise InputError(
+            f"{_where(comb, distribution, old)}: spells the accumulation type tl.float32 (the "
+            f"deprecated contract of 2026-11-30), so it would compute in float32 for these "
+            f"{accumulator} inputs; call it with float32, float16 or bfloat16 inputs, or write "
+            f"$acc_dtype in that fragment (tl.float32, or tl.float64 for float64 inputs)"
+        )
 
 
 def _where(comb: Combinator, distribution: str, fields: list[str]) -> str:
@@ -283,5 +470,6 @@ def _defined(text: str, mapping: dict[str, str]) -> set[str]:
 def _excerpt(text: str, line: int) -> str:
     lines = textwrap.dedent(text).strip().splitlines()
     lo = max(line - 2, 0)
-    return "\n".join(f"{'>' if i + 1 == line else ' '} {i + 1:3} | {lines[i]}"
-                     for i in range(lo, min(line + 1, len(lines))))
+    return "\n".join(
+        f"{'>' if i + 1 == line else ' '} {i + 1:3} | {lines[i]}" for i in range(lo, min(line + 1, len(lines)))
+    )

@@ -1,5 +1,6 @@
 """The fragment records a combinator declares, one type per role: Triton text with ``$placeholders`` (see
 ``attnfuse.combinator``) for the slots of the kernel templates, and a mask's block facts."""
+
 from __future__ import annotations
 
 import ast
@@ -9,6 +10,7 @@ import attrs
 from attrs import field, frozen
 
 from .errors import DeclarationError
+
 
 @frozen(kw_only=True)
 class QKTransformFragment:
@@ -98,8 +100,9 @@ class BlockList:
 
     def __attrs_post_init__(self) -> None:
         if (self.partial is None) != (self.q_partial is None):
-            raise DeclarationError("BlockList: give both partial and q_partial (the row and the column lists' "
-                                   "partial blocks) or neither")
+            raise DeclarationError(
+                "BlockList: give both partial and q_partial (the row and the column lists' partial blocks) or neither"
+            )
 
 
 def _is_zero(text: str) -> bool:
@@ -212,12 +215,15 @@ class NormaliserFragment:
         if partial is None:
             return
         if not isinstance(partial, NormaliserFragment) or partial.partial is not None:
-            raise DeclarationError(f"a normaliser's partial must be a NormaliserFragment without a partial of its "
-                                   f"own, got {partial!r}")
+            raise DeclarationError(
+                f"a normaliser's partial must be a NormaliserFragment without a partial of its own, got {partial!r}"
+            )
         if self.combine is None or partial.combine != self.combine or partial.has_lse != self.has_lse:
-            raise DeclarationError(f"a normaliser's partial results are merged by its combine rule: it needs one, "
-                                   f"and its partial the same combine and has_lse (combine {self.combine!r} / "
-                                   f"{partial.combine!r}, has_lse {self.has_lse} / {partial.has_lse})")
+            raise DeclarationError(
+                f"a normaliser's partial results are merged by its combine rule: it needs one, "
+                f"and its partial the same combine and has_lse (combine {self.combine!r} / "
+                f"{partial.combine!r}, has_lse {self.has_lse} / {partial.has_lse})"
+            )
 
 
 ACCUMULATOR = "acc_dtype"

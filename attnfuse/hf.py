@@ -13,6 +13,7 @@ GPT-OSS) the built-in ``softmax_with_sinks``. Dropout and position biases raise 
 ``register(name, program)`` registers any ``@af.attention`` program; ``fuse_rope(model)`` moves the
 rotary embedding of Llama-family models into the kernel (see ``attnfuse.hf_rope``).
 """
+
 from __future__ import annotations
 
 from typing import Any, Callable
@@ -50,19 +51,27 @@ def hf_attention(q, k, v, bias, cos, sin, scale, window, causal, rotate_keys, so
     return (af.softmax(s) if sinks is None else af.softmax_with_sinks(s, sinks)) @ v
 
 
-def _refuse_unsupported(name: str, module: torch.nn.Module, dropout: float, kwargs: dict[str, Any],
-                        supported: tuple[str, ...] = ()) -> None:
+def _refuse_unsupported(
+    name: str, module: torch.nn.Module, dropout: float, kwargs: dict[str, Any], supported: tuple[str, ...] = ()
+) -> None:
     """An InputError for what ``name`` cannot honour: dropout, and each keyword HF passes that is not in
     ``supported`` (``"softcap"``, ``"s_aux"``: what ``attn_implementation="attnfuse"`` runs)."""
     if dropout:
-        raise InputError(f"attn_implementation={name!r}: dropout={dropout} is not supported; set the model's "
-                         f"attention_dropout to 0 (or call model.eval())")
+        raise InputError(
+            f"attn_implementation={name!r}: dropout={dropout} is not supported; set the model's "
+            f"attention_dropout to 0 (or call model.eval())"
+        )
     for key in ("softcap", "s_aux", "sinks", "position_bias"):
         if kwargs.get(key) is not None and key not in supported:
-            how = "attn_implementation='attnfuse' or 'eager'" if key in ("softcap", "s_aux") else \
-                "attn_implementation='eager'"
-            raise InputError(f"attn_implementation={name!r}: {key} (given by {type(module).__name__}) is not "
-                             f"supported here; use {how}")
+            how = (
+                "attn_implementation='attnfuse' or 'eager'"
+                if key in ("softcap", "s_aux")
+                else "attn_implementation='eager'"
+            )
+            raise InputError(
+                f"attn_implementation={name!r}: {key} (given by {type(module).__name__}) is not "
+                f"supported here; use {how}"
+            )
 
 
 def _with_sink_gradient(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
@@ -101,15 +110,25 @@ def _rope_tables(rope: tuple, Nq: int, Nk: int) -> tuple[torch.Tensor, torch.Ten
     if Nk == Nq:
         return cos, sin, rotate_keys
     if rotate_keys:
-        raise InputError(f"fuse_rope: {Nk} keys for {Nq} queries with unrotated keys (keys of a cache are rotated "
-                         f"when they are stored)")
+        raise InputError(
+            f"fuse_rope: {Nk} keys for {Nq} queries with unrotated keys (keys of a cache are rotated "
+            f"when they are stored)"
+        )
     pad = cos.new_zeros((cos.shape[0], Nk - Nq, cos.shape[2]))
     return torch.cat((pad, cos), dim=1), torch.cat((pad, sin), dim=1), False
 
 
-def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                      attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
-                      sliding_window: int | None = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
+def attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    sliding_window: int | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
     """HF's attention function signature: query (B, Hq, Nq, D), key and value (B, Hkv, Nk, D) -> the output
     (B, Nq, Hq, D) and no weights. ``softcap`` (Gemma 2) and ``s_aux`` (each head's sink logit (Hq,): GPT-OSS)
     are honoured; the sinks get their gradient too."""
@@ -128,10 +147,21 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     window = None if sliding_window is None or attention_mask is not None else sliding_window - 1
     sinks = kwargs.get("s_aux")
     sink_grad = sinks is not None and sinks.requires_grad and torch.is_grad_enabled()
-    out = hf_attention(query, key, value, _bias(attention_mask, query.dtype), cos, sin,
-                       None if scaling is None else float(scaling), window, bool(causal), rotate_keys,
-                       None if kwargs.get("softcap") is None else float(kwargs["softcap"]),
-                       None if sinks is None else sinks.detach(), return_lse=sink_grad)
+    out = hf_attention(
+        query,
+        key,
+        value,
+        _bias(attention_mask, query.dtype),
+        cos,
+        sin,
+        None if scaling is None else float(scaling),
+        window,
+        bool(causal),
+        rotate_keys,
+        None if kwargs.get("softcap") is None else float(kwargs["softcap"]),
+        None if sinks is None else sinks.detach(),
+        return_lse=sink_grad,
+    )
     if sink_grad:
         out = _with_sink_gradient(*out, sinks)
     return out.transpose(1, 2), None
@@ -145,17 +175,22 @@ def _program_forward(name: str, program: AttentionProgram) -> Callable:
     to a program without ``bias`` is an InputError."""
     declared = {n for n, _ in program._extra}
 
-    def forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None, sliding_window=None,
-                **kwargs):
+    def forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None, sliding_window=None, **kwargs):
         _refuse_unsupported(name, module, dropout, kwargs)
-        extras = {"scale": None if scaling is None else float(scaling), "bias": _bias(attention_mask, query.dtype),
-                  "window": None if sliding_window is None or attention_mask is not None else sliding_window - 1}
+        extras = {
+            "scale": None if scaling is None else float(scaling),
+            "bias": _bias(attention_mask, query.dtype),
+            "window": None if sliding_window is None or attention_mask is not None else sliding_window - 1,
+        }
         if extras["bias"] is not None and "bias" not in declared:  # never ignore a mask
-            raise InputError(f"attn_implementation={name!r}: the model passes an attention mask (padding, or a "
-                             f"window longer than the keys), but program {program.__name__} takes no 'bias' "
-                             f"argument to honour it")
+            raise InputError(
+                f"attn_implementation={name!r}: the model passes an attention mask (padding, or a "
+                f"window longer than the keys), but program {program.__name__} takes no 'bias' "
+                f"argument to honour it"
+            )
         out = program(query, key, value, **{n: extras[n] for n in declared if n in extras})
         return out.transpose(1, 2), None
+
     return forward
 
 

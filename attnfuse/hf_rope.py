@@ -9,6 +9,7 @@ rotates only q: ``rotate_keys=False``); the wrapper passes (cos, sin, rotate_key
 function as the ``attnfuse_rope`` keyword, which HF forwards to it. A model switched to another
 ``attn_implementation`` afterwards runs HF's forward unchanged.
 """
+
 from __future__ import annotations
 
 import functools
@@ -37,6 +38,7 @@ _state = _Fusing()
 def _fusing_rotation(original: Callable) -> Callable:
     """The modeling module's ``apply_rotary_pos_emb``, which leaves q (and without a cache k) unrotated while
     a fused layer runs."""
+
     @functools.wraps(original)
     def apply_rotary_pos_emb(q, k, cos, sin, *args, **kwargs):
         if not _state.active:
@@ -44,6 +46,7 @@ def _fusing_rotation(original: Callable) -> Callable:
         if _state.rotate_keys_here:
             return q, original(k, k, cos, sin, *args, **kwargs)[1]
         return q, k
+
     apply_rotary_pos_emb.__attnfuse_fusing__ = True
     return apply_rotary_pos_emb
 
@@ -54,8 +57,15 @@ def _has_cache(args: tuple, kwargs: dict[str, Any]) -> bool:
     return len(args) > 0 and args[0] is not None  # (hidden_states, position_embeddings, attention_mask, cache)
 
 
-def _fused_forward(layer: torch.nn.Module, original: Callable, hidden_states: torch.Tensor,
-                   position_embeddings=None, attention_mask=None, *args: Any, **kwargs: Any):
+def _fused_forward(
+    layer: torch.nn.Module,
+    original: Callable,
+    hidden_states: torch.Tensor,
+    position_embeddings=None,
+    attention_mask=None,
+    *args: Any,
+    **kwargs: Any,
+):
     if layer.config._attn_implementation != "attnfuse":  # switched away since: HF's own path, rotating itself
         return original(hidden_states, position_embeddings, attention_mask, *args, **kwargs)
     if position_embeddings is None:
@@ -64,8 +74,9 @@ def _fused_forward(layer: torch.nn.Module, original: Callable, hidden_states: to
     cached = _has_cache(args, kwargs)
     _state.active, _state.rotate_keys_here = True, cached
     try:
-        return original(hidden_states, position_embeddings, attention_mask, *args,
-                        **{ROPE_KWARG: (cos, sin, not cached)}, **kwargs)
+        return original(
+            hidden_states, position_embeddings, attention_mask, *args, **{ROPE_KWARG: (cos, sin, not cached)}, **kwargs
+        )
     finally:
         _state.active = _state.rotate_keys_here = False
 
@@ -85,8 +96,10 @@ def fuse(model: torch.nn.Module) -> torch.nn.Module:
     for layer in layers:
         modeling = _family_module(layer)
         if modeling is None or not hasattr(modeling, "apply_rotary_pos_emb"):
-            raise InputError(f"fuse_rope supports the attention of {', '.join(FAMILIES)} models, got "
-                             f"{type(layer).__module__}.{type(layer).__name__}")
+            raise InputError(
+                f"fuse_rope supports the attention of {', '.join(FAMILIES)} models, got "
+                f"{type(layer).__module__}.{type(layer).__name__}"
+            )
         if not getattr(modeling.apply_rotary_pos_emb, "__attnfuse_fusing__", False):
             modeling.apply_rotary_pos_emb = _fusing_rotation(modeling.apply_rotary_pos_emb)
         if not getattr(layer, "__attnfuse_fused__", False):

@@ -8,6 +8,7 @@ A plugin is a module (or any object) with functions marked ``@attnfuse.hookimpl`
 
 The built-in combinators in ``attnfuse_plugins`` are registered exactly this way.
 """
+
 from __future__ import annotations
 
 import pluggy

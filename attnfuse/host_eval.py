@@ -7,6 +7,7 @@ expressions use a small part of ``triton.language``: pointer arithmetic on a plu
 (with ``mask`` and ``other``), ``tl.minimum``/``tl.maximum``/``tl.where`` and casts. ``TL`` provides those
 on torch tensors; integer values are int64 tensors, pointers are ``Pointer`` objects.
 """
+
 from __future__ import annotations
 
 import types
@@ -58,8 +59,15 @@ TL = types.SimpleNamespace(
     cdiv=lambda a, b: -(-_tensor(a) // b),
     arange=lambda lo, hi: torch.arange(lo, hi),
     abs=lambda x: _tensor(x).abs(),
-    int1=torch.bool, int8=torch.int8, int16=torch.int16, int32=torch.int64, int64=torch.int64,
-    uint8=torch.uint8, float16=torch.float64, bfloat16=torch.float64, float32=torch.float64,
+    int1=torch.bool,
+    int8=torch.int8,
+    int16=torch.int16,
+    int32=torch.int64,
+    int64=torch.int64,
+    uint8=torch.uint8,
+    float16=torch.float64,
+    bfloat16=torch.float64,
+    float32=torch.float64,
     float64=torch.float64,
 )
 """The part of ``triton.language`` mask expressions use, on torch tensors (integers widened to int64, so
@@ -73,5 +81,12 @@ def integer(value: int) -> torch.Tensor:
 
 def evaluate(code: Any, names: dict[str, Any]) -> Any:
     """Evaluate a compiled expression with the template's names and ``tl``."""
-    return eval(code, {"__builtins__": {"float": float, "int": int, "min": min, "max": max}, "tl": TL,
-                       "triton": types.SimpleNamespace(language=TL), **names})
+    return eval(
+        code,
+        {
+            "__builtins__": {"float": float, "int": int, "min": min, "max": max},
+            "tl": TL,
+            "triton": types.SimpleNamespace(language=TL),
+            **names,
+        },
+    )

@@ -4,6 +4,7 @@ A graph is a chain: ``ScoreOp`` -> any ``BiasOp``/``MaskOp`` -> ``NormOp`` -> ``
 structural signature (over the nodes' canonical repr) names its kernels; the compiled-kernel caches are
 keyed by the graph (equal structure, equal key) and the launch configuration.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -108,8 +109,7 @@ Score = Union[ScoreOp, "BiasOp", "MaskOp"]
 
 def _score_node(_, attribute, value) -> None:
     if not isinstance(value, (ScoreOp, BiasOp, MaskOp)):
-        raise TypeError(f"{attribute.name} must be a score node (ScoreOp, BiasOp, MaskOp), "
-                        f"got {type(value).__name__}")
+        raise TypeError(f"{attribute.name} must be a score node (ScoreOp, BiasOp, MaskOp), got {type(value).__name__}")
 
 
 @frozen(kw_only=True, cache_hash=True)
@@ -158,8 +158,10 @@ def to_data(value: Any) -> Any:
     if isinstance(value, tuple):
         return {"tuple": [to_data(v) for v in value]}
     if isinstance(value, tuple(_NODES.values())):
-        return {"node": type(value).__name__,
-                **{f.name: to_data(getattr(value, f.name)) for f in attrs.fields(type(value)) if f.eq}}
+        return {
+            "node": type(value).__name__,
+            **{f.name: to_data(getattr(value, f.name)) for f in attrs.fields(type(value)) if f.eq},
+        }
     return value
 
 
@@ -200,8 +202,11 @@ def input_names(graph: MatMulPV) -> tuple[str, ...]:
     """The argument names of the runtime inputs the graph reads, each once, in the order of its nodes."""
     names: dict[str, None] = {}
     for node in chain(graph):
-        applies = (*node.transforms, node.source) if isinstance(node, ScoreOp) else (
-            () if isinstance(node, MatMulPV) else (node.apply,))
+        applies = (
+            (*node.transforms, node.source)
+            if isinstance(node, ScoreOp)
+            else (() if isinstance(node, MatMulPV) else (node.apply,))
+        )
         names.update((sym.name, None) for apply in applies for sym in apply.inputs().values())
     return tuple(names)
 

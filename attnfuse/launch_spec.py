@@ -6,6 +6,7 @@ hand-written kernel's spec is checked against its function's parameters by the t
 tensor parameter it belongs to: a launch gives the tensor, and binding takes the strides from it, so no stride can be
 paired with the wrong tensor. Binding checks that the names given are exactly the kernel's.
 """
+
 from __future__ import annotations
 
 import functools
@@ -68,8 +69,13 @@ class LaunchSpec:
     launch's tiles) and those each launch gives (``launch_constexprs``: a generated kernel's EVEN_K, EVEN_M,
     HAS_DLSE; every constexpr of a hand-written kernel, which takes no ``tiles``)."""
 
-    def __init__(self, kernel: str, parameters: tuple[Param, ...], constants: dict[str, Any] | None = None,
-                 tiles: tuple[str, ...] = TILE_CONSTEXPRS):
+    def __init__(
+        self,
+        kernel: str,
+        parameters: tuple[Param, ...],
+        constants: dict[str, Any] | None = None,
+        tiles: tuple[str, ...] = TILE_CONSTEXPRS,
+    ):
         self.kernel = kernel
         self.params = parameters
         self.constants = dict(constants or {})
@@ -129,5 +135,6 @@ def _getter(keys: list) -> Callable[[Any], tuple]:
 
 def _mismatch(kernel: str, what: str, given, expected: frozenset) -> None:
     missing, unknown = sorted(expected - set(given)), sorted(set(given) - expected)
-    raise TypeError(f"{kernel}: launch {what}s do not match the kernel's parameters: missing {missing}, "
-                    f"unknown {unknown}")
+    raise TypeError(
+        f"{kernel}: launch {what}s do not match the kernel's parameters: missing {missing}, unknown {unknown}"
+    )

@@ -3,6 +3,7 @@
 Every in-process cache of traces, plans and kernels is one of these, with its size a named constant where
 it is made (``program.py``, ``runtime/launch.py``).
 """
+
 from __future__ import annotations
 
 import threading

@@ -22,6 +22,7 @@ functools ...). A read of any other standard-library module, of its code or of i
 inside a function, and a call of ``open`` or ``input`` is a ProgramError naming the read: what such a call
 returns can change between calls, and no key could follow it.
 """
+
 from __future__ import annotations
 
 import builtins
@@ -43,18 +44,49 @@ _libraries: dict[str, tuple[Any, bool]] = {}  # by top-level name: (the module i
 
 _OPAQUE_BUILTINS = frozenset({"globals", "vars", "eval", "exec", "__import__"})
 _STATE_BUILTINS = frozenset({"open", "input"})  # read files and the terminal
-FIXED_STDLIB = frozenset({"math", "cmath", "operator", "functools", "itertools", "numbers", "enum", "typing", "types",
-                          "dataclasses", "collections", "abc", "string", "re", "fractions", "bisect", "heapq", "copy",
-                          "warnings", "contextlib", "textwrap", "keyword", "builtins"})
+FIXED_STDLIB = frozenset(
+    {
+        "math",
+        "cmath",
+        "operator",
+        "functools",
+        "itertools",
+        "numbers",
+        "enum",
+        "typing",
+        "types",
+        "dataclasses",
+        "collections",
+        "abc",
+        "string",
+        "re",
+        "fractions",
+        "bisect",
+        "heapq",
+        "copy",
+        "warnings",
+        "contextlib",
+        "textwrap",
+        "keyword",
+        "builtins",
+    }
+)
 """Standard-library modules (by top-level name, a leading ``_`` dropped: ``_operator``) taken as fixed code and
 constants. Every other one holds state that can change between calls (``os.environ``, ``time.time()``,
 ``random.random()``, ``sys.argv``, files): a program reading it, its code or its objects is refused."""
-_STATE_ADVICE = ("can change between calls (the environment, files, the clock, random numbers, sys.argv), while a "
-                 "program is traced once and what it reads is baked into its kernel: read it outside the program "
-                 "and pass the value as an argument")
-_ROOTS = {"LOAD_GLOBAL": "the global", "LOAD_NAME": "the global", "LOAD_FROM_DICT_OR_GLOBALS": "the global",
-          "LOAD_DEREF": "the closure variable", "LOAD_CLASSDEREF": "the closure variable",
-          "LOAD_FROM_DICT_OR_DEREF": "the closure variable"}
+_STATE_ADVICE = (
+    "can change between calls (the environment, files, the clock, random numbers, sys.argv), while a "
+    "program is traced once and what it reads is baked into its kernel: read it outside the program "
+    "and pass the value as an argument"
+)
+_ROOTS = {
+    "LOAD_GLOBAL": "the global",
+    "LOAD_NAME": "the global",
+    "LOAD_FROM_DICT_OR_GLOBALS": "the global",
+    "LOAD_DEREF": "the closure variable",
+    "LOAD_CLASSDEREF": "the closure variable",
+    "LOAD_FROM_DICT_OR_DEREF": "the closure variable",
+}
 _ATTRIBUTES = frozenset({"LOAD_ATTR", "LOAD_METHOD"})  # 3.12 folds LOAD_METHOD into LOAD_ATTR; argval: the name
 _CODE = (types.FunctionType, types.MethodType, types.ModuleType, type, types.BuiltinFunctionType)
 
@@ -84,8 +116,7 @@ def freeze(value: Any, by_identity: tuple[type, ...] = (), on_code: Callable[[An
     if isinstance(value, (tuple, list)):
         return kind, tuple(freeze(v, by_identity, on_code) for v in value)
     if isinstance(value, dict):
-        return dict, tuple((freeze(k, by_identity, on_code), freeze(v, by_identity, on_code))
-                           for k, v in value.items())
+        return dict, tuple((freeze(k, by_identity, on_code), freeze(v, by_identity, on_code)) for k, v in value.items())
     if isinstance(value, by_identity):
         if on_code is not None:
             on_code(value)
@@ -122,8 +153,11 @@ def _library(name: str | None) -> bool:
     found = _libraries.get(top)
     if found is None or found[0] is not module:
         file = getattr(module, "__file__", None)
-        found = _libraries[top] = module, top in LIBRARIES or (top in sys.stdlib_module_names and (
-            file is None or os.path.realpath(file).startswith(_STDLIB)))
+        found = _libraries[top] = (
+            module,
+            top in LIBRARIES
+            or (top in sys.stdlib_module_names and (file is None or os.path.realpath(file).startswith(_STDLIB))),
+        )
     return found[1]
 
 
@@ -144,8 +178,11 @@ def _stdlib_state(value: Any) -> str | None:
 
 def _user(value: Any) -> bool:
     """Code of the user's (a function, method, module or class outside ``LIBRARIES``)."""
-    return isinstance(value, _CODE) and not isinstance(value, types.BuiltinFunctionType) \
+    return (
+        isinstance(value, _CODE)
+        and not isinstance(value, types.BuiltinFunctionType)
         and not _library(_module_name(value))
+    )
 
 
 def _namespace(value: Any) -> bool:
@@ -244,12 +281,16 @@ class OutsideReads:
                     holder = f.__globals__
                     if name not in holder and hasattr(builtins, name):
                         if name in _OPAQUE_BUILTINS:
-                            raise ProgramError(f"{self._name}{where} calls {name}(): what it reads cannot be "
-                                               f"found, so a changed value could not trace again; read "
-                                               f"globals by name, or pass values as arguments")
+                            raise ProgramError(
+                                f"{self._name}{where} calls {name}(): what it reads cannot be "
+                                f"found, so a changed value could not trace again; read "
+                                f"globals by name, or pass values as arguments"
+                            )
                         if name in _STATE_BUILTINS:
-                            raise ProgramError(f"{self._name}{where} calls {name}(): it reads a file or the "
-                                               f"terminal, which {_STATE_ADVICE}")
+                            raise ProgramError(
+                                f"{self._name}{where} calls {name}(): it reads a file or the "
+                                f"terminal, which {_STATE_ADVICE}"
+                            )
                         continue
                 read = self._follow(holder, name, attributes, what, where, todo)
                 if read is not None:
@@ -259,15 +300,19 @@ class OutsideReads:
 
     def _check_import(self, module: str, where: str) -> None:
         if _state_module(module):
-            raise ProgramError(f"{self._name}{where} imports {module!r} inside a function, standard-library "
-                               f"state that {_STATE_ADVICE}")
+            raise ProgramError(
+                f"{self._name}{where} imports {module!r} inside a function, standard-library state that {_STATE_ADVICE}"
+            )
         if not _library(module):
             what = repr(module) if module else "a module of its package (a relative import)"
-            raise ProgramError(f"{self._name}{where} imports {what} inside a function: what it then reads from "
-                               f"it cannot be found; import it at module level, or pass the values as arguments")
+            raise ProgramError(
+                f"{self._name}{where} imports {what} inside a function: what it then reads from "
+                f"it cannot be found; import it at module level, or pass the values as arguments"
+            )
 
-    def _follow(self, holder: Any, name: str, attributes: tuple[str, ...], what: str, where: str,
-                todo: list) -> _Read | None:
+    def _follow(
+        self, holder: Any, name: str, attributes: tuple[str, ...], what: str, where: str, todo: list
+    ) -> _Read | None:
         """The read of ``name`` in ``holder`` as tracked, its chain of ``attributes`` cut where it leaves user
         namespaces; None when it reads a library's module. User functions it reaches join ``todo``."""
         read = _Read(holder, name, (), "")
@@ -278,7 +323,7 @@ class OutsideReads:
                 break
             used.append(attribute)
             value = getattr(value, attribute, _EMPTY)
-        self._refuse_state(value, attributes[len(used):], f"{what} {'.'.join((name, *attributes))!r}{where}")
+        self._refuse_state(value, attributes[len(used) :], f"{what} {'.'.join((name, *attributes))!r}{where}")
         if not used and isinstance(value, types.ModuleType) and not _namespace(value):
             return None  # af, torch, math: fixed code
         read = _Read(holder, name, tuple(used), f"{what} {'.'.join((name, *used))!r}{where}")
@@ -291,14 +336,16 @@ class OutsideReads:
         library's modules are walked: another module's attribute may be lazy (``af.softmax`` loads plugins)."""
         for attribute in (None, *attributes):
             if attribute is not None:
-                if not (isinstance(value, types.ModuleType)
-                        and value.__name__.partition(".")[0] in sys.stdlib_module_names):
+                if not (
+                    isinstance(value, types.ModuleType) and value.__name__.partition(".")[0] in sys.stdlib_module_names
+                ):
                     return
                 value = getattr(value, attribute, _EMPTY)
             module = _stdlib_state(value)
             if module is not None:
-                raise ProgramError(f"{self._name} reads {label}, standard-library state of {module} that "
-                                   f"{_STATE_ADVICE}")
+                raise ProgramError(
+                    f"{self._name} reads {label}, standard-library state of {module} that {_STATE_ADVICE}"
+                )
 
     def _reach(self, value: Any, read: _Read, todo: list) -> None:
         """Queue the user functions ``value`` holds; refuse user code whose reads cannot be followed."""
@@ -314,13 +361,17 @@ class OutsideReads:
             elif isinstance(value, type) and issubclass(value, BaseException):
                 self._functions[id(value)] = value  # raised, not read from
             else:
-                what = "a bound method" if isinstance(value, types.MethodType) else \
-                    f"the {'module' if isinstance(value, types.ModuleType) else 'class'} itself"
+                what = (
+                    "a bound method"
+                    if isinstance(value, types.MethodType)
+                    else f"the {'module' if isinstance(value, types.ModuleType) else 'class'} itself"
+                )
                 raise ProgramError(
                     f"{self._name} reads {read.label}, {what}: AttnFuse follows reads of a module's or class's "
                     f"attributes by name (Cfg.left) and calls of plain functions, but not what is read through "
                     f"a module, class or instance passed around as a value; read its attributes by name, or "
-                    f"pass the values as arguments")
+                    f"pass the values as arguments"
+                )
 
     def key(self) -> tuple:
         """The frozen values read now, in a fixed order; () when the function reads none."""
@@ -346,7 +397,8 @@ class OutsideReads:
                     f"{self._name} reads {read.label}, which holds a {exc}: a program is traced once and what it "
                     f"reads from outside its arguments is baked into the kernel, so such a value must be None, "
                     f"bool, int, float, str, or a tuple, list or dict of those; pass "
-                    f"{'.'.join((read.name, *read.attributes))!r} as an argument of the program instead") from None
+                    f"{'.'.join((read.name, *read.attributes))!r} as an argument of the program instead"
+                ) from None
         return tuple(key)
 
     def _check_code(self, value: Any) -> None:

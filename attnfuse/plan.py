@@ -5,6 +5,7 @@ compiler. It holds every fact a call needs: the kernels (a ``KernelSpec`` each: 
 source on first use), which plugins give kernel arguments, how split-KV results merge, whether the program
 has a backward, which runtime inputs can have gradients, and whether the Hopper templates serve it.
 """
+
 from __future__ import annotations
 
 import functools
@@ -26,15 +27,15 @@ def accumulator_type(dtype: str) -> str:
 class KernelConfig:
     """What besides the program's structure decides its kernels (the compile key): one plan per value."""
 
-    arch: str            # "sm90", "sm80", ... or "interpreter"
-    dtype: str           # "float16", "bfloat16", "float32" or "float64"
-    head_dim: int        # D of q and k
-    head_dim_v: int      # D of v
-    group: int           # Hq // Hkv
-    save_lse: bool       # write the log-sum-exp of each row
+    arch: str  # "sm90", "sm80", ... or "interpreter"
+    dtype: str  # "float16", "bfloat16", "float32" or "float64"
+    head_dim: int  # D of q and k
+    head_dim_v: int  # D of v
+    group: int  # Hq // Hkv
+    save_lse: bool  # write the log-sum-exp of each row
     fp32_precision: str  # "ieee" or "tf32": how a float32 tl.dot multiplies
     kv_lens: bool = False  # per-sequence key counts (B,): keys past a sequence's count do not exist for it
-    paged: bool = False    # k, v are page pools (pages, page_size, Hkv, D) read through a block table
+    paged: bool = False  # k, v are page pools (pages, page_size, Hkv, D) read through a block table
     q_transformed: bool = False  # q arrives with its qk transforms applied (by a transform pass)
     k_transformed: bool = False  # likewise k
     wide_offsets: bool = False  # some element offset can pass 2**31 - 1: every stride is int64 in the kernels

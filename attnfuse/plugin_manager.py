@@ -13,6 +13,7 @@ or attnfuse's own API uses, is skipped alone (the plugin's other combinators sta
 name; two installed packages that declare one name both lose it (neither takes precedence). A plugin
 registered from code (``register_plugin``) that fails or clashes is refused with a ``PluginError`` instead.
 """
+
 from __future__ import annotations
 
 import functools
@@ -100,8 +101,13 @@ def plugin_manager() -> pluggy.PluginManager:
             if missing:
                 builtin_plugins.package()  # a PluginError saying what to install when there is none
             for module in missing:
-                _load(pm, f"{BUILTIN_DISTRIBUTION}:{module}", BUILTIN_DISTRIBUTION,
-                      f"{builtin_plugins.PACKAGE}.{module}", functools.partial(builtin_plugins.load, module))
+                _load(
+                    pm,
+                    f"{BUILTIN_DISTRIBUTION}:{module}",
+                    BUILTIN_DISTRIBUTION,
+                    f"{builtin_plugins.PACKAGE}.{module}",
+                    functools.partial(builtin_plugins.load, module),
+                )
             _drop_unknown_hooks(pm)
             _manager = pm
         return _manager
@@ -123,16 +129,26 @@ def _load(pm: pluggy.PluginManager, name: str, dist: str, target: str, load) -> 
     except BaseException as exc:
         if not _ending(exc):
             raise
-        _load_failures.append(BrokenPlugin(name, dist, f"plugin {name!r} of distribution {dist!r}: failed to "
-                                                       f"import {target}: {type(exc).__name__}: {exc}"))
+        _load_failures.append(
+            BrokenPlugin(
+                name,
+                dist,
+                f"plugin {name!r} of distribution {dist!r}: failed to import {target}: {type(exc).__name__}: {exc}",
+            )
+        )
         return
     try:
         pm.register(plugin, name=name)
     except BaseException as exc:  # a hook pluggy refuses, or a module another entry point registered already
         if not _ending(exc):
             raise
-        _load_failures.append(BrokenPlugin(name, dist, f"plugin {name!r} of distribution {dist!r}: failed to "
-                                                       f"register {target}: {type(exc).__name__}: {exc}"))
+        _load_failures.append(
+            BrokenPlugin(
+                name,
+                dist,
+                f"plugin {name!r} of distribution {dist!r}: failed to register {target}: {type(exc).__name__}: {exc}",
+            )
+        )
         return
     _distributions[name] = dist
 
@@ -150,8 +166,13 @@ def _drop_unknown_hooks(pm: pluggy.PluginManager) -> None:
             if dist == BUILTIN_DISTRIBUTION:
                 raise PluginError(f"a plugin implements a hook attnfuse does not know: {exc}") from exc
             pm.unregister(name=name)
-            _load_failures.append(BrokenPlugin(name, dist, f"plugin {name!r} of distribution {dist!r}: "
-                                                           f"implements a hook attnfuse does not know: {exc}"))
+            _load_failures.append(
+                BrokenPlugin(
+                    name,
+                    dist,
+                    f"plugin {name!r} of distribution {dist!r}: implements a hook attnfuse does not know: {exc}",
+                )
+            )
 
 
 def register_plugin(plugin: Any, name: str | None = None) -> None:
@@ -165,8 +186,9 @@ def register_plugin(plugin: Any, name: str | None = None) -> None:
         try:
             name = pm.register(plugin, name=name)
         except ValueError as exc:
-            raise PluginError(f"cannot register plugin {name or plugin!r}: a plugin of that name or that "
-                              f"object is registered already") from exc
+            raise PluginError(
+                f"cannot register plugin {name or plugin!r}: a plugin of that name or that object is registered already"
+            ) from exc
         except pluggy.PluginValidationError as exc:
             raise PluginError(f"plugin {name or plugin!r}: {exc}") from exc
         try:
@@ -259,9 +281,16 @@ def _collect(pm: pluggy.PluginManager) -> tuple[dict[str, Registered], list[Brok
             continue
         for comb in provided:
             if comb.name in _reserved:
-                broken.append(BrokenPlugin(plugin_name, dist, f"plugin {plugin_name!r} of distribution {dist!r} "
-                                                              f"declares combinator {comb.name!r}, a name attnfuse's "
-                                                              f"own API uses; choose another", comb.name))
+                broken.append(
+                    BrokenPlugin(
+                        plugin_name,
+                        dist,
+                        f"plugin {plugin_name!r} of distribution {dist!r} "
+                        f"declares combinator {comb.name!r}, a name attnfuse's "
+                        f"own API uses; choose another",
+                        comb.name,
+                    )
+                )
             else:
                 claims.setdefault(comb.name, []).append(Registered(comb, dist, plugin_name))
     found: dict[str, Registered] = {}
@@ -269,8 +298,11 @@ def _collect(pm: pluggy.PluginManager) -> tuple[dict[str, Registered], list[Brok
         kept, reason = _winner(entries)
         if kept is not None:
             found[name] = kept
-        broken += [BrokenPlugin(e.plugin, e.distribution, _clash(name, entries, e, kept, reason), name)
-                   for e in entries if e is not kept]
+        broken += [
+            BrokenPlugin(e.plugin, e.distribution, _clash(name, entries, e, kept, reason), name)
+            for e in entries
+            if e is not kept
+        ]
     if not any(r.distribution == BUILTIN_DISTRIBUTION for r in found.values()):
         causes = "; ".join(b.cause for b in broken if b.distribution == BUILTIN_DISTRIBUTION)
         raise PluginError(f"no built-in combinators could be loaded: {causes or 'none is registered'}")
@@ -300,8 +332,10 @@ def _winner(entries: list[Registered]) -> tuple[Registered | None, str]:
     if not installed:
         return entries[0], "the plugin registered first keeps its name"
     dists = sorted({e.distribution for e in installed})
-    return None, (f"no installed package takes precedence over another, so none of them provides it: uninstall "
-                  f"all but one of {', '.join(dists)}, or set {DISABLE_AUTOLOAD_ENV}=1 to load the built-ins only")
+    return None, (
+        f"no installed package takes precedence over another, so none of them provides it: uninstall "
+        f"all but one of {', '.join(dists)}, or set {DISABLE_AUTOLOAD_ENV}=1 to load the built-ins only"
+    )
 
 
 def _clash(name: str, entries: list[Registered], loser: Registered, kept: Registered | None, reason: str) -> str:
@@ -309,8 +343,10 @@ def _clash(name: str, entries: list[Registered], loser: Registered, kept: Regist
     others = sorted((e for e in entries if e is not loser), key=lambda e: (e.distribution, e.plugin))
     by = " and by ".join(f"plugin {e.plugin!r} of distribution {e.distribution!r}" for e in [*others, loser])
     if kept is not None:
-        reason += (f", so plugin {loser.plugin!r} cannot provide it: give its combinator another name, or "
-                   f"uninstall {loser.distribution!r} if it only provides what {kept.distribution!r} does")
+        reason += (
+            f", so plugin {loser.plugin!r} cannot provide it: give its combinator another name, or "
+            f"uninstall {loser.distribution!r} if it only provides what {kept.distribution!r} does"
+        )
     return f"combinator {name!r} is declared twice: by {by}; {reason}"
 
 
@@ -326,8 +362,7 @@ def _provided(impl, plugin_name: str, dist: str) -> list[Combinator]:
     names: set[str] = set()
     for comb in result:
         if not isinstance(comb, Combinator):
-            raise PluginError(f"{where} returned {type(comb).__name__} from attnfuse_combinators(), "
-                              f"not a Combinator")
+            raise PluginError(f"{where} returned {type(comb).__name__} from attnfuse_combinators(), not a Combinator")
         if comb.name in names:
             raise PluginError(f"combinator {comb.name!r} is declared twice, by {where}")
         names.add(comb.name)
@@ -355,6 +390,13 @@ def tile_config(kernel: str, arch: str, variant: str, head_dim: int) -> Any:
     hook = plugin_manager().hook
     config = hook.attnfuse_tile_config(kernel=kernel, arch=arch, variant=variant, head_dim=head_dim)
     if config is None:
-        config = next((rule.config for rules in hook.attnfuse_tile_configs() for rule in rules or ()
-                       if rule.matches(kernel, arch, variant, head_dim)), None)
+        config = next(
+            (
+                rule.config
+                for rules in hook.attnfuse_tile_configs()
+                for rule in rules or ()
+                if rule.matches(kernel, arch, variant, head_dim)
+            ),
+            None,
+        )
     return config

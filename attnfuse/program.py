@@ -1,4 +1,5 @@
 """``@af.attention``: a Python function of q, k, v becomes an ``AttentionProgram``."""
+
 from __future__ import annotations
 
 import functools
@@ -25,8 +26,16 @@ from .runtime.compiled import compiled_kernel
 from .runtime.offsets import inputs_fit
 from .runtime.validate import check_call_values
 
-RESERVED_ARGUMENTS = ("return_lse", "kv_lens", "block_table", "kv_layout", "validate", "q_offset", "k_offset",
-                      "seq_len")
+RESERVED_ARGUMENTS = (
+    "return_lse",
+    "kv_lens",
+    "block_table",
+    "kv_layout",
+    "validate",
+    "q_offset",
+    "k_offset",
+    "seq_len",
+)
 MAX_TRACES = 64  # graphs kept per program: past RECOMPILE_LIMIT (8) configurations it warns (recompile.py)
 
 
@@ -52,7 +61,8 @@ def _refuse_method(fn: Callable) -> None:
         f"@af.attention function {name} is a method ({what}): a program must be a plain function of "
         f"(q, k, v, extra arguments), since values read through {first} would not be part of its trace key. "
         f"Define the program at module level and call it from the method, passing what it needs from {first} "
-        f"as arguments: `return my_program(q, k, v, window=self.window)`")
+        f"as arguments: `return my_program(q, k, v, window=self.window)`"
+    )
 
 
 class AttentionProgram:
@@ -67,23 +77,35 @@ class AttentionProgram:
     def __init__(self, fn: Callable):
         _refuse_method(fn)
         params = list(inspect.signature(fn).parameters.values())
-        plain = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD,
-                 inspect.Parameter.KEYWORD_ONLY)
-        if len(params) < 3 or any(p.kind not in plain for p in params) or any(
-                p.kind is inspect.Parameter.KEYWORD_ONLY for p in params[:3]):
-            raise ProgramError(f"@af.attention function {fn.__name__} must take q, k, v as its first three "
-                               f"arguments, then any named extra arguments (no *args or **kwargs)")
+        plain = (
+            inspect.Parameter.POSITIONAL_ONLY,
+            inspect.Parameter.POSITIONAL_OR_KEYWORD,
+            inspect.Parameter.KEYWORD_ONLY,
+        )
+        if (
+            len(params) < 3
+            or any(p.kind not in plain for p in params)
+            or any(p.kind is inspect.Parameter.KEYWORD_ONLY for p in params[:3])
+        ):
+            raise ProgramError(
+                f"@af.attention function {fn.__name__} must take q, k, v as its first three "
+                f"arguments, then any named extra arguments (no *args or **kwargs)"
+            )
         clash = [p.name for p in params if p.name in RESERVED_ARGUMENTS]
         if clash:
-            raise ProgramError(f"@af.attention function {fn.__name__}: argument name(s) {clash} are reserved "
-                               f"for the call ({', '.join(RESERVED_ARGUMENTS)})")
+            raise ProgramError(
+                f"@af.attention function {fn.__name__}: argument name(s) {clash} are reserved "
+                f"for the call ({', '.join(RESERVED_ARGUMENTS)})"
+            )
         self.fn = fn
         self._qkv = tuple(p.name for p in params[:3])
         self._extra = tuple((p.name, p.default) for p in params[3:])
         extra_names = {n for n, _ in self._extra}
         # q, k, v bind by position, by the function's own names, or by "q", "k", "v" where no extra takes those
-        self._qkv_names = tuple((own,) if alias == own or alias in extra_names else (own, alias)
-                                for own, alias in zip(self._qkv, ("q", "k", "v")))
+        self._qkv_names = tuple(
+            (own,) if alias == own or alias in extra_names else (own, alias)
+            for own, alias in zip(self._qkv, ("q", "k", "v"))
+        )
         self._qkv_keywords = frozenset(n for names in self._qkv_names for n in names)
         self._outside = OutsideReads(fn, ignored=(AttentionProgram, Combinator))
         self._traces: LRUCache[tuple, ir.MatMulPV] = LRUCache(MAX_TRACES)
@@ -110,18 +132,21 @@ class AttentionProgram:
             qkv, args = tuple(values), args[3:]
         if any(isinstance(t, Symbol) for t in qkv):
             if getattr(self._tracing, "active", False):
-                raise ProgramError(f"{self.fn.__name__} calls itself while it is traced: a program cannot be "
-                                   f"recursive (it would trace without end)")
-            raise ProgramError(f"{self.fn.__name__} is called inside another program: programs cannot be called "
-                               f"inside a program; compose their combinators instead (a plain Python function "
-                               f"of the scores can share them), or pass values as arguments")
+                raise ProgramError(
+                    f"{self.fn.__name__} calls itself while it is traced: a program cannot be "
+                    f"recursive (it would trace without end)"
+                )
+            raise ProgramError(
+                f"{self.fn.__name__} is called inside another program: programs cannot be called "
+                f"inside a program; compose their combinators instead (a plain Python function "
+                f"of the scores can share them), or pass values as arguments"
+            )
         return qkv, args, kwargs
 
     def _bind(self, args: tuple, kwargs: dict) -> tuple[tuple, dict[str, Any]]:
         name = self.fn.__name__
         if len(args) > len(self._extra):
-            raise TypeError(f"{name}() takes q, k, v and {len(self._extra)} extra argument(s), "
-                            f"got {len(args)} extra")
+            raise TypeError(f"{name}() takes q, k, v and {len(self._extra)} extra argument(s), got {len(args)} extra")
         values = {n: a for (n, _), a in zip(self._extra, args)}
         for n, a in kwargs.items():
             if n in values or n in self._qkv:
@@ -141,8 +166,10 @@ class AttentionProgram:
                 statics.append(RUNTIME)
             else:
                 if not ir._static_value(value):
-                    raise InputError(f"{name}(): argument {n!r} must be a tensor, a BlockMask, or a static "
-                                     f"None/bool/int/float/str, got {type(value).__name__}")
+                    raise InputError(
+                        f"{name}(): argument {n!r} must be a tensor, a BlockMask, or a static "
+                        f"None/bool/int/float/str, got {type(value).__name__}"
+                    )
                 statics.append(value)
         return tuple(statics), inputs
 
@@ -158,8 +185,10 @@ class AttentionProgram:
         graph = self._traces.get(key)
         if graph is None:
             if getattr(self._tracing, "active", False):
-                raise ProgramError(f"{self.fn.__name__} is traced again while it is being traced: a program "
-                                   f"cannot use itself (it would trace without end)")
+                raise ProgramError(
+                    f"{self.fn.__name__} is traced again while it is being traced: a program "
+                    f"cannot use itself (it would trace without end)"
+                )
             graph = self._traces.get_or_build(key, lambda: self._new_trace(key, statics))
             message = self._recompiles.warning(lambda name: self._static_only(name, statics))
             if message is not None:
@@ -192,9 +221,19 @@ class AttentionProgram:
         self._recompiles.traced(key[0], key[1:])
         return graph
 
-    def __call__(self, *args: Any, return_lse: bool = False, kv_lens: torch.Tensor | None = None,
-                 block_table: torch.Tensor | None = None, kv_layout: str | None = None, validate: bool = True,
-                 q_offset: int | None = None, k_offset: int | None = None, seq_len: int | None = None, **kwargs: Any):
+    def __call__(
+        self,
+        *args: Any,
+        return_lse: bool = False,
+        kv_lens: torch.Tensor | None = None,
+        block_table: torch.Tensor | None = None,
+        kv_layout: str | None = None,
+        validate: bool = True,
+        q_offset: int | None = None,
+        k_offset: int | None = None,
+        seq_len: int | None = None,
+        **kwargs: Any,
+    ):
         """The fused kernel's result: out (B, Hq, Nq, DV), or (out, lse) when ``return_lse``.
 
         Called as ``program(q, k, v, *extra, **extra)``; q, k, v may also be given by keyword, by the
@@ -215,27 +254,58 @@ class AttentionProgram:
         if torch.compiler.is_compiling():  # one opaque call to Dynamo (see custom_op.opaque_program_call)
             if q_offset is not None or k_offset is not None or seq_len is not None:  # eager: a graph break
                 return torch.compiler.disable(self.__call__)(
-                    *args, return_lse=return_lse, kv_lens=kv_lens, block_table=block_table, kv_layout=kv_layout,
-                    validate=validate, q_offset=q_offset, k_offset=k_offset, seq_len=seq_len, **kwargs)
+                    *args,
+                    return_lse=return_lse,
+                    kv_lens=kv_lens,
+                    block_table=block_table,
+                    kv_layout=kv_layout,
+                    validate=validate,
+                    q_offset=q_offset,
+                    k_offset=k_offset,
+                    seq_len=seq_len,
+                    **kwargs,
+                )
             hide = custom_op.hide_none
-            return custom_op.opaque_program_call(self, hide(args), hide(kwargs), return_lse, hide(kv_lens),
-                                                 hide(block_table), validate, hide(kv_layout))
+            return custom_op.opaque_program_call(
+                self, hide(args), hide(kwargs), return_lse, hide(kv_lens), hide(block_table), validate, hide(kv_layout)
+            )
         # eager: straight to the kernels (the op boundary costs host time that only a compiler needs)
         (q, k, v), args, kwargs = self._take_qkv(args, kwargs)
         statics, inputs = self._bind(args, kwargs) if args or kwargs or self._extra else ((), {})
-        return run_attention(self._trace(statics), q, k, v, inputs, return_lse=return_lse, kv_lens=kv_lens,
-                             block_table=block_table, validate=validate, q_offset=q_offset, k_offset=k_offset,
-                             seq_len=seq_len, kv_layout=kv_layout)
+        return run_attention(
+            self._trace(statics),
+            q,
+            k,
+            v,
+            inputs,
+            return_lse=return_lse,
+            kv_lens=kv_lens,
+            block_table=block_table,
+            validate=validate,
+            q_offset=q_offset,
+            k_offset=k_offset,
+            seq_len=seq_len,
+            kv_layout=kv_layout,
+        )
 
     def __eq__(self, other: object) -> bool:  # by identity; defined for torch.compile (a pytree constant)
         return self is other
 
     __hash__ = object.__hash__
 
-    def reference(self, *args: Any, return_lse: bool = False, dtype: torch.dtype = torch.float64,
-                  kv_lens: torch.Tensor | None = None, block_table: torch.Tensor | None = None,
-                  kv_layout: str | None = None, q_offset: int | None = None, k_offset: int | None = None,
-                  seq_len: int | None = None, **kwargs: Any):
+    def reference(
+        self,
+        *args: Any,
+        return_lse: bool = False,
+        dtype: torch.dtype = torch.float64,
+        kv_lens: torch.Tensor | None = None,
+        block_table: torch.Tensor | None = None,
+        kv_layout: str | None = None,
+        q_offset: int | None = None,
+        k_offset: int | None = None,
+        seq_len: int | None = None,
+        **kwargs: Any,
+    ):
         """The naive PyTorch result computed in ``dtype`` (float64 by default), as the oracle for tests;
         kv_lens and block_table values are checked as a validated call checks them, positions and a paged
         cache's ``kv_layout`` as a call's."""
@@ -244,23 +314,43 @@ class AttentionProgram:
         positions = check_positions(q_offset, k_offset, seq_len, q.shape[2], k.shape[2], kv_lens, block_table)
         check_call_values(k, kv_lens, block_table, kv_layout=layout, wait=True)
         key, inputs = self._bind(args, kwargs)
-        out, lse = evaluate(self._trace(key), q, k, v, inputs, dtype=dtype, kv_lens=kv_lens, block_table=block_table,
-                            positions=positions, kv_layout=layout or "NHD")
+        out, lse = evaluate(
+            self._trace(key),
+            q,
+            k,
+            v,
+            inputs,
+            dtype=dtype,
+            kv_lens=kv_lens,
+            block_table=block_table,
+            positions=positions,
+            kv_layout=layout or "NHD",
+        )
         if not return_lse:
             return out
         if lse is None:
             raise InputError("return_lse=True needs a normaliser with a log-sum-exp (softmax has one)")
         return out, lse
 
-    def source(self, *args: Any, return_lse: bool = False, kernel: str = "forward",
-               kv_lens: torch.Tensor | None = None, block_table: torch.Tensor | None = None,
-               kv_layout: str | None = None, q_offset: int | None = None, k_offset: int | None = None,
-               seq_len: int | None = None, **kwargs: Any) -> str:
+    def source(
+        self,
+        *args: Any,
+        return_lse: bool = False,
+        kernel: str = "forward",
+        kv_lens: torch.Tensor | None = None,
+        block_table: torch.Tensor | None = None,
+        kv_layout: str | None = None,
+        q_offset: int | None = None,
+        k_offset: int | None = None,
+        seq_len: int | None = None,
+        **kwargs: Any,
+    ) -> str:
         """The generated Triton source of one kernel for these inputs: ``kernel`` is "forward", "decode"
         (the split-KV path), "dkdv" or "dq" (the backward's)."""
         (q, k, v), args, kwargs = self._take_qkv(args, kwargs)
-        kv = check_cache(q, k, v, kv_lens, block_table, kv_layout)._replace(positions=check_positions(
-            q_offset, k_offset, seq_len, q.shape[2], k.shape[2], kv_lens, block_table))
+        kv = check_cache(q, k, v, kv_lens, block_table, kv_layout)._replace(
+            positions=check_positions(q_offset, k_offset, seq_len, q.shape[2], k.shape[2], kv_lens, block_table)
+        )
         key, inputs = self._bind(args, kwargs)
         graph = self._trace(key)
         save_lse = return_lse or (kernel in ("dkdv", "dq") and graph.has_lse)
@@ -270,13 +360,31 @@ class AttentionProgram:
         return f"<attnfuse program {self.fn.__qualname__}>"
 
 
-def _call(program: AttentionProgram, args: tuple, kwargs: dict, return_lse: bool, kv_lens: Any, block_table: Any,
-          validate: bool = True, kv_layout: str | None = None):
+def _call(
+    program: AttentionProgram,
+    args: tuple,
+    kwargs: dict,
+    return_lse: bool,
+    kv_lens: Any,
+    block_table: Any,
+    validate: bool = True,
+    kv_layout: str | None = None,
+):
     """A program call: bind the arguments, find the trace, run it through ``torch.ops.attnfuse.attention``."""
     (q, k, v), args, kwargs = program._take_qkv(args, kwargs)
     statics, inputs = program._bind(args, kwargs) if args or kwargs or program._extra else ((), {})
-    return custom_op.call(program._trace(statics), q, k, v, inputs, return_lse=return_lse, kv_lens=kv_lens,
-                          block_table=block_table, validate=validate, kv_layout=kv_layout)
+    return custom_op.call(
+        program._trace(statics),
+        q,
+        k,
+        v,
+        inputs,
+        return_lse=return_lse,
+        kv_lens=kv_lens,
+        block_table=block_table,
+        validate=validate,
+        kv_layout=kv_layout,
+    )
 
 
 custom_op.register_constant(AttentionProgram)

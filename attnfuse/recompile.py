@@ -7,6 +7,7 @@ call belongs in a tensor argument (a runtime input) where the combinator's param
 ``attnfuse.recompile.RECOMPILE_LIMIT = 32``, or silence the warning with
 ``warnings.filterwarnings("ignore", category=attnfuse.RecompileWarning)``.
 """
+
 from __future__ import annotations
 
 import threading
@@ -54,23 +55,31 @@ class Recompiles:
                 return None
             self._warned = True
             changed = list(self._changed)
-        head = (f"program {self._program} has been traced for {self._count} static configurations (more than "
-                f"attnfuse.recompile.RECOMPILE_LIMIT = {RECOMPILE_LIMIT}); changing: "
-                f"{', '.join(n if n == OUTSIDE else repr(n) for n in changed)}. Each new value traces it again and "
-                f"compiles new kernels. ")
+        head = (
+            f"program {self._program} has been traced for {self._count} static configurations (more than "
+            f"attnfuse.recompile.RECOMPILE_LIMIT = {RECOMPILE_LIMIT}); changing: "
+            f"{', '.join(n if n == OUTSIDE else repr(n) for n in changed)}. Each new value traces it again and "
+            f"compiles new kernels. "
+        )
         advice, static = [], []
         for name in changed:
             if name == OUTSIDE:
-                advice.append("Pass a value read from a closure or global as an argument of the program instead, "
-                              "a tensor where a combinator's parameter takes a runtime tensor. ")
+                advice.append(
+                    "Pass a value read from a closure or global as an argument of the program instead, "
+                    "a tensor where a combinator's parameter takes a runtime tensor. "
+                )
                 continue
             reason = static_only(name)
             if reason is None:
-                advice.append(f"{name!r} may be a runtime input: pass it as a tensor argument and a new value "
-                              f"compiles nothing. ")
+                advice.append(
+                    f"{name!r} may be a runtime input: pass it as a tensor argument and a new value compiles nothing. "
+                )
             else:
                 static.append(name)
                 advice.append(f"{name!r} can only be static ({reason}): each of its values is a kernel of its own. ")
-        tail = ("Use fewer distinct values, or raise attnfuse.recompile.RECOMPILE_LIMIT" if static else
-                "Or raise attnfuse.recompile.RECOMPILE_LIMIT")
+        tail = (
+            "Use fewer distinct values, or raise attnfuse.recompile.RECOMPILE_LIMIT"
+            if static
+            else "Or raise attnfuse.recompile.RECOMPILE_LIMIT"
+        )
         return head + "".join(advice) + tail

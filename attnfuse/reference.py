@@ -3,6 +3,7 @@
 It materialises the (B, Hq, Nq, Nk) score matrix, so it is for testing and small shapes: the oracle every
 test compares the fused kernels against, in float64 when asked.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -45,8 +46,14 @@ class Context:
     seq_len: int = attrs.field(default=attrs.Factory(lambda self: self.Nk, takes_self=True))
 
 
-def make_context(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dtype: torch.dtype,
-                 kv_lens: torch.Tensor | None = None, positions: Any = None) -> Context:
+def make_context(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    dtype: torch.dtype,
+    kv_lens: torch.Tensor | None = None,
+    positions: Any = None,
+) -> Context:
     """The context of inputs q (B, Hq, Nq, D), k (B, Hkv, Nk, D), v (B, Hkv, Nk, DV), kv_lens (B,) or None,
     and the call's ``Positions`` (``runtime.inputs``) or None."""
     B, Hq, Nq, D = q.shape
@@ -55,10 +62,18 @@ def make_context(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dtype: torch
     k_pos = torch.arange(Nk, device=q.device).view(1, 1, 1, Nk)
     sizes = dict(B=B, Hq=Hq, Hkv=Hkv, Nq=Nq, Nk=Nk, D=D, DV=DV, q_idx=q_idx, dtype=dtype, device=q.device)
     if positions is not None:
-        return Context(**sizes, q_pos=q_idx + positions.q_offset, k_pos=k_pos + positions.k_offset,
-                       n_keys=torch.full((1, 1, 1, 1), positions.seq_len, device=q.device), **positions._asdict())
-    n_keys = torch.full((1, 1, 1, 1), Nk, device=q.device) if kv_lens is None else \
-        kv_lens.to(device=q.device, dtype=torch.int64).clamp(max=Nk).view(B, 1, 1, 1)
+        return Context(
+            **sizes,
+            q_pos=q_idx + positions.q_offset,
+            k_pos=k_pos + positions.k_offset,
+            n_keys=torch.full((1, 1, 1, 1), positions.seq_len, device=q.device),
+            **positions._asdict(),
+        )
+    n_keys = (
+        torch.full((1, 1, 1, 1), Nk, device=q.device)
+        if kv_lens is None
+        else kv_lens.to(device=q.device, dtype=torch.int64).clamp(max=Nk).view(B, 1, 1, 1)
+    )
     return Context(**sizes, q_pos=q_idx + n_keys - Nq, k_pos=k_pos, n_keys=n_keys)
 
 
@@ -73,14 +88,24 @@ def gather_pages(pool: torch.Tensor, block_table: torch.Tensor, kv_layout: str =
 
 
 def _values(app: ir.Apply, inputs: dict[str, Any], dtype: torch.dtype) -> dict[str, Any]:
-    return {name: value.to(dtype) if isinstance(value, torch.Tensor) and value.is_floating_point() else value
-            for name, value in app.values(inputs).items()}
+    return {
+        name: value.to(dtype) if isinstance(value, torch.Tensor) and value.is_floating_point() else value
+        for name, value in app.values(inputs).items()
+    }
 
 
-def evaluate(graph: ir.MatMulPV, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-             inputs: dict[str, Any], dtype: torch.dtype = torch.float64, kv_lens: torch.Tensor | None = None,
-             block_table: torch.Tensor | None = None, positions: Any = None, kv_layout: str = "NHD"
-             ) -> tuple[torch.Tensor, torch.Tensor | None]:
+def evaluate(
+    graph: ir.MatMulPV,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    inputs: dict[str, Any],
+    dtype: torch.dtype = torch.float64,
+    kv_lens: torch.Tensor | None = None,
+    block_table: torch.Tensor | None = None,
+    positions: Any = None,
+    kv_layout: str = "NHD",
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Run ``graph`` naively in ``dtype``.
 
     :param inputs: the runtime inputs by argument name (bias, cos/sin tables, block masks).

@@ -1,4 +1,5 @@
 """The NeoX/Llama half-split rotation (HF ``rotate_half``), shared by rope's reference and the baselines."""
+
 from __future__ import annotations
 
 import torch

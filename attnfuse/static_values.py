@@ -8,19 +8,22 @@ float64, which would change the kernel's arithmetic), or a short identifier-like
 DSL checks every static value with it when it builds an application, so a value it refuses never
 reaches a source.
 """
+
 from __future__ import annotations
 
 import re
 from typing import Any
 
 STATIC_TYPES = (type(None), bool, int, float, str)
-INT_MIN, INT_MAX = -2**63, 2**63 - 1  # the kernels' widest integer type, int64
+INT_MIN, INT_MAX = -(2**63), 2**63 - 1  # the kernels' widest integer type, int64
 FLOAT_MIN, FLOAT_MAX = 2.0**-126, (2 - 2.0**-23) * 2.0**127  # float32's normal range: a float32 literal
 TOKEN = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}")
 """A string a static value may hold: an ASCII identifier-like token of at most 64 characters ("neox")."""
 
-ALLOWED = ("None, a bool, an int in [-2**63, 2**63 - 1], a float that is 0 or of magnitude in float32's normal "
-           "range, or a str of at most 64 ASCII letters, digits and '_' not starting with a digit")
+ALLOWED = (
+    "None, a bool, an int in [-2**63, 2**63 - 1], a float that is 0 or of magnitude in float32's normal "
+    "range, or a str of at most 64 ASCII letters, digits and '_' not starting with a digit"
+)
 
 
 def literal(value: Any) -> str:
@@ -33,19 +36,24 @@ def literal(value: Any) -> str:
     if kind is int:
         if INT_MIN <= value <= INT_MAX:
             return int.__repr__(value)
-        raise ValueError(f"an int must lie in [-2**63, 2**63 - 1] (int64, the kernels' widest integer type), "
-                         f"got {shown(value)}")
+        raise ValueError(
+            f"an int must lie in [-2**63, 2**63 - 1] (int64, the kernels' widest integer type), got {shown(value)}"
+        )
     if kind is float:
         if value == 0.0 or FLOAT_MIN <= abs(value) <= FLOAT_MAX:
             return float.__repr__(value)
-        raise ValueError(f"a float must be 0 or of magnitude in [2**-126, {FLOAT_MAX!r}], float32's normal range "
-                         f"(Triton types any other float literal as float64), got {value!r}")
+        raise ValueError(
+            f"a float must be 0 or of magnitude in [2**-126, {FLOAT_MAX!r}], float32's normal range "
+            f"(Triton types any other float literal as float64), got {value!r}"
+        )
     if kind is str:
         if TOKEN.fullmatch(value):
             return str.__repr__(value)
         given = str.__repr__(value[:40]) + ("..." if len(value) > 40 else "")
-        raise ValueError(f"a str must be an identifier-like token of at most 64 ASCII letters, digits and '_', "
-                         f"not starting with a digit (such as 'neox'), got {given}")
+        raise ValueError(
+            f"a str must be an identifier-like token of at most 64 ASCII letters, digits and '_', "
+            f"not starting with a digit (such as 'neox'), got {given}"
+        )
     raise ValueError(f"must be {ALLOWED}; got a {kind.__module__}.{kind.__qualname__}")
 
 

@@ -20,6 +20,7 @@ RoPE+causal in SDPA rotates q and k with a compiled function first (cos/sin shar
 bandwidths) stays below the kernel time per step (from the measured Llama-3-8B causal rows of
 docs/benchmarks.md), and the smallest shard length at which it does, for 8 and 64 GPUs.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -58,8 +59,10 @@ PROGRAMS = {"causal": causal, "rope_causal": rope_causal}
 MEASURED_FORWARD_MS = {2048: 0.111, 8192: 1.127, 16384: 4.219}
 MEASURED_STEP_MS = {2048: 0.680, 8192: 5.020}  # forward+backward
 # Datasheet assumptions, bytes per second each way per GPU (the ring sends one shard and receives one per step)
-LINKS = {"NVLink 4 (H200 SXM datasheet: 900 GB/s per GPU, both ways together)": 450e9,
-         "InfiniBand NDR (ConnectX-7 datasheet: 400 Gb/s per GPU each way)": 50e9}
+LINKS = {
+    "NVLink 4 (H200 SXM datasheet: 900 GB/s per GPU, both ways together)": 450e9,
+    "InfiniBand NDR (ConnectX-7 datasheet: 400 Gb/s per GPU each way)": 50e9,
+}
 
 
 def scaling_model(heads: tuple[int, int] = (32, 8), head_dim: int = 128) -> str:
@@ -69,23 +72,31 @@ def scaling_model(heads: tuple[int, int] = (32, 8), head_dim: int = 128) -> str:
     _, hkv = heads
     fwd_bytes = 2 * hkv * head_dim * 2  # per token of a shard: K and V, bfloat16
     bwd_bytes = fwd_bytes + 2 * hkv * head_dim * 4  # and dK, dV in float32
-    lines = ["| shard n | link | forward: kernels / communication ms | backward: kernels / communication ms |",
-             "|---|---|---|---|"]
+    lines = [
+        "| shard n | link | forward: kernels / communication ms | backward: kernels / communication ms |",
+        "|---|---|---|---|",
+    ]
     for n, step in MEASURED_STEP_MS.items():
         fwd = MEASURED_FORWARD_MS[n]
         for link, bandwidth in LINKS.items():
-            lines.append(f"| {n} | {link.split(' (')[0]} | {fwd:.3f} / {fwd_bytes * n / bandwidth * 1e3:.3f} | "
-                         f"{step - fwd:.3f} / {bwd_bytes * n / bandwidth * 1e3:.3f} |")
+            lines.append(
+                f"| {n} | {link.split(' (')[0]} | {fwd:.3f} / {fwd_bytes * n / bandwidth * 1e3:.3f} | "
+                f"{step - fwd:.3f} / {bwd_bytes * n / bandwidth * 1e3:.3f} |"
+            )
     # kernel time a * n^2 (a from each measured point), communication b * n: hidden from n* = b / a
     lines += ["", "| link | smallest shard n hiding the forward's communication | the backward's |", "|---|---|---|"]
     hidden = {}
     for link, bandwidth in LINKS.items():
         fwd = [fwd_bytes / bandwidth / (MEASURED_FORWARD_MS[n] * 1e-3 / n**2) for n in MEASURED_STEP_MS]
-        bwd = [bwd_bytes / bandwidth / ((MEASURED_STEP_MS[n] - MEASURED_FORWARD_MS[n]) * 1e-3 / n**2)
-               for n in MEASURED_STEP_MS]
+        bwd = [
+            bwd_bytes / bandwidth / ((MEASURED_STEP_MS[n] - MEASURED_FORWARD_MS[n]) * 1e-3 / n**2)
+            for n in MEASURED_STEP_MS
+        ]
         hidden[link] = max(*fwd, *bwd)
-        lines.append(f"| {link.split(' (')[0]} | {' to '.join(f'{x:.0f}' for x in fwd)} | "
-                     f"{' to '.join(f'{x:.0f}' for x in bwd)} |")
+        lines.append(
+            f"| {link.split(' (')[0]} | {' to '.join(f'{x:.0f}' for x in fwd)} | "
+            f"{' to '.join(f'{x:.0f}' for x in bwd)} |"
+        )
     lines += ["", "| GPUs | N | shard n | NVLink hides it | InfiniBand hides it |", "|---|---|---|---|---|"]
     for world in (8, 64):
         for N in (262144, 1048576):
@@ -147,8 +158,12 @@ def inputs(N: int, args: argparse.Namespace, seed: int = 0) -> list[torch.Tensor
     """q, k, v, dout of the whole sequence (the same on every rank), bfloat16."""
     Hq, Hkv = args.heads
     g = torch.Generator(device="cuda").manual_seed(seed)
-    shapes = [(1, Hq, N, args.head_dim), (1, Hkv, N, args.head_dim), (1, Hkv, N, args.head_dim),
-              (1, Hq, N, args.head_dim)]
+    shapes = [
+        (1, Hq, N, args.head_dim),
+        (1, Hkv, N, args.head_dim),
+        (1, Hkv, N, args.head_dim),
+        (1, Hq, N, args.head_dim),
+    ]
     return [torch.randn(s, generator=g, device="cuda", dtype=torch.bfloat16) for s in shapes]
 
 
@@ -181,6 +196,7 @@ def attnfuse_step(program, world: int, q, k, v, dout, local: bool = False) -> Ca
         for t in leaves:
             t.grad = None
         run(*leaves).backward(dout)
+
     return step
 
 
@@ -198,8 +214,9 @@ def torch_step(name: str, world: int, q, k, v, dout, stack) -> Callable[[], None
         from torch.distributed.tensor.experimental import context_parallel
 
         mesh = init_device_mesh("cuda", (world,))
-        stack.enter_context(context_parallel(mesh, buffers=[q, k, v, dout, cos, sin],
-                                             buffer_seq_dims=[2, 2, 2, 2, 0, 0]))
+        stack.enter_context(
+            context_parallel(mesh, buffers=[q, k, v, dout, cos, sin], buffer_seq_dims=[2, 2, 2, 2, 0, 0])
+        )
     leaves = [t.requires_grad_(True) for t in (q, k, v)]
 
     def step():
@@ -210,6 +227,7 @@ def torch_step(name: str, world: int, q, k, v, dout, stack) -> Callable[[], None
             qq, kk = rotate(qq, cos, sin), rotate(kk, cos, sin)
         with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
             F.scaled_dot_product_attention(qq, kk, vv, is_causal=True).backward(dout)
+
     return step
 
 
@@ -233,9 +251,12 @@ def check(program, name: str, N: int, args: argparse.Namespace, world: int, rank
     reference = [out, *torch.autograd.grad(out, leaves, dout.float())]
     if rank == 0:
         for what, a, b, r in zip(("out", "dq", "dk", "dv"), ring, one, reference):
-            print(f"check {name} N={N} W={world} {what}: max |ring - 1 GPU| {_diff(a, b):.3g}; max error vs "
-                  f"float32 SDPA: ring {_diff(a, r):.3g}, 1 GPU {_diff(b, r):.3g} (max |reference| "
-                  f"{r.abs().max().item():.3g})", flush=True)
+            print(
+                f"check {name} N={N} W={world} {what}: max |ring - 1 GPU| {_diff(a, b):.3g}; max error vs "
+                f"float32 SDPA: ring {_diff(a, r):.3g}, 1 GPU {_diff(b, r):.3g} (max |reference| "
+                f"{r.abs().max().item():.3g})",
+                flush=True,
+            )
 
 
 def _diff(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -254,8 +275,11 @@ def main() -> None:
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
     rows = []
     if rank == 0:
-        print(f"{torch.cuda.get_device_name()} x{world}, torch {torch.__version__}, geometry B1 Hq{args.heads[0]} "
-              f"Hkv{args.heads[1]} D{args.head_dim} bfloat16; ms are medians of {args.rounds} steps", flush=True)
+        print(
+            f"{torch.cuda.get_device_name()} x{world}, torch {torch.__version__}, geometry B1 Hq{args.heads[0]} "
+            f"Hkv{args.heads[1]} D{args.head_dim} bfloat16; ms are medians of {args.rounds} steps",
+            flush=True,
+        )
     for name in args.programs:
         program = PROGRAMS[name]
         if args.check and world > 1:

@@ -25,6 +25,7 @@ with ``torch.cuda.synchronize()`` before and after), in an order rotated every r
 median of its rounds: tokens/s = new tokens x batch / seconds (the prefill included), ms per token =
 seconds / new tokens.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -64,13 +65,19 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=2, help="untimed generate() calls per implementation (2)")
     parser.add_argument("--runs", type=int, default=5, help="timed generate() calls per figure, in turns (5)")
     parser.add_argument("--compile-backend", default="inductor", help="torch.compile backend of compiled mode")
-    parser.add_argument("--compile-mode", default="reduce-overhead",
-                        help="torch.compile mode of compiled mode (reduce-overhead; 'default' for no CUDA graphs)")
+    parser.add_argument(
+        "--compile-mode",
+        default="reduce-overhead",
+        help="torch.compile mode of compiled mode (reduce-overhead; 'default' for no CUDA graphs)",
+    )
     parser.add_argument("--fullgraph", action="store_true", help="compile with fullgraph=True: a graph break raises")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--markdown-section", metavar="PATH",
-                        help=f"also write the table as the section '{SECTION}' of the page at PATH "
-                             f"(docs/benchmarks.md), replacing only that section")
+    parser.add_argument(
+        "--markdown-section",
+        metavar="PATH",
+        help=f"also write the table as the section '{SECTION}' of the page at PATH "
+        f"(docs/benchmarks.md), replacing only that section",
+    )
     args = parser.parse_args(argv)
     args.batches = [int(b) for b in args.batch.split(",")]
     args.mode_list = [m for m in args.modes.split(",") if m]
@@ -82,10 +89,17 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
 
 def build_models(args: argparse.Namespace) -> dict[str, LlamaForCausalLM]:
     """One model per implementation, the same random weights (seeded), in eval mode on the device."""
-    config = LlamaConfig(hidden_size=args.hidden, num_hidden_layers=args.layers, num_attention_heads=args.heads,
-                         num_key_value_heads=args.kv_heads, intermediate_size=args.intermediate,
-                         vocab_size=args.vocab, rope_theta=args.rope_theta, tie_word_embeddings=True,
-                         max_position_embeddings=max(8192, args.prompt + args.new_tokens))
+    config = LlamaConfig(
+        hidden_size=args.hidden,
+        num_hidden_layers=args.layers,
+        num_attention_heads=args.heads,
+        num_key_value_heads=args.kv_heads,
+        intermediate_size=args.intermediate,
+        vocab_size=args.vocab,
+        rope_theta=args.rope_theta,
+        tie_word_embeddings=True,
+        max_position_embeddings=max(8192, args.prompt + args.new_tokens),
+    )
     torch.manual_seed(args.seed)
     with torch.device(args.device):
         model = LlamaForCausalLM(config)
@@ -125,11 +139,12 @@ def timed(model: LlamaForCausalLM, ids: torch.Tensor, options: dict, device: str
     start = time.perf_counter()
     out = model.generate(ids, attention_mask=mask, **options)
     synchronize(device)
-    return time.perf_counter() - start, out[:, ids.shape[1]:]
+    return time.perf_counter() - start, out[:, ids.shape[1] :]
 
 
 def graph_breaks() -> int:
     from torch._dynamo.utils import counters
+
     return sum(counters["graph_break"].values())
 
 
@@ -157,57 +172,99 @@ def measure(models: dict[str, LlamaForCausalLM], args: argparse.Namespace, mode:
     times: dict[str, list[float]] = {name: [] for name in models}
     names = list(models)
     for r in range(args.runs):
-        for name in names[r % len(names):] + names[:r % len(names)]:
+        for name in names[r % len(names) :] + names[: r % len(names)]:
             seconds, tokens[name] = timed(models[name], ids, options, args.device)
             times[name].append(seconds)
     rows = []
     for name in names:
         seconds = statistics.median(times[name])
-        rows.append(dict(mode=mode, batch=batch, implementation=name, seconds=seconds,
-                         tokens_per_s=args.new_tokens * batch / seconds, ms_per_token=seconds / args.new_tokens * 1e3,
-                         spread=(max(times[name]) - min(times[name])) / seconds, first_s=first[name],
-                         graph_breaks=breaks[name] if mode == "compiled" else None,
-                         agree=leading_agreement(tokens[name], tokens["sdpa"])))
+        rows.append(
+            dict(
+                mode=mode,
+                batch=batch,
+                implementation=name,
+                seconds=seconds,
+                tokens_per_s=args.new_tokens * batch / seconds,
+                ms_per_token=seconds / args.new_tokens * 1e3,
+                spread=(max(times[name]) - min(times[name])) / seconds,
+                first_s=first[name],
+                graph_breaks=breaks[name] if mode == "compiled" else None,
+                agree=leading_agreement(tokens[name], tokens["sdpa"]),
+            )
+        )
     for row in rows:
         row["ratio"] = row["tokens_per_s"] / rows[0]["tokens_per_s"]
     return rows
 
 
-COLUMNS = ("mode", "batch", "implementation", "tokens/s", "ms per token", "attnfuse / sdpa", "spread",
-           "first call s", "graph breaks", "new tokens equal to sdpa's")
+COLUMNS = (
+    "mode",
+    "batch",
+    "implementation",
+    "tokens/s",
+    "ms per token",
+    "attnfuse / sdpa",
+    "spread",
+    "first call s",
+    "graph breaks",
+    "new tokens equal to sdpa's",
+)
 
 
 def cells(row: dict, new_tokens: int) -> list[str]:
-    return [row["mode"], str(row["batch"]), row["implementation"], f"{row['tokens_per_s']:.1f}",
-            f"{row['ms_per_token']:.2f}", f"{row['ratio']:.3f}", f"{row['spread']:.1%}", f"{row['first_s']:.1f}",
-            "—" if row["graph_breaks"] is None else str(row["graph_breaks"]), f"{row['agree']}/{new_tokens}"]
+    return [
+        row["mode"],
+        str(row["batch"]),
+        row["implementation"],
+        f"{row['tokens_per_s']:.1f}",
+        f"{row['ms_per_token']:.2f}",
+        f"{row['ratio']:.3f}",
+        f"{row['spread']:.1%}",
+        f"{row['first_s']:.1f}",
+        "—" if row["graph_breaks"] is None else str(row["graph_breaks"]),
+        f"{row['agree']}/{new_tokens}",
+    ]
 
 
 def explanation(args: argparse.Namespace) -> str:
     """What the section's table measures."""
-    return (f"Greedy HF generate() on a Llama-architecture model with random weights (hidden {args.hidden}, "
-            f"{args.layers} layers, {args.heads} heads, {args.kv_heads} KV heads, MLP {args.intermediate}, vocab "
-            f"{args.vocab}, tied embeddings), {args.prompt}-token random prompts, exactly {args.new_tokens} new "
-            f"tokens per sequence, per attn_implementation, in one process on the same prompts; each "
-            f"implementation on its own copy of the model. eager: the default DynamicCache, nothing compiled. "
-            f"compiled: cache_implementation=\"static\" with CompileConfig(backend={args.compile_backend!r}, "
-            f"mode={args.compile_mode!r}, fullgraph={args.fullgraph}): generate() compiles the model's call for "
-            f"the decode steps (the prefill runs eagerly). After {args.warmup} untimed call(s), each implementation "
-            f"is timed once in each of {args.runs} rounds (perf_counter, synchronised), in turns; a figure is the "
-            f"median of its rounds, \"spread\" their range over it. tokens/s = new tokens x batch / seconds of the "
-            f"whole call (prefill included); ms per token = seconds / new tokens; \"attnfuse / sdpa\" is the "
-            f"ratio of tokens/s (above 1: attnfuse is faster). \"first call s\": the first call's seconds (in "
-            f"compiled mode, its compile); \"graph breaks\": Dynamo's while compiling; the last column counts the "
-            f"new tokens, from the first, that every sequence shares with sdpa's (random weights give nearly "
-            f"tied logits, so rounding alone can change a greedy choice).")
+    return (
+        f"Greedy HF generate() on a Llama-architecture model with random weights (hidden {args.hidden}, "
+        f"{args.layers} layers, {args.heads} heads, {args.kv_heads} KV heads, MLP {args.intermediate}, vocab "
+        f"{args.vocab}, tied embeddings), {args.prompt}-token random prompts, exactly {args.new_tokens} new "
+        f"tokens per sequence, per attn_implementation, in one process on the same prompts; each "
+        f"implementation on its own copy of the model. eager: the default DynamicCache, nothing compiled. "
+        f'compiled: cache_implementation="static" with CompileConfig(backend={args.compile_backend!r}, '
+        f"mode={args.compile_mode!r}, fullgraph={args.fullgraph}): generate() compiles the model's call for "
+        f"the decode steps (the prefill runs eagerly). After {args.warmup} untimed call(s), each implementation "
+        f"is timed once in each of {args.runs} rounds (perf_counter, synchronised), in turns; a figure is the "
+        f'median of its rounds, "spread" their range over it. tokens/s = new tokens x batch / seconds of the '
+        f'whole call (prefill included); ms per token = seconds / new tokens; "attnfuse / sdpa" is the '
+        f'ratio of tokens/s (above 1: attnfuse is faster). "first call s": the first call\'s seconds (in '
+        f'compiled mode, its compile); "graph breaks": Dynamo\'s while compiling; the last column counts the '
+        f"new tokens, from the first, that every sequence shares with sdpa's (random weights give nearly "
+        f"tied logits, so rounding alone can change a greedy choice)."
+    )
 
 
 def section(rows: list[dict], args: argparse.Namespace, meta: dict[str, str]) -> str:
     """The page's section: heading, versions, the command, what is measured, and the table."""
-    lines = [f"## HF generate() end to end: a Llama-architecture model, {args.layers} layers, hidden {args.hidden}", "",
-             f"{report.versions(meta)} · {meta['dtype']}, median seconds of {args.runs} generate() calls.", "",
-             "Printed by:", "", "```bash", meta["command"], "```", "", textwrap.fill(explanation(args), width=105), "",
-             f"| {' | '.join(COLUMNS)} |", f"|{'---|' * len(COLUMNS)}"]
+    lines = [
+        f"## HF generate() end to end: a Llama-architecture model, {args.layers} layers, hidden {args.hidden}",
+        "",
+        f"{report.versions(meta)} · {meta['dtype']}, median seconds of {args.runs} generate() calls.",
+        "",
+        "Printed by:",
+        "",
+        "```bash",
+        meta["command"],
+        "```",
+        "",
+        textwrap.fill(explanation(args), width=105),
+        "",
+        f"| {' | '.join(COLUMNS)} |",
+        f"|{'---|' * len(COLUMNS)}",
+    ]
     lines += [f"| {' | '.join(cells(row, args.new_tokens))} |" for row in rows]
     return "\n".join(lines)
 
@@ -216,8 +273,10 @@ def main(argv: list[str] | None = None) -> None:
     args = parse(argv)
     torch._dynamo.config.recompile_limit = 64  # a model per implementation: one compile each
     models = build_models(args)
-    print(f"HF generate(): {args.layers} layers, hidden {args.hidden}, {args.dtype} on {args.device}, prompt "
-          f"{args.prompt}, {args.new_tokens} new tokens; median of {args.runs} rounds after {args.warmup} warm-up")
+    print(
+        f"HF generate(): {args.layers} layers, hidden {args.hidden}, {args.dtype} on {args.device}, prompt "
+        f"{args.prompt}, {args.new_tokens} new tokens; median of {args.runs} rounds after {args.warmup} warm-up"
+    )
     widths = (10, 6, 16, 11, 14, 17, 8, 14, 14, 28)
     print("".join(f"{c:>{w}}" for c, w in zip(COLUMNS, widths)), flush=True)
     rows = []

@@ -16,6 +16,7 @@ that round. Runs in about 2 minutes on an H200. Also ``op_overhead()``: the host
 time of a program call through the custom op against ``run_attention`` directly. benchmarks/layer_steps.py
 looks inside the training steps (a profile; other ways of timing them).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -34,8 +35,14 @@ from attnfuse import custom_op
 from attnfuse.bench import report
 import attnfuse.hf
 
-LLAMA3_8B = dict(hidden_size=4096, num_attention_heads=32, num_key_value_heads=8, intermediate_size=14336,
-                 rope_theta=500000.0, max_position_embeddings=8192)
+LLAMA3_8B = dict(
+    hidden_size=4096,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    intermediate_size=14336,
+    rope_theta=500000.0,
+    max_position_embeddings=8192,
+)
 TINY = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128)
 BACKENDS = ("sdpa", "flex_attention", "attnfuse", "attnfuse+fuse_rope")
 SECTION = "hf_layer"  # its marked section of docs/benchmarks.md (--markdown-section)
@@ -57,6 +64,7 @@ def bench(fn, device: torch.device) -> float:
         fn()
         return (time.perf_counter() - start) * 1e3
     from triton.testing import do_bench
+
     return do_bench(fn, return_mode="median")
 
 
@@ -64,8 +72,9 @@ class Inputs:
     """One N's inputs, shared by every implementation: hidden states (1, N, hidden), positions (1, N), HF's
     cos and sin (1, N, D), and the causal BlockMask that flex_attention takes."""
 
-    def __init__(self, config: LlamaConfig, rotary: LlamaRotaryEmbedding, N: int, device: torch.device,
-                 dtype: torch.dtype):
+    def __init__(
+        self, config: LlamaConfig, rotary: LlamaRotaryEmbedding, N: int, device: torch.device, dtype: torch.dtype
+    ):
         self.N = N
         self.x = torch.randn(1, N, config.hidden_size, device=device, dtype=dtype, requires_grad=True)
         self.positions = torch.arange(N, device=device)[None]
@@ -73,6 +82,7 @@ class Inputs:
         self.flex_mask = None
         if device.type == "cuda":
             from torch.nn.attention.flex_attention import create_block_mask
+
             self.flex_mask = create_block_mask(lambda b, h, q, k: k <= q, None, None, N, N, device=device)
 
 
@@ -90,8 +100,7 @@ class Backend:
 
     def forward(self, inputs: Inputs) -> torch.Tensor:
         mask = inputs.flex_mask if self.name == "flex_attention" else None  # None: causal for sdpa and attnfuse
-        out = self.layer(inputs.x, attention_mask=mask, position_ids=inputs.positions,
-                         position_embeddings=inputs.rope)
+        out = self.layer(inputs.x, attention_mask=mask, position_ids=inputs.positions, position_embeddings=inputs.rope)
         return out[0] if isinstance(out, tuple) else out
 
     def train_step(self, inputs: Inputs, forward: Callable | None = None) -> None:
@@ -114,14 +123,15 @@ def setup(tiny: bool) -> tuple[LlamaConfig, dict[str, Backend], Callable[[int], 
     return config, backends, lambda N: Inputs(config, rotary, N, device, dtype)
 
 
-def in_rounds(steps: dict[str, Callable[[], None]], rounds: int, device: torch.device,
-              measure: Callable | None = None) -> dict[str, list[float]]:
+def in_rounds(
+    steps: dict[str, Callable[[], None]], rounds: int, device: torch.device, measure: Callable | None = None
+) -> dict[str, list[float]]:
     """Each step's ms in each of ``rounds`` rounds (``bench``, or ``measure(step)``); every round times every
     step once, starting one step later than the round before."""
     names = list(steps)
     times: dict[str, list[float]] = {name: [] for name in names}
     for r in range(rounds):
-        for name in names[r % len(names):] + names[:r % len(names)]:
+        for name in names[r % len(names) :] + names[: r % len(names)]:
             times[name].append(measure(steps[name]) if measure else bench(steps[name], device))
     return times
 
@@ -141,15 +151,17 @@ def paired_ratio(times: list[float], baseline: list[float]) -> float:
 def explanation(config: LlamaConfig, rounds: int) -> str:
     """What the section's tables measure."""
     h, heads = config.hidden_size, config.num_attention_heads
-    return (f"One LlamaDecoderLayer (random weights, B1, Hq {heads}, Hkv {config.num_key_value_heads}, D {h // heads}, "
-            f"hidden {h}, MLP {config.intermediate_size}) per attn_implementation, all in one process on the same "
-            f"inputs: the forward alone, and a training step (forward, backward, AdamW). Each implementation runs on "
-            f"its own copy of the layer, and they take turns: in each of {rounds} rounds each is timed once (the "
-            f"median of triton.testing.do_bench), in an order rotated every round. A figure is the median of its "
-            f"rounds; \"spread\" is the range of its rounds over that median. TFLOP/s count the layer's model FLOPs "
-            f"(projections, MLP and causal attention; a training step as three forwards); \"ratio\" is the time over "
-            f"SDPA's, \"paired\" the median of each round's own ratio to SDPA's figure in that round. Host time per "
-            f"call: a warm call on a tiny causal input, so the kernel's time does not count.")
+    return (
+        f"One LlamaDecoderLayer (random weights, B1, Hq {heads}, Hkv {config.num_key_value_heads}, D {h // heads}, "
+        f"hidden {h}, MLP {config.intermediate_size}) per attn_implementation, all in one process on the same "
+        f"inputs: the forward alone, and a training step (forward, backward, AdamW). Each implementation runs on "
+        f"its own copy of the layer, and they take turns: in each of {rounds} rounds each is timed once (the "
+        f"median of triton.testing.do_bench), in an order rotated every round. A figure is the median of its "
+        f'rounds; "spread" is the range of its rounds over that median. TFLOP/s count the layer\'s model FLOPs '
+        f'(projections, MLP and causal attention; a training step as three forwards); "ratio" is the time over '
+        f"SDPA's, \"paired\" the median of each round's own ratio to SDPA's figure in that round. Host time per "
+        f"call: a warm call on a tiny causal input, so the kernel's time does not count."
+    )
 
 
 def main() -> None:
@@ -160,9 +172,12 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5, help="timings per figure, taken in turns (5)")
     parser.add_argument("--tiny", action="store_true", help="tiny layer, float32 on the CPU: checks the script runs")
     parser.add_argument("--overhead-only", action="store_true", help="only op_overhead()")
-    parser.add_argument("--markdown-section", metavar="PATH",
-                        help=f"also write the tables as the section '{SECTION}' of the page at PATH "
-                             f"(docs/benchmarks.md), replacing only that section")
+    parser.add_argument(
+        "--markdown-section",
+        metavar="PATH",
+        help=f"also write the tables as the section '{SECTION}' of the page at PATH "
+        f"(docs/benchmarks.md), replacing only that section",
+    )
     args = parser.parse_args()
     device = torch.device("cpu" if args.tiny else "cuda")
     dtype = torch.float32 if args.tiny else torch.bfloat16
@@ -176,19 +191,26 @@ def main() -> None:
     for N in lengths:
         case = inputs(N)
         with torch.no_grad():
-            times = in_rounds({name: (lambda b=b: b.forward(case)) for name, b in backends.items()}, args.rounds,
-                              device)
+            times = in_rounds(
+                {name: (lambda b=b: b.forward(case)) for name, b in backends.items()}, args.rounds, device
+            )
         results.update({(name, N, "forward"): t for name, t in times.items()})
-        times = in_rounds({name: (lambda b=b: b.train_step(case)) for name, b in backends.items()}, args.rounds,
-                          device)
+        times = in_rounds({name: (lambda b=b: b.train_step(case)) for name, b in backends.items()}, args.rounds, device)
         results.update({(name, N, "train"): t for name, t in times.items()})
-    print(f"Llama-3-8B decoder layer, B1, {'tiny CPU' if args.tiny else 'bf16'}: median ms of {args.rounds} rounds, "
-          f"model TFLOP/s (training step: forward + backward + AdamW, counted as 3 forwards); ratio: ms / sdpa's "
-          f"ms; paired: the median of the rounds' own ratios to sdpa; spread: (slowest - fastest round) / median")
-    print(f"{'backend':<22}{'N':>6}{'fwd ms':>9}{'TFLOP/s':>9}{'ratio':>8}{'paired':>8}{'spread':>8}"
-          f"{'train ms':>10}{'TFLOP/s':>9}{'ratio':>8}{'paired':>8}{'spread':>8}")
-    table = ["| backend | N | forward ms (TFLOP/s) | ratio | paired | spread | training step ms (TFLOP/s) | ratio | "
-             "paired | spread |", "|---|---|---|---|---|---|---|---|---|---|"]
+    print(
+        f"Llama-3-8B decoder layer, B1, {'tiny CPU' if args.tiny else 'bf16'}: median ms of {args.rounds} rounds, "
+        f"model TFLOP/s (training step: forward + backward + AdamW, counted as 3 forwards); ratio: ms / sdpa's "
+        f"ms; paired: the median of the rounds' own ratios to sdpa; spread: (slowest - fastest round) / median"
+    )
+    print(
+        f"{'backend':<22}{'N':>6}{'fwd ms':>9}{'TFLOP/s':>9}{'ratio':>8}{'paired':>8}{'spread':>8}"
+        f"{'train ms':>10}{'TFLOP/s':>9}{'ratio':>8}{'paired':>8}{'spread':>8}"
+    )
+    table = [
+        "| backend | N | forward ms (TFLOP/s) | ratio | paired | spread | training step ms (TFLOP/s) | ratio | "
+        "paired | spread |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for name in backends:
         for N in lengths:
             row, cells = f"{name:<22}{N:>6}", [name, str(N)]
@@ -207,14 +229,19 @@ def main() -> None:
     overhead = op_overhead(device, dtype)
     if args.markdown_section:
         meta = report.script_meta(sys.argv, "float32" if args.tiny else "bf16")
-        lines = report.heading("##", "A Llama-3-8B decoder layer through HuggingFace (the paper's Table 9)", meta,
-                               explanation(config, args.rounds))
+        lines = report.heading(
+            "##",
+            "A Llama-3-8B decoder layer through HuggingFace (the paper's Table 9)",
+            meta,
+            explanation(config, args.rounds),
+        )
         lines += [*table, "", *(f"- host time per call, {label}: {us:.1f} µs" for label, us in overhead)]
         report.write_section(args.markdown_section, SECTION, "\n".join(lines))
 
 
-def compiled_steps(backends: dict[str, Backend], case: Inputs, tiny: bool, rounds: int,
-                   device: torch.device) -> list[str]:
+def compiled_steps(
+    backends: dict[str, Backend], case: Inputs, tiny: bool, rounds: int, device: torch.device
+) -> list[str]:
     """Each implementation's training step with its layer's forward torch.compile'd (fullgraph where it can);
     prints them, and returns their markdown table."""
     compiled, compile_s, fullgraph = {}, {}, {}
@@ -233,19 +260,28 @@ def compiled_steps(backends: dict[str, Backend], case: Inputs, tiny: bool, round
         compile_s[name] = time.perf_counter() - start
     for name, forward in compiled.items():  # warm again: a reset above drops the functions compiled before it
         backends[name].train_step(case, forward)
-    times = in_rounds({name: (lambda b=backends[name], f=f: b.train_step(case, f)) for name, f in compiled.items()},
-                      rounds, device)
-    print(f"\ntorch.compile'd forward+backward (AdamW eager), N={case.N}: median ms of {rounds} rounds, ratio to "
-          f"sdpa, paired ratio, spread, first call's compile in s, whether fullgraph=True compiled")
-    table = [f"| backend | compiled training step ms, N {case.N} | ratio | paired | spread | first call's compile, s | "
-             f"fullgraph |", "|---|---|---|---|---|---|---|"]
+    times = in_rounds(
+        {name: (lambda b=backends[name], f=f: b.train_step(case, f)) for name, f in compiled.items()}, rounds, device
+    )
+    print(
+        f"\ntorch.compile'd forward+backward (AdamW eager), N={case.N}: median ms of {rounds} rounds, ratio to "
+        f"sdpa, paired ratio, spread, first call's compile in s, whether fullgraph=True compiled"
+    )
+    table = [
+        f"| backend | compiled training step ms, N {case.N} | ratio | paired | spread | first call's compile, s | "
+        f"fullgraph |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for name, t in times.items():
         ms, spread = median_and_spread(t)
         ratio, paired = ms / median_and_spread(times["sdpa"])[0], paired_ratio(t, times["sdpa"])
-        print(f"{name:<22}{ms:>10.3f}{ratio:>8.3f}{paired:>8.3f}{spread:>8.1%}{compile_s[name]:>8.1f}"
-              f"  {fullgraph[name]}")
-        table.append(f"| {name} | {ms:.3f} | {ratio:.3f} | {paired:.3f} | {spread:.1%} | {compile_s[name]:.1f} | "
-                     f"{fullgraph[name]} |")
+        print(
+            f"{name:<22}{ms:>10.3f}{ratio:>8.3f}{paired:>8.3f}{spread:>8.1%}{compile_s[name]:>8.1f}  {fullgraph[name]}"
+        )
+        table.append(
+            f"| {name} | {ms:.3f} | {ratio:.3f} | {paired:.3f} | {spread:.1%} | {compile_s[name]:.1f} | "
+            f"{fullgraph[name]} |"
+        )
     return table
 
 
@@ -253,6 +289,7 @@ def op_overhead(device: torch.device, dtype: torch.dtype, calls: int = 2000) -> 
     """Host time per call of a warm eager program call (binding, plan lookup, launch), of the custom op that
     compiled code calls, and of ``af.run_attention`` on the traced graph, on a tiny input (so the kernel's
     time does not count): printed, and returned as (label, µs) pairs."""
+
     @af.attention
     def causal(q, k, v):
         return af.softmax(af.causal(af.scaled_dot_product(q, k))) @ v
@@ -260,11 +297,16 @@ def op_overhead(device: torch.device, dtype: torch.dtype, calls: int = 2000) -> 
     q, k, v = (torch.randn(1, 1, 16, 16, device=device, dtype=dtype) for _ in range(3))
     graph = causal.graph()
     calls = calls if device.type == "cuda" else 20
+
     def through_op():
         return custom_op.call(graph, q, k, v, {}, return_lse=False, kv_lens=None, block_table=None)
+
     measured = []
-    for label, fn in (("eager program call", lambda: causal(q, k, v)), ("the custom op", through_op),
-                      ("af.run_attention", lambda: af.run_attention(graph, q, k, v))):
+    for label, fn in (
+        ("eager program call", lambda: causal(q, k, v)),
+        ("the custom op", through_op),
+        ("af.run_attention", lambda: af.run_attention(graph, q, k, v)),
+    ):
         fn()
         if device.type == "cuda":
             torch.cuda.synchronize()

@@ -6,6 +6,7 @@ memory decide most tile choices, so candidates can be weeded out here before a s
 
     python benchmarks/kernel_resources.py llama --kernel dkdv --head-dim 128 --group 4 --tiles 64,64,4,2 64,128,8,3
 """
+
 from __future__ import annotations
 
 import argparse
@@ -22,8 +23,19 @@ from attnfuse.cli import resolve_program
 from attnfuse.plan import KernelConfig
 from attnfuse.runtime.compiled import KERNEL_KINDS, compiled
 
-_SIZES = {"HQ", "Nq", "N_K", "BATCH", "PAGE_SIZE", "NUM_PAGES", "SPLIT", "NUM_SPLITS", "SPLIT_BLOCKS", "SPLIT_ROWS",
-          "HEAD_GROUP"}
+_SIZES = {
+    "HQ",
+    "Nq",
+    "N_K",
+    "BATCH",
+    "PAGE_SIZE",
+    "NUM_PAGES",
+    "SPLIT",
+    "NUM_SPLITS",
+    "SPLIT_BLOCKS",
+    "SPLIT_ROWS",
+    "HEAD_GROUP",
+}
 _FLOAT32 = {"Lse", "Delta", "PartOut", "PartLse", "DLse", "PartDKV"}
 _INT32 = {"KvLens", "BlockTable", "SplitCount"}
 
@@ -54,27 +66,32 @@ def signature(fn, tensors: dict[str, int], dtype: str) -> tuple[dict, dict, dict
 def report(kernel, plan, tiles: tuple[int, int, int, int], dtype: str) -> str:
     block_m, block_n, warps, stages = tiles
     fn = kernel._kernel.fn
-    tensors = {f"{call.prefix}_{t.name}": t.rank for call in plan.plugin_calls
-               for t in call.apply.declaration.tensors}
+    tensors = {f"{call.prefix}_{t.name}": t.rank for call in plan.plugin_calls for t in call.apply.declaration.tensors}
     types, values, attributes = signature(fn, tensors, dtype)
     values.update(kernel.spec.launch.constants, BLOCK_M=block_m, BLOCK_N=block_n)
     values.update({name: True for name in ("EVEN_K", "EVEN_M") if name in fn.arg_names})
     values = {k: v for k, v in values.items() if k in fn.arg_names}
-    compiled = triton.compile(ASTSource(fn, types, values, attributes), target=GPUTarget("cuda", 90, 32),
-                              options=dict(num_warps=warps, num_stages=stages))
+    compiled = triton.compile(
+        ASTSource(fn, types, values, attributes),
+        target=GPUTarget("cuda", 90, 32),
+        options=dict(num_warps=warps, num_stages=stages),
+    )
     # the ptxas Triton compiled with: torch.compile sets TRITON_PTXAS_PATH to torch's own (a newer CUDA), whose
     # PTX version an older ptxas refuses
     ptxas = triton.knobs.nvidia.ptxas.path
     with tempfile.NamedTemporaryFile("w", suffix=".ptx") as ptx:
         ptx.write(compiled.asm["ptx"])
         ptx.flush()
-        out = subprocess.run([ptxas, "-arch=sm_90a", "-v", ptx.name, "-o", os.devnull], capture_output=True,
-                             text=True).stderr
+        out = subprocess.run(
+            [ptxas, "-arch=sm_90a", "-v", ptx.name, "-o", os.devnull], capture_output=True, text=True
+        ).stderr
     regs = re.search(r"Used (\d+) registers", out)
     spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", out)
-    return (f"BM{block_m} BN{block_n} w{warps} s{stages}: {regs.group(1) if regs else '?'} registers, "
-            f"spills {spills.group(1) if spills else '?'} B stored / {spills.group(2) if spills else '?'} B loaded, "
-            f"shared memory {compiled.metadata.shared} B")
+    return (
+        f"BM{block_m} BN{block_n} w{warps} s{stages}: {regs.group(1) if regs else '?'} registers, "
+        f"spills {spills.group(1) if spills else '?'} B stored / {spills.group(2) if spills else '?'} B loaded, "
+        f"shared memory {compiled.metadata.shared} B"
+    )
 
 
 def main() -> None:
@@ -84,16 +101,23 @@ def main() -> None:
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--group", type=int, default=1, help="Hq // Hkv")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
-    parser.add_argument("--hoisted", action="store_true", help="the kernels a hoisted program runs (q and k "
-                                                              "transformed by passes)")
+    parser.add_argument(
+        "--hoisted", action="store_true", help="the kernels a hoisted program runs (q and k transformed by passes)"
+    )
     parser.add_argument("--tiles", nargs="+", default=["128,128,8,3"], help="BLOCK_M,BLOCK_N,warps,stages ...")
     args = parser.parse_args()
     program, _ = resolve_program(args.program)
     graph = program.graph()
     training = args.kernel in ("dkdv", "dq")
-    config = KernelConfig(arch="sm90", dtype=args.dtype, head_dim=args.head_dim, head_dim_v=args.head_dim,
-                          group=args.group, save_lse=training and graph.has_lse,
-                          fp32_precision="ieee")
+    config = KernelConfig(
+        arch="sm90",
+        dtype=args.dtype,
+        head_dim=args.head_dim,
+        head_dim_v=args.head_dim,
+        group=args.group,
+        save_lse=training and graph.has_lse,
+        fp32_precision="ieee",
+    )
     if args.hoisted:
         config = compiled(graph, config).plan.hoisted_config
     program_kernels = compiled(graph, config)

@@ -1,9 +1,10 @@
 """Inside Table 9's training steps (benchmarks/hf_layer.py's layer and implementations), on the GPU:
 
-    python benchmarks/layer_steps.py --profile 8192   # the kernels and GPU idle gaps of three training steps
-    python benchmarks/layer_steps.py --timing 8192    # a training step timed three ways, with the SM clock
-    python benchmarks/layer_steps.py --busy 2048,4096,8192   # the GPU's busy time per forward and training step
+python benchmarks/layer_steps.py --profile 8192   # the kernels and GPU idle gaps of three training steps
+python benchmarks/layer_steps.py --timing 8192    # a training step timed three ways, with the SM clock
+python benchmarks/layer_steps.py --busy 2048,4096,8192   # the GPU's busy time per forward and training step
 """
+
 from __future__ import annotations
 
 import argparse
@@ -39,6 +40,7 @@ def timing(backends: dict[str, Backend], case: Inputs, steps: int = 10) -> None:
     synchronisations (CUDA events); ``steps`` back-to-back steps' total over ``steps``; each followed by the SM
     clock in MHz (NVML, where the nvidia-ml-py package is present): whether do_bench's figure is the kernels',
     the host's or a lower clock's."""
+
     def clock() -> str:
         try:
             return f"{torch.cuda.clock_rate()} MHz"
@@ -93,11 +95,16 @@ def print_gaps(events, shown: int = 5) -> None:
 
     busy, span, gaps = busy_and_gaps(events)
     host = [e for e in events if e.device_type == DeviceType.CPU]
-    print(f"GPU busy {busy / 1e3:.3f} ms of {span / 1e3:.3f} ms from first to last kernel "
-          f"(idle {(span - busy) / 1e3:.3f} ms in {len(gaps)} gaps)")
+    print(
+        f"GPU busy {busy / 1e3:.3f} ms of {span / 1e3:.3f} ms from first to last kernel "
+        f"(idle {(span - busy) / 1e3:.3f} ms in {len(gaps)} gaps)"
+    )
     for length, at, before in sorted(gaps, reverse=True)[:shown]:
-        running = sorted((e.time_range.end - e.time_range.start, e.name) for e in host
-                         if e.time_range.start <= at <= e.time_range.end)
+        running = sorted(
+            (e.time_range.end - e.time_range.start, e.name)
+            for e in host
+            if e.time_range.start <= at <= e.time_range.end
+        )
         print(f"  {length:8.1f} us after {before[:60]}; host in: {', '.join(n for _, n in running[:3])}")
 
 
@@ -120,33 +127,56 @@ def gpu_busy(step: Callable[[], None], steps: int = 3) -> float:
 def busy(backends: dict[str, Backend], inputs: Callable[[int], Inputs], lengths: list[int], rounds: int = 3) -> None:
     """The GPU's busy ms per forward and per training step of each backend at each N, in ``rounds`` rounds
     taken in turns (as hf_layer.py's timings): the median, its ratio to sdpa's, and the paired ratio."""
-    print(f"GPU busy ms per step (torch.profiler; median of {rounds} rounds of 3 steps), "
-          "ratio and paired ratio to sdpa")
+    print(
+        f"GPU busy ms per step (torch.profiler; median of {rounds} rounds of 3 steps), ratio and paired ratio to sdpa"
+    )
     for N in lengths:
         case = inputs(N)
 
         def forward(backend: Backend) -> None:
             with torch.no_grad():
                 backend.forward(case)
+
         for label, run in (("forward", forward), ("train", lambda backend: backend.train_step(case))):
-            times = in_rounds({name: (lambda b=b: run(b)) for name, b in backends.items()}, rounds,
-                              torch.device("cuda"), measure=gpu_busy)
+            times = in_rounds(
+                {name: (lambda b=b: run(b)) for name, b in backends.items()},
+                rounds,
+                torch.device("cuda"),
+                measure=gpu_busy,
+            )
             sdpa = times["sdpa"]
             for name, t in times.items():
                 ms = median_and_spread(t)[0]
-                print(f"{name:<22}{N:>6} {label:<8}{ms:9.3f}{ms / median_and_spread(sdpa)[0]:8.3f}"
-                      f"{paired_ratio(t, sdpa):8.3f}", flush=True)
+                print(
+                    f"{name:<22}{N:>6} {label:<8}{ms:9.3f}{ms / median_and_spread(sdpa)[0]:8.3f}"
+                    f"{paired_ratio(t, sdpa):8.3f}",
+                    flush=True,
+                )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     what = parser.add_mutually_exclusive_group(required=True)
-    what.add_argument("--profile", type=int, metavar="N", help="profile three back-to-back training steps per "
-                      "implementation at N: the GPU kernels that take the most time, and the GPU's idle gaps")
-    what.add_argument("--timing", type=int, metavar="N", help="time a training step per implementation at N three "
-                      "ways (do_bench; synchronised single steps; back-to-back steps; the SM clock after each)")
-    what.add_argument("--busy", metavar="N,N", help="the GPU's busy time per forward and per training step of each "
-                      "implementation at each N (kernel time, without the host's gaps)")
+    what.add_argument(
+        "--profile",
+        type=int,
+        metavar="N",
+        help="profile three back-to-back training steps per "
+        "implementation at N: the GPU kernels that take the most time, and the GPU's idle gaps",
+    )
+    what.add_argument(
+        "--timing",
+        type=int,
+        metavar="N",
+        help="time a training step per implementation at N three "
+        "ways (do_bench; synchronised single steps; back-to-back steps; the SM clock after each)",
+    )
+    what.add_argument(
+        "--busy",
+        metavar="N,N",
+        help="the GPU's busy time per forward and per training step of each "
+        "implementation at each N (kernel time, without the host's gaps)",
+    )
     args = parser.parse_args()
     _, backends, inputs = setup(tiny=False)
     if args.profile:

@@ -8,6 +8,7 @@ optionally the Python functions that take AttnFuse's host time (cProfile).
 When the host time per call exceeds the kernels' sum, a call is host-bound and do_bench's figure for it
 measures the host as much as the kernels.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -38,8 +39,10 @@ def _profiled(step, calls: int, activities: list) -> profile:
 def kernel_means(step, calls: int = 10) -> list[tuple[float, str]]:
     """(mean µs per call of ``step``, name) of each CUDA kernel it runs, longest first (torch.profiler)."""
     prof = _profiled(step, calls, [ProfilerActivity.CUDA])
-    return sorted(((e.self_device_time_total / calls, e.key) for e in prof.key_averages()
-                   if e.self_device_time_total > 0), reverse=True)
+    return sorted(
+        ((e.self_device_time_total / calls, e.key) for e in prof.key_averages() if e.self_device_time_total > 0),
+        reverse=True,
+    )
 
 
 def kernel_times(name: str, step, calls: int = 10) -> None:
@@ -90,29 +93,37 @@ def host_profile(name: str, step, calls: int = 200, top: int = 25) -> None:
     rows = sorted(stats.stats.items(), key=lambda item: -item[1][2])[:top]
     for (path, line, func), (_, ncalls, own, cumulative, _) in rows:
         where = f"{path.rsplit('/', 2)[-2:][-1]}:{line}({func})"
-        print(f"   {own / calls * 1e6:8.1f} us own {cumulative / calls * 1e6:8.1f} us cum "
-              f"{ncalls / calls:5.1f}x  {where[:90]}")
+        print(
+            f"   {own / calls * 1e6:8.1f} us own {cumulative / calls * 1e6:8.1f} us cum "
+            f"{ncalls / calls:5.1f}x  {where[:90]}"
+        )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cases", default="llama3-8b:2048,llama3-8b:4096,gpt2:2048")
-    parser.add_argument("--variant", default="causal",
-                        help="causal, sliding_window, rope_causal (flex on pre-rotated q, k) or bigbird (block-sparse)")
+    parser.add_argument(
+        "--variant",
+        default="causal",
+        help="causal, sliding_window, rope_causal (flex on pre-rotated q, k) or bigbird (block-sparse)",
+    )
     parser.add_argument("--host-profile", action="store_true", help="also print cProfile's host functions")
     parser.add_argument("--ops", action="store_true", help="also print AttnFuse's PyTorch ops with GPU time")
     args = parser.parse_args()
     for case in args.cases.split(","):
         geometry, N = case.split(":")
         B, Hq, Hkv, D = GEOMETRIES[geometry]
-        leaves = [torch.randn(B, h, int(N), D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-                  for h in (Hq, Hkv, Hkv)]
+        leaves = [
+            torch.randn(B, h, int(N), D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+            for h in (Hq, Hkv, Hkv)
+        ]
         dout = torch.randn(B, Hq, int(N), D, device="cuda", dtype=torch.bfloat16)
         q, k, v = leaves
         cos, sin = rope_tables(int(N), D, "cuda")
 
         def inputs():
             return pre_rotate(q, k, cos, sin) if args.variant == "rope_causal" else (q, k)
+
         if args.variant == "bigbird":  # block-sparse: the same block grid for both, no SDPA equivalent
             active = bigbird_blocks(B, Hq, int(N))
             ours_mask, mask = af.BlockMask.from_blocks(active, int(N), int(N)), flex_block_mask(active)

@@ -6,6 +6,7 @@ blocks) against a mask of about the same density with no global blocks, Llama-3-
 Each kernel's mean time (torch.profiler) and TFLOP/s over the blocks it visits: a kernel that is slower
 per FLOP with global blocks than without is held up by its few long programs, not by its tiles.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -27,12 +28,16 @@ def kernel_table(name: str, active: torch.Tensor, N: int, calls: int = 10) -> No
 
     def step():
         return torch.autograd.grad(bigbird_program(*leaves, mask), leaves, dout)
-    forward_flops = 4 * int(active.sum().item()) * mask.block_size ** 2 * D
+
+    forward_flops = 4 * int(active.sum().item()) * mask.block_size**2 * D
     for us, key in kernel_means(step, calls):
         if key.startswith("attnfuse"):
             kind = key.split("_")[1]
-            print(f"N{N} {name} {mask.sparsity():.0%} sparse {kind}: {us:.1f} us "
-                  f"{PRODUCTS[kind] * forward_flops / us / 1e6:.0f} TFLOP/s", flush=True)
+            print(
+                f"N{N} {name} {mask.sparsity():.0%} sparse {kind}: {us:.1f} us "
+                f"{PRODUCTS[kind] * forward_flops / us / 1e6:.0f} TFLOP/s",
+                flush=True,
+            )
 
 
 def main() -> None:

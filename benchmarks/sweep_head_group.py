@@ -8,6 +8,7 @@ chooses, bf16, in rounds taken in turns (median ms of do_bench per round, then t
 Llama-3-8B's causal programs at D 128 run the Hopper templates, so its rows here are the generated-kernel
 variants (ALiBi, sliding window).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -19,9 +20,16 @@ import triton
 from attnfuse.bench.cases import GEOMETRIES, PROGRAMS
 from attnfuse.runtime import inputs, launcher
 
-CASES = [("gpt2", "causal", 2048), ("gpt2", "causal_alibi", 2048), ("gpt2", "causal", 8192),
-         ("gpt2", "causal_alibi", 8192), ("gpt2", "sliding_window", 8192), ("llama3-8b", "causal_alibi", 2048),
-         ("llama3-8b", "causal_alibi", 8192), ("llama3-8b", "sliding_window", 8192)]
+CASES = [
+    ("gpt2", "causal", 2048),
+    ("gpt2", "causal_alibi", 2048),
+    ("gpt2", "causal", 8192),
+    ("gpt2", "causal_alibi", 8192),
+    ("gpt2", "sliding_window", 8192),
+    ("llama3-8b", "causal_alibi", 2048),
+    ("llama3-8b", "causal_alibi", 8192),
+    ("llama3-8b", "sliding_window", 8192),
+]
 BACKWARD = [("gpt2", "causal", 2048), ("gpt2", "causal", 8192), ("llama3-8b", "causal_alibi", 8192)]
 
 
@@ -31,8 +39,9 @@ def choices(shares: list[float], geometry: str) -> dict[str, object]:
     group = Hq // Hkv
     out = {"one head": lambda heads, kv_bytes, device: 1}
     for share in shares:  # whole GQA groups whose keys and values fill at most ``share`` of the L2 cache
-        out[f"share {share}"] = lambda heads, kv_bytes, device, share=share: min(heads, group * max(
-            1, int(share * launcher.l2_bytes(device) // (kv_bytes // (B * Hkv)))))
+        out[f"share {share}"] = lambda heads, kv_bytes, device, share=share: min(
+            heads, group * max(1, int(share * launcher.l2_bytes(device) // (kv_bytes // (B * Hkv))))
+        )
     out["all heads"] = lambda heads, kv_bytes, device: heads
     out["launcher's"] = launcher.head_group
     return out
@@ -43,21 +52,26 @@ def main() -> None:
     parser.add_argument("--shares", type=float, nargs="*", default=[0.25, 0.5, 1.0])
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
-    print(f"L2 cache: {launcher.l2_bytes(torch.device('cuda')) / 2**20:.1f} MiB; launcher's L2_SHARE "
-          f"{launcher.L2_SHARE}")
+    print(
+        f"L2 cache: {launcher.l2_bytes(torch.device('cuda')) / 2**20:.1f} MiB; launcher's L2_SHARE {launcher.L2_SHARE}"
+    )
     steps = {}
     for (geometry, variant, N), backward in [(c, False) for c in CASES] + [(c, True) for c in BACKWARD]:
         B, Hq, Hkv, D = GEOMETRIES[geometry]
-        leaves = [torch.randn(B, h, N, D, device="cuda", dtype=torch.bfloat16, requires_grad=backward)
-                  for h in (Hq, Hkv, Hkv)]
+        leaves = [
+            torch.randn(B, h, N, D, device="cuda", dtype=torch.bfloat16, requires_grad=backward) for h in (Hq, Hkv, Hkv)
+        ]
         program = PROGRAMS[variant]
         if backward:
             dout = torch.randn(B, Hq, N, D, device="cuda", dtype=torch.bfloat16)
+
             def step(p=program, x=leaves, g=dout):
                 return torch.autograd.grad(p(*x), x, g)
         else:
+
             def step(p=program, x=leaves):
                 return p(*x)
+
         kv_mb = B * Hkv * N * D * 2 * 2 / 1e6
         steps[f"{geometry} {variant} N{N}{' fwd+bwd' if backward else ''} (K, V {kv_mb:.1f} MB)"] = (geometry, step)
     chooser = {geometry: choices(args.shares, geometry) for geometry in GEOMETRIES}

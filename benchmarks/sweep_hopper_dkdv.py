@@ -8,6 +8,7 @@ HF's (B, N, H, D) memory order, as a HuggingFace model's attention passes them.
     python benchmarks/sweep_hopper_dkdv.py [--N 2048 4096 8192] [--block-m 32 64] [--stages 2 3] [--split-waves 0 1 2]
         [--split-fill 1.5 3] [--paths fused deterministic] [--programs causal dense] [--layout hf] [--rounds 2]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -53,8 +54,11 @@ def main() -> None:
             finally:
                 torch.use_deterministic_algorithms(False)
             parts = ", ".join(f"{key[:24]} {t:.1f}" for t, key in rows[:6])
-            print(f"{program} N {N} block_m {block_m} stages {stages} split_waves {waves} split_fill {fill} {path}: "
-                  f"{sum(t for t, _ in rows):.1f} us ({parts})", flush=True)
+            print(
+                f"{program} N {N} block_m {block_m} stages {stages} split_waves {waves} split_fill {fill} {path}: "
+                f"{sum(t for t, _ in rows):.1f} us ({parts})",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ Prints the median ms of each configuration per case and the best; the winners go
 under which key blocks split, attnfuse.runtime.backward.SPLIT_PROGRAMS_PER_SM). Decode cases are timed from CUDA
 graph replays, so host time does not hide the kernels'.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -20,24 +21,52 @@ from triton.testing import do_bench, do_bench_cudagraph
 import attnfuse as af
 from attnfuse.passes.tile import TileConfig, TileRule
 from attnfuse.runtime import backward, decode
-from attnfuse.bench.cases import (DECODE_MODELS, GEOMETRIES, PROGRAMS, bigbird_blocks, bigbird_program,
-                                  decode_program, pairs)
+from attnfuse.bench.cases import (
+    DECODE_MODELS,
+    GEOMETRIES,
+    PROGRAMS,
+    bigbird_blocks,
+    bigbird_program,
+    decode_program,
+    pairs,
+)
 from attnfuse.runtime.launch import clear_cache
 from profile_training import kernel_means
 
 BACKWARD_CONFIGS = {  # per head dim: (BLOCK_M, BLOCK_N, warps, stages) of dK/dV, then of dQ; pairs swept
-    "dkdv": {64: [(64, 64, 4, 3), (64, 128, 8, 3), (32, 128, 4, 3)],
-             128: [(64, 64, 4, 2), (64, 64, 8, 2), (64, 64, 8, 3), (32, 128, 8, 3)]},
-    "dq": {64: [(128, 32, 4, 3), (128, 64, 8, 3), (64, 64, 4, 3)],
-           128: [(128, 64, 8, 3)]},
+    "dkdv": {
+        64: [(64, 64, 4, 3), (64, 128, 8, 3), (32, 128, 4, 3)],
+        128: [(64, 64, 4, 2), (64, 64, 8, 2), (64, 64, 8, 3), (32, 128, 8, 3)],
+    },
+    "dq": {64: [(128, 32, 4, 3), (128, 64, 8, 3), (64, 64, 4, 3)], 128: [(128, 64, 8, 3)]},
 }
-DECODE_CONFIGS = [(16, bn, warps, stages, per_sm)  # and split-KV programs per multiprocessor
-                  for bn, warps in ((64, 4), (128, 4), (128, 8)) for stages in (2, 3, 4) for per_sm in (2, 4, 8)]
+DECODE_CONFIGS = [
+    (16, bn, warps, stages, per_sm)  # and split-KV programs per multiprocessor
+    for bn, warps in ((64, 4), (128, 4), (128, 8))
+    for stages in (2, 3, 4)
+    for per_sm in (2, 4, 8)
+]
 CONFIGS = {
-    64: [(64, 64, 4, 3), (128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (64, 128, 4, 3), (128, 32, 4, 3),
-         (128, 64, 8, 4), (64, 64, 4, 4)],
-    128: [(128, 128, 8, 3), (128, 64, 8, 3), (128, 64, 4, 3), (128, 128, 8, 2), (64, 64, 4, 3), (128, 32, 4, 3),
-          (64, 128, 4, 3), (128, 128, 4, 3)],
+    64: [
+        (64, 64, 4, 3),
+        (128, 64, 4, 3),
+        (128, 64, 8, 3),
+        (128, 128, 8, 3),
+        (64, 128, 4, 3),
+        (128, 32, 4, 3),
+        (128, 64, 8, 4),
+        (64, 64, 4, 4),
+    ],
+    128: [
+        (128, 128, 8, 3),
+        (128, 64, 8, 3),
+        (128, 64, 4, 3),
+        (128, 128, 8, 2),
+        (64, 64, 4, 3),
+        (128, 32, 4, 3),
+        (64, 128, 4, 3),
+        (128, 128, 4, 3),
+    ],
 }
 
 
@@ -62,8 +91,9 @@ def sweep(case: str, kernel: str, configs, step, amount: float, unit: str, timer
         if kernel == "backward":
             dkdv, dq = config
             rules = [TileRule(config=tiles(*dkdv), kernel="dkdv"), TileRule(config=tiles(*dq), kernel="dq")]
-            label = (f"{case} dK/dV BM{dkdv[0]} BN{dkdv[1]} w{dkdv[2]} s{dkdv[3]}, "
-                     f"dQ BM{dq[0]} BN{dq[1]} w{dq[2]} s{dq[3]}")
+            label = (
+                f"{case} dK/dV BM{dkdv[0]} BN{dkdv[1]} w{dkdv[2]} s{dkdv[3]}, dQ BM{dq[0]} BN{dq[1]} w{dq[2]} s{dq[3]}"
+            )
         else:
             bm, bn, warps, stages, *per_sm = config
             rules = [TileRule(config=tiles(bm, bn, warps, stages), kernel=kernel)]
@@ -97,27 +127,51 @@ def sweep_decode(cases: str) -> None:
         Hq, Hkv, D, N = DECODE_MODELS[model]
         q = torch.randn(int(B), Hq, 1, D, device="cuda", dtype=torch.bfloat16)
         k, v = (torch.randn(int(B), Hkv, N, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-        sweep(case, "decode", DECODE_CONFIGS, lambda: decode_program(q, k, v), 2 * k.numel() * 2 * 1e3, "GB/s",
-              timer=lambda fn: do_bench_cudagraph(fn, rep=100, return_mode="median"))
+        sweep(
+            case,
+            "decode",
+            DECODE_CONFIGS,
+            lambda: decode_program(q, k, v),
+            2 * k.numel() * 2 * 1e3,
+            "GB/s",
+            timer=lambda fn: do_bench_cudagraph(fn, rep=100, return_mode="median"),
+        )
     decode.PROGRAMS_PER_SM = 2
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--cases", help="forward/backward: geometry:N:variant,... (variant: an attnfuse.bench.cases "
-                                        "program or bigbird); decode: model:B,... "
-                                        "(defaults: the cases the tile table was swept on)")
-    parser.add_argument("--kernel", default="forward", choices=["forward", "backward", "decode"],
-                        help="the kernel whose tiles are swept (backward: pairs of dK/dV and dQ tiles, "
-                             "timing forward+backward)")
-    parser.add_argument("--dkdv-tiles", nargs="+", help="backward: BLOCK_M,BLOCK_N,warps,stages of dK/dV to sweep "
-                                                        "(default: BACKWARD_CONFIGS)")
+    parser.add_argument(
+        "--cases",
+        help="forward/backward: geometry:N:variant,... (variant: an attnfuse.bench.cases "
+        "program or bigbird); decode: model:B,... "
+        "(defaults: the cases the tile table was swept on)",
+    )
+    parser.add_argument(
+        "--kernel",
+        default="forward",
+        choices=["forward", "backward", "decode"],
+        help="the kernel whose tiles are swept (backward: pairs of dK/dV and dQ tiles, timing forward+backward)",
+    )
+    parser.add_argument(
+        "--dkdv-tiles",
+        nargs="+",
+        help="backward: BLOCK_M,BLOCK_N,warps,stages of dK/dV to sweep (default: BACKWARD_CONFIGS)",
+    )
     parser.add_argument("--dq-tiles", nargs="+", help="backward: the same for dQ")
     parser.add_argument("--tiles", nargs="+", help="forward: BLOCK_M,BLOCK_N,warps,stages to sweep (default: CONFIGS)")
-    parser.add_argument("--gpu-time", action="store_true", help="time the kernels alone (torch.profiler's sum "
-                        "of kernel times per step), not do_bench's wall time: small steps are host-bound")
-    parser.add_argument("--split-per-sm", nargs="+", type=int, help="backward: values of "
-                        "attnfuse.runtime.backward.SPLIT_PROGRAMS_PER_SM to sweep too (0: no split)")
+    parser.add_argument(
+        "--gpu-time",
+        action="store_true",
+        help="time the kernels alone (torch.profiler's sum "
+        "of kernel times per step), not do_bench's wall time: small steps are host-bound",
+    )
+    parser.add_argument(
+        "--split-per-sm",
+        nargs="+",
+        type=int,
+        help="backward: values of attnfuse.runtime.backward.SPLIT_PROGRAMS_PER_SM to sweep too (0: no split)",
+    )
     args = parser.parse_args()
     if args.tiles:
         for D in CONFIGS:
@@ -129,19 +183,21 @@ def main() -> None:
         sweep_decode(args.cases or "llama3-8b:1,llama3-70b:1,llama3-8b:8")
         clear_cache()
         return
-    cases = args.cases or ("gpt2:4096:causal,llama3-8b:8192:causal,llama3-8b:8192:rope_causal,llama3-8b:8192:dense,"
-                           "gpt2:4096:rope_causal")
+    cases = args.cases or (
+        "gpt2:4096:causal,llama3-8b:8192:causal,llama3-8b:8192:rope_causal,llama3-8b:8192:dense,gpt2:4096:rope_causal"
+    )
     for case in cases.split(","):
         geometry, N, variant = case.split(":")
         N = int(N)
         B, Hq, Hkv, D = GEOMETRIES[geometry]
         training = args.kernel != "forward"
-        q, k, v = (torch.randn(B, h, N, D, device="cuda", dtype=torch.bfloat16, requires_grad=training)
-                   for h in (Hq, Hkv, Hkv))
+        q, k, v = (
+            torch.randn(B, h, N, D, device="cuda", dtype=torch.bfloat16, requires_grad=training) for h in (Hq, Hkv, Hkv)
+        )
         if variant == "bigbird":  # block-sparse, Llama-3-8B's block grid of attnfuse bench's sparse suite
             active = bigbird_blocks(B, Hq, N)
             mask = af.BlockMask.from_blocks(active, N, N)
-            kept = int(active.sum().item()) * mask.block_size ** 2 // (B * Hq)
+            kept = int(active.sum().item()) * mask.block_size**2 // (B * Hq)
             program = lambda q, k, v: bigbird_program(q, k, v, mask)  # noqa: E731
         else:
             kept, program = pairs(variant, N), PROGRAMS[variant]
@@ -150,13 +206,22 @@ def main() -> None:
         def step():
             out = program(q, k, v)
             return torch.autograd.grad(out, (q, k, v), out) if training else out
-        configs = list(itertools.product(BACKWARD_CONFIGS["dkdv"][D], BACKWARD_CONFIGS["dq"][D])) if training \
-            else CONFIGS[D]
+
+        configs = (
+            list(itertools.product(BACKWARD_CONFIGS["dkdv"][D], BACKWARD_CONFIGS["dq"][D])) if training else CONFIGS[D]
+        )
         default_split = backward.SPLIT_PROGRAMS_PER_SM
         for per_sm in args.split_per_sm or [default_split]:
             backward.SPLIT_PROGRAMS_PER_SM = per_sm
-            sweep(f"{case} split<{per_sm}/SM" if args.split_per_sm else case, args.kernel, configs, step, flops,
-                  "TFLOP/s", timer=kernel_time if args.gpu_time else None)
+            sweep(
+                f"{case} split<{per_sm}/SM" if args.split_per_sm else case,
+                args.kernel,
+                configs,
+                step,
+                flops,
+                "TFLOP/s",
+                timer=kernel_time if args.gpu_time else None,
+            )
         backward.SPLIT_PROGRAMS_PER_SM = default_split
     clear_cache()
 

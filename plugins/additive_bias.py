@@ -2,6 +2,7 @@
 
 The kernel reads the bias tile by tile through broadcast (stride-0) views: it is never expanded in memory.
 """
+
 from __future__ import annotations
 
 import torch
@@ -17,8 +18,10 @@ def _broadcast(bias, B: int, Hq: int, Nq: int, Nk: int) -> torch.Tensor:
     try:
         return torch.broadcast_to(bias, (B, Hq, Nq, Nk))
     except RuntimeError:
-        raise InputError(f"additive_bias: bias of shape {tuple(bias.shape)} does not broadcast to "
-                         f"(B, Hq, Nq, Nk) = {(B, Hq, Nq, Nk)}") from None
+        raise InputError(
+            f"additive_bias: bias of shape {tuple(bias.shape)} does not broadcast to "
+            f"(B, Hq, Nq, Nk) = {(B, Hq, Nq, Nk)}"
+        ) from None
 
 
 def reference(s, ctx, bias):

@@ -1,4 +1,5 @@
 """alibi(s, slopes=None): s + slope_h·(j - q'), slopes defaulting to the ALiBi paper's sequence."""
+
 from __future__ import annotations
 
 import math
@@ -14,6 +15,7 @@ from attnfuse.hookspecs import hookimpl
 def default_slopes(num_heads: int) -> list[float]:
     """Press et al. (2022): a geometric sequence starting at 2^(-8/n) for n a power of two; otherwise
     the sequence for the closest smaller power of two, then every other slope of the next one."""
+
     def power_of_two(n: int) -> list[float]:
         start = 2.0 ** (-8.0 / n)
         return [start ** (i + 1) for i in range(n)]
@@ -26,16 +28,19 @@ def default_slopes(num_heads: int) -> list[float]:
 
 def _default_slopes_tensor(num_heads: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
     """The default slopes (Hq,), made once per setting (outside CUDA graph pools)."""
-    return device_cached(("alibi", num_heads, dtype),
-                         lambda: torch.tensor(default_slopes(num_heads), dtype=dtype, device=device), device)
+    return device_cached(
+        ("alibi", num_heads, dtype), lambda: torch.tensor(default_slopes(num_heads), dtype=dtype, device=device), device
+    )
 
 
 def _slopes(slopes, num_heads: int, device, dtype=torch.float32) -> torch.Tensor:
     if slopes is None:
         return _default_slopes_tensor(num_heads, device, dtype)
     if not isinstance(slopes, torch.Tensor) or slopes.shape != (num_heads,) or not slopes.is_floating_point():
-        raise InputError(f"alibi: slopes must be a float tensor of shape (Hq,) = ({num_heads},), got "
-                         f"{getattr(slopes, 'shape', type(slopes).__name__)}")
+        raise InputError(
+            f"alibi: slopes must be a float tensor of shape (Hq,) = ({num_heads},), got "
+            f"{getattr(slopes, 'shape', type(slopes).__name__)}"
+        )
     return slopes
 
 

@@ -1,4 +1,5 @@
 """causal(s): query i at position q' = i + Nk - Nq keeps keys j <= q'."""
+
 from __future__ import annotations
 
 from attnfuse.combinator import Combinator, MaskFragment, Role

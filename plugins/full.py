@@ -1,4 +1,5 @@
 """full(s): no mask; every key is kept."""
+
 from __future__ import annotations
 
 from attnfuse.combinator import Combinator, MaskFragment, Role

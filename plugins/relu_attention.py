@@ -4,6 +4,7 @@ A sequence with no keys (``kv_lens`` 0) gets 0, and its gradients are 0. The ker
 divided by their running maximum (when above 1) and multiplies it back at the end, so weights cast to
 float16 or bfloat16 for P·V cannot overflow where the result itself fits.
 """
+
 from __future__ import annotations
 
 import torch

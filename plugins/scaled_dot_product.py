@@ -1,4 +1,5 @@
 """scaled_dot_product(q, k, scale=None): s = q·kᵀ·scale, with scale defaulting to 1/√D."""
+
 from __future__ import annotations
 
 from attnfuse.checks import finite_number_or_none
@@ -8,7 +9,7 @@ from attnfuse.hookspecs import hookimpl
 
 def reference(q, k, ctx, scale):
     """q (B, Hq, Nq, D), k (B, Hq, Nk, D) -> s (B, Hq, Nq, Nk)."""
-    scale = ctx.D ** -0.5 if scale is None else scale
+    scale = ctx.D**-0.5 if scale is None else scale
     return q @ k.transpose(-1, -2) * scale
 
 
@@ -22,8 +23,7 @@ COMBINATOR = Combinator(
     name="scaled_dot_product",
     role=Role.SCORE_SOURCE,
     doc="Scores s = q·kᵀ·scale; scale defaults to 1/√D.",
-    params=[Param(name="scale", default=None, check=finite_number_or_none,
-                  doc="multiplier of q·kᵀ; None means 1/√D")],
+    params=[Param(name="scale", default=None, check=finite_number_or_none, doc="multiplier of q·kᵀ; None means 1/√D")],
     reference=reference,
     fragment=ScoreSourceFragment(),
     examples=examples,

@@ -1,4 +1,5 @@
 """sliding_window(s, left, right=0): keep q' - left <= j <= q' + right (FlashAttention's window_size)."""
+
 from __future__ import annotations
 
 from attnfuse.checks import non_negative_int
@@ -22,8 +23,14 @@ def reference(ctx, left, right):
 def fragment(left, right):
     """The mask's fragment; a side at least ``UNBOUNDED`` wide keeps everything on that side."""
     bounded_left, bounded_right = left < UNBOUNDED, right < UNBOUNDED
-    keep = [c for c, bounded in (("(k_pos[None, :] >= q_pos[:, None] - $left)", bounded_left),
-                                 ("(k_pos[None, :] <= q_pos[:, None] + $right)", bounded_right)) if bounded]
+    keep = [
+        c
+        for c, bounded in (
+            ("(k_pos[None, :] >= q_pos[:, None] - $left)", bounded_left),
+            ("(k_pos[None, :] <= q_pos[:, None] + $right)", bounded_right),
+        )
+        if bounded
+    ]
     return MaskFragment(
         keep=" & ".join(keep) or None,
         kv_range=("$q_lo - $left" if bounded_left else "0", "$q_hi + $right + 1" if bounded_right else "Nk"),

@@ -9,6 +9,7 @@ tanh(x), x = s/cap, in two branches, both accurate to a few float32 ulps:
   is below 4e-9 relatively), because 1 - e would cancel catastrophically there (a large cap would lose
   every digit of s). x² is clamped to 1/16, so the branch tl.where discards never overflows either.
 """
+
 from __future__ import annotations
 
 import torch

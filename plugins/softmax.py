@@ -2,6 +2,7 @@
 
 A row whose every key is masked gets weights 0 (and lse -inf), never NaN.
 """
+
 from __future__ import annotations
 
 import math

@@ -14,6 +14,7 @@ by log-sum-exp when only one of them counts the sink: the others run ``partial``
 which leaves it out. Context parallelism (``attnfuse.distributed``) does that; split-KV
 decoding, whose splits are alike, is not offered.
 """
+
 from __future__ import annotations
 
 import math
@@ -30,8 +31,10 @@ LOG2E = 1.4426950408889634
 
 def _sinks(sinks, Hq: int) -> torch.Tensor:
     if not isinstance(sinks, torch.Tensor) or sinks.shape != (Hq,) or not sinks.is_floating_point():
-        raise InputError(f"softmax_with_sinks: sinks must be a float tensor of shape (Hq,) = ({Hq},), got "
-                         f"{getattr(sinks, 'dtype', type(sinks).__name__)} {tuple(getattr(sinks, 'shape', ()))}")
+        raise InputError(
+            f"softmax_with_sinks: sinks must be a float tensor of shape (Hq,) = ({Hq},), got "
+            f"{getattr(sinks, 'dtype', type(sinks).__name__)} {tuple(getattr(sinks, 'shape', ()))}"
+        )
     return sinks
 
 
@@ -89,7 +92,7 @@ COMBINATOR = Combinator(
     tensors=[TensorArg(name="sinks", rank=1)],
     prepare=prepare,
     fragment=NormaliserFragment(
-        score_factor=LOG2E,                       # scores arrive in log2 units
+        score_factor=LOG2E,  # scores arrive in log2 units
         masked_score='float("-inf")',
         # The running max and sum start at the sink's term: max sink2, sum exp2(0) = 1. (h is this
         # program's head; the sum over a (BLOCK_M, 1) tile makes the shape (BLOCK_M,) either way.)
@@ -108,13 +111,13 @@ COMBINATOR = Combinator(
         # Padding rows (past Nq) arrive with lse -inf: +inf gives them p = 0 rather than NaN.
         backward_rows=f'lse2 = tl.where(lse == float("-inf"), float("inf"), lse * {LOG2E})',
         recompute="p = tl.math.exp2(s - lse2[:, None])",
-        grad="ds = p * (dp - delta[:, None])",    # d lse / d s_j = p_j: the sink only changes lse
+        grad="ds = p * (dp - delta[:, None])",  # d lse / d s_j = p_j: the sink only changes lse
         needs_delta=True,
         combine="logsumexp",
-        partial=SOFTMAX.fragment,                 # a partial result over keys alone: the sink left out
+        partial=SOFTMAX.fragment,  # a partial result over keys alone: the sink left out
     ),
     examples=examples,
-    takes_offsets=True,                           # its one tensor is read by head, never by position
+    takes_offsets=True,  # its one tensor is read by head, never by position
 )
 
 

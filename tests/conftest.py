@@ -4,6 +4,7 @@ examples the fuzzers draw.
 
 Under pytest-xdist (``-n 2``) every worker is its own process with its own session: its own kernel cache
 directory, named after the worker, and the same seed for a test whichever worker runs it."""
+
 import contextlib
 import os
 import random
@@ -57,8 +58,13 @@ def pytest_runtest_makereport(item, call):
     report = (yield).get_result()
     if report.failed:
         seed = dict(item.user_properties).get("seed")
-        report.sections.append(("replay", f"torch.manual_seed({seed}) and random.seed({seed}) were set from the "
-                                          f"test id; rerun with: pytest '{item.nodeid}'"))
+        report.sections.append(
+            (
+                "replay",
+                f"torch.manual_seed({seed}) and random.seed({seed}) were set from the "
+                f"test id; rerun with: pytest '{item.nodeid}'",
+            )
+        )
 
 
 def fuzz_examples(cpu_default: int, gpu_default: int) -> int:

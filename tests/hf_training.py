@@ -1,4 +1,5 @@
 """What the HF training tests share: a left-padded batch and one training step's results (tiny models, CPU)."""
+
 import torch
 
 
@@ -19,5 +20,8 @@ def training_step(model, implementation: str, batch) -> dict[str, torch.Tensor]:
     model.zero_grad()
     out = model(ids, attention_mask=mask, labels=labels)
     out.loss.backward()
-    return {"loss": out.loss.detach(), "logits": out.logits.detach(),
-            **{name: p.grad.clone() for name, p in model.named_parameters()}}
+    return {
+        "loss": out.loss.detach(),
+        "logits": out.logits.detach(),
+        **{name: p.grad.clone() for name, p in model.named_parameters()},
+    }

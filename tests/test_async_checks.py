@@ -5,6 +5,7 @@ call raises at once; CUDA's deferred reporting is run here by a CPU record made 
 completion is an injected event. The interpreter bounds-checks every load, so a call that returns read
 nothing outside the pool.
 """
+
 import threading
 import time
 
@@ -21,12 +22,23 @@ CPU = torch.device("cpu")
 # Every hostile value tests/test_hostile_memory.py and tests/test_gpu.py use: block_table entries ("page"; P is
 # the first page past the pool, 64 in test_gpu's 64-page pool) and kv_lens ("length"; the cache holds 3 * PAGE
 # keys per sequence, so 3 * PAGE + 1 is the first length past its capacity).
-HOSTILE = [("page", P, torch.int32), ("page", -1, torch.int32), ("page", 10**6, torch.int32),
-           ("page", -2**31, torch.int32), ("page", 2**32 + 3, torch.int64),
-           ("length", 2**32 + 5, torch.int64), ("length", -1, torch.int64), ("length", 3 * PAGE + 1, torch.int32),
-           ("length", 2**31 - 1, torch.int32), ("length", 3 * PAGE + 1, torch.int64)]
-CASES = [(what, value, dtype, cache) for what, value, dtype in HOSTILE
-         for cache in (("paged",) if what == "page" else ("contiguous", "paged"))]
+HOSTILE = [
+    ("page", P, torch.int32),
+    ("page", -1, torch.int32),
+    ("page", 10**6, torch.int32),
+    ("page", -(2**31), torch.int32),
+    ("page", 2**32 + 3, torch.int64),
+    ("length", 2**32 + 5, torch.int64),
+    ("length", -1, torch.int64),
+    ("length", 3 * PAGE + 1, torch.int32),
+    ("length", 2**31 - 1, torch.int32),
+    ("length", 3 * PAGE + 1, torch.int64),
+]
+CASES = [
+    (what, value, dtype, cache)
+    for what, value, dtype in HOSTILE
+    for cache in (("paged",) if what == "page" else ("contiguous", "paged"))
+]
 
 
 @af.attention
@@ -57,17 +69,23 @@ def _hostile(what, value, dtype, table, lens):
 
 def _message(what, value, cache):
     if what == "page":
-        return (rf"block_table\[1, 1\] = {value} is not a page of the pool: the 2 entries sequence 1 uses "
-                rf"\(kv_lens\[1\] = 30, page_size {PAGE}\) must each be in \[0, {P}\)")
-    capacity = (rf"the capacity of the contiguous cache: Nk = {3 * PAGE}" if cache == "contiguous" else
-                rf"the capacity of its paged cache: block_table's 3 pages x page_size {PAGE}")
+        return (
+            rf"block_table\[1, 1\] = {value} is not a page of the pool: the 2 entries sequence 1 uses "
+            rf"\(kv_lens\[1\] = 30, page_size {PAGE}\) must each be in \[0, {P}\)"
+        )
+    capacity = (
+        rf"the capacity of the contiguous cache: Nk = {3 * PAGE}"
+        if cache == "contiguous"
+        else rf"the capacity of its paged cache: block_table's 3 pages x page_size {PAGE}"
+    )
     return rf"kv_lens\[1\] = {value}: a sequence's key count must be in \[0, {3 * PAGE}\], {capacity}$"
 
 
 def _call(q, pool_k, pool_v, k, v, table, lens, cache, split_kv, validate=True):
     if cache == "paged":
-        return launch.run_attention(dense.graph(), q, pool_k, pool_v, kv_lens=lens, block_table=table,
-                                    split_kv=split_kv, validate=validate)
+        return launch.run_attention(
+            dense.graph(), q, pool_k, pool_v, kv_lens=lens, block_table=table, split_kv=split_kv, validate=validate
+        )
     return launch.run_attention(dense.graph(), q, k, v, kv_lens=lens, split_kv=split_kv, validate=validate)
 
 
@@ -85,8 +103,12 @@ def test_hostile_value_is_named_and_never_read(what, value, dtype, cache, split_
     if what == "length":  # counts as the nearest bound: 49 or 2**32 + 5 as the capacity (48 keys), -1 as none
         want = dense.reference(q, k, v, kv_lens=bad_lens.clamp(0, 3 * PAGE))
     else:  # the keys on the bad page (16..29 of sequence 1) are absent
-        want = torch.cat((dense.reference(q[:1], k[:1], v[:1], kv_lens=lens[:1]),
-                          dense.reference(q[1:], k[1:, :, :16], v[1:, :, :16])))
+        want = torch.cat(
+            (
+                dense.reference(q[:1], k[:1], v[:1], kv_lens=lens[:1]),
+                dense.reference(q[1:], k[1:, :, :16], v[1:, :, :16]),
+            )
+        )
     torch.testing.assert_close(out, want, atol=1e-10, rtol=0)
 
 
@@ -111,9 +133,13 @@ class _Event:
 def deferred(monkeypatch):
     """The CPU's error record made deferred, as a CUDA device's is: (record, event, capture flag)."""
     event, capture = _Event(), {"on": False}
-    record = ErrorRecord(torch.zeros(RECORD_SIZE, dtype=torch.int64), deferred=True,
-                         host=torch.zeros(RECORD_SIZE, dtype=torch.int64), event=event,
-                         capturing=lambda: capture["on"])
+    record = ErrorRecord(
+        torch.zeros(RECORD_SIZE, dtype=torch.int64),
+        deferred=True,
+        host=torch.zeros(RECORD_SIZE, dtype=torch.int64),
+        event=event,
+        capturing=lambda: capture["on"],
+    )
     monkeypatch.setitem(error_record._records, CPU, record)
     return record, event, capture
 
@@ -123,8 +149,9 @@ def _paged_calls():
     q, pool_k, pool_v, _, _, table, lens = _cache()
     bad, worse = table.clone(), table.clone()
     bad[1, 1], worse[0, 0] = 10**6, -1
-    return tuple((lambda t=t, **kw: dense(q, pool_k, pool_v, kv_lens=lens, block_table=t, **kw))
-                 for t in (table, bad, worse))
+    return tuple(
+        (lambda t=t, **kw: dense(q, pool_k, pool_v, kv_lens=lens, block_table=t, **kw)) for t in (table, bad, worse)
+    )
 
 
 BAD_1_1 = r"block_table\[1, 1\] = 1000000 is not a page of the pool: .* \(recorded on cpu by the check of an earlier"
@@ -186,7 +213,8 @@ def test_one_launch_with_two_bad_sequences_records_one_with_its_facts():
         f"block_table[0, 2] = 7 is not a page of the pool: the 3 entries sequence 0 uses (kv_lens[0] = 40, "
         f"page_size {PAGE}) must each be in [0, {P})",
         f"block_table[1, 0] = -3 is not a page of the pool: the 2 entries sequence 1 uses (kv_lens[1] = 30, "
-        f"page_size {PAGE}) must each be in [0, {P})")
+        f"page_size {PAGE}) must each be in [0, {P})",
+    )
 
 
 def test_a_capture_checks_but_neither_copies_nor_reports(deferred):
@@ -235,6 +263,7 @@ def test_the_check_writes_the_record_without_reading_values_on_the_host(deferred
 
     def refuse(*args, **kwargs):
         raise AssertionError("a host read of a tensor's values inside the check")
+
     for name in ("tolist", "item", "__int__", "__index__", "__bool__", "__float__", "numpy", "cpu"):
         monkeypatch.setattr(torch.Tensor, name, refuse)
     validate.check_cache_values(lens, table, P, PAGE, 3 * PAGE)
@@ -249,12 +278,29 @@ def test_the_check_kernel_records_a_length_with_its_sequence(bad):
     values = torch.zeros(RECORD_SIZE, dtype=torch.int64)
     record = ErrorRecord(values, deferred=False)
     lens = torch.tensor([5, 7, bad], dtype=torch.int64)
-    with pytest.raises(af.InputError, match=rf"^kv_lens\[2\] = {bad}: a sequence's key count must be in \[0, 7\], "
-                                            rf"the capacity of the contiguous cache: Nk = 7$"):
-        record.run_check(lambda v: validate._interpreted.launch(
-            (3,), validate.CHECK.bind({"KvLens": lens, "BlockTable": lens, "Record": v, "stride_btb": 0,
-                                       "stride_btp": 0, "PAGE_SIZE": 0, "NUM_PAGES": 0, "CAPACITY": 7}),
-            validate.CHECK.constexprs({"PAGED": False, "BLOCK_P": 16})))
+    with pytest.raises(
+        af.InputError,
+        match=rf"^kv_lens\[2\] = {bad}: a sequence's key count must be in \[0, 7\], "
+        rf"the capacity of the contiguous cache: Nk = 7$",
+    ):
+        record.run_check(
+            lambda v: validate._interpreted.launch(
+                (3,),
+                validate.CHECK.bind(
+                    {
+                        "KvLens": lens,
+                        "BlockTable": lens,
+                        "Record": v,
+                        "stride_btb": 0,
+                        "stride_btp": 0,
+                        "PAGE_SIZE": 0,
+                        "NUM_PAGES": 0,
+                        "CAPACITY": 7,
+                    }
+                ),
+                validate.CHECK.constexprs({"PAGED": False, "BLOCK_P": 16}),
+            )
+        )
     assert not values.any()
 
 
@@ -266,12 +312,14 @@ def test_two_threads_make_one_record(monkeypatch):
         made.append(device)
         time.sleep(0.05)  # both threads are past their unlocked lookup by now
         return slow(device)
+
     monkeypatch.setattr(error_record, "_made", slowly)
     start, found = threading.Barrier(2), []
 
     def ask():
         start.wait()
         found.append(error_record.record_for(CPU))
+
     threads = [threading.Thread(target=ask) for _ in range(2)]
     for t in threads:
         t.start()
@@ -288,17 +336,23 @@ def test_the_op_under_torch_compile_checks_as_an_eager_call_does(deferred, valid
     q, pool_k, pool_v, k, v, table, lens = _cache()
     bad = table.clone()
     bad[1, 1] = 10**6
-    compiled = torch.compile(lambda q, k, v, lens, table: dense(q, k, v, kv_lens=lens, block_table=table,
-                                                                validate=validate),
-                             backend="aot_eager", fullgraph=True)
+    compiled = torch.compile(
+        lambda q, k, v, lens, table: dense(q, k, v, kv_lens=lens, block_table=table, validate=validate),
+        backend="aot_eager",
+        fullgraph=True,
+    )
     out = compiled(q, pool_k, pool_v, lens, bad)
     assert (record.values[0] == error_record.BAD_PAGE) == validate
     if validate:
         with pytest.raises(af.InputError, match=BAD_1_1):
             af.check_errors()
     else:
-        want = torch.cat((dense.reference(q[:1], k[:1], v[:1], kv_lens=lens[:1]),
-                          dense.reference(q[1:], k[1:, :, :16], v[1:, :, :16])))
+        want = torch.cat(
+            (
+                dense.reference(q[:1], k[:1], v[:1], kv_lens=lens[:1]),
+                dense.reference(q[1:], k[1:, :, :16], v[1:, :, :16]),
+            )
+        )
         torch.testing.assert_close(out, want, atol=1e-10, rtol=0)
         dense(q, pool_k, pool_v, kv_lens=lens, block_table=bad)  # eager, validated: recorded
         event.done = True
@@ -309,8 +363,11 @@ def test_the_op_under_torch_compile_checks_as_an_eager_call_does(deferred, valid
 def test_a_cuda_record_is_not_made_inside_a_capture(monkeypatch):
     """Its memory would belong to the graph's pool: the capture needs a validated warm-up call first."""
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
-    with pytest.raises(af.InputError, match=r"inside a CUDA graph capture needs cuda:0's error record, which is made "
-                                            r"outside a capture: make one validated call on cuda:0 before capturing"):
+    with pytest.raises(
+        af.InputError,
+        match=r"inside a CUDA graph capture needs cuda:0's error record, which is made "
+        r"outside a capture: make one validated call on cuda:0 before capturing",
+    ):
         error_record._made(torch.device("cuda", 0))
 
 
@@ -323,11 +380,21 @@ def test_the_check_kernel_compiles_for_sm90_with_one_compare_and_swap(ones):
     from triton.compiler import ASTSource
 
     ints = ("PAGE_SIZE", "NUM_PAGES")
-    signature = {"KvLens": "*i32", "BlockTable": "*i64", "Record": "*i64", "stride_l": "i32", "stride_btb": "i32",
-                 "stride_btp": "i32", **{n: "constexpr" if ones else "i32" for n in ints}, "CAPACITY": "i32",
-                 "PAGED": "constexpr", "BLOCK_P": "constexpr"}
+    signature = {
+        "KvLens": "*i32",
+        "BlockTable": "*i64",
+        "Record": "*i64",
+        "stride_l": "i32",
+        "stride_btb": "i32",
+        "stride_btp": "i32",
+        **{n: "constexpr" if ones else "i32" for n in ints},
+        "CAPACITY": "i32",
+        "PAGED": "constexpr",
+        "BLOCK_P": "constexpr",
+    }
     constants = {"PAGED": True, "BLOCK_P": 16, **({n: 1 for n in ints} if ones else {})}
-    compiled = triton.compile(ASTSource(validate._jitted.fn, signature, constants),
-                              target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+    compiled = triton.compile(
+        ASTSource(validate._jitted.fn, signature, constants), target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}
+    )
     ptx = compiled.asm["ptx"]
     assert ptx.count("atom.global.acq_rel.gpu.cas.b64") == 1 and "bar.sync" in ptx and compiled.asm["cubin"]

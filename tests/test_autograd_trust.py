@@ -6,6 +6,7 @@
    whether or not the upstream gradient is constant; first-order gradients under create_graph=True still work.
 3. A gradient-carrying plugin tensor whose shape does not broadcast to the scores: refused at the call.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -22,12 +23,18 @@ IN_PLACE = "modified by an inplace operation"
 
 # A third-party score modification with a per-head tensor and its gradient: s + w[h].
 
+
 def _head_weights(w, Hq: int) -> torch.Tensor:
     """w as (Hq,); the plugin accepts (Hq,), (Hq, 1, 1) and (1, Hq, 1, 1)."""
-    if not isinstance(w, torch.Tensor) or not w.is_floating_point() or \
-            tuple(w.shape) not in ((Hq,), (Hq, 1, 1), (1, Hq, 1, 1)):
-        raise InputError(f"_test_head_bias: w must be a float tensor (Hq,), (Hq, 1, 1) or (1, Hq, 1, 1) with "
-                         f"Hq = {Hq}, got {getattr(w, 'shape', type(w).__name__)}")
+    if (
+        not isinstance(w, torch.Tensor)
+        or not w.is_floating_point()
+        or tuple(w.shape) not in ((Hq,), (Hq, 1, 1), (1, Hq, 1, 1))
+    ):
+        raise InputError(
+            f"_test_head_bias: w must be a float tensor (Hq,), (Hq, 1, 1) or (1, Hq, 1, 1) with "
+            f"Hq = {Hq}, got {getattr(w, 'shape', type(w).__name__)}"
+        )
     return w.reshape(Hq)
 
 
@@ -39,8 +46,12 @@ HEAD_BIAS = Combinator(
     reference=lambda s, ctx, w: s + _head_weights(w, ctx.Hq).view(1, ctx.Hq, 1, 1),
     tensors=[TensorArg(name="w", rank=1)],
     prepare=lambda ctx, w: {"w": _head_weights(w, ctx.Hq)},
-    fragment=ScoreModFragment(prologue="${self}_bias = tl.load($w + h * $w_s0).to($acc_dtype)",
-                              body="s = s + ${self}_bias", grad="", tensor_grads=[("w", "ds")]),
+    fragment=ScoreModFragment(
+        prologue="${self}_bias = tl.load($w + h * $w_s0).to($acc_dtype)",
+        body="s = s + ${self}_bias",
+        grad="",
+        tensor_grads=[("w", "ds")],
+    ),
     examples=lambda draw, shape: {"w": random_tensor(draw, shape.Hq, 1, 1)},
 )
 
@@ -86,8 +97,10 @@ def head_bias(q, k, v, w):
 
 
 def _qkv(dtype=torch.float32, Nq=N):
-    return tuple(torch.randn(*shape, dtype=dtype).requires_grad_(True)
-                 for shape in ((B, HQ, Nq, D), (B, HKV, N, D), (B, HKV, N, D)))
+    return tuple(
+        torch.randn(*shape, dtype=dtype).requires_grad_(True)
+        for shape in ((B, HQ, Nq, D), (B, HKV, N, D), (B, HKV, N, D))
+    )
 
 
 def _tables():
@@ -122,8 +135,7 @@ def _case(name: str):
     raise AssertionError(name)
 
 
-CASES = ["bias", "bias-detached", "rope-cos", "rope-sin", "block-mask", "kv-lens-int32", "kv-lens-int64",
-         "third-party"]
+CASES = ["bias", "bias-detached", "rope-cos", "rope-sin", "block-mask", "kv-lens-int32", "kv-lens-int64", "third-party"]
 
 
 def _assert_grads_match_reference(program, args, kwargs, leaves, got, dout):
@@ -136,6 +148,7 @@ def _assert_grads_match_reference(program, args, kwargs, leaves, got, dout):
 
 
 # 1. In-place edits between forward and backward ------------------------------------------------------------
+
 
 @pytest.mark.parametrize("case", CASES)
 def test_in_place_edit_before_backward_raises(case):
@@ -164,8 +177,9 @@ def _compiled(case: str, backend: str = "aot_eager"):
     return program, args, kwargs, leaves, edit, out
 
 
-@pytest.mark.parametrize("case,backend", [(c, "aot_eager") for c in COMPILED_CASES] +
-                         [("bias", "inductor"), ("kv-lens-int32", "inductor")])
+@pytest.mark.parametrize(
+    "case,backend", [(c, "aot_eager") for c in COMPILED_CASES] + [("bias", "inductor"), ("kv-lens-int32", "inductor")]
+)
 def test_compiled_in_place_edit_before_backward_raises(case, backend):
     _, _, _, leaves, edit, out = _compiled(case, backend)
     with torch.no_grad():
@@ -192,13 +206,17 @@ def test_paged_cache_takes_no_gradient():
 
 # 2. Double backward ----------------------------------------------------------------------------------------
 
+
 def _penalised(how: str):
     """q, k, v, bias (all requiring grad) and the program call, eager or through the op's autograd formula
     (torch.compile with the eager backend: Dynamo's graph runs the op under plain autograd)."""
     q, k, v = _qkv()
     bias = torch.randn(HQ, N, N, requires_grad=True)
-    call = (lambda *a: biased(*a)) if how == "eager" else torch.compile(lambda *a: biased(*a), backend="eager",
-                                                                          fullgraph=True)
+    call = (
+        (lambda *a: biased(*a))
+        if how == "eager"
+        else torch.compile(lambda *a: biased(*a), backend="eager", fullgraph=True)
+    )
     return (q, k, v, bias), call
 
 
@@ -211,7 +229,7 @@ UPSTREAM = {"pow": lambda out: out.pow(2).sum(), "sum": lambda out: out.sum()}  
 def test_double_backward_raises(how, upstream, wrt):
     (q, k, v, bias), call = _penalised(how)
     loss = UPSTREAM[upstream](call(q, k, v, bias))
-    gq, = torch.autograd.grad(loss, q, create_graph=True)
+    (gq,) = torch.autograd.grad(loss, q, create_graph=True)
     penalised = loss + gq.pow(2).sum()
     with pytest.raises(af.UnsupportedError, match="double backward through an attnfuse program is not supported"):
         if wrt == "all":
@@ -227,7 +245,7 @@ def test_double_backward_under_aot_autograd_raises(upstream):
     q, k, v = _qkv()
     bias = torch.randn(HQ, N, N, requires_grad=True)
     loss = UPSTREAM[upstream](torch.compile(lambda *a: biased(*a), backend="aot_eager", fullgraph=True)(q, k, v, bias))
-    gq, = torch.autograd.grad(loss, q, create_graph=True)
+    (gq,) = torch.autograd.grad(loss, q, create_graph=True)
     with pytest.raises(RuntimeError, match="double backward"):
         torch.autograd.grad(loss + gq.pow(2).sum(), (v, bias))
 
@@ -247,23 +265,28 @@ def test_first_order_gradients_under_create_graph_match_reference(how):
 
 # 3. A plugin tensor's gradient and its shape ---------------------------------------------------------------
 
+
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 def test_gradient_of_unbroadcastable_shape_refused_at_the_call(compiled):
     """(Hq,) is what the plugin accepts, but by torch's rules it broadcasts along Nk (here Nk != Hq)."""
     q, k, v = _qkv()
     w = torch.randn(HQ, requires_grad=True)
     call = torch.compile(lambda *a: head_bias(*a), backend="aot_eager", fullgraph=True) if compiled else head_bias
-    with pytest.raises(InputError, match=r"_test_head_bias: its input 'w' \(argument 'w'\) requires grad and has "
-                                         rf"shape \({HQ},\), which does not broadcast to the scores \(B, Hq, Nq, Nk\) "
-                                         rf"= \({B}, {HQ}, {N}, {N}\).*per head, \(Hq, 1, 1\)"):
+    with pytest.raises(
+        InputError,
+        match=r"_test_head_bias: its input 'w' \(argument 'w'\) requires grad and has "
+        rf"shape \({HQ},\), which does not broadcast to the scores \(B, Hq, Nq, Nk\) "
+        rf"= \({B}, {HQ}, {N}, {N}\).*per head, \(Hq, 1, 1\)",
+    ):
         call(q, k, v, w)
 
 
 def test_unbroadcastable_shape_without_gradient_runs():
     q, k, v = (t.detach() for t in _qkv())
     w = torch.randn(HQ)
-    assert_matches_reference(head_bias(q, k, v, w), head_bias.reference(q, k, v, w),
-                             head_bias.reference(q, k, v, w, dtype=torch.float32))
+    assert_matches_reference(
+        head_bias(q, k, v, w), head_bias.reference(q, k, v, w), head_bias.reference(q, k, v, w, dtype=torch.float32)
+    )
 
 
 @pytest.mark.parametrize("shape", [(HQ, 1, 1), (1, HQ, 1, 1)], ids=str)

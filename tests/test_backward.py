@@ -1,4 +1,5 @@
 """Gradients through the fused kernels: against float64 autograd of the reference, gradcheck, determinism."""
+
 import pytest
 import torch
 
@@ -47,8 +48,10 @@ def sparse(q, k, v, block_mask):
 
 def _qkv(B, Hq, Hkv, Nq, Nk, D, DV, dtype, seed=0):
     g = torch.Generator().manual_seed(seed)
-    return tuple(torch.randn(*shape, generator=g).to(dtype).requires_grad_(True)
-                 for shape in ((B, Hq, Nq, D), (B, Hkv, Nk, D), (B, Hkv, Nk, DV)))
+    return tuple(
+        torch.randn(*shape, generator=g).to(dtype).requires_grad_(True)
+        for shape in ((B, Hq, Nq, D), (B, Hkv, Nk, D), (B, Hkv, Nk, DV))
+    )
 
 
 def _check_grads(program, q, k, v, *extra, leaves=()):
@@ -66,8 +69,12 @@ def _check_grads(program, q, k, v, *extra, leaves=()):
 
 SHAPES = [  # B, Hq, Hkv, Nq, Nk, D, DV: GQA with Nq != Nk off the block grid; MQA, D=80; DV != D; on the
     # interpreter's 32-row tiles (EVEN_M and EVEN_K: no bounds masks), and EVEN_M alone
-    (2, 4, 2, 40, 70, 32, 32), (1, 3, 1, 40, 40, 80, 80), (1, 2, 1, 33, 65, 16, 48), (2, 4, 2, 64, 96, 32, 32),
-    (1, 2, 2, 64, 70, 32, 32)]
+    (2, 4, 2, 40, 70, 32, 32),
+    (1, 3, 1, 40, 40, 80, 80),
+    (1, 2, 1, 33, 65, 16, 48),
+    (2, 4, 2, 64, 96, 32, 32),
+    (1, 2, 2, 64, 70, 32, 32),
+]
 
 
 @pytest.mark.parametrize("program", [causal, llama, window, relu_causal], ids=lambda p: p.__name__)
@@ -88,12 +95,16 @@ def test_bias_gradient_is_reduced_over_broadcast_dims(bias_shape):
     _check_grads(alibi_bias, q, k, v, bias, leaves=(bias,))
 
 
-@pytest.mark.parametrize("program,extra", [
-    (alibi_bias, lambda: (torch.randn(1, 2, 9, 11, dtype=torch.float64, requires_grad=True),)),
-    (window, lambda: ()),
-    (relu_causal, lambda: ()),
-    (rope_tables, lambda: (torch.rand(11, 8, dtype=torch.float64), torch.rand(11, 8, dtype=torch.float64))),
-], ids=["rope-alibi-bias", "window", "relu", "rope-tables"])
+@pytest.mark.parametrize(
+    "program,extra",
+    [
+        (alibi_bias, lambda: (torch.randn(1, 2, 9, 11, dtype=torch.float64, requires_grad=True),)),
+        (window, lambda: ()),
+        (relu_causal, lambda: ()),
+        (rope_tables, lambda: (torch.rand(11, 8, dtype=torch.float64), torch.rand(11, 8, dtype=torch.float64))),
+    ],
+    ids=["rope-alibi-bias", "window", "relu", "rope-tables"],
+)
 def test_gradcheck_float64(program, extra):
     q, k, v = _qkv(1, 2, 1, 9, 11, 8, 8, torch.float64, seed=3)
     args = extra()
@@ -102,6 +113,7 @@ def test_gradcheck_float64(program, extra):
     def f(q, k, v, *grad_args):
         it = iter(grad_args)
         return program(q, k, v, *(next(it) if isinstance(a, torch.Tensor) and a.requires_grad else a for a in args))
+
     assert torch.autograd.gradcheck(f, tensors, fast_mode=True)
 
 
@@ -120,8 +132,11 @@ def test_block_sparse_gradients_over_several_blocks_float64():
 
 
 @pytest.mark.parametrize("program", [causal, llama, window], ids=lambda p: p.__name__)
-@pytest.mark.parametrize("shape,split", [((1, 4, 1, 96, 96), 3), ((1, 4, 1, 30, 30), 1), ((1, 6, 2, 50, 80), 3),
-                                         ((2, 4, 2, 64, 64), 0)], ids=str)
+@pytest.mark.parametrize(
+    "shape,split",
+    [((1, 4, 1, 96, 96), 3), ((1, 4, 1, 30, 30), 1), ((1, 6, 2, 50, 80), 3), ((2, 4, 2, 64, 64), 0)],
+    ids=str,
+)
 def test_gqa_key_blocks_split_over_the_group_heads(program, shape, split):
     """A GQA dK/dV grid too small for the GPU (here the interpreter's 8 programs) runs its key blocks as one
     program per query head, and the group's last program sums the shares; a block that fewer than 64 query
@@ -183,8 +198,13 @@ def test_backward_never_visits_masked_blocks():
 
 
 def test_combinator_without_backward_refuses_gradients():
-    no_grad_mod = Combinator(name="_test_scaled_by_two", role=Role.SCORE_MOD, doc="s * 2, with no backward.",
-                             reference=lambda s, ctx: s * 2, fragment=ScoreModFragment(body="s = s * 2.0"))
+    no_grad_mod = Combinator(
+        name="_test_scaled_by_two",
+        role=Role.SCORE_MOD,
+        doc="s * 2, with no backward.",
+        reference=lambda s, ctx: s * 2,
+        fragment=ScoreModFragment(body="s = s * 2.0"),
+    )
 
     class Plugin:
         @af.hookimpl
@@ -193,13 +213,17 @@ def test_combinator_without_backward_refuses_gradients():
 
     af.register_plugin(Plugin(), name="test-no-backward")
     try:
+
         @af.attention
         def doubled(q, k, v):
             return af.softmax(af._test_scaled_by_two(af.scaled_dot_product(q, k))) @ v
 
         q, k, v = _qkv(1, 2, 2, 16, 16, 16, 16, torch.float32)
-        with pytest.raises(af.ProgramError, match=r"gradients were asked for, but the score modification "
-                                                  r"_test_scaled_by_two declares no backward"):
+        with pytest.raises(
+            af.ProgramError,
+            match=r"gradients were asked for, but the score modification "
+            r"_test_scaled_by_two declares no backward",
+        ):
             doubled(q, k, v)
         with torch.no_grad():
             torch.testing.assert_close(doubled(q, k, v).double(), doubled.reference(q, k, v), atol=2e-5, rtol=0)

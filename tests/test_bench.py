@@ -3,6 +3,7 @@
 The expected cells are worked out by hand from figures the H200 printed (llama3-8b N8192 causal: AttnFuse
 1.171 ms = 470 TFLOP/s, flex 1.388 ms = 396, flex / AttnFuse 1.19×).
 """
+
 from __future__ import annotations
 
 import io
@@ -34,10 +35,20 @@ def timed_rows() -> list[rows.Row]:
 
 
 def sample_report() -> rows.Report:
-    meta = {"date": "2026-11-29", "gpu": "NVIDIA H200", "torch": "2.11.0+cu130", "triton": "3.6.0",
-            "python": "3.12.3", "command": "attnfuse bench --suite forward,backward,decode,memory"}
-    return rows.Report(meta=meta, rows=timed_rows(), lines={"memory": ["peak memory, attnfuse: 0.44 GiB"]},
-                       failures=["sparse 4096 False: RuntimeError: out of memory"])
+    meta = {
+        "date": "2026-11-29",
+        "gpu": "NVIDIA H200",
+        "torch": "2.11.0+cu130",
+        "triton": "3.6.0",
+        "python": "3.12.3",
+        "command": "attnfuse bench --suite forward,backward,decode,memory",
+    }
+    return rows.Report(
+        meta=meta,
+        rows=timed_rows(),
+        lines={"memory": ["peak memory, attnfuse: 0.44 GiB"]},
+        failures=["sparse 4096 False: RuntimeError: out of memory"],
+    )
 
 
 def test_bench_without_cuda_says_so_and_exits_2(monkeypatch, capsys):
@@ -54,17 +65,22 @@ def test_bench_without_cuda_says_so_and_exits_2(monkeypatch, capsys):
 def test_plot_without_matplotlib_is_refused_before_running(monkeypatch, capsys, tmp_path):
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib raises ImportError
     assert main(["bench", "--plot", str(tmp_path / "out.png")]) == 2
-    assert "--plot needs matplotlib: pip install matplotlib (from a clone of attnfuse: pip install -e '.[bench]')" \
+    assert (
+        "--plot needs matplotlib: pip install matplotlib (from a clone of attnfuse: pip install -e '.[bench]')"
         in capsys.readouterr().err
+    )
     assert not (tmp_path / "out.png").exists()
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--suite", "forward,speed"], "argument --suite: unknown suite 'speed'"),
-    (["--geometry", "llama2"], "argument --geometry: unknown geometry 'llama2'"),
-    (["--variants", "causal,flash"], "argument --variants: unknown variant 'flash'"),
-    (["--N", "4096,0"], "argument --N: expected comma-separated positive integers, got '4096,0'"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--suite", "forward,speed"], "argument --suite: unknown suite 'speed'"),
+        (["--geometry", "llama2"], "argument --geometry: unknown geometry 'llama2'"),
+        (["--variants", "causal,flash"], "argument --variants: unknown variant 'flash'"),
+        (["--N", "4096,0"], "argument --N: expected comma-separated positive integers, got '4096,0'"),
+    ],
+)
 def test_bad_options_name_the_argument(capsys, argv, message):
     assert main(["bench", *argv]) == 2
     assert message in capsys.readouterr().err
@@ -72,15 +88,18 @@ def test_bad_options_name_the_argument(capsys, argv, message):
 
 def test_rows_count_the_work_of_the_pairs_kept():
     assert rows.forward_row("llama3-8b", 8192, "causal").work == 4 * 32 * 128 * (8192 * 8193 // 2)
-    assert rows.forward_row("gpt2", 4096, "dense").work == 4 * 4 * 12 * 64 * 4096 ** 2
+    assert rows.forward_row("gpt2", 4096, "dense").work == 4 * 4 * 12 * 64 * 4096**2
     window = 4 * 12 * 64 * (255 * 256 // 2 + (2048 - 255) * 256)  # queries 0..254 keep i+1 keys, the rest 256
     assert rows.backward_row("gpt2", 2048, "sliding_window").work == 3.5 * 4 * window
     per_tile = rows.forward_row("gpt2", 2048, "rope_causal_per_tile")
     assert per_tile.case == "gpt2 N2048 rope_causal (keys rotated per tile)"
     assert per_tile.work == rows.forward_row("gpt2", 2048, "rope_causal").work
     decode = rows.decode_row("llama3-70b", 8, graphed=False)
-    assert (decode.case, decode.work, decode.unit) == ("decode llama3-70b B8 cache 32768 eager",
-                                                       2 * 8 * 8 * 32768 * 128 * 2, "GB/s")
+    assert (decode.case, decode.work, decode.unit) == (
+        "decode llama3-70b B8 cache 32768 eager",
+        2 * 8 * 8 * 32768 * 128 * 2,
+        "GB/s",
+    )
     sparse = rows.sparse_row(4096, True, 0.72, 1000)
     assert (sparse.case, sparse.work) == ("bigbird llama3-8b N4096 (72% sparse) fwd+bwd", 3.5 * 4 * 32 * 1000 * 128)
 
@@ -88,19 +107,25 @@ def test_rows_count_the_work_of_the_pairs_kept():
 def test_cells_and_ratios_match_the_printed_figures():
     causal, window, _, training, decode = timed_rows()
     table = [causal, window]
-    assert report.format_row(causal, table) == ("| llama3-8b N8192 causal | 1.171 (470) | 1.190 (462) | 1.030 (534) | "
-                                                "n/a (no GQA) | 1.388 (396) | 1.19× | 0.88× | 3.9e-03 |")
-    assert report.format_row(window, table) == ("| llama3-8b N4096 sliding_window | 0.086 (194) | — | — | — | "
-                                                "0.110 (151) | 1.28× | — | 3.9e-03 |")  # 16645095424 FLOPs
+    assert report.format_row(causal, table) == (
+        "| llama3-8b N8192 causal | 1.171 (470) | 1.190 (462) | 1.030 (534) | "
+        "n/a (no GQA) | 1.388 (396) | 1.19× | 0.88× | 3.9e-03 |"
+    )
+    assert report.format_row(window, table) == (
+        "| llama3-8b N4096 sliding_window | 0.086 (194) | — | — | — | 0.110 (151) | 1.28× | — | 3.9e-03 |"
+    )  # 16645095424 FLOPs
     assert report.format_row(training, [training]) == (
-        "| gpt2 N2048 sliding_window fwd+bwd | 0.509 (42) | 0.620 (34) | 1.22× | — |")
+        "| gpt2 N2048 sliding_window fwd+bwd | 0.509 (42) | 0.620 (34) | 1.22× | — |"
+    )
     assert report.cell(decode, "attnfuse") == "0.039 (3459 GB/s)"  # 134217728 bytes / 0.0388 ms
 
 
 def test_table_keeps_only_the_columns_some_row_has():
     _, window, wider, _, decode = timed_rows()
     assert report.table([window, wider]).splitlines()[:2] == [
-        "| case | AttnFuse ms (TFLOP/s) | flex (compiled) | flex / AttnFuse | max abs diff |", "|---|---|---|---|---|"]
+        "| case | AttnFuse ms (TFLOP/s) | flex (compiled) | flex / AttnFuse | max abs diff |",
+        "|---|---|---|---|---|",
+    ]
     assert report.header([decode]).startswith("| case | AttnFuse ms (GB/s) | cuDNN SDPA | cuDNN / AttnFuse |")
     every = report.header(None).splitlines()[0]  # lines printed while a suite runs: every column
     assert every.count("|") == 10 and "FA2 Triton (hand-written)" in every
@@ -125,9 +150,14 @@ def test_markdown_page_has_the_run_one_table_per_suite_and_the_plot(tmp_path):
     assert "```bash\nattnfuse bench --suite forward,backward,decode,memory\n```" in page
     assert "![AttnFuse and the baselines, TFLOP/s against N](images/h200.png)" in lines
     sections = [line for line in lines if line.startswith("## ")]
-    assert sections == ["## Forward", "## Forward + backward", "## Decoding (one query per sequence, full cache)",
-                        "## Memory", "## Failed cases"]
-    forward = lines[lines.index("## Forward") + 2:lines.index("## Forward + backward") - 1]
+    assert sections == [
+        "## Forward",
+        "## Forward + backward",
+        "## Decoding (one query per sequence, full cache)",
+        "## Memory",
+        "## Failed cases",
+    ]
+    forward = lines[lines.index("## Forward") + 2 : lines.index("## Forward + backward") - 1]
     assert forward == report.table(result.rows[:3]).splitlines()
     assert "- peak memory, attnfuse: 0.44 GiB" in lines
     assert lines[-1] == "- sparse 4096 False: RuntimeError: out of memory"
@@ -135,8 +165,10 @@ def test_markdown_page_has_the_run_one_table_per_suite_and_the_plot(tmp_path):
 
 def test_rewriting_the_page_keeps_the_sections_of_other_commands(tmp_path):
     path = tmp_path / "benchmarks.md"
-    other = ("<!-- BEGIN hf_layer -->\n## A decoder layer\n\n| backend | ms |\n|---|---|\n| sdpa | 1.773 |\n"
-             "<!-- END hf_layer -->\n")
+    other = (
+        "<!-- BEGIN hf_layer -->\n## A decoder layer\n\n| backend | ms |\n|---|---|\n| sdpa | 1.773 |\n"
+        "<!-- END hf_layer -->\n"
+    )
     path.write_text("# Benchmarks: an older run\n\n## Forward\n\n| old table |\n\n" + other)
     result = sample_report()
     page = report.markdown_page(result, page=str(path), kept=report.kept_sections(str(path)))
@@ -152,6 +184,7 @@ def test_run_table_prints_each_row_and_records_failures(monkeypatch):
         row = rows.forward_row(geometry, N, variant)
         row.times.update(attnfuse=1.0, flex=2.0)
         return row
+
     cases = [(row_of, ("gpt2", 2048, "dense")), (row_of, ("gpt2", 2048, "causal_alibi"))]
     monkeypatch.setattr(run, "cases_of", lambda suite, args: (len(cases), cases))
     monkeypatch.setitem(sys.modules, "tqdm", None)  # plain printing
@@ -169,17 +202,21 @@ def test_command_line_spells_out_the_run():
     from attnfuse.cli import build_parser
 
     args = build_parser().parse_args(["bench", "--suite", "forward,memory", "--N", "4096", "--json", "o.json"])
-    assert command_line(args) == ("attnfuse bench --suite forward,memory --geometry gpt2,llama3-8b --N 4096 "
-                                  "--variants dense,causal,sliding_window,causal_alibi,rope_causal,"
-                                  "rope_causal_per_tile --json o.json")
+    assert command_line(args) == (
+        "attnfuse bench --suite forward,memory --geometry gpt2,llama3-8b --N 4096 "
+        "--variants dense,causal,sliding_window,causal_alibi,rope_causal,"
+        "rope_causal_per_tile --json o.json"
+    )
 
 
 def test_plot_draws_a_panel_per_suite_geometry_and_variant(tmp_path):
     pytest.importorskip("matplotlib", reason="matplotlib (the attnfuse[bench] extra) is not installed")
     result = sample_report()
-    assert list(plot.panels(result.rows)) == [("forward", "llama3-8b", "causal"),
-                                              ("forward", "llama3-8b", "sliding_window"),
-                                              ("backward", "gpt2", "sliding_window")]
+    assert list(plot.panels(result.rows)) == [
+        ("forward", "llama3-8b", "causal"),
+        ("forward", "llama3-8b", "sliding_window"),
+        ("backward", "gpt2", "sliding_window"),
+    ]
     assert [r.N for r in plot.panels(result.rows)[("forward", "llama3-8b", "sliding_window")]] == [4096, 8192]
     path = tmp_path / "bench.png"
     assert plot.plot(result.rows, str(path), report.title(result.meta)) == 3
@@ -194,12 +231,17 @@ def test_overhead_breakdown_times_each_piece_of_a_warm_call():
 
     lines = breakdown_lines("cpu", calls=1, N=16, D=16)
     assert [line.split(":")[0] for line in lines] == [
-        "host time per warm call, causal", "host time per warm call, rope+causal, cos/sin tables",
+        "host time per warm call, causal",
+        "host time per warm call, rope+causal, cos/sin tables",
         "host time per warm call, BlockMask (causal blocks)",
-        "host time per warm call, decode, paged, kv_lens and block_table, validated"]
+        "host time per warm call, decode, paged, kv_lens and block_table, validated",
+    ]
     for line in lines:
         checked = "decode" in line
         assert all((piece in line) == (checked or piece != "kv_lens/block_table check") for piece in PIECES[1:])
-        figures = [float(word) for word in line.replace("(", " ").replace(",", " ").replace(")", " ").split()
-                   if word.replace(".", "", 1).isdigit()]
+        figures = [
+            float(word)
+            for word in line.replace("(", " ").replace(",", " ").replace(")", " ").split()
+            if word.replace(".", "", 1).isdigit()
+        ]
         assert figures and all(f > 0 for f in figures)

@@ -1,4 +1,5 @@
 """BlockMask: the CSR form against a brute-force loop, broadcasting, ragged N, validation, memory."""
+
 from __future__ import annotations
 
 import pytest
@@ -29,11 +30,11 @@ def check_csr(mask: BlockMask) -> None:
             for i in range(QB):
                 cols = [j for j in range(KB) if grid[b][h][i][j]]
                 assert kv_num[b][h][i] == len(cols), (b, h, i)
-                assert kv_idx[b][h][i][:len(cols)] == cols, (b, h, i)
+                assert kv_idx[b][h][i][: len(cols)] == cols, (b, h, i)
             for j in range(KB):
                 rows = [i for i in range(QB) if grid[b][h][i][j]]
                 assert q_num[b][h][j] == len(rows), (b, h, j)
-                assert q_idx[b][h][j][:len(rows)] == rows, (b, h, j)
+                assert q_idx[b][h][j][: len(rows)] == rows, (b, h, j)
     for order, counts in ((mask.q_block_order, mask.kv_num_blocks), (mask.kv_block_order, mask.q_num_blocks)):
         totals = counts.sum(dim=(0, 1)).tolist()
         assert order.dtype == torch.int32 and sorted(order.tolist()) == list(range(len(totals)))  # a permutation
@@ -62,8 +63,9 @@ def test_create_block_mask_from_random_predicate(seed):
     QB, KB = cdiv(Nq, bs), cdiv(Nk, bs)
     scores = torch.randn(B, H, QB, KB)
     threshold = float(torch.randn(()))
-    mask = create_block_mask_from_blocks(lambda b, h, qb, kb: scores[b, h, qb, kb] > threshold, B, H, Nq, Nk,
-                                         block_size=bs)
+    mask = create_block_mask_from_blocks(
+        lambda b, h, qb, kb: scores[b, h, qb, kb] > threshold, B, H, Nq, Nk, block_size=bs
+    )
     assert mask.active.shape == (B, H, QB, KB)
     assert torch.equal(mask.active, scores > threshold)
     check_csr(mask)
@@ -93,8 +95,7 @@ def test_predicate_arguments():
         assert t.dtype == torch.int64
 
 
-@pytest.mark.parametrize("B, H, shape", [(None, None, (1, 1)), (2, None, (2, 1)), (None, 3, (1, 3)),
-                                         (2, 3, (2, 3))])
+@pytest.mark.parametrize("B, H, shape", [(None, None, (1, 1)), (2, None, (2, 1)), (None, 3, (1, 3)), (2, 3, (2, 3))])
 def test_batch_and_head_broadcasting(B, H, shape):
     mask = create_block_mask_from_blocks(lambda b, h, qb, kb: qb >= kb, B, H, 64, 64, block_size=16)
     assert mask.active.shape == (*shape, 4, 4)
@@ -148,8 +149,9 @@ def test_to_dense_matches_definition(Nq, Nk, bs):
     assert torch.equal(dense, expected)
 
 
-@pytest.mark.parametrize("grid_shape, expected", [((2, 3), (1, 1, 2, 3)), ((4, 2, 3), (1, 4, 2, 3)),
-                                                  ((2, 4, 2, 3), (2, 4, 2, 3))])
+@pytest.mark.parametrize(
+    "grid_shape, expected", [((2, 3), (1, 1, 2, 3)), ((4, 2, 3), (1, 4, 2, 3)), ((2, 4, 2, 3), (2, 4, 2, 3))]
+)
 def test_from_blocks_ranks(grid_shape, expected):
     active = torch.rand(grid_shape) < 0.5
     mask = BlockMask.from_blocks(active, Nq=20, Nk=40, block_size=16)
@@ -158,23 +160,38 @@ def test_from_blocks_ranks(grid_shape, expected):
 
 
 def test_from_blocks_wrong_grid_shape():
-    with pytest.raises(InputError, match=r"active must end in \(ceil\(Nq/block_size\), ceil\(Nk/block_size\)\) = "
-                                         r"\(2, 3\), got \(3, 3\)"):
+    with pytest.raises(
+        InputError,
+        match=r"active must end in \(ceil\(Nq/block_size\), ceil\(Nk/block_size\)\) = "
+        r"\(2, 3\), got \(3, 3\)",
+    ):
         BlockMask.from_blocks(torch.ones(3, 3, dtype=torch.bool), Nq=20, Nk=40, block_size=16)
 
 
-@pytest.mark.parametrize("active", [torch.ones(2, 3), torch.ones(3, dtype=torch.bool),
-                                    torch.ones(1, 1, 1, 2, 3, dtype=torch.bool), [[True] * 3] * 2],
-                         ids=["float", "1-D", "5-D", "list"])
+@pytest.mark.parametrize(
+    "active",
+    [torch.ones(2, 3), torch.ones(3, dtype=torch.bool), torch.ones(1, 1, 1, 2, 3, dtype=torch.bool), [[True] * 3] * 2],
+    ids=["float", "1-D", "5-D", "list"],
+)
 def test_from_blocks_bad_grid(active):
-    with pytest.raises(InputError, match=r"active must be a bool tensor \(QB, KB\), \(H, QB, KB\) or "
-                                         r"\(B, H, QB, KB\)"):
+    with pytest.raises(
+        InputError,
+        match=r"active must be a bool tensor \(QB, KB\), \(H, QB, KB\) or "
+        r"\(B, H, QB, KB\)",
+    ):
         BlockMask.from_blocks(active, Nq=20, Nk=40, block_size=16)
 
 
-@pytest.mark.parametrize("result", [lambda qb, kb: qb - kb, lambda qb, kb: (qb >= kb).float(),
-                                    lambda qb, kb: (qb >= kb).to(torch.uint8), lambda qb, kb: 1],
-                         ids=["int64", "float", "uint8", "python int"])
+@pytest.mark.parametrize(
+    "result",
+    [
+        lambda qb, kb: qb - kb,
+        lambda qb, kb: (qb >= kb).float(),
+        lambda qb, kb: (qb >= kb).to(torch.uint8),
+        lambda qb, kb: 1,
+    ],
+    ids=["int64", "float", "uint8", "python int"],
+)
 def test_predicate_must_return_bool(result):
     with pytest.raises(InputError, match=r"the block predicate must return a bool tensor, got torch\.\w+"):
         create_block_mask_from_blocks(lambda b, h, qb, kb: result(qb, kb), None, None, 64, 64, block_size=16)
@@ -204,8 +221,9 @@ def test_bad_lengths(Nq, Nk):
 def test_repr_and_sparsity():
     mask = create_block_mask_from_blocks(lambda b, h, qb, kb: qb >= kb, None, None, 64, 64, block_size=16)
     assert mask.sparsity() == pytest.approx(6 / 16)
-    assert repr(mask) == ("BlockMask(Nq=64, Nk=64, block_size=16, shape=(1, 1, 4, 4), sparsity=37.5%, "
-                          "partial_blocks=0)")
+    assert repr(mask) == (
+        "BlockMask(Nq=64, Nk=64, block_size=16, shape=(1, 1, 4, 4), sparsity=37.5%, partial_blocks=0)"
+    )
 
 
 def test_is_a_runtime_input():
@@ -214,8 +232,9 @@ def test_is_a_runtime_input():
 
 def test_memory_of_a_128k_mask():
     N, bs = 131072, 128
-    mask = create_block_mask_from_blocks(lambda b, h, qb, kb: (qb >= kb) & (qb - kb < 64), None, None, N, N,
-                                         block_size=bs)
+    mask = create_block_mask_from_blocks(
+        lambda b, h, qb, kb: (qb >= kb) & (qb - kb < 64), None, None, N, N, block_size=bs
+    )
     assert mask.active.shape == (1, 1, N // bs, N // bs)
     parts = (mask.active, mask.kv_num_blocks, mask.kv_indices, mask.q_num_blocks, mask.q_indices)
     total = sum(t.numel() * t.element_size() for t in parts)
@@ -224,7 +243,7 @@ def test_memory_of_a_128k_mask():
     for i in (0, 1, 63, 64, 500, 1023):
         cols = list(range(max(0, i - 63), i + 1))
         assert mask.kv_num_blocks[0, 0, i].item() == len(cols)
-        assert mask.kv_indices[0, 0, i, :len(cols)].tolist() == cols
+        assert mask.kv_indices[0, 0, i, : len(cols)].tolist() == cols
 
 
 # --- the mask in a program --------------------------------------------------------------------------------
@@ -241,13 +260,14 @@ def sparse_causal(q, k, v, block_mask):
 def test_block_sparse_program_matches_reference(B, H):
     Nq, Nk, bs = 40, 36, 16
     scores = torch.randn(B or 1, H or 1, cdiv(Nq, bs), cdiv(Nk, bs))
-    mask = create_block_mask_from_blocks(lambda b, h, qb, kb: (scores[b, h, qb, kb] > 0) | (qb == kb), B, H, Nq, Nk,
-                             block_size=bs)
+    mask = create_block_mask_from_blocks(
+        lambda b, h, qb, kb: (scores[b, h, qb, kb] > 0) | (qb == kb), B, H, Nq, Nk, block_size=bs
+    )
     q, k, v = torch.randn(2, 2, Nq, 16), torch.randn(2, 2, Nk, 16), torch.randn(2, 2, Nk, 16)
     out = sparse_causal(q, k, v, mask)
     ref = sparse_causal.reference(q, k, v, mask)
     torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
     dense = mask.to_dense().expand(2, 2, Nq, Nk)
-    s = (q.double() @ k.double().transpose(-1, -2)) * 16 ** -0.5
+    s = (q.double() @ k.double().transpose(-1, -2)) * 16**-0.5
     weights = torch.softmax(s.masked_fill(~dense, float("-inf")), dim=-1)
     torch.testing.assert_close(ref, weights @ v.double())

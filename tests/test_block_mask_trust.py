@@ -4,6 +4,7 @@ change with the tensor it was built from, and copies and files round-trip (and a
 
 The interpreter bounds-checks loads against the storages of the kernel's tensors, so k and v here are views
 into a larger buffer whose other elements are NaN: a read outside the views shows in the output."""
+
 import copy
 import copyreg
 import io
@@ -22,8 +23,15 @@ from conftest import requires_cuda
 
 N, BS, D = 64, 16, 16  # 4 x 4 blocks
 EDITED_RE = r"block_mask: its tensors were edited in place after it was built.*build a new mask"
-TENSORS = ("active", "kv_num_blocks", "kv_indices", "q_num_blocks", "q_indices", "q_block_order",
-           "kv_block_order")  # the constructor's tensors without partial blocks (partial_index, partial_masks)
+TENSORS = (
+    "active",
+    "kv_num_blocks",
+    "kv_indices",
+    "q_num_blocks",
+    "q_indices",
+    "q_block_order",
+    "kv_block_order",
+)  # the constructor's tensors without partial blocks (partial_index, partial_masks)
 
 
 @af.attention
@@ -38,8 +46,13 @@ def _causal(H=2):
 
 def _fields(mask: BlockMask) -> dict:
     """The constructor's arguments for ``mask``, its tensors cloned."""
-    return {"Nq": mask.Nq, "Nk": mask.Nk, "block_size": mask.block_size, "kv_heavy_blocks": mask.kv_heavy_blocks,
-            **{name: getattr(mask, name).clone() for name in TENSORS}}
+    return {
+        "Nq": mask.Nq,
+        "Nk": mask.Nk,
+        "block_size": mask.block_size,
+        "kv_heavy_blocks": mask.kv_heavy_blocks,
+        **{name: getattr(mask, name).clone() for name in TENSORS},
+    }
 
 
 def _tensors(mask: BlockMask) -> tuple:
@@ -63,6 +76,7 @@ def launches(monkeypatch):
     def counted(self, *args, **kwargs):
         count[0] += 1
         return launch(self, *args, **kwargs)
+
     monkeypatch.setattr(interpreter.InterpretedKernel, "launch", counted)
     return count
 
@@ -70,56 +84,86 @@ def launches(monkeypatch):
 def _set(name, index, value):
     def edit(f):
         f[name][index] = value
+
     return edit
 
 
 def _set_field(name, value):
     def edit(f):
         f[name] = value
+
     return edit
 
 
 # 1. hand-built lists are checked -------------------------------------------------------------------------
 
 HOSTILE = {
-    "index past the grid": (_set("kv_indices", (0, 1, 3, 2), 9),
-                            r"block_mask\.kv_indices\[0, 1, 3, 2\] = 9 is outside \[0, 4\)"),
-    "negative index": (_set("kv_indices", (0, 0, 2, 1), -1),
-                       r"block_mask\.kv_indices\[0, 0, 2, 1\] = -1 is outside \[0, 4\)"),
-    "column index past the grid": (_set("q_indices", (0, 1, 0, 3), 4),
-                                   r"block_mask\.q_indices\[0, 1, 0, 3\] = 4 is outside \[0, 4\)"),
-    "count past the grid": (_set("kv_num_blocks", (0, 1, 3), 5),
-                            r"block_mask\.kv_num_blocks\[0, 1, 3\] = 5 is outside \[0, 4\] \(the key blocks\)"),
-    "negative count": (_set("q_num_blocks", (0, 0, 1), -1),
-                       r"block_mask\.q_num_blocks\[0, 0, 1\] = -1 is outside \[0, 4\] \(the query blocks\)"),
-    "duplicate entries": (_set("kv_indices", (0, 0, 3, 3), 1),
-                          r"block_mask\.kv_indices\[0, 0, 3, 1\] = 1 appears 2 times in the list of query block 3; "
-                          r"its first kv_num_blocks\[0, 0, 3\] = 4 entries must be distinct"),
-    "a row list short of the columns'": (_set("kv_num_blocks", (0, 1, 3), 3),
-                                         r"block_mask\.kv_num_blocks\[0, 1, 3\] = 3, but block_mask\.active marks 4 "
-                                         r"key blocks of query block 3 active"),
+    "index past the grid": (
+        _set("kv_indices", (0, 1, 3, 2), 9),
+        r"block_mask\.kv_indices\[0, 1, 3, 2\] = 9 is outside \[0, 4\)",
+    ),
+    "negative index": (
+        _set("kv_indices", (0, 0, 2, 1), -1),
+        r"block_mask\.kv_indices\[0, 0, 2, 1\] = -1 is outside \[0, 4\)",
+    ),
+    "column index past the grid": (
+        _set("q_indices", (0, 1, 0, 3), 4),
+        r"block_mask\.q_indices\[0, 1, 0, 3\] = 4 is outside \[0, 4\)",
+    ),
+    "count past the grid": (
+        _set("kv_num_blocks", (0, 1, 3), 5),
+        r"block_mask\.kv_num_blocks\[0, 1, 3\] = 5 is outside \[0, 4\] \(the key blocks\)",
+    ),
+    "negative count": (
+        _set("q_num_blocks", (0, 0, 1), -1),
+        r"block_mask\.q_num_blocks\[0, 0, 1\] = -1 is outside \[0, 4\] \(the query blocks\)",
+    ),
+    "duplicate entries": (
+        _set("kv_indices", (0, 0, 3, 3), 1),
+        r"block_mask\.kv_indices\[0, 0, 3, 1\] = 1 appears 2 times in the list of query block 3; "
+        r"its first kv_num_blocks\[0, 0, 3\] = 4 entries must be distinct",
+    ),
+    "a row list short of the columns'": (
+        _set("kv_num_blocks", (0, 1, 3), 3),
+        r"block_mask\.kv_num_blocks\[0, 1, 3\] = 3, but block_mask\.active marks 4 "
+        r"key blocks of query block 3 active",
+    ),
     "a column list naming an inactive block": (
         _set("q_indices", (0, 0, 1, 0), 0),
         r"block_mask\.q_indices\[0, 0, 1, 0\] = 0: key block 1 lists query block 0, which "
-        r"block_mask\.active\[0, 0, 0, 1\] marks inactive"),
+        r"block_mask\.active\[0, 0, 0, 1\] marks inactive",
+    ),
     "lists that disagree with active": (
         _set("active", (0, 1, 3, 0), False),
         r"block_mask\.kv_indices\[0, 1, 3, 0\] = 0: query block 3 lists key block 0, which "
-        r"block_mask\.active\[0, 1, 3, 0\] marks inactive"),
-    "an order entry past the grid": (_set("kv_block_order", 1, 4),
-                                     r"block_mask\.kv_block_order\[1\] = 4 is outside \[0, 4\)"),
-    "an order that is no permutation": (_set("q_block_order", 3, 3),
-                                        r"block_mask\.q_block_order\[0\] = 3 appears 2 times; the order must be a "
-                                        r"permutation of \[0, 4\)"),
-    "too many heavy blocks": (_set_field("kv_heavy_blocks", 5),
-                              r"block_mask\.kv_heavy_blocks must be an int in \[0, 4\] \(KB, the key blocks\), got 5"),
-    "int64 lists": (lambda f: f.update(kv_indices=f["kv_indices"].long()),
-                    r"block_mask\.kv_indices must be a torch\.int32 tensor \(Bm, Hm, QB, KB\) = \(1, 2, 4, 4\).*"
-                    r"got torch\.int64 \(1, 2, 4, 4\)"),
-    "an order of the wrong length": (lambda f: f.update(q_block_order=f["q_block_order"][:3]),
-                                     r"block_mask\.q_block_order must be a torch\.int32 tensor \(QB,\) = \(4,\)"),
-    "a list that is not a tensor": (lambda f: f.update(q_indices=f["q_indices"].tolist()),
-                                    r"block_mask\.q_indices must be a tensor, got list"),
+        r"block_mask\.active\[0, 1, 3, 0\] marks inactive",
+    ),
+    "an order entry past the grid": (
+        _set("kv_block_order", 1, 4),
+        r"block_mask\.kv_block_order\[1\] = 4 is outside \[0, 4\)",
+    ),
+    "an order that is no permutation": (
+        _set("q_block_order", 3, 3),
+        r"block_mask\.q_block_order\[0\] = 3 appears 2 times; the order must be a "
+        r"permutation of \[0, 4\)",
+    ),
+    "too many heavy blocks": (
+        _set_field("kv_heavy_blocks", 5),
+        r"block_mask\.kv_heavy_blocks must be an int in \[0, 4\] \(KB, the key blocks\), got 5",
+    ),
+    "int64 lists": (
+        lambda f: f.update(kv_indices=f["kv_indices"].long()),
+        r"block_mask\.kv_indices must be a torch\.int32 tensor \(Bm, Hm, QB, KB\) = \(1, 2, 4, 4\).*"
+        r"got torch\.int64 \(1, 2, 4, 4\)",
+    ),
+    "an order of the wrong length": (
+        lambda f: f.update(q_block_order=f["q_block_order"][:3]),
+        r"block_mask\.q_block_order must be a torch\.int32 tensor \(QB,\) = \(4,\)",
+    ),
+    "a list that is not a tensor": (
+        lambda f: f.update(q_indices=f["q_indices"].tolist()),
+        r"block_mask\.q_indices must be a tensor, got list",
+    ),
 }
 
 
@@ -213,8 +257,9 @@ def test_a_mask_is_checked_once_not_per_call(monkeypatch):
     rebuilt = BlockMask.rebuilt((mask.Nq, mask.Nk, mask.block_size, mask.kv_heavy_blocks), _tensors(mask))
     assert rebuilt.kv_indices is mask.kv_indices and copy.copy(mask).active is mask.active
     assert len(checks) == 1
-    af.create_block_mask_from_blocks(lambda b, h, qb, kb: qb >= kb, None, 2, N, N,
-                                     block_size=BS)  # derived: nothing to check
+    af.create_block_mask_from_blocks(
+        lambda b, h, qb, kb: qb >= kb, None, 2, N, N, block_size=BS
+    )  # derived: nothing to check
     assert len(checks) == 1
 
 
@@ -240,9 +285,14 @@ def test_through_torch_compile_an_edited_mask_is_refused():
 
 # 2. edits in inference mode, and the tensor a mask was built from -------------------------------------------
 
+
 def _uses(mask, q, k, v):
-    return (lambda: sparse(q, k, v, mask), lambda: sparse.reference(q, k, v, mask), mask.to_dense,
-            lambda: copy.deepcopy(mask))
+    return (
+        lambda: sparse(q, k, v, mask),
+        lambda: sparse.reference(q, k, v, mask),
+        mask.to_dense,
+        lambda: copy.deepcopy(mask),
+    )
 
 
 @pytest.mark.parametrize("built_in_inference_mode", [True, False])
@@ -291,6 +341,7 @@ def test_a_mask_built_from_inference_tensors_owns_normal_copies():
 
 # 3. copies and files ------------------------------------------------------------------------------------
 
+
 def _saved(mask, weights_only):
     buffer = io.BytesIO()
     torch.save(mask, buffer)
@@ -301,15 +352,21 @@ def _saved(mask, weights_only):
         return torch.load(buffer, weights_only=True)
 
 
-COPIES = {"deepcopy": copy.deepcopy, "copy": copy.copy, "pickle": lambda m: pickle.loads(pickle.dumps(m)),
-          "torch.save": lambda m: _saved(m, False), "torch.save weights_only": lambda m: _saved(m, True)}
+COPIES = {
+    "deepcopy": copy.deepcopy,
+    "copy": copy.copy,
+    "pickle": lambda m: pickle.loads(pickle.dumps(m)),
+    "torch.save": lambda m: _saved(m, False),
+    "torch.save weights_only": lambda m: _saved(m, True),
+}
 
 
 @pytest.mark.parametrize("how", COPIES)
 def test_a_copy_matches_the_reference_and_edits_to_it_are_refused(how):
     q, k, v = _qkv(dtype=torch.float64)
-    original = af.create_block_mask_from_blocks(lambda b, h, qb, kb: (qb + kb + h) % 3 != 1, None, 2, N, N,
-                                                block_size=BS)
+    original = af.create_block_mask_from_blocks(
+        lambda b, h, qb, kb: (qb + kb + h) % 3 != 1, None, 2, N, N, block_size=BS
+    )
     mask = COPIES[how](original)
     assert isinstance(mask, BlockMask) and all(torch.equal(a, b) for a, b in zip(_tensors(mask), _tensors(original)))
     _matches_reference(sparse(q, k, v, mask), q, k, v, original)

@@ -1,4 +1,5 @@
 """Block-sparse attention: only listed blocks are visited, forward and backward; BigBird."""
+
 import pytest
 import torch
 
@@ -28,6 +29,7 @@ def bigbird(B, H, N, block_size, window=1, globals_=2, randoms=3, seed=0):
         band = (qb - kb).abs() <= window
         glob = (qb < globals_) | (kb < globals_)
         return band | glob | random[b, h, qb, kb]
+
     return af.create_block_mask_from_blocks(predicate, B, H, N, N, block_size=block_size)
 
 
@@ -52,15 +54,17 @@ def test_bigbird_forward_and_backward(program, block_size):
 def test_gqa_and_broadcast_mask():
     q = torch.randn(1, 4, 100, 32, requires_grad=True)
     k, v = (torch.randn(1, 2, 100, 32, requires_grad=True) for _ in range(2))
-    mask = af.create_block_mask_from_blocks(lambda b, h, qb, kb: (qb + kb) % 3 != 0, None, None, 100, 100,
-                                            block_size=32)
+    mask = af.create_block_mask_from_blocks(
+        lambda b, h, qb, kb: (qb + kb) % 3 != 0, None, None, 100, 100, block_size=32
+    )
     _grads_match(sparse, q, k, v, mask)
 
 
 def test_rows_with_no_active_block_are_zero():
     q, k, v = (torch.randn(1, 2, 64, 16) for _ in range(3))
-    mask = af.create_block_mask_from_blocks(lambda b, h, qb, kb: qb + kb > 100, None, None, 64, 64,
-                                            block_size=32)  # none
+    mask = af.create_block_mask_from_blocks(
+        lambda b, h, qb, kb: qb + kb > 100, None, None, 64, 64, block_size=32
+    )  # none
     assert torch.equal(sparse(q, k, v, mask), torch.zeros(1, 2, 64, 16))
 
 
@@ -100,8 +104,9 @@ def test_block_sparse_programs_take_the_listed_tiles():
     from attnfuse.passes.lower import KernelConfig, lower
     from attnfuse.passes.tile import choose_tiles
 
-    config = KernelConfig(arch="sm90", dtype="bfloat16", head_dim=128, head_dim_v=128, group=4, save_lse=False,
-                          fp32_precision="ieee")
+    config = KernelConfig(
+        arch="sm90", dtype="bfloat16", head_dim=128, head_dim_v=128, group=4, save_lse=False, fp32_precision="ieee"
+    )
     lowered = lower(fuse(sparse.graph(bigbird(1, 2, 256, 128))), config)
     assert lowered.tiles["forward"] == choose_tiles("sm90", "listed", 128, "forward")
     assert lowered.tiles["forward"] != choose_tiles("sm90", "dense", 128, "forward")
@@ -110,15 +115,21 @@ def test_block_sparse_programs_take_the_listed_tiles():
 def _heavy_last_column(B, H, N, block_size):
     """Diagonal blocks, plus a last key block (ragged: N not a multiple of the block) every query block
     lists."""
+
     def predicate(b, h, qb, kb):
         return (qb == kb) | (kb == -(-N // block_size) - 1)
+
     return af.create_block_mask_from_blocks(predicate, B, H, N, N, block_size=block_size)
 
 
-@pytest.mark.parametrize("program,Hkv,N,make_mask", [
-    (sparse_llama, 2, 192, lambda H, N: bigbird(1, H, N, 16, globals_=1, randoms=1, seed=3)),
-    (sparse, 1, 330, lambda H, N: _heavy_last_column(1, H, N, 64)),
-], ids=["bigbird-gqa2", "ragged-heavy-block-mqa"])
+@pytest.mark.parametrize(
+    "program,Hkv,N,make_mask",
+    [
+        (sparse_llama, 2, 192, lambda H, N: bigbird(1, H, N, 16, globals_=1, randoms=1, seed=3)),
+        (sparse, 1, 330, lambda H, N: _heavy_last_column(1, H, N, 64)),
+    ],
+    ids=["bigbird-gqa2", "ragged-heavy-block-mqa"],
+)
 def test_heavy_key_blocks_split_over_the_group_heads(program, Hkv, N, make_mask):
     """GQA with key blocks every query block lists: the dK/dV kernel spreads them over the group's query
     heads and sums the shares in the group's last program. Gradients match float64, and a second run is

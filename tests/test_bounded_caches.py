@@ -1,6 +1,7 @@
 """Every cache is bounded: a program's traces and the call signatures in memory (least recently used dropped
 first; a program's kernels live while a cached call uses them), the kernel files on disk (a size cap); a
 program that keeps being traced again warns once; ``attnfuse cache --info`` and ``--clear``."""
+
 import os
 import time
 import warnings
@@ -107,9 +108,11 @@ def test_recompile_warning_fires_once_naming_the_program_and_what_changed():
     (warning,) = caught
     assert warning.category is RecompileWarning and warning.filename == __file__  # the caller's line
     message = str(warning.message)
-    assert message.startswith(f"program windowed has been traced for {recompile.RECOMPILE_LIMIT + 1} static "
-                              f"configurations (more than attnfuse.recompile.RECOMPILE_LIMIT = "
-                              f"{recompile.RECOMPILE_LIMIT}); changing: 'left'. ")
+    assert message.startswith(
+        f"program windowed has been traced for {recompile.RECOMPILE_LIMIT + 1} static "
+        f"configurations (more than attnfuse.recompile.RECOMPILE_LIMIT = "
+        f"{recompile.RECOMPILE_LIMIT}); changing: 'left'. "
+    )
     assert "'left' can only be static (sliding_window: parameter 'left' is static" in message
     assert "as a tensor argument" not in message and "raise attnfuse.recompile.RECOMPILE_LIMIT" in message
 
@@ -135,6 +138,7 @@ def test_recompile_limit_can_be_raised(monkeypatch):
 
 
 # ------------------------------------------------------------------------------------------- on disk
+
 
 def _source(i: int, size: int = 1000) -> tuple[str, str]:
     """A kernel name and a source of ``size`` bytes."""
@@ -176,8 +180,11 @@ def test_disk_cache_stays_under_its_cap_oldest_evicted_first(disk_cache, monkeyp
 
 def test_disk_cache_cap_from_the_environment_is_checked(disk_cache, monkeypatch):
     monkeypatch.setenv(MAX_BYTES_ENV, "64M")
-    with pytest.raises(KernelCacheError, match=r"ATTNFUSE_CACHE_MAX_BYTES must be a positive number of bytes, "
-                                               r"got '64M'"):
+    with pytest.raises(
+        KernelCacheError,
+        match=r"ATTNFUSE_CACHE_MAX_BYTES must be a positive number of bytes, "
+        r"got '64M'",
+    ):
         write_source(*_source(0))
 
 
@@ -190,8 +197,13 @@ def test_cli_cache_info_and_clear(disk_cache, monkeypatch, capsys):
     (disk_cache / "__pycache__" / "attnfuse_fwd_0_0.cpython-311.pyc").write_bytes(b"left by an older version")
     assert main(["cache", "--info"]) == 0
     out = capsys.readouterr().out.splitlines()
-    assert out == [f"directory  {disk_cache}  ($ATTNFUSE_CACHE_DIR)", "trusted    yes", "files      3",
-                   "size       2.1 KiB (2103 bytes)", "cap        5.0 MiB (5242880 bytes; $ATTNFUSE_CACHE_MAX_BYTES)"]
+    assert out == [
+        f"directory  {disk_cache}  ($ATTNFUSE_CACHE_DIR)",
+        "trusted    yes",
+        "files      3",
+        "size       2.1 KiB (2103 bytes)",
+        "cap        5.0 MiB (5242880 bytes; $ATTNFUSE_CACHE_MAX_BYTES)",
+    ]
     assert main(["cache", "--clear"]) == 0
     assert capsys.readouterr().out == f"removed 3 kernel file(s), 2.1 KiB, from {disk_cache}\n"
     assert sorted(p.name for p in disk_cache.iterdir()) == ["notes.txt"]
@@ -203,6 +215,7 @@ def test_cli_cache_info_says_why_a_directory_is_refused(disk_cache, capsys):
     disk_cache.mkdir(mode=0o700)
     os.chmod(disk_cache, 0o775)
     assert main(["cache", "--info"]) == 0
-    assert f"trusted    no: kernel cache directory {disk_cache} is writable by group (mode 775)" \
-        in capsys.readouterr().out
+    assert (
+        f"trusted    no: kernel cache directory {disk_cache} is writable by group (mode 775)" in capsys.readouterr().out
+    )
     assert main(["cache"]) == 2  # --info or --clear

@@ -1,5 +1,6 @@
 """The on-disk kernel cache is a readable copy, never code: bytecode planted beside a kernel's file and a file
 swapped after it was checked never run, no bytecode is written, and a directory others can write is refused."""
+
 import importlib.util
 import marshal
 import os
@@ -45,10 +46,12 @@ def _assert_correct(q, k, v):
 
 def _hostile(marker, name: str) -> str:
     """A module that writes ``marker`` when it is run, and a kernel ``name`` that writes it when launched."""
-    return (f"import pathlib\n"
-            f"pathlib.Path({str(marker)!r}).write_text('module ran')\n"
-            f"def {name}(*args, **kwargs):\n"
-            f"    pathlib.Path({str(marker)!r}).write_text('kernel ran')\n")
+    return (
+        f"import pathlib\n"
+        f"pathlib.Path({str(marker)!r}).write_text('module ran')\n"
+        f"def {name}(*args, **kwargs):\n"
+        f"    pathlib.Path({str(marker)!r}).write_text('kernel ran')\n"
+    )
 
 
 def _kernel_file(directory):
@@ -58,8 +61,12 @@ def _kernel_file(directory):
 
 def _unchecked_hash_pyc(code, path) -> bytes:
     """Bytecode Python's import system runs without looking at the source (PEP 552, check_source unset)."""
-    return importlib.util.MAGIC_NUMBER + (0b01).to_bytes(4, "little") + importlib.util.source_hash(b"") \
+    return (
+        importlib.util.MAGIC_NUMBER
+        + (0b01).to_bytes(4, "little")
+        + importlib.util.source_hash(b"")
         + marshal.dumps(code)
+    )
 
 
 def _timestamp_pyc(code, path) -> bytes:
@@ -119,15 +126,21 @@ def test_created_directories_are_private(tmp_path, monkeypatch):
         assert stat.S_IMODE(directory.stat().st_mode) == 0o700, directory
 
 
-@pytest.mark.parametrize("mode, what", [(0o770, "group"), (0o707, "others"), (0o1777, "group and others")],
-                         ids=["group", "world", "world-sticky"])
+@pytest.mark.parametrize(
+    "mode, what",
+    [(0o770, "group"), (0o707, "others"), (0o1777, "group and others")],
+    ids=["group", "world", "world-sticky"],
+)
 def test_a_directory_others_can_write_is_refused(mode, what, cache):
     q, k, v = _qkv()
     _assert_correct(q, k, v)  # a directory made writable after first use is refused too
     os.chmod(cache, mode)
     clear_cache()
-    with pytest.raises(KernelCacheError, match=rf"kernel cache directory {re.escape(str(cache))} is writable by "
-                                               rf"{what}.*chmod go-w {re.escape(str(cache))}.*{CACHE_ENV}"):
+    with pytest.raises(
+        KernelCacheError,
+        match=rf"kernel cache directory {re.escape(str(cache))} is writable by "
+        rf"{what}.*chmod go-w {re.escape(str(cache))}.*{CACHE_ENV}",
+    ):
         causal_softmax(q, k, v)
 
 
@@ -135,6 +148,9 @@ def test_a_directory_owned_by_another_user_is_refused(cache, monkeypatch):
     cache.mkdir(mode=0o700)
     uid = os.geteuid()
     monkeypatch.setattr(os, "geteuid", lambda: uid + 1)
-    with pytest.raises(KernelCacheError, match=rf"kernel cache directory {re.escape(str(cache))} is owned by uid "
-                                               rf"{uid}, not by this user \(uid {uid + 1}\).*{CACHE_ENV}"):
+    with pytest.raises(
+        KernelCacheError,
+        match=rf"kernel cache directory {re.escape(str(cache))} is owned by uid "
+        rf"{uid}, not by this user \(uid {uid + 1}\).*{CACHE_ENV}",
+    ):
         causal_softmax(*_qkv())

@@ -2,6 +2,7 @@
 (nothing decided again); a change of any component a kernel depends on is a miss that decides a new
 ``Call``, and that call's result is right for the new metadata. A call generates its backward kernels only
 when a gradient is first computed."""
+
 from __future__ import annotations
 
 import pytest
@@ -30,8 +31,15 @@ def _tensors(Nq: int = 8, Nk: int = 12, D: int = 16):
 
 
 def _planned(graph, q, k, v, bias, **flags):
-    options = {"kv_lens": None, "block_table": None, "return_lse": False, "grads": None, "split_kv": False,
-               "positions": None, **flags}
+    options = {
+        "kv_lens": None,
+        "block_table": None,
+        "return_lse": False,
+        "grads": None,
+        "split_kv": False,
+        "positions": None,
+        **flags,
+    }
     kv_lens, block_table = options.pop("kv_lens"), options.pop("block_table")
     return launch.planned(graph, q, k, v, {"bias": bias}, kv_lens, block_table, **options)
 
@@ -103,8 +111,9 @@ def test_tf32_and_positions_and_device_are_in_the_signature(decided):
     finally:
         torch.backends.cuda.matmul.allow_tf32 = tf32
     positions = launch.check_positions(3, 0, None, q.shape[2], k.shape[2], None, None)
-    assert _planned(windowed.graph(), q, k, v, bias, positions=positions) is not \
-        _planned(windowed.graph(), q, k, v, bias)
+    assert _planned(windowed.graph(), q, k, v, bias, positions=positions) is not _planned(
+        windowed.graph(), q, k, v, bias
+    )
     assert launch._meta(q) != launch._meta(q.to("meta"))  # no second device here: the metadata differ
 
 
@@ -134,8 +143,7 @@ def test_the_backward_is_generated_when_a_gradient_is_first_computed(Nq):
     dq, dk, dv = torch.autograd.grad(out, (q, k, v), dout)
     assert _built_backward()
     q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
-    ref = torch.autograd.grad(windowed.reference(q64, k64, v64, dtype=torch.float64), (q64, k64, v64),
-                              dout.double())
+    ref = torch.autograd.grad(windowed.reference(q64, k64, v64, dtype=torch.float64), (q64, k64, v64), dout.double())
     for got, want in zip((dq, dk, dv), ref):
         torch.testing.assert_close(got.double(), want, atol=1e-4, rtol=1e-4)
 

@@ -1,4 +1,5 @@
 """The ``attnfuse`` command, run in-process through ``main`` (and once as ``python -m attnfuse.cli``)."""
+
 from __future__ import annotations
 
 import re
@@ -78,6 +79,7 @@ def run(capsys, *argv: str) -> tuple[int, str, str]:
 
 # ---------------------------------------------------------------------------------------------- examples
 
+
 def test_examples_are_programs():
     assert set(EXAMPLES) == {"llama", "gpt2", "mistral", "alibi", "relu"}
     for name, program in EXAMPLES.items():
@@ -89,6 +91,7 @@ def test_examples_are_programs():
 
 
 # -------------------------------------------------------------------------------------------------- list
+
 
 def test_list_shows_every_builtin_with_role_and_distribution(capsys):
     code, out, err = run(capsys, "list")
@@ -119,6 +122,7 @@ def test_list_is_sorted_by_role_then_name(capsys):
 
 # -------------------------------------------------------------------------------------------------- show
 
+
 def test_show_example(capsys):
     code, out, err = run(capsys, "show", "llama", *SMALL)
     assert code == 0, err
@@ -142,8 +146,9 @@ def test_show_source_only_and_path_only(capsys):
 
 
 def test_show_options_reach_the_kernel_config(capsys):
-    code, out, err = run(capsys, "show", "alibi", "--arch", "sm80", "--head-dim", "64", "--head-dim-v", "32",
-                         "--group", "4", "--lse")
+    code, out, err = run(
+        capsys, "show", "alibi", "--arch", "sm80", "--head-dim", "64", "--head-dim-v", "32", "--group", "4", "--lse"
+    )
     assert code == 0, err
     assert "arch=sm80 dtype=bfloat16 head_dim=64 head_dim_v=32 group=4 save_lse=True" in out
     assert "alibi(slopes=None)" in out
@@ -168,14 +173,17 @@ def test_show_module_attribute(capsys):
     assert "def attnfuse_fwd_" in out
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["show", "nosuchexample"], "unknown example 'nosuchexample'"),
-    (["show", f"{__name__}:not_a_program"], "not an AttentionProgram"),
-    (["show", f"{__name__}:missing"], "has no attribute 'missing'"),
-    (["show", "attnfuse_no_such_module:x"], "cannot import module 'attnfuse_no_such_module'"),
-    (["show", "relu", "--lse", *SMALL], "log-sum-exp"),
-    (["show", "llama", "--head-dim", "512"], "at most 256"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["show", "nosuchexample"], "unknown example 'nosuchexample'"),
+        (["show", f"{__name__}:not_a_program"], "not an AttentionProgram"),
+        (["show", f"{__name__}:missing"], "has no attribute 'missing'"),
+        (["show", "attnfuse_no_such_module:x"], "cannot import module 'attnfuse_no_such_module'"),
+        (["show", "relu", "--lse", *SMALL], "log-sum-exp"),
+        (["show", "llama", "--head-dim", "512"], "at most 256"),
+    ],
+)
 def test_show_errors(capsys, argv, message):
     code, out, err = run(capsys, *argv)
     assert code == 2
@@ -196,6 +204,7 @@ def test_version(capsys):
 
 
 # -------------------------------------------------------------------------------------------------- demo
+
 
 def test_demo_cpu(capsys):
     code, out, err = run(capsys, "demo", "--device", "cpu")
@@ -222,32 +231,61 @@ def test_demo_cpu_reports_a_kernel_that_raises(capsys, monkeypatch):
 
 # ---------------------------------------------------------------------------------------- as a program
 
+
 def test_python_m_attnfuse_cli_list(tmp_path):
-    done = subprocess.run([sys.executable, "-m", "attnfuse.cli", "list"], capture_output=True, text=True,
-                          cwd=tmp_path, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-m", "attnfuse.cli", "list"], capture_output=True, text=True, cwd=tmp_path, timeout=120
+    )
     assert done.returncode == 0, done.stderr
     assert all(name in done.stdout for name in BUILTINS)
 
 
 def test_importing_examples_prints_nothing(tmp_path):
-    done = subprocess.run([sys.executable, "-c", "import attnfuse.examples"], capture_output=True, text=True,
-                          cwd=tmp_path, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-c", "import attnfuse.examples"], capture_output=True, text=True, cwd=tmp_path, timeout=120
+    )
     assert done.returncode == 0, done.stderr
     assert done.stdout == "" and done.stderr == ""
 
 
-@pytest.mark.parametrize("kind,title", [("decode", "split-KV decoding kernel"), ("dkdv", "dK/dV kernel"),
-                                        ("dq", "dQ kernel")])
+@pytest.mark.parametrize(
+    "kind,title", [("decode", "split-KV decoding kernel"), ("dkdv", "dK/dV kernel"), ("dq", "dQ kernel")]
+)
 def test_show_other_kernels(capsys, kind, title):
-    assert main(["show", "llama", "--arch", "interpreter", "--dtype", "float32", "--head-dim", "32",
-                 "--kernel", kind, "--source-only"]) == 0
+    assert (
+        main(
+            [
+                "show",
+                "llama",
+                "--arch",
+                "interpreter",
+                "--dtype",
+                "float32",
+                "--head-dim",
+                "32",
+                "--kernel",
+                kind,
+                "--source-only",
+            ]
+        )
+        == 0
+    )
     assert f"Generated by AttnFuse: {title}" in capsys.readouterr().out
 
 
 # ----------------------------------------------------------------------------------------------- edges
 
-@pytest.mark.parametrize("exit_line", ["import sys; sys.exit(0)", "import sys; sys.exit()", "raise SystemExit",
-                                       "import sys; sys.exit(3)", "import sys; sys.exit('usage: script.py')"])
+
+@pytest.mark.parametrize(
+    "exit_line",
+    [
+        "import sys; sys.exit(0)",
+        "import sys; sys.exit()",
+        "raise SystemExit",
+        "import sys; sys.exit(3)",
+        "import sys; sys.exit('usage: script.py')",
+    ],
+)
 def test_show_reports_a_module_that_exits_at_import(capsys, tmp_path, monkeypatch, exit_line):
     module = f"attnfuse_exits_{abs(hash(exit_line))}"
     (tmp_path / f"{module}.py").write_text(f"import attnfuse as af\n{exit_line}\n")
@@ -261,8 +299,7 @@ def test_show_reports_a_module_that_exits_at_import(capsys, tmp_path, monkeypatc
 
 @pytest.mark.parametrize("flag", ["--info", "--clear"])
 @pytest.mark.parametrize("where", ["a file", "under a file"])
-def test_cache_command_on_a_path_that_is_no_directory_is_a_one_line_error(capsys, tmp_path, monkeypatch, flag,
-                                                                           where):
+def test_cache_command_on_a_path_that_is_no_directory_is_a_one_line_error(capsys, tmp_path, monkeypatch, flag, where):
     blocker = tmp_path / "kernels"
     blocker.write_text("not a directory")
     path = blocker if where == "a file" else blocker / "sub"
@@ -278,8 +315,9 @@ def test_cache_command_on_a_path_that_is_no_directory_is_a_one_line_error(capsys
 DISTRIBUTION = re.compile(r"[A-Z0-9]|[A-Z0-9][A-Z0-9._-]*[A-Z0-9]", re.IGNORECASE)  # PEP 508 names
 
 
-@pytest.mark.parametrize("name", ["größe", "naïve", "ñame", "名前", "ǆ", "window_", "Window", "2nd", "lambda",
-                                  "prefix-lm", "a b", "_hidden"])
+@pytest.mark.parametrize(
+    "name", ["größe", "naïve", "ñame", "名前", "ǆ", "window_", "Window", "2nd", "lambda", "prefix-lm", "a b", "_hidden"]
+)
 def test_new_refuses_a_name_no_package_can_carry(capsys, tmp_path, name):
     code, out, err = run(capsys, "new", name, "--role", "mask", "--dir", str(tmp_path / "pkg"))
     assert code == 2 and out == ""
@@ -319,8 +357,11 @@ RUNTIME_PROGRAMS = [  # (program, show's extra options, the same call's real ext
 
 
 @pytest.mark.parametrize("kernel", ["forward", "dkdv"])
-@pytest.mark.parametrize("name, options, extra", RUNTIME_PROGRAMS,
-                         ids=[f"{n}{'-' if o else ''}{'-'.join(o)}" for n, o, _ in RUNTIME_PROGRAMS])
+@pytest.mark.parametrize(
+    "name, options, extra",
+    RUNTIME_PROGRAMS,
+    ids=[f"{n}{'-' if o else ''}{'-'.join(o)}" for n, o, _ in RUNTIME_PROGRAMS],
+)
 def test_show_traces_runtime_inputs_as_a_call_with_tensors_does(capsys, name, options, extra, kernel):
     """`show` of a program with runtime tensor arguments prints the kernel a call with real tensors compiles."""
     program = globals()[name]
@@ -336,21 +377,33 @@ def test_show_traces_runtime_inputs_as_a_call_with_tensors_does(capsys, name, op
         assert f"{argument}=<runtime input>" in out.split("\n")[1]
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["needs_window"], r"sliding_window: parameter 'left' is static .*got the input 'left'.*`show` traced "
-                       r".*:needs_window with left as runtime input\(s\); give a static argument's value with "
-                       r"--arg NAME=VALUE"),
-    (["needs_bias", "--arg", "bais=1"], r"--arg/--input: 'bais' is no argument of the program: .*:needs_bias "
-                                        r"takes the extra argument\(s\) bias"),
-    (["needs_window", "--input", "right"], r"'right' is no argument of the program: .* takes the extra "
-                                           r"argument\(s\) left"),
-    (["needs_window", "--arg", "left"], r"--arg: expected NAME=VALUE, got 'left'"),
-    (["needs_window", "--arg", "left=1+"], r"--arg: VALUE '1\+' is not a Python literal"),
-    (["needs_window", "--arg", "left=[1]"], r"argument 'left' must be a tensor, a BlockMask, or a static"),
-    (["needs_window", "--arg", "left=2", "--input", "left"], r"--input left: 'left' has a static value"),
-    (["needs_bias", "--arg", "bias=0.5"], r"additive_bias: parameter 'bias' is a runtime input"),
-    (["llama", "--input", "cos"], r"'cos' is no argument of the program: .* takes no extra argument"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (
+            ["needs_window"],
+            r"sliding_window: parameter 'left' is static .*got the input 'left'.*`show` traced "
+            r".*:needs_window with left as runtime input\(s\); give a static argument's value with "
+            r"--arg NAME=VALUE",
+        ),
+        (
+            ["needs_bias", "--arg", "bais=1"],
+            r"--arg/--input: 'bais' is no argument of the program: .*:needs_bias "
+            r"takes the extra argument\(s\) bias",
+        ),
+        (
+            ["needs_window", "--input", "right"],
+            r"'right' is no argument of the program: .* takes the extra "
+            r"argument\(s\) left",
+        ),
+        (["needs_window", "--arg", "left"], r"--arg: expected NAME=VALUE, got 'left'"),
+        (["needs_window", "--arg", "left=1+"], r"--arg: VALUE '1\+' is not a Python literal"),
+        (["needs_window", "--arg", "left=[1]"], r"argument 'left' must be a tensor, a BlockMask, or a static"),
+        (["needs_window", "--arg", "left=2", "--input", "left"], r"--input left: 'left' has a static value"),
+        (["needs_bias", "--arg", "bias=0.5"], r"additive_bias: parameter 'bias' is a runtime input"),
+        (["llama", "--input", "cos"], r"'cos' is no argument of the program: .* takes no extra argument"),
+    ],
+)
 def test_show_arguments_errors_name_the_argument_and_what_is_allowed(capsys, argv, message):
     name, *options = argv
     spec = name if name in EXAMPLES else f"{__name__}:{name}"
@@ -373,7 +426,8 @@ def test_show_a_third_party_plugin_with_a_runtime_tensor(capsys, tmp_path, monke
     spec.loader.exec_module(plugin)
     (tmp_path / "shown_models.py").write_text(
         "import attnfuse as af\n\n\n@af.attention\ndef weighted(q, k, v, weights):\n"
-        "    return af.softmax(af.shown_head_weights(af.causal(af.scaled_dot_product(q, k)), weights)) @ v\n")
+        "    return af.softmax(af.shown_head_weights(af.causal(af.scaled_dot_product(q, k)), weights)) @ v\n"
+    )
     monkeypatch.chdir(tmp_path)
     af.register_plugin(plugin, name="test-show-third-party")
     try:

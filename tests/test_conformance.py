@@ -1,5 +1,6 @@
 """The property fuzzer: programs drawn from every registered combinator (third-party ones included) match
 the float64 reference. Under Triton's interpreter on CPU in CI; natively, with more examples, on a GPU."""
+
 import pytest
 
 import attnfuse as af
@@ -14,14 +15,17 @@ def _checkable(name: str):
     deprecated since 2026-12-01; tests/legacy_plugin's mask is one): its own tests check it."""
     if drawable(af.combinators()[name].combinator):
         return name
-    return pytest.param(name, marks=pytest.mark.skip(reason=f"{name} declares no examples for its required "
-                                                            f"parameters (deprecated); the kit cannot draw them"))
+    return pytest.param(
+        name,
+        marks=pytest.mark.skip(
+            reason=f"{name} declares no examples for its required parameters (deprecated); the kit cannot draw them"
+        ),
+    )
 
 
 @pytest.mark.parametrize("name", [_checkable(n) for n in sorted(af.combinators())])
 def test_combinator_conforms(name):
     if CUDA:
-        check_combinator(name, max_examples=fuzz_examples(6, 60), max_n=300,
-                         head_dims=(16, 32, 64, 80, 96, 128, 256))
+        check_combinator(name, max_examples=fuzz_examples(6, 60), max_n=300, head_dims=(16, 32, 64, 80, 96, 128, 256))
     else:
         check_combinator(name, max_examples=fuzz_examples(6, 60))

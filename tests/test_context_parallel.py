@@ -9,6 +9,7 @@ reference evaluated in float32 on the whole sequence. The processes also check t
 (on every rank, also when one rank alone makes a bad call), and count the forward launches (pairs a mask
 makes empty are skipped). Results come back as one JSON file per rank.
 """
+
 from __future__ import annotations
 
 import datetime
@@ -106,9 +107,13 @@ def _register_refused_once() -> None:
     alibi (it prepares its slopes) without ``takes_offsets``, which a ring cannot run."""
     found = af.combinators()
     softmax, alibi = found["softmax"].combinator, found["alibi"].combinator
-    af.register_plugin(_Provides(attrs.evolve(softmax, name="_cp_no_combine", fragment=attrs.evolve(
-        softmax.fragment, combine=None)), attrs.evolve(alibi, name="_cp_no_offsets", takes_offsets=False)),
-        name="_cp_refused")
+    af.register_plugin(
+        _Provides(
+            attrs.evolve(softmax, name="_cp_no_combine", fragment=attrs.evolve(softmax.fragment, combine=None)),
+            attrs.evolve(alibi, name="_cp_no_offsets", takes_offsets=False),
+        ),
+        name="_cp_refused",
+    )
 
 
 # name: (program, layout, (B, Hq, Hkv), extras, sharded); chunks of 10 rows, head dim 16
@@ -151,11 +156,11 @@ def _ring(afd, name: str, world: int) -> list[torch.Tensor]:
     """The ring's out (and lse), dq, dk and dv of a case, gathered (every rank takes part and gets them)."""
     program, layout, _, _, sharded = CASES[name]
     qkv, douts, extras = _inputs(name, world)
-    given = {n: afd.shard(t, layout=layout, dim=sharded[n]) if sharded and n in sharded else t
-             for n, t in extras.items()}
+    given = {
+        n: afd.shard(t, layout=layout, dim=sharded[n]) if sharded and n in sharded else t for n, t in extras.items()
+    }
     shards = [afd.shard(t, layout=layout).requires_grad_(True) for t in qkv]
-    outs = afd.context_parallel(program, layout=layout, sharded=sharded)(*shards, **given,
-                                                                          return_lse=name in WITH_LSE)
+    outs = afd.context_parallel(program, layout=layout, sharded=sharded)(*shards, **given, return_lse=name in WITH_LSE)
     outs = list(outs) if name in WITH_LSE else [outs]
     torch.autograd.backward(outs, [afd.shard(t, layout=layout) for t in douts])
     return [afd.unshard(t, layout=layout) for t in (*(o.detach() for o in outs), *(s.grad for s in shards))]
@@ -169,14 +174,19 @@ def _check(name: str, world: int, ring: list[torch.Tensor]) -> list[str]:
     qkv, douts, extras = _inputs(name, world)
     whole = [t.clone().requires_grad_(True) for t in qkv]
     lse = name in WITH_LSE
-    in_float32, reference = (program.reference(*whole, **extras, return_lse=lse, dtype=dtype)
-                             for dtype in (torch.float32, torch.float64))
+    in_float32, reference = (
+        program.reference(*whole, **extras, return_lse=lse, dtype=dtype) for dtype in (torch.float32, torch.float64)
+    )
     in_float32, reference = (list(x) if lse else [x] for x in (in_float32, reference))
-    expected = [*zip(reference, in_float32),
-                *zip(torch.autograd.grad(reference, whole, [t.double() for t in douts]),
-                     torch.autograd.grad(in_float32, whole, douts))]
+    expected = [
+        *zip(reference, in_float32),
+        *zip(
+            torch.autograd.grad(reference, whole, [t.double() for t in douts]),
+            torch.autograd.grad(in_float32, whole, douts),
+        ),
+    ]
     failures = []
-    for what, got, (want, baseline) in zip(("out", "lse")[:len(douts)] + ("dq", "dk", "dv"), ring, expected):
+    for what, got, (want, baseline) in zip(("out", "lse")[: len(douts)] + ("dq", "dk", "dv"), ring, expected):
         try:
             assert_matches_reference(got, want, baseline, torch.float32, what=f"{name}: {what}")
         except AssertionError as exc:
@@ -210,6 +220,7 @@ def _error(fn) -> str:
 
 def _errors(afd, world: int, rank: int) -> dict[str, str]:
     """The error each bad use raises on this rank (every rank makes the same calls, collectives included)."""
+
     def q(n: int = 20, h: int = 2) -> torch.Tensor:
         return torch.randn(1, h, n, D)
 
@@ -218,8 +229,14 @@ def _errors(afd, world: int, rank: int) -> dict[str, str]:
 
     found = {
         "no_combine": _error(lambda: afd.context_parallel(no_combine)(q(), q(h=1), q(h=1))),
-        "block_sparse": _error(lambda: afd.context_parallel(sparse)(q(), q(), q(), af.create_block_mask_from_blocks(
-            lambda b, h, qb, kb: qb >= kb, None, None, 20, 20, block_size=16))),
+        "block_sparse": _error(
+            lambda: afd.context_parallel(sparse)(
+                q(),
+                q(),
+                q(),
+                af.create_block_mask_from_blocks(lambda b, h, qb, kb: qb >= kb, None, None, 20, 20, block_size=16),
+            )
+        ),
         "reads_indices": _error(lambda: afd.context_parallel(biased)(q(), q(), q(), torch.zeros(20, 20))),
         "no_offsets": _error(lambda: afd.context_parallel(no_offsets)(q(), q(h=1), q(h=1))),
         "odd_shard": _error(lambda: afd.context_parallel(causal)(q(21), q(21), q(21))),
@@ -228,19 +245,29 @@ def _errors(afd, world: int, rank: int) -> dict[str, str]:
         "kv_lens": _error(lambda: afd.context_parallel(causal)(q(), q(), q(), kv_lens=torch.tensor([20]))),
         "block_table": _error(lambda: afd.context_parallel(causal)(q(), q(), q(), block_table=torch.zeros(1, 1))),
         "q_offset": _error(lambda: afd.context_parallel(causal)(q(), q(), q(), q_offset=0)),
-        "layout_mismatch": _error(lambda: afd.context_parallel(causal, layout="contiguous")(
-            zigzag_shard(2), zigzag_shard(1), zigzag_shard(1))),
+        "layout_mismatch": _error(
+            lambda: afd.context_parallel(causal, layout="contiguous")(zigzag_shard(2), zigzag_shard(1), zigzag_shard(1))
+        ),
         "unshard_layout": _error(lambda: afd.unshard(zigzag_shard(2), layout="contiguous")),
-        "unshard_ring_out": _error(lambda: afd.unshard(afd.context_parallel(window_alibi, layout="contiguous")(
-            *(afd.shard(torch.randn(1, h, 2 * world, D), layout="contiguous") for h in (2, 1, 1))))),
+        "unshard_ring_out": _error(
+            lambda: afd.unshard(
+                afd.context_parallel(window_alibi, layout="contiguous")(
+                    *(afd.shard(torch.randn(1, h, 2 * world, D), layout="contiguous") for h in (2, 1, 1))
+                )
+            )
+        ),
         "shard_split": _error(lambda: afd.shard(torch.randn(1, 2, 4 * world + 2, D))),
         "shard_dim": _error(lambda: afd.shard(torch.randn(1, 2, 4 * world, D), dim=4)),
-        "sharded_dim": _error(lambda: afd.context_parallel(llama_tables, sharded={"cos": 2, "sin": 0})(
-            q(), q(h=1), q(h=1), torch.randn(20, D), torch.randn(20, D))),
+        "sharded_dim": _error(
+            lambda: afd.context_parallel(llama_tables, sharded={"cos": 2, "sin": 0})(
+                q(), q(h=1), q(h=1), torch.randn(20, D), torch.randn(20, D)
+            )
+        ),
         "lse_of_relu": _error(lambda: afd.context_parallel(relu_causal)(q(), q(), q(), return_lse=True)),
         "sharded_unknown": _error(lambda: afd.context_parallel(causal, sharded={"cos": 0})(q(), q(), q())),
-        "input_grad": _error(lambda: afd.context_parallel(sinks_window)(
-            q(), q(h=1), q(h=1), torch.zeros(2, requires_grad=True))),
+        "input_grad": _error(
+            lambda: afd.context_parallel(sinks_window)(q(), q(h=1), q(h=1), torch.zeros(2, requires_grad=True))
+        ),
         "layout": _error(lambda: afd.context_parallel(causal, layout="striped")),
     }
     single = dist.new_group([0])  # every rank creates it; only rank 0 is in it
@@ -264,18 +291,25 @@ def _one_bad_rank(afd, world: int, rank: int) -> dict[str, tuple[str, float]]:
 
     cases = {
         "kv_lens": lambda: afd.context_parallel(causal, group=group)(
-            q(), q(), q(), **({"kv_lens": torch.tensor([20])} if bad else {})),
-        "dtype": lambda: afd.context_parallel(causal, group=group)(q(dtype=torch.float64 if bad else torch.float32),
-                                                                    q(), q()),
+            q(), q(), q(), **({"kv_lens": torch.tensor([20])} if bad else {})
+        ),
+        "dtype": lambda: afd.context_parallel(causal, group=group)(
+            q(dtype=torch.float64 if bad else torch.float32), q(), q()
+        ),
         "odd_shard": lambda: afd.context_parallel(causal, group=group)(*(q(21 if bad else 20) for _ in range(3))),
         "missing_v": lambda: afd.context_parallel(causal, group=group)(*((q(), q()) if bad else (q(), q(), q()))),
         "layout": lambda: afd.context_parallel(window_alibi, group=group, layout="contiguous")(
-            *(afd.shard(t, group, layout="zigzag") if bad else afd.shard(t, group, layout="contiguous")
-              for t in (torch.randn(1, h, 2 * world * 5, D) for h in (4, 2, 2)))),
+            *(
+                afd.shard(t, group, layout="zigzag") if bad else afd.shard(t, group, layout="contiguous")
+                for t in (torch.randn(1, h, 2 * world * 5, D) for h in (4, 2, 2))
+            )
+        ),
         "input_grad": lambda: afd.context_parallel(sinks_window, group=group)(
-            q(), q(h=1), q(h=1), torch.zeros(2, requires_grad=bad)),
+            q(), q(h=1), q(h=1), torch.zeros(2, requires_grad=bad)
+        ),
         "sinks_shape": lambda: afd.context_parallel(sinks_window, group=group)(
-            q(), q(h=1), q(h=1), torch.zeros(3 if bad else 2)),
+            q(), q(h=1), q(h=1), torch.zeros(3 if bad else 2)
+        ),
         "unshard_dim": lambda: afd.unshard(q(), group, dim=5 if bad else 2),
     }
     found = {}
@@ -296,8 +330,10 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
     results: dict = {"cases": {}, "launches": {}}
     try:
         rings = {name: _ring(afd, name, world) for name in CASES}
-        results["launches"] = {"causal": _forward_launches(afd, causal, "zigzag", world),
-                               "window_alibi": _forward_launches(afd, window_alibi, "contiguous", world)}
+        results["launches"] = {
+            "causal": _forward_launches(afd, causal, "zigzag", world),
+            "window_alibi": _forward_launches(afd, window_alibi, "contiguous", world),
+        }
         results["errors"] = _errors(afd, world, rank)
         for i, name in enumerate(CASES):  # the checks, shared out: they need no other rank
             if i % world == rank:
@@ -361,36 +397,36 @@ ERRORS = {  # the message each rank gets, {w} the world size and {c} the zigzag 
     "block_sparse": r"ProgramError: context_parallel: the mask block_sparse lists blocks by their index",
     "reads_indices": r"ProgramError: context_parallel: additive_bias reads k_idx, q_idx: indices",
     "no_offsets": r"ProgramError: context_parallel: _cp_no_offsets cannot take position offsets: it prepares kernel "
-                  r"arguments but does not declare takes_offsets=True, and the ring runs every shard but the first at "
-                  r"an offset .* Its author declares Combinator\(\.\.\., takes_offsets=True\)",
+    r"arguments but does not declare takes_offsets=True, and the ring runs every shard but the first at "
+    r"an offset .* Its author declares Combinator\(\.\.\., takes_offsets=True\)",
     "odd_shard": r"InputError: context_parallel: a shard of 21 rows cannot hold 2 equal chunks \(layout 'zigzag'\): "
-                 r"the sequence length must be a multiple of {c}",
+    r"the sequence length must be a multiple of {c}",
     "unequal_shards": r"InputError: context_parallel: q's shape differs across ranks \(rank 0: \[1, 2, 20, 16\], "
-                      r"rank 1: \[1, 2, 22, 16\].*\); every rank must give shards of equal size",
+    r"rank 1: \[1, 2, 22, 16\].*\); every rank must give shards of equal size",
     "kv_shorter": r"InputError: context_parallel: q, k and v shards must have the same length, got 20, 18 and 18",
     "kv_lens": r"InputError: context_parallel: the ring takes no kv_lens: .*; kv_lens and block_table describe a "
-               r"decoding cache, which needs no ring: call the program itself on it",
+    r"decoding cache, which needs no ring: call the program itself on it",
     "block_table": r"InputError: context_parallel: the ring takes no block_table: .*describe a decoding cache",
     "q_offset": r"InputError: context_parallel: the ring takes no q_offset: it splits one whole sequence \(q, k and "
-                r"v shards of the same length\) and sets every chunk's positions itself$",
+    r"v shards of the same length\) and sets every chunk's positions itself$",
     "layout_mismatch": r"InputError: context_parallel: q is a shard of layout 'zigzag', but this context_parallel uses "
-                       r"layout 'contiguous'; shard with layout='contiguous', or use layout='zigzag' here",
+    r"layout 'contiguous'; shard with layout='contiguous', or use layout='zigzag' here",
     "unshard_layout": r"InputError: unshard: x_shard is a shard of layout 'zigzag', but this unshard uses layout "
-                      r"'contiguous'",
+    r"'contiguous'",
     "unshard_ring_out": r"InputError: unshard: x_shard is a shard of layout 'contiguous', but this unshard uses "
-                        r"layout 'zigzag'",
+    r"layout 'zigzag'",
     "shard_split": r"InputError: shard: a sequence of {shard_rows} rows \(dim 2\) cannot be split by layout 'zigzag' "
-                   r"over {w} ranks: it needs a multiple of {c}",
+    r"over {w} ranks: it needs a multiple of {c}",
     "shard_dim": r"InputError: shard: dim must be a dim of x \(\(1, 2, {shard_rows_even}, 16\), so from -4 to 3\), "
-                 r"got 4",
+    r"got 4",
     "sharded_dim": r"InputError: context_parallel: sharded\['cos'\] must be a dim of cos \(\(20, 16\), so from -2 "
-                   r"to 1\), got 2",
+    r"to 1\), got 2",
     "lse_of_relu": r"InputError: return_lse=True needs a normaliser with a log-sum-exp",
     "sharded_unknown": r"InputError: context_parallel: sharded names 'cos', which is not a runtime input",
     "input_grad": r"InputError: context_parallel: runtime inputs \['sinks'\] require grad",
     "layout": r"InputError: layout must be one of 'zigzag', 'contiguous', got 'striped'",
     "group_of_one": r"InputError: context_parallel: the group has one rank, so there is nothing to split; call the "
-                    r"program itself",
+    r"program itself",
 }
 
 
@@ -410,7 +446,7 @@ ONE_BAD_RANK = {  # the error of the rank with the bad call; the others name it 
     "odd_shard": r"InputError: context_parallel: a shard of 21 rows cannot hold 2 equal chunks",
     "missing_v": r"TypeError: causal\(\) is missing the argument 'v'",
     "layout": r"InputError: context_parallel: q is a shard of layout 'zigzag', but this context_parallel uses layout "
-              r"'contiguous'",
+    r"'contiguous'",
     "input_grad": r"InputError: context_parallel: runtime inputs \['sinks'\] require grad",
     "unshard_dim": r"InputError: unshard: dim must be a dim of x_shard .* got 5",
 }
@@ -426,14 +462,18 @@ def test_one_bad_rank_raises_on_every_rank(ring, case):
         assert "one_bad_rank_crash" not in result, (rank, result["one_bad_rank_crash"])
         error, seconds = result["one_bad_rank"][case]
         if case == "sinks_shape":  # no rank's own check fails: the shapes differ across ranks
-            pattern = (rf"InputError: context_parallel: sinks's shape and dtype differs across ranks \(rank 0: "
-                       rf"\[\[2\], 'torch.float32'\], .*rank {bad}: \[\[3\], 'torch.float32'\]\)")
+            pattern = (
+                rf"InputError: context_parallel: sinks's shape and dtype differs across ranks \(rank 0: "
+                rf"\[\[2\], 'torch.float32'\], .*rank {bad}: \[\[3\], 'torch.float32'\]\)"
+            )
         elif rank == bad:
             pattern = ONE_BAD_RANK[case]
         else:
             who = "unshard" if case == "unshard_dim" else "context_parallel"
-            pattern = (rf"InputError: {who}: rank {bad} of {world} refused the call, so every rank raises instead of "
-                       rf"waiting for it in a collective \(rank {bad}: {ONE_BAD_RANK[case]}")
+            pattern = (
+                rf"InputError: {who}: rank {bad} of {world} refused the call, so every rank raises instead of "
+                rf"waiting for it in a collective \(rank {bad}: {ONE_BAD_RANK[case]}"
+            )
         assert re.match(pattern, error), (rank, error)
         assert seconds < QUICK_TIMEOUT / 3, (rank, seconds)
 
@@ -455,13 +495,21 @@ def test_chunk_pairs_skipped_are_those_the_reference_keeps_nothing_in(program):
     n, size = 40, 5
     q, k = torch.randn(1, 2, n, D), torch.randn(1, 2, n, D)
     weights = program.reference(q, k, torch.eye(n).expand(1, 2, n, n))
-    config = KernelConfig(arch="interpreter", dtype="float32", head_dim=D, head_dim_v=n, group=1, save_lse=True,
-                          fp32_precision="ieee", positions=True)
+    config = KernelConfig(
+        arch="interpreter",
+        dtype="float32",
+        head_dim=D,
+        head_dim_v=n,
+        group=1,
+        save_lse=True,
+        fp32_precision="ieee",
+        positions=True,
+    )
     masks = ring_program(lowered(program.graph(), config)).masks
     for qc in range(n // size):
         for kc in range(n // size):
             queries, keys = range(qc * size, qc * size + size), range(kc * size, kc * size + size)
-            kept = bool((weights[..., queries.start:queries.stop, keys.start:keys.stop] != 0).any())
+            kept = bool((weights[..., queries.start : queries.stop, keys.start : keys.stop] != 0).any())
             assert keeps_any(masks, queries, keys, {"Nk": n, "HQ": 2, "GROUP": 1}) == kept, (qc, kc)
 
 
@@ -470,18 +518,21 @@ def test_without_a_process_group_is_an_input_error():
 
     assert not dist.is_initialized()
     for call in (lambda: afd.context_parallel(causal), lambda: afd.shard(torch.zeros(1, 1, 4, 2))):
-        with pytest.raises(af.InputError, match="needs an initialised process group: call "
-                                                "torch.distributed.init_process_group first"):
+        with pytest.raises(
+            af.InputError, match="needs an initialised process group: call torch.distributed.init_process_group first"
+        ):
             call()
 
 
 def test_import_attnfuse_leaves_distributed_out():
     """``import attnfuse`` imports neither attnfuse.distributed nor any torch.distributed module that
     ``import torch`` has not (a fresh interpreter)."""
-    code = ("import sys, torch; before = {m for m in sys.modules if m.startswith('torch.distributed')}; "
-            "import attnfuse, attnfuse.examples; "
-            "after = {m for m in sys.modules if m.startswith('torch.distributed')}; "
-            "print(sorted(after - before), 'attnfuse.distributed' in sys.modules)")
+    code = (
+        "import sys, torch; before = {m for m in sys.modules if m.startswith('torch.distributed')}; "
+        "import attnfuse, attnfuse.examples; "
+        "after = {m for m in sys.modules if m.startswith('torch.distributed')}; "
+        "print(sorted(after - before), 'attnfuse.distributed' in sys.modules)"
+    )
     shown = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert shown.split() == ["[]", "False"]
 
@@ -489,10 +540,12 @@ def test_import_attnfuse_leaves_distributed_out():
 def test_benchmark_script_parses_its_arguments():
     """benchmarks/context_parallel.py (a GPU benchmark under torchrun) imports and parses its arguments on the
     CPU, and prints its scaling model there."""
-    code = ("import runpy, sys; sys.argv = ['context_parallel.py', '--lengths', '65536', '131072', '--programs', "
-            "'causal', '--rounds', '3']; ns = runpy.run_path('benchmarks/context_parallel.py'); "
-            "args = ns['parse_args'](); print(args.lengths, args.programs, args.rounds, args.heads, args.model); "
-            "print(ns['scaling_model']())")
+    code = (
+        "import runpy, sys; sys.argv = ['context_parallel.py', '--lengths', '65536', '131072', '--programs', "
+        "'causal', '--rounds', '3']; ns = runpy.run_path('benchmarks/context_parallel.py'); "
+        "args = ns['parse_args'](); print(args.lengths, args.programs, args.rounds, args.heads, args.model); "
+        "print(ns['scaling_model']())"
+    )
     shown = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT).stdout
     lines = shown.splitlines()
     assert lines[0] == "[65536, 131072] ['causal'] 3 (32, 8) False"

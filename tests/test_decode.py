@@ -1,4 +1,5 @@
 """Decoding with a KV cache: the split-KV path, per-sequence lengths, paged caches, pre-rotated keys."""
+
 import pytest
 import torch
 
@@ -35,8 +36,11 @@ def sparse(q, k, v, block_mask):
 
 def _cache(B, Hq, Hkv, Nq, N, D, dtype=torch.float32, seed=0):
     g = torch.Generator().manual_seed(seed)
-    return (torch.randn(B, Hq, Nq, D, generator=g).to(dtype), torch.randn(B, Hkv, N, D, generator=g).to(dtype),
-            torch.randn(B, Hkv, N, D, generator=g).to(dtype))
+    return (
+        torch.randn(B, Hq, Nq, D, generator=g).to(dtype),
+        torch.randn(B, Hkv, N, D, generator=g).to(dtype),
+        torch.randn(B, Hkv, N, D, generator=g).to(dtype),
+    )
 
 
 def _check(out, ref, ref_lowp, dtype):
@@ -61,6 +65,7 @@ def test_split_kv_is_the_default_for_few_queries_and_agrees_with_the_regular_ker
     assert torch.allclose(llama(q, k, v), run_attention(llama.graph(), q, k, v, split_kv=False), atol=1e-6)
     from attnfuse.runtime import launch
     from conftest import last_call
+
     launch.clear_cache()
     llama(q, k, v)
     call = last_call()
@@ -71,8 +76,12 @@ def test_split_kv_with_an_unnormalised_normaliser_and_bias():
     q, k, v = _cache(2, 4, 1, 2, 90, 16, seed=2)
     bias = torch.randn(2, 1, 2, 90)
     out = run_attention(alibi_relu.graph(bias), q, k, v, {"bias": bias}, split_kv=True)
-    _check(out, alibi_relu.reference(q, k, v, bias), alibi_relu.reference(q, k, v, bias, dtype=torch.float32),
-           torch.float32)
+    _check(
+        out,
+        alibi_relu.reference(q, k, v, bias),
+        alibi_relu.reference(q, k, v, bias, dtype=torch.float32),
+        torch.float32,
+    )
 
 
 def test_split_kv_float16_and_block_sparse():
@@ -88,8 +97,8 @@ def test_kv_lens_equal_separate_calls_per_sequence():
     for split_kv in (True, False):
         out = run_attention(llama.graph(), q, k, v, kv_lens=lens, split_kv=split_kv)
         for b, n in enumerate(lens.tolist()):
-            alone = llama(q[b:b + 1], k[b:b + 1, :, :n], v[b:b + 1, :, :n])
-            torch.testing.assert_close(out[b:b + 1], alone, atol=2e-6, rtol=0)
+            alone = llama(q[b : b + 1], k[b : b + 1, :, :n], v[b : b + 1, :, :n])
+            torch.testing.assert_close(out[b : b + 1], alone, atol=2e-6, rtol=0)
 
 
 def test_kv_lens_in_prefill_and_training():
@@ -117,8 +126,12 @@ def test_paged_cache_matches_contiguous(split_kv):
     out = run_attention(llama.graph(), q, pool_k, pool_v, kv_lens=lens, block_table=table, split_kv=split_kv)
     contiguous = llama(q, gather_pages(pool_k, table), gather_pages(pool_v, table), kv_lens=lens)
     torch.testing.assert_close(out, contiguous, atol=2e-6, rtol=0)
-    _check(out, llama.reference(q, pool_k, pool_v, kv_lens=lens, block_table=table),
-           llama.reference(q, pool_k, pool_v, kv_lens=lens, block_table=table, dtype=torch.float32), torch.float32)
+    _check(
+        out,
+        llama.reference(q, pool_k, pool_v, kv_lens=lens, block_table=table),
+        llama.reference(q, pool_k, pool_v, kv_lens=lens, block_table=table, dtype=torch.float32),
+        torch.float32,
+    )
 
 
 def test_pre_rotated_keys():
@@ -130,8 +143,9 @@ def test_pre_rotated_keys():
     emb = torch.cat((pos[:, None] * inv_freq,) * 2, dim=-1)
     k1, k2 = k.double().chunk(2, dim=-1)
     rotated = (k.double() * emb.cos() + torch.cat((-k2, k1), dim=-1) * emb.sin()).float()
-    torch.testing.assert_close(cached_rope(q, rotated, v, kv_lens=lens), llama(q, k, v, kv_lens=lens),
-                               atol=2e-6, rtol=0)
+    torch.testing.assert_close(
+        cached_rope(q, rotated, v, kv_lens=lens), llama(q, k, v, kv_lens=lens), atol=2e-6, rtol=0
+    )
 
 
 def test_bad_cache_inputs():
@@ -140,10 +154,16 @@ def test_bad_cache_inputs():
         llama(q, k, v, kv_lens=torch.tensor([3], dtype=torch.int32))
     with pytest.raises(af.InputError, match=r"a paged cache \(block_table given\) needs kv_lens"):
         llama(q, k.transpose(1, 2), v.transpose(1, 2), block_table=torch.zeros(2, 1, dtype=torch.int32))
-    with pytest.raises(af.InputError,
-                       match=r"block_table must be an int32 \(or int64\) tensor of shape \(B, max_pages\)"):
-        llama(q, k.transpose(1, 2), v.transpose(1, 2), kv_lens=torch.tensor([1, 1], dtype=torch.int32),
-              block_table=torch.zeros(3, 1, dtype=torch.int32))
+    with pytest.raises(
+        af.InputError, match=r"block_table must be an int32 \(or int64\) tensor of shape \(B, max_pages\)"
+    ):
+        llama(
+            q,
+            k.transpose(1, 2),
+            v.transpose(1, 2),
+            kv_lens=torch.tensor([1, 1], dtype=torch.int32),
+            block_table=torch.zeros(3, 1, dtype=torch.int32),
+        )
     with pytest.raises(af.InputError, match=r"the split-KV path has no backward"):
         run_attention(llama.graph(), q.requires_grad_(True), k, v, split_kv=True)
 

@@ -1,4 +1,5 @@
 """device_cached: made once per key and device, kept in a bounded cache."""
+
 import torch
 
 from attnfuse import device_cache

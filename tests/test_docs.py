@@ -5,6 +5,7 @@ hold no commit hashes (the docs say what is true now; a commit belongs in CHANGE
 docs/writing-a-combinator.md's blocks are tested with that tutorial. A block that cannot run on a CPU
 (a fragment, a signature, pseudo-code) is marked by a line ``<!-- no-run: why -->`` just before it.
 """
+
 from __future__ import annotations
 
 import re
@@ -22,8 +23,10 @@ from attnfuse.runtime.launch import clear_cache
 
 ROOT = Path(__file__).resolve().parent.parent
 BLOCK = re.compile(r"(?P<before>[^\n]*)\n```python\n(?P<code>.*?)```", re.S)
-DOCS_WITH_CODE = ["README.md", *(f"docs/{p.name}" for p in sorted((ROOT / "docs").glob("*.md"))
-                                 if p.name != "writing-a-combinator.md")]
+DOCS_WITH_CODE = [
+    "README.md",
+    *(f"docs/{p.name}" for p in sorted((ROOT / "docs").glob("*.md")) if p.name != "writing-a-combinator.md"),
+]
 # a figure: a number with a decimal point, or of three digits or more (N=8192, 3457 GB/s)
 FIGURE = re.compile(r"(?<![\w.])\d+\.\d+(?![\d.])|(?<![\w.])\d{3,}(?![\d.])")
 
@@ -45,7 +48,7 @@ def numbers(text: str) -> set[str]:
 def section(text: str, heading: str) -> str:
     start = text.index(f"\n{heading}\n")
     end = text.find("\n## ", start + 1)
-    return text[start:end if end != -1 else None]
+    return text[start : end if end != -1 else None]
 
 
 HEX = re.compile(r"(?<![\w`])(`?)([0-9a-f]{7,40})\1(?![\w`])")
@@ -57,8 +60,13 @@ def commits(tokens: set[str]) -> set[str]:
     git = shutil.which("git")
     if not tokens or git is None or not (ROOT / ".git").exists():
         return set()
-    done = subprocess.run([git, "-C", str(ROOT), "cat-file", "--batch-check"], input="".join(
-        f"{t}^{{commit}}\n" for t in sorted(tokens)), capture_output=True, text=True, timeout=60)
+    done = subprocess.run(
+        [git, "-C", str(ROOT), "cat-file", "--batch-check"],
+        input="".join(f"{t}^{{commit}}\n" for t in sorted(tokens)),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     return {t for t, line in zip(sorted(tokens), done.stdout.splitlines()) if line.split()[1:2] == ["commit"]}
 
 
@@ -67,8 +75,9 @@ def hashes(text: str) -> set[str]:
     else would it be?), or any such run that is a commit of this repository (a clone without that history, or
     a commit of another clone, is caught by the first rule)."""
     found = HEX.findall(text)
-    return ({token for ticks, token in found if ticks and re.search(r"\d", token)}
-            | commits({token for _, token in found}))
+    return {token for ticks, token in found if ticks and re.search(r"\d", token)} | commits(
+        {token for _, token in found}
+    )
 
 
 @pytest.mark.parametrize("page", HASH_PAGES)
@@ -86,8 +95,9 @@ def tracked_text_files() -> list[str]:
     git = shutil.which("git")
     if git is None or not (ROOT / ".git").exists():
         return []
-    files = subprocess.run([git, "-C", str(ROOT), "ls-files"], capture_output=True, text=True,
-                           check=True).stdout.splitlines()
+    files = subprocess.run(
+        [git, "-C", str(ROOT), "ls-files"], capture_output=True, text=True, check=True
+    ).stdout.splitlines()
     return [f for f in files if f not in NOT_SCANNED and (ROOT / f).is_file() and b"\0" not in (ROOT / f).read_bytes()]
 
 
@@ -117,8 +127,10 @@ def test_no_run_logs_in_the_docs(page):
 
 
 def test_run_log_finder():
-    text = ("printed `142 passed, 28 warnings`; 33 pass and 56 skip, 83 passes and no failure, 2 failed; "
-            "12 passes over; transformers 5.24 pass it")
+    text = (
+        "printed `142 passed, 28 warnings`; 33 pass and 56 skip, 83 passes and no failure, 2 failed; "
+        "12 passes over; transformers 5.24 pass it"
+    )
     assert RUN_LOG.findall(text) == ["142 passed", "33 pass", "56 skip", "83 passes", "2 failed", "12 passes"]
 
 
@@ -130,8 +142,10 @@ def test_issue_finder():
 def test_hash_finder():
     assert hashes("at `6009329`, not `defaced`, `attnfuse_fwd_6009329abcd` or LOG2E 1.4426950408889634") == {"6009329"}
     git = shutil.which("git")
-    head = git and subprocess.run([git, "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True,
-                                  text=True).stdout.strip()
+    head = (
+        git
+        and subprocess.run([git, "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    )
     if not head or not commits({head}):
         pytest.skip("not a git clone with history: only backticked hashes are found")
     assert hashes(f"a bare {head[:9]}, and {head}, but not `attnfuse_fwd_{head[:12]}`") == {head[:9], head}
@@ -159,26 +173,41 @@ def test_architecture_is_a_reference_of_at_most_350_lines():
 
 def test_figure_pattern():
     assert numbers("N=8192: 1.171 ms, 3457 GB/s, 15 of 16, 1.01–4.02×, Llama-3-8B, 2.11.0") == {
-        "8192", "1.171", "3457", "1.01", "4.02"}
+        "8192",
+        "1.171",
+        "3457",
+        "1.01",
+        "4.02",
+    }
 
 
 def test_plugins_page_shows_the_tile_table_of_the_code():
     text = (ROOT / "docs/plugins.md").read_text()
     start = text.index("| arch | kernel | variant | head dim |")
-    shown = text[start:text.index("\n\n", start)]
+    shown = text[start : text.index("\n\n", start)]
     assert shown == markdown_table()
     assert len(shown.splitlines()) == len(TABLE) + 2
 
 
 def test_tile_table_rendering():
-    rules = (TileRule(arch="sm90", kernel="dq", variant="listed", head_dim=(65, 128),
-                      config=TileConfig(block_m=64, block_n=32, num_warps=8, num_stages=3)),
-             TileRule(head_dim=(1, 64), config=TileConfig(block_m=16, block_n=128)),
-             TileRule(config=TileConfig(block_m=32, block_n=16, num_warps=1, num_stages=1)))
+    rules = (
+        TileRule(
+            arch="sm90",
+            kernel="dq",
+            variant="listed",
+            head_dim=(65, 128),
+            config=TileConfig(block_m=64, block_n=32, num_warps=8, num_stages=3),
+        ),
+        TileRule(head_dim=(1, 64), config=TileConfig(block_m=16, block_n=128)),
+        TileRule(config=TileConfig(block_m=32, block_n=16, num_warps=1, num_stages=1)),
+    )
     assert markdown_table(rules).splitlines() == [
-        "| arch | kernel | variant | head dim | BLOCK_M × BLOCK_N, warps, stages |", "|---|---|---|---|---|",
-        "| `sm90` | `dq` | `listed` | 65–128 | 64 × 32, 8, 3 |", "| `*` | `*` | `*` | ≤ 64 | 16 × 128, 4, 2 |",
-        "| `*` | `*` | `*` | any | 32 × 16, 1, 1 |"]
+        "| arch | kernel | variant | head dim | BLOCK_M × BLOCK_N, warps, stages |",
+        "|---|---|---|---|---|",
+        "| `sm90` | `dq` | `listed` | 65–128 | 64 × 32, 8, 3 |",
+        "| `*` | `*` | `*` | ≤ 64 | 16 × 128, 4, 2 |",
+        "| `*` | `*` | `*` | any | 32 × 16, 1, 1 |",
+    ]
 
 
 @pytest.fixture
@@ -211,4 +240,7 @@ def test_docs_have_python_blocks_to_run():
     """The runner is not vacuous: the pages that show code run it (prose-only pages have no blocks)."""
     counts = {path: len(python_blocks(path)[0]) for path in DOCS_WITH_CODE}
     assert {path: n for path, n in counts.items() if n} == {
-        "README.md": 5, "docs/combinators.md": 5, "docs/plugins.md": 4}
+        "README.md": 5,
+        "docs/combinators.md": 5,
+        "docs/plugins.md": 4,
+    }

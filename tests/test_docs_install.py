@@ -2,6 +2,7 @@
 CONTRIBUTING.md and docs/*.md, in fenced code blocks and inline code, each command names only local paths
 that exist (with extras their pyproject.toml declares), pip itself, or torch, triton and numpy (from any
 index). No network: the names are checked, not installed."""
+
 from __future__ import annotations
 
 import re
@@ -37,7 +38,7 @@ def problems(args: str, root: Path = ROOT) -> list[str]:
     found, words = [], shlex.split(args)
     if "--index-url" in words:
         at = words.index("--index-url")
-        url, words = words[at + 1:at + 2], words[:at] + words[at + 2:]
+        url, words = words[at + 1 : at + 2], words[:at] + words[at + 2 :]
         others = [w for w in words if not w.startswith("-") and re.split(r"[<>=!~\[]", w)[0] != "torch"]
         if not url or url[0] not in INDEXES or others:
             found.append(f"--index-url {' '.join(url)}: only {', '.join(sorted(INDEXES))}, for torch alone")
@@ -55,11 +56,16 @@ def problems(args: str, root: Path = ROOT) -> list[str]:
                 found.append(f"{word}: no pyproject.toml at {name}")
                 continue
             declared = tomllib.loads(pyproject.read_text())["project"].get("optional-dependencies", {})
-            found += [f"{word}: {name} has no extra {extra!r} (it has {', '.join(sorted(declared)) or 'none'})"
-                      for extra in filter(None, (extras or "").split(",")) if extra.strip() not in declared]
+            found += [
+                f"{word}: {name} has no extra {extra!r} (it has {', '.join(sorted(declared)) or 'none'})"
+                for extra in filter(None, (extras or "").split(","))
+                if extra.strip() not in declared
+            ]
         elif re.split(r"[<>=!~\[]", name)[0] not in FROM_AN_INDEX:
-            found.append(f"{word}: not a path in the clone, and not one of {', '.join(sorted(FROM_AN_INDEX))} "
-                         f"(attnfuse is on no package index: pip install -e \".[extra]\" from the clone)")
+            found.append(
+                f"{word}: not a path in the clone, and not one of {', '.join(sorted(FROM_AN_INDEX))} "
+                f'(attnfuse is on no package index: pip install -e ".[extra]" from the clone)'
+            )
     return found
 
 
@@ -77,20 +83,25 @@ def test_the_docs_show_install_commands_at_all():
 
 
 def test_commands_are_found_in_blocks_and_inline_code():
-    text = ("Run `pip install -e .` first.\n\n```bash\npython -m pip install -q torch==2.13.0 && .venv/bin/pip "
-            "install -e \".[hf]\"  # a comment\n```\nand `python3 -m pip install \"attnfuse[hf]\"`.\n")
+    text = (
+        "Run `pip install -e .` first.\n\n```bash\npython -m pip install -q torch==2.13.0 && .venv/bin/pip "
+        'install -e ".[hf]"  # a comment\n```\nand `python3 -m pip install "attnfuse[hf]"`.\n'
+    )
     assert commands(text) == ["-q torch==2.13.0", '-e ".[hf]"', "-e .", '"attnfuse[hf]"']
 
 
-@pytest.mark.parametrize("args, says", [
-    ('"attnfuse[hf]"', "attnfuse[hf]: not a path in the clone"),
-    ("attnfuse-softcap", "attnfuse-softcap: not a path in the clone"),
-    ('-e ".[hf,gpu]"', ".[hf,gpu]: . has no extra 'gpu' (it has bench, hf, test)"),
-    ("-e contrib/attnfuse-softcap", "contrib/attnfuse-softcap: no pyproject.toml at contrib/attnfuse-softcap"),
-    ("-r requirements.txt", "-r: an option this check does not know"),
-    ("torch --index-url https://example.com/simple", "--index-url https://example.com/simple: only"),
-    ("triton==3.6.0 --index-url https://download.pytorch.org/whl/cpu", "--index-url https://download.pytorch.org"),
-])
+@pytest.mark.parametrize(
+    "args, says",
+    [
+        ('"attnfuse[hf]"', "attnfuse[hf]: not a path in the clone"),
+        ("attnfuse-softcap", "attnfuse-softcap: not a path in the clone"),
+        ('-e ".[hf,gpu]"', ".[hf,gpu]: . has no extra 'gpu' (it has bench, hf, test)"),
+        ("-e contrib/attnfuse-softcap", "contrib/attnfuse-softcap: no pyproject.toml at contrib/attnfuse-softcap"),
+        ("-r requirements.txt", "-r: an option this check does not know"),
+        ("torch --index-url https://example.com/simple", "--index-url https://example.com/simple: only"),
+        ("triton==3.6.0 --index-url https://download.pytorch.org/whl/cpu", "--index-url https://download.pytorch.org"),
+    ],
+)
 def test_what_would_fail_is_named(args, says):
     assert any(p.startswith(says) for p in problems(args)), problems(args)
 

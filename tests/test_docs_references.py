@@ -12,6 +12,7 @@ CHANGELOG.md is history and not checked). A stale reference is a bug.
   (``attnfuse.builtin_plugins.MODULES``), with the registered signature and role, and a count of the built-ins
   written as a word is their number.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -44,14 +45,20 @@ OBJECT = re.compile(r"(?<![\w.])(?P<head>attnfuse|af|afd)(?P<tail>(?:\.[A-Za-z_]
 ALIASES = {"attnfuse": "attnfuse", "af": "attnfuse", "afd": "attnfuse.distributed"}
 PYTHON_M = re.compile(r"\bpython3? -m (?P<module>[A-Za-z_][\w.]*)")
 COMMAND = re.compile(r"(?<![\w./<-])(?<!import )attnfuse (?P<cmd>[a-z][\w-]*)(?P<rest>[^\n#|;&`]*)")
-NUMBERS = dict(zip("one two three four five six seven eight nine ten eleven twelve thirteen fourteen fifteen "
-                   "sixteen seventeen eighteen nineteen twenty".split(), range(1, 21)))
+NUMBERS = dict(
+    zip(
+        "one two three four five six seven eight nine ten eleven twelve thirteen fourteen fifteen "
+        "sixteen seventeen eighteen nineteen twenty".split(),
+        range(1, 21),
+    )
+)
 
 
 def tracked() -> list[str]:
     """The files git tracks, and every folder above them."""
-    files = subprocess.run(["git", "-C", str(ROOT), "ls-files"], capture_output=True, text=True,
-                           check=True).stdout.splitlines()
+    files = subprocess.run(
+        ["git", "-C", str(ROOT), "ls-files"], capture_output=True, text=True, check=True
+    ).stdout.splitlines()
     return sorted({*files, *(str(parent) for f in files for parent in Path(f).parents if str(parent) != ".")})
 
 
@@ -105,9 +112,14 @@ def path_exists(word: str, page: str) -> bool:
 
 def stale_paths(page: str, text: str) -> list[str]:
     top = {f for f in TRACKED if "/" not in f}
-    words = {w for code in code_of(text) for piece in code.split() for w in PATH.findall(piece)
-             if not re.search(r"[<${]|://", piece)
-             and (w.endswith("/") or "." in w.rsplit("/", 1)[1] or w.split("/")[0] in top)}
+    words = {
+        w
+        for code in code_of(text)
+        for piece in code.split()
+        for w in PATH.findall(piece)
+        if not re.search(r"[<${]|://", piece)
+        and (w.endswith("/") or "." in w.rsplit("/", 1)[1] or w.split("/")[0] in top)
+    }
     words |= {span for span in INLINE.findall(FENCED.sub("", text)) if FILE.fullmatch(span)}
     return [f"path {w}: not in the repository" for w in sorted(words) if not path_exists(w, page)]
 
@@ -134,8 +146,11 @@ def stale_objects(text: str) -> list[str]:
     found = {(m["head"], m["tail"]) for code in code_of(text) for m in OBJECT.finditer(code)}
     found |= {(m["head"], m["tail"]) for m in OBJECT.finditer(text) if m["head"] == "attnfuse"}
     declared = {f".{name}" for name in re.findall(r'\bname="(\w+)"', text)}
-    return [f"{head}{tail}: not found in {ALIASES[head]}" for head, tail in sorted(found)
-            if tail not in declared and not resolve(ALIASES[head] + tail.rstrip("."))]
+    return [
+        f"{head}{tail}: not found in {ALIASES[head]}"
+        for head, tail in sorted(found)
+        if tail not in declared and not resolve(ALIASES[head] + tail.rstrip("."))
+    ]
 
 
 def stale_modules(text: str) -> list[str]:
@@ -156,8 +171,11 @@ def stale_commands(text: str) -> list[str]:
                 stale.append(f"attnfuse {m['cmd']}: no such command (there are {', '.join(sorted(commands))})")
                 continue
             known = commands[m["cmd"]]._option_string_actions
-            stale += [f"attnfuse {m['cmd']} {option}: no such option" for option in
-                      re.findall(r"(?<![\w-])--?[A-Za-z][\w-]*", m["rest"]) if option not in known]
+            stale += [
+                f"attnfuse {m['cmd']} {option}: no such option"
+                for option in re.findall(r"(?<![\w-])--?[A-Za-z][\w-]*", m["rest"])
+                if option not in known
+            ]
     return stale
 
 
@@ -166,43 +184,66 @@ def test_every_reference_of_a_page_exists(page):
     if not TRACKED:
         pytest.skip("not a git clone: the tracked files are unknown")
     text = (ROOT / page).read_text()
-    assert [*stale_links(page, text), *stale_paths(page, text), *stale_objects(text), *stale_modules(text),
-            *stale_commands(text)] == []
+    assert [
+        *stale_links(page, text),
+        *stale_paths(page, text),
+        *stale_objects(text),
+        *stale_modules(text),
+        *stale_commands(text),
+    ] == []
 
 
 def test_the_checks_find_stale_references():
     """Each kind of reference, planted stale, is found; its live counterpart is not."""
     page = "docs/architecture.md"
-    text = ("[ok](../README.md#quickstart) [gone](../docs/gone.md) [bad anchor](plugins.md#no-such-heading)\n"
-            "`attnfuse/passes/tile.py`, `passes/lower.py`, `benchmarks/gone.py`, `runtime/nowhere.py`\n"
-            "```bash\npython benchmarks/sweep_tiles.py && bash scripts/gone.sh\n"
-            "python -m attnfuse.testing.planted_bugs; python -m attnfuse.gone\n"
-            "attnfuse show llama --arch sm90 --kernel dq --nope\nattnfuse frobnicate\n```\n"
-            "`attnfuse.hf.fuse_rope(model)`, `af.InputError`, `afd.shard`, `attnfuse.hf.gone`, `af.gone`\n")
+    text = (
+        "[ok](../README.md#quickstart) [gone](../docs/gone.md) [bad anchor](plugins.md#no-such-heading)\n"
+        "`attnfuse/passes/tile.py`, `passes/lower.py`, `benchmarks/gone.py`, `runtime/nowhere.py`\n"
+        "```bash\npython benchmarks/sweep_tiles.py && bash scripts/gone.sh\n"
+        "python -m attnfuse.testing.planted_bugs; python -m attnfuse.gone\n"
+        "attnfuse show llama --arch sm90 --kernel dq --nope\nattnfuse frobnicate\n```\n"
+        "`attnfuse.hf.fuse_rope(model)`, `af.InputError`, `afd.shard`, `attnfuse.hf.gone`, `af.gone`\n"
+    )
     assert stale_links(page, text) == [
         "link ../docs/gone.md: no ../docs/gone.md",
-        "link plugins.md#no-such-heading: no heading #no-such-heading in docs/plugins.md"]
-    assert stale_paths(page, text) == ["path benchmarks/gone.py: not in the repository",
-                                       "path runtime/nowhere.py: not in the repository",
-                                       "path scripts/gone.sh: not in the repository"]
+        "link plugins.md#no-such-heading: no heading #no-such-heading in docs/plugins.md",
+    ]
+    assert stale_paths(page, text) == [
+        "path benchmarks/gone.py: not in the repository",
+        "path runtime/nowhere.py: not in the repository",
+        "path scripts/gone.sh: not in the repository",
+    ]
     assert stale_modules(text) == ["python -m attnfuse.gone: no such module"]
     assert stale_commands(text) == [
         "attnfuse show --nope: no such option",
-        f"attnfuse frobnicate: no such command (there are {', '.join(sorted(subcommands()))})"]
-    assert stale_objects(text) == ["af.gone: not found in attnfuse", "attnfuse.gone: not found in attnfuse",
-                                   "attnfuse.hf.gone: not found in attnfuse"]
+        f"attnfuse frobnicate: no such command (there are {', '.join(sorted(subcommands()))})",
+    ]
+    assert stale_objects(text) == [
+        "af.gone: not found in attnfuse",
+        "attnfuse.gone: not found in attnfuse",
+        "attnfuse.hf.gone: not found in attnfuse",
+    ]
 
 
 def test_heading_anchors_are_githubs():
     assert anchors("# A\n## Forward + backward\n## Block-sparse (BigBird)\n## `rope(q, k)` and [x](y)\n## A\n") == {
-        "a", "forward--backward", "block-sparse-bigbird", "ropeq-k-and-x", "a-1"}
+        "a",
+        "forward--backward",
+        "block-sparse-bigbird",
+        "ropeq-k-and-x",
+        "a-1",
+    }
 
 
 # --- the built-ins: pyproject.toml's entry points, and the docs' tables of them ------------------------------
 
 README_ROW = re.compile(r"^\| `(?P<name>\w+)(?P<signature>\([^`]*\))` \| (?P<role>[^|]+?) \|", re.M)
-ROLE_SECTIONS = {"Score sources": "score source", "Score modifications": "score modification", "Masks": "mask",
-                 "Normalisers": "normaliser"}
+ROLE_SECTIONS = {
+    "Score sources": "score source",
+    "Score modifications": "score modification",
+    "Masks": "mask",
+    "Normalisers": "normaliser",
+}
 
 
 def registered(name: str) -> tuple[str, str]:
@@ -214,7 +255,7 @@ def registered(name: str) -> tuple[str, str]:
 
 def test_readmes_table_lists_exactly_the_builtins():
     text = (ROOT / "README.md").read_text()
-    table = text[text.index("## Built-in combinators"):text.index("\n## ", text.index("## Built-in combinators") + 1)]
+    table = text[text.index("## Built-in combinators") : text.index("\n## ", text.index("## Built-in combinators") + 1)]
     rows = {m["name"]: (m["name"] + m["signature"], m["role"]) for m in README_ROW.finditer(table)}
     assert sorted(rows) == sorted(MODULES)
     assert rows == {name: registered(name) for name in MODULES}
@@ -227,7 +268,7 @@ def test_combinators_page_has_a_section_per_builtin_under_its_role():
         if line.startswith("## "):
             role = ROLE_SECTIONS.get(line[3:])
         elif line.startswith("### `") and role:
-            signature = line[5:line.rindex("`")]
+            signature = line[5 : line.rindex("`")]
             found[signature.split("(")[0]] = (signature, role)
     assert found == {name: registered(name) for name in MODULES}
 
@@ -240,8 +281,10 @@ def test_a_count_of_the_builtins_is_their_number(page):
 
 
 def test_builtins_are_read_from_the_entry_points_table():
-    pyproject = '[project]\nname = "x"\n\n[project.entry-points.attnfuse]\n# a comment\nb = "attnfuse_plugins.b"\n' \
-                'a = "attnfuse_plugins.a"  # why\n\n[tool.x]\nc = "attnfuse_plugins.c"\n'
+    pyproject = (
+        '[project]\nname = "x"\n\n[project.entry-points.attnfuse]\n# a comment\nb = "attnfuse_plugins.b"\n'
+        'a = "attnfuse_plugins.a"  # why\n\n[tool.x]\nc = "attnfuse_plugins.c"\n'
+    )
     assert declared_modules(pyproject) == ("b", "a")
     assert declared_modules('[project]\nname = "x"\n') is None
     with pytest.raises(PluginError, match=r"every line must read <name> = \"attnfuse_plugins.<name>\""):

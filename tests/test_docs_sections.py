@@ -3,6 +3,7 @@ marked sections (``<!-- BEGIN name -->`` ... ``<!-- END name -->``) that other c
 ``--markdown-section PATH``: benchmarks/hf_layer.py (Table 9), benchmarks/validation_cost.py and
 benchmarks/hf_generate.py. A section writer replaces its own section and leaves every other byte of the page
 as it was."""
+
 from __future__ import annotations
 
 import importlib.util
@@ -36,8 +37,15 @@ the end
 
 
 def meta(command: str) -> dict[str, str]:
-    return {"date": "2026-12-03", "gpu": "NVIDIA H200", "torch": "2.11.0+cu130", "triton": "3.6.0",
-            "python": "3.12.3", "transformers": "5.17.0", "command": command}
+    return {
+        "date": "2026-12-03",
+        "gpu": "NVIDIA H200",
+        "torch": "2.11.0+cu130",
+        "triton": "3.6.0",
+        "python": "3.12.3",
+        "transformers": "5.17.0",
+        "command": command,
+    }
 
 
 def test_writing_a_section_replaces_it_and_nothing_else(tmp_path):
@@ -60,14 +68,19 @@ def test_a_new_section_goes_at_the_end_and_a_missing_page_is_made(tmp_path):
     assert fresh.read_text() == "<!-- BEGIN third -->\n## Third\n<!-- END third -->\n"
 
 
-@pytest.mark.parametrize("broken", [PAGE.replace("<!-- END second -->\n", ""),
-                                    PAGE + "<!-- BEGIN first -->\n## First again\n<!-- END first -->\n"],
-                         ids=["unclosed", "twice"])
+@pytest.mark.parametrize(
+    "broken",
+    [PAGE.replace("<!-- END second -->\n", ""), PAGE + "<!-- BEGIN first -->\n## First again\n<!-- END first -->\n"],
+    ids=["unclosed", "twice"],
+)
 def test_a_broken_marker_is_refused_and_the_page_left_alone(tmp_path, broken):
     page = tmp_path / "page.md"
     page.write_text(broken)
-    with pytest.raises(ValueError, match=r"page.md: the line <!-- BEGIN (first|second) --> must open exactly one "
-                                         r"section, closed by a line <!-- END \1 -->"):
+    with pytest.raises(
+        ValueError,
+        match=r"page.md: the line <!-- BEGIN (first|second) --> must open exactly one "
+        r"section, closed by a line <!-- END \1 -->",
+    ):
         report.write_section(str(page), "first", "## First")
     assert page.read_text() == broken
 
@@ -76,14 +89,20 @@ def test_the_bench_page_keeps_the_sections_in_order(tmp_path):
     page = tmp_path / "page.md"
     page.write_text(PAGE)
     kept = report.kept_sections(str(page))
-    assert kept == ("<!-- BEGIN first -->\n## First\nold body of first\n<!-- END first -->\n\n"
-                    "<!-- BEGIN second -->\n## Second\n<!-- END second -->\n\n")
-    run = rows.Report(meta={**meta("attnfuse bench --suite memory"), "transformers": ""},
-                      lines={"memory": ["peak memory, attnfuse: 0.44 GiB"]})
+    assert kept == (
+        "<!-- BEGIN first -->\n## First\nold body of first\n<!-- END first -->\n\n"
+        "<!-- BEGIN second -->\n## Second\n<!-- END second -->\n\n"
+    )
+    run = rows.Report(
+        meta={**meta("attnfuse bench --suite memory"), "transformers": ""},
+        lines={"memory": ["peak memory, attnfuse: 0.44 GiB"]},
+    )
     page.write_text(report.markdown_page(run, page=str(page), kept=kept))
     text = page.read_text()
-    assert text.startswith("# Benchmarks: NVIDIA H200, 2026-12-03\n\n2026-12-03 · NVIDIA H200 · torch 2.11.0+cu130 · "
-                           "triton 3.6.0 · Python 3.12.3 · bf16, median ms of `triton.testing.do_bench`.\n")
+    assert text.startswith(
+        "# Benchmarks: NVIDIA H200, 2026-12-03\n\n2026-12-03 · NVIDIA H200 · torch 2.11.0+cu130 · "
+        "triton 3.6.0 · Python 3.12.3 · bf16, median ms of `triton.testing.do_bench`.\n"
+    )
     assert "| a table of the run |" not in text and "- peak memory, attnfuse: 0.44 GiB" in text
     assert text.endswith(kept)
     assert report.kept_sections(str(page)) == kept  # rewriting again keeps them again
@@ -105,17 +124,21 @@ def test_validation_cost_section(tmp_path):
     validation = load("validation_cost")
     page = tmp_path / "page.md"
     page.write_text(PAGE)
-    body = validation.section({16: (0.2458, 0.1371), 64: (0.2451, 0.1369)},
-                              meta("python3 benchmarks/validation_cost.py --markdown-section docs/benchmarks.md"))
+    body = validation.section(
+        {16: (0.2458, 0.1371), 64: (0.2451, 0.1369)},
+        meta("python3 benchmarks/validation_cost.py --markdown-section docs/benchmarks.md"),
+    )
     report.write_section(str(page), validation.SECTION, body)
     text = page.read_text()
     assert text.startswith(PAGE.rstrip("\n"))
-    section = text[text.index("<!-- BEGIN validation_cost -->"):]
+    section = text[text.index("<!-- BEGIN validation_cost -->") :]
     assert "\n## Checking a KV cache's values\n\n2026-12-03 · NVIDIA H200 · torch 2.11.0+cu130" in section
     assert "```bash\npython3 benchmarks/validation_cost.py --markdown-section docs/benchmarks.md\n```" in section
-    assert section.endswith("| page size | validated ms | `validate=False` ms | ratio |\n|---|---|---|---|\n"
-                            "| 16 | 0.2458 | 0.1371 | 1.79 |\n| 64 | 0.2451 | 0.1369 | 1.79 |\n"
-                            "<!-- END validation_cost -->\n")
+    assert section.endswith(
+        "| page size | validated ms | `validate=False` ms | ratio |\n|---|---|---|---|\n"
+        "| 16 | 0.2458 | 0.1371 | 1.79 |\n| 64 | 0.2451 | 0.1369 | 1.79 |\n"
+        "<!-- END validation_cost -->\n"
+    )
 
 
 def test_table_9_script_writes_its_section(tmp_path):
@@ -140,5 +163,7 @@ def test_table_9_script_writes_its_section(tmp_path):
     assert table == [["| sdpa", "32"], ["| attnfuse", "32"], ["| attnfuse+fuse_rope", "32"]]
     overhead = [line for line in section if line.startswith("- host time per call, ")]
     assert [line.split(":")[0] for line in overhead] == [
-        "- host time per call, eager program call", "- host time per call, the custom op",
-        "- host time per call, af.run_attention"]
+        "- host time per call, eager program call",
+        "- host time per call, the custom op",
+        "- host time per call, af.run_attention",
+    ]

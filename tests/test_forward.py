@@ -2,6 +2,7 @@
 
 GPU runs of the same checks, with bfloat16 and larger shapes, are in test_gpu.py.
 """
+
 import math
 
 import pytest
@@ -63,8 +64,11 @@ def sparse(q, k, v, block_mask):
 
 def _qkv(B, Hq, Hkv, Nq, Nk, D, DV, dtype, seed=0):
     g = torch.Generator().manual_seed(seed)
-    return (torch.randn(B, Hq, Nq, D, generator=g).to(dtype), torch.randn(B, Hkv, Nk, D, generator=g).to(dtype),
-            torch.randn(B, Hkv, Nk, DV, generator=g).to(dtype))
+    return (
+        torch.randn(B, Hq, Nq, D, generator=g).to(dtype),
+        torch.randn(B, Hkv, Nk, D, generator=g).to(dtype),
+        torch.randn(B, Hkv, Nk, DV, generator=g).to(dtype),
+    )
 
 
 def _check(program, q, k, v, *extra, return_lse=True):
@@ -80,10 +84,10 @@ def _check(program, q, k, v, *extra, return_lse=True):
 
 
 SHAPES = [  # B, Hq, Hkv, Nq, Nk, D, DV
-    (1, 2, 2, 64, 64, 32, 32),     # MHA, N a multiple of the interpreter's 32-blocks
-    (2, 4, 2, 50, 77, 64, 64),     # GQA, Nq != Nk, neither a multiple of the block
-    (1, 3, 1, 40, 40, 80, 80),     # MQA, head dim not a power of two
-    (1, 2, 1, 33, 65, 16, 48),     # DV != D
+    (1, 2, 2, 64, 64, 32, 32),  # MHA, N a multiple of the interpreter's 32-blocks
+    (2, 4, 2, 50, 77, 64, 64),  # GQA, Nq != Nk, neither a multiple of the block
+    (1, 3, 1, 40, 40, 80, 80),  # MQA, head dim not a power of two
+    (1, 2, 1, 33, 65, 16, 48),  # DV != D
 ]
 
 
@@ -131,7 +135,8 @@ def test_rope_equals_pre_rotated_sdpa():
         return x * emb.cos() + torch.cat((-x2, x1), dim=-1) * emb.sin()
 
     expected = torch.nn.functional.scaled_dot_product_attention(
-        rotate(q), rotate(k).repeat_interleave(2, 1), v.double().repeat_interleave(2, 1), is_causal=True)
+        rotate(q), rotate(k).repeat_interleave(2, 1), v.double().repeat_interleave(2, 1), is_causal=True
+    )
     torch.testing.assert_close(llama(q, k, v).double(), expected, atol=2e-5, rtol=0)
 
 
@@ -139,15 +144,17 @@ def test_rope_equals_pre_rotated_sdpa():
 def test_matches_torch_sdpa(program, is_causal):
     q, k, v = _qkv(2, 4, 2, 64, 64, 32, 32, torch.float32, seed=11)
     expected = torch.nn.functional.scaled_dot_product_attention(
-        q.double(), k.double(), v.double(), is_causal=is_causal, enable_gqa=True)
+        q.double(), k.double(), v.double(), is_causal=is_causal, enable_gqa=True
+    )
     torch.testing.assert_close(program(q, k, v).double(), expected, atol=2e-5, rtol=0)
 
 
 def test_block_sparse_with_causal():
     q, k, v = _qkv(2, 2, 1, 100, 100, 32, 32, torch.float32, seed=13)
     table = torch.rand(2, 2, 4, 4, generator=torch.Generator().manual_seed(1))
-    mask = create_block_mask_from_blocks(lambda b, h, qb, kb: (table[b, h, qb, kb] > 0.5) | (qb == kb), 2, 2, 100, 100,
-                             block_size=32)
+    mask = create_block_mask_from_blocks(
+        lambda b, h, qb, kb: (table[b, h, qb, kb] > 0.5) | (qb == kb), 2, 2, 100, 100, block_size=32
+    )
     _check(sparse, q, k, v, mask)
 
 
@@ -201,8 +208,9 @@ def test_softmax_folds_a_positive_scale_into_its_exponent():
         source = program.source(q, k, v)
         assert "s = s * " in source and "tl.math.exp2(s * " not in source
     for program in (causal, alibi_causal, negated):
-        assert_matches_reference(program(q, k, v), program.reference(q, k, v),
-                                 program.reference(q, k, v, dtype=torch.float32), torch.float32)
+        assert_matches_reference(
+            program(q, k, v), program.reference(q, k, v), program.reference(q, k, v, dtype=torch.float32), torch.float32
+        )
 
 
 def test_whole_key_blocks_drop_the_load_masks():
@@ -219,8 +227,9 @@ def test_whole_key_blocks_drop_the_load_masks():
     assert "k_ok = (k_idx < Nk) | EVEN_K" in causal.source(*_qkv(1, 2, 1, 64, 64, 32, 32, torch.float32))
     for Nk in (64, 70):
         q, k, v = _qkv(1, 2, 1, 40, Nk, 32, 32, torch.float32, seed=Nk)
-        assert_matches_reference(causal(q, k, v), causal.reference(q, k, v),
-                                 causal.reference(q, k, v, dtype=torch.float32), torch.float32)
+        assert_matches_reference(
+            causal(q, k, v), causal.reference(q, k, v), causal.reference(q, k, v, dtype=torch.float32), torch.float32
+        )
 
 
 def test_whole_query_blocks_drop_the_row_masks():
@@ -329,8 +338,9 @@ def test_alibi_default_slopes_are_the_papers(heads):
     q, k, v = _qkv(1, heads, heads, 24, 40, 16, 16, torch.float32, seed=heads)
     assert torch.equal(_paper_alibi_slopes(8), 2.0 ** (-torch.arange(1, 9, dtype=torch.float64)))  # 2^(-8i/8)
     distance = (torch.arange(40)[None, :] - (torch.arange(24) + 40 - 24)[:, None]).double()
-    scores = q.double() @ k.double().transpose(-1, -2) * 16 ** -0.5
+    scores = q.double() @ k.double().transpose(-1, -2) * 16**-0.5
     want = torch.softmax(scores + _paper_alibi_slopes(heads).view(heads, 1, 1) * distance, -1) @ v.double()
-    assert_matches_reference(alibi_only(q, k, v), want, alibi_only.reference(q, k, v, dtype=torch.float32),
-                             torch.float32)
+    assert_matches_reference(
+        alibi_only(q, k, v), want, alibi_only.reference(q, k, v, dtype=torch.float32), torch.float32
+    )
     torch.testing.assert_close(alibi_only.reference(q, k, v), want, atol=1e-12, rtol=0)

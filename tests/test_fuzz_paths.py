@@ -3,6 +3,7 @@ with empty sequences, value rows poisoned with NaN, and qk transforms hoisted in
 RoPE). Programs come from every registered combinator; each result is compared with the float64 reference.
 Hypothesis draws from the test id's seed (tests/conftest.py), so a rerun replays a failure, and prints the
 blob that replays it alone."""
+
 import contextlib
 
 import attrs
@@ -20,9 +21,13 @@ from conftest import CUDA, fuzz_examples, hoisted_last_call, plan_setting, seed_
 
 DEVICE = "cuda" if CUDA else "cpu"
 DTYPES = (torch.float16, torch.bfloat16, torch.float32) if CUDA else (torch.float32, torch.float16)
-FUZZ = settings(max_examples=fuzz_examples(8, 60), deadline=None, database=None,
-                phases=(Phase.explicit, Phase.reuse, Phase.generate),
-                suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+FUZZ = settings(
+    max_examples=fuzz_examples(8, 60),
+    deadline=None,
+    database=None,
+    phases=(Phase.explicit, Phase.reuse, Phase.generate),
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
 
 
 def _paged(k: torch.Tensor, v: torch.Tensor, page_size: int, data) -> tuple[torch.Tensor, ...]:
@@ -33,11 +38,13 @@ def _paged(k: torch.Tensor, v: torch.Tensor, page_size: int, data) -> tuple[torc
     order = torch.tensor(data.draw(st.permutations(range(B * per_seq)), label="page order"), dtype=torch.int32)
 
     def pool(x):
-        pages = x.reshape(B, Hkv, per_seq, page_size, -1).permute(0, 2, 3, 1, 4).reshape(
-            B * per_seq, page_size, Hkv, -1)
+        pages = (
+            x.reshape(B, Hkv, per_seq, page_size, -1).permute(0, 2, 3, 1, 4).reshape(B * per_seq, page_size, Hkv, -1)
+        )
         out = torch.empty_like(pages)
         out[order.long()] = pages
         return out
+
     return pool(k), pool(v), order.reshape(B, per_seq).to(k.device)
 
 
@@ -45,8 +52,13 @@ def _compare(out: torch.Tensor, ref64: torch.Tensor, ref_lowp: torch.Tensor, dty
     """NaN exactly where the reference has NaN; elsewhere within the dtype's tolerance."""
     nan = torch.isnan(ref64)
     assert torch.equal(torch.isnan(out.cpu()), nan.cpu()), f"{what}: NaN where the reference has none, or not"
-    assert_matches_reference(out.masked_fill(nan.to(out.device), 0), ref64.masked_fill(nan, 0),
-                             ref_lowp.masked_fill(nan, 0), dtype, what=what)
+    assert_matches_reference(
+        out.masked_fill(nan.to(out.device), 0),
+        ref64.masked_fill(nan, 0),
+        ref_lowp.masked_fill(nan, 0),
+        dtype,
+        what=what,
+    )
 
 
 @pytest.mark.parametrize("path", ["paged", "empty_sequences", "nan_values", "hoisted"])

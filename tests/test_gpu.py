@@ -1,4 +1,5 @@
 """GPU-only checks: bfloat16, production shapes, against torch SDPA on the same inputs."""
+
 import warnings
 
 import pytest
@@ -57,8 +58,9 @@ def test_production_shapes_match_sdpa(program, N, geometry, dtype):
     ref_lowp = torch.nn.functional.scaled_dot_product_attention(*args_lowp, is_causal=program is not dense)
     assert_matches_reference(out, ref, ref_lowp, dtype)
     ref_lse = program.reference(q[:, :2, :256], k[:, :1, :256], v[:, :1, :256], return_lse=True)[1]
-    torch.testing.assert_close(program(q[:, :2, :256], k[:, :1, :256], v[:, :1, :256], return_lse=True)[1].double(),
-                               ref_lse, atol=2e-2, rtol=0)
+    torch.testing.assert_close(
+        program(q[:, :2, :256], k[:, :1, :256], v[:, :1, :256], return_lse=True)[1].double(), ref_lse, atol=2e-2, rtol=0
+    )
     assert lse.shape == (B, Hq, N) and torch.isfinite(lse).all()
 
 
@@ -73,17 +75,20 @@ def _causal_sdpa_grads(leaves, dout, group, dtype):
     time: the float64 math path keeps (Hq, N, N) score-sized tensors, too much at once for a shared GPU."""
     grads = []
     for b in range(dout.shape[0]):
-        q, k, v = (t[b:b + 1].detach().to(dtype).requires_grad_(True) for t in leaves)
-        out = torch.nn.functional.scaled_dot_product_attention(q, k.repeat_interleave(group, 1),
-                                                               v.repeat_interleave(group, 1), is_causal=True)
-        grads.append(torch.autograd.grad(out, (q, k, v), dout[b:b + 1].to(dtype)))
+        q, k, v = (t[b : b + 1].detach().to(dtype).requires_grad_(True) for t in leaves)
+        out = torch.nn.functional.scaled_dot_product_attention(
+            q, k.repeat_interleave(group, 1), v.repeat_interleave(group, 1), is_causal=True
+        )
+        grads.append(torch.autograd.grad(out, (q, k, v), dout[b : b + 1].to(dtype)))
     return [torch.cat(parts) for parts in zip(*grads)]
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("B,Hq,Hkv,N,bitwise", [(1, 8, 2, 1000, False), (1, 32, 8, 2048, True),
-                                                (8, 8, 4, 3200, True)],
-                         ids=["gqa4-split", "llama3-8b-split", "gqa2-unsplit"])
+@pytest.mark.parametrize(
+    "B,Hq,Hkv,N,bitwise",
+    [(1, 8, 2, 1000, False), (1, 32, 8, 2048, True), (8, 8, 4, 3200, True)],
+    ids=["gqa4-split", "llama3-8b-split", "gqa2-unsplit"],
+)
 def test_backward_matches_sdpa(dtype, B, Hq, Hkv, N, bitwise):
     """Causal GQA gradients against float64 SDPA: grids small enough that the dK/dV kernel splits its key
     blocks over the group's heads, and one large enough that it does not (on an H200's 132
@@ -124,13 +129,15 @@ def test_more_batch_heads_than_a_grid_holds_along_y():
         ref_leaves = [t.detach().to(dtype).requires_grad_() for t in leaves]
         ref = sdpa(*ref_leaves, is_causal=True)
         refs[dtype] = (ref, *torch.autograd.grad(ref, ref_leaves, dout.to(dtype)))
-    for name, got, want, lowp in zip(("out", "dq", "dk", "dv"), (out, *grads), refs[torch.float64],
-                                     refs[torch.bfloat16]):
+    for name, got, want, lowp in zip(
+        ("out", "dq", "dk", "dv"), (out, *grads), refs[torch.float64], refs[torch.bfloat16]
+    ):
         assert_matches_reference(got, want, lowp, torch.bfloat16, what=name)
     q = torch.randn(B, H, 1, D, device="cuda", dtype=torch.bfloat16)
     k, v = (t.detach() for t in leaves[1:])
-    assert_matches_reference(dense(q, k, v), sdpa(q.double(), k.double(), v.double()), sdpa(q, k, v),
-                             torch.bfloat16, what="decoding")
+    assert_matches_reference(
+        dense(q, k, v), sdpa(q.double(), k.double(), v.double()), sdpa(q, k, v), torch.bfloat16, what="decoding"
+    )
 
 
 @pytest.mark.parametrize("share", [0.0, float("inf")], ids=["one-head", "all-heads"])
@@ -148,8 +155,9 @@ def test_query_kernels_head_groups_match_sdpa(monkeypatch, share):
     sdpa = torch.nn.functional.scaled_dot_product_attention
     q, k, v = (t.detach() for t in leaves)
     expand = dict(enable_gqa=True, is_causal=True)
-    assert_matches_reference(out, sdpa(q.double(), k.double(), v.double(), **expand), sdpa(q, k, v, **expand),
-                             torch.bfloat16, what="out")
+    assert_matches_reference(
+        out, sdpa(q.double(), k.double(), v.double(), **expand), sdpa(q, k, v, **expand), torch.bfloat16, what="out"
+    )
     got = torch.autograd.grad(out, leaves, dout)
     want = _causal_sdpa_grads(leaves, dout, Hq // Hkv, torch.float64)
     want_lowp = _causal_sdpa_grads(leaves, dout, Hq // Hkv, torch.bfloat16)
@@ -181,11 +189,14 @@ def test_decode_matches_sdpa(Nq):
     lens = torch.tensor([5000, 3001], dtype=torch.int32, device="cuda")
     out = dense(q, k, v, kv_lens=lens)
     for b, n in enumerate(lens.tolist()):
-        args = (q[b:b + 1].double(), k[b:b + 1, :, :n].double().repeat_interleave(8, 1),
-                v[b:b + 1, :, :n].double().repeat_interleave(8, 1))
+        args = (
+            q[b : b + 1].double(),
+            k[b : b + 1, :, :n].double().repeat_interleave(8, 1),
+            v[b : b + 1, :, :n].double().repeat_interleave(8, 1),
+        )
         ref = torch.nn.functional.scaled_dot_product_attention(*args)
         ref_lowp = torch.nn.functional.scaled_dot_product_attention(*(a.to(torch.bfloat16) for a in args))
-        assert_matches_reference(out[b:b + 1], ref, ref_lowp, torch.bfloat16)
+        assert_matches_reference(out[b : b + 1], ref, ref_lowp, torch.bfloat16)
 
 
 def test_block_sparse_bf16():
@@ -199,8 +210,12 @@ def test_block_sparse_bf16():
     active |= torch.eye(N // 128, dtype=torch.bool, device="cuda")
     mask = af.BlockMask.from_blocks(active, N, N, block_size=128)
     q, k, v = (torch.randn(B, H, N, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-    assert_matches_reference(sparse(q, k, v, mask), sparse.reference(q, k, v, mask),
-                             sparse.reference(q, k, v, mask, dtype=torch.bfloat16), torch.bfloat16)
+    assert_matches_reference(
+        sparse(q, k, v, mask),
+        sparse.reference(q, k, v, mask),
+        sparse.reference(q, k, v, mask, dtype=torch.bfloat16),
+        torch.bfloat16,
+    )
 
 
 def test_token_level_block_mask_bf16_matches_sdpa():
@@ -274,6 +289,7 @@ def test_fast_launch_path_respecialises():
 
 # torch.compile and CUDA graphs (the op boundary, attnfuse/custom_op.py) --------------------------------------
 
+
 @af.attention
 def llama_window(q, k, v, window):
     return af.softmax(af.sliding_window(af.rope(q, k, rotate_keys=False), window, 0)) @ v
@@ -281,8 +297,10 @@ def llama_window(q, k, v, window):
 
 def test_compile_fullgraph_forward_and_backward_bf16_equal_eager():
     g = torch.Generator(device="cuda").manual_seed(11)
-    q, k, v = (torch.randn(2, 8, 1024, 128, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
-               for _ in range(3))
+    q, k, v = (
+        torch.randn(2, 8, 1024, 128, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
+        for _ in range(3)
+    )
     dout = torch.randn(2, 8, 1024, 128, device="cuda", dtype=torch.bfloat16, generator=g)
     for backend in ("aot_eager", "inductor"):
         compiled = torch.compile(lambda q, k, v: llama(q, k, v), backend=backend, fullgraph=True)
@@ -299,11 +317,15 @@ def test_compile_reduce_overhead_decode_with_kv_lens_and_block_table():
     """CUDA graphs capture the split-KV decode (two launches) of a paged cache; replays follow new lengths."""
     g = torch.Generator(device="cuda").manual_seed(12)
     B, Hq, Hkv, D, page, pages = 4, 32, 8, 128, 64, 32
-    pool_k, pool_v = (torch.randn(B * pages, page, Hkv, D, device="cuda", dtype=torch.bfloat16, generator=g)
-                      for _ in range(2))
+    pool_k, pool_v = (
+        torch.randn(B * pages, page, Hkv, D, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2)
+    )
     table = torch.randperm(B * pages, device="cuda", generator=g).to(torch.int32).view(B, pages)
-    step = torch.compile(lambda q, k, v, lens, table: llama_window(q, k, v, 1000, kv_lens=lens, block_table=table),
-                         mode="reduce-overhead", fullgraph=True)
+    step = torch.compile(
+        lambda q, k, v, lens, table: llama_window(q, k, v, 1000, kv_lens=lens, block_table=table),
+        mode="reduce-overhead",
+        fullgraph=True,
+    )
     for lengths in ([2048, 17, 700, 1], [1500, 64, 2048, 999], [3, 2000, 128, 640]):
         lens = torch.tensor(lengths, device="cuda", dtype=torch.int32)
         q = torch.randn(B, Hq, 1, D, device="cuda", dtype=torch.bfloat16, generator=g)
@@ -324,8 +346,14 @@ def test_hf_llama_bf16_attnfuse_and_fuse_rope_match_sdpa():
     import attnfuse.hf
 
     torch.manual_seed(13)
-    config = transformers.LlamaConfig(hidden_size=1024, num_attention_heads=8, num_key_value_heads=2,
-                                      num_hidden_layers=2, intermediate_size=2048, vocab_size=1000)
+    config = transformers.LlamaConfig(
+        hidden_size=1024,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        num_hidden_layers=2,
+        intermediate_size=2048,
+        vocab_size=1000,
+    )
     model = transformers.LlamaForCausalLM(config).to("cuda").eval()
     ids = torch.randint(0, 1000, (2, 512), device="cuda")
     mask = torch.ones_like(ids)
@@ -343,8 +371,13 @@ def test_hf_llama_bf16_attnfuse_and_fuse_rope_match_sdpa():
         assert error <= 2 * sdpa_error, (fuse, error, sdpa_error)  # no worse than bf16 SDPA's own rounding
 
 
-HOSTILE_PAGES = [(64, torch.int32), (-1, torch.int32), (10**6, torch.int32), (-2**31, torch.int32),
-                 (2**32 + 3, torch.int64)]  # for a 64-page pool
+HOSTILE_PAGES = [
+    (64, torch.int32),
+    (-1, torch.int32),
+    (10**6, torch.int32),
+    (-(2**31), torch.int32),
+    (2**32 + 3, torch.int64),
+]  # for a 64-page pool
 
 
 @pytest.mark.parametrize("split_kv", [True, False])
@@ -355,42 +388,58 @@ def test_paged_pool_in_a_nan_arena_reads_nothing_outside_it(split_kv):
     Validated, the same call records the entry of one of the four sequences, which af.check_errors() raises."""
     P, guard, page, B, Hq, Hkv, Nq, D = 64, 8, 16, 4, 32, 8, 4, 128
     g = torch.Generator(device="cuda").manual_seed(0)
-    arenas = [torch.full((P + 2 * guard, page, Hkv, D), float("nan"), device="cuda", dtype=torch.float16)
-              for _ in range(2)]
+    arenas = [
+        torch.full((P + 2 * guard, page, Hkv, D), float("nan"), device="cuda", dtype=torch.float16) for _ in range(2)
+    ]
     for arena in arenas:
-        arena[guard:guard + P] = torch.randn(P, page, Hkv, D, device="cuda", generator=g)
-    pool_k, pool_v = (arena[guard:guard + P] for arena in arenas)
+        arena[guard : guard + P] = torch.randn(P, page, Hkv, D, device="cuda", generator=g)
+    pool_k, pool_v = (arena[guard : guard + P] for arena in arenas)
     q = torch.randn(B, Hq, Nq, D, device="cuda", dtype=torch.float16, generator=g)
-    table = torch.randperm(P, device="cuda", generator=g)[:B * 12].view(B, 12).to(torch.int32)
+    table = torch.randperm(P, device="cuda", generator=g)[: B * 12].view(B, 12).to(torch.int32)
     lens = torch.tensor([12 * page, 100, 37, 5 * page + 1], dtype=torch.int32, device="cuda")
     for value, dtype in HOSTILE_PAGES:
         hostile = table.to(dtype, copy=True)
         hostile[:, 1] = value  # slot 1 of every sequence: keys 16..31
-        out = af.run_attention(causal.graph(), q, pool_k, pool_v, kv_lens=lens, block_table=hostile, kv_layout="NHD",
-                               split_kv=split_kv, validate=False)
+        out = af.run_attention(
+            causal.graph(),
+            q,
+            pool_k,
+            pool_v,
+            kv_lens=lens,
+            block_table=hostile,
+            kv_layout="NHD",
+            split_kv=split_kv,
+            validate=False,
+        )
         assert not out.isnan().any(), f"block_table entry {value}: a NaN from outside the pool"
         pages = table.long()
         present = (torch.arange(12 * page, device="cuda") // page != 1)[None, :].expand(B, -1)
-        k, v = (pool[pages].reshape(B, 12 * page, Hkv, D).transpose(1, 2).double().repeat_interleave(Hq // Hkv, 1)
-                for pool in (pool_k, pool_v))
+        k, v = (
+            pool[pages].reshape(B, 12 * page, Hkv, D).transpose(1, 2).double().repeat_interleave(Hq // Hkv, 1)
+            for pool in (pool_k, pool_v)
+        )
         pos = torch.arange(12 * page, device="cuda")
-        keep = present[:, None, None, :] & (pos < lens[:, None, None, None]) & (
-            pos <= torch.arange(Nq, device="cuda")[:, None] + lens[:, None, None, None] - Nq)
+        keep = (
+            present[:, None, None, :]
+            & (pos < lens[:, None, None, None])
+            & (pos <= torch.arange(Nq, device="cuda")[:, None] + lens[:, None, None, None] - Nq)
+        )
         want = torch.nn.functional.scaled_dot_product_attention(q.double(), k, v, attn_mask=keep)
         torch.testing.assert_close(out.double(), want, atol=2e-3, rtol=0, msg=f"block_table entry {value}")
         with pytest.raises(af.InputError, match=rf"block_table\[[0-3], 1\] = {value} is not a page of the pool"):
-            af.run_attention(causal.graph(), q, pool_k, pool_v, kv_lens=lens, block_table=hostile, kv_layout="NHD",
-                             split_kv=split_kv)
+            af.run_attention(
+                causal.graph(), q, pool_k, pool_v, kv_lens=lens, block_table=hostile, kv_layout="NHD", split_kv=split_kv
+            )
             af.check_errors()
-
 
 
 def _paged_decode_case(B=4, Hq=32, Hkv=8, D=128, page=16, pages=16):
     """q (B, Hq, 1, D) fp16, pools (B * pages, page, Hkv, D) (kv_layout "NHD": page 16 and Hkv 8 read either way
     for Hq 32), a shuffled table (B, pages) int32, ragged lens."""
     g = torch.Generator(device="cuda").manual_seed(3)
-    pool_k, pool_v = (torch.randn(B * pages, page, Hkv, D, device="cuda", dtype=torch.float16, generator=g)
-                      for _ in range(2))
+    pool_k, pool_v = (
+        torch.randn(B * pages, page, Hkv, D, device="cuda", dtype=torch.float16, generator=g) for _ in range(2)
+    )
     table = torch.randperm(B * pages, device="cuda", generator=g).to(torch.int32).view(B, pages)
     lens = torch.tensor([pages * page, 17, 100, 1][:B], dtype=torch.int32, device="cuda")
     q = torch.randn(B, Hq, 1, D, device="cuda", dtype=torch.float16, generator=g)
@@ -423,7 +472,8 @@ def test_validated_calls_never_synchronise_and_a_later_call_raises_once():
             raised.append(str(error))
     assert len(raised) == 1 and raised[0].startswith(
         "block_table[2, 5] = 1000000 is not a page of the pool: the 7 entries sequence 2 uses (kv_lens[2] = 100, "
-        "page_size 16) must each be in [0, 64)"), raised
+        "page_size 16) must each be in [0, 64)"
+    ), raised
     af.check_errors()
 
 
@@ -453,12 +503,18 @@ def test_validated_decode_inside_a_cuda_graph_checks_at_every_replay():
             want = causal.reference(q, pool_k, pool_v, kv_lens=lens, block_table=table, kv_layout="NHD")
             torch.testing.assert_close(out.double(), want, atol=2e-3, rtol=0)
         else:
-            with pytest.raises(af.InputError, match=rf"^block_table\[0, {slot}\] = {value} is not a page of the "
-                                                    rf"pool: the 16 entries sequence 0 uses"):
+            with pytest.raises(
+                af.InputError,
+                match=rf"^block_table\[0, {slot}\] = {value} is not a page of the "
+                rf"pool: the 16 entries sequence 0 uses",
+            ):
                 af.check_errors()
-            torch.testing.assert_close(out[1:].double(), causal.reference(q[1:], pool_k, pool_v, kv_lens=lens[1:],
-                                                                          block_table=good[1:], kv_layout="NHD"),
-                                       atol=2e-3, rtol=0)
+            torch.testing.assert_close(
+                out[1:].double(),
+                causal.reference(q[1:], pool_k, pool_v, kv_lens=lens[1:], block_table=good[1:], kv_layout="NHD"),
+                atol=2e-3,
+                rtol=0,
+            )
 
 
 def _causal_rows_reference(q, k, v, dtype):
@@ -466,9 +522,15 @@ def _causal_rows_reference(q, k, v, dtype):
     (1, H, N, D), head by head, in ``dtype``."""
     Nq, N = q.shape[2], k.shape[2]
     keep = torch.arange(N, device=q.device)[None, :] <= torch.arange(Nq, device=q.device)[:, None] + N - Nq
-    return torch.cat([torch.nn.functional.scaled_dot_product_attention(
-        q[:, h:h + 1].to(dtype), k[:, h:h + 1].to(dtype), v[:, h:h + 1].to(dtype), attn_mask=keep)
-        for h in range(q.shape[1])], dim=1)
+    return torch.cat(
+        [
+            torch.nn.functional.scaled_dot_product_attention(
+                q[:, h : h + 1].to(dtype), k[:, h : h + 1].to(dtype), v[:, h : h + 1].to(dtype), attn_mask=keep
+            )
+            for h in range(q.shape[1])
+        ],
+        dim=1,
+    )
 
 
 def test_packed_qkv_past_int32_offsets_matches_sdpa():
@@ -479,8 +541,12 @@ def test_packed_qkv_past_int32_offsets_matches_sdpa():
     q, k, v = (qkv[:, :, i].transpose(1, 2) for i in range(3))
     out = causal(q, k, v)[:, :, -256:]
     rows = q[:, :, -256:]
-    assert_matches_reference(out, _causal_rows_reference(rows, k, v, torch.float64),
-                             _causal_rows_reference(rows, k, v, torch.float16), torch.float16)
+    assert_matches_reference(
+        out,
+        _causal_rows_reference(rows, k, v, torch.float64),
+        _causal_rows_reference(rows, k, v, torch.float16),
+        torch.float16,
+    )
 
 
 @pytest.mark.parametrize("Nq", [256, 8])
@@ -491,8 +557,12 @@ def test_bnhd_cache_past_int32_offsets_matches_sdpa(Nq):
     kv = torch.randn(1, 2**20 + 256, 2, 16, 128, device="cuda", dtype=torch.float16)
     k, v = (kv[:, :, i].transpose(1, 2) for i in range(2))
     q = torch.randn(1, Nq, 16, 128, device="cuda", dtype=torch.float16).transpose(1, 2)
-    assert_matches_reference(causal(q, k, v), _causal_rows_reference(q, k, v, torch.float64),
-                             _causal_rows_reference(q, k, v, torch.float16), torch.float16)
+    assert_matches_reference(
+        causal(q, k, v),
+        _causal_rows_reference(q, k, v, torch.float64),
+        _causal_rows_reference(q, k, v, torch.float16),
+        torch.float16,
+    )
 
 
 def test_bench_command_end_to_end(tmp_path, monkeypatch):
@@ -504,8 +574,28 @@ def test_bench_command_end_to_end(tmp_path, monkeypatch):
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton"))  # not left set for later tests
     monkeypatch.setenv("ATTNFUSE_CACHE_DIR", str(tmp_path / "kernels"))
     out = {ext: tmp_path / f"bench.{ext}" for ext in ("json", "md", "png")}
-    assert main(["bench", "--suite", "decode,forward", "--geometry", "gpt2", "--N", "2048", "--variants", "causal",
-                 "--json", str(out["json"]), "--markdown", str(out["md"]), "--plot", str(out["png"])]) == 0
+    assert (
+        main(
+            [
+                "bench",
+                "--suite",
+                "decode,forward",
+                "--geometry",
+                "gpt2",
+                "--N",
+                "2048",
+                "--variants",
+                "causal",
+                "--json",
+                str(out["json"]),
+                "--markdown",
+                str(out["md"]),
+                "--plot",
+                str(out["png"]),
+            ]
+        )
+        == 0
+    )
     report = Report.from_json(out["json"].read_text())
     assert report.failures == []
     assert [row.suite for row in report.rows] == ["decode"] * 12 + ["forward"]

@@ -5,6 +5,7 @@ tensors groups of 3, here every size. The dK/dV and decode kernels put more (bat
 CUDA grid holds along y (65535) over the grid's y and z; the interpreter has no such limit, so these tests
 lower it (``GRID_YZ_LIMIT``) to run the split layout on small inputs; tests/test_gpu.py runs it past the
 real one."""
+
 import pytest
 import torch
 
@@ -40,8 +41,9 @@ def _check_training(B, Hq, Hkv, Nq, Nk, D=16):
     leaves = [torch.randn(B, h, n, D, requires_grad=True) for h, n in ((Hq, Nq), (Hkv, Nk), (Hkv, Nk))]
     dout = torch.randn(B, Hq, Nq, D)
     out = causal(*leaves)
-    assert_matches_reference(out, causal.reference(*leaves), causal.reference(*leaves, dtype=torch.float32),
-                             torch.float32)
+    assert_matches_reference(
+        out, causal.reference(*leaves), causal.reference(*leaves, dtype=torch.float32), torch.float32
+    )
     grads = torch.autograd.grad(out, leaves, dout)
     want = torch.autograd.grad(causal.reference(*leaves), leaves, dout.double())
     lowp = torch.autograd.grad(causal.reference(*leaves, dtype=torch.float32), leaves, dout)
@@ -94,5 +96,9 @@ def test_split_kv_decoding_past_the_grid_limit_matches_float64(small_grid_limit)
     lens = torch.tensor([70, 33, 52], dtype=torch.int32)
     out = launch.run_attention(causal.graph(), q, k, v, kv_lens=lens, split_kv=True)
     assert last_call().decode is not None
-    assert_matches_reference(out, causal.reference(q, k, v, kv_lens=lens),
-                             causal.reference(q, k, v, kv_lens=lens, dtype=torch.float32), torch.float32)
+    assert_matches_reference(
+        out,
+        causal.reference(q, k, v, kv_lens=lens),
+        causal.reference(q, k, v, kv_lens=lens, dtype=torch.float32),
+        torch.float32,
+    )

@@ -1,6 +1,7 @@
 """The HuggingFace backend on tiny random-weight models (float32, CPU): attn_implementation="attnfuse" gives
 eager's logits, gradients and greedy generations, with padding, sliding windows and GQA; fuse_rope; custom
 programs. Needs transformers (``pip install -e ".[hf]"``)."""
+
 import os
 import subprocess
 import sys
@@ -15,8 +16,14 @@ import attnfuse as af  # noqa: E402
 import attnfuse.hf  # noqa: E402
 from attnfuse.errors import InputError  # noqa: E402
 
-SIZES = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2, intermediate_size=128,
-             vocab_size=128)
+SIZES = dict(
+    hidden_size=64,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    num_hidden_layers=2,
+    intermediate_size=128,
+    vocab_size=128,
+)
 
 
 def _model(family="llama", **extra):
@@ -140,8 +147,9 @@ def test_registered_program_runs_the_model_and_must_honour_masks():
     attnfuse.hf.register("causal_only", causal_only)
     model, ids, mask = _model(), torch.randint(0, 128, (2, 20)), _padding()
     real = mask.bool()
-    torch.testing.assert_close(_logits(model, "causal_biased", ids, mask)[real],
-                               _logits(model, "eager", ids, mask)[real], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(
+        _logits(model, "causal_biased", ids, mask)[real], _logits(model, "eager", ids, mask)[real], atol=1e-5, rtol=1e-5
+    )
     torch.testing.assert_close(_logits(model, "causal_only", ids), _logits(model, "eager", ids), atol=1e-5, rtol=1e-5)
     with pytest.raises(InputError, match="takes no 'bias' argument"):
         _logits(model, "causal_only", ids, mask)
@@ -173,8 +181,9 @@ def test_compiled_model_fullgraph_equals_eager(fused):
     model.set_attn_implementation("attnfuse")
     if fused:
         attnfuse.hf.fuse_rope(model)
-    compiled = torch.compile(lambda ids, mask: model(ids, attention_mask=mask).logits, backend="aot_eager",
-                             fullgraph=True)
+    compiled = torch.compile(
+        lambda ids, mask: model(ids, attention_mask=mask).logits, backend="aot_eager", fullgraph=True
+    )
     real = mask.bool()
     torch.testing.assert_close(compiled(ids, mask)[real], want[real], atol=1e-5, rtol=1e-5)
 
@@ -184,8 +193,13 @@ def test_table_9_script_runs_on_a_tiny_layer(tmp_path):
     on the CPU, and the op-overhead lines."""
     script = Path(__file__).resolve().parents[1] / "benchmarks" / "hf_layer.py"
     env = {**os.environ, "ATTNFUSE_CACHE_DIR": str(tmp_path)}
-    run = subprocess.run([sys.executable, str(script), "--tiny", "--no-compile", "--rounds", "2"],
-                         capture_output=True, text=True, env=env, timeout=600)
+    run = subprocess.run(
+        [sys.executable, str(script), "--tiny", "--no-compile", "--rounds", "2"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
     assert run.returncode == 0, run.stderr[-2000:]
     rows = [line.split()[0] for line in run.stdout.splitlines() if line.split()[1:2] == ["32"]]
     assert rows == ["sdpa", "attnfuse", "attnfuse+fuse_rope"], run.stdout

@@ -2,6 +2,7 @@
 (the prefill, decode steps of one query against the cache, a static cache's unused tail hidden by the mask, a
 left-padded batch) gives sdpa's greedy tokens and logits, eagerly and with generate()'s own compile of a static
 cache's decode steps; and benchmarks/hf_generate.py runs. Needs transformers."""
+
 import os
 import subprocess
 import sys
@@ -16,8 +17,14 @@ import attnfuse.hf  # noqa: E402,F401
 
 ROOT = Path(__file__).resolve().parents[1]
 VOCAB = 100
-SIZES = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2, intermediate_size=128,
-             vocab_size=VOCAB)
+SIZES = dict(
+    hidden_size=64,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    num_hidden_layers=2,
+    intermediate_size=128,
+    vocab_size=VOCAB,
+)
 NEW = 6
 
 
@@ -37,8 +44,17 @@ def _prompts(B):
 
 def _generate(model, implementation, ids, mask, **options):
     model.set_attn_implementation(implementation)
-    out = model.generate(ids, attention_mask=mask, max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False,
-                         pad_token_id=0, output_logits=True, return_dict_in_generate=True, **options)
+    out = model.generate(
+        ids,
+        attention_mask=mask,
+        max_new_tokens=NEW,
+        min_new_tokens=NEW,
+        do_sample=False,
+        pad_token_id=0,
+        output_logits=True,
+        return_dict_in_generate=True,
+        **options,
+    )
     return out.sequences, torch.stack(out.logits, dim=1)
 
 
@@ -68,19 +84,49 @@ def test_compiled_static_cache_generate_gives_sdpas_tokens_and_logits():
 
     torch._dynamo.reset()
     model, (ids, mask) = _model(), _prompts(2)
-    want_tokens, want_logits = _generate(model, "sdpa", ids, mask, cache_implementation="static",
-                                         disable_compile=True)
+    want_tokens, want_logits = _generate(model, "sdpa", ids, mask, cache_implementation="static", disable_compile=True)
     before = counters["stats"]["unique_graphs"]
-    got_tokens, got_logits = _generate(model, "attnfuse", ids, mask, cache_implementation="static",
-                                       compile_config=_compile_config())
+    got_tokens, got_logits = _generate(
+        model, "attnfuse", ids, mask, cache_implementation="static", compile_config=_compile_config()
+    )
     assert counters["stats"]["unique_graphs"] > before  # the decode steps ran compiled
     assert got_tokens.tolist() == want_tokens.tolist()
     torch.testing.assert_close(got_logits, want_logits, atol=1e-5, rtol=1e-5)
 
 
-TINY = ["--device", "cpu", "--dtype", "float32", "--layers", "2", "--hidden", "64", "--heads", "4", "--kv-heads", "2",
-        "--intermediate", "128", "--vocab", str(VOCAB), "--prompt", "8", "--new-tokens", "3", "--batch", "2",
-        "--warmup", "1", "--runs", "1", "--compile-backend", "aot_eager", "--compile-mode", "default", "--fullgraph"]
+TINY = [
+    "--device",
+    "cpu",
+    "--dtype",
+    "float32",
+    "--layers",
+    "2",
+    "--hidden",
+    "64",
+    "--heads",
+    "4",
+    "--kv-heads",
+    "2",
+    "--intermediate",
+    "128",
+    "--vocab",
+    str(VOCAB),
+    "--prompt",
+    "8",
+    "--new-tokens",
+    "3",
+    "--batch",
+    "2",
+    "--warmup",
+    "1",
+    "--runs",
+    "1",
+    "--compile-backend",
+    "aot_eager",
+    "--compile-mode",
+    "default",
+    "--fullgraph",
+]
 
 
 def test_benchmark_script_runs_tiny_and_writes_its_section(tmp_path):
@@ -93,12 +139,17 @@ def test_benchmark_script_runs_tiny_and_writes_its_section(tmp_path):
     run = subprocess.run([sys.executable, *argv], capture_output=True, text=True, env=env, timeout=300, cwd=ROOT)
     assert run.returncode == 0, run.stderr[-3000:]
     rows = [line.split() for line in run.stdout.splitlines() if line.split()[:1] in (["eager"], ["compiled"])]
-    assert [row[:3] for row in rows] == [["eager", "2", "sdpa"], ["eager", "2", "attnfuse"],
-                                         ["compiled", "2", "sdpa"], ["compiled", "2", "attnfuse"]], run.stdout
+    assert [row[:3] for row in rows] == [
+        ["eager", "2", "sdpa"],
+        ["eager", "2", "attnfuse"],
+        ["compiled", "2", "sdpa"],
+        ["compiled", "2", "attnfuse"],
+    ], run.stdout
     assert [row[8] for row in rows] == ["—", "—", "0", "0"]  # graph breaks
     assert all(float(row[3]) > 0 for row in rows)  # tokens/s
     text = page.read_text()
     assert text.startswith("# Page\n\n<!-- BEGIN hf_generate -->\n## HF generate() end to end") and text.endswith(
-        "<!-- END hf_generate -->\nafter\n")
+        "<!-- END hf_generate -->\nafter\n"
+    )
     assert f"python3 {' '.join(argv)}" in text
     assert "\n| compiled | 2 | attnfuse | " in text and "old" not in text

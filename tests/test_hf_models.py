@@ -10,6 +10,7 @@ error plus ``ATOL[float32]`` times the tensor's scale. transformers offers neith
 sdpa does not softcap; GPT-OSS: sdpa has no sinks), so eager is the reference. Each test also checks that
 what it exercises binds: without the cap, the sinks or the window, eager's logits differ.
 """
+
 import copy
 
 import pytest
@@ -22,12 +23,24 @@ import attnfuse.hf  # noqa: E402
 from attnfuse.testing import assert_matches_reference  # noqa: E402
 from hf_training import padded_batch, training_step  # noqa: E402
 
-SIZES = dict(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_hidden_layers=2,
-             intermediate_size=32, vocab_size=64, use_cache=False, initializer_range=0.2)
+SIZES = dict(
+    hidden_size=32,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=8,
+    num_hidden_layers=2,
+    intermediate_size=32,
+    vocab_size=64,
+    use_cache=False,
+    initializer_range=0.2,
+)
 MODELS = {  # caps, sinks and windows that bind at N = 12
     "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", {"sliding_window": 4, "attn_logit_softcapping": 1.0}),
-    "gpt_oss": ("GptOssConfig", "GptOssForCausalLM", {"sliding_window": 4, "num_local_experts": 2,
-                                                      "num_experts_per_tok": 2, "experts_implementation": "eager"}),
+    "gpt_oss": (
+        "GptOssConfig",
+        "GptOssForCausalLM",
+        {"sliding_window": 4, "num_local_experts": 2, "num_experts_per_tok": 2, "experts_implementation": "eager"},
+    ),
 }
 
 
@@ -113,6 +126,9 @@ def test_a_registered_program_refuses_sinks_it_cannot_honour():
     attnfuse.hf.register("test_hf_models_causal_only", causal_only)
     model, (ids, _, _) = _model("gpt_oss"), padded_batch(SIZES["vocab_size"], pads=(5, 0))
     model.set_attn_implementation("test_hf_models_causal_only")
-    with pytest.raises(af.InputError, match=r"s_aux \(given by GptOssAttention\) is not supported here; use "
-                                            r"attn_implementation='attnfuse' or 'eager'"):
+    with pytest.raises(
+        af.InputError,
+        match=r"s_aux \(given by GptOssAttention\) is not supported here; use "
+        r"attn_implementation='attnfuse' or 'eager'",
+    ):
         model(ids)

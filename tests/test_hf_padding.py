@@ -12,6 +12,7 @@ Tolerance: ``attnfuse.testing.tolerances.assert_matches_reference`` against the 
 (HF computes the loss, and eager its softmax, in float32 even then): twice the reference's own float32
 error plus ``ATOL[float32]`` (2e-5) times the tensor's scale. Tiny random-weight models on the CPU.
 """
+
 import copy
 import sys
 
@@ -25,8 +26,15 @@ import attnfuse.hf  # noqa: E402
 from attnfuse.testing.tolerances import assert_matches_reference  # noqa: E402
 from hf_training import padded_batch, training_step  # noqa: E402
 
-SIZES = dict(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2, intermediate_size=64,
-             vocab_size=64, head_dim=8)
+SIZES = dict(
+    hidden_size=32,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    num_hidden_layers=2,
+    intermediate_size=64,
+    vocab_size=64,
+    head_dim=8,
+)
 FAMILIES = {  # windows and caps small enough to bind at N = 12
     "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
     "mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": 4}),
@@ -65,8 +73,10 @@ def _model(family):
 
 def _reference(model, implementation, batch):
     """(float64 results, float32 results) of ``implementation``: the reference and its own float32 error."""
-    return (training_step(copy.deepcopy(model).double(), implementation, batch),
-            training_step(model, implementation, batch))
+    return (
+        training_step(copy.deepcopy(model).double(), implementation, batch),
+        training_step(model, implementation, batch),
+    )
 
 
 def _assert_matches(got, want64, want32):

@@ -1,6 +1,7 @@
 """The Hopper templates (the forward and the dK/dV kernel): which programs and tensors they serve, that
 they compile for sm90 (on any machine), and on an H100/H200 that they match the float64 reference and read
 only inside their tensors."""
+
 import contextlib
 import math
 import os
@@ -24,8 +25,9 @@ from conftest import CUDA, deterministic_algorithms
 
 HOPPER = CUDA and torch.cuda.get_device_capability() == (9, 0)
 requires_hopper = pytest.mark.skipif(not HOPPER, reason="needs an sm90 GPU (H100/H200)")
-SM90 = KernelConfig(arch="sm90", dtype="bfloat16", head_dim=128, head_dim_v=128, group=4, save_lse=True,
-                    fp32_precision="ieee")
+SM90 = KernelConfig(
+    arch="sm90", dtype="bfloat16", head_dim=128, head_dim_v=128, group=4, save_lse=True, fp32_precision="ieee"
+)
 
 
 @af.attention
@@ -38,15 +40,26 @@ def dense(q, k, v, scale):
     return af.softmax(af.full(af.scaled_dot_product(q, k, scale=scale))) @ v
 
 
-@pytest.mark.parametrize("program,config,served", [
-    (causal, {}, "causal"), (dense, {}, "dense"), (causal, {"dtype": "float16"}, "causal"),
-    (EXAMPLES["llama"], {"q_transformed": True, "k_transformed": True}, "causal"),  # after a transform pass
-    (EXAMPLES["llama"], {}, None), (EXAMPLES["mistral"], {}, None), (EXAMPLES["alibi"], {}, None),
-    (EXAMPLES["relu"], {}, None), (causal, {"kv_lens": True}, None), (causal, {"paged": True}, None),
-    (causal, {"arch": "sm80"}, None), (causal, {"dtype": "float32"}, None),
-    (causal, {"head_dim": 96, "head_dim_v": 96}, None), (causal, {"head_dim_v": 64}, None),
-    (causal, {"head_dim": 64, "head_dim_v": 64}, None),
-])
+@pytest.mark.parametrize(
+    "program,config,served",
+    [
+        (causal, {}, "causal"),
+        (dense, {}, "dense"),
+        (causal, {"dtype": "float16"}, "causal"),
+        (EXAMPLES["llama"], {"q_transformed": True, "k_transformed": True}, "causal"),  # after a transform pass
+        (EXAMPLES["llama"], {}, None),
+        (EXAMPLES["mistral"], {}, None),
+        (EXAMPLES["alibi"], {}, None),
+        (EXAMPLES["relu"], {}, None),
+        (causal, {"kv_lens": True}, None),
+        (causal, {"paged": True}, None),
+        (causal, {"arch": "sm80"}, None),
+        (causal, {"dtype": "float32"}, None),
+        (causal, {"head_dim": 96, "head_dim_v": 96}, None),
+        (causal, {"head_dim_v": 64}, None),
+        (causal, {"head_dim": 64, "head_dim_v": 64}, None),
+    ],
+)
 def test_plan_serves_softmax_with_causal_or_no_mask_on_sm90(program, config, served):
     graph = program.graph(0.3) if program is dense else program.graph()
     plan = compile_plan(graph, attrs.evolve(SM90, **config))
@@ -54,7 +67,7 @@ def test_plan_serves_softmax_with_causal_or_no_mask_on_sm90(program, config, ser
         assert plan.hopper is None
     else:
         assert plan.hopper is not None and plan.hopper.causal == (served == "causal")
-        scale = 0.3 if program is dense else plan.config.head_dim ** -0.5
+        scale = 0.3 if program is dense else plan.config.head_dim**-0.5
         assert plan.hopper.qk_scale == pytest.approx(scale * 1.4426950408889634)
         assert plan.hopper.scale == pytest.approx(scale)
 
@@ -68,11 +81,11 @@ def test_plan_leaves_scales_not_above_zero_to_the_generated_kernels(scale):
 
 def test_tensors_tma_cannot_address_fall_back():
     base = torch.empty(2 * 8 * 64 * 130, dtype=torch.bfloat16)
-    hf_layout = base[:2 * 8 * 64 * 128].view(2, 64, 8, 128).transpose(1, 2)
+    hf_layout = base[: 2 * 8 * 64 * 128].view(2, 64, 8, 128).transpose(1, 2)
     assert hopper.HopperLauncher.fits(hf_layout)
-    assert hopper.HopperLauncher.fits(base[:64 * 128].view(1, 1, 64, 128).expand(1, 1, 64, 128))
-    assert not hopper.HopperLauncher.fits(base[1:1 + 2 * 8 * 64 * 128].view(2, 8, 64, 128))  # 2-byte offset
-    assert not hopper.HopperLauncher.fits(base[:64 * 128].view(1, 1, 64, 128).expand(2, 4, 64, 128))  # stride 0
+    assert hopper.HopperLauncher.fits(base[: 64 * 128].view(1, 1, 64, 128).expand(1, 1, 64, 128))
+    assert not hopper.HopperLauncher.fits(base[1 : 1 + 2 * 8 * 64 * 128].view(2, 8, 64, 128))  # 2-byte offset
+    assert not hopper.HopperLauncher.fits(base[: 64 * 128].view(1, 1, 64, 128).expand(2, 4, 64, 128))  # stride 0
     assert not hopper.HopperLauncher.fits(base.view(2, 8, 64, 130)[..., :128])  # 260-byte rows
 
 
@@ -82,19 +95,34 @@ def test_descriptors_pass_the_checks_they_skip():
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     base = torch.empty(2 * 8 * 64 * 130, dtype=torch.bfloat16)
-    tensors = [base[:2 * 8 * 64 * 128].view(2, 64, 8, 128).transpose(1, 2),  # HF's (B, N, H, D) projections
-               base[:64 * 128].view(1, 1, 64, 128).expand(1, 1, 64, 128), base[:8 * 64 * 128].view(1, 8, 64, 128),
-               torch.empty(3, 5, 64, 128, dtype=torch.float32)]
-    described = [hopper.HopperLauncher._describe(t, rows, columns) for t in tensors if hopper.HopperLauncher.fits(t)
-                 for rows, columns in ((64, None), (128, None), (64, 64))]
-    described += [hopper.HopperLauncher._describe_rows(rows) for n in (64, 129)
-                  for rows in hopper.HopperLauncher.rows(torch.randn(2, 8, n), delta=torch.randn(2, 8, n))]
+    tensors = [
+        base[: 2 * 8 * 64 * 128].view(2, 64, 8, 128).transpose(1, 2),  # HF's (B, N, H, D) projections
+        base[: 64 * 128].view(1, 1, 64, 128).expand(1, 1, 64, 128),
+        base[: 8 * 64 * 128].view(1, 8, 64, 128),
+        torch.empty(3, 5, 64, 128, dtype=torch.float32),
+    ]
+    described = [
+        hopper.HopperLauncher._describe(t, rows, columns)
+        for t in tensors
+        if hopper.HopperLauncher.fits(t)
+        for rows, columns in ((64, None), (128, None), (64, 64))
+    ]
+    described += [
+        hopper.HopperLauncher._describe_rows(rows)
+        for n in (64, 129)
+        for rows in hopper.HopperLauncher.rows(torch.randn(2, 8, n), delta=torch.randn(2, 8, n))
+    ]
     assert len(described) == 16
     for d in described:
         checked = TensorDescriptor(d.base, d.shape, d.strides, d.block_shape, d.layout)
         assert checked.base is d.base
-        assert (checked.shape, checked.strides, checked.block_shape, checked.layout, checked.padding) == \
-            (d.shape, d.strides, d.block_shape, d.layout, d.padding)
+        assert (checked.shape, checked.strides, checked.block_shape, checked.layout, checked.padding) == (
+            d.shape,
+            d.strides,
+            d.block_shape,
+            d.layout,
+            d.padding,
+        )
 
 
 @pytest.mark.parametrize("N", [64, 129, 1])
@@ -134,29 +162,49 @@ def test_kernel_compiles_for_sm90_within_shared_memory(causal_mask):
         layout = gl.NVMMASharedLayout.get_default_for([1, 1, rows, 128], gl.bfloat16)
         return f"tensordesc<bf16[1, 1, {rows}, 128],{layout!r}>"
 
-    signature = {"q_desc": desc(64), "k_desc": desc(128), "v_desc": desc(128), "o_desc": desc(64), "q": "*bf16",
-                 "k": "*bf16", "v": "*bf16", "out": "*bf16", "lse": "*fp32",
-                 "n_q": "i32", "n_k": "i32", "heads_q": "i32", "group": "i32", "qk_scale": "fp32",
-                 "BLOCK_N": "constexpr", "STAGES": "constexpr", "CAUSAL": "constexpr", "SAVE_LSE": "constexpr"}
+    signature = {
+        "q_desc": desc(64),
+        "k_desc": desc(128),
+        "v_desc": desc(128),
+        "o_desc": desc(64),
+        "q": "*bf16",
+        "k": "*bf16",
+        "v": "*bf16",
+        "out": "*bf16",
+        "lse": "*fp32",
+        "n_q": "i32",
+        "n_k": "i32",
+        "heads_q": "i32",
+        "group": "i32",
+        "qk_scale": "fp32",
+        "BLOCK_N": "constexpr",
+        "STAGES": "constexpr",
+        "CAUSAL": "constexpr",
+        "SAVE_LSE": "constexpr",
+    }
     constants = {"BLOCK_N": 128, "STAGES": 3, "CAUSAL": causal_mask, "SAVE_LSE": True}
-    compiled = triton.compile(GluonASTSource(hopper_forward_kernel, signature, constants),
-                              target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "maxnreg": 168})
+    compiled = triton.compile(
+        GluonASTSource(hopper_forward_kernel, signature, constants),
+        target=GPUTarget("cuda", 90, 32),
+        options={"num_warps": 4, "maxnreg": 168},
+    )
     # the ptxas Triton compiled with: torch.compile sets TRITON_PTXAS_PATH to torch's own (a newer CUDA), whose
     # PTX version an older ptxas refuses
     ptxas = triton.knobs.nvidia.ptxas.path
     with tempfile.NamedTemporaryFile("w", suffix=".ptx") as ptx:
         ptx.write(compiled.asm["ptx"])
         ptx.flush()
-        run = subprocess.run([ptxas, "-arch=sm_90a", "-v", ptx.name, "-o", os.devnull], capture_output=True,
-                             text=True)
+        run = subprocess.run([ptxas, "-arch=sm_90a", "-v", ptx.name, "-o", os.devnull], capture_output=True, text=True)
     assert run.returncode == 0, f"ptxas exited with {run.returncode}:\n{run.stdout}\n{run.stderr}"
     report = run.stderr
     assert re.search(r"Used \d+ registers", report), report
     assert compiled.metadata.shared <= 232448  # an H100's shared memory per block
 
 
-@pytest.mark.parametrize("causal_mask,group_sum,fuse_dq", [(True, "none", True), (False, "atomic", True),
-                                                             (True, "last", True), (True, "none", False)])
+@pytest.mark.parametrize(
+    "causal_mask,group_sum,fuse_dq",
+    [(True, "none", True), (False, "atomic", True), (True, "last", True), (True, "none", False)],
+)
 def test_dkdv_kernel_compiles_for_sm90_within_shared_memory(causal_mask, group_sum, fuse_dq):
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon import language as gl
@@ -169,16 +217,43 @@ def test_dkdv_kernel_compiles_for_sm90_within_shared_memory(causal_mask, group_s
     dq_layout = gl.NVMMASharedLayout.get_default_for([1, 1, 64, 64], gl.float32)
     dq_tile = f"tensordesc<fp32[1, 1, 64, 64],{dq_layout!r}>" if fuse_dq else "constexpr"
     rows = f"tensordesc<fp32[{hopper.DKDV_BLOCK_M}],{hopper._ROW_LAYOUT!r}>"
-    signature = {"q_desc": tile, "do_desc": tile, "k_desc": tile, "v_desc": tile, "lse_desc": rows, "delta_desc": rows,
-                 "dk": "*bf16", "dv": "*bf16", "dq_desc": dq_tile, "dk_part": "*fp32", "dv_part": "*fp32",
-                 "part_size": "i32", "counts": "*i32", **{f"stride_d{x}{y}": "i32" for x in "kv" for y in "bhn"},
-                 **{name: "i32" for name in ("n_q", "n_k", "heads_q", "group", "heads", "row_stride")},
-                 "qk_scale": "fp32", "scale": "fp32", "BLOCK_M": "constexpr", "STAGES": "constexpr",
-                 "CAUSAL": "constexpr", "GROUP_SUM": "constexpr", "FUSE_DQ": "constexpr"}
-    constants = {"BLOCK_M": hopper.DKDV_BLOCK_M, "STAGES": hopper.DKDV_STAGES, "CAUSAL": causal_mask,
-                 "GROUP_SUM": group_sum, "FUSE_DQ": fuse_dq, **({} if fuse_dq else {"dq_desc": None})}
-    compiled = triton.compile(GluonASTSource(hopper_dkdv_kernel, signature, constants),
-                              target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "maxnreg": 168})
+    signature = {
+        "q_desc": tile,
+        "do_desc": tile,
+        "k_desc": tile,
+        "v_desc": tile,
+        "lse_desc": rows,
+        "delta_desc": rows,
+        "dk": "*bf16",
+        "dv": "*bf16",
+        "dq_desc": dq_tile,
+        "dk_part": "*fp32",
+        "dv_part": "*fp32",
+        "part_size": "i32",
+        "counts": "*i32",
+        **{f"stride_d{x}{y}": "i32" for x in "kv" for y in "bhn"},
+        **{name: "i32" for name in ("n_q", "n_k", "heads_q", "group", "heads", "row_stride")},
+        "qk_scale": "fp32",
+        "scale": "fp32",
+        "BLOCK_M": "constexpr",
+        "STAGES": "constexpr",
+        "CAUSAL": "constexpr",
+        "GROUP_SUM": "constexpr",
+        "FUSE_DQ": "constexpr",
+    }
+    constants = {
+        "BLOCK_M": hopper.DKDV_BLOCK_M,
+        "STAGES": hopper.DKDV_STAGES,
+        "CAUSAL": causal_mask,
+        "GROUP_SUM": group_sum,
+        "FUSE_DQ": fuse_dq,
+        **({} if fuse_dq else {"dq_desc": None}),
+    }
+    compiled = triton.compile(
+        GluonASTSource(hopper_dkdv_kernel, signature, constants),
+        target=GPUTarget("cuda", 90, 32),
+        options={"num_warps": 4, "maxnreg": 168},
+    )
     ptx = compiled.asm["ptx"]
     assert "wgmma.mma_async" in ptx
     assert ("cp.reduce.async.bulk.tensor" in ptx) == fuse_dq
@@ -236,8 +311,10 @@ def _fused_dq(calls) -> bool:
 
 @requires_hopper
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("B,Hq,Hkv,Nq,Nk", [(2, 8, 2, 1000, 1000), (1, 4, 4, 300, 1000), (1, 4, 1, 1000, 300),
-                                            (3, 6, 3, 129, 257), (1, 32, 8, 4096, 4096)])
+@pytest.mark.parametrize(
+    "B,Hq,Hkv,Nq,Nk",
+    [(2, 8, 2, 1000, 1000), (1, 4, 4, 300, 1000), (1, 4, 1, 1000, 300), (3, 6, 3, 129, 257), (1, 32, 8, 4096, 4096)],
+)
 @pytest.mark.parametrize("program", [causal, dense], ids=["causal", "dense"])
 def test_hopper_forward_matches_float64(monkeypatch, program, B, Hq, Hkv, Nq, Nk, dtype):
     """Out and lse of the template (it ran) against the float64 reference; q in HF's (B, Nq, Hq, D) order.
@@ -257,8 +334,17 @@ def test_hopper_forward_matches_float64(monkeypatch, program, B, Hq, Hkv, Nq, Nk
 
 @requires_hopper
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("B,Hq,Hkv,Nq,Nk", [(2, 8, 2, 1000, 1000), (1, 4, 4, 300, 1000), (1, 4, 1, 1000, 300),
-                                            (3, 6, 3, 129, 257), (1, 32, 8, 4096, 4096), (1, 8, 1, 64, 40)])
+@pytest.mark.parametrize(
+    "B,Hq,Hkv,Nq,Nk",
+    [
+        (2, 8, 2, 1000, 1000),
+        (1, 4, 4, 300, 1000),
+        (1, 4, 1, 1000, 300),
+        (3, 6, 3, 129, 257),
+        (1, 32, 8, 4096, 4096),
+        (1, 8, 1, 64, 40),
+    ],
+)
 @pytest.mark.parametrize("program", [causal, dense], ids=["causal", "dense"])
 def test_hopper_dkdv_matches_float64(monkeypatch, program, B, Hq, Hkv, Nq, Nk, dtype):
     """dq, dk, dv of a training step whose dQ, dK and dV ran the template, against float64 autograd of the reference;
@@ -289,7 +375,7 @@ def test_hopper_forward_reads_nothing_outside_its_views(monkeypatch):
     views = []
     for heads in (Hq, Hkv, Hkv):
         arena = torch.full((B, heads, N + 300, D + 64), float("nan"), device="cuda", dtype=torch.bfloat16)
-        view = arena[:, :, 150:150 + N, 32:32 + D]
+        view = arena[:, :, 150 : 150 + N, 32 : 32 + D]
         view.copy_(torch.randn(B, heads, N, D))
         views.append(view.requires_grad_())
     out, lse = causal(*views, return_lse=True)
@@ -309,16 +395,19 @@ def test_hopper_forward_reads_nothing_outside_its_views(monkeypatch):
 @requires_hopper
 @pytest.mark.parametrize("deterministic", [False, True], ids=["fused-dq", "deterministic"])
 @pytest.mark.parametrize("program", [causal, dense], ids=["causal", "dense"])
-@pytest.mark.parametrize("B,Hq,Hkv,Nq,Nk", [(2, 8, 2, 700, 900), (1, 32, 8, 1500, 1700)],
-                         ids=["four-parts", "two-parts"])
+@pytest.mark.parametrize(
+    "B,Hq,Hkv,Nq,Nk", [(2, 8, 2, 700, 900), (1, 32, 8, 1500, 1700)], ids=["four-parts", "two-parts"]
+)
 def test_hopper_backward_through_lse(monkeypatch, program, deterministic, B, Hq, Hkv, Nq, Nk):
     """A loss of out and lse (so dlse enters delta), with dQ in the template (float32 reduce-adds) or, under
     torch.use_deterministic_algorithms, in the generated dQ kernel, whose gradients are then bitwise
     equal from step to step; against float64 autograd of the reference. Partial blocks, GQA groups split
     over four programs or (by default summed by the last of them) two, on an H200's 132 multiprocessors."""
     calls = _spy(monkeypatch, "dkdv")
-    leaves = [torch.randn(B, h, n, 128, device="cuda", dtype=torch.bfloat16).requires_grad_()
-              for h, n in ((Hq, Nq), (Hkv, Nk), (Hkv, Nk))]
+    leaves = [
+        torch.randn(B, h, n, 128, device="cuda", dtype=torch.bfloat16).requires_grad_()
+        for h, n in ((Hq, Nq), (Hkv, Nk), (Hkv, Nk))
+    ]
     dout, dlse = torch.randn(B, Hq, Nq, 128, device="cuda", dtype=torch.bfloat16), torch.randn(B, Hq, Nq, device="cuda")
     args = (0.1,) if program is dense else ()
 
@@ -345,16 +434,24 @@ def test_hopper_forward_non_finite_values_match_the_math(monkeypatch, program):
     that key's column, as float64's is (the careful redo; the rest of the rows and columns unchanged)."""
     calls = _spy(monkeypatch)
     q, k, v = (torch.randn(1, 2, 700, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-    v[0, 0, 300, 7], v[0, 0, 301, 90], v[0, 1, 650, 3], v[0, 1, 20, 5] = (float("nan"), float("inf"),
-                                                                         float("-inf"), float("nan"))
+    v[0, 0, 300, 7], v[0, 0, 301, 90], v[0, 1, 650, 3], v[0, 1, 20, 5] = (
+        float("nan"),
+        float("inf"),
+        float("-inf"),
+        float("nan"),
+    )
     args = (0.1,) if program is dense else ()
     out, lse = program(q, k, v, *args, return_lse=True)
     assert calls
     want, want_lse = program.reference(q, k, v, *args, return_lse=True)
     finite = torch.isfinite(want)
     assert torch.equal(torch.isfinite(out).cpu(), finite.cpu())
-    assert_matches_reference(out.double().where(finite, 0), want.where(finite, 0),
-                             program.reference(q, k, v, *args, dtype=torch.bfloat16).where(finite, 0), torch.bfloat16)
+    assert_matches_reference(
+        out.double().where(finite, 0),
+        want.where(finite, 0),
+        program.reference(q, k, v, *args, dtype=torch.bfloat16).where(finite, 0),
+        torch.bfloat16,
+    )
     torch.testing.assert_close(lse.double(), want_lse.to(lse.device), atol=1e-4, rtol=0)
 
 
@@ -366,5 +463,6 @@ def test_tensors_tma_cannot_address_run_the_generated_kernel(monkeypatch):
     k, v = (torch.randn(2, 8, 500, 128, device="cuda", dtype=torch.float16) for _ in range(2))
     out = causal(q, k, v)
     assert not calls
-    assert_matches_reference(out, causal.reference(q, k, v), causal.reference(q, k, v, dtype=torch.float16),
-                             torch.float16)
+    assert_matches_reference(
+        out, causal.reference(q, k, v), causal.reference(q, k, v, dtype=torch.float16), torch.float16
+    )

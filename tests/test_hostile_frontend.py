@@ -1,4 +1,5 @@
 """Hostile use of the front end: what used to give silently wrong results or errors that named nothing."""
+
 import re
 
 import pytest
@@ -46,6 +47,7 @@ def _qkv(seed, B=1, H=2, N=32, D=16, dtype=torch.float32, requires_grad=False):
 
 # 1. Double backward ------------------------------------------------------------------------------------------
 
+
 def test_second_derivative_raises_and_first_derivative_matches_reference():
     q, k, v = _qkv(0, requires_grad=True)
     out = causal_softmax(q, k, v)
@@ -61,6 +63,7 @@ def test_second_derivative_raises_and_first_derivative_matches_reference():
 
 
 # 2. Values read from closures and globals ------------------------------------------------------------------
+
 
 def test_changed_closure_value_traces_again():
     cfg = {"scale": 0.5}
@@ -95,8 +98,11 @@ def test_closure_over_a_tensor_names_the_variable():
     def biased(q, k, v):
         return af.softmax(af.additive_bias(af.scaled_dot_product(q, k), bias)) @ v
 
-    with pytest.raises(ProgramError, match=r"biased reads the closure variable 'bias', which holds a Tensor.*"
-                                           r"pass 'bias' as an argument of the program"):
+    with pytest.raises(
+        ProgramError,
+        match=r"biased reads the closure variable 'bias', which holds a Tensor.*"
+        r"pass 'bias' as an argument of the program",
+    ):
         biased(*_qkv(3))
 
 
@@ -107,14 +113,18 @@ def test_a_program_reading_only_code_checks_nothing_per_call():
 
 # 5. Errors that name what is wrong -------------------------------------------------------------------------
 
+
 @af.attention
 def recursive(q, k, v):
     return recursive(q, k, v)
 
 
 def test_a_program_calling_itself_is_refused():
-    with pytest.raises(ProgramError, match=r"recursive calls itself while it is traced: a program cannot be "
-                                           r"recursive"):
+    with pytest.raises(
+        ProgramError,
+        match=r"recursive calls itself while it is traced: a program cannot be "
+        r"recursive",
+    ):
         recursive(*_qkv(4))
 
 
@@ -123,8 +133,11 @@ def test_a_program_called_inside_another_is_refused():
     def outer(q, k, v):
         return causal_softmax(q, k, v)
 
-    with pytest.raises(ProgramError, match=r"causal_softmax is called inside another program: programs cannot be "
-                                           r"called inside a program; compose their combinators instead"):
+    with pytest.raises(
+        ProgramError,
+        match=r"causal_softmax is called inside another program: programs cannot be "
+        r"called inside a program; compose their combinators instead",
+    ):
         outer(*_qkv(5))
 
 
@@ -158,6 +171,7 @@ def test_trace_key_tells_types_apart(good, bad):
 
 
 # 3. The on-disk kernel cache -------------------------------------------------------------------------------
+
 
 def _truncate(text):
     lines = text.splitlines(keepends=True)
@@ -197,15 +211,22 @@ def test_an_unwritable_cache_file_is_named(tmp_path, monkeypatch):
 
 def test_a_kernel_source_that_fails_to_load_is_named(tmp_path):
     path = tmp_path / "attnfuse_fwd_broken.py"  # the source's readable copy: named, never read
-    with pytest.raises(KernelCacheError, match=rf"generated kernel kernel could not be loaded: SyntaxError.*\(its "
-                                               rf"source is in {re.escape(str(path))}\)"):
+    with pytest.raises(
+        KernelCacheError,
+        match=rf"generated kernel kernel could not be loaded: SyntaxError.*\(its "
+        rf"source is in {re.escape(str(path))}\)",
+    ):
         load_function("import triton\n\ndef kernel(\n", "kernel", path)
-    with pytest.raises(KernelCacheError, match=r"generated kernel kernel could not be loaded: its source defines no "
-                                               rf"function kernel \(its source is in {re.escape(str(path))}\)"):
+    with pytest.raises(
+        KernelCacheError,
+        match=r"generated kernel kernel could not be loaded: its source defines no "
+        rf"function kernel \(its source is in {re.escape(str(path))}\)",
+    ):
         load_function("x = 1\n", "kernel", path)
 
 
 # 4. A BlockMask edited after it was built ------------------------------------------------------------------
+
 
 @af.attention
 def sparse(q, k, v, block_mask):
@@ -246,6 +267,7 @@ def test_using_an_unedited_block_mask_derives_nothing_again(monkeypatch):
 
     def derived_again(*args):
         raise AssertionError("the block lists were derived again")
+
     monkeypatch.setattr("attnfuse.block_mask._csr", derived_again)
     monkeypatch.setattr("attnfuse.block_mask._heaviest_first", derived_again)
     keep = _block_keep(mask.active[0, 0], 16, 48)
@@ -256,6 +278,7 @@ def test_using_an_unedited_block_mask_derives_nothing_again(monkeypatch):
 
 
 # 5. Windows wider than int32, block predicates of the wrong shape ------------------------------------------
+
 
 @af.attention
 def two_sided(q, k, v, left, right):
@@ -279,14 +302,17 @@ def test_a_window_wider_than_int32_keeps_everything_on_that_side(left, right):
 
 def test_a_huge_negative_window_is_refused():
     with pytest.raises(ProgramError, match=r"sliding_window: parameter 'left': must be an int >= 0, got -2147483649"):
-        window(*_qkv(14), -2**31 - 1)
+        window(*_qkv(14), -(2**31) - 1)
 
 
-@pytest.mark.parametrize("predicate, got", [
-    (lambda b, h, qb, kb: torch.ones(5, 7, dtype=torch.bool), r"got shape \(5, 7\)"),
-    (lambda b, h, qb, kb: (qb >= kb).transpose(-1, -2).expand(1, 1, 3, 4), r"got shape \(1, 1, 3, 4\)"),
-    (lambda b, h, qb, kb: None, r"got NoneType"),
-])
+@pytest.mark.parametrize(
+    "predicate, got",
+    [
+        (lambda b, h, qb, kb: torch.ones(5, 7, dtype=torch.bool), r"got shape \(5, 7\)"),
+        (lambda b, h, qb, kb: (qb >= kb).transpose(-1, -2).expand(1, 1, 3, 4), r"got shape \(1, 1, 3, 4\)"),
+        (lambda b, h, qb, kb: None, r"got NoneType"),
+    ],
+)
 def test_a_block_predicate_of_the_wrong_shape_is_named(predicate, got):
     match = r"the block predicate must return a bool tensor broadcastable to \(B, H, QB, KB\) = \(2, 1, 4, 3\).*" + got
     with pytest.raises(af.InputError, match=match):

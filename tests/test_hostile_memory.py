@@ -4,6 +4,7 @@ capacity, past int32 or negative, and offsets past 2**31 - 1 elements (the int64
 The interpreter bounds-checks every load and store (an address outside the kernel's tensors raises
 IndexError), so a call that returns proves that nothing outside the pool was read.
 """
+
 import math
 
 import pytest
@@ -16,8 +17,7 @@ from attnfuse.runtime.inputs import KVCache, _rows_fit
 from conftest import hoisted_last_call
 
 P, PAGE, HKV, D = 6, 16, 2, 32  # pool pages, page size, kv heads, head dim
-HOSTILE = [(P, torch.int32), (-1, torch.int32), (10**6, torch.int32), (-2**31, torch.int32),
-           (2**32 + 3, torch.int64)]
+HOSTILE = [(P, torch.int32), (-1, torch.int32), (10**6, torch.int32), (-(2**31), torch.int32), (2**32 + 3, torch.int64)]
 
 
 @af.attention
@@ -66,9 +66,12 @@ def _causal_without(q, pool_k, pool_v, table, lens, absent):
 
 def test_hand_reference_equals_the_program_reference():
     q, pool_k, pool_v, table, lens = _paged(seed=1)
-    torch.testing.assert_close(_causal_without(q, pool_k, pool_v, table, lens, set()),
-                               causal.reference(q, pool_k, pool_v, kv_lens=lens, block_table=table),
-                               atol=1e-12, rtol=0)
+    torch.testing.assert_close(
+        _causal_without(q, pool_k, pool_v, table, lens, set()),
+        causal.reference(q, pool_k, pool_v, kv_lens=lens, block_table=table),
+        atol=1e-12,
+        rtol=0,
+    )
 
 
 @pytest.mark.parametrize("value, dtype", HOSTILE, ids=lambda x: str(x))
@@ -76,8 +79,11 @@ def test_a_used_entry_outside_the_pool_is_rejected(value, dtype):
     q, pool_k, pool_v, table, lens = _paged(seed=2)
     table = table.to(dtype)
     table[0, 2] = value  # slot 2 of sequence 0 holds keys 32..39 of its 40
-    with pytest.raises(af.InputError, match=rf"block_table\[0, 2\] = {value} is not a page of the pool: the 3 "
-                                            rf"entries sequence 0 uses .* must each be in \[0, {P}\)"):
+    with pytest.raises(
+        af.InputError,
+        match=rf"block_table\[0, 2\] = {value} is not a page of the pool: the 3 "
+        rf"entries sequence 0 uses .* must each be in \[0, {P}\)",
+    ):
         causal(q, pool_k, pool_v, kv_lens=lens, block_table=table)
 
 
@@ -87,8 +93,7 @@ def test_unused_entries_may_hold_anything(split_kv):
     padded = torch.cat((table, torch.full((2, 2), -1, dtype=torch.int32)), dim=1)
     padded[1, 2] = -1  # sequence 1 has 30 keys: slots 0 and 1
     padded[0, 4] = 10**6
-    out = launch.run_attention(causal.graph(), q, pool_k, pool_v, kv_lens=lens, block_table=padded,
-                               split_kv=split_kv)
+    out = launch.run_attention(causal.graph(), q, pool_k, pool_v, kv_lens=lens, block_table=padded, split_kv=split_kv)
     torch.testing.assert_close(out, _causal_without(q, pool_k, pool_v, table, lens, set()), atol=1e-10, rtol=0)
 
 
@@ -98,14 +103,21 @@ def test_kv_lens_past_the_capacity_or_negative_are_rejected(length):
     q, pool_k, pool_v, table, lens = _paged(seed=4)
     lens = lens.to(torch.int64)
     lens[1] = length
-    with pytest.raises(af.InputError, match=rf"kv_lens\[1\] = {length}: a sequence's key count must be in "
-                                            rf"\[0, 48\], the capacity of its paged cache: block_table's 3 pages "
-                                            rf"x page_size {PAGE}"):
+    with pytest.raises(
+        af.InputError,
+        match=rf"kv_lens\[1\] = {length}: a sequence's key count must be in "
+        rf"\[0, 48\], the capacity of its paged cache: block_table's 3 pages "
+        rf"x page_size {PAGE}",
+    ):
         causal(q, pool_k, pool_v, kv_lens=lens, block_table=table)
-    k, v = (torch.randn(2, HKV, 48, D, dtype=torch.float64, generator=torch.Generator().manual_seed(5))
-            for _ in range(2))
-    with pytest.raises(af.InputError, match=rf"kv_lens\[1\] = {length}: a sequence's key count must be in "
-                                            rf"\[0, 48\], the capacity of the contiguous cache: Nk = 48"):
+    k, v = (
+        torch.randn(2, HKV, 48, D, dtype=torch.float64, generator=torch.Generator().manual_seed(5)) for _ in range(2)
+    )
+    with pytest.raises(
+        af.InputError,
+        match=rf"kv_lens\[1\] = {length}: a sequence's key count must be in "
+        rf"\[0, 48\], the capacity of the contiguous cache: Nk = 48",
+    ):
         causal(q, k, v, kv_lens=lens)
 
 
@@ -116,8 +128,9 @@ def test_without_validation_keys_on_a_bad_page_are_absent(value, dtype, split_kv
     table = table.to(dtype)
     table[0, 1] = value  # keys 16..31 of sequence 0: between good pages, so later keys keep their positions
     table[1, 1] = value  # keys 16..29 of sequence 1: its last page, partly used
-    out = launch.run_attention(causal.graph(), q, pool_k, pool_v, kv_lens=lens, block_table=table,
-                               split_kv=split_kv, validate=False)
+    out = launch.run_attention(
+        causal.graph(), q, pool_k, pool_v, kv_lens=lens, block_table=table, split_kv=split_kv, validate=False
+    )
     want = _causal_without(q, pool_k, pool_v, table, lens, {(0, 1), (1, 1)})
     torch.testing.assert_close(out, want, atol=1e-10, rtol=0)
 
@@ -127,18 +140,21 @@ def test_without_validation_lengths_count_as_the_nearest_bound(dtype):
     """Past the capacity (by one key, by most of int32, or past int32: never wrapped): no key outside the
     table's pages is read (the interpreter would raise), and the length counts as the capacity."""
     q, pool_k, pool_v, table, _ = _paged(seed=7)
-    for hostile, counted in (([3 * PAGE + 1, 30], [3 * PAGE, 30]), ([30, 2**31 - 1], [30, 3 * PAGE]),
-                             ([2**32 + 5, 30], [3 * PAGE, 30])):
+    for hostile, counted in (
+        ([3 * PAGE + 1, 30], [3 * PAGE, 30]),
+        ([30, 2**31 - 1], [30, 3 * PAGE]),
+        ([2**32 + 5, 30], [3 * PAGE, 30]),
+    ):
         if dtype == torch.int32 and max(hostile) > 2**31 - 1:
             continue
-        out = causal(q, pool_k, pool_v, kv_lens=torch.tensor(hostile, dtype=dtype), block_table=table,
-                     validate=False)
+        out = causal(q, pool_k, pool_v, kv_lens=torch.tensor(hostile, dtype=dtype), block_table=table, validate=False)
         want = _causal_without(q, pool_k, pool_v, table, torch.tensor(counted), set())
         torch.testing.assert_close(out, want, atol=1e-10, rtol=0)
 
 
 def test_validate_is_reserved_for_the_call():
     with pytest.raises(af.ProgramError, match=r"argument name\(s\) \['validate'\] are reserved"):
+
         @af.attention
         def checked(q, k, v, validate):
             return af.softmax(af.scaled_dot_product(q, k)) @ v
@@ -156,8 +172,10 @@ def wide():
 
 def _qkv(B, Hq, Hkv, Nq, Nk, seed):
     g = torch.Generator().manual_seed(seed)
-    return (torch.randn(B, Hq, Nq, D, generator=g, dtype=torch.float64),
-            *(torch.randn(B, Hkv, Nk, D, generator=g, dtype=torch.float64) for _ in range(2)))
+    return (
+        torch.randn(B, Hq, Nq, D, generator=g, dtype=torch.float64),
+        *(torch.randn(B, Hkv, Nk, D, generator=g, dtype=torch.float64) for _ in range(2)),
+    )
 
 
 @pytest.mark.parametrize("kernel", ["forward", "dq", "dkdv", "decode", "transform"])
@@ -176,8 +194,9 @@ def test_wide_forward_and_backward_match_the_reference(wide, monkeypatch):
     every kernel of a training step, in int64."""
     monkeypatch.setattr(hoisted, "HOIST_MIN_QUERY_BLOCKS", 1)
     q, k, v = (t.requires_grad_() for t in _qkv(1, 4, 2, 64, 64, seed=9))
-    bias = torch.randn(1, 4, 64, 64, dtype=torch.float64, generator=torch.Generator().manual_seed(10),
-                       requires_grad=True)
+    bias = torch.randn(
+        1, 4, 64, 64, dtype=torch.float64, generator=torch.Generator().manual_seed(10), requires_grad=True
+    )
     dout = torch.randn(1, 4, 64, D, dtype=torch.float64, generator=torch.Generator().manual_seed(11))
     for program, extra in ((llama, ()), (biased, (bias,))):
         out = program(q, k, v, *extra)
@@ -193,11 +212,11 @@ def test_wide_forward_and_backward_match_the_reference(wide, monkeypatch):
 @pytest.mark.parametrize("split_kv", [True, False])
 def test_wide_paged_decode_matches_the_reference(wide, split_kv):
     q, pool_k, pool_v, table, lens = _paged(seed=12, Hq=4, Nq=2)
-    out = launch.run_attention(llama.graph(), q, pool_k, pool_v, kv_lens=lens, block_table=table,
-                               split_kv=split_kv)
+    out = launch.run_attention(llama.graph(), q, pool_k, pool_v, kv_lens=lens, block_table=table, split_kv=split_kv)
     assert all(call.compiled.config.wide_offsets for call in launch._calls.values())
-    torch.testing.assert_close(out, llama.reference(q, pool_k, pool_v, kv_lens=lens, block_table=table),
-                               atol=1e-10, rtol=0)
+    torch.testing.assert_close(
+        out, llama.reference(q, pool_k, pool_v, kv_lens=lens, block_table=table), atol=1e-10, rtol=0
+    )
 
 
 def _meta(shape, dtype=torch.float16):

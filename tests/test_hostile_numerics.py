@@ -2,6 +2,7 @@
 keep it (forward, backward, split-KV decoding), and relu_attention neither divides by zero for an empty
 sequence nor overflows float16 where its result fits. Each case is checked against an independent float64
 computation that visits only the keys each row keeps."""
+
 import math
 
 import pytest
@@ -46,8 +47,11 @@ def kept_keys_only(q, k, v, kept, normaliser="softmax", kv_lens=None):
 
 
 def _qkv(B, Hq, Hkv, Nq, Nk, D, dtype=torch.float64):
-    return (torch.randn(B, Hq, Nq, D, dtype=dtype), torch.randn(B, Hkv, Nk, D, dtype=dtype),
-            torch.randn(B, Hkv, Nk, D, dtype=dtype))
+    return (
+        torch.randn(B, Hq, Nq, D, dtype=dtype),
+        torch.randn(B, Hkv, Nk, D, dtype=dtype),
+        torch.randn(B, Hkv, Nk, D, dtype=dtype),
+    )
 
 
 def _same(out, expected, atol):
@@ -101,9 +105,9 @@ def test_backward_with_a_masked_nan_value_matches_the_math():
 def test_split_kv_decoding_through_a_window_skips_a_masked_non_finite_value(bad):
     q, k, v = _qkv(2, 4, 2, 3, 48, 16, torch.float32)
     kv_lens = torch.tensor([48, 33], dtype=torch.int32)
-    v[0, 1, 35] = bad   # sequence 0's queries sit at 45..47 and keep keys 40..47: a visited tile, masked key
-    v[1, 0, 24] = bad   # sequence 1's queries sit at 30..32 and keep 25..32
-    v[1, 1, 31] = bad   # kept by the queries at 31 and 32
+    v[0, 1, 35] = bad  # sequence 0's queries sit at 45..47 and keep keys 40..47: a visited tile, masked key
+    v[1, 0, 24] = bad  # sequence 1's queries sit at 30..32 and keep 25..32
+    v[1, 1, 31] = bad  # kept by the queries at 31 and 32
     out = window(q, k, v, kv_lens=kv_lens)
     expected = kept_keys_only(q.double(), k.double(), v.double(), lambda i, j: i - 5 <= j <= i, kv_lens=kv_lens)
     _same(out, expected, atol=1e-5)

@@ -1,5 +1,6 @@
 """``af.run_attention`` with a runtime input missing or misspelled: an InputError naming the input, the names
 the program expects and, for a misspelling, the given name closest to it (no kernel is compiled for it)."""
+
 from __future__ import annotations
 
 import pytest
@@ -27,9 +28,14 @@ def sparse_alibi(q, k, v, block_mask, slopes):
 
 
 def _inputs(names: tuple[str, ...]) -> dict:
-    made = {"bias": torch.randn(B, H, N, N), "cos": torch.randn(N, D), "sin": torch.randn(N, D),
-            "sinks": torch.randn(H), "slopes": torch.rand(H),
-            "block_mask": af.BlockMask.from_blocks(torch.rand(B, H, 1, 1) < 2, N, N, block_size=16)}
+    made = {
+        "bias": torch.randn(B, H, N, N),
+        "cos": torch.randn(N, D),
+        "sin": torch.randn(N, D),
+        "sinks": torch.randn(H),
+        "slopes": torch.rand(H),
+        "block_mask": af.BlockMask.from_blocks(torch.rand(B, H, 1, 1) < 2, N, N, block_size=16),
+    }
     return {name: made[name] for name in names}
 
 
@@ -37,8 +43,7 @@ def _qkv(nq: int = N):
     return torch.randn(B, H, nq, D), torch.randn(B, H, N, D), torch.randn(B, H, N, D)
 
 
-PROGRAMS = [(biased, ("bias",)), (sinks_and_tables, ("cos", "sin", "sinks")),
-            (sparse_alibi, ("block_mask", "slopes"))]
+PROGRAMS = [(biased, ("bias",)), (sinks_and_tables, ("cos", "sin", "sinks")), (sparse_alibi, ("block_mask", "slopes"))]
 
 
 @pytest.mark.parametrize("nq", [N, 1], ids=["prefill", "decode"])

@@ -3,6 +3,7 @@
 The error tests fail before any kernel is launched. The edge-case tests run the fused kernel through
 Triton's interpreter (CPU tensors) on tiny shapes and compare it with the float64 reference.
 """
+
 from __future__ import annotations
 
 import math
@@ -67,8 +68,9 @@ def test_input_error_is_a_value_error():
 
 
 @pytest.mark.parametrize("which", [0, 1, 2], ids=["q", "k", "v"])
-@pytest.mark.parametrize("bad", [lambda t: t.tolist(), lambda t: t.numpy(), lambda t: None],
-                         ids=["list", "ndarray", "None"])
+@pytest.mark.parametrize(
+    "bad", [lambda t: t.tolist(), lambda t: t.numpy(), lambda t: None], ids=["list", "ndarray", "None"]
+)
 def test_not_a_tensor(which, bad):
     args = list(qkv())
     args[which] = bad(args[which])
@@ -80,8 +82,9 @@ def test_not_a_tensor(which, bad):
 
 
 @pytest.mark.parametrize("which", [0, 1, 2], ids=["q", "k", "v"])
-@pytest.mark.parametrize("reshape", [lambda t: t[0], lambda t: t[None], lambda t: t.flatten()],
-                         ids=["3-D", "5-D", "1-D"])
+@pytest.mark.parametrize(
+    "reshape", [lambda t: t[0], lambda t: t[None], lambda t: t.flatten()], ids=["3-D", "5-D", "1-D"]
+)
 def test_not_4d(which, reshape):
     args = list(qkv())
     args[which] = reshape(args[which])
@@ -94,8 +97,11 @@ def test_not_4d(which, reshape):
 def test_mixed_dtypes(which):
     args = list(qkv())
     args[which] = args[which].half()
-    with pytest.raises(InputError, match=r"q, k and v must share one dtype, got q torch\.float(32|16), "
-                                         r"k torch\.float(32|16), v torch\.float(32|16)"):
+    with pytest.raises(
+        InputError,
+        match=r"q, k and v must share one dtype, got q torch\.float(32|16), "
+        r"k torch\.float(32|16), v torch\.float(32|16)",
+    ):
         sdpa(*args)
 
 
@@ -197,8 +203,11 @@ def test_input_requiring_grad_without_a_declared_gradient():
 
     q, k, v = qkv()
     slopes = torch.rand(q.shape[1], requires_grad=True)
-    with pytest.raises(InputError, match=r"alibi: its input 'slopes' \(argument 'slopes'\) requires grad, but alibi "
-                                         r"declares no gradient for it; pass it detached"):
+    with pytest.raises(
+        InputError,
+        match=r"alibi: its input 'slopes' \(argument 'slopes'\) requires grad, but alibi "
+        r"declares no gradient for it; pass it detached",
+    ):
         with_slopes(q, k, v, slopes)
 
 
@@ -206,8 +215,11 @@ def test_input_requiring_grad_without_a_declared_gradient():
 
 
 def test_extra_argument_of_unsupported_type():
-    with pytest.raises(InputError, match=r"biased\(\): argument 'bias' must be a tensor, a BlockMask, or a "
-                                         r"static None/bool/int/float/str, got list"):
+    with pytest.raises(
+        InputError,
+        match=r"biased\(\): argument 'bias' must be a tensor, a BlockMask, or a "
+        r"static None/bool/int/float/str, got list",
+    ):
         biased(*qkv(), [[0.0]])
 
 
@@ -253,9 +265,11 @@ def test_rope_with_only_one_table(given):
 
 @pytest.mark.parametrize("shape", [(N, D // 2), (N - 1, D), (3, N, D), (N,)])
 def test_rope_table_of_wrong_shape(shape):
-    with pytest.raises(InputError, match=r"rope: cos must have shape \(Nk, D\) or \(B, Nk, D\) = \(8, 16\) "
-                                         r"or \(1, 8, 16\).*got " + str(tuple(shape)).replace("(", r"\(")
-                                         .replace(")", r"\)")):
+    with pytest.raises(
+        InputError,
+        match=r"rope: cos must have shape \(Nk, D\) or \(B, Nk, D\) = \(8, 16\) "
+        r"or \(1, 8, 16\).*got " + str(tuple(shape)).replace("(", r"\(").replace(")", r"\)"),
+    ):
         rotary(*qkv(), rand(*shape), rand(*shape))
 
 
@@ -266,22 +280,31 @@ def test_rope_table_not_float():
 
 def test_rope_tables_need_nq_at_most_nk():
     q, k, v = qkv(Nq=8, Nk=4)
-    with pytest.raises(InputError, match=r"rope: cos/sin tables are indexed by position, so they need Nq <= Nk "
-                                         r"\(got Nq=8, Nk=4\)"):
+    with pytest.raises(
+        InputError,
+        match=r"rope: cos/sin tables are indexed by position, so they need Nq <= Nk "
+        r"\(got Nq=8, Nk=4\)",
+    ):
         rotary(q, k, v, rand(4, D), rand(4, D))
 
 
 def test_rope_odd_head_dim():
     q, k, v = qkv(D=15)
-    with pytest.raises(InputError, match=r"qk transforms \(rope\) act on the two halves of the head dim, so it "
-                                         r"must be even; got D=15"):
+    with pytest.raises(
+        InputError,
+        match=r"qk transforms \(rope\) act on the two halves of the head dim, so it "
+        r"must be even; got D=15",
+    ):
         rotary(q, k, v)
     with pytest.raises(InputError, match=r"rope: the head dim must be even"):
         rotary.reference(q, k, v)
 
 
-@pytest.mark.parametrize("slopes", [lambda: rand(3), lambda: rand(1, H), lambda: torch.ones(H, dtype=torch.int64)],
-                         ids=["(3,)", "(1, H)", "int"])
+@pytest.mark.parametrize(
+    "slopes",
+    [lambda: rand(3), lambda: rand(1, H), lambda: torch.ones(H, dtype=torch.int64)],
+    ids=["(3,)", "(1, H)", "int"],
+)
 def test_alibi_slopes_of_wrong_shape(slopes):
     with pytest.raises(InputError, match=r"alibi: slopes must be a float tensor of shape \(Hq,\) = \(2,\)"):
         alibi(*qkv(), slopes())
@@ -289,8 +312,10 @@ def test_alibi_slopes_of_wrong_shape(slopes):
 
 def test_block_sparse_mask_for_another_nq():
     mask = create_block_mask_from_blocks(lambda b, h, qb, kb: qb >= kb, None, None, 4 * N, N, block_size=16)
-    match = (r"block_sparse: block_mask was built for B=1, H=1, Nq=32, Nk=8; "
-             r"the call has B=1, Hq=2, Nq=8, Nk=8")
+    match = (
+        r"block_sparse: block_mask was built for B=1, H=1, Nq=32, Nk=8; "
+        r"the call has B=1, Hq=2, Nq=8, Nk=8"
+    )
     with pytest.raises(InputError, match=match):
         sparse(*qkv(), mask)
     with pytest.raises(InputError, match=match):
@@ -299,8 +324,11 @@ def test_block_sparse_mask_for_another_nq():
 
 def test_block_sparse_mask_for_another_batch_and_head_count():
     mask = create_block_mask_from_blocks(lambda b, h, qb, kb: qb >= kb, 3, 5, N, N, block_size=16)
-    with pytest.raises(InputError, match=r"block_sparse: block_mask was built for B=3, H=5, Nq=8, Nk=8; "
-                                         r"the call has B=1, Hq=2"):
+    with pytest.raises(
+        InputError,
+        match=r"block_sparse: block_mask was built for B=3, H=5, Nq=8, Nk=8; "
+        r"the call has B=1, Hq=2",
+    ):
         sparse(*qkv(), mask)
 
 

@@ -1,5 +1,6 @@
 """The kit's fixed cases: every kind of call a fragment can get wrong, under a program in which every part of
 the fragment shows in the output, so that a planted bug is caught by them alone, on every run."""
+
 from __future__ import annotations
 
 import pytest
@@ -17,8 +18,9 @@ def test_fixed_calls_cover_every_axis():
     assert all(s.Hq > s.Hkv for s in shapes)  # GQA
     assert any(s.Nq != s.Nk for s in shapes) and any(s.Nq == 1 for s in shapes)
     assert any(c.grads for c in FIXED_CALLS)
-    assert any(c.kv_lens and c.page_size is None and max(c.kv_lens) < c.shape.Nk and c.shape.Nq <= 16
-               for c in FIXED_CALLS)  # split-KV on a cache filled below its capacity
+    assert any(
+        c.kv_lens and c.page_size is None and max(c.kv_lens) < c.shape.Nk and c.shape.Nq <= 16 for c in FIXED_CALLS
+    )  # split-KV on a cache filled below its capacity
     assert any(c.page_size and max(c.kv_lens) < c.shape.Nk for c in FIXED_CALLS)
     assert any(c.positions and c.positions[0] != c.shape.Nk - c.shape.Nq for c in FIXED_CALLS)
 

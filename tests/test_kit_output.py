@@ -2,6 +2,7 @@
 its shape, worst element (index, actual, expected, tolerance) and the replay line, never whole tensors or
 pytest's own frames; no RuntimeWarning from Triton's interpreter. The kit runs on planted bugs, in pytest
 subprocesses on a throwaway project as a plugin author's would, and in this process."""
+
 from __future__ import annotations
 
 import os
@@ -81,8 +82,14 @@ def pytest_in(root: Path, *args: str) -> subprocess.CompletedProcess:
     installed plugins' warnings (the frozen old-style package's deprecations) are not the kit's output."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}
     env["ATTNFUSE_DISABLE_PLUGIN_AUTOLOAD"] = "1"
-    return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-W", "default", *args],
-                          cwd=root, env=env, capture_output=True, text=True, timeout=600)
+    return subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-W", "default", *args],
+        cwd=root,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -130,10 +137,13 @@ def test_mask_fact_error_lists_distinct_violations():
     assert len(lines) == 20 and len(set(lines)) == 20
 
 
-@pytest.mark.parametrize("test, shape, name", [
-    ("backward", "dq of _planted_wrong_backward(", "_planted_wrong_backward"),
-    ("fuzz", "_kit_fuzz_only(", "_kit_fuzz_only"),
-])
+@pytest.mark.parametrize(
+    "test, shape, name",
+    [
+        ("backward", "dq of _planted_wrong_backward(", "_planted_wrong_backward"),
+        ("fuzz", "_kit_fuzz_only(", "_kit_fuzz_only"),
+    ],
+)
 def test_a_wrong_value_shows_shape_worst_element_and_replay_not_tensors(failures, test, shape, name):
     text = failures[test]
     assert len(text) < 5000, text
@@ -156,8 +166,13 @@ def test_no_runtime_warning_reaches_the_output(failures):
 
 
 def test_option_failures_are_their_messages(project):
-    done = pytest_in(project, "--attnfuse-conformance=_planted_wrong_backward,_planted_full_range_off_by_one",
-                     "--attnfuse-examples=1", "-k", "attnfuse-conformance")
+    done = pytest_in(
+        project,
+        "--attnfuse-conformance=_planted_wrong_backward,_planted_full_range_off_by_one",
+        "--attnfuse-examples=1",
+        "-k",
+        "attnfuse-conformance",
+    )
     assert done.returncode == 1, done.stdout + done.stderr
     assert "_pytest" not in done.stdout and "pluggy" not in done.stdout
     assert len(done.stdout) < 12000, done.stdout
@@ -168,6 +183,7 @@ def test_option_failures_are_their_messages(project):
 
 def test_interpreted_launch_raises_no_floating_point_warning():
     """A sequence that keeps no block: its rows' lse is log(0) = -inf, as on a GPU, with no numpy warning."""
+
     @af.attention
     def program(q, k, v, block_mask):
         return af.softmax(af.block_sparse(af.scaled_dot_product(q, k), block_mask)) @ v
@@ -187,6 +203,7 @@ def test_interpreted_launch_raises_no_floating_point_warning():
 def test_interpreted_launch_raises_no_warning_on_nan_rows():
     """Query rows of NaN make every score of their rows NaN: the interpreter's all-NaN row maxima warn nothing,
     as a GPU raises none, and the output equals the float64 reference's, NaN where the reference has NaN."""
+
     @af.attention
     def program(q, k, v):
         return af.softmax(af.causal(af.scaled_dot_product(q, k))) @ v

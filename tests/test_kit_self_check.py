@@ -1,6 +1,7 @@
 """The kit's self-check at CI size: the conformance kit, fuzzing only (tests/test_conformance.py runs the
 deterministic checks), passes every built-in over several seeds in float16 and float32. Larger:
 ``ATTNFUSE_KIT_SEEDS=20 ATTNFUSE_FUZZ_EXAMPLES=20``, or ``python -m attnfuse.testing.self_check``."""
+
 from __future__ import annotations
 
 import os

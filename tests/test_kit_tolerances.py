@@ -1,6 +1,7 @@
 """The conformance kit's tolerances: derived where the fused computation rounds differently from the naive
 one (FlashAttention's delta = rowsum(dO∘O) in float16), and never infinite (a naive reference that overflows
 is a failure of its own)."""
+
 from __future__ import annotations
 
 import pytest
@@ -44,14 +45,16 @@ def test_derived_gradient_bound_still_catches_a_dropped_delta(dtype):
 
     af.register_plugin(Plugin(), name="test-kit-tolerances")
     try:
+
         @af.attention
         def dropped_delta(q, k, v, bias):
             return af._planted_wrong_backward(af.causal(af.additive_bias(af.scaled_dot_product(q, k), bias))) @ v
 
         for seed in range(4):
             case = _single_key_case(seed + 1, dropped_delta)
-            case = ProgramCase(program=dropped_delta, text="dropped_delta", shape=case.shape,
-                               extras={"bias": case.extras["bias"]})
+            case = ProgramCase(
+                program=dropped_delta, text="dropped_delta", shape=case.shape, extras={"bias": case.extras["bias"]}
+            )
             with pytest.raises(AssertionError, match=r"^d(q|k|bias) of dropped_delta: .* beyond the tolerance"):
                 check_program_case(case, dtype, "cpu", seed=seed, grads=True)
     finally:
@@ -64,9 +67,12 @@ def test_a_naive_reference_that_overflows_fails_instead_of_passing_anything():
     reference = torch.rand(2, 3, 8, 16, dtype=torch.float64) + 0.5
     naive = reference.to(torch.float16)
     naive[1, 2, 3, 4] = float("inf")
-    with pytest.raises(AssertionError, match=r"the naive reference evaluated in torch.float16 is non-finite at 1 "
-                                             r"element\(s\) where the float64 reference is finite, first at index "
-                                             r"\(1, 2, 3, 4\)"):
+    with pytest.raises(
+        AssertionError,
+        match=r"the naive reference evaluated in torch.float16 is non-finite at 1 "
+        r"element\(s\) where the float64 reference is finite, first at index "
+        r"\(1, 2, 3, 4\)",
+    ):
         assert_matches_reference(torch.zeros(2, 3, 8, 16, dtype=torch.float16), reference, naive, torch.float16)
     naive[1, 2, 3, 4] = float("nan")
     with pytest.raises(AssertionError, match="non-finite at 1 element"):

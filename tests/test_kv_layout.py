@@ -3,6 +3,7 @@ FlashInfer's and vLLM's "HND" (pages, Hkv, page_size, D), named by ``kv_layout``
 read with a head count dividing Hq is refused unless the call names one, and so is a named layout the
 shape contradicts. The interpreter bounds-checks every load, so a call that returns read nothing outside
 its tensors."""
+
 import json
 
 import pytest
@@ -57,8 +58,9 @@ def test_a_named_layout_reads_the_pools_as_the_cache_they_hold(Hq, Hkv, page, la
     q = torch.randn(2, Hq, NQ, D)
     k, v = _held(pool_k, table, layout), _held(pool_v, table, layout)
     want = llama.reference(q, k, v, kv_lens=lens)
-    out = run_attention(llama.graph(), q, pool_k, pool_v, kv_lens=lens, block_table=table, kv_layout=layout,
-                        split_kv=split_kv)
+    out = run_attention(
+        llama.graph(), q, pool_k, pool_v, kv_lens=lens, block_table=table, kv_layout=layout, split_kv=split_kv
+    )
     torch.testing.assert_close(out.double(), want, atol=2e-5, rtol=0)
     torch.testing.assert_close(llama(q, pool_k, pool_v, kv_lens=lens, block_table=table, kv_layout=layout), out)
     paged_reference = llama.reference(q, pool_k, pool_v, kv_lens=lens, block_table=table, kv_layout=layout)
@@ -78,12 +80,14 @@ def test_the_kernels_read_the_pools_themselves(layout):
 
 def _calls(q, pool_k, pool_v, lens, table, **options):
     """Every way a call reads paged pools: eager (both paths), run_attention, the reference, the source."""
-    return {"eager": lambda: llama(q, pool_k, pool_v, kv_lens=lens, block_table=table, **options),
-            "forward": lambda: run_attention(llama.graph(), q, pool_k, pool_v, kv_lens=lens, block_table=table,
-                                             split_kv=False, **options),
-            "reference": lambda: llama.reference(q, pool_k, pool_v, kv_lens=lens, block_table=table, **options),
-            "source": lambda: llama.source(q, pool_k, pool_v, kv_lens=lens, block_table=table, kernel="decode",
-                                           **options)}
+    return {
+        "eager": lambda: llama(q, pool_k, pool_v, kv_lens=lens, block_table=table, **options),
+        "forward": lambda: run_attention(
+            llama.graph(), q, pool_k, pool_v, kv_lens=lens, block_table=table, split_kv=False, **options
+        ),
+        "reference": lambda: llama.reference(q, pool_k, pool_v, kv_lens=lens, block_table=table, **options),
+        "source": lambda: llama.source(q, pool_k, pool_v, kv_lens=lens, block_table=table, kernel="decode", **options),
+    }
 
 
 # (Hq, pool dims 1 and 2): both readings give a head count dividing Hq.
@@ -96,11 +100,15 @@ def test_an_ambiguous_pool_needs_a_named_layout(Hq, a, b, how):
     pool_k, pool_v = (torch.randn(P, a, b, D) for _ in range(2))
     table, lens = _table_and_lens(min(a, b))
     q = torch.randn(2, Hq, 1, D)
-    with pytest.raises(af.InputError, match=(
+    with pytest.raises(
+        af.InputError,
+        match=(
             rf"^paged pools of shape \({P}, {a}, {b}, {D}\) read two ways for Hq={Hq} query heads: as "
             rf"kv_layout='NHD' \(num_pages, page_size, Hkv, D\), page_size {a} and Hkv {b}, or as kv_layout='HND' "
             rf"\(num_pages, Hkv, page_size, D\), page_size {b} and Hkv {a}\. Name the pools' layout: "
-            rf"kv_layout='NHD' \(AttnFuse's\) or kv_layout='HND' \(FlashInfer's and vLLM's\)$")):
+            rf"kv_layout='NHD' \(AttnFuse's\) or kv_layout='HND' \(FlashInfer's and vLLM's\)$"
+        ),
+    ):
         _calls(q, pool_k, pool_v, lens, table)[how]()
     for layout in ("NHD", "HND"):  # named, either reading is taken
         _calls(q, pool_k, pool_v, lens, table, kv_layout=layout)[how]()
@@ -135,10 +143,14 @@ def test_a_layout_the_shape_contradicts_is_refused_naming_the_one_that_fits(Hq, 
     for named, when in ((other, ""), (None, r" \(when none is named\)")):
         if named is None and fits == "NHD":
             continue  # the default reading fits: no error
-        with pytest.raises(af.InputError, match=(
+        with pytest.raises(
+            af.InputError,
+            match=(
                 rf"^paged pools of shape \({P}, {a}, {b}, {D}\) in kv_layout='{other}'{when} have Hkv={wrong_heads} "
                 rf"heads, which Hq={Hq} query heads is not a multiple of; as kv_layout='{fits}' {shape}, page_size "
-                rf"{page} and Hkv {heads} would fit: pass kv_layout='{fits}' if that is the pools' layout$")):
+                rf"{page} and Hkv {heads} would fit: pass kv_layout='{fits}' if that is the pools' layout$"
+            ),
+        ):
             _calls(q, pool_k, pool_v, lens, table, **({} if named is None else {"kv_layout": named}))[how]()
     _calls(q, pool_k, pool_v, lens, table, kv_layout=fits)[how]()
 
@@ -149,9 +161,12 @@ def test_kv_layout_must_be_one_of_the_layouts(value):
     table, lens = _table_and_lens(16)
     q = torch.randn(2, 4, 1, D)
     for how, call in _calls(q, pool_k, pool_v, lens, table, kv_layout=value).items():
-        with pytest.raises(af.InputError, match=r"^kv_layout must be 'NHD' \(pools \(num_pages, page_size, Hkv, "
-                                                r"D\), AttnFuse's\), 'HND' \(pools \(num_pages, Hkv, page_size, D\), "
-                                                r"FlashInfer's and vLLM's\) or None \(read as 'NHD'\), got "):
+        with pytest.raises(
+            af.InputError,
+            match=r"^kv_layout must be 'NHD' \(pools \(num_pages, page_size, Hkv, "
+            r"D\), AttnFuse's\), 'HND' \(pools \(num_pages, Hkv, page_size, D\), "
+            r"FlashInfer's and vLLM's\) or None \(read as 'NHD'\), got ",
+        ):
             call()
 
 
@@ -159,8 +174,11 @@ def test_kv_layout_must_be_one_of_the_layouts(value):
 def test_a_contiguous_cache_takes_no_kv_layout(layout):
     q, k, v = torch.randn(2, 4, 1, D), torch.randn(2, 2, 24, D), torch.randn(2, 2, 24, D)
     lens = torch.tensor([24, 9], dtype=torch.int32)
-    with pytest.raises(af.InputError, match=rf"^kv_layout='{layout}' describes a paged cache's pools \(a call with "
-                                            rf"block_table\); a contiguous cache is \(B, Hkv, Nk, D\)"):
+    with pytest.raises(
+        af.InputError,
+        match=rf"^kv_layout='{layout}' describes a paged cache's pools \(a call with "
+        rf"block_table\); a contiguous cache is \(B, Hkv, Nk, D\)",
+    ):
         llama(q, k, v, kv_lens=lens, kv_layout=layout)
     with pytest.raises(af.InputError, match=r"describes a paged cache's pools"):
         llama.reference(q, k, v, kv_lens=lens, kv_layout=layout)
@@ -176,20 +194,33 @@ def test_the_capacity_of_hnd_pools_is_their_pages_of_page_size_keys(split_kv):
     k, v = _held(pool_k, table, "HND"), _held(pool_v, table, "HND")
 
     def call(lens, **options):
-        return run_attention(llama.graph(), q, pool_k, pool_v, kv_lens=lens, block_table=table, kv_layout="HND",
-                             split_kv=split_kv, **options)
+        return run_attention(
+            llama.graph(),
+            q,
+            pool_k,
+            pool_v,
+            kv_lens=lens,
+            block_table=table,
+            kv_layout="HND",
+            split_kv=split_kv,
+            **options,
+        )
+
     full = torch.tensor([48, 48], dtype=torch.int32)
     torch.testing.assert_close(call(full), llama.reference(q, k, v, kv_lens=full), atol=1e-10, rtol=0)
     over = torch.tensor([48, 49], dtype=torch.int64)
-    message = (r"^kv_lens\[1\] = 49: a sequence's key count must be in \[0, 48\], the capacity of its paged "
-               r"cache: block_table's 3 pages x page_size 16$")
+    message = (
+        r"^kv_lens\[1\] = 49: a sequence's key count must be in \[0, 48\], the capacity of its paged "
+        r"cache: block_table's 3 pages x page_size 16$"
+    )
     with pytest.raises(af.InputError, match=message):
         call(over)
     with pytest.raises(af.InputError, match=message):
         llama.reference(q, pool_k, pool_v, kv_lens=over, block_table=table, kv_layout="HND")
     for hostile in (over, torch.tensor([2**32 + 5, 49], dtype=torch.int64)):
-        torch.testing.assert_close(call(hostile, validate=False), llama.reference(q, k, v, kv_lens=full),
-                                   atol=1e-10, rtol=0)
+        torch.testing.assert_close(
+            call(hostile, validate=False), llama.reference(q, k, v, kv_lens=full), atol=1e-10, rtol=0
+        )
 
 
 def test_kv_layout_under_torch_compile():
@@ -199,14 +230,21 @@ def test_kv_layout_under_torch_compile():
     pool_k, pool_v = _pools("HND", 8, 16)
     table, lens = _table_and_lens(16)
     q = torch.randn(2, 32, 1, D)
-    compiled = torch.compile(lambda q, k, v, lens, table: llama(q, k, v, kv_lens=lens, block_table=table,
-                                                                kv_layout="HND"), backend="aot_eager", fullgraph=True)
+    compiled = torch.compile(
+        lambda q, k, v, lens, table: llama(q, k, v, kv_lens=lens, block_table=table, kv_layout="HND"),
+        backend="aot_eager",
+        fullgraph=True,
+    )
     want = llama.reference(q, _held(pool_k, table, "HND"), _held(pool_v, table, "HND"), kv_lens=lens)
     torch.testing.assert_close(compiled(q, pool_k, pool_v, lens, table).double(), want, atol=2e-5, rtol=0)
-    with pytest.raises(torch._dynamo.exc.TorchRuntimeError, match=r"got InputError\(\"paged pools of shape "
-                                                                  r"\(7, 8, 16, 16\) read two ways for Hq=32"):
-        torch.compile(lambda q, k, v, lens, table: llama(q, k, v, kv_lens=lens, block_table=table),
-                      backend="aot_eager")(q, pool_k, pool_v, lens, table)
+    with pytest.raises(
+        torch._dynamo.exc.TorchRuntimeError,
+        match=r"got InputError\(\"paged pools of shape "
+        r"\(7, 8, 16, 16\) read two ways for Hq=32",
+    ):
+        torch.compile(
+            lambda q, k, v, lens, table: llama(q, k, v, kv_lens=lens, block_table=table), backend="aot_eager"
+        )(q, pool_k, pool_v, lens, table)
 
     spec = call_spec.CallSpec(graph=llama.graph(), inputs=(), save_lse=False, grad=False, grads=(), kv_layout="HND")
     assert call_spec.spec_of(json.dumps(spec.to_data())).kv_layout == "HND"
@@ -218,6 +256,7 @@ def test_kv_layout_under_torch_compile():
 
 def test_kv_layout_is_reserved_for_the_call():
     with pytest.raises(af.ProgramError, match=r"argument name\(s\) \['kv_layout'\] are reserved"):
+
         @af.attention
         def laid_out(q, k, v, kv_layout):
             return af.softmax(af.scaled_dot_product(q, k)) @ v

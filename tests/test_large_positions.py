@@ -1,6 +1,7 @@
 """Positions near the largest the calls allow (2**31 - 1): masks' facts and ``keep`` add window sides to
 positions, which would overflow int32 there. Calls whose positions reach 2**30 compute them in int64;
 forward and gradients match the float64 reference at those positions, and smaller calls keep int32 kernels."""
+
 import pytest
 import torch
 
@@ -28,8 +29,11 @@ def wide_left_window(q, k, v):  # the widest bounded side: k_hi + left + 1 passe
 
 # (Nq, Nk, q_offset, k_offset, seq_len), lengths off the interpreter's 32-row blocks, the last query at the last
 # position: keys ending there too; ending a little before; ending before the windows' reach, with seq_len given
-CASES = [(20, 37, MAX_POSITION - 20, MAX_POSITION - 37, None), (33, 40, MAX_POSITION - 33, MAX_POSITION - 42, None),
-         (20, 45, MAX_POSITION - 20, MAX_POSITION - 85, MAX_POSITION)]
+CASES = [
+    (20, 37, MAX_POSITION - 20, MAX_POSITION - 37, None),
+    (33, 40, MAX_POSITION - 33, MAX_POSITION - 42, None),
+    (20, 45, MAX_POSITION - 20, MAX_POSITION - 85, MAX_POSITION),
+]
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "Nq{}_Nk{}_q{}_k{}_seq{}".format(*c))
@@ -44,9 +48,12 @@ def test_positions_near_the_limit_match_the_float64_reference(program, case):
     in_dtype = program.reference(q, k, v, **at, dtype=torch.float32)
     assert_matches_reference(out, want, in_dtype, torch.float32)
     dout = torch.randn(out.shape)
-    for name, g, w, b in zip("qkv", torch.autograd.grad(out, (q, k, v), dout),
-                             torch.autograd.grad(want, (q, k, v), dout.double()),
-                             torch.autograd.grad(in_dtype, (q, k, v), dout)):
+    for name, g, w, b in zip(
+        "qkv",
+        torch.autograd.grad(out, (q, k, v), dout),
+        torch.autograd.grad(want, (q, k, v), dout.double()),
+        torch.autograd.grad(in_dtype, (q, k, v), dout),
+    ):
         assert_matches_reference(g, w, b, torch.float32, what=f"d{name}")
 
 
@@ -72,7 +79,7 @@ def _rotated64(x: torch.Tensor, first: int, theta: float = 10000.0) -> torch.Ten
     freqs = positions[:, None] * theta ** (-torch.arange(0, D, 2, dtype=torch.float64) / D)
     cos, sin = torch.cat((freqs, freqs), -1).cos(), torch.cat((freqs, freqs), -1).sin()
     x = x.double()
-    return x * cos + torch.cat((-x[..., D // 2:], x[..., : D // 2]), -1) * sin
+    return x * cos + torch.cat((-x[..., D // 2 :], x[..., : D // 2]), -1) * sin
 
 
 def _causal_attention(q, k, v, q_offset, k_offset, dtype):
@@ -82,29 +89,52 @@ def _causal_attention(q, k, v, q_offset, k_offset, dtype):
     return torch.softmax(s.masked_fill(~keep, float("-inf")), -1) @ v.to(dtype)
 
 
-@pytest.mark.parametrize("q_offset,k_offset", [(2**20, 2**20 - 9), (2**30, 2**30 - 9), (2**30, 5)],
-                         ids=["near_2_20", "near_2_30", "queries_far_after_keys"])
+@pytest.mark.parametrize(
+    "q_offset,k_offset",
+    [(2**20, 2**20 - 9), (2**30, 2**30 - 9), (2**30, 5)],
+    ids=["near_2_20", "near_2_30", "queries_far_after_keys"],
+)
 def test_rope_tables_cover_the_chunk_only(q_offset, k_offset):
     """rope's theta tables at a large offset hold the chunk's rows only (not one for every position from 0),
     and the chunk's out and gradients match a float64 rotation at those positions."""
     B, Nq, Nk, D = 1, 4, 13, 8
     rope = af.combinators()["rope"].combinator
-    ctx = LaunchContext(B=B, Hq=2, Hkv=1, Nq=Nq, Nk=Nk, D=D, DV=D, device=torch.device("cpu"),
-                           dtype=torch.float32, q_offset=q_offset, k_offset=k_offset,
-                           seq_len=max(q_offset + Nq, k_offset + Nk))
+    ctx = LaunchContext(
+        B=B,
+        Hq=2,
+        Hkv=1,
+        Nq=Nq,
+        Nk=Nk,
+        D=D,
+        DV=D,
+        device=torch.device("cpu"),
+        dtype=torch.float32,
+        q_offset=q_offset,
+        k_offset=k_offset,
+        seq_len=max(q_offset + Nq, k_offset + Nk),
+    )
     tables = rope.prepare(ctx, theta=10000.0, scale=None, cos=None, sin=None, rotate_keys=True)
-    assert sum(t.untyped_storage().nbytes() for t in tables.values() if isinstance(t, torch.Tensor)) \
+    assert (
+        sum(t.untyped_storage().nbytes() for t in tables.values() if isinstance(t, torch.Tensor))
         <= 2 * (Nq + Nk) * D // 2 * 4
+    )
     q = torch.randn(B, 2, Nq, D, requires_grad=True)
     k, v = (torch.randn(B, 1, Nk, D, requires_grad=True) for _ in range(2))
     out = llama(q, k, v, q_offset=q_offset, k_offset=k_offset)
-    want, in_dtype = (_causal_attention(_rotated64(q, q_offset).to(dtype), _rotated64(k, k_offset).to(dtype),
-                                        v, q_offset, k_offset, dtype) for dtype in (torch.float64, torch.float32))
+    want, in_dtype = (
+        _causal_attention(
+            _rotated64(q, q_offset).to(dtype), _rotated64(k, k_offset).to(dtype), v, q_offset, k_offset, dtype
+        )
+        for dtype in (torch.float64, torch.float32)
+    )
     assert_matches_reference(out, want, in_dtype, torch.float32)
     dout = torch.randn(out.shape)
-    for name, g, w, b in zip("qkv", torch.autograd.grad(out, (q, k, v), dout),
-                             torch.autograd.grad(want, (q, k, v), dout.double()),
-                             torch.autograd.grad(in_dtype, (q, k, v), dout)):
+    for name, g, w, b in zip(
+        "qkv",
+        torch.autograd.grad(out, (q, k, v), dout),
+        torch.autograd.grad(want, (q, k, v), dout.double()),
+        torch.autograd.grad(in_dtype, (q, k, v), dout),
+    ):
         assert_matches_reference(g, w, b, torch.float32, what=f"d{name}")
 
 
@@ -128,9 +158,9 @@ def test_a_paged_cache_of_nearly_2_31_keys(Nq):
     rows = torch.arange(first, n) % P
     k, v = (pool[0, rows].transpose(0, 1)[None] for pool in (pool_k, pool_v))
     at = dict(q_offset=n - Nq, k_offset=first, seq_len=n)
-    assert_matches_reference(out, lookback.reference(q, k, v, **at), lookback.reference(q, k, v, **at,
-                                                                                         dtype=torch.float32),
-                             torch.float32)
+    assert_matches_reference(
+        out, lookback.reference(q, k, v, **at), lookback.reference(q, k, v, **at, dtype=torch.float32), torch.float32
+    )
 
 
 def test_hoisted_rope_at_the_limit():
@@ -142,11 +172,18 @@ def test_hoisted_rope_at_the_limit():
     k, v = (torch.randn(1, 1, Nk, D, requires_grad=True) for _ in range(2))
     out = llama(q, k, v, q_offset=q_offset, k_offset=k_offset)
     assert hoisted_last_call()
-    want, in_dtype = (_causal_attention(_rotated64(q, q_offset).to(dtype), _rotated64(k, k_offset).to(dtype),
-                                        v, q_offset, k_offset, dtype) for dtype in (torch.float64, torch.float32))
+    want, in_dtype = (
+        _causal_attention(
+            _rotated64(q, q_offset).to(dtype), _rotated64(k, k_offset).to(dtype), v, q_offset, k_offset, dtype
+        )
+        for dtype in (torch.float64, torch.float32)
+    )
     assert_matches_reference(out, want, in_dtype, torch.float32)
     dout = torch.randn(out.shape)
-    for name, g, w, b in zip("qkv", torch.autograd.grad(out, (q, k, v), dout),
-                             torch.autograd.grad(want, (q, k, v), dout.double()),
-                             torch.autograd.grad(in_dtype, (q, k, v), dout)):
+    for name, g, w, b in zip(
+        "qkv",
+        torch.autograd.grad(out, (q, k, v), dout),
+        torch.autograd.grad(want, (q, k, v), dout.double()),
+        torch.autograd.grad(in_dtype, (q, k, v), dout),
+    ):
         assert_matches_reference(g, w, b, torch.float32, what=f"d{name}")

@@ -1,4 +1,5 @@
 """The fast launch path: its specialisation keys are never coarser than Triton's own."""
+
 import itertools
 
 import pytest
@@ -20,15 +21,51 @@ def _descriptors():
     from attnfuse.runtime.hopper import HopperLauncher
 
     rows = torch.randn(2, 4, 256, 128)
-    return [HopperLauncher._describe(t, tile) for t in (rows.bfloat16(), rows.half(), rows[..., :64].bfloat16())
-            for tile in (64, 128)]
+    return [
+        HopperLauncher._describe(t, tile)
+        for t in (rows.bfloat16(), rows.half(), rows[..., :64].bfloat16())
+        for tile in (64, 128)
+    ]
 
 
 def test_keys_are_at_least_as_fine_as_tritons():
     base = torch.randn(64)
-    values = [0, 1, 2, 3, 15, 16, 17, 32, 48, 1000, 1024, -1, -16, 2**31 - 16, 2**31 - 1, 2**31, 2**31 + 16,
-              2**40, -2**31, -2**31 - 1, 2**63 - 16, 2**63, 0.5, 1.0, True, False, None,
-              base, base[1:], base[4:], base.half(), base.half()[8:], base.double(), *_descriptors()]
+    values = [
+        0,
+        1,
+        2,
+        3,
+        15,
+        16,
+        17,
+        32,
+        48,
+        1000,
+        1024,
+        -1,
+        -16,
+        2**31 - 16,
+        2**31 - 1,
+        2**31,
+        2**31 + 16,
+        2**40,
+        -(2**31),
+        -(2**31) - 1,
+        2**63 - 16,
+        2**63,
+        0.5,
+        1.0,
+        True,
+        False,
+        None,
+        base,
+        base[1:],
+        base[4:],
+        base.half(),
+        base.half()[8:],
+        base.double(),
+        *_descriptors(),
+    ]
     for a, b in itertools.combinations(values, 2):
         if call_key((a,)) == call_key((b,)):
             assert _triton_key(a) == _triton_key(b), (a, b)
@@ -67,6 +104,7 @@ def test_launch_hooks_are_seen():
 
     def hook(metadata):
         pass
+
     knobs.runtime.launch_enter_hook.add(hook)
     try:
         assert _hooked(knobs.runtime.launch_enter_hook)
@@ -78,8 +116,12 @@ def _language_state() -> dict:
     """Every attribute of the modules and classes Triton's interpreter patches (Python adds
     ``__annotations__`` to a class on first access, so that one is left out)."""
     owners = (tl, tl.core, tl.math, tl.tensor, tl.core.tensor_descriptor_base)
-    return {(id(o), name): getattr(o, name) for o in owners for name in dir(o)
-            if name not in ("__annotations__", "__dict__")}
+    return {
+        (id(o), name): getattr(o, name)
+        for o in owners
+        for name in dir(o)
+        if name not in ("__annotations__", "__dict__")
+    }
 
 
 def test_interpreter_leaves_triton_language_as_it_found_it():

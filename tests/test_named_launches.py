@@ -1,6 +1,7 @@
 """Every hand-written kernel launches through a ``LaunchSpec``: its spec names the kernel function's
 parameters in order (so a launch binds by name, never by position), and the launchers give exactly those
 names. The Hopper (Gluon) kernels cannot run here: their launches run up to the launch, which is recorded."""
+
 import pytest
 import torch
 
@@ -8,10 +9,13 @@ from attnfuse.launch_spec import CONSTEXPR
 from attnfuse.plan import HopperPlan
 from attnfuse.runtime import combine, hopper, template_rows, validate
 
-SPECS = {"hopper forward": (hopper.FORWARD, hopper.HopperLauncher._launcher),
-         "hopper dkdv": (hopper.DKDV, hopper.HopperLauncher._dkdv),
-         "combine": (combine.COMBINE, combine._jitted), "validate": (validate.CHECK, validate._jitted),
-         "template rows": (template_rows.TEMPLATE_ROWS, template_rows._jitted)}
+SPECS = {
+    "hopper forward": (hopper.FORWARD, hopper.HopperLauncher._launcher),
+    "hopper dkdv": (hopper.DKDV, hopper.HopperLauncher._dkdv),
+    "combine": (combine.COMBINE, combine._jitted),
+    "validate": (validate.CHECK, validate._jitted),
+    "template rows": (template_rows.TEMPLATE_ROWS, template_rows._jitted),
+}
 
 
 @pytest.mark.parametrize("name", SPECS)
@@ -78,5 +82,10 @@ def test_hopper_dkdv_binds_every_argument_by_name(recorded, monkeypatch, parts):
     assert args["dk"] is dk and args["dv"] is dv
     parts_shape = {1: dk.shape, 2: (2, B, Hkv, Nk, D), 4: (B, Hkv, Nk, D)}[parts]  # shares of dK: none, each, a sum
     assert args["dk_part"].shape == args["dv_part"].shape == parts_shape
-    assert constexprs == {"BLOCK_M": 64, "STAGES": 2, "CAUSAL": False, "FUSE_DQ": False,
-                          "GROUP_SUM": {1: "none", 2: "last", 4: "atomic"}[parts]}
+    assert constexprs == {
+        "BLOCK_M": 64,
+        "STAGES": 2,
+        "CAUSAL": False,
+        "FUSE_DQ": False,
+        "GROUP_SUM": {1: "none", 2: "last", 4: "atomic"}[parts],
+    }

@@ -5,6 +5,7 @@ skipped with a PluginWarning naming both distributions, and programs using them 
 The old distributions are simulated as in tests/test_plugin_clash.py: a dist-info folder on PYTHONPATH with
 their entry points (``softcap = attnfuse_softcap``, ``softmax_with_sinks = attnfuse_sinks``) and modules
 declaring the same names, in a subprocess (the plugin manager loads once per process)."""
+
 from __future__ import annotations
 
 import json
@@ -18,8 +19,13 @@ from attnfuse.plugin_manager import DISABLE_AUTOLOAD_ENV
 
 OLD = {  # distribution: (entry point, module, combinator, role, fragment)
     "attnfuse-softcap": ("softcap", "attnfuse_softcap", "softcap", "SCORE_MOD", 'ScoreModFragment(body="s = s")'),
-    "attnfuse-sinks": ("softmax_with_sinks", "attnfuse_sinks", "softmax_with_sinks", "NORMALISER",
-                       'NormaliserFragment(init="", update="p = s", finalize="out = acc")'),
+    "attnfuse-sinks": (
+        "softmax_with_sinks",
+        "attnfuse_sinks",
+        "softmax_with_sinks",
+        "NORMALISER",
+        'NormaliserFragment(init="", update="p = s", finalize="out = acc")',
+    ),
 }
 REPORT = textwrap.dedent("""
     import json, warnings
@@ -47,7 +53,8 @@ REPORT = textwrap.dedent("""
 
 def old_distributions(root: Path) -> None:
     for dist, (entry, module, name, role, fragment) in OLD.items():
-        (root / f"{module}.py").write_text(textwrap.dedent(f"""
+        (root / f"{module}.py").write_text(
+            textwrap.dedent(f"""
             import attnfuse
             from attnfuse.combinator import Combinator, NormaliserFragment, Role, ScoreModFragment
 
@@ -57,7 +64,8 @@ def old_distributions(root: Path) -> None:
             @attnfuse.hookimpl
             def attnfuse_combinators():
                 return [COMBINATOR]
-        """))
+        """)
+        )
         info = root / f"{dist.replace('-', '_')}-0.1.0.dist-info"
         info.mkdir()
         (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist}\nVersion: 0.1.0\n")
@@ -68,8 +76,9 @@ def test_old_contrib_packages_yield_to_the_builtins_with_a_warning(tmp_path):
     old_distributions(tmp_path)
     env = {k: v for k, v in os.environ.items() if k != DISABLE_AUTOLOAD_ENV}
     env["PYTHONPATH"] = os.pathsep.join([str(tmp_path), *filter(None, [env.get("PYTHONPATH")])])
-    done = subprocess.run([sys.executable, "-c", REPORT], env=env, capture_output=True, text=True, timeout=300,
-                          cwd=tmp_path)
+    done = subprocess.run(
+        [sys.executable, "-c", REPORT], env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path
+    )
     assert done.returncode == 0, done.stderr
     report = json.loads(done.stdout.strip().splitlines()[-1])
     assert report["registry"]["softcap"] == report["registry"]["softmax_with_sinks"] == "attnfuse"

@@ -5,6 +5,7 @@ Helpers reading module globals, class attributes (``Cfg.left``), module attribut
 matches an independent float64 attention computed with the new value; an unchanged value reuses the
 trace. Reads the analysis cannot follow are a ProgramError.
 """
+
 from __future__ import annotations
 
 import datetime
@@ -44,8 +45,9 @@ def attention(q, k, v, scale, left=None, dtype=torch.float64):
 def check(program, scale, left=None):
     """The program's output on fresh inputs matches the float64 attention for ``scale`` and ``left``."""
     q, k, v = (torch.randn(1, 2, N, D) for _ in range(3))
-    assert_matches_reference(program(q, k, v), attention(q, k, v, scale, left),
-                             attention(q, k, v, scale, left, dtype=q.dtype))
+    assert_matches_reference(
+        program(q, k, v), attention(q, k, v, scale, left), attention(q, k, v, scale, left, dtype=q.dtype)
+    )
 
 
 def window_mask(s):
@@ -112,6 +114,7 @@ def test_class_attributes(monkeypatch):
 def make_module(tmp_path, monkeypatch):
     """make_module(name, source): a real module from a file in tmp_path, imported, removed from
     sys.modules after the test."""
+
     def make(name: str, source: str, path=None):
         path = path or tmp_path / f"{name.replace('.', '_')}.py"
         path.write_text(source)
@@ -120,6 +123,7 @@ def make_module(tmp_path, monkeypatch):
         monkeypatch.setitem(sys.modules, name, module)
         spec.loader.exec_module(module)
         return module
+
     return make
 
 
@@ -143,9 +147,11 @@ def test_attributes_of_a_package_submodule_and_its_helpers(make_module, tmp_path
     """pkg.sub.X through a package, and a helper of the submodule reading its own global."""
     (tmp_path / "attnfuse_test_pkg").mkdir()
     pkg = make_module("attnfuse_test_pkg", "", tmp_path / "attnfuse_test_pkg" / "__init__.py")
-    sub = make_module("attnfuse_test_pkg.sub", "import attnfuse as af\nX = 5\nLEFT = 1\n"
-                      "def mask(s):\n    return af.sliding_window(s, LEFT)\n",
-                      tmp_path / "attnfuse_test_pkg" / "sub.py")
+    sub = make_module(
+        "attnfuse_test_pkg.sub",
+        "import attnfuse as af\nX = 5\nLEFT = 1\ndef mask(s):\n    return af.sliding_window(s, LEFT)\n",
+        tmp_path / "attnfuse_test_pkg" / "sub.py",
+    )
     monkeypatch.setattr(pkg, "sub", sub, raising=False)
 
     @af.attention
@@ -176,6 +182,7 @@ def test_a_user_module_named_like_a_standard_one(make_module, monkeypatch):
 def make_window(cfg: dict):
     def mask(s):
         return af.sliding_window(s, cfg["left"])  # a closure cell of the helper
+
     return mask
 
 
@@ -254,15 +261,20 @@ def test_a_program_reading_only_library_code_adds_no_reads():
 
 # Reads the analysis cannot follow: a ProgramError at decoration, naming what to do instead.
 
+
 def test_a_user_module_imported_inside_a_function_is_refused(make_module):
     make_module("attnfuse_test_inner", "LEFT = 2\n")
 
     def program(q, k, v):
         import attnfuse_test_inner
+
         return af.softmax(af.sliding_window(af.scaled_dot_product(q, k), attnfuse_test_inner.LEFT)) @ v
 
-    with pytest.raises(ProgramError, match=r"program imports 'attnfuse_test_inner' inside a function: .*import it "
-                                           r"at module level"):
+    with pytest.raises(
+        ProgramError,
+        match=r"program imports 'attnfuse_test_inner' inside a function: .*import it "
+        r"at module level",
+    ):
         af.attention(program)
 
 
@@ -270,15 +282,26 @@ def uses_the_class(s):
     return af.sliding_window(s, getattr(Cfg, "left"))
 
 
-@pytest.mark.parametrize("body, match", [
-    (lambda q, k, v: af.softmax(uses_the_class(af.scaled_dot_product(q, k))) @ v,
-     r"reads the global 'Cfg' \(in uses_the_class\), the class itself: .*read its attributes by name"),
-    (lambda q, k, v: af.softmax(af.sliding_window(af.scaled_dot_product(q, k), globals()["WINDOW"])) @ v,
-     r"calls globals\(\): what it reads cannot be found"),
-    (lambda q, k, v: af.softmax(af.sliding_window(af.scaled_dot_product(q, k),
-                                                  int(__import__("os").environ["W"]))) @ v,
-     r"calls __import__\(\): what it reads cannot be found"),
-], ids=["a class as a value", "globals()", "__import__()"])
+@pytest.mark.parametrize(
+    "body, match",
+    [
+        (
+            lambda q, k, v: af.softmax(uses_the_class(af.scaled_dot_product(q, k))) @ v,
+            r"reads the global 'Cfg' \(in uses_the_class\), the class itself: .*read its attributes by name",
+        ),
+        (
+            lambda q, k, v: af.softmax(af.sliding_window(af.scaled_dot_product(q, k), globals()["WINDOW"])) @ v,
+            r"calls globals\(\): what it reads cannot be found",
+        ),
+        (
+            lambda q, k, v: (
+                af.softmax(af.sliding_window(af.scaled_dot_product(q, k), int(__import__("os").environ["W"]))) @ v
+            ),
+            r"calls __import__\(\): what it reads cannot be found",
+        ),
+    ],
+    ids=["a class as a value", "globals()", "__import__()"],
+)
 def test_reads_that_cannot_be_followed_are_refused(body, match):
     with pytest.raises(ProgramError, match=match):
         af.attention(body)
@@ -304,8 +327,11 @@ def test_an_object_read_through_a_helper_names_it():
         return af.additive_bias(s, bias)
 
     program = af.attention(lambda q, k, v: af.softmax(add_bias(af.scaled_dot_product(q, k))) @ v)
-    with pytest.raises(ProgramError, match=r"reads the closure variable 'bias' \(in .*add_bias\), which holds a "
-                                           r"Tensor.*pass 'bias' as an argument"):
+    with pytest.raises(
+        ProgramError,
+        match=r"reads the closure variable 'bias' \(in .*add_bias\), which holds a "
+        r"Tensor.*pass 'bias' as an argument",
+    ):
         program(*(torch.randn(1, 2, N, D) for _ in range(3)))
 
 
@@ -313,32 +339,41 @@ def test_an_object_read_through_a_helper_names_it():
 # (os.getenv(), time.time()) returns, so every read of such a module, of its code or of its objects is refused
 # at decoration, naming the read; pure modules (math, operator, functools ...) stay fixed code.
 
+
 def _window_from_environment():
     return int(os.environ.get("ATTNFUSE_TEST_WINDOW", "2"))
 
 
 STATE_READS = {
-    "os.environ.get": lambda q, k, v: af.softmax(af.sliding_window(
-        af.scaled_dot_product(q, k), int(os.environ.get("ATTNFUSE_TEST_WINDOW", "2")))) @ v,
-    "os.environ[]": lambda q, k, v: af.softmax(af.sliding_window(
-        af.scaled_dot_product(q, k), int(os.environ["ATTNFUSE_TEST_WINDOW"]))) @ v,
-    "os.getenv": lambda q, k, v: af.softmax(af.sliding_window(
-        af.scaled_dot_product(q, k), int(os.getenv("ATTNFUSE_TEST_WINDOW", "2")))) @ v,
-    "getenv": lambda q, k, v: af.softmax(af.sliding_window(
-        af.scaled_dot_product(q, k), int(getenv("ATTNFUSE_TEST_WINDOW", "2")))) @ v,
-    "environ.get": lambda q, k, v: af.softmax(af.sliding_window(
-        af.scaled_dot_product(q, k), int(get_environment("ATTNFUSE_TEST_WINDOW", "2")))) @ v,
-    "a helper": lambda q, k, v: af.softmax(af.sliding_window(af.scaled_dot_product(q, k),
-                                                             _window_from_environment())) @ v,
-    "time.time": lambda q, k, v: af.softmax(af.sliding_window(
-        af.scaled_dot_product(q, k), int(time.time()) % 5)) @ v,
+    "os.environ.get": lambda q, k, v: (
+        af.softmax(af.sliding_window(af.scaled_dot_product(q, k), int(os.environ.get("ATTNFUSE_TEST_WINDOW", "2")))) @ v
+    ),
+    "os.environ[]": lambda q, k, v: (
+        af.softmax(af.sliding_window(af.scaled_dot_product(q, k), int(os.environ["ATTNFUSE_TEST_WINDOW"]))) @ v
+    ),
+    "os.getenv": lambda q, k, v: (
+        af.softmax(af.sliding_window(af.scaled_dot_product(q, k), int(os.getenv("ATTNFUSE_TEST_WINDOW", "2")))) @ v
+    ),
+    "getenv": lambda q, k, v: (
+        af.softmax(af.sliding_window(af.scaled_dot_product(q, k), int(getenv("ATTNFUSE_TEST_WINDOW", "2")))) @ v
+    ),
+    "environ.get": lambda q, k, v: (
+        af.softmax(af.sliding_window(af.scaled_dot_product(q, k), int(get_environment("ATTNFUSE_TEST_WINDOW", "2"))))
+        @ v
+    ),
+    "a helper": lambda q, k, v: (
+        af.softmax(af.sliding_window(af.scaled_dot_product(q, k), _window_from_environment())) @ v
+    ),
+    "time.time": lambda q, k, v: af.softmax(af.sliding_window(af.scaled_dot_product(q, k), int(time.time()) % 5)) @ v,
     "random.random": lambda q, k, v: af.softmax(af.scaled_dot_product(q, k, scale=random.random() + 0.5)) @ v,
     "random (a bound method)": lambda q, k, v: af.softmax(af.scaled_dot_product(q, k, scale=uniform(0.5, 1))) @ v,
     "sys.argv": lambda q, k, v: af.softmax(af.sliding_window(af.scaled_dot_product(q, k), len(sys.argv))) @ v,
-    "datetime": lambda q, k, v: af.softmax(af.sliding_window(
-        af.scaled_dot_product(q, k), datetime.datetime.now().second % 5)) @ v,
-    "os.path": lambda q, k, v: af.softmax(af.sliding_window(
-        af.scaled_dot_product(q, k), len(os.path.expanduser("~")))) @ v,
+    "datetime": lambda q, k, v: (
+        af.softmax(af.sliding_window(af.scaled_dot_product(q, k), datetime.datetime.now().second % 5)) @ v
+    ),
+    "os.path": lambda q, k, v: (
+        af.softmax(af.sliding_window(af.scaled_dot_product(q, k), len(os.path.expanduser("~")))) @ v
+    ),
 }
 STATE_READ_LABELS = {
     "os.environ.get": "the global 'os.environ.get', standard-library state of os",
@@ -362,33 +397,46 @@ def test_standard_library_state_is_refused_naming_the_read(read, monkeypatch):
     """The class: reads of the environment, the clock, random numbers and sys.argv, through the module, a
     name imported from it, a bound method of its objects or a helper; never a stale trace."""
     monkeypatch.setenv("ATTNFUSE_TEST_WINDOW", "2")
-    with pytest.raises(ProgramError, match=rf"reads {STATE_READ_LABELS[read]} .*can change between calls.*pass the "
-                                           rf"value as an argument"):
+    with pytest.raises(
+        ProgramError,
+        match=rf"reads {STATE_READ_LABELS[read]} .*can change between calls.*pass the "
+        rf"value as an argument",
+    ):
         af.attention(STATE_READS[read])
 
 
 def test_a_standard_library_module_imported_inside_a_function_is_refused():
     def program(q, k, v):
         import os as inner_os
+
         return af.softmax(af.sliding_window(af.scaled_dot_product(q, k), int(inner_os.environ["W"]))) @ v
 
-    with pytest.raises(ProgramError, match=r"program imports 'os' inside a function, standard-library state .*pass "
-                                           r"the value as an argument"):
+    with pytest.raises(
+        ProgramError,
+        match=r"program imports 'os' inside a function, standard-library state .*pass "
+        r"the value as an argument",
+    ):
         af.attention(program)
 
 
 @pytest.mark.parametrize("builtin", ["open", "input"])
 def test_builtins_reading_outside_state_are_refused(builtin):
-    body = {"open": lambda q, k, v: af.softmax(af.scaled_dot_product(q, k, scale=float(open("s").read()))) @ v,
-            "input": lambda q, k, v: af.softmax(af.scaled_dot_product(q, k, scale=float(input()))) @ v}[builtin]
+    body = {
+        "open": lambda q, k, v: af.softmax(af.scaled_dot_product(q, k, scale=float(open("s").read()))) @ v,
+        "input": lambda q, k, v: af.softmax(af.scaled_dot_product(q, k, scale=float(input()))) @ v,
+    }[builtin]
     with pytest.raises(ProgramError, match=rf"calls {builtin}\(\): .*can change between calls"):
         af.attention(body)
 
 
 @af.attention
 def switched(q, k, v):
-    return af.softmax(af.sliding_window(af.scaled_dot_product(q, k, scale=1.0),
-                                        int(WINDOW_SOURCE("ATTNFUSE_TEST_WINDOW", "2")))) @ v
+    return (
+        af.softmax(
+            af.sliding_window(af.scaled_dot_product(q, k, scale=1.0), int(WINDOW_SOURCE("ATTNFUSE_TEST_WINDOW", "2")))
+        )
+        @ v
+    )
 
 
 def WINDOW_SOURCE(name, default):
@@ -406,6 +454,7 @@ def test_a_global_rebound_to_standard_library_state_is_refused_at_the_call(monke
 
 def test_pure_standard_library_modules_are_fixed_code():
     """math, operator, functools: read as fixed code, no read per call."""
+
     @af.attention
     def pure(q, k, v):
         scale = functools.reduce(operator.mul, (math.sqrt(0.25), math.pi / math.pi))

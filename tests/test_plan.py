@@ -1,5 +1,6 @@
 """The compiler's Plan: every kernel's launch spec is the parameter list of its ``def`` line, and binding
 checks argument names."""
+
 import ast
 
 import attrs
@@ -32,10 +33,15 @@ def biased(q, k, v, bias):
     return af.softmax(af.additive_bias(af.scaled_dot_product(q, k), bias)) @ v
 
 
-BASE = KernelConfig(arch="interpreter", dtype="float32", head_dim=32, head_dim_v=32, group=1, save_lse=True,
-                    fp32_precision="ieee")
-CONFIGS = [BASE, attrs.evolve(BASE, group=2, wide_offsets=True), attrs.evolve(BASE, kv_lens=True, paged=True),
-           attrs.evolve(BASE, dtype="float64", head_dim=24, q_transformed=True, k_transformed=True)]
+BASE = KernelConfig(
+    arch="interpreter", dtype="float32", head_dim=32, head_dim_v=32, group=1, save_lse=True, fp32_precision="ieee"
+)
+CONFIGS = [
+    BASE,
+    attrs.evolve(BASE, group=2, wide_offsets=True),
+    attrs.evolve(BASE, kv_lens=True, paged=True),
+    attrs.evolve(BASE, dtype="float64", head_dim=24, q_transformed=True, k_transformed=True),
+]
 
 
 NAME_PARTS = {"forward": "fwd", "transform": "transformpass", "gradient": "gradpass"}
@@ -79,8 +85,10 @@ def test_biased_dq_takes_its_gradient_buffer():
     spec = plan.dq((gradient,))
     names = [p.name for p in spec.launch.params]
     assert spec.grad_buffers == ("additive_bias_1_dbias",)
-    assert names[names.index("additive_bias_1_dbias"):][:5] == [
-        "additive_bias_1_dbias", *(f"additive_bias_1_dbias_s{i}" for i in range(4))]
+    assert names[names.index("additive_bias_1_dbias") :][:5] == [
+        "additive_bias_1_dbias",
+        *(f"additive_bias_1_dbias_s{i}" for i in range(4)),
+    ]
 
 
 def test_wide_offsets_cast_exactly_the_stride_parameters():
@@ -94,11 +102,16 @@ def test_wide_offsets_cast_exactly_the_stride_parameters():
 def test_bind_names_a_missing_or_unknown_argument():
     """Arguments bind by name, strides from the tensor they belong to; a missing or unknown name is named."""
     launch = compile_plan(_graph(llama), BASE).forward.launch
-    q, k, v, out = (torch.empty_strided((1, 2, 3, 4), stride, dtype=torch.float32) for stride in
-                    ((24, 12, 4, 1), (24, 1, 8, 2), (100, 30, 10, 1), (96, 48, 16, 4)))
+    q, k, v, out = (
+        torch.empty_strided((1, 2, 3, 4), stride, dtype=torch.float32)
+        for stride in ((24, 12, 4, 1), (24, 1, 8, 2), (100, 30, 10, 1), (96, 48, 16, 4))
+    )
     rank = {p.name: sum(s.of == p.name for s in launch.params) for p in launch.params if p.kind == "tensor"}
-    given = {p.name: torch.empty((2,) * rank[p.name]) if p.kind == "tensor" else 7
-             for p in launch.params if p.kind not in ("stride", "constexpr")}
+    given = {
+        p.name: torch.empty((2,) * rank[p.name]) if p.kind == "tensor" else 7
+        for p in launch.params
+        if p.kind not in ("stride", "constexpr")
+    }
     given.update(Q=q, K=k, V=v, Out=out)
     bound = dict(zip(launch.runtime_names, launch.bind(given)))
     assert [bound[f"stride_q{d}"] for d in "bhmd"] == list(q.stride())
@@ -127,15 +140,16 @@ def test_a_fact_starting_at_zero_is_parsed_not_compared(lo):
     assert not Range("$q_lo - 4", "$q_hi + 1").starts_at_zero and not Range("0.0 + 1", "Nk").starts_at_zero
     lowered = lowered_of(_graph(llama), BASE)
     [causal] = lowered.masks
-    facts = attrs.evolve(causal.fragment, kv_range=(lo, causal.fragment.kv_range.hi),
-                         full_range=(lo, causal.fragment.full_range.hi))
+    facts = attrs.evolve(
+        causal.fragment, kv_range=(lo, causal.fragment.kv_range.hi), full_range=(lo, causal.fragment.full_range.hi)
+    )
     rewritten = attrs.evolve(lowered, masks=(attrs.evolve(causal, fragment=facts),))
     assert not masked_head(rewritten.masks)
     source = generate_forward(rewritten, "k", forward_params(rewritten))
     assert "# masked head" not in source
     assert source == generate_forward(lowered, "k", forward_params(lowered)).replace(
-        "tl.maximum(lo, 0 - 0)", f"tl.maximum(lo, {lo} - 0)").replace(
-        "tl.maximum(full_lo, 0 - 0)", f"tl.maximum(full_lo, {lo} - 0)")
+        "tl.maximum(lo, 0 - 0)", f"tl.maximum(lo, {lo} - 0)"
+    ).replace("tl.maximum(full_lo, 0 - 0)", f"tl.maximum(full_lo, {lo} - 0)")
 
 
 def test_float64_accumulates_in_float64_without_rewriting_text():
@@ -158,7 +172,12 @@ def test_runtime_reads_plans_not_codegen():
     offenders = []
     for path in pathlib.Path(attnfuse.runtime.__file__).parent.glob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):
-            modules = [node.module or ""] if isinstance(node, ast.ImportFrom) else \
-                [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            modules = (
+                [node.module or ""]
+                if isinstance(node, ast.ImportFrom)
+                else [a.name for a in node.names]
+                if isinstance(node, ast.Import)
+                else []
+            )
             offenders += [f"{path.name}: {m}" for m in modules if "codegen" in m]
     assert offenders == []

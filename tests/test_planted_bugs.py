@@ -1,5 +1,6 @@
 """The planted-bug table counts a run as a catch only when the kit fails with its own finding naming the
 planted combinator; a kit that crashes (or fails on something else) is reported as crashing, never as catching."""
+
 from __future__ import annotations
 
 import pytest
@@ -11,14 +12,18 @@ from attnfuse.testing.planted_bugs import catch_rate, main
 def _kit(error):
     def check_combinator(name, **options):
         raise error(name)
+
     return check_combinator
 
 
-@pytest.mark.parametrize("error", [
-    lambda name: RuntimeError(f"the kit crashed on {name}"),
-    lambda name: TypeError("unexpected keyword"),
-    lambda name: AssertionError("an assertion about something else"),
-])
+@pytest.mark.parametrize(
+    "error",
+    [
+        lambda name: RuntimeError(f"the kit crashed on {name}"),
+        lambda name: TypeError("unexpected keyword"),
+        lambda name: AssertionError("an assertion about something else"),
+    ],
+)
 def test_a_crashing_kit_catches_nothing(monkeypatch, error, capsys):
     monkeypatch.setattr(planted_bugs, "check_combinator", _kit(error))
     found = catch_rate("wrong_keep", runs=3, max_examples=1, first_seed=5)
@@ -30,7 +35,10 @@ def test_a_crashing_kit_catches_nothing(monkeypatch, error, capsys):
 
 
 def test_the_kits_finding_naming_the_bug_is_a_catch(monkeypatch):
-    monkeypatch.setattr(planted_bugs, "check_combinator",
-                        _kit(lambda name: AssertionError(f"out of softmax({name}(q, k)) @ v: beyond the tolerance")))
+    monkeypatch.setattr(
+        planted_bugs,
+        "check_combinator",
+        _kit(lambda name: AssertionError(f"out of softmax({name}(q, k)) @ v: beyond the tolerance")),
+    )
     found = catch_rate("wrong_keep", runs=2, max_examples=1)
     assert found.caught == 2 and found.crashes == ()

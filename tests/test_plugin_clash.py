@@ -3,6 +3,7 @@ softmax` used to write), like attnfuse's own API, or like another installed pack
 warning naming both distributions, and everything else keeps working (`af.softmax`, `attnfuse list`, the
 package's other combinators). Installed distributions are simulated by a dist-info folder on PYTHONPATH, as
 tests/test_plugin_isolation.py does; each scenario runs in a subprocess (the plugin manager loads once)."""
+
 from __future__ import annotations
 
 import json
@@ -62,19 +63,31 @@ def site(tmp_path_factory) -> Path:
         pkg = scaffold("softmax", "mask", root / "attnfuse-softmax")
     (root / "attnfuse_softmax.py").write_text((pkg / "attnfuse_softmax.py").read_text())
     distribution(root, "attnfuse-softmax", {"softmax": "attnfuse_softmax"}, {})
-    distribution(root, "attnfuse-clash-a", {"clash_a": "attnfuse_clash_a"},
-                 {"attnfuse_clash_a": masks("clash_twice", "clash_a_only")})
+    distribution(
+        root,
+        "attnfuse-clash-a",
+        {"clash_a": "attnfuse_clash_a"},
+        {"attnfuse_clash_a": masks("clash_twice", "clash_a_only")},
+    )
     distribution(root, "attnfuse-clash-b", {"clash_b": "attnfuse_clash_b"}, {"attnfuse_clash_b": masks("clash_twice")})
-    distribution(root, "attnfuse-clash-c", {"clash_c": "attnfuse_clash_c"},
-                 {"attnfuse_clash_c": masks("attention", "clash_c_only")})
+    distribution(
+        root,
+        "attnfuse-clash-c",
+        {"clash_c": "attnfuse_clash_c"},
+        {"attnfuse_clash_c": masks("attention", "clash_c_only")},
+    )
     typo = KEEP_ALL + textwrap.dedent("""
         @attnfuse.hookimpl
         def attnfuse_combinatorz():
             return [keep_all("clash_typo")]
     """)
     distribution(root, "attnfuse-clash-typo", {"typo": "attnfuse_clash_typo"}, {"attnfuse_clash_typo": typo})
-    distribution(root, "attnfuse-clash-shared1", {"shared": "attnfuse_clash_shared"},
-                 {"attnfuse_clash_shared": masks("clash_shared")})
+    distribution(
+        root,
+        "attnfuse-clash-shared1",
+        {"shared": "attnfuse_clash_shared"},
+        {"attnfuse_clash_shared": masks("clash_shared")},
+    )
     distribution(root, "attnfuse-clash-shared2", {"shared": "attnfuse_clash_shared"}, {})
     return root
 
@@ -175,8 +188,10 @@ def test_attnfuse_list_exits_0_and_shows_the_skipped_combinators(site):
     rows = {line.split()[0]: line.split()[2] for line in done.stdout.splitlines()[1:] if line[:1].isalpha()}
     assert rows["softmax"] == "attnfuse" and rows["clash_a_only"] == "attnfuse-clash-a"
     assert "4 combinator(s) skipped, their names taken:" in done.stdout
-    assert "  SKIPPED combinator 'softmax' is declared twice: by plugin 'attnfuse:softmax' of distribution " \
-           "'attnfuse' and by plugin 'attnfuse-softmax:softmax' of distribution 'attnfuse-softmax'" in done.stdout
+    assert (
+        "  SKIPPED combinator 'softmax' is declared twice: by plugin 'attnfuse:softmax' of distribution "
+        "'attnfuse' and by plugin 'attnfuse-softmax:softmax' of distribution 'attnfuse-softmax'" in done.stdout
+    )
     assert "2 broken plugin(s), skipped:" in done.stdout
     assert done.stderr == ""
     assert run_in(site, "-m", "attnfuse.cli", "list", "--strict").returncode == 1
@@ -184,26 +199,33 @@ def test_attnfuse_list_exits_0_and_shows_the_skipped_combinators(site):
 
 # --- in this process: code registration still refuses; `attnfuse new` refuses taken names ----------------
 
+
 def test_registering_a_clashing_plugin_in_code_is_still_an_error():
     class Plugin:
         @af.hookimpl
         def attnfuse_combinators(self):
             return [af.combinators()["causal"].combinator]
 
-    with pytest.raises(PluginError, match=r"combinator 'causal' is declared twice: by plugin 'attnfuse:causal' of "
-                                          r"distribution 'attnfuse' and by plugin 'test-clash-code' .*the built-in "
-                                          r"keeps its name, so plugin 'test-clash-code' cannot provide it"):
+    with pytest.raises(
+        PluginError,
+        match=r"combinator 'causal' is declared twice: by plugin 'attnfuse:causal' of "
+        r"distribution 'attnfuse' and by plugin 'test-clash-code' .*the built-in "
+        r"keeps its name, so plugin 'test-clash-code' cannot provide it",
+    ):
         af.register_plugin(Plugin(), name="test-clash-code")
     assert af.combinators()["causal"].distribution == "attnfuse"
 
 
-@pytest.mark.parametrize("name, says", [
-    ("softmax", "is the name of the built-in combinator of distribution 'attnfuse'"),
-    ("causal", "is the name of the built-in combinator of distribution 'attnfuse'"),
-    ("attention", "is a name attnfuse's own API uses"),
-    ("testing", "is a name attnfuse's own API uses"),
-    ("plugins", "would make a module 'attnfuse_plugins', but a module of that name is importable already"),
-])
+@pytest.mark.parametrize(
+    "name, says",
+    [
+        ("softmax", "is the name of the built-in combinator of distribution 'attnfuse'"),
+        ("causal", "is the name of the built-in combinator of distribution 'attnfuse'"),
+        ("attention", "is a name attnfuse's own API uses"),
+        ("testing", "is a name attnfuse's own API uses"),
+        ("plugins", "would make a module 'attnfuse_plugins', but a module of that name is importable already"),
+    ],
+)
 def test_attnfuse_new_refuses_taken_names(tmp_path, name, says):
     with pytest.raises(InputError, match=rf"NAME '{name}' {says}.*; choose another name"):
         scaffold(name, "mask", tmp_path / "pkg")

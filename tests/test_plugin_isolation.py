@@ -1,5 +1,6 @@
 """A broken plugin is reported and skipped; a bad declaration is refused when it is built; the conformance
 kit checks a plugin with the built-ins only, in a temporary kernel cache, and says how to replay a failure."""
+
 from __future__ import annotations
 
 import os
@@ -24,19 +25,24 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def mask(**overrides) -> Combinator:
-    fields = dict(name="_test_decl", role=Role.MASK, doc="test", reference=lambda ctx: None,
-                  fragment=MaskFragment(keep=None))
+    fields = dict(
+        name="_test_decl", role=Role.MASK, doc="test", reference=lambda ctx: None, fragment=MaskFragment(keep=None)
+    )
     return Combinator(**{**fields, **overrides})
 
 
 # --- declarations ------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("reference, says", [
-    (None, "reference must be a function \\(ctx, \\*\\*params\\), got NoneType"),
-    ("k_pos <= q_pos", "reference must be a function \\(ctx, \\*\\*params\\), got str"),
-    (lambda s, ctx: None, "reference must take \\(ctx, \\*\\*params\\)"),
-    (lambda: None, "reference must take"),
-])
+
+@pytest.mark.parametrize(
+    "reference, says",
+    [
+        (None, "reference must be a function \\(ctx, \\*\\*params\\), got NoneType"),
+        ("k_pos <= q_pos", "reference must be a function \\(ctx, \\*\\*params\\), got str"),
+        (lambda s, ctx: None, "reference must take \\(ctx, \\*\\*params\\)"),
+        (lambda: None, "reference must take"),
+    ],
+)
 def test_reference_checked(reference, says):
     with pytest.raises(DeclarationError, match=rf"combinator '_test_decl'.*{says}"):
         mask(reference=reference)
@@ -48,8 +54,16 @@ def test_reference_must_take_the_parameters():
     mask(params=[Param(name="width", default=1)], reference=lambda ctx, width: None)
 
 
-@pytest.mark.parametrize("role, want", [("mask", Role.MASK), ("MASK", Role.MASK), ("score_mod", Role.SCORE_MOD),
-                                        ("score modification", Role.SCORE_MOD), (Role.MASK, Role.MASK)])
+@pytest.mark.parametrize(
+    "role, want",
+    [
+        ("mask", Role.MASK),
+        ("MASK", Role.MASK),
+        ("score_mod", Role.SCORE_MOD),
+        ("score modification", Role.SCORE_MOD),
+        (Role.MASK, Role.MASK),
+    ],
+)
 def test_role_accepts_its_string_forms(role, want):
     ref = (lambda ctx: None) if want is Role.MASK else (lambda s, ctx: s)
     fragment = MaskFragment(keep=None) if want is Role.MASK else ScoreModFragment(body="s = s")
@@ -58,29 +72,51 @@ def test_role_accepts_its_string_forms(role, want):
 
 @pytest.mark.parametrize("role", ["maks", 3, None])
 def test_unknown_role_lists_the_roles(role):
-    with pytest.raises(DeclarationError, match=r"role must be one of Role.QK_TRANSFORM \('qk_transform'\), .*got "
-                                               + repr(role)):
+    with pytest.raises(
+        DeclarationError, match=r"role must be one of Role.QK_TRANSFORM \('qk_transform'\), .*got " + repr(role)
+    ):
         mask(role=role)
 
 
 def test_required_parameter_needs_examples():
     """Deprecated, not refused: the contract of 2026-11-30 allowed it (tests/test_deprecated_contract.py)."""
-    with pytest.warns(DeprecationWarning, match=r"combinator '_test_decl_width': parameters \['width'\] have no "
-                                                r"default and it declares no examples, .*declare examples\(draw, "
-                                                r"shape\)"):
+    with pytest.warns(
+        DeprecationWarning,
+        match=r"combinator '_test_decl_width': parameters \['width'\] have no "
+        r"default and it declares no examples, .*declare examples\(draw, "
+        r"shape\)",
+    ):
         mask(name="_test_decl_width", params=[Param(name="width")], reference=lambda ctx, width: None)
     mask(params=[Param(name="width")], reference=lambda ctx, width: None, examples=lambda draw, shape: {"width": 1})
 
 
-@pytest.mark.parametrize("role, name", [(Role.MASK, "q_lo"), (Role.MASK, "k_hi"), (Role.MASK, "block"),
-                                        (Role.NORMALISER, "factor"), (Role.SCORE_MOD, "s_out"), (Role.MASK, "self")])
+@pytest.mark.parametrize(
+    "role, name",
+    [
+        (Role.MASK, "q_lo"),
+        (Role.MASK, "k_hi"),
+        (Role.MASK, "block"),
+        (Role.NORMALISER, "factor"),
+        (Role.SCORE_MOD, "s_out"),
+        (Role.MASK, "self"),
+    ],
+)
 def test_parameter_named_like_a_placeholder_refused(role, name):
-    fragment = {Role.MASK: MaskFragment(keep=None), Role.SCORE_MOD: ScoreModFragment(body="s = s"),
-                Role.NORMALISER: NormaliserFragment(init="", update="p = s", finalize="out = acc")}[role]
-    ref = {Role.MASK: lambda ctx, **kw: None, Role.SCORE_MOD: lambda s, ctx, **kw: s,
-           Role.NORMALISER: lambda s, keep, ctx, **kw: (s, None)}[role]
-    with pytest.raises(DeclarationError, match=rf"combinator '_test_decl': the name '{name}' is a placeholder of "
-                                               rf"the {role.value} slot \(\${name}\)"):
+    fragment = {
+        Role.MASK: MaskFragment(keep=None),
+        Role.SCORE_MOD: ScoreModFragment(body="s = s"),
+        Role.NORMALISER: NormaliserFragment(init="", update="p = s", finalize="out = acc"),
+    }[role]
+    ref = {
+        Role.MASK: lambda ctx, **kw: None,
+        Role.SCORE_MOD: lambda s, ctx, **kw: s,
+        Role.NORMALISER: lambda s, keep, ctx, **kw: (s, None),
+    }[role]
+    with pytest.raises(
+        DeclarationError,
+        match=rf"combinator '_test_decl': the name '{name}' is a placeholder of "
+        rf"the {role.value} slot \(\${name}\)",
+    ):
         mask(role=role, fragment=fragment, reference=ref, params=[Param(name=name, default=1)])
 
 
@@ -91,14 +127,18 @@ def test_declaration_error_is_a_plugin_error():
 
 # --- a broken plugin registered in code --------------------------------------------------------------------
 
+
 def test_raising_hook_is_refused_and_the_rest_keep_working():
     class Raises:
         @af.hookimpl
         def attnfuse_combinators(self):
             raise RuntimeError("boom")
 
-    with pytest.raises(PluginError, match=r"plugin 'test-isolation-raises' of distribution .*: "
-                                          r"attnfuse_combinators\(\) raised RuntimeError: boom"):
+    with pytest.raises(
+        PluginError,
+        match=r"plugin 'test-isolation-raises' of distribution .*: "
+        r"attnfuse_combinators\(\) raised RuntimeError: boom",
+    ):
         af.register_plugin(Raises(), name="test-isolation-raises")
     assert "causal" in af.combinators() and callable(af.causal)
     assert not any(b.plugin == "test-isolation-raises" for b in broken_plugins())
@@ -112,21 +152,29 @@ def _raise(exc: BaseException):
     raise exc
 
 
-ENDINGS = {"sys.exit": lambda: sys.exit(3), "SystemExit": lambda: _raise(SystemExit("bye")),
-           "GeneratorExit": lambda: _raise(GeneratorExit()), "a BaseException": lambda: _raise(Die("dead"))}
+ENDINGS = {
+    "sys.exit": lambda: sys.exit(3),
+    "SystemExit": lambda: _raise(SystemExit("bye")),
+    "GeneratorExit": lambda: _raise(GeneratorExit()),
+    "a BaseException": lambda: _raise(Die("dead")),
+}
 
 
 @pytest.mark.parametrize("ending", sorted(ENDINGS))
 def test_a_hook_ending_the_process_is_refused_and_the_rest_keep_working(ending):
     """SystemExit, GeneratorExit or another BaseException from a plugin's hook: a PluginError, never the end
     of the process."""
+
     class Exits:
         @af.hookimpl
         def attnfuse_combinators(self):
             ENDINGS[ending]()
 
-    with pytest.raises(PluginError, match=r"plugin 'test-isolation-exits' of distribution .*: "
-                                          r"attnfuse_combinators\(\) raised (SystemExit|GeneratorExit|Die)"):
+    with pytest.raises(
+        PluginError,
+        match=r"plugin 'test-isolation-exits' of distribution .*: "
+        r"attnfuse_combinators\(\) raised (SystemExit|GeneratorExit|Die)",
+    ):
         af.register_plugin(Exits(), name="test-isolation-exits")
     assert "causal" in af.combinators() and callable(af.causal)
 
@@ -134,6 +182,7 @@ def test_a_hook_ending_the_process_is_refused_and_the_rest_keep_working(ending):
 def test_a_keyboard_interrupt_in_a_hook_still_interrupts():
     """Ctrl-C while a plugin loads interrupts, as everywhere else (an interrupt raised by the plugin itself is
     taken as one too); nothing of the plugin stays registered."""
+
     class Interrupts:
         @af.hookimpl
         def attnfuse_combinators(self):
@@ -147,6 +196,7 @@ def test_a_keyboard_interrupt_in_a_hook_still_interrupts():
 
 # --- broken installed plugins (in subprocesses) ------------------------------------------------------------
 
+
 def fake_distribution(root: Path, dist: str, module: str, body: str) -> None:
     (root / f"{module}.py").write_text(textwrap.dedent(body))
     info = root / f"{dist.replace('-', '_')}-0.1.dist-info"
@@ -158,17 +208,27 @@ def fake_distribution(root: Path, dist: str, module: str, body: str) -> None:
 @pytest.fixture(scope="module")
 def broken_site(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("broken")
-    fake_distribution(root, "attnfuse-test-raises", "attnfuse_test_raises", """
+    fake_distribution(
+        root,
+        "attnfuse-test-raises",
+        "attnfuse_test_raises",
+        """
         import attnfuse
 
         @attnfuse.hookimpl
         def attnfuse_combinators():
             raise RuntimeError("no GPU found")
-    """)
-    fake_distribution(root, "attnfuse-test-badimport", "attnfuse_test_badimport", """
+    """,
+    )
+    fake_distribution(
+        root,
+        "attnfuse-test-badimport",
+        "attnfuse_test_badimport",
+        """
         from attnfuse.combinator import Combinator, MaskFragment
         COMBINATOR = Combinator(name="bad", role="mask", doc="", reference=None, fragment=MaskFragment(keep=None))
-    """)
+    """,
+    )
     return root
 
 
@@ -179,34 +239,46 @@ def run_in(root: Path, *args: str) -> subprocess.CompletedProcess:
 
 
 def test_broken_installed_plugins_are_skipped_and_reported(broken_site):
-    done = run_in(broken_site, "-W", "always", "-c", textwrap.dedent("""
+    done = run_in(
+        broken_site,
+        "-W",
+        "always",
+        "-c",
+        textwrap.dedent("""
         import attnfuse as af
         from attnfuse.plugin_manager import broken_plugins
         print(af.causal.__name__, sorted(b.distribution for b in broken_plugins()))
-    """))
+    """),
+    )
     assert done.returncode == 0, done.stderr
     assert "causal ['attnfuse-test-badimport', 'attnfuse-test-raises']" in done.stdout
-    assert "PluginWarning: attnfuse skipped a broken plugin 'attnfuse-test-raises:attnfuse_test_raises' of " \
-           "distribution 'attnfuse-test-raises': attnfuse_combinators() raised RuntimeError: no GPU found" \
-           in done.stderr
-    assert "distribution 'attnfuse-test-badimport': failed to import attnfuse_test_badimport: DeclarationError: " \
-           "combinator 'bad': reference must be a function" in done.stderr
+    assert (
+        "PluginWarning: attnfuse skipped a broken plugin 'attnfuse-test-raises:attnfuse_test_raises' of "
+        "distribution 'attnfuse-test-raises': attnfuse_combinators() raised RuntimeError: no GPU found" in done.stderr
+    )
+    assert (
+        "distribution 'attnfuse-test-badimport': failed to import attnfuse_test_badimport: DeclarationError: "
+        "combinator 'bad': reference must be a function" in done.stderr
+    )
 
 
 def test_attnfuse_list_shows_broken_plugins_and_strict_fails(broken_site):
     done = run_in(broken_site, "-m", "attnfuse.cli", "list")
     assert done.returncode == 0, done.stderr
     assert "2 broken plugin(s), skipped:" in done.stdout
-    assert "BROKEN  plugin 'attnfuse-test-raises:attnfuse_test_raises' of distribution 'attnfuse-test-raises': " \
-           "attnfuse_combinators() raised RuntimeError: no GPU found" in done.stdout
+    assert (
+        "BROKEN  plugin 'attnfuse-test-raises:attnfuse_test_raises' of distribution 'attnfuse-test-raises': "
+        "attnfuse_combinators() raised RuntimeError: no GPU found" in done.stdout
+    )
     assert "causal" in done.stdout and done.stderr == ""
     strict = run_in(broken_site, "-m", "attnfuse.cli", "list", "--strict")
     assert strict.returncode == 1 and "BROKEN" in strict.stdout
 
 
 def test_conformance_kit_fails_on_broken_plugins_when_drawing_from_all(broken_site):
-    done = run_in(broken_site, "-c", "from attnfuse.testing import check_combinator\n"
-                                     "check_combinator('causal', installed=True)")
+    done = run_in(
+        broken_site, "-c", "from attnfuse.testing import check_combinator\ncheck_combinator('causal', installed=True)"
+    )
     assert done.returncode == 1
     error = done.stderr.strip().splitlines()[-1]
     assert error.startswith("attnfuse.errors.PluginError: broken plugins: plugin ")
@@ -215,15 +287,22 @@ def test_conformance_kit_fails_on_broken_plugins_when_drawing_from_all(broken_si
 
 ENDING_PLUGINS = {
     "attnfuse-test-sysexit": ("import sys\nsys.exit(3)\n", "failed to import attnfuse_test_sysexit: SystemExit: 3"),
-    "attnfuse-test-systemexit": ("raise SystemExit('no GPU')\n",
-                                 "failed to import attnfuse_test_systemexit: SystemExit: no GPU"),
-    "attnfuse-test-generatorexit": ("raise GeneratorExit('closed')\n",
-                                    "failed to import attnfuse_test_generatorexit: GeneratorExit: closed"),
-    "attnfuse-test-baseexception": ("class Die(BaseException):\n    pass\nraise Die('dead')\n",
-                                    "failed to import attnfuse_test_baseexception: Die: dead"),
-    "attnfuse-test-hookexit": ("import sys, attnfuse\n@attnfuse.hookimpl\ndef attnfuse_combinators():\n"
-                               "    sys.exit('no licence')\n",
-                               "attnfuse_combinators() raised SystemExit: no licence"),
+    "attnfuse-test-systemexit": (
+        "raise SystemExit('no GPU')\n",
+        "failed to import attnfuse_test_systemexit: SystemExit: no GPU",
+    ),
+    "attnfuse-test-generatorexit": (
+        "raise GeneratorExit('closed')\n",
+        "failed to import attnfuse_test_generatorexit: GeneratorExit: closed",
+    ),
+    "attnfuse-test-baseexception": (
+        "class Die(BaseException):\n    pass\nraise Die('dead')\n",
+        "failed to import attnfuse_test_baseexception: Die: dead",
+    ),
+    "attnfuse-test-hookexit": (
+        "import sys, attnfuse\n@attnfuse.hookimpl\ndef attnfuse_combinators():\n    sys.exit('no licence')\n",
+        "attnfuse_combinators() raised SystemExit: no licence",
+    ),
 }
 
 
@@ -238,19 +317,27 @@ def ending_site(tmp_path_factory) -> Path:
 def test_installed_plugins_ending_the_process_are_skipped_and_reported(ending_site):
     """Each kind of ending (sys.exit, SystemExit, GeneratorExit, a BaseException of its own; at import or in
     its hook) is one broken plugin with a PluginWarning, and programs run."""
-    done = run_in(ending_site, "-W", "always", "-c", textwrap.dedent("""
+    done = run_in(
+        ending_site,
+        "-W",
+        "always",
+        "-c",
+        textwrap.dedent("""
         import torch
         import attnfuse as af
         from attnfuse.plugin_manager import broken_plugins
         q = torch.randn(1, 1, 8, 8)
         out = af.attention(lambda q, k, v: af.softmax(af.scaled_dot_product(q, k)) @ v)(q, q, q)
         print("ran", tuple(out.shape), sorted(b.distribution for b in broken_plugins()))
-    """))
+    """),
+    )
     assert done.returncode == 0, done.stderr
     assert f"ran (1, 1, 8, 8) {sorted(ENDING_PLUGINS)}" in done.stdout
     for dist, (_, cause) in ENDING_PLUGINS.items():
-        assert f"PluginWarning: attnfuse skipped a broken plugin '{dist}:{dist.replace('-', '_')}' of " \
-               f"distribution '{dist}': {cause}" in done.stderr
+        assert (
+            f"PluginWarning: attnfuse skipped a broken plugin '{dist}:{dist.replace('-', '_')}' of "
+            f"distribution '{dist}': {cause}" in done.stderr
+        )
 
 
 def test_an_installed_plugin_raising_keyboard_interrupt_at_import_interrupts(tmp_path):
@@ -262,10 +349,12 @@ def test_an_installed_plugin_raising_keyboard_interrupt_at_import_interrupts(tmp
 
 # --- the conformance kit -----------------------------------------------------------------------------------
 
+
 @pytest.fixture
 def two_plugins():
-    a = mask(name="_test_iso_a", reference=lambda ctx: ctx.k_pos >= 0,
-             fragment=MaskFragment(keep="k_pos[None, :] >= 0"))
+    a = mask(
+        name="_test_iso_a", reference=lambda ctx: ctx.k_pos >= 0, fragment=MaskFragment(keep="k_pos[None, :] >= 0")
+    )
     b = mask(name="_test_iso_b")
 
     class Plugin:

@@ -4,6 +4,7 @@ Tests that register plugins clean up after themselves (``registered``), so the p
 the same before and after each of them. Tests of entry points run in a subprocess, with a fake
 distribution (a ``.dist-info`` folder) on its ``PYTHONPATH``.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -22,8 +23,18 @@ import torch
 import attnfuse as af
 from attnfuse import PluginError, builtin_plugins, hookspecs
 from attnfuse.checks import positive_number
-from attnfuse.combinator import (Combinator, MaskFragment, NormaliserFragment, Param, QKTransformFragment, Role,
-                                 ScalarArg, ScoreModFragment, ScoreSourceFragment, TensorArg)
+from attnfuse.combinator import (
+    Combinator,
+    MaskFragment,
+    NormaliserFragment,
+    Param,
+    QKTransformFragment,
+    Role,
+    ScalarArg,
+    ScoreModFragment,
+    ScoreSourceFragment,
+    TensorArg,
+)
 from attnfuse import plugin_manager as plugin_manager_module
 from attnfuse.plugin_manager import BUILTIN_DISTRIBUTION, DISABLE_AUTOLOAD_ENV, plugin_manager
 
@@ -57,8 +68,13 @@ def registered(plugin, name: str):
 
 
 def keep_all_mask(name: str) -> Combinator:
-    return Combinator(name=name, role=Role.MASK, doc="Keeps every key (test).", reference=lambda ctx: None,
-                      fragment=MaskFragment(keep=None))
+    return Combinator(
+        name=name,
+        role=Role.MASK,
+        doc="Keeps every key (test).",
+        reference=lambda ctx: None,
+        fragment=MaskFragment(keep=None),
+    )
 
 
 # --- the built-ins ---------------------------------------------------------------------------------------
@@ -104,7 +120,8 @@ def test_builtin_parameters_documented(name):
 def test_af_docstring_signature():
     assert af.sliding_window.__doc__.startswith("sliding_window(s, left, right=0)  [mask]")
     assert af.rope.__doc__.startswith(
-        "rope(q, k, theta=10000.0, scale=None, cos=None, sin=None, rotate_keys=True)  [score source]")
+        "rope(q, k, theta=10000.0, scale=None, cos=None, sin=None, rotate_keys=True)  [score source]"
+    )
     assert af.causal.__doc__.startswith("causal(s)  [mask]")
 
 
@@ -151,10 +168,14 @@ def test_register_and_unregister_a_plugin():
         q, k, v = (torch.randn(1, 2, 8, 16) for _ in range(3))
         out = prog(q, k, v)
         torch.testing.assert_close(out.double(), prog.reference(q, k, v), atol=1e-5, rtol=1e-5)
-        with pytest.raises(af.ProgramError, match=r"test_plugins_scale_scores: parameter 'factor': must be a "
-                                                  r"finite number > 0, got -1"):
-            af.attention(lambda q, k, v: af.softmax(af.test_plugins_scale_scores(
-                af.scaled_dot_product(q, k), factor=-1)) @ v)(q, k, v)
+        with pytest.raises(
+            af.ProgramError,
+            match=r"test_plugins_scale_scores: parameter 'factor': must be a "
+            r"finite number > 0, got -1",
+        ):
+            af.attention(
+                lambda q, k, v: af.softmax(af.test_plugins_scale_scores(af.scaled_dot_product(q, k), factor=-1)) @ v
+            )(q, k, v)
     for n in names:
         assert n not in af.combinators()
         assert n not in dir(af)
@@ -183,15 +204,19 @@ def test_same_name_from_two_plugins_names_both():
 
 def test_same_name_twice_from_one_plugin():
     with pytest.raises(PluginError, match=r"combinator 'test_plugins_twice' is declared twice"):
-        with registered(plugin_of(keep_all_mask("test_plugins_twice"), keep_all_mask("test_plugins_twice")),
-                        "test-plugins-twice"):
+        with registered(
+            plugin_of(keep_all_mask("test_plugins_twice"), keep_all_mask("test_plugins_twice")), "test-plugins-twice"
+        ):
             af.combinators()
 
 
 @pytest.mark.parametrize("name", ["attention", "register_plugin", "combinators", "BlockMask", "hookimpl"])
 def test_reserved_name_refused(name):
-    with pytest.raises(PluginError, match=rf"plugin 'test-plugins-reserved' .*declares combinator '{name}', a name "
-                                          rf"attnfuse's own API uses; choose another"):
+    with pytest.raises(
+        PluginError,
+        match=rf"plugin 'test-plugins-reserved' .*declares combinator '{name}', a name "
+        rf"attnfuse's own API uses; choose another",
+    ):
         with registered(plugin_of(keep_all_mask(name)), "test-plugins-reserved"):
             af.combinators()
 
@@ -208,15 +233,21 @@ def test_every_module_attribute_is_reserved(name):
 
 
 def test_reserved_names_cover_the_public_api():
-    public = {n for n in af.__all__ if n not in ("unregister_plugin", "AttnFuseError", "InputError", "PluginError",
-                                                  "ProgramError")}
+    public = {
+        n
+        for n in af.__all__
+        if n not in ("unregister_plugin", "AttnFuseError", "InputError", "PluginError", "ProgramError")
+    }
     assert public <= plugin_manager_module._reserved
 
 
 @pytest.mark.parametrize("bad", ["causal", 42, None, keep_all_mask], ids=["str", "int", "None", "function"])
 def test_non_combinator_refused(bad):
-    with pytest.raises(PluginError, match=r"plugin 'test-plugins-bad' of distribution .* returned \w+ from "
-                                          r"attnfuse_combinators\(\), not a Combinator"):
+    with pytest.raises(
+        PluginError,
+        match=r"plugin 'test-plugins-bad' of distribution .* returned \w+ from "
+        r"attnfuse_combinators\(\), not a Combinator",
+    ):
         with registered(plugin_of(bad), "test-plugins-bad"):
             af.combinators()
 
@@ -246,7 +277,8 @@ LIST_COMBINATORS = textwrap.dedent("""
 
 def fake_distribution(root: Path, dist: str, module: str, combinator_name: str) -> None:
     """A distribution ``dist`` whose ``attnfuse`` entry point ``module`` provides a keep-all mask."""
-    (root / f"{module}.py").write_text(textwrap.dedent(f"""
+    (root / f"{module}.py").write_text(
+        textwrap.dedent(f"""
         import attnfuse
         from attnfuse.combinator import Combinator, MaskFragment, Role
 
@@ -256,7 +288,8 @@ def fake_distribution(root: Path, dist: str, module: str, combinator_name: str) 
         @attnfuse.hookimpl
         def attnfuse_combinators():
             return [COMBINATOR]
-    """))
+    """)
+    )
     info = root / f"{dist.replace('-', '_')}-0.1.dist-info"
     info.mkdir()
     (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist}\nVersion: 0.1\n")
@@ -269,8 +302,9 @@ def list_combinators(path: Path | None, disable: str | None) -> dict:
         env[DISABLE_AUTOLOAD_ENV] = disable
     if path is not None:
         env["PYTHONPATH"] = os.pathsep.join([str(path), *filter(None, [env.get("PYTHONPATH")])])
-    proc = subprocess.run([sys.executable, "-c", LIST_COMBINATORS], env=env, capture_output=True, text=True,
-                          timeout=300, cwd=path or ROOT)
+    proc = subprocess.run(
+        [sys.executable, "-c", LIST_COMBINATORS], env=env, capture_output=True, text=True, timeout=300, cwd=path or ROOT
+    )
     assert proc.returncode == 0, proc.stderr
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
@@ -297,8 +331,11 @@ def test_third_party_entry_point_loaded(third_party):
 
 @pytest.mark.parametrize("value", ["1", "true", "yes"])
 def test_disable_autoload_loads_builtins_only(third_party, value):
-    in_this_process = {n for n, r in af.combinators().items()
-                       if r.distribution != BUILTIN_DISTRIBUTION and not r.distribution.startswith("<")}
+    in_this_process = {
+        n
+        for n, r in af.combinators().items()
+        if r.distribution != BUILTIN_DISTRIBUTION and not r.distribution.startswith("<")
+    }
     found = list_combinators(third_party, disable=value)
     assert set(BUILTINS) <= set(found)
     assert {n: d for n, d in found.items() if d != "attnfuse"} == {}
@@ -323,9 +360,13 @@ def test_clash_between_distributions_keeps_the_builtin(clashing):
 # --- combinator declarations ------------------------------------------------------------------------------
 
 
-REFERENCES = {Role.MASK: lambda ctx: None, Role.SCORE_MOD: lambda s, ctx: s,
-              Role.NORMALISER: lambda s, keep, ctx: (s, None), Role.QK_TRANSFORM: lambda q, k, ctx: (q, k),
-              Role.SCORE_SOURCE: lambda q, k, ctx, scale=None: q @ k.transpose(-1, -2)}
+REFERENCES = {
+    Role.MASK: lambda ctx: None,
+    Role.SCORE_MOD: lambda s, ctx: s,
+    Role.NORMALISER: lambda s, keep, ctx: (s, None),
+    Role.QK_TRANSFORM: lambda q, k, ctx: (q, k),
+    Role.SCORE_SOURCE: lambda q, k, ctx, scale=None: q @ k.transpose(-1, -2),
+}
 
 
 def declare(**overrides) -> Combinator:
@@ -341,19 +382,25 @@ def test_valid_declaration():
     assert comb.params == () and comb.prepare is None
 
 
-@pytest.mark.parametrize("role, fragment", [
-    (Role.MASK, ScoreModFragment(body="s = s")),
-    (Role.SCORE_MOD, MaskFragment(keep=None)),
-    (Role.NORMALISER, ScoreModFragment(body="s = s")),
-    (Role.QK_TRANSFORM, ScoreSourceFragment()),
-    (Role.SCORE_SOURCE, QKTransformFragment()),
-    (Role.MASK, None),
-    (Role.MASK, "k_pos[None, :] >= 0"),
-])
+@pytest.mark.parametrize(
+    "role, fragment",
+    [
+        (Role.MASK, ScoreModFragment(body="s = s")),
+        (Role.SCORE_MOD, MaskFragment(keep=None)),
+        (Role.NORMALISER, ScoreModFragment(body="s = s")),
+        (Role.QK_TRANSFORM, ScoreSourceFragment()),
+        (Role.SCORE_SOURCE, QKTransformFragment()),
+        (Role.MASK, None),
+        (Role.MASK, "k_pos[None, :] >= 0"),
+    ],
+)
 def test_fragment_must_match_role(role, fragment):
     params = [Param(name="scale", default=None)] if role is Role.SCORE_SOURCE else []
-    with pytest.raises(TypeError, match=rf"combinator 'test_decl' has role '{role.value}', so its fragment must be "
-                                        rf"a \w+Fragment, got {type(fragment).__name__}"):
+    with pytest.raises(
+        TypeError,
+        match=rf"combinator 'test_decl' has role '{role.value}', so its fragment must be "
+        rf"a \w+Fragment, got {type(fragment).__name__}",
+    ):
         declare(role=role, fragment=fragment, params=params)
 
 
@@ -372,8 +419,11 @@ def test_score_source_needs_scale():
 
 
 def test_tensors_or_scalars_need_prepare():
-    with pytest.raises(ValueError, match=r"combinator 'test_decl' declares kernel tensors or scalars but no "
-                                         r"prepare\(\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"combinator 'test_decl' declares kernel tensors or scalars but no "
+        r"prepare\(\)",
+    ):
         declare(tensors=[TensorArg(name="bias", rank=4)])
     with pytest.raises(ValueError, match=r"declares kernel tensors or scalars but no prepare\(\)"):
         declare(scalars=[ScalarArg(name="n")])
@@ -407,8 +457,11 @@ def test_declarations_are_frozen():
 
 
 def hookspec_functions() -> dict:
-    return {name: fn for name, fn in inspect.getmembers(hookspecs, inspect.isfunction)
-            if hasattr(fn, f"{hookspecs.NAME}_spec")}
+    return {
+        name: fn
+        for name, fn in inspect.getmembers(hookspecs, inspect.isfunction)
+        if hasattr(fn, f"{hookspecs.NAME}_spec")
+    }
 
 
 def test_hookspecs_found():

@@ -4,6 +4,7 @@ Forward and backward against the float64 reference with the same positions, on C
 interpreter); one compiled kernel for every offset; the chunks of a chunked prefill against the whole
 sequence; and the errors of bad positions.
 """
+
 import attrs
 import pytest
 import torch
@@ -69,8 +70,11 @@ def _extras(program, Nq: int, Nk: int, seq_len: int, D: int) -> dict:
     if program is biased_causal:
         return {"bias": torch.randn(2, Nq, Nk)}
     if program is sparse_causal:
-        return {"block_mask": create_block_mask_from_blocks(lambda b, h, qb, kb: (qb + kb) % 3 != 1, None, None, Nq, Nk,
-                                                block_size=16)}
+        return {
+            "block_mask": create_block_mask_from_blocks(
+                lambda b, h, qb, kb: (qb + kb) % 3 != 1, None, None, Nq, Nk, block_size=16
+            )
+        }
     return {}
 
 
@@ -126,9 +130,12 @@ def test_hoisted_transforms_rotate_at_the_offsets(program):
     in_dtype = program.reference(q, k, v, **extras, **at, dtype=torch.float32)
     assert_matches_reference(out, want, in_dtype, torch.float32)
     dout = torch.randn(out.shape)
-    for name, g, w, b in zip("qkv", torch.autograd.grad(out, (q, k, v), dout),
-                             torch.autograd.grad(want, (q, k, v), dout.double()),
-                             torch.autograd.grad(in_dtype, (q, k, v), dout)):
+    for name, g, w, b in zip(
+        "qkv",
+        torch.autograd.grad(out, (q, k, v), dout),
+        torch.autograd.grad(want, (q, k, v), dout.double()),
+        torch.autograd.grad(in_dtype, (q, k, v), dout),
+    ):
         assert_matches_reference(g, w, b, torch.float32, what=f"d{name}")
 
 
@@ -160,9 +167,12 @@ def test_one_kernel_serves_every_offset(monkeypatch):
     q, k, v = torch.randn(1, 2, 20, 16), torch.randn(1, 1, 30, 16), torch.randn(1, 1, 30, 16)
     for q_offset, k_offset in ((0, 0), (50, 3), (7, 90)):
         out = window_alibi(q, k, v, q_offset=q_offset, k_offset=k_offset)
-        assert_matches_reference(out, window_alibi.reference(q, k, v, q_offset=q_offset, k_offset=k_offset),
-                                 window_alibi.reference(q, k, v, q_offset=q_offset, k_offset=k_offset,
-                                                        dtype=torch.float32), torch.float32)
+        assert_matches_reference(
+            out,
+            window_alibi.reference(q, k, v, q_offset=q_offset, k_offset=k_offset),
+            window_alibi.reference(q, k, v, q_offset=q_offset, k_offset=k_offset, dtype=torch.float32),
+            torch.float32,
+        )
     assert [c.positions for c in built] == [True]
     assert "Q_OFFSET" in window_alibi.source(q, k, v, q_offset=1)
     assert "Q_OFFSET" not in window_alibi.source(q, k, v) and "N_SEQ" not in window_alibi.source(q, k, v)
@@ -179,20 +189,28 @@ def test_few_queries_with_offsets_take_the_regular_kernel(monkeypatch):
     monkeypatch.setattr(decode.DecodeKernel, "__call__", refuse)
     q, k, v = torch.randn(1, 2, 3, 16), torch.randn(1, 1, 40, 16), torch.randn(1, 1, 40, 16)
     out = causal(q, k, v, q_offset=12)
-    assert_matches_reference(out, causal.reference(q, k, v, q_offset=12),
-                             causal.reference(q, k, v, q_offset=12, dtype=torch.float32), torch.float32)
+    assert_matches_reference(
+        out,
+        causal.reference(q, k, v, q_offset=12),
+        causal.reference(q, k, v, q_offset=12, dtype=torch.float32),
+        torch.float32,
+    )
     with pytest.raises(af.InputError, match="takes no q_offset or k_offset"):
         af.run_attention(causal.graph(), q, k, v, split_kv=True, q_offset=12)
 
 
-@pytest.mark.parametrize("at, says", [
-    (dict(q_offset=-1), r"q_offset must be an int in \[0, 2147483647\], got -1"),
-    (dict(k_offset=2.0), "k_offset must be an int, got float"),
-    (dict(q_offset=True), r"q_offset must be an int in \[0, 2147483647\], got True"),
-    (dict(q_offset=0, seq_len=39), r"seq_len must be at least the last position plus one, .* = 40"),
-    (dict(k_offset=2**31 - 10), r"at most 2147483647"),
-    (dict(seq_len=50), "seq_len=50 needs q_offset or k_offset"),
-], ids=["negative", "float", "bool", "short", "past_int32", "seq_len_alone"])
+@pytest.mark.parametrize(
+    "at, says",
+    [
+        (dict(q_offset=-1), r"q_offset must be an int in \[0, 2147483647\], got -1"),
+        (dict(k_offset=2.0), "k_offset must be an int, got float"),
+        (dict(q_offset=True), r"q_offset must be an int in \[0, 2147483647\], got True"),
+        (dict(q_offset=0, seq_len=39), r"seq_len must be at least the last position plus one, .* = 40"),
+        (dict(k_offset=2**31 - 10), r"at most 2147483647"),
+        (dict(seq_len=50), "seq_len=50 needs q_offset or k_offset"),
+    ],
+    ids=["negative", "float", "bool", "short", "past_int32", "seq_len_alone"],
+)
 def test_bad_positions_are_input_errors_naming_them(at, says):
     q, k, v = torch.randn(1, 2, 8, 16), torch.randn(1, 1, 40, 16), torch.randn(1, 1, 40, 16)
     with pytest.raises(af.InputError, match=says):
@@ -228,10 +246,17 @@ def test_a_plugin_with_prepare_must_declare_it_takes_offsets():
     af.register_plugin(_Provides(attrs.evolve(alibi, name="old_alibi", takes_offsets=False)), name="old_alibi")
     try:
         q, k, v = torch.randn(1, 2, 8, 16), torch.randn(1, 1, 20, 16), torch.randn(1, 1, 20, 16)
-        assert_matches_reference(old_alibi_causal(q, k, v), old_alibi_causal.reference(q, k, v),
-                                 old_alibi_causal.reference(q, k, v, dtype=torch.float32), torch.float32)
-        with pytest.raises(af.InputError, match=r"q_offset/k_offset: old_alibi prepares kernel arguments but does "
-                                                r"not declare takes_offsets=True"):
+        assert_matches_reference(
+            old_alibi_causal(q, k, v),
+            old_alibi_causal.reference(q, k, v),
+            old_alibi_causal.reference(q, k, v, dtype=torch.float32),
+            torch.float32,
+        )
+        with pytest.raises(
+            af.InputError,
+            match=r"q_offset/k_offset: old_alibi prepares kernel arguments but does "
+            r"not declare takes_offsets=True",
+        ):
             old_alibi_causal(q, k, v, q_offset=3)
     finally:
         af.unregister_plugin("old_alibi")
@@ -255,6 +280,7 @@ def test_under_torch_compile_a_call_with_offsets_runs_eagerly():
 
 def test_offset_names_are_reserved():
     with pytest.raises(af.ProgramError, match=r"argument name\(s\) \['q_offset'\] are reserved"):
+
         @af.attention
         def takes_offset(q, k, v, q_offset):
             return af.softmax(af.scaled_dot_product(q, k)) @ v

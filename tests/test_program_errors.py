@@ -3,6 +3,7 @@
 None of these tests launches a kernel: tracing happens before any kernel is compiled, so every error
 below is raised by the DSL itself.
 """
+
 from __future__ import annotations
 
 import re
@@ -93,8 +94,11 @@ def test_scaled_dot_product_on_v():
     def prog(q, k, v):
         return af.softmax(af.scaled_dot_product(v, k)) @ v
 
-    _raises_at_call(prog, r"scaled_dot_product\(q, k\): its first argument must be the query tensor q, "
-                          r"got the value tensor v")
+    _raises_at_call(
+        prog,
+        r"scaled_dot_product\(q, k\): its first argument must be the query tensor q, "
+        r"got the value tensor v",
+    )
 
 
 def test_returning_weights_without_at_v():
@@ -131,8 +135,11 @@ def test_weights_at_concrete_tensor():
     def prog(q, k, v):
         return af.softmax(af.scaled_dot_product(q, k)) @ value
 
-    _raises_at_call(prog, r"prog reads the closure variable 'value', which holds a Tensor.*pass 'value' as an "
-                          r"argument of the program")
+    _raises_at_call(
+        prog,
+        r"prog reads the closure variable 'value', which holds a Tensor.*pass 'value' as an "
+        r"argument of the program",
+    )
 
 
 # --- plain tensor operations on symbols ----------------------------------------------------------------
@@ -215,8 +222,11 @@ def test_closure_tensor_as_runtime_parameter():
     def prog(q, k, v):
         return af.softmax(af.additive_bias(af.scaled_dot_product(q, k), GLOBAL_BIAS)) @ v
 
-    _raises_at_call(prog, r"prog reads the global 'GLOBAL_BIAS', which holds a Tensor.*pass 'GLOBAL_BIAS' as an "
-                          r"argument of the program")
+    _raises_at_call(
+        prog,
+        r"prog reads the global 'GLOBAL_BIAS', which holds a Tensor.*pass 'GLOBAL_BIAS' as an "
+        r"argument of the program",
+    )
 
 
 def test_runtime_parameter_given_q():
@@ -236,33 +246,44 @@ def test_static_parameter_given_a_symbol():
 
 
 def test_combinator_called_outside_a_program():
-    with pytest.raises(ProgramError, match=r"af\.causal must be called inside an @af\.attention function"
-                                           r".*got a torch\.Tensor"):
+    with pytest.raises(
+        ProgramError,
+        match=r"af\.causal must be called inside an @af\.attention function"
+        r".*got a torch\.Tensor",
+    ):
         af.causal(torch.randn(1, 2, 8, 8))
 
 
 def test_score_source_called_outside_a_program():
     q, k, _ = qkv()
-    with pytest.raises(ProgramError, match=r"af\.scaled_dot_product must be called inside an @af\.attention "
-                                           r"function"):
+    with pytest.raises(
+        ProgramError,
+        match=r"af\.scaled_dot_product must be called inside an @af\.attention "
+        r"function",
+    ):
         af.scaled_dot_product(q, k)
 
 
 BIND_CASES = [
-    pytest.param(lambda s: af.sliding_window(s, left=2, window=3),
-                 r"sliding_window\(\) got an unknown parameter 'window'; allowed: left, right", id="unknown"),
-    pytest.param(lambda s: af.causal(s, 3), r"causal\(\) takes 0 parameter\(s\) after its inputs, got 1",
-                 id="too-many"),
-    pytest.param(lambda s: af.sliding_window(s), r"sliding_window\(\) is missing its parameter 'left'",
-                 id="missing"),
-    pytest.param(lambda s: af.sliding_window(s, 2, left=2), r"sliding_window\(\) got parameter 'left' twice",
-                 id="twice"),
+    pytest.param(
+        lambda s: af.sliding_window(s, left=2, window=3),
+        r"sliding_window\(\) got an unknown parameter 'window'; allowed: left, right",
+        id="unknown",
+    ),
+    pytest.param(
+        lambda s: af.causal(s, 3), r"causal\(\) takes 0 parameter\(s\) after its inputs, got 1", id="too-many"
+    ),
+    pytest.param(lambda s: af.sliding_window(s), r"sliding_window\(\) is missing its parameter 'left'", id="missing"),
+    pytest.param(
+        lambda s: af.sliding_window(s, 2, left=2), r"sliding_window\(\) got parameter 'left' twice", id="twice"
+    ),
 ]
 
 
 def _mask_program(call):
     def prog(q, k, v):
         return af.softmax(call(af.scaled_dot_product(q, k))) @ v
+
     return prog
 
 
@@ -277,13 +298,19 @@ def test_parameter_binding_errors_are_program_errors(call, match):
     _raises_at_call(_mask_program(call), match)
 
 
-@pytest.mark.parametrize("call, match", [
-    (lambda s: af.sliding_window(s, left=-1), r"sliding_window: parameter 'left': must be an int >= 0, got -1"),
-    (lambda s: af.sliding_window(s, left=1.5), r"sliding_window: parameter 'left': must be an int >= 0, got 1\.5"),
-    (lambda s: af.sliding_window(s, left=True), r"sliding_window: parameter 'left': must be an int >= 0, got True"),
-    (lambda s: af.sliding_window(s, left=2, right=-3),
-     r"sliding_window: parameter 'right': must be an int >= 0, got -3"),
-], ids=["left=-1", "left=1.5", "left=True", "right=-3"])
+@pytest.mark.parametrize(
+    "call, match",
+    [
+        (lambda s: af.sliding_window(s, left=-1), r"sliding_window: parameter 'left': must be an int >= 0, got -1"),
+        (lambda s: af.sliding_window(s, left=1.5), r"sliding_window: parameter 'left': must be an int >= 0, got 1\.5"),
+        (lambda s: af.sliding_window(s, left=True), r"sliding_window: parameter 'left': must be an int >= 0, got True"),
+        (
+            lambda s: af.sliding_window(s, left=2, right=-3),
+            r"sliding_window: parameter 'right': must be an int >= 0, got -3",
+        ),
+    ],
+    ids=["left=-1", "left=1.5", "left=True", "right=-3"],
+)
 def test_bad_static_mask_values(call, match):
     def prog(q, k, v):
         return af.softmax(call(af.scaled_dot_product(q, k))) @ v
@@ -304,8 +331,9 @@ def test_bad_scale(scale):
     def prog(q, k, v):
         return af.softmax(af.scaled_dot_product(q, k, scale=scale)) @ v
 
-    _raises_at_call(prog, r"scaled_dot_product: parameter 'scale': must be None or a finite number, got "
-                    + re.escape(repr(scale)))
+    _raises_at_call(
+        prog, r"scaled_dot_product: parameter 'scale': must be None or a finite number, got " + re.escape(repr(scale))
+    )
 
 
 def test_static_parameter_of_unsupported_type():
@@ -317,6 +345,7 @@ def test_static_parameter_of_unsupported_type():
 
 def test_trace_error_is_raised_again_on_every_call():
     """A failed trace is not cached as if it had succeeded."""
+
     def prog(q, k, v):
         return af.scaled_dot_product(q, k) @ v
 
@@ -334,12 +363,16 @@ def test_program_error_is_a_type_error():
 
 # --- the decorated function's signature ----------------------------------------------------------------
 
+
 def test_fewer_than_three_arguments():
     def prog(q, k):
         return af.softmax(af.scaled_dot_product(q, k))
 
-    with pytest.raises(ProgramError, match=r"@af\.attention function prog must take q, k, v as its first three "
-                                           r"arguments"):
+    with pytest.raises(
+        ProgramError,
+        match=r"@af\.attention function prog must take q, k, v as its first three "
+        r"arguments",
+    ):
         af.attention(prog)
 
 
@@ -380,8 +413,11 @@ def test_return_lse_with_relu_attention():
     def relu(q, k, v):
         return af.relu_attention(af.scaled_dot_product(q, k)) @ v
 
-    with pytest.raises(InputError, match=r"return_lse=True needs a normaliser with a log-sum-exp; "
-                                         r"relu_attention has none"):
+    with pytest.raises(
+        InputError,
+        match=r"return_lse=True needs a normaliser with a log-sum-exp; "
+        r"relu_attention has none",
+    ):
         relu(*qkv(), return_lse=True)
     with pytest.raises(InputError, match=r"return_lse=True needs a normaliser with a log-sum-exp"):
         relu.reference(*qkv(), return_lse=True)
@@ -400,6 +436,7 @@ def test_dunder_attribute_is_a_plain_attribute_error():
 
 # --- tensor attributes and methods asked of a symbol ---------------------------------------------------
 
+
 def _symbol_of(kind: str, q, k, v, bias):
     """The traced value of ``kind`` inside a program."""
     s = af.scaled_dot_product(q, k)
@@ -407,16 +444,32 @@ def _symbol_of(kind: str, q, k, v, bias):
     return {"q": q, "k": k, "v": v, "input": bias, "scores": s, "weights": w, "output": w @ v}[kind]
 
 
-SYMBOL_NAMES = {"q": "the query tensor q", "k": "the key tensor k", "v": "the value tensor v",
-                "input": "the input 'bias'", "scores": "the scores", "weights": "the normalised weights",
-                "output": "the attention output"}
+SYMBOL_NAMES = {
+    "q": "the query tensor q",
+    "k": "the key tensor k",
+    "v": "the value tensor v",
+    "input": "the input 'bias'",
+    "scores": "the scores",
+    "weights": "the normalised weights",
+    "output": "the attention output",
+}
 
 
 @pytest.mark.parametrize("kind", list(SYMBOL_NAMES))
-@pytest.mark.parametrize("name, use", [
-    ("shape", lambda x: x.shape), ("dtype", lambda x: x.dtype), ("device", lambda x: x.device),
-    ("size", lambda x: x.size(-1)), ("float", lambda x: x.float()), ("T", lambda x: x.T),
-    ("softmax", lambda x: x.softmax(-1)), ("ndim", lambda x: x.ndim)], ids=lambda p: p if isinstance(p, str) else "")
+@pytest.mark.parametrize(
+    "name, use",
+    [
+        ("shape", lambda x: x.shape),
+        ("dtype", lambda x: x.dtype),
+        ("device", lambda x: x.device),
+        ("size", lambda x: x.size(-1)),
+        ("float", lambda x: x.float()),
+        ("T", lambda x: x.T),
+        ("softmax", lambda x: x.softmax(-1)),
+        ("ndim", lambda x: x.ndim),
+    ],
+    ids=lambda p: p if isinstance(p, str) else "",
+)
 def test_tensor_attribute_of_a_symbol_names_it_and_what_is_allowed(kind, name, use):
     def prog(q, k, v, bias):
         use(_symbol_of(kind, q, k, v, bias))
@@ -450,6 +503,7 @@ def test_probing_a_symbol_still_answers():
 
 # --- methods ------------------------------------------------------------------------------------------
 
+
 class Model:
     window = 4
 
@@ -468,13 +522,17 @@ class Model:
         return af.softmax(af.scaled_dot_product(q, k)) @ v
 
 
-@pytest.mark.parametrize("method, name, first", [
-    (Model.forward, "Model.forward", "it takes 'self' first"),
-    (Model.forward_with, "Model.forward_with", "it takes 'self' first"),
-    (Model().forward, "Model.forward", "a bound method"),
-    (Model.forward_of_class, "Model.forward_of_class", "a bound method"),
-    (Model.forward_of_class.__func__, "Model.forward_of_class", "it takes 'cls' first"),
-], ids=["function", "with an extra", "bound", "classmethod", "cls"])
+@pytest.mark.parametrize(
+    "method, name, first",
+    [
+        (Model.forward, "Model.forward", "it takes 'self' first"),
+        (Model.forward_with, "Model.forward_with", "it takes 'self' first"),
+        (Model().forward, "Model.forward", "a bound method"),
+        (Model.forward_of_class, "Model.forward_of_class", "a bound method"),
+        (Model.forward_of_class.__func__, "Model.forward_of_class", "it takes 'cls' first"),
+    ],
+    ids=["function", "with an extra", "bound", "classmethod", "cls"],
+)
 def test_a_method_is_refused_at_decoration_saying_how_to_use_a_program_from_a_class(method, name, first):
     with pytest.raises(ProgramError) as info:
         af.attention(method)
@@ -486,6 +544,7 @@ def test_a_method_is_refused_at_decoration_saying_how_to_use_a_program_from_a_cl
 
 def test_a_method_decorated_in_a_class_body_is_refused_there():
     with pytest.raises(ProgramError, match=r"function .*Layer\.attend is a method \(it takes 'self' first\)"):
+
         class Layer:
             @af.attention
             def attend(self, q, k, v):

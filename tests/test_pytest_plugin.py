@@ -1,5 +1,6 @@
 """The conformance kit as a pytest plugin (pytest11 entry point): the fixture and --attnfuse-conformance,
 each run in a pytest subprocess on a throwaway project."""
+
 from __future__ import annotations
 
 import os
@@ -27,15 +28,23 @@ PLANTED_CONFTEST = textwrap.dedent("""
 
 def pytest_in(root: Path, *args: str) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}
-    return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rA", *args],
-                          cwd=root, env=env, capture_output=True, text=True, timeout=600)
+    return subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rA", *args],
+        cwd=root,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
 
 
 def test_fixture_checks_a_combinator(tmp_path):
-    (tmp_path / "test_it.py").write_text(textwrap.dedent("""
+    (tmp_path / "test_it.py").write_text(
+        textwrap.dedent("""
         def test_conforms(attnfuse_conformance):
             attnfuse_conformance("causal", max_examples=2)
-    """))
+    """)
+    )
     done = pytest_in(tmp_path)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "PASSED test_it.py::test_conforms" in done.stdout
@@ -43,13 +52,14 @@ def test_fixture_checks_a_combinator(tmp_path):
 
 def test_option_checks_without_a_test_file_and_fails_on_a_wrong_fact(tmp_path):
     (tmp_path / "conftest.py").write_text(PLANTED_CONFTEST)
-    done = pytest_in(tmp_path, "--attnfuse-conformance=causal, _planted_full_range_off_by_one",
-                     "--attnfuse-examples=2")
+    done = pytest_in(tmp_path, "--attnfuse-conformance=causal, _planted_full_range_off_by_one", "--attnfuse-examples=2")
     assert done.returncode == 1, done.stdout + done.stderr
     assert "PASSED ::attnfuse-conformance[causal]" in done.stdout
     assert "FAILED ::attnfuse-conformance[_planted_full_range_off_by_one]" in done.stdout
-    assert "MaskFactError: mask '_planted_full_range_off_by_one' declares keep or facts its reference " \
-           "contradicts" in done.stdout
+    assert (
+        "MaskFactError: mask '_planted_full_range_off_by_one' declares keep or facts its reference "
+        "contradicts" in done.stdout
+    )
 
 
 def test_inert_unless_used(tmp_path):

@@ -1,6 +1,7 @@
 """The RecompileWarning's advice follows the combinators' declarations: an extra argument that feeds a static
 parameter is said to be static only (naming the combinator and parameter), never told to become a tensor; one
 that may be a runtime input is told so."""
+
 from __future__ import annotations
 
 import warnings
@@ -12,18 +13,38 @@ from attnfuse import RecompileWarning, recompile
 
 
 STATIC = [  # (combinator, parameter, a program of one extra argument x, x's i-th value)
-    ("scaled_dot_product", "scale", lambda q, k, v, x: af.softmax(af.scaled_dot_product(q, k, scale=x)) @ v,
-     lambda i: 0.1 + i / 16),
+    (
+        "scaled_dot_product",
+        "scale",
+        lambda q, k, v, x: af.softmax(af.scaled_dot_product(q, k, scale=x)) @ v,
+        lambda i: 0.1 + i / 16,
+    ),
     ("rope", "theta", lambda q, k, v, x: af.softmax(af.rope(q, k, theta=x)) @ v, lambda i: 1000.0 + i),
     ("rope", "scale", lambda q, k, v, x: af.softmax(af.rope(q, k, scale=x)) @ v, lambda i: 0.1 + i / 16),
-    ("sliding_window", "left", lambda q, k, v, x: af.softmax(af.sliding_window(af.scaled_dot_product(q, k), x)) @ v,
-     lambda i: i),
-    ("sliding_window", "right",
-     lambda q, k, v, x: af.softmax(af.sliding_window(af.scaled_dot_product(q, k), 2, right=x)) @ v, lambda i: i),
-    ("softcap", "cap", lambda q, k, v, x: af.softmax(af.softcap(af.scaled_dot_product(q, k), x)) @ v,
-     lambda i: 1.0 + i),
-    ("sigmoid_attention", "bias",  # a third-party plugin (contrib/attnfuse-sigmoid)
-     lambda q, k, v, x: af.sigmoid_attention(af.scaled_dot_product(q, k), bias=x) @ v, lambda i: -1.0 - i),
+    (
+        "sliding_window",
+        "left",
+        lambda q, k, v, x: af.softmax(af.sliding_window(af.scaled_dot_product(q, k), x)) @ v,
+        lambda i: i,
+    ),
+    (
+        "sliding_window",
+        "right",
+        lambda q, k, v, x: af.softmax(af.sliding_window(af.scaled_dot_product(q, k), 2, right=x)) @ v,
+        lambda i: i,
+    ),
+    (
+        "softcap",
+        "cap",
+        lambda q, k, v, x: af.softmax(af.softcap(af.scaled_dot_product(q, k), x)) @ v,
+        lambda i: 1.0 + i,
+    ),
+    (
+        "sigmoid_attention",
+        "bias",  # a third-party plugin (contrib/attnfuse-sigmoid)
+        lambda q, k, v, x: af.sigmoid_attention(af.scaled_dot_product(q, k), bias=x) @ v,
+        lambda i: -1.0 - i,
+    ),
 ]
 
 
@@ -55,6 +76,7 @@ def test_an_argument_used_in_python_is_static_only():
 
 def test_an_argument_that_may_be_a_runtime_input_is_told_so():
     """``x`` reaches no static parameter (here: no combinator) in this configuration: it may be a tensor."""
+
     def prog(q, k, v, x, left):
         return af.softmax(af.sliding_window(af.scaled_dot_product(q, k), left)) @ v
 

@@ -2,6 +2,7 @@
 
 Each role's package is generated into tmp_path and its module registered with register_plugin (rather than
 pip-installed, to keep CI fast), then checked as its generated test does."""
+
 from __future__ import annotations
 
 import importlib.util
@@ -19,8 +20,13 @@ from attnfuse.errors import InputError
 from attnfuse.scaffold import ROLES, scaffold
 from attnfuse.testing import check_combinator
 
-ROLE = {"mask": Role.MASK, "normaliser": Role.NORMALISER, "score_mod": Role.SCORE_MOD,
-        "score_source": Role.SCORE_SOURCE, "transform": Role.QK_TRANSFORM}
+ROLE = {
+    "mask": Role.MASK,
+    "normaliser": Role.NORMALISER,
+    "score_mod": Role.SCORE_MOD,
+    "score_source": Role.SCORE_SOURCE,
+    "transform": Role.QK_TRANSFORM,
+}
 
 
 @pytest.mark.parametrize("role", ROLES)
@@ -51,8 +57,11 @@ def test_generated_package_conforms(tmp_path, capsys, role):
 def test_refuses_bad_names_roles_and_a_non_empty_directory(tmp_path):
     with pytest.raises(InputError, match=r"NAME must be a lower-case Python identifier.*got 'Bad-Name'"):
         scaffold("Bad-Name", "mask", tmp_path / "a")
-    with pytest.raises(InputError, match=r"--role must be one of mask, normaliser, score_mod, score_source, "
-                                         r"transform, got 'modifier'"):
+    with pytest.raises(
+        InputError,
+        match=r"--role must be one of mask, normaliser, score_mod, score_source, "
+        r"transform, got 'modifier'",
+    ):
         scaffold("ok_name", "modifier", tmp_path / "b")
     (tmp_path / "c").mkdir()
     (tmp_path / "c" / "x").write_text("")
@@ -70,8 +79,13 @@ def test_generated_test_passes_as_installed(tmp_path):
     (info / "entry_points.txt").write_text("[attnfuse]\nscaffolded_window = attnfuse_scaffolded_window\n")
     env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}
     env["PYTHONPATH"] = os.pathsep.join([str(root), *filter(None, [env.get("PYTHONPATH")])])
-    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rA",
-                           "--attnfuse-examples=2", "tests"], cwd=root, env=env, capture_output=True, text=True,
-                          timeout=600)
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rA", "--attnfuse-examples=2", "tests"],
+        cwd=root,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert done.returncode == 0, done.stdout + done.stderr
     assert "PASSED tests/test_scaffolded_window.py::test_conforms" in done.stdout

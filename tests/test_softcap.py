@@ -1,5 +1,6 @@
 """The built-in softcap (Gemma 2's logit soft-capping): conformance fuzzing, a fixed program, registration,
 the tanh's accuracy for any cap, parameter checks, gradients."""
+
 from __future__ import annotations
 
 import math
@@ -16,8 +17,10 @@ FUZZ_EXAMPLES = int(os.environ.get("ATTNFUSE_FUZZ_EXAMPLES", "8"))
 # The fixed program runs on the CPU (Triton's interpreter) always, and compiled on a GPU when there is one.
 CASES = [pytest.param("cpu", dtype, id=f"cpu-{str(dtype)[6:]}") for dtype in (torch.float32, torch.float16)]
 if torch.cuda.is_available():
-    CASES += [pytest.param("cuda", dtype, id=f"cuda-{str(dtype)[6:]}")
-              for dtype in (torch.float32, torch.float16, torch.bfloat16)]
+    CASES += [
+        pytest.param("cuda", dtype, id=f"cuda-{str(dtype)[6:]}")
+        for dtype in (torch.float32, torch.float16, torch.bfloat16)
+    ]
 
 
 def test_softcap_is_a_builtin():
@@ -45,8 +48,11 @@ def capped_causal(q, k, v):
 
 
 @pytest.mark.parametrize("device, dtype", CASES)
-@pytest.mark.parametrize("shape", [(2, 4, 2, 37, 53, 32), (1, 2, 1, 64, 64, 16), (1, 1, 1, 70, 20, 64)],
-                         ids=lambda s: "B{}_Hq{}_Hkv{}_Nq{}_Nk{}_D{}".format(*s))
+@pytest.mark.parametrize(
+    "shape",
+    [(2, 4, 2, 37, 53, 32), (1, 2, 1, 64, 64, 16), (1, 1, 1, 70, 20, 64)],
+    ids=lambda s: "B{}_Hq{}_Hkv{}_Nq{}_Nk{}_D{}".format(*s),
+)
 def test_fixed_program_matches_reference(device, dtype, shape):
     B, Hq, Hkv, Nq, Nk, D = shape
     g = torch.Generator().manual_seed(zlib.crc32(repr((shape, dtype)).encode()))
@@ -64,6 +70,7 @@ def test_fixed_program_matches_reference(device, dtype, shape):
 
 def test_softcap_bounds_scores_without_overflow():
     """Huge scores (|s/cap| ~ 1e4) must neither overflow nor give NaN: the capped scores stay in [-cap, cap]."""
+
     @af.attention
     def tiny_cap(q, k, v):
         return af.relu_attention(af.softcap(af.scaled_dot_product(q, k, scale=1.0), 0.5)) @ v
@@ -88,6 +95,7 @@ def test_softcap_is_accurate_for_any_cap(cap):
     cap·tanh(s/cap) / Nk, since softcap is odd. A plain (1 - e^{-2x})/(1 + e^{-2x}) would lose every digit
     of s for a large cap; the Taylor branch keeps them.
     """
+
     @af.attention
     def read_scores(q, k, v):
         return af.relu_attention(af.softcap(af.scaled_dot_product(q, k, scale=1.0), cap)) @ v
@@ -129,6 +137,7 @@ def test_missing_cap_is_an_error():
 
 def test_softcap_gradients():
     """The backward fragment: float64 gradcheck, and float32 gradients against the reference's autograd."""
+
     @af.attention
     def capped(q, k, v):
         return af.softmax(af.softcap(af.causal(af.scaled_dot_product(q, k, scale=1.0)), 2.0)) @ v

@@ -1,5 +1,6 @@
 """The built-in softmax_with_sinks (attention sinks, GPT-OSS): the conformance kit, fixed programs against
 hand-written float64 math (out, lse and gradients), fully masked rows, the input errors and its registration."""
+
 from __future__ import annotations
 
 import math
@@ -13,8 +14,10 @@ from attnfuse.testing import assert_matches_reference
 
 CASES = [pytest.param("cpu", dtype, id=f"cpu-{str(dtype)[6:]}") for dtype in (torch.float32, torch.float16)]
 if torch.cuda.is_available():
-    CASES += [pytest.param("cuda", dtype, id=f"cuda-{str(dtype)[6:]}")
-              for dtype in (torch.float32, torch.float16, torch.bfloat16)]
+    CASES += [
+        pytest.param("cuda", dtype, id=f"cuda-{str(dtype)[6:]}")
+        for dtype in (torch.float32, torch.float16, torch.bfloat16)
+    ]
 
 
 def test_conforms(attnfuse_conformance):
@@ -56,8 +59,11 @@ def inputs(shape, dtype, device, seed):
 
 
 @pytest.mark.parametrize("device, dtype", CASES)
-@pytest.mark.parametrize("shape", [(2, 4, 2, 37, 53, 32), (1, 2, 1, 64, 64, 16), (1, 2, 2, 70, 20, 64)],
-                         ids=lambda s: "B{}_Hq{}_Hkv{}_Nq{}_Nk{}_D{}".format(*s))
+@pytest.mark.parametrize(
+    "shape",
+    [(2, 4, 2, 37, 53, 32), (1, 2, 1, 64, 64, 16), (1, 2, 2, 70, 20, 64)],
+    ids=lambda s: "B{}_Hq{}_Hkv{}_Nq{}_Nk{}_D{}".format(*s),
+)
 def test_matches_float64_by_hand(device, dtype, shape):
     q, k, v, sinks = inputs(shape, dtype, device, zlib.crc32(repr((shape, dtype)).encode()))
     out, lse = windowed(q, k, v, sinks, return_lse=True)
@@ -92,14 +98,15 @@ def test_decoding_with_kv_lens():
     lens = torch.tensor([90, 41], dtype=torch.int32)
     out = windowed(q, k, v, sinks, kv_lens=lens)
     for b, n in enumerate(lens.tolist()):
-        want, _ = by_hand(q[b:b + 1], k[b:b + 1, :, :n], v[b:b + 1, :, :n], sinks)
-        torch.testing.assert_close(out[b:b + 1].double(), want, atol=2e-5, rtol=0)
+        want, _ = by_hand(q[b : b + 1], k[b : b + 1, :, :n], v[b : b + 1, :, :n], sinks)
+        torch.testing.assert_close(out[b : b + 1].double(), want, atol=2e-5, rtol=0)
 
 
 # Non-finite sinks. A sink of -inf takes no weight: a row with keys gets plain softmax, a row that keeps no key
 # (a masked row, kv_lens 0) output 0 and lse -inf, the sink. +inf takes all the weight: output 0, lse +inf,
 # gradients 0. NaN gives NaN in its head's rows alone. Checked on fresh random sinks with some heads non-finite,
 # in the kernels (forward, decoding with kv_lens, backward) and the float64 reference, against the math.
+
 
 def by_hand_rows(q, k, v, sinks, keep):
     """float64 (out, lse) of weights exp(s_j) / (exp(sink_h) + Σ_k exp(s_k)) over the keys ``keep`` (B, Hq,
@@ -181,8 +188,9 @@ def test_negative_infinite_sinks_gradients(case):
         t.requires_grad_(True)
     dout = torch.randn(B, Hq, Nq, D, generator=g)
     got = torch.autograd.grad(windowed(q, k, v, sinks, kv_lens=lens), (q, k, v), dout)
-    want = torch.autograd.grad(by_hand_rows(q, k, v, sinks, window_keep(B, Hq, Nq, Nk, lens=lens))[0], (q, k, v),
-                               dout.double())
+    want = torch.autograd.grad(
+        by_hand_rows(q, k, v, sinks, window_keep(B, Hq, Nq, Nk, lens=lens))[0], (q, k, v), dout.double()
+    )
     ref = torch.autograd.grad(windowed.reference(q, k, v, sinks, kv_lens=lens), (q, k, v), dout.double())
     for name, a, b, r in zip("qkv", got, want, ref):
         assert torch.isfinite(a).all(), name
@@ -208,7 +216,7 @@ def test_positive_infinite_sinks_take_all_the_weight(case):
     for got, want in ((out, want_out), (lse, want_lse), (ref_out, want_out), (ref_lse, want_lse)):
         assert_matches_reference(got.detach(), want, want.to(got.dtype), got.dtype)
     assert torch.equal(out[:, 2], torch.zeros_like(out[:, 2])) and torch.isposinf(lse[:, 2]).all()
-    dq, = torch.autograd.grad(out, q, torch.randn(B, Hq, Nq, D, generator=g))
+    (dq,) = torch.autograd.grad(out, q, torch.randn(B, Hq, Nq, D, generator=g))
     assert torch.isfinite(dq).all() and torch.equal(dq[:, 2], torch.zeros_like(dq[:, 2]))
 
 
@@ -232,10 +240,15 @@ def test_a_nan_sink_gives_nan_in_its_heads_rows_alone():
 SHAPE_OR_DTYPE = r"softmax_with_sinks: sinks must be a float tensor of shape \(Hq,\) = \(2,\)"
 
 
-@pytest.mark.parametrize("sinks, says", [(torch.zeros(3), SHAPE_OR_DTYPE),
-                                         (torch.zeros(2, dtype=torch.int64), SHAPE_OR_DTYPE),
-                                         ([0.0, 0.0], r"argument 'sinks' must be a tensor")],
-                         ids=["shape", "dtype", "list"])
+@pytest.mark.parametrize(
+    "sinks, says",
+    [
+        (torch.zeros(3), SHAPE_OR_DTYPE),
+        (torch.zeros(2, dtype=torch.int64), SHAPE_OR_DTYPE),
+        ([0.0, 0.0], r"argument 'sinks' must be a tensor"),
+    ],
+    ids=["shape", "dtype", "list"],
+)
 def test_bad_sinks_is_an_input_error_naming_sinks(sinks, says):
     q, k, v, _ = inputs((1, 2, 1, 4, 8, 16), torch.float32, "cpu", 0)
     with pytest.raises(af.InputError, match=says):
@@ -258,13 +271,14 @@ def test_hf_sinks_with_their_gradient_keep_rows_with_no_key_at_zero(value):
     module.is_causal = True
     for t in (q, k, v):
         t.requires_grad_(True)
-    out, _ = hf.attention_forward(module, q, k, v, keep, scaling=D ** -0.5, s_aux=sinks)
+    out, _ = hf.attention_forward(module, q, k, v, keep, scaling=D**-0.5, s_aux=sinks)
     dout = torch.randn(B, N, Hq, D, generator=g)
     got = torch.autograd.grad(out, (q, k, v, sinks), dout)
     finite = [1, 2]
     leaf = sinks.detach().double().requires_grad_(True)
-    want_out, _ = by_hand_rows(q, k, v, torch.where(torch.isfinite(leaf), leaf, sinks.detach().double()),
-                               keep.expand(B, Hq, N, N))
+    want_out, _ = by_hand_rows(
+        q, k, v, torch.where(torch.isfinite(leaf), leaf, sinks.detach().double()), keep.expand(B, Hq, N, N)
+    )
     want = torch.autograd.grad(want_out.transpose(1, 2), (q, k, v, leaf), dout.double())
     assert_matches_reference(out.detach().transpose(1, 2), want_out.detach(), want_out.detach().float(), torch.float32)
     for name, a, b in zip(("q", "k", "v", "sinks"), got, want):

@@ -4,6 +4,7 @@ The subprocess tests run ``python -S`` (no site-packages, so no attnfuse distrib
 with PYTHONPATH = a copy of the source tree, then a folder linking every package of the site folders except
 attnfuse's own and its plugins' (torch, triton, pluggy, attrs, ...).
 """
+
 from __future__ import annotations
 
 import importlib.metadata
@@ -26,8 +27,11 @@ BUILTIN_PLUGIN_NAMES = {f"{BUILTIN_DISTRIBUTION}:{m}" for m in builtin_plugins.M
 
 
 def test_builtin_modules_are_the_entry_points():
-    declared = {ep.name: ep.value for ep in importlib.metadata.entry_points(group="attnfuse")
-                if ep.dist is not None and ep.dist.name == BUILTIN_DISTRIBUTION}
+    declared = {
+        ep.name: ep.value
+        for ep in importlib.metadata.entry_points(group="attnfuse")
+        if ep.dist is not None and ep.dist.name == BUILTIN_DISTRIBUTION
+    }
     assert declared == {m: f"attnfuse_plugins.{m}" for m in builtin_plugins.MODULES}
 
 
@@ -69,12 +73,15 @@ def source_tree(root: Path, *, plugins: bool = True) -> Path:
 
 
 def run_from(tree: Path, site: Path, *args: str, disable: str | None = None) -> subprocess.CompletedProcess:
-    env = {"PATH": os.environ.get("PATH", ""), "HOME": os.environ.get("HOME", str(tree)),
-           "PYTHONPATH": os.pathsep.join([str(tree), str(site)]), "ATTNFUSE_CACHE_DIR": str(tree / "kernels")}
+    env = {
+        "PATH": os.environ.get("PATH", ""),
+        "HOME": os.environ.get("HOME", str(tree)),
+        "PYTHONPATH": os.pathsep.join([str(tree), str(site)]),
+        "ATTNFUSE_CACHE_DIR": str(tree / "kernels"),
+    }
     if disable is not None:
         env[DISABLE_AUTOLOAD_ENV] = disable
-    return subprocess.run([sys.executable, "-S", *args], env=env, cwd=tree, capture_output=True, text=True,
-                          timeout=300)
+    return subprocess.run([sys.executable, "-S", *args], env=env, cwd=tree, capture_output=True, text=True, timeout=300)
 
 
 @pytest.mark.parametrize("disable", [None, "1"], ids=["autoload", "autoload-disabled"])
@@ -123,6 +130,8 @@ def test_a_tree_without_plugins_says_what_to_install(tmp_path, site_without_attn
     done = run_from(tree, site_without_attnfuse, "-m", "attnfuse.cli", "list")
     assert done.returncode == 2
     assert done.stdout == ""
-    assert (f"attnfuse: error: the built-in combinators were not found: attnfuse, imported from {tree / 'attnfuse'}, "
-            f"is not installed (no 'attnfuse' entry points) and there is no {tree / 'plugins'} folder beside it. "
-            f"Install it: python -m pip install -e {tree}") in done.stderr
+    assert (
+        f"attnfuse: error: the built-in combinators were not found: attnfuse, imported from {tree / 'attnfuse'}, "
+        f"is not installed (no 'attnfuse' entry points) and there is no {tree / 'plugins'} folder beside it. "
+        f"Install it: python -m pip install -e {tree}"
+    ) in done.stderr

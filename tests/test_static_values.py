@@ -7,6 +7,7 @@ subclass with its own ``repr``), non-finite floats, floats Triton would type as 
 int64 are refused at trace time with a ProgramError naming the combinator and the parameter; the
 built-ins' number parameters likewise.
 """
+
 from __future__ import annotations
 
 import ast
@@ -138,8 +139,9 @@ def test_a_float_subclass_counts_by_its_value_and_its_repr_never_runs(tmp_path):
 
     q, k, v = _qkv()
     got = scaled(q, k, v, Sneaky(0.5), "plain")
-    assert_matches_reference(got, scaled.reference(q, k, v, 0.5, "plain"),
-                             scaled.reference(q, k, v, 0.5, "plain", dtype=q.dtype), q.dtype)
+    assert_matches_reference(
+        got, scaled.reference(q, k, v, 0.5, "plain"), scaled.reference(q, k, v, 0.5, "plain", dtype=q.dtype), q.dtype
+    )
     source = scaled.source(q, k, v, Sneaky(0.5), "plain")
     assert "factor=0.5, mode='plain'" in source and "__import__" not in source
     assert not marker.exists()
@@ -151,10 +153,20 @@ def test_strings_outside_the_whitelist_are_refused(mode):
         scaled.graph(2.0, mode)
 
 
-@pytest.mark.parametrize("factor, shown", [
-    (math.inf, "inf"), (-math.inf, "-inf"), (math.nan, "nan"), (1e39, "1e+39"), (-1e300, "-1e+300"),
-    (1e-39, "1e-39"), (2**63, "9223372036854775808"), (-2**63 - 1, "-9223372036854775809"),
-    (10**400, "an int of 1329 bits")])
+@pytest.mark.parametrize(
+    "factor, shown",
+    [
+        (math.inf, "inf"),
+        (-math.inf, "-inf"),
+        (math.nan, "nan"),
+        (1e39, "1e+39"),
+        (-1e300, "-1e+300"),
+        (1e-39, "1e-39"),
+        (2**63, "9223372036854775808"),
+        (-(2**63) - 1, "-9223372036854775809"),
+        (10**400, "an int of 1329 bits"),
+    ],
+)
 def test_numbers_no_kernel_literal_holds_are_refused(factor, shown):
     """Non-finite floats (inf and nan would be bare names in the source), floats Triton would type as
     float64, and ints past int64."""
@@ -164,19 +176,25 @@ def test_numbers_no_kernel_literal_holds_are_refused(factor, shown):
 
 
 def test_nested_values_are_refused():
-    with pytest.raises(ProgramError, match=r"_test_scaled: parameter 'factor' must be None, bool, int, float or "
-                                           r"str, got tuple"):
+    with pytest.raises(
+        ProgramError,
+        match=r"_test_scaled: parameter 'factor' must be None, bool, int, float or "
+        r"str, got tuple",
+    ):
         scaled.graph((1.0, 2.0), "plain")
 
 
-@pytest.mark.parametrize("factor, mode", [(0.5, "neg"), (-1.5, "plain"), (3, "neg"), (2**62, "plain"),
-                                          (0.0, "plain"), (1e-30, "neg"), (1e30, "plain")])
+@pytest.mark.parametrize(
+    "factor, mode",
+    [(0.5, "neg"), (-1.5, "plain"), (3, "neg"), (2**62, "plain"), (0.0, "plain"), (1e-30, "neg"), (1e30, "plain")],
+)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_valid_values_work_and_match_the_reference(factor, mode, dtype):
     q, k, v = _qkv(dtype)
     got = scaled(q, k, v, factor, mode)
-    assert_matches_reference(got, scaled.reference(q, k, v, factor, mode),
-                             scaled.reference(q, k, v, factor, mode, dtype=dtype), dtype)
+    assert_matches_reference(
+        got, scaled.reference(q, k, v, factor, mode), scaled.reference(q, k, v, factor, mode, dtype=dtype), dtype
+    )
     assert f"factor={literal(factor)}, mode={mode!r}" in scaled.source(q, k, v, factor, mode)
 
 
@@ -211,12 +229,11 @@ EQUAL_ACROSS_TYPES = {
 def test_values_equal_across_types_each_get_their_own_kernel(group, order):
     """Static values that compare equal (True == 1 == 1.0, 0 == False == 0.0 == -0.0) but mean different things
     to a combinator: each call, in any order, gets its own trace and kernel, and its own result."""
-    values = EQUAL_ACROSS_TYPES[group][::1 if order == "given" else -1]
+    values = EQUAL_ACROSS_TYPES[group][:: 1 if order == "given" else -1]
     q, k, v = _qkv()
     for x in values:
         got = typed(q, k, v, x)
-        assert_matches_reference(got, _typed_reference(q, k, v, x), _typed_reference(q, k, v, x, q.dtype),
-                                 q.dtype)
+        assert_matches_reference(got, _typed_reference(q, k, v, x), _typed_reference(q, k, v, x, q.dtype), q.dtype)
         assert f"_test_typed(x={literal(exact(x))})" in typed.source(q, k, v, x)
 
 
@@ -226,13 +243,13 @@ def test_outside_values_equal_across_types_each_get_their_own_kernel(group):
     q, k, v = _qkv()
     for x in EQUAL_ACROSS_TYPES[group]:
         for box in (x, (x,), [x]):
+
             @af.attention
             def outside(q, k, v):
                 return af.softmax(af._test_typed(af.scaled_dot_product(q, k), _unboxed(box))) @ v
 
             got = outside(q, k, v)
-            assert_matches_reference(got, _typed_reference(q, k, v, x), _typed_reference(q, k, v, x, q.dtype),
-                                     q.dtype)
+            assert_matches_reference(got, _typed_reference(q, k, v, x), _typed_reference(q, k, v, x, q.dtype), q.dtype)
 
 
 def test_a_program_reading_a_changed_outside_value_of_an_equal_value_of_another_type_traces_again():
@@ -241,12 +258,16 @@ def test_a_program_reading_a_changed_outside_value_of_an_equal_value_of_another_
     for x in (1, True, 1.0, 0.0, -0.0, False, 0):
         _OUTSIDE["x"] = x
         got = reads_outside(q, k, v)
-        assert_matches_reference(got, _typed_reference(q, k, v, x), _typed_reference(q, k, v, x, q.dtype),
-                                 q.dtype)
+        assert_matches_reference(got, _typed_reference(q, k, v, x), _typed_reference(q, k, v, x, q.dtype), q.dtype)
 
 
-NOT_STATIC = {"numpy.int64": numpy.int64(1), "numpy.bool_": numpy.bool_(True), "numpy.float32": numpy.float32(0.5),
-              "Fraction": fractions.Fraction(1, 2), "Decimal": decimal.Decimal("0.5")}
+NOT_STATIC = {
+    "numpy.int64": numpy.int64(1),
+    "numpy.bool_": numpy.bool_(True),
+    "numpy.float32": numpy.float32(0.5),
+    "Fraction": fractions.Fraction(1, 2),
+    "Decimal": decimal.Decimal("0.5"),
+}
 
 
 @pytest.mark.parametrize("x", list(NOT_STATIC.values()), ids=list(NOT_STATIC))
@@ -290,11 +311,15 @@ def test_docstring_text_cannot_end_the_docstring(text):
 
 def test_an_apply_built_directly_checks_its_values():
     with pytest.raises(ProgramError, match=r"_test_scaled: parameter 'factor': a float must be 0 or"):
-        ir.Apply(combinator="_test_scaled", params=(("factor", math.nan), ("mode", "plain")),
-                 record=af.combinators()["_test_scaled"])
+        ir.Apply(
+            combinator="_test_scaled",
+            params=(("factor", math.nan), ("mode", "plain")),
+            record=af.combinators()["_test_scaled"],
+        )
 
 
 # Built-in and contrib combinators: every static number parameter, with values no kernel takes.
+
 
 def _sdp(s_value):
     return lambda q, k, v: af.softmax(af.scaled_dot_product(q, k, scale=s_value)) @ v
@@ -305,23 +330,37 @@ BUILTIN_PARAMETERS = {
     ("rope", "theta"): lambda x: lambda q, k, v: af.softmax(af.rope(q, k, theta=x)) @ v,
     ("rope", "scale"): lambda x: lambda q, k, v: af.softmax(af.rope(q, k, scale=x)) @ v,
     ("rope", "rotate_keys"): lambda x: lambda q, k, v: af.softmax(af.rope(q, k, rotate_keys=x)) @ v,
-    ("sliding_window", "left"): lambda x: lambda q, k, v: af.softmax(
-        af.sliding_window(af.scaled_dot_product(q, k), x)) @ v,
-    ("sliding_window", "right"): lambda x: lambda q, k, v: af.softmax(
-        af.sliding_window(af.scaled_dot_product(q, k), 1, x)) @ v,
+    ("sliding_window", "left"): lambda x: (
+        lambda q, k, v: af.softmax(af.sliding_window(af.scaled_dot_product(q, k), x)) @ v
+    ),
+    ("sliding_window", "right"): lambda x: (
+        lambda q, k, v: af.softmax(af.sliding_window(af.scaled_dot_product(q, k), 1, x)) @ v
+    ),
     ("softcap", "cap"): lambda x: lambda q, k, v: af.softmax(af.softcap(af.scaled_dot_product(q, k), x)) @ v,
     ("sigmoid_attention", "bias"): lambda x: lambda q, k, v: af.sigmoid_attention(af.scaled_dot_product(q, k), x) @ v,
     ("alibi", "slopes"): lambda x: lambda q, k, v: af.softmax(af.alibi(af.scaled_dot_product(q, k), x)) @ v,
-    ("softmax_with_sinks", "sinks"): lambda x: lambda q, k, v: af.softmax_with_sinks(
-        af.scaled_dot_product(q, k), x) @ v,
+    ("softmax_with_sinks", "sinks"): lambda x: (
+        lambda q, k, v: af.softmax_with_sinks(af.scaled_dot_product(q, k), x) @ v
+    ),
 }
-BAD_NUMBERS = {"10**400": 10**400, "-10**400": -10**400, "2**70": 2**70, "2**63": 2**63, "inf": math.inf,
-               "-inf": -math.inf, "nan": math.nan, "1e39": 1e39, "1e-300": 1e-300, "True": True}
+BAD_NUMBERS = {
+    "10**400": 10**400,
+    "-10**400": -(10**400),
+    "2**70": 2**70,
+    "2**63": 2**63,
+    "inf": math.inf,
+    "-inf": -math.inf,
+    "nan": math.nan,
+    "1e39": 1e39,
+    "1e-300": 1e-300,
+    "True": True,
+}
 
 
 @pytest.mark.parametrize("value", list(BAD_NUMBERS.values()), ids=list(BAD_NUMBERS))
-@pytest.mark.parametrize("combinator, parameter", sorted(BUILTIN_PARAMETERS),
-                         ids=[f"{c}.{p}" for c, p in sorted(BUILTIN_PARAMETERS)])
+@pytest.mark.parametrize(
+    "combinator, parameter", sorted(BUILTIN_PARAMETERS), ids=[f"{c}.{p}" for c, p in sorted(BUILTIN_PARAMETERS)]
+)
 def test_builtin_number_parameters_refuse_what_no_kernel_takes(combinator, parameter, value):
     """A ProgramError naming the combinator and parameter, never a bare OverflowError; True is no number
     (rotate_keys is the flag that takes it)."""
@@ -339,14 +378,18 @@ def test_builtin_number_parameters_refuse_what_no_kernel_takes(combinator, param
 def test_a_scale_whose_product_with_the_score_factor_no_literal_holds_is_refused(scale):
     """softmax works in log2 units: the kernel writes scale·log2(e), past float32's range here."""
     q, k, v = _qkv()
-    with pytest.raises(ProgramError, match=r"scaled_dot_product: parameter 'scale' \(times 1\.44.*, the score "
-                                           r"factor of softmax\): a float must be 0 or"):
+    with pytest.raises(
+        ProgramError,
+        match=r"scaled_dot_product: parameter 'scale' \(times 1\.44.*, the score "
+        r"factor of softmax\): a float must be 0 or",
+    ):
         af.attention(_sdp(scale))(q, k, v)
 
 
 @pytest.mark.parametrize("left, right", [(2**63 - 1, 0), (0, 2**63 - 1), (2**63 - 1, 2**63 - 1), (3, 2**40)])
 def test_the_widest_int64_windows_match_the_reference(left, right):
     """The reference computes q' + right in int64 too: it must not overflow."""
+
     @af.attention
     def window(q, k, v):
         return af.softmax(af.sliding_window(af.scaled_dot_product(q, k), left, right)) @ v

@@ -4,6 +4,7 @@ only what a plugin needs.
 
     python -m pytest -q tests/test_structure.py
 """
+
 from __future__ import annotations
 
 import ast
@@ -18,10 +19,26 @@ PACKAGES = {"attnfuse": ROOT / "attnfuse", "attnfuse_plugins": ROOT / "plugins"}
 # raises, parameter checks, the rotation helper, the device cache, the BlockMask type, and what its
 # ``examples`` draw with. None of these imports the frontend, the compiler, the runtime or the plugin manager.
 # A built-in may also import another built-in (which imports only these).
-PLUGIN_API = {"attnfuse.hookspecs", "attnfuse.combinator", "attnfuse.fragments", "attnfuse.errors", "attnfuse.checks",
-              "attnfuse.rotary", "attnfuse.device_cache", "attnfuse.block_mask", "attnfuse.examples_support"}
-OUTSIDE_PLUGIN_API = ("attnfuse.program", "attnfuse.dsl", "attnfuse.ir", "attnfuse.plugin_manager", "attnfuse.passes",
-                      "attnfuse.runtime", "attnfuse.testing")
+PLUGIN_API = {
+    "attnfuse.hookspecs",
+    "attnfuse.combinator",
+    "attnfuse.fragments",
+    "attnfuse.errors",
+    "attnfuse.checks",
+    "attnfuse.rotary",
+    "attnfuse.device_cache",
+    "attnfuse.block_mask",
+    "attnfuse.examples_support",
+}
+OUTSIDE_PLUGIN_API = (
+    "attnfuse.program",
+    "attnfuse.dsl",
+    "attnfuse.ir",
+    "attnfuse.plugin_manager",
+    "attnfuse.passes",
+    "attnfuse.runtime",
+    "attnfuse.testing",
+)
 
 
 def _modules() -> dict[str, Path]:
@@ -72,7 +89,7 @@ class _Imports(ast.NodeVisitor):
         base = node.module or ""
         if node.level:
             parts = self.package.split(".")
-            base = ".".join(parts[:len(parts) - node.level + 1] + ([node.module] if node.module else []))
+            base = ".".join(parts[: len(parts) - node.level + 1] + ([node.module] if node.module else []))
         for alias in node.names:
             self._add(f"{base}.{alias.name}" if f"{base}.{alias.name}" in MODULES else base)
 
@@ -96,8 +113,13 @@ def _in(module: str, *packages: str) -> bool:
 def test_the_runtime_sees_the_compiler_only_through_compile():
     """At most 2 (runtime file, compiler file) import pairs, none into codegen or lower, counting every
     import (in functions, and for type checking, too)."""
-    pairs = {(source, target) for source, found in IMPORTS.items() if _in(source, "attnfuse.runtime")
-             for target, _, _ in found if _in(target, "attnfuse.passes")}
+    pairs = {
+        (source, target)
+        for source, found in IMPORTS.items()
+        if _in(source, "attnfuse.runtime")
+        for target, _, _ in found
+        if _in(target, "attnfuse.passes")
+    }
     assert len(pairs) <= 2, sorted(pairs)
     assert not [p for p in pairs if _in(p[1], "attnfuse.passes.codegen", "attnfuse.passes.lower")], sorted(pairs)
 
@@ -105,8 +127,13 @@ def test_the_runtime_sees_the_compiler_only_through_compile():
 def test_nothing_after_tracing_looks_a_combinator_up():
     """The runtime never asks the plugin manager anything; the compiler asks it only for tiles (the
     ``attnfuse_tile_config`` hook), in the tile pass."""
-    askers = {source for source, found in IMPORTS.items() if _in(source, "attnfuse.runtime", "attnfuse.passes")
-              for target, _, _ in found if target == "attnfuse.plugin_manager"}
+    askers = {
+        source
+        for source, found in IMPORTS.items()
+        if _in(source, "attnfuse.runtime", "attnfuse.passes")
+        for target, _, _ in found
+        if target == "attnfuse.plugin_manager"
+    }
     assert askers <= {"attnfuse.passes.tile"}, sorted(askers)
 
 

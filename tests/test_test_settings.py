@@ -1,4 +1,5 @@
 """conftest.py's per-test seed and per-session kernel cache, which must hold on every pytest-xdist worker."""
+
 from __future__ import annotations
 
 import os

@@ -14,6 +14,7 @@ Each is registered from code (``attnfuse.register_plugin``), only for the durati
 checked by the conformance fuzzer (which composes it with every other registered combinator) and on a
 fixed program against the float64 reference.
 """
+
 from __future__ import annotations
 
 import math
@@ -25,8 +26,16 @@ import torch
 
 import attnfuse as af
 from attnfuse.checks import finite_number_or_none
-from attnfuse.combinator import (Combinator, MaskFragment, NormaliserFragment, Param, QKTransformFragment, Role,
-                                 ScalarArg, TensorArg)
+from attnfuse.combinator import (
+    Combinator,
+    MaskFragment,
+    NormaliserFragment,
+    Param,
+    QKTransformFragment,
+    Role,
+    ScalarArg,
+    TensorArg,
+)
 from attnfuse.errors import InputError
 from attnfuse.testing import assert_matches_reference, check_combinator
 
@@ -36,12 +45,15 @@ FUZZ_EXAMPLES = int(os.environ.get("ATTNFUSE_FUZZ_EXAMPLES", "6"))
 # Fixed programs run on the CPU (Triton's interpreter) always, and compiled on a GPU when there is one.
 CASES = [pytest.param("cpu", dtype, id=f"cpu-{str(dtype)[6:]}") for dtype in (torch.float32, torch.float16)]
 if torch.cuda.is_available():
-    CASES += [pytest.param("cuda", dtype, id=f"cuda-{str(dtype)[6:]}")
-              for dtype in (torch.float32, torch.float16, torch.bfloat16)]
+    CASES += [
+        pytest.param("cuda", dtype, id=f"cuda-{str(dtype)[6:]}")
+        for dtype in (torch.float32, torch.float16, torch.bfloat16)
+    ]
 
 
 # ---------------------------------------------------------------------------------------------------------
 # (a) qk_norm: a qk transform.
+
 
 def qk_norm_reference(q, k, ctx):
     """q (B, Hq, Nq, D), k (B, Hq, Nk, D) -> each row divided by max(its L2 norm, 1e-12)."""
@@ -71,10 +83,13 @@ QK_NORM = Combinator(
 # ---------------------------------------------------------------------------------------------------------
 # (b) document: a mask reading a runtime tensor.
 
+
 def _doc_ids(doc_ids, B: int, Nk: int) -> torch.Tensor:
     if not isinstance(doc_ids, torch.Tensor) or doc_ids.dtype not in (torch.int32, torch.int64):
-        raise InputError(f"_test_document: doc_ids must be an int32 or int64 tensor, "
-                         f"got {getattr(doc_ids, 'dtype', type(doc_ids).__name__)}")
+        raise InputError(
+            f"_test_document: doc_ids must be an int32 or int64 tensor, "
+            f"got {getattr(doc_ids, 'dtype', type(doc_ids).__name__)}"
+        )
     if doc_ids.shape != (B, Nk):
         raise InputError(f"_test_document: doc_ids must have shape (B, Nk) = ({B}, {Nk}), got {tuple(doc_ids.shape)}")
     return doc_ids
@@ -130,6 +145,7 @@ DOCUMENT = Combinator(
 # ---------------------------------------------------------------------------------------------------------
 # (c) sigmoid_attention: a normaliser.
 
+
 def _offset(bias, Nk: int) -> float:
     return -math.log(Nk) if bias is None else float(bias)
 
@@ -173,6 +189,7 @@ SIGMOID_ATTENTION = Combinator(
 # ---------------------------------------------------------------------------------------------------------
 # Registration, as a third party does from code.
 
+
 class _Plugin:
     """A plugin object providing one combinator."""
 
@@ -212,8 +229,7 @@ def test_registered_from_code(plugin):
 
 def _inputs(B, Hq, Hkv, Nq, Nk, D, dtype, seed, device="cpu"):
     g = torch.Generator().manual_seed(seed)
-    return tuple(torch.randn(B, h, n, D, generator=g).to(dtype).to(device)
-                 for h, n in ((Hq, Nq), (Hkv, Nk), (Hkv, Nk)))
+    return tuple(torch.randn(B, h, n, D, generator=g).to(dtype).to(device) for h, n in ((Hq, Nq), (Hkv, Nk), (Hkv, Nk)))
 
 
 def _seed(*key) -> int:
@@ -238,6 +254,7 @@ SHAPE_IDS = ["B{}_Hq{}_Hkv{}_Nq{}_Nk{}_D{}".format(*s) for s in SHAPES]
 # ---------------------------------------------------------------------------------------------------------
 # (a) qk_norm
 
+
 def test_qk_norm_conforms():
     check_combinator("_test_qk_norm", max_examples=FUZZ_EXAMPLES)
 
@@ -258,6 +275,7 @@ def test_qk_norm_fixed_program(device, dtype, shape):
 
 def test_qk_norm_scores_are_cosines():
     """With scale 1 and relu_attention, out·Nk against v = I reads the scores: cosine similarities."""
+
     @af.attention
     def cosines(q, k, v):
         return af.relu_attention(af.scaled_dot_product(*af._test_qk_norm(q, k), scale=1.0)) @ v
@@ -288,6 +306,7 @@ def test_qk_norm_is_hoisted_like_rope():
 
 def test_qk_norm_is_a_pair_transform():
     """The DSL call returns the transformed (q, k) pair; v or scores are refused."""
+
     @af.attention
     def on_v(q, k, v):
         return af.softmax(af.scaled_dot_product(*af._test_qk_norm(q, v))) @ v
@@ -298,6 +317,7 @@ def test_qk_norm_is_a_pair_transform():
 
 # ---------------------------------------------------------------------------------------------------------
 # (b) document
+
 
 def test_document_conforms():
     check_combinator("_test_document", max_examples=FUZZ_EXAMPLES)
@@ -338,8 +358,8 @@ def test_document_mask_is_what_it_says():
     s = (q @ k.transpose(-1, -2) / 4.0)[0, 0]
     for i in range(40):
         j0 = doc_ids[0].tolist().index(doc_ids[0, i].item())
-        w = torch.softmax(s[i, j0:i + 1], dim=-1)
-        torch.testing.assert_close(out[0, 0, i], w @ v[0, 0, j0:i + 1], atol=1e-5, rtol=1e-5)
+        w = torch.softmax(s[i, j0 : i + 1], dim=-1)
+        torch.testing.assert_close(out[0, 0, i], w @ v[0, 0, j0 : i + 1], atol=1e-5, rtol=1e-5)
 
 
 def test_document_rows_before_the_keys_keep_nothing():
@@ -362,6 +382,7 @@ def test_document_rejects_bad_doc_ids():
 
 # ---------------------------------------------------------------------------------------------------------
 # (c) sigmoid_attention
+
 
 def test_sigmoid_attention_conforms():
     check_combinator("_test_sigmoid_attention", max_examples=FUZZ_EXAMPLES)
@@ -404,6 +425,7 @@ def test_sigmoid_attention_rejects_bad_bias(bias):
 
 # ---------------------------------------------------------------------------------------------------------
 # All three at once, in one kernel.
+
 
 @af.attention
 def everything(q, k, v, doc_ids):

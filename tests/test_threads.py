@@ -1,6 +1,7 @@
 """Programs called from many threads at once: first calls (tracing and compiling), decoding and training.
 Every result equals the float64 reference, and each program is traced, and each (graph, config) planned
 and each kernel loaded, exactly once (on a GPU, each binary compiled once); and the cache doing it, LRUCache."""
+
 import threading
 from collections import Counter
 
@@ -23,6 +24,7 @@ DTYPES = {"cpu": (torch.float32, torch.float16), "cuda": (torch.float32, torch.f
 
 def _programs():
     """Fresh programs (traced in the test): rope (a device-cached table), ALiBi, a sliding window."""
+
     def rope(q, k, v):
         return af.softmax(af.causal(af.rope(q, k))) @ v
 
@@ -31,6 +33,7 @@ def _programs():
 
     def window(q, k, v):
         return af.softmax(af.sliding_window(af.scaled_dot_product(q, k), left=8)) @ v
+
     return [af.attention(fn) for fn in (rope, alibi, window)]
 
 
@@ -44,12 +47,14 @@ def builds(monkeypatch):
         def wrapper(*args):
             counts[what][key(*args)] += 1
             return fn(*args)
+
         return wrapper
 
     monkeypatch.setattr(program_module, "trace", counted("traces", trace, lambda fn, *_: fn))
     monkeypatch.setattr(compiler, "compile", counted("plans", compile_plan, lambda graph, config: (graph, config)))
-    monkeypatch.setattr(kernel_module, "load_function",
-                        counted("kernels", load_function, lambda source, name, path: (name, source)))
+    monkeypatch.setattr(
+        kernel_module, "load_function", counted("kernels", load_function, lambda source, name, path: (name, source))
+    )
     clear_cache()
     yield counts
     clear_cache()
@@ -66,6 +71,7 @@ def _together(jobs):
             results[i] = job()
         except BaseException as exc:  # re-raised by the main thread
             results[i] = exc
+
     threads = [threading.Thread(target=run, args=(i, job)) for i, job in enumerate(jobs)]
     for t in threads:
         t.start()
@@ -87,17 +93,22 @@ def _assert_once(counts):
 def test_first_calls_from_many_threads_trace_and_compile_once(builds, device, monkeypatch):
     if device == "cuda":  # Triton compiles a binary for each specialisation at its first launch
         direct_launch = launcher._direct_launch
-        monkeypatch.setattr(launcher, "_direct_launch",
-                            lambda kernel: builds["binaries"].update([kernel.hash]) or direct_launch(kernel))
+        monkeypatch.setattr(
+            launcher, "_direct_launch", lambda kernel: builds["binaries"].update([kernel.hash]) or direct_launch(kernel)
+        )
     programs = _programs()
     cases = [(p, dtype) for p in programs for dtype in DTYPES[device]]
-    inputs = {dtype: tuple(torch.randn(1, 2, 24, 16, dtype=dtype, device=device) for _ in range(3))
-              for dtype in DTYPES[device]}
+    inputs = {
+        dtype: tuple(torch.randn(1, 2, 24, 16, dtype=dtype, device=device) for _ in range(3))
+        for dtype in DTYPES[device]
+    }
 
     def job(i):
         def calls():  # every case, each thread starting at a different one
-            return [(p, dtype, p(*inputs[dtype])) for p, dtype in cases[i % len(cases):] + cases[:i % len(cases)]]
+            return [(p, dtype, p(*inputs[dtype])) for p, dtype in cases[i % len(cases) :] + cases[: i % len(cases)]]
+
         return calls
+
     for results in _together([job(i) for i in range(THREADS)]):
         for p, dtype, out in results:
             q, k, v = inputs[dtype]
@@ -117,8 +128,10 @@ def test_decoding_and_training_threads_on_one_program(builds):
 
         def step():
             out = program(q, k, v, kv_lens=lens)
-            assert_matches_reference(out, program.reference(q, k, v, kv_lens=lens),
-                                     program.reference(q, k, v, kv_lens=lens, dtype=dtype))
+            assert_matches_reference(
+                out, program.reference(q, k, v, kv_lens=lens), program.reference(q, k, v, kv_lens=lens, dtype=dtype)
+            )
+
         return step
 
     def train(dtype):
@@ -131,6 +144,7 @@ def test_decoding_and_training_threads_on_one_program(builds):
             want_lowp = torch.autograd.grad(program.reference(q, k, v, dtype=dtype), (q, k, v), dout)
             for name, a, b, c in zip(("dq", "dk", "dv"), got, want64, want_lowp):
                 assert_matches_reference(a, b, c, what=name)
+
         return step
 
     _together([maker(dtype) for dtype in DTYPES["cpu"] for maker in (decode, train) for _ in range(THREADS // 4)])
@@ -161,6 +175,7 @@ def test_lru_cache_builds_a_key_once_while_other_keys_build():
                 got.append(cache.get_or_build(key, lambda: build(key, fail)))
             except ValueError as exc:
                 got.append(exc)
+
         threads = [threading.Thread(target=ask) for _ in range(5)]
         threads[0].start()
         building.wait()

@@ -1,6 +1,7 @@
 """Tiles chosen by plugins: the ``attnfuse_tile_config`` hook (pluggy's firstresult: the first plugin that
 answers decides) comes before the rules of ``attnfuse_tile_configs``, which come before the built-in table;
 the kernels run with the tiles chosen and still match the reference."""
+
 import pytest
 import torch
 
@@ -48,6 +49,7 @@ def registered():
         names.append(f"test-tiles-{len(names)}")
         af.register_plugin(plugin, name=names[-1])
         clear_cache()
+
     yield register
     for name in names:
         af.unregister_plugin(name)
@@ -70,8 +72,9 @@ def test_a_program_runs_with_the_tiles_chosen(registered):
     registered(Chooser(CHOSEN))
     out = causal(q, k, v)
     assert last_call().forward.kernel.tiles == CHOSEN
-    assert_matches_reference(out, causal.reference(q, k, v), causal.reference(q, k, v, dtype=torch.float32),
-                             torch.float32)
+    assert_matches_reference(
+        out, causal.reference(q, k, v), causal.reference(q, k, v, dtype=torch.float32), torch.float32
+    )
 
 
 def test_an_answer_that_is_not_tiles_is_a_plugin_error(registered):

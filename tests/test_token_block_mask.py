@@ -2,6 +2,7 @@
 with no kept pair are skipped, blocks kept in full run unmasked, and partial blocks keep exactly their kept
 pairs (their token masks, read by the kernels). Compared with a float64 dense attention of the same
 token-level mask, computed here from the predicate; the block-level builder keeps the old meaning."""
+
 import math
 import pickle
 import warnings
@@ -34,8 +35,12 @@ def token_mask(predicate, B, H, Nq, Nk, block_size):
 
 def dense_keep(predicate, B, H, Nq, Nk) -> torch.Tensor:
     """The predicate on every (b, h, q, kv) at once: (B, H, Nq, Nk) bool."""
-    idx = (torch.arange(B).view(-1, 1, 1, 1), torch.arange(H).view(1, -1, 1, 1),
-           torch.arange(Nq).view(1, 1, -1, 1), torch.arange(Nk).view(1, 1, 1, -1))
+    idx = (
+        torch.arange(B).view(-1, 1, 1, 1),
+        torch.arange(H).view(1, -1, 1, 1),
+        torch.arange(Nq).view(1, 1, -1, 1),
+        torch.arange(Nk).view(1, 1, 1, -1),
+    )
     return torch.broadcast_to(predicate(*idx), (B, H, Nq, Nk))
 
 
@@ -54,8 +59,10 @@ def _check_against(out, ref64, ref_in_dtype, q, k, v):
 
 
 def _qkv(B, H, Nq, Nk, D=16):
-    return (torch.randn(B, H, Nq, D, requires_grad=True), *(torch.randn(B, H, Nk, D, requires_grad=True)
-                                                            for _ in range(2)))
+    return (
+        torch.randn(B, H, Nq, D, requires_grad=True),
+        *(torch.randn(B, H, Nk, D, requires_grad=True) for _ in range(2)),
+    )
 
 
 @pytest.mark.parametrize("N, block_size", [(48, 16), (50, 16), (64, 32)])
@@ -64,8 +71,9 @@ def test_causal_predicate_equals_causal(N, block_size):
     q, k, v = _qkv(2, 2, N, N)
     mask = token_mask(lambda b, h, q_idx, kv_idx: q_idx >= kv_idx, None, None, N, N, block_size)
     out = sparse(q, k, v, mask)
-    _check_against(out, causal.reference(q, k, v, dtype=torch.float64), causal.reference(q, k, v, dtype=q.dtype),
-                   q, k, v)
+    _check_against(
+        out, causal.reference(q, k, v, dtype=torch.float64), causal.reference(q, k, v, dtype=q.dtype), q, k, v
+    )
 
 
 def _predicates(B, H, Nq, Nk):
@@ -90,8 +98,9 @@ def test_flex_predicates_match_the_dense_reference(name, Nq, Nk, block_size):
     mask = token_mask(predicate, B, H, Nq, Nk, block_size)
     keep = dense_keep(predicate, B, H, Nq, Nk)
     out = sparse(q, k, v, mask)
-    _check_against(out, dense_attention(q.double(), k.double(), v.double(), keep), dense_attention(q, k, v, keep),
-                   q, k, v)
+    _check_against(
+        out, dense_attention(q.double(), k.double(), v.double(), keep), dense_attention(q, k, v, keep), q, k, v
+    )
 
 
 @pytest.mark.parametrize("name", ["sliding_window", "prefix_lm", "documents", "random", "head_dependent"])
@@ -134,6 +143,7 @@ def test_predicate_is_evaluated_per_chunk_of_block_rows(monkeypatch):
     def recording(b, h, q, kv):
         rows.append(q.numel())
         return predicate(b, h, q, kv)
+
     monkeypatch.setattr(block_mask_module, "CHUNK_ELEMENTS", B * H * 2 * bs * Nk)
     chunked = token_mask(recording, B, H, Nq, Nk, bs)
     assert rows == [32, 32, 32, 4]  # two block rows a call, the last one ragged
@@ -159,11 +169,14 @@ def test_flex_keyword_names():
             af.create_block_mask(predicate, 2, None, 40, 50, BLOCK_SIZE=(16, 32))
 
 
-@pytest.mark.parametrize("result, message", [
-    (lambda q, kv: (q >= kv).int(), r"must return a bool tensor broadcastable to .* got torch.int32"),
-    (lambda q, kv: True, r"must return a bool tensor broadcastable to .* got bool"),
-    (lambda q, kv: torch.ones(3, 5, dtype=torch.bool), r"got shape \(3, 5\)"),
-])
+@pytest.mark.parametrize(
+    "result, message",
+    [
+        (lambda q, kv: (q >= kv).int(), r"must return a bool tensor broadcastable to .* got torch.int32"),
+        (lambda q, kv: True, r"must return a bool tensor broadcastable to .* got bool"),
+        (lambda q, kv: torch.ones(3, 5, dtype=torch.bool), r"got shape \(3, 5\)"),
+    ],
+)
 def test_bad_predicate_results(result, message):
     with pytest.raises(InputError, match=message):
         token_mask(lambda b, h, q, kv: result(q, kv), None, None, 32, 32, 16)
@@ -179,8 +192,9 @@ def test_block_level_builder_keeps_the_old_meaning():
     keep = grid.repeat_interleave(bs, 0).repeat_interleave(bs, 1).expand(1, 2, N, N)
     q, k, v = _qkv(1, 2, N, N)
     out = sparse(q, k, v, mask)
-    _check_against(out, dense_attention(q.double(), k.double(), v.double(), keep), dense_attention(q, k, v, keep),
-                   q, k, v)
+    _check_against(
+        out, dense_attention(q.double(), k.double(), v.double(), keep), dense_attention(q, k, v, keep), q, k, v
+    )
 
 
 def test_deprecation_notice_once(monkeypatch):
@@ -190,8 +204,11 @@ def test_deprecation_notice_once(monkeypatch):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         af.create_block_mask_from_blocks(lambda b, h, qb, kb: qb >= kb, None, None, 32, 32, block_size=16)
-    with pytest.warns(DeprecationWarning, match=r"af.create_block_mask now evaluates its predicate per token, .*"
-                                                r"call af.create_block_mask_from_blocks\(predicate, B, H, Nq, Nk"):
+    with pytest.warns(
+        DeprecationWarning,
+        match=r"af.create_block_mask now evaluates its predicate per token, .*"
+        r"call af.create_block_mask_from_blocks\(predicate, B, H, Nq, Nk",
+    ):
         af.create_block_mask(lambda b, h, q, kv: q >= kv, None, None, 32, 32, block_size=16)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
@@ -207,13 +224,22 @@ def test_decoding_few_queries_with_kv_lens():
     mask = token_mask(lambda b, h, qi, kv: (kv % 7 != qi) & (kv < 70 + 5 * qi), None, None, Nq, Nk, 16)
     assert mask.partial_blocks() > 0
     out = sparse(q, k, v, mask, kv_lens=lens)
-    assert_matches_reference(out, sparse.reference(q, k, v, mask, kv_lens=lens, dtype=torch.float64),
-                             sparse.reference(q, k, v, mask, kv_lens=lens, dtype=q.dtype), q.dtype)
+    assert_matches_reference(
+        out,
+        sparse.reference(q, k, v, mask, kv_lens=lens, dtype=torch.float64),
+        sparse.reference(q, k, v, mask, kv_lens=lens, dtype=q.dtype),
+        q.dtype,
+    )
 
 
 def _fields(mask: BlockMask) -> dict:
-    return {"Nq": mask.Nq, "Nk": mask.Nk, "block_size": mask.block_size, "kv_heavy_blocks": mask.kv_heavy_blocks,
-            **{name: t.clone() for name, t in zip(block_mask_module.TENSORS, mask.tensors())}}
+    return {
+        "Nq": mask.Nq,
+        "Nk": mask.Nk,
+        "block_size": mask.block_size,
+        "kv_heavy_blocks": mask.kv_heavy_blocks,
+        **{name: t.clone() for name, t in zip(block_mask_module.TENSORS, mask.tensors())},
+    }
 
 
 def test_hand_built_partial_blocks_are_checked():
@@ -225,13 +251,19 @@ def test_hand_built_partial_blocks_are_checked():
         BlockMask(**bad)
     bad = _fields(mask)
     bad["partial_index"][0, 0, 0, 2] = 0
-    with pytest.raises(InputError, match=r"block_mask.partial_index\[0, 0, 0, 2\] = 0 names a token mask for a "
-                                         r"block that block_mask.active\[0, 0, 0, 2\] marks inactive"):
+    with pytest.raises(
+        InputError,
+        match=r"block_mask.partial_index\[0, 0, 0, 2\] = 0 names a token mask for a "
+        r"block that block_mask.active\[0, 0, 0, 2\] marks inactive",
+    ):
         BlockMask(**bad)
     bad = _fields(mask)
     bad["partial_masks"] = bad["partial_masks"][:, :8]
-    with pytest.raises(InputError, match=r"block_mask.partial_masks must be a torch.bool tensor \(P, block_size, "
-                                         r"block_size\) = \(1, 16, 16\)"):
+    with pytest.raises(
+        InputError,
+        match=r"block_mask.partial_masks must be a torch.bool tensor \(P, block_size, "
+        r"block_size\) = \(1, 16, 16\)",
+    ):
         BlockMask(**bad)
     bad = _fields(mask)
     del bad["partial_masks"]

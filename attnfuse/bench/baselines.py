@@ -2,6 +2,7 @@
 
 flex_attention and the pre-rotation are compiled on first use (``compiled()``), not at import.
 """
+
 from __future__ import annotations
 
 import functools
@@ -74,8 +75,9 @@ def flex_block_mask(active: torch.Tensor):
 
     counts = active.sum(-1, dtype=torch.int32)
     order = torch.argsort((~active).to(torch.int8), dim=-1, stable=True).to(torch.int32)  # active blocks first
-    return BlockMask.from_kv_blocks(torch.zeros_like(counts), torch.zeros_like(order), counts, order,
-                                    BLOCK_SIZE=SPARSE_BLOCK)
+    return BlockMask.from_kv_blocks(
+        torch.zeros_like(counts), torch.zeros_like(order), counts, order, BLOCK_SIZE=SPARSE_BLOCK
+    )
 
 
 def failure(exc: BaseException) -> str:

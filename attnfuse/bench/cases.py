@@ -3,6 +3,7 @@
 Geometries are (B, Hq, Hkv, D); decoding models (Hq, Hkv, D, cache length). Nothing here needs a GPU
 except where a ``device`` says so.
 """
+
 from __future__ import annotations
 
 import torch
@@ -10,8 +11,7 @@ import torch
 import attnfuse as af
 
 GEOMETRIES = {"gpt2": (4, 12, 12, 64), "llama3-8b": (1, 32, 8, 128)}
-DECODE_MODELS = {"llama3-8b": (32, 8, 128, 4096), "llama3-70b": (64, 8, 128, 32768),
-                 "mistral-7b": (32, 8, 128, 16384)}
+DECODE_MODELS = {"llama3-8b": (32, 8, 128, 4096), "llama3-70b": (64, 8, 128, 32768), "mistral-7b": (32, 8, 128, 16384)}
 WINDOW = 256  # keys kept per query by sliding_window, its own included
 SPARSE_BLOCK = 128  # BigBird's block size, for AttnFuse's BlockMask and flex's alike
 
@@ -82,8 +82,16 @@ def alibi_slopes(H: int, device) -> torch.Tensor:
     return torch.tensor(default_slopes(H), device=device, dtype=torch.float32)
 
 
-def bigbird_blocks(B: int, H: int, N: int, block: int = SPARSE_BLOCK, seed: int = 0, randoms: int = 3,
-                   global_blocks: int = 2, device="cuda") -> torch.Tensor:
+def bigbird_blocks(
+    B: int,
+    H: int,
+    N: int,
+    block: int = SPARSE_BLOCK,
+    seed: int = 0,
+    randoms: int = 3,
+    global_blocks: int = 2,
+    device="cuda",
+) -> torch.Tensor:
     """BigBird's (B, H, N/block, N/block) bool block grid: a band of ±1 blocks, ``global_blocks`` global
     blocks and ``randoms`` random blocks per query block."""
     n = N // block

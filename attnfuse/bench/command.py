@@ -5,6 +5,7 @@ Needs a CUDA GPU (without one it says so and exits 2).
     attnfuse bench --suite forward --geometry llama3-8b --N 4096,8192 --json out.json --plot out.png
     python -m attnfuse.bench ...      (the same, for a tree whose attnfuse.cli has no bench command)
 """
+
 from __future__ import annotations
 
 import argparse
@@ -20,11 +21,15 @@ from .cases import BACKWARD_VARIANTS, FORWARD_VARIANTS, GEOMETRIES
 from .rows import TABLE_SUITES
 
 SUITES = (*TABLE_SUITES, "memory", "overhead")
-DESCRIPTION = ("Time AttnFuse against SDPA (cuDNN, FlashAttention-2), compiled flex_attention and a hand-written "
-               "FA2 Triton kernel, in one process on the same bf16 inputs; print a table, and optionally write "
-               "JSON, a plot and the benchmark page. Needs a CUDA GPU.")
-NO_CUDA = ("bench needs a CUDA GPU: torch.cuda.is_available() is False here. Run it on a machine with "
-           "one (`attnfuse demo` runs on the CPU)")
+DESCRIPTION = (
+    "Time AttnFuse against SDPA (cuDNN, FlashAttention-2), compiled flex_attention and a hand-written "
+    "FA2 Triton kernel, in one process on the same bf16 inputs; print a table, and optionally write "
+    "JSON, a plot and the benchmark page. Needs a CUDA GPU."
+)
+NO_CUDA = (
+    "bench needs a CUDA GPU: torch.cuda.is_available() is False here. Run it on a machine with "
+    "one (`attnfuse demo` runs on the CPU)"
+)
 
 
 def _choices(allowed: Sequence[str], name: str):
@@ -32,9 +37,12 @@ def _choices(allowed: Sequence[str], name: str):
         chosen = list(allowed) if value == "all" else value.split(",")
         unknown = [c for c in chosen if c not in allowed]
         if unknown or not chosen:
-            raise argparse.ArgumentTypeError(f"unknown {name} {', '.join(map(repr, unknown))}: use a comma-separated "
-                                             f"list of {', '.join(allowed)}, or all")
+            raise argparse.ArgumentTypeError(
+                f"unknown {name} {', '.join(map(repr, unknown))}: use a comma-separated "
+                f"list of {', '.join(allowed)}, or all"
+            )
         return chosen
+
     return parse
 
 
@@ -49,16 +57,34 @@ def _sizes(value: str) -> list[int]:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--suite", type=_choices(SUITES, "suite"), default=list(SUITES), metavar="SUITES",
-                   help=f"comma-separated: {', '.join(SUITES)}, or all (default)")
-    p.add_argument("--geometry", type=_choices(tuple(GEOMETRIES), "geometry"), default=list(GEOMETRIES),
-                   metavar="G", help=f"forward and backward: {', '.join(GEOMETRIES)} (comma-separated; default all)")
+    p.add_argument(
+        "--suite",
+        type=_choices(SUITES, "suite"),
+        default=list(SUITES),
+        metavar="SUITES",
+        help=f"comma-separated: {', '.join(SUITES)}, or all (default)",
+    )
+    p.add_argument(
+        "--geometry",
+        type=_choices(tuple(GEOMETRIES), "geometry"),
+        default=list(GEOMETRIES),
+        metavar="G",
+        help=f"forward and backward: {', '.join(GEOMETRIES)} (comma-separated; default all)",
+    )
     p.add_argument("--N", type=_sizes, default=[2048, 4096, 8192, 16384], help="forward: sequence lengths")
-    p.add_argument("--variants", type=_choices(FORWARD_VARIANTS, "variant"), default=list(FORWARD_VARIANTS),
-                   help=f"forward: {', '.join(FORWARD_VARIANTS)}")
+    p.add_argument(
+        "--variants",
+        type=_choices(FORWARD_VARIANTS, "variant"),
+        default=list(FORWARD_VARIANTS),
+        help=f"forward: {', '.join(FORWARD_VARIANTS)}",
+    )
     p.add_argument("--backward-N", type=_sizes, default=[2048, 4096, 8192], help="backward: sequence lengths")
-    p.add_argument("--backward-variants", type=_choices(BACKWARD_VARIANTS, "variant"),
-                   default=list(BACKWARD_VARIANTS), help=f"backward: {', '.join(BACKWARD_VARIANTS)}")
+    p.add_argument(
+        "--backward-variants",
+        type=_choices(BACKWARD_VARIANTS, "variant"),
+        default=list(BACKWARD_VARIANTS),
+        help=f"backward: {', '.join(BACKWARD_VARIANTS)}",
+    )
     p.add_argument("--json", metavar="PATH", help="write every result row as JSON")
     p.add_argument("--plot", metavar="PATH", help="draw TFLOP/s against N per variant (PNG; needs matplotlib)")
     p.add_argument("--markdown", metavar="PATH", help="write the benchmark page (docs/benchmarks.md)")
@@ -66,8 +92,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def add_bench_parser(sub) -> None:
     """Register ``bench`` on the ``attnfuse`` command's subparsers."""
-    p = sub.add_parser("bench", help="time AttnFuse against SDPA and flex_attention on a CUDA GPU",
-                       description=DESCRIPTION)
+    p = sub.add_parser(
+        "bench", help="time AttnFuse against SDPA and flex_attention on a CUDA GPU", description=DESCRIPTION
+    )
     add_arguments(p)
     p.set_defaults(func=cmd_bench)
 
@@ -80,8 +107,12 @@ def command_line(args: argparse.Namespace) -> str:
     if "forward" in args.suite:
         words += ["--N", ",".join(map(str, args.N)), "--variants", ",".join(args.variants)]
     if "backward" in args.suite:
-        words += ["--backward-N", ",".join(map(str, args.backward_N)),
-                  "--backward-variants", ",".join(args.backward_variants)]
+        words += [
+            "--backward-N",
+            ",".join(map(str, args.backward_N)),
+            "--backward-variants",
+            ",".join(args.backward_variants),
+        ]
     for option in ("json", "plot", "markdown"):
         if getattr(args, option):
             words += [f"--{option}", getattr(args, option)]
@@ -92,9 +123,14 @@ def run_meta(args: argparse.Namespace) -> dict[str, str]:
     import torch
     import triton
 
-    return {"date": datetime.date.today().isoformat(), "gpu": torch.cuda.get_device_name(0),
-            "torch": torch.__version__, "triton": triton.__version__, "python": platform.python_version(),
-            "command": command_line(args)}
+    return {
+        "date": datetime.date.today().isoformat(),
+        "gpu": torch.cuda.get_device_name(0),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "python": platform.python_version(),
+        "command": command_line(args),
+    }
 
 
 def cmd_bench(args: argparse.Namespace, out: TextIO) -> int:

@@ -7,6 +7,7 @@ It covers what the benchmark needs and no more: N a multiple of the block, equal
 
     out = fa2_forward(q, k, v, causal=True)   # q (B, Hq, N, D); k, v (B, Hkv, N, D)
 """
+
 from __future__ import annotations
 
 import math
@@ -17,11 +18,32 @@ import triton.language as tl
 
 
 @triton.jit
-def _fa2_forward(Q, K, V, Out, qk_scale,
-                 stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
-                 stride_vb, stride_vh, stride_vn, stride_ob, stride_oh, stride_om,
-                 H, N, GROUP: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 CAUSAL: tl.constexpr):
+def _fa2_forward(
+    Q,
+    K,
+    V,
+    Out,
+    qk_scale,
+    stride_qb,
+    stride_qh,
+    stride_qm,
+    stride_kb,
+    stride_kh,
+    stride_kn,
+    stride_vb,
+    stride_vh,
+    stride_vn,
+    stride_ob,
+    stride_oh,
+    stride_om,
+    H,
+    N,
+    GROUP: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr,
+):
     start_m = tl.num_programs(0) - 1 - tl.program_id(0)
     b = tl.program_id(1) // H
     h = tl.program_id(1) % H
@@ -55,8 +77,10 @@ def _fa2_forward(Q, K, V, Out, qk_scale,
             acc = tl.dot(p.to(q.dtype), tl.load(v_ptrs + start_n * stride_vn), acc * alpha[:, None])
             m_i = m_new
     out = acc / l_i[:, None]
-    tl.store(Out + b.to(tl.int64) * stride_ob + h.to(tl.int64) * stride_oh + rows[:, None] * stride_om + d[None, :],
-             out.to(Out.dtype.element_ty))
+    tl.store(
+        Out + b.to(tl.int64) * stride_ob + h.to(tl.int64) * stride_oh + rows[:, None] * stride_om + d[None, :],
+        out.to(Out.dtype.element_ty),
+    )
 
 
 def fa2_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> torch.Tensor:
@@ -67,7 +91,23 @@ def fa2_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool)
         raise ValueError("fa2_forward needs N a multiple of the block, Nq == Nk and a contiguous head dim")
     out = torch.empty_like(q)
     _fa2_forward[(N // block_m, B * H)](
-        q, k, v, out, 1.4426950408889634 / math.sqrt(D), *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
-        *out.stride()[:3], H, N, GROUP=H // k.shape[1], D=D, BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=causal,
-        num_warps=warps, num_stages=stages)
+        q,
+        k,
+        v,
+        out,
+        1.4426950408889634 / math.sqrt(D),
+        *q.stride()[:3],
+        *k.stride()[:3],
+        *v.stride()[:3],
+        *out.stride()[:3],
+        H,
+        N,
+        GROUP=H // k.shape[1],
+        D=D,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        CAUSAL=causal,
+        num_warps=warps,
+        num_stages=stages,
+    )
     return out

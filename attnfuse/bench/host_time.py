@@ -1,5 +1,6 @@
 """Where a warm eager call's host time goes: the whole ``program(...)`` call and each of its pieces, timed
 alone over the same inputs (no synchronisation), in microseconds per call."""
+
 from __future__ import annotations
 
 import time
@@ -13,8 +14,7 @@ from attnfuse.runtime.validate import check_call_values
 
 from .cases import bigbird_program, causal, decode_program, rope_tables
 
-PIECES = ("whole call", "arguments and trace lookup", "call signature lookup", "kv_lens/block_table check",
-          "launches")
+PIECES = ("whole call", "arguments and trace lookup", "call signature lookup", "kv_lens/block_table check", "launches")
 
 
 def per_call_us(fn: Callable[[], Any], calls: int, warmup: int = 5) -> float:
@@ -27,8 +27,9 @@ def per_call_us(fn: Callable[[], Any], calls: int, warmup: int = 5) -> float:
     return (time.perf_counter() - start) / calls * 1e6
 
 
-def breakdown(program: af.AttentionProgram, q, k, v, *extra: Any, calls: int = 500,
-              kv_lens=None, block_table=None) -> dict[str, float]:
+def breakdown(
+    program: af.AttentionProgram, q, k, v, *extra: Any, calls: int = 500, kv_lens=None, block_table=None
+) -> dict[str, float]:
     """Microseconds per warm call of ``program(q, k, v, *extra, kv_lens=..., block_table=...)`` and of each
     piece of it (``PIECES``; the check only with ``kv_lens``): the pieces are timed alone, so their sum
     differs from the whole by the timer's and the glue's share."""
@@ -38,8 +39,9 @@ def breakdown(program: af.AttentionProgram, q, k, v, *extra: Any, calls: int = 5
     grads = launch.wanted_grads(q, k, v, inputs)
 
     def signature():
-        return launch.planned(graph, q, k, v, inputs, kv_lens, block_table, return_lse=False, grads=grads,
-                              split_kv=None)
+        return launch.planned(
+            graph, q, k, v, inputs, kv_lens, block_table, return_lse=False, grads=grads, split_kv=None
+        )
 
     def trace_lookup():
         (_, args, kwargs) = program._take_qkv((q, k, v, *extra), {})
@@ -76,8 +78,9 @@ def breakdown_lines(device: str, calls: int = 500, N: int = 128, D: int = 64) ->
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     q, k, v = (torch.randn(1, 4, N, D, device=device, dtype=dtype) for _ in range(3))
     cos, sin = rope_tables(N, D, device)
-    mask = af.create_block_mask_from_blocks(lambda b, h, qb, kb: kb <= qb, None, None, N, N,
-                                            block_size=min(N, 64), device=device)
+    mask = af.create_block_mask_from_blocks(
+        lambda b, h, qb, kb: kb <= qb, None, None, N, N, block_size=min(N, 64), device=device
+    )
     page, pages = 16, -(-N // 16)
     pool_k, pool_v = (torch.randn(pages, page, 4, D, device=device, dtype=dtype) for _ in range(2))
     table = torch.arange(pages, device=device, dtype=torch.int32)[None]
@@ -86,8 +89,13 @@ def breakdown_lines(device: str, calls: int = 500, N: int = 128, D: int = 64) ->
         "causal": (causal, (q, k, v), {}),
         "rope+causal, cos/sin tables": (rope_tables_causal, (q, k, v, cos, sin), {}),
         "BlockMask (causal blocks)": (bigbird_program, (q, k, v, mask), {}),
-        "decode, paged, kv_lens and block_table, validated": (decode_program, (q[:, :, -1:], pool_k, pool_v),
-                                                              {"kv_lens": lens, "block_table": table}),
+        "decode, paged, kv_lens and block_table, validated": (
+            decode_program,
+            (q[:, :, -1:], pool_k, pool_v),
+            {"kv_lens": lens, "block_table": table},
+        ),
     }
-    return [breakdown_line(case, breakdown(program, *args, calls=calls, **options))
-            for case, (program, args, options) in cases.items()]
+    return [
+        breakdown_line(case, breakdown(program, *args, calls=calls, **options))
+        for case, (program, args, options) in cases.items()
+    ]

@@ -1,4 +1,5 @@
 """The list suites: peak memory of a training step, and host time per call. Each returns its lines."""
+
 from __future__ import annotations
 
 import time

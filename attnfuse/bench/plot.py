@@ -1,5 +1,6 @@
 """Speed against N: one panel per (suite, geometry, variant), a line per contender (matplotlib, the
 optional extra ``bench``)."""
+
 from __future__ import annotations
 
 from .rows import CONTENDERS, SUITE_TITLES, Row
@@ -42,8 +43,13 @@ def plot(rows: list[Row], path: str, title: str, columns: int = 4) -> int:
         for color, (contender, label) in enumerate(CONTENDERS.items()):  # one colour per contender throughout
             points = [(r.N, r.rate(r.times[contender])) for r in group if isinstance(r.times.get(contender), float)]
             if points:
-                ax.plot(*zip(*points), marker="o", label=label, color=f"C{color}",
-                        linestyle="-" if contender == "attnfuse" else "--")
+                ax.plot(
+                    *zip(*points),
+                    marker="o",
+                    label=label,
+                    color=f"C{color}",
+                    linestyle="-" if contender == "attnfuse" else "--",
+                )
         ax.set_xscale("log", base=2)
         ax.set_xticks([r.N for r in group], [str(r.N) for r in group])
         ax.minorticks_off()
@@ -51,7 +57,7 @@ def plot(rows: list[Row], path: str, title: str, columns: int = 4) -> int:
         ax.set_xlabel("N")
         ax.set_ylabel(group[0].unit)
         ax.legend(fontsize=7)
-    for ax in list(axes.flat)[len(grouped):]:
+    for ax in list(axes.flat)[len(grouped) :]:
         ax.set_visible(False)
     fig.suptitle(title)
     fig.tight_layout()

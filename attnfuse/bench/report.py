@@ -9,6 +9,7 @@ A marked section runs from a line ``<!-- BEGIN name -->`` to a line ``<!-- END n
 ``--markdown-section PATH``) replaces it and nothing else (``write_section``); ``attnfuse bench --markdown``
 rewrites the page around the marked sections and keeps them.
 """
+
 from __future__ import annotations
 
 import os
@@ -20,15 +21,17 @@ from .rows import CONTENDERS, SUITE_TITLES, Report, Row
 
 SECTION = re.compile(r"^<!-- BEGIN (?P<name>[\w.-]+) -->\n(?P<body>.*?)^<!-- END (?P=name) -->\n?", re.M | re.S)
 RATIOS = {"flex": "flex / AttnFuse", "cudnn": "cuDNN / AttnFuse"}
-EXPLANATION = ("Each row runs every contender in one process on the same inputs. TFLOP/s count only the (query, "
-               "key) pairs a variant keeps (4·B·Hq·pairs·D forward, 3.5× that for forward+backward); decoding "
-               "rows give GB/s of K and V read once. Ratio columns: a baseline's time over AttnFuse's (above 1: "
-               "AttnFuse is faster). \"max abs diff\": AttnFuse's output (forward) or dQ (forward+backward) "
-               "against a baseline's on the same inputs. Geometries (B, Hq, Hkv, D): "
-               + ", ".join(f"{name} {shape}" for name, shape in GEOMETRIES.items())
-               + f"; sliding_window keeps {WINDOW} keys per query, its own included; RoPE baselines attend with "
-               "q and k pre-rotated by a compiled function, timed with them. Earlier runs are in this file's git "
-               "history.")
+EXPLANATION = (
+    "Each row runs every contender in one process on the same inputs. TFLOP/s count only the (query, "
+    "key) pairs a variant keeps (4·B·Hq·pairs·D forward, 3.5× that for forward+backward); decoding "
+    "rows give GB/s of K and V read once. Ratio columns: a baseline's time over AttnFuse's (above 1: "
+    'AttnFuse is faster). "max abs diff": AttnFuse\'s output (forward) or dQ (forward+backward) '
+    "against a baseline's on the same inputs. Geometries (B, Hq, Hkv, D): "
+    + ", ".join(f"{name} {shape}" for name, shape in GEOMETRIES.items())
+    + f"; sliding_window keeps {WINDOW} keys per query, its own included; RoPE baselines attend with "
+    "q and k pre-rotated by a compiled function, timed with them. Earlier runs are in this file's git "
+    "history."
+)
 
 
 def cell(row: Row, contender: str) -> str:
@@ -77,8 +80,10 @@ def versions(meta: dict[str, str]) -> str:
     """The run's date, GPU and software versions on one line (``meta``'s keys date, gpu, torch, triton,
     python, and transformers when given)."""
     hf = f" · transformers {meta['transformers']}" if meta.get("transformers") else ""
-    return (f"{meta['date']} · {meta['gpu']} · torch {meta['torch']} · triton {meta['triton']}{hf} · "
-            f"Python {meta['python']}")
+    return (
+        f"{meta['date']} · {meta['gpu']} · torch {meta['torch']} · triton {meta['triton']}{hf} · "
+        f"Python {meta['python']}"
+    )
 
 
 def title(meta: dict[str, str]) -> str:
@@ -97,18 +102,35 @@ def script_meta(argv: list[str], dtype: str = "bf16") -> dict[str, str]:
     import triton
 
     hf = sys.modules.get("transformers")
-    return {"date": datetime.date.today().isoformat(),
-            "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "CPU",
-            "torch": torch.__version__, "triton": triton.__version__, "python": platform.python_version(),
-            "transformers": hf.__version__ if hf is not None else "", "dtype": dtype,
-            "command": shlex.join(["python3", os.path.relpath(argv[0]), *argv[1:]])}
+    return {
+        "date": datetime.date.today().isoformat(),
+        "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "CPU",
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "python": platform.python_version(),
+        "transformers": hf.__version__ if hf is not None else "",
+        "dtype": dtype,
+        "command": shlex.join(["python3", os.path.relpath(argv[0]), *argv[1:]]),
+    }
 
 
 def heading(level: str, name: str, meta: dict[str, str], explanation: str) -> list[str]:
     """The opening lines of a page (``level`` "#") or section ("##"): its heading, date and versions, the
     command that printed it (``meta['command']``), and what its tables measure."""
-    return [f"{level} {name}", "", f"{title(meta)} of `triton.testing.do_bench`.", "", "Printed by:", "", "```bash",
-            meta["command"], "```", "", textwrap.fill(explanation, width=105), ""]
+    return [
+        f"{level} {name}",
+        "",
+        f"{title(meta)} of `triton.testing.do_bench`.",
+        "",
+        "Printed by:",
+        "",
+        "```bash",
+        meta["command"],
+        "```",
+        "",
+        textwrap.fill(explanation, width=105),
+        "",
+    ]
 
 
 def markdown_page(report: Report, plot: str | None = None, page: str | None = None, kept: str = "") -> str:
@@ -146,8 +168,10 @@ def _sections(text: str, page: str) -> list[re.Match]:
     begins = re.findall(r"^<!-- BEGIN ([\w.-]+) -->$", text, re.M)
     for name in begins:
         if begins.count(name) != 1 or name not in names:
-            raise ValueError(f"{page}: the line <!-- BEGIN {name} --> must open exactly one section, closed by a "
-                             f"line <!-- END {name} -->; fix the page by hand")
+            raise ValueError(
+                f"{page}: the line <!-- BEGIN {name} --> must open exactly one section, closed by a "
+                f"line <!-- END {name} -->; fix the page by hand"
+            )
     return found
 
 
@@ -165,7 +189,7 @@ def write_section(page: str, name: str, body: str) -> None:
     section = f"<!-- BEGIN {name} -->\n{body.strip()}\n<!-- END {name} -->\n"
     old = next((m for m in _sections(text, page) if m["name"] == name), None)
     if old is not None:
-        text = text[:old.start()] + section + text[old.end():]
+        text = text[: old.start()] + section + text[old.end() :]
     else:
         text = (text.rstrip("\n") + "\n\n" if text.strip() else "") + section
     with open(page, "w") as f:

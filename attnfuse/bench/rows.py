@@ -3,6 +3,7 @@
 The suites build every row with the ``*_row`` functions here (the case's label and its work: FLOPs of
 the (query, key) pairs kept, or bytes of K and V read), then fill in ``times`` and ``err``.
 """
+
 from __future__ import annotations
 
 import json
@@ -13,13 +14,23 @@ from attrs import define, field
 from .cases import DECODE_MODELS, GEOMETRIES, PER_TILE, pairs
 
 # Contenders in table order: key -> column title
-CONTENDERS = {"attnfuse": "AttnFuse", "fa2_triton": "FA2 Triton (hand-written)", "cudnn": "cuDNN SDPA",
-              "flash": "FA2 SDPA", "flex": "flex (compiled)"}
+CONTENDERS = {
+    "attnfuse": "AttnFuse",
+    "fa2_triton": "FA2 Triton (hand-written)",
+    "cudnn": "cuDNN SDPA",
+    "flash": "FA2 SDPA",
+    "flex": "flex (compiled)",
+}
 TRAINING_FLOPS = 3.5  # forward + backward, relative to the forward's 4·pairs·D per head
 TABLE_SUITES = ("forward", "backward", "decode", "sparse")  # a Row per case; memory and overhead: lines
-SUITE_TITLES = {"forward": "Forward", "backward": "Forward + backward",
-                "decode": "Decoding (one query per sequence, full cache)", "sparse": "Block-sparse (BigBird)",
-                "memory": "Memory", "overhead": "Host overhead"}
+SUITE_TITLES = {
+    "forward": "Forward",
+    "backward": "Forward + backward",
+    "decode": "Decoding (one query per sequence, full cache)",
+    "sparse": "Block-sparse (BigBird)",
+    "memory": "Memory",
+    "overhead": "Host overhead",
+}
 
 
 @define(kw_only=True)
@@ -51,31 +62,50 @@ def forward_row(geometry: str, N: int, variant: str) -> Row:
     B, Hq, _, D = GEOMETRIES[geometry]
     kept = pairs("rope_causal" if variant == PER_TILE else variant, N)
     case = f"{geometry} N{N} " + ("rope_causal (keys rotated per tile)" if variant == PER_TILE else variant)
-    return Row(suite="forward", case=case, work=4 * B * Hq * kept * D, unit="TFLOP/s", geometry=geometry,
-               variant=variant, N=N)
+    return Row(
+        suite="forward", case=case, work=4 * B * Hq * kept * D, unit="TFLOP/s", geometry=geometry, variant=variant, N=N
+    )
 
 
 def backward_row(geometry: str, N: int, variant: str) -> Row:
     B, Hq, _, D = GEOMETRIES[geometry]
-    return Row(suite="backward", case=f"{geometry} N{N} {variant} fwd+bwd",
-               work=TRAINING_FLOPS * 4 * B * Hq * pairs(variant, N) * D, unit="TFLOP/s", geometry=geometry,
-               variant=variant, N=N)
+    return Row(
+        suite="backward",
+        case=f"{geometry} N{N} {variant} fwd+bwd",
+        work=TRAINING_FLOPS * 4 * B * Hq * pairs(variant, N) * D,
+        unit="TFLOP/s",
+        geometry=geometry,
+        variant=variant,
+        N=N,
+    )
 
 
 def decode_row(model: str, B: int, graphed: bool) -> Row:
     """One new token per sequence against a full cache; the work is K's and V's bf16 bytes, read once."""
     _, Hkv, D, N = DECODE_MODELS[model]
-    return Row(suite="decode", case=f"decode {model} B{B} cache {N} {'CUDA graph' if graphed else 'eager'}",
-               work=2 * B * Hkv * N * D * 2, unit="GB/s", geometry=model,
-               variant="CUDA graph" if graphed else "eager", N=N)
+    return Row(
+        suite="decode",
+        case=f"decode {model} B{B} cache {N} {'CUDA graph' if graphed else 'eager'}",
+        work=2 * B * Hkv * N * D * 2,
+        unit="GB/s",
+        geometry=model,
+        variant="CUDA graph" if graphed else "eager",
+        N=N,
+    )
 
 
 def sparse_row(N: int, train: bool, sparsity: float, pairs_kept: int) -> Row:
     """BigBird at Llama-3-8B geometry; ``pairs_kept`` per (batch, head), ``sparsity`` the blocks left out."""
     B, Hq, _, D = GEOMETRIES["llama3-8b"]
-    return Row(suite="sparse", case=f"bigbird llama3-8b N{N} ({sparsity:.0%} sparse){' fwd+bwd' if train else ''}",
-               work=(TRAINING_FLOPS if train else 1.0) * 4 * B * Hq * pairs_kept * D, unit="TFLOP/s",
-               geometry="llama3-8b", variant="bigbird fwd+bwd" if train else "bigbird", N=N)
+    return Row(
+        suite="sparse",
+        case=f"bigbird llama3-8b N{N} ({sparsity:.0%} sparse){' fwd+bwd' if train else ''}",
+        work=(TRAINING_FLOPS if train else 1.0) * 4 * B * Hq * pairs_kept * D,
+        unit="TFLOP/s",
+        geometry="llama3-8b",
+        variant="bigbird fwd+bwd" if train else "bigbird",
+        N=N,
+    )
 
 
 @define(kw_only=True)
@@ -98,5 +128,6 @@ class Report:
     @classmethod
     def from_json(cls, text: str) -> Report:
         data = json.loads(text)
-        return cls(meta=data["meta"], rows=[Row(**row) for row in data["rows"]], lines=data["lines"],
-                   failures=data["failures"])
+        return cls(
+            meta=data["meta"], rows=[Row(**row) for row in data["rows"]], lines=data["lines"], failures=data["failures"]
+        )

@@ -1,6 +1,7 @@
 """One benchmark run: the chosen suites in order, a progress bar over their cases, each row printed as
 it arrives, and the JSON, plot and markdown page rewritten after every suite (a run cut short keeps
 what it measured)."""
+
 from __future__ import annotations
 
 import argparse
@@ -13,11 +14,15 @@ from .rows import SUITE_TITLES, TABLE_SUITES, Report
 def cases_of(suite: str, args: argparse.Namespace) -> tuple[int, Iterable]:
     """(number of cases, the (row function, arguments) pairs) of a table suite."""
     if suite == "forward":
-        return (len(args.geometry) * len(args.N) * len(args.variants),
-                suites.forward_cases(args.N, args.geometry, args.variants))
+        return (
+            len(args.geometry) * len(args.N) * len(args.variants),
+            suites.forward_cases(args.N, args.geometry, args.variants),
+        )
     if suite == "backward":
-        return (len(args.geometry) * len(args.backward_N) * len(args.backward_variants),
-                suites.backward_cases(args.backward_N, args.geometry, args.backward_variants))
+        return (
+            len(args.geometry) * len(args.backward_N) * len(args.backward_variants),
+            suites.backward_cases(args.backward_N, args.geometry, args.backward_variants),
+        )
     if suite == "decode":
         return 2 * len(suites.DECODE_MODELS) * 2, suites.decode_cases()
     return 4, suites.sparse_cases()
@@ -35,13 +40,17 @@ def progress(total: int, description: str, out: TextIO) -> tuple[Callable[[], No
         bar.update()
         if bar.n == total:
             bar.close()
+
     return advance, lambda line: bar.write(line, file=out)
 
 
 def run_table(suite: str, args: argparse.Namespace, result: Report, out: TextIO) -> None:
     total, cases = cases_of(suite, args)
-    print(f"## {SUITE_TITLES[suite]}\n\n{report.header(None, 'GB/s' if suite == 'decode' else 'TFLOP/s')}",
-          file=out, flush=True)
+    print(
+        f"## {SUITE_TITLES[suite]}\n\n{report.header(None, 'GB/s' if suite == 'decode' else 'TFLOP/s')}",
+        file=out,
+        flush=True,
+    )
     advance, write = progress(total, suite, out)
     for make_row, case in cases:
         try:

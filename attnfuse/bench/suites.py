@@ -4,6 +4,7 @@ Every AttnFuse result is checked against a baseline on the same inputs (Row.err)
 hand-written FA2 kernel (forward), and AttnFuse and flex (forward+backward), are timed in turns. RoPE
 baselines attend with q and k pre-rotated by a compiled function, and that time is included.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -15,8 +16,17 @@ import attnfuse as af
 
 from . import rows
 from .baselines import SDPA_BACKENDS, failure, flex, flex_block_mask, flex_case, pre_rotate, sdpa
-from .cases import (DECODE_MODELS, GEOMETRIES, PER_TILE, PROGRAMS, SPARSE_BLOCK, bigbird_blocks, bigbird_program,
-                    decode_program, rope_tables)
+from .cases import (
+    DECODE_MODELS,
+    GEOMETRIES,
+    PER_TILE,
+    PROGRAMS,
+    SPARSE_BLOCK,
+    bigbird_blocks,
+    bigbird_program,
+    decode_program,
+    rope_tables,
+)
 from .timing import bench, bench_graphed, paired_bench
 
 
@@ -60,6 +70,7 @@ def forward_case(geometry: str, N: int, variant: str, q, k, v, cos, sin) -> rows
 
     def inputs():
         return pre_rotate(q, k, cos, sin) if rope else (q, k)
+
     out = program(q, k, v)
     row = rows.forward_row(geometry, N, variant)
     if variant in ("dense", "causal"):  # the hand-written kernel timed in turns with ours
@@ -91,6 +102,7 @@ def backward_case(geometry: str, N: int, variant: str, leaves, dout, cos, sin) -
 
     def inputs():
         return pre_rotate(q, k, cos, sin) if rope else (q, k)
+
     ours = train(lambda: program(q, k, v))
     dq = ours()[0]
     row = rows.backward_row(geometry, N, variant)
@@ -118,8 +130,9 @@ def backward_cases(Ns: list[int], geometries: list[str], variants: list[str]):
     for geometry in geometries:
         B, Hq, Hkv, D = GEOMETRIES[geometry]
         for N in Ns:
-            leaves = [torch.randn(B, h, N, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-                      for h in (Hq, Hkv, Hkv)]
+            leaves = [
+                torch.randn(B, h, N, D, device="cuda", dtype=torch.bfloat16, requires_grad=True) for h in (Hq, Hkv, Hkv)
+            ]
             dout = torch.randn(B, Hq, N, D, device="cuda", dtype=torch.bfloat16)
             cos, sin = rope_tables(N, D, "cuda")
             for variant in variants:
@@ -160,16 +173,16 @@ def sparse_case(N: int, train: bool) -> rows.Row:
     active = bigbird_blocks(B, Hq, N)
     ours_mask = af.BlockMask.from_blocks(active, N, N, block_size=SPARSE_BLOCK)
     theirs_mask = flex_block_mask(active)
-    leaves = [torch.randn(B, h, N, D, device="cuda", dtype=torch.bfloat16, requires_grad=train)
-              for h in (Hq, Hkv, Hkv)]
+    leaves = [torch.randn(B, h, N, D, device="cuda", dtype=torch.bfloat16, requires_grad=train) for h in (Hq, Hkv, Hkv)]
     q, k, v = leaves
     dout = torch.randn(B, Hq, N, D, device="cuda", dtype=torch.bfloat16)
 
     def run(attend):
         return (lambda: torch.autograd.grad(attend(), leaves, dout)[0]) if train else attend
+
     ours = run(lambda: bigbird_program(q, k, v, ours_mask))
     theirs = run(lambda: flex(q, k, v, block_mask=theirs_mask, enable_gqa=True))
-    pairs_kept = int(active.sum().item()) * SPARSE_BLOCK ** 2 // (B * Hq)
+    pairs_kept = int(active.sum().item()) * SPARSE_BLOCK**2 // (B * Hq)
     row = rows.sparse_row(N, train, 1 - active.float().mean().item(), pairs_kept)
     row.times.update(attnfuse=bench(ours), flex=bench(theirs))
     row.err = max_diff(ours(), theirs())

@@ -1,4 +1,5 @@
 """Timing: medians of ``triton.testing.do_bench``, contenders in turns, a GPU warmed up first."""
+
 from __future__ import annotations
 
 import statistics

@@ -12,6 +12,7 @@
 One module per command (``listing``, ``show``, ``new``, ``demo``, ``cache``; ``bench`` is ``attnfuse.bench.command``),
 each adding its subparser; this module builds the parser and runs the chosen command.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -32,7 +33,8 @@ def build_parser() -> argparse.ArgumentParser:
     from ..bench.command import add_bench_parser
 
     parser = argparse.ArgumentParser(
-        prog=PROG, description="AttnFuse: compose attention from combinators, get one fused Triton kernel.")
+        prog=PROG, description="AttnFuse: compose attention from combinators, get one fused Triton kernel."
+    )
     parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True

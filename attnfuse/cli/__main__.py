@@ -1,4 +1,5 @@
 """``python -m attnfuse.cli``: the ``attnfuse`` command."""
+
 from . import main
 
 if __name__ == "__main__":

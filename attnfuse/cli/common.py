@@ -1,4 +1,5 @@
 """What every ``attnfuse`` command shares: the program name, the usage error, a docstring's first line."""
+
 from __future__ import annotations
 
 PROG = "attnfuse"

@@ -1,4 +1,5 @@
 """``attnfuse demo``: run examples.llama, check it against a reference, and time it against PyTorch on a GPU."""
+
 from __future__ import annotations
 
 import argparse
@@ -48,7 +49,7 @@ def _sdpa(q, k, v, backend=None) -> tuple[Callable[[], object], str]:
     from torch.nn.attention import sdpa_kernel
 
     def call(q, k, v, **kw):
-        with warnings.catch_warnings(), (sdpa_kernel(backend) if backend is not None else contextlib.nullcontext()):
+        with warnings.catch_warnings(), sdpa_kernel(backend) if backend is not None else contextlib.nullcontext():
             warnings.simplefilter("ignore")  # SDPA warns about each backend it passes over
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, **kw)
 
@@ -88,8 +89,11 @@ def _demo_cpu(out: TextIO) -> int:
     print(f"time    {wall:.2f} s for one call (compile + interpreted run)", file=out)
     err = (result.double() - llama.reference(q, k, v)).abs().max().item()
     ok = err <= CPU_TOLERANCE
-    print(f"check   max abs error vs llama.reference (float64): {err:.2e} (tolerance {CPU_TOLERANCE:.0e}): "
-          f"{'passed' if ok else 'FAILED'}", file=out)
+    print(
+        f"check   max abs error vs llama.reference (float64): {err:.2e} (tolerance {CPU_TOLERANCE:.0e}): "
+        f"{'passed' if ok else 'FAILED'}",
+        file=out,
+    )
     return 0 if ok else 1
 
 
@@ -120,13 +124,18 @@ def _demo_cuda(out: TextIO) -> int:
     err = (result.float() - ref).abs().max().item()
     bound = 2 * torch_err + BF16_ATOL * max(1.0, ref.abs().max().item())
     ok = math.isfinite(err) and err <= bound
-    print(f"check   max abs error vs float32 SDPA: {err:.2e} (bf16 SDPA's own {torch_err:.2e}, bound {bound:.2e}): "
-          f"{'passed' if ok else 'FAILED'}", file=out)
+    print(
+        f"check   max abs error vs float32 SDPA: {err:.2e} (bf16 SDPA's own {torch_err:.2e}, bound {bound:.2e}): "
+        f"{'passed' if ok else 'FAILED'}",
+        file=out,
+    )
     del ref, q32, k32
 
     flops = _causal_flops(B, Hq, N, D)
-    print("timing  median of triton.testing.do_bench; causal FLOPs 4·B·Hq·D·N(N+1)/2; "
-          "baselines get q, k pre-rotated", file=out)
+    print(
+        "timing  median of triton.testing.do_bench; causal FLOPs 4·B·Hq·D·N(N+1)/2; baselines get q, k pre-rotated",
+        file=out,
+    )
 
     def report(label: str, fn: Callable[[], object]) -> None:
         try:
@@ -171,10 +180,12 @@ def cmd_demo(args: argparse.Namespace, out: TextIO) -> int:
     return _demo_cuda(out) if device == "cuda" else _demo_cpu(out)
 
 
-
 def add_parser(sub) -> None:
     """Add ``demo`` to the command's subparsers."""
     p = sub.add_parser("demo", help="run examples.llama, check it, and time it against PyTorch on a GPU")
-    p.add_argument("--device", choices=("cpu", "cuda"),
-                   help="default: cuda when available (bf16, Llama-3-8B geometry), else cpu (interpreter)")
+    p.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        help="default: cuda when available (bf16, Llama-3-8B geometry), else cpu (interpreter)",
+    )
     p.set_defaults(func=cmd_demo)

@@ -1,5 +1,6 @@
 """``attnfuse list``: every registered combinator, the plugins skipped as broken, and the combinators skipped
 because another plugin or attnfuse itself has their name."""
+
 from __future__ import annotations
 
 import argparse
@@ -28,8 +29,7 @@ def cmd_list(args: argparse.Namespace, out: TextIO) -> int:
         combinators()
     order = {role: i for i, role in enumerate(Role)}  # the kernel template's slot order
     entries = sorted(combinators().items(), key=lambda kv: (order[kv[1].combinator.role], kv[0]))
-    rows = [(name, r.combinator.role.value, r.distribution, first_line(r.combinator.doc))
-            for name, r in entries]
+    rows = [(name, r.combinator.role.value, r.distribution, first_line(r.combinator.doc)) for name, r in entries]
     print(_table(rows, ("NAME", "ROLE", "DISTRIBUTION", "DESCRIPTION")), file=out)
     dists = sorted({r.distribution for _, r in entries})
     print(f"\n{len(rows)} combinators from {len(dists)} distribution(s): {', '.join(dists)}", file=out)

@@ -1,4 +1,5 @@
 """``attnfuse show``: a program's IR, kernel and tile configuration, and its generated Triton source."""
+
 from __future__ import annotations
 
 import argparse
@@ -29,8 +30,9 @@ def default_arch() -> str:
 def _arch(value: str) -> str:
     if value == "interpreter" or re.fullmatch(r"sm\d{2,3}a?", value):
         return value
-    raise argparse.ArgumentTypeError(f"invalid arch {value!r}: use 'interpreter' or 'sm<major><minor>' "
-                                     f"such as sm90 or sm80")
+    raise argparse.ArgumentTypeError(
+        f"invalid arch {value!r}: use 'interpreter' or 'sm<major><minor>' such as sm90 or sm80"
+    )
 
 
 def _positive_int(value: str) -> int:
@@ -51,8 +53,9 @@ def resolve_program(spec: str):
     if spec in EXAMPLES:
         return EXAMPLES[spec], f"attnfuse.examples:{spec}"
     if ":" not in spec:
-        raise CLIError(f"unknown example {spec!r}; examples: {', '.join(EXAMPLES)} "
-                       f"(or name a program as module:attribute)")
+        raise CLIError(
+            f"unknown example {spec!r}; examples: {', '.join(EXAMPLES)} (or name a program as module:attribute)"
+        )
     module_name, _, attribute = spec.partition(":")
     if not module_name or not attribute:
         raise CLIError(f"{spec!r}: expected module:attribute, e.g. mypackage.models:my_attention")
@@ -64,9 +67,11 @@ def resolve_program(spec: str):
     except Exception as exc:
         raise CLIError(f"cannot import module {module_name!r}: {type(exc).__name__}: {exc}") from exc
     except SystemExit as exc:  # sys.exit() at import: a script, not a module defining programs
-        raise CLIError(f"module {module_name!r} exited while it was imported (SystemExit, code {exc.code!r}), before "
-                       f"`show` could read {attribute!r}; keep a script's code under `if __name__ == "
-                       f"\"__main__\":`") from None
+        raise CLIError(
+            f"module {module_name!r} exited while it was imported (SystemExit, code {exc.code!r}), before "
+            f"`show` could read {attribute!r}; keep a script's code under `if __name__ == "
+            f'"__main__":`'
+        ) from None
     finally:
         if added and os.getcwd() in sys.path:
             sys.path.remove(os.getcwd())
@@ -76,8 +81,9 @@ def resolve_program(spec: str):
             raise CLIError(f"module {module_name!r} has no attribute {attribute!r}")
         value = getattr(value, part)
     if not isinstance(value, AttentionProgram):
-        raise CLIError(f"{spec} is a {type(value).__name__}, not an AttentionProgram; decorate the function "
-                       f"with @af.attention")
+        raise CLIError(
+            f"{spec} is a {type(value).__name__}, not an AttentionProgram; decorate the function with @af.attention"
+        )
     return value, spec
 
 
@@ -99,8 +105,9 @@ def _static(text: str):
     except (ValueError, SyntaxError, MemoryError, RecursionError):
         if re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", text):
             return text
-        raise CLIError(f"--arg: VALUE {text!r} is not a Python literal (None, True, 3, 0.5, 'neox') or a "
-                       f"word") from None
+        raise CLIError(
+            f"--arg: VALUE {text!r} is not a Python literal (None, True, 3, 0.5, 'neox') or a word"
+        ) from None
 
 
 def _arguments(program, spec: str, statics: list[str], inputs: list[str]) -> dict:
@@ -121,8 +128,10 @@ def _arguments(program, spec: str, statics: list[str], inputs: list[str]) -> dic
         chosen[name] = RuntimePlaceholder()
     unknown = [n for n in chosen if n not in names]
     if unknown:
-        raise CLIError(f"--arg/--input: {', '.join(map(repr, unknown))} "
-                       f"{'is no argument' if len(unknown) == 1 else 'are no arguments'} of the program: {allowed}")
+        raise CLIError(
+            f"--arg/--input: {', '.join(map(repr, unknown))} "
+            f"{'is no argument' if len(unknown) == 1 else 'are no arguments'} of the program: {allowed}"
+        )
     for p in params:
         if p.name not in chosen and p.default is inspect.Parameter.empty:
             chosen[p.name] = RuntimePlaceholder()
@@ -140,8 +149,10 @@ def _graph(program, spec: str, arguments: dict):
         placeholders = [n for n, v in arguments.items() if isinstance(v, RuntimePlaceholder)]
         if not placeholders:
             raise
-        raise ProgramError(f"{exc} (`show` traced {spec} with {', '.join(placeholders)} as runtime input(s); give a "
-                           f"static argument's value with --arg NAME=VALUE)") from None
+        raise ProgramError(
+            f"{exc} (`show` traced {spec} with {', '.join(placeholders)} as runtime input(s); give a "
+            f"static argument's value with --arg NAME=VALUE)"
+        ) from None
 
 
 def cmd_show(args: argparse.Namespace, out: TextIO) -> int:
@@ -163,12 +174,19 @@ def cmd_show(args: argparse.Namespace, out: TextIO) -> int:
             raise CLIError(f"{name} must be at most {MAX_HEAD_DIM}, got {dim}")
     has_lse = graph.has_lse
     if args.lse and not has_lse:
-        raise CLIError(f"--lse needs a normaliser with a log-sum-exp; {graph.weights.apply.combinator} has none "
-                       f"(softmax has)")
+        raise CLIError(
+            f"--lse needs a normaliser with a log-sum-exp; {graph.weights.apply.combinator} has none (softmax has)"
+        )
     training = args.kernel in ("dkdv", "dq")
-    config = KernelConfig(arch=arch, dtype=dtype, head_dim=args.head_dim, head_dim_v=head_dim_v, group=args.group,
-                          save_lse=args.lse or (training and has_lse),
-                          fp32_precision="ieee")
+    config = KernelConfig(
+        arch=arch,
+        dtype=dtype,
+        head_dim=args.head_dim,
+        head_dim_v=head_dim_v,
+        group=args.group,
+        save_lse=args.lse or (training and has_lse),
+        fp32_precision="ieee",
+    )
     program_kernels = compiled(graph, config)
     kernel = program_kernels.kernel(args.kernel)
     if args.path_only:
@@ -196,41 +214,68 @@ def cmd_show(args: argparse.Namespace, out: TextIO) -> int:
     print(f"# path       {kernel.path}", file=out)
     template = {"forward": "hopper_kernel.py", "dkdv": "hopper_dkdv_kernel.py"}.get(args.kernel)
     if template and plan.hopper is not None:
-        print(f"# hopper     causal={plan.hopper.causal}: on tensors TMA can address, this kernel's work runs the "
-              f"Hopper template (attnfuse/runtime/{template}); the source below serves the others", file=out)
+        print(
+            f"# hopper     causal={plan.hopper.causal}: on tensors TMA can address, this kernel's work runs the "
+            f"Hopper template (attnfuse/runtime/{template}); the source below serves the others",
+            file=out,
+        )
     print("# source", file=out)
     out.write(kernel.source if kernel.source.endswith("\n") else kernel.source + "\n")
     return 0
 
 
-
 def add_parser(sub) -> None:
     """Add ``show`` to the command's subparsers."""
-    p = sub.add_parser("show", help="show a program's IR, kernel configuration and generated Triton source",
-                       description="Show a program's IR, signature, kernel and tile configuration, and the "
-                                   "generated Triton source (no tensors needed). Extra arguments with no default are "
-                                   "traced as runtime inputs (the kernel depends on which are given, not on their "
-                                   "shapes); --arg gives a static one's value, --input makes a defaulted one a "
-                                   "runtime input.")
-    p.add_argument("program", metavar="PROGRAM",
-                   help="an example name (llama, gpt2, mistral, alibi, relu) or module:attribute")
-    p.add_argument("--dtype", choices=("float16", "bfloat16", "float32"),
-                   help="input dtype (default: bfloat16 on a GPU arch, float32 for the interpreter)")
+    p = sub.add_parser(
+        "show",
+        help="show a program's IR, kernel configuration and generated Triton source",
+        description="Show a program's IR, signature, kernel and tile configuration, and the "
+        "generated Triton source (no tensors needed). Extra arguments with no default are "
+        "traced as runtime inputs (the kernel depends on which are given, not on their "
+        "shapes); --arg gives a static one's value, --input makes a defaulted one a "
+        "runtime input.",
+    )
+    p.add_argument(
+        "program", metavar="PROGRAM", help="an example name (llama, gpt2, mistral, alibi, relu) or module:attribute"
+    )
+    p.add_argument(
+        "--dtype",
+        choices=("float16", "bfloat16", "float32"),
+        help="input dtype (default: bfloat16 on a GPU arch, float32 for the interpreter)",
+    )
     p.add_argument("--head-dim", type=_positive_int, default=128, metavar="D", help="head dim of q and k (128)")
     p.add_argument("--head-dim-v", type=_positive_int, metavar="DV", help="head dim of v (default: D)")
     p.add_argument("--group", type=_positive_int, default=1, metavar="G", help="Hq // Hkv (1)")
-    p.add_argument("--arch", type=_arch, metavar="ARCH",
-                   help="interpreter, sm90, sm80, ... (default: the local GPU's, else interpreter)")
+    p.add_argument(
+        "--arch",
+        type=_arch,
+        metavar="ARCH",
+        help="interpreter, sm90, sm80, ... (default: the local GPU's, else interpreter)",
+    )
     p.add_argument("--lse", action="store_true", help="a kernel that also writes the log-sum-exp")
-    p.add_argument("--arg", action="append", default=[], metavar="NAME=VALUE",
-                   help="a static extra argument of the program: a Python literal (None, True, 3, 0.5, 'neox') or "
-                        "a word; repeatable")
-    p.add_argument("--input", action="append", default=[], metavar="NAME",
-                   help="an extra argument given as a runtime input (a tensor or BlockMask), such as rope's cos and "
-                        "sin; repeatable. Arguments with no default and no --arg are runtime inputs already")
-    p.add_argument("--kernel", choices=("forward", "decode", "dkdv", "dq", "transform"), default="forward",
-                   help="which generated kernel: the forward (default), the split-KV decoding kernel, the "
-                        "backward's dK/dV or dQ kernel, or the transform pass (q and k rows' qk transforms, hoisted)")
+    p.add_argument(
+        "--arg",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="a static extra argument of the program: a Python literal (None, True, 3, 0.5, 'neox') or "
+        "a word; repeatable",
+    )
+    p.add_argument(
+        "--input",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="an extra argument given as a runtime input (a tensor or BlockMask), such as rope's cos and "
+        "sin; repeatable. Arguments with no default and no --arg are runtime inputs already",
+    )
+    p.add_argument(
+        "--kernel",
+        choices=("forward", "decode", "dkdv", "dq", "transform"),
+        default="forward",
+        help="which generated kernel: the forward (default), the split-KV decoding kernel, the "
+        "backward's dK/dV or dQ kernel, or the transform pass (q and k rows' qk transforms, hoisted)",
+    )
     only = p.add_mutually_exclusive_group()
     only.add_argument("--source-only", action="store_true", help="print the generated source alone")
     only.add_argument("--path-only", action="store_true", help="print the cached source file's path alone")

@@ -12,6 +12,7 @@ Import it explicitly (``import attnfuse`` does not)::
 
 docs/context-parallel.md has the layouts, what is supported and a model of scaling.
 """
+
 from __future__ import annotations
 
 from .context_parallel import ContextParallel, context_parallel

@@ -2,6 +2,7 @@
 whether all of them may go on. A bad input on one rank so raises on every rank, never leaving the others
 blocked in a collective until the backend's timeout.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -36,9 +37,11 @@ def agree(group: Any, world: int, facts: Facts | None, failure: Exception | None
     errors = [(rank, r["error"]) for rank, r in enumerate(reports) if "error" in r]
     if errors:
         said = "; ".join(f"rank {rank}: {error}" for rank, error in errors)
-        raise InputError(f"{what}: {'rank' if len(errors) == 1 else 'ranks'} "
-                         f"{', '.join(str(rank) for rank, _ in errors)} of {world} refused the call, so every rank "
-                         f"raises instead of waiting for it in a collective ({said})")
+        raise InputError(
+            f"{what}: {'rank' if len(errors) == 1 else 'ranks'} "
+            f"{', '.join(str(rank) for rank, _ in errors)} of {world} refused the call, so every rank "
+            f"raises instead of waiting for it in a collective ({said})"
+        )
     seen = {name: [r["facts"].get(name) for r in reports] for r in reports for name in r["facts"]}
     name = next(name for name, values in seen.items() if any(v != values[0] for v in values))
     by_rank = ", ".join(f"rank {rank}: {value}" for rank, value in enumerate(seen[name]))
@@ -48,7 +51,7 @@ def agree(group: Any, world: int, facts: Facts | None, failure: Exception | None
 def _digest(facts: Facts) -> list[int]:
     """Four int64s of a SHA-256 of ``facts``'s repr: equal facts give equal digests on every rank."""
     raw = hashlib.sha256(repr(sorted(facts.items())).encode()).digest()
-    return [int.from_bytes(raw[i:i + 8], "little", signed=True) for i in range(0, 32, 8)]
+    return [int.from_bytes(raw[i : i + 8], "little", signed=True) for i in range(0, 32, 8)]
 
 
 def _all_gather(group: Any, world: int, values: list[int]) -> list[torch.Tensor]:

@@ -8,6 +8,7 @@ the backward kernels on the same pairs, with the rows' global out and lse; dK an
 float32) while they travel the ring back to their owners, so no gradient is accumulated with atomics and
 every sum has a fixed order.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -27,8 +28,17 @@ from ..runtime.hoisted import HoistedForward
 from ..runtime.inputs import Positions, accumulator_dtype, check_inputs, kv_cache
 from ..runtime.launch import keeps_lse, planned
 from .agree import Facts, agree
-from .layout import (check_chunks, check_dim, check_layout, check_shard_layout, chunk_count, gather, group_of,
-                     rank_chunks, with_layout)
+from .layout import (
+    check_chunks,
+    check_dim,
+    check_layout,
+    check_shard_layout,
+    chunk_count,
+    gather,
+    group_of,
+    rank_chunks,
+    with_layout,
+)
 from .merge import merge, nothing
 from .pairs import RingProgram, check_takes_offsets, keeps_any, ring_program
 from .ring import Ring
@@ -36,8 +46,9 @@ from .ring import Ring
 MAX_PROGRAMS = 64  # graphs whose ring checks are kept (a program's traces: one per static setting)
 
 
-def context_parallel(program: AttentionProgram, group: Any = None, layout: str = "zigzag",
-                     sharded: dict[str, int] | None = None) -> ContextParallel:
+def context_parallel(
+    program: AttentionProgram, group: Any = None, layout: str = "zigzag", sharded: dict[str, int] | None = None
+) -> ContextParallel:
     """``program`` over a sequence split across the ranks of ``group`` (None: the default group).
 
     The result is called like the program, on each rank with its shards of q (B, Hq, N/W, D), k and v
@@ -59,22 +70,25 @@ class ContextParallel:
 
     def __init__(self, program: AttentionProgram, group: Any, layout: str, sharded: dict[str, int] | None):
         if not isinstance(program, AttentionProgram):
-            raise InputError(f"context_parallel: program must be an @af.attention program, got "
-                             f"{type(program).__name__}")
+            raise InputError(
+                f"context_parallel: program must be an @af.attention program, got {type(program).__name__}"
+            )
         self.program = program
         self.layout = check_layout(layout)
         group, rank, world = group_of(group)
         if world == 1:
-            raise InputError("context_parallel: the group has one rank, so there is nothing to split; call the "
-                             "program itself")
+            raise InputError(
+                "context_parallel: the group has one rank, so there is nothing to split; call the program itself"
+            )
         self.ring = Ring(group, rank, world)
         self._programs: LRUCache[Any, RingProgram] = LRUCache(MAX_PROGRAMS)
         self._takes_offsets: LRUCache[Any, Any] = LRUCache(MAX_PROGRAMS)  # graphs checked by check_takes_offsets
         self.sharded = dict(sharded or {})
         for name, dim in self.sharded.items():
             if not isinstance(dim, int) or isinstance(dim, bool):
-                raise InputError(f"context_parallel: sharded[{name!r}] must be the int dim of its sequence, got "
-                                 f"{dim!r}")
+                raise InputError(
+                    f"context_parallel: sharded[{name!r}] must be the int dim of its sequence, got {dim!r}"
+                )
 
     def ring_program(self, graph: Any, config: KernelConfig) -> RingProgram:
         """The ring's view of a traced program, lowered for ``config`` (checked once per graph)."""
@@ -92,9 +106,15 @@ class ContextParallel:
             failure = None
         except Exception as exc:  # every rank must hear of it, whatever it is
             facts, failure = None, exc
-        agree(ring.group, ring.world, facts, failure, "context_parallel",
-              "every rank must give shards of equal size (attnfuse.distributed.shard gives each rank N / W rows of "
-              "the sequence) and the same other arguments")
+        agree(
+            ring.group,
+            ring.world,
+            facts,
+            failure,
+            "context_parallel",
+            "every rank must give shards of equal size (attnfuse.distributed.shard gives each rank N / W rows of "
+            "the sequence) and the same other arguments",
+        )
         for name, dim in self.sharded.items():
             inputs[name] = gather(inputs[name], ring.group, self.layout, dim)
         call = _Call(self, graph, inputs, q, k, v, return_lse)
@@ -110,11 +130,17 @@ class ContextParallel:
         rank's call must share)."""
         refused = [name for name in RESERVED_ARGUMENTS if name in kwargs]
         if refused:
-            cache = ("; kv_lens and block_table describe a decoding cache, which needs no ring: call the program "
-                     "itself on it" if {"kv_lens", "block_table", "validate"} & set(refused) else "")
-            raise InputError(f"context_parallel: the ring takes no {' or '.join(refused)}: it splits one whole "
-                             f"sequence (q, k and v shards of the same length) and sets every chunk's positions "
-                             f"itself{cache}")
+            cache = (
+                "; kv_lens and block_table describe a decoding cache, which needs no ring: call the program "
+                "itself on it"
+                if {"kv_lens", "block_table", "validate"} & set(refused)
+                else ""
+            )
+            raise InputError(
+                f"context_parallel: the ring takes no {' or '.join(refused)}: it splits one whole "
+                f"sequence (q, k and v shards of the same length) and sets every chunk's positions "
+                f"itself{cache}"
+            )
         (q, k, v), args, kwargs = self.program._take_qkv(args, kwargs)
         statics, inputs = self.program._bind(args, kwargs)
         graph = self.program._trace(statics)
@@ -122,35 +148,55 @@ class ContextParallel:
         check_inputs(q, k, v)
         n = q.shape[2]
         if k.shape[2] != n or v.shape[2] != n:
-            raise InputError(f"context_parallel: q, k and v shards must have the same length, got {n}, {k.shape[2]} "
-                             f"and {v.shape[2]}")
+            raise InputError(
+                f"context_parallel: q, k and v shards must have the same length, got {n}, {k.shape[2]} and {v.shape[2]}"
+            )
         per_rank = len(rank_chunks(self.layout, self.ring.rank, self.ring.world))
         if n % per_rank:
-            raise InputError(f"context_parallel: a shard of {n} rows cannot hold {per_rank} equal chunks (layout "
-                             f"{self.layout!r}): the sequence length must be a multiple of "
-                             f"{chunk_count(self.layout, self.ring.world)}")
+            raise InputError(
+                f"context_parallel: a shard of {n} rows cannot hold {per_rank} equal chunks (layout "
+                f"{self.layout!r}): the sequence length must be a multiple of "
+                f"{chunk_count(self.layout, self.ring.world)}"
+            )
         for name, t in (("q", q), ("k", k), ("v", v)):
             check_shard_layout(t, self.layout, "context_parallel", name)
         for name, dim in self.sharded.items():
             if name not in inputs:
-                raise InputError(f"context_parallel: sharded names {name!r}, which is not a runtime input of this "
-                                 f"call ({', '.join(inputs) or 'none'})")
+                raise InputError(
+                    f"context_parallel: sharded names {name!r}, which is not a runtime input of this "
+                    f"call ({', '.join(inputs) or 'none'})"
+                )
             if not isinstance(inputs[name], torch.Tensor):
-                raise InputError(f"context_parallel: sharded names {name!r}, a {type(inputs[name]).__name__}: only "
-                                 f"tensors can be given as shards")
+                raise InputError(
+                    f"context_parallel: sharded names {name!r}, a {type(inputs[name]).__name__}: only "
+                    f"tensors can be given as shards"
+                )
             check_dim(inputs[name], dim, f"context_parallel: sharded[{name!r}]", name)
             check_chunks(inputs[name], dim, self.layout, self.ring.rank, self.ring.world, f"context_parallel: {name}")
             check_shard_layout(inputs[name], self.layout, "context_parallel", name)
         wanted = [name for name, t in inputs.items() if isinstance(t, torch.Tensor) and t.requires_grad]
         if wanted:
-            raise InputError(f"context_parallel: runtime inputs {wanted} require grad, which a ring does not "
-                             f"compute; pass them detached")
-        facts = {"q's shape": list(q.shape), "k's shape": list(k.shape), "v's shape": list(v.shape),
-                 "the dtype": str(q.dtype), "the static arguments": repr(statics), "return_lse": return_lse,
-                 "the gradients wanted": torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)),
-                 "the layout": self.layout, "sharded": sorted(self.sharded.items()),
-                 **{f"{name}'s shape and dtype": [list(t.shape), str(t.dtype)] if isinstance(t, torch.Tensor)
-                    else type(t).__name__ for name, t in inputs.items()}}
+            raise InputError(
+                f"context_parallel: runtime inputs {wanted} require grad, which a ring does not "
+                f"compute; pass them detached"
+            )
+        facts = {
+            "q's shape": list(q.shape),
+            "k's shape": list(k.shape),
+            "v's shape": list(v.shape),
+            "the dtype": str(q.dtype),
+            "the static arguments": repr(statics),
+            "return_lse": return_lse,
+            "the gradients wanted": torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)),
+            "the layout": self.layout,
+            "sharded": sorted(self.sharded.items()),
+            **{
+                f"{name}'s shape and dtype": [list(t.shape), str(t.dtype)]
+                if isinstance(t, torch.Tensor)
+                else type(t).__name__
+                for name, t in inputs.items()
+            },
+        }
         return graph, (q, k, v), inputs, facts
 
 
@@ -158,8 +204,16 @@ class _Call:
     """One call's ring: its program, inputs and chunk geometry, the kernels of its chunk pairs, the pairs
     the masks keep anything in, and the forward and backward loops."""
 
-    def __init__(self, cp: ContextParallel, graph: Any, inputs: dict[str, Any], q: torch.Tensor, k: torch.Tensor,
-                 v: torch.Tensor, return_lse: bool):
+    def __init__(
+        self,
+        cp: ContextParallel,
+        graph: Any,
+        inputs: dict[str, Any],
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        return_lse: bool,
+    ):
         ring = self.ring = cp.ring
         self.inputs = inputs
         self.q_chunks = rank_chunks(cp.layout, ring.rank, ring.world)
@@ -170,8 +224,19 @@ class _Call:
         wants_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
         rows = self._rows(q, 0)
         kv = self._kv(k.contiguous(), v.contiguous(), 0, 0, 0)  # as the ring passes them on
-        call = planned(graph, rows, kv.k, kv.v, inputs, None, None, return_lse=keeps_lse(graph, return_lse),
-                       grads=() if wants_grad else None, split_kv=False, positions=kv.positions)
+        call = planned(
+            graph,
+            rows,
+            kv.k,
+            kv.v,
+            inputs,
+            None,
+            None,
+            return_lse=keeps_lse(graph, return_lse),
+            grads=() if wants_grad else None,
+            split_kv=False,
+            positions=kv.positions,
+        )
         self.program = cp.ring_program(graph, call.compiled.config)
         self.forward_kernel, self.call = call.forward, call  # its backward generated when first run
         self.partial_kernel = None
@@ -200,12 +265,15 @@ class _Call:
         key = (q_chunk, k_chunk)
         if key not in self._kept:
             s = self.size
-            self._kept[key] = keeps_any(self.program.masks, range(q_chunk * s, q_chunk * s + s),
-                                        range(k_chunk * s, k_chunk * s + s), self._names)
+            self._kept[key] = keeps_any(
+                self.program.masks,
+                range(q_chunk * s, q_chunk * s + s),
+                range(k_chunk * s, k_chunk * s + s),
+                self._names,
+            )
         return self._kept[key]
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
-                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """This shard's out (B, Hq, N/W, DV) in q's dtype and lse (B, Hq, N/W) (None for a "sum" normaliser).
         With a ``partial`` normaliser fragment, each query chunk's pair with its own key chunk (step 0) runs
         the whole fragment, launched even if its mask keeps nothing there, and every other pair the partial."""
@@ -226,22 +294,32 @@ class _Call:
         out = q.new_empty((*q.shape[:3], v.shape[3]))
         lse = q.new_empty(q.shape[:3], dtype=self.dtype) if combine == "logsumexp" else None
         for i, total in enumerate(totals):
-            chunk_out, chunk_lse = total or nothing((*q.shape[:2], self.size), v.shape[3], combine, self.dtype,
-                                                    q.device)
+            chunk_out, chunk_lse = total or nothing(
+                (*q.shape[:2], self.size), v.shape[3], combine, self.dtype, q.device
+            )
             self._rows(out, i).copy_(chunk_out)
             if lse is not None:
                 self._rows(lse, i).copy_(chunk_lse)
         return out, lse
 
-    def backward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                 lse: torch.Tensor | None, dout: torch.Tensor | None, dlse: torch.Tensor | None
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def backward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        out: torch.Tensor,
+        lse: torch.Tensor | None,
+        dout: torch.Tensor | None,
+        dlse: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """dq, dk, dv of this rank's shards, in their dtypes. Each pair runs the backward kernels with its
         rows' global out and lse; dQ sums here, dK and dV in float32 buffers that travel with the keys."""
         dout = torch.zeros_like(out) if dout is None else dout
         dq = torch.zeros(q.shape, dtype=self.dtype, device=q.device)
-        dkv = (torch.zeros(k.shape, dtype=self.dtype, device=k.device),
-               torch.zeros(v.shape, dtype=self.dtype, device=v.device))
+        dkv = (
+            torch.zeros(k.shape, dtype=self.dtype, device=k.device),
+            torch.zeros(v.shape, dtype=self.dtype, device=v.device),
+        )
         kv = (k.contiguous(), v.contiguous())
         sums = None  # dK, dV on their way from the previous rank
         for step in range(self.ring.world):
@@ -253,8 +331,14 @@ class _Call:
                 rows_lse = None if lse is None else self._rows(lse, i).contiguous()
                 rows_dlse = None if dlse is None else self._rows(dlse, i).contiguous()
                 dq_i, dk_j, dv_j, _ = self.call.backward(
-                    self._rows(q, i), self._kv(*kv, j, qc, kc), self._rows(out, i), rows_lse,
-                    self._rows(dout, i), rows_dlse, self.inputs)
+                    self._rows(q, i),
+                    self._kv(*kv, j, qc, kc),
+                    self._rows(out, i),
+                    rows_lse,
+                    self._rows(dout, i),
+                    rows_dlse,
+                    self.inputs,
+                )
                 self._rows(dq, i).add_(dq_i)
                 parts.append((j, dk_j, dv_j))
             if sums is not None:

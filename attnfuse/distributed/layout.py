@@ -5,6 +5,7 @@ chunks, rank r holding chunks r and 2W-1-r, so every rank gets as many of a caus
 any other (ring-flash-attention's load balance). ``"contiguous"``: W chunks, rank r holding chunk r, for
 programs whose masks keep about as much in every chunk (no mask, or a sliding window).
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -38,8 +39,10 @@ def rank_chunks(layout: str, rank: int, world: int) -> tuple[int, ...]:
 def group_of(group: Any) -> tuple[Any, int, int]:
     """(group, this process's rank in it, its size); InputError unless torch.distributed is initialised."""
     if not (dist.is_available() and dist.is_initialized()):
-        raise InputError("attnfuse.distributed needs an initialised process group: call "
-                         "torch.distributed.init_process_group first (torchrun sets its environment)")
+        raise InputError(
+            "attnfuse.distributed needs an initialised process group: call "
+            "torch.distributed.init_process_group first (torchrun sets its environment)"
+        )
     return group, dist.get_rank(group), dist.get_world_size(group)
 
 
@@ -54,11 +57,14 @@ def shard(x: torch.Tensor, group: Any = None, layout: str = "zigzag", dim: int =
     n = x.shape[dim]
     chunks = chunk_count(layout, world)
     if n % chunks:
-        raise InputError(f"shard: a sequence of {n} rows (dim {dim}) cannot be split by layout {layout!r} over "
-                         f"{world} ranks: it needs a multiple of {chunks}")
+        raise InputError(
+            f"shard: a sequence of {n} rows (dim {dim}) cannot be split by layout {layout!r} over "
+            f"{world} ranks: it needs a multiple of {chunks}"
+        )
     size = n // chunks
-    return with_layout(torch.cat([x.narrow(dim, c * size, size) for c in rank_chunks(layout, rank, world)], dim=dim),
-                       layout)
+    return with_layout(
+        torch.cat([x.narrow(dim, c * size, size) for c in rank_chunks(layout, rank, world)], dim=dim), layout
+    )
 
 
 def unshard(x_shard: torch.Tensor, group: Any = None, layout: str = "zigzag", dim: int = 2) -> torch.Tensor:
@@ -108,20 +114,25 @@ def check_shard_layout(x: Any, layout: str, what: str, name: str) -> None:
     than the ones ``layout`` places there, which would give wrong results silently."""
     given = layout_of(x)
     if given is not None and given != layout:
-        raise InputError(f"{what}: {name} is a shard of layout {given!r}, but this {what} uses layout {layout!r}; "
-                         f"shard with layout={layout!r}, or use layout={given!r} here")
+        raise InputError(
+            f"{what}: {name} is a shard of layout {given!r}, but this {what} uses layout {layout!r}; "
+            f"shard with layout={layout!r}, or use layout={given!r} here"
+        )
 
 
 def check_chunks(x_shard: torch.Tensor, dim: int, layout: str, rank: int, world: int, what: str) -> None:
     """InputError unless dim ``dim`` of ``x_shard`` splits into the chunks rank ``rank`` holds."""
     per_rank = len(rank_chunks(layout, rank, world))
     if x_shard.shape[dim] % per_rank:
-        raise InputError(f"{what}: a shard of {x_shard.shape[dim]} rows (dim {dim}) holds {per_rank} chunks "
-                         f"(layout {layout!r}), so it needs a multiple of {per_rank}")
+        raise InputError(
+            f"{what}: a shard of {x_shard.shape[dim]} rows (dim {dim}) holds {per_rank} chunks "
+            f"(layout {layout!r}), so it needs a multiple of {per_rank}"
+        )
 
 
 def check_dim(x: torch.Tensor, dim: Any, argument: str, name: str) -> None:
     """InputError unless ``dim`` is an int dim of ``x`` (-x.dim() to x.dim() - 1)."""
     if not isinstance(dim, int) or isinstance(dim, bool) or not -x.dim() <= dim < x.dim():
-        raise InputError(f"{argument} must be a dim of {name} ({tuple(x.shape)}, so from {-x.dim()} to "
-                         f"{x.dim() - 1}), got {dim!r}")
+        raise InputError(
+            f"{argument} must be a dim of {name} ({tuple(x.shape)}, so from {-x.dim()} to {x.dim() - 1}), got {dim!r}"
+        )

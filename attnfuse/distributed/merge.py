@@ -1,4 +1,5 @@
 """Merging results over disjoint keys by the normaliser's combine rule, in the accumulators' precision."""
+
 from __future__ import annotations
 
 import math

@@ -6,6 +6,7 @@ reads ``q_idx``, ``k_idx``, ``Nq`` or ``N_K`` would see a chunk's instead of the
 keys a mask keeps none of (its ``kv_range`` fact, evaluated on the host for the chunks' positions) are
 skipped without a launch.
 """
+
 from __future__ import annotations
 
 import torch
@@ -38,25 +39,37 @@ def ring_program(lowered: LoweredProgram) -> RingProgram:
     norm = lowered.normaliser
     name = norm.apply.combinator
     if norm.fragment.combine is None:
-        raise ProgramError(f"context_parallel: the normaliser {name} declares no combine rule "
-                           f"(NormaliserFragment.combine: how results over disjoint keys merge), so the ring cannot "
-                           f"merge its shards' results; softmax ('logsumexp') and relu_attention ('sum') declare one")
+        raise ProgramError(
+            f"context_parallel: the normaliser {name} declares no combine rule "
+            f"(NormaliserFragment.combine: how results over disjoint keys merge), so the ring cannot "
+            f"merge its shards' results; softmax ('logsumexp') and relu_attention ('sum') declare one"
+        )
     if norm.fragment.combine == "logsumexp" and not norm.fragment.has_lse:
-        raise ProgramError(f"context_parallel: the normaliser {name} combines by 'logsumexp' but has no lse "
-                           f"(NormaliserFragment.has_lse)")
+        raise ProgramError(
+            f"context_parallel: the normaliser {name} combines by 'logsumexp' but has no lse "
+            f"(NormaliserFragment.has_lse)"
+        )
     for m in lowered.masks:
         if m.fragment.block_list is not None:
-            raise ProgramError(f"context_parallel: the mask {m.apply.combinator} lists blocks by their index in the "
-                               f"whole sequence (block sparsity), which a ring's chunks renumber; it is not supported "
-                               f"there: write the mask with positions (keep, kv_range) instead")
+            raise ProgramError(
+                f"context_parallel: the mask {m.apply.combinator} lists blocks by their index in the "
+                f"whole sequence (block sparsity), which a ring's chunks renumber; it is not supported "
+                f"there: write the mask with positions (keep, kv_range) instead"
+            )
     for inst in lowered.instances():
         reads = sorted(template_reads(inst.apply.declaration, inst.apply.fragment()) & INDEX_NAMES)
         if reads:
-            raise ProgramError(f"context_parallel: {inst.apply.combinator} reads {', '.join(reads)}: indices into the "
-                               f"call's tensors, or its sizes, which differ between a chunk and the whole sequence; a "
-                               f"ring splits only programs whose combinators read positions (q_pos, k_pos) and Nk")
-    return RingProgram(name=name, combine=norm.fragment.combine, partial=norm.fragment.partial is not None,
-                       masks=tuple(m for m in lowered.masks if m.fragment.keep is not None))
+            raise ProgramError(
+                f"context_parallel: {inst.apply.combinator} reads {', '.join(reads)}: indices into the "
+                f"call's tensors, or its sizes, which differ between a chunk and the whole sequence; a "
+                f"ring splits only programs whose combinators read positions (q_pos, k_pos) and Nk"
+            )
+    return RingProgram(
+        name=name,
+        combine=norm.fragment.combine,
+        partial=norm.fragment.partial is not None,
+        masks=tuple(m for m in lowered.masks if m.fragment.keep is not None),
+    )
 
 
 def check_takes_offsets(graph: MatMulPV) -> MatMulPV:
@@ -66,12 +79,14 @@ def check_takes_offsets(graph: MatMulPV) -> MatMulPV:
     for app in fuse(graph).applications():
         comb = app.declaration
         if comb.prepare is not None and not comb.takes_offsets:
-            raise ProgramError(f"context_parallel: {app.combinator} cannot take position offsets: it prepares "
-                               f"kernel arguments but does not declare takes_offsets=True, and the ring runs every "
-                               f"shard but the first at an offset into the sequence (q_offset, k_offset). Its "
-                               f"author declares Combinator(..., takes_offsets=True) once its prepare and fragments "
-                               f"are right for a chunk of a longer sequence (docs/writing-a-combinator.md, "
-                               f"section 2: takes_offsets)")
+            raise ProgramError(
+                f"context_parallel: {app.combinator} cannot take position offsets: it prepares "
+                f"kernel arguments but does not declare takes_offsets=True, and the ring runs every "
+                f"shard but the first at an offset into the sequence (q_offset, k_offset). Its "
+                f"author declares Combinator(..., takes_offsets=True) once its prepare and fragments "
+                f"are right for a chunk of a longer sequence (docs/writing-a-combinator.md, "
+                f"section 2: takes_offsets)"
+            )
     return graph
 
 
@@ -82,8 +97,10 @@ def keeps_any(masks: tuple[Instance, ...], queries: range, keys: range, names: d
     for m in masks:
         if m.fragment.kv_range is None:
             continue
-        lo, hi = (_value(m.code(e, q_lo=f"({queries.start})", q_hi=f"({queries.stop - 1})"), names)
-                  for e in m.fragment.kv_range)
+        lo, hi = (
+            _value(m.code(e, q_lo=f"({queries.start})", q_hi=f"({queries.stop - 1})"), names)
+            for e in m.fragment.kv_range
+        )
         if lo is not None and hi is not None and min(hi, keys.stop) <= max(lo, keys.start):
             return False
     return True

@@ -1,6 +1,7 @@
 """The ring: each rank sends tensors to the next rank and receives the previous rank's, asynchronously
 (``torch.distributed.batch_isend_irecv``: NCCL on GPUs, gloo on CPUs), so the transfer overlaps the kernels
 that run meanwhile."""
+
 from __future__ import annotations
 
 from typing import Any

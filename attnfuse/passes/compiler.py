@@ -5,6 +5,7 @@ launch spec (the ordered parameters that also write its ``def`` line, and its co
 scheduling facts the runtime's grid needs, and its source, generated on first use. The plan's other facts
 are read off the lowered program here, so that the runtime never reads fragments.
 """
+
 from __future__ import annotations
 
 import functools
@@ -13,15 +14,35 @@ from typing import Callable
 from .. import ir
 from ..launch_spec import STRIDE, LaunchSpec, Param
 from ..plan import InputGradient, KernelConfig, KernelSpec, Plan, PluginCall
-from .codegen import (constants, decode_params, dkdv_params, dq_params, forward_params, generate_decode,
-                      generate_dkdv, generate_dq, generate_forward, generate_pass, grad_buffer, pass_params,
-                      scheduled, split, split_heads)
+from .codegen import (
+    constants,
+    decode_params,
+    dkdv_params,
+    dq_params,
+    forward_params,
+    generate_decode,
+    generate_dkdv,
+    generate_dq,
+    generate_forward,
+    generate_pass,
+    grad_buffer,
+    pass_params,
+    scheduled,
+    split,
+    split_heads,
+)
 from .fuse import fuse
 from .hopper import hopper_plan
 from .lower import Instance, LoweredProgram, lower
 
-NAME_PARTS = {"forward": "fwd", "decode": "decode", "dkdv": "dkdv", "dq": "dq", "transform": "transformpass",
-              "gradient": "gradpass"}  # kernel kind -> the part of its name
+NAME_PARTS = {
+    "forward": "fwd",
+    "decode": "decode",
+    "dkdv": "dkdv",
+    "dq": "dq",
+    "transform": "transformpass",
+    "gradient": "gradpass",
+}  # kernel kind -> the part of its name
 
 
 def lowered(graph: ir.MatMulPV, config: KernelConfig) -> LoweredProgram:
@@ -36,27 +57,50 @@ def compile(graph: ir.MatMulPV, config: KernelConfig) -> Plan:  # noqa: A001 (th
     listing = next((m.fragment.block_list for m in program.masks if m.fragment.block_list is not None), None)
     hoistable = _hoistable(program)
     return Plan(
-        graph=graph, config=config, signature=program.signature, listing=program.listing,
-        has_lse=program.normaliser.fragment.has_lse, combine=program.normaliser.fragment.combine,
+        graph=graph,
+        config=config,
+        signature=program.signature,
+        listing=program.listing,
+        has_lse=program.normaliser.fragment.has_lse,
+        combine=program.normaliser.fragment.combine,
         partial=program.normaliser.apply.fragment().partial is not None,
-        refuses_offsets=next((inst.apply.combinator for inst in program.instances()
-                              if inst.apply.declaration.prepare is not None
-                              and not inst.apply.declaration.takes_offsets), None),
+        refuses_offsets=next(
+            (
+                inst.apply.combinator
+                for inst in program.instances()
+                if inst.apply.declaration.prepare is not None and not inst.apply.declaration.takes_offsets
+            ),
+            None,
+        ),
         missing_backward=_missing_backward(program),
-        plugin_calls=tuple(PluginCall(prefix=inst.prefix, apply=inst.apply) for inst in program.instances()
-                           if inst.args),
+        plugin_calls=tuple(
+            PluginCall(prefix=inst.prefix, apply=inst.apply) for inst in program.instances() if inst.args
+        ),
         plugin_args=tuple(p.name for p in program.args() if p.kind != STRIDE),
-        block_limit=listing and listing.size, heavy_split=(listing and listing.q_split) or None,
+        block_limit=listing and listing.size,
+        heavy_split=(listing and listing.q_split) or None,
         input_gradients=_input_gradients(program),
-        forward=_spec(program, "forward", forward_params(program), functools.partial(generate_forward, program),
-                      scheduled=scheduled(program)),
+        forward=_spec(
+            program,
+            "forward",
+            forward_params(program),
+            functools.partial(generate_forward, program),
+            scheduled=scheduled(program),
+        ),
         decode=_spec(program, "decode", decode_params(program), functools.partial(generate_decode, program)),
-        dkdv=_spec(program, "dkdv", dkdv_params(program), functools.partial(generate_dkdv, program),
-                   scheduled=scheduled(program, transposed=True), split_heads=split_heads(program) is not None),
+        dkdv=_spec(
+            program,
+            "dkdv",
+            dkdv_params(program),
+            functools.partial(generate_dkdv, program),
+            scheduled=scheduled(program, transposed=True),
+            split_heads=split_heads(program) is not None,
+        ),
         transform=_pass(program, False) if hoistable else None,
         gradient=_pass(program, True) if hoistable else None,
         hopper=hopper_plan(program),
-        dq_for=functools.partial(_dq, program))
+        dq_for=functools.partial(_dq, program),
+    )
 
 
 def _missing_backward(program: LoweredProgram) -> str | None:
@@ -76,9 +120,16 @@ def _input_gradients(program: LoweredProgram) -> tuple[InputGradient, ...]:
     """Every (runtime argument, combinator parameter) pair of the program, each with its application's
     prefix where that application is a score modification declaring the parameter's gradient."""
     writes = {(m.prefix, name) for m in program.mods for name, _ in m.fragment.tensor_grads}
-    return tuple(InputGradient(argument=sym.name, combinator=inst.apply.combinator, param=param,
-                               prefix=inst.prefix if (inst.prefix, param) in writes else None)
-                 for inst in program.instances() for param, sym in inst.apply.inputs().items())
+    return tuple(
+        InputGradient(
+            argument=sym.name,
+            combinator=inst.apply.combinator,
+            param=param,
+            prefix=inst.prefix if (inst.prefix, param) in writes else None,
+        )
+        for inst in program.instances()
+        for param, sym in inst.apply.inputs().items()
+    )
 
 
 def _instances(program: LoweredProgram, gradients: tuple[InputGradient, ...]) -> tuple[tuple[Instance, str], ...]:
@@ -89,20 +140,31 @@ def _instances(program: LoweredProgram, gradients: tuple[InputGradient, ...]) ->
 
 def _dq(program: LoweredProgram, gradients: tuple[InputGradient, ...]) -> KernelSpec:
     tensor_grads = _instances(program, gradients)
-    return _spec(program, "dq", dq_params(program, tensor_grads),
-                 lambda name, parameters: generate_dq(program, name, parameters, tensor_grads),
-                 scheduled=scheduled(program),
-                 grad_buffers=tuple(grad_buffer(inst, name) for inst, name in tensor_grads))
+    return _spec(
+        program,
+        "dq",
+        dq_params(program, tensor_grads),
+        lambda name, parameters: generate_dq(program, name, parameters, tensor_grads),
+        scheduled=scheduled(program),
+        grad_buffers=tuple(grad_buffer(inst, name) for inst, name in tensor_grads),
+    )
 
 
-def _spec(program: LoweredProgram, kind: str, parameters: tuple[Param, ...], generate: Callable,
-          tiles_of: str = "", **facts) -> KernelSpec:
+def _spec(
+    program: LoweredProgram, kind: str, parameters: tuple[Param, ...], generate: Callable, tiles_of: str = "", **facts
+) -> KernelSpec:
     """The spec of one kernel; its tiles are those of kernel ``tiles_of`` (its own kind by default)."""
     name = f"attnfuse_{NAME_PARTS[kind]}_{program.signature[:12]}"
-    return KernelSpec(kind=kind, name=name, tiles=program.tiles[tiles_of or kind],
-                      launch=LaunchSpec(name, parameters, constants(program)), generate=generate,
-                      origins={inst.prefix: inst.apply.record.distribution for inst in program.instances()},
-                      halves=split(program), **facts)
+    return KernelSpec(
+        kind=kind,
+        name=name,
+        tiles=program.tiles[tiles_of or kind],
+        launch=LaunchSpec(name, parameters, constants(program)),
+        generate=generate,
+        origins={inst.prefix: inst.apply.record.distribution for inst in program.instances()},
+        halves=split(program),
+        **facts,
+    )
 
 
 def hoisted_sides(program: LoweredProgram) -> tuple[str, ...]:
@@ -118,6 +180,11 @@ def _hoistable(program: LoweredProgram) -> bool:
 
 def _pass(program: LoweredProgram, gradient: bool) -> KernelSpec:
     sides = hoisted_sides(program)
-    return _spec(program, "gradient" if gradient else "transform", pass_params(program, sides, gradient),
-                 lambda name, parameters: generate_pass(program, name, parameters, sides, gradient),
-                 tiles_of="forward", sides=sides)
+    return _spec(
+        program,
+        "gradient" if gradient else "transform",
+        pass_params(program, sides, gradient),
+        lambda name, parameters: generate_pass(program, name, parameters, sides, gradient),
+        tiles_of="forward",
+        sides=sides,
+    )

@@ -1,4 +1,5 @@
 """Pass 1, fuse: recognise score -> mods/masks -> normaliser -> @ v, and verify it is fusible."""
+
 from __future__ import annotations
 
 from attrs import frozen
@@ -32,8 +33,9 @@ class FusedProgram:
 def _expect(app: ir.Apply, role: Role, where: str) -> None:
     comb = app.declaration
     if comb.role is not role:
-        raise ProgramError(f"{app.combinator} is a {comb.role.value}, but the graph uses it as a {role.value} "
-                           f"({where})")
+        raise ProgramError(
+            f"{app.combinator} is a {comb.role.value}, but the graph uses it as a {role.value} ({where})"
+        )
 
 
 def fuse(graph: ir.MatMulPV) -> FusedProgram:
@@ -56,6 +58,12 @@ def fuse(graph: ir.MatMulPV) -> FusedProgram:
             _expect(node.apply, Role.SCORE_MOD, "a score modification")
             mods.append(node.apply)
     _expect(graph.weights.apply, Role.NORMALISER, "the normaliser")
-    return FusedProgram(graph=graph, signature=ir.signature(graph), transforms=score.transforms,
-                        source=score.source, mods=tuple(mods), masks=tuple(masks),
-                        normaliser=graph.weights.apply)
+    return FusedProgram(
+        graph=graph,
+        signature=ir.signature(graph),
+        transforms=score.transforms,
+        source=score.source,
+        mods=tuple(mods),
+        masks=tuple(masks),
+        normaliser=graph.weights.apply,
+    )

@@ -7,6 +7,7 @@ the kernel (a transform pass may have applied one), with a positive scale (the f
 max on q·kᵀ unscaled). Every other program, every call whose tensors TMA cannot describe, and every call
 that gives its positions (``KernelConfig.positions``) runs the generated Triton kernels.
 """
+
 from __future__ import annotations
 
 from ..plan import HopperPlan
@@ -19,9 +20,19 @@ HEAD_DIMS = (128,)  # those benchmarked against the generated kernel (docs/archi
 def hopper_plan(lowered: LoweredProgram) -> HopperPlan | None:
     """The templates' constants for ``lowered``, or None where they do not apply."""
     c = lowered.config
-    if (c.arch != "sm90" or c.dtype not in ("float16", "bfloat16") or c.head_dim != c.head_dim_v
-            or c.head_dim not in HEAD_DIMS or c.kv_lens or c.paged or c.positions or split(lowered) or lowered.mods
-            or lowered.normaliser.apply.combinator != "softmax" or not lowered.scale * lowered.score_factor > 0):
+    if (
+        c.arch != "sm90"
+        or c.dtype not in ("float16", "bfloat16")
+        or c.head_dim != c.head_dim_v
+        or c.head_dim not in HEAD_DIMS
+        or c.kv_lens
+        or c.paged
+        or c.positions
+        or split(lowered)
+        or lowered.mods
+        or lowered.normaliser.apply.combinator != "softmax"
+        or not lowered.scale * lowered.score_factor > 0
+    ):
         return None
     masks = [m for m in lowered.masks if m.fragment.keep is not None]
     if any(m.apply.combinator != "causal" for m in masks):

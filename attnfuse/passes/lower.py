@@ -4,6 +4,7 @@ The record holds every constant codegen needs, each kernel's tiles among them (`
 for every kernel of ``TILED_KERNELS``); fragments come out with their parameters substituted, leaving only the
 template's own placeholders (``$x``, ``$pos``, ``$q_lo`` ...).
 """
+
 from __future__ import annotations
 
 import math
@@ -17,8 +18,15 @@ from attrs import frozen
 
 from .. import ir
 
-from ..combinator import (ACCUMULATOR, BlockList, MaskFragment, NormaliserFragment, QKTransformFragment, Role,
-                          ScoreModFragment)
+from ..combinator import (
+    ACCUMULATOR,
+    BlockList,
+    MaskFragment,
+    NormaliserFragment,
+    QKTransformFragment,
+    Role,
+    ScoreModFragment,
+)
 from ..errors import InputError, ProgramError
 from ..fragment_lint import lint, refuse_old_accumulator
 from ..launch_spec import SCALAR, TENSOR, Param, indexed_strides
@@ -44,9 +52,11 @@ class Instance:
         try:
             return string.Template(text).substitute(site)
         except (KeyError, ValueError) as exc:
-            raise ValueError(f"fragment of combinator {self.apply.combinator!r} uses an unknown placeholder "
-                             f"{exc}; it may use its parameters, tensors, scalars, $self and, by slot, "
-                             f"{', '.join('$' + s for s in site) or 'nothing else'}") from None
+            raise ValueError(
+                f"fragment of combinator {self.apply.combinator!r} uses an unknown placeholder "
+                f"{exc}; it may use its parameters, tensors, scalars, $self and, by slot, "
+                f"{', '.join('$' + s for s in site) or 'nothing else'}"
+            ) from None
 
 
 TILED_KERNELS = ("forward", "dkdv", "dq", "decode")  # the kernels the tile table has entries for
@@ -66,7 +76,7 @@ class LoweredProgram:
     tiles: dict[str, TileConfig]
     block_d: int
     block_dv: int
-    block_h: int        # width of each half of the head dim, when qk transforms split it
+    block_h: int  # width of each half of the head dim, when qk transforms split it
     scale: float
     score_factor: float
     transforms: tuple[Instance, ...]
@@ -94,23 +104,32 @@ def _resolve(value: Any, mapping: dict[str, str]) -> Any:
     if isinstance(value, tuple):
         return tuple(_resolve(v, mapping) for v in value)
     if attrs.has(type(value)):  # a derived field (a Range's starts_at_zero) is derived again
-        return attrs.evolve(value, **{f.name: _resolve(getattr(value, f.name), mapping)
-                                      for f in attrs.fields(type(value)) if f.init})
+        return attrs.evolve(
+            value, **{f.name: _resolve(getattr(value, f.name), mapping) for f in attrs.fields(type(value)) if f.init}
+        )
     return value
 
 
 _TRANSFORM_SITE = {"x1", "x2", "pos", "ok", "tmp"}
 _SITE = {  # (fragment type, field) -> the template's own placeholders it may use (the rest are resolved here)
-    (QKTransformFragment, "q"): _TRANSFORM_SITE, (QKTransformFragment, "k"): _TRANSFORM_SITE,
+    (QKTransformFragment, "q"): _TRANSFORM_SITE,
+    (QKTransformFragment, "k"): _TRANSFORM_SITE,
     (QKTransformFragment, "q_grad"): _TRANSFORM_SITE | {"g1", "g2"},
     (QKTransformFragment, "k_grad"): _TRANSFORM_SITE | {"g1", "g2"},
-    (ScoreModFragment, "grad"): {"s_in", "s_out"}, (ScoreModFragment, "tensor_grads"): {"s_in", "s_out"},
-    (MaskFragment, "kv_range"): {"q_lo", "q_hi"}, (MaskFragment, "full_range"): {"q_lo", "q_hi"},
-    (MaskFragment, "q_range"): {"k_lo", "k_hi"}, (MaskFragment, "q_full_range"): {"k_lo", "k_hi"},
-    (BlockList, "count"): {"block"}, (BlockList, "index"): {"block", "i"},
-    (BlockList, "q_count"): {"block"}, (BlockList, "q_index"): {"block", "i"},
-    (BlockList, "partial"): {"block", "i"}, (BlockList, "q_partial"): {"block", "i"},
-    (BlockList, "order"): {"slot"}, (BlockList, "q_order"): {"slot"},
+    (ScoreModFragment, "grad"): {"s_in", "s_out"},
+    (ScoreModFragment, "tensor_grads"): {"s_in", "s_out"},
+    (MaskFragment, "kv_range"): {"q_lo", "q_hi"},
+    (MaskFragment, "full_range"): {"q_lo", "q_hi"},
+    (MaskFragment, "q_range"): {"k_lo", "k_hi"},
+    (MaskFragment, "q_full_range"): {"k_lo", "k_hi"},
+    (BlockList, "count"): {"block"},
+    (BlockList, "index"): {"block", "i"},
+    (BlockList, "q_count"): {"block"},
+    (BlockList, "q_index"): {"block", "i"},
+    (BlockList, "partial"): {"block", "i"},
+    (BlockList, "q_partial"): {"block", "i"},
+    (BlockList, "order"): {"slot"},
+    (BlockList, "q_order"): {"slot"},
     (NormaliserFragment, "scaled_update"): {"factor"},
 }
 _PLACEHOLDER = re.compile(r"\$(?:\{(\w+)\}|(\w+))")
@@ -123,22 +142,29 @@ def _check_placeholders(combinator: str, value: Any, allowed: frozenset = frozen
             name = braced or plain
             if name not in allowed:
                 slot = ", ".join(f"${p}" for p in sorted(allowed)) or "none"
-                raise ValueError(f"fragment of combinator {combinator!r}: ${name} in {field or 'its code'} is neither "
-                                 f"a parameter, tensor, scalar or $self, nor a placeholder of that slot ({slot})")
+                raise ValueError(
+                    f"fragment of combinator {combinator!r}: ${name} in {field or 'its code'} is neither "
+                    f"a parameter, tensor, scalar or $self, nor a placeholder of that slot ({slot})"
+                )
     elif isinstance(value, tuple):
         for item in value:
             _check_placeholders(combinator, item, allowed, field)
     elif attrs.has(type(value)):
         for f in attrs.fields(type(value)):
             site = _SITE.get((type(value), f.name))
-            _check_placeholders(combinator, getattr(value, f.name), frozenset(site) if site else allowed,
-                                f.name if site else field)
+            _check_placeholders(
+                combinator, getattr(value, f.name), frozenset(site) if site else allowed, f.name if site else field
+            )
 
 
 def fragment_of(app: ir.Apply) -> Any:
     """Deprecated since 2026-12-03 (documented for plugin authors until then): ``app.fragment()``."""
-    warnings.warn("attnfuse.passes.lower.fragment_of(app) is deprecated since 2026-12-03 and will be removed in a "
-                  "future release: call app.fragment() on the ir.Apply instead", DeprecationWarning, stacklevel=2)
+    warnings.warn(
+        "attnfuse.passes.lower.fragment_of(app) is deprecated since 2026-12-03 and will be removed in a "
+        "future release: call app.fragment() on the ir.Apply instead",
+        DeprecationWarning,
+        stacklevel=2,
+    )
     return app.fragment()
 
 
@@ -172,8 +198,12 @@ def masked_head(masks: tuple[Instance, ...]) -> bool:
     """Whether a query block's key loop can start with blocks that need the mask: some mask's facts start
     past key 0 (a sliding window's). Not causal's: its loop starts at key 0 (or at a block-aligned split
     of the keys) with blocks every row keeps."""
-    return any(facts is not None and not facts.starts_at_zero
-               for m in masks if m.fragment.keep for facts in (m.fragment.kv_range, m.fragment.full_range))
+    return any(
+        facts is not None and not facts.starts_at_zero
+        for m in masks
+        if m.fragment.keep
+        for facts in (m.fragment.kv_range, m.fragment.full_range)
+    )
 
 
 def _variant(transforms: list[Instance], masks: tuple[Instance, ...]) -> str:
@@ -202,8 +232,10 @@ def lower(fused: FusedProgram, config: KernelConfig, listing: str = "") -> Lower
     if source.fragment.transform is not None:
         transforms.append(attrs.evolve(source, role=Role.QK_TRANSFORM, fragment=source.fragment.transform))
     if transforms and config.head_dim % 2:
-        raise InputError(f"qk transforms ({', '.join(t.apply.combinator for t in transforms)}) act on the two "
-                           f"halves of the head dim, so it must be even; got D={config.head_dim}")
+        raise InputError(
+            f"qk transforms ({', '.join(t.apply.combinator for t in transforms)}) act on the two "
+            f"halves of the head dim, so it must be even; got D={config.head_dim}"
+        )
     mods = tuple(inst(m) for m in fused.mods)
     masks = _one_listing(tuple(inst(m) for m in fused.masks))
     normaliser = inst(fused.normaliser)
@@ -215,10 +247,21 @@ def lower(fused: FusedProgram, config: KernelConfig, listing: str = "") -> Lower
     tiles = {kind: choose_tiles(config.arch, variant, widest, kind) for kind in TILED_KERNELS}
     scale = _scale(fused.source, normaliser, config.head_dim)
     return LoweredProgram(
-        signature=fused.signature, listing=listing, config=config, accumulator_dtype=accumulator, tiles=tiles,
-        block_d=block_d, block_dv=block_dv,
-        block_h=_block(config.head_dim // 2), scale=scale, score_factor=normaliser.fragment.score_factor,
-        transforms=tuple(transforms), mods=mods, masks=masks, normaliser=normaliser)
+        signature=fused.signature,
+        listing=listing,
+        config=config,
+        accumulator_dtype=accumulator,
+        tiles=tiles,
+        block_d=block_d,
+        block_dv=block_dv,
+        block_h=_block(config.head_dim // 2),
+        scale=scale,
+        score_factor=normaliser.fragment.score_factor,
+        transforms=tuple(transforms),
+        mods=mods,
+        masks=masks,
+        normaliser=normaliser,
+    )
 
 
 def _scale(source: ir.Apply, normaliser: Instance, head_dim: int) -> float:
@@ -231,16 +274,19 @@ def _scale(source: ir.Apply, normaliser: Instance, head_dim: int) -> float:
         literal(scale)
         literal(scale * factor)
     except ValueError as exc:
-        raise ProgramError(f"{source.combinator}: parameter 'scale' (times {factor!r}, the score factor of "
-                           f"{normaliser.apply.combinator}): {exc}") from None
+        raise ProgramError(
+            f"{source.combinator}: parameter 'scale' (times {factor!r}, the score factor of "
+            f"{normaliser.apply.combinator}): {exc}"
+        ) from None
     return scale
 
 
 def _one_listing(masks: tuple[Instance, ...]) -> tuple[Instance, ...]:
     """The loops follow one mask's block lists; any further listing mask is applied element by element."""
     listing = [m for m in masks if m.fragment.block_list is not None]
-    return tuple(attrs.evolve(m, fragment=attrs.evolve(m.fragment, block_list=None)) if m in listing[1:] else m
-                 for m in masks)
+    return tuple(
+        attrs.evolve(m, fragment=attrs.evolve(m.fragment, block_list=None)) if m in listing[1:] else m for m in masks
+    )
 
 
 def _block(n: int) -> int:

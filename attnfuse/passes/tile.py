@@ -5,6 +5,7 @@ Plugins choose first (hooks ``attnfuse_tile_config``, then the rules of ``attnfu
 does, the first rule of the table that matches wins: it runs from specific to general and ends with a rule
 that matches everything.
 """
+
 from __future__ import annotations
 
 from attrs import frozen
@@ -29,8 +30,12 @@ class TileRule:
     kernel: str = "*"
 
     def matches(self, kernel: str, arch: str, variant: str, head_dim: int) -> bool:
-        return (self.kernel in ("*", kernel) and self.arch in ("*", arch) and self.variant in ("*", variant)
-                and self.head_dim[0] <= head_dim <= self.head_dim[1])
+        return (
+            self.kernel in ("*", kernel)
+            and self.arch in ("*", arch)
+            and self.variant in ("*", variant)
+            and self.head_dim[0] <= head_dim <= self.head_dim[1]
+        )
 
 
 T = TileConfig
@@ -39,27 +44,47 @@ TABLE: tuple[TileRule, ...] = (
     TileRule(arch="interpreter", kernel="decode", config=T(block_m=32, block_n=16, num_warps=1, num_stages=1)),
     TileRule(arch="interpreter", config=T(block_m=32, block_n=32, num_warps=1, num_stages=1)),
     # H100/H200: the winners of tile sweeps on an H200 (benchmarks/sweep_tiles.py, through the tile-rule hook).
-    TileRule(arch="sm90", kernel="forward", head_dim=(1, 64),
-             config=T(block_m=64, block_n=64, num_warps=4, num_stages=3)),
-    TileRule(arch="sm90", kernel="forward", variant="window", head_dim=(65, 128),
-             config=T(block_m=64, block_n=64, num_warps=4, num_stages=3)),
-    TileRule(arch="sm90", kernel="forward", variant="listed", head_dim=(65, 128),
-             config=T(block_m=128, block_n=64, num_warps=4, num_stages=2)),
-    TileRule(arch="sm90", kernel="forward", head_dim=(65, 128),
-             config=T(block_m=128, block_n=128, num_warps=8, num_stages=3)),
+    TileRule(
+        arch="sm90", kernel="forward", head_dim=(1, 64), config=T(block_m=64, block_n=64, num_warps=4, num_stages=3)
+    ),
+    TileRule(
+        arch="sm90",
+        kernel="forward",
+        variant="window",
+        head_dim=(65, 128),
+        config=T(block_m=64, block_n=64, num_warps=4, num_stages=3),
+    ),
+    TileRule(
+        arch="sm90",
+        kernel="forward",
+        variant="listed",
+        head_dim=(65, 128),
+        config=T(block_m=128, block_n=64, num_warps=4, num_stages=2),
+    ),
+    TileRule(
+        arch="sm90", kernel="forward", head_dim=(65, 128), config=T(block_m=128, block_n=128, num_warps=8, num_stages=3)
+    ),
     TileRule(arch="sm90", kernel="dkdv", head_dim=(1, 64), config=T(block_m=64, block_n=64, num_warps=4, num_stages=3)),
-    TileRule(arch="sm90", kernel="dkdv", head_dim=(65, 128),
-             config=T(block_m=64, block_n=64, num_warps=4, num_stages=2)),
+    TileRule(
+        arch="sm90", kernel="dkdv", head_dim=(65, 128), config=T(block_m=64, block_n=64, num_warps=4, num_stages=2)
+    ),
     TileRule(arch="sm90", kernel="dq", head_dim=(1, 64), config=T(block_m=64, block_n=64, num_warps=4, num_stages=3)),
-    TileRule(arch="sm90", kernel="dq", variant="listed", head_dim=(65, 128),
-             config=T(block_m=64, block_n=64, num_warps=4, num_stages=3)),
-    TileRule(arch="sm90", kernel="dq", head_dim=(65, 128),
-             config=T(block_m=128, block_n=64, num_warps=8, num_stages=3)),
+    TileRule(
+        arch="sm90",
+        kernel="dq",
+        variant="listed",
+        head_dim=(65, 128),
+        config=T(block_m=64, block_n=64, num_warps=4, num_stages=3),
+    ),
+    TileRule(
+        arch="sm90", kernel="dq", head_dim=(65, 128), config=T(block_m=128, block_n=64, num_warps=8, num_stages=3)
+    ),
     TileRule(arch="sm90", head_dim=(129, 256), config=T(block_m=64, block_n=64, num_warps=4, num_stages=2)),
     # Split-KV decoding, swept on the H200 with runtime.decode.PROGRAMS_PER_SM = 2
     # (benchmarks/sweep_tiles.py --kernel decode).
-    TileRule(arch="sm90", kernel="decode", head_dim=(1, 128),
-             config=T(block_m=64, block_n=64, num_warps=4, num_stages=3)),
+    TileRule(
+        arch="sm90", kernel="decode", head_dim=(1, 128), config=T(block_m=64, block_n=64, num_warps=4, num_stages=3)
+    ),
     # Any other GPU: conservative tiles that fit every recent part's shared memory.
     TileRule(head_dim=(1, 128), config=T(block_m=64, block_n=64, num_warps=4, num_stages=2)),
     TileRule(config=T(block_m=64, block_n=32, num_warps=4, num_stages=1)),
@@ -77,8 +102,10 @@ def markdown_table(rules: tuple[TileRule, ...] = TABLE) -> str:
     lines = ["| arch | kernel | variant | head dim | BLOCK_M × BLOCK_N, warps, stages |", "|---|---|---|---|---|"]
     for rule in rules:
         c = rule.config
-        lines.append(f"| `{rule.arch}` | `{rule.kernel}` | `{rule.variant}` | {_head_dims(*rule.head_dim)} | "
-                     f"{c.block_m} × {c.block_n}, {c.num_warps}, {c.num_stages} |")
+        lines.append(
+            f"| `{rule.arch}` | `{rule.kernel}` | `{rule.variant}` | {_head_dims(*rule.head_dim)} | "
+            f"{c.block_m} × {c.block_n}, {c.num_warps}, {c.num_stages} |"
+        )
     return "\n".join(lines)
 
 
@@ -87,8 +114,10 @@ def choose_tiles(arch: str, variant: str, head_dim: int, kernel: str) -> TileCon
     chosen = tile_config(kernel, arch, variant, head_dim)
     if chosen is not None:
         if not isinstance(chosen, TileConfig):
-            raise PluginError(f"a plugin chose {chosen!r} as the tiles of the {kernel} kernel (arch {arch}, variant "
-                              f"{variant}, head dim {head_dim}); a tile hook must give an attnfuse.plan.TileConfig")
+            raise PluginError(
+                f"a plugin chose {chosen!r} as the tiles of the {kernel} kernel (arch {arch}, variant "
+                f"{variant}, head dim {head_dim}); a tile hook must give an attnfuse.plan.TileConfig"
+            )
         return chosen
     for rule in TABLE:
         if rule.matches(kernel, arch, variant, head_dim):

@@ -1,4 +1,5 @@
 """``torch.autograd.Function`` around the fused forward and the backward kernels."""
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Callable
@@ -46,9 +47,18 @@ class AttentionFunction(torch.autograd.Function):
     gradient requires grad: a constant one such as ``out.sum()``'s dropped the second-order term silently)."""
 
     @staticmethod
-    def forward(ctx, call: Call, inputs: dict[str, Any], names: tuple[str | None, ...],
-                positions: Positions | None, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                kv_lens: torch.Tensor | None, *tensors: torch.Tensor):
+    def forward(
+        ctx,
+        call: Call,
+        inputs: dict[str, Any],
+        names: tuple[str | None, ...],
+        positions: Positions | None,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_lens: torch.Tensor | None,
+        *tensors: torch.Tensor,
+    ):
         """q (B, Hq, Nq, D), k (B, Hkv, Nk, D), v (B, Hkv, Nk, DV) (no gradient flows through a paged cache),
         kv_lens (B,) or None, the call's positions or None; ``inputs`` the runtime inputs by name, whose
         tensors are ``tensors``; ``call`` the kernels of the call's signature."""
@@ -64,13 +74,14 @@ class AttentionFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout: torch.Tensor | None, dlse: torch.Tensor | None):
         q, k, v, out, lse, kv_lens, *rest = ctx.saved_tensors  # torch raises here if one was edited in place
-        tensors, copies = rest[:len(ctx.names)], rest[len(ctx.names):]
+        tensors, copies = rest[: len(ctx.names)], rest[len(ctx.names) :]
         call = ctx.call
 
         def gradients() -> tuple[torch.Tensor, ...]:
             kv = kv_cache(k, v, kv_lens, None, ctx.positions)
-            dq, dk, dv, grads = call.run_backward(q, kv, out, lse, dout, dlse, ctx.inputs, ctx.prepared,
-                                                  dict(zip(ctx.sides, copies)))
+            dq, dk, dv, grads = call.run_backward(
+                q, kv, out, lse, dout, dlse, ctx.inputs, ctx.prepared, dict(zip(ctx.sides, copies))
+            )
             return dq, dk, dv, *(grads[name] for name in call.grads)
 
         if torch.is_grad_enabled():  # create_graph=True: the results must raise if differentiated again

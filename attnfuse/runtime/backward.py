@@ -2,6 +2,7 @@
 tensor gradients. On Hopper, for the programs and tensors it serves, the Gluon dK/dV template
 (``hopper.py``) computes dQ too, after a small kernel for its row statistics (``template_rows.py``), unless
 ``torch.use_deterministic_algorithms`` is on: its dQ is a sum of float32 reduce-adds in no fixed order."""
+
 from __future__ import annotations
 
 from typing import Any
@@ -69,9 +70,18 @@ class BackwardKernels:
         shares = torch.empty(keys * group * self._share_width, dtype=dtype, device=q.device)
         return shares, torch.zeros(keys // 16, dtype=torch.int32, device=q.device)
 
-    def _generated_dkdv(self, q: torch.Tensor, kv: KVCache, dk: torch.Tensor, dv: torch.Tensor,
-                        shared: dict[str, Any], pargs: dict[str, Any], limit: int | None, heavy: int,
-                        even_m: Any) -> None:
+    def _generated_dkdv(
+        self,
+        q: torch.Tensor,
+        kv: KVCache,
+        dk: torch.Tensor,
+        dv: torch.Tensor,
+        shared: dict[str, Any],
+        pargs: dict[str, Any],
+        limit: int | None,
+        heavy: int,
+        even_m: Any,
+    ) -> None:
         """The generated dK/dV kernel's launch, with its split scratch when it splits heavy key blocks."""
         B, Hq = q.shape[:2]
         Hkv, Nk = kv.k.shape[1], kv.k.shape[2]
@@ -84,13 +94,29 @@ class BackwardKernels:
                 split_args.update(SPLIT_BLOCKS=heavy, SPLIT_ROWS=split_rows)
             shares, counts = self._split_buffers(B * Hkv * heavy * block_rows, Hq // Hkv, q)
             split_args.update(PartDKV=shares, SplitCount=counts)
-        self.dkdv.launch(block_grid(Nk, B * Hkv, "block_n", limit if dkdv_spec.scheduled else None,
-                                    heavy * (Hq // Hkv - 1), what="B x Hkv"),
-                         dkdv_spec.launch.bind({**shared, "DKey": dk, "DValue": dv, **pargs, **split_args}),
-                         q.device, limit=limit, EVEN_K=even_keys(kv), EVEN_M=even_m)
+        self.dkdv.launch(
+            block_grid(
+                Nk, B * Hkv, "block_n", limit if dkdv_spec.scheduled else None, heavy * (Hq // Hkv - 1), what="B x Hkv"
+            ),
+            dkdv_spec.launch.bind({**shared, "DKey": dk, "DValue": dv, **pargs, **split_args}),
+            q.device,
+            limit=limit,
+            EVEN_K=even_keys(kv),
+            EVEN_M=even_m,
+        )
 
-    def _fused_dq(self, q: torch.Tensor, kv: KVCache, out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor,
-                  dlse: torch.Tensor | None, dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor) -> None:
+    def _fused_dq(
+        self,
+        q: torch.Tensor,
+        kv: KVCache,
+        out: torch.Tensor,
+        lse: torch.Tensor,
+        dout: torch.Tensor,
+        dlse: torch.Tensor | None,
+        dq: torch.Tensor,
+        dk: torch.Tensor,
+        dv: torch.Tensor,
+    ) -> None:
         """The Hopper template's launch that computes dQ too (float32 reduce-adds into an accumulator),
         after a small kernel that computes its row statistics (delta too) and zeroes the accumulator. The
         accumulator has q's memory order, as dq has, so that converting it is a plain copy (HF's (B, N, H,
@@ -102,35 +128,77 @@ class BackwardKernels:
         if not direct:
             dq.copy_(acc)
 
-    def _dq_then_dkdv(self, q: torch.Tensor, kv: KVCache, out: torch.Tensor, lse: torch.Tensor | None,
-                      dout: torch.Tensor, dlse: torch.Tensor | None, dq: torch.Tensor, dk: torch.Tensor,
-                      dv: torch.Tensor, inputs: dict[str, Any], prepared: Prepared | None,
-                      buffers: list[torch.Tensor], template: bool) -> None:
+    def _dq_then_dkdv(
+        self,
+        q: torch.Tensor,
+        kv: KVCache,
+        out: torch.Tensor,
+        lse: torch.Tensor | None,
+        dout: torch.Tensor,
+        dlse: torch.Tensor | None,
+        dq: torch.Tensor,
+        dk: torch.Tensor,
+        dv: torch.Tensor,
+        inputs: dict[str, Any],
+        prepared: Prepared | None,
+        buffers: list[torch.Tensor],
+        template: bool,
+    ) -> None:
         """The generated dQ kernel (which writes delta and the tensor gradients' buffers), then the dK/dV
         kernel: the template if ``template``, else the generated one. Deterministic."""
         B, Hq, Nq, _ = q.shape
         delta = torch.empty((B, Hq, Nq), dtype=accumulator_dtype(q.dtype), device=q.device)  # dQ writes it
-        shared = {"Q": q, "K": kv.k, "V": kv.v, "DO": dout, "Lse": delta if lse is None else lse, "Delta": delta,
-                  "HQ": Hq, "Nq": Nq, **kv_launch_args(kv)}  # Lse: a placeholder when the normaliser saves none
+        shared = {
+            "Q": q,
+            "K": kv.k,
+            "V": kv.v,
+            "DO": dout,
+            "Lse": delta if lse is None else lse,
+            "Delta": delta,
+            "HQ": Hq,
+            "Nq": Nq,
+            **kv_launch_args(kv),
+        }  # Lse: a placeholder when the normaliser saves none
         pargs, limit, heavy = prepared or self.plugin_args(q, kv, inputs)
         grad_args = dict(zip(self.dq.spec.grad_buffers, buffers))
         even_m = lambda tiles: Nq % tiles.block_m == 0  # noqa: E731
         dq_spec = self.dq.spec
-        self.dq.launch(query_grid(Nq, B * Hq, limit if dq_spec.scheduled else None),
-                       dq_spec.launch.bind({**shared, "O": out, "DLse": delta if dlse is None else dlse,
-                                            "DQuery": dq, "HEAD_GROUP": heads_together(q, kv), **pargs,
-                                            **grad_args}),
-                       q.device, limit=limit, HAS_DLSE=dlse is not None, EVEN_K=even_keys(kv), EVEN_M=even_m)
+        self.dq.launch(
+            query_grid(Nq, B * Hq, limit if dq_spec.scheduled else None),
+            dq_spec.launch.bind(
+                {
+                    **shared,
+                    "O": out,
+                    "DLse": delta if dlse is None else dlse,
+                    "DQuery": dq,
+                    "HEAD_GROUP": heads_together(q, kv),
+                    **pargs,
+                    **grad_args,
+                }
+            ),
+            q.device,
+            limit=limit,
+            HAS_DLSE=dlse is not None,
+            EVEN_K=even_keys(kv),
+            EVEN_M=even_m,
+        )
         if template:
             self.hopper.dkdv(q, kv.k, kv.v, dout, self.hopper.rows(lse, delta=delta), dk, dv)
         else:
             self._generated_dkdv(q, kv, dk, dv, shared, pargs, limit, heavy, even_m)
 
-    def __call__(self, q: torch.Tensor, kv: KVCache, out: torch.Tensor,
-                 lse: torch.Tensor | None, dout: torch.Tensor | None, dlse: torch.Tensor | None,
-                 inputs: dict[str, Any], dqk_dtype: torch.dtype | None = None,
-                 prepared: Prepared | None = None
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+    def __call__(
+        self,
+        q: torch.Tensor,
+        kv: KVCache,
+        out: torch.Tensor,
+        lse: torch.Tensor | None,
+        dout: torch.Tensor | None,
+        dlse: torch.Tensor | None,
+        inputs: dict[str, Any],
+        dqk_dtype: torch.dtype | None = None,
+        prepared: Prepared | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
         """dq, dk, dv in the inputs' dtypes (dq and dk in ``dqk_dtype`` if given) and memory orders, and the
         gradients of tensor inputs by name. ``prepared``: the plugin arguments, if the caller has them."""
         k, v = kv.k, kv.v
@@ -142,12 +210,18 @@ class BackwardKernels:
             dout = torch.empty_like(out).copy_(dout)
         dq, dk = empty_like_layout(q, D, dqk_dtype or q.dtype), empty_like_layout(k, D, dqk_dtype or k.dtype)
         dv = empty_like_layout(v, DV, v.dtype)
-        buffers = [torch.zeros((B, Hq, Nq, Nk), dtype=accumulator_dtype(q.dtype), device=q.device)
-                   for _ in self.tensor_grads]
+        buffers = [
+            torch.zeros((B, Hq, Nq, Nk), dtype=accumulator_dtype(q.dtype), device=q.device) for _ in self.tensor_grads
+        ]
         if q.numel() and k.numel():
             dlse = dlse.to(accumulator_dtype(q.dtype)).contiguous() if dlse is not None else None
-            template = (self.hopper is not None and lse is not None and self.hopper.fits(q, k, v, dout)
-                        and self.hopper.rows_fit(lse) and dk.stride(3) == dv.stride(3) == 1)
+            template = (
+                self.hopper is not None
+                and lse is not None
+                and self.hopper.fits(q, k, v, dout)
+                and self.hopper.rows_fit(lse)
+                and dk.stride(3) == dv.stride(3) == 1
+            )
             if template and not self.tensor_grads and not torch.are_deterministic_algorithms_enabled():
                 self._fused_dq(q, kv, out, lse, dout, dlse, dq, dk, dv)
             else:

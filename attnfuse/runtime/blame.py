@@ -4,6 +4,7 @@ Codegen precedes every fragment with a comment ``# <combinator>_<i>: <what>``; t
 generated file, found from the traceback (interpreter) or the compiler's AST node (Triton), is traced back
 to the nearest such comment above it.
 """
+
 from __future__ import annotations
 
 import re
@@ -44,8 +45,10 @@ def blame(source: str, path: Path, name: str, exc: BaseException, origins: dict[
         if found:
             application, combinator, what = found.groups()
             dist = f" of distribution {origins[application]!r}" if application in origins else ""
-            return (f"the failing line is in the fragment of combinator {combinator!r}{dist} ({application}: "
-                    f"{what}): {path}:{line}: {lines[line - 1].strip()}")
+            return (
+                f"the failing line is in the fragment of combinator {combinator!r}{dist} ({application}: "
+                f"{what}): {path}:{line}: {lines[line - 1].strip()}"
+            )
         if text.startswith("def "):
             break
     return None

@@ -1,4 +1,5 @@
 """``Call``: what one call signature runs, decided once; a warm call looks it up and runs it."""
+
 from __future__ import annotations
 
 from typing import Any, Callable
@@ -25,10 +26,16 @@ class Call:
     ``kv_layout``: the layout a paged call's pools are read in (``kv_layout.py``), decided with the call;
     None for a contiguous cache."""
 
-    def __init__(self, compiled: Compiled, *, forward: ForwardKernel | HoistedForward | None = None,
-                 decode: DecodeKernel | None = None,
-                 build_backward: Callable[[], BackwardKernels | HoistedBackward] | None = None,
-                 grads: tuple[str, ...] = (), kv_layout: str | None = None):
+    def __init__(
+        self,
+        compiled: Compiled,
+        *,
+        forward: ForwardKernel | HoistedForward | None = None,
+        decode: DecodeKernel | None = None,
+        build_backward: Callable[[], BackwardKernels | HoistedBackward] | None = None,
+        grads: tuple[str, ...] = (),
+        kv_layout: str | None = None,
+    ):
         self.compiled = compiled
         self.forward = forward
         self.decode = decode
@@ -38,9 +45,16 @@ class Call:
         self._hoisted = isinstance(forward, HoistedForward)
         self.sides = forward.transform.sides if self._hoisted else ()
 
-    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inputs: dict[str, Any],
-                 kv_lens: torch.Tensor | None, block_table: torch.Tensor | None, positions: Positions | None = None
-                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def __call__(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        inputs: dict[str, Any],
+        kv_lens: torch.Tensor | None,
+        block_table: torch.Tensor | None,
+        positions: Positions | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """out (B, Hq, Nq, DV) and lse (B, Hq, Nq) or None; differentiable when the call has a backward.
         ``positions``: the call's (checked), when its signature has them."""
         kv = kv_cache(k, v, kv_lens, block_table, positions, self.kv_layout)
@@ -60,18 +74,27 @@ class Call:
         """The plugins' kernel arguments, for a forward and its backward alike."""
         return self.forward.plugin_args(q, kv, inputs)
 
-    def run_forward(self, q: torch.Tensor, kv: KVCache, inputs: dict[str, Any], prepared: Prepared
-                    ) -> tuple[torch.Tensor, torch.Tensor | None, dict[str, torch.Tensor]]:
+    def run_forward(
+        self, q: torch.Tensor, kv: KVCache, inputs: dict[str, Any], prepared: Prepared
+    ) -> tuple[torch.Tensor, torch.Tensor | None, dict[str, torch.Tensor]]:
         """out, lse, and a hoisted forward's transformed copies of q and k by side (else none), which the
         backward reads instead of transforming q and k again."""
         if self._hoisted:
             return self.forward.run(q, kv, inputs, prepared)
         return (*self.forward(q, kv, inputs, prepared), {})
 
-    def run_backward(self, q: torch.Tensor, kv: KVCache, out: torch.Tensor, lse: torch.Tensor | None,
-                     dout: torch.Tensor | None, dlse: torch.Tensor | None, inputs: dict[str, Any],
-                     prepared: Prepared | None, copies: dict[str, torch.Tensor]
-                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+    def run_backward(
+        self,
+        q: torch.Tensor,
+        kv: KVCache,
+        out: torch.Tensor,
+        lse: torch.Tensor | None,
+        dout: torch.Tensor | None,
+        dlse: torch.Tensor | None,
+        inputs: dict[str, Any],
+        prepared: Prepared | None,
+        copies: dict[str, torch.Tensor],
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
         """dq, dk, dv and the gradients of ``grads`` by name (``BackwardKernels.__call__``)."""
         extra = {"copies": copies} if copies else {}
         return self.backward(q, kv, out, lse, dout, dlse, inputs, prepared=prepared, **extra)

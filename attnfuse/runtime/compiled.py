@@ -5,6 +5,7 @@ first use, so a call loads only the kernels it launches (the backward when a gra
 call signature that runs the same (graph, config) shares one ``Compiled``: an index of weak references finds
 it while some cached call holds it (``launch``), and forgets it when none does.
 """
+
 from __future__ import annotations
 
 import threading
@@ -70,8 +71,10 @@ class Compiled:
 
     def hoisted_backward(self, gradients: tuple[InputGradient, ...] = ()) -> HoistedBackward:
         """The backward with the qk transforms hoisted into transform and gradient passes."""
-        return self._once(("hoisted backward", gradients),
-                          lambda: HoistedBackward(self.plan, self.hoisted_kernels.backward(gradients)))
+        return self._once(
+            ("hoisted backward", gradients),
+            lambda: HoistedBackward(self.plan, self.hoisted_kernels.backward(gradients)),
+        )
 
     def kernel(self, kind: str) -> CompiledKernel:
         """One generated kernel: ``kind`` is "forward", "decode" (split-KV), "dkdv", "dq" or "transform"
@@ -80,13 +83,17 @@ class Compiled:
             return self.forward.kernel
         if kind == "transform":
             if self.plan.transform is None:
-                raise InputError("kernel='transform': this program has no key-side qk transform to hoist (or "
-                                 "reads a cache with kv_lens or pages, where the transform stays in the key loop)")
+                raise InputError(
+                    "kernel='transform': this program has no key-side qk transform to hoist (or "
+                    "reads a cache with kv_lens or pages, where the transform stays in the key loop)"
+                )
             return self.hoisted.transform.kernel
         if kind == "decode":
             if self.config.positions:
-                raise InputError("kernel='decode': the split-KV kernel places queries bottom-right; a call with "
-                                 "q_offset or k_offset runs the forward kernel")
+                raise InputError(
+                    "kernel='decode': the split-KV kernel places queries bottom-right; a call with "
+                    "q_offset or k_offset runs the forward kernel"
+                )
             return self.decode.kernel
         if kind in ("dkdv", "dq"):
             return getattr(self.backward(), kind)

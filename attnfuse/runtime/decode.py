@@ -1,4 +1,5 @@
 """The split-KV decoding launcher: phase one (generated kernel) over key splits, phase two (combine)."""
+
 from __future__ import annotations
 
 import math
@@ -23,8 +24,7 @@ def _parallelism(device: torch.device) -> int:
     return PROGRAMS_PER_SM * multiprocessors(device) if device.type == "cuda" else 4
 
 
-def split_plan(B: int, Hkv: int, row_blocks: int, capacity: int, block_n: int, device: torch.device
-               ) -> tuple[int, int]:
+def split_plan(B: int, Hkv: int, row_blocks: int, capacity: int, block_n: int, device: torch.device) -> tuple[int, int]:
     """(keys per split, number of splits): enough programs to fill the GPU, each split whole blocks."""
     blocks = cdiv(capacity, block_n)
     splits = max(1, min(blocks, cdiv(_parallelism(device), B * Hkv * row_blocks)))
@@ -42,8 +42,9 @@ class DecodeKernel:
         self.plugin_args = PluginArgs(plan)
         self._logsumexp = plan.combine == "logsumexp"
 
-    def __call__(self, q: torch.Tensor, kv: KVCache, inputs: dict[str, Any]
-                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def __call__(
+        self, q: torch.Tensor, kv: KVCache, inputs: dict[str, Any]
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """out (B, Hq, Nq, DV); lse (B, Hq, Nq) when the configuration saves it."""
         config = self.plan.config
         B, Hq, Nq, D = q.shape
@@ -62,11 +63,24 @@ class DecodeKernel:
         split_keys, splits = split_plan(B, Hkv, row_blocks, kv.capacity, self.kernel.tiles.block_n, q.device)
         part_out = torch.empty((B * Hq * Nq, splits, DV), dtype=acc, device=q.device)
         part_lse = torch.empty((B * Hq * Nq, splits), dtype=acc, device=q.device)
-        args = self.kernel.spec.launch.bind({
-            "Q": q, "K": kv.k, "V": kv.v, "PartOut": part_out, "PartLse": part_lse, "HQ": Hq, "Nq": Nq,
-            **kv_launch_args(kv), "SPLIT": split_keys, "NUM_SPLITS": splits, **self.plugin_args(q, kv, inputs).args})
+        args = self.kernel.spec.launch.bind(
+            {
+                "Q": q,
+                "K": kv.k,
+                "V": kv.v,
+                "PartOut": part_out,
+                "PartLse": part_lse,
+                "HQ": Hq,
+                "Nq": Nq,
+                **kv_launch_args(kv),
+                "SPLIT": split_keys,
+                "NUM_SPLITS": splits,
+                **self.plugin_args(q, kv, inputs).args,
+            }
+        )
         y, z = head_grid(B * Hkv, "B x Hkv")  # z > 1 only past 65535 heads: z * row_blocks stays small
-        self.kernel.launch(lambda tiles: (splits, y, z * row_blocks), args, q.device, block_m=block_m,
-                           EVEN_K=even_keys(kv))
+        self.kernel.launch(
+            lambda tiles: (splits, y, z * row_blocks), args, q.device, block_m=block_m, EVEN_K=even_keys(kv)
+        )
         combine(part_out, part_lse, out, lse, self._logsumexp)
         return out, lse

@@ -12,6 +12,7 @@ recorded; the next validated call, or any call with ``kv_lens``, raises the ``In
 has completed. ``check_errors`` waits for the record (a host sync) and raises. Reporting an error clears
 the record, so each is raised once.
 """
+
 from __future__ import annotations
 
 import threading
@@ -36,13 +37,16 @@ def message(values: list[int]) -> str:
         if capacity >= MAX_LENGTH:
             held = "no more than an int32 counts"
         elif page_size:
-            held = f"the capacity of its paged cache: block_table's {capacity // page_size} pages x page_size " \
-                f"{page_size}"
+            held = (
+                f"the capacity of its paged cache: block_table's {capacity // page_size} pages x page_size {page_size}"
+            )
         else:
             held = f"the capacity of the contiguous cache: Nk = {capacity}"
         return f"kv_lens[{b}] = {value}: a sequence's key count must be in [0, {capacity}], {held}"
-    return (f"block_table[{b}, {slot}] = {value} is not a page of the pool: the {used} entries sequence {b} uses "
-            f"(kv_lens[{b}] = {length}, page_size {page_size}) must each be in [0, {num_pages})")
+    return (
+        f"block_table[{b}, {slot}] = {value} is not a page of the pool: the {used} entries sequence {b} uses "
+        f"(kv_lens[{b}] = {length}, page_size {page_size}) must each be in [0, {num_pages})"
+    )
 
 
 class StreamEvent:
@@ -69,8 +73,15 @@ class ErrorRecord:
     ``query()``, ``synchronize()``) marks each copy's completion and ``capturing()`` says whether the current
     stream is being captured into a CUDA graph (no copy, no query then)."""
 
-    def __init__(self, values: torch.Tensor, *, deferred: bool, host: torch.Tensor | None = None,
-                 event: Any = None, capturing: Callable[[], bool] | None = None):
+    def __init__(
+        self,
+        values: torch.Tensor,
+        *,
+        deferred: bool,
+        host: torch.Tensor | None = None,
+        event: Any = None,
+        capturing: Callable[[], bool] | None = None,
+    ):
         self.values = values
         self._deferred, self._host, self._event, self._capturing = deferred, host, event, capturing
         self._in_flight = False  # a copy to ``host`` was issued and not yet seen complete
@@ -113,8 +124,10 @@ class ErrorRecord:
         """Wait for every check launched so far on the device, in any stream (a host sync on CUDA), and raise
         the InputError of a recorded error."""
         if self._deferred and self._capturing():
-            raise InputError("attnfuse.check_errors() waits for the device, which a CUDA graph capture cannot; "
-                             "call it after the capture, or after a replay")
+            raise InputError(
+                "attnfuse.check_errors() waits for the device, which a CUDA graph capture cannot; "
+                "call it after the capture, or after a replay"
+            )
         with self._lock:
             if self.values.is_cuda:
                 torch.cuda.synchronize(self.values.device)
@@ -128,9 +141,14 @@ class ErrorRecord:
         if values[0] == NO_ERROR:
             return
         self.values.zero_()  # in stream order: after the checks that were launched before this
-        where = "" if not self._deferred else (
-            f" (recorded on {self.values.device} by the check of an earlier call: CUDA reports it at a later call "
-            f"with kv_lens or at attnfuse.check_errors())")
+        where = (
+            ""
+            if not self._deferred
+            else (
+                f" (recorded on {self.values.device} by the check of an earlier call: CUDA reports it at a later call "
+                f"with kv_lens or at attnfuse.check_errors())"
+            )
+        )
         raise InputError(message(values) + where)
 
 
@@ -155,13 +173,16 @@ def _made(device: torch.device) -> ErrorRecord:
     if device.type != "cuda":
         return ErrorRecord(torch.zeros(RECORD_SIZE, dtype=torch.int64, device=device), deferred=False)
     if torch.cuda.is_current_stream_capturing():
-        raise InputError(f"validating kv_lens and block_table inside a CUDA graph capture needs {device}'s error "
-                         f"record, which is made outside a capture: make one validated call on {device} before "
-                         f"capturing (a warm-up call), or pass validate=False")
+        raise InputError(
+            f"validating kv_lens and block_table inside a CUDA graph capture needs {device}'s error "
+            f"record, which is made outside a capture: make one validated call on {device} before "
+            f"capturing (a warm-up call), or pass validate=False"
+        )
     values = made_outside_graph_pools(lambda: torch.zeros(RECORD_SIZE, dtype=torch.int64, device=device), device)
     host = torch.zeros(RECORD_SIZE, dtype=torch.int64, pin_memory=True)
-    return ErrorRecord(values, deferred=True, host=host, event=StreamEvent(device),
-                       capturing=torch.cuda.is_current_stream_capturing)
+    return ErrorRecord(
+        values, deferred=True, host=host, event=StreamEvent(device), capturing=torch.cuda.is_current_stream_capturing
+    )
 
 
 def report(device: torch.device) -> None:

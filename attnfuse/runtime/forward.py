@@ -1,5 +1,6 @@
 """The forward launcher: out (and lse) from q, k, v through one generated kernel, or on Hopper, for the
 programs and tensors it serves, through the Gluon template (``hopper.py``)."""
+
 from __future__ import annotations
 
 import math
@@ -26,15 +27,19 @@ class ForwardKernel:
         self.plugin_args = PluginArgs(plan)
         self.hopper = HopperLauncher(plan.hopper) if plan.hopper is not None else None
 
-    def __call__(self, q: torch.Tensor, kv: KVCache, inputs: dict[str, Any],
-                 prepared: Prepared | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def __call__(
+        self, q: torch.Tensor, kv: KVCache, inputs: dict[str, Any], prepared: Prepared | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """out (B, Hq, Nq, DV) in q's dtype and memory order; lse (B, Hq, Nq) float32 (float64 for float64
         inputs) or None. ``prepared``: the plugin arguments, if the caller has them already."""
         B, Hq, Nq, D = q.shape
         k, v, Nk, DV = kv.k, kv.v, kv.capacity, kv.v.shape[3]
         out = empty_like_layout(q, DV, q.dtype)
-        lse = torch.empty((B, Hq, Nq), dtype=accumulator_dtype(q.dtype), device=q.device) \
-            if self.plan.config.save_lse else None
+        lse = (
+            torch.empty((B, Hq, Nq), dtype=accumulator_dtype(q.dtype), device=q.device)
+            if self.plan.config.save_lse
+            else None
+        )
         if out.numel() == 0:
             return out, lse
         if Nk == 0:
@@ -47,9 +52,22 @@ class ForwardKernel:
             return out, lse
         pargs, limit, _ = prepared or self.plugin_args(q, kv, inputs)
         spec = self.kernel.spec
-        args = spec.launch.bind({"Q": q, "K": k, "V": v, "Out": out, "Lse": out if lse is None else lse, "HQ": Hq,
-                                 "Nq": Nq, "HEAD_GROUP": heads_together(q, kv), **kv_launch_args(kv), **pargs})
+        args = spec.launch.bind(
+            {
+                "Q": q,
+                "K": k,
+                "V": v,
+                "Out": out,
+                "Lse": out if lse is None else lse,
+                "HQ": Hq,
+                "Nq": Nq,
+                "HEAD_GROUP": heads_together(q, kv),
+                **kv_launch_args(kv),
+                **pargs,
+            }
+        )
         grid = query_grid(Nq, B * Hq, limit if spec.scheduled else None)
-        self.kernel.launch(grid, args, q.device, limit=limit, EVEN_K=even_keys(kv),
-                           EVEN_M=lambda tiles: Nq % tiles.block_m == 0)
+        self.kernel.launch(
+            grid, args, q.device, limit=limit, EVEN_K=even_keys(kv), EVEN_M=lambda tiles: Nq % tiles.block_m == 0
+        )
         return out, lse

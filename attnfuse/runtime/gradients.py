@@ -1,4 +1,5 @@
 """Which gradients a differentiable call computes, checked the same way for eager calls and the op."""
+
 from __future__ import annotations
 
 from typing import Any, Collection
@@ -10,12 +11,15 @@ from ..plan import InputGradient, Plan
 def check_differentiable(plan: Plan) -> None:
     """Raise unless every combinator of the program declares its backward."""
     if plan.missing_backward is not None:
-        raise ProgramError(f"gradients were asked for, but {plan.missing_backward} declares no backward; compute "
-                           f"under torch.no_grad(), or give the combinator its backward fragment")
+        raise ProgramError(
+            f"gradients were asked for, but {plan.missing_backward} declares no backward; compute "
+            f"under torch.no_grad(), or give the combinator its backward fragment"
+        )
 
 
-def tensor_grads(plan: Plan, inputs: dict[str, Any], wanted: Collection[str],
-                 scores: tuple[int, int, int, int]) -> tuple[InputGradient, ...]:
+def tensor_grads(
+    plan: Plan, inputs: dict[str, Any], wanted: Collection[str], scores: tuple[int, int, int, int]
+) -> tuple[InputGradient, ...]:
     """The gradients the dQ kernel writes for the runtime inputs named in ``wanted`` (argument names of
     ``inputs``). An InputError, before anything runs, for a wanted input whose combinator declares no
     gradient for it, or whose shape does not broadcast to the scores ``scores`` (B, Hq, Nq, Nk) by torch's
@@ -24,8 +28,10 @@ def tensor_grads(plan: Plan, inputs: dict[str, Any], wanted: Collection[str],
     covered = {g.argument for g in found}
     for g in plan.input_gradients:
         if g.argument in wanted and g.argument not in covered:
-            raise InputError(f"{g.combinator}: its input {g.param!r} (argument {g.argument!r}) requires grad, but "
-                             f"{g.combinator} declares no gradient for it; pass it detached")
+            raise InputError(
+                f"{g.combinator}: its input {g.param!r} (argument {g.argument!r}) requires grad, but "
+                f"{g.combinator} declares no gradient for it; pass it detached"
+            )
     for g in found:
         shape = tuple(inputs[g.argument].shape)
         if not _broadcasts(shape, scores):
@@ -33,7 +39,8 @@ def tensor_grads(plan: Plan, inputs: dict[str, Any], wanted: Collection[str],
                 f"{g.combinator}: its input {g.param!r} (argument {g.argument!r}) requires grad and has shape "
                 f"{shape}, which does not broadcast to the scores (B, Hq, Nq, Nk) = {scores}; its gradient is "
                 f"summed over the dims it broadcasts along, so it must have at most 4 dims, each 1 or the scores' "
-                f"size, aligned from the right (torch's rules): per head, (Hq, 1, 1); or pass it detached")
+                f"size, aligned from the right (torch's rules): per head, (Hq, 1, 1); or pass it detached"
+            )
     return found
 
 
@@ -48,4 +55,5 @@ def no_double_backward() -> UnsupportedError:
         "double backward through an attnfuse program is not supported: a gradient taken with create_graph=True "
         "(a gradient penalty, a Hessian-vector product) was differentiated again, and the fused backward kernels "
         "have no derivative of their own. Use the gradient without differentiating it (first order works under "
-        "create_graph=True), or differentiate program.reference(...), the plain PyTorch composition, twice")
+        "create_graph=True), or differentiate program.reference(...), the plain PyTorch composition, twice"
+    )

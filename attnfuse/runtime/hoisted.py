@@ -7,6 +7,7 @@ for q and k, a scratch copy per side); the forward and backward then run plain k
 a gradient pass carries dQ and dK back through the transforms. The runtime hoists when at least
 ``HOIST_MIN_QUERY_BLOCKS`` query blocks would each transform the keys.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -39,8 +40,14 @@ class TransformPass:
         self.kernel = CompiledKernel(spec, interpreted)
         self.sides = spec.sides
 
-    def __call__(self, rows: dict[str, torch.Tensor], pargs: dict[str, Any], Hq: int, Nq: int,
-                 grads: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+    def __call__(
+        self,
+        rows: dict[str, torch.Tensor],
+        pargs: dict[str, Any],
+        Hq: int,
+        Nq: int,
+        grads: dict[str, torch.Tensor] | None = None,
+    ) -> dict[str, torch.Tensor]:
         """rows by side: q (B, Hq, Nq, D), k (B, Hkv, Nk, D) -> the transformed rows by side, or with
         ``grads`` (float32, each in its rows' shape and memory order) the gradients of the rows; in the
         rows' dtypes and memory orders. ``pargs``: the plugins' arguments, and the call's positions'."""
@@ -54,15 +61,18 @@ class TransformPass:
         def grid(tiles):
             blocks = {"q": cdiv(Nq, tiles.block_m), "k": cdiv(Nk, tiles.block_n)}
             return (sum(blocks[x] * B * heads[x] for x in sides),)
+
         if grid(self.kernel.tiles)[0]:
             named = {}
             for x in sides:
                 named.update({x.upper(): rows[x], f"{x.upper()}Out": outs[x]})
                 if grads is not None:
                     named[f"G{x.upper()}"] = grads[x]
-            self.kernel.launch(grid, self.kernel.spec.launch.bind(
-                {**named, "HQ": Hq, "Nq": Nq, "N_K": Nk, "BATCH": B, **pargs}),
-                               rows["k"].device)
+            self.kernel.launch(
+                grid,
+                self.kernel.spec.launch.bind({**named, "HQ": Hq, "Nq": Nq, "N_K": Nk, "BATCH": B, **pargs}),
+                rows["k"].device,
+            )
         return outs
 
 
@@ -79,15 +89,16 @@ class HoistedForward:
         self.transform = TransformPass(fused.plan.transform, fused.plan.config.arch == "interpreter")
         self.plugin_args = fused.plugin_args
 
-    def __call__(self, q: torch.Tensor, kv: KVCache, inputs: dict[str, Any]
-                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def __call__(
+        self, q: torch.Tensor, kv: KVCache, inputs: dict[str, Any]
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """As ``ForwardKernel.__call__``."""
         out, lse, _ = self.run(q, kv, inputs)
         return out, lse
 
-    def run(self, q: torch.Tensor, kv: KVCache, inputs: dict[str, Any],
-            prepared: Prepared | None = None
-            ) -> tuple[torch.Tensor, torch.Tensor | None, dict[str, torch.Tensor]]:
+    def run(
+        self, q: torch.Tensor, kv: KVCache, inputs: dict[str, Any], prepared: Prepared | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None, dict[str, torch.Tensor]]:
         """out, lse, and the transformed copies by side ("q", "k"), for the backward to reuse.
         ``prepared``: the plugin arguments, if the caller has them already."""
         prepared = prepared or self.plugin_args(q, kv, inputs)
@@ -108,10 +119,18 @@ class HoistedBackward:
         self.gradient = TransformPass(fused.gradient, interpreted)
         self.plugin_args = PluginArgs(fused)
 
-    def __call__(self, q: torch.Tensor, kv: KVCache, out: torch.Tensor, lse: torch.Tensor | None,
-                 dout: torch.Tensor | None, dlse: torch.Tensor | None, inputs: dict[str, Any],
-                 prepared: Prepared | None = None, copies: dict[str, torch.Tensor] | None = None
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+    def __call__(
+        self,
+        q: torch.Tensor,
+        kv: KVCache,
+        out: torch.Tensor,
+        lse: torch.Tensor | None,
+        dout: torch.Tensor | None,
+        dlse: torch.Tensor | None,
+        inputs: dict[str, Any],
+        prepared: Prepared | None = None,
+        copies: dict[str, torch.Tensor] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
         """As ``BackwardKernels.__call__``. ``copies``: the transformed rows by side that the forward kept
         (``HoistedForward.run``); without them a transform pass writes them again."""
         prepared = prepared or self.plugin_args(q, kv, inputs)
@@ -119,8 +138,18 @@ class HoistedBackward:
         rows = {"q": q, "k": kv.k}
         pargs = {**prepared.args, **position_args(kv)}
         copies = copies or self.transform(rows, pargs, Hq, Nq)
-        dq, dk, dv, grads = self.inner(copies.get("q", q), kv._replace(k=copies["k"]), out, lse, dout, dlse,
-                                       inputs, dqk_dtype=accumulator_dtype(q.dtype), prepared=prepared)
-        of_rows = self.gradient(rows, pargs, Hq, Nq,
-                                grads={"q": dq, "k": dk})  # float32, with respect to the transformed rows
+        dq, dk, dv, grads = self.inner(
+            copies.get("q", q),
+            kv._replace(k=copies["k"]),
+            out,
+            lse,
+            dout,
+            dlse,
+            inputs,
+            dqk_dtype=accumulator_dtype(q.dtype),
+            prepared=prepared,
+        )
+        of_rows = self.gradient(
+            rows, pargs, Hq, Nq, grads={"q": dq, "k": dk}
+        )  # float32, with respect to the transformed rows
         return of_rows["q"] if "q" in of_rows else dq.to(q.dtype), of_rows["k"], dv, grads

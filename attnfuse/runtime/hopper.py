@@ -1,5 +1,6 @@
 """The Hopper templates' launcher: TMA descriptors of the tensors, then one launch of a Gluon kernel (the
 forward, or the backward's dK/dV)."""
+
 from __future__ import annotations
 
 import functools
@@ -23,18 +24,51 @@ DKDV_SPLIT_FILL = 1.5  # its groups' query heads, over the fewest programs that 
 _TMA_LIMIT = 1 << 40  # bytes: a TMA stride must stay below it
 _ROW_LAYOUT = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1)  # lse and delta rows
 
-FORWARD = LaunchSpec("hopper_forward_kernel",
-                     params(TENSOR, "q_desc", "k_desc", "v_desc", "o_desc", "q", "k", "v", "out", "lse")
-                     + params(INT, "n_q", "n_k", "heads_q", "group") + params(SCALAR, "qk_scale")
-                     + params(CONSTEXPR, "BLOCK_N", "STAGES", "CAUSAL", "SAVE_LSE"), tiles=())
-DKDV = LaunchSpec("hopper_dkdv_kernel",
-                  params(TENSOR, "q_desc", "do_desc", "k_desc", "v_desc", "lse_desc", "delta_desc", "dk", "dv",
-                         "dq_desc", "dk_part", "dv_part")
-                  + params(INT, "part_size") + params(TENSOR, "counts")
-                  + params(INT, "stride_dkb", "stride_dkh", "stride_dkn", "stride_dvb", "stride_dvh", "stride_dvn",
-                           "n_q", "n_k", "heads_q", "group", "heads", "row_stride")
-                  + params(SCALAR, "qk_scale", "scale")
-                  + params(CONSTEXPR, "BLOCK_M", "STAGES", "CAUSAL", "GROUP_SUM", "FUSE_DQ"), tiles=())
+FORWARD = LaunchSpec(
+    "hopper_forward_kernel",
+    params(TENSOR, "q_desc", "k_desc", "v_desc", "o_desc", "q", "k", "v", "out", "lse")
+    + params(INT, "n_q", "n_k", "heads_q", "group")
+    + params(SCALAR, "qk_scale")
+    + params(CONSTEXPR, "BLOCK_N", "STAGES", "CAUSAL", "SAVE_LSE"),
+    tiles=(),
+)
+DKDV = LaunchSpec(
+    "hopper_dkdv_kernel",
+    params(
+        TENSOR,
+        "q_desc",
+        "do_desc",
+        "k_desc",
+        "v_desc",
+        "lse_desc",
+        "delta_desc",
+        "dk",
+        "dv",
+        "dq_desc",
+        "dk_part",
+        "dv_part",
+    )
+    + params(INT, "part_size")
+    + params(TENSOR, "counts")
+    + params(
+        INT,
+        "stride_dkb",
+        "stride_dkh",
+        "stride_dkn",
+        "stride_dvb",
+        "stride_dvh",
+        "stride_dvn",
+        "n_q",
+        "n_k",
+        "heads_q",
+        "group",
+        "heads",
+        "row_stride",
+    )
+    + params(SCALAR, "qk_scale", "scale")
+    + params(CONSTEXPR, "BLOCK_M", "STAGES", "CAUSAL", "GROUP_SUM", "FUSE_DQ"),
+    tiles=(),
+)
 
 
 def _describable(t: torch.Tensor) -> bool:
@@ -49,14 +83,16 @@ def _describable(t: torch.Tensor) -> bool:
     return True
 
 
-def _descriptor(base: torch.Tensor, shape: list[int], strides: list[int], block_shape: list[int],
-                layout: gl.NVMMASharedLayout) -> TensorDescriptor:
+def _descriptor(
+    base: torch.Tensor, shape: list[int], strides: list[int], block_shape: list[int], layout: gl.NVMMASharedLayout
+) -> TensorDescriptor:
     """``TensorDescriptor(base, shape, strides, block_shape, layout)`` without its constructor's checks (which
     take longer than the launch): ``fits`` checked the tensors' bases and strides, the template's flat rows
     are fresh tensors padded to whole tiles, and the tiles are powers of two."""
     descriptor = object.__new__(TensorDescriptor)
-    descriptor.__dict__.update(base=base, shape=shape, strides=strides, block_shape=block_shape, layout=layout,
-                               padding="zero")
+    descriptor.__dict__.update(
+        base=base, shape=shape, strides=strides, block_shape=block_shape, layout=layout, padding="zero"
+    )
     return descriptor
 
 
@@ -102,24 +138,51 @@ class HopperLauncher:
         strides = [s if n > 1 else unit for n, s in zip(shape[:3], t.stride())] + [1]
         return _descriptor(t, shape, strides, [1, 1, rows, columns], _layout(rows, columns, t.dtype))
 
-    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                 lse: torch.Tensor | None) -> None:
+    def __call__(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor | None
+    ) -> None:
         """q (B, Hq, Nq, D), k and v (B, Hkv, Nk, D) with Nq, Nk >= 1 -> out (B, Hq, Nq, D) and, if given,
         lse (B, Hq, Nq) float32 contiguous, written in place."""
         B, Hq, Nq, _ = q.shape
         block_n = self.spec.block_n
-        args = FORWARD.bind({
-            "q_desc": self._describe(q, _ROWS // 2), "k_desc": self._describe(k, block_n),
-            "v_desc": self._describe(v, block_n), "o_desc": self._describe(out, _ROWS // 2), "q": q, "k": k, "v": v,
-            "out": out, "lse": out if lse is None else lse, "n_q": Nq, "n_k": k.shape[2], "heads_q": Hq,
-            "group": Hq // k.shape[1], "qk_scale": self.spec.qk_scale})
-        self._launcher.launch((B * Hq, cdiv(Nq, _ROWS)), args,
-                              FORWARD.constexprs({**self._constexprs, "SAVE_LSE": lse is not None}),
-                              num_warps=4, device=q.device, maxnreg=168)
+        args = FORWARD.bind(
+            {
+                "q_desc": self._describe(q, _ROWS // 2),
+                "k_desc": self._describe(k, block_n),
+                "v_desc": self._describe(v, block_n),
+                "o_desc": self._describe(out, _ROWS // 2),
+                "q": q,
+                "k": k,
+                "v": v,
+                "out": out,
+                "lse": out if lse is None else lse,
+                "n_q": Nq,
+                "n_k": k.shape[2],
+                "heads_q": Hq,
+                "group": Hq // k.shape[1],
+                "qk_scale": self.spec.qk_scale,
+            }
+        )
+        self._launcher.launch(
+            (B * Hq, cdiv(Nq, _ROWS)),
+            args,
+            FORWARD.constexprs({**self._constexprs, "SAVE_LSE": lse is not None}),
+            num_warps=4,
+            device=q.device,
+            maxnreg=168,
+        )
 
-    def dkdv(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor,
-             rows: tuple[torch.Tensor, torch.Tensor], dk: torch.Tensor, dv: torch.Tensor,
-             dq: torch.Tensor | None = None) -> None:
+    def dkdv(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        dout: torch.Tensor,
+        rows: tuple[torch.Tensor, torch.Tensor],
+        dk: torch.Tensor,
+        dv: torch.Tensor,
+        dq: torch.Tensor | None = None,
+    ) -> None:
         """q and dout (B, Hq, Nq, D), k and v (B, Hkv, Nk, D) with Nq, Nk >= 1, ``rows``: the rows' lse and delta
         from ``rows`` (``rows_fit``) -> dk, dv (k's and v's shapes, unit last strides, any float dtype), written in
         place, and, if ``dq`` (B, Hq, Nq, D) float32 zeros (dense, any order of its dims, a unit last stride) is
@@ -144,19 +207,49 @@ class HopperLauncher:
             dk_part, dv_part = torch.zeros((2, B, Hkv, Nk, D), dtype=torch.float32, device=q.device)
         dq_tiles = None if dq is None else self._describe(dq, DKDV_BLOCK_M, D // 2)
         lse_rows, delta_rows = rows
-        args = DKDV.bind({
-            "q_desc": self._describe(q, DKDV_BLOCK_M), "do_desc": self._describe(dout, DKDV_BLOCK_M),
-            "k_desc": self._describe(k, _ROWS // 2), "v_desc": self._describe(v, _ROWS // 2),
-            "lse_desc": self._describe_rows(lse_rows), "delta_desc": self._describe_rows(delta_rows), "dk": dk,
-            "dv": dv, "dq_desc": dq_tiles, "dk_part": dk_part, "dv_part": dv_part, "part_size": B * Hkv * Nk * D,
-            "counts": counts, **dict(zip(("stride_dkb", "stride_dkh", "stride_dkn"), dk.stride())),
-            **dict(zip(("stride_dvb", "stride_dvh", "stride_dvn"), dv.stride())), "n_q": Nq, "n_k": Nk,
-            "heads_q": Hq, "group": group, "heads": group // parts, "row_stride": padded_rows(Nq, DKDV_BLOCK_M),
-            "qk_scale": self.spec.qk_scale, "scale": self.spec.scale})
-        self._dkdv.launch((B * Hq // (group // parts), blocks), args,
-                          DKDV.constexprs({"BLOCK_M": DKDV_BLOCK_M, "STAGES": DKDV_STAGES, "CAUSAL": self.spec.causal,
-                                           "GROUP_SUM": group_sum, "FUSE_DQ": dq is not None}),
-                          num_warps=4, device=q.device, maxnreg=168)
+        args = DKDV.bind(
+            {
+                "q_desc": self._describe(q, DKDV_BLOCK_M),
+                "do_desc": self._describe(dout, DKDV_BLOCK_M),
+                "k_desc": self._describe(k, _ROWS // 2),
+                "v_desc": self._describe(v, _ROWS // 2),
+                "lse_desc": self._describe_rows(lse_rows),
+                "delta_desc": self._describe_rows(delta_rows),
+                "dk": dk,
+                "dv": dv,
+                "dq_desc": dq_tiles,
+                "dk_part": dk_part,
+                "dv_part": dv_part,
+                "part_size": B * Hkv * Nk * D,
+                "counts": counts,
+                **dict(zip(("stride_dkb", "stride_dkh", "stride_dkn"), dk.stride())),
+                **dict(zip(("stride_dvb", "stride_dvh", "stride_dvn"), dv.stride())),
+                "n_q": Nq,
+                "n_k": Nk,
+                "heads_q": Hq,
+                "group": group,
+                "heads": group // parts,
+                "row_stride": padded_rows(Nq, DKDV_BLOCK_M),
+                "qk_scale": self.spec.qk_scale,
+                "scale": self.spec.scale,
+            }
+        )
+        self._dkdv.launch(
+            (B * Hq // (group // parts), blocks),
+            args,
+            DKDV.constexprs(
+                {
+                    "BLOCK_M": DKDV_BLOCK_M,
+                    "STAGES": DKDV_STAGES,
+                    "CAUSAL": self.spec.causal,
+                    "GROUP_SUM": group_sum,
+                    "FUSE_DQ": dq is not None,
+                }
+            ),
+            num_warps=4,
+            device=q.device,
+            maxnreg=168,
+        )
         if group_sum == "atomic":
             dk.copy_(dk_part)
             dv.copy_(dv_part)
@@ -169,8 +262,9 @@ def _group_parts(programs: int, group: int, device: torch.device) -> int:
     wave = multiprocessors(device)
     if programs >= DKDV_SPLIT_WAVES * wave:
         return 1
-    return next(p for p in range(1, group + 1) if group % p == 0 and (programs * p >= DKDV_SPLIT_FILL * wave
-                                                                       or p == group))
+    return next(
+        p for p in range(1, group + 1) if group % p == 0 and (programs * p >= DKDV_SPLIT_FILL * wave or p == group)
+    )
 
 
 _GLUON_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float32: gl.float32}

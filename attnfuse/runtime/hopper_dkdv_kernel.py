@@ -31,32 +31,59 @@ transform's gradient pass). When a group's heads are split over programs, their 
 up atomically, or, deterministically, stored and counted, and the group's last program to finish sums them
 in order (the generated kernel's split, ``passes/codegen/head_split.py``): GROUP_SUM.
 """
+
 from __future__ import annotations
 
 from triton._C.libtriton import ir
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language._core import builtin
-from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
-                                                              warpgroup_mma_wait)
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
 
 from .hopper_kernel import ROWS, _warpgroup_layout, ring
 
 
 @gluon.jit
-def _loader(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_smem, do_smem, k_smem, v_smem, lse_smem,
-            delta_smem, bars, b, h0, hkv, n0, j_lo, n_qblocks, n_iter, row_stride, heads_q, BLOCK_M: gl.constexpr,
-            STAGES: gl.constexpr):
+def _loader(
+    q_desc,
+    do_desc,
+    k_desc,
+    v_desc,
+    lse_desc,
+    delta_desc,
+    q_smem,
+    do_smem,
+    k_smem,
+    v_smem,
+    lse_smem,
+    delta_smem,
+    bars,
+    b,
+    h0,
+    hkv,
+    n0,
+    j_lo,
+    n_qblocks,
+    n_iter,
+    row_stride,
+    heads_q,
+    BLOCK_M: gl.constexpr,
+    STAGES: gl.constexpr,
+):
     """One warp: both halves' K and V tiles, then step t's Q tile with its rows' lse and its dO tile with
     their delta into stage t % STAGES once both consumers freed it. Step t is query block
     j_lo + t % n_qblocks of query head h0 + t // n_qblocks."""
     kv_ready, q_ready, do_ready, free, _, _, _ = bars
     for half in gl.static_range(2):
         mbarrier.expect(kv_ready.index(half), k_desc.block_type.nbytes + v_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(k_desc, [b, hkv, n0 + half * ROWS, 0], kv_ready.index(half),
-                                        k_smem.index(half))
-        tma.async_copy_global_to_shared(v_desc, [b, hkv, n0 + half * ROWS, 0], kv_ready.index(half),
-                                        v_smem.index(half))
+        tma.async_copy_global_to_shared(k_desc, [b, hkv, n0 + half * ROWS, 0], kv_ready.index(half), k_smem.index(half))
+        tma.async_copy_global_to_shared(v_desc, [b, hkv, n0 + half * ROWS, 0], kv_ready.index(half), v_smem.index(half))
     for t in range(n_iter):
         stage = t % STAGES
         h = h0 + t // n_qblocks
@@ -97,8 +124,11 @@ def _reducer(dq_desc, dq_smem, bars, b, h0, j_lo, n_qblocks, n_iter, BLOCK_M: gl
         for t in range(n_iter):
             for half in gl.static_range(2):
                 mbarrier.wait(dq_full.index(half), t & 1)
-                _tma_add(dq_desc, [b, h0 + t // n_qblocks, (j_lo + t % n_qblocks) * BLOCK_M, half * COLUMNS],
-                         dq_smem.index(half))
+                _tma_add(
+                    dq_desc,
+                    [b, h0 + t // n_qblocks, (j_lo + t % n_qblocks) * BLOCK_M, half * COLUMNS],
+                    dq_smem.index(half),
+                )
             tma.store_wait(0)
             mbarrier.arrive(dq_empty.index(0), count=1)
             mbarrier.arrive(dq_empty.index(1), count=1)
@@ -116,20 +146,63 @@ def _dq_half(ds, ds_smem, k_smem, ds_ready, no_dq, t, HALF: gl.constexpr):
     gl.thread_barrier()
     mbarrier.arrive(ds_ready, count=1)
     mbarrier.wait(ds_ready, t & 1)
-    dq = warpgroup_mma(ds_smem.index(first).permute((1, 0)),
-                       k_smem.index(0).reshape([ROWS, HEAD_DIM]).slice(HALF * columns, columns, 1), no_dq,
-                       use_acc=False, is_async=True)
-    return warpgroup_mma(ds_smem.index(first + 1).permute((1, 0)),
-                         k_smem.index(1).reshape([ROWS, HEAD_DIM]).slice(HALF * columns, columns, 1), dq,
-                         is_async=True)
+    dq = warpgroup_mma(
+        ds_smem.index(first).permute((1, 0)),
+        k_smem.index(0).reshape([ROWS, HEAD_DIM]).slice(HALF * columns, columns, 1),
+        no_dq,
+        use_acc=False,
+        is_async=True,
+    )
+    return warpgroup_mma(
+        ds_smem.index(first + 1).permute((1, 0)),
+        k_smem.index(1).reshape([ROWS, HEAD_DIM]).slice(HALF * columns, columns, 1),
+        dq,
+        is_async=True,
+    )
 
 
 @gluon.jit
-def _consumer(k_desc, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq_smem, bars, b, h0, hkv,
-              n0, j_lo, n_qblocks, n_iter, first_full, dk_ptr, dv_ptr, dk_strides, dv_strides, dk_part, dv_part,
-              part_size, counts, n_q, n_k, heads, heads_q, group, qk_scale, scale, HALF: gl.constexpr,
-              BLOCK_M: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, GROUP_SUM: gl.constexpr,
-              FUSE_DQ: gl.constexpr):
+def _consumer(
+    k_desc,
+    q_smem,
+    do_smem,
+    k_smem,
+    v_smem,
+    lse_smem,
+    delta_smem,
+    ds_smem,
+    dq_smem,
+    bars,
+    b,
+    h0,
+    hkv,
+    n0,
+    j_lo,
+    n_qblocks,
+    n_iter,
+    first_full,
+    dk_ptr,
+    dv_ptr,
+    dk_strides,
+    dv_strides,
+    dk_part,
+    dv_part,
+    part_size,
+    counts,
+    n_q,
+    n_k,
+    heads,
+    heads_q,
+    group,
+    qk_scale,
+    scale,
+    HALF: gl.constexpr,
+    BLOCK_M: gl.constexpr,
+    STAGES: gl.constexpr,
+    CAUSAL: gl.constexpr,
+    GROUP_SUM: gl.constexpr,
+    FUSE_DQ: gl.constexpr,
+):
     """One warpgroup: dK and dV of keys [n0 + HALF * 64, +64) over the loader's steps; query blocks before
     ``first_full`` are masked. Writes them to rows of dk_ptr and dv_ptr by their (batch, head, row) strides,
     or, when the program has part of a GQA group's query heads, as GROUP_SUM says (``hopper_dkdv_kernel``)."""
@@ -208,8 +281,9 @@ def _consumer(k_desc, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_
             gl.atomic_add(dv_part + rows, dv, mask=key < n_k, sem="relaxed")
         else:  # "last": this part's shares; the group's last program to finish sums them all
             tile = kv_row * (2 * gl.cdiv(n_k, 2 * ROWS)) + n0 // ROWS + HALF  # this 64-key tile's counter
-            dk, dv, last = _sum_shares(dk, dv, dk_part, dv_part, part_size, counts + tile, rows, key < n_k,
-                                       h0 % group // heads, group // heads)
+            dk, dv, last = _sum_shares(
+                dk, dv, dk_part, dv_part, part_size, counts + tile, rows, key < n_k, h0 % group // heads, group // heads
+            )
             if last:
                 _store_grads(dk, dv, dk_ptr, dv_ptr, dk_strides, dv_strides, key, d, b, hkv, n_k)
 
@@ -243,17 +317,61 @@ def _sum_shares(dk, dv, dk_part, dv_part, part_size, count, rows, keep, part, pa
 @gluon.jit
 def _store_grads(dk, dv, dk_ptr, dv_ptr, dk_strides, dv_strides, key, d, b, hkv, n_k):
     """Stores dK and dV (64 keys, D) at key rows ``key`` (below Nk) of kv head hkv, in the outputs' dtypes."""
-    gl.store(dk_ptr + b.to(gl.int64) * dk_strides[0] + hkv.to(gl.int64) * dk_strides[1]
-             + key.to(gl.int64) * dk_strides[2] + d, dk.to(dk_ptr.dtype.element_ty), mask=key < n_k)
-    gl.store(dv_ptr + b.to(gl.int64) * dv_strides[0] + hkv.to(gl.int64) * dv_strides[1]
-             + key.to(gl.int64) * dv_strides[2] + d, dv.to(dv_ptr.dtype.element_ty), mask=key < n_k)
+    gl.store(
+        dk_ptr
+        + b.to(gl.int64) * dk_strides[0]
+        + hkv.to(gl.int64) * dk_strides[1]
+        + key.to(gl.int64) * dk_strides[2]
+        + d,
+        dk.to(dk_ptr.dtype.element_ty),
+        mask=key < n_k,
+    )
+    gl.store(
+        dv_ptr
+        + b.to(gl.int64) * dv_strides[0]
+        + hkv.to(gl.int64) * dv_strides[1]
+        + key.to(gl.int64) * dv_strides[2]
+        + d,
+        dv.to(dv_ptr.dtype.element_ty),
+        mask=key < n_k,
+    )
 
 
 @gluon.jit
-def hopper_dkdv_kernel(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, dk, dv, dq_desc, dk_part, dv_part,
-                       part_size, counts, stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn, n_q,
-                       n_k, heads_q, group, heads, row_stride, qk_scale, scale, BLOCK_M: gl.constexpr,
-                       STAGES: gl.constexpr, CAUSAL: gl.constexpr, GROUP_SUM: gl.constexpr, FUSE_DQ: gl.constexpr):
+def hopper_dkdv_kernel(
+    q_desc,
+    do_desc,
+    k_desc,
+    v_desc,
+    lse_desc,
+    delta_desc,
+    dk,
+    dv,
+    dq_desc,
+    dk_part,
+    dv_part,
+    part_size,
+    counts,
+    stride_dkb,
+    stride_dkh,
+    stride_dkn,
+    stride_dvb,
+    stride_dvh,
+    stride_dvn,
+    n_q,
+    n_k,
+    heads_q,
+    group,
+    heads,
+    row_stride,
+    qk_scale,
+    scale,
+    BLOCK_M: gl.constexpr,
+    STAGES: gl.constexpr,
+    CAUSAL: gl.constexpr,
+    GROUP_SUM: gl.constexpr,
+    FUSE_DQ: gl.constexpr,
+):
     """q_desc, do_desc: (B, Hq, Nq, D) in [1, 1, BLOCK_M, D] tiles; k_desc, v_desc: (B, Hkv, Nk, D) in
     [1, 1, 64, D] tiles; lse_desc, delta_desc: the rows' lse₂ and delta (``template_rows.py``), float32
     (B * Hq * row_stride,), each (batch, head)'s row_stride values (Nq padded to whole BLOCK_M tiles), in
@@ -309,16 +427,127 @@ def hopper_dkdv_kernel(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, dk
     dk_strides = (stride_dkb, stride_dkh, stride_dkn)
     dv_strides = (stride_dvb, stride_dvh, stride_dvn)
     # The argument tuples are written out: a tuple built by concatenation loses its constexprs.
-    gl.warp_specialize([
-        (_consumer, (k_desc, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq_smem, bars, b, h0,
-                     hkv, n0, j_lo, n_qblocks, n_iter, first_full, dk, dv, dk_strides, dv_strides, dk_part, dv_part,
-                     part_size, counts, n_q, n_k, heads, heads_q, group, qk_scale, scale, 0, BLOCK_M, STAGES, CAUSAL,
-                     GROUP_SUM, FUSE_DQ)),
-        (_consumer, (k_desc, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq_smem, bars, b, h0,
-                     hkv, n0, j_lo, n_qblocks, n_iter, first_full, dk, dv, dk_strides, dv_strides, dk_part, dv_part,
-                     part_size, counts, n_q, n_k, heads, heads_q, group, qk_scale, scale, 1, BLOCK_M, STAGES, CAUSAL,
-                     GROUP_SUM, FUSE_DQ)),
-        (_loader, (q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_smem, do_smem, k_smem, v_smem, lse_smem,
-                   delta_smem, bars, b, h0, hkv, n0, j_lo, n_qblocks, n_iter, row_stride, heads_q, BLOCK_M, STAGES)),
-        (_reducer, (dq_desc, dq_smem, bars, b, h0, j_lo, n_qblocks, n_iter, BLOCK_M, FUSE_DQ)),
-    ], [4, 1, 1], [240, 24, 24])
+    gl.warp_specialize(
+        [
+            (
+                _consumer,
+                (
+                    k_desc,
+                    q_smem,
+                    do_smem,
+                    k_smem,
+                    v_smem,
+                    lse_smem,
+                    delta_smem,
+                    ds_smem,
+                    dq_smem,
+                    bars,
+                    b,
+                    h0,
+                    hkv,
+                    n0,
+                    j_lo,
+                    n_qblocks,
+                    n_iter,
+                    first_full,
+                    dk,
+                    dv,
+                    dk_strides,
+                    dv_strides,
+                    dk_part,
+                    dv_part,
+                    part_size,
+                    counts,
+                    n_q,
+                    n_k,
+                    heads,
+                    heads_q,
+                    group,
+                    qk_scale,
+                    scale,
+                    0,
+                    BLOCK_M,
+                    STAGES,
+                    CAUSAL,
+                    GROUP_SUM,
+                    FUSE_DQ,
+                ),
+            ),
+            (
+                _consumer,
+                (
+                    k_desc,
+                    q_smem,
+                    do_smem,
+                    k_smem,
+                    v_smem,
+                    lse_smem,
+                    delta_smem,
+                    ds_smem,
+                    dq_smem,
+                    bars,
+                    b,
+                    h0,
+                    hkv,
+                    n0,
+                    j_lo,
+                    n_qblocks,
+                    n_iter,
+                    first_full,
+                    dk,
+                    dv,
+                    dk_strides,
+                    dv_strides,
+                    dk_part,
+                    dv_part,
+                    part_size,
+                    counts,
+                    n_q,
+                    n_k,
+                    heads,
+                    heads_q,
+                    group,
+                    qk_scale,
+                    scale,
+                    1,
+                    BLOCK_M,
+                    STAGES,
+                    CAUSAL,
+                    GROUP_SUM,
+                    FUSE_DQ,
+                ),
+            ),
+            (
+                _loader,
+                (
+                    q_desc,
+                    do_desc,
+                    k_desc,
+                    v_desc,
+                    lse_desc,
+                    delta_desc,
+                    q_smem,
+                    do_smem,
+                    k_smem,
+                    v_smem,
+                    lse_smem,
+                    delta_smem,
+                    bars,
+                    b,
+                    h0,
+                    hkv,
+                    n0,
+                    j_lo,
+                    n_qblocks,
+                    n_iter,
+                    row_stride,
+                    heads_q,
+                    BLOCK_M,
+                    STAGES,
+                ),
+            ),
+            (_reducer, (dq_desc, dq_smem, bars, b, h0, j_lo, n_qblocks, n_iter, BLOCK_M, FUSE_DQ)),
+        ],
+        [4, 1, 1],
+        [240, 24, 24],
+    )

@@ -11,13 +11,19 @@ Scores are ``q·kᵀ · qk_scale`` in log2 units (the program's scale times log2
 exp. The running max is kept on the unscaled ``q·kᵀ`` and the factor applied inside the exponent, one fused
 multiply-add a score (``exp2(s · qk_scale − max · qk_scale)``), as FlashAttention-3 does.
 """
+
 from __future__ import annotations
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
-from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
-                                                              warpgroup_mma_wait)
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
 
 ROWS = gl.constexpr(64)  # query rows per consumer warpgroup; a program's block is 2 * ROWS
 CAREFUL_KEYS = gl.constexpr(16)  # keys per step of the careful redo
@@ -47,14 +53,27 @@ def ring(a_desc, b_desc, STAGES: gl.constexpr):
 
 
 @gluon.jit
-def _loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, bars, b, hq, hkv, m0, n_blocks,
-            BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+def _loader(
+    q_desc,
+    k_desc,
+    v_desc,
+    q_smem,
+    k_smem,
+    v_smem,
+    bars,
+    b,
+    hq,
+    hkv,
+    m0,
+    n_blocks,
+    BLOCK_N: gl.constexpr,
+    STAGES: gl.constexpr,
+):
     """One warp: the Q tiles, then K and V block i into stage i % STAGES once both consumers freed it."""
     q_ready, k_ready, v_ready, kv_free = bars
     for half in gl.static_range(2):
         mbarrier.expect(q_ready.index(half), q_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(q_desc, [b, hq, m0 + half * ROWS, 0], q_ready.index(half),
-                                        q_smem.index(half))
+        tma.async_copy_global_to_shared(q_desc, [b, hq, m0 + half * ROWS, 0], q_ready.index(half), q_smem.index(half))
     for i in range(n_blocks):
         stage = i % STAGES
         mbarrier.wait(kv_free.index(stage), ((i // STAGES) & 1) ^ 1)
@@ -87,8 +106,9 @@ def _softmax_step(s, m_i, l_i, qk_scale):
 def _lse(m_i, l_i, qk_scale):
     """The rows' natural-log sum of exp (-inf where a row kept no key, l_i 0), from their max of q·kᵀ and
     their sum of weights."""
-    return gl.where(l_i == 0.0, float("-inf"),
-                    (m_i * qk_scale + gl.log2(gl.where(l_i == 0.0, 1.0, l_i))) * 0.6931471805599453)
+    return gl.where(
+        l_i == 0.0, float("-inf"), (m_i * qk_scale + gl.log2(gl.where(l_i == 0.0, 1.0, l_i))) * 0.6931471805599453
+    )
 
 
 @gluon.jit
@@ -104,8 +124,12 @@ def _masked(s, i, row_pos, n_k, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, s_l
 @gluon.jit
 def _offsets(desc, b, h, rows, columns):
     """Element offsets of (rows, columns) at (b, h) of ``desc``'s tensor, by its strides."""
-    return (b.to(gl.int64) * desc.strides[0] + h.to(gl.int64) * desc.strides[1]
-            + rows.to(gl.int64) * desc.strides[2] + columns)
+    return (
+        b.to(gl.int64) * desc.strides[0]
+        + h.to(gl.int64) * desc.strides[1]
+        + rows.to(gl.int64) * desc.strides[2]
+        + columns
+    )
 
 
 @gluon.jit
@@ -126,8 +150,27 @@ def _tile_t(ptr, desc, b, h, first, n_rows, ROWS_: gl.constexpr, layout: gl.cons
 
 
 @gluon.jit
-def _careful(q_ptr, k_ptr, v_ptr, o_ptr, q_desc, k_desc, v_desc, o_desc, lse_row, b, hq, hkv, first, n_q, n_k,
-             n_seen, qk_scale, CAUSAL: gl.constexpr, SAVE_LSE: gl.constexpr):
+def _careful(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    o_ptr,
+    q_desc,
+    k_desc,
+    v_desc,
+    o_desc,
+    lse_row,
+    b,
+    hq,
+    hkv,
+    first,
+    n_q,
+    n_k,
+    n_seen,
+    qk_scale,
+    CAUSAL: gl.constexpr,
+    SAVE_LSE: gl.constexpr,
+):
     """The redo of rows [first, first + 64) when the fast loop's accumulator is not finite: a masked key's
     NaN or inf value reached it as 0 · NaN (or a kept key's did, or a sum overflowed). Keys [0, n_seen) are
     read again from global memory, CAREFUL_KEYS at a time, and multiplied in registers (mma.sync) with
@@ -158,23 +201,52 @@ def _careful(q_ptr, k_ptr, v_ptr, o_ptr, q_desc, k_desc, v_desc, o_desc, lse_row
         p, alpha, m_i, l_i = _softmax_step(gl.where(keep, s, float("-inf")), m_i, l_i, qk_scale)
         v = _tile(v_ptr, v_desc, b, hkv, start, n_k, CAREFUL_KEYS, b_op)
         finite = gl.abs(v.to(gl.float32)) < float("inf")  # false for NaN too
-        poisoned = mma_v2(gl.convert_layout(gl.where(keep, 1.0, 0.0).to(dtype), a_op),
-                          gl.where(finite, 0.0, 1.0).to(dtype), poisoned)
-        acc = mma_v2(gl.convert_layout(p.to(dtype), a_op), gl.where(finite, v, 0.0).to(dtype),
-                     acc * gl.expand_dims(alpha, 1))
+        poisoned = mma_v2(
+            gl.convert_layout(gl.where(keep, 1.0, 0.0).to(dtype), a_op), gl.where(finite, 0.0, 1.0).to(dtype), poisoned
+        )
+        acc = mma_v2(
+            gl.convert_layout(p.to(dtype), a_op), gl.where(finite, v, 0.0).to(dtype), acc * gl.expand_dims(alpha, 1)
+        )
     l_use = gl.where(l_i == 0.0, 1.0, l_i)
     out = gl.where(poisoned > 0.0, float("nan"), acc / gl.expand_dims(l_use, 1))
     if SAVE_LSE:
         gl.store(lse_row + row, _lse(m_i, l_i, qk_scale), mask=row < n_q)
     d = gl.expand_dims(gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, mma)), 0)
-    gl.store(o_ptr + _offsets(o_desc, b, hq, gl.expand_dims(row, 1), d), out.to(dtype),
-             mask=gl.expand_dims(row < n_q, 1))
+    gl.store(
+        o_ptr + _offsets(o_desc, b, hq, gl.expand_dims(row, 1), d), out.to(dtype), mask=gl.expand_dims(row < n_q, 1)
+    )
 
 
 @gluon.jit
-def _consumer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, bars, b, hq, hkv, m0, n_blocks,
-              BLOCK_N: gl.constexpr, STAGES: gl.constexpr, o_desc, lse_row, n_q, n_k, qk_scale, first_masked,
-              q_ptr, k_ptr, v_ptr, o_ptr, HALF: gl.constexpr, CAUSAL: gl.constexpr, SAVE_LSE: gl.constexpr):
+def _consumer(
+    q_desc,
+    k_desc,
+    v_desc,
+    q_smem,
+    k_smem,
+    v_smem,
+    bars,
+    b,
+    hq,
+    hkv,
+    m0,
+    n_blocks,
+    BLOCK_N: gl.constexpr,
+    STAGES: gl.constexpr,
+    o_desc,
+    lse_row,
+    n_q,
+    n_k,
+    qk_scale,
+    first_masked,
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    o_ptr,
+    HALF: gl.constexpr,
+    CAUSAL: gl.constexpr,
+    SAVE_LSE: gl.constexpr,
+):
     """One warpgroup: rows [m0 + HALF * 64, +64) over key blocks [0, n_blocks); blocks from
     ``first_masked`` on are masked. Writes its out rows (through its Q tile's shared memory) and lse, or,
     when its accumulator is not finite, has ``_careful`` redo them."""
@@ -227,8 +299,27 @@ def _consumer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, bars, b, hq, hkv, 
     mbarrier.arrive(kv_free.index(last), count=1)
 
     if gl.max(gl.max(gl.where(gl.abs(acc) < float("inf"), 0, 1), 1), 0) > 0:  # NaN too
-        _careful(q_ptr, k_ptr, v_ptr, o_ptr, q_desc, k_desc, v_desc, o_desc, lse_row, b, hq, hkv,
-                 m0 + HALF * ROWS, n_q, n_k, n_blocks * BLOCK_N, qk_scale, CAUSAL, SAVE_LSE)
+        _careful(
+            q_ptr,
+            k_ptr,
+            v_ptr,
+            o_ptr,
+            q_desc,
+            k_desc,
+            v_desc,
+            o_desc,
+            lse_row,
+            b,
+            hq,
+            hkv,
+            m0 + HALF * ROWS,
+            n_q,
+            n_k,
+            n_blocks * BLOCK_N,
+            qk_scale,
+            CAUSAL,
+            SAVE_LSE,
+        )
     else:
         # A row with no key kept has l_i 0: out 0, lse -inf (as the softmax plugin's reference).
         l_use = gl.where(l_i == 0.0, 1.0, l_i)
@@ -240,10 +331,28 @@ def _consumer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, bars, b, hq, hkv, 
         tma.async_copy_shared_to_global(o_desc, [b, hq, m0 + HALF * ROWS, 0], q_smem.index(HALF))
         tma.store_wait(0)
 
+
 @gluon.jit
-def hopper_forward_kernel(q_desc, k_desc, v_desc, o_desc, q, k, v, out, lse, n_q, n_k, heads_q, group, qk_scale,
-                          BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-                          SAVE_LSE: gl.constexpr):
+def hopper_forward_kernel(
+    q_desc,
+    k_desc,
+    v_desc,
+    o_desc,
+    q,
+    k,
+    v,
+    out,
+    lse,
+    n_q,
+    n_k,
+    heads_q,
+    group,
+    qk_scale,
+    BLOCK_N: gl.constexpr,
+    STAGES: gl.constexpr,
+    CAUSAL: gl.constexpr,
+    SAVE_LSE: gl.constexpr,
+):
     """q_desc, o_desc: (B, Hq, Nq, D) in [1, 1, 64, D] tiles; k_desc, v_desc: (B, Hkv, Nk, D) in
     [1, 1, BLOCK_N, D] tiles; q, k, v, out: the same tensors' pointers (the careful redo reads and writes
     through them, with the descriptors' strides); lse (B, Hq, Nq) float32 (natural log), written if SAVE_LSE.
@@ -270,10 +379,77 @@ def hopper_forward_kernel(q_desc, k_desc, v_desc, o_desc, q, k, v, out, lse, n_q
     bars = (q_ready, k_ready, v_ready, kv_free)
     lse_row = lse + bh.to(gl.int64) * n_q
     # The argument tuples are written out: a tuple built by concatenation loses its constexprs.
-    gl.warp_specialize([
-        (_consumer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, bars, b, hq, hkv, m0, n_blocks, BLOCK_N, STAGES,
-                     o_desc, lse_row, n_q, n_k, qk_scale, first_masked, q, k, v, out, 0, CAUSAL, SAVE_LSE)),
-        (_consumer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, bars, b, hq, hkv, m0, n_blocks, BLOCK_N, STAGES,
-                     o_desc, lse_row, n_q, n_k, qk_scale, first_masked, q, k, v, out, 1, CAUSAL, SAVE_LSE)),
-        (_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, bars, b, hq, hkv, m0, n_blocks, BLOCK_N, STAGES)),
-    ], [4, 1], [240, 24])
+    gl.warp_specialize(
+        [
+            (
+                _consumer,
+                (
+                    q_desc,
+                    k_desc,
+                    v_desc,
+                    q_smem,
+                    k_smem,
+                    v_smem,
+                    bars,
+                    b,
+                    hq,
+                    hkv,
+                    m0,
+                    n_blocks,
+                    BLOCK_N,
+                    STAGES,
+                    o_desc,
+                    lse_row,
+                    n_q,
+                    n_k,
+                    qk_scale,
+                    first_masked,
+                    q,
+                    k,
+                    v,
+                    out,
+                    0,
+                    CAUSAL,
+                    SAVE_LSE,
+                ),
+            ),
+            (
+                _consumer,
+                (
+                    q_desc,
+                    k_desc,
+                    v_desc,
+                    q_smem,
+                    k_smem,
+                    v_smem,
+                    bars,
+                    b,
+                    hq,
+                    hkv,
+                    m0,
+                    n_blocks,
+                    BLOCK_N,
+                    STAGES,
+                    o_desc,
+                    lse_row,
+                    n_q,
+                    n_k,
+                    qk_scale,
+                    first_masked,
+                    q,
+                    k,
+                    v,
+                    out,
+                    1,
+                    CAUSAL,
+                    SAVE_LSE,
+                ),
+            ),
+            (
+                _loader,
+                (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, bars, b, hq, hkv, m0, n_blocks, BLOCK_N, STAGES),
+            ),
+        ],
+        [4, 1],
+        [240, 24],
+    )

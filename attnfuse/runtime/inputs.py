@@ -1,4 +1,5 @@
 """Call inputs: checks with clear errors, the configuration part of the cache key, plugin arguments."""
+
 from __future__ import annotations
 
 import difflib
@@ -56,18 +57,22 @@ def wide_positions(Nq: int, capacity: int, positions: Positions | None) -> bool:
     return any(type(n) is int and n > WIDE_POSITION for n in (Nq, capacity))
 
 
-def check_positions(q_offset: Any, k_offset: Any, seq_len: Any, Nq: int, Nk: int, kv_lens: Any = None,
-                    block_table: Any = None) -> Positions | None:
+def check_positions(
+    q_offset: Any, k_offset: Any, seq_len: Any, Nq: int, Nk: int, kv_lens: Any = None, block_table: Any = None
+) -> Positions | None:
     """The call's ``Positions``, or None when it gives none (bottom-right alignment). A missing offset is 0;
     ``seq_len`` defaults to the last position plus one. InputError naming the argument otherwise."""
     if q_offset is None and k_offset is None:
         if seq_len is not None:
-            raise InputError(f"seq_len={seq_len!r} needs q_offset or k_offset: without them the call's keys are "
-                             f"its whole sequence")
+            raise InputError(
+                f"seq_len={seq_len!r} needs q_offset or k_offset: without them the call's keys are its whole sequence"
+            )
         return None
     if kv_lens is not None or block_table is not None:
-        raise InputError("q_offset and k_offset cannot be combined with kv_lens or block_table: a cache's lengths "
-                         "already place its queries (query i of sequence b at i + kv_lens[b] - Nq)")
+        raise InputError(
+            "q_offset and k_offset cannot be combined with kv_lens or block_table: a cache's lengths "
+            "already place its queries (query i of sequence b at i + kv_lens[b] - Nq)"
+        )
     values = {}
     for name, value in (("q_offset", q_offset), ("k_offset", k_offset), ("seq_len", seq_len)):
         if value is None:
@@ -82,9 +87,11 @@ def check_positions(q_offset: Any, k_offset: Any, seq_len: Any, Nq: int, Nk: int
     end = max(q_offset + Nq, k_offset + Nk)
     seq_len = values.get("seq_len", end)
     if not end <= seq_len <= MAX_POSITION:
-        raise InputError(f"seq_len must be at least the last position plus one, max(q_offset + Nq, k_offset + Nk) "
-                         f"= max({q_offset} + {Nq}, {k_offset} + {Nk}) = {end}, and at most {MAX_POSITION}; got "
-                         f"{seq_len}")
+        raise InputError(
+            f"seq_len must be at least the last position plus one, max(q_offset + Nq, k_offset + Nk) "
+            f"= max({q_offset} + {Nq}, {k_offset} + {Nk}) = {end}, and at most {MAX_POSITION}; got "
+            f"{seq_len}"
+        )
     return Positions(q_offset, k_offset, seq_len)
 
 
@@ -137,8 +144,19 @@ class LaunchContext:
 def launch_context(q: torch.Tensor, kv: KVCache) -> LaunchContext:
     B, Hq, Nq, D = q.shape
     at = {} if kv.positions is None else kv.positions._asdict()
-    return LaunchContext(B=B, Hq=Hq, Hkv=kv.k.shape[1], Nq=Nq, Nk=kv.capacity, D=D, DV=kv.v.shape[3],
-                         device=q.device, dtype=q.dtype, kv_lens=kv.lens, **at)
+    return LaunchContext(
+        B=B,
+        Hq=Hq,
+        Hkv=kv.k.shape[1],
+        Nq=Nq,
+        Nk=kv.capacity,
+        D=D,
+        DV=kv.v.shape[3],
+        device=q.device,
+        dtype=q.dtype,
+        kv_lens=kv.lens,
+        **at,
+    )
 
 
 def check_input_names(graph: ir.MatMulPV, inputs: dict[str, Any]) -> None:
@@ -155,14 +173,17 @@ def check_input_names(graph: ir.MatMulPV, inputs: dict[str, Any]) -> None:
         close = difflib.get_close_matches(name, unknown, n=1)
         if close:
             hints.append(f"{name!r} for the given {close[0]!r}")
-    raise InputError(f"inputs: the program reads the runtime input(s) {', '.join(map(repr, missing))}, which the "
-                     f"call does not give; it expects inputs named {', '.join(map(repr, expected))}"
-                     + (f", got {', '.join(map(repr, inputs))}" if inputs else ", got none")
-                     + (f"; did you mean {', '.join(hints)}?" if hints else ""))
+    raise InputError(
+        f"inputs: the program reads the runtime input(s) {', '.join(map(repr, missing))}, which the "
+        f"call does not give; it expects inputs named {', '.join(map(repr, expected))}"
+        + (f", got {', '.join(map(repr, inputs))}" if inputs else ", got none")
+        + (f"; did you mean {', '.join(hints)}?" if hints else "")
+    )
 
 
-def check_cache(q: torch.Tensor, k: Any, v: Any, kv_lens: Any = None, block_table: Any = None,
-                kv_layout: Any = None) -> KVCache:
+def check_cache(
+    q: torch.Tensor, k: Any, v: Any, kv_lens: Any = None, block_table: Any = None, kv_layout: Any = None
+) -> KVCache:
     """Check q, k, v and the cache layout; return the KV view the kernels read.
 
     Contiguous cache: k (B, Hkv, Nk, D), v (B, Hkv, Nk, DV). Paged cache (``block_table`` given): k, v
@@ -177,29 +198,46 @@ def check_cache(q: torch.Tensor, k: Any, v: Any, kv_lens: Any = None, block_tabl
     """
     layout = check_inputs(q, k, v, paged=block_table is not None, kv_layout=kv_layout)
     if block_table is not None:
-        if not isinstance(block_table, torch.Tensor) or block_table.dim() != 2 or block_table.shape[0] != q.shape[0] \
-                or block_table.dtype not in (torch.int32, torch.int64):
-            raise InputError(f"block_table must be an int32 (or int64) tensor of shape (B, max_pages) = ({q.shape[0]}, "
-                             f"...), got "
-                             f"{getattr(block_table, 'dtype', type(block_table).__name__)} "
-                             f"{tuple(getattr(block_table, 'shape', ()))}")
+        if (
+            not isinstance(block_table, torch.Tensor)
+            or block_table.dim() != 2
+            or block_table.shape[0] != q.shape[0]
+            or block_table.dtype not in (torch.int32, torch.int64)
+        ):
+            raise InputError(
+                f"block_table must be an int32 (or int64) tensor of shape (B, max_pages) = ({q.shape[0]}, "
+                f"...), got "
+                f"{getattr(block_table, 'dtype', type(block_table).__name__)} "
+                f"{tuple(getattr(block_table, 'shape', ()))}"
+            )
         if block_table.device != q.device:
             raise InputError(f"block_table is on {block_table.device}, q on {q.device}")
         if kv_lens is None:
             raise InputError("a paged cache (block_table given) needs kv_lens: the number of keys of each sequence")
     if kv_lens is not None:
-        if not isinstance(kv_lens, torch.Tensor) or kv_lens.shape != (q.shape[0],) or kv_lens.dtype not in (
-                torch.int32, torch.int64):
-            raise InputError(f"kv_lens must be an int32 (or int64) tensor of shape (B,) = ({q.shape[0]},), got "
-                             f"{getattr(kv_lens, 'dtype', type(kv_lens).__name__)} "
-                             f"{tuple(getattr(kv_lens, 'shape', ()))}")
+        if (
+            not isinstance(kv_lens, torch.Tensor)
+            or kv_lens.shape != (q.shape[0],)
+            or kv_lens.dtype not in (torch.int32, torch.int64)
+        ):
+            raise InputError(
+                f"kv_lens must be an int32 (or int64) tensor of shape (B,) = ({q.shape[0]},), got "
+                f"{getattr(kv_lens, 'dtype', type(kv_lens).__name__)} "
+                f"{tuple(getattr(kv_lens, 'shape', ()))}"
+            )
         if kv_lens.device != q.device:
             raise InputError(f"kv_lens is on {kv_lens.device}, q on {q.device}")
     return kv_cache(k, v, kv_lens, block_table, kv_layout=layout)
 
 
-def kv_cache(k: torch.Tensor, v: torch.Tensor, kv_lens: torch.Tensor | None, block_table: torch.Tensor | None,
-             positions: Positions | None = None, kv_layout: str | None = "NHD") -> KVCache:
+def kv_cache(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_lens: torch.Tensor | None,
+    block_table: torch.Tensor | None,
+    positions: Positions | None = None,
+    kv_layout: str | None = "NHD",
+) -> KVCache:
     """The KV view of inputs :func:`check_cache` accepted, a paged cache's pools read in ``kv_layout``
     (the one it decided). It checks no values: lengths outside [0, capacity] count as the nearest bound,
     never wrapped; an int64 block table goes to the kernels as it is, which drop keys on pages outside the
@@ -213,8 +251,9 @@ def kv_cache(k: torch.Tensor, v: torch.Tensor, kv_lens: torch.Tensor | None, blo
         kv_lens = kv_lens.contiguous()
     if block_table is None:
         return KVCache(k=k, v=v, capacity=capacity, lens=kv_lens, positions=positions)
-    return KVCache(k=k, v=v, capacity=capacity, lens=kv_lens, block_table=block_table, page_size=k.shape[2],
-                   kv_layout=kv_layout)
+    return KVCache(
+        k=k, v=v, capacity=capacity, lens=kv_lens, block_table=block_table, page_size=k.shape[2], kv_layout=kv_layout
+    )
 
 
 def check_inputs(q: Any, k: Any, v: Any, paged: bool = False, kv_layout: Any = None) -> str | None:
@@ -236,14 +275,18 @@ def check_inputs(q: Any, k: Any, v: Any, paged: bool = False, kv_layout: Any = N
     if q.device.type not in ("cuda", "cpu"):
         raise InputError(f"tensors on {q.device.type} are not supported; use a CUDA device, or the CPU")
     if q.device.type == "cpu" and q.dtype == torch.bfloat16:
-        raise InputError("bfloat16 on the CPU would run through Triton's interpreter, which computes bfloat16 "
-                         "wrongly; use float16 or float32 on the CPU, or a CUDA device")
+        raise InputError(
+            "bfloat16 on the CPU would run through Triton's interpreter, which computes bfloat16 "
+            "wrongly; use float16 or float32 on the CPU, or a CUDA device"
+        )
     layout = None
     if paged:
         if k.shape[:3] != v.shape[:3]:
-            raise InputError(f"paged k and v must be pools (pages, page_size, Hkv, D) (or, with kv_layout='HND', "
-                             f"(pages, Hkv, page_size, D)) with the same pages, page size and heads, got "
-                             f"{tuple(k.shape)} and {tuple(v.shape)}")
+            raise InputError(
+                f"paged k and v must be pools (pages, page_size, Hkv, D) (or, with kv_layout='HND', "
+                f"(pages, Hkv, page_size, D)) with the same pages, page size and heads, got "
+                f"{tuple(k.shape)} and {tuple(v.shape)}"
+            )
         layout = pool_layout(q.shape[1], tuple(k.shape), kv_layout)
         k, v = head_second(k, layout), head_second(v, layout)
     (B, Hq, _, D), (Bk, Hkv, Nk, Dk), (Bv, Hv, Nv, DV) = q.shape, k.shape, v.shape
@@ -276,12 +319,20 @@ def kernel_config(q: torch.Tensor, kv: KVCache, save_lse: bool, inputs_wide: boo
     """The configuration part of the kernel-cache key for these inputs; ``inputs_wide``: some runtime
     input tensor needs 64-bit offsets (``offsets.inputs_fit``)."""
     tf32 = q.device.type == "cuda" and torch.backends.cuda.matmul.allow_tf32
-    return KernelConfig(arch=_arch(q.device), dtype=DTYPES[q.dtype], head_dim=q.shape[3],
-                        head_dim_v=kv.v.shape[3], group=q.shape[1] // kv.k.shape[1], save_lse=save_lse,
-                        fp32_precision="tf32" if tf32 else "ieee", kv_lens=kv.lens is not None,
-                        paged=kv.block_table is not None, wide_offsets=inputs_wide or not _rows_fit(q, kv),
-                        positions=kv.positions is not None,
-                        wide_positions=wide_positions(q.shape[2], kv.capacity, kv.positions))
+    return KernelConfig(
+        arch=_arch(q.device),
+        dtype=DTYPES[q.dtype],
+        head_dim=q.shape[3],
+        head_dim_v=kv.v.shape[3],
+        group=q.shape[1] // kv.k.shape[1],
+        save_lse=save_lse,
+        fp32_precision="tf32" if tf32 else "ieee",
+        kv_lens=kv.lens is not None,
+        paged=kv.block_table is not None,
+        wide_offsets=inputs_wide or not _rows_fit(q, kv),
+        positions=kv.positions is not None,
+        wide_positions=wide_positions(q.shape[2], kv.capacity, kv.positions),
+    )
 
 
 def _rows_fit(q: torch.Tensor, kv: KVCache) -> bool:
@@ -337,8 +388,11 @@ def even_keys(kv: KVCache) -> Any:
 def empty_like_layout(t: torch.Tensor, last_dim: int, dtype: torch.dtype) -> torch.Tensor:
     """An uninitialised tensor shaped like ``t`` but for its last dim, with ``t``'s memory order."""
     if t.is_contiguous():
-        return torch.empty_like(t, dtype=dtype) if last_dim == t.shape[-1] else \
-            torch.empty((*t.shape[:-1], last_dim), dtype=dtype, device=t.device)
+        return (
+            torch.empty_like(t, dtype=dtype)
+            if last_dim == t.shape[-1]
+            else torch.empty((*t.shape[:-1], last_dim), dtype=dtype, device=t.device)
+        )
     shape = (*t.shape[:-1], last_dim)
     order = sorted(range(t.dim()), key=lambda i: -t.stride(i))
     buffer = torch.empty([shape[i] for i in order], dtype=dtype, device=t.device)

@@ -11,6 +11,7 @@ converts through ``.item()``, since numpy >= 2.4 refuses ``int()`` of a one-elem
 Every load and store is also bounds-checked: an address outside the storages of the kernel's tensor
 arguments raises ``IndexError`` (on a GPU it would be an illegal memory access, or silent garbage).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -67,13 +68,16 @@ def _check_bounds(ranges: np.ndarray, ptrs: Any, mask: Any, what: str) -> None:
     inside = ((active[:, None] >= ranges[None, :, 0]) & (active[:, None] + size <= ranges[None, :, 1])).any(axis=1)
     if not inside.all():
         bad = active[~inside]
-        raise IndexError(f"out-of-bounds {what} of {bad.size} element(s), first at address {int(bad[0]):#x}; "
-                         f"the tensor arguments span {[(hex(int(a)), hex(int(b))) for a, b in ranges]}")
+        raise IndexError(
+            f"out-of-bounds {what} of {bad.size} element(s), first at address {int(bad[0]):#x}; "
+            f"the tensor arguments span {[(hex(int(a)), hex(int(b))) for a, b in ranges]}"
+        )
 
 
 def _storage_ranges(args: tuple) -> np.ndarray:
-    spans = {(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
-             for t in args if isinstance(t, torch.Tensor)}
+    spans = {
+        (t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()) for t in args if isinstance(t, torch.Tensor)
+    }
     return np.array([(p, p + n) for p, n in spans] or np.empty((0, 2)), dtype=np.uint64).reshape(-1, 2)
 
 
@@ -114,8 +118,15 @@ class InterpretedKernel:
         with _lock:
             self._fn.rewrite()
 
-    def launch(self, grid: tuple[int, ...], args: tuple, constexprs: dict[str, Any], num_warps: int = 4,
-               num_stages: int = 2, device: Any = None) -> None:
+    def launch(
+        self,
+        grid: tuple[int, ...],
+        args: tuple,
+        constexprs: dict[str, Any],
+        num_warps: int = 4,
+        num_stages: int = 2,
+        device: Any = None,
+    ) -> None:
         """Run on ``grid`` (warps, stages and device mean nothing to the interpreter). numpy's floating-point
         warnings (log(0) = -inf for a masked row, say), and the interpreter's own RuntimeWarnings about them
         (an all-NaN max of a row that keeps no key), are silenced for the launch, as a GPU raises none."""

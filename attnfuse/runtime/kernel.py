@@ -1,6 +1,7 @@
 """One generated kernel, ready to launch: on the GPU through ``triton.jit``, on CPU tensors through the
 interpreter. Its function is compiled from the source in memory (``source_cache.load_function``); the file on
 disk is a readable copy. A launch that needs more shared memory than the GPU has retries with smaller tiles."""
+
 from __future__ import annotations
 
 from typing import Any, Callable
@@ -42,8 +43,15 @@ class CompiledKernel:
         self._kernel = InterpretedKernel(fn) if interpreted else Launcher(triton.jit(fn))
         self.tiles = spec.tiles  # shrinks if the GPU lacks the shared memory the tile table assumed
 
-    def launch(self, grid: Callable[[TileConfig], tuple[int, ...]], args: tuple, device: torch.device,
-               block_m: int | None = None, limit: int | None = None, **constexprs: Any) -> None:
+    def launch(
+        self,
+        grid: Callable[[TileConfig], tuple[int, ...]],
+        args: tuple,
+        device: torch.device,
+        block_m: int | None = None,
+        limit: int | None = None,
+        **constexprs: Any,
+    ) -> None:
         """Launch ``args`` (from ``spec.launch.bind``) on ``grid(tiles)`` with BLOCK_M (``block_m`` if given),
         BLOCK_N, warps and stages from the current tiles; ``limit`` caps both block sizes (a block-sparse
         mask's block size). ``constexprs``: exactly the spec's launch constexprs; one given as a function

@@ -6,6 +6,7 @@ kernels read both through strides, as a (num_pages, Hkv, page_size, D) view: no 
 layout is read as ``"NHD"``, but a shape both layouts would read with a head count that divides the call's
 query heads is refused as ambiguous: reading it the wrong way gives plausible, wrong numbers.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -24,11 +25,15 @@ def check_kv_layout(kv_layout: Any, paged: bool) -> None:
     if kv_layout is None:
         return
     if not (isinstance(kv_layout, str) and kv_layout in KV_LAYOUTS):
-        raise InputError(f"kv_layout must be 'NHD' (pools {_SHAPES['NHD']}, {_USED_BY['NHD']}), 'HND' (pools "
-                         f"{_SHAPES['HND']}, {_USED_BY['HND']}) or None (read as 'NHD'), got {kv_layout!r}")
+        raise InputError(
+            f"kv_layout must be 'NHD' (pools {_SHAPES['NHD']}, {_USED_BY['NHD']}), 'HND' (pools "
+            f"{_SHAPES['HND']}, {_USED_BY['HND']}) or None (read as 'NHD'), got {kv_layout!r}"
+        )
     if not paged:
-        raise InputError(f"kv_layout={kv_layout!r} describes a paged cache's pools (a call with block_table); a "
-                         f"contiguous cache is (B, Hkv, Nk, D) and takes no kv_layout")
+        raise InputError(
+            f"kv_layout={kv_layout!r} describes a paged cache's pools (a call with block_table); a "
+            f"contiguous cache is (B, Hkv, Nk, D) and takes no kv_layout"
+        )
 
 
 def pool_sizes(shape: tuple[int, ...], layout: str) -> tuple[int, int]:
@@ -50,14 +55,18 @@ def pool_layout(Hq: int, shape: tuple[int, ...], kv_layout: str | None) -> str:
     fits = [layout for layout in KV_LAYOUTS if _heads_fit(Hq, pool_sizes(shape, layout)[1])]
     layout = kv_layout or "NHD"
     if kv_layout is None and len(fits) == 2 and tuple(shape[1:3]) != (1, 1):
-        raise InputError(f"paged pools of shape {tuple(shape)} read two ways for Hq={Hq} query heads: "
-                         f"{_reading(shape, 'NHD')}, or {_reading(shape, 'HND')}. Name the pools' layout: "
-                         f"kv_layout='NHD' ({_USED_BY['NHD']}) or kv_layout='HND' ({_USED_BY['HND']})")
+        raise InputError(
+            f"paged pools of shape {tuple(shape)} read two ways for Hq={Hq} query heads: "
+            f"{_reading(shape, 'NHD')}, or {_reading(shape, 'HND')}. Name the pools' layout: "
+            f"kv_layout='NHD' ({_USED_BY['NHD']}) or kv_layout='HND' ({_USED_BY['HND']})"
+        )
     if fits and layout not in fits:
         named = f"kv_layout={layout!r}" if kv_layout is not None else f"kv_layout={layout!r} (when none is named)"
-        raise InputError(f"paged pools of shape {tuple(shape)} in {named} have Hkv={pool_sizes(shape, layout)[1]} "
-                         f"heads, which Hq={Hq} query heads is not a multiple of; {_reading(shape, fits[0])} would "
-                         f"fit: pass kv_layout={fits[0]!r} if that is the pools' layout")
+        raise InputError(
+            f"paged pools of shape {tuple(shape)} in {named} have Hkv={pool_sizes(shape, layout)[1]} "
+            f"heads, which Hq={Hq} query heads is not a multiple of; {_reading(shape, fits[0])} would "
+            f"fit: pass kv_layout={fits[0]!r} if that is the pools' layout"
+        )
     return layout
 
 

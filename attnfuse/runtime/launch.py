@@ -6,6 +6,7 @@ the tensors' values: the checks, the kernels, the path (split-KV decoding, a fus
 backward). ``planned`` decides it once per signature, as a ``Call``; a warm call is a lookup in one bounded
 cache, then launches.
 """
+
 from __future__ import annotations
 
 from functools import partial
@@ -22,8 +23,16 @@ from .call import Call
 from .decode import MAX_QUERIES
 from .gradients import check_differentiable, tensor_grads
 from .hoisted import worth_hoisting
-from .inputs import (Positions, check_cache, check_input_names, check_inputs, check_positions, kernel_config,
-                     kv_cache, wide_positions)
+from .inputs import (
+    Positions,
+    check_cache,
+    check_input_names,
+    check_inputs,
+    check_positions,
+    kernel_config,
+    kv_cache,
+    wide_positions,
+)
 from .kv_layout import check_kv_layout
 from .offsets import inputs_fit
 from .plugin_args import check_takes_offsets
@@ -47,24 +56,40 @@ def keeps_lse(graph: ir.MatMulPV, return_lse: bool) -> bool:
     it has not."""
     has_lse = graph.has_lse
     if return_lse and not has_lse:
-        raise InputError(f"return_lse=True needs a normaliser with a log-sum-exp; "
-                         f"{graph.weights.apply.combinator} has none (softmax has)")
+        raise InputError(
+            f"return_lse=True needs a normaliser with a log-sum-exp; "
+            f"{graph.weights.apply.combinator} has none (softmax has)"
+        )
     return has_lse
 
 
 def wanted_grads(q: Any, k: Any, v: Any, inputs: dict[str, Any]) -> tuple[str, ...] | None:
     """None when autograd wants no gradient of a call; else the runtime inputs (by name) it wants them of."""
-    if not (torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad
-                                            for t in (q, k, v, *inputs.values()))):
+    if not (
+        torch.is_grad_enabled()
+        and any(isinstance(t, torch.Tensor) and t.requires_grad for t in (q, k, v, *inputs.values()))
+    ):
         return None
     return tuple(n for n, t in inputs.items() if isinstance(t, torch.Tensor) and t.requires_grad)
 
 
-def run_attention(graph: ir.MatMulPV, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                  inputs: dict[str, Any] | None = None, *, return_lse: bool = False,
-                  kv_lens: torch.Tensor | None = None, block_table: torch.Tensor | None = None,
-                  split_kv: bool | None = None, validate: bool = True, q_offset: int | None = None,
-                  k_offset: int | None = None, seq_len: int | None = None, kv_layout: str | None = None):
+def run_attention(
+    graph: ir.MatMulPV,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    inputs: dict[str, Any] | None = None,
+    *,
+    return_lse: bool = False,
+    kv_lens: torch.Tensor | None = None,
+    block_table: torch.Tensor | None = None,
+    split_kv: bool | None = None,
+    validate: bool = True,
+    q_offset: int | None = None,
+    k_offset: int | None = None,
+    seq_len: int | None = None,
+    kv_layout: str | None = None,
+):
     """Run a traced program on q (B, Hq, Nq, D), k (B, Hkv, Nk, D), v (B, Hkv, Nk, DV).
 
     Differentiable (q, k, v and declared tensor inputs) when autograd asks for gradients.
@@ -107,29 +132,69 @@ def run_attention(graph: ir.MatMulPV, q: torch.Tensor, k: torch.Tensor, v: torch
     if q_offset is not None or k_offset is not None or seq_len is not None:
         check_inputs(q, k, v, paged=block_table is not None, kv_layout=kv_layout)
         positions = check_positions(q_offset, k_offset, seq_len, q.shape[2], k.shape[2], kv_lens, block_table)
-    call = planned(graph, q, k, v, inputs, kv_lens, block_table, return_lse=return_lse,
-                   grads=wanted_grads(q, k, v, inputs), split_kv=split_kv, positions=positions, kv_layout=kv_layout)
+    call = planned(
+        graph,
+        q,
+        k,
+        v,
+        inputs,
+        kv_lens,
+        block_table,
+        return_lse=return_lse,
+        grads=wanted_grads(q, k, v, inputs),
+        split_kv=split_kv,
+        positions=positions,
+        kv_layout=kv_layout,
+    )
     check_call_values(k, kv_lens, block_table, kv_layout=call.kv_layout, validate=validate)
     out, lse = call(q, k, v, inputs, kv_lens, block_table, positions)
     return (out, lse) if return_lse else out
 
 
-def planned(graph: ir.MatMulPV, q: Any, k: Any, v: Any, inputs: dict[str, Any], kv_lens: Any, block_table: Any,
-            *, return_lse: bool, grads: tuple[str, ...] | None, split_kv: bool | None,
-            positions: Positions | None = None, kv_layout: Any = None) -> Call:
+def planned(
+    graph: ir.MatMulPV,
+    q: Any,
+    k: Any,
+    v: Any,
+    inputs: dict[str, Any],
+    kv_lens: Any,
+    block_table: Any,
+    *,
+    return_lse: bool,
+    grads: tuple[str, ...] | None,
+    split_kv: bool | None,
+    positions: Positions | None = None,
+    kv_layout: Any = None,
+) -> Call:
     """The call's ``Call``, decided once per call signature. ``grads``: None when no gradient is wanted,
     else the runtime inputs whose gradients are (``wanted_grads``). ``positions``: the call's, checked,
     whose presence matters here, and whether they need int64 kernels (the kernels take their values as runtime
     ints). ``kv_layout``: as the caller named it (``kv_layout.check_kv_layout``)."""
     check_kv_layout(kv_layout, block_table is not None)  # a valid key before the lookup
     placed = None if positions is None else wide_positions(0, 0, positions)
-    signature = (graph, _meta(q), _meta(k), _meta(v), _meta(kv_lens), _meta(block_table),
-                 tuple([(name, _meta(value)) for name, value in inputs.items()]) if inputs else (),
-                 return_lse, grads, split_kv, torch.backends.cuda.matmul.allow_tf32, placed, kv_layout)
+    signature = (
+        graph,
+        _meta(q),
+        _meta(k),
+        _meta(v),
+        _meta(kv_lens),
+        _meta(block_table),
+        tuple([(name, _meta(value)) for name, value in inputs.items()]) if inputs else (),
+        return_lse,
+        grads,
+        split_kv,
+        torch.backends.cuda.matmul.allow_tf32,
+        placed,
+        kv_layout,
+    )
     call = _calls.get(signature)
     if call is None:
-        call = _calls.get_or_build(signature, lambda: _decide(graph, q, k, v, inputs, kv_lens, block_table,
-                                                              return_lse, grads, split_kv, positions, kv_layout))
+        call = _calls.get_or_build(
+            signature,
+            lambda: _decide(
+                graph, q, k, v, inputs, kv_lens, block_table, return_lse, grads, split_kv, positions, kv_layout
+            ),
+        )
     return call
 
 
@@ -145,9 +210,20 @@ def _meta(t: Any) -> Any:
     return None if t is None else type(t) if getattr(t, "__attnfuse_runtime_input__", False) else _Invalid()
 
 
-def _decide(graph: ir.MatMulPV, q: Any, k: Any, v: Any, inputs: dict[str, Any], kv_lens: Any, block_table: Any,
-            return_lse: bool, grads: tuple[str, ...] | None, split_kv: bool | None,
-            positions: Positions | None, kv_layout: str | None) -> Call:
+def _decide(
+    graph: ir.MatMulPV,
+    q: Any,
+    k: Any,
+    v: Any,
+    inputs: dict[str, Any],
+    kv_lens: Any,
+    block_table: Any,
+    return_lse: bool,
+    grads: tuple[str, ...] | None,
+    split_kv: bool | None,
+    positions: Positions | None,
+    kv_layout: str | None,
+) -> Call:
     """Check a new call signature and choose its kernels: the split-KV kernel if it takes that path, else
     its forward (hoisted when worth it) and, with gradients wanted, the backward writing them. A call that
     gives its positions never takes the split-KV path (its kernel places queries bottom-right)."""
@@ -165,8 +241,10 @@ def _decide(graph: ir.MatMulPV, q: Any, k: Any, v: Any, inputs: dict[str, Any], 
     if split_kv is None:
         split_kv = can_split and q.shape[2] <= MAX_QUERIES
     elif split_kv and not can_split:
-        raise InputError("the split-KV path has no backward, needs a normaliser that can combine splits (and "
-                         "declares no partial fragment), and takes no q_offset or k_offset")
+        raise InputError(
+            "the split-KV path has no backward, needs a normaliser that can combine splits (and "
+            "declares no partial fragment), and takes no q_offset or k_offset"
+        )
     if split_kv:
         return Call(program, decode=program.decode, kv_layout=kv.kv_layout)
     gradients = ()
@@ -174,10 +252,20 @@ def _decide(graph: ir.MatMulPV, q: Any, k: Any, v: Any, inputs: dict[str, Any], 
         check_differentiable(plan)
         gradients = tensor_grads(plan, inputs, grads, (*q.shape[:3], kv.capacity)) if grads else ()
     if worth_hoisting(program.forward, q.shape[2]):
-        return Call(program, forward=program.hoisted, grads=_names(gradients), kv_layout=kv.kv_layout,
-                    build_backward=partial(program.hoisted_backward, gradients) if grads is not None else None)
-    return Call(program, forward=program.forward, grads=_names(gradients), kv_layout=kv.kv_layout,
-                build_backward=partial(program.backward, gradients) if grads is not None else None)
+        return Call(
+            program,
+            forward=program.hoisted,
+            grads=_names(gradients),
+            kv_layout=kv.kv_layout,
+            build_backward=partial(program.hoisted_backward, gradients) if grads is not None else None,
+        )
+    return Call(
+        program,
+        forward=program.forward,
+        grads=_names(gradients),
+        kv_layout=kv.kv_layout,
+        build_backward=partial(program.backward, gradients) if grads is not None else None,
+    )
 
 
 def _names(gradients: tuple) -> tuple[str, ...]:
@@ -185,13 +273,21 @@ def _names(gradients: tuple) -> tuple[str, ...]:
     return tuple(dict.fromkeys(g.argument for g in gradients))
 
 
-def hoisted_sides(graph: ir.MatMulPV, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_lens: Any,
-                  save_lse: bool, inputs_wide: bool) -> tuple[str, ...]:
+def hoisted_sides(
+    graph: ir.MatMulPV,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_lens: Any,
+    save_lse: bool,
+    inputs_wide: bool,
+) -> tuple[str, ...]:
     """The sides ("q", "k") a differentiable call with a contiguous cache keeps transformed copies of (its
     qk transforms hoisted into passes), from its metadata alone (head dims specialised): for the op's
     outputs' metadata."""
     config = kernel_config(q, kv_cache(k, v, kv_lens, None), save_lse, inputs_wide)
-    config = attrs.evolve(config, head_dim=int(config.head_dim), head_dim_v=int(config.head_dim_v),
-                          group=int(config.group))
+    config = attrs.evolve(
+        config, head_dim=int(config.head_dim), head_dim_v=int(config.head_dim_v), group=int(config.group)
+    )
     program = compiled.compiled(graph, config)
     return program.plan.transform.sides if worth_hoisting(program.forward, q.shape[2]) else ()

@@ -8,6 +8,7 @@ key straight to the compiled kernel's C launcher. While a launch hook is install
 call goes through Triton's own path, which feeds the hooks. Gluon kernels launch the same way; a TMA
 descriptor argument is keyed by its tile, layout, dtype and alignment (Triton encodes it on every call).
 """
+
 from __future__ import annotations
 
 import functools
@@ -42,13 +43,16 @@ def head_grid(heads: int, what: str) -> tuple[int, int]:
     for z in range(cdiv(heads, GRID_YZ_LIMIT), GRID_YZ_LIMIT + 1):
         if heads % z == 0:
             return heads // z, z
-    raise InputError(f"{what} = {heads} programs cannot be laid out on a CUDA grid: above {GRID_YZ_LIMIT} they "
-                     f"are split over two grid dimensions of at most {GRID_YZ_LIMIT} each, and {heads} has no "
-                     f"divisor that allows it; pass at most {GRID_YZ_LIMIT} sequences a call")
+    raise InputError(
+        f"{what} = {heads} programs cannot be laid out on a CUDA grid: above {GRID_YZ_LIMIT} they "
+        f"are split over two grid dimensions of at most {GRID_YZ_LIMIT} each, and {heads} has no "
+        f"divisor that allows it; pass at most {GRID_YZ_LIMIT} sequences a call"
+    )
 
 
-def block_grid(rows: int, heads: int, tile: str, listed_block: int | None = None, extra_blocks: int = 0, *,
-               what: str) -> Callable[[Any], tuple[int, ...]]:
+def block_grid(
+    rows: int, heads: int, tile: str, listed_block: int | None = None, extra_blocks: int = 0, *, what: str
+) -> Callable[[Any], tuple[int, ...]]:
     """The grid, as a function of the tiles, of a kernel with one program per (block of ``rows``, head):
     (row blocks, heads), or with more heads than a grid's y size, (row blocks, *``head_grid``); the block
     ``tiles.<tile>`` rows, and ``extra_blocks`` more (dK/dV's split blocks). ``listed_block``: the block size
@@ -101,7 +105,7 @@ def next_power_of_2(n: int) -> int:
 
 
 def _int_key(a: int) -> tuple:
-    return (a == 1, a % 16 == 0, -2**31 <= a < 2**31, a < 2**63)
+    return (a == 1, a % 16 == 0, -(2**31) <= a < 2**31, a < 2**63)
 
 
 def _tensor_key(a: torch.Tensor) -> tuple:
@@ -113,8 +117,13 @@ def _descriptor_key(a: TensorDescriptor) -> tuple:
 
 
 _KEYS: dict[type, Callable[[Any], Any]] = {
-    int: _int_key, bool: lambda a: ("bool", a), float: lambda a: float, type(None): lambda a: None,
-    torch.Tensor: _tensor_key, torch.nn.Parameter: _tensor_key, TensorDescriptor: _descriptor_key,
+    int: _int_key,
+    bool: lambda a: ("bool", a),
+    float: lambda a: float,
+    type(None): lambda a: None,
+    torch.Tensor: _tensor_key,
+    torch.nn.Parameter: _tensor_key,
+    TensorDescriptor: _descriptor_key,
 }
 
 
@@ -131,9 +140,16 @@ def specialisation_key(arg: Any) -> Any:
 def call_key(args: tuple) -> tuple:
     """The specialisation keys of ``args``; an int32 other than 1 (most arguments: strides, sizes)
     takes the fast path, its divisibility by 16 alone, and so does a tensor, its dtype and alignment."""
-    return tuple([(a & 15 == 0 if 1 < a < 2**31 else _int_key(a)) if type(a) is int
-                  else (a.dtype, a.data_ptr() & 15 == 0) if type(a) is torch.Tensor
-                  else specialisation_key(a) for a in args])
+    return tuple(
+        [
+            (a & 15 == 0 if 1 < a < 2**31 else _int_key(a))
+            if type(a) is int
+            else (a.dtype, a.data_ptr() & 15 == 0)
+            if type(a) is torch.Tensor
+            else specialisation_key(a)
+            for a in args
+        ]
+    )
 
 
 def _hooked(hook: Any) -> bool:
@@ -160,8 +176,16 @@ class Launcher:
         self._compiled: dict[tuple, Any] = {}
         self._compiling = threading.Lock()  # a new specialisation compiles once, whichever threads launch it
 
-    def launch(self, grid: tuple[int, ...], args: tuple, constexprs: dict[str, Any], num_warps: int = 4,
-               num_stages: int = 2, device: torch.device | None = None, maxnreg: int | None = None) -> None:
+    def launch(
+        self,
+        grid: tuple[int, ...],
+        args: tuple,
+        constexprs: dict[str, Any],
+        num_warps: int = 4,
+        num_stages: int = 2,
+        device: torch.device | None = None,
+        maxnreg: int | None = None,
+    ) -> None:
         """Launch on ``grid`` in the current stream of ``device`` (the current device when None);
         ``maxnreg``: the register cap per thread (a warp-specialised kernel's budget), if any."""
         current = torch.cuda.current_device()
@@ -180,7 +204,8 @@ class Launcher:
                 if launch is None:
                     options = {"maxnreg": maxnreg} if maxnreg is not None else {}
                     self._compiled[key] = _direct_launch(
-                        self.fn[grid](*args, **constexprs, num_warps=num_warps, num_stages=num_stages, **options))
+                        self.fn[grid](*args, **constexprs, num_warps=num_warps, num_stages=num_stages, **options)
+                    )
                     return
         launch(grid, driver.active.get_current_stream(current), args, tail)
 
@@ -191,15 +216,38 @@ def _direct_launch(kernel: Any) -> Callable[[tuple, int, tuple, tuple], None]:
     run = kernel.run
     c_launch = getattr(run, "launch", None)
     if c_launch is None or getattr(run, "global_scratch_size", 1) or getattr(run, "profile_scratch_size", 1):
+
         def launch(grid, stream, args, tail):
             grid = (*grid, 1, 1)
-            run(grid[0], grid[1], grid[2], stream, kernel.function, kernel.packed_metadata, None, None, None,
-                *args, *tail)
+            run(
+                grid[0],
+                grid[1],
+                grid[2],
+                stream,
+                kernel.function,
+                kernel.packed_metadata,
+                None,
+                None,
+                None,
+                *args,
+                *tail,
+            )
+
         return launch
-    fixed = (kernel.function, run.launch_cooperative_grid, run.launch_pdl, None, None, kernel.packed_metadata, None,
-             None, None)
+    fixed = (
+        kernel.function,
+        run.launch_cooperative_grid,
+        run.launch_pdl,
+        None,
+        None,
+        kernel.packed_metadata,
+        None,
+        None,
+        None,
+    )
 
     def launch(grid, stream, args, tail):
         grid = (*grid, 1, 1)
         c_launch(grid[0], grid[1], grid[2], stream, *fixed, *args, *tail)
+
     return launch

@@ -6,6 +6,7 @@ call is wide when some tensor a kernel addresses has a row-and-column extent pas
 elements: q, k, v (a paged cache's pools too), the outputs and gradients the runtime allocates in their
 memory orders, and any runtime input tensor (plugins address those; all of its dims count).
 """
+
 from __future__ import annotations
 
 import math

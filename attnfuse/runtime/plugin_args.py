@@ -1,4 +1,5 @@
 """The plugins' kernel arguments of one call: each plugin's ``prepare`` on the call's launch context."""
+
 from __future__ import annotations
 
 from typing import Any, NamedTuple
@@ -27,10 +28,12 @@ def check_takes_offsets(plan: Plan) -> None:
     written for positions that are indices could read its tensors at."""
     name = plan.refuses_offsets
     if name is not None:
-        raise InputError(f"q_offset/k_offset: {name} prepares kernel arguments but does not declare "
-                         f"takes_offsets=True (that its fragments index its tensors by k_idx, q_idx or heads, "
-                         f"and its prepare follows LaunchContext.seq_len), so it may read them at positions "
-                         f"past the call's rows; call it without offsets")
+        raise InputError(
+            f"q_offset/k_offset: {name} prepares kernel arguments but does not declare "
+            f"takes_offsets=True (that its fragments index its tensors by k_idx, q_idx or heads, "
+            f"and its prepare follows LaunchContext.seq_len), so it may read them at positions "
+            f"past the call's rows; call it without offsets"
+        )
 
 
 class PluginArgs:
@@ -52,14 +55,18 @@ class PluginArgs:
             for t in comb.tensors:
                 tensor = prepared[t.name]
                 if not isinstance(tensor, torch.Tensor) or tensor.dim() != t.rank:
-                    raise PluginError(f"{comb.name}.prepare() must return {t.name!r} as a {t.rank}-D tensor, "
-                                      f"got {getattr(tensor, 'shape', type(tensor).__name__)}")
+                    raise PluginError(
+                        f"{comb.name}.prepare() must return {t.name!r} as a {t.rank}-D tensor, "
+                        f"got {getattr(tensor, 'shape', type(tensor).__name__)}"
+                    )
                 if tensor.device != ctx.device:
                     raise InputError(f"{comb.name}: {t.name!r} is on {tensor.device}, the inputs on {ctx.device}")
                 args.append(tensor)
             for sc in comb.scalars:
                 args.append(prepared[sc.name])
                 scalars[f"{prefix}_{sc.name}"] = prepared[sc.name]
-        return Prepared(dict(zip(self._names, args, strict=True)),
-                        None if self._limit is None else int(scalars[self._limit]),
-                        int(scalars[self._split]) if self._split else 0)
+        return Prepared(
+            dict(zip(self._names, args, strict=True)),
+            None if self._limit is None else int(scalars[self._limit]),
+            int(scalars[self._split]) if self._split else 0,
+        )

@@ -11,6 +11,7 @@ otherwise); directories made here are private (0o700). Its kernel files are kept
 ``$ATTNFUSE_CACHE_MAX_BYTES`` in all (``DEFAULT_MAX_BYTES`` by default): a write that takes them past it
 removes the least recently written or used first.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -66,12 +67,16 @@ def check_directory(directory: Path) -> None:
     st = os.stat(directory)
     fix = f"or set {CACHE_ENV} to a directory of your own that only you can write"
     if st.st_uid != os.geteuid():
-        raise KernelCacheError(f"kernel cache directory {directory} is owned by uid {st.st_uid}, not by this user "
-                               f"(uid {os.geteuid()}): another user could change what it holds; remove it, {fix}")
+        raise KernelCacheError(
+            f"kernel cache directory {directory} is owned by uid {st.st_uid}, not by this user "
+            f"(uid {os.geteuid()}): another user could change what it holds; remove it, {fix}"
+        )
     writers = [who for who, bit in (("group", stat.S_IWGRP), ("others", stat.S_IWOTH)) if st.st_mode & bit]
     if writers:
-        raise KernelCacheError(f"kernel cache directory {directory} is writable by {' and '.join(writers)} (mode "
-                               f"{stat.S_IMODE(st.st_mode):o}): run `chmod go-w {directory}`, {fix}")
+        raise KernelCacheError(
+            f"kernel cache directory {directory} is writable by {' and '.join(writers)} (mode "
+            f"{stat.S_IMODE(st.st_mode):o}): run `chmod go-w {directory}`, {fix}"
+        )
 
 
 def _private_directory(directory: Path) -> None:
@@ -111,8 +116,9 @@ def write_source(name: str, source: str) -> Path:
             raise
         _count_written(directory, path, len(data))
     except OSError as exc:
-        raise KernelCacheError(f"kernel cache file {path} could not be written ({exc}); set {CACHE_ENV} to a "
-                               f"writable directory") from exc
+        raise KernelCacheError(
+            f"kernel cache file {path} could not be written ({exc}); set {CACHE_ENV} to a writable directory"
+        ) from exc
     return path
 
 
@@ -207,12 +213,15 @@ def load_function(source: str, name: str, path: Path) -> Callable:
     try:
         exec(compile(source, filename, "exec", dont_inherit=True), namespace)
     except Exception as exc:
-        raise KernelCacheError(f"generated kernel {name} could not be loaded: {type(exc).__name__}: {exc} (its "
-                               f"source is in {path})") from exc
+        raise KernelCacheError(
+            f"generated kernel {name} could not be loaded: {type(exc).__name__}: {exc} (its source is in {path})"
+        ) from exc
     fn = namespace.get(name)
     if not callable(fn):
-        raise KernelCacheError(f"generated kernel {name} could not be loaded: its source defines no function "
-                               f"{name} (its source is in {path})")
+        raise KernelCacheError(
+            f"generated kernel {name} could not be loaded: its source defines no function "
+            f"{name} (its source is in {path})"
+        )
     with _lock:
         _registered[filename] = _registered.get(filename, 0) + 1
         linecache.cache[filename] = (len(source), None, source.splitlines(keepends=True), filename)

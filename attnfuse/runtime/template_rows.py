@@ -4,6 +4,7 @@ backward's row term), as flat float32 rows in which each (batch, head)'s Nq valu
 and 0 to a multiple of the template's query block. The template's steps then use them as they are, with
 no test of a row's place or lse a step. When the template also computes dQ, the same launch computes
 delta (else the generated dQ kernel wrote it) and zeroes dQ's float32 accumulator."""
+
 from __future__ import annotations
 
 import math
@@ -19,10 +20,34 @@ from .launcher import Launcher, cdiv
 ROWS = 32  # padded rows per program
 
 
-def _template_rows_kernel(Lse, Delta, DLse, Out, DOut, LseRows, DeltaRows, Zeroed, n_rows, Nq, padded, H,
-                          stride_ob, stride_oh, stride_on, stride_od, stride_gb, stride_gh, stride_gn, stride_gd,
-                          log2e, HEAD_DIM: tl.constexpr, ROWS: tl.constexpr, COMPUTE_DELTA: tl.constexpr,
-                          HAS_DLSE: tl.constexpr, ZERO: tl.constexpr):
+def _template_rows_kernel(
+    Lse,
+    Delta,
+    DLse,
+    Out,
+    DOut,
+    LseRows,
+    DeltaRows,
+    Zeroed,
+    n_rows,
+    Nq,
+    padded,
+    H,
+    stride_ob,
+    stride_oh,
+    stride_on,
+    stride_od,
+    stride_gb,
+    stride_gh,
+    stride_gn,
+    stride_gd,
+    log2e,
+    HEAD_DIM: tl.constexpr,
+    ROWS: tl.constexpr,
+    COMPUTE_DELTA: tl.constexpr,
+    HAS_DLSE: tl.constexpr,
+    ZERO: tl.constexpr,
+):
     row = tl.program_id(0) * ROWS + tl.arange(0, ROWS)  # (b * H + h) * padded + i
     keep = row < n_rows
     bh = (row // padded).to(tl.int64)
@@ -35,10 +60,16 @@ def _template_rows_kernel(Lse, Delta, DLse, Out, DOut, LseRows, DeltaRows, Zeroe
     if COMPUTE_DELTA:
         b = bh // H
         h = bh % H
-        o = tl.load(Out + (b * stride_ob + h * stride_oh + i * stride_on)[:, None] + d * stride_od,
-                    mask=real[:, None], other=0.0)
-        g = tl.load(DOut + (b * stride_gb + h * stride_gh + i * stride_gn)[:, None] + d * stride_gd,
-                    mask=real[:, None], other=0.0)
+        o = tl.load(
+            Out + (b * stride_ob + h * stride_oh + i * stride_on)[:, None] + d * stride_od,
+            mask=real[:, None],
+            other=0.0,
+        )
+        g = tl.load(
+            DOut + (b * stride_gb + h * stride_gh + i * stride_gn)[:, None] + d * stride_gd,
+            mask=real[:, None],
+            other=0.0,
+        )
         delta = tl.sum(o.to(tl.float32) * g.to(tl.float32), 1)
         if HAS_DLSE:
             delta -= tl.load(DLse + source, mask=real, other=0.0)
@@ -46,15 +77,18 @@ def _template_rows_kernel(Lse, Delta, DLse, Out, DOut, LseRows, DeltaRows, Zeroe
         delta = tl.load(Delta + source, mask=real, other=0.0)
     tl.store(DeltaRows + row, delta, mask=keep)
     if ZERO:
-        tl.store(Zeroed + source[:, None] * HEAD_DIM + d, tl.zeros([ROWS, HEAD_DIM], tl.float32),
-                 mask=real[:, None])
+        tl.store(Zeroed + source[:, None] * HEAD_DIM + d, tl.zeros([ROWS, HEAD_DIM], tl.float32), mask=real[:, None])
 
 
 _STRIDES = tuple(f"stride_{x}{d}" for x in "og" for d in "bhnd")  # of Out and DOut, or 0s when they are unused
 TEMPLATE_ROWS = LaunchSpec(
-    "_template_rows_kernel", params(TENSOR, "Lse", "Delta", "DLse", "Out", "DOut", "LseRows", "DeltaRows", "Zeroed")
-    + params(INT, "n_rows", "Nq", "padded", "H", *_STRIDES) + params(SCALAR, "log2e")
-    + params(CONSTEXPR, "HEAD_DIM", "ROWS", "COMPUTE_DELTA", "HAS_DLSE", "ZERO"), tiles=())
+    "_template_rows_kernel",
+    params(TENSOR, "Lse", "Delta", "DLse", "Out", "DOut", "LseRows", "DeltaRows", "Zeroed")
+    + params(INT, "n_rows", "Nq", "padded", "H", *_STRIDES)
+    + params(SCALAR, "log2e")
+    + params(CONSTEXPR, "HEAD_DIM", "ROWS", "COMPUTE_DELTA", "HAS_DLSE", "ZERO"),
+    tiles=(),
+)
 _jitted = Launcher(triton.jit(_template_rows_kernel))
 _interpreted = InterpretedKernel(_template_rows_kernel)
 
@@ -64,10 +98,16 @@ def padded_rows(n: int, block: int) -> int:
     return cdiv(n, block) * block
 
 
-def template_rows(lse: torch.Tensor, block: int, *, delta: torch.Tensor | None = None,
-                  out: torch.Tensor | None = None, dout: torch.Tensor | None = None,
-                  dlse: torch.Tensor | None = None, zeroed: torch.Tensor | None = None
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
+def template_rows(
+    lse: torch.Tensor,
+    block: int,
+    *,
+    delta: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+    dout: torch.Tensor | None = None,
+    dlse: torch.Tensor | None = None,
+    zeroed: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """lse (B, H, Nq) float32 (natural log), and either delta (B, H, Nq) float32 or out and dout (B, H, Nq,
     D), D a power of two, with dlse (B, H, Nq) float32 or None -> the template's lse rows and delta rows,
     float32 (B * H * padded_rows(Nq, block),). ``zeroed`` (B, H, Nq, D) float32, dense in any order of its
@@ -82,20 +122,42 @@ def template_rows(lse: torch.Tensor, block: int, *, delta: torch.Tensor | None =
         strides = (*out.stride(), *dout.stride())
     else:
         if zeroed is not None:
-            raise ValueError("template_rows: zeroed is filled by the launch that computes delta; pass out and "
-                             "dout instead of delta")
+            raise ValueError(
+                "template_rows: zeroed is filled by the launch that computes delta; pass out and dout instead of delta"
+            )
         out = dout = lse  # unused
         strides = (0,) * 8
     n_rows = B * H * padded
     kernel = _jitted if lse.is_cuda else _interpreted
-    kernel.launch((cdiv(n_rows, ROWS),),
-                  TEMPLATE_ROWS.bind({"Lse": lse.contiguous(), "Delta": delta.contiguous(),
-                                      "DLse": lse if dlse is None else dlse.contiguous(), "Out": out, "DOut": dout,
-                                      "LseRows": lse_rows, "DeltaRows": delta_rows,
-                                      "Zeroed": lse if zeroed is None else zeroed, "n_rows": n_rows, "Nq": Nq,
-                                      "padded": padded, "H": H, **dict(zip(_STRIDES, strides)),
-                                      "log2e": math.log2(math.e)}),
-                  TEMPLATE_ROWS.constexprs({"HEAD_DIM": out.shape[3] if compute else 16, "ROWS": ROWS,
-                                            "COMPUTE_DELTA": compute, "HAS_DLSE": dlse is not None,
-                                            "ZERO": zeroed is not None}), device=lse.device)
+    kernel.launch(
+        (cdiv(n_rows, ROWS),),
+        TEMPLATE_ROWS.bind(
+            {
+                "Lse": lse.contiguous(),
+                "Delta": delta.contiguous(),
+                "DLse": lse if dlse is None else dlse.contiguous(),
+                "Out": out,
+                "DOut": dout,
+                "LseRows": lse_rows,
+                "DeltaRows": delta_rows,
+                "Zeroed": lse if zeroed is None else zeroed,
+                "n_rows": n_rows,
+                "Nq": Nq,
+                "padded": padded,
+                "H": H,
+                **dict(zip(_STRIDES, strides)),
+                "log2e": math.log2(math.e),
+            }
+        ),
+        TEMPLATE_ROWS.constexprs(
+            {
+                "HEAD_DIM": out.shape[3] if compute else 16,
+                "ROWS": ROWS,
+                "COMPUTE_DELTA": compute,
+                "HAS_DLSE": dlse is not None,
+                "ZERO": zeroed is not None,
+            }
+        ),
+        device=lse.device,
+    )
     return lse_rows, delta_rows

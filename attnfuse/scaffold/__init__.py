@@ -4,6 +4,7 @@ The package holds a pyproject (with the ``attnfuse`` entry point), one module de
 with every field of its role filled in and commented, a test through the conformance kit's pytest
 plugin, and a README. It installs and passes its test as generated; the author then edits the semantics.
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -37,21 +38,26 @@ def _check_free(name: str, module: str) -> None:
 
     taken = name_in_use(name)
     if taken is not None:
-        raise InputError(f"NAME {name!r} is {taken}: installed, the new package could not provide af.{name}; "
-                         f"choose another name")
+        raise InputError(
+            f"NAME {name!r} is {taken}: installed, the new package could not provide af.{name}; choose another name"
+        )
     if importlib.util.find_spec(module) is not None:
-        raise InputError(f"NAME {name!r} would make a module {module!r}, but a module of that name is importable "
-                         f"already; choose another name")
+        raise InputError(
+            f"NAME {name!r} would make a module {module!r}, but a module of that name is importable "
+            f"already; choose another name"
+        )
 
 
 def scaffold(name: str, role: str, directory: Path | None = None) -> Path:
     """Write the package for combinator ``name`` of ``role`` into ``directory`` (default
     ./attnfuse-<name>); return the directory. Refuses to overwrite an existing one."""
     if not NAME.fullmatch(name) or keyword.iskeyword(name):
-        raise InputError(f"NAME must be a lower-case Python identifier of ASCII letters a-z, digits and '_', "
-                         f"starting with a letter and not ending with '_', and no keyword: it names the module, the "
-                         f"distribution attnfuse-NAME and the entry point in pyproject.toml, which allow no more; "
-                         f"got {name!r}")
+        raise InputError(
+            f"NAME must be a lower-case Python identifier of ASCII letters a-z, digits and '_', "
+            f"starting with a letter and not ending with '_', and no keyword: it names the module, the "
+            f"distribution attnfuse-NAME and the entry point in pyproject.toml, which allow no more; "
+            f"got {name!r}"
+        )
     if role not in ROLES:
         raise InputError(f"--role must be one of {', '.join(ROLES)}, got {role!r}")
     dist, module = package_names(name)
@@ -68,6 +74,10 @@ def scaffold(name: str, role: str, directory: Path | None = None) -> Path:
     for path, text in files.items():
         target = root / path
         target.parent.mkdir(parents=True, exist_ok=True)
-        target.write_text(text.replace("__NAME__", name).replace("__MODULE__", module).replace("__DIST__", dist)
-                          .replace("__ROLE__", role))
+        target.write_text(
+            text.replace("__NAME__", name)
+            .replace("__MODULE__", module)
+            .replace("__DIST__", dist)
+            .replace("__ROLE__", role)
+        )
     return root

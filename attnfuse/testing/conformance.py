@@ -1,4 +1,5 @@
 """Conformance: fused kernels against the float64 reference, over programs drawn by Hypothesis."""
+
 from __future__ import annotations
 
 import atexit
@@ -39,10 +40,19 @@ def default_dtypes(device: str) -> tuple[torch.dtype, ...]:
     return (torch.float16, torch.bfloat16, torch.float32)
 
 
-def check_combinator(name: str | None = None, *, device: str | None = None,
-                     dtypes: tuple[torch.dtype, ...] | None = None, max_examples: int = 20, max_n: int = 80,
-                     head_dims: tuple[int, ...] = (16, 32, 64, 80, 128), installed: bool = False,
-                     seed: int | None = None, show_tensors: bool = False, fixed: bool = True) -> None:
+def check_combinator(
+    name: str | None = None,
+    *,
+    device: str | None = None,
+    dtypes: tuple[torch.dtype, ...] | None = None,
+    max_examples: int = 20,
+    max_n: int = 80,
+    head_dims: tuple[int, ...] = (16, 32, 64, 80, 128),
+    installed: bool = False,
+    seed: int | None = None,
+    show_tensors: bool = False,
+    fixed: bool = True,
+) -> None:
     """Check combinator ``name`` (every registered one when None): a mask's keep and facts, deterministically
     over enumerated problems (``mask_facts``); its fixed program on every kind of call (``fixed_cases``);
     then, as a property test, programs using it match the float64 reference, forward and, for about half the
@@ -60,11 +70,13 @@ def check_combinator(name: str | None = None, *, device: str | None = None,
         raise PluginError(f"check_combinator: no combinator named {name!r} is registered{_broken_note()}")
     if name is not None and not drawable(registry[name].combinator):
         required = [p.name for p in registry[name].combinator.params if p.default is REQUIRED]
-        raise PluginError(f"check_combinator: combinator {name!r} declares no examples(draw, shape), so the kit "
-                          f"cannot draw its parameters {required}, which have no default; declare examples")
+        raise PluginError(
+            f"check_combinator: combinator {name!r} declares no examples(draw, shape), so the kit "
+            f"cannot draw its parameters {required}, which have no default; declare examples"
+        )
     if name is None or installed:
         _fail_on_broken()
-    for mask in ([name] if name is not None else sorted(n for n, r in registry.items() if drawable(r.combinator))):
+    for mask in [name] if name is not None else sorted(n for n, r in registry.items() if drawable(r.combinator)):
         if fixed:
             check_mask_facts(mask)
     device = device or default_device()
@@ -73,8 +85,14 @@ def check_combinator(name: str | None = None, *, device: str | None = None,
     seed = random.randrange(2**32) if seed is None else seed
 
     @hypothesis.seed(seed)
-    @settings(max_examples=max_examples, deadline=None, database=None, phases=_PHASES, print_blob=True,
-              suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+    @settings(
+        max_examples=max_examples,
+        deadline=None,
+        database=None,
+        phases=_PHASES,
+        print_blob=True,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+    )
     @given(data=st.data())
     def conforms(data):
         __tracebackhide__ = True
@@ -85,10 +103,17 @@ def check_combinator(name: str | None = None, *, device: str | None = None,
         dtype = data.draw(st.sampled_from(dtypes), label="dtype")
         kv_lens = None
         if shape.Nq <= shape.Nk and data.draw(st.booleans(), label="kv cache"):
-            kv_lens = data.draw(st.lists(st.integers(shape.Nq, shape.Nk), min_size=shape.B, max_size=shape.B),
-                                label="kv_lens")
-        check_program_case(case, dtype, device, seed=data.draw(st.integers(0, 2**31 - 1), label="seed"),
-                           grads=data.draw(st.booleans(), label="grads"), kv_lens=kv_lens)
+            kv_lens = data.draw(
+                st.lists(st.integers(shape.Nq, shape.Nk), min_size=shape.B, max_size=shape.B), label="kv_lens"
+            )
+        check_program_case(
+            case,
+            dtype,
+            device,
+            seed=data.draw(st.integers(0, 2**31 - 1), label="seed"),
+            grads=data.draw(st.booleans(), label="grads"),
+            kv_lens=kv_lens,
+        )
 
     with temporary_cache():
         try:
@@ -96,8 +121,11 @@ def check_combinator(name: str | None = None, *, device: str | None = None,
                 check_fixed_cases(name, device)
             conforms()
         except Exception as exc:
-            add_note(exc, f"replay: check_combinator({name!r}, seed={seed}, max_examples={max_examples}, "
-                         f"installed={installed}, device={device!r}, dtypes={dtypes}, show_tensors=True)")
+            add_note(
+                exc,
+                f"replay: check_combinator({name!r}, seed={seed}, max_examples={max_examples}, "
+                f"installed={installed}, device={device!r}, dtypes={dtypes}, show_tensors=True)",
+            )
             raise
 
 

@@ -8,6 +8,7 @@ of Hypothesis's derandomized draws, past the minimal one (a one-key window, rope
 which most query rows keep at least two keys, and, where there is one, none of its boolean parameters is False
 (a switched-off part of the fragment: rope's ``rotate_keys``).
 """
+
 from __future__ import annotations
 
 import torch
@@ -37,14 +38,27 @@ class FixedCall:
 
 
 FIXED_CALLS = (
-    FixedCall(what="prefill with gradients, GQA, Nq != Nk", shape=Shape(B=2, Hq=4, Hkv=2, Nq=37, Nk=45, D=32, DV=32),
-              grads=True),
-    FixedCall(what="5 queries on a KV cache filled below its capacity (split-KV)",
-              shape=Shape(B=2, Hq=4, Hkv=2, Nq=5, Nk=45, D=32, DV=32), kv_lens=(29, 41)),
-    FixedCall(what="one-query decode step on a paged cache", shape=Shape(B=2, Hq=4, Hkv=2, Nq=1, Nk=48, D=32, DV=32),
-              kv_lens=(33, 20), page_size=16),
-    FixedCall(what="a chunk of queries at position offsets", shape=Shape(B=2, Hq=4, Hkv=2, Nq=21, Nk=45, D=32, DV=32),
-              positions=(10, 0, 45)),
+    FixedCall(
+        what="prefill with gradients, GQA, Nq != Nk",
+        shape=Shape(B=2, Hq=4, Hkv=2, Nq=37, Nk=45, D=32, DV=32),
+        grads=True,
+    ),
+    FixedCall(
+        what="5 queries on a KV cache filled below its capacity (split-KV)",
+        shape=Shape(B=2, Hq=4, Hkv=2, Nq=5, Nk=45, D=32, DV=32),
+        kv_lens=(29, 41),
+    ),
+    FixedCall(
+        what="one-query decode step on a paged cache",
+        shape=Shape(B=2, Hq=4, Hkv=2, Nq=1, Nk=48, D=32, DV=32),
+        kv_lens=(33, 20),
+        page_size=16,
+    ),
+    FixedCall(
+        what="a chunk of queries at position offsets",
+        shape=Shape(B=2, Hq=4, Hkv=2, Nq=21, Nk=45, D=32, DV=32),
+        positions=(10, 0, 45),
+    ),
 )
 
 
@@ -57,8 +71,14 @@ def fixed_program(name: str, shape: Shape) -> ProgramCase:
     chosen[comb.role] = [comb]
     cases: list[ProgramCase] = []
 
-    @settings(max_examples=DRAWS, derandomize=True, database=None, deadline=None, phases=(Phase.generate,),
-              suppress_health_check=list(HealthCheck))
+    @settings(
+        max_examples=DRAWS,
+        derandomize=True,
+        database=None,
+        deadline=None,
+        phases=(Phase.generate,),
+        suppress_health_check=list(HealthCheck),
+    )
     @given(data=st.data())
     def draw(data):
         cases.append(case_of(data.draw, chosen, shape))
@@ -90,11 +110,21 @@ def check_fixed_cases(name: str, device: str) -> None:
             continue  # such a call refuses it (it does not declare takes_offsets)
         case = fixed_program(name, call.shape)
         try:
-            check_program_case(case, torch.float32, device, seed=0, grads=call.grads,
-                               kv_lens=None if call.kv_lens is None else list(call.kv_lens),
-                               page_size=call.page_size, positions=call.positions)
+            check_program_case(
+                case,
+                torch.float32,
+                device,
+                seed=0,
+                grads=call.grads,
+                kv_lens=None if call.kv_lens is None else list(call.kv_lens),
+                page_size=call.page_size,
+                positions=call.positions,
+            )
         except Exception as exc:
-            add_note(exc, f"fixed case ({call.what}): {case.text}, shape {call.shape}, float32, seed 0"
-                          f"{', with gradients' if call.grads else ''}, kv_lens {call.kv_lens}, page_size "
-                          f"{call.page_size}, positions {call.positions}; extras: {show_extras(case.extras, False)}")
+            add_note(
+                exc,
+                f"fixed case ({call.what}): {case.text}, shape {call.shape}, float32, seed 0"
+                f"{', with gradients' if call.grads else ''}, kv_lens {call.kv_lens}, page_size "
+                f"{call.page_size}, positions {call.positions}; extras: {show_extras(case.extras, False)}",
+            )
             raise

@@ -14,13 +14,20 @@ the float64 reference's lse. The bound is that product with weights eps_i (all r
 with eps_i of random signs (rows erring independently, for leaves such as k that sum rows of both signs),
 the larger of the two, doubled as the naive evaluator's own error is.
 """
+
 from __future__ import annotations
 
 import torch
 
 
-def delta_rounding(lse64: torch.Tensor, out64: torch.Tensor, abs_weighted_v64: torch.Tensor, dout: torch.Tensor,
-                   leaves: list[torch.Tensor], dtype: torch.dtype) -> list[torch.Tensor]:
+def delta_rounding(
+    lse64: torch.Tensor,
+    out64: torch.Tensor,
+    abs_weighted_v64: torch.Tensor,
+    dout: torch.Tensor,
+    leaves: list[torch.Tensor],
+    dtype: torch.dtype,
+) -> list[torch.Tensor]:
     """Per-leaf bounds (each of its leaf's shape, float64) on the gradient error that rounding delta makes.
 
     lse64 (B, Hq, Nq): the float64 reference's lse, in the autograd graph of ``leaves``; out64 (B, Hq, Nq, DV):
@@ -33,8 +40,9 @@ def delta_rounding(lse64: torch.Tensor, out64: torch.Tensor, abs_weighted_v64: t
     signs = torch.randint(0, 2, eps.shape, generator=torch.Generator().manual_seed(0)).to(eps) * 2 - 1
     bounds = [torch.zeros(leaf.shape, dtype=torch.float64) for leaf in leaves]
     for weights in (eps, eps * signs):
-        grads = torch.autograd.grad(lse64, leaves, torch.where(torch.isfinite(lse64), weights, 0.0),
-                                    retain_graph=True, allow_unused=True)
+        grads = torch.autograd.grad(
+            lse64, leaves, torch.where(torch.isfinite(lse64), weights, 0.0), retain_graph=True, allow_unused=True
+        )
         for i, g in enumerate(grads):
             if g is not None:
                 bounds[i] = torch.maximum(bounds[i], g.detach().abs().cpu().to(torch.float64))

@@ -1,4 +1,5 @@
 """One program case run fused and compared with the float64 reference: the check the conformance kit repeats."""
+
 from __future__ import annotations
 
 import contextlib
@@ -50,12 +51,20 @@ def _paged(k: torch.Tensor, v: torch.Tensor, page_size: int, seed: int) -> tuple
         out = out.to(x.dtype).to(x.device)
         out[table.view(-1).long()] = pages
         return out
+
     return pool(k), pool(v), table.to(k.device)
 
 
-def check_program_case(case: ProgramCase, dtype: torch.dtype, device: str, seed: int, grads: bool = False,
-                       kv_lens: list[int] | None = None, page_size: int | None = None,
-                       positions: tuple[int, int, int] | None = None) -> None:
+def check_program_case(
+    case: ProgramCase,
+    dtype: torch.dtype,
+    device: str,
+    seed: int,
+    grads: bool = False,
+    kv_lens: list[int] | None = None,
+    page_size: int | None = None,
+    positions: tuple[int, int, int] | None = None,
+) -> None:
     """Run ``case`` fused and compare out, lse (when the normaliser has one) and, with ``grads``, the
     gradients of q, k, v and of tensor inputs with declared gradients, with the reference's. ``kv_lens``:
     per-sequence key counts (a KV cache; with at most 16 queries and no gradients, the split-KV path).
@@ -105,8 +114,9 @@ def check_program_case(case: ProgramCase, dtype: torch.dtype, device: str, seed:
     rounding = [None] * len(leaves)
     if norm.needs_delta:
         with torch.no_grad():
-            abs_weighted_v = case.program.reference(q.detach(), k.detach(), v.detach().abs(), return_lse=True,
-                                                    dtype=torch.float64, **call, **extras)[0]
+            abs_weighted_v = case.program.reference(
+                q.detach(), k.detach(), v.detach().abs(), return_lse=True, dtype=torch.float64, **call, **extras
+            )[0]
         rounding = delta_rounding(ref64[1], ref64[0], abs_weighted_v, dout, leaves, dtype)
     want64 = torch.autograd.grad(ref64[0], leaves, dout.to(torch.float64))
     want_lowp = torch.autograd.grad(ref_lowp[0], leaves, dout)

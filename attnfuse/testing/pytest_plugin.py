@@ -10,6 +10,7 @@ Options: ``--attnfuse-examples=N`` (Hypothesis examples per check; default 8 und
 60 on a GPU), ``--attnfuse-installed`` (compose with every installed combinator, not only the built-ins),
 ``--attnfuse-seed=S`` (replay a failure). Kernels run on the GPU when CUDA is available.
 """
+
 from __future__ import annotations
 
 import traceback
@@ -22,12 +23,24 @@ CPU_EXAMPLES, GPU_EXAMPLES = 8, 60
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     group = parser.getgroup("attnfuse", "AttnFuse conformance kit")
-    group.addoption("--attnfuse-conformance", default="", metavar="NAMES",
-                    help="check these combinators (comma-separated) against their float64 references")
-    group.addoption("--attnfuse-examples", type=int, default=None, metavar="N",
-                    help=f"Hypothesis examples per check (default {CPU_EXAMPLES} on CPU, {GPU_EXAMPLES} on CUDA)")
-    group.addoption("--attnfuse-installed", action="store_true",
-                    help="compose with every installed combinator, not only the built-ins")
+    group.addoption(
+        "--attnfuse-conformance",
+        default="",
+        metavar="NAMES",
+        help="check these combinators (comma-separated) against their float64 references",
+    )
+    group.addoption(
+        "--attnfuse-examples",
+        type=int,
+        default=None,
+        metavar="N",
+        help=f"Hypothesis examples per check (default {CPU_EXAMPLES} on CPU, {GPU_EXAMPLES} on CUDA)",
+    )
+    group.addoption(
+        "--attnfuse-installed",
+        action="store_true",
+        help="compose with every installed combinator, not only the built-ins",
+    )
     group.addoption("--attnfuse-seed", type=int, default=None, metavar="S", help="Hypothesis seed (to replay)")
 
 
@@ -40,11 +53,15 @@ def _checker(config: pytest.Config) -> Callable[..., None]:
 
         cuda = torch.cuda.is_available()
         examples = config.getoption("attnfuse_examples") or (GPU_EXAMPLES if cuda else CPU_EXAMPLES)
-        settings = dict(max_examples=examples, installed=config.getoption("attnfuse_installed"),
-                        seed=config.getoption("attnfuse_seed"))
+        settings = dict(
+            max_examples=examples,
+            installed=config.getoption("attnfuse_installed"),
+            seed=config.getoption("attnfuse_seed"),
+        )
         if cuda:
             settings.update(max_n=300, head_dims=(16, 32, 64, 80, 96, 128, 256))
         check_combinator(name, **{**settings, **options})
+
     return check
 
 
@@ -80,5 +97,4 @@ class ConformanceItem(pytest.Item):
 
 def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list) -> None:
     names = [n.strip() for n in config.getoption("attnfuse_conformance").split(",") if n.strip()]
-    items.extend(ConformanceItem.from_parent(session, name=f"attnfuse-conformance[{n}]", combinator=n)
-                 for n in names)
+    items.extend(ConformanceItem.from_parent(session, name=f"attnfuse-conformance[{n}]", combinator=n) for n in names)

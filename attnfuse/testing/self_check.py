@@ -10,6 +10,7 @@ wrong, which a plugin author would read as their bug. Each built-in gets its det
 facts, fixed cases) once, then ``--seeds`` fuzzing runs of ``--examples`` programs each. Exit status 1 on
 any failure.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -36,12 +37,20 @@ class Verdict:
 
 def builtins() -> list[str]:
     """The built-in combinators the kit can draw."""
-    return sorted(n for n, e in combinators().items()
-                  if e.distribution == BUILTIN_DISTRIBUTION and drawable(e.combinator))
+    return sorted(
+        n for n, e in combinators().items() if e.distribution == BUILTIN_DISTRIBUTION and drawable(e.combinator)
+    )
 
 
-def self_check(name: str, seeds: int, examples: int, first_seed: int = 0, fuzz_only: bool = False,
-               device: str | None = None, dtypes: tuple[torch.dtype, ...] | None = None) -> Verdict:
+def self_check(
+    name: str,
+    seeds: int,
+    examples: int,
+    first_seed: int = 0,
+    fuzz_only: bool = False,
+    device: str | None = None,
+    dtypes: tuple[torch.dtype, ...] | None = None,
+) -> Verdict:
     """Run check_combinator on built-in ``name`` with seeds ``first_seed`` .. ``first_seed + seeds - 1``
     (the first run with the deterministic checks, unless ``fuzz_only``), in each of ``dtypes`` (default: the
     device's)."""
@@ -49,8 +58,14 @@ def self_check(name: str, seeds: int, examples: int, first_seed: int = 0, fuzz_o
     failures, start = [], time.perf_counter()
     for seed in range(first_seed, first_seed + seeds):
         try:
-            check_combinator(name, seed=seed, max_examples=examples, device=device,
-                             dtypes=dtypes or default_dtypes(device), fixed=seed == first_seed and not fuzz_only)
+            check_combinator(
+                name,
+                seed=seed,
+                max_examples=examples,
+                device=device,
+                dtypes=dtypes or default_dtypes(device),
+                fixed=seed == first_seed and not fuzz_only,
+            )
         except Exception as exc:  # a crash is as much the kit's failure as a wrong verdict
             failures.append(f"seed {seed}: {type(exc).__name__}: {(str(exc).splitlines() or [''])[0]}")
     return Verdict(name=name, runs=seeds, failures=tuple(failures), seconds=time.perf_counter() - start)
@@ -62,8 +77,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--examples", type=int, default=20, help="max_examples of each run")
     parser.add_argument("--first-seed", type=int, default=0)
     parser.add_argument("--only", default="", help="comma-separated built-ins (default: all)")
-    parser.add_argument("--fuzz-only", action="store_true",
-                        help="leave out the deterministic checks (tests/test_conformance.py runs them)")
+    parser.add_argument(
+        "--fuzz-only",
+        action="store_true",
+        help="leave out the deterministic checks (tests/test_conformance.py runs them)",
+    )
     args = parser.parse_args(argv)
     names = [n for n in args.only.split(",") if n] or builtins()
     print(f"{'built-in':20} {'failed':>10} {'seconds':>8}")

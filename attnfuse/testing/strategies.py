@@ -1,4 +1,5 @@
 """Hypothesis strategies: shapes, random tensors, and programs drawn from every registered combinator."""
+
 from __future__ import annotations
 
 import inspect
@@ -28,21 +29,34 @@ class Shape:
 
 
 @st.composite
-def shapes(draw, max_n: int = 80, head_dims: tuple[int, ...] = (16, 32, 64, 80, 128), max_batch: int = 2,
-           max_kv_heads: int = 2, max_group: int = 3) -> Shape:
+def shapes(
+    draw,
+    max_n: int = 80,
+    head_dims: tuple[int, ...] = (16, 32, 64, 80, 128),
+    max_batch: int = 2,
+    max_kv_heads: int = 2,
+    max_group: int = 3,
+) -> Shape:
     """Shapes with GQA groups, Nq != Nk, N not a multiple of the block, sometimes DV != D, and often few
     queries (decoding: 1 to 16)."""
     D = draw(st.sampled_from(head_dims))
     Hkv = draw(st.integers(1, max_kv_heads))
-    return Shape(B=draw(st.integers(1, max_batch)), Hq=Hkv * draw(st.integers(1, max_group)), Hkv=Hkv,
-                 Nq=draw(st.one_of(st.integers(1, 16), st.integers(1, max_n))), Nk=draw(st.integers(1, max_n)), D=D,
-                 DV=draw(st.sampled_from([D, D, draw(st.sampled_from(head_dims))])))
+    return Shape(
+        B=draw(st.integers(1, max_batch)),
+        Hq=Hkv * draw(st.integers(1, max_group)),
+        Hkv=Hkv,
+        Nq=draw(st.one_of(st.integers(1, 16), st.integers(1, max_n))),
+        Nk=draw(st.integers(1, max_n)),
+        D=D,
+        DV=draw(st.sampled_from([D, D, draw(st.sampled_from(head_dims))])),
+    )
 
 
 def describe(extras: dict[str, Any]) -> str:
     """Runtime inputs by name, tensors as their shape and dtype (a failure report never prints them whole)."""
-    return ", ".join(f"{n}: {tuple(v.shape)} {v.dtype}" if isinstance(v, torch.Tensor) else f"{n}: {v!r}"
-                     for n, v in extras.items())
+    return ", ".join(
+        f"{n}: {tuple(v.shape)} {v.dtype}" if isinstance(v, torch.Tensor) else f"{n}: {v!r}" for n, v in extras.items()
+    )
 
 
 @frozen(kw_only=True, eq=False)
@@ -67,6 +81,7 @@ class ProgramCase:
             if seed % 2:
                 return torch.randn(s.B, n, h, d, generator=g).to(dtype).to(device).transpose(1, 2)
             return torch.randn(s.B, h, n, d, generator=g).to(dtype).to(device)
+
         return make(s.Hq, s.Nq, s.D), make(s.Hkv, s.Nk, s.D), make(s.Hkv, s.Nk, s.DV)
 
     def extras_on(self, device: str) -> dict[str, Any]:
@@ -99,13 +114,24 @@ def _compatible(comb: Combinator, shape: Shape) -> bool:
 def pool(include: str | None, installed: bool) -> tuple[str, ...]:
     """Names programs are drawn from: ``include`` and the built-ins, or every registered combinator
     (``installed``), so that by default another package's bug does not fail a plugin's own check."""
-    return tuple(sorted(n for n, entry in combinators().items()
-                        if installed or n == include or entry.distribution == BUILTIN_DISTRIBUTION))
+    return tuple(
+        sorted(
+            n
+            for n, entry in combinators().items()
+            if installed or n == include or entry.distribution == BUILTIN_DISTRIBUTION
+        )
+    )
 
 
 @st.composite
-def program_cases(draw, shape: Shape, include: str | None = None, max_mods: int = 2, max_masks: int = 2,
-                  names: tuple[str, ...] | None = None) -> ProgramCase:
+def program_cases(
+    draw,
+    shape: Shape,
+    include: str | None = None,
+    max_mods: int = 2,
+    max_masks: int = 2,
+    names: tuple[str, ...] | None = None,
+) -> ProgramCase:
     """A program drawn from the combinators ``names`` (default: every registered one; ``include`` forced
     in), with its runtime inputs."""
     by_role: dict[Role, list[Combinator]] = {role: [] for role in Role}
@@ -118,8 +144,7 @@ def program_cases(draw, shape: Shape, include: str | None = None, max_mods: int 
         by_role[role].sort(key=lambda c: c.name)
 
     def pick(role: Role, lo: int, hi: int) -> list[Combinator]:
-        return [draw(st.sampled_from(by_role[role])) for _ in range(draw(st.integers(lo, hi)))] \
-            if by_role[role] else []
+        return [draw(st.sampled_from(by_role[role])) for _ in range(draw(st.integers(lo, hi)))] if by_role[role] else []
 
     chosen = {
         Role.QK_TRANSFORM: pick(Role.QK_TRANSFORM, 0, 1),
@@ -185,7 +210,6 @@ def _build(steps: list, extras: dict[str, Any]) -> AttentionProgram:
         return x @ v
 
     kind = inspect.Parameter.POSITIONAL_OR_KEYWORD
-    program.__signature__ = inspect.Signature(
-        [inspect.Parameter(n, kind) for n in ("q", "k", "v", *extras)])
+    program.__signature__ = inspect.Signature([inspect.Parameter(n, kind) for n in ("q", "k", "v", *extras)])
     program.__name__ = program.__qualname__ = "drawn_program"
     return AttentionProgram(program)

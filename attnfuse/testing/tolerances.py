@@ -7,6 +7,7 @@ delta term: ``grad_bounds``). fp16 and bf16 kernels round P to the input dtype b
 does, hence the floors. A naive result that overflows where float64 does not is a failure, never an
 infinite tolerance.
 """
+
 from __future__ import annotations
 
 import torch
@@ -19,9 +20,15 @@ ATOL = {
 }
 
 
-def assert_matches_reference(actual: torch.Tensor, reference64: torch.Tensor, reference_in_dtype: torch.Tensor,
-                             dtype: torch.dtype | None = None, what: str = "out", summed: int = 1,
-                             rounding: torch.Tensor | None = None) -> None:
+def assert_matches_reference(
+    actual: torch.Tensor,
+    reference64: torch.Tensor,
+    reference_in_dtype: torch.Tensor,
+    dtype: torch.dtype | None = None,
+    what: str = "out",
+    summed: int = 1,
+    rounding: torch.Tensor | None = None,
+) -> None:
     """Raise AssertionError unless ``actual`` is as close to the float64 reference as inputs of ``dtype``
     (default: actual's) allow; ``reference_in_dtype`` is the naive evaluator's result in that dtype.
 
@@ -46,9 +53,11 @@ def assert_matches_reference(actual: torch.Tensor, reference64: torch.Tensor, re
     same = (torch.isfinite(actual64) == finite) & (finite | (actual64 == ref))  # the same infinities (NaN never)
     if not same.all():
         index = _index(~same)
-        raise AssertionError(f"{where}; {int((~same).sum())} element(s) differ from the reference in being "
-                             f"non-finite, first at index {index}: actual {actual64[index].item():.6g}, "
-                             f"expected {ref[index].item():.6g}")
+        raise AssertionError(
+            f"{where}; {int((~same).sum())} element(s) differ from the reference in being "
+            f"non-finite, first at index {index}: actual {actual64[index].item():.6g}, "
+            f"expected {ref[index].item():.6g}"
+        )
     if not finite.any():
         return
     naive = reference_in_dtype.detach().to(torch.float64).cpu()
@@ -59,11 +68,12 @@ def assert_matches_reference(actual: torch.Tensor, reference64: torch.Tensor, re
             f"{where}; the naive reference evaluated in {dtype} is non-finite at {int(overflowed.sum())} "
             f"element(s) where the float64 reference is finite, first at index {index}: {naive[index].item():.6g} "
             f"in {dtype}, {ref[index].item():.6g} in float64. These inputs overflow {dtype} in the unfused "
-            f"computation, so no tolerance relative to its error exists: check them in a wider dtype")
+            f"computation, so no tolerance relative to its error exists: check them in a wider dtype"
+        )
     errors = torch.where(finite, (actual64 - ref).abs(), 0.0)
     torch_err = torch.where(finite, (naive - ref).abs(), 0.0).max().item()
     scale = max(1.0, ref[finite].abs().max().item())
-    floor = 2 * torch_err + ATOL[dtype] * scale * summed ** 0.5
+    floor = 2 * torch_err + ATOL[dtype] * scale * summed**0.5
     derived = torch.zeros_like(ref) if rounding is None else rounding.detach().to(torch.float64).cpu().expand_as(ref)
     if not bool(torch.isfinite(torch.where(finite, derived, 0.0)).all()) or bool((derived < 0).any()):
         raise ValueError(f"{what}: the rounding bound must be finite and >= 0 wherever the reference is finite")
@@ -77,7 +87,8 @@ def assert_matches_reference(actual: torch.Tensor, reference64: torch.Tensor, re
             f"actual {actual64[index].item():.6g}, expected {ref[index].item():.6g} (float64 reference), error "
             f"{errors[index].item():.3g} > tolerance {bound[index].item():.3g} "
             f"(2 x torch's own {dtype} error {torch_err:.3g} + {ATOL[dtype]:g} x scale {scale:.3g}"
-            f"{f' x sqrt({summed})' if summed != 1 else ''}{derived_text})")
+            f"{f' x sqrt({summed})' if summed != 1 else ''}{derived_text})"
+        )
 
 
 def _index(where: torch.Tensor) -> tuple[int, ...]:

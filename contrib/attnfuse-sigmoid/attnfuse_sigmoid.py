@@ -12,6 +12,7 @@ capacity Nk, or the sequence's length ``seq_len`` for a call on a chunk of it); 
 Each weight depends on its own score only, so results over disjoint key splits add up (``combine="sum"``)
 and split-KV decoding works; there is no log-sum-exp to return.
 """
+
 from __future__ import annotations
 
 import math
@@ -73,12 +74,12 @@ COMBINATOR = Combinator(
     scalars=[ScalarArg(name="offset")],
     prepare=prepare,
     fragment=NormaliserFragment(
-        masked_score='float("-inf")',        # 1 / (1 + exp(inf)) = 0: excluded keys weigh nothing
+        masked_score='float("-inf")',  # 1 / (1 + exp(inf)) = 0: excluded keys weigh nothing
         init="",
         update=_SIGMOID,
         finalize="out = acc",
         recompute=_SIGMOID,
-        grad="ds = dp * p * (1.0 - p)",      # sigmoid' = sigmoid (1 - sigmoid)
+        grad="ds = dp * p * (1.0 - p)",  # sigmoid' = sigmoid (1 - sigmoid)
         combine="sum",
     ),
     examples=examples,

@@ -6,6 +6,7 @@ structure. ``forward`` writes the FlashAttention-2 forward; ``backward`` its two
 ``decode`` the split-KV kernel for few queries and long caches; ``transform_pass`` the qk transforms
 hoisted out of the kernels' loops, and their gradients.
 """
+
 from .backward import dkdv_params, dq_params, generate_dkdv, generate_dq, grad_buffer
 from .common import constants, split
 from .decode import decode_params, generate_decode
@@ -13,6 +14,20 @@ from .forward import forward_params, generate_forward
 from .loops import scheduled, split_heads
 from .transform_pass import generate_pass, pass_params
 
-__all__ = ["constants", "decode_params", "dkdv_params", "dq_params", "forward_params", "generate_decode",
-           "generate_dkdv", "generate_dq", "generate_forward", "generate_pass", "grad_buffer", "pass_params",
-           "scheduled", "split", "split_heads"]
+__all__ = [
+    "constants",
+    "decode_params",
+    "dkdv_params",
+    "dq_params",
+    "forward_params",
+    "generate_decode",
+    "generate_dkdv",
+    "generate_dq",
+    "generate_forward",
+    "generate_pass",
+    "grad_buffer",
+    "pass_params",
+    "scheduled",
+    "split",
+    "split_heads",
+]

@@ -1,5 +1,6 @@
 """What every generated kernel shares: its file header and ``def`` line (from its parameters), the
 constexprs a plan fixes, and small helpers (indentation, masked loads, head-dim masks, dot precision)."""
+
 from __future__ import annotations
 
 import textwrap
@@ -31,8 +32,9 @@ def kv_params(kernel: LoweredProgram) -> tuple[Param, ...]:
     if kernel.config.positions:
         found += params(INT, "Q_OFFSET", "K_OFFSET", "N_SEQ")
     if kernel.config.paged:
-        found += (params(TENSOR, "BlockTable") + strides("bt", "bp", "BlockTable")
-                  + params(INT, "PAGE_SIZE", "NUM_PAGES"))
+        found += (
+            params(TENSOR, "BlockTable") + strides("bt", "bp", "BlockTable") + params(INT, "PAGE_SIZE", "NUM_PAGES")
+        )
     return found
 
 
@@ -56,9 +58,11 @@ def kernel_source(kernel: LoweredProgram, what: str, name: str, parameters: tupl
     casts = ""
     if kernel.config.wide_offsets:
         casts = "    # offsets can pass 2**31 - 1 elements: every stride is int64\n" + "".join(
-            f"    {p.name} = tl.cast({p.name}, tl.int64)\n" for p in parameters if p.kind == STRIDE)
-    header = HEADER.format(what=docstring_text(what), signature=kernel.signature,
-                           listing=docstring_text(kernel.listing))
+            f"    {p.name} = tl.cast({p.name}, tl.int64)\n" for p in parameters if p.kind == STRIDE
+        )
+    header = HEADER.format(
+        what=docstring_text(what), signature=kernel.signature, listing=docstring_text(kernel.listing)
+    )
     return header + "\n" + render_signature(name, parameters) + casts + body
 
 
@@ -82,8 +86,10 @@ def precision(kernel: LoweredProgram) -> str:
 def split(kernel: LoweredProgram) -> bool:
     """Whether q and k are handled as two halves of the head dim, as qk transforms need: when the kernel
     applies one (not when passes have transformed every side a transform touches)."""
-    return any((t.fragment.q and not kernel.config.q_transformed) or (t.fragment.k and not kernel.config.k_transformed)
-               for t in kernel.transforms)
+    return any(
+        (t.fragment.q and not kernel.config.q_transformed) or (t.fragment.k and not kernel.config.k_transformed)
+        for t in kernel.transforms
+    )
 
 
 def transformed(kernel: LoweredProgram, x: str) -> bool:
@@ -91,8 +97,9 @@ def transformed(kernel: LoweredProgram, x: str) -> bool:
     return kernel.config.q_transformed if x == "q" else kernel.config.k_transformed
 
 
-def constexpr_params(kernel: LoweredProgram, even_keys: bool = False, even_queries: bool = False,
-                     *extra: str) -> tuple[Param, ...]:
+def constexpr_params(
+    kernel: LoweredProgram, even_keys: bool = False, even_queries: bool = False, *extra: str
+) -> tuple[Param, ...]:
     """The kernel's constexpr parameters; ``even_keys``: it takes EVEN_K (every sequence has the same
     number of keys, a multiple of BLOCK_N), which drops the key-bound masks from its key tiles;
     ``even_queries``: EVEN_M (see :func:`query_block`); ``extra``: more, last."""
@@ -104,8 +111,13 @@ def constexpr_params(kernel: LoweredProgram, even_keys: bool = False, even_queri
 
 def constants(kernel: LoweredProgram) -> dict[str, Any]:
     """The values of the constexprs a plan fixes (every kernel takes them; HALF, BLOCK_H when split)."""
-    values = dict(GROUP=kernel.config.group, D=kernel.config.head_dim, DV=kernel.config.head_dim_v,
-                  BLOCK_D=kernel.block_d, BLOCK_DV=kernel.block_dv)
+    values = dict(
+        GROUP=kernel.config.group,
+        D=kernel.config.head_dim,
+        DV=kernel.config.head_dim_v,
+        BLOCK_D=kernel.block_d,
+        BLOCK_DV=kernel.block_dv,
+    )
     if split(kernel):
         values.update(HALF=kernel.config.head_dim // 2, BLOCK_H=kernel.block_h)
     return values

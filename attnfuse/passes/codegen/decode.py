@@ -6,6 +6,7 @@ runs the forward's key loop over its split and writes a partial (out, lse) per r
 runtime's combine kernel) merges the splits. Per-row data (``h``) is a (BLOCK_M, 1) column here. Rows may
 span several blocks of a block-listing mask, so here it masks element by element instead.
 """
+
 from __future__ import annotations
 
 import string
@@ -18,7 +19,7 @@ from .operands import kv_base, kv_length, operand, position
 from .scores import masks_keys, poisoned_redo, prologues
 from .forward import key_tile
 
-_KERNEL = string.Template('''\
+_KERNEL = string.Template("""\
     # One program per (split of the keys, batch x kv head, block of rows); row r is query r % Nq of the
     # group's query head r // Nq, so the whole group shares each K and V tile. Grid (splits, heads, row
     # blocks), or past 65535 heads (splits, y, z * row blocks) with y * z heads.
@@ -48,14 +49,20 @@ $loops
 $norm_finalize
     part = ((b * HQ + q_head).to(tl.int64) * Nq + q_idx) * NUM_SPLITS + pid_s
     tl.store(PartOut + part[:, None] * DV + dv[None, :], out, mask=q_ok[:, None]$dv_mask)
-$store_lse''')
+$store_lse""")
 
 
 def decode_params(kernel: LoweredProgram) -> tuple[Param, ...]:
     """The split-KV kernel's parameters, in order."""
-    return (params(TENSOR, "Q", "K", "V", "PartOut", "PartLse") + qkv_strides() + params(INT, "HQ", "Nq", "N_K")
-            + kv_params(kernel) + params(INT, "SPLIT", "NUM_SPLITS") + kernel.args()
-            + constexpr_params(kernel, even_keys=True))
+    return (
+        params(TENSOR, "Q", "K", "V", "PartOut", "PartLse")
+        + qkv_strides()
+        + params(INT, "HQ", "Nq", "N_K")
+        + kv_params(kernel)
+        + params(INT, "SPLIT", "NUM_SPLITS")
+        + kernel.args()
+        + constexpr_params(kernel, even_keys=True)
+    )
 
 
 def _key_loops(kernel: LoweredProgram) -> str:
@@ -64,8 +71,9 @@ def _key_loops(kernel: LoweredProgram) -> str:
     fast = loops(lambda masked: key_tile(kernel, masked), "start_n", "BLOCK_N", masked_head(kernel.masks))
     if not masks_keys(kernel, True):
         return fast
-    return fast + poisoned_redo(kernel, every_block(lambda masked: key_tile(kernel, masked, careful=True),
-                                                    "start_n", "BLOCK_N"))
+    return fast + poisoned_redo(
+        kernel, every_block(lambda masked: key_tile(kernel, masked, careful=True), "start_n", "BLOCK_N")
+    )
 
 
 def generate_decode(kernel: LoweredProgram, name: str, parameters: tuple[Param, ...]) -> str:
@@ -73,14 +81,39 @@ def generate_decode(kernel: LoweredProgram, name: str, parameters: tuple[Param, 
     norm = kernel.normaliser.fragment
     mask = dv_mask(kernel)
     store_lse = "    tl.store(PartLse + part, lse, mask=q_ok)\n" if norm.combine == "logsumexp" else ""
-    return kernel_source(kernel, "split-KV decoding kernel", name, parameters, _KERNEL.substitute(
+    return kernel_source(
+        kernel,
+        "split-KV decoding kernel",
+        name,
+        parameters,
+        _KERNEL.substitute(
             acc_dtype=kernel.accumulator,
-        kv_length=indent(kv_length(kernel), 4), columns=indent(columns(kernel), 4),
-        q_load=indent(operand(kernel, "q", "q_base", "q_head[:, None].to(tl.int64) * stride_qh + q_idx[:, None] * "
-                              "stride_qm", "q_pos", "q_ok", "stride_qd", True), 4),
-        q_pos=position(kernel, "q_idx + (Nk - Nq)"), q_lo=position(kernel, "Nk - Nq"), q_hi=position(kernel, "Nk - 1"),
-        prologues=indent(prologues(kernel), 4), norm_init=indent(norm.init, 4),
-        key_range=indent(key_range(kernel, ("pid_s * SPLIT", "tl.minimum(pid_s * SPLIT + SPLIT, Nk)")), 4),
-        k_base=kv_base(kernel, "k"), v_base=kv_base(kernel, "v"),
-        loops=indent(_key_loops(kernel), 4),
-        norm_finalize=indent(norm.finalize, 4), dv_mask=f" & {mask}" if mask else "", store_lse=store_lse))
+            kv_length=indent(kv_length(kernel), 4),
+            columns=indent(columns(kernel), 4),
+            q_load=indent(
+                operand(
+                    kernel,
+                    "q",
+                    "q_base",
+                    "q_head[:, None].to(tl.int64) * stride_qh + q_idx[:, None] * stride_qm",
+                    "q_pos",
+                    "q_ok",
+                    "stride_qd",
+                    True,
+                ),
+                4,
+            ),
+            q_pos=position(kernel, "q_idx + (Nk - Nq)"),
+            q_lo=position(kernel, "Nk - Nq"),
+            q_hi=position(kernel, "Nk - 1"),
+            prologues=indent(prologues(kernel), 4),
+            norm_init=indent(norm.init, 4),
+            key_range=indent(key_range(kernel, ("pid_s * SPLIT", "tl.minimum(pid_s * SPLIT + SPLIT, Nk)")), 4),
+            k_base=kv_base(kernel, "k"),
+            v_base=kv_base(kernel, "v"),
+            loops=indent(_key_loops(kernel), 4),
+            norm_finalize=indent(norm.finalize, 4),
+            dv_mask=f" & {mask}" if mask else "",
+            store_lse=store_lse,
+        ),
+    )

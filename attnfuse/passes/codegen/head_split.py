@@ -1,5 +1,6 @@
 """The dK/dV kernel's split of key blocks over a GQA group's query heads (see ``loops.program`` for which
 programs take one head): the blocks that stay whole after all, and the sum of the heads' shares."""
+
 from __future__ import annotations
 
 from ..lower import LoweredProgram
@@ -30,15 +31,24 @@ def share_sum(kernel: LoweredProgram) -> str:
     def at(share: str, i: int) -> str:
         name, width, col = accs[i]
         return f"PartDKV + ({share}) * ({part}) + {offsets[i]} + rows_n[:, None] * {width} + {col}[None, :]"
+
     stores = "".join(f"    tl.store({at('share + g_lo', i)}, {name})\n" for i, (name, _, _) in enumerate(accs))
-    zeros = "".join(f"        {name} = tl.zeros([BLOCK_N, {width}], dtype={kernel.accumulator})\n"
-                    for name, width, _ in accs)
-    sums = "".join(f"            {name} += tl.load({at('share + j', i)}, cache_modifier=\".cg\")\n"
-                   for i, (name, _, _) in enumerate(accs))
-    return ("last = pid_n >= 0\nif one_head:  # this head's share of a heavy key block\n"
-            "    share = (pid_bh * split_slots + slot).to(tl.int64) * GROUP\n    rows_n = tl.arange(0, BLOCK_N)\n"
-            + stores + "    tl.debug_barrier()  # every thread's stores before the count that publishes them\n"
-            "    count = tl.atomic_add(SplitCount + pid_bh * split_slots + slot, 1)\n"
-            "    last = count == GROUP - 1\n    if last:  # the group's last share: sum them all, in head order\n"
-            "        tl.store(SplitCount + pid_bh * split_slots + slot, 0)  # zero again for the next launch\n"
-            + zeros + "        for j in range(GROUP):\n" + sums)
+    zeros = "".join(
+        f"        {name} = tl.zeros([BLOCK_N, {width}], dtype={kernel.accumulator})\n" for name, width, _ in accs
+    )
+    sums = "".join(
+        f'            {name} += tl.load({at("share + j", i)}, cache_modifier=".cg")\n'
+        for i, (name, _, _) in enumerate(accs)
+    )
+    return (
+        "last = pid_n >= 0\nif one_head:  # this head's share of a heavy key block\n"
+        "    share = (pid_bh * split_slots + slot).to(tl.int64) * GROUP\n    rows_n = tl.arange(0, BLOCK_N)\n"
+        + stores
+        + "    tl.debug_barrier()  # every thread's stores before the count that publishes them\n"
+        "    count = tl.atomic_add(SplitCount + pid_bh * split_slots + slot, 1)\n"
+        "    last = count == GROUP - 1\n    if last:  # the group's last share: sum them all, in head order\n"
+        "        tl.store(SplitCount + pid_bh * split_slots + slot, 0)  # zero again for the next launch\n"
+        + zeros
+        + "        for j in range(GROUP):\n"
+        + sums
+    )

@@ -1,5 +1,6 @@
 """Which blocks a program visits: its place in the grid (block order of a listing mask), the block ranges
 the masks' facts give, and the masked / unmasked / block-list loops over them."""
+
 from __future__ import annotations
 
 from ..lower import LoweredProgram, masked_head
@@ -15,12 +16,16 @@ def query_block(kernel: LoweredProgram, even_queries: bool = False) -> str:
     true, so the row masks of q's load and out's store drop (and the registers they hold)."""
     q_ok = "(q_idx < Nq) | EVEN_M" if even_queries else "q_idx < Nq"
     shift = query_shift(kernel)
-    return (program(kernel, "pid_m", "BLOCK_M", "Nq") + "b = pid_bh // HQ\nh = pid_bh % HQ\nhk = h // GROUP\n"
-            + kv_length(kernel)
-            + f"q_idx = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)\nq_pos = {position(kernel, f'q_idx + {shift}')}\n"
-            + f"q_ok = {q_ok}\nq_lo = {position(kernel, f'pid_m * BLOCK_M + {shift}')}\n"
-            + f"q_hi = {position(kernel, f'tl.minimum(pid_m * BLOCK_M + BLOCK_M, Nq) - 1 + {shift}')}\n"
-            + columns(kernel) + "q_base = Q + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh\n")
+    return (
+        program(kernel, "pid_m", "BLOCK_M", "Nq")
+        + "b = pid_bh // HQ\nh = pid_bh % HQ\nhk = h // GROUP\n"
+        + kv_length(kernel)
+        + f"q_idx = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)\nq_pos = {position(kernel, f'q_idx + {shift}')}\n"
+        + f"q_ok = {q_ok}\nq_lo = {position(kernel, f'pid_m * BLOCK_M + {shift}')}\n"
+        + f"q_hi = {position(kernel, f'tl.minimum(pid_m * BLOCK_M + BLOCK_M, Nq) - 1 + {shift}')}\n"
+        + columns(kernel)
+        + "q_base = Q + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh\n"
+    )
 
 
 # Grid (blocks, heads) or, past a grid's y size, (blocks, y, z) with y * z heads (runtime ``head_grid``)
@@ -31,12 +36,14 @@ HEAD_GROUP = "HEAD_GROUP"  # query-block kernels without a listing mask: heads p
 def _grouped(pid: str, block: str, rows: str) -> str:
     """Grid (blocks x heads,): the heads in groups of HEAD_GROUP (the last may be smaller), a group's
     blocks last first, each block for every head of the group before the next (runtime ``query_grid``)."""
-    return ("# heads in groups of HEAD_GROUP; in a group, each block (last first) for all its heads\n"
-            f"blocks = tl.cdiv({rows}, {block})\npid = tl.program_id(0)\n"
-            f"head_lo = pid // ({HEAD_GROUP} * blocks) * {HEAD_GROUP}\n"
-            f"group_heads = tl.minimum({HEAD_GROUP}, tl.num_programs(0) // blocks - head_lo)\n"
-            f"slot = pid - head_lo * blocks\n{pid} = blocks - 1 - slot // group_heads\n"
-            "pid_bh = head_lo + slot % group_heads\n")
+    return (
+        "# heads in groups of HEAD_GROUP; in a group, each block (last first) for all its heads\n"
+        f"blocks = tl.cdiv({rows}, {block})\npid = tl.program_id(0)\n"
+        f"head_lo = pid // ({HEAD_GROUP} * blocks) * {HEAD_GROUP}\n"
+        f"group_heads = tl.minimum({HEAD_GROUP}, tl.num_programs(0) // blocks - head_lo)\n"
+        f"slot = pid - head_lo * blocks\n{pid} = blocks - 1 - slot // group_heads\n"
+        "pid_bh = head_lo + slot % group_heads\n"
+    )
 
 
 def program(kernel: LoweredProgram, pid: str, block: str, rows: str, transposed: bool = False) -> str:
@@ -55,28 +62,38 @@ def program(kernel: LoweredProgram, pid: str, block: str, rows: str, transposed:
     heavy = split_heads(kernel) if transposed else None
     if order is None:
         if heavy is not None:  # key blocks in order, the first (under causal masks, the heaviest) split
-            return (HEAD_OF_PROGRAM + "slot = tl.program_id(0)\n"
-                    + _split_slots(f"# the first {heavy} key blocks come once per query head of the group",
-                                   heavy) + f"{pid} = slot\n")
+            return (
+                HEAD_OF_PROGRAM
+                + "slot = tl.program_id(0)\n"
+                + _split_slots(f"# the first {heavy} key blocks come once per query head of the group", heavy)
+                + f"{pid} = slot\n"
+            )
         if not transposed:
             return _grouped(pid, block, rows)
         return f"{pid} = tl.program_id(0)\n" + HEAD_OF_PROGRAM
-    code = (f"# slots run {m.prefix}'s blocks heaviest first, each for every head before the next\n"
-            f"pid_bh = tl.program_id(0)\nrun_tiles = {m.code(m.fragment.block_list.size)} // {block}\n"
-            "slot = tl.program_id(1)\n")
+    code = (
+        f"# slots run {m.prefix}'s blocks heaviest first, each for every head before the next\n"
+        f"pid_bh = tl.program_id(0)\nrun_tiles = {m.code(m.fragment.block_list.size)} // {block}\n"
+        "slot = tl.program_id(1)\n"
+    )
     if heavy is not None:
-        code += _split_slots(f"# the first {heavy} blocks' slots come once per query head of the group",
-                             f"{heavy} * run_tiles")
-    return code + (f"{pid} = {m.code(order, slot='slot // run_tiles')} * run_tiles + slot % run_tiles\n"
-                   f"if {pid} * {block} >= {rows}:\n    return\n")
+        code += _split_slots(
+            f"# the first {heavy} blocks' slots come once per query head of the group", f"{heavy} * run_tiles"
+        )
+    return code + (
+        f"{pid} = {m.code(order, slot='slot // run_tiles')} * run_tiles + slot % run_tiles\n"
+        f"if {pid} * {block} >= {rows}:\n    return\n"
+    )
 
 
 def _split_slots(comment: str, split_slots: str) -> str:
     """Slots ``slot`` -> the one-head programs of the first ``split_slots`` slots (GROUP each, head
     ``slot % GROUP``), then the slots after them, each for every head; ``slot`` becomes the slot's index."""
-    return (f"{comment}\nsplit_slots = {split_slots}\none_head = slot < split_slots * GROUP\n"
-            "g_lo = tl.where(one_head, slot % GROUP, 0)\ng_hi = tl.where(one_head, slot % GROUP + 1, GROUP)\n"
-            "slot = tl.where(one_head, slot // GROUP, slot - split_slots * (GROUP - 1))\n")
+    return (
+        f"{comment}\nsplit_slots = {split_slots}\none_head = slot < split_slots * GROUP\n"
+        "g_lo = tl.where(one_head, slot % GROUP, 0)\ng_hi = tl.where(one_head, slot % GROUP + 1, GROUP)\n"
+        "slot = tl.where(one_head, slot // GROUP, slot - split_slots * (GROUP - 1))\n"
+    )
 
 
 SPLIT_BLOCKS = "SPLIT_BLOCKS"  # dK/dV of a GQA program without a listing mask: a runtime int parameter
@@ -105,12 +122,23 @@ def scheduled(kernel: LoweredProgram, transposed: bool = False) -> bool:
 def key_block(kernel: LoweredProgram, even_keys: bool = False) -> str:
     """Program (key block ``pid_n``, batch x kv head ``pid_bh``) -> batch, kv head, ``Nk`` and the block's
     keys ``k_idx``, ``k_pos`` with ``k_ok`` (constant true with ``even_keys``: the kernel takes EVEN_K)."""
-    return ("HKV = HQ // GROUP\nb = pid_bh // HKV\nhk = pid_bh % HKV\n" + kv_length(kernel)
-            + key_rows(kernel, "pid_n * BLOCK_N", even_keys))
+    return (
+        "HKV = HQ // GROUP\nb = pid_bh // HKV\nhk = pid_bh % HKV\n"
+        + kv_length(kernel)
+        + key_rows(kernel, "pid_n * BLOCK_N", even_keys)
+    )
 
 
-def block_range(kernel: LoweredProgram, facts: str, full_facts: str, block: str, count: str, offset: str,
-                placeholders: dict[str, str], window: tuple[str, str] | None = None) -> str:
+def block_range(
+    kernel: LoweredProgram,
+    facts: str,
+    full_facts: str,
+    block: str,
+    count: str,
+    offset: str,
+    placeholders: dict[str, str],
+    window: tuple[str, str] | None = None,
+) -> str:
     """Loop bounds over index space [0, count): ``start``, ``full_start``, ``full_end``, ``hi``.
 
     Blocks in [start, full_start) and [full_end, hi) need the mask; [full_start, full_end) are kept whole.
@@ -125,8 +153,10 @@ def block_range(kernel: LoweredProgram, facts: str, full_facts: str, block: str,
             lines += [f"lo = tl.maximum(lo, {lo} - {offset})  # {m.prefix}", f"hi = tl.minimum(hi, {hi} - {offset})"]
         if getattr(f, full_facts) is not None:
             lo, hi = (m.code(e, **placeholders) for e in getattr(f, full_facts))
-            lines += [f"full_lo = tl.maximum(full_lo, {lo} - {offset})  # {m.prefix}",
-                      f"full_hi = tl.minimum(full_hi, {hi} - {offset})"]
+            lines += [
+                f"full_lo = tl.maximum(full_lo, {lo} - {offset})  # {m.prefix}",
+                f"full_hi = tl.minimum(full_hi, {hi} - {offset})",
+            ]
         elif f.keep is not None:
             lines.append(f"full_hi = 0  # {m.prefix} gives no full blocks")
     narrow = ".to(tl.int32)" if kernel.config.wide_positions else ""  # int64 facts, clamped to [0, count]
@@ -135,8 +165,12 @@ def block_range(kernel: LoweredProgram, facts: str, full_facts: str, block: str,
         f"hi = tl.maximum(tl.minimum(hi, {count}), lo){narrow}",
     ]
     if window is not None:  # starts block-aligned, so no block is visited by two programs
-        lines += [f"w_lo = {window[0]}  # this program's split", f"w_hi = tl.maximum({window[1]}, w_lo)",
-                  "lo = tl.minimum(tl.maximum(lo, w_lo), w_hi)", "hi = tl.maximum(tl.minimum(hi, w_hi), lo)"]
+        lines += [
+            f"w_lo = {window[0]}  # this program's split",
+            f"w_hi = tl.maximum({window[1]}, w_lo)",
+            "lo = tl.minimum(tl.maximum(lo, w_lo), w_hi)",
+            "hi = tl.maximum(tl.minimum(hi, w_hi), lo)",
+        ]
     lines += [
         f"full_lo = tl.minimum(tl.maximum(full_lo, lo), hi){narrow}",
         f"full_hi = tl.maximum(tl.minimum(full_hi, hi), full_lo){narrow}",
@@ -153,8 +187,9 @@ def key_range(kernel: LoweredProgram, window: tuple[str, str] | None = None) -> 
     count = key_count(kernel)
     if not has_masks(kernel) and window is None:
         return f"start = 0\nhi = {count}\nfull_start = 0\nfull_end = {count} // BLOCK_N * BLOCK_N\n"
-    return block_range(kernel, "kv_range", "full_range", "BLOCK_N", count, key_shift(kernel),
-                       {"q_lo": "q_lo", "q_hi": "q_hi"}, window)
+    return block_range(
+        kernel, "kv_range", "full_range", "BLOCK_N", count, key_shift(kernel), {"q_lo": "q_lo", "q_hi": "q_hi"}, window
+    )
 
 
 def listing_mask(kernel: LoweredProgram):
@@ -162,8 +197,15 @@ def listing_mask(kernel: LoweredProgram):
     return next((m for m in kernel.masks if m.fragment.block_list is not None), None)
 
 
-def visit(kernel: LoweredProgram, body, var: str, block: str, block_start: str, transposed: bool = False,
-          group_setup: str | None = None) -> str:
+def visit(
+    kernel: LoweredProgram,
+    body,
+    var: str,
+    block: str,
+    block_start: str,
+    transposed: bool = False,
+    group_setup: str | None = None,
+) -> str:
     """The loops over key blocks (query blocks, ``transposed``, for dK/dV); ``body(masked, implied)`` gives
     a loop body. With a listing mask: one flat loop over the tiles of its listed blocks (flat, so Triton
     pipelines the loads across blocks), skipping tiles outside [start, hi) when other masks bound the
@@ -184,10 +226,12 @@ def visit(kernel: LoweredProgram, body, var: str, block: str, block_start: str, 
         tile = f"list_partial = {m.code(partial, block='list_block', i='list_t // list_tiles')}\n{tile}"
     if any(other.fragment.kv_range is not None for other in kernel.masks if other is not m):
         tile = f"if ({var} + {block} > start) & ({var} < hi):\n{indent(tile, 4)}"
-    code = (f"# {m.prefix}: visit only the blocks it lists, tile by tile\nlist_size = {m.code(bl.size)}\n"
-            f"list_tiles = list_size // {block}\nlist_block = ({block_start}) // list_size\n"
-            f"for list_t in range(0, {count} * list_tiles):\n"
-            f"    {var} = {index} * list_size + list_t % list_tiles * {block}\n{indent(tile, 4)}")
+    code = (
+        f"# {m.prefix}: visit only the blocks it lists, tile by tile\nlist_size = {m.code(bl.size)}\n"
+        f"list_tiles = list_size // {block}\nlist_block = ({block_start}) // list_size\n"
+        f"for list_t in range(0, {count} * list_tiles):\n"
+        f"    {var} = {index} * list_size + list_t % list_tiles * {block}\n{indent(tile, 4)}"
+    )
     if group_setup is None:
         return code
     # the lists differ from head to head: one flat loop per head
@@ -201,16 +245,19 @@ def loops(body, var: str, block: str, has_head: bool, group_setup: str | None = 
     loop: Triton pipelines it across heads, and a loop nest (per head, then per block) would keep about
     twice the registers live and spill. ``split``: only heads ``g_lo`` .. ``g_hi`` (see ``program``)."""
     # the loop's head: the step's index i among the program's heads, and the head g
-    heads, i, head = (("(g_hi - g_lo)", "i", "i = t // steps\ng = g_lo + i\n") if split
-                      else ("GROUP", "g", "g = t // steps\n"))
+    heads, i, head = (
+        ("(g_hi - g_lo)", "i", "i = t // steps\ng = g_lo + i\n") if split else ("GROUP", "g", "g = t // steps\n")
+    )
 
     def loop(comment: str, lo: str, hi: str, masked: bool) -> str:
         if group_setup is None:
             return f"# {comment}\nfor {var} in range({lo}, {hi}, {block}):\n{indent(body(masked), 4)}"
-        return (f"# {comment}, for each query head of the group\nsteps = ({hi} - {lo} + {block} - 1) // {block}\n"
-                f"for t in range(0, {heads} * steps):\n{indent(head, 4)}"
-                f"    {var} = {lo} + (t - {i} * steps) * {block}\n"
-                f"{indent(group_setup, 4)}{indent(body(masked), 4)}")
+        return (
+            f"# {comment}, for each query head of the group\nsteps = ({hi} - {lo} + {block} - 1) // {block}\n"
+            f"for t in range(0, {heads} * steps):\n{indent(head, 4)}"
+            f"    {var} = {lo} + (t - {i} * steps) * {block}\n"
+            f"{indent(group_setup, 4)}{indent(body(masked), 4)}"
+        )
 
     parts = [loop("masked head", "start", "full_start", True)] if has_head else []
     parts.append(loop("full blocks: no mask arithmetic", "full_start", "full_end", False))

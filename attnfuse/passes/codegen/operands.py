@@ -1,13 +1,15 @@
 """Operand loads: the q and k tiles with their qk transforms (and the transforms' gradients), the
 q·kᵀ product, and where a key tile's rows lie in a contiguous or paged cache."""
+
 from __future__ import annotations
 
 from ..lower import LoweredProgram
 from .common import fragment, half_mask, masked_load, precision, split, transformed
 
 
-def operand(kernel: LoweredProgram, x: str, base: str, rows: str, pos: str, ok: str, stride_d: str,
-            masked: bool) -> str:
+def operand(
+    kernel: LoweredProgram, x: str, base: str, rows: str, pos: str, ok: str, stride_d: str, masked: bool
+) -> str:
     """Load the q or k tile (row offsets ``rows``, (rows, 1)) and run the qk transforms on it.
 
     With no transform: one (rows, BLOCK_D) tile ``x``. With transforms: the halves ``x1``, ``x2``
@@ -21,15 +23,20 @@ def operand(kernel: LoweredProgram, x: str, base: str, rows: str, pos: str, ok: 
         return f"{x} = {masked_load(f'{base} + {rows} + d[None, :] * {stride_d}', row_mask, d_mask)}\n"
     h_mask = half_mask(kernel)
     fragment_ok = " & ".join(m for m in (f"{ok}[:, None]", h_mask) if m)
-    lines = [f"{x}_ptrs = {base} + {rows} + dh[None, :] * {stride_d}",
-             f"{x}1f = {masked_load(f'{x}_ptrs', row_mask, h_mask)}.to({kernel.accumulator})",
-             f"{x}2f = {masked_load(f'{x}_ptrs + HALF * {stride_d}', row_mask, h_mask)}.to({kernel.accumulator})"]
+    lines = [
+        f"{x}_ptrs = {base} + {rows} + dh[None, :] * {stride_d}",
+        f"{x}1f = {masked_load(f'{x}_ptrs', row_mask, h_mask)}.to({kernel.accumulator})",
+        f"{x}2f = {masked_load(f'{x}_ptrs + HALF * {stride_d}', row_mask, h_mask)}.to({kernel.accumulator})",
+    ]
     for i, t in enumerate(kernel.transforms):
         text = getattr(t.fragment, x)
         if text and not transformed(kernel, x):
-            lines += [f"{x}_in{i}_1 = {x}1f", f"{x}_in{i}_2 = {x}2f", f"# {t.prefix}: qk transform of {x}",
-                      fragment(t.code(text, x1=f"{x}1f", x2=f"{x}2f", pos=pos, ok=fragment_ok,
-                                      tmp=f"{x}_{t.prefix}"))]
+            lines += [
+                f"{x}_in{i}_1 = {x}1f",
+                f"{x}_in{i}_2 = {x}2f",
+                f"# {t.prefix}: qk transform of {x}",
+                fragment(t.code(text, x1=f"{x}1f", x2=f"{x}2f", pos=pos, ok=fragment_ok, tmp=f"{x}_{t.prefix}")),
+            ]
     lines += [f"{x}1 = {x}1f.to({x.upper()}.dtype.element_ty)", f"{x}2 = {x}2f.to({x.upper()}.dtype.element_ty)"]
     return "\n".join(lines) + "\n"
 
@@ -45,9 +52,21 @@ def operand_grad(kernel: LoweredProgram, x: str, grad: str, pos: str, ok: str) -
     for i, t in reversed(list(enumerate(kernel.transforms))):
         text = getattr(t.fragment, f"{x}_grad")
         if getattr(t.fragment, x):
-            lines += [f"# {t.prefix}: gradient through the qk transform of {x}",
-                      fragment(t.code(text, g1=f"{grad}1", g2=f"{grad}2", x1=f"{x}_in{i}_1",
-                                      x2=f"{x}_in{i}_2", pos=pos, ok=fragment_ok, tmp=f"d{x}_{t.prefix}"))]
+            lines += [
+                f"# {t.prefix}: gradient through the qk transform of {x}",
+                fragment(
+                    t.code(
+                        text,
+                        g1=f"{grad}1",
+                        g2=f"{grad}2",
+                        x1=f"{x}_in{i}_1",
+                        x2=f"{x}_in{i}_2",
+                        pos=pos,
+                        ok=fragment_ok,
+                        tmp=f"d{x}_{t.prefix}",
+                    )
+                ),
+            ]
     return "\n".join(lines) + "\n" if lines else ""
 
 
@@ -103,8 +122,10 @@ def key_rows(kernel: LoweredProgram, first: str, even_keys: bool = True) -> str:
     ``even_keys`` and EVEN_K) and ``k_pos``, their positions (``k_idx`` plus K_OFFSET with ``positions``)."""
     bound = f"k_idx < {key_count(kernel)}"
     pos = position(kernel, f"k_idx + {key_shift(kernel)}" if kernel.config.positions else "k_idx")
-    return (f"k_idx = {first} + tl.arange(0, BLOCK_N)\nk_ok = {f'({bound}) | EVEN_K' if even_keys else bound}\n"
-            f"k_pos = {pos}\n")
+    return (
+        f"k_idx = {first} + tl.arange(0, BLOCK_N)\nk_ok = {f'({bound}) | EVEN_K' if even_keys else bound}\n"
+        f"k_pos = {pos}\n"
+    )
 
 
 def kv_base(kernel: LoweredProgram, x: str) -> str:
@@ -120,12 +141,14 @@ def key_offsets(kernel: LoweredProgram) -> str:
     ``k_ok`` drops them, so no load touches them and they do not contribute (a paged kernel masks every
     key tile, see ``key_masked``)."""
     if kernel.config.paged:
-        return ("page = tl.load(BlockTable + b.to(tl.int64) * stride_btb + (k_idx // PAGE_SIZE) * stride_btp, "
-                "mask=k_ok, other=-1)\n"
-                "k_ok = k_ok & (page >= 0) & (page < NUM_PAGES)  # a page outside the pool: nothing is read\n"
-                "page = page.to(tl.int64)\n"
-                "k_off = page * stride_kb + (k_idx % PAGE_SIZE) * stride_kn\n"
-                "v_off = page * stride_vb + (k_idx % PAGE_SIZE) * stride_vn\n")
+        return (
+            "page = tl.load(BlockTable + b.to(tl.int64) * stride_btb + (k_idx // PAGE_SIZE) * stride_btp, "
+            "mask=k_ok, other=-1)\n"
+            "k_ok = k_ok & (page >= 0) & (page < NUM_PAGES)  # a page outside the pool: nothing is read\n"
+            "page = page.to(tl.int64)\n"
+            "k_off = page * stride_kb + (k_idx % PAGE_SIZE) * stride_kn\n"
+            "v_off = page * stride_vb + (k_idx % PAGE_SIZE) * stride_vn\n"
+        )
     return "k_off = k_idx * stride_kn\nv_off = k_idx * stride_vn\n"
 
 

@@ -1,5 +1,6 @@
 """The score pipeline of a key tile: the modifications' prologues, scale, modifications and masks, the
 normaliser's update, and the guards that keep masked keys' non-finite values out of P·V."""
+
 from __future__ import annotations
 
 from ..lower import LoweredProgram
@@ -7,8 +8,9 @@ from .common import fragment, indent
 
 
 def prologues(kernel: LoweredProgram) -> str:
-    return "".join(f"# {m.prefix}: prologue\n{fragment(m.fragment.prologue)}\n"
-                   for m in kernel.mods if m.fragment.prologue)
+    return "".join(
+        f"# {m.prefix}: prologue\n{fragment(m.fragment.prologue)}\n" for m in kernel.mods if m.fragment.prologue
+    )
 
 
 def folded_scale(kernel: LoweredProgram) -> float | None:
@@ -29,8 +31,14 @@ def normaliser_update(kernel: LoweredProgram) -> str:
     return f"# {norm.prefix}: normaliser update\n{fragment(text)}\n"
 
 
-def scores(kernel: LoweredProgram, masked: bool, rows_too: bool = False, stages: bool = False,
-           implied: str | None = None, fold: bool = False) -> str:
+def scores(
+    kernel: LoweredProgram,
+    masked: bool,
+    rows_too: bool = False,
+    stages: bool = False,
+    implied: str | None = None,
+    fold: bool = False,
+) -> str:
     """The raw product ``s`` -> scaled, modified, masked scores as the normaliser takes them.
 
     ``stages``: keep ``s_<i>`` (the input of modification i) and ``s_nat`` (after the last) for the
@@ -56,9 +64,11 @@ def scores(kernel: LoweredProgram, masked: bool, rows_too: bool = False, stages:
         keeps += [f"({m.fragment.keep})" for m in kernel.masks if m.fragment.keep and m.prefix != implied]
         lines.append(f"keep = {' & '.join(keeps)}")
         for m in _partial_listing(kernel, implied):
-            lines += ["keep = tl.broadcast_to(keep, (BLOCK_M, BLOCK_N))",
-                      f"if list_partial:  # {m.prefix}: a partial listed block, masked element by element",
-                      f"    keep = keep & ({m.fragment.keep})"]
+            lines += [
+                "keep = tl.broadcast_to(keep, (BLOCK_M, BLOCK_N))",
+                f"if list_partial:  # {m.prefix}: a partial listed block, masked element by element",
+                f"    keep = keep & ({m.fragment.keep})",
+            ]
         lines.append(f"s = tl.where(keep, s, {kernel.normaliser.fragment.masked_score})")
     return "\n".join(lines) + "\n" if lines else ""
 
@@ -66,8 +76,14 @@ def scores(kernel: LoweredProgram, masked: bool, rows_too: bool = False, stages:
 def _partial_listing(kernel: LoweredProgram, implied: str | None) -> list:
     """The listing mask ``implied`` names, if its lists mark partial blocks (``BlockList.partial``): its keep
     still applies inside those (the loop defines ``list_partial``)."""
-    return [m for m in kernel.masks if m.prefix == implied and m.fragment.keep
-            and m.fragment.block_list is not None and m.fragment.block_list.partial is not None]
+    return [
+        m
+        for m in kernel.masks
+        if m.prefix == implied
+        and m.fragment.keep
+        and m.fragment.block_list is not None
+        and m.fragment.block_list.partial is not None
+    ]
 
 
 def has_masks(kernel: LoweredProgram) -> bool:
@@ -76,8 +92,9 @@ def has_masks(kernel: LoweredProgram) -> bool:
 
 def masks_keys(kernel: LoweredProgram, masked: bool, implied: str | None = None) -> bool:
     """Whether a tile's ``keep`` can drop keys that lie in range (a mask's keep, beyond the loop's own)."""
-    return masked and (any(m.fragment.keep and m.prefix != implied for m in kernel.masks)
-                       or bool(_partial_listing(kernel, implied)))
+    return masked and (
+        any(m.fragment.keep and m.prefix != implied for m in kernel.masks) or bool(_partial_listing(kernel, implied))
+    )
 
 
 def masked_values(kernel: LoweredProgram) -> str:
@@ -85,13 +102,15 @@ def masked_values(kernel: LoweredProgram) -> str:
     is 0, but 0 · NaN is NaN), so the tile's non-finite values become 0, and a row that keeps a key whose
     value is non-finite gets NaN in that value's columns (as the math would; with several such keys in one
     tile, in the union of their columns). Only tiles with a non-finite value take the second branch."""
-    return ("v_finite = tl.abs(v) < float(\"inf\")  # false for NaN too\n"
-            "if tl.max(tl.where(v_finite, 0, 1)) > 0:\n"
-            "    key_bad = tl.max(tl.where(v_finite, 0, 1), axis=1)\n"
-            "    row_bad = tl.max(tl.where(keep & (key_bad[None, :] > 0), 1, 0), axis=1)\n"
-            "    col_bad = tl.max(tl.where(v_finite, 0, 1), axis=0)\n"
-            "    acc = tl.where((row_bad[:, None] > 0) & (col_bad[None, :] > 0), float(\"nan\"), acc)\n"
-            "    v = tl.where(v_finite, v, 0.0)\n")
+    return (
+        'v_finite = tl.abs(v) < float("inf")  # false for NaN too\n'
+        "if tl.max(tl.where(v_finite, 0, 1)) > 0:\n"
+        "    key_bad = tl.max(tl.where(v_finite, 0, 1), axis=1)\n"
+        "    row_bad = tl.max(tl.where(keep & (key_bad[None, :] > 0), 1, 0), axis=1)\n"
+        "    col_bad = tl.max(tl.where(v_finite, 0, 1), axis=0)\n"
+        '    acc = tl.where((row_bad[:, None] > 0) & (col_bad[None, :] > 0), float("nan"), acc)\n'
+        "    v = tl.where(v_finite, v, 0.0)\n"
+    )
 
 
 def poisoned_redo(kernel: LoweredProgram, careful_loops: str) -> str:
@@ -101,11 +120,16 @@ def poisoned_redo(kernel: LoweredProgram, careful_loops: str) -> str:
     took v out of tl.dot's shared-memory path: sliding-window forwards ran 50% slower. Blocks whose inputs
     are finite pay one reduction of acc."""
     norm = kernel.normaliser.fragment
-    return ("# A masked key's non-finite value reaches acc as 0 · NaN: such a block runs its keys again, masking\n"
-            "# those values (rare: only non-finite inputs or overflowing sums get here)\n"
-            "if tl.max(tl.where(tl.abs(acc) < float(\"inf\"), 0, 1)) > 0:  # NaN too\n"
-            + indent(f"acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype={kernel.accumulator})\n{fragment(norm.init)}\n"
-                     + careful_loops, 4) + "\n")
+    return (
+        "# A masked key's non-finite value reaches acc as 0 · NaN: such a block runs its keys again, masking\n"
+        "# those values (rare: only non-finite inputs or overflowing sums get here)\n"
+        'if tl.max(tl.where(tl.abs(acc) < float("inf"), 0, 1)) > 0:  # NaN too\n'
+        + indent(
+            f"acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype={kernel.accumulator})\n{fragment(norm.init)}\n" + careful_loops,
+            4,
+        )
+        + "\n"
+    )
 
 
 def with_bounds(code: str) -> str:

@@ -8,6 +8,7 @@ values the fused kernels cast for their products), in one launch, and kernels ge
 transformed inputs, ``generate_gradient_pass`` carries dQ and dK (float32, with respect to the transformed
 rows) back through the transforms' vector-Jacobian products, in one launch too.
 """
+
 from __future__ import annotations
 
 import string
@@ -18,12 +19,12 @@ from .common import columns, constexpr_params, half_mask, indent, kernel_source
 from .loops import key_block
 from .operands import kv_length, operand, operand_grad, position, query_shift
 
-_KERNEL = string.Template('''\
+_KERNEL = string.Template("""\
     # A 1-D grid: $layout
     pid = tl.program_id(0)
-$sides''')
+$sides""")
 
-_SIDE = string.Template('''\
+_SIDE = string.Template("""\
 blocks = tl.cdiv($rows_n, $block)
 pid_n = $pid % blocks
 pid_bh = $pid // blocks
@@ -32,7 +33,7 @@ $load$body${x}o_ptrs = (${X}Out + b.to(tl.int64) * stride_${x}ob + $head.to(tl.i
           + ${idx}[:, None] * stride_${x}on + dh[None, :] * stride_${x}od)
 tl.store(${x}o_ptrs, ${result}1.to(${X}Out.dtype.element_ty), mask=$store_mask)
 tl.store(${x}o_ptrs + HALF * stride_${x}od, ${result}2.to(${X}Out.dtype.element_ty), mask=$store_mask)
-''')
+""")
 
 _SITE = {"q": ("q_idx", "q_pos", "q_ok", "h"), "k": ("k_idx", "k_pos", "k_ok", "hk")}  # idx, pos, ok, head
 _ROWS = {"q": ("Nq", "BLOCK_M"), "k": ("N_K", "BLOCK_N")}  # rows, block
@@ -43,10 +44,13 @@ def _rows(kernel: LoweredProgram, x: str) -> str:
     its heads (at the k site ``h`` is the group's first query head)."""
     if x == "k":
         return key_block(kernel) + "h = hk * GROUP\n"
-    return ("b = pid_bh // HQ\nh = pid_bh % HQ\nhk = h // GROUP\n" + kv_length(kernel)
-            + "q_idx = pid_n * BLOCK_M + tl.arange(0, BLOCK_M)\n"
-            + f"q_pos = {position(kernel, f'q_idx + {query_shift(kernel)}')}\n"
-            "q_ok = q_idx < Nq\n")
+    return (
+        "b = pid_bh // HQ\nh = pid_bh % HQ\nhk = h // GROUP\n"
+        + kv_length(kernel)
+        + "q_idx = pid_n * BLOCK_M + tl.arange(0, BLOCK_M)\n"
+        + f"q_pos = {position(kernel, f'q_idx + {query_shift(kernel)}')}\n"
+        "q_ok = q_idx < Nq\n"
+    )
 
 
 def _side(kernel: LoweredProgram, x: str, first: str, gradient: bool) -> str:
@@ -56,17 +60,31 @@ def _side(kernel: LoweredProgram, x: str, first: str, gradient: bool) -> str:
     h_mask = half_mask(kernel, joined=True)
     body = ""
     if gradient:
-        g = (f"G{x.upper()} + b.to(tl.int64) * stride_{x}ob + {head}.to(tl.int64) * stride_{x}oh"
-             f" + {idx}[:, None] * stride_{x}on")
-        body = (f"g_ptrs = {g} + dh[None, :] * stride_{x}od\n"
-                f"g1 = tl.load(g_ptrs, mask={ok}[:, None]{h_mask}, other=0.0)\n"
-                f"g2 = tl.load(g_ptrs + HALF * stride_{x}od, mask={ok}[:, None]{h_mask}, other=0.0)\n"
-                + operand_grad(kernel, x, "g", pos, ok))
+        g = (
+            f"G{x.upper()} + b.to(tl.int64) * stride_{x}ob + {head}.to(tl.int64) * stride_{x}oh"
+            f" + {idx}[:, None] * stride_{x}on"
+        )
+        body = (
+            f"g_ptrs = {g} + dh[None, :] * stride_{x}od\n"
+            f"g1 = tl.load(g_ptrs, mask={ok}[:, None]{h_mask}, other=0.0)\n"
+            f"g2 = tl.load(g_ptrs + HALF * stride_{x}od, mask={ok}[:, None]{h_mask}, other=0.0)\n"
+            + operand_grad(kernel, x, "g", pos, ok)
+        )
     return _SIDE.substitute(
-        rows_n=rows_n, block=block, pid=f"(pid - {first})" if first != "0" else "pid", rows=_rows(kernel, x),
-        columns=columns(kernel), x=x, X=x.upper(), head=head, idx=idx,
+        rows_n=rows_n,
+        block=block,
+        pid=f"(pid - {first})" if first != "0" else "pid",
+        rows=_rows(kernel, x),
+        columns=columns(kernel),
+        x=x,
+        X=x.upper(),
+        head=head,
+        idx=idx,
         load=operand(kernel, x, f"{x}_base", f"{idx}[:, None] * stride_{x}n", pos, ok, f"stride_{x}d", True),
-        body=body, result="g" if gradient else x, store_mask=f"{ok}[:, None]{h_mask}")
+        body=body,
+        result="g" if gradient else x,
+        store_mask=f"{ok}[:, None]{h_mask}",
+    )
 
 
 def pass_params(kernel: LoweredProgram, sides: tuple[str, ...], gradient: bool) -> tuple[Param, ...]:
@@ -75,28 +93,41 @@ def pass_params(kernel: LoweredProgram, sides: tuple[str, ...], gradient: bool) 
     pointers = [x.upper() for x in sides] + [f"{x.upper()}Out" for x in sides]
     pointers += [f"G{x.upper()}" for x in sides] if gradient else []
     owners = [(x, x.upper()) for x in sides] + [(f"{x}o", f"{x.upper()}Out") for x in sides]  # (prefix, tensor)
-    return (params(TENSOR, *pointers) + tuple(p for prefix, owner in owners for p in strides(prefix, "bhnd", owner))
-            + params(INT, "HQ", "Nq", "N_K", "BATCH") + (params(INT, "Q_OFFSET", "K_OFFSET", "N_SEQ")
-                                                         if kernel.config.positions else ())
-            + kernel.args() + constexpr_params(kernel))
+    return (
+        params(TENSOR, *pointers)
+        + tuple(p for prefix, owner in owners for p in strides(prefix, "bhnd", owner))
+        + params(INT, "HQ", "Nq", "N_K", "BATCH")
+        + (params(INT, "Q_OFFSET", "K_OFFSET", "N_SEQ") if kernel.config.positions else ())
+        + kernel.args()
+        + constexpr_params(kernel)
+    )
 
 
-def generate_pass(kernel: LoweredProgram, name: str, parameters: tuple[Param, ...], sides: tuple[str, ...],
-                  gradient: bool) -> str:
+def generate_pass(
+    kernel: LoweredProgram, name: str, parameters: tuple[Param, ...], sides: tuple[str, ...], gradient: bool
+) -> str:
     """The pass over ``sides`` ("q", "k" or both; with both, q's programs come first, then k's): it writes
     the transformed rows (contiguous rows, no per-sequence lengths; grid: one program per block of rows,
     BLOCK_M of q, BLOCK_N of k, per batch and head of each side), or with ``gradient`` turns GX, the float32
     gradient with respect to each transformed side X, into the gradient of X itself, XOut."""
     if sides == ("q", "k"):
         q_programs = "tl.cdiv(Nq, BLOCK_M) * BATCH * HQ"
-        code = (f"q_programs = {q_programs}\nif pid >= q_programs:\n"
-                + indent(_side(kernel, "k", "q_programs", gradient), 4) + "    return\n"
-                + _side(kernel, "q", "0", gradient))
+        code = (
+            f"q_programs = {q_programs}\nif pid >= q_programs:\n"
+            + indent(_side(kernel, "k", "q_programs", gradient), 4)
+            + "    return\n"
+            + _side(kernel, "q", "0", gradient)
+        )
         layout = "(block of q rows, batch x head) programs first, then (block of k rows, batch x kv head)."
     else:
         [x] = sides
         code = _side(kernel, x, "0", gradient)
         layout = f"one program per (block of {x} rows, batch x {'head' if x == 'q' else 'kv head'})."
     what = "gradient pass" if gradient else "transform pass"
-    return kernel_source(kernel, f"{what} of {' and '.join(sides)} (hoisted qk transforms)", name, parameters,
-                         _KERNEL.substitute(layout=layout, sides=indent(code, 4)))
+    return kernel_source(
+        kernel,
+        f"{what} of {' and '.join(sides)} (hoisted qk transforms)",
+        name,
+        parameters,
+        _KERNEL.substitute(layout=layout, sides=indent(code, 4)),
+    )

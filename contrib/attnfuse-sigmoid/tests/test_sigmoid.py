@@ -1,5 +1,6 @@
 """Tests of attnfuse-sigmoid: the conformance kit, fixed programs against hand-written float64 math,
 parameter errors and the distribution's registration."""
+
 from __future__ import annotations
 
 import math
@@ -13,8 +14,10 @@ from attnfuse.testing import assert_matches_reference
 
 CASES = [pytest.param("cpu", dtype, id=f"cpu-{str(dtype)[6:]}") for dtype in (torch.float32, torch.float16)]
 if torch.cuda.is_available():
-    CASES += [pytest.param("cuda", dtype, id=f"cuda-{str(dtype)[6:]}")
-              for dtype in (torch.float32, torch.float16, torch.bfloat16)]
+    CASES += [
+        pytest.param("cuda", dtype, id=f"cuda-{str(dtype)[6:]}")
+        for dtype in (torch.float32, torch.float16, torch.bfloat16)
+    ]
 
 
 def test_conforms(attnfuse_conformance):
@@ -45,8 +48,11 @@ def by_hand(q, k, v, bias):
 
 
 @pytest.mark.parametrize("device, dtype", CASES)
-@pytest.mark.parametrize("shape", [(2, 4, 2, 37, 53, 32), (1, 2, 1, 64, 64, 16), (1, 1, 1, 5, 70, 64)],
-                         ids=lambda s: "B{}_Hq{}_Hkv{}_Nq{}_Nk{}_D{}".format(*s))
+@pytest.mark.parametrize(
+    "shape",
+    [(2, 4, 2, 37, 53, 32), (1, 2, 1, 64, 64, 16), (1, 1, 1, 5, 70, 64)],
+    ids=lambda s: "B{}_Hq{}_Hkv{}_Nq{}_Nk{}_D{}".format(*s),
+)
 def test_matches_float64_by_hand(device, dtype, shape):
     B, Hq, Hkv, Nq, Nk, D = shape
     g = torch.Generator().manual_seed(zlib.crc32(repr((shape, dtype)).encode()))
@@ -79,8 +85,8 @@ def test_split_kv_decoding_adds_splits():
     lens = torch.tensor([200, 90], dtype=torch.int32)
     out = sigmoid_causal(q, k, v, kv_lens=lens)
     for b, n in enumerate(lens.tolist()):
-        want = by_hand(q[b:b + 1], k[b:b + 1, :, :n], v[b:b + 1, :, :n], -math.log(200))
-        torch.testing.assert_close(out[b:b + 1].double(), want, atol=2e-5, rtol=0)
+        want = by_hand(q[b : b + 1], k[b : b + 1, :, :n], v[b : b + 1, :, :n], -math.log(200))
+        torch.testing.assert_close(out[b : b + 1].double(), want, atol=2e-5, rtol=0)
 
 
 @pytest.mark.parametrize("bias", ["x", math.inf, math.nan, True])

@@ -1,4 +1,5 @@
 """legacy_causal_radius(s, radius): causal, and only keys within ``radius`` positions of the query."""
+
 from __future__ import annotations
 
 import attnfuse

@@ -1,4 +1,5 @@
 """legacy_head_scale(s, weights): s * w_h, a per-head weight tensor (Hq,)."""
+
 from __future__ import annotations
 
 import torch
@@ -9,8 +10,10 @@ from attnfuse.combinator import Combinator, Param, Role, ScoreModFragment, Tenso
 
 def _weights(weights, Hq: int) -> torch.Tensor:
     if not isinstance(weights, torch.Tensor) or weights.shape != (Hq,) or not weights.is_floating_point():
-        raise attnfuse.InputError(f"legacy_head_scale: weights must be a float tensor of shape (Hq,) = ({Hq},), "
-                                  f"got {getattr(weights, 'shape', type(weights).__name__)}")
+        raise attnfuse.InputError(
+            f"legacy_head_scale: weights must be a float tensor of shape (Hq,) = ({Hq},), "
+            f"got {getattr(weights, 'shape', type(weights).__name__)}"
+        )
     return weights
 
 

@@ -1,4 +1,5 @@
 """legacy_softmax1(s): softmax with 1 added to the denominator, weights exp(s_j) / (1 + sum_k exp(s_k))."""
+
 from __future__ import annotations
 
 import math

@@ -1,5 +1,6 @@
 """Tests of attnfuse-legacy-demo: the checks its author wrote on 2026-11-30 (conformance fuzzing, fixed programs
 against the float64 reference), then what AttnFuse promises while the old contract is deprecated."""
+
 from __future__ import annotations
 
 import importlib.metadata
@@ -14,8 +15,11 @@ import pytest
 try:
     importlib.metadata.distribution("attnfuse-legacy-demo")
 except importlib.metadata.PackageNotFoundError:
-    pytest.skip("attnfuse-legacy-demo is not installed (.ci/run installs it: "
-                "pip install -e tests/legacy_plugin/attnfuse-legacy-demo)", allow_module_level=True)
+    pytest.skip(
+        "attnfuse-legacy-demo is not installed (.ci/run installs it: "
+        "pip install -e tests/legacy_plugin/attnfuse-legacy-demo)",
+        allow_module_level=True,
+    )
 
 import torch
 
@@ -26,8 +30,10 @@ FUZZ_EXAMPLES = int(os.environ.get("ATTNFUSE_FUZZ_EXAMPLES", "4"))
 NAMES = ("legacy_head_scale", "legacy_causal_radius", "legacy_softmax1")
 CASES = [pytest.param("cpu", dtype, id=f"cpu-{str(dtype)[6:]}") for dtype in (torch.float32, torch.float16)]
 if torch.cuda.is_available():
-    CASES += [pytest.param("cuda", dtype, id=f"cuda-{str(dtype)[6:]}")
-              for dtype in (torch.float32, torch.float16, torch.bfloat16)]
+    CASES += [
+        pytest.param("cuda", dtype, id=f"cuda-{str(dtype)[6:]}")
+        for dtype in (torch.float32, torch.float16, torch.bfloat16)
+    ]
 
 
 def test_registered_by_this_distribution():
@@ -63,8 +69,9 @@ def inputs(shape, dtype, device):
 
 
 @pytest.mark.parametrize("device, dtype", CASES)
-@pytest.mark.parametrize("shape", [(2, 4, 2, 37, 53, 32), (1, 2, 1, 64, 64, 16)],
-                         ids=lambda s: "B{}_Hq{}_Hkv{}_Nq{}_Nk{}_D{}".format(*s))
+@pytest.mark.parametrize(
+    "shape", [(2, 4, 2, 37, 53, 32), (1, 2, 1, 64, 64, 16)], ids=lambda s: "B{}_Hq{}_Hkv{}_Nq{}_Nk{}_D{}".format(*s)
+)
 def test_fixed_program_matches_reference(device, dtype, shape):
     q, k, v, w = inputs(shape, dtype, device)
     out, lse = all_three(q, k, v, w, return_lse=True)
@@ -114,8 +121,13 @@ WARNINGS = textwrap.dedent("""
 
 def test_each_old_form_warns_once_naming_the_combinator_field_and_fix():
     env = {k: v for k, v in os.environ.items() if k != "ATTNFUSE_DISABLE_PLUGIN_AUTOLOAD"}
-    done = subprocess.run([sys.executable, "-W", "always::DeprecationWarning", "-c", WARNINGS], env=env,
-                          capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [sys.executable, "-W", "always::DeprecationWarning", "-c", WARNINGS],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr
     warned = [line for line in done.stderr.splitlines() if "DeprecationWarning" in line]
     fields = {"legacy_head_scale": "prologue", "legacy_causal_radius": "keep", "legacy_softmax1": "init"}
@@ -140,15 +152,22 @@ def softmax1(q, k, v, w):
     return af.legacy_softmax1(af.scaled_dot_product(q, k)) @ v
 
 
-@pytest.mark.parametrize("name, field, program", [("legacy_head_scale", "prologue", scaled),
-                                                  ("legacy_causal_radius", "keep", within),
-                                                  ("legacy_softmax1", "init", softmax1)])
+@pytest.mark.parametrize(
+    "name, field, program",
+    [
+        ("legacy_head_scale", "prologue", scaled),
+        ("legacy_causal_radius", "keep", within),
+        ("legacy_softmax1", "init", softmax1),
+    ],
+)
 def test_float64_call_is_refused_naming_combinator_and_field(name, field, program):
     prog = af.attention(program)
     q, k, v, w = inputs((1, 2, 1, 8, 8, 16), torch.float64, "cpu")
-    with pytest.raises((af.InputError, af.ProgramError),
-                       match=rf"combinator '{name}' of distribution 'attnfuse-legacy-demo', fragment field "
-                             rf"'{field}'.* tl\.float32 .*float64"):
+    with pytest.raises(
+        (af.InputError, af.ProgramError),
+        match=rf"combinator '{name}' of distribution 'attnfuse-legacy-demo', fragment field "
+        rf"'{field}'.* tl\.float32 .*float64",
+    ):
         prog(q, k, v, w)
     ref = prog.reference(q, k, v, w, dtype=torch.float64)  # the reference still runs in float64
     assert ref.dtype == torch.float64 and torch.isfinite(ref).all()
