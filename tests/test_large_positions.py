@@ -89,6 +89,26 @@ def _causal_attention(q, k, v, q_offset, k_offset, dtype):
     return torch.softmax(s.masked_fill(~keep, float("-inf")), -1) @ v.to(dtype)
 
 
+def _check_rope_causal(out, q, k, v, q_offset, k_offset):
+    """``out`` (B, Hq, Nq, D) of rope + causal at these offsets, and its q, k, v gradients, against causal
+    attention on q and k rotated in float64 at their positions."""
+    want, in_dtype = (
+        _causal_attention(
+            _rotated64(q, q_offset).to(dtype), _rotated64(k, k_offset).to(dtype), v, q_offset, k_offset, dtype
+        )
+        for dtype in (torch.float64, torch.float32)
+    )
+    assert_matches_reference(out, want, in_dtype, torch.float32)
+    dout = torch.randn(out.shape)
+    for name, g, w, b in zip(
+        "qkv",
+        torch.autograd.grad(out, (q, k, v), dout),
+        torch.autograd.grad(want, (q, k, v), dout.double()),
+        torch.autograd.grad(in_dtype, (q, k, v), dout),
+    ):
+        assert_matches_reference(g, w, b, torch.float32, what=f"d{name}")
+
+
 @pytest.mark.parametrize(
     "q_offset,k_offset",
     [(2**20, 2**20 - 9), (2**30, 2**30 - 9), (2**30, 5)],
@@ -121,21 +141,7 @@ def test_rope_tables_cover_the_chunk_only(q_offset, k_offset):
     q = torch.randn(B, 2, Nq, D, requires_grad=True)
     k, v = (torch.randn(B, 1, Nk, D, requires_grad=True) for _ in range(2))
     out = llama(q, k, v, q_offset=q_offset, k_offset=k_offset)
-    want, in_dtype = (
-        _causal_attention(
-            _rotated64(q, q_offset).to(dtype), _rotated64(k, k_offset).to(dtype), v, q_offset, k_offset, dtype
-        )
-        for dtype in (torch.float64, torch.float32)
-    )
-    assert_matches_reference(out, want, in_dtype, torch.float32)
-    dout = torch.randn(out.shape)
-    for name, g, w, b in zip(
-        "qkv",
-        torch.autograd.grad(out, (q, k, v), dout),
-        torch.autograd.grad(want, (q, k, v), dout.double()),
-        torch.autograd.grad(in_dtype, (q, k, v), dout),
-    ):
-        assert_matches_reference(g, w, b, torch.float32, what=f"d{name}")
+    _check_rope_causal(out, q, k, v, q_offset, k_offset)
 
 
 @af.attention
@@ -172,18 +178,4 @@ def test_hoisted_rope_at_the_limit():
     k, v = (torch.randn(1, 1, Nk, D, requires_grad=True) for _ in range(2))
     out = llama(q, k, v, q_offset=q_offset, k_offset=k_offset)
     assert hoisted_last_call()
-    want, in_dtype = (
-        _causal_attention(
-            _rotated64(q, q_offset).to(dtype), _rotated64(k, k_offset).to(dtype), v, q_offset, k_offset, dtype
-        )
-        for dtype in (torch.float64, torch.float32)
-    )
-    assert_matches_reference(out, want, in_dtype, torch.float32)
-    dout = torch.randn(out.shape)
-    for name, g, w, b in zip(
-        "qkv",
-        torch.autograd.grad(out, (q, k, v), dout),
-        torch.autograd.grad(want, (q, k, v), dout.double()),
-        torch.autograd.grad(in_dtype, (q, k, v), dout),
-    ):
-        assert_matches_reference(g, w, b, torch.float32, what=f"d{name}")
+    _check_rope_causal(out, q, k, v, q_offset, k_offset)

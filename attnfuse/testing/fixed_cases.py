@@ -4,7 +4,7 @@ deterministically, so that such a bug fails every run rather than the runs whose
 The program is the combinator with ``softmax`` (unless it is the normaliser) over ``scaled_dot_product`` (unless
 it is a score source), so every part of its fragment shows in the output: scores of both signs reach the output
 (``relu_attention`` would zero the negative ones), and each row keeps several keys. Its parameters are the first
-of Hypothesis's derandomized draws, past the minimal one (a one-key window, rope with unrotated keys), under
+of Hypothesis's draws from a fixed seed, past the minimal one (a one-key window, rope with unrotated keys), under
 which most query rows keep at least two keys, and, where there is one, none of its boolean parameters is False
 (a switched-off part of the fragment: rope's ``rotate_keys``).
 """
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 from attrs import frozen
-from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import HealthCheck, Phase, given, seed, settings
 from hypothesis import strategies as st
 
 from ..combinator import Role
@@ -22,6 +22,7 @@ from .program_case import add_note, check_program_case, show_extras
 from .strategies import ProgramCase, Shape, case_of
 
 DRAWS = 8
+FIXED_SEED = 0  # the draws' seed: the same cases whatever the source's layout or the caller's settings
 """Derandomized parameter draws the fixed cases choose from."""
 
 
@@ -71,9 +72,9 @@ def fixed_program(name: str, shape: Shape) -> ProgramCase:
     chosen[comb.role] = [comb]
     cases: list[ProgramCase] = []
 
+    @seed(FIXED_SEED)  # not derandomize, whose draws follow this function's source text
     @settings(
         max_examples=DRAWS,
-        derandomize=True,
         database=None,
         deadline=None,
         phases=(Phase.generate,),
