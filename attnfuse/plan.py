@@ -73,6 +73,18 @@ class HopperPlan:
 
 
 @frozen(kw_only=True)
+class TemplatePlan:
+    """The Hopper template instances of one program (``attnfuse/kernels``): ``kernels``, a spec by kernel kind
+    for the kinds the templates can run; ``reasons``, why each other kind runs the generated kernel; the
+    program's ``scale`` and its scores' factor in the normaliser's units (``qk_scale``), launch arguments."""
+
+    kernels: dict = field(factory=dict)
+    reasons: dict = field(factory=dict)
+    scale: float = 1.0
+    qk_scale: float = 1.0
+
+
+@frozen(kw_only=True)
 class PluginCall:
     """One combinator application whose plugin gives kernel arguments: ``apply.declaration.prepare`` of
     its parameter values, the tensors and scalars it declares, named ``<prefix>_<name>`` in the kernels."""
@@ -141,7 +153,8 @@ class Plan:
     the dK/dV kernel splits over a GQA group's query heads. ``input_gradients``: every runtime input a
     combinator reads. ``transform`` and ``gradient`` (the passes of hoisted qk transforms) exist when the
     keys' transforms are hoistable; a hoisted call runs the kernels of ``hoisted_config``'s plan between
-    them. ``hopper``: the Hopper templates' constants where they serve the forward and dK/dV, else None.
+    them. ``hopper``: the hand-written Hopper kernels' constants where they serve the forward and dK/dV, else
+    None. ``templates``: the Hopper template instances (``attnfuse/kernels``) and why other kinds fall back.
     """
 
     graph: ir.MatMulPV
@@ -164,6 +177,7 @@ class Plan:
     transform: KernelSpec | None
     gradient: KernelSpec | None
     hopper: HopperPlan | None
+    templates: TemplatePlan = field(factory=TemplatePlan)
     dq_for: Callable[[tuple[InputGradient, ...]], KernelSpec] = field(repr=False)
 
     def dq(self, gradients: tuple[InputGradient, ...] = ()) -> KernelSpec:

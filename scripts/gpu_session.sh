@@ -4,6 +4,7 @@
 #   bench_base: the same benchmark code (this tree's attnfuse/bench) on the kernels in .base (attnfuse/ and
 #   attnfuse_plugins/ of an earlier commit, with this tree's attnfuse/bench copied in:
 #   `bash scripts/base_tree.sh REV`, then carry .base), for before/after tables from one call.
+#   templates: the template instances' GPU check; writes $OUT/verified.json, the record to check in.
 # Knobs: DKDV_ARGS (see benchmarks/sweep_hopper_dkdv.py), PROFILE_ARGS (see benchmarks/profile_training.py), HF_ARGS (see benchmarks/hf_layer.py), HF_GEN_ARGS (see benchmarks/hf_generate.py), LAYER_STEPS_ARGS (see benchmarks/layer_steps.py; --timing 8192), SWEEP_ARGS (more sweep_tiles.py arguments), TESTS (pytest paths), WORKERS (pytest-xdist processes; 4), MAXFAIL (failures before pytest stops; 1), FUZZ (examples per combinator), SWEEP_CASES / SWEEP_KERNEL (see
 # benchmarks/sweep_tiles.py), BENCH_ARGS (see `attnfuse bench --help`), BENCH_NAME (the
 # files' name under $OUT; bench), BENCH_PLOT (set: draw the plot), STEP_TIMEOUT (seconds
@@ -26,6 +27,12 @@ for step in "$@"; do
       ATTNFUSE_FUZZ_EXAMPLES=${FUZZ:-40} timeout "${STEP_TIMEOUT:-0}" python3 -m pytest -q -rfE -n ${WORKERS:-4} \
         --maxfail=${MAXFAIL:-1} -p no:cacheprovider \
         ${TESTS:-tests/test_gpu.py tests/test_conformance.py} 2>&1 | tee "$OUT/pytest.log" | tail -25 ;;
+    templates)
+      # every template instance against float64 (tests/test_template_gpu.py), then the record of those that passed
+      rm -rf /tmp/attnfuse-verify
+      ATTNFUSE_VERIFY_OUT=/tmp/attnfuse-verify ATTNFUSE_TEMPLATES=all timeout "${STEP_TIMEOUT:-0}" python3 -m pytest -q \
+        -rfE -n ${WORKERS:-4} -p no:cacheprovider tests/test_template_gpu.py 2>&1 | tee "$OUT/templates.log" | tail -40
+      python3 -m attnfuse.kernels.verify --collect /tmp/attnfuse-verify --write "$OUT/verified.json" ;;
     sweep)
       (cd benchmarks && timeout "${STEP_TIMEOUT:-0}" python3 sweep_tiles.py --kernel "${SWEEP_KERNEL:-forward}" ${SWEEP_CASES:+--cases $SWEEP_CASES} ${SWEEP_ARGS:-}) \
         2>&1 | tee "$OUT/sweep.log" | grep -E "BEST|failed|Error" ;;

@@ -32,6 +32,7 @@ from .codegen import (
     split_heads,
 )
 from .fuse import fuse
+from ..kernels.instance import template_plan
 from .hopper import hopper_plan
 from .lower import Instance, LoweredProgram, lower
 
@@ -99,6 +100,7 @@ def compile(graph: ir.MatMulPV, config: KernelConfig) -> Plan:  # noqa: A001 (th
         transform=_pass(program, False) if hoistable else None,
         gradient=_pass(program, True) if hoistable else None,
         hopper=hopper_plan(program),
+        templates=template_plan(program),
         dq_for=functools.partial(_dq, program),
     )
 

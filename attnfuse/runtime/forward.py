@@ -1,5 +1,6 @@
 """The forward launcher: out (and lse) from q, k, v through one generated kernel, or on Hopper, for the
-programs and tensors it serves, through the Gluon template (``hopper.py``)."""
+programs and tensors they serve, through the forward template's instance (``attnfuse/kernels``) where it is
+chosen, else the hand-written Gluon kernel (``hopper.py``)."""
 
 from __future__ import annotations
 
@@ -8,12 +9,24 @@ from typing import Any
 
 import torch
 
+from ..kernels.launch import TemplateForward
+from ..kernels.verified import chosen, record_key
 from ..plan import Plan
 from .inputs import KVCache, accumulator_dtype, empty_like_layout, even_keys, heads_together, kv_launch_args
 from .hopper import HopperLauncher
 from .kernel import CompiledKernel
 from .launcher import query_grid
 from .plugin_args import PluginArgs, Prepared
+
+
+def template_forward(plan: Plan) -> TemplateForward | None:
+    """The forward template's instance of ``plan`` where the templates can run it and ``verified.chosen``
+    chooses it (a GPU verified it, or ``ATTNFUSE_TEMPLATES=all``), else None."""
+    spec = plan.templates.kernels.get("forward")
+    if spec is None:
+        return None
+    key = record_key(spec, plan.config.dtype, plan.config.head_dim)
+    return TemplateForward(spec, plan.templates.scale, plan.templates.qk_scale, key) if chosen(key) else None
 
 
 class ForwardKernel:
@@ -26,6 +39,7 @@ class ForwardKernel:
         self.path = self.kernel.path
         self.plugin_args = PluginArgs(plan)
         self.hopper = HopperLauncher(plan.hopper) if plan.hopper is not None else None
+        self.template = template_forward(plan)
 
     def __call__(
         self, q: torch.Tensor, kv: KVCache, inputs: dict[str, Any], prepared: Prepared | None = None
@@ -46,6 +60,10 @@ class ForwardKernel:
             out.zero_()
             if lse is not None:
                 lse.fill_(-math.inf)
+            return out, lse
+        if self.template is not None and self.template.fits(q, k, v, out):
+            pargs = (prepared or self.plugin_args(q, kv, inputs)).args
+            self.template(q, k, v, out, lse, pargs)
             return out, lse
         if self.hopper is not None and self.hopper.fits(q, k, v, out):
             self.hopper(q, k, v, out, lse)

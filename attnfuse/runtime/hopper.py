@@ -3,12 +3,11 @@ forward, or the backward's dK/dV)."""
 
 from __future__ import annotations
 
-import functools
-
 import torch
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from ..kernels.descriptors import describable, describe, descriptor
 from ..launch_spec import CONSTEXPR, INT, SCALAR, TENSOR, LaunchSpec, params
 from ..plan import HopperPlan
 from .hopper_dkdv_kernel import hopper_dkdv_kernel
@@ -21,7 +20,6 @@ DKDV_BLOCK_M = 64  # query rows per step of the dK/dV kernel
 DKDV_STAGES = 2  # its Q and dO stages in shared memory
 DKDV_SPLIT_WAVES = 1.0  # a GQA grid of fewer key-block programs than this many per multiprocessor splits
 DKDV_SPLIT_FILL = 1.5  # its groups' query heads, over the fewest programs that give this many per multiprocessor
-_TMA_LIMIT = 1 << 40  # bytes: a TMA stride must stay below it
 _ROW_LAYOUT = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1)  # lse and delta rows
 
 FORWARD = LaunchSpec(
@@ -71,31 +69,6 @@ DKDV = LaunchSpec(
 )
 
 
-def _describable(t: torch.Tensor) -> bool:
-    """Whether TMA can address ``t`` (4-d): a unit last stride, a 16-byte aligned base, and along each other
-    dim longer than 1 a stride that is a positive multiple of 16 bytes below 2**40 (not a broadcast)."""
-    strides, size = t.stride(), t.element_size()
-    if strides[3] != 1 or t.data_ptr() % 16:
-        return False
-    for n, s in zip(t.shape[:3], strides):
-        if n != 1 and not (0 < s * size < _TMA_LIMIT and s * size % 16 == 0):
-            return False
-    return True
-
-
-def _descriptor(
-    base: torch.Tensor, shape: list[int], strides: list[int], block_shape: list[int], layout: gl.NVMMASharedLayout
-) -> TensorDescriptor:
-    """``TensorDescriptor(base, shape, strides, block_shape, layout)`` without its constructor's checks (which
-    take longer than the launch): ``fits`` checked the tensors' bases and strides, the template's flat rows
-    are fresh tensors padded to whole tiles, and the tiles are powers of two."""
-    descriptor = object.__new__(TensorDescriptor)
-    descriptor.__dict__.update(
-        base=base, shape=shape, strides=strides, block_shape=block_shape, layout=layout, padding="zero"
-    )
-    return descriptor
-
-
 class HopperLauncher:
     """Launches the Hopper templates for one program (``HopperPlan``'s constants)."""
 
@@ -109,7 +82,7 @@ class HopperLauncher:
     @staticmethod
     def fits(*tensors: torch.Tensor) -> bool:
         """Whether TMA can address every one of ``tensors`` (else the caller runs the generated kernel)."""
-        return all(_describable(t) for t in tensors)
+        return all(describable(t) for t in tensors)
 
     @staticmethod
     def rows_fit(lse: torch.Tensor) -> bool:
@@ -127,16 +100,12 @@ class HopperLauncher:
     @staticmethod
     def _describe_rows(rows: torch.Tensor) -> TensorDescriptor:
         """The flat float32 rows of ``rows`` read in [DKDV_BLOCK_M] tiles."""
-        return _descriptor(rows, [rows.numel()], [1], [DKDV_BLOCK_M], _ROW_LAYOUT)
+        return descriptor(rows, [rows.numel()], [1], [DKDV_BLOCK_M], _ROW_LAYOUT)
 
     @staticmethod
     def _describe(t: torch.Tensor, rows: int, columns: int | None = None) -> TensorDescriptor:
         """``t`` (4-d) read and written in [1, 1, rows, columns] tiles (columns: all of D by default)."""
-        shape = list(t.shape)
-        columns = columns or shape[3]
-        unit = 16 // t.element_size()  # a dim of length 1 is never stepped along: any valid stride will do
-        strides = [s if n > 1 else unit for n, s in zip(shape[:3], t.stride())] + [1]
-        return _descriptor(t, shape, strides, [1, 1, rows, columns], _layout(rows, columns, t.dtype))
+        return describe(t, rows, columns)
 
     def __call__(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor | None
@@ -265,12 +234,3 @@ def _group_parts(programs: int, group: int, device: torch.device) -> int:
     return next(
         p for p in range(1, group + 1) if group % p == 0 and (programs * p >= DKDV_SPLIT_FILL * wave or p == group)
     )
-
-
-_GLUON_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float32: gl.float32}
-
-
-@functools.lru_cache(maxsize=None)
-def _layout(rows: int, columns: int, dtype: torch.dtype) -> gl.NVMMASharedLayout:
-    """The shared-memory layout of a [1, 1, rows, columns] tile (TMA's and wgmma's)."""
-    return gl.NVMMASharedLayout.get_default_for([1, 1, rows, columns], _GLUON_DTYPES[dtype])

@@ -210,21 +210,25 @@ def load_function(source: str, name: str, path: Path) -> Callable:
     (in the code's file name, ``code_filename(path)``, and error messages)."""
     filename = code_filename(path)
     namespace = {"__name__": f"attnfuse_kernels.{path.stem}"}
+    with _lock:  # before running it: the decorators of a template's helpers read their source lines
+        _registered[filename] = _registered.get(filename, 0) + 1
+        linecache.cache[filename] = (len(source), None, source.splitlines(keepends=True), filename)
     try:
         exec(compile(source, filename, "exec", dont_inherit=True), namespace)
+        fn = namespace.get(name)
+        if not callable(fn):
+            raise KernelCacheError(
+                f"generated kernel {name} could not be loaded: its source defines no function "
+                f"{name} (its source is in {path})"
+            )
+    except KernelCacheError:
+        _unregister(filename)
+        raise
     except Exception as exc:
+        _unregister(filename)
         raise KernelCacheError(
             f"generated kernel {name} could not be loaded: {type(exc).__name__}: {exc} (its source is in {path})"
         ) from exc
-    fn = namespace.get(name)
-    if not callable(fn):
-        raise KernelCacheError(
-            f"generated kernel {name} could not be loaded: its source defines no function "
-            f"{name} (its source is in {path})"
-        )
-    with _lock:
-        _registered[filename] = _registered.get(filename, 0) + 1
-        linecache.cache[filename] = (len(source), None, source.splitlines(keepends=True), filename)
     weakref.finalize(fn, _unregister, filename)
     return fn
 

@@ -1,0 +1,61 @@
+"""The template instances of one lowered program: a ``KernelSpec`` per kernel kind the templates serve, and for
+every other kind the reason it runs the generated kernel."""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+from pathlib import Path
+
+from ..launch_spec import LaunchSpec
+from ..passes.lower import LoweredProgram
+from ..plan import KernelSpec, TemplatePlan, TileConfig
+from . import pipeline, rows
+from .capability import forward_reason
+from .forward import forward_params, generate_forward
+from .tiles import FORWARD_TILES
+
+TEMPLATE_KINDS = ("forward", "dkdv", "dq", "decode")  # the kernels `attnfuse show` reports an engine for
+_NOT_YET = {
+    "dkdv": "the dK/dV template is not built yet",
+    "dq": "the dQ kernel has no template yet (the dK/dV template will compute dQ too)",
+    "decode": "decoding reads few rows a program: the generated split-KV kernel serves it",
+}
+
+
+def template_plan(kernel: LoweredProgram) -> TemplatePlan:
+    """The template instances of ``kernel`` and the reasons for the kinds that fall back."""
+    reason = forward_reason(kernel)
+    kernels, reasons = {}, dict(_NOT_YET)
+    if reason is None:
+        kernels["forward"] = _forward_spec(kernel)
+    else:
+        reasons["forward"] = reason
+    return TemplatePlan(
+        kernels=kernels, reasons=reasons, scale=kernel.scale, qk_scale=kernel.scale * kernel.score_factor
+    )
+
+
+def _forward_spec(kernel: LoweredProgram) -> KernelSpec:
+    tiles = FORWARD_TILES[kernel.config.head_dim]
+    name = f"attnfuse_tfwd_{kernel.signature[:12]}"
+    parameters = forward_params(kernel)
+    return KernelSpec(
+        kind="forward",
+        name=name,
+        tiles=TileConfig(block_m=2 * pipeline.ROWS.value, block_n=tiles.block_n, num_stages=tiles.stages),
+        launch=LaunchSpec(name, parameters, {"BLOCK_N": tiles.block_n, "STAGES": tiles.stages}, tiles=()),
+        generate=lambda name, _: generate_forward(kernel, name, pipeline.CONSUMER_REGISTERS, pipeline.LOADER_REGISTERS),
+        origins={inst.prefix: inst.apply.record.distribution for inst in kernel.instances()},
+    )
+
+
+@functools.lru_cache(maxsize=1)
+def _library() -> str:
+    """The source of the template modules an instance imports (their change changes every instance)."""
+    return "".join(Path(m.__file__).read_text() for m in (pipeline, rows))
+
+
+def instance_digest(spec: KernelSpec) -> str:
+    """What identifies a template instance's code: a hash of its source and of the library it imports."""
+    return hashlib.sha256((spec.source + _library()).encode()).hexdigest()[:24]

@@ -1,0 +1,26 @@
+"""The templates' tiles and register split, by head dim: the constants of this kernel family, in one place.
+
+A forward program is 2 x 64 query rows (``pipeline.ROWS`` per consumer warpgroup); it streams ``block_n`` keys
+a step through ``stages`` shared-memory stages. Each choice keeps the consumers' registers under their budget
+(no spills: ``tests/test_template_resources.py``) and the shared memory in an H100/H200 block
+(Q's 2 x 64 rows, then ``stages`` x (K + V) tiles of ``block_n`` rows).
+"""
+
+from __future__ import annotations
+
+from attrs import frozen
+
+SHARED_MEMORY_LIMIT = 232448  # bytes of shared memory a block may use on an H100/H200 (227 KiB)
+
+
+@frozen
+class ForwardTiles:
+    block_n: int  # keys per step
+    stages: int  # K and V tiles in flight
+
+
+FORWARD_TILES = {
+    64: ForwardTiles(block_n=128, stages=3),
+    128: ForwardTiles(block_n=128, stages=3),
+    256: ForwardTiles(block_n=64, stages=2),
+}
