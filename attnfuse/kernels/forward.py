@@ -98,7 +98,7 @@ $rescale
 $state_rows
     if gl.max(gl.max(gl.where(gl.abs(o_acc) < float("inf"), 0, 1), 1), 0) > 0:  # NaN too
         ${name}_careful(
-            Q, K, V, Out, q_desc, k_desc, v_desc, o_desc, Lse, pid_bh, b, h, hk, m0 + HALF_ID * BLOCK_M, start,
+            Q, K, V, Out, q_desc, k_desc, v_desc, o_desc, Lse, pid_bh, m0 + HALF_ID * BLOCK_M, start,
             n_steps * BLOCK_N, Nq, N_K, HQ, GROUP, sm_scale, qk_scale, ${plugin_args} SAVE_LSE,
         )
     else:
@@ -114,12 +114,15 @@ $store_lse
 _CAREFUL = string.Template('''
 @gluon.jit(noinline=True)  # its registers are its own: inlined, the consumer's loop would spill
 def ${name}_careful(
-    Q, K, V, Out, q_desc, k_desc, v_desc, o_desc, Lse, pid_bh, b, h, hk, first, start, n_keys, Nq, N_K, HQ,
-    GROUP, sm_scale, qk_scale, ${plugin_args} SAVE_LSE: gl.constexpr,
+    Q, K, V, Out, q_desc, k_desc, v_desc, o_desc, Lse, pid_bh, first, start, n_keys, Nq, N_K, HQ, GROUP,
+    sm_scale, qk_scale, ${plugin_args} SAVE_LSE: gl.constexpr,
 ):  # fmt: skip
     """The careful redo of rows first.. (64) over keys [start, start + n_keys), CAREFUL_COLUMNS of out at a
     time."""
     DV: gl.constexpr = v_desc.block_type.shape[3]
+    b = pid_bh // HQ
+    h = pid_bh % HQ
+    hk = h // GROUP
     for c0 in gl.static_range(0, DV, CAREFUL_COLUMNS):
         ${name}_careful_columns(
             Q, K, V, Out, q_desc, k_desc, v_desc, o_desc, Lse, pid_bh, b, h, hk, first, start, n_keys, Nq, N_K,

@@ -13,7 +13,7 @@ from ..plan import KernelSpec, TemplatePlan, TileConfig
 from . import pipeline, rows
 from .capability import forward_reason
 from .forward import forward_params, generate_forward
-from .tiles import FORWARD_TILES
+from .tiles import FORWARD_TILES, LOADING_TILES
 
 TEMPLATE_KINDS = ("forward", "dkdv", "dq", "decode")  # the kernels `attnfuse show` reports an engine for
 _NOT_YET = {
@@ -36,8 +36,13 @@ def template_plan(kernel: LoweredProgram) -> TemplatePlan:
     )
 
 
+def loads_per_score(kernel: LoweredProgram) -> bool:
+    """Whether a score modification reads a tensor inside the key loop (its body loads, not its prologue)."""
+    return any("tl.load" in m.fragment.body for m in kernel.mods)
+
+
 def _forward_spec(kernel: LoweredProgram) -> KernelSpec:
-    tiles = FORWARD_TILES[kernel.config.head_dim]
+    tiles = (LOADING_TILES if loads_per_score(kernel) else FORWARD_TILES)[kernel.config.head_dim]
     name = f"attnfuse_tfwd_{kernel.signature[:12]}"
     parameters = forward_params(kernel)
     return KernelSpec(

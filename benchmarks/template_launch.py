@@ -1,0 +1,58 @@
+"""The forward template against the kernels it replaces, eager and as CUDA-graph replays (which leave the host
+out): whether a gap is the kernel's or the host's. Medians of ``triton.testing.do_bench``, bf16.
+
+    python benchmarks/template_launch.py
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+
+import attnfuse as af
+from attnfuse.runtime import launch
+
+
+@af.attention
+def causal(q, k, v):
+    return af.softmax(af.causal(af.scaled_dot_product(q, k))) @ v
+
+
+@af.attention
+def dense(q, k, v):
+    return af.softmax(af.scaled_dot_product(q, k)) @ v
+
+
+def timed(fn) -> tuple[float, float]:
+    """(eager ms, graph-replay ms) of ``fn``."""
+    eager = triton.testing.do_bench(fn, return_mode="median")
+    fn()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return eager, triton.testing.do_bench(graph.replay, return_mode="median")
+
+
+def main() -> None:
+    print("| case | engine | eager ms | graph ms |\n|---|---|---|---|")
+    for geometry, (B, Hq, Hkv, D) in {"gpt2": (4, 12, 12, 64), "llama3-8b": (1, 32, 8, 128)}.items():
+        for N in (2048, 8192):
+            q = torch.randn(B, Hq, N, D, device="cuda", dtype=torch.bfloat16)
+            k, v = (torch.randn(B, Hkv, N, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+            for program in (causal, dense):
+                for mode in ("all", "off"):
+                    os.environ["ATTNFUSE_TEMPLATES"] = mode
+                    launch.clear_cache()
+                    try:
+                        eager, graph = timed(lambda: program(q, k, v))
+                    except Exception as exc:  # noqa: BLE001 (a row says why it has no figure)
+                        print(f"| {geometry} N{N} {program.__name__} | {mode} | {type(exc).__name__}: {exc} | |")
+                        continue
+                    engine = "template" if mode == "all" else "before (hand-written or generated)"
+                    print(f"| {geometry} N{N} {program.__name__} | {engine} | {eager:.3f} | {graph:.3f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
