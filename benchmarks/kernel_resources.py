@@ -20,8 +20,8 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from attnfuse.cli import resolve_program
-from attnfuse.plan import KernelConfig
-from attnfuse.runtime.compiled import KERNEL_KINDS, compiled
+from attnfuse.plan import KERNEL_KINDS, KernelConfig
+from attnfuse.runtime.compiled import compiled
 
 _SIZES = {
     "HQ",
@@ -108,7 +108,7 @@ def main() -> None:
     args = parser.parse_args()
     program, _ = resolve_program(args.program)
     graph = program.graph()
-    training = args.kernel in ("dkdv", "dq")
+    training = args.kernel in ("dkdv", "dq", "gradient")
     config = KernelConfig(
         arch="sm90",
         dtype=args.dtype,

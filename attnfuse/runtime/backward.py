@@ -52,12 +52,13 @@ class BackwardKernels:
         self.plan = plan
         self.tensor_grads = tensor_grads
         interpreted = plan.config.arch == "interpreter"
-        self.dkdv = CompiledKernel(plan.dkdv, interpreted)
+        dkdv = plan.kernels["dkdv"]
+        self.dkdv = CompiledKernel(dkdv, interpreted)
         self.dq = CompiledKernel(plan.dq(tensor_grads), interpreted)
         self.plugin_args = PluginArgs(plan)
         self.hopper = HopperLauncher(plan.hopper) if plan.hopper is not None else None
-        width = plan.dkdv.launch.constants
-        self._share_width = (2 * width["BLOCK_H"] if plan.dkdv.halves else width["BLOCK_D"]) + width["BLOCK_DV"]
+        width = dkdv.launch.constants
+        self._share_width = (2 * width["BLOCK_H"] if dkdv.halves else width["BLOCK_D"]) + width["BLOCK_DV"]
 
     def _split_buffers(self, keys: int, group: int, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Scratch of a dK/dV launch that splits heavy key blocks (``keys`` rows in all, over every batch
