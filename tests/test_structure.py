@@ -204,3 +204,16 @@ def test_the_plugin_api_imports_nothing_else_of_attnfuse():
 
 def test_the_plugin_manager_does_not_import_the_package():
     assert "attnfuse" not in {target for target, _, _ in IMPORTS["attnfuse.plugin_manager"]}
+
+
+def test_distributed_reads_the_plan_not_the_compiler():
+    """No module of ``attnfuse.distributed`` imports the compiler (``attnfuse.passes``): what a ring needs of
+    a program, the Plan holds."""
+    offenders = sorted(
+        (source, target)
+        for source, found in IMPORTS.items()
+        if _in(source, "attnfuse.distributed")
+        for target, _, _ in found
+        if _in(target, "attnfuse.passes")
+    )
+    assert offenders == []
