@@ -217,3 +217,55 @@ def test_distributed_reads_the_plan_not_the_compiler():
         if _in(target, "attnfuse.passes")
     )
     assert offenders == []
+
+
+# Triton's private or experimental modules (all but its documented API: triton.jit, triton.language,
+# triton.cdiv, triton.testing ...), which only attnfuse.triton_compat imports. The Hopper templates import
+# Gluon themselves.
+PRIVATE_TRITON = ("runtime", "compiler", "knobs", "backends", "experimental", "tools", "_C")
+TRITON_COMPAT_EXEMPT = (
+    "attnfuse.triton_compat",
+    "attnfuse.runtime.hopper",
+    "attnfuse.runtime.hopper_kernel",
+    "attnfuse.runtime.hopper_dkdv_kernel",
+    "attnfuse.passes.hopper",
+    "attnfuse.cli.show",
+    "attnfuse.kernels",
+)
+
+
+def _private_triton(tree: ast.AST) -> list[str]:
+    """The private Triton names a module's source reaches: by ``import``, ``from ... import`` or an
+    attribute of ``triton`` (``triton.runtime.driver``)."""
+    reached = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            reached += [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            reached += [f"{node.module}.{alias.name}" for alias in node.names]
+        elif isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "triton":
+            reached.append(f"triton.{node.attr}")
+    return [name for name in reached if name.startswith("triton.") and name.split(".")[1] in PRIVATE_TRITON]
+
+
+def test_only_the_compat_module_imports_private_triton():
+    offenders = {
+        module: found
+        for module, path in MODULES.items()
+        if _in(module, "attnfuse") and not _in(module, *TRITON_COMPAT_EXEMPT)
+        for found in [_private_triton(ast.parse(path.read_text(), str(path)))]
+        if found
+    }
+    assert offenders == {}
+
+
+def test_the_private_triton_check_finds_every_spelling():
+    source = "import triton.runtime.jit\nfrom triton import knobs\nfrom triton.compiler import ASTSource\nx = triton._C"
+    assert _private_triton(ast.parse(source)) == [
+        "triton.runtime.jit",
+        "triton.knobs",
+        "triton.compiler.ASTSource",
+        "triton._C",
+    ]
+    public = "import triton\nimport triton.language as tl\nfrom triton.testing import do_bench\ntriton.jit(f)"
+    assert _private_triton(ast.parse(public)) == []
