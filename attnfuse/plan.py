@@ -22,6 +22,7 @@ from attrs import field, frozen
 
 from . import ir
 from .launch_spec import LaunchSpec, Param
+from .tiles import TileConfig
 
 
 KERNEL_KINDS: Mapping[str, str] = MappingProxyType(
@@ -65,21 +66,6 @@ class KernelConfig:
     positions: bool = False  # the call gives its queries' and keys' first positions (Q_OFFSET, K_OFFSET, N_SEQ)
     wide_positions: bool = False  # some position can reach 2**30: positions and the masks' facts are int64
     partial: bool = False  # a partial result over some of each row's keys: the normaliser's ``partial`` fragment
-
-
-def _tile_size(_, attribute, value: int) -> None:
-    if value < 16 or value & (value - 1):
-        raise ValueError(f"{attribute.name} must be a power of two >= 16, got {value}")
-
-
-@frozen(kw_only=True)
-class TileConfig:
-    """Launch shape of one kernel: BLOCK_M query rows by BLOCK_N keys per step."""
-
-    block_m: int = field(validator=_tile_size)
-    block_n: int = field(validator=_tile_size)
-    num_warps: int = 4
-    num_stages: int = 2
 
 
 @frozen
