@@ -91,7 +91,7 @@ def choose_tiles(arch: str, variant: str, head_dim: int, kernel: str) -> TileCon
         if not isinstance(chosen, TileConfig):
             raise PluginError(
                 f"a plugin chose {chosen!r} as the tiles of the {kernel} kernel (arch {arch}, variant "
-                f"{variant}, head dim {head_dim}); a tile hook must give an attnfuse.plan.TileConfig"
+                f"{variant}, head dim {head_dim}); a tile hook must give an attnfuse.plugin.TileConfig"
             )
         return chosen
     for rule in TABLE:
