@@ -29,7 +29,7 @@ def fuses_dq(template: bool, tensor_grads: bool) -> bool:
     """Whether the backward's dQ comes from the Hopper dK/dV template (``template``: it runs this call) by
     TMA reduce-adds into a float32 accumulator (B, Hq, Nq, D), instead of the generated dQ kernel. Opt-in,
     with the environment variable ATTNFUSE_FUSED_DQ=1 ("0" or unset: no): the accumulator is a float32 copy
-    of all of dQ held during the backward (twice dQ's memory in bfloat16). Never with tensor gradients
+    of all of dQ held during the backward (twice the bytes of a bfloat16 dQ). Never with tensor gradients
     (``tensor_grads``), which the dQ kernel writes, nor under ``torch.use_deterministic_algorithms``."""
     setting = os.environ.get(FUSED_DQ_ENV, "").strip()
     if setting not in ("", "0", "1"):
