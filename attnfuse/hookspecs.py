@@ -41,9 +41,9 @@ def attnfuse_tile_config(kernel: str, arch: str, variant: str, head_dim: int):
 
     :param kernel: "forward", "dkdv", "dq" or "decode".
     :param arch: "sm90", "sm80", ... or "interpreter".
-    :param variant: "dense", "masked", "window", "listed" or "rope" (``attnfuse.passes.tile.TileRule``).
+    :param variant: "dense", "masked", "window", "listed" or "rope" (``attnfuse.plugin.TileRule``).
     :param head_dim: the wider head dim of q/k and v, padded to a power of two.
-    :return: an :class:`attnfuse.plan.TileConfig`, or None.
+    :return: an :class:`attnfuse.plugin.TileConfig`, or None.
     """
 
 
@@ -51,7 +51,7 @@ def attnfuse_tile_config(kernel: str, arch: str, variant: str, head_dim: int):
 def attnfuse_tile_configs() -> list:
     """Return tile rules that take precedence over the built-in tuning table.
 
-    :return: a list of :class:`attnfuse.passes.tile.TileRule`. The first rule matching a kernel's
+    :return: a list of :class:`attnfuse.plugin.TileRule`. The first rule matching a kernel's
         (kernel kind, arch, variant, head dim) wins; plugins' rules are tried after ``attnfuse_tile_config``
         and before the built-in table. Call ``attnfuse.runtime.launch.clear_cache()`` after registering
         rules at run time.

@@ -198,17 +198,23 @@ def chain(graph: MatMulPV) -> list:
     return nodes[::-1]
 
 
-def input_names(graph: MatMulPV) -> tuple[str, ...]:
-    """The argument names of the runtime inputs the graph reads, each once, in the order of its nodes."""
-    names: dict[str, None] = {}
-    for node in chain(graph):
-        applies = (
+def applications(graph: MatMulPV) -> tuple[Apply, ...]:
+    """Every combinator application of the graph, in the order of its nodes (the score's transforms and
+    source first, the normaliser last)."""
+    return tuple(
+        apply
+        for node in chain(graph)
+        for apply in (
             (*node.transforms, node.source)
             if isinstance(node, ScoreOp)
             else (() if isinstance(node, MatMulPV) else (node.apply,))
         )
-        names.update((sym.name, None) for apply in applies for sym in apply.inputs().values())
-    return tuple(names)
+    )
+
+
+def input_names(graph: MatMulPV) -> tuple[str, ...]:
+    """The argument names of the runtime inputs the graph reads, each once, in the order of its nodes."""
+    return tuple(dict.fromkeys(sym.name for apply in applications(graph) for sym in apply.inputs().values()))
 
 
 def render(graph: MatMulPV) -> str:

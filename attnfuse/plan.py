@@ -1,21 +1,45 @@
 """The Plan: what the compiler (``passes.compiler.compile``) tells the runtime about one program.
 
 The compiler writes a ``Plan`` per (graph, ``KernelConfig``); the runtime reads it and nothing else of the
-compiler. It holds every fact a call needs: the kernels (a ``KernelSpec`` each: name, tiles, launch spec,
-source on first use), which plugins give kernel arguments, how split-KV results merge, whether the program
-has a backward, which runtime inputs can have gradients, and whether the Hopper templates serve it.
+compiler. It holds every fact a call needs: the kernels (a ``KernelSpec`` each, by kind: name, tiles, launch
+spec, source on first use), which plugins give kernel arguments, how split-KV results merge, whether the
+program has a backward, which runtime inputs can have gradients, the masks' key ranges (for a context-parallel
+ring) and whether the Hopper templates serve it.
+
+``KERNEL_KINDS`` is the one list of kernel kinds: a new kind is its kernel, its spec in the plan and a line
+there.
 """
 
 from __future__ import annotations
 
 import functools
-from typing import Callable
+import string
+from types import MappingProxyType
+from typing import Callable, Mapping
 
 import attrs
 from attrs import field, frozen
 
 from . import ir
 from .launch_spec import LaunchSpec, Param
+from .tiles import TileConfig
+
+
+KERNEL_KINDS: Mapping[str, str] = MappingProxyType(
+    {
+        "forward": "fwd",  # the forward kernel
+        "decode": "decode",  # the split-KV decoding kernel
+        "dkdv": "dkdv",  # the backward's dK/dV kernel
+        "dq": "dq",  # the backward's dQ kernel (it writes each row's delta, and score-shaped input gradients)
+        "transform": "transformpass",  # the pass applying hoisted qk transforms to q and k rows once
+        "gradient": "gradpass",  # the pass carrying dQ and dK back through the hoisted transforms
+    }
+)
+"""Every kind of kernel a plan can hold, each with the part of its kernels' names (``attnfuse_<part>_<hash>``).
+A plan holds "forward", "decode", "dkdv" and "dq" always, "transform" and "gradient" where its keys' qk
+transforms are hoistable."""
+
+ALWAYS_PLANNED = ("forward", "decode", "dkdv", "dq")
 
 
 def accumulator_type(dtype: str) -> str:
@@ -42,21 +66,6 @@ class KernelConfig:
     positions: bool = False  # the call gives its queries' and keys' first positions (Q_OFFSET, K_OFFSET, N_SEQ)
     wide_positions: bool = False  # some position can reach 2**30: positions and the masks' facts are int64
     partial: bool = False  # a partial result over some of each row's keys: the normaliser's ``partial`` fragment
-
-
-def _tile_size(_, attribute, value: int) -> None:
-    if value < 16 or value & (value - 1):
-        raise ValueError(f"{attribute.name} must be a power of two >= 16, got {value}")
-
-
-@frozen(kw_only=True)
-class TileConfig:
-    """Launch shape of one kernel: BLOCK_M query rows by BLOCK_N keys per step."""
-
-    block_m: int = field(validator=_tile_size)
-    block_n: int = field(validator=_tile_size)
-    num_warps: int = 4
-    num_stages: int = 2
 
 
 @frozen
@@ -105,6 +114,21 @@ class InputGradient:
     prefix: str | None
 
 
+@frozen(kw_only=True)
+class MaskRange:
+    """The ``kv_range`` fact of one mask application as the kernels read it (parameters and ``$self``
+    substituted): ``lo`` and ``hi`` bound the keys a query block may keep, with ``$q_lo`` and ``$q_hi`` (the
+    block's first and last query positions) still to fill."""
+
+    combinator: str
+    lo: str
+    hi: str
+
+    def bounds(self, q_lo: str, q_hi: str) -> tuple[str, str]:
+        """The (lo, hi) expressions for queries at positions ``q_lo`` to ``q_hi`` (expressions too)."""
+        return tuple(string.Template(e).substitute(q_lo=q_lo, q_hi=q_hi) for e in (self.lo, self.hi))
+
+
 @frozen(kw_only=True, slots=False, eq=False)
 class KernelSpec:
     """One generated kernel: what the runtime needs to load and launch it.
@@ -135,6 +159,18 @@ class KernelSpec:
         return self.generate(self.name, self.launch.params)
 
 
+def _kernels(_, __, kernels: Mapping[str, KernelSpec]) -> None:
+    """Every kind a known one, each spec of its kind, and the kernels every plan has there."""
+    unknown = sorted(set(kernels) - set(KERNEL_KINDS))
+    missing = [kind for kind in ALWAYS_PLANNED if kind not in kernels]
+    mislabelled = sorted(kind for kind, spec in kernels.items() if spec.kind != kind)
+    if unknown or missing or mislabelled:
+        raise ValueError(
+            f"Plan.kernels: unknown kinds {unknown} (known: {', '.join(KERNEL_KINDS)}), missing {missing}, "
+            f"specs under another kind than theirs {mislabelled}"
+        )
+
+
 @frozen(kw_only=True, slots=False, eq=False)
 class Plan:
     """Every kernel of one program for one configuration, and the facts a call needs.
@@ -151,10 +187,13 @@ class Plan:
     scalars; strides are bound from their tensors). ``block_limit`` and ``heavy_split``: the scalar
     arguments of the listing mask giving its block size (the largest tile) and how many heavy key blocks
     the dK/dV kernel splits over a GQA group's query heads. ``input_gradients``: every runtime input a
-    combinator reads. ``transform`` and ``gradient`` (the passes of hoisted qk transforms) exist when the
-    keys' transforms are hoistable; a hoisted call runs the kernels of ``hoisted_config``'s plan between
-    them. ``hopper``: the hand-written Hopper kernels' constants where they serve the forward and dK/dV, else
-    None. ``templates``: the Hopper template instances (``attnfuse/kernels``) and why other kinds fall back.
+    combinator reads. ``mask_ranges``: the ``kv_range`` fact of each mask that declares one, in the
+    program's order. ``kernels``: a read-only mapping from kind (``KERNEL_KINDS``) to spec, the dQ kernel
+    writing no tensor gradient; ``dq(gradients)`` gives the one writing some. "transform" and "gradient" (the
+    passes of hoisted qk transforms) are there when the keys' transforms are hoistable; a hoisted call runs
+    the kernels of ``hoisted_config``'s plan between them. ``hopper``: the hand-written Hopper kernels'
+    constants where they serve the forward and dK/dV, else None. ``templates``: the Hopper template instances
+    (``attnfuse/kernels``) and why other kinds fall back.
     """
 
     graph: ir.MatMulPV
@@ -171,21 +210,19 @@ class Plan:
     block_limit: str | None
     heavy_split: str | None
     input_gradients: tuple[InputGradient, ...]
-    forward: KernelSpec
-    decode: KernelSpec
-    dkdv: KernelSpec
-    transform: KernelSpec | None
-    gradient: KernelSpec | None
+    mask_ranges: tuple[MaskRange, ...]
+    kernels: Mapping[str, KernelSpec] = field(converter=lambda k: MappingProxyType(dict(k)), validator=_kernels)
     hopper: HopperPlan | None
     templates: TemplatePlan = field(factory=TemplatePlan)
     dq_for: Callable[[tuple[InputGradient, ...]], KernelSpec] = field(repr=False)
 
     def dq(self, gradients: tuple[InputGradient, ...] = ()) -> KernelSpec:
         """The dQ kernel, writing the score-shaped gradients of ``gradients`` (of ``input_gradients``)."""
-        return self.dq_for(gradients)
+        return self.dq_for(gradients) if gradients else self.kernels["dq"]
 
     @property
     def hoisted_config(self) -> KernelConfig:
         """The configuration of the kernels that read the passes' transformed copies."""
-        sides = self.transform.sides if self.transform is not None else ()
+        transform = self.kernels.get("transform")
+        sides = transform.sides if transform is not None else ()
         return attrs.evolve(self.config, **{f"{x}_transformed": x in sides for x in "qk"})

@@ -346,14 +346,15 @@ class AttentionProgram:
         **kwargs: Any,
     ) -> str:
         """The generated Triton source of one kernel for these inputs: ``kernel`` is "forward", "decode"
-        (the split-KV path), "dkdv" or "dq" (the backward's)."""
+        (the split-KV path), "dkdv" or "dq" (the backward's), "transform" or "gradient" (the passes of
+        hoisted qk transforms): a kind of ``attnfuse.plan.KERNEL_KINDS``."""
         (q, k, v), args, kwargs = self._take_qkv(args, kwargs)
         kv = check_cache(q, k, v, kv_lens, block_table, kv_layout)._replace(
             positions=check_positions(q_offset, k_offset, seq_len, q.shape[2], k.shape[2], kv_lens, block_table)
         )
         key, inputs = self._bind(args, kwargs)
         graph = self._trace(key)
-        save_lse = return_lse or (kernel in ("dkdv", "dq") and graph.has_lse)
+        save_lse = return_lse or (kernel in ("dkdv", "dq", "gradient") and graph.has_lse)
         return compiled_kernel(graph, kernel_config(q, kv, save_lse, not inputs_fit(inputs)), kernel).source
 
     def __repr__(self) -> str:

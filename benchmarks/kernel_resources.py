@@ -16,12 +16,11 @@ import subprocess
 import tempfile
 
 import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
 
 from attnfuse.cli import resolve_program
-from attnfuse.plan import KernelConfig
-from attnfuse.runtime.compiled import KERNEL_KINDS, compiled
+from attnfuse.plan import KERNEL_KINDS, KernelConfig
+from attnfuse.runtime.compiled import compiled
+from attnfuse.triton_compat import ASTSource, GPUTarget, knobs
 
 _SIZES = {
     "HQ",
@@ -78,7 +77,7 @@ def report(kernel, plan, tiles: tuple[int, int, int, int], dtype: str) -> str:
     )
     # the ptxas Triton compiled with: torch.compile sets TRITON_PTXAS_PATH to torch's own (a newer CUDA), whose
     # PTX version an older ptxas refuses
-    ptxas = triton.knobs.nvidia.ptxas.path
+    ptxas = knobs.nvidia.ptxas.path
     with tempfile.NamedTemporaryFile("w", suffix=".ptx") as ptx:
         ptx.write(compiled.asm["ptx"])
         ptx.flush()
@@ -108,7 +107,7 @@ def main() -> None:
     args = parser.parse_args()
     program, _ = resolve_program(args.program)
     graph = program.graph()
-    training = args.kernel in ("dkdv", "dq")
+    training = args.kernel in ("dkdv", "dq", "gradient")
     config = KernelConfig(
         arch="sm90",
         dtype=args.dtype,

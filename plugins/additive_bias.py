@@ -7,9 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from attnfuse.combinator import Combinator, Param, Role, ScoreModFragment, TensorArg
-from attnfuse.errors import InputError
-from attnfuse.hookspecs import hookimpl
+from attnfuse.plugin import Combinator, InputError, Param, Role, ScoreModFragment, TensorArg, hookimpl
 
 
 def _broadcast(bias, B: int, Hq: int, Nq: int, Nk: int) -> torch.Tensor:
@@ -35,7 +33,7 @@ def prepare(ctx, bias):
 def examples(draw, shape):
     from hypothesis import strategies as st
 
-    from attnfuse.examples_support import random_tensor
+    from attnfuse.plugin import random_tensor
 
     full = (shape.B, shape.Hq, shape.Nq, shape.Nk)
     kept = draw(st.tuples(*(st.booleans() for _ in full)))  # broadcast along the dims not kept

@@ -6,10 +6,7 @@ import math
 
 import torch
 
-from attnfuse.combinator import Combinator, Param, Role, ScoreModFragment, TensorArg
-from attnfuse.device_cache import device_cached
-from attnfuse.errors import InputError
-from attnfuse.hookspecs import hookimpl
+from attnfuse.plugin import Combinator, InputError, Param, Role, ScoreModFragment, TensorArg, device_cached, hookimpl
 
 
 def default_slopes(num_heads: int) -> list[float]:
@@ -58,7 +55,7 @@ def prepare(ctx, slopes):
 def examples(draw, shape):
     from hypothesis import strategies as st
 
-    from attnfuse.examples_support import random_tensor
+    from attnfuse.plugin import random_tensor
 
     if draw(st.booleans()):
         return {"slopes": None}

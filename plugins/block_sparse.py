@@ -5,10 +5,18 @@ from __future__ import annotations
 
 import torch
 
-from attnfuse.block_mask import BlockMask
-from attnfuse.combinator import BlockList, Combinator, MaskFragment, Param, Role, ScalarArg, TensorArg
-from attnfuse.errors import InputError
-from attnfuse.hookspecs import hookimpl
+from attnfuse.plugin import (
+    BlockList,
+    BlockMask,
+    Combinator,
+    InputError,
+    MaskFragment,
+    Param,
+    Role,
+    ScalarArg,
+    TensorArg,
+    hookimpl,
+)
 
 
 def _check(block_mask, B: int, Hq: int, Nq: int, Nk: int) -> BlockMask:
@@ -68,8 +76,7 @@ def examples(draw, shape):
 
     from hypothesis import strategies as st
 
-    from attnfuse.block_mask import create_block_mask, create_block_mask_from_blocks
-    from attnfuse.examples_support import random_tensor
+    from attnfuse.plugin import create_block_mask, create_block_mask_from_blocks, random_tensor
 
     bs = draw(st.sampled_from([16, 32]))
     threshold = draw(st.floats(-1.0, 1.0))

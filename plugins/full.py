@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-from attnfuse.combinator import Combinator, MaskFragment, Role
-from attnfuse.hookspecs import hookimpl
+from attnfuse.plugin import Combinator, MaskFragment, Role, hookimpl
 
 
 def reference(ctx):

@@ -9,8 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from attnfuse.combinator import Combinator, NormaliserFragment, Role
-from attnfuse.hookspecs import hookimpl
+from attnfuse.plugin import Combinator, NormaliserFragment, Role, hookimpl
 
 
 def reference(s, keep, ctx):

@@ -13,12 +13,21 @@ from __future__ import annotations
 
 import torch
 
-from attnfuse.checks import finite_number_or_none, positive_number
-from attnfuse.combinator import Combinator, Param, QKTransformFragment, Role, ScalarArg, ScoreSourceFragment, TensorArg
-from attnfuse.device_cache import device_cached
-from attnfuse.errors import InputError
-from attnfuse.hookspecs import hookimpl
-from attnfuse.rotary import rotate_half
+from attnfuse.plugin import (
+    Combinator,
+    InputError,
+    Param,
+    QKTransformFragment,
+    Role,
+    ScalarArg,
+    ScoreSourceFragment,
+    TensorArg,
+    device_cached,
+    finite_number_or_none,
+    hookimpl,
+    positive_number,
+    rotate_half,
+)
 
 
 def _boolean(value) -> None:
@@ -139,7 +148,7 @@ def prepare(ctx, theta, scale, cos, sin, rotate_keys):
 def examples(draw, shape):
     from hypothesis import strategies as st
 
-    from attnfuse.examples_support import random_tensor
+    from attnfuse.plugin import random_tensor
 
     params = {
         "theta": draw(st.sampled_from([10000.0, 500.0])),

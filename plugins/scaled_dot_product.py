@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-from attnfuse.checks import finite_number_or_none
-from attnfuse.combinator import Combinator, Param, Role, ScoreSourceFragment
-from attnfuse.hookspecs import hookimpl
+from attnfuse.plugin import Combinator, Param, Role, ScoreSourceFragment, finite_number_or_none, hookimpl
 
 
 def reference(q, k, ctx, scale):

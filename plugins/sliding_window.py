@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-from attnfuse.checks import non_negative_int
-from attnfuse.combinator import Combinator, MaskFragment, Param, Role
-from attnfuse.hookspecs import hookimpl
+from attnfuse.plugin import Combinator, MaskFragment, Param, Role, hookimpl, non_negative_int
 
 
 UNBOUNDED = 2**30

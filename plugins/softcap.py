@@ -14,9 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from attnfuse.checks import positive_number
-from attnfuse.combinator import Combinator, Param, Role, ScoreModFragment
-from attnfuse.hookspecs import hookimpl
+from attnfuse.plugin import Combinator, Param, Role, ScoreModFragment, hookimpl, positive_number
 
 
 def reference(s: torch.Tensor, ctx, cap: float) -> torch.Tensor:

@@ -21,9 +21,7 @@ import math
 
 import torch
 
-from attnfuse.combinator import Combinator, NormaliserFragment, Param, Role, TensorArg
-from attnfuse.errors import InputError
-from attnfuse.hookspecs import hookimpl
+from attnfuse.plugin import Combinator, InputError, NormaliserFragment, Param, Role, TensorArg, hookimpl
 from attnfuse_plugins.softmax import COMBINATOR as SOFTMAX
 
 LOG2E = 1.4426950408889634

@@ -1,5 +1,7 @@
 """Gradients through the fused kernels: against float64 autograd of the reference, gradcheck, determinism."""
 
+import contextlib
+
 import pytest
 import torch
 
@@ -8,7 +10,7 @@ from attnfuse.combinator import Combinator, Role, ScoreModFragment
 from attnfuse.runtime.backward import split_blocks
 from attnfuse.testing import assert_matches_reference
 
-from conftest import hoisted_last_call
+from conftest import deterministic_algorithms, hoisted_last_call
 
 
 @af.attention
@@ -275,3 +277,47 @@ def test_hoisted_transforms_give_the_fused_gradients(monkeypatch, program, extra
     if dtype == torch.float32:  # float16 results may round an ulp apart; each matched the reference above
         for a, b in zip(hoisted_grads, fused_grads):
             torch.testing.assert_close(a, b)
+
+
+class _ServingTemplate:
+    """Stands in for the Hopper launcher of a call the dK/dV template serves (CPU tensors never are)."""
+
+    fits = rows_fit = staticmethod(lambda *tensors: True)
+
+
+@pytest.mark.parametrize("setting", [None, "0", "1"])
+@pytest.mark.parametrize("deterministic", [False, True], ids=["any-order", "deterministic"])
+def test_the_template_computes_dq_only_when_asked(monkeypatch, setting, deterministic):
+    """A backward the Hopper dK/dV template serves runs the generated dQ kernel (which holds no float32 copy
+    of all of dQ) unless ATTNFUSE_FUSED_DQ=1 asks the template to add dQ into a float32 accumulator, and never
+    under deterministic algorithms. Only which path runs is checked: the paths themselves need the GPU."""
+    from attnfuse.plan import KernelConfig
+    from attnfuse.runtime.compiled import compiled
+    from attnfuse.runtime.inputs import kv_cache
+
+    if setting is None:
+        monkeypatch.delenv("ATTNFUSE_FUSED_DQ", raising=False)
+    else:
+        monkeypatch.setenv("ATTNFUSE_FUSED_DQ", setting)
+    config = KernelConfig(
+        arch="interpreter", dtype="float32", head_dim=16, head_dim_v=16, group=1, save_lse=True, fp32_precision="ieee"
+    )
+    kernels = compiled(causal.graph(), config).backward()
+    monkeypatch.setattr(kernels, "hopper", _ServingTemplate())
+    paths = []
+    monkeypatch.setattr(kernels, "_fused_dq", lambda *args: paths.append("template"))
+    monkeypatch.setattr(kernels, "_dq_then_dkdv", lambda *args: paths.append(("generated", args[-1])))
+    q, k, v, out, dout = (torch.randn(1, 2, 24, 16) for _ in range(5))
+    lse = torch.randn(1, 2, 24)
+    with deterministic_algorithms() if deterministic else contextlib.nullcontext():
+        kernels(q, kv_cache(k, v, None, None), out, lse, dout, None, {})
+    assert paths == (["template"] if setting == "1" and not deterministic else [("generated", True)])
+
+
+def test_a_fused_dq_setting_other_than_0_or_1_is_an_input_error(monkeypatch):
+    from attnfuse.runtime.backward import fuses_dq
+
+    for setting in ("yes", "2", "true"):
+        monkeypatch.setenv("ATTNFUSE_FUSED_DQ", setting)
+        with pytest.raises(af.InputError, match=f"ATTNFUSE_FUSED_DQ must be 1 .* or 0 .*, got '{setting}'"):
+            fuses_dq(True, False)

@@ -489,8 +489,8 @@ def test_chunk_pairs_skipped_are_those_the_reference_keeps_nothing_in(program):
     the float64 reference: with v the identity, out[i, j] is query i's weight of key j, nonzero where it is kept.
     Every (query chunk, key chunk) pair of 8 chunks of 5 keeps something exactly where the reference does."""
     from attnfuse.distributed.pairs import keeps_any, ring_program
-    from attnfuse.passes.compiler import lowered
     from attnfuse.plan import KernelConfig
+    from attnfuse.runtime.compiled import compiled
 
     n, size = 40, 5
     q, k = torch.randn(1, 2, n, D), torch.randn(1, 2, n, D)
@@ -505,7 +505,7 @@ def test_chunk_pairs_skipped_are_those_the_reference_keeps_nothing_in(program):
         fp32_precision="ieee",
         positions=True,
     )
-    masks = ring_program(lowered(program.graph(), config)).masks
+    masks = ring_program(compiled(program.graph(), config).plan).masks
     for qc in range(n // size):
         for kc in range(n // size):
             queries, keys = range(qc * size, qc * size + size), range(kc * size, kc * size + size)

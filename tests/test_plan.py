@@ -10,7 +10,7 @@ import torch
 import attnfuse as af
 from attnfuse.launch_spec import CONSTEXPR
 from attnfuse.passes.compiler import compile as compile_plan, lowered as lowered_of
-from attnfuse.plan import KernelConfig
+from attnfuse.plan import KERNEL_KINDS, KernelConfig
 
 
 @af.attention
@@ -60,8 +60,7 @@ def _def_line(source: str, name: str) -> list[tuple[str, bool]]:
 
 def _specs(plan):
     grads = tuple(g for g in plan.input_gradients if g.prefix is not None)
-    specs = [plan.forward, plan.decode, plan.dkdv, plan.dq(), plan.dq(grads), plan.transform, plan.gradient]
-    return [s for s in specs if s is not None]
+    return [*plan.kernels.values(), plan.dq(grads)]
 
 
 @pytest.mark.parametrize("program", [llama, alibi_window, sparse, biased], ids=lambda p: p.fn.__name__)
@@ -93,15 +92,15 @@ def test_biased_dq_takes_its_gradient_buffer():
 
 def test_wide_offsets_cast_exactly_the_stride_parameters():
     plan = compile_plan(_graph(sparse), attrs.evolve(BASE, wide_offsets=True))
-    source = plan.forward.source
+    source = plan.kernels["forward"].source
     casts = [line.split("=")[0].strip() for line in source.splitlines() if "= tl.cast(" in line and "tl.int64)" in line]
-    assert casts == list(plan.forward.launch.stride_names)
+    assert casts == list(plan.kernels["forward"].launch.stride_names)
     assert "stride_btb" not in casts and "block_sparse_1_kv_num_s2" in casts
 
 
 def test_bind_names_a_missing_or_unknown_argument():
     """Arguments bind by name, strides from the tensor they belong to; a missing or unknown name is named."""
-    launch = compile_plan(_graph(llama), BASE).forward.launch
+    launch = compile_plan(_graph(llama), BASE).kernels["forward"].launch
     q, k, v, out = (
         torch.empty_strided((1, 2, 3, 4), stride, dtype=torch.float32)
         for stride in ((24, 12, 4, 1), (24, 1, 8, 2), (100, 30, 10, 1), (96, 48, 16, 4))
@@ -157,8 +156,8 @@ def test_float64_accumulates_in_float64_without_rewriting_text():
     lowered32 = lowered_of(_graph(alibi_window), BASE)
     lowered64 = lowered_of(_graph(alibi_window), attrs.evolve(BASE, dtype="float64"))
     assert (lowered32.accumulator, lowered64.accumulator) == ("tl.float32", "tl.float64")
-    source32 = compile_plan(_graph(alibi_window), BASE).forward.source
-    source64 = compile_plan(_graph(alibi_window), attrs.evolve(BASE, dtype="float64")).forward.source
+    source32 = compile_plan(_graph(alibi_window), BASE).kernels["forward"].source
+    source64 = compile_plan(_graph(alibi_window), attrs.evolve(BASE, dtype="float64")).kernels["forward"].source
     assert "tl.float64" not in source32 and "tl.float32" not in source64
     assert "tl.load(alibi_1_slopes + h * alibi_1_slopes_s0).to(tl.float64)" in source64
 
@@ -181,3 +180,28 @@ def test_runtime_reads_plans_not_codegen():
             )
             offenders += [f"{path.name}: {m}" for m in modules if "codegen" in m]
     assert offenders == []
+
+
+@pytest.mark.parametrize("program", [llama, biased], ids=lambda p: p.fn.__name__)
+def test_the_plan_holds_its_kernels_by_kind_of_the_one_registry(program):
+    """``Plan.kernels`` maps each kind of ``KERNEL_KINDS`` the program has to its spec, read-only; the dQ
+    kernel there writes no tensor gradient. Every registered kind is a kernel ``source`` can show (the
+    passes' kinds where the keys have a qk transform), and a kind outside the registry is refused."""
+    plan = compile_plan(_graph(program), BASE)
+    hoisted = program is llama
+    assert set(plan.kernels) == set(KERNEL_KINDS) - (set() if hoisted else {"transform", "gradient"})
+    assert all(spec.kind == kind for kind, spec in plan.kernels.items())
+    assert plan.dq() is plan.kernels["dq"] and plan.kernels["dq"].grad_buffers == ()
+    with pytest.raises(TypeError):
+        plan.kernels["forward"] = plan.kernels["decode"]
+    with pytest.raises(ValueError, match=r"unknown kinds \['backward'\]"):
+        attrs.evolve(plan, kernels={**plan.kernels, "backward": plan.kernels["dkdv"]})
+    with pytest.raises(ValueError, match=r"missing \['decode'\]"):
+        attrs.evolve(plan, kernels={k: s for k, s in plan.kernels.items() if k != "decode"})
+    q, k, v = (torch.randn(1, 2, 40, 32) for _ in range(3))
+    extra = (torch.randn(1, 2, 40, 40),) if program is biased else ()
+    for kind in plan.kernels:
+        name = f"attnfuse_{NAME_PARTS.get(kind, kind)}_{plan.signature[:12]}"
+        assert f"def {name}(" in program.source(q, k, v, *extra, kernel=kind), kind
+    with pytest.raises(af.InputError, match="kernel must be one of forward, decode, dkdv, dq, transform, gradient"):
+        program.source(q, k, v, *extra, kernel="backward")

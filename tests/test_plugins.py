@@ -485,3 +485,45 @@ def test_every_hookspec_in_plugin_docs(name):
     if not docs.exists():
         pytest.skip("docs/plugins.md does not exist yet")
     assert name in docs.read_text(), f"docs/plugins.md does not mention hookspec {name}"
+
+
+def test_the_plugin_module_holds_what_the_docs_tell_plugin_authors_to_use():
+    """Every name the plugin docs import from ``attnfuse.plugin`` or spell ``attnfuse.plugin.<name>`` is
+    there, and is the very object its old module (still importable) holds."""
+    import re
+
+    import attnfuse.block_mask
+    import attnfuse.checks
+    import attnfuse.combinator
+    import attnfuse.device_cache
+    import attnfuse.errors
+    import attnfuse.examples_support
+    import attnfuse.hookspecs
+    import attnfuse.passes.tile
+    import attnfuse.plugin
+    import attnfuse.rotary
+    import attnfuse.runtime.inputs
+
+    docs = Path(__file__).resolve().parents[1] / "docs"
+    text = "".join((docs / name).read_text() for name in ("writing-a-combinator.md", "plugins.md"))
+    imported = re.findall(r"from attnfuse\.plugin import \(?([\w\s,]+?)\)?\n(?=\S|\n)", text)
+    named = {n for group in imported for n in re.split(r"[\s,]+", group) if n} | set(
+        re.findall(r"attnfuse\.plugin\.(\w+)", text)
+    )
+    assert {"hookimpl", "Combinator", "LaunchContext", "TileRule", "random_tensor", "InputError"} <= named
+    old_homes = (
+        attnfuse.block_mask,
+        attnfuse.checks,
+        attnfuse.combinator,
+        attnfuse.device_cache,
+        attnfuse.errors,
+        attnfuse.examples_support,
+        attnfuse.hookspecs,
+        attnfuse.passes.tile,
+        attnfuse.rotary,
+        attnfuse.runtime.inputs,
+    )
+    for name in sorted(named | set(attnfuse.plugin.__all__)):
+        value = getattr(attnfuse.plugin, name)
+        homes = [m.__name__ for m in old_homes if getattr(m, name, None) is value]
+        assert homes, f"attnfuse.plugin.{name} is in none of its old modules"

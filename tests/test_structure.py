@@ -15,11 +15,12 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = {"attnfuse": ROOT / "attnfuse", "attnfuse_plugins": ROOT / "plugins"}
 
-# What a plugin may import of AttnFuse: the hook marker, the declaration and fragment types, the errors it
-# raises, parameter checks, the rotation helper, the device cache, the BlockMask type, and what its
-# ``examples`` draw with. None of these imports the frontend, the compiler, the runtime or the plugin manager.
-# A built-in may also import another built-in (which imports only these).
-PLUGIN_API = {
+# What a plugin may import of AttnFuse: the plugin API, one module (its tests may import attnfuse.testing and
+# attnfuse too). A built-in may also import another built-in (which imports only the plugin API). The plugin
+# API imports neither the frontend, the compiler, the runtime nor the plugin manager; PLUGIN_API_MODULES
+# are the modules it reaches, which stay importable for plugins written against them.
+PLUGIN_API = "attnfuse.plugin"
+PLUGIN_API_MODULES = {
     "attnfuse.hookspecs",
     "attnfuse.combinator",
     "attnfuse.fragments",
@@ -29,6 +30,8 @@ PLUGIN_API = {
     "attnfuse.device_cache",
     "attnfuse.block_mask",
     "attnfuse.examples_support",
+    "attnfuse.launch_context",
+    "attnfuse.tiles",
 }
 OUTSIDE_PLUGIN_API = (
     "attnfuse.program",
@@ -187,20 +190,123 @@ BUILTINS = sorted(m for m in MODULES if _in(m, "attnfuse_plugins") and m != "att
 def test_a_builtin_plugin_imports_only_the_plugin_api(plugin):
     """The plugin API, and other built-ins (softmax_with_sinks takes softmax's fragment as its partial one),
     which import only the plugin API themselves (and no circle: ``test_no_import_circle``)."""
-    assert {target for target, _, _ in IMPORTS[plugin]} <= PLUGIN_API | set(BUILTINS)
+    assert {target for target, _, _ in IMPORTS[plugin]} <= {PLUGIN_API, *BUILTINS}
 
 
 def test_the_plugin_api_imports_nothing_else_of_attnfuse():
-    """What the plugin API modules import, at any depth, is neither the frontend, the compiler, the runtime
-    nor the plugin manager (nor the package itself, which imports all of them)."""
-    reached, todo = set(), list(PLUGIN_API)
+    """What the plugin API imports, at any depth (in functions too), is neither the frontend, the compiler,
+    the runtime nor the plugin manager (nor the package itself, which imports all of them): the modules of
+    PLUGIN_API_MODULES and nothing else."""
+    reached, todo = set(), [PLUGIN_API]
     while todo:
         module = todo.pop()
         if module not in reached:
             reached.add(module)
-            todo += [t for t, top, typing in IMPORTS[module] if top and not typing]
+            todo += [t for t, _, typing in IMPORTS[module] if not typing]
     assert "attnfuse" not in reached and not [m for m in reached if _in(m, *OUTSIDE_PLUGIN_API)], sorted(reached)
+    assert reached - {PLUGIN_API, "attnfuse.block_mask_checks", "attnfuse.lru", "attnfuse.static_values"} == (
+        PLUGIN_API_MODULES
+    )
+
+
+def _attnfuse_imports(source: str) -> set[str]:
+    """The attnfuse modules (and ``attnfuse_plugins`` ones) a plugin's source imports, at any depth."""
+    found = set()
+    for node in ast.walk(ast.parse(source)):
+        modules = (
+            [node.module or ""]
+            if isinstance(node, ast.ImportFrom) and not node.level
+            else [a.name for a in node.names]
+            if isinstance(node, ast.Import)
+            else []
+        )
+        found.update(m for m in modules if _in(m, "attnfuse", "attnfuse_plugins"))
+    return found
+
+
+PLUGIN_SOURCES = sorted(
+    [
+        *(ROOT / "contrib").rglob("*.py"),
+        *(p for p in (ROOT / "attnfuse" / "scaffold").glob("*.txt") if p.name not in ("pyproject.txt", "readme.txt")),
+    ],
+    key=str,
+)
+
+
+@pytest.mark.parametrize("path", PLUGIN_SOURCES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_contrib_packages_and_the_scaffold_import_only_the_plugin_api(path):
+    """A contrib package's modules and the scaffold's templates import only ``attnfuse.plugin``; their
+    tests may import the conformance kit (``attnfuse.testing``) and the package that runs programs."""
+    allowed = {PLUGIN_API}
+    if "tests" in path.parts or path.name == "test.txt":
+        allowed |= {"attnfuse", "attnfuse.testing"}
+    assert _attnfuse_imports(path.read_text()) <= allowed
 
 
 def test_the_plugin_manager_does_not_import_the_package():
     assert "attnfuse" not in {target for target, _, _ in IMPORTS["attnfuse.plugin_manager"]}
+
+
+def test_distributed_reads_the_plan_not_the_compiler():
+    """No module of ``attnfuse.distributed`` imports the compiler (``attnfuse.passes``): what a ring needs of
+    a program, the Plan holds."""
+    offenders = sorted(
+        (source, target)
+        for source, found in IMPORTS.items()
+        if _in(source, "attnfuse.distributed")
+        for target, _, _ in found
+        if _in(target, "attnfuse.passes")
+    )
+    assert offenders == []
+
+
+# Triton's private or experimental modules (all but its documented API: triton.jit, triton.language,
+# triton.cdiv, triton.testing ...), which only attnfuse.triton_compat imports. The Hopper templates import
+# Gluon themselves.
+PRIVATE_TRITON = ("runtime", "compiler", "knobs", "backends", "experimental", "tools", "_C")
+TRITON_COMPAT_EXEMPT = (
+    "attnfuse.triton_compat",
+    "attnfuse.runtime.hopper",
+    "attnfuse.runtime.hopper_kernel",
+    "attnfuse.runtime.hopper_dkdv_kernel",
+    "attnfuse.passes.hopper",
+    "attnfuse.cli.show",
+    "attnfuse.kernels",
+)
+
+
+def _private_triton(tree: ast.AST) -> list[str]:
+    """The private Triton names a module's source reaches: by ``import``, ``from ... import`` or an
+    attribute of ``triton`` (``triton.runtime.driver``)."""
+    reached = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            reached += [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            reached += [f"{node.module}.{alias.name}" for alias in node.names]
+        elif isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "triton":
+            reached.append(f"triton.{node.attr}")
+    return [name for name in reached if name.startswith("triton.") and name.split(".")[1] in PRIVATE_TRITON]
+
+
+def test_only_the_compat_module_imports_private_triton():
+    offenders = {
+        module: found
+        for module, path in MODULES.items()
+        if _in(module, "attnfuse") and not _in(module, *TRITON_COMPAT_EXEMPT)
+        for found in [_private_triton(ast.parse(path.read_text(), str(path)))]
+        if found
+    }
+    assert offenders == {}
+
+
+def test_the_private_triton_check_finds_every_spelling():
+    source = "import triton.runtime.jit\nfrom triton import knobs\nfrom triton.compiler import ASTSource\nx = triton._C"
+    assert _private_triton(ast.parse(source)) == [
+        "triton.runtime.jit",
+        "triton.knobs",
+        "triton.compiler.ASTSource",
+        "triton._C",
+    ]
+    public = "import triton\nimport triton.language as tl\nfrom triton.testing import do_bench\ntriton.jit(f)"
+    assert _private_triton(ast.parse(public)) == []

@@ -15,7 +15,7 @@ def minimums() -> dict[str, tuple[int, int]]:
     """{"torch": (2, 11), "triton": (3, 6)}: the lowest versions pyproject.toml's dependencies allow."""
     text = (ROOT / "pyproject.toml").read_text()
     return {
-        package: tuple(int(x) for x in re.search(rf'"{package}>=(\d+)\.(\d+)"', text).groups())
+        package: tuple(int(x) for x in re.search(rf'"{package}>=(\d+)\.(\d+)[",]', text).groups())
         for package in ("torch", "triton")
     }
 

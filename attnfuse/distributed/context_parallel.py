@@ -19,8 +19,7 @@ import torch
 
 from ..errors import InputError
 from ..lru import LRUCache
-from ..passes.compiler import lowered
-from ..plan import KernelConfig
+from ..plan import Plan
 from ..program import RESERVED_ARGUMENTS, AttentionProgram
 from ..runtime.autograd import _FirstOrderOnly
 from ..runtime.compiled import compiled
@@ -90,9 +89,9 @@ class ContextParallel:
                     f"context_parallel: sharded[{name!r}] must be the int dim of its sequence, got {dim!r}"
                 )
 
-    def ring_program(self, graph: Any, config: KernelConfig) -> RingProgram:
-        """The ring's view of a traced program, lowered for ``config`` (checked once per graph)."""
-        return self._programs.get_or_build(graph, lambda: ring_program(lowered(graph, config)))
+    def ring_program(self, plan: Plan) -> RingProgram:
+        """The ring's view of the program ``plan`` runs (checked once per graph)."""
+        return self._programs.get_or_build(plan.graph, lambda: ring_program(plan))
 
     def __call__(self, *args: Any, return_lse: bool = False, **kwargs: Any):
         """out (B, Hq, N/W, DV) of this rank's rows, or (out, lse) with lse (B, Hq, N/W) float32.
@@ -237,7 +236,7 @@ class _Call:
             split_kv=False,
             positions=kv.positions,
         )
-        self.program = cp.ring_program(graph, call.compiled.config)
+        self.program = cp.ring_program(call.compiled.plan)
         self.forward_kernel, self.call = call.forward, call  # its backward generated when first run
         self.partial_kernel = None
         if self.program.partial:  # every row's result counts the normaliser's key-independent term once

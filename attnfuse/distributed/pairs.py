@@ -15,9 +15,8 @@ from attrs import frozen
 from ..errors import ProgramError
 from ..fragment_lint import template_reads
 from ..host_eval import evaluate, integer
-from ..ir import MatMulPV
-from ..passes.fuse import fuse
-from ..passes.lower import Instance, LoweredProgram
+from ..ir import MaskOp, MatMulPV, applications, chain
+from ..plan import MaskRange, Plan
 
 INDEX_NAMES = frozenset({"q_idx", "k_idx", "Nq", "N_K"})
 """Template names that mean something else in a chunk than in the whole sequence."""
@@ -26,57 +25,51 @@ INDEX_NAMES = frozenset({"q_idx", "k_idx", "Nq", "N_K"})
 @frozen
 class RingProgram:
     """What the ring needs of a program: its normaliser's combine rule (``"logsumexp"`` or ``"sum"``),
-    whether its normaliser has a ``partial`` fragment, and its masks (for the facts)."""
+    whether its normaliser has a ``partial`` fragment, and its masks' key ranges (for the facts)."""
 
     name: str
     combine: str
     partial: bool
-    masks: tuple[Instance, ...]
+    masks: tuple[MaskRange, ...]
 
 
-def ring_program(lowered: LoweredProgram) -> RingProgram:
-    """The ring's view of ``lowered``; ProgramError for what a ring cannot split."""
-    norm = lowered.normaliser
-    name = norm.apply.combinator
-    if norm.fragment.combine is None:
+def ring_program(plan: Plan) -> RingProgram:
+    """The ring's view of the program ``plan`` runs; ProgramError for what a ring cannot split."""
+    name = plan.graph.weights.apply.combinator
+    if plan.combine is None:
         raise ProgramError(
             f"context_parallel: the normaliser {name} declares no combine rule "
             f"(NormaliserFragment.combine: how results over disjoint keys merge), so the ring cannot "
             f"merge its shards' results; softmax ('logsumexp') and relu_attention ('sum') declare one"
         )
-    if norm.fragment.combine == "logsumexp" and not norm.fragment.has_lse:
+    if plan.combine == "logsumexp" and not plan.has_lse:
         raise ProgramError(
             f"context_parallel: the normaliser {name} combines by 'logsumexp' but has no lse "
             f"(NormaliserFragment.has_lse)"
         )
-    for m in lowered.masks:
-        if m.fragment.block_list is not None:
+    for node in chain(plan.graph):
+        if isinstance(node, MaskOp) and node.apply.fragment().block_list is not None:
             raise ProgramError(
-                f"context_parallel: the mask {m.apply.combinator} lists blocks by their index in the "
+                f"context_parallel: the mask {node.apply.combinator} lists blocks by their index in the "
                 f"whole sequence (block sparsity), which a ring's chunks renumber; it is not supported "
                 f"there: write the mask with positions (keep, kv_range) instead"
             )
-    for inst in lowered.instances():
-        reads = sorted(template_reads(inst.apply.declaration, inst.apply.fragment()) & INDEX_NAMES)
+    for app in applications(plan.graph):
+        reads = sorted(template_reads(app.declaration, app.fragment()) & INDEX_NAMES)
         if reads:
             raise ProgramError(
-                f"context_parallel: {inst.apply.combinator} reads {', '.join(reads)}: indices into the "
+                f"context_parallel: {app.combinator} reads {', '.join(reads)}: indices into the "
                 f"call's tensors, or its sizes, which differ between a chunk and the whole sequence; a "
                 f"ring splits only programs whose combinators read positions (q_pos, k_pos) and Nk"
             )
-    return RingProgram(
-        name=name,
-        combine=norm.fragment.combine,
-        partial=norm.fragment.partial is not None,
-        masks=tuple(m for m in lowered.masks if m.fragment.keep is not None),
-    )
+    return RingProgram(name=name, combine=plan.combine, partial=plan.partial, masks=plan.mask_ranges)
 
 
 def check_takes_offsets(graph: MatMulPV) -> MatMulPV:
     """``graph``, or a ProgramError naming its first combinator that prepares kernel arguments but does not
     declare ``takes_offsets``: the ring runs every chunk at its position in the sequence (q_offset,
     k_offset), which such a combinator cannot take."""
-    for app in fuse(graph).applications():
+    for app in applications(graph):
         comb = app.declaration
         if comb.prepare is not None and not comb.takes_offsets:
             raise ProgramError(
@@ -90,17 +83,12 @@ def check_takes_offsets(graph: MatMulPV) -> MatMulPV:
     return graph
 
 
-def keeps_any(masks: tuple[Instance, ...], queries: range, keys: range, names: dict[str, int]) -> bool:
+def keeps_any(masks: tuple[MaskRange, ...], queries: range, keys: range, names: dict[str, int]) -> bool:
     """Whether some query at positions ``queries`` may keep some key at positions ``keys``, by the masks'
     ``kv_range`` facts. ``names``: the template's sizes the facts may read (``Nk`` the sequence's length).
     A fact that reads anything else (the batch, the head, a plugin's argument) counts as keeping all."""
     for m in masks:
-        if m.fragment.kv_range is None:
-            continue
-        lo, hi = (
-            _value(m.code(e, q_lo=f"({queries.start})", q_hi=f"({queries.stop - 1})"), names)
-            for e in m.fragment.kv_range
-        )
+        lo, hi = (_value(e, names) for e in m.bounds(f"({queries.start})", f"({queries.stop - 1})"))
         if lo is not None and hi is not None and min(hi, keys.stop) <= max(lo, keys.start):
             return False
     return True

@@ -13,7 +13,7 @@ from typing import Callable
 
 from .. import ir
 from ..launch_spec import STRIDE, LaunchSpec, Param
-from ..plan import InputGradient, KernelConfig, KernelSpec, Plan, PluginCall
+from ..plan import KERNEL_KINDS, InputGradient, KernelConfig, KernelSpec, MaskRange, Plan, PluginCall
 from .codegen import (
     constants,
     decode_params,
@@ -36,15 +36,6 @@ from ..kernels.instance import template_plan
 from .hopper import hopper_plan
 from .lower import Instance, LoweredProgram, lower
 
-NAME_PARTS = {
-    "forward": "fwd",
-    "decode": "decode",
-    "dkdv": "dkdv",
-    "dq": "dq",
-    "transform": "transformpass",
-    "gradient": "gradpass",
-}  # kernel kind -> the part of its name
-
 
 def lowered(graph: ir.MatMulPV, config: KernelConfig) -> LoweredProgram:
     """fuse -> lower (tiles included): the flat record codegen writes ``graph``'s kernels for ``config`` from."""
@@ -56,7 +47,6 @@ def compile(graph: ir.MatMulPV, config: KernelConfig) -> Plan:  # noqa: A001 (th
     needs."""
     program = lowered(graph, config)
     listing = next((m.fragment.block_list for m in program.masks if m.fragment.block_list is not None), None)
-    hoistable = _hoistable(program)
     return Plan(
         graph=graph,
         config=config,
@@ -81,15 +71,30 @@ def compile(graph: ir.MatMulPV, config: KernelConfig) -> Plan:  # noqa: A001 (th
         block_limit=listing and listing.size,
         heavy_split=(listing and listing.q_split) or None,
         input_gradients=_input_gradients(program),
-        forward=_spec(
+        mask_ranges=tuple(
+            MaskRange(combinator=m.apply.combinator, lo=m.fragment.kv_range.lo, hi=m.fragment.kv_range.hi)
+            for m in program.masks
+            if m.fragment.kv_range is not None
+        ),
+        kernels=_kernels(program),
+        hopper=hopper_plan(program),
+        templates=template_plan(program),
+        dq_for=functools.partial(_dq, program),
+    )
+
+
+def _kernels(program: LoweredProgram) -> dict[str, KernelSpec]:
+    """The spec of each kernel of the program, by kind (the dQ kernel writing no tensor gradient)."""
+    kernels = {
+        "forward": _spec(
             program,
             "forward",
             forward_params(program),
             functools.partial(generate_forward, program),
             scheduled=scheduled(program),
         ),
-        decode=_spec(program, "decode", decode_params(program), functools.partial(generate_decode, program)),
-        dkdv=_spec(
+        "decode": _spec(program, "decode", decode_params(program), functools.partial(generate_decode, program)),
+        "dkdv": _spec(
             program,
             "dkdv",
             dkdv_params(program),
@@ -97,12 +102,11 @@ def compile(graph: ir.MatMulPV, config: KernelConfig) -> Plan:  # noqa: A001 (th
             scheduled=scheduled(program, transposed=True),
             split_heads=split_heads(program) is not None,
         ),
-        transform=_pass(program, False) if hoistable else None,
-        gradient=_pass(program, True) if hoistable else None,
-        hopper=hopper_plan(program),
-        templates=template_plan(program),
-        dq_for=functools.partial(_dq, program),
-    )
+        "dq": _dq(program, ()),
+    }
+    if _hoistable(program):
+        kernels.update(transform=_pass(program, False), gradient=_pass(program, True))
+    return kernels
 
 
 def _missing_backward(program: LoweredProgram) -> str | None:
@@ -156,7 +160,7 @@ def _spec(
     program: LoweredProgram, kind: str, parameters: tuple[Param, ...], generate: Callable, tiles_of: str = "", **facts
 ) -> KernelSpec:
     """The spec of one kernel; its tiles are those of kernel ``tiles_of`` (its own kind by default)."""
-    name = f"attnfuse_{NAME_PARTS[kind]}_{program.signature[:12]}"
+    name = f"attnfuse_{KERNEL_KINDS[kind]}_{program.signature[:12]}"
     return KernelSpec(
         kind=kind,
         name=name,

@@ -8,34 +8,9 @@ that matches everything.
 
 from __future__ import annotations
 
-from attrs import frozen
-
 from ..errors import PluginError
-from ..plan import TileConfig
 from ..plugin_manager import tile_config
-
-
-@frozen(kw_only=True)
-class TileRule:
-    """Use ``config`` for kernels on ``arch`` ("sm90", "sm80", ..., "interpreter", "*"), of ``variant``
-    ("dense", "masked", "window", "rope", "*") and a head dim (padded to a power of two) in ``head_dim``, for
-    ``kernel`` "forward", "dkdv" (BLOCK_M queries per step, BLOCK_N keys per program), "dq" (BLOCK_M
-    queries per program, BLOCK_N keys per step), "decode" (BLOCK_M at most rows per program, BLOCK_N keys
-    per step) or "*"."""
-
-    config: TileConfig
-    arch: str = "*"
-    variant: str = "*"
-    head_dim: tuple[int, int] = (1, 512)
-    kernel: str = "*"
-
-    def matches(self, kernel: str, arch: str, variant: str, head_dim: int) -> bool:
-        return (
-            self.kernel in ("*", kernel)
-            and self.arch in ("*", arch)
-            and self.variant in ("*", variant)
-            and self.head_dim[0] <= head_dim <= self.head_dim[1]
-        )
+from ..tiles import TileConfig, TileRule
 
 
 T = TileConfig
@@ -116,7 +91,7 @@ def choose_tiles(arch: str, variant: str, head_dim: int, kernel: str) -> TileCon
         if not isinstance(chosen, TileConfig):
             raise PluginError(
                 f"a plugin chose {chosen!r} as the tiles of the {kernel} kernel (arch {arch}, variant "
-                f"{variant}, head dim {head_dim}); a tile hook must give an attnfuse.plan.TileConfig"
+                f"{variant}, head dim {head_dim}); a tile hook must give an attnfuse.plugin.TileConfig"
             )
         return chosen
     for rule in TABLE:

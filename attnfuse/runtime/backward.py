@@ -1,14 +1,17 @@
 """The backward launcher: the dQ kernel (which also writes each row's delta), then the dK/dV kernel, then
-tensor gradients. On Hopper, for the programs and tensors it serves, the Gluon dK/dV template
-(``hopper.py``) computes dQ too, after a small kernel for its row statistics (``template_rows.py``), unless
-``torch.use_deterministic_algorithms`` is on: its dQ is a sum of float32 reduce-adds in no fixed order."""
+tensor gradients. On Hopper, for the programs and tensors it serves, the dK/dV kernel is the Gluon template
+(``hopper.py``). With ``ATTNFUSE_FUSED_DQ=1`` (``fuses_dq``) the template computes dQ too, after a small
+kernel for its row statistics (``template_rows.py``): fewer products, but it holds a float32 copy of all
+of dQ (B, Hq, Nq, D) during the backward, and its dQ is a sum of float32 reduce-adds in no fixed order."""
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
 
+from ..errors import InputError
 from ..plan import InputGradient, Plan
 from .hopper import HopperLauncher
 from .inputs import KVCache, accumulator_dtype, empty_like_layout, even_keys, heads_together, kv_launch_args
@@ -19,6 +22,21 @@ from .launcher import block_grid, cdiv, multiprocessors, query_grid
 
 SPLIT_PROGRAMS_PER_SM = 12  # a smaller GQA dK/dV grid splits its key blocks (benchmarks/sweep_tiles.py)
 SPLIT_QUERY_ROWS = 512  # of which it splits the blocks this many query rows see
+FUSED_DQ_ENV = "ATTNFUSE_FUSED_DQ"
+
+
+def fuses_dq(template: bool, tensor_grads: bool) -> bool:
+    """Whether the backward's dQ comes from the Hopper dK/dV template (``template``: it runs this call) by
+    TMA reduce-adds into a float32 accumulator (B, Hq, Nq, D), instead of the generated dQ kernel. Opt-in,
+    with the environment variable ATTNFUSE_FUSED_DQ=1 ("0" or unset: no): the accumulator is a float32 copy
+    of all of dQ held during the backward (twice the bytes of a bfloat16 dQ). Never with tensor gradients
+    (``tensor_grads``), which the dQ kernel writes, nor under ``torch.use_deterministic_algorithms``."""
+    setting = os.environ.get(FUSED_DQ_ENV, "").strip()
+    if setting not in ("", "0", "1"):
+        raise InputError(
+            f"{FUSED_DQ_ENV} must be 1 (the Hopper template computes dQ) or 0 (it does not), got {setting!r}"
+        )
+    return setting == "1" and template and not tensor_grads and not torch.are_deterministic_algorithms_enabled()
 
 
 def split_blocks(key_blocks: int, rows: int, group: int, device: torch.device) -> tuple[int, int]:
@@ -52,12 +70,13 @@ class BackwardKernels:
         self.plan = plan
         self.tensor_grads = tensor_grads
         interpreted = plan.config.arch == "interpreter"
-        self.dkdv = CompiledKernel(plan.dkdv, interpreted)
+        dkdv = plan.kernels["dkdv"]
+        self.dkdv = CompiledKernel(dkdv, interpreted)
         self.dq = CompiledKernel(plan.dq(tensor_grads), interpreted)
         self.plugin_args = PluginArgs(plan)
         self.hopper = HopperLauncher(plan.hopper) if plan.hopper is not None else None
-        width = plan.dkdv.launch.constants
-        self._share_width = (2 * width["BLOCK_H"] if plan.dkdv.halves else width["BLOCK_D"]) + width["BLOCK_DV"]
+        width = dkdv.launch.constants
+        self._share_width = (2 * width["BLOCK_H"] if dkdv.halves else width["BLOCK_D"]) + width["BLOCK_DV"]
 
     def _split_buffers(self, keys: int, group: int, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Scratch of a dK/dV launch that splits heavy key blocks (``keys`` rows in all, over every batch
@@ -222,7 +241,7 @@ class BackwardKernels:
                 and self.hopper.rows_fit(lse)
                 and dk.stride(3) == dv.stride(3) == 1
             )
-            if template and not self.tensor_grads and not torch.are_deterministic_algorithms_enabled():
+            if fuses_dq(template, bool(self.tensor_grads)):
                 self._fused_dq(q, kv, out, lse, dout, dlse, dq, dk, dv)
             else:
                 self._dq_then_dkdv(q, kv, out, lse, dout, dlse, dq, dk, dv, inputs, prepared, buffers, template)

@@ -15,14 +15,12 @@ from typing import Any, Callable
 from .. import ir
 from ..errors import InputError
 from ..passes import compiler
-from ..plan import InputGradient, KernelConfig, Plan
+from ..plan import KERNEL_KINDS, InputGradient, KernelConfig, Plan
 from .backward import BackwardKernels
 from .decode import DecodeKernel
 from .forward import ForwardKernel
 from .hoisted import HoistedBackward, HoistedForward
 from .kernel import CompiledKernel
-
-KERNEL_KINDS = ("forward", "decode", "dkdv", "dq", "transform")
 
 
 class Compiled:
@@ -77,27 +75,30 @@ class Compiled:
         )
 
     def kernel(self, kind: str) -> CompiledKernel:
-        """One generated kernel: ``kind`` is "forward", "decode" (split-KV), "dkdv", "dq" or "transform"
-        (the pass that applies the qk transforms to q and k rows once, when the keys have some)."""
-        if kind == "forward":
-            return self.forward.kernel
-        if kind == "transform":
-            if self.plan.transform is None:
-                raise InputError(
-                    "kernel='transform': this program has no key-side qk transform to hoist (or "
-                    "reads a cache with kv_lens or pages, where the transform stays in the key loop)"
-                )
-            return self.hoisted.transform.kernel
-        if kind == "decode":
-            if self.config.positions:
-                raise InputError(
-                    "kernel='decode': the split-KV kernel places queries bottom-right; a call with "
-                    "q_offset or k_offset runs the forward kernel"
-                )
-            return self.decode.kernel
-        if kind in ("dkdv", "dq"):
-            return getattr(self.backward(), kind)
-        raise InputError(f"kernel must be one of {', '.join(KERNEL_KINDS)}, got {kind!r}")
+        """One generated kernel: ``kind`` is one of ``plan.KERNEL_KINDS``: "forward", "decode" (split-KV),
+        "dkdv", "dq", "transform" (the pass that applies the qk transforms to q and k rows once, when the keys
+        have some) or "gradient" (the pass carrying dQ and dK back through them)."""
+        if kind not in KERNEL_KINDS:
+            raise InputError(f"kernel must be one of {', '.join(KERNEL_KINDS)}, got {kind!r}")
+        if kind in ("transform", "gradient") and kind not in self.plan.kernels:
+            raise InputError(
+                f"kernel={kind!r}: this program has no key-side qk transform to hoist (or "
+                "reads a cache with kv_lens or pages, where the transform stays in the key loop)"
+            )
+        if kind == "decode" and self.config.positions:
+            raise InputError(
+                "kernel='decode': the split-KV kernel places queries bottom-right; a call with "
+                "q_offset or k_offset runs the forward kernel"
+            )
+        kernels = {
+            "forward": lambda: self.forward.kernel,
+            "decode": lambda: self.decode.kernel,
+            "dkdv": lambda: self.backward().dkdv,
+            "dq": lambda: self.backward().dq,
+            "transform": lambda: self.hoisted.transform.kernel,
+            "gradient": lambda: self.hoisted_backward().gradient.kernel,
+        }
+        return kernels[kind]()
 
 
 _index: weakref.WeakValueDictionary[tuple, Compiled] = weakref.WeakValueDictionary()

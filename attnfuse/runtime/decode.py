@@ -37,7 +37,7 @@ class DecodeKernel:
 
     def __init__(self, plan: Plan):
         self.plan = plan
-        self.kernel = CompiledKernel(plan.decode, plan.config.arch == "interpreter")
+        self.kernel = CompiledKernel(plan.kernels["decode"], plan.config.arch == "interpreter")
         self.source = self.kernel.source
         self.plugin_args = PluginArgs(plan)
         self._logsumexp = plan.combine == "logsumexp"

@@ -34,7 +34,7 @@ class ForwardKernel:
 
     def __init__(self, plan: Plan):
         self.plan = plan
-        self.kernel = CompiledKernel(plan.forward, plan.config.arch == "interpreter")
+        self.kernel = CompiledKernel(plan.kernels["forward"], plan.config.arch == "interpreter")
         self.source = self.kernel.source
         self.path = self.kernel.path
         self.plugin_args = PluginArgs(plan)

@@ -28,7 +28,7 @@ HOIST_MIN_QUERY_BLOCKS = 4  # `attnfuse bench` times both ways (the rope_causal_
 def worth_hoisting(forward: ForwardKernel, Nq: int) -> bool:
     """Whether a call with ``Nq`` queries runs the plan's passes: at least HOIST_MIN_QUERY_BLOCKS query
     blocks would each transform the keys."""
-    return forward.plan.transform is not None and cdiv(Nq, forward.kernel.tiles.block_m) >= HOIST_MIN_QUERY_BLOCKS
+    return "transform" in forward.plan.kernels and cdiv(Nq, forward.kernel.tiles.block_m) >= HOIST_MIN_QUERY_BLOCKS
 
 
 class TransformPass:
@@ -86,7 +86,7 @@ class HoistedForward:
     def __init__(self, fused: ForwardKernel, main: ForwardKernel):
         self.plan = fused.plan
         self.main = main
-        self.transform = TransformPass(fused.plan.transform, fused.plan.config.arch == "interpreter")
+        self.transform = TransformPass(fused.plan.kernels["transform"], fused.plan.config.arch == "interpreter")
         self.plugin_args = fused.plugin_args
 
     def __call__(
@@ -115,8 +115,8 @@ class HoistedBackward:
     def __init__(self, fused: Plan, inner: BackwardKernels):
         self.inner = inner
         interpreted = fused.config.arch == "interpreter"
-        self.transform = TransformPass(fused.transform, interpreted)
-        self.gradient = TransformPass(fused.gradient, interpreted)
+        self.transform = TransformPass(fused.kernels["transform"], interpreted)
+        self.gradient = TransformPass(fused.kernels["gradient"], interpreted)
         self.plugin_args = PluginArgs(fused)
 
     def __call__(

@@ -7,12 +7,11 @@ import functools
 import operator
 from typing import Any, NamedTuple
 
-import attrs
 import torch
-from attrs import frozen
 
 from .. import ir
 from ..errors import InputError
+from ..launch_context import LaunchContext
 from ..plan import KernelConfig, accumulator_type
 from .kv_layout import check_kv_layout, head_second, pool_layout
 from .offsets import any_layout_fits, rows_fit
@@ -114,31 +113,6 @@ class KVCache(NamedTuple):
     page_size: int = 0
     positions: Positions | None = None
     kv_layout: str | None = None
-
-
-@frozen(kw_only=True, eq=False)
-class LaunchContext:
-    """What a plugin's ``prepare`` may read: the call's sizes, device and dtype.
-
-    ``Nk`` is the key capacity; with ``kv_lens`` (B,) int32, each sequence has its own count of keys (up
-    to it), and query i of sequence b sits at position i + kv_lens[b] - Nq. When the call gives its
-    positions, ``q_offset`` is its first query's (else None: bottom-right alignment), ``k_offset`` its
-    first key's, and ``seq_len`` the sequence's length, above every position (``Nk`` without positions).
-    """
-
-    B: int
-    Hq: int
-    Hkv: int
-    Nq: int
-    Nk: int
-    D: int
-    DV: int
-    device: torch.device
-    dtype: torch.dtype
-    kv_lens: torch.Tensor | None = None
-    q_offset: int | None = None
-    k_offset: int = 0
-    seq_len: int = attrs.field(default=attrs.Factory(lambda self: self.Nk, takes_self=True))
 
 
 def launch_context(q: torch.Tensor, kv: KVCache) -> LaunchContext:

@@ -21,10 +21,8 @@ from typing import Any, Callable
 
 import numpy as np
 import torch
-from triton.runtime import interpreter
-from triton.runtime.errors import InterpreterError
-from triton.runtime.interpreter import InterpretedFunction
-from triton.runtime.jit import JITFunction
+
+from ..triton_compat import InterpretedFunction, InterpreterError, JITFunction, interpreter
 
 _lock = threading.RLock()
 _interpreted: dict[Callable, InterpretedFunction] = {}

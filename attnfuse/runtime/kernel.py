@@ -9,10 +9,10 @@ from typing import Any, Callable
 import attrs
 import torch
 import triton
-from triton.runtime.errors import OutOfResources
 
 from ..errors import InputError
 from ..plan import KernelSpec, TileConfig
+from ..triton_compat import OutOfResources
 from .blame import blame
 from .interpreter import InterpretedKernel
 from .launcher import Launcher

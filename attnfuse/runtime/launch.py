@@ -290,4 +290,4 @@ def hoisted_sides(
         config, head_dim=int(config.head_dim), head_dim_v=int(config.head_dim_v), group=int(config.group)
     )
     program = compiled.compiled(graph, config)
-    return program.plan.transform.sides if worth_hoisting(program.forward, q.shape[2]) else ()
+    return program.plan.kernels["transform"].sides if worth_hoisting(program.forward, q.shape[2]) else ()

@@ -16,12 +16,9 @@ import threading
 from typing import Any, Callable
 
 import torch
-from triton import knobs
-from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-from triton.runtime import driver
-from triton.runtime.jit import JITFunction
 
 from ..errors import InputError
+from ..triton_compat import JITFunction, TensorDescriptor, driver, knobs
 
 
 def cdiv(a: int, b: int) -> int:

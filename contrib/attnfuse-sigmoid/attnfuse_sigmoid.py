@@ -19,9 +19,7 @@ import math
 
 import torch
 
-from attnfuse.checks import finite_number_or_none
-from attnfuse.combinator import Combinator, NormaliserFragment, Param, Role, ScalarArg
-from attnfuse.hookspecs import hookimpl
+from attnfuse.plugin import Combinator, NormaliserFragment, Param, Role, ScalarArg, finite_number_or_none, hookimpl
 
 __all__ = ["COMBINATOR", "attnfuse_combinators", "examples", "offset", "reference"]
 __version__ = "0.1.0"

@@ -1,0 +1,46 @@
+"""A kernel's tiles (``TileConfig``: its launch shape) and a rule choosing them (``TileRule``: what a
+plugin's ``attnfuse_tile_configs`` hook returns; ``passes/tile.py`` holds the table of the built-in rules).
+Imported by the Plan, the tile pass and the plugin API (``attnfuse.plugin``); it imports nothing of AttnFuse.
+"""
+
+from __future__ import annotations
+
+from attrs import field, frozen
+
+
+def _tile_size(_, attribute, value: int) -> None:
+    if value < 16 or value & (value - 1):
+        raise ValueError(f"{attribute.name} must be a power of two >= 16, got {value}")
+
+
+@frozen(kw_only=True)
+class TileConfig:
+    """Launch shape of one kernel: BLOCK_M query rows by BLOCK_N keys per step."""
+
+    block_m: int = field(validator=_tile_size)
+    block_n: int = field(validator=_tile_size)
+    num_warps: int = 4
+    num_stages: int = 2
+
+
+@frozen(kw_only=True)
+class TileRule:
+    """Use ``config`` for kernels on ``arch`` ("sm90", "sm80", ..., "interpreter", "*"), of ``variant``
+    ("dense", "masked", "window", "rope", "*") and a head dim (padded to a power of two) in ``head_dim``, for
+    ``kernel`` "forward", "dkdv" (BLOCK_M queries per step, BLOCK_N keys per program), "dq" (BLOCK_M
+    queries per program, BLOCK_N keys per step), "decode" (BLOCK_M at most rows per program, BLOCK_N keys
+    per step) or "*"."""
+
+    config: TileConfig
+    arch: str = "*"
+    variant: str = "*"
+    head_dim: tuple[int, int] = (1, 512)
+    kernel: str = "*"
+
+    def matches(self, kernel: str, arch: str, variant: str, head_dim: int) -> bool:
+        return (
+            self.kernel in ("*", kernel)
+            and self.arch in ("*", arch)
+            and self.variant in ("*", variant)
+            and self.head_dim[0] <= head_dim <= self.head_dim[1]
+        )
