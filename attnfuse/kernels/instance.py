@@ -10,7 +10,7 @@ from pathlib import Path
 from ..launch_spec import LaunchSpec
 from ..passes.lower import LoweredProgram
 from ..plan import KernelSpec, TemplatePlan, TileConfig
-from . import pipeline, rows
+from . import descriptors, launch, pipeline, rows
 from .capability import forward_reason
 from .forward import forward_params, generate_forward
 from .tiles import FORWARD_TILES, LOADING_TILES
@@ -57,10 +57,13 @@ def _forward_spec(kernel: LoweredProgram) -> KernelSpec:
 
 @functools.lru_cache(maxsize=1)
 def _library() -> str:
-    """The source of the template modules an instance imports (their change changes every instance)."""
-    return "".join(Path(m.__file__).read_text() for m in (pipeline, rows))
+    """The source of the template modules an instance imports or is launched by (their change changes every
+    instance)."""
+    return "".join(Path(m.__file__).read_text() for m in (pipeline, rows, launch, descriptors))
 
 
 def instance_digest(spec: KernelSpec) -> str:
-    """What identifies a template instance's code: a hash of its source and of the library it imports."""
-    return hashlib.sha256((spec.source + _library()).encode()).hexdigest()[:24]
+    """What identifies a template instance's code: a hash of its source, the constants and tiles it is launched
+    with, and the library it imports and is launched by."""
+    launched = f"{sorted(spec.launch.constants.items())!r}{spec.tiles!r}"
+    return hashlib.sha256((spec.source + launched + _library()).encode()).hexdigest()[:24]

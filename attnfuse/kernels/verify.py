@@ -146,7 +146,8 @@ def record(results: list[dict], failed: set[str], run: dict) -> dict:
     for r in results:
         entry = passed.setdefault(r["key"], {"key": r["key"], "cases": 0, "max_error": 0.0})
         entry["cases"] += 1
-        entry["max_error"] = max(entry["max_error"], r["max_error"])
+        error = r["max_error"]
+        entry["max_error"] = max(entry["max_error"], error) if math.isfinite(error) else math.inf
     instances = [e for k, e in sorted(passed.items()) if k not in failed and math.isfinite(e["max_error"])]
     return {
         "about": "Template instances verified against the float64 reference on a GPU: written by "
