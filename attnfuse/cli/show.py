@@ -166,7 +166,8 @@ def _engines(graph, inference, training):
     plan, train = compiled(graph, inference).plan, compiled(graph, training).plan
     hoisted = compiled(graph, plan.hoisted_config).plan if plan.transform is not None else None
     hoisted_training = compiled(graph, train.hoisted_config).plan if train.transform is not None else None
-    return call_engines(plan, train, hoisted, hoisted_training, HOIST_MIN_QUERY_BLOCKS * plan.forward.tiles.block_m)
+    hoist_from = (HOIST_MIN_QUERY_BLOCKS - 1) * plan.forward.tiles.block_m + 1  # worth_hoisting's least Nq
+    return call_engines(plan, train, hoisted, hoisted_training, hoist_from)
 
 
 def cmd_show(args: argparse.Namespace, out: TextIO) -> int:
