@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import re
 
+import attrs
 import pytest
 import torch
 
@@ -117,6 +118,13 @@ def test_an_unverified_instance_falls_back_by_default(capsys, empty_record, name
     expected = "hand-written" if plan.hopper is not None else "generated"
     assert forward["engine"] == expected
     assert forward["name"] == ("hopper_forward_kernel" if plan.hopper is not None else plan.forward.name)
+    # the backward (its plan saves the log-sum-exp): the hand-written dK/dV kernel, which computes dQ too
+    training = compiled(plan.graph, attrs.evolve(plan.config, save_lse=True)).plan
+    for kind in ("dkdv", "dq"):
+        entry = report["kernels"][kind]
+        assert entry["engine"] == ("hand-written" if training.hopper is not None else "generated"), entry
+        assert entry["reason"] == training.templates.reasons[kind]
+        assert entry["hoisted"] is forward["hoisted"]
 
 
 def test_a_verified_instance_runs_by_default(capsys, tmp_path, monkeypatch, empty_record):

@@ -7,9 +7,12 @@ from __future__ import annotations
 
 from attrs import evolve, frozen
 
+from .. import ir
 from ..kernels.instance import TEMPLATE_KINDS
 from ..kernels.verified import MODE_ENV, chosen, is_verified, mode, record_key
 from ..plan import KernelConfig, KernelSpec, Plan
+from ..runtime.compiled import compiled
+from ..runtime.hoisted import HOIST_MIN_QUERY_BLOCKS
 
 NOT_VERIFIED = f"instance not verified on a GPU ({MODE_ENV}=all opts in)"
 TEMPLATES_OFF = f"the templates are turned off ({MODE_ENV}=off)"
@@ -19,7 +22,7 @@ HAND_WRITTEN = {  # kernel kind -> the hand-written Hopper kernel that does its 
     "dq": (
         "hopper_dkdv_kernel",
         "attnfuse/runtime/hopper_dkdv_kernel.py computes dQ too, on tensors TMA can address, except under "
-        "torch.use_deterministic_algorithms(True) or with tensor gradients",
+        "torch.use_deterministic_algorithms(True), where the generated dQ kernel runs",
     ),
 }
 HOISTED_KINDS = ("forward", "dkdv", "dq")  # a call that hoists its qk transforms runs the hoisted plan's
@@ -29,7 +32,8 @@ HOISTED_KINDS = ("forward", "dkdv", "dq")  # a call that hoists its qk transform
 class KernelEngine:
     """The engine of one kernel kind of one plan (``config``). ``engine``: "template", "hand-written" or
     "generated"; ``name``: the kernel that runs; ``reason``: why the template does not (None when it runs);
-    ``template``: the template's spec where the templates can run the kind, and ``instance`` its record key.
+    ``template``: the template's spec where the templates can run the kind, and ``instance`` its record key;
+    ``config``: the plan's configuration (with ``template``, what a compile report of the instance reads).
     ``hoisted``: the kernel of the plan for transformed rows, which a call hoisting its qk transforms runs
     (``fused``: the kernel shorter calls run, with the transforms inside, and ``when``: which calls hoist)."""
 
@@ -107,25 +111,22 @@ def kernel_engine(plan: Plan, kind: str) -> KernelEngine:
     if plan.hopper is not None and kind in HAND_WRITTEN:
         name, note = HAND_WRITTEN[kind]
         return KernelEngine(engine="hand-written", name=name, note=note, **common)
-    generated = {"forward": plan.forward, "decode": plan.decode, "dkdv": plan.dkdv}.get(kind) or plan.dq()
+    generated = plan.dq() if kind == "dq" else getattr(plan, kind)
     return KernelEngine(engine="generated", name=generated.name, **common)
 
 
-def call_engines(
-    plan: Plan, training: Plan, hoisted: Plan | None, hoisted_training: Plan | None, hoist_from: int
-) -> dict[str, KernelEngine]:
-    """The engine of each of ``TEMPLATE_KINDS``: the forward and decoding kernels of ``plan``, the backward's of
-    ``training`` (its config saves the log-sum-exp the backward reads). A program with qk transforms to hoist
-    (``hoisted``, ``hoisted_training``: the plans for transformed rows) reports the hoisted kernels that calls
-    of at least ``hoist_from`` queries run, each with the fused one shorter calls run."""
+def call_engines(graph: ir.MatMulPV, inference: KernelConfig, training: KernelConfig) -> dict[str, KernelEngine]:
+    """The engine of each of ``TEMPLATE_KINDS`` in a call of ``graph``: the forward and decoding kernels for
+    ``inference``, the backward's for ``training`` (which saves the log-sum-exp the backward reads). A program
+    with qk transforms to hoist reports the kernels that calls long enough to hoist them run (those of the
+    plan for transformed rows, ``Plan.hoisted_config``), each with the fused one shorter calls run."""
     engines = {}
     for kind in TEMPLATE_KINDS:
-        source = training if kind in ("dkdv", "dq") else plan
-        engine = kernel_engine(source, kind)
-        inner = hoisted_training if kind in ("dkdv", "dq") else hoisted
-        if inner is not None and kind in HOISTED_KINDS:
-            engine = evolve(
-                kernel_engine(inner, kind), hoisted=True, when=f"calls with at least {hoist_from} queries", fused=engine
-            )
+        plan = compiled(graph, training if kind in ("dkdv", "dq") else inference).plan
+        engine = kernel_engine(plan, kind)
+        if plan.transform is not None and kind in HOISTED_KINDS:
+            hoisted = kernel_engine(compiled(graph, plan.hoisted_config).plan, kind)
+            least = (HOIST_MIN_QUERY_BLOCKS - 1) * plan.forward.tiles.block_m + 1  # worth_hoisting's least Nq
+            engine = evolve(hoisted, hoisted=True, when=f"calls with at least {least} queries", fused=engine)
         engines[kind] = engine
     return engines

@@ -156,20 +156,6 @@ def _graph(program, spec: str, arguments: dict):
         ) from None
 
 
-def _engines(graph, inference, training):
-    """The engine of each kernel a call of ``graph`` runs (``engines.call_engines``): the forward and decoding
-    kernels for ``inference``, the backward's for ``training``, the hoisted ones where the program hoists."""
-    from ..runtime.compiled import compiled
-    from ..runtime.hoisted import HOIST_MIN_QUERY_BLOCKS
-    from .engines import call_engines
-
-    plan, train = compiled(graph, inference).plan, compiled(graph, training).plan
-    hoisted = compiled(graph, plan.hoisted_config).plan if plan.transform is not None else None
-    hoisted_training = compiled(graph, train.hoisted_config).plan if train.transform is not None else None
-    hoist_from = (HOIST_MIN_QUERY_BLOCKS - 1) * plan.forward.tiles.block_m + 1  # worth_hoisting's least Nq
-    return call_engines(plan, train, hoisted, hoisted_training, hoist_from)
-
-
 def cmd_show(args: argparse.Namespace, out: TextIO) -> int:
     import attrs
 
@@ -178,7 +164,7 @@ def cmd_show(args: argparse.Namespace, out: TextIO) -> int:
     from ..plan import KernelConfig
     from ..runtime.compiled import compiled
     from ..runtime.inputs import MAX_HEAD_DIM
-    from .engines import kernel_engine
+    from .engines import call_engines, kernel_engine
 
     if args.json and args.kernel is not None:
         raise CLIError("--json reports every kernel of a call; --kernel picks the one whose source the text shows")
@@ -214,7 +200,7 @@ def cmd_show(args: argparse.Namespace, out: TextIO) -> int:
             "arguments": {n: repr(v) for n, v in arguments.items()},
             "config": attrs.asdict(inference),
             "templates": mode(),
-            "kernels": {k: engine.fields() for k, engine in _engines(graph, inference, training).items()},
+            "kernels": {k: engine.fields() for k, engine in call_engines(graph, inference, training).items()},
         }
         json.dump(report, out, indent=2)
         out.write("\n")
@@ -228,7 +214,7 @@ def cmd_show(args: argparse.Namespace, out: TextIO) -> int:
         out.write(kernel.source if kernel.source.endswith("\n") else kernel.source + "\n")
         return 0
     plan = program_kernels.plan
-    engines = _engines(graph, inference, training)
+    engines = call_engines(graph, inference, training)
     doc = first_line(program.fn.__doc__ or "")
     listing = ir.render(graph)
     print(f"# program    {spec}" + (f"  ({doc})" if doc else ""), file=out)
