@@ -154,7 +154,8 @@ def test_show_options_reach_the_kernel_config(capsys):
     assert "alibi(slopes=None)" in out
 
 
-def test_show_says_when_a_hopper_template_runs_the_kernel(capsys):
+def test_show_says_when_a_hopper_template_runs_the_kernel(capsys, monkeypatch):
+    monkeypatch.setenv("ATTNFUSE_TEMPLATES", "off")  # a chosen template instance would run the forward instead
     for kernel, template, name in (("forward", "hopper_kernel.py", "fwd"), ("dkdv", "hopper_dkdv_kernel.py", "dkdv")):
         code, out, err = run(capsys, "show", "gpt2", "--arch", "sm90", "--group", "4", "--kernel", kernel)
         assert code == 0, err

@@ -6,6 +6,7 @@ import argparse
 import ast
 import importlib
 import inspect
+import json
 import os
 import re
 import sys
@@ -159,10 +160,15 @@ def cmd_show(args: argparse.Namespace, out: TextIO) -> int:
     import attrs
 
     from .. import ir
+    from ..kernels.verified import MODE_ENV, mode
     from ..plan import KernelConfig
     from ..runtime.compiled import compiled
     from ..runtime.inputs import MAX_HEAD_DIM
+    from .engines import call_engines, kernel_engine
 
+    if args.json and args.kernel is not None:
+        raise CLIError("--json reports every kernel of a call; --kernel picks the one whose source the text shows")
+    kind = args.kernel or "forward"
     program, spec = resolve_program(args.program)
     arguments = _arguments(program, spec, args.arg, args.input)
     graph = _graph(program, spec, arguments)
@@ -177,18 +183,30 @@ def cmd_show(args: argparse.Namespace, out: TextIO) -> int:
         raise CLIError(
             f"--lse needs a normaliser with a log-sum-exp; {graph.weights.apply.combinator} has none (softmax has)"
         )
-    training = args.kernel in ("dkdv", "dq")
-    config = KernelConfig(
+    inference = KernelConfig(
         arch=arch,
         dtype=dtype,
         head_dim=args.head_dim,
         head_dim_v=head_dim_v,
         group=args.group,
-        save_lse=args.lse or (training and has_lse),
+        save_lse=args.lse,
         fp32_precision="ieee",
     )
+    training = attrs.evolve(inference, save_lse=args.lse or has_lse)
+    config = training if kind in ("dkdv", "dq") else inference
+    if args.json:
+        report = {
+            "program": spec,
+            "arguments": {n: repr(v) for n, v in arguments.items()},
+            "config": attrs.asdict(inference),
+            "templates": mode(),
+            "kernels": {k: engine.fields() for k, engine in call_engines(graph, inference, training).items()},
+        }
+        json.dump(report, out, indent=2)
+        out.write("\n")
+        return 0
     program_kernels = compiled(graph, config)
-    kernel = program_kernels.kernel(args.kernel)
+    kernel = program_kernels.kernel(kind)
     if args.path_only:
         print(kernel.path, file=out)
         return 0
@@ -196,6 +214,7 @@ def cmd_show(args: argparse.Namespace, out: TextIO) -> int:
         out.write(kernel.source if kernel.source.endswith("\n") else kernel.source + "\n")
         return 0
     plan = program_kernels.plan
+    engines = call_engines(graph, inference, training)
     doc = first_line(program.fn.__doc__ or "")
     listing = ir.render(graph)
     print(f"# program    {spec}" + (f"  ({doc})" if doc else ""), file=out)
@@ -212,8 +231,11 @@ def cmd_show(args: argparse.Namespace, out: TextIO) -> int:
     print(f"# tiles      {tiles} block_d={widths['BLOCK_D']} block_dv={widths['BLOCK_DV']}", file=out)
     print(f"# name       {kernel.name}", file=out)
     print(f"# path       {kernel.path}", file=out)
-    template = {"forward": "hopper_kernel.py", "dkdv": "hopper_dkdv_kernel.py"}.get(args.kernel)
-    if template and plan.hopper is not None:
+    print(f"# engines    ({MODE_ENV}={mode()})", file=out)
+    for line in (line for engine in engines.values() for line in engine.lines()):
+        print(f"    {line}", file=out)
+    template = {"forward": "hopper_kernel.py", "dkdv": "hopper_dkdv_kernel.py"}.get(kind)
+    if template and kernel_engine(plan, kind).engine == "hand-written":
         print(
             f"# hopper     causal={plan.hopper.causal}: on tensors TMA can address, this kernel's work runs the "
             f"Hopper template (attnfuse/runtime/{template}); the source below serves the others",
@@ -272,11 +294,16 @@ def add_parser(sub) -> None:
     p.add_argument(
         "--kernel",
         choices=("forward", "decode", "dkdv", "dq", "transform"),
-        default="forward",
         help="which generated kernel: the forward (default), the split-KV decoding kernel, the "
         "backward's dK/dV or dQ kernel, or the transform pass (q and k rows' qk transforms, hoisted)",
     )
     only = p.add_mutually_exclusive_group()
     only.add_argument("--source-only", action="store_true", help="print the generated source alone")
     only.add_argument("--path-only", action="store_true", help="print the cached source file's path alone")
+    only.add_argument(
+        "--json",
+        action="store_true",
+        help="print, as JSON, the engine that runs each kernel of a call (a Hopper template instance, a "
+        "hand-written Hopper kernel, or the generated kernel) and why",
+    )
     p.set_defaults(func=cmd_show)
