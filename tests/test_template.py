@@ -6,10 +6,12 @@ unverified instance by default."""
 from __future__ import annotations
 
 import ast
+import builtins
 import json
 import math
 import re
 import string
+import symtable
 import textwrap
 from pathlib import Path
 
@@ -272,6 +274,29 @@ def test_the_template_serves_every_verified_variant(variant, dtype, head_dim):
     assert capability.forward_reason(lowered(graph, config)) is None
 
 
+def _undefined(source: str) -> list[str]:
+    """The names a function of ``source`` reads as globals that the module neither defines nor imports."""
+    table = symtable.symtable(source, "<template instance>", "exec")
+    module = {s.get_name() for s in table.get_symbols() if s.is_assigned() or s.is_imported()}
+    read, scopes = set(), list(table.get_children())
+    while scopes:
+        scope = scopes.pop()
+        scopes += scope.get_children()
+        read |= {s.get_name() for s in scope.get_symbols() if s.is_global() and s.is_referenced()}
+    return sorted(n for n in read - module if not hasattr(builtins, n))
+
+
+@pytest.mark.parametrize("variant", sorted(verify.VARIANTS))
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+def test_served_instances_splice_into_complete_gluon_text(variant, head_dim):
+    """Each served instance's source (generated, not compiled) is Python, creates no tensor without a layout
+    (no ``tl.full``/``tl.zeros``/``tl.arange`` left) and reads no name that it does not define."""
+    source = _forward_spec(_graph(variant), _config(head_dim=head_dim, head_dim_v=head_dim)).source
+    calls = [ast.unparse(n.func) for n in ast.walk(ast.parse(source)) if isinstance(n, ast.Call)]
+    assert not {"tl.full", "tl.zeros", "tl.arange"} & set(calls)
+    assert _undefined(source) == []
+
+
 @pytest.mark.parametrize(
     "changes,cause",
     [
@@ -397,6 +422,7 @@ def test_the_template_serves_a_third_party_normaliser_by_its_update_s_form(third
     plan = compile_plan(_normalised_by(LINEAR.name), SM90)
     assert capability.forward_reason(lowered(_normalised_by(LINEAR.name), SM90)) is None
     source = plan.templates.kernels["forward"].source  # generated text, not compiled
+    assert _undefined(source) == []
     tree = ast.parse(source)
     assigned_names = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
     assert {"z_i", "z_new", RESCALE} <= assigned_names
