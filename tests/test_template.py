@@ -297,6 +297,22 @@ def test_served_instances_splice_into_complete_gluon_text(variant, head_dim):
     assert _undefined(source) == []
 
 
+@af.attention
+def _dense(q, k, v, scale):
+    return af.softmax(af.full(af.scaled_dot_product(q, k, scale=scale))) @ v
+
+
+@pytest.mark.parametrize("sign", [-1.0, 0.0, 1.0])
+def test_served_instances_fold_the_scale_into_the_update_only_when_it_is_positive(sign):
+    """The scaled update takes ``s * qk_scale`` with qk_scale > 0 (a masked -inf stays -inf, the row max
+    commutes); a scale not above 0 is applied to the scores first, as the generated kernels do."""
+    scale = sign * float(torch.empty(()).uniform_(0.05, 2.0))
+    plan = compile_plan(_dense.graph(scale), SM90)
+    source = plan.templates.kernels["forward"].source
+    assert plan.templates.scale == scale and ("s = s * sm_scale" in source) == (scale <= 0)
+    assert ("m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)" in source) == (scale > 0)
+
+
 @pytest.mark.parametrize(
     "changes,cause",
     [
