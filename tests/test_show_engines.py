@@ -74,7 +74,7 @@ def runtime_forward_plan(name: str, head_dim: int, dtype: str = "bfloat16", arch
         arch=arch, dtype=dtype, head_dim=head_dim, head_dim_v=head_dim, group=1, save_lse=False, fp32_precision="ieee"
     )
     kernels = compiled(EXAMPLES[name].graph(), config)
-    return (kernels.hoisted_kernels.plan if kernels.plan.transform is not None else kernels.plan), kernels
+    return (kernels.hoisted_kernels.plan if "transform" in kernels.plan.kernels else kernels.plan), kernels
 
 
 CASES = [(name, d) for name in ("gpt2", "llama") for d in (64, 128)]
@@ -92,12 +92,12 @@ def test_forward_template_available_on_sm90_and_runs_with_templates_all(capsys, 
     assert forward["template_available"] is True and forward["engine"] == "template"
     assert forward["instance"] == chosen.key and forward["name"] == chosen.spec.name
     assert forward["verified"] is verified.is_verified(chosen.key)
-    assert forward["hoisted"] is (kernels.plan.transform is not None)
+    assert forward["hoisted"] is ("transform" in kernels.plan.kernels)
     if forward["hoisted"]:  # llama: rope is hoisted for long calls; shorter ones run the transform in-kernel
         fused = forward["fused"]
         assert fused["engine"] == "generated" and fused["template_available"] is False
         assert fused["reason"] == kernels.plan.templates.reasons["forward"] and "qk transform" in fused["reason"]
-        assert fused["name"] == kernels.plan.forward.name
+        assert fused["name"] == kernels.plan.kernels["forward"].name
         queries = int(re.fullmatch(r"calls with at least (\d+) queries", forward["when"]).group(1))
         assert worth_hoisting(kernels.forward, queries) and not worth_hoisting(kernels.forward, queries - 1)
     else:
@@ -117,7 +117,7 @@ def test_an_unverified_instance_falls_back_by_default(capsys, empty_record, name
     # the runtime's next choice: the hand-written Hopper kernel where plan.hopper serves the program
     expected = "hand-written" if plan.hopper is not None else "generated"
     assert forward["engine"] == expected
-    assert forward["name"] == ("hopper_forward_kernel" if plan.hopper is not None else plan.forward.name)
+    assert forward["name"] == ("hopper_forward_kernel" if plan.hopper is not None else plan.kernels["forward"].name)
     # the backward (its plan saves the log-sum-exp): the hand-written dK/dV kernel, which computes dQ too
     training = compiled(plan.graph, attrs.evolve(plan.config, save_lse=True)).plan
     for kind in ("dkdv", "dq"):

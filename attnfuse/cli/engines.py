@@ -111,7 +111,7 @@ def kernel_engine(plan: Plan, kind: str) -> KernelEngine:
     if plan.hopper is not None and kind in HAND_WRITTEN:
         name, note = HAND_WRITTEN[kind]
         return KernelEngine(engine="hand-written", name=name, note=note, **common)
-    generated = plan.dq() if kind == "dq" else getattr(plan, kind)
+    generated = plan.kernels[kind]
     return KernelEngine(engine="generated", name=generated.name, **common)
 
 
@@ -124,9 +124,11 @@ def call_engines(graph: ir.MatMulPV, inference: KernelConfig, training: KernelCo
     for kind in TEMPLATE_KINDS:
         plan = compiled(graph, training if kind in ("dkdv", "dq") else inference).plan
         engine = kernel_engine(plan, kind)
-        if plan.transform is not None and kind in HOISTED_KINDS:
+        if "transform" in plan.kernels and kind in HOISTED_KINDS:
             hoisted = kernel_engine(compiled(graph, plan.hoisted_config).plan, kind)
-            least = (HOIST_MIN_QUERY_BLOCKS - 1) * plan.forward.tiles.block_m + 1  # worth_hoisting's least Nq
+            least = (HOIST_MIN_QUERY_BLOCKS - 1) * plan.kernels[
+                "forward"
+            ].tiles.block_m + 1  # worth_hoisting's least Nq
             engine = evolve(hoisted, hoisted=True, when=f"calls with at least {least} queries", fused=engine)
         engines[kind] = engine
     return engines
