@@ -7,6 +7,7 @@ out): whether a gap is the kernel's or the host's. Medians of ``triton.testing.d
 from __future__ import annotations
 
 import os
+import time
 
 import torch
 import triton
@@ -25,6 +26,18 @@ def dense(q, k, v):
     return af.softmax(af.scaled_dot_product(q, k)) @ v
 
 
+def host_us(fn, calls: int = 200) -> float:
+    """Microseconds of host time per call of ``fn`` (launches queued, not waited for)."""
+    fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    elapsed = time.perf_counter() - start
+    torch.cuda.synchronize()
+    return elapsed / calls * 1e6
+
+
 def timed(fn) -> tuple[float, float]:
     """(eager ms, graph-replay ms) of ``fn``."""
     eager = triton.testing.do_bench(fn, return_mode="median")
@@ -36,7 +49,7 @@ def timed(fn) -> tuple[float, float]:
 
 
 def main() -> None:
-    print("| case | engine | eager ms | graph ms |\n|---|---|---|---|")
+    print("| case | engine | eager ms | graph ms | host us/call |\n|---|---|---|---|---|")
     for geometry, (B, Hq, Hkv, D) in {"gpt2": (4, 12, 12, 64), "llama3-8b": (1, 32, 8, 128)}.items():
         for N in (2048, 8192):
             q = torch.randn(B, Hq, N, D, device="cuda", dtype=torch.bfloat16)
@@ -47,11 +60,13 @@ def main() -> None:
                     launch.clear_cache()
                     try:
                         eager, graph = timed(lambda: program(q, k, v))
+                        host = host_us(lambda: program(q, k, v))
                     except Exception as exc:  # noqa: BLE001 (a row says why it has no figure)
                         print(f"| {geometry} N{N} {program.__name__} | {mode} | {type(exc).__name__}: {exc} | |")
                         continue
                     engine = "template" if mode == "all" else "before (hand-written or generated)"
-                    print(f"| {geometry} N{N} {program.__name__} | {engine} | {eager:.3f} | {graph:.3f} |", flush=True)
+                    case = f"{geometry} N{N} {program.__name__}"
+                    print(f"| {case} | {engine} | {eager:.3f} | {graph:.3f} | {host:.1f} |", flush=True)
 
 
 if __name__ == "__main__":
