@@ -7,6 +7,7 @@ state (each compiles in its own temporary directory), so pytest-xdist spreads th
 
 import pytest
 
+from attnfuse.errors import InputError
 from attnfuse.kernels import verify
 from attnfuse.kernels.resources import template_resources, variant_plan
 from attnfuse.kernels.tiles import SHARED_MEMORY_LIMIT
@@ -32,3 +33,10 @@ def test_instance_compiles_for_sm90_without_spills(variant, head_dim, dtype):
     if used.spill_bytes != 0:
         problems.append(f"{used.spill_bytes} bytes spilled in the main path")
     assert not problems, f"{spec.name}: " + "; ".join(problems) + f"\n{used}"
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64", "bf16"])
+def test_a_dtype_the_templates_do_not_compile_for_is_refused(dtype):
+    spec = variant_plan("dense", "bfloat16", 64).templates.kernels["forward"]
+    with pytest.raises(InputError, match=rf"dtype='{dtype}': the templates compile for float16 and bfloat16"):
+        template_resources(spec, dtype, 64, save_lse=True)

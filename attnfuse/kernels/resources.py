@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import re
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -32,6 +33,7 @@ from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon._runtime import GluonASTSource
 
+from ..errors import InputError
 from ..launch_spec import CONSTEXPR, SCALAR, TENSOR
 from ..passes.compiler import compile as compile_plan
 from ..plan import KernelConfig, KernelSpec, Plan
@@ -109,11 +111,11 @@ def signature(spec: KernelSpec, dtype: str, head_dim: int) -> dict[str, str]:
 
 def template_resources(spec: KernelSpec, dtype: str, head_dim: int, save_lse: bool) -> Resources:
     """Compile ``spec`` (a forward instance, ``plan.templates.kernels["forward"]``) for sm_90a with tensors of
-    ``dtype`` ("float16" or "bfloat16") and ``head_dim``, writing lse if ``save_lse``; what it uses.
-    Raises whatever Triton raises on an instance that does not compile, and RuntimeError if ptxas or nvdisasm
-    fails."""
+    ``dtype`` ("float16" or "bfloat16", else InputError) and ``head_dim``, writing lse if ``save_lse``; what it
+    uses. Raises whatever Triton raises on an instance that does not compile, and RuntimeError if ptxas or
+    nvdisasm fails."""
     if dtype not in DTYPES:
-        raise ValueError(f"dtype={dtype!r}: the templates compile for {', '.join(DTYPES)}")
+        raise InputError(f"dtype={dtype!r}: the templates compile for {' and '.join(DTYPES)}")
     fn = load_function(spec.source, spec.name, write_source(spec.name, spec.source))
     source = GluonASTSource(fn, signature(spec, dtype, head_dim), {**spec.launch.constants, "SAVE_LSE": save_lse})
     start = time.perf_counter()
@@ -188,8 +190,8 @@ def table_rows(variants: list[str], head_dims: list[int], dtypes: list[str]):
                 )
 
 
-def heading() -> list[str]:
-    """The section's heading, versions, command and explanation."""
+def heading(arguments: list[str]) -> list[str]:
+    """The section's heading, versions, the command that printed it (with ``arguments``) and what it shows."""
     ptxas = _run([knobs.nvidia.ptxas.path, "--version"]).stdout
     release = re.search(r"release ([\d.]+)", ptxas)
     return [
@@ -201,7 +203,7 @@ def heading() -> list[str]:
         "Printed by:",
         "",
         "```bash",
-        "python -m attnfuse.kernels.resources --markdown",
+        shlex.join(["python", "-m", "attnfuse.kernels.resources", *arguments]),
         "```",
         "",
         "The forward template's instance of each variant (GQA group 2), compiled as a launch would, with no GPU.",
@@ -225,7 +227,7 @@ def main() -> None:
     parser.add_argument("--head-dims", nargs="+", type=int, default=list(verify.HEAD_DIMS), choices=verify.HEAD_DIMS)
     parser.add_argument("--dtypes", nargs="+", default=list(verify.DTYPES), choices=list(DTYPES))
     args = parser.parse_args()
-    lines = heading()
+    lines = heading(sys.argv[1:])
     if not args.markdown_section:
         print("\n".join(lines), flush=True)
     for row in table_rows(args.variants, args.head_dims, args.dtypes):
