@@ -48,6 +48,8 @@ _SPILLS = re.compile(r"Function properties for (\S+)\n\s*\d+ bytes stack frame, 
 _LOCAL = re.compile(r"\b(?:STL|LDL)\b")  # a store to or load from local memory (a spill, or a stack array)
 _WGMMA = re.compile(r"\bHGMMA\.")
 _TMA = re.compile(r"\bUTMA(?:LDG|STG)\b")
+_LABEL = re.compile(r"^(\.L_x_\d+):\s*$")  # a branch target in nvdisasm's listing
+_BRANCH = re.compile(r"\bBRA\b[^`]*`\((\.L_x_\d+)\)")  # a branch (predicated or not) to one
 _FUNCTION = re.compile(r"^(\$?[A-Za-z_][\w$]*):\s*$")  # a function's label in nvdisasm's listing
 
 
@@ -60,8 +62,8 @@ class Resources:
     is given (``pipeline``'s, stated, not measured). ``spill_bytes``: ptxas' spill stores of the entry function
     (the main path); ``careful_spill_bytes``: of the noinline ``*_careful`` functions together (the rare redo
     of rows a non-finite value reached). ``shared_bytes``: the block's shared memory. ``wgmma`` / ``tma``: HGMMA
-    and UTMALDG/UTMASTG instructions in the SASS. ``loop_local_memory``: whether any STL or LDL lies between
-    the entry function's first and last HGMMA (the main loop, and the first key block peeled before it).
+    and UTMALDG/UTMASTG instructions in the SASS. ``loop_local_memory``: whether any STL or LDL lies inside a
+    loop of the entry function (between a label and a later branch back to it).
     ``compile_seconds``: Triton's compile and ptxas', from the source, with no cache."""
 
     registers: int
@@ -91,7 +93,7 @@ def variant_plan(variant: str, dtype: str, head_dim: int) -> Plan:
         fp32_precision="ieee",
     )
     plan = compile_plan(graph, config)
-    return plan if plan.transform is None else compile_plan(graph, plan.hoisted_config)
+    return plan if "transform" not in plan.kernels else compile_plan(graph, plan.hoisted_config)
 
 
 def signature(spec: KernelSpec, dtype: str, head_dim: int) -> dict[str, str]:
@@ -140,7 +142,6 @@ def template_resources(spec: KernelSpec, dtype: str, head_dim: int, save_lse: bo
     if spec.name not in spills or registers is None:
         raise RuntimeError(f"ptxas' report names no entry function {spec.name}:\n{report}")
     entry = _function(sass, spec.name)
-    gemms = [i for i, line in enumerate(entry) if _WGMMA.search(line)]
     return Resources(
         registers=int(registers[1]),
         spill_bytes=spills[spec.name],
@@ -149,7 +150,7 @@ def template_resources(spec: KernelSpec, dtype: str, head_dim: int, save_lse: bo
         compile_seconds=seconds,
         wgmma=len(_WGMMA.findall(sass)),
         tma=len(_TMA.findall(sass)),
-        loop_local_memory=bool(gemms) and any(_LOCAL.search(line) for line in entry[gemms[0] : gemms[-1]]),
+        loop_local_memory=any(_LOCAL.search(line) for start, end in _loops(entry) for line in entry[start:end]),
     )
 
 
@@ -169,6 +170,16 @@ def _function(sass: str, name: str) -> list[str]:
         if label == name:
             return lines[i:end]
     raise RuntimeError(f"nvdisasm's listing has no function {name}")
+
+
+def _loops(lines: list[str]) -> list[tuple[int, int]]:
+    """The loops of a function's listing: (line of a label, line of a later branch back to it)."""
+    labels = {m[1]: i for i, line in enumerate(lines) if (m := _LABEL.match(line))}
+    return [
+        (labels[m[1]], i)
+        for i, line in enumerate(lines)
+        if (m := _BRANCH.search(line)) and labels.get(m[1], len(lines)) < i
+    ]
 
 
 def table_rows(variants: list[str], head_dims: list[int], dtypes: list[str]):
@@ -210,7 +221,7 @@ def heading(arguments: list[str]) -> list[str]:
         "Registers: ptxas' count at entry (the launch's cap), then the budget `setmaxnreg` gives each consumer",
         "warpgroup / the loader warp. Spill bytes: ptxas' spill stores in the main path / in the careful redo",
         "(the noinline functions that redo rows a non-finite value reached). Local memory in the loop: an STL or",
-        "LDL between the main path's first and last HGMMA. wgmma and TMA: HGMMA and UTMALDG/UTMASTG instructions",
+        "LDL inside a loop of the main path (a label to a branch back). wgmma and TMA: HGMMA and UTMALDG/UTMASTG",
         f"in the SASS. Shared memory in KiB, of {SHARED_MEMORY_LIMIT / 1024:.0f} KiB a block may use.",
         "",
         "| variant | D | dtype | registers (consumer / loader) | spill bytes (main / careful) | "
