@@ -63,7 +63,8 @@ class Resources:
     (the main path); ``careful_spill_bytes``: of the noinline ``*_careful`` functions together (the rare redo
     of rows a non-finite value reached). ``shared_bytes``: the block's shared memory. ``wgmma`` / ``tma``: HGMMA
     and UTMALDG/UTMASTG instructions in the SASS. ``loop_local_memory``: whether any STL or LDL lies inside a
-    loop of the entry function (between a label and a later branch back to it).
+    main loop of the entry function (a label to a later branch back to it, holding wgmma and no smaller such
+    loop).
     ``compile_seconds``: Triton's compile and ptxas', from the source, with no cache."""
 
     registers: int
@@ -173,13 +174,16 @@ def _function(sass: str, name: str) -> list[str]:
 
 
 def _loops(lines: list[str]) -> list[tuple[int, int]]:
-    """The loops of a function's listing: (line of a label, line of a later branch back to it)."""
+    """The main loops of a function's listing: each (line of a label, line of a later branch back to it) whose
+    body holds wgmma and no smaller such loop (the key loops; not the partitions' dispatch around them)."""
     labels = {m[1]: i for i, line in enumerate(lines) if (m := _LABEL.match(line))}
-    return [
+    loops = [
         (labels[m[1]], i)
         for i, line in enumerate(lines)
         if (m := _BRANCH.search(line)) and labels.get(m[1], len(lines)) < i
     ]
+    gemm = [(a, b) for a, b in loops if any(_WGMMA.search(line) for line in lines[a:b])]
+    return [(a, b) for a, b in gemm if not any(a <= c and d <= b and (c, d) != (a, b) for c, d in gemm)]
 
 
 def table_rows(variants: list[str], head_dims: list[int], dtypes: list[str]):
@@ -221,7 +225,7 @@ def heading(arguments: list[str]) -> list[str]:
         "Registers: ptxas' count at entry (the launch's cap), then the budget `setmaxnreg` gives each consumer",
         "warpgroup / the loader warp. Spill bytes: ptxas' spill stores in the main path / in the careful redo",
         "(the noinline functions that redo rows a non-finite value reached). Local memory in the loop: an STL or",
-        "LDL inside a loop of the main path (a label to a branch back). wgmma and TMA: HGMMA and UTMALDG/UTMASTG",
+        "LDL inside a key loop of the main path (innermost loops with wgmma). wgmma and TMA: HGMMA and UTMALDG/UTMASTG",
         f"in the SASS. Shared memory in KiB, of {SHARED_MEMORY_LIMIT / 1024:.0f} KiB a block may use.",
         "",
         "| variant | D | dtype | registers (consumer / loader) | spill bytes (main / careful) | "
