@@ -8,12 +8,12 @@ import hashlib
 from pathlib import Path
 
 from ..launch_spec import LaunchSpec
-from ..passes.lower import LoweredProgram
+from ..passes.lower import LoweredProgram, masked_head
 from ..plan import KernelSpec, TemplatePlan, TileConfig
 from . import descriptors, launch, pipeline, rows
 from .capability import forward_reason
 from .forward import forward_params, generate_forward
-from .tiles import FORWARD_TILES, LOADING_TILES
+from .tiles import FORWARD_TILES, NARROW_TILES
 
 TEMPLATE_KINDS = ("forward", "dkdv", "dq", "decode")  # the kernels `attnfuse show` reports an engine for
 _NOT_YET = {
@@ -42,7 +42,8 @@ def loads_per_score(kernel: LoweredProgram) -> bool:
 
 
 def _forward_spec(kernel: LoweredProgram) -> KernelSpec:
-    tiles = (LOADING_TILES if loads_per_score(kernel) else FORWARD_TILES)[kernel.config.head_dim]
+    narrow = loads_per_score(kernel) or masked_head(kernel.masks)
+    tiles = (NARROW_TILES if narrow else FORWARD_TILES)[kernel.config.head_dim]
     name = f"attnfuse_tfwd_{kernel.signature[:12]}"
     parameters = forward_params(kernel)
     return KernelSpec(
