@@ -4,8 +4,8 @@ Checked with Triton 3.6 (3.6.0 on the CPU interpreter, and on an H200), the rang
 (``triton>=3.6,<3.7``). These names are not Triton's documented API (``triton.jit``, ``triton.language``,
 ``triton.cdiv``, ``triton.testing``), so a new Triton may move or change them: a port to one changes this
 module, and the modules that use what it changed. ``tests/test_structure.py`` checks that no other module
-of the package imports them, except the Hopper templates (``runtime/hopper*.py``, ``passes/hopper.py``,
-``kernels/``), which import Gluon directly.
+of the package imports them (the Hopper kernels and the template family included, and the template instances'
+generated source imports them from here too).
 
 - the interpreter: ``interpreter`` (the module: ``_patch_lang``, ``_patch_lang_tensor``,
   ``interpreter_builder``), ``InterpretedFunction``, ``InterpreterError``;

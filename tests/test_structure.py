@@ -261,18 +261,9 @@ def test_distributed_reads_the_plan_not_the_compiler():
 
 
 # Triton's private or experimental modules (all but its documented API: triton.jit, triton.language,
-# triton.cdiv, triton.testing ...), which only attnfuse.triton_compat imports. The Hopper templates import
-# Gluon themselves.
+# triton.cdiv, triton.testing ...), which only attnfuse.triton_compat imports (Gluon included).
 PRIVATE_TRITON = ("runtime", "compiler", "knobs", "backends", "experimental", "tools", "_C")
-TRITON_COMPAT_EXEMPT = (
-    "attnfuse.triton_compat",
-    "attnfuse.runtime.hopper",
-    "attnfuse.runtime.hopper_kernel",
-    "attnfuse.runtime.hopper_dkdv_kernel",
-    "attnfuse.passes.hopper",
-    "attnfuse.cli.show",
-    "attnfuse.kernels",
-)
+TRITON_COMPAT_EXEMPT = ("attnfuse.triton_compat",)
 
 
 def _private_triton(tree: ast.AST) -> list[str]:

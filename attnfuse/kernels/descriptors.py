@@ -5,8 +5,7 @@ from __future__ import annotations
 import functools
 
 import torch
-from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+from ..triton_compat import TensorDescriptor, gl
 
 TMA_STRIDE_LIMIT = 1 << 40  # bytes: a TMA stride must stay below it
 _GLUON_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float32: gl.float32}

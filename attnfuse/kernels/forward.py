@@ -31,13 +31,9 @@ _HEADER = '''\
 
 {listing}
 """
-import triton
 import triton.language as tl
-from triton.experimental import gluon
-from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.ampere import mma_v2
-from triton.experimental.gluon.language.nvidia.hopper import (
-    fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait,
+from attnfuse.triton_compat import (
+    fence_async_shared, gl, gluon, mbarrier, mma_v2, tma, warpgroup_mma, warpgroup_mma_wait,
 )
 from attnfuse.kernels.pipeline import CAREFUL_COLUMNS, ROWS, forward_loader, query_tiles, ring, warpgroup_layout
 from attnfuse.kernels.rows import load_rows, load_rows_t, row_offsets

@@ -8,9 +8,7 @@ shared-memory stages. A stage is free again once both consumers have read it.
 
 from __future__ import annotations
 
-from triton.experimental import gluon
-from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
+from ..triton_compat import gl, gluon, mbarrier, tma
 
 ROWS = gl.constexpr(64)  # query rows per consumer warpgroup; a forward program's block is 2 * ROWS
 CAREFUL_COLUMNS = gl.constexpr(64)  # out's columns per careful redo: its registers stay few at any head dim

@@ -28,12 +28,9 @@ from pathlib import Path
 
 import triton
 from attrs import frozen
-from triton import knobs
-from triton.backends.compiler import GPUTarget
-from triton.experimental.gluon import language as gl
-from triton.experimental.gluon._runtime import GluonASTSource
 
 from ..errors import InputError
+from ..triton_compat import GluonASTSource, GPUTarget, gl, knobs
 from ..launch_spec import CONSTEXPR, SCALAR, TENSOR
 from ..passes.compiler import compile as compile_plan
 from ..plan import KernelConfig, KernelSpec, Plan

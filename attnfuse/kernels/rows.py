@@ -3,8 +3,7 @@ the templates' rare careful paths (their fast paths move tiles through TMA)."""
 
 from __future__ import annotations
 
-from triton.experimental import gluon
-from triton.experimental.gluon import language as gl
+from ..triton_compat import gl, gluon
 
 
 @gluon.jit

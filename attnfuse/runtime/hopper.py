@@ -4,10 +4,9 @@ forward, or the backward's dK/dV)."""
 from __future__ import annotations
 
 import torch
-from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from ..kernels.descriptors import describable, describe, descriptor
+from ..triton_compat import TensorDescriptor, gl
 from ..launch_spec import CONSTEXPR, INT, SCALAR, TENSOR, LaunchSpec, params
 from ..plan import HopperPlan
 from .hopper_dkdv_kernel import hopper_dkdv_kernel

@@ -34,17 +34,17 @@ in order (the generated kernel's split, ``passes/codegen/head_split.py``): GROUP
 
 from __future__ import annotations
 
-from triton._C.libtriton import ir
-from triton.experimental import gluon
-from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language._core import builtin
-from triton.experimental.gluon.language.nvidia.hopper import (
+from ..triton_compat import (
+    builtin,
     fence_async_shared,
+    gl,
+    gluon,
     mbarrier,
     tma,
     warpgroup_mma,
     warpgroup_mma_wait,
 )
+from ..triton_compat import libtriton_ir as ir
 
 from .hopper_kernel import ROWS, _warpgroup_layout, ring
 

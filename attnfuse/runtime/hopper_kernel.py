@@ -14,12 +14,12 @@ multiply-add a score (``exp2(s · qk_scale − max · qk_scale)``), as FlashAtte
 
 from __future__ import annotations
 
-from triton.experimental import gluon
-from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.ampere import mma_v2
-from triton.experimental.gluon.language.nvidia.hopper import (
+from ..triton_compat import (
     fence_async_shared,
+    gl,
+    gluon,
     mbarrier,
+    mma_v2,
     tma,
     warpgroup_mma,
     warpgroup_mma_wait,
