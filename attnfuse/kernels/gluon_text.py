@@ -16,10 +16,17 @@ from __future__ import annotations
 import ast
 import functools
 import textwrap
+import threading
 
 CONSTRUCTORS = ("full", "zeros", "arange")
+_PARSING = threading.Lock()  # CPython 3.11's ast.parse, run by several threads at once, can fail (SystemError)
 LAYOUTS = {"BLOCK_M": "ROW_LAYOUT", "BLOCK_N": "KEY_LAYOUT"}  # a 1-d extent -> the template's layout name
 TILE_LAYOUT = "S_LAYOUT"
+
+
+def _parse(code: str) -> ast.Module:
+    with _PARSING:
+        return ast.parse(code)
 
 
 def _name(node: ast.AST) -> str | None:
@@ -60,14 +67,14 @@ def for_template(text: str) -> str:
     code = textwrap.dedent(text).strip()
     if not any(f"tl.{name}(" in code for name in CONSTRUCTORS):
         return code
-    return ast.unparse(_Rewrite().visit(ast.parse(code)))
+    return ast.unparse(_Rewrite().visit(_parse(code)))
 
 
 def assigned(text: str) -> list[str]:
     """The names ``text``'s top-level statements assign, in order (a normaliser's state, from its init)."""
     code = textwrap.dedent(text).strip()
     names: list[str] = []
-    for stmt in ast.parse(code).body if code else []:
+    for stmt in _parse(code).body if code else []:
         targets = stmt.targets if isinstance(stmt, ast.Assign) else [getattr(stmt, "target", None)]
         for t in targets:
             for n in ast.walk(t) if t is not None else ():
@@ -97,11 +104,11 @@ def row_rescale(text: str, rows: str) -> str | None:
     """A normaliser's update with each ``acc = acc * X[:, None]`` made ``<rows> = <rows> * (X)``: the
     template multiplies its accumulator by ``rows`` once the block before has been added to it. None when
     the update reads or writes ``acc`` in any other way (the template cannot run it)."""
-    tree = ast.parse(textwrap.dedent(text).strip())
+    tree = _parse(textwrap.dedent(text).strip())
     for i, stmt in enumerate(tree.body):
         factor = _row_factor(stmt)
         if factor is not None:
-            tree.body[i] = ast.parse(f"{rows} = {rows} * ({ast.unparse(factor)})").body[0]
+            tree.body[i] = _parse(f"{rows} = {rows} * ({ast.unparse(factor)})").body[0]
         elif any(_name(n) == "acc" for n in ast.walk(stmt)):
             return None
     return ast.unparse(tree)

@@ -26,8 +26,9 @@ FORWARD_TILES = {
 }
 NARROW_TILES = {  # programs whose score modifications load a tensor per score (an additive bias: its addresses
     # take registers a score tile of 128 keys does not leave), or whose masks start past key 0 (a sliding window:
-    # masked blocks at both ends of few keys, whose two bounds' tests spilled in the loop at 128 keys)
+    # masked blocks at both ends of few keys, whose two bounds' tests spilled in the loop at 128 keys); at head dim
+    # 256 the bias's addresses spilled in the loop at 64 keys
     64: ForwardTiles(block_n=64, stages=4),
     128: ForwardTiles(block_n=64, stages=4),
-    256: ForwardTiles(block_n=64, stages=2),
+    256: ForwardTiles(block_n=32, stages=3),
 }
