@@ -12,9 +12,9 @@ from .tiles import DKDV_TILES, FORWARD_TILES
 TEMPLATE_DTYPES = ("float16", "bfloat16")
 
 
-def _common_reason(kernel: LoweredProgram, template: str) -> str | None:
-    """Why no template runs ``kernel`` (its configuration, its masks' block lists, a qk transform inside the
-    kernel), or None; ``template`` names the template in the reason."""
+def _common_reason(kernel: LoweredProgram, template: str, tiles: dict) -> str | None:
+    """Why the ``template`` template, with ``tiles`` by head dim, cannot run ``kernel`` for what every template
+    refuses (its configuration, its masks' block lists, a qk transform inside the kernel), or None."""
     c = kernel.config
     if c.arch != "sm90":
         return f"the templates are built for sm90 (Hopper), not {c.arch}"
@@ -22,6 +22,8 @@ def _common_reason(kernel: LoweredProgram, template: str) -> str | None:
         return f"the templates take float16 and bfloat16, not {c.dtype}"
     if c.head_dim != c.head_dim_v:
         return f"the templates need D == DV (got {c.head_dim} and {c.head_dim_v})"
+    if c.head_dim not in tiles:
+        return f"the {template} template has tiles for head dims {', '.join(map(str, tiles))}, not {c.head_dim}"
     for fact, what in (
         (c.kv_lens, "per-sequence key counts (kv_lens)"),
         (c.paged, "a paged cache"),
@@ -41,12 +43,9 @@ def _common_reason(kernel: LoweredProgram, template: str) -> str | None:
 
 def forward_reason(kernel: LoweredProgram) -> str | None:
     """Why the forward template cannot run ``kernel``, or None when it can."""
-    c = kernel.config
-    reason = _common_reason(kernel, "forward")
+    reason = _common_reason(kernel, "forward", FORWARD_TILES)
     if reason is not None:
         return reason
-    if c.head_dim not in FORWARD_TILES:
-        return f"the forward template has tiles for head dims {', '.join(map(str, FORWARD_TILES))}, not {c.head_dim}"
     norm = kernel.normaliser
     scaled = norm.fragment.scaled_update and norm.code(norm.fragment.scaled_update, factor="qk_scale")
     for update in filter(None, (norm.fragment.update, scaled)):
@@ -60,12 +59,9 @@ def forward_reason(kernel: LoweredProgram) -> str | None:
 
 def dkdv_reason(kernel: LoweredProgram) -> str | None:
     """Why the dK/dV template cannot run ``kernel``, or None when it can."""
-    c = kernel.config
-    reason = _common_reason(kernel, "dK/dV")
+    reason = _common_reason(kernel, "dK/dV", DKDV_TILES)
     if reason is not None:
         return reason
-    if c.head_dim not in DKDV_TILES:
-        return f"the dK/dV template has tiles for head dims {', '.join(map(str, DKDV_TILES))}, not {c.head_dim}"
     norm = kernel.normaliser
     if norm.fragment.grad is None:
         return f"{norm.prefix} declares no backward (its grad is None)"
