@@ -269,7 +269,8 @@ def _chain(kernel: LoweredProgram) -> str:
                 f"# {m.prefix}: gradient through the score modification",
                 for_template(m.code(m.fragment.grad, s_in=f"s_{i}", s_out=s_out)),
             ]
-    lines += ["if masked:", _indent(f"{_keep(kernel)}\np = tl.where(keep, p, 0.0)\nds = tl.where(keep, ds, 0.0)", 4)]
+    masked = f"{_keep(kernel)}\np = tl.where(keep, p, 0.0)\nds = tl.where(keep, ds, 0.0)"
+    lines += ["if masked:", _indent(masked, 4).rstrip("\n")]
     lines.append("ds = ds * sm_scale")
     if any("in_bounds" in line for line in lines):
         lines.insert(0, "in_bounds = q_ok[:, None] & k_ok[None, :]")
@@ -318,8 +319,8 @@ def generate_dkdv(kernel: LoweredProgram, name: str, consumer_registers: int, lo
     consumer = _CONSUMER.substitute(
         name=name,
         plugin_args=args,
-        recompute=_indent(_recompute(kernel), 8),
-        chain=_indent(_chain(kernel), 8),
+        recompute=_indent(_recompute(kernel), 8).rstrip("\n"),
+        chain=_indent(_chain(kernel), 8).rstrip("\n"),
     )
     entry = _KERNEL.substitute(
         name=name,
