@@ -11,10 +11,15 @@ the program's query heads, with their rows' lse (where the normaliser saves one,
 Orientation: a consumer computes its scores in the fragments' own (queries, keys) orientation, so every
 fragment is spliced as written (``q_pos[:, None]``, ``lse[:, None]``, reductions over axis 1):
 
-    S = Q·Kᵀ and dP = dO·Vᵀ (issued together), the score pipeline (scale, modifications keeping their
+    S = Q·Kᵀ and dP = dO·Vᵀ, the score pipeline (scale, modifications keeping their
     inputs ``s_<i>`` and ``s_nat``, the masks on query blocks the facts do not keep whole), the
     normaliser's ``backward_rows`` and ``recompute`` (P), its ``grad`` (dS) and each modification's grad,
     last first; then dV += Pᵀ·dO and dK += dSᵀ·Q.
+
+dP is issued with S, so the score pipeline runs while it multiplies, unless the program has score
+modifications: their kept inputs and per-score work take the registers an in-flight dP holds, so dP is
+issued after them (at head dim 128, ptxas spilled 41 and 126 times in the step loop with ALiBi and with an
+additive bias, 7 and 40 times so).
 
 The two products that read P and dS transposed take them from shared memory (a 64 x 64 tile each per
 warpgroup, read through a transposed view): rewriting the fragments for a (keys, queries) tile, as the hand
@@ -102,12 +107,9 @@ def ${name}_consumer(
         mbarrier.wait(q_ready.index(stage), phase)
         q = q_smem.index(stage).reshape([BLOCK_M, D])
         s = warpgroup_mma(q, k.permute((1, 0)), no_scores, use_acc=False, is_async=True)
-        mbarrier.wait(do_ready.index(stage), phase)
-        do = do_smem.index(stage).reshape([BLOCK_M, DV])
-        dp = warpgroup_mma(do, v.permute((1, 0)), no_scores, use_acc=False, is_async=True)
-        s, _, _ = warpgroup_mma_wait(1, deps=(s, q, k))  # S done; dP may still run
+$s_then_dp
 $recompute
-        dp, _, _ = warpgroup_mma_wait(0, deps=(dp, do, v))
+$dp_done
 $chain
         p_tile.store(p.to(dtype))
         ds_tile.store(ds.to(dtype))
@@ -200,6 +202,20 @@ $rows_smem
         [${consumer_registers}, ${loader_registers}],
     )
 ''')
+
+
+_DP = """\
+mbarrier.wait(do_ready.index(stage), phase)
+do = do_smem.index(stage).reshape([BLOCK_M, DV])
+dp = warpgroup_mma(do, v.permute((1, 0)), no_scores, use_acc=False, is_async=True)"""
+_OVERLAPPED = (  # dP issued with S: the score pipeline runs while it multiplies
+    f"{_DP}\ns, _, _ = warpgroup_mma_wait(1, deps=(s, q, k))  # S done; dP may still run",
+    "dp, _, _ = warpgroup_mma_wait(0, deps=(dp, do, v))",
+)
+_SERIAL = (  # dP issued after the score pipeline: its in-flight accumulator would make ptxas spill
+    "s, _, _ = warpgroup_mma_wait(0, deps=(s, q, k))",
+    f"{_DP}\ndp, _, _ = warpgroup_mma_wait(0, deps=(dp, do, v))",
+)
 
 
 def _indent(code: str, spaces: int) -> str:
@@ -316,8 +332,11 @@ def generate_dkdv(kernel: LoweredProgram, name: str, consumer_registers: int, lo
         signature=kernel.signature,
         listing=docstring_text(kernel.listing),
     )
+    s_then_dp, dp_done = _SERIAL if kernel.mods else _OVERLAPPED
     consumer = _CONSUMER.substitute(
         name=name,
+        s_then_dp=_indent(s_then_dp, 8).rstrip("\n"),
+        dp_done=_indent(dp_done, 8).rstrip("\n"),
         plugin_args=args,
         recompute=_indent(_recompute(kernel), 8).rstrip("\n"),
         chain=_indent(_chain(kernel), 8).rstrip("\n"),
