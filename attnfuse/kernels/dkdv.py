@@ -11,10 +11,10 @@ the program's query heads, with their rows' lse (where the normaliser saves one,
 Orientation: a consumer computes its scores in the fragments' own (queries, keys) orientation, so every
 fragment is spliced as written (``q_pos[:, None]``, ``lse[:, None]``, reductions over axis 1):
 
-    S = Q·Kᵀ and dP = dO·Vᵀ, the score pipeline (scale, modifications keeping their
-    inputs ``s_<i>`` and ``s_nat``, the masks on query blocks the facts do not keep whole), the
-    normaliser's ``backward_rows`` and ``recompute`` (P), its ``grad`` (dS) and each modification's grad,
-    last first; then dV += Pᵀ·dO and dK += dSᵀ·Q.
+    S = Q·Kᵀ and dP = dO·Vᵀ, the score pipeline (scale, modifications keeping their inputs ``s_<i>``
+    and ``s_nat``), the normaliser's ``backward_rows`` and ``recompute`` (P), its ``grad`` (dS) and each
+    modification's grad, last first, the masks on query blocks the facts do not keep whole; then
+    dV += Pᵀ·dO and dK += dSᵀ·Q.
 
 dP is issued with S, so the score pipeline runs while it multiplies, unless the program has score
 modifications: their kept inputs and per-score work take the registers an in-flight dP holds, so dP is
@@ -28,6 +28,7 @@ transpose costs the same shared-memory round trip. The masks apply once a step, 
 masked pair's weight and dS are set to 0, whatever its key's value (dP carries a masked key's NaN), where the
 generated kernel masks the scores before the recompute too (both made ptxas spill: the (queries, keys)
 orientation holds a key vector in 16 registers a thread, not 2).
+
 dQ is not computed here: the generated dQ kernel runs first (it writes delta, and the score-shaped
 gradients of tensor inputs such as an additive bias). dK and dV are stored as the hand kernel stores them,
 summed over a split group's programs as GROUP_SUM says (``dkdv_pipeline.store_program_grads``).
