@@ -51,13 +51,8 @@ _HEADER = '''\
 
 {listing}
 """
-import triton
 import triton.language as tl
-from triton.experimental import gluon
-from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import (
-    fence_async_shared, mbarrier, warpgroup_mma, warpgroup_mma_wait,
-)
+from attnfuse.triton_compat import fence_async_shared, gl, gluon, mbarrier, warpgroup_mma, warpgroup_mma_wait
 from attnfuse.kernels.dkdv_pipeline import dkdv_loader, store_program_grads
 from attnfuse.kernels.pipeline import ROWS, ring, warpgroup_layout
 '''

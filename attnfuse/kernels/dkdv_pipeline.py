@@ -9,10 +9,7 @@ delta where the normaliser reads them) through ``STAGES`` shared-memory stages.
 
 from __future__ import annotations
 
-from triton.experimental import gluon
-from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
-
+from ..triton_compat import gl, gluon, mbarrier, tma
 from .pipeline import ROWS
 
 
