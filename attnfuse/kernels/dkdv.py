@@ -146,9 +146,8 @@ def ${name}(
     hkv = h0 // GROUP
     Nk = N_K
     k_lo = n0
-    k_hi = tl.minimum(n0 + BLOCK_N, Nk) - 1
+    k_hi = tl.minimum(n0 + BLOCK_N, Nk) - 1  # the facts of the keys below Nk: the others' rows are not stored
 $query_range
-    full_end = tl.where(n0 + BLOCK_N > Nk, full_start, full_end)  # a partial key block is never full
     j_lo = start // BLOCK_M
     n_qblocks = tl.cdiv(hi - start, BLOCK_M)
     n_iter = heads * n_qblocks
@@ -230,8 +229,10 @@ def _rows_smem(name: str, present: bool) -> str:
 
 
 def _keep(kernel: LoweredProgram) -> str:
-    """The masks' keep of a masked step: rows below Nq, keys below Nk, every mask's own."""
-    keeps = ["q_ok[:, None]", "k_ok[None, :]"]
+    """The masks' keep of a masked step: rows below Nq and every mask's own. Not keys below Nk: a key past Nk
+    (TMA's zero rows) reaches only its own rows of dK and dV, which are never stored, and testing it held a key
+    vector in 16 registers a thread throughout the loop (ptxas spilled a dense program's step loop)."""
+    keeps = ["q_ok[:, None]"]
     keeps += [f"({for_template(m.fragment.keep)})" for m in kernel.masks if m.fragment.keep]
     return f"keep = {' & '.join(keeps)}"
 
