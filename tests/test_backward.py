@@ -311,7 +311,7 @@ def test_the_template_computes_dq_only_when_asked(monkeypatch, setting, determin
     lse = torch.randn(1, 2, 24)
     with deterministic_algorithms() if deterministic else contextlib.nullcontext():
         kernels(q, kv_cache(k, v, None, None), out, lse, dout, None, {})
-    assert paths == (["template"] if setting == "1" and not deterministic else [("generated", True)])
+    assert paths == (["template"] if setting == "1" and not deterministic else [("generated", "hopper")])
 
 
 def test_a_fused_dq_setting_other_than_0_or_1_is_an_input_error(monkeypatch):

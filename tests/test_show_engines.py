@@ -17,6 +17,7 @@ from attnfuse.examples import EXAMPLES
 from attnfuse.kernels import verified
 from attnfuse.kernels.instance import TEMPLATE_KINDS
 from attnfuse.plan import KernelConfig
+from attnfuse.runtime.backward import template_dkdv
 from attnfuse.runtime.compiled import compiled
 from attnfuse.runtime.forward import template_forward
 from attnfuse.runtime.hoisted import worth_hoisting
@@ -118,12 +119,18 @@ def test_an_unverified_instance_falls_back_by_default(capsys, empty_record, name
     expected = "hand-written" if plan.hopper is not None else "generated"
     assert forward["engine"] == expected
     assert forward["name"] == ("hopper_forward_kernel" if plan.hopper is not None else plan.kernels["forward"].name)
-    # the backward (its plan saves the log-sum-exp): the hand-written dK/dV kernel, which computes dQ too
+    # the backward (its plan saves the log-sum-exp): the dK/dV template's instance is not verified either, so
+    # the hand-written dK/dV kernel runs, which computes dQ too
     training = compiled(plan.graph, attrs.evolve(plan.config, save_lse=True)).plan
+    assert "dkdv" in training.templates.kernels and template_dkdv(training) is None
     for kind in ("dkdv", "dq"):
         entry = report["kernels"][kind]
         assert entry["engine"] == ("hand-written" if training.hopper is not None else "generated"), entry
-        assert entry["reason"] == training.templates.reasons[kind]
+        if kind == "dkdv":
+            assert entry["template_available"] is True and entry["verified"] is False
+            assert "not verified" in entry["reason"]
+        else:
+            assert entry["reason"] == training.templates.reasons[kind]
         assert entry["hoisted"] is forward["hoisted"]
 
 
@@ -186,7 +193,11 @@ def test_a_program_with_runtime_tensors_reports_its_engines(capsys, monkeypatch,
     else:
         assert forward["reason"] == plan.templates.reasons["forward"]
     for kind in ("dkdv", "dq", "decode"):
-        assert report["kernels"][kind]["reason"] == plan.templates.reasons[kind]
+        entry = report["kernels"][kind]
+        if kind in plan.templates.kernels:  # the dK/dV template serves both programs
+            assert entry["template_available"] is True and (entry["engine"] == "template") is (mode == "all")
+        else:
+            assert entry["reason"] == plan.templates.reasons[kind]
 
 
 def test_text_output_names_each_kernels_engine(capsys, monkeypatch, empty_record):

@@ -1,6 +1,7 @@
-"""The forward template's instances on the GPU against the float64 reference (``attnfuse/kernels/verify.py``):
-every built-in and installed contrib variant, head dims 64/128/256, float16 and bfloat16, GQA, ragged lengths,
-NaN values under the masks. With ``ATTNFUSE_VERIFY_OUT`` set, each result is appended there for the record."""
+"""The template instances on the GPU against the float64 reference (``attnfuse/kernels/verify.py``): the
+forward's on every built-in and installed contrib variant, head dims 64/128/256, float16 and bfloat16, GQA,
+ragged lengths, NaN values under the masks; the dK/dV template's gradients on every variant with smooth
+weights, head dims 64/128. With ``ATTNFUSE_VERIFY_OUT`` set, each result is appended there for the record."""
 
 import json
 import os
@@ -9,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from attnfuse.kernels import verify
-from attnfuse.kernels.launch import TemplateForward
+from attnfuse.kernels.launch import TemplateDkdv, TemplateForward
 
 from conftest import requires_cuda
 
@@ -24,14 +25,26 @@ def _log(result: dict) -> None:
             f.write(json.dumps(result) + "\n")
 
 
-@pytest.mark.parametrize("case", verify.cases(), ids=lambda c: c.id)
-def test_template_instance_matches_float64(case, monkeypatch):
-    monkeypatch.setenv("ATTNFUSE_TEMPLATES", "all")
-    before = TemplateForward.launches
+def _check(case, launcher) -> None:
+    """``verify.check(case)``, its result logged; a failure after ``launcher`` (the template's class) ran is
+    logged against the instance it ran."""
+    before = launcher.launches
     try:
         result = verify.check(case)
     except BaseException:
-        if TemplateForward.launches != before:
-            _log({"key": TemplateForward.last_key, "case": case.id, "failed": True})
+        if launcher.launches != before:
+            _log({"key": launcher.last_key, "case": case.id, "failed": True})
         raise
     _log(result)
+
+
+@pytest.mark.parametrize("case", verify.cases(), ids=lambda c: c.id)
+def test_template_instance_matches_float64(case, monkeypatch):
+    monkeypatch.setenv("ATTNFUSE_TEMPLATES", "all")
+    _check(case, TemplateForward)
+
+
+@pytest.mark.parametrize("case", verify.backward_cases(), ids=lambda c: c.id)
+def test_dkdv_template_instance_gradients_match_float64(case, monkeypatch):
+    monkeypatch.setenv("ATTNFUSE_TEMPLATES", "all")
+    _check(case, TemplateDkdv)

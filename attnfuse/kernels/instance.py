@@ -10,27 +10,28 @@ from pathlib import Path
 from ..launch_spec import LaunchSpec
 from ..passes.lower import LoweredProgram, masked_head
 from ..plan import KernelSpec, TemplatePlan, TileConfig
-from . import descriptors, launch, pipeline, rows
-from .capability import forward_reason
+from . import descriptors, dkdv_pipeline, launch, pipeline, rows
+from .capability import dkdv_reason, forward_reason
+from .dkdv import dkdv_params, generate_dkdv
 from .forward import forward_params, generate_forward
-from .tiles import FORWARD_TILES, NARROW_TILES
+from .tiles import DKDV_TILES, FORWARD_TILES, NARROW_TILES
 
 TEMPLATE_KINDS = ("forward", "dkdv", "dq", "decode")  # the kernels `attnfuse show` reports an engine for
 _NOT_YET = {
-    "dkdv": "the dK/dV template is not built yet",
-    "dq": "the dQ kernel has no template yet (the dK/dV template will compute dQ too)",
+    "dq": "the dQ kernel has no template yet: the generated dQ kernel runs before the dK/dV one",
     "decode": "decoding reads few rows a program: the generated split-KV kernel serves it",
 }
 
 
 def template_plan(kernel: LoweredProgram) -> TemplatePlan:
     """The template instances of ``kernel`` and the reasons for the kinds that fall back."""
-    reason = forward_reason(kernel)
     kernels, reasons = {}, dict(_NOT_YET)
-    if reason is None:
-        kernels["forward"] = _forward_spec(kernel)
-    else:
-        reasons["forward"] = reason
+    for kind, reason, spec in (("forward", forward_reason, _forward_spec), ("dkdv", dkdv_reason, _dkdv_spec)):
+        why = reason(kernel)
+        if why is None:
+            kernels[kind] = spec(kernel)
+        else:
+            reasons[kind] = why
     return TemplatePlan(
         kernels=kernels, reasons=reasons, scale=kernel.scale, qk_scale=kernel.scale * kernel.score_factor
     )
@@ -56,11 +57,25 @@ def _forward_spec(kernel: LoweredProgram) -> KernelSpec:
     )
 
 
+def _dkdv_spec(kernel: LoweredProgram) -> KernelSpec:
+    tiles = DKDV_TILES[kernel.config.head_dim]
+    name = f"attnfuse_tdkdv_{kernel.signature[:12]}"
+    rows = pipeline.ROWS.value
+    return KernelSpec(
+        kind="dkdv",
+        name=name,
+        tiles=TileConfig(block_m=rows, block_n=2 * rows, num_stages=tiles.stages),
+        launch=LaunchSpec(name, dkdv_params(kernel), {"STAGES": tiles.stages}, tiles=()),
+        generate=lambda name, _: generate_dkdv(kernel, name, pipeline.CONSUMER_REGISTERS, pipeline.LOADER_REGISTERS),
+        origins={inst.prefix: inst.apply.record.distribution for inst in kernel.instances()},
+    )
+
+
 @functools.lru_cache(maxsize=1)
 def _library() -> str:
     """The source of the template modules an instance imports or is launched by (their change changes every
     instance)."""
-    return "".join(Path(m.__file__).read_text() for m in (pipeline, rows, launch, descriptors))
+    return "".join(Path(m.__file__).read_text() for m in (pipeline, rows, launch, descriptors, dkdv_pipeline))
 
 
 def instance_digest(spec: KernelSpec) -> str:

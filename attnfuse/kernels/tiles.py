@@ -3,7 +3,8 @@
 A forward program is 2 x 64 query rows (``pipeline.ROWS`` per consumer warpgroup); it streams ``block_n`` keys
 a step through ``stages`` shared-memory stages. Each choice keeps the consumers' registers under their budget
 (no spills: ``tests/test_template_resources.py``) and the shared memory in an H100/H200 block
-(Q's 2 x 64 rows, then ``stages`` x (K + V) tiles of ``block_n`` rows).
+(Q's 2 x 64 rows, then ``stages`` x (K + V) tiles of ``block_n`` rows). A dK/dV program is 2 x 64 keys; it
+streams query blocks of 64 rows through ``stages`` stages of Q and dO tiles.
 """
 
 from __future__ import annotations
@@ -31,4 +32,15 @@ NARROW_TILES = {  # programs whose score modifications load a tensor per score (
     64: ForwardTiles(block_n=64, stages=4),
     128: ForwardTiles(block_n=64, stages=4),
     256: ForwardTiles(block_n=32, stages=3),
+}
+
+
+@frozen
+class DkdvTiles:
+    stages: int  # Q and dO tiles in flight (a dK/dV program: 2 x 64 keys, query blocks of 64 rows a step)
+
+
+DKDV_TILES = {  # shared memory: K and V (2 x 64 rows each), stages x (Q + dO) of 64 rows, 4 P/dS tiles of 64 x 64
+    64: DkdvTiles(stages=3),
+    128: DkdvTiles(stages=2),
 }

@@ -1,9 +1,10 @@
 """The GPU check of the template instances against the float64 reference, and the record it writes.
 
-``tests/test_template_gpu.py`` runs ``check`` on every case of ``cases()`` (each built-in and installed contrib
-variant, head dims 64/128/256, float16 and bfloat16, GQA, lengths that are not multiples of a tile, Nq != Nk,
-non-finite values under the masks) with ``ATTNFUSE_TEMPLATES=all``, and appends each result to a file in
-``$ATTNFUSE_VERIFY_OUT``. Then
+``tests/test_template_gpu.py`` runs ``check`` on every case of ``cases()`` (the forward template: each built-in
+and installed contrib variant, head dims 64/128/256, float16 and bfloat16, GQA, lengths that are not multiples
+of a tile, Nq != Nk, non-finite values under the masks) and of ``backward_cases()`` (the dK/dV template: its
+gradients dq, dk, dv through the public API) with ``ATTNFUSE_TEMPLATES=all``, and appends each result to a
+file in ``$ATTNFUSE_VERIFY_OUT``. Then
 
     python -m attnfuse.kernels.verify --collect $ATTNFUSE_VERIFY_OUT --write attnfuse/kernels/verified.json
 
@@ -24,8 +25,9 @@ import torch
 from attrs import frozen
 
 import attnfuse as af
+from ..testing.grad_bounds import delta_rounding
 from ..testing.tolerances import assert_matches_reference
-from .launch import TemplateForward
+from .launch import TemplateDkdv, TemplateForward
 from .verified import MODE_ENV, RECORD
 
 OUT_ENV = "ATTNFUSE_VERIFY_OUT"
@@ -33,6 +35,7 @@ HEAD_DIMS = (64, 128, 256)
 DTYPES = ("float16", "bfloat16")
 SHAPES = ((2, 4, 2, 300, 300), (1, 2, 2, 130, 257))  # (B, Hq, Hkv, Nq, Nk): GQA; ragged, fewer queries
 HOISTED_SHAPES = ((1, 4, 2, 600, 600), (1, 2, 2, 520, 700))  # enough query blocks that a qk transform is hoisted
+DKDV_HEAD_DIMS = (64, 128)  # the dK/dV template's (``tiles.DKDV_TILES``)
 
 
 def _variants() -> dict[str, tuple[Callable, Callable]]:
@@ -84,26 +87,55 @@ class Case:
     dtype: str
     shape: tuple[int, int, int, int, int]
     poison: bool  # a NaN value that some rows mask and the others keep: the careful redo must sort them out
+    kind: str = "forward"  # the template checked: "forward" (out, lse) or "dkdv" (the gradients)
 
     @property
     def id(self) -> str:
         B, Hq, Hkv, Nq, Nk = self.shape
-        return f"{self.variant}-D{self.head_dim}-{self.dtype}-{B}x{Hq}x{Hkv}x{Nq}x{Nk}{'-nan' if self.poison else ''}"
+        kind = "" if self.kind == "forward" else f"{self.kind}-"
+        shape = f"{B}x{Hq}x{Hkv}x{Nq}x{Nk}"
+        return f"{kind}{self.variant}-D{self.head_dim}-{self.dtype}-{shape}{'-nan' if self.poison else ''}"
+
+
+def _shapes(variant: str) -> tuple:
+    return HOISTED_SHAPES if variant.startswith("rope") else SHAPES
 
 
 def cases() -> list[Case]:
-    def shapes(v: str) -> tuple:
-        return HOISTED_SHAPES if v.startswith("rope") else SHAPES
-
-    found = [Case(v, d, t, s, False) for v in VARIANTS for d in HEAD_DIMS for t in DTYPES for s in shapes(v)]
+    """The forward template's cases."""
+    found = [Case(v, d, t, s, False) for v in VARIANTS for d in HEAD_DIMS for t in DTYPES for s in _shapes(v)]
     masked = ("causal", "sliding_window", "causal_alibi", "relu", "sigmoid")
     found += [Case(v, d, "bfloat16", SHAPES[0], True) for v in masked if v in VARIANTS for d in HEAD_DIMS]
     return found
 
 
+def smooth(variant: str) -> bool:
+    """Whether the variant's normaliser has smooth weights: a non-smooth one's (relu) float16 and bfloat16
+    gradients are not compared with the reference (``NormaliserFragment.smooth``), so it has no dK/dV case."""
+    program, extra = VARIANTS[variant]
+    return program.graph(**extra(1, 1, 1, "cpu")).weights.apply.fragment().smooth
+
+
+def backward_cases() -> list[Case]:
+    """The dK/dV template's cases: each variant with smooth weights, its head dims, both dtypes, the forward's
+    shapes. None with NaN values: a masked key's NaN value makes the float64 reference's gradients NaN
+    (its masked weights' dS is 0 · NaN), where the kernels' are 0."""
+    return [
+        Case(v, d, t, s, False, kind="dkdv")
+        for v in VARIANTS
+        if smooth(v)
+        for d in DKDV_HEAD_DIMS
+        for t in DTYPES
+        for s in _shapes(v)
+    ]
+
+
 def check(case: Case, seed: int = 0) -> dict:
-    """Run ``case`` through its template instance on the GPU and compare out and lse with the float64 reference
-    (AssertionError if they differ beyond what the dtype allows, or if the template did not run); its result."""
+    """Run ``case`` through its template instance on the GPU and compare out and lse (or, for a dK/dV case,
+    the gradients) with the float64 reference (AssertionError if they differ beyond what the dtype allows, or
+    if the template did not run); its result."""
+    if case.kind == "dkdv":
+        return _check_dkdv(case, seed)
     program, extra = VARIANTS[case.variant]
     B, Hq, Hkv, Nq, Nk = case.shape
     dtype = getattr(torch, case.dtype)
@@ -138,6 +170,60 @@ def check(case: Case, seed: int = 0) -> dict:
     finite = torch.isfinite(ref)
     error = (out.double() - ref)[finite].abs().max().item() if finite.any() else 0.0
     return {"key": TemplateForward.last_key, "case": case.id, "max_error": error}
+
+
+def _check_dkdv(case: Case, seed: int) -> dict:
+    """Forward and backward through the public API (the dK/dV template's instance computes dk and dv, the
+    generated dQ kernel dq); dq, dk and dv against the float64 reference's gradients, with the bound of
+    delta's rounding (``grad_bounds``) for normalisers that read delta."""
+    program, extra = VARIANTS[case.variant]
+    B, Hq, Hkv, Nq, Nk = case.shape
+    dtype = getattr(torch, case.dtype)
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    q, k, v = (torch.randn(B, h, n, case.head_dim, device="cuda", dtype=dtype, generator=gen) for h, n in
+               ((Hq, Nq), (Hkv, Nk), (Hkv, Nk)))  # fmt: skip
+    dout = torch.randn(B, Hq, Nq, case.head_dim, device="cuda", dtype=dtype, generator=gen)
+    kwargs = extra(Hq, Nq, Nk, "cuda")
+    if os.environ.get(MODE_ENV) != "all":
+        raise RuntimeError(f"the check runs the template instances: set {MODE_ENV}=all")
+    before = TemplateDkdv.launches
+    leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+    got = torch.autograd.grad(program(*leaves, **kwargs), leaves, dout)
+    if TemplateDkdv.launches == before:
+        raise AssertionError(f"{case.id}: the call did not run the dK/dV template")
+    error = compare_gradients(program, kwargs, (q, k, v), dout, got, case.id)
+    return {"key": TemplateDkdv.last_key, "case": case.id, "max_error": error}
+
+
+def compare_gradients(
+    program, kwargs: dict, qkv: tuple[torch.Tensor, ...], dout: torch.Tensor, got: tuple[torch.Tensor, ...], what: str
+) -> float:
+    """Compare ``got`` (dq, dk, dv of ``program`` at q, k, v = ``qkv`` for the output gradient ``dout``, all of
+    one dtype) with the float64 reference's gradients (AssertionError beyond what the dtype allows, with the
+    bound of delta's rounding, ``grad_bounds``, for a normaliser that reads delta); the largest error."""
+    dtype = dout.dtype
+    graph = program.graph(**kwargs)
+    leaves64 = [t.detach().double().requires_grad_(True) for t in qkv]
+    if graph.has_lse:
+        out64, lse64 = program.reference(*leaves64, return_lse=True, **kwargs)
+    else:
+        out64, lse64 = program.reference(*leaves64, **kwargs), None
+    rounding = [None] * 3
+    if lse64 is not None and graph.weights.apply.fragment().needs_delta:
+        q, k, v = (t.detach().double() for t in qkv)
+        with torch.no_grad():
+            weighted = program.reference(q, k, v.abs(), return_lse=True, **kwargs)[0]
+        rounding = delta_rounding(lse64, out64, weighted, dout, leaves64, dtype)
+    want64 = torch.autograd.grad(out64, leaves64, dout.double())
+    low_leaves = [t.detach().clone().requires_grad_(True) for t in qkv]
+    want_low = torch.autograd.grad(program.reference(*low_leaves, dtype=dtype, **kwargs), low_leaves, dout)
+    error = 0.0
+    for name, a, b, c, r in zip(("dq", "dk", "dv"), got, want64, want_low, rounding):
+        assert_matches_reference(a, b, c, dtype, what=f"{name} of {what}", rounding=r)
+        finite = torch.isfinite(b)
+        if finite.any():
+            error = max(error, (a.double() - b)[finite].abs().max().item())
+    return error
 
 
 def record(results: list[dict], failed: set[str], run: dict) -> dict:

@@ -1,8 +1,10 @@
 """The backward launcher: the dQ kernel (which also writes each row's delta), then the dK/dV kernel, then
-tensor gradients. On Hopper, for the programs and tensors it serves, the dK/dV kernel is the Gluon template
-(``hopper.py``). With ``ATTNFUSE_FUSED_DQ=1`` (``fuses_dq``) the template computes dQ too, after a small
-kernel for its row statistics (``template_rows.py``): fewer products, but it holds a float32 copy of all
-of dQ (B, Hq, Nq, D) during the backward, and its dQ is a sum of float32 reduce-adds in no fixed order."""
+tensor gradients. On Hopper, for the programs and tensors they serve, the dK/dV kernel is the dK/dV template's
+instance (``attnfuse/kernels``) where it is chosen (as the forward's is, ``forward.template_forward``), else
+the hand-written Gluon kernel (``hopper.py``). With ``ATTNFUSE_FUSED_DQ=1`` (``fuses_dq``) the hand-written
+kernel computes dQ too, after a small kernel for its row statistics (``template_rows.py``): fewer products,
+but it holds a float32 copy of all of dQ (B, Hq, Nq, D) during the backward, and its dQ is a sum of float32
+reduce-adds in no fixed order."""
 
 from __future__ import annotations
 
@@ -12,6 +14,8 @@ from typing import Any
 import torch
 
 from ..errors import InputError
+from ..kernels.launch import TemplateDkdv
+from ..kernels.verified import chosen, record_key
 from ..plan import InputGradient, Plan
 from .hopper import HopperLauncher
 from .inputs import KVCache, accumulator_dtype, empty_like_layout, even_keys, heads_together, kv_launch_args
@@ -52,6 +56,18 @@ def split_blocks(key_blocks: int, rows: int, group: int, device: torch.device) -
     return blocks, SPLIT_QUERY_ROWS if cuda else 64
 
 
+def template_dkdv(plan: Plan) -> TemplateDkdv | None:
+    """The dK/dV template's instance of ``plan`` where the templates can run it and ``verified.chosen`` chooses
+    it (a GPU verified it, or ``ATTNFUSE_TEMPLATES=all``), else None."""
+    spec = plan.templates.kernels.get("dkdv")
+    if spec is None:
+        return None
+    key = record_key(spec, plan.config.dtype, plan.config.head_dim)
+    if not chosen(key):
+        return None
+    return TemplateDkdv(spec, plan.templates.scale, plan.templates.qk_scale, key, plan.has_lse)
+
+
 def _sum_to(grad: torch.Tensor, shape: torch.Size) -> torch.Tensor:
     """Sum a (B, Hq, Nq, Nk) gradient over the dimensions a tensor of ``shape`` was broadcast along."""
     padded = (1,) * (4 - len(shape)) + tuple(shape)
@@ -75,6 +91,7 @@ class BackwardKernels:
         self.dq = CompiledKernel(plan.dq(tensor_grads), interpreted)
         self.plugin_args = PluginArgs(plan)
         self.hopper = HopperLauncher(plan.hopper) if plan.hopper is not None else None
+        self.template = template_dkdv(plan)
         width = dkdv.launch.constants
         self._share_width = (2 * width["BLOCK_H"] if dkdv.halves else width["BLOCK_D"]) + width["BLOCK_DV"]
 
@@ -161,10 +178,11 @@ class BackwardKernels:
         inputs: dict[str, Any],
         prepared: Prepared | None,
         buffers: list[torch.Tensor],
-        template: bool,
+        engine: str,
     ) -> None:
         """The generated dQ kernel (which writes delta and the tensor gradients' buffers), then the dK/dV
-        kernel: the template if ``template``, else the generated one. Deterministic."""
+        kernel ``engine`` names: "template" (the dK/dV template's instance), "hopper" (the hand-written
+        kernel) or "generated". Deterministic."""
         B, Hq, Nq, _ = q.shape
         delta = torch.empty((B, Hq, Nq), dtype=accumulator_dtype(q.dtype), device=q.device)  # dQ writes it
         shared = {
@@ -201,7 +219,9 @@ class BackwardKernels:
             EVEN_K=even_keys(kv),
             EVEN_M=even_m,
         )
-        if template:
+        if engine == "template":
+            self.template(q, kv.k, kv.v, dout, lse, delta, dk, dv, pargs)
+        elif engine == "hopper":
             self.hopper.dkdv(q, kv.k, kv.v, dout, self.hopper.rows(lse, delta=delta), dk, dv)
         else:
             self._generated_dkdv(q, kv, dk, dv, shared, pargs, limit, heavy, even_m)
@@ -241,10 +261,12 @@ class BackwardKernels:
                 and self.hopper.rows_fit(lse)
                 and dk.stride(3) == dv.stride(3) == 1
             )
-            if fuses_dq(template, bool(self.tensor_grads)):
+            served = self.template is not None and self.template.fits(q, k, v, dout, lse, dk, dv)
+            if not served and fuses_dq(template, bool(self.tensor_grads)):
                 self._fused_dq(q, kv, out, lse, dout, dlse, dq, dk, dv)
             else:
-                self._dq_then_dkdv(q, kv, out, lse, dout, dlse, dq, dk, dv, inputs, prepared, buffers, template)
+                engine = "template" if served else "hopper" if template else "generated"
+                self._dq_then_dkdv(q, kv, out, lse, dout, dlse, dq, dk, dv, inputs, prepared, buffers, engine)
         else:
             for g in (dq, dk, dv):
                 g.zero_()

@@ -162,17 +162,7 @@ class HopperLauncher:
         B, Hq, Nq, D = q.shape
         Hkv, Nk = k.shape[1], k.shape[2]
         group, blocks = Hq // Hkv, cdiv(Nk, _ROWS)
-        parts = _group_parts(B * Hkv * blocks, group, q.device)
-        counts = dk  # unused unless the last part sums
-        if parts == 1:
-            group_sum, dk_part, dv_part = "none", dk, dv
-        elif parts == 2 or torch.are_deterministic_algorithms_enabled():
-            group_sum = "last"
-            dk_part, dv_part = torch.empty((2, parts, B, Hkv, Nk, D), dtype=torch.float32, device=q.device)
-            counts = torch.zeros(B * Hkv * 2 * blocks, dtype=torch.int32, device=q.device)
-        else:
-            group_sum = "atomic"
-            dk_part, dv_part = torch.zeros((2, B, Hkv, Nk, D), dtype=torch.float32, device=q.device)
+        parts, group_sum, dk_part, dv_part, counts = group_split(q, k, dk, dv)
         dq_tiles = None if dq is None else self._describe(dq, DKDV_BLOCK_M, D // 2)
         lse_rows, delta_rows = rows
         args = DKDV.bind(
@@ -221,6 +211,29 @@ class HopperLauncher:
         if group_sum == "atomic":
             dk.copy_(dk_part)
             dv.copy_(dv_part)
+
+
+def group_split(
+    q: torch.Tensor, k: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor
+) -> tuple[int, str, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """How a dK/dV launch on Hopper (the hand-written kernel's or the template's: programs of 128 keys) of q
+    (B, Hq, Nq, D) and k (B, Hkv, Nk, D) sums a GQA group's query heads: (parts, GROUP_SUM, dk_part, dv_part,
+    counts). ``parts`` programs share a group (``_group_parts``); with one, GROUP_SUM is "none" and the
+    buffers are dk and dv; with two or under ``torch.use_deterministic_algorithms``, "last": each part's
+    float32 shares (parts, B, Hkv, Nk, D) and zeroed counters, one per 64-key tile; else "atomic": float32
+    zeros (B, Hkv, Nk, D) to add into, which the caller copies to dk and dv after the launch."""
+    B, Hq, _, D = q.shape
+    Hkv, Nk = k.shape[1], k.shape[2]
+    group, blocks = Hq // Hkv, cdiv(Nk, _ROWS)
+    parts = _group_parts(B * Hkv * blocks, group, q.device)
+    if parts == 1:
+        return parts, "none", dk, dv, dk  # counts: unused unless the last part sums
+    if parts == 2 or torch.are_deterministic_algorithms_enabled():
+        dk_part, dv_part = torch.empty((2, parts, B, Hkv, Nk, D), dtype=torch.float32, device=q.device)
+        counts = torch.zeros(B * Hkv * 2 * blocks, dtype=torch.int32, device=q.device)
+        return parts, "last", dk_part, dv_part, counts
+    dk_part, dv_part = torch.zeros((2, B, Hkv, Nk, D), dtype=torch.float32, device=q.device)
+    return parts, "atomic", dk_part, dv_part, dk
 
 
 def _group_parts(programs: int, group: int, device: torch.device) -> int:

@@ -46,6 +46,7 @@ from ..triton_compat import (
 )
 from ..triton_compat import libtriton_ir as ir
 
+from ..kernels.dkdv_pipeline import store_program_grads
 from .hopper_kernel import ROWS, _warpgroup_layout, ring
 
 
@@ -271,70 +272,10 @@ def _consumer(
     dk = dk * scale
     key = gl.expand_dims(n0 + HALF * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, acc_layout)), 1)
     d = gl.expand_dims(gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, acc_layout)), 0)
-    if GROUP_SUM == "none":
-        _store_grads(dk, dv, dk_ptr, dv_ptr, dk_strides, dv_strides, key, d, b, hkv, n_k)
-    else:  # a split group: these rows of its float32 (B, Hkv, Nk, D) sums, or of each part's shares
-        kv_row = b * (heads_q // group) + hkv
-        rows = (kv_row.to(gl.int64) * n_k + key) * HEAD_DIM + d
-        if GROUP_SUM == "atomic":
-            gl.atomic_add(dk_part + rows, dk, mask=key < n_k, sem="relaxed")
-            gl.atomic_add(dv_part + rows, dv, mask=key < n_k, sem="relaxed")
-        else:  # "last": this part's shares; the group's last program to finish sums them all
-            tile = kv_row * (2 * gl.cdiv(n_k, 2 * ROWS)) + n0 // ROWS + HALF  # this 64-key tile's counter
-            dk, dv, last = _sum_shares(
-                dk, dv, dk_part, dv_part, part_size, counts + tile, rows, key < n_k, h0 % group // heads, group // heads
-            )
-            if last:
-                _store_grads(dk, dv, dk_ptr, dv_ptr, dk_strides, dv_strides, key, d, b, hkv, n_k)
-
-
-@gluon.jit
-def _sum_shares(dk, dv, dk_part, dv_part, part_size, count, rows, keep, part, parts):
-    """Stores this program's float32 shares of dK and dV (64 keys, D) at ``rows`` (where ``keep``) of part
-    ``part`` of dk_part and dv_part (``parts`` parts of part_size elements, each (B, Hkv, Nk, D)), and
-    counts them in ``count``, its tile's zeroed counter. Returns the group's sums, in part order
-    (deterministic), and whether this program is the last of its group, the one that stores them. Of two
-    parts the last adds the other's shares to its own, in registers: a + b is b + a, bit for bit."""
-    mine = part.to(gl.int64) * part_size + rows
-    gl.store(dk_part + mine, dk, mask=keep)
-    gl.store(dv_part + mine, dv, mask=keep)
-    gl.thread_barrier()  # every thread's stores before the count that publishes them
-    last = gl.atomic_add(count, 1, sem="acq_rel", scope="gpu") == parts - 1
-    if last:
-        if parts == 2:
-            other = (1 - part).to(gl.int64) * part_size + rows
-            dk += gl.load(dk_part + other, mask=keep, other=0.0, cache_modifier=".cg")
-            dv += gl.load(dv_part + other, mask=keep, other=0.0, cache_modifier=".cg")
-        else:
-            dk = gl.zeros_like(dk)
-            dv = gl.zeros_like(dv)
-            for j in range(parts):
-                dk += gl.load(dk_part + j * part_size + rows, mask=keep, other=0.0, cache_modifier=".cg")
-                dv += gl.load(dv_part + j * part_size + rows, mask=keep, other=0.0, cache_modifier=".cg")
-    return dk, dv, last
-
-
-@gluon.jit
-def _store_grads(dk, dv, dk_ptr, dv_ptr, dk_strides, dv_strides, key, d, b, hkv, n_k):
-    """Stores dK and dV (64 keys, D) at key rows ``key`` (below Nk) of kv head hkv, in the outputs' dtypes."""
-    gl.store(
-        dk_ptr
-        + b.to(gl.int64) * dk_strides[0]
-        + hkv.to(gl.int64) * dk_strides[1]
-        + key.to(gl.int64) * dk_strides[2]
-        + d,
-        dk.to(dk_ptr.dtype.element_ty),
-        mask=key < n_k,
-    )
-    gl.store(
-        dv_ptr
-        + b.to(gl.int64) * dv_strides[0]
-        + hkv.to(gl.int64) * dv_strides[1]
-        + key.to(gl.int64) * dv_strides[2]
-        + d,
-        dv.to(dv_ptr.dtype.element_ty),
-        mask=key < n_k,
-    )
+    store_program_grads(
+        dk, dv, dk_ptr, dv_ptr, dk_strides, dv_strides, dk_part, dv_part, part_size, counts, key, d, b, h0, hkv, n0,
+        n_k, heads, heads_q, group, HALF, GROUP_SUM,
+    )  # fmt: skip
 
 
 @gluon.jit

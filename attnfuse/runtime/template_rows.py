@@ -1,9 +1,10 @@
-"""The Hopper dK/dV template's row statistics, laid out as it reads them: each query row's lse in log2 units
-(+inf where the row keeps no key, so its weights are 0) and delta = rowsum(dO ∘ O) − dlse (the softmax
-backward's row term), as flat float32 rows in which each (batch, head)'s Nq values are padded with +inf
-and 0 to a multiple of the template's query block. The template's steps then use them as they are, with
-no test of a row's place or lse a step. When the template also computes dQ, the same launch computes
-delta (else the generated dQ kernel wrote it) and zeroes dQ's float32 accumulator."""
+"""The Hopper dK/dV kernels' row statistics, laid out as they read them: each query row's lse in log2 units
+(+inf where the row keeps no key, so its weights are 0; or, for the dK/dV template, natural as saved) and
+delta = rowsum(dO ∘ O) − dlse (the softmax backward's row term), as flat float32 rows in which each (batch,
+head)'s Nq values are padded with +inf (-inf when natural) and 0 to a multiple of the kernel's query block.
+The kernels' steps then use them as they are, with no test of a row's place or lse a step. When the
+hand-written kernel also computes dQ, the same launch computes delta (else the generated dQ kernel wrote
+it) and zeroes dQ's float32 accumulator."""
 
 from __future__ import annotations
 
@@ -47,6 +48,7 @@ def _template_rows_kernel(
     COMPUTE_DELTA: tl.constexpr,
     HAS_DLSE: tl.constexpr,
     ZERO: tl.constexpr,
+    NATURAL: tl.constexpr,
 ):
     row = tl.program_id(0) * ROWS + tl.arange(0, ROWS)  # (b * H + h) * padded + i
     keep = row < n_rows
@@ -55,7 +57,10 @@ def _template_rows_kernel(
     real = keep & (i < Nq)
     source = bh * Nq + i  # the row in (B, H, Nq) order
     lse = tl.load(Lse + source, mask=real, other=float("-inf"))
-    tl.store(LseRows + row, tl.where(lse == float("-inf"), float("inf"), lse * log2e), mask=keep)
+    if NATURAL:  # as saved: -inf where a row keeps no key and past Nq
+        tl.store(LseRows + row, lse, mask=keep)
+    else:
+        tl.store(LseRows + row, tl.where(lse == float("-inf"), float("inf"), lse * log2e), mask=keep)
     d = tl.arange(0, HEAD_DIM)[None, :].to(tl.int64)
     if COMPUTE_DELTA:
         b = bh // H
@@ -86,7 +91,7 @@ TEMPLATE_ROWS = LaunchSpec(
     params(TENSOR, "Lse", "Delta", "DLse", "Out", "DOut", "LseRows", "DeltaRows", "Zeroed")
     + params(INT, "n_rows", "Nq", "padded", "H", *_STRIDES)
     + params(SCALAR, "log2e")
-    + params(CONSTEXPR, "HEAD_DIM", "ROWS", "COMPUTE_DELTA", "HAS_DLSE", "ZERO"),
+    + params(CONSTEXPR, "HEAD_DIM", "ROWS", "COMPUTE_DELTA", "HAS_DLSE", "ZERO", "NATURAL"),
     tiles=(),
 )
 _jitted = Launcher(triton.jit(_template_rows_kernel))
@@ -107,12 +112,14 @@ def template_rows(
     dout: torch.Tensor | None = None,
     dlse: torch.Tensor | None = None,
     zeroed: torch.Tensor | None = None,
+    natural: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """lse (B, H, Nq) float32 (natural log), and either delta (B, H, Nq) float32 or out and dout (B, H, Nq,
     D), D a power of two, with dlse (B, H, Nq) float32 or None -> the template's lse rows and delta rows,
     float32 (B * H * padded_rows(Nq, block),). ``zeroed`` (B, H, Nq, D) float32, dense in any order of its
     dims with a unit last stride, if given (with out and dout), is filled with zeros (its B * H * Nq * D
-    elements from its first)."""
+    elements from its first). ``natural``: the lse rows as saved (natural log, -inf where a row keeps no key
+    and past Nq), for the dK/dV template, whose normaliser's ``backward_rows`` converts them."""
     B, H, Nq = lse.shape
     padded = padded_rows(Nq, block)
     lse_rows, delta_rows = torch.empty((2, B * H * padded), dtype=torch.float32, device=lse.device)
@@ -156,6 +163,7 @@ def template_rows(
                 "COMPUTE_DELTA": compute,
                 "HAS_DLSE": dlse is not None,
                 "ZERO": zeroed is not None,
+                "NATURAL": natural,
             }
         ),
         device=lse.device,

@@ -1,0 +1,438 @@
+"""The Hopper dK/dV template's CPU-side logic (``attnfuse/kernels/dkdv.py``), with no GPU: which programs it
+serves (``capability.dkdv_reason``), that each served instance is complete Gluon that compiles for sm90 within
+an H100/H200 block's shared memory, how the backward chooses it, the rows it reads, and the GPU check's
+gradient comparison (``verify.compare_gradients``), run here on the generated kernels."""
+
+from __future__ import annotations
+
+import ast
+import math
+import re
+
+import attrs
+import pytest
+import torch
+import triton
+
+import attnfuse as af
+from attnfuse.combinator import Combinator, Role, ScoreModFragment
+from attnfuse.kernels import capability, verified, verify
+from attnfuse.kernels.launch import TemplateDkdv
+from attnfuse.kernels.pipeline import LAUNCH_REGISTERS
+from attnfuse.kernels.tiles import DKDV_TILES, SHARED_MEMORY_LIMIT
+from attnfuse.launch_spec import CONSTEXPR, SCALAR, TENSOR
+from attnfuse.passes.compiler import compile as compile_plan
+from attnfuse.passes.compiler import lowered
+from attnfuse.plan import KernelConfig
+from attnfuse.runtime import backward as runtime_backward
+from attnfuse.runtime import hopper
+from attnfuse.runtime.template_rows import padded_rows, template_rows
+
+from test_template import _undefined
+
+SM90 = KernelConfig(
+    arch="sm90", dtype="bfloat16", head_dim=128, head_dim_v=128, group=2, save_lse=True, fp32_precision="ieee"
+)
+HEAD_DIMS = tuple(DKDV_TILES)
+
+
+def _graph(variant: str):
+    program, extra = verify.VARIANTS[variant]
+    return program.graph(**extra(4, 48, 64, "cpu"))
+
+
+def _plan(variant: str, **changes):
+    """The plan a call of ``variant`` runs its dK/dV kernel from (the hoisted one where it hoists)."""
+    graph = _graph(variant)
+    config = attrs.evolve(SM90, save_lse=graph.has_lse, **changes)
+    return compile_plan(graph, compile_plan(graph, config).hoisted_config)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# 1. Which programs it serves
+
+
+@pytest.mark.parametrize("variant", sorted(verify.VARIANTS))
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+def test_the_dkdv_template_serves_every_variant(variant, dtype, head_dim):
+    plan = _plan(variant, dtype=dtype, head_dim=head_dim, head_dim_v=head_dim)
+    assert "dkdv" in plan.templates.kernels and "dkdv" not in plan.templates.reasons
+    spec = plan.templates.kernels["dkdv"]
+    assert spec.kind == "dkdv" and spec.tiles.num_stages == DKDV_TILES[head_dim].stages
+
+
+@pytest.mark.parametrize(
+    "changes,cause",
+    [
+        ({"arch": "interpreter"}, "interpreter"),
+        ({"arch": "sm80"}, "sm80"),
+        ({"dtype": "float32"}, "float32"),
+        ({"head_dim": 256, "head_dim_v": 256}, "256"),
+        ({"head_dim": 96, "head_dim_v": 96}, "96"),
+        ({"head_dim_v": 64}, "D == DV (got 128 and 64)"),
+        ({"kv_lens": True}, "kv_lens"),
+        ({"paged": True}, "paged"),
+        ({"positions": True}, "positions"),
+        ({"wide_positions": True}, "2**30"),
+        ({"partial": True}, "partial"),
+    ],
+)
+@pytest.mark.parametrize("variant", ["causal", "sigmoid" if "sigmoid" in verify.VARIANTS else "relu"])
+def test_dkdv_reason_names_what_the_template_does_not_take(variant, changes, cause):
+    graph = _graph(variant)
+    assert capability.dkdv_reason(lowered(graph, SM90)) is None
+    reason = capability.dkdv_reason(lowered(graph, attrs.evolve(SM90, **changes)))
+    assert reason is not None and cause in reason
+    if changes.get("kv_lens"):
+        assert "dK/dV template" in reason
+
+
+def _softmax_like(name: str, **changes) -> Combinator:
+    """softmax with ``changes`` to its fragment (a test plugin)."""
+    softmax = af.combinators()["softmax"].combinator
+    return Combinator(
+        name=name,
+        role=Role.NORMALISER,
+        doc="softmax, with a backward of its own (a test plugin).",
+        reference=softmax.reference,
+        fragment=attrs.evolve(softmax.fragment, **changes),
+    )
+
+
+NO_GRAD = _softmax_like("_test_dkdv_no_grad", grad=None)
+DELTA_NO_LSE = _softmax_like(  # its rows' statistics from elsewhere: delta without lse
+    "_test_dkdv_delta_no_lse",
+    has_lse=False,
+    finalize="l_use = tl.where(l_i == 0.0, 1.0, l_i)\nout = acc / l_use[:, None]",
+    backward_rows="",
+    recompute="p = tl.math.exp2(s)",
+    combine=None,
+    partial=None,
+)
+NO_GRAD_MOD = Combinator(
+    name="_test_dkdv_mod_no_grad",
+    role=Role.SCORE_MOD,
+    doc="s + 1 with no backward (a test plugin).",
+    reference=lambda s, ctx: s + 1.0,
+    fragment=ScoreModFragment(body="s = s + 1.0", grad=None),
+)
+
+
+def _plus_one(s):
+    return af._test_dkdv_mod_no_grad(s)
+
+
+class _Plugin:
+    def __init__(self, combinator: Combinator):
+        self.combinator = combinator
+
+    @af.hookimpl
+    def attnfuse_combinators(self):
+        return [self.combinator]
+
+
+@pytest.fixture
+def third_party():
+    names = []
+    try:
+        for comb in (NO_GRAD, DELTA_NO_LSE, NO_GRAD_MOD):
+            af.register_plugin(_Plugin(comb), name=f"dkdv-test:{comb.name}")
+            names.append(f"dkdv-test:{comb.name}")
+        yield
+    finally:
+        for name in reversed(names):
+            af.unregister_plugin(name)
+
+
+@pytest.mark.parametrize(
+    "build,cause",
+    [
+        (lambda: af.attention(lambda q, k, v: af._test_dkdv_no_grad(af.scaled_dot_product(q, k)) @ v), "no backward"),
+        (
+            lambda: af.attention(lambda q, k, v: af._test_dkdv_delta_no_lse(af.scaled_dot_product(q, k)) @ v),
+            "needs delta but saves no lse",
+        ),
+        (
+            lambda: af.attention(
+                lambda q, k, v: af.softmax(af._test_dkdv_mod_no_grad(af.scaled_dot_product(q, k))) @ v
+            ),
+            "no backward",
+        ),
+    ],
+    ids=["normaliser-without-grad", "delta-without-lse", "modification-without-grad"],
+)
+def test_dkdv_reason_refuses_what_has_no_template_backward(third_party, build, cause):
+    """A third party's program the template cannot differentiate falls back, with the combinator named."""
+    graph = build().graph()
+    reason = capability.dkdv_reason(lowered(graph, SM90))
+    assert reason is not None and cause in reason and "_test_dkdv_" in reason
+    assert "dkdv" not in compile_plan(graph, SM90).templates.kernels
+
+
+# ---------------------------------------------------------------------------------------------------------
+# 2. Each served instance is complete Gluon that compiles for sm90
+
+
+@pytest.mark.parametrize("variant", sorted(verify.VARIANTS))
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+def test_served_dkdv_instances_splice_into_complete_gluon_text(variant, head_dim):
+    source = _plan(variant, head_dim=head_dim, head_dim_v=head_dim).templates.kernels["dkdv"].source
+    calls = [ast.unparse(n.func) for n in ast.walk(ast.parse(source)) if isinstance(n, ast.Call)]
+    assert not {"tl.full", "tl.zeros", "tl.arange"} & set(calls)
+    assert _undefined(source) == []
+
+
+def _compile(spec, head_dim: int, group_sum: str):
+    """``spec``'s instance compiled for sm90 (bfloat16 tensors), as a launch would compile it."""
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from attnfuse.runtime.source_cache import load_function, write_source
+
+    fn = load_function(spec.source, spec.name, write_source(spec.name, spec.source))
+    layout = gl.NVMMASharedLayout.get_default_for([1, 1, 64, head_dim], gl.bfloat16)
+    tile = f"tensordesc<bf16[1, 1, 64, {head_dim}],{layout!r}>"
+    rows = f"tensordesc<fp32[64],{hopper._ROW_LAYOUT!r}>"
+    reads_rows = "lse_smem = gl.allocate" in spec.source
+    named = {n: tile for n in ("q_desc", "do_desc", "k_desc", "v_desc")}
+    named |= {"DKey": "*bf16", "DValue": "*bf16", "dk_part": "*fp32", "dv_part": "*fp32", "counts": "*i32"}
+    signature, constants = {}, {**spec.launch.constants, "GROUP_SUM": group_sum}
+    for p in spec.launch.params:
+        if p.name in ("lse_desc", "delta_desc"):
+            signature[p.name] = rows if reads_rows else "constexpr"
+            if not reads_rows:
+                constants[p.name] = None
+        else:
+            kinds = {CONSTEXPR: "constexpr", SCALAR: "fp32", TENSOR: "*fp32"}
+            signature[p.name] = named.get(p.name) or kinds.get(p.kind, "i32")
+    return triton.compile(
+        GluonASTSource(fn, signature, constants),
+        target=GPUTarget("cuda", 90, 32),
+        options={"num_warps": 4, "maxnreg": LAUNCH_REGISTERS},
+    )
+
+
+@pytest.mark.parametrize("variant", sorted(verify.VARIANTS))
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+def test_dkdv_instances_compile_for_sm90_within_shared_memory(variant, head_dim):
+    spec = _plan(variant, head_dim=head_dim, head_dim_v=head_dim).templates.kernels["dkdv"]
+    compiled = _compile(spec, head_dim, "none")
+    assert "wgmma.mma_async" in compiled.asm["ptx"]
+    assert compiled.metadata.shared <= SHARED_MEMORY_LIMIT
+
+
+@pytest.mark.parametrize("group_sum", ["atomic", "last"])
+def test_dkdv_instances_sum_a_split_group_as_told(group_sum):
+    compiled = _compile(_plan("causal").templates.kernels["dkdv"], 128, group_sum)
+    ptx = compiled.asm["ptx"]
+    assert ("atom.global.gpu.relaxed.add.f32" in ptx) == (group_sum == "atomic")  # the shares' adds
+    assert ("atom.global.gpu.acq_rel.add" in ptx) == (group_sum == "last")  # their count
+    assert compiled.metadata.shared <= SHARED_MEMORY_LIMIT
+
+
+def test_dkdv_instances_visit_the_query_blocks_the_masks_facts_give():
+    """A masked program's query blocks come from its masks' q_range / q_full_range facts; a dense one visits
+    every block and masks only the partial ones."""
+    window = _plan("sliding_window").templates.kernels["dkdv"].source
+    assert re.search(r"lo = tl\.maximum\(lo, .*k_lo", window) and "full_lo = tl.maximum(full_lo" in window
+    dense = _plan("dense").templates.kernels["dkdv"].source
+    assert "full_end = Nq // BLOCK_M * BLOCK_M" in dense and "k_lo -" not in dense
+
+
+# ---------------------------------------------------------------------------------------------------------
+# 3. How the backward chooses it
+
+
+class _Recorder:
+    """Stands for ``TemplateDkdv``: records its construction instead of compiling."""
+
+    made: list[tuple] = []
+
+    def __init__(self, *args):
+        _Recorder.made.append(args)
+
+
+@pytest.fixture
+def recorder(monkeypatch):
+    _Recorder.made = []
+    monkeypatch.setattr(runtime_backward, "TemplateDkdv", _Recorder)
+    return _Recorder
+
+
+@pytest.fixture
+def record(tmp_path, monkeypatch):
+    def write(keys: list[str]) -> None:
+        path = tmp_path / "verified.json"
+        data = verify.record([{"key": k, "case": "c", "max_error": 0.01} for k in keys], set(), {})
+        path.write_text(__import__("json").dumps(data))
+        monkeypatch.setattr(verified, "RECORD", path)
+        verified._verified.cache_clear()
+
+    yield write
+    verified._verified.cache_clear()
+
+
+@pytest.mark.parametrize("variant", ["causal", "sinks", "rope_causal"])
+def test_an_unrecorded_dkdv_instance_runs_only_when_opted_in(variant, record, recorder, monkeypatch):
+    plan = _plan(variant)
+    spec = plan.templates.kernels["dkdv"]
+    key = verified.record_key(spec, plan.config.dtype, plan.config.head_dim)
+    assert key.startswith("dkdv/")
+    record([])
+    for mode in ("verified", "off"):
+        monkeypatch.setenv(verified.MODE_ENV, mode)
+        assert runtime_backward.template_dkdv(plan) is None
+    assert recorder.made == []
+    monkeypatch.setenv(verified.MODE_ENV, "all")
+    assert isinstance(runtime_backward.template_dkdv(plan), _Recorder)
+    assert recorder.made == [(spec, plan.templates.scale, plan.templates.qk_scale, key, plan.has_lse)]
+
+
+def test_a_recorded_dkdv_instance_runs_by_default(record, recorder, monkeypatch):
+    monkeypatch.delenv(verified.MODE_ENV, raising=False)
+    plan = _plan("causal")
+    spec = plan.templates.kernels["dkdv"]
+    record([verified.record_key(spec, "float16", 128)])  # another dtype's instance of the same source
+    assert runtime_backward.template_dkdv(plan) is None
+    record([verified.record_key(spec, "bfloat16", 128)])
+    assert isinstance(runtime_backward.template_dkdv(plan), _Recorder)
+
+
+class _Fits:
+    """Stands for a template or hand-written launcher that serves the call (CPU tensors never are)."""
+
+    def __init__(self, fits: bool):
+        self.fits = lambda *tensors: fits
+        self.rows_fit = lambda *tensors: True
+
+
+@pytest.mark.parametrize("fused", [None, "1"])
+@pytest.mark.parametrize("template_fits", [True, False])
+def test_the_backward_runs_the_dkdv_template_where_it_is_chosen(monkeypatch, fused, template_fits):
+    """Where the dK/dV template's instance is chosen and fits the tensors, the backward runs the generated dQ
+    kernel and then the instance (never the hand-written kernel's fused dQ); else today's order."""
+    from attnfuse.runtime.compiled import compiled
+    from attnfuse.runtime.inputs import kv_cache
+
+    if fused is None:
+        monkeypatch.delenv("ATTNFUSE_FUSED_DQ", raising=False)
+    else:
+        monkeypatch.setenv("ATTNFUSE_FUSED_DQ", fused)
+    config = KernelConfig(
+        arch="interpreter", dtype="float32", head_dim=16, head_dim_v=16, group=1, save_lse=True, fp32_precision="ieee"
+    )
+    kernels = compiled(_graph("causal"), config).backward()
+    monkeypatch.setattr(kernels, "hopper", _Fits(True))
+    monkeypatch.setattr(kernels, "template", _Fits(template_fits))
+    paths = []
+    monkeypatch.setattr(kernels, "_fused_dq", lambda *args: paths.append("fused"))
+    monkeypatch.setattr(kernels, "_dq_then_dkdv", lambda *args: paths.append(args[-1]))
+    q, k, v, out, dout = (torch.randn(1, 2, 24, 16) for _ in range(5))
+    kernels(q, kv_cache(k, v, None, None), out, torch.randn(1, 2, 24), dout, None, {})
+    assert paths == (["template"] if template_fits else ["fused"] if fused == "1" else ["hopper"])
+
+
+def test_cpu_backwards_have_no_dkdv_template(monkeypatch):
+    monkeypatch.setenv(verified.MODE_ENV, "all")
+    from attnfuse.runtime.compiled import compiled
+
+    config = KernelConfig(
+        arch="interpreter", dtype="float32", head_dim=16, head_dim_v=16, group=1, save_lse=True, fp32_precision="ieee"
+    )
+    plan = compile_plan(_graph("causal"), config)
+    assert "dkdv" not in plan.templates.kernels and "interpreter" in plan.templates.reasons["dkdv"]
+    assert compiled(_graph("causal"), config).backward().template is None
+
+
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+def test_the_launcher_takes_the_tensors_tma_can_address(head_dim):
+    """``TemplateDkdv.fits``: lse where the normaliser saves one, unit last strides, TMA-addressable inputs."""
+    plan = _plan("causal", head_dim=head_dim, head_dim_v=head_dim)
+    key = verified.record_key(plan.templates.kernels["dkdv"], "bfloat16", head_dim)
+    launcher = TemplateDkdv(plan.templates.kernels["dkdv"], 1.0, 1.0, key, has_lse=True)
+    q, k, v, dout, dk, dv = (torch.randn(1, 2, 40, head_dim, dtype=torch.bfloat16) for _ in range(6))
+    lse = torch.randn(1, 2, 40)
+    assert launcher.fits(q, k, v, dout, lse, dk, dv)
+    assert not launcher.fits(q, k, v, dout, None, dk, dv)  # the rows the instance reads
+    assert not launcher.fits(q, k, v.transpose(2, 3), dout, lse, dk, dv)  # a last stride other than 1
+    assert not launcher.fits(q, k, v, dout, lse, dk, dv.transpose(2, 3))
+    no_lse = TemplateDkdv(plan.templates.kernels["dkdv"], 1.0, 1.0, key, has_lse=False)
+    assert no_lse.fits(q, k, v, dout, None, dk, dv)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# 4. The rows it reads, and how a split group sums
+
+
+@pytest.mark.parametrize("natural", [False, True])
+def test_template_rows_give_lse_as_saved_or_in_log2_units(natural):
+    B, H, Nq = 2, 3, 37
+    lse = torch.randn(B, H, Nq) * 4
+    lse[0, 1, 5] = -math.inf  # a row that keeps no key
+    delta = torch.randn(B, H, Nq)
+    lse_rows, delta_rows = template_rows(lse, 64, delta=delta, natural=natural)
+    padded = padded_rows(Nq, 64)
+    got = lse_rows.view(B, H, padded)
+    want = lse if natural else torch.where(lse == -math.inf, math.inf, lse * math.log2(math.e))
+    torch.testing.assert_close(got[..., :Nq], want)
+    assert torch.all(got[..., Nq:] == (-math.inf if natural else math.inf))
+    torch.testing.assert_close(delta_rows.view(B, H, padded)[..., :Nq], delta)
+
+
+@pytest.mark.parametrize("parts,deterministic,want", [(1, False, "none"), (2, False, "last"), (4, False, "atomic"),
+                                                      (4, True, "last")])  # fmt: skip
+def test_group_split_sums_the_group_s_parts(monkeypatch, parts, deterministic, want):
+    from conftest import deterministic_algorithms
+
+    import contextlib
+
+    monkeypatch.setattr(hopper, "_group_parts", lambda programs, group, device: parts)
+    q, dk, dv = torch.randn(2, 8, 40, 64), torch.randn(2, 2, 300, 64), torch.randn(2, 2, 300, 64)
+    with deterministic_algorithms() if deterministic else contextlib.nullcontext():
+        got, group_sum, dk_part, dv_part, counts = hopper.group_split(q, dk, dk, dv)
+    assert (got, group_sum) == (parts, want)
+    if want == "none":
+        assert dk_part is dk and dv_part is dv
+    elif want == "last":
+        assert dk_part.shape == (parts, 2, 2, 300, 64) and torch.all(counts == 0)
+        assert counts.numel() == 2 * 2 * 2 * triton.cdiv(300, 128)
+    else:
+        assert dk_part.shape == dv_part.shape == (2, 2, 300, 64) and torch.all(dk_part == 0)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# 5. The GPU check's cases and gradient comparison
+
+
+def test_backward_cases_cover_every_smooth_variant_head_dim_and_dtype():
+    found = verify.backward_cases()
+    smooth = {v for v in verify.VARIANTS if verify.smooth(v)}
+    assert "relu" in verify.VARIANTS and "relu" not in smooth  # its low-precision gradients are not compared
+    assert {(c.variant, c.head_dim, c.dtype) for c in found} == {
+        (v, d, t) for v in smooth for d in HEAD_DIMS for t in verify.DTYPES
+    }
+    assert all(c.kind == "dkdv" and not c.poison for c in found)
+    ids = [c.id for c in found + verify.cases()]
+    assert len(set(ids)) == len(ids)
+    assert any(c.shape[1] > c.shape[2] for c in found) and any(c.shape[3] % 64 for c in found)
+
+
+@pytest.mark.parametrize("variant", ["causal", "sinks", "causal_alibi"])
+def test_compare_gradients_passes_a_right_backward_and_fails_a_wrong_one(variant):
+    """The comparison the GPU check makes, run here on the generated kernels' float16 gradients: it passes
+    them, and fails them once dk is off by 5% of its size."""
+    program, extra = verify.VARIANTS[variant]
+    B, Hq, Hkv, Nq, Nk, D = 1, 2, 1, 40, 56, 16
+    kwargs = extra(Hq, Nq, Nk, "cpu")
+    q, k, v = (torch.randn(B, h, n, D).to(torch.float16) for h, n in ((Hq, Nq), (Hkv, Nk), (Hkv, Nk)))
+    dout = torch.randn(B, Hq, Nq, D).to(torch.float16)
+    leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+    got = torch.autograd.grad(program(*leaves, **kwargs), leaves, dout)
+    error = verify.compare_gradients(program, kwargs, (q, k, v), dout, got, variant)
+    assert 0.0 < error < 0.1
+    dq, dk, dv = got
+    wrong = dk + 0.05 * dk.abs().max() * torch.randn_like(dk).sign()
+    with pytest.raises(AssertionError, match="dk of"):
+        verify.compare_gradients(program, kwargs, (q, k, v), dout, (dq, wrong, dv), variant)
