@@ -32,7 +32,12 @@ for step in "$@"; do
       rm -rf /tmp/attnfuse-verify
       ATTNFUSE_VERIFY_OUT=/tmp/attnfuse-verify ATTNFUSE_TEMPLATES=all timeout "${STEP_TIMEOUT:-0}" python3 -m pytest -q \
         -rfE -n ${WORKERS:-4} -p no:cacheprovider tests/test_template_gpu.py 2>&1 | tee "$OUT/templates.log" | tail -40
-      python3 -m attnfuse.kernels.verify --collect /tmp/attnfuse-verify --write "$OUT/verified.json" ;;
+      # a run stopped by STEP_TIMEOUT left cases unrun: no record from it
+      if [ "${PIPESTATUS[0]}" -ne 124 ]; then
+        python3 -m attnfuse.kernels.verify --collect /tmp/attnfuse-verify --write "$OUT/verified.json"
+      else
+        echo "templates: stopped at STEP_TIMEOUT, so no record is written"
+      fi ;;
     sweep)
       (cd benchmarks && timeout "${STEP_TIMEOUT:-0}" python3 sweep_tiles.py --kernel "${SWEEP_KERNEL:-forward}" ${SWEEP_CASES:+--cases $SWEEP_CASES} ${SWEEP_ARGS:-}) \
         2>&1 | tee "$OUT/sweep.log" | grep -E "BEST|failed|Error" ;;
