@@ -1,11 +1,12 @@
 """The forward template against the kernels it replaces, eager and as CUDA-graph replays (which leave the host
 out): whether a gap is the kernel's or the host's. Medians of ``triton.testing.do_bench``, bf16.
 
-    python benchmarks/template_launch.py
+    python benchmarks/template_launch.py [--N 2048,8192]
 """
 
 from __future__ import annotations
 
+import argparse
 import os
 import time
 
@@ -49,9 +50,12 @@ def timed(fn) -> tuple[float, float]:
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--N", default="2048,8192", help="sequence lengths, comma-separated")
+    lengths = [int(n) for n in parser.parse_args().N.split(",")]
     print("| case | engine | eager ms | graph ms | host us/call |\n|---|---|---|---|---|")
     for geometry, (B, Hq, Hkv, D) in {"gpt2": (4, 12, 12, 64), "llama3-8b": (1, 32, 8, 128)}.items():
-        for N in (2048, 8192):
+        for N in lengths:
             q = torch.randn(B, Hq, N, D, device="cuda", dtype=torch.bfloat16)
             k, v = (torch.randn(B, Hkv, N, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
             for program in (causal, dense):
