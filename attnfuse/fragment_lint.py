@@ -41,6 +41,7 @@ from .combinator import (
     ScoreSourceFragment,
 )
 from .errors import InputError, PluginError, deprecated
+from .parsing import parse
 
 BUILTINS = frozenset({"float", "int", "range", "min", "max", "abs", "True", "False", "None", "tl", "triton"})
 COMMON = BUILTINS | {
@@ -297,7 +298,7 @@ def _parse(text: str, expression: bool, mapping: dict[str, str]) -> ast.AST:
     if "$" in code:
         raise SyntaxError(f"unknown placeholder {re.search(r'[$][{]?[A-Za-z_]*', code).group()}")
     code = textwrap.dedent(code).strip()
-    return ast.parse(f"({code})" if expression else code, mode="eval" if expression else "exec")
+    return parse(f"({code})" if expression else code, mode="eval" if expression else "exec")
 
 
 def _names(tree: ast.AST) -> tuple[dict[str, int], dict[str, int]]:

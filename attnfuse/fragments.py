@@ -10,6 +10,7 @@ import attrs
 from attrs import field, frozen
 
 from .errors import DeclarationError
+from .parsing import parse
 
 
 @frozen(kw_only=True)
@@ -108,7 +109,7 @@ class BlockList:
 def _is_zero(text: str) -> bool:
     """Whether a fact's expression is the constant 0 (``"0"``, ``"(0)"``, ``" 0 "``): parsed, not compared."""
     try:
-        node = ast.parse(text.strip(), mode="eval").body
+        node = parse(text.strip(), mode="eval").body
     except SyntaxError:  # placeholders not yet substituted: not a constant
         return False
     return isinstance(node, ast.Constant) and type(node.value) is int and node.value == 0

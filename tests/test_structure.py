@@ -32,6 +32,7 @@ PLUGIN_API_MODULES = {
     "attnfuse.examples_support",
     "attnfuse.launch_context",
     "attnfuse.tiles",
+    "attnfuse.parsing",
 }
 OUTSIDE_PLUGIN_API = (
     "attnfuse.program",

@@ -16,17 +16,12 @@ from __future__ import annotations
 import ast
 import functools
 import textwrap
-import threading
+
+from ..parsing import parse as _parse
 
 CONSTRUCTORS = ("full", "zeros", "arange")
-_PARSING = threading.Lock()  # CPython 3.11's ast.parse, run by several threads at once, can fail (SystemError)
 LAYOUTS = {"BLOCK_M": "ROW_LAYOUT", "BLOCK_N": "KEY_LAYOUT"}  # a 1-d extent -> the template's layout name
 TILE_LAYOUT = "S_LAYOUT"
-
-
-def _parse(code: str) -> ast.Module:
-    with _PARSING:
-        return ast.parse(code)
 
 
 def _name(node: ast.AST) -> str | None:

@@ -15,16 +15,16 @@ arguments raises ``IndexError`` (on a GPU it would be an illegal memory access, 
 from __future__ import annotations
 
 import contextlib
-import threading
 import warnings
 from typing import Any, Callable
 
 import numpy as np
 import torch
 
+from ..parsing import PARSE_LOCK
 from ..triton_compat import InterpretedFunction, InterpreterError, JITFunction, interpreter
 
-_lock = threading.RLock()
+_lock = PARSE_LOCK  # every rewrite parses the kernel's source
 _interpreted: dict[Callable, InterpretedFunction] = {}
 
 
@@ -111,8 +111,7 @@ class InterpretedKernel:
         self._fn = InterpretedFunction(fn)
         self._fn.rewritten_fn = {}  # its own: Triton's class-wide dict would keep every kernel ever loaded alive
         # Rewritten now, while fn's source is registered, and under the lock like every other rewrite (a
-        # helper's, at launch): CPython 3.11's ast module keeps one recursion counter per interpreter, so
-        # parses on two threads at once can raise a spurious SystemError (python/cpython#106905).
+        # helper's, at launch) and every other parse of AttnFuse's (``parsing.PARSE_LOCK``).
         with _lock:
             self._fn.rewrite()
 
