@@ -4,7 +4,8 @@
 #   bench_base: the same benchmark code (this tree's attnfuse/bench) on the kernels in .base (attnfuse/ and
 #   attnfuse_plugins/ of an earlier commit, with this tree's attnfuse/bench copied in:
 #   `bash scripts/base_tree.sh REV`, then carry .base), for before/after tables from one call.
-#   templates: the template instances' GPU check; writes $OUT/verified.json, the record to check in.
+#   templates: the template instances' GPU check; writes $OUT/verified.json, the record to check in
+#   (TEMPLATES_K: a pytest -k expression choosing some of its cases).
 # Knobs: DKDV_ARGS (see benchmarks/sweep_hopper_dkdv.py), PROFILE_ARGS (see benchmarks/profile_training.py), HF_ARGS (see benchmarks/hf_layer.py), HF_GEN_ARGS (see benchmarks/hf_generate.py), LAYER_STEPS_ARGS (see benchmarks/layer_steps.py; --timing 8192), SWEEP_ARGS (more sweep_tiles.py arguments), TESTS (pytest paths), WORKERS (pytest-xdist processes; 4), MAXFAIL (failures before pytest stops; 1), FUZZ (examples per combinator), SWEEP_CASES / SWEEP_KERNEL (see
 # benchmarks/sweep_tiles.py), BENCH_ARGS (see `attnfuse bench --help`), BENCH_NAME (the
 # files' name under $OUT; bench), BENCH_PLOT (set: draw the plot), STEP_TIMEOUT (seconds
@@ -31,7 +32,8 @@ for step in "$@"; do
       # every template instance against float64 (tests/test_template_gpu.py), then the record of those that passed
       rm -rf /tmp/attnfuse-verify
       ATTNFUSE_VERIFY_OUT=/tmp/attnfuse-verify ATTNFUSE_TEMPLATES=all timeout "${STEP_TIMEOUT:-0}" python3 -m pytest -q \
-        -rfE -n ${WORKERS:-4} -p no:cacheprovider tests/test_template_gpu.py 2>&1 | tee "$OUT/templates.log" | tail -40
+        -rfE -n ${WORKERS:-4} -p no:cacheprovider ${TEMPLATES_K:+-k "$TEMPLATES_K"} tests/test_template_gpu.py 2>&1 \
+        | tee "$OUT/templates.log" | tail -40
       # a run stopped by STEP_TIMEOUT left cases unrun: no record from it
       if [ "${PIPESTATUS[0]}" -ne 124 ]; then
         python3 -m attnfuse.kernels.verify --collect /tmp/attnfuse-verify --write "$OUT/verified.json"
