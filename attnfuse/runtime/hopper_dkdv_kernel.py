@@ -47,7 +47,7 @@ from ..triton_compat import (
 from ..triton_compat import libtriton_ir as ir
 
 from ..kernels.dkdv_pipeline import store_program_grads
-from .hopper_kernel import ROWS, _warpgroup_layout, ring
+from ..kernels.pipeline import ROWS, ring, warpgroup_layout
 
 
 @gluon.jit
@@ -210,9 +210,9 @@ def _consumer(
     kv_ready, q_ready, do_ready, free, ds_ready, dq_full, dq_empty = bars
     HEAD_DIM: gl.constexpr = k_desc.block_type.shape[3]
     dtype: gl.constexpr = k_desc.dtype
-    st_layout: gl.constexpr = _warpgroup_layout(BLOCK_M)
-    acc_layout: gl.constexpr = _warpgroup_layout(HEAD_DIM)
-    dq_layout: gl.constexpr = _warpgroup_layout(HEAD_DIM // 2)
+    st_layout: gl.constexpr = warpgroup_layout(BLOCK_M)
+    acc_layout: gl.constexpr = warpgroup_layout(HEAD_DIM)
+    dq_layout: gl.constexpr = warpgroup_layout(HEAD_DIM // 2)
     op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
     columns: gl.constexpr = gl.SliceLayout(0, st_layout)
 

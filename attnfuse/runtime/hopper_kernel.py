@@ -14,6 +14,8 @@ multiply-add a score (``exp2(s · qk_scale − max · qk_scale)``), as FlashAtte
 
 from __future__ import annotations
 
+from ..kernels.pipeline import ROWS, ring, warpgroup_layout
+from ..kernels.rows import load_rows, load_rows_t, row_offsets
 from ..triton_compat import (
     fence_async_shared,
     gl,
@@ -25,31 +27,7 @@ from ..triton_compat import (
     warpgroup_mma_wait,
 )
 
-ROWS = gl.constexpr(64)  # query rows per consumer warpgroup; a program's block is 2 * ROWS
 CAREFUL_KEYS = gl.constexpr(16)  # keys per step of the careful redo
-
-
-@gluon.constexpr_function
-def _warpgroup_layout(columns):
-    """The register layout of one warpgroup's [64, columns] wgmma accumulator."""
-    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, columns, 16])
-
-
-@gluon.jit
-def ring(a_desc, b_desc, STAGES: gl.constexpr):
-    """Shared memory for two tensors' tiles streamed through ``STAGES`` stages (a loader warp fills them,
-    two consumer warpgroups read them): the tiles of each, a ready barrier per stage for each (TMA
-    completes it), and a free barrier per stage that both consumers arrive on."""
-    a_smem = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
-    b_smem = gl.allocate_shared_memory(b_desc.dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
-    a_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    b_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(STAGES):
-        mbarrier.init(a_ready.index(i), count=1)
-        mbarrier.init(b_ready.index(i), count=1)
-        mbarrier.init(free.index(i), count=2)  # both consumers
-    return a_smem, b_smem, a_ready, b_ready, free
 
 
 @gluon.jit
@@ -122,34 +100,6 @@ def _masked(s, i, row_pos, n_k, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, s_l
 
 
 @gluon.jit
-def _offsets(desc, b, h, rows, columns):
-    """Element offsets of (rows, columns) at (b, h) of ``desc``'s tensor, by its strides."""
-    return (
-        b.to(gl.int64) * desc.strides[0]
-        + h.to(gl.int64) * desc.strides[1]
-        + rows.to(gl.int64) * desc.strides[2]
-        + columns
-    )
-
-
-@gluon.jit
-def _tile(ptr, desc, b, h, first, n_rows, ROWS_: gl.constexpr, layout: gl.constexpr):
-    """Rows [first, first + ROWS_) of ``desc``'s tensor at (b, h), (ROWS_, D) in ``layout``; rows past
-    n_rows read 0."""
-    r = gl.expand_dims(first + gl.arange(0, ROWS_, layout=gl.SliceLayout(1, layout)), 1)
-    d = gl.expand_dims(gl.arange(0, desc.block_type.shape[3], layout=gl.SliceLayout(0, layout)), 0)
-    return gl.load(ptr + _offsets(desc, b, h, r, d), mask=r < n_rows, other=0.0)
-
-
-@gluon.jit
-def _tile_t(ptr, desc, b, h, first, n_rows, ROWS_: gl.constexpr, layout: gl.constexpr):
-    """``_tile`` transposed: (D, ROWS_) in ``layout``."""
-    d = gl.expand_dims(gl.arange(0, desc.block_type.shape[3], layout=gl.SliceLayout(1, layout)), 1)
-    r = gl.expand_dims(first + gl.arange(0, ROWS_, layout=gl.SliceLayout(0, layout)), 0)
-    return gl.load(ptr + _offsets(desc, b, h, r, d), mask=r < n_rows, other=0.0)
-
-
-@gluon.jit
 def _careful(
     q_ptr,
     k_ptr,
@@ -184,7 +134,7 @@ def _careful(
     b_op: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
     rows: gl.constexpr = gl.SliceLayout(1, mma)
 
-    q = _tile(q_ptr, q_desc, b, hq, first, n_q, ROWS, a_op)
+    q = load_rows(q_ptr, q_desc, b, hq, first, n_q, ROWS, a_op)
     row = first + gl.arange(0, ROWS, layout=rows)
     row_pos = row + (n_k - n_q)
     m_i = gl.full([ROWS], float("-inf"), gl.float32, rows)
@@ -192,14 +142,14 @@ def _careful(
     acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, mma)
     poisoned = gl.zeros([ROWS, HEAD_DIM], gl.float32, mma)  # kept keys with a non-finite value, by column
     for start in range(0, n_seen, CAREFUL_KEYS):
-        k_t = _tile_t(k_ptr, k_desc, b, hkv, start, n_k, CAREFUL_KEYS, b_op)
+        k_t = load_rows_t(k_ptr, k_desc, b, hkv, start, n_k, CAREFUL_KEYS, b_op)
         s = mma_v2(q, k_t, gl.zeros([ROWS, CAREFUL_KEYS], gl.float32, mma))
         k_pos = start + gl.arange(0, CAREFUL_KEYS, layout=gl.SliceLayout(0, mma))
         keep = gl.expand_dims(k_pos < n_k, 0) & gl.expand_dims(row < n_q, 1)  # (64, CAREFUL_KEYS)
         if CAUSAL:
             keep = keep & (gl.expand_dims(k_pos, 0) <= gl.expand_dims(row_pos, 1))
         p, alpha, m_i, l_i = _softmax_step(gl.where(keep, s, float("-inf")), m_i, l_i, qk_scale)
-        v = _tile(v_ptr, v_desc, b, hkv, start, n_k, CAREFUL_KEYS, b_op)
+        v = load_rows(v_ptr, v_desc, b, hkv, start, n_k, CAREFUL_KEYS, b_op)
         finite = gl.abs(v.to(gl.float32)) < float("inf")  # false for NaN too
         poisoned = mma_v2(
             gl.convert_layout(gl.where(keep, 1.0, 0.0).to(dtype), a_op), gl.where(finite, 0.0, 1.0).to(dtype), poisoned
@@ -213,7 +163,7 @@ def _careful(
         gl.store(lse_row + row, _lse(m_i, l_i, qk_scale), mask=row < n_q)
     d = gl.expand_dims(gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, mma)), 0)
     gl.store(
-        o_ptr + _offsets(o_desc, b, hq, gl.expand_dims(row, 1), d), out.to(dtype), mask=gl.expand_dims(row < n_q, 1)
+        o_ptr + row_offsets(o_desc, b, hq, gl.expand_dims(row, 1), d), out.to(dtype), mask=gl.expand_dims(row < n_q, 1)
     )
 
 
@@ -253,8 +203,8 @@ def _consumer(
     q_ready, k_ready, v_ready, kv_free = bars
     HEAD_DIM: gl.constexpr = q_desc.block_type.shape[3]
     dtype: gl.constexpr = q_desc.dtype
-    s_layout: gl.constexpr = _warpgroup_layout(BLOCK_N)
-    o_layout: gl.constexpr = _warpgroup_layout(HEAD_DIM)
+    s_layout: gl.constexpr = warpgroup_layout(BLOCK_N)
+    o_layout: gl.constexpr = warpgroup_layout(HEAD_DIM)
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
 
