@@ -16,10 +16,10 @@ from .descriptors import describable, describe
 from .pipeline import LAUNCH_REGISTERS, ROWS
 
 
-class TemplateForward:
-    """The forward template's instance of one plan (``spec``), loaded from its source; ``key`` names it in the
-    record of verified instances. ``launches`` and ``last_key`` (of the class): how many launches this process
-    made, and the instance of the latest, which the GPU check (``verify.py``) reads."""
+class TemplateInstance:
+    """One template instance of a plan (``spec``), loaded from its source; ``key`` names it in the record of
+    verified instances; ``scale`` and ``qk_scale`` are launch arguments. Each kind's class counts its
+    ``launches`` and keeps the ``last_key`` launched, which the GPU check (``verify.py``) reads."""
 
     launches = 0
     last_key: str | None = None
@@ -31,6 +31,13 @@ class TemplateForward:
         self.path = write_source(spec.name, self.source)
         self._launcher = Launcher(load_function(self.source, spec.name, self.path))
         self._scales = {"sm_scale": scale, "qk_scale": qk_scale}
+
+
+class TemplateForward(TemplateInstance):
+    """The forward template's instance."""
+
+    launches = 0
+    last_key: str | None = None
 
     @staticmethod
     def fits(*tensors: torch.Tensor) -> bool:
@@ -81,21 +88,14 @@ class TemplateForward:
         )
 
 
-class TemplateDkdv:
-    """The dK/dV template's instance of one plan (``spec``), loaded from its source; ``key`` names it in the
-    record of verified instances. ``launches`` and ``last_key`` (of the class): how many launches this process
-    made, and the instance of the latest, which the GPU check (``verify.py``) reads."""
+class TemplateDkdv(TemplateInstance):
+    """The dK/dV template's instance; ``has_lse``: its normaliser saves lse."""
 
     launches = 0
     last_key: str | None = None
 
     def __init__(self, spec: KernelSpec, scale: float, qk_scale: float, key: str, has_lse: bool):
-        self.spec = spec
-        self.key = key
-        self.source = spec.source
-        self.path = write_source(spec.name, self.source)
-        self._launcher = Launcher(load_function(self.source, spec.name, self.path))
-        self._scales = {"sm_scale": scale, "qk_scale": qk_scale}
+        super().__init__(spec, scale, qk_scale, key)
         self._has_lse = has_lse  # the normaliser saves lse: the instance reads its rows and delta's
 
     def fits(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor, lse: torch.Tensor | None,
