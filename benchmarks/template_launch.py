@@ -1,13 +1,16 @@
-"""The forward template against the kernels it replaces, eager and as CUDA-graph replays (which leave the host
-out): whether a gap is the kernel's or the host's. Medians of ``triton.testing.do_bench``, bf16.
+"""The template instances against the kernels they replace, eager and as CUDA-graph replays (which leave the host
+out): whether a gap is the kernel's or the host's. Forward and forward+backward (no graph); medians of
+``triton.testing.do_bench``, bf16. ``--profile``: the host's hottest functions per call (cProfile).
 
-    python benchmarks/template_launch.py [--N 2048,8192]
+    python benchmarks/template_launch.py [--N 2048,8192] [--profile]
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
 import os
+import pstats
 import time
 
 import torch
@@ -39,9 +42,24 @@ def host_us(fn, calls: int = 200) -> float:
     return elapsed / calls * 1e6
 
 
-def timed(fn) -> tuple[float, float]:
-    """(eager ms, graph-replay ms) of ``fn``."""
+def profile(fn, calls: int = 100, top: int = 18) -> None:
+    """Print the ``top`` functions by own host time over ``calls`` calls of ``fn``."""
+    fn()
+    torch.cuda.synchronize()
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(calls):
+        fn()
+    profiler.disable()
+    torch.cuda.synchronize()
+    pstats.Stats(profiler).sort_stats("tottime").print_stats(top)
+
+
+def timed(fn, graph: bool = True) -> tuple[float, float | None]:
+    """(eager ms, graph-replay ms or None) of ``fn``."""
     eager = triton.testing.do_bench(fn, return_mode="median")
+    if not graph:
+        return eager, None
     fn()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
@@ -52,25 +70,36 @@ def timed(fn) -> tuple[float, float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--N", default="2048,8192", help="sequence lengths, comma-separated")
-    lengths = [int(n) for n in parser.parse_args().N.split(",")]
+    parser.add_argument("--profile", action="store_true", help="print cProfile's hottest host functions per case")
+    options = parser.parse_args()
+    lengths = [int(n) for n in options.N.split(",")]
     print("| case | engine | eager ms | graph ms | host us/call |\n|---|---|---|---|---|")
     for geometry, (B, Hq, Hkv, D) in {"gpt2": (4, 12, 12, 64), "llama3-8b": (1, 32, 8, 128)}.items():
         for N in lengths:
-            q = torch.randn(B, Hq, N, D, device="cuda", dtype=torch.bfloat16)
-            k, v = (torch.randn(B, Hkv, N, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-            for program in (causal, dense):
+            q = torch.randn(B, Hq, N, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+            k, v = (torch.randn(B, Hkv, N, D, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in "kv")
+            dout = torch.randn_like(q)
+            for program, backward in ((causal, False), (dense, False), (causal, True)):
+                case = f"{geometry} N{N} {program.__name__}{' fwd+bwd' if backward else ''}"
                 for mode in ("all", "off"):
                     os.environ["ATTNFUSE_TEMPLATES"] = mode
                     launch.clear_cache()
+                    if backward:
+                        call = lambda: program(q, k, v).backward(dout)  # noqa: E731
+                    else:
+                        call = lambda: program(q.detach(), k.detach(), v.detach())  # noqa: E731
                     try:
-                        eager, graph = timed(lambda: program(q, k, v))
-                        host = host_us(lambda: program(q, k, v))
+                        eager, graph = timed(call, graph=not backward)
+                        host = host_us(call)
                     except Exception as exc:  # noqa: BLE001 (a row says why it has no figure)
-                        print(f"| {geometry} N{N} {program.__name__} | {mode} | {type(exc).__name__}: {exc} | |")
+                        print(f"| {case} | {mode} | {type(exc).__name__}: {exc} | |")
                         continue
                     engine = "template" if mode == "all" else "before (hand-written or generated)"
-                    case = f"{geometry} N{N} {program.__name__}"
-                    print(f"| {case} | {engine} | {eager:.3f} | {graph:.3f} | {host:.1f} |", flush=True)
+                    replay = "—" if graph is None else f"{graph:.3f}"
+                    print(f"| {case} | {engine} | {eager:.3f} | {replay} | {host:.1f} |", flush=True)
+                    if options.profile:
+                        print(f"\nhost profile, {case}, {engine}:")
+                        profile(call)
 
 
 if __name__ == "__main__":

@@ -17,7 +17,7 @@ from attnfuse.examples import EXAMPLES
 from attnfuse.kernels import verified
 from attnfuse.kernels.instance import TEMPLATE_KINDS
 from attnfuse.plan import KernelConfig
-from attnfuse.runtime.backward import template_dkdv
+from attnfuse.runtime.backward import FUSED_DQ_ENV, template_dkdv
 from attnfuse.runtime.compiled import compiled
 from attnfuse.runtime.forward import template_forward
 from attnfuse.runtime.hoisted import worth_hoisting
@@ -120,18 +120,42 @@ def test_an_unverified_instance_falls_back_by_default(capsys, empty_record, name
     assert forward["engine"] == expected
     assert forward["name"] == ("hopper_forward_kernel" if plan.hopper is not None else plan.kernels["forward"].name)
     # the backward (its plan saves the log-sum-exp): the dK/dV template's instance is not verified either, so
-    # the hand-written dK/dV kernel runs, which computes dQ too
+    # the hand-written dK/dV kernel runs, after the generated dQ kernel (ATTNFUSE_FUSED_DQ is unset)
     training = compiled(plan.graph, attrs.evolve(plan.config, save_lse=True)).plan
     assert "dkdv" in training.templates.kernels and template_dkdv(training) is None
     for kind in ("dkdv", "dq"):
         entry = report["kernels"][kind]
-        assert entry["engine"] == ("hand-written" if training.hopper is not None else "generated"), entry
+        hand_written = training.hopper is not None and kind == "dkdv"
+        assert entry["engine"] == ("hand-written" if hand_written else "generated"), entry
         if kind == "dkdv":
             assert entry["template_available"] is True and entry["verified"] is False
             assert "not verified" in entry["reason"]
         else:
             assert entry["reason"] == training.templates.reasons[kind]
         assert entry["hoisted"] is forward["hoisted"]
+
+
+@pytest.mark.parametrize("record", ["empty", "checked-in"])
+def test_dq_engine_follows_the_fused_dq_setting(capsys, monkeypatch, tmp_path, record):
+    """dQ comes from the hand-written dK/dV kernel only with ATTNFUSE_FUSED_DQ=1 and no dK/dV template instance
+    running the backward (``runtime/backward.py``); else from the generated dQ kernel."""
+    if record == "empty":
+        empty = tmp_path / "verified.json"
+        empty.write_text(json.dumps({"about": "test", "run": None, "instances": []}))
+        monkeypatch.setattr(verified, "RECORD", empty)
+    options = ("--arch", "sm90", "--dtype", "bfloat16", "--head-dim", "128")
+    plan, _ = runtime_forward_plan("gpt2", 128)
+    training = compiled(plan.graph, attrs.evolve(plan.config, save_lse=True)).plan
+    assert training.hopper is not None
+    template = template_dkdv(training) is not None
+    for setting, hand_written in (("0", False), ("1", not template)):
+        monkeypatch.setenv(FUSED_DQ_ENV, setting)
+        kernels = show_json(capsys, "gpt2", *options)["kernels"]
+        assert kernels["dkdv"]["engine"] == ("template" if template else "hand-written")
+        dq = kernels["dq"]
+        assert dq["engine"] == ("hand-written" if hand_written else "generated"), (setting, dq)
+        if hand_written:
+            assert FUSED_DQ_ENV + "=1" in dq["note"]
 
 
 def test_a_verified_instance_runs_by_default(capsys, tmp_path, monkeypatch, empty_record):

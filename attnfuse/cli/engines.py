@@ -11,6 +11,7 @@ from .. import ir
 from ..kernels.instance import TEMPLATE_KINDS
 from ..kernels.verified import MODE_ENV, chosen, is_verified, mode, record_key
 from ..plan import KernelConfig, KernelSpec, Plan
+from ..runtime.backward import FUSED_DQ_ENV, fuses_dq
 from ..runtime.compiled import compiled
 from ..runtime.hoisted import HOIST_MIN_QUERY_BLOCKS
 
@@ -21,8 +22,8 @@ HAND_WRITTEN = {  # kernel kind -> the hand-written Hopper kernel that does its 
     "dkdv": ("hopper_dkdv_kernel", "attnfuse/runtime/hopper_dkdv_kernel.py, on tensors TMA can address"),
     "dq": (
         "hopper_dkdv_kernel",
-        "attnfuse/runtime/hopper_dkdv_kernel.py computes dQ too, on tensors TMA can address, except under "
-        "torch.use_deterministic_algorithms(True), where the generated dQ kernel runs",
+        f"attnfuse/runtime/hopper_dkdv_kernel.py computes dQ too ({FUSED_DQ_ENV}=1), on tensors TMA can address, "
+        "except under torch.use_deterministic_algorithms(True), where the generated dQ kernel runs",
     ),
 }
 HOISTED_KINDS = ("forward", "dkdv", "dq")  # a call that hoists its qk transforms runs the hoisted plan's
@@ -108,11 +109,19 @@ def kernel_engine(plan: Plan, kind: str) -> KernelEngine:
     else:
         reason = TEMPLATES_OFF if mode() == "off" else NOT_VERIFIED
     common = dict(kind=kind, reason=reason, template=template, instance=instance, verified=verified, config=config)
-    if plan.hopper is not None and kind in HAND_WRITTEN:
+    if plan.hopper is not None and kind in HAND_WRITTEN and (kind != "dq" or _hand_written_dq(plan)):
         name, note = HAND_WRITTEN[kind]
         return KernelEngine(engine="hand-written", name=name, note=note, **common)
     generated = plan.kernels[kind]
     return KernelEngine(engine="generated", name=generated.name, **common)
+
+
+def _hand_written_dq(plan: Plan) -> bool:
+    """Whether the hand-written dK/dV kernel computes dQ in ``plan``'s backward (``runtime/backward.py``): no
+    dK/dV template instance runs it, and ``fuses_dq`` opts in (else the generated dQ kernel runs first)."""
+    dkdv = plan.templates.kernels.get("dkdv")
+    template = dkdv is not None and chosen(record_key(dkdv, plan.config.dtype, plan.config.head_dim))
+    return not template and fuses_dq(True, tensor_grads=False)
 
 
 def call_engines(graph: ir.MatMulPV, inference: KernelConfig, training: KernelConfig) -> dict[str, KernelEngine]:
