@@ -68,19 +68,6 @@ class KernelConfig:
     partial: bool = False  # a partial result over some of each row's keys: the normaliser's ``partial`` fragment
 
 
-@frozen
-class HopperPlan:
-    """The Hopper templates' constants for one program: ``causal`` (else no mask), the scores' factor in log2
-    units (``qk_scale``) and the program's own (``scale``, dS's factor), and the forward's tiles (keys per
-    block, shared-memory stages)."""
-
-    causal: bool
-    qk_scale: float
-    scale: float
-    block_n: int = 128
-    stages: int = 3
-
-
 @frozen(kw_only=True)
 class TemplatePlan:
     """The Hopper template instances of one program (``attnfuse/kernels``): ``kernels``, a spec by kernel kind
@@ -191,8 +178,7 @@ class Plan:
     program's order. ``kernels``: a read-only mapping from kind (``KERNEL_KINDS``) to spec, the dQ kernel
     writing no tensor gradient; ``dq(gradients)`` gives the one writing some. "transform" and "gradient" (the
     passes of hoisted qk transforms) are there when the keys' transforms are hoistable; a hoisted call runs
-    the kernels of ``hoisted_config``'s plan between them. ``hopper``: the hand-written Hopper kernels'
-    constants where they serve the forward and dK/dV, else None. ``templates``: the Hopper template instances
+    the kernels of ``hoisted_config``'s plan between them. ``templates``: the Hopper template instances
     (``attnfuse/kernels``) and why other kinds fall back.
     """
 
@@ -212,7 +198,6 @@ class Plan:
     input_gradients: tuple[InputGradient, ...]
     mask_ranges: tuple[MaskRange, ...]
     kernels: Mapping[str, KernelSpec] = field(converter=lambda k: MappingProxyType(dict(k)), validator=_kernels)
-    hopper: HopperPlan | None
     templates: TemplatePlan = field(factory=TemplatePlan)
     dq_for: Callable[[tuple[InputGradient, ...]], KernelSpec] = field(repr=False)
 

@@ -6,7 +6,7 @@
 #   `bash scripts/base_tree.sh REV`, then carry .base), for before/after tables from one call.
 #   templates: the template instances' GPU check; writes $OUT/verified.json, the record to check in
 #   (TEMPLATES_K: a pytest -k expression choosing some of its cases).
-# Knobs: DKDV_ARGS (see benchmarks/sweep_hopper_dkdv.py), PROFILE_ARGS (see benchmarks/profile_training.py), HF_ARGS (see benchmarks/hf_layer.py), HF_GEN_ARGS (see benchmarks/hf_generate.py), LAYER_STEPS_ARGS (see benchmarks/layer_steps.py; --timing 8192), SWEEP_ARGS (more sweep_tiles.py arguments), TESTS (pytest paths), WORKERS (pytest-xdist processes; 4), MAXFAIL (failures before pytest stops; 1), FUZZ (examples per combinator), SWEEP_CASES / SWEEP_KERNEL (see
+# Knobs: PROFILE_ARGS (see benchmarks/profile_training.py), HF_ARGS (see benchmarks/hf_layer.py), HF_GEN_ARGS (see benchmarks/hf_generate.py), LAYER_STEPS_ARGS (see benchmarks/layer_steps.py; --timing 8192), SWEEP_ARGS (more sweep_tiles.py arguments), TESTS (pytest paths), WORKERS (pytest-xdist processes; 4), MAXFAIL (failures before pytest stops; 1), FUZZ (examples per combinator), SWEEP_CASES / SWEEP_KERNEL (see
 # benchmarks/sweep_tiles.py), BENCH_ARGS (see `attnfuse bench --help`), BENCH_NAME (the
 # files' name under $OUT; bench), BENCH_PLOT (set: draw the plot), STEP_TIMEOUT (seconds
 # per step, so one step cannot use up the device call; 0, the default, is none).
@@ -60,9 +60,6 @@ for step in "$@"; do
       timeout "${STEP_TIMEOUT:-0}" python3 benchmarks/hf_generate.py ${HF_GEN_ARGS:-} 2>&1 | tee "$OUT/hf_generate.log" ;;
     profile)
       timeout "${STEP_TIMEOUT:-0}" python3 benchmarks/profile_training.py ${PROFILE_ARGS:-} 2>&1 | tee "$OUT/profile.log" ;;
-    dkdv_sweep)
-      (cd benchmarks && timeout "${STEP_TIMEOUT:-0}" python3 sweep_hopper_dkdv.py ${DKDV_ARGS:-}) 2>&1 | grep -v Warn \
-        | tee "$OUT/dkdv_sweep.log" ;;
     layer_steps)
       timeout "${STEP_TIMEOUT:-0}" python3 benchmarks/layer_steps.py ${LAYER_STEPS_ARGS:---timing 8192} 2>&1 \
         | tee "$OUT/layer_steps.log" ;;

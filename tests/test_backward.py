@@ -1,7 +1,5 @@
 """Gradients through the fused kernels: against float64 autograd of the reference, gradcheck, determinism."""
 
-import contextlib
-
 import pytest
 import torch
 
@@ -10,7 +8,7 @@ from attnfuse.combinator import Combinator, Role, ScoreModFragment
 from attnfuse.runtime.backward import split_blocks
 from attnfuse.testing import assert_matches_reference
 
-from conftest import deterministic_algorithms, hoisted_last_call
+from conftest import hoisted_last_call
 
 
 @af.attention
@@ -280,44 +278,40 @@ def test_hoisted_transforms_give_the_fused_gradients(monkeypatch, program, extra
 
 
 class _ServingTemplate:
-    """Stands in for the Hopper launcher of a call the dK/dV template serves (CPU tensors never are)."""
+    """Stands in for the dK/dV template's instance of a call it serves (CPU tensors never are)."""
 
-    fits = rows_fit = staticmethod(lambda *tensors: True)
+    fits = staticmethod(lambda *tensors: True)
 
 
-@pytest.mark.parametrize("setting", [None, "0", "1"])
-@pytest.mark.parametrize("deterministic", [False, True], ids=["any-order", "deterministic"])
-def test_the_template_computes_dq_only_when_asked(monkeypatch, setting, deterministic):
-    """A backward the Hopper dK/dV template serves runs the generated dQ kernel (which holds no float32 copy
-    of all of dQ) unless ATTNFUSE_FUSED_DQ=1 asks the template to add dQ into a float32 accumulator, and never
-    under deterministic algorithms. Only which path runs is checked: the paths themselves need the GPU."""
+@pytest.mark.parametrize("serves", [True, False])
+def test_the_backward_runs_the_dkdv_instance_after_the_generated_dq_kernel(monkeypatch, serves):
+    """The generated dQ kernel runs first, then the dK/dV template's instance where it serves the tensors, else
+    the generated dK/dV kernel. Only which path runs is checked: the instance itself needs the GPU."""
     from attnfuse.plan import KernelConfig
     from attnfuse.runtime.compiled import compiled
     from attnfuse.runtime.inputs import kv_cache
 
-    if setting is None:
-        monkeypatch.delenv("ATTNFUSE_FUSED_DQ", raising=False)
-    else:
-        monkeypatch.setenv("ATTNFUSE_FUSED_DQ", setting)
     config = KernelConfig(
         arch="interpreter", dtype="float32", head_dim=16, head_dim_v=16, group=1, save_lse=True, fp32_precision="ieee"
     )
     kernels = compiled(causal.graph(), config).backward()
-    monkeypatch.setattr(kernels, "hopper", _ServingTemplate())
+    if serves:
+        monkeypatch.setattr(kernels, "template", _ServingTemplate())
     paths = []
-    monkeypatch.setattr(kernels, "_fused_dq", lambda *args: paths.append("template"))
-    monkeypatch.setattr(kernels, "_dq_then_dkdv", lambda *args: paths.append(("generated", args[-1])))
+    monkeypatch.setattr(kernels, "_dq_then_dkdv", lambda *args: paths.append(args[-1]))
     q, k, v, out, dout = (torch.randn(1, 2, 24, 16) for _ in range(5))
-    lse = torch.randn(1, 2, 24)
-    with deterministic_algorithms() if deterministic else contextlib.nullcontext():
-        kernels(q, kv_cache(k, v, None, None), out, lse, dout, None, {})
-    assert paths == (["template"] if setting == "1" and not deterministic else [("generated", "hopper")])
+    kernels(q, kv_cache(k, v, None, None), out, torch.randn(1, 2, 24), dout, None, {})
+    assert paths == ["template" if serves else "generated"]
 
 
-def test_a_fused_dq_setting_other_than_0_or_1_is_an_input_error(monkeypatch):
-    from attnfuse.runtime.backward import fuses_dq
-
-    for setting in ("yes", "2", "true"):
-        monkeypatch.setenv("ATTNFUSE_FUSED_DQ", setting)
-        with pytest.raises(af.InputError, match=f"ATTNFUSE_FUSED_DQ must be 1 .* or 0 .*, got '{setting}'"):
-            fuses_dq(True, False)
+@pytest.mark.parametrize("setting", ["1", "0"])
+def test_a_fused_dq_setting_is_deprecated_and_has_no_effect(monkeypatch, setting):
+    """ATTNFUSE_FUSED_DQ chose the removed hand-written kernel's fused dQ: any setting warns, saying to unset it,
+    and the gradients are the same as without it."""
+    monkeypatch.setenv("ATTNFUSE_FUSED_DQ", setting)
+    q, k, v = (torch.randn(1, 2, 20, 16, requires_grad=True) for _ in range(3))
+    with pytest.warns(DeprecationWarning, match="ATTNFUSE_FUSED_DQ has no effect and is deprecated.*unset it"):
+        grads = torch.autograd.grad(causal(q, k, v).sum(), (q, k, v))
+    monkeypatch.delenv("ATTNFUSE_FUSED_DQ")
+    for got, want in zip(grads, torch.autograd.grad(causal.reference(q, k, v).sum(), (q, k, v))):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)

@@ -154,18 +154,6 @@ def test_show_options_reach_the_kernel_config(capsys):
     assert "alibi(slopes=None)" in out
 
 
-def test_show_says_when_a_hopper_template_runs_the_kernel(capsys, monkeypatch):
-    monkeypatch.setenv("ATTNFUSE_TEMPLATES", "off")  # a chosen template instance would run the forward instead
-    for kernel, template, name in (("forward", "hopper_kernel.py", "fwd"), ("dkdv", "hopper_dkdv_kernel.py", "dkdv")):
-        code, out, err = run(capsys, "show", "gpt2", "--arch", "sm90", "--group", "4", "--kernel", kernel)
-        assert code == 0, err
-        assert "# hopper     causal=True: on tensors TMA can address" in out, out
-        assert f"attnfuse/runtime/{template}" in out and f"def attnfuse_{name}_" in out
-    for argv in (("gpt2", "--arch", "sm80"), ("alibi", "--arch", "sm90"), ("gpt2", "--arch", "sm90", "--kernel", "dq")):
-        code, out, err = run(capsys, "show", *argv)
-        assert code == 0 and "# hopper" not in out, (argv, err)
-
-
 def test_show_module_attribute(capsys):
     code, out, err = run(capsys, "show", f"{__name__}:windowed", *SMALL)
     assert code == 0, err

@@ -1,21 +1,25 @@
 """Every hand-written kernel launches through a ``LaunchSpec``: its spec names the kernel function's
 parameters in order (so a launch binds by name, never by position), and the launchers give exactly those
-names. The Hopper (Gluon) kernels cannot run here: their launches run up to the launch, which is recorded."""
+names. The template instances (Gluon) cannot run here: their launches run up to the launch, which is recorded."""
 
 import pytest
 import torch
 
+from attnfuse.examples import EXAMPLES
+from attnfuse.kernels.launch import TemplateDkdv, TemplateForward
 from attnfuse.launch_spec import CONSTEXPR
-from attnfuse.plan import HopperPlan
+from attnfuse.passes.compiler import compile as compile_plan
+from attnfuse.plan import KernelConfig
 from attnfuse.runtime import combine, hopper, template_rows, validate
 
 SPECS = {
-    "hopper forward": (hopper.FORWARD, hopper.HopperLauncher._launcher),
-    "hopper dkdv": (hopper.DKDV, hopper.HopperLauncher._dkdv),
     "combine": (combine.COMBINE, combine._jitted),
     "validate": (validate.CHECK, validate._jitted),
     "template rows": (template_rows.TEMPLATE_ROWS, template_rows._jitted),
 }
+SM90 = KernelConfig(
+    arch="sm90", dtype="bfloat16", head_dim=128, head_dim_v=128, group=4, save_lse=True, fp32_precision="ieee"
+)
 
 
 @pytest.mark.parametrize("name", SPECS)
@@ -38,54 +42,55 @@ class _Recorder:
         self.launches.append((dict(zip(self.spec.runtime_names, args)), constexprs))
 
 
-@pytest.fixture
-def recorded(monkeypatch):
-    forward, dkdv = _Recorder(hopper.FORWARD), _Recorder(hopper.DKDV)
-    monkeypatch.setattr(hopper.HopperLauncher, "_launcher", forward)
-    monkeypatch.setattr(hopper.HopperLauncher, "_dkdv", dkdv)
-    return forward, dkdv
+def _instance(kind: str, monkeypatch):
+    """The causal program's instance of ``kind`` at head dim 128, GQA group 4, its launches recorded."""
+    spec = compile_plan(EXAMPLES["gpt2"].graph(), SM90).templates.kernels[kind]
+    cls = {"forward": TemplateForward, "dkdv": TemplateDkdv}[kind]
+    extra = {"has_lse": True} if kind == "dkdv" else {}
+    instance = cls(spec, 0.125, 0.25, "key", **extra)
+    monkeypatch.setattr(instance, "_launcher", _Recorder(spec.launch))
+    return instance
 
 
 def _rows(*shape):
     return torch.randn(*shape, dtype=torch.bfloat16)
 
 
-def test_hopper_forward_binds_every_argument_by_name(recorded):
-    B, Hq, Hkv, Nq, Nk, D = 2, 4, 2, 100, 130, 128
+def test_forward_instance_binds_every_argument_by_name(monkeypatch):
+    instance = _instance("forward", monkeypatch)
+    B, Hq, Hkv, Nq, Nk, D = 2, 4, 1, 100, 130, 128
     q, out = _rows(B, Hq, Nq, D), _rows(B, Hq, Nq, D)
     k, v = _rows(B, Hkv, Nk, D), _rows(B, Hkv, Nk, D)
     lse = torch.empty(B, Hq, Nq)
-    hopper.HopperLauncher(HopperPlan(causal=True, qk_scale=0.25, scale=0.125))(q, k, v, out, lse)
-    [(args, constexprs)] = recorded[0].launches
-    assert (args["n_q"], args["n_k"], args["heads_q"], args["group"], args["qk_scale"]) == (Nq, Nk, Hq, 2, 0.25)
-    assert args["q"] is q and args["k"] is k and args["v"] is v and args["out"] is out and args["lse"] is lse
+    instance(q, k, v, out, lse, {})
+    [(args, constexprs)] = instance._launcher.launches
+    assert (args["Nq"], args["N_K"], args["HQ"], args["GROUP"]) == (Nq, Nk, Hq, 4)
+    assert (args["sm_scale"], args["qk_scale"]) == (0.125, 0.25)
+    assert args["Q"] is q and args["K"] is k and args["V"] is v and args["Out"] is out and args["Lse"] is lse
     assert [args[d].base for d in ("q_desc", "k_desc", "v_desc", "o_desc")] == [q, k, v, out]
-    assert constexprs == {"BLOCK_N": 128, "STAGES": 3, "CAUSAL": True, "SAVE_LSE": True}
+    assert constexprs["SAVE_LSE"] is True
 
 
 @pytest.mark.parametrize("parts", [1, 2, 4])
-def test_hopper_dkdv_binds_every_argument_by_name(recorded, monkeypatch, parts):
+def test_dkdv_instance_binds_every_argument_by_name(monkeypatch, parts):
+    instance = _instance("dkdv", monkeypatch)
     monkeypatch.setattr(hopper, "_group_parts", lambda programs, group, device: parts)
     B, Hq, Hkv, Nq, Nk, D = 2, 8, 2, 100, 130, 128
     q, dout = _rows(B, Hq, Nq, D), _rows(B, Hq, Nq, D)
     k, v = _rows(B, Hkv, Nk, D), _rows(B, Hkv, Nk, D)
     dk, dv = torch.empty(B, Nk, Hkv, D).transpose(1, 2), torch.empty(B, Hkv, Nk, D)
-    rows = hopper.HopperLauncher.rows(torch.randn(B, Hq, Nq), delta=torch.randn(B, Hq, Nq))
-    hopper.HopperLauncher(HopperPlan(causal=False, qk_scale=0.25, scale=0.125)).dkdv(q, k, v, dout, rows, dk, dv)
-    [(args, constexprs)] = recorded[1].launches
+    lse, delta = torch.randn(B, Hq, Nq), torch.randn(B, Hq, Nq)
+    instance(q, k, v, dout, lse, delta, dk, dv, {})
+    [(args, constexprs)] = instance._launcher.launches
     assert [args[f"stride_dk{d}"] for d in "bhn"] == list(dk.stride()[:3])
     assert [args[f"stride_dv{d}"] for d in "bhn"] == list(dv.stride()[:3])
-    assert (args["n_q"], args["n_k"], args["heads_q"], args["group"], args["heads"]) == (Nq, Nk, Hq, 4, 4 // parts)
-    assert args["row_stride"] == 128 and args["part_size"] == B * Hkv * Nk * D and args["dq_desc"] is None
-    assert (args["qk_scale"], args["scale"]) == (0.25, 0.125)
-    assert [args[d].base for d in ("lse_desc", "delta_desc")] == list(rows)
-    assert args["dk"] is dk and args["dv"] is dv
+    assert (args["Nq"], args["N_K"], args["HQ"], args["GROUP"], args["heads"]) == (Nq, Nk, Hq, 4, 4 // parts)
+    assert args["row_stride"] == 128 and args["part_size"] == B * Hkv * Nk * D
+    assert (args["sm_scale"], args["qk_scale"]) == (0.125, 0.25)
+    lse_rows, delta_rows = (args[d].base for d in ("lse_desc", "delta_desc"))
+    want_lse, want_delta = template_rows.template_rows(lse, 64, delta=delta, natural=True)
+    assert torch.equal(lse_rows, want_lse) and torch.equal(delta_rows, want_delta)
+    assert args["DKey"] is dk and args["DValue"] is dv
     parts_shape = {1: dk.shape, 2: (2, B, Hkv, Nk, D), 4: (B, Hkv, Nk, D)}[parts]  # shares of dK: none, each, a sum
     assert args["dk_part"].shape == args["dv_part"].shape == parts_shape
-    assert constexprs == {
-        "BLOCK_M": 64,
-        "STAGES": 2,
-        "CAUSAL": False,
-        "FUSE_DQ": False,
-        "GROUP_SUM": {1: "none", 2: "last", 4: "atomic"}[parts],
-    }
+    assert constexprs["GROUP_SUM"] == {1: "none", 2: "last", 4: "atomic"}[parts]

@@ -1,6 +1,6 @@
 """``attnfuse show --json`` and the text's engines section: which engine runs each kernel of a call (a Hopper
-template instance, a hand-written Hopper kernel, the generated kernel) and why, checked against the runtime's
-own choice (``runtime.forward.template_forward``, ``plan.hopper``, ``runtime.hoisted.worth_hoisting``)."""
+template instance or the generated kernel) and why, checked against the runtime's own choice
+(``runtime.forward.template_forward``, ``runtime.backward.template_dkdv``, ``runtime.hoisted.worth_hoisting``)."""
 
 from __future__ import annotations
 
@@ -17,14 +17,14 @@ from attnfuse.examples import EXAMPLES
 from attnfuse.kernels import verified
 from attnfuse.kernels.instance import TEMPLATE_KINDS
 from attnfuse.plan import KernelConfig
-from attnfuse.runtime.backward import FUSED_DQ_ENV, template_dkdv
+from attnfuse.runtime.backward import template_dkdv
 from attnfuse.runtime.compiled import compiled
 from attnfuse.runtime.forward import template_forward
 from attnfuse.runtime.hoisted import worth_hoisting
 from attnfuse.runtime.source_cache import CACHE_ENV
 
-ENGINES = {"template", "hand-written", "generated"}
-FIELDS = {"engine", "name", "reason", "template_available", "verified", "instance", "note", "hoisted"}
+ENGINES = {"template", "generated"}
+FIELDS = {"engine", "name", "reason", "template_available", "verified", "instance", "hoisted"}
 
 
 @af.attention
@@ -115,47 +115,21 @@ def test_an_unverified_instance_falls_back_by_default(capsys, empty_record, name
     assert forward["template_available"] is True and forward["verified"] is False
     assert forward["engine"] != "template" and "not verified" in forward["reason"]
     assert verified.MODE_ENV + "=all" in forward["reason"]
-    # the runtime's next choice: the hand-written Hopper kernel where plan.hopper serves the program
-    expected = "hand-written" if plan.hopper is not None else "generated"
-    assert forward["engine"] == expected
-    assert forward["name"] == ("hopper_forward_kernel" if plan.hopper is not None else plan.kernels["forward"].name)
+    # the runtime's next choice: the generated kernel
+    assert forward["engine"] == "generated" and forward["name"] == plan.kernels["forward"].name
     # the backward (its plan saves the log-sum-exp): the dK/dV template's instance is not verified either, so
-    # the hand-written dK/dV kernel runs, after the generated dQ kernel (ATTNFUSE_FUSED_DQ is unset)
+    # the generated dK/dV kernel runs, after the generated dQ kernel
     training = compiled(plan.graph, attrs.evolve(plan.config, save_lse=True)).plan
     assert "dkdv" in training.templates.kernels and template_dkdv(training) is None
     for kind in ("dkdv", "dq"):
         entry = report["kernels"][kind]
-        hand_written = training.hopper is not None and kind == "dkdv"
-        assert entry["engine"] == ("hand-written" if hand_written else "generated"), entry
+        assert entry["engine"] == "generated" and entry["name"] == training.kernels[kind].name, entry
         if kind == "dkdv":
             assert entry["template_available"] is True and entry["verified"] is False
             assert "not verified" in entry["reason"]
         else:
             assert entry["reason"] == training.templates.reasons[kind]
         assert entry["hoisted"] is forward["hoisted"]
-
-
-@pytest.mark.parametrize("record", ["empty", "checked-in"])
-def test_dq_engine_follows_the_fused_dq_setting(capsys, monkeypatch, tmp_path, record):
-    """dQ comes from the hand-written dK/dV kernel only with ATTNFUSE_FUSED_DQ=1 and no dK/dV template instance
-    running the backward (``runtime/backward.py``); else from the generated dQ kernel."""
-    if record == "empty":
-        empty = tmp_path / "verified.json"
-        empty.write_text(json.dumps({"about": "test", "run": None, "instances": []}))
-        monkeypatch.setattr(verified, "RECORD", empty)
-    options = ("--arch", "sm90", "--dtype", "bfloat16", "--head-dim", "128")
-    plan, _ = runtime_forward_plan("gpt2", 128)
-    training = compiled(plan.graph, attrs.evolve(plan.config, save_lse=True)).plan
-    assert training.hopper is not None
-    template = template_dkdv(training) is not None
-    for setting, hand_written in (("0", False), ("1", not template)):
-        monkeypatch.setenv(FUSED_DQ_ENV, setting)
-        kernels = show_json(capsys, "gpt2", *options)["kernels"]
-        assert kernels["dkdv"]["engine"] == ("template" if template else "hand-written")
-        dq = kernels["dq"]
-        assert dq["engine"] == ("hand-written" if hand_written else "generated"), (setting, dq)
-        if hand_written:
-            assert FUSED_DQ_ENV + "=1" in dq["note"]
 
 
 def test_a_verified_instance_runs_by_default(capsys, tmp_path, monkeypatch, empty_record):
@@ -234,18 +208,15 @@ def test_text_output_names_each_kernels_engine(capsys, monkeypatch, empty_record
 
     lines = engines()
     assert lines[0] == "(ATTNFUSE_TEMPLATES=verified)" and len(lines) == 1 + len(TEMPLATE_KINDS)
-    assert lines[1].startswith("forward: hand-written (attnfuse/runtime/hopper_kernel.py")
+    assert lines[1].startswith("forward: generated — ")
     assert "— instance not verified on a GPU (ATTNFUSE_TEMPLATES=all opts in)" in lines[1]
     assert lines[4].startswith("decode: generated — ")
     monkeypatch.setenv(verified.MODE_ENV, "all")
     lines = engines()
     assert lines[1] == "forward: template (not verified, ATTNFUSE_TEMPLATES=all)"
-    code = main(["show", "gpt2", "--arch", "sm90", "--head-dim", "128"])
-    out = capsys.readouterr().out
-    assert code == 0 and "# hopper" not in out  # the template instance runs the forward, not the hand-written one
     monkeypatch.setenv(verified.MODE_ENV, "off")
     lines = engines()
-    assert lines[1].startswith("forward: hand-written") and lines[1].endswith("(ATTNFUSE_TEMPLATES=off)")
+    assert lines[1] == "forward: generated — the templates are turned off (ATTNFUSE_TEMPLATES=off)"
 
 
 def test_text_output_of_a_hoisting_program_says_both_forwards(capsys, monkeypatch):

@@ -300,40 +300,6 @@ def test_a_recorded_dkdv_instance_runs_by_default(record, recorder, monkeypatch)
     assert isinstance(runtime_backward.template_dkdv(plan), _Recorder)
 
 
-class _Fits:
-    """Stands for a template or hand-written launcher that serves the call (CPU tensors never are)."""
-
-    def __init__(self, fits: bool):
-        self.fits = lambda *tensors: fits
-        self.rows_fit = lambda *tensors: True
-
-
-@pytest.mark.parametrize("fused", [None, "1"])
-@pytest.mark.parametrize("template_fits", [True, False])
-def test_the_backward_runs_the_dkdv_template_where_it_is_chosen(monkeypatch, fused, template_fits):
-    """Where the dK/dV template's instance is chosen and fits the tensors, the backward runs the generated dQ
-    kernel and then the instance (never the hand-written kernel's fused dQ); else today's order."""
-    from attnfuse.runtime.compiled import compiled
-    from attnfuse.runtime.inputs import kv_cache
-
-    if fused is None:
-        monkeypatch.delenv("ATTNFUSE_FUSED_DQ", raising=False)
-    else:
-        monkeypatch.setenv("ATTNFUSE_FUSED_DQ", fused)
-    config = KernelConfig(
-        arch="interpreter", dtype="float32", head_dim=16, head_dim_v=16, group=1, save_lse=True, fp32_precision="ieee"
-    )
-    kernels = compiled(_graph("causal"), config).backward()
-    monkeypatch.setattr(kernels, "hopper", _Fits(True))
-    monkeypatch.setattr(kernels, "template", _Fits(template_fits))
-    paths = []
-    monkeypatch.setattr(kernels, "_fused_dq", lambda *args: paths.append("fused"))
-    monkeypatch.setattr(kernels, "_dq_then_dkdv", lambda *args: paths.append(args[-1]))
-    q, k, v, out, dout = (torch.randn(1, 2, 24, 16) for _ in range(5))
-    kernels(q, kv_cache(k, v, None, None), out, torch.randn(1, 2, 24), dout, None, {})
-    assert paths == (["template"] if template_fits else ["fused"] if fused == "1" else ["hopper"])
-
-
 def test_cpu_backwards_have_no_dkdv_template(monkeypatch):
     monkeypatch.setenv(verified.MODE_ENV, "all")
     from attnfuse.runtime.compiled import compiled

@@ -1,7 +1,6 @@
 """Which engine runs each kernel of a call, as ``attnfuse show`` reports it, in the runtime's order of choice
 (``runtime/forward.py``, ``runtime/backward.py``): a Hopper template instance (``attnfuse/kernels``) where the
-templates can run the kernel and ``verified.chosen`` chooses it, else the hand-written Hopper kernel where
-``plan.hopper`` serves the forward and dK/dV, else the generated Triton kernel."""
+templates can run the kernel and ``verified.chosen`` chooses it, else the generated Triton kernel."""
 
 from __future__ import annotations
 
@@ -11,32 +10,22 @@ from .. import ir
 from ..kernels.instance import TEMPLATE_KINDS
 from ..kernels.verified import MODE_ENV, chosen, is_verified, mode, record_key
 from ..plan import KernelConfig, KernelSpec, Plan
-from ..runtime.backward import FUSED_DQ_ENV, fuses_dq
 from ..runtime.compiled import compiled
 from ..runtime.hoisted import HOIST_MIN_QUERY_BLOCKS
 
 NOT_VERIFIED = f"instance not verified on a GPU ({MODE_ENV}=all opts in)"
 TEMPLATES_OFF = f"the templates are turned off ({MODE_ENV}=off)"
-HAND_WRITTEN = {  # kernel kind -> the hand-written Hopper kernel that does its work where plan.hopper is set
-    "forward": ("hopper_forward_kernel", "attnfuse/runtime/hopper_kernel.py, on tensors TMA can address"),
-    "dkdv": ("hopper_dkdv_kernel", "attnfuse/runtime/hopper_dkdv_kernel.py, on tensors TMA can address"),
-    "dq": (
-        "hopper_dkdv_kernel",
-        f"attnfuse/runtime/hopper_dkdv_kernel.py computes dQ too ({FUSED_DQ_ENV}=1), on tensors TMA can address, "
-        "except under torch.use_deterministic_algorithms(True), where the generated dQ kernel runs",
-    ),
-}
 HOISTED_KINDS = ("forward", "dkdv", "dq")  # a call that hoists its qk transforms runs the hoisted plan's
 
 
 @frozen(kw_only=True)
 class KernelEngine:
-    """The engine of one kernel kind of one plan (``config``). ``engine``: "template", "hand-written" or
-    "generated"; ``name``: the kernel that runs; ``reason``: why the template does not (None when it runs);
-    ``template``: the template's spec where the templates can run the kind, and ``instance`` its record key;
-    ``config``: the plan's configuration (with ``template``, what a compile report of the instance reads).
-    ``hoisted``: the kernel of the plan for transformed rows, which a call hoisting its qk transforms runs
-    (``fused``: the kernel shorter calls run, with the transforms inside, and ``when``: which calls hoist)."""
+    """The engine of one kernel kind of one plan (``config``). ``engine``: "template" or "generated"; ``name``:
+    the kernel that runs; ``reason``: why the template does not (None when it runs); ``template``: the template's
+    spec where the templates can run the kind, and ``instance`` its record key; ``config``: the plan's
+    configuration (with ``template``, what a compile report of the instance reads). ``hoisted``: the kernel of
+    the plan for transformed rows, which a call hoisting its qk transforms runs (``fused``: the kernel shorter
+    calls run, with the transforms inside, and ``when``: which calls hoist)."""
 
     kind: str
     engine: str
@@ -46,7 +35,6 @@ class KernelEngine:
     instance: str | None
     verified: bool
     config: KernelConfig
-    note: str | None = None
     hoisted: bool = False
     when: str | None = None
     fused: KernelEngine | None = None
@@ -60,7 +48,6 @@ class KernelEngine:
             "template_available": self.template is not None,
             "verified": self.verified,
             "instance": self.instance,
-            "note": self.note,
             "hoisted": self.hoisted,
         }
         if self.fused is not None:
@@ -80,8 +67,6 @@ class KernelEngine:
     def _words(self) -> str:
         if self.engine == "template":
             head = f"template ({'verified' if self.verified else f'not verified, {MODE_ENV}=all'})"
-        elif self.engine == "hand-written":
-            head = f"hand-written ({self.note})"
         else:
             head = "generated"
         return head if self.reason is None else f"{head} — {self.reason}"
@@ -108,20 +93,16 @@ def kernel_engine(plan: Plan, kind: str) -> KernelEngine:
         reason = plan.templates.reasons[kind]
     else:
         reason = TEMPLATES_OFF if mode() == "off" else NOT_VERIFIED
-    common = dict(kind=kind, reason=reason, template=template, instance=instance, verified=verified, config=config)
-    if plan.hopper is not None and kind in HAND_WRITTEN and (kind != "dq" or _hand_written_dq(plan)):
-        name, note = HAND_WRITTEN[kind]
-        return KernelEngine(engine="hand-written", name=name, note=note, **common)
-    generated = plan.kernels[kind]
-    return KernelEngine(engine="generated", name=generated.name, **common)
-
-
-def _hand_written_dq(plan: Plan) -> bool:
-    """Whether the hand-written dK/dV kernel computes dQ in ``plan``'s backward (``runtime/backward.py``): no
-    dK/dV template instance runs it, and ``fuses_dq`` opts in (else the generated dQ kernel runs first)."""
-    dkdv = plan.templates.kernels.get("dkdv")
-    template = dkdv is not None and chosen(record_key(dkdv, plan.config.dtype, plan.config.head_dim))
-    return not template and fuses_dq(True, tensor_grads=False)
+    return KernelEngine(
+        kind=kind,
+        engine="generated",
+        name=plan.kernels[kind].name,
+        reason=reason,
+        template=template,
+        instance=instance,
+        verified=verified,
+        config=config,
+    )
 
 
 def call_engines(graph: ir.MatMulPV, inference: KernelConfig, training: KernelConfig) -> dict[str, KernelEngine]:

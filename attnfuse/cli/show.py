@@ -164,7 +164,7 @@ def cmd_show(args: argparse.Namespace, out: TextIO) -> int:
     from ..plan import KernelConfig
     from ..runtime.compiled import compiled
     from ..runtime.inputs import MAX_HEAD_DIM
-    from .engines import call_engines, kernel_engine
+    from .engines import call_engines
 
     if args.json and args.kernel is not None:
         raise CLIError("--json reports every kernel of a call; --kernel picks the one whose source the text shows")
@@ -213,7 +213,6 @@ def cmd_show(args: argparse.Namespace, out: TextIO) -> int:
     if args.source_only:
         out.write(kernel.source if kernel.source.endswith("\n") else kernel.source + "\n")
         return 0
-    plan = program_kernels.plan
     engines = call_engines(graph, inference, training)
     doc = first_line(program.fn.__doc__ or "")
     listing = ir.render(graph)
@@ -234,13 +233,6 @@ def cmd_show(args: argparse.Namespace, out: TextIO) -> int:
     print(f"# engines    ({MODE_ENV}={mode()})", file=out)
     for line in (line for engine in engines.values() for line in engine.lines()):
         print(f"    {line}", file=out)
-    template = {"forward": "hopper_kernel.py", "dkdv": "hopper_dkdv_kernel.py"}.get(kind)
-    if template and kernel_engine(plan, kind).engine == "hand-written":
-        print(
-            f"# hopper     causal={plan.hopper.causal}: on tensors TMA can address, this kernel's work runs the "
-            f"Hopper template (attnfuse/runtime/{template}); the source below serves the others",
-            file=out,
-        )
     print("# source", file=out)
     out.write(kernel.source if kernel.source.endswith("\n") else kernel.source + "\n")
     return 0
@@ -303,7 +295,7 @@ def add_parser(sub) -> None:
     only.add_argument(
         "--json",
         action="store_true",
-        help="print, as JSON, the engine that runs each kernel of a call (a Hopper template instance, a "
-        "hand-written Hopper kernel, or the generated kernel) and why",
+        help="print, as JSON, the engine that runs each kernel of a call (a Hopper template instance "
+        "or the generated kernel) and why",
     )
     p.set_defaults(func=cmd_show)

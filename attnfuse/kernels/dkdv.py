@@ -1,6 +1,6 @@
 """The Hopper dK/dV template: the source of one warp-specialised Gluon kernel per program, its score pipeline
-and gradient chain spliced from the plugins' fragments (``kernels/gluon_text.py`` makes them Gluon), grown
-from the hand-written softmax kernel (``runtime/hopper_dkdv_kernel.py``), whose pipeline it keeps.
+and gradient chain spliced from the plugins' fragments (``kernels/gluon_text.py`` makes them Gluon), on the
+pipeline of the hand-written softmax kernel it replaced.
 
 One program per (block of 2 x 64 keys, batch x kv head), or, when that grid is small, per (key block, batch x
 part of a GQA group's query heads). A loader warp (``dkdv_pipeline.dkdv_loader``) brings the block's two K and

@@ -33,7 +33,6 @@ from .codegen import (
 )
 from .fuse import fuse
 from ..kernels.instance import template_plan
-from .hopper import hopper_plan
 from .lower import Instance, LoweredProgram, lower
 
 
@@ -77,7 +76,6 @@ def compile(graph: ir.MatMulPV, config: KernelConfig) -> Plan:  # noqa: A001 (th
             if m.fragment.kv_range is not None
         ),
         kernels=_kernels(program),
-        hopper=hopper_plan(program),
         templates=template_plan(program),
         dq_for=functools.partial(_dq, program),
     )

@@ -1,23 +1,19 @@
 """The backward launcher: the dQ kernel (which also writes each row's delta), then the dK/dV kernel, then
 tensor gradients. On Hopper, for the programs and tensors they serve, the dK/dV kernel is the dK/dV template's
-instance (``attnfuse/kernels``) where it is chosen (as the forward's is, ``forward.template_forward``), else
-the hand-written Gluon kernel (``hopper.py``). With ``ATTNFUSE_FUSED_DQ=1`` (``fuses_dq``) the hand-written
-kernel computes dQ too, after a small kernel for its row statistics (``template_rows.py``): fewer products,
-but it holds a float32 copy of all of dQ (B, Hq, Nq, D) during the backward, and its dQ is a sum of float32
-reduce-adds in no fixed order."""
+instance (``attnfuse/kernels``) where it is chosen (as the forward's is, ``forward.template_forward``), else the
+generated kernel."""
 
 from __future__ import annotations
 
 import os
+import warnings
 from typing import Any
 
 import torch
 
-from ..errors import InputError
 from ..kernels.launch import TemplateDkdv
 from ..kernels.verified import chosen, record_key
 from ..plan import InputGradient, Plan
-from .hopper import HopperLauncher
 from .inputs import KVCache, accumulator_dtype, empty_like_layout, even_keys, heads_together, kv_launch_args
 from .kernel import CompiledKernel
 from .plugin_args import PluginArgs, Prepared
@@ -29,18 +25,16 @@ SPLIT_QUERY_ROWS = 512  # of which it splits the blocks this many query rows see
 FUSED_DQ_ENV = "ATTNFUSE_FUSED_DQ"
 
 
-def fuses_dq(template: bool, tensor_grads: bool) -> bool:
-    """Whether the backward's dQ comes from the Hopper dK/dV template (``template``: it runs this call) by
-    TMA reduce-adds into a float32 accumulator (B, Hq, Nq, D), instead of the generated dQ kernel. Opt-in,
-    with the environment variable ATTNFUSE_FUSED_DQ=1 ("0" or unset: no): the accumulator is a float32 copy
-    of all of dQ held during the backward (twice the bytes of a bfloat16 dQ). Never with tensor gradients
-    (``tensor_grads``), which the dQ kernel writes, nor under ``torch.use_deterministic_algorithms``."""
-    setting = os.environ.get(FUSED_DQ_ENV, "").strip()
-    if setting not in ("", "0", "1"):
-        raise InputError(
-            f"{FUSED_DQ_ENV} must be 1 (the Hopper template computes dQ) or 0 (it does not), got {setting!r}"
+def warn_fused_dq() -> None:
+    """``ATTNFUSE_FUSED_DQ`` chose the hand-written Hopper dK/dV kernel's fused dQ, which the dK/dV template
+    replaced: a setting has no effect, and says so with a DeprecationWarning."""
+    if os.environ.get(FUSED_DQ_ENV, "").strip():
+        warnings.warn(
+            f"{FUSED_DQ_ENV} has no effect and is deprecated: on Hopper the dK/dV template runs the backward, after "
+            "the generated dQ kernel (the hand-written kernel that fused dQ is gone); unset it",
+            DeprecationWarning,
+            stacklevel=3,
         )
-    return setting == "1" and template and not tensor_grads and not torch.are_deterministic_algorithms_enabled()
 
 
 def split_blocks(key_blocks: int, rows: int, group: int, device: torch.device) -> tuple[int, int]:
@@ -90,7 +84,6 @@ class BackwardKernels:
         self.dkdv = CompiledKernel(dkdv, interpreted)
         self.dq = CompiledKernel(plan.dq(tensor_grads), interpreted)
         self.plugin_args = PluginArgs(plan)
-        self.hopper = HopperLauncher(plan.hopper) if plan.hopper is not None else None
         self.template = template_dkdv(plan)
         width = dkdv.launch.constants
         self._share_width = (2 * width["BLOCK_H"] if dkdv.halves else width["BLOCK_D"]) + width["BLOCK_DV"]
@@ -141,29 +134,6 @@ class BackwardKernels:
             EVEN_M=even_m,
         )
 
-    def _fused_dq(
-        self,
-        q: torch.Tensor,
-        kv: KVCache,
-        out: torch.Tensor,
-        lse: torch.Tensor,
-        dout: torch.Tensor,
-        dlse: torch.Tensor | None,
-        dq: torch.Tensor,
-        dk: torch.Tensor,
-        dv: torch.Tensor,
-    ) -> None:
-        """The Hopper template's launch that computes dQ too (float32 reduce-adds into an accumulator),
-        after a small kernel that computes its row statistics (delta too) and zeroes the accumulator. The
-        accumulator has q's memory order, as dq has, so that converting it is a plain copy (HF's (B, N, H,
-        D) order made it a transposing one, at half the speed)."""
-        direct = dq.dtype == torch.float32 and dq.is_contiguous()
-        acc = dq if direct else empty_like_layout(q, q.shape[3], torch.float32)
-        rows = self.hopper.rows(lse, out=out, dout=dout, dlse=dlse, zeroed=acc)
-        self.hopper.dkdv(q, kv.k, kv.v, dout, rows, dk, dv, acc)
-        if not direct:
-            dq.copy_(acc)
-
     def _dq_then_dkdv(
         self,
         q: torch.Tensor,
@@ -181,8 +151,7 @@ class BackwardKernels:
         engine: str,
     ) -> None:
         """The generated dQ kernel (which writes delta and the tensor gradients' buffers), then the dK/dV
-        kernel ``engine`` names: "template" (the dK/dV template's instance), "hopper" (the hand-written
-        kernel) or "generated". Deterministic."""
+        kernel ``engine`` names: "template" (the dK/dV template's instance) or "generated". Deterministic."""
         B, Hq, Nq, _ = q.shape
         delta = torch.empty((B, Hq, Nq), dtype=accumulator_dtype(q.dtype), device=q.device)  # dQ writes it
         shared = {
@@ -221,8 +190,6 @@ class BackwardKernels:
         )
         if engine == "template":
             self.template(q, kv.k, kv.v, dout, lse, delta, dk, dv, pargs)
-        elif engine == "hopper":
-            self.hopper.dkdv(q, kv.k, kv.v, dout, self.hopper.rows(lse, delta=delta), dk, dv)
         else:
             self._generated_dkdv(q, kv, dk, dv, shared, pargs, limit, heavy, even_m)
 
@@ -252,21 +219,12 @@ class BackwardKernels:
         buffers = [
             torch.zeros((B, Hq, Nq, Nk), dtype=accumulator_dtype(q.dtype), device=q.device) for _ in self.tensor_grads
         ]
+        warn_fused_dq()
         if q.numel() and k.numel():
             dlse = dlse.to(accumulator_dtype(q.dtype)).contiguous() if dlse is not None else None
-            template = (
-                self.hopper is not None
-                and lse is not None
-                and self.hopper.fits(q, k, v, dout)
-                and self.hopper.rows_fit(lse)
-                and dk.stride(3) == dv.stride(3) == 1
-            )
             served = self.template is not None and self.template.fits(q, k, v, dout, lse, dk, dv)
-            if not served and fuses_dq(template, bool(self.tensor_grads)):
-                self._fused_dq(q, kv, out, lse, dout, dlse, dq, dk, dv)
-            else:
-                engine = "template" if served else "hopper" if template else "generated"
-                self._dq_then_dkdv(q, kv, out, lse, dout, dlse, dq, dk, dv, inputs, prepared, buffers, engine)
+            engine = "template" if served else "generated"
+            self._dq_then_dkdv(q, kv, out, lse, dout, dlse, dq, dk, dv, inputs, prepared, buffers, engine)
         else:
             for g in (dq, dk, dv):
                 g.zero_()

@@ -1,6 +1,6 @@
 """The forward launcher: out (and lse) from q, k, v through one generated kernel, or on Hopper, for the
-programs and tensors they serve, through the forward template's instance (``attnfuse/kernels``) where it is
-chosen, else the hand-written Gluon kernel (``hopper.py``)."""
+programs and tensors it serves, through the forward template's instance (``attnfuse/kernels``) where it is
+chosen."""
 
 from __future__ import annotations
 
@@ -13,7 +13,6 @@ from ..kernels.launch import TemplateForward
 from ..kernels.verified import chosen, record_key
 from ..plan import Plan
 from .inputs import KVCache, accumulator_dtype, empty_like_layout, even_keys, heads_together, kv_launch_args
-from .hopper import HopperLauncher
 from .kernel import CompiledKernel
 from .launcher import query_grid
 from .plugin_args import PluginArgs, Prepared
@@ -38,7 +37,6 @@ class ForwardKernel:
         self.source = self.kernel.source
         self.path = self.kernel.path
         self.plugin_args = PluginArgs(plan)
-        self.hopper = HopperLauncher(plan.hopper) if plan.hopper is not None else None
         self.template = template_forward(plan)
 
     def __call__(
@@ -64,9 +62,6 @@ class ForwardKernel:
         if self.template is not None and self.template.fits(q, k, v, out):
             pargs = (prepared or self.plugin_args(q, kv, inputs)).args
             self.template(q, k, v, out, lse, pargs)
-            return out, lse
-        if self.hopper is not None and self.hopper.fits(q, k, v, out):
-            self.hopper(q, k, v, out, lse)
             return out, lse
         pargs, limit, _ = prepared or self.plugin_args(q, kv, inputs)
         spec = self.kernel.spec
