@@ -1,4 +1,4 @@
-"""The template instances against the kernels they replace, eager and as CUDA-graph replays (which leave the host
+"""The template instances against the generated kernels, eager and as CUDA-graph replays (which leave the host
 out): whether a gap is the kernel's or the host's. Forward and forward+backward (no graph); medians of
 ``triton.testing.do_bench``, bf16. ``--profile``: the host's hottest functions per call (cProfile).
 
@@ -94,7 +94,7 @@ def main() -> None:
                     except Exception as exc:  # noqa: BLE001 (a row says why it has no figure)
                         print(f"| {case} | {mode} | {type(exc).__name__}: {exc} | |")
                         continue
-                    engine = "template" if mode == "all" else "before (hand-written or generated)"
+                    engine = "template" if mode == "all" else "generated"
                     replay = "—" if graph is None else f"{graph:.3f}"
                     print(f"| {case} | {engine} | {eager:.3f} | {replay} | {host:.1f} |", flush=True)
                     if options.profile:
