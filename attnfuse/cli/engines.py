@@ -8,7 +8,10 @@ from __future__ import annotations
 from attrs import evolve, frozen
 
 from .. import ir
+from ..kernels.generated_resources import generated_resources
 from ..kernels.instance import TEMPLATE_KINDS
+from ..kernels.resources import template_resources
+from ..kernels.tiles import SHARED_MEMORY_LIMIT
 from ..kernels.verified import MODE_ENV, chosen, is_verified, mode, record_key
 from ..plan import KernelConfig, KernelSpec, Plan
 from ..runtime.backward import FUSED_DQ_ENV, fuses_dq
@@ -27,6 +30,9 @@ HAND_WRITTEN = {  # kernel kind -> the hand-written Hopper kernel that does its 
     ),
 }
 HOISTED_KINDS = ("forward", "dkdv", "dq")  # a call that hoists its qk transforms runs the hoisted plan's
+HAND_WRITTEN_RESOURCES = (
+    "not compiled here: a hand-written Hopper kernel (only template instances and generated ones are)"
+)
 
 
 @frozen(kw_only=True)
@@ -50,6 +56,7 @@ class KernelEngine:
     hoisted: bool = False
     when: str | None = None
     fused: KernelEngine | None = None
+    resources: dict | None = None  # with_resources's figures, where asked for
 
     def fields(self) -> dict:
         """The JSON object ``attnfuse show --json`` prints for this kernel."""
@@ -63,6 +70,8 @@ class KernelEngine:
             "note": self.note,
             "hoisted": self.hoisted,
         }
+        if self.resources is not None:
+            fields.update(self.resources)
         if self.fused is not None:
             fields.update(when=self.when, fused=self.fused.fields())
         return fields
@@ -84,7 +93,16 @@ class KernelEngine:
             head = f"hand-written ({self.note})"
         else:
             head = "generated"
-        return head if self.reason is None else f"{head} — {self.reason}"
+        words = head if self.reason is None else f"{head} — {self.reason}"
+        if self.resources is None:
+            return words
+        if self.resources["registers"] is None:
+            return f"{words}; resources: {self.resources['resources']}"
+        r = self.resources
+        return (
+            f"{words}; {r['registers']} registers, {r['spill_bytes']} spill bytes, "
+            f"{r['shared_bytes'] / 1024:.1f} KiB shared memory"
+        )
 
 
 def kernel_engine(plan: Plan, kind: str) -> KernelEngine:
@@ -141,3 +159,23 @@ def call_engines(graph: ir.MatMulPV, inference: KernelConfig, training: KernelCo
             engine = evolve(hoisted, hoisted=True, when=f"calls with at least {least} queries", fused=engine)
         engines[kind] = engine
     return engines
+
+
+def with_resources(engine: KernelEngine, graph: ir.MatMulPV) -> KernelEngine:
+    """``engine`` (and the fused kernel it stands with) with what its kernel uses on an H100/H200, compiled
+    for sm_90a with no GPU: a template instance as ``template_resources`` compiles it, a generated kernel as
+    ``generated_resources`` does, with the tiles a launch runs (its plan's, shrunk as a launch shrinks them
+    to fit a block's shared memory); ptxas' ``registers`` a thread, ``spill_bytes`` stored in the main path and
+    ``shared_bytes`` a block, or None each and, in ``resources``, why (the hand-written Hopper kernels are not
+    compiled here)."""
+    fused = None if engine.fused is None else with_resources(engine.fused, graph)
+    config = engine.config
+    if engine.engine == "template":
+        used = template_resources(engine.template, config.dtype, config.head_dim, config.save_lse)
+    elif engine.engine == "generated":
+        used = generated_resources(compiled(graph, config).plan, engine.kind, shared_limit=SHARED_MEMORY_LIMIT)
+    else:
+        figures = dict.fromkeys(("registers", "spill_bytes", "shared_bytes"))
+        return evolve(engine, resources={**figures, "resources": HAND_WRITTEN_RESOURCES}, fused=fused)
+    figures = {"registers": used.registers, "spill_bytes": used.spill_bytes, "shared_bytes": used.shared_bytes}
+    return evolve(engine, resources={**figures, "resources": None}, fused=fused)

@@ -168,9 +168,9 @@ def template_resources(
     with tempfile.TemporaryDirectory(prefix="attnfuse-resources-") as tmp:
         ptx, cubin = Path(tmp) / f"{spec.name}.ptx", Path(tmp) / f"{spec.name}.cubin"
         ptx.write_text(compiled.asm["ptx"])
-        report = _run([str(ptxas), "-arch=sm_90a", "-v", str(ptx), "-o", str(cubin)]).stderr
+        report = run_tool([str(ptxas), "-arch=sm_90a", "-v", str(ptx), "-o", str(cubin)]).stderr
         seconds = time.perf_counter() - start
-        sass = _run([str(ptxas.with_name("nvdisasm")), "-c", str(cubin)]).stdout
+        sass = run_tool([str(ptxas.with_name("nvdisasm")), "-c", str(cubin)]).stdout
     spills = {name: int(n) for name, n in _SPILLS.findall(report)}
     registers = re.search(rf"Compiling entry function '{re.escape(spec.name)}'.*?Used (\d+) registers", report, re.S)
     if spec.name not in spills or registers is None:
@@ -190,7 +190,7 @@ def template_resources(
     )
 
 
-def _run(command: list[str]) -> subprocess.CompletedProcess:
+def run_tool(command: list[str]) -> subprocess.CompletedProcess:
     done = subprocess.run(command, capture_output=True, text=True)
     if done.returncode != 0:
         raise RuntimeError(f"{' '.join(command)} exited with {done.returncode}:\n{done.stdout}\n{done.stderr}")
@@ -248,7 +248,7 @@ def table_rows(variants: list[str], head_dims: list[int], dtypes: list[str], ker
 
 def heading(arguments: list[str]) -> list[str]:
     """The section's heading, versions, the command that printed it (with ``arguments``) and what it shows."""
-    ptxas = _run([knobs.nvidia.ptxas.path, "--version"]).stdout
+    ptxas = run_tool([knobs.nvidia.ptxas.path, "--version"]).stdout
     release = re.search(r"release ([\d.]+)", ptxas)
     return [
         "## Template resources (sm90, compiled on the CPU)",
