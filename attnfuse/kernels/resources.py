@@ -36,10 +36,9 @@ from ..triton_compat import GluonASTSource, GPUTarget, gl, knobs
 from ..launch_spec import CONSTEXPR, SCALAR, TENSOR
 from ..passes.compiler import compile as compile_plan
 from ..plan import KernelConfig, KernelSpec, Plan
+from ..runtime.hopper import _ROW_LAYOUT, DKDV_BLOCK_M
 from ..runtime.source_cache import load_function, write_source
 from . import pipeline, verify
-from ..runtime.hopper import _ROW_LAYOUT, DKDV_BLOCK_M
-from .pipeline import ROWS
 from .tiles import SHARED_MEMORY_LIMIT
 
 DTYPES = {"float16": (gl.float16, "fp16"), "bfloat16": (gl.bfloat16, "bf16")}  # dtype -> (Gluon's, Triton's)
@@ -120,7 +119,7 @@ def _launch_types(spec: KernelSpec, dtype: str, head_dim: int, save_lse: bool, g
         layout = gl.NVMMASharedLayout.get_default_for([1, 1, rows, head_dim], gluon_dtype)
         return f"tensordesc<{short}[1, 1, {rows}, {head_dim}],{layout!r}>"
 
-    rows = ROWS.value
+    rows = pipeline.ROWS.value
     if spec.kind == "forward":
         block_n = spec.tiles.block_n
         return {"q_desc": tiles(rows), "o_desc": tiles(rows), "k_desc": tiles(block_n), "v_desc": tiles(block_n),
