@@ -7,7 +7,10 @@ from __future__ import annotations
 from attrs import evolve, frozen
 
 from .. import ir
+from ..kernels.generated_resources import generated_resources
 from ..kernels.instance import TEMPLATE_KINDS
+from ..kernels.resources import template_resources
+from ..kernels.tiles import SHARED_MEMORY_LIMIT
 from ..kernels.verified import MODE_ENV, chosen, is_verified, mode, record_key
 from ..plan import KernelConfig, KernelSpec, Plan
 from ..runtime.compiled import compiled
@@ -38,6 +41,7 @@ class KernelEngine:
     hoisted: bool = False
     when: str | None = None
     fused: KernelEngine | None = None
+    resources: dict | None = None  # with_resources's figures, where asked for
 
     def fields(self) -> dict:
         """The JSON object ``attnfuse show --json`` prints for this kernel."""
@@ -50,6 +54,8 @@ class KernelEngine:
             "instance": self.instance,
             "hoisted": self.hoisted,
         }
+        if self.resources is not None:
+            fields.update(self.resources)
         if self.fused is not None:
             fields.update(when=self.when, fused=self.fused.fields())
         return fields
@@ -69,7 +75,14 @@ class KernelEngine:
             head = f"template ({'verified' if self.verified else f'not verified, {MODE_ENV}=all'})"
         else:
             head = "generated"
-        return head if self.reason is None else f"{head} — {self.reason}"
+        words = head if self.reason is None else f"{head} — {self.reason}"
+        if self.resources is None:
+            return words
+        r = self.resources
+        return (
+            f"{words}; {r['registers']} registers, {r['spill_bytes']} spill bytes, "
+            f"{r['shared_bytes'] / 1024:.1f} KiB shared memory"
+        )
 
 
 def kernel_engine(plan: Plan, kind: str) -> KernelEngine:
@@ -122,3 +135,19 @@ def call_engines(graph: ir.MatMulPV, inference: KernelConfig, training: KernelCo
             engine = evolve(hoisted, hoisted=True, when=f"calls with at least {least} queries", fused=engine)
         engines[kind] = engine
     return engines
+
+
+def with_resources(engine: KernelEngine, graph: ir.MatMulPV) -> KernelEngine:
+    """``engine`` (and the fused kernel it stands with) with what its kernel uses on an H100/H200, compiled
+    for sm_90a with no GPU: a template instance as ``template_resources`` compiles it, a generated kernel as
+    ``generated_resources`` does, with the tiles a launch runs (its plan's, shrunk as a launch shrinks them
+    to fit a block's shared memory); ptxas' ``registers`` a thread, ``spill_bytes`` stored in the main path and
+    ``shared_bytes`` a block."""
+    fused = None if engine.fused is None else with_resources(engine.fused, graph)
+    config = engine.config
+    if engine.engine == "template":
+        used = template_resources(engine.template, config.dtype, config.head_dim, config.save_lse)
+    else:
+        used = generated_resources(compiled(graph, config).plan, engine.kind, shared_limit=SHARED_MEMORY_LIMIT)
+    figures = {"registers": used.registers, "spill_bytes": used.spill_bytes, "shared_bytes": used.shared_bytes}
+    return evolve(engine, resources=figures, fused=fused)

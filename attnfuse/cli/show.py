@@ -164,7 +164,7 @@ def cmd_show(args: argparse.Namespace, out: TextIO) -> int:
     from ..plan import KernelConfig
     from ..runtime.compiled import compiled
     from ..runtime.inputs import MAX_HEAD_DIM
-    from .engines import call_engines
+    from .engines import call_engines, with_resources
 
     if args.json and args.kernel is not None:
         raise CLIError("--json reports every kernel of a call; --kernel picks the one whose source the text shows")
@@ -173,6 +173,15 @@ def cmd_show(args: argparse.Namespace, out: TextIO) -> int:
     arguments = _arguments(program, spec, args.arg, args.input)
     graph = _graph(program, spec, arguments)
     arch = args.arch or default_arch()
+    if args.resources and arch not in ("sm90", "sm90a"):
+        raise CLIError(
+            f"--resources compiles the kernels for an H100/H200 with no GPU: give --arch sm90, not {arch!r}"
+            + (" (the default: no GPU here)" if args.arch is None else "")
+        )
+    if args.resources and (args.source_only or args.path_only):
+        raise CLIError(
+            "--resources reports in the engines section (or with --json), not with --source-only/--path-only"
+        )
     dtype = args.dtype or ("float32" if arch == "interpreter" else "bfloat16")
     head_dim_v = args.head_dim_v or args.head_dim
     for name, dim in (("--head-dim", args.head_dim), ("--head-dim-v", head_dim_v)):
@@ -194,13 +203,20 @@ def cmd_show(args: argparse.Namespace, out: TextIO) -> int:
     )
     training = attrs.evolve(inference, save_lse=args.lse or has_lse)
     config = training if kind in ("dkdv", "dq") else inference
+
+    def engines_of_call() -> dict:
+        engines = call_engines(graph, inference, training)
+        if not args.resources:
+            return engines
+        return {k: with_resources(engine, graph) for k, engine in engines.items()}
+
     if args.json:
         report = {
             "program": spec,
             "arguments": {n: repr(v) for n, v in arguments.items()},
             "config": attrs.asdict(inference),
             "templates": mode(),
-            "kernels": {k: engine.fields() for k, engine in call_engines(graph, inference, training).items()},
+            "kernels": {k: engine.fields() for k, engine in engines_of_call().items()},
         }
         json.dump(report, out, indent=2)
         out.write("\n")
@@ -213,7 +229,7 @@ def cmd_show(args: argparse.Namespace, out: TextIO) -> int:
     if args.source_only:
         out.write(kernel.source if kernel.source.endswith("\n") else kernel.source + "\n")
         return 0
-    engines = call_engines(graph, inference, training)
+    engines = engines_of_call()
     doc = first_line(program.fn.__doc__ or "")
     listing = ir.render(graph)
     print(f"# program    {spec}" + (f"  ({doc})" if doc else ""), file=out)
@@ -297,5 +313,11 @@ def add_parser(sub) -> None:
         action="store_true",
         help="print, as JSON, the engine that runs each kernel of a call (a Hopper template instance "
         "or the generated kernel) and why",
+    )
+    p.add_argument(
+        "--resources",
+        action="store_true",
+        help="with each kernel's engine, its registers, spill bytes and shared memory on an H100/H200 (needs --arch "
+        "sm90), compiled with no GPU: a template instance or a generated kernel (seconds a kernel)",
     )
     p.set_defaults(func=cmd_show)

@@ -1,14 +1,16 @@
 """Registers, spills, shared memory and instruction counts of a template instance on an H100/H200, with no GPU.
 
-``template_resources`` compiles an instance for sm_90a as a launch would (Triton, then ptxas for its resource
-report, then nvdisasm for its SASS) and reads them back; ``tests/test_template_resources.py`` holds every
-variant to no spills and no local memory in the main loop, within a block's shared memory.
+``template_resources`` compiles an instance (the forward template's or the dK/dV template's) for sm_90a as a
+launch would (Triton, then ptxas for its resource report, then nvdisasm for its SASS) and reads them back;
+``tests/test_template_resources.py`` holds every variant within a block's shared memory, with no local memory
+in the main loop (but for the dK/dV instances that spill there today, held to today's spill bytes).
 
     python -m attnfuse.kernels.resources --markdown                               # print the section
     python -m attnfuse.kernels.resources --markdown-section docs/benchmarks.md    # or rewrite it there
 
 prints (or writes) the section "Template resources": every variant of ``verify.VARIANTS`` at each head dim and
-dtype, or the reason a variant falls off the template.
+dtype (the dK/dV template's at its head dims, ``verify.DKDV_HEAD_DIMS``), or the reason a variant falls off a
+template.
 
 The instance is compiled unspecialised: pointers not known to be 16-byte aligned, integers not known to be
 multiples of 16 or 1 (a launch specialises on those, which only takes code away), a plugin's tensors float32.
@@ -34,13 +36,16 @@ from ..triton_compat import GluonASTSource, GPUTarget, gl, knobs
 from ..launch_spec import CONSTEXPR, SCALAR, TENSOR
 from ..passes.compiler import compile as compile_plan
 from ..plan import KernelConfig, KernelSpec, Plan
+from ..runtime.hopper import _ROW_LAYOUT, DKDV_BLOCK_M
 from ..runtime.source_cache import load_function, write_source
 from . import pipeline, verify
 from .tiles import SHARED_MEMORY_LIMIT
 
 DTYPES = {"float16": (gl.float16, "fp16"), "bfloat16": (gl.bfloat16, "bf16")}  # dtype -> (Gluon's, Triton's)
 SECTION = "template_resources"  # its marked section of docs/benchmarks.md (--markdown-section)
-_CARRIED = {"Q", "K", "V", "Out"}  # the call's tensors, in the call's dtype; Lse is float32
+_CARRIED = {"Q", "K", "V", "Out"}  # the forward's tensors, in the call's dtype; Lse is float32
+KERNELS = ("forward", "dkdv")  # the template kinds compiled here
+GROUP_SUMS = ("none", "last", "atomic")  # how a dK/dV launch sums a GQA group's programs (hopper.group_split)
 _SPILLS = re.compile(r"Function properties for (\S+)\n\s*\d+ bytes stack frame, (\d+) bytes spill stores")
 _LOCAL = re.compile(r"\b(?:STL|LDL)\b")  # a store to or load from local memory (a spill, or a stack array)
 _WGMMA = re.compile(r"\bHGMMA\.")
@@ -61,7 +66,7 @@ class Resources:
     of rows a non-finite value reached). ``shared_bytes``: the block's shared memory. ``wgmma`` / ``tma``: HGMMA
     and UTMALDG/UTMASTG instructions in the SASS. ``loop_local_memory``: whether any STL or LDL lies inside a
     main loop of the entry function (a label to a later branch back to it, holding wgmma and no smaller such
-    loop).
+    loop: ``_loops``), and ``loops`` how many it has (one per consumer warpgroup: its key or step loop).
     ``compile_seconds``: Triton's compile and ptxas', from the source, with no cache."""
 
     registers: int
@@ -72,6 +77,7 @@ class Resources:
     wgmma: int
     tma: int
     loop_local_memory: bool
+    loops: int
     consumer_registers: int = pipeline.CONSUMER_REGISTERS
     loader_registers: int = pipeline.LOADER_REGISTERS
 
@@ -94,30 +100,59 @@ def variant_plan(variant: str, dtype: str, head_dim: int) -> Plan:
     return plan if "transform" not in plan.kernels else compile_plan(graph, plan.hoisted_config)
 
 
-def signature(spec: KernelSpec, dtype: str, head_dim: int) -> dict[str, str]:
-    """Triton's types of the parameters of ``spec`` (a forward instance) for tensors of ``dtype`` and ``head_dim``."""
+def signature(spec: KernelSpec, dtype: str, head_dim: int, save_lse: bool, group_sum: str = "none") -> dict[str, str]:
+    """Triton's types of the parameters of ``spec`` (a forward or dK/dV instance) for tensors of ``dtype`` and
+    ``head_dim``, as the runtime launches it (``kernels/launch.py``); the types ``_launch_types`` does not name
+    are the launch spec's kinds (a plugin's tensors float32, its strides and sizes int32)."""
+    kinds = {CONSTEXPR: "constexpr", SCALAR: "fp32", TENSOR: "*fp32"}
+    named = _launch_types(spec, dtype, head_dim, save_lse, group_sum)
+    return {p.name: named.get(p.name) or kinds.get(p.kind, "i32") for p in spec.launch.params}
+
+
+def _launch_types(spec: KernelSpec, dtype: str, head_dim: int, save_lse: bool, group_sum: str) -> dict[str, str]:
+    """The types of the template's own parameters of ``spec``, by its kind: TMA descriptors of (1, 1, rows,
+    head_dim) tiles, float32 rows of lse and delta in [DKDV_BLOCK_M] tiles (``HopperLauncher._describe_rows``;
+    None, a constexpr, where the dK/dV instance reads none: ``save_lse`` False), and the call's tensors."""
     gluon_dtype, short = DTYPES[dtype]
 
     def tiles(rows: int) -> str:
         layout = gl.NVMMASharedLayout.get_default_for([1, 1, rows, head_dim], gluon_dtype)
         return f"tensordesc<{short}[1, 1, {rows}, {head_dim}],{layout!r}>"
 
-    block_n = spec.tiles.block_n
-    named = {"q_desc": tiles(pipeline.ROWS.value), "o_desc": tiles(pipeline.ROWS.value), "k_desc": tiles(block_n),
-             "v_desc": tiles(block_n), "Lse": "*fp32", **{n: f"*{short}" for n in _CARRIED}}  # fmt: skip
-    kinds = {CONSTEXPR: "constexpr", SCALAR: "fp32", TENSOR: "*fp32"}
-    return {p.name: named.get(p.name) or kinds.get(p.kind, "i32") for p in spec.launch.params}
+    rows = pipeline.ROWS.value
+    if spec.kind == "forward":
+        block_n = spec.tiles.block_n
+        return {"q_desc": tiles(rows), "o_desc": tiles(rows), "k_desc": tiles(block_n), "v_desc": tiles(block_n),
+                "Lse": "*fp32", **{n: f"*{short}" for n in _CARRIED}}  # fmt: skip
+    if spec.kind == "dkdv":
+        if group_sum not in GROUP_SUMS:
+            raise InputError(f"group_sum={group_sum!r}: the dK/dV template sums a group as one of {GROUP_SUMS}")
+        row = f"tensordesc<fp32[{DKDV_BLOCK_M}],{_ROW_LAYOUT!r}>" if save_lse else "constexpr"
+        grads = f"*{short}"  # dk and dv, in the call's dtype
+        parts = grads if group_sum == "none" else "*fp32"  # hopper.group_split's buffers: dk and dv, or float32
+        return {**{n: tiles(rows) for n in ("q_desc", "do_desc", "k_desc", "v_desc")}, "lse_desc": row,
+                "delta_desc": row, "DKey": grads, "DValue": grads, "dk_part": parts, "dv_part": parts,
+                "counts": "*i32" if group_sum == "last" else grads}  # fmt: skip
+    raise InputError(f"spec.kind={spec.kind!r}: template instances are of kinds {' and '.join(KERNELS)}")
 
 
-def template_resources(spec: KernelSpec, dtype: str, head_dim: int, save_lse: bool) -> Resources:
-    """Compile ``spec`` (a forward instance, ``plan.templates.kernels["forward"]``) for sm_90a with tensors of
-    ``dtype`` ("float16" or "bfloat16", else InputError) and ``head_dim``, writing lse if ``save_lse``; what it
-    uses. Raises whatever Triton raises on an instance that does not compile, and RuntimeError if ptxas or
-    nvdisasm fails."""
+def template_resources(
+    spec: KernelSpec, dtype: str, head_dim: int, save_lse: bool, group_sum: str = "none"
+) -> Resources:
+    """Compile ``spec`` for sm_90a with tensors of ``dtype`` ("float16" or "bfloat16", else InputError) and
+    ``head_dim``; what it uses. ``spec``: a forward instance (``plan.templates.kernels["forward"]``), writing lse
+    if ``save_lse``, or a dK/dV instance (``["dkdv"]`` of the training plan), reading the forward's lse and
+    delta rows if ``save_lse`` (the plan's ``config.save_lse``), summing a GQA group's programs as ``group_sum``
+    says ("none": one program a group, the launch of a grid that fills the GPU; "last" or "atomic":
+    ``hopper.group_split``). Raises whatever Triton raises on an instance that does not compile, and
+    RuntimeError if ptxas or nvdisasm fails."""
     if dtype not in DTYPES:
         raise InputError(f"dtype={dtype!r}: the templates compile for {' and '.join(DTYPES)}")
+    types = signature(spec, dtype, head_dim, save_lse, group_sum)
+    launch = {"forward": {"SAVE_LSE": save_lse}, "dkdv": {"GROUP_SUM": group_sum}}[spec.kind]
+    rows = {name: None for name in ("lse_desc", "delta_desc") if types.get(name) == "constexpr"}
     fn = load_function(spec.source, spec.name, write_source(spec.name, spec.source))
-    source = GluonASTSource(fn, signature(spec, dtype, head_dim), {**spec.launch.constants, "SAVE_LSE": save_lse})
+    source = GluonASTSource(fn, types, {**spec.launch.constants, **launch, **rows})
     start = time.perf_counter()
     with knobs.compilation.scope():
         knobs.compilation.always_compile = True  # the time of a compile, not of a cache hit
@@ -132,14 +167,15 @@ def template_resources(spec: KernelSpec, dtype: str, head_dim: int, save_lse: bo
     with tempfile.TemporaryDirectory(prefix="attnfuse-resources-") as tmp:
         ptx, cubin = Path(tmp) / f"{spec.name}.ptx", Path(tmp) / f"{spec.name}.cubin"
         ptx.write_text(compiled.asm["ptx"])
-        report = _run([str(ptxas), "-arch=sm_90a", "-v", str(ptx), "-o", str(cubin)]).stderr
+        report = run_tool([str(ptxas), "-arch=sm_90a", "-v", str(ptx), "-o", str(cubin)]).stderr
         seconds = time.perf_counter() - start
-        sass = _run([str(ptxas.with_name("nvdisasm")), "-c", str(cubin)]).stdout
+        sass = run_tool([str(ptxas.with_name("nvdisasm")), "-c", str(cubin)]).stdout
     spills = {name: int(n) for name, n in _SPILLS.findall(report)}
     registers = re.search(rf"Compiling entry function '{re.escape(spec.name)}'.*?Used (\d+) registers", report, re.S)
     if spec.name not in spills or registers is None:
         raise RuntimeError(f"ptxas' report names no entry function {spec.name}:\n{report}")
     entry = _function(sass, spec.name)
+    loops = _loops(entry)
     return Resources(
         registers=int(registers[1]),
         spill_bytes=spills[spec.name],
@@ -148,11 +184,12 @@ def template_resources(spec: KernelSpec, dtype: str, head_dim: int, save_lse: bo
         compile_seconds=seconds,
         wgmma=len(_WGMMA.findall(sass)),
         tma=len(_TMA.findall(sass)),
-        loop_local_memory=any(_LOCAL.search(line) for start, end in _loops(entry) for line in entry[start:end]),
+        loop_local_memory=any(_LOCAL.search(line) for start, end in loops for line in entry[start:end]),
+        loops=len(loops),
     )
 
 
-def _run(command: list[str]) -> subprocess.CompletedProcess:
+def run_tool(command: list[str]) -> subprocess.CompletedProcess:
     done = subprocess.run(command, capture_output=True, text=True)
     if done.returncode != 0:
         raise RuntimeError(f"{' '.join(command)} exited with {done.returncode}:\n{done.stdout}\n{done.stderr}")
@@ -172,7 +209,9 @@ def _function(sass: str, name: str) -> list[str]:
 
 def _loops(lines: list[str]) -> list[tuple[int, int]]:
     """The main loops of a function's listing: each (line of a label, line of a later branch back to it) whose
-    body holds wgmma and no smaller such loop (the key loops; not the partitions' dispatch around them)."""
+    body holds wgmma and no smaller such loop (the key loops; not the partitions' dispatch around them). A
+    range that starts inside another and ends past it is no loop: its branch back comes from a block ptxas
+    placed after the function's body (the retry of an mbarrier wait in the loop), not from the loop's end."""
     labels = {m[1]: i for i, line in enumerate(lines) if (m := _LABEL.match(line))}
     loops = [
         (labels[m[1]], i)
@@ -180,31 +219,35 @@ def _loops(lines: list[str]) -> list[tuple[int, int]]:
         if (m := _BRANCH.search(line)) and labels.get(m[1], len(lines)) < i
     ]
     gemm = [(a, b) for a, b in loops if any(_WGMMA.search(line) for line in lines[a:b])]
-    return [(a, b) for a, b in gemm if not any(a <= c and d <= b and (c, d) != (a, b) for c, d in gemm)]
+    nested = [(a, b) for a, b in gemm if not any(c < a < d < b for c, d in gemm)]
+    return [(a, b) for a, b in nested if not any(a <= c and d <= b and (c, d) != (a, b) for c, d in nested)]
 
 
-def table_rows(variants: list[str], head_dims: list[int], dtypes: list[str]):
-    """The table's rows, one per variant x head dim x dtype, each printed as soon as it is compiled."""
-    for variant in variants:
-        for head_dim in head_dims:
-            for dtype in dtypes:
-                plan = variant_plan(variant, dtype, head_dim)
-                spec = plan.templates.kernels.get("forward")
-                what = f"| {variant} | {head_dim} | {dtype} |"
-                if spec is None:
-                    yield f"{what} falls back: {plan.templates.reasons['forward']} |" + " |" * 6
-                    continue
-                r = template_resources(spec, dtype, head_dim, plan.config.save_lse)
-                yield (
-                    f"{what} {r.registers} ({r.consumer_registers} / {r.loader_registers}) | {r.spill_bytes} / "
-                    f"{r.careful_spill_bytes} | {'yes' if r.loop_local_memory else 'no'} | "
-                    f"{r.shared_bytes / 1024:.1f} | {r.wgmma} | {r.tma} | {r.compile_seconds:.1f} |"
-                )
+def table_rows(variants: list[str], head_dims: list[int], dtypes: list[str], kernels: list[str]):
+    """The table's rows, one per kernel x variant x head dim x dtype (the dK/dV template's head dims only,
+    ``verify.DKDV_HEAD_DIMS``), each printed as soon as it is compiled."""
+    for kernel in kernels:
+        served = [d for d in head_dims if kernel == "forward" or d in verify.DKDV_HEAD_DIMS]
+        for variant in variants:
+            for head_dim in served:
+                for dtype in dtypes:
+                    plan = variant_plan(variant, dtype, head_dim)
+                    spec = plan.templates.kernels.get(kernel)
+                    what = f"| {kernel} | {variant} | {head_dim} | {dtype} |"
+                    if spec is None:
+                        yield f"{what} falls back: {plan.templates.reasons[kernel]} |" + " |" * 6
+                        continue
+                    r = template_resources(spec, dtype, head_dim, plan.config.save_lse)
+                    yield (
+                        f"{what} {r.registers} ({r.consumer_registers} / {r.loader_registers}) | {r.spill_bytes} / "
+                        f"{r.careful_spill_bytes} | {'yes' if r.loop_local_memory else 'no'} | "
+                        f"{r.shared_bytes / 1024:.1f} | {r.wgmma} | {r.tma} | {r.compile_seconds:.1f} |"
+                    )
 
 
 def heading(arguments: list[str]) -> list[str]:
     """The section's heading, versions, the command that printed it (with ``arguments``) and what it shows."""
-    ptxas = _run([knobs.nvidia.ptxas.path, "--version"]).stdout
+    ptxas = run_tool([knobs.nvidia.ptxas.path, "--version"]).stdout
     release = re.search(r"release ([\d.]+)", ptxas)
     return [
         "## Template resources (sm90, compiled on the CPU)",
@@ -218,16 +261,23 @@ def heading(arguments: list[str]) -> list[str]:
         shlex.join(["python", "-m", "attnfuse.kernels.resources", *arguments]),
         "```",
         "",
-        "The forward template's instance of each variant (GQA group 2), compiled as a launch would, with no GPU.",
-        "Registers: ptxas' count at entry (the launch's cap), then the budget `setmaxnreg` gives each consumer",
-        "warpgroup / the loader warp. Spill bytes: ptxas' spill stores in the main path / in the careful redo",
-        "(the noinline functions that redo rows a non-finite value reached). Local memory in the loop: an STL or",
-        "LDL inside a key loop of the main path (innermost loops with wgmma). wgmma and TMA: HGMMA and UTMALDG/UTMASTG",
-        f"in the SASS. Shared memory in KiB, of {SHARED_MEMORY_LIMIT / 1024:.0f} KiB a block may use.",
+        "Each template instance of each variant (GQA group 2), compiled as a launch would, with no GPU: the forward",
+        "template's (kernel `forward`) at every head dim, the dK/dV template's (kernel `dkdv`, of the training plan,",
+        'which saves the lse it reads; a GQA group summed in one program, GROUP_SUM "none") at the head dims it',
+        "serves. Registers: ptxas' count at entry (the launch's cap), then the budget `setmaxnreg` gives each",
+        "consumer warpgroup / the loader warp. Spill bytes: ptxas' spill stores in the main path / in the careful",
+        "redo (the forward's noinline functions that redo rows a non-finite value reached; the dK/dV template has",
+        "none: 0). Local memory in the loop: an STL or LDL inside a key loop (forward) or step loop (dK/dV) of the",
+        "main path (innermost loops with wgmma). wgmma and TMA: HGMMA and UTMALDG/UTMASTG in the SASS. Shared",
+        f"memory in KiB, of {SHARED_MEMORY_LIMIT / 1024:.0f} KiB a block may use.",
         "",
-        "| variant | D | dtype | registers (consumer / loader) | spill bytes (main / careful) | "
+        "A known defect, to be driven to zero: the `dkdv` rows with local memory in the loop spill inside the step",
+        "loop; `tests/test_template_resources.py` holds each to the spill bytes shown (`KNOWN_DKDV_LOOP_SPILLS`),",
+        "and every other instance to no local memory in its loop.",
+        "",
+        "| kernel | variant | D | dtype | registers (consumer / loader) | spill bytes (main / careful) | "
         "local memory in the loop | shared KiB | wgmma | TMA | compile s |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
 
 
@@ -238,11 +288,12 @@ def main() -> None:
     parser.add_argument("--variants", nargs="+", default=list(verify.VARIANTS), choices=list(verify.VARIANTS))
     parser.add_argument("--head-dims", nargs="+", type=int, default=list(verify.HEAD_DIMS), choices=verify.HEAD_DIMS)
     parser.add_argument("--dtypes", nargs="+", default=list(verify.DTYPES), choices=list(DTYPES))
+    parser.add_argument("--kernels", nargs="+", default=list(KERNELS), choices=KERNELS)
     args = parser.parse_args()
     lines = heading(sys.argv[1:])
     if not args.markdown_section:
         print("\n".join(lines), flush=True)
-    for row in table_rows(args.variants, args.head_dims, args.dtypes):
+    for row in table_rows(args.variants, args.head_dims, args.dtypes, args.kernels):
         lines.append(row)
         if not args.markdown_section:
             print(row, flush=True)

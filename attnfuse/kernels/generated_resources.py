@@ -1,0 +1,117 @@
+"""Registers, spills and shared memory of a generated Triton kernel on an H100/H200, with no GPU.
+
+Compiles the kernel with Triton as a launch would (with the usual specialisations: unit strides on the head
+dim, 16-divisible sizes and pointers) and reads ptxas' resource report. ``benchmarks/kernel_resources.py``
+weeds tile candidates out with it; ``attnfuse show --resources`` reports a plan's generated kernels with it
+(the template instances: ``resources.template_resources``).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import tempfile
+
+import triton
+from attrs import frozen
+
+from ..plan import Plan, TileConfig
+from ..runtime.kernel import smaller_tiles
+from ..runtime.source_cache import load_function, write_source
+from ..triton_compat import ASTSource, GPUTarget, knobs
+from .resources import DTYPES, run_tool
+
+_SIZES = {
+    "HQ",
+    "Nq",
+    "N_K",
+    "BATCH",
+    "PAGE_SIZE",
+    "NUM_PAGES",
+    "SPLIT",
+    "NUM_SPLITS",
+    "SPLIT_BLOCKS",
+    "SPLIT_ROWS",
+    "HEAD_GROUP",
+}
+_FLOAT32 = {"Lse", "Delta", "PartOut", "PartLse", "DLse", "PartDKV"}
+_INT32 = {"KvLens", "BlockTable", "SplitCount"}
+_SHORT = {**{dtype: short for dtype, (_, short) in DTYPES.items()}, "float32": "fp32"}  # dtype -> Triton's
+
+
+@frozen
+class KernelResources:
+    """ptxas' report of one compiled kernel: ``registers`` a thread, ``spill_bytes`` stored and
+    ``spill_load_bytes`` loaded a thread, ``shared_bytes`` a block, with ``tiles``."""
+
+    registers: int
+    spill_bytes: int
+    spill_load_bytes: int
+    shared_bytes: int
+    tiles: TileConfig
+
+
+def signature(fn, tensors: dict[str, int], dtype: str) -> tuple[dict, dict, dict]:
+    """Triton's (signature, specialised values, attributes) for a generated kernel's runtime parameters.
+    ``tensors``: the plugins' tensor arguments and their ranks (index-like names are int32, others
+    float32; their last dim is contiguous); ``dtype``: Triton's name of the call's dtype ("bf16")."""
+    unit = {f"{name}_s{rank - 1}" for name, rank in tensors.items()}
+    types, values, attributes = {}, {}, {}
+    for i, p in enumerate(fn.params):
+        if p.is_constexpr:
+            types[p.name] = "constexpr"
+        elif p.name in tensors:
+            types[p.name] = "*i32" if re.search(r"(num|idx|index|count|active|lens|order)$", p.name) else "*fp32"
+            attributes[(i,)] = [["tt.divisibility", 16]]
+        elif p.name[0].isupper() and p.name not in _SIZES:
+            types[p.name] = "*" + ("fp32" if p.name in _FLOAT32 else "i32" if p.name in _INT32 else dtype)
+            attributes[(i,)] = [["tt.divisibility", 16]]
+        elif re.fullmatch(r"stride_\w*d", p.name) or p.name in unit:  # unit strides, as Triton specialises
+            types[p.name], values[p.name] = "constexpr", 1
+        else:
+            types[p.name] = "i32"
+            attributes[(i,)] = [["tt.divisibility", 16]]
+    return types, values, attributes
+
+
+def generated_resources(
+    plan: Plan, kind: str, tiles: TileConfig | None = None, shared_limit: int | None = None
+) -> KernelResources:
+    """Compile ``plan``'s generated kernel ``kind`` for sm_90a with ``tiles`` (default: the plan's for it), for
+    tensors of the plan's dtype; ptxas' report of it (``KernelResources``). With ``shared_limit`` (bytes a
+    block may use), tiles that need more shrink as a launch's do (``runtime.kernel.smaller_tiles``) until they
+    fit. Raises whatever Triton raises on a kernel that does not compile, and RuntimeError if ptxas fails or
+    reports no figures."""
+    spec = plan.kernels[kind]
+    tiles = tiles or spec.tiles
+    used = _compile(plan, kind, tiles)
+    while shared_limit is not None and used.shared_bytes > shared_limit:
+        tiles = smaller_tiles(tiles)
+        used = _compile(plan, kind, tiles)
+    return used
+
+
+def _compile(plan: Plan, kind: str, tiles: TileConfig) -> KernelResources:
+    spec = plan.kernels[kind]
+    fn = triton.jit(load_function(spec.source, spec.name, write_source(spec.name, spec.source)))
+    tensors = {f"{call.prefix}_{t.name}": t.rank for call in plan.plugin_calls for t in call.apply.declaration.tensors}
+    types, values, attributes = signature(fn, tensors, _SHORT[plan.config.dtype])
+    values.update(spec.launch.constants, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n)
+    values.update({name: True for name in ("EVEN_K", "EVEN_M") if name in fn.arg_names})
+    values = {k: v for k, v in values.items() if k in fn.arg_names}
+    compiled = triton.compile(
+        ASTSource(fn, types, values, attributes),
+        target=GPUTarget("cuda", 90, 32),
+        options=dict(num_warps=tiles.num_warps, num_stages=tiles.num_stages),
+    )
+    # the ptxas Triton compiled with: torch.compile sets TRITON_PTXAS_PATH to torch's own (a newer CUDA), whose
+    # PTX version an older ptxas refuses
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx") as ptx:
+        ptx.write(compiled.asm["ptx"])
+        ptx.flush()
+        report = run_tool([knobs.nvidia.ptxas.path, "-arch=sm_90a", "-v", ptx.name, "-o", os.devnull]).stderr
+    registers = re.search(r"Used (\d+) registers", report)
+    spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", report)
+    if registers is None or spills is None:
+        raise RuntimeError(f"ptxas' report of {spec.name} names no registers or spills:\n{report}")
+    return KernelResources(int(registers[1]), int(spills[1]), int(spills[2]), compiled.metadata.shared, tiles)
