@@ -28,6 +28,7 @@ def hopper_plan(lowered: LoweredProgram) -> HopperPlan | None:
         or c.kv_lens
         or c.paged
         or c.positions
+        or c.varlen
         or split(lowered)
         or lowered.mods
         or lowered.normaliser.apply.combinator != "softmax"
