@@ -187,3 +187,39 @@ def test_unsupported_combinations_name_the_argument():
     slopes = torch.rand(2, requires_grad=True)
     with pytest.raises(af.UnsupportedError, match=r"gradients of runtime inputs \(sinks\)"):
         sinks(q.requires_grad_(), k, v, slopes, **packed_args)
+
+
+def offsets_by_loop(starts: list[bool]) -> list[int]:
+    """The reference offsets: a document at each start (and at token 0), then the total."""
+    return [i for i, s in enumerate(starts) if s or i == 0] + [len(starts)]
+
+
+@pytest.mark.parametrize("total", [0, 1, 23])
+def test_offsets_from_document_ids_and_position_ids(total):
+    lengths = torch.randint(1, 5, (total,)).tolist()
+    position_ids = torch.cat([torch.arange(n) for n in lengths] + [torch.zeros(0, dtype=torch.long)])[:total]
+    document_ids = torch.randint(0, 3, (total,))
+    by_position = af.cu_seqlens_from_position_ids(position_ids[None])
+    by_document = af.cu_seqlens_from_document_ids(document_ids)
+    assert by_position.dtype == by_document.dtype == torch.int32
+    assert by_position.tolist() == offsets_by_loop((position_ids == 0).tolist())
+    changes = [i > 0 and document_ids[i] != document_ids[i - 1] for i in range(total)]
+    assert by_document.tolist() == offsets_by_loop(changes)
+
+
+def test_offsets_from_position_ids_run_a_packed_call():
+    """HF's flattening: position ids restarting at 0 per example give the documents a packed call attends in."""
+    lengths = [4, 1, 7]
+    position_ids = torch.cat([torch.arange(n) for n in lengths])[None]
+    cu = af.cu_seqlens_from_position_ids(position_ids)
+    q, k, v, _, _ = packed(lengths, lengths)
+    out = llama(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu)
+    torch.testing.assert_close(out.double(), reference(llama, q, k, v, cu, cu), atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("bad", [torch.zeros(2, 3, dtype=torch.long), torch.zeros(3), torch.zeros(3, dtype=torch.bool)])
+def test_offsets_from_bad_ids_are_input_errors(bad):
+    with pytest.raises(af.InputError, match="position_ids must be an integer tensor"):
+        af.cu_seqlens_from_position_ids(bad)
+    with pytest.raises(af.InputError, match="document_ids must be an integer tensor"):
+        af.cu_seqlens_from_document_ids(bad)
