@@ -2,6 +2,9 @@
 itself at local positions, checked against every document run on its own through ``program.reference`` in
 float64 (forward and dq, dk, dv); bad offsets and unsupported combinations get errors naming the argument."""
 
+import json
+
+import attrs
 import pytest
 import torch
 
@@ -223,3 +226,50 @@ def test_offsets_from_bad_ids_are_input_errors(bad):
         af.cu_seqlens_from_position_ids(bad)
     with pytest.raises(af.InputError, match="document_ids must be an integer tensor"):
         af.cu_seqlens_from_document_ids(bad)
+
+
+def test_lse_of_each_document():
+    q, k, v, cu_q, cu_k = packed([6, 1, 9], [6, 4, 12])
+    out, lse = gpt2(q, k, v, return_lse=True, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
+    want = [
+        gpt2.reference(q[:, :, a:b], k[:, :, c:d], v[:, :, c:d], return_lse=True)[1]
+        for a, b, c, d in zip(cu_q[:-1], cu_q[1:], cu_k[:-1], cu_k[1:])
+    ]
+    torch.testing.assert_close(lse.double(), torch.cat(want, 2), atol=2e-5, rtol=2e-5)
+
+
+@af.attention
+def rope_tables(q, k, v, cos, sin):
+    return af.softmax(af.causal(af.rope(q, k, cos=cos, sin=sin))) @ v
+
+
+def test_rope_tables_at_local_positions():
+    """cos/sin tables are read at each document's own positions; a document with more queries than keys
+    would read below row 0, which the call refuses as the reference does."""
+    lq, lk = [3, 8, 5], [4, 8, 6]
+    angles = torch.randn(sum(lk), 8)
+    cos, sin = torch.cat((angles, angles), -1).cos(), torch.cat((angles, angles), -1).sin()
+    check(rope_tables, lq, lk, cos, sin)
+    q, k, v, cu_q, cu_k = packed([5, 2], [4, 9])
+    with pytest.raises(af.InputError, match="every packed document needs at least as many keys as queries"):
+        rope_tables(q, k, v, cos[:13], sin[:13], cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
+
+
+def test_hopper_paths_leave_packed_calls_to_the_generated_kernels(capsys):
+    """The hand-written Hopper kernels take no packed call, and the templates give the reason, which
+    ``attnfuse show --json --varlen`` reports."""
+    from attnfuse.cli import main
+    from attnfuse.plan import KernelConfig
+    from attnfuse.runtime.compiled import compiled
+
+    config = KernelConfig(
+        arch="sm90", dtype="bfloat16", head_dim=128, head_dim_v=128, group=1, save_lse=True, fp32_precision="ieee"
+    )
+    assert compiled(gpt2.graph(), config).plan.hopper is not None
+    plan = compiled(gpt2.graph(), attrs.evolve(config, varlen=True)).plan
+    assert plan.hopper is None and "forward" not in plan.templates.kernels
+    assert main(["show", "gpt2", "--json", "--arch", "sm90", "--varlen"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    for kind in ("forward", "dkdv"):
+        entry = report["kernels"][kind]
+        assert entry["engine"] == "generated" and "packed sequences (cu_seqlens)" in entry["reason"]
