@@ -132,13 +132,14 @@ def run_attention(
         fragments read as the number of keys (relu_attention divides by it).
     :param cu_seqlens_q: packed sequences (FlashAttention's varlen call): q (1, Hq, total_q, D), k and v (1,
         Hkv, total_k, D/DV) hold documents one after another, document i at rows cu_seqlens_q[i] ..
-        cu_seqlens_q[i + 1] of q and ``cu_seqlens_k[i]`` .. cu_seqlens_k[i + 1] of k and v; both (docs + 1,)
+        cu_seqlens_q[i + 1] of q and cu_seqlens_k[i] .. cu_seqlens_k[i + 1] of k and v; both (docs + 1,)
         int32 or int64 on q's device, starting at 0, never decreasing, ending at total_q (total_k). Each
         document attends within itself, at positions local to it (its queries bottom-right aligned to its
         keys, as a call with its rows alone). Any strides (FlashAttention's (total, H, D) tensors as
         ``t.transpose(0, 1)[None]``, with no copy). The values are checked on the device as ``validate`` says
         for kv_lens. Not with kv_lens, block_table, q_offset/k_offset/seq_len or split_kv, nor for programs
-        with block masks or tensors indexed by query and key (UnsupportedError).
+        with block masks or tensors indexed by query and key, nor with gradients of runtime inputs
+        (UnsupportedError).
     :param max_seqlen_q: with packed sequences, the longest document's query count (and ``max_seqlen_k``
         its key count), optional; a document longer than one given is an InputError (checked on the device).
     :return: out (B, Hq, Nq, DV), or (out, lse) with lse (B, Hq, Nq) float32 when ``return_lse``.

@@ -55,8 +55,8 @@ def document(pid: str, block: str, side: str, q_rows: tuple[str, ...], k_rows: t
         f"{p} += k_start.to(tl.int64) * {ROW_STRIDES[p]}\n" for p in k_rows
     )
     return (
-        f"# packed sequences: document i holds blocks {cu}[i] // {block} + i onwards; find {pid}'s (Nq, N_K: the "
-        "totals so far)\nTOTAL_Q = Nq\nTOTAL_K = N_K\n"
+        f"# packed sequences: find {pid}'s document (document i's blocks start at {cu}[i] // {block} + i)\n"
+        "TOTAL_Q = Nq  # the packed totals; Nq and N_K become the document's lengths\nTOTAL_K = N_K\n"
         f"doc = {pid} * 0\ndoc_hi = doc + DOCS\nfor _ in range(0, SEARCH_STEPS):\n"
         "    mid = (doc + doc_hi) // 2\n"
         f"    below = {_offset(cu, 'mid', total)} // {block} + mid <= {pid}\n"
