@@ -276,3 +276,15 @@ def test_hopper_paths_leave_packed_calls_to_the_generated_kernels(capsys):
     for kind in ("forward", "dkdv"):
         entry = report["kernels"][kind]
         assert entry["engine"] == "generated" and "packed sequences (cu_seqlens)" in entry["reason"]
+
+
+def test_under_torch_compile():
+    """Under torch.compile a packed call runs eagerly (a graph break), forward and backward."""
+    q, k, v, cu_q, cu_k = packed([4, 6], [5, 6])
+    step = torch.compile(lambda q, k, v, cu_q, cu_k: gpt2(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k))
+    out = step(q, k, v, cu_q, cu_k)
+    expected = reference(gpt2, q, k, v, cu_q, cu_k)
+    torch.testing.assert_close(out.double(), expected, atol=2e-5, rtol=2e-5)
+    dout = torch.randn_like(out)
+    for g, w in zip(torch.autograd.grad(out, (q, k, v), dout), torch.autograd.grad(expected, (q, k, v), dout.double())):
+        torch.testing.assert_close(g.double(), w.double(), atol=5e-5, rtol=5e-5)
