@@ -20,6 +20,7 @@ from .block_mask import BlockMask, create_block_mask, create_block_mask_from_blo
 from .combinator import Combinator, Role
 from .errors import AttnFuseError, InputError, KernelCacheError, PluginError, ProgramError, UnsupportedError
 from .hookspecs import hookimpl
+from .packing import cu_seqlens_from_document_ids, cu_seqlens_from_position_ids
 from .plugin_manager import combinators, register_plugin, reserve_names, unregister_plugin
 from .program import AttentionProgram, attention
 from .recompile import RecompileWarning
@@ -43,6 +44,8 @@ __all__ = [
     "combinators",
     "create_block_mask",
     "create_block_mask_from_blocks",
+    "cu_seqlens_from_document_ids",
+    "cu_seqlens_from_position_ids",
     "hookimpl",
     "register_plugin",
     "run_attention",

@@ -18,6 +18,10 @@ class LaunchContext:
     to it), and query i of sequence b sits at position i + kv_lens[b] - Nq. When the call gives its
     positions, ``q_offset`` is its first query's (else None: bottom-right alignment), ``k_offset`` its
     first key's, and ``seq_len`` the sequence's length, above every position (``Nk`` without positions).
+    Packed sequences (a call with ``cu_seqlens_q``, ``cu_seqlens_k``: (docs + 1,) offsets of each document's
+    rows, B = 1): ``Nq`` and ``Nk`` are the packed totals; each document has at most that many queries and
+    keys, its own positions (query i of a document of Nq_i queries and Nk_i keys at i + Nk_i - Nq_i), so
+    every position lies in [-Nq, Nk).
     """
 
     B: int
@@ -33,3 +37,5 @@ class LaunchContext:
     q_offset: int | None = None
     k_offset: int = 0
     seq_len: int = attrs.field(default=attrs.Factory(lambda self: self.Nk, takes_self=True))
+    cu_seqlens_q: torch.Tensor | None = None
+    cu_seqlens_k: torch.Tensor | None = None

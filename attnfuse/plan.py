@@ -66,6 +66,7 @@ class KernelConfig:
     positions: bool = False  # the call gives its queries' and keys' first positions (Q_OFFSET, K_OFFSET, N_SEQ)
     wide_positions: bool = False  # some position can reach 2**30: positions and the masks' facts are int64
     partial: bool = False  # a partial result over some of each row's keys: the normaliser's ``partial`` fragment
+    varlen: bool = False  # packed sequences: q, k rows are documents at cu_seqlens offsets (B = 1), each its own
 
 
 @frozen(kw_only=True)

@@ -35,6 +35,10 @@ RESERVED_ARGUMENTS = (
     "q_offset",
     "k_offset",
     "seq_len",
+    "cu_seqlens_q",
+    "cu_seqlens_k",
+    "max_seqlen_q",
+    "max_seqlen_k",
 )
 MAX_TRACES = 64  # graphs kept per program: past RECOMPILE_LIMIT (8) configurations it warns (recompile.py)
 
@@ -232,6 +236,10 @@ class AttentionProgram:
         q_offset: int | None = None,
         k_offset: int | None = None,
         seq_len: int | None = None,
+        cu_seqlens_q: torch.Tensor | None = None,
+        cu_seqlens_k: torch.Tensor | None = None,
+        max_seqlen_q: int | None = None,
+        max_seqlen_k: int | None = None,
         **kwargs: Any,
     ):
         """The fused kernel's result: out (B, Hq, Nq, DV), or (out, lse) when ``return_lse``.
@@ -249,10 +257,20 @@ class AttentionProgram:
         ``q_offset``, ``k_offset``: the positions of query 0 and key 0 (query i at q_offset + i, key j at
         k_offset + j) in a sequence of ``seq_len`` keys, for a chunk of a longer sequence; under
         torch.compile such a call runs eagerly, outside the graph (the op takes no positions yet). See
-        ``attnfuse.run_attention``.
+        ``cu_seqlens_q``, ``cu_seqlens_k`` (docs + 1,) int32 or int64: packed sequences, q (1, Hq, total_q, D)
+        and k, v (1, Hkv, total_k, D) holding documents one after another, each attending within itself at
+        positions local to it; ``max_seqlen_q``, ``max_seqlen_k``: optional bounds on their lengths. Under
+        torch.compile such a call runs eagerly too. See ``attnfuse.run_attention``.
         """
+        packed = {
+            "cu_seqlens_q": cu_seqlens_q,
+            "cu_seqlens_k": cu_seqlens_k,
+            "max_seqlen_q": max_seqlen_q,
+            "max_seqlen_k": max_seqlen_k,
+        }
         if torch.compiler.is_compiling():  # one opaque call to Dynamo (see custom_op.opaque_program_call)
-            if q_offset is not None or k_offset is not None or seq_len is not None:  # eager: a graph break
+            eager = any(a is not None for a in (q_offset, k_offset, seq_len, *packed.values()))
+            if eager:  # a graph break
                 return torch.compiler.disable(self.__call__)(
                     *args,
                     return_lse=return_lse,
@@ -263,6 +281,7 @@ class AttentionProgram:
                     q_offset=q_offset,
                     k_offset=k_offset,
                     seq_len=seq_len,
+                    **packed,
                     **kwargs,
                 )
             hide = custom_op.hide_none
@@ -286,6 +305,7 @@ class AttentionProgram:
             k_offset=k_offset,
             seq_len=seq_len,
             kv_layout=kv_layout,
+            **packed,
         )
 
     def __eq__(self, other: object) -> bool:  # by identity; defined for torch.compile (a pytree constant)

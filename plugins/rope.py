@@ -121,7 +121,8 @@ def prepare(ctx, theta, scale, cos, sin, rotate_keys):
     if cos is None:
         dtype = torch.float64 if ctx.dtype == torch.float64 else torch.float32
         if ctx.q_offset is None:
-            first = -ctx.Nq if ctx.kv_lens is not None else min(0, ctx.Nk - ctx.Nq)  # the lowest query position
+            varied = ctx.kv_lens is not None or ctx.cu_seqlens_q is not None  # sequences of their own lengths
+            first = -ctx.Nq if varied else min(0, ctx.Nk - ctx.Nq)  # the lowest query position
             spans = ((first, ctx.Nk),) * 2
         else:
             spans = ((ctx.q_offset, ctx.q_offset + ctx.Nq), (ctx.k_offset, ctx.k_offset + ctx.Nk))
@@ -140,6 +141,11 @@ def prepare(ctx, theta, scale, cos, sin, rotate_keys):
         raise InputError(
             f"rope: cos/sin tables are indexed by position, so every sequence needs at least "
             f"Nq={ctx.Nq} keys (kv_lens={ctx.kv_lens.tolist()}); pass theta instead"
+        )
+    if ctx.cu_seqlens_q is not None and bool((ctx.cu_seqlens_k.diff() < ctx.cu_seqlens_q.diff()).any()):  # likewise
+        raise InputError(
+            "rope: cos/sin tables are indexed by position, so every packed document needs at least as many "
+            "keys as queries (cu_seqlens_k's lengths at least cu_seqlens_q's); pass theta instead"
         )
     cos, sin = (t.expand(ctx.B, *t.shape[-2:]) for t in (cos, sin))
     return {"cos": cos, "sin": sin, "first": 0, "key_cos": cos, "key_sin": sin, "key_first": 0}

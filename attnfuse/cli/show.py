@@ -200,6 +200,7 @@ def cmd_show(args: argparse.Namespace, out: TextIO) -> int:
         group=args.group,
         save_lse=args.lse,
         fp32_precision="ieee",
+        varlen=args.varlen,
     )
     training = attrs.evolve(inference, save_lse=args.lse or has_lse)
     config = training if kind in ("dkdv", "dq") else inference
@@ -283,6 +284,11 @@ def add_parser(sub) -> None:
         help="interpreter, sm90, sm80, ... (default: the local GPU's, else interpreter)",
     )
     p.add_argument("--lse", action="store_true", help="a kernel that also writes the log-sum-exp")
+    p.add_argument(
+        "--varlen",
+        action="store_true",
+        help="a packed call's kernels (cu_seqlens_q, cu_seqlens_k: documents in one row)",
+    )
     p.add_argument(
         "--arg",
         action="append",

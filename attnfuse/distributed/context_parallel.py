@@ -17,7 +17,7 @@ from typing import Any
 import attrs
 import torch
 
-from ..errors import InputError
+from ..errors import InputError, UnsupportedError
 from ..lru import LRUCache
 from ..plan import Plan
 from ..program import RESERVED_ARGUMENTS, AttentionProgram
@@ -128,6 +128,12 @@ class ContextParallel:
         """This rank's call, checked without other ranks: (graph, (q, k, v), runtime inputs, the facts every
         rank's call must share)."""
         refused = [name for name in RESERVED_ARGUMENTS if name in kwargs]
+        packed = [name for name in refused if name.startswith(("cu_seqlens", "max_seqlen"))]
+        if packed:
+            raise UnsupportedError(
+                f"context_parallel: packed sequences ({', '.join(packed)}) are not supported by the ring yet: "
+                f"call the program itself with them, or the ring on one unpacked sequence"
+            )
         if refused:
             cache = (
                 "; kv_lens and block_table describe a decoding cache, which needs no ring: call the program "

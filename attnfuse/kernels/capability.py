@@ -30,6 +30,7 @@ def _common_reason(kernel: LoweredProgram, template: str, tiles: dict) -> str | 
         (c.positions, "given positions (q_offset, k_offset)"),
         (c.wide_positions, "positions from 2**30 on"),
         (c.partial, "partial results over some of each row's keys"),
+        (c.varlen, "packed sequences (cu_seqlens)"),
     ):
         if fact:
             return f"the {template} template does not take {what} yet"

@@ -9,6 +9,7 @@ import torch
 from ..block_mask import BlockMask
 from .gradients import no_double_backward
 from .inputs import Positions, kv_cache
+from .packed import Packed
 
 if TYPE_CHECKING:
     from .call import Call
@@ -53,6 +54,7 @@ class AttentionFunction(torch.autograd.Function):
         inputs: dict[str, Any],
         names: tuple[str | None, ...],
         positions: Positions | None,
+        packed: Packed | None,
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
@@ -60,14 +62,15 @@ class AttentionFunction(torch.autograd.Function):
         *tensors: torch.Tensor,
     ):
         """q (B, Hq, Nq, D), k (B, Hkv, Nk, D), v (B, Hkv, Nk, DV) (no gradient flows through a paged cache),
-        kv_lens (B,) or None, the call's positions or None; ``inputs`` the runtime inputs by name, whose
+        kv_lens (B,) or None, the call's positions or None, its packed documents' offsets or None (kept as they
+        are: integers, no gradient); ``inputs`` the runtime inputs by name, whose
         tensors are ``tensors``; ``call`` the kernels of the call's signature."""
-        kv = kv_cache(k, v, kv_lens, None, positions)
+        kv = kv_cache(k, v, kv_lens, None, positions, packed=packed)
         prepared = call.prepare(q, kv, inputs)
         out, lse, copies = call.run_forward(q, kv, inputs, prepared)
         ctx.save_for_backward(q, k, v, out, lse, kv_lens, *tensors, *copies.values())
         ctx.call, ctx.inputs, ctx.names, ctx.sides, ctx.prepared = call, inputs, names, tuple(copies), prepared
-        ctx.positions = positions
+        ctx.positions, ctx.packed = positions, packed
         ctx.set_materialize_grads(False)
         return out, lse
 
@@ -78,7 +81,7 @@ class AttentionFunction(torch.autograd.Function):
         call = ctx.call
 
         def gradients() -> tuple[torch.Tensor, ...]:
-            kv = kv_cache(k, v, kv_lens, None, ctx.positions)
+            kv = kv_cache(k, v, kv_lens, None, ctx.positions, packed=ctx.packed)
             dq, dk, dv, grads = call.run_backward(
                 q, kv, out, lse, dout, dlse, ctx.inputs, ctx.prepared, dict(zip(ctx.sides, copies))
             )
@@ -91,7 +94,7 @@ class AttentionFunction(torch.autograd.Function):
         else:
             dq, dk, dv, *grads = gradients()
         by_name = dict(zip(call.grads, grads))
-        return (None, None, None, None, dq, dk, dv, None, *(by_name.get(name) for name in ctx.names))
+        return (None, None, None, None, None, dq, dk, dv, None, *(by_name.get(name) for name in ctx.names))
 
 
 class _FirstOrderOnly(torch.autograd.Function):

@@ -14,6 +14,7 @@ import torch
 from ..kernels.launch import TemplateDkdv
 from ..kernels.verified import chosen, record_key
 from ..plan import InputGradient, Plan
+from . import packed
 from .inputs import KVCache, accumulator_dtype, empty_like_layout, even_keys, heads_together, kv_launch_args
 from .kernel import CompiledKernel
 from .plugin_args import PluginArgs, Prepared
@@ -120,13 +121,20 @@ class BackwardKernels:
             block_rows = limit or self.dkdv.tiles.block_n
             if not dkdv_spec.scheduled:  # no listing mask: as many of the first blocks as the grid needs
                 heavy, split_rows = split_blocks(cdiv(Nk, block_rows), B * Hkv, Hq // Hkv, q.device)
+                if kv.packed is not None:  # none of a packed call's: its first blocks are not its heaviest
+                    heavy = 0
                 split_args.update(SPLIT_BLOCKS=heavy, SPLIT_ROWS=split_rows)
             shares, counts = self._split_buffers(B * Hkv * heavy * block_rows, Hq // Hkv, q)
             split_args.update(PartDKV=shares, SplitCount=counts)
-        self.dkdv.launch(
-            block_grid(
+        grid = (
+            packed.key_grid(Nk, kv.packed.docs, Hkv)
+            if kv.packed is not None
+            else block_grid(
                 Nk, B * Hkv, "block_n", limit if dkdv_spec.scheduled else None, heavy * (Hq // Hkv - 1), what="B x Hkv"
-            ),
+            )
+        )
+        self.dkdv.launch(
+            grid,
             dkdv_spec.launch.bind({**shared, "DKey": dk, "DValue": dv, **pargs, **split_args}),
             q.device,
             limit=limit,
@@ -167,10 +175,12 @@ class BackwardKernels:
         }  # Lse: a placeholder when the normaliser saves none
         pargs, limit, heavy = prepared or self.plugin_args(q, kv, inputs)
         grad_args = dict(zip(self.dq.spec.grad_buffers, buffers))
-        even_m = lambda tiles: Nq % tiles.block_m == 0  # noqa: E731
+        even_m = False if kv.packed is not None else lambda tiles: Nq % tiles.block_m == 0  # noqa: E731
         dq_spec = self.dq.spec
         self.dq.launch(
-            query_grid(Nq, B * Hq, limit if dq_spec.scheduled else None),
+            packed.query_grid(Nq, kv.packed.docs, Hq)
+            if kv.packed is not None
+            else query_grid(Nq, B * Hq, limit if dq_spec.scheduled else None),
             dq_spec.launch.bind(
                 {
                     **shared,

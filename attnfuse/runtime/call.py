@@ -13,6 +13,7 @@ from .forward import ForwardKernel
 from .hoisted import HoistedBackward, HoistedForward
 from .inputs import KVCache, Positions, kv_cache
 from .compiled import Compiled
+from .packed import Packed
 from .plugin_args import Prepared
 
 
@@ -54,16 +55,18 @@ class Call:
         kv_lens: torch.Tensor | None,
         block_table: torch.Tensor | None,
         positions: Positions | None = None,
+        packed: Packed | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """out (B, Hq, Nq, DV) and lse (B, Hq, Nq) or None; differentiable when the call has a backward.
-        ``positions``: the call's (checked), when its signature has them."""
-        kv = kv_cache(k, v, kv_lens, block_table, positions, self.kv_layout)
+        ``positions``: the call's (checked), when its signature has them; ``packed``: likewise its document
+        offsets."""
+        kv = kv_cache(k, v, kv_lens, block_table, positions, self.kv_layout, packed)
         if self.decode is not None:
             return self.decode(q, kv, inputs)
         if self.build_backward is None:
             return self.forward(q, kv, inputs)
         tensors, names = runtime_tensors(inputs)
-        return AttentionFunction.apply(self, inputs, tuple(names), positions, q, k, v, kv_lens, *tensors)
+        return AttentionFunction.apply(self, inputs, tuple(names), positions, packed, q, k, v, kv_lens, *tensors)
 
     @property
     def backward(self) -> BackwardKernels | HoistedBackward | None:

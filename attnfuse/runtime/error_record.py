@@ -1,4 +1,5 @@
-"""Where the device-side check of ``kv_lens`` and ``block_table`` (``validate.py``) records a bad entry, and
+"""Where the device-side checks of ``kv_lens`` and ``block_table`` (``validate.py``) and of packed sequences'
+``cu_seqlens_q``, ``cu_seqlens_k`` (``packed.py``) record a bad entry, and
 how that error reaches the caller without a host sync.
 
 One record per device, made once and kept: ``RECORD_SIZE`` int64 values ``FIELDS``, all zero while no error
@@ -25,7 +26,7 @@ from ..errors import InputError
 
 FIELDS = ("kind", "sequence", "slot", "value", "length", "used", "num_pages", "page_size", "capacity")
 RECORD_SIZE = len(FIELDS)
-NO_ERROR, BAD_LENGTH, BAD_PAGE = 0, 1, 2  # kinds
+NO_ERROR, BAD_LENGTH, BAD_PAGE, BAD_OFFSET, LONG_DOCUMENT = 0, 1, 2, 3, 4  # kinds (the last two: runtime/packed.py)
 MAX_LENGTH = 2**31 - 1
 
 
@@ -33,6 +34,8 @@ def message(values: list[int]) -> str:
     """The InputError message of a record's ``values`` (``FIELDS``; kind BAD_LENGTH or BAD_PAGE; page_size 0
     for a contiguous cache; capacity: its key rows per sequence, at most MAX_LENGTH)."""
     kind, b, slot, value, length, used, num_pages, page_size, capacity = values
+    if kind in (BAD_OFFSET, LONG_DOCUMENT):
+        return _packed_message(kind, b, "qk"[slot], value, length, used, capacity)
     if kind == BAD_LENGTH:
         if capacity >= MAX_LENGTH:
             held = "no more than an int32 counts"
@@ -46,6 +49,21 @@ def message(values: list[int]) -> str:
     return (
         f"block_table[{b}, {slot}] = {value} is not a page of the pool: the {used} entries sequence {b} uses "
         f"(kv_lens[{b}] = {length}, page_size {page_size}) must each be in [0, {num_pages})"
+    )
+
+
+def _packed_message(kind: int, i: int, side: str, value: int, before: int, total: int, limit: int) -> str:
+    """A packed call's bad offset (``BAD_OFFSET``: cu_seqlens_<side>[i] = value, after ``before``) or
+    document longer than max_seqlen_<side> = ``limit`` (``LONG_DOCUMENT``); ``total``: the packed length."""
+    name = f"cu_seqlens_{side}"
+    if kind == LONG_DOCUMENT:
+        return (
+            f"max_seqlen_{side} = {limit} is below the length of document {i - 1}: {name}[{i}] - {name}[{i - 1}] "
+            f"= {value} - {before} = {value - before}; pass the longest document's length, or None"
+        )
+    return (
+        f"{name}[{i}] = {value}{f' (after {before})' if i else ''}: document offsets must start at 0, never "
+        f"decrease, and end at the packed length of {'q' if side == 'q' else 'k and v'}, {total}"
     )
 
 
@@ -146,7 +164,7 @@ class ErrorRecord:
             if not self._deferred
             else (
                 f" (recorded on {self.values.device} by the check of an earlier call: CUDA reports it at a later call "
-                f"with kv_lens or at attnfuse.check_errors())"
+                f"with kv_lens or cu_seqlens, or at attnfuse.check_errors())"
             )
         )
         raise InputError(message(values) + where)

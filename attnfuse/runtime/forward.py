@@ -13,6 +13,7 @@ from ..kernels.launch import TemplateForward
 from ..kernels.verified import chosen, record_key
 from ..plan import Plan
 from .inputs import KVCache, accumulator_dtype, empty_like_layout, even_keys, heads_together, kv_launch_args
+from . import packed
 from .kernel import CompiledKernel
 from .launcher import query_grid
 from .plugin_args import PluginArgs, Prepared
@@ -79,8 +80,9 @@ class ForwardKernel:
                 **pargs,
             }
         )
-        grid = query_grid(Nq, B * Hq, limit if spec.scheduled else None)
-        self.kernel.launch(
-            grid, args, q.device, limit=limit, EVEN_K=even_keys(kv), EVEN_M=lambda tiles: Nq % tiles.block_m == 0
-        )
+        if kv.packed is not None:
+            grid, even_m = packed.query_grid(Nq, kv.packed.docs, Hq), False
+        else:
+            grid, even_m = query_grid(Nq, B * Hq, limit if spec.scheduled else None), lambda t: Nq % t.block_m == 0
+        self.kernel.launch(grid, args, q.device, limit=limit, EVEN_K=even_keys(kv), EVEN_M=even_m)
         return out, lse

@@ -16,6 +16,8 @@ from ..plan import KernelConfig, accumulator_type
 from .kv_layout import check_kv_layout, head_second, pool_layout
 from .offsets import any_layout_fits, rows_fit
 from .launcher import head_group
+from .packed import Packed
+from .packed import launch_args as packed_args
 
 DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32", torch.float64: "float64"}
 _ACCUMULATORS = {dtype: getattr(torch, accumulator_type(name)) for dtype, name in DTYPES.items()}
@@ -103,6 +105,8 @@ class KVCache(NamedTuple):
     counts (B,) int32, or None when every sequence has ``capacity`` keys. ``positions``: where the call's
     queries and keys sit (``Positions``), or None: key j at j, query i at i + Nk - Nq (i + lens[b] - Nq).
     ``kv_layout``: a paged cache's pool layout, "NHD" or "HND" (``kv_layout.py``); None for a contiguous one.
+    ``packed``: packed sequences' document offsets (``packed.Packed``), or None; ``capacity`` is then the
+    packed length of k.
     """
 
     k: torch.Tensor
@@ -113,11 +117,14 @@ class KVCache(NamedTuple):
     page_size: int = 0
     positions: Positions | None = None
     kv_layout: str | None = None
+    packed: Packed | None = None
 
 
 def launch_context(q: torch.Tensor, kv: KVCache) -> LaunchContext:
     B, Hq, Nq, D = q.shape
     at = {} if kv.positions is None else kv.positions._asdict()
+    if kv.packed is not None:
+        at.update(cu_seqlens_q=kv.packed.cu_q, cu_seqlens_k=kv.packed.cu_k)
     return LaunchContext(
         B=B,
         Hq=Hq,
@@ -211,11 +218,12 @@ def kv_cache(
     block_table: torch.Tensor | None,
     positions: Positions | None = None,
     kv_layout: str | None = "NHD",
+    packed: Packed | None = None,
 ) -> KVCache:
     """The KV view of inputs :func:`check_cache` accepted, a paged cache's pools read in ``kv_layout``
     (the one it decided). It checks no values: lengths outside [0, capacity] count as the nearest bound,
     never wrapped; an int64 block table goes to the kernels as it is, which drop keys on pages outside the
-    pool. ``positions``: the call's (checked)."""
+    pool. ``positions``: the call's (checked); ``packed``: its document offsets (checked)."""
     if block_table is not None:
         k, v = head_second(k, kv_layout), head_second(v, kv_layout)
     capacity = k.shape[2] if block_table is None else block_table.shape[1] * k.shape[2]
@@ -224,7 +232,7 @@ def kv_cache(
     if kv_lens is not None and not kv_lens.is_contiguous():
         kv_lens = kv_lens.contiguous()
     if block_table is None:
-        return KVCache(k=k, v=v, capacity=capacity, lens=kv_lens, positions=positions)
+        return KVCache(k=k, v=v, capacity=capacity, lens=kv_lens, positions=positions, packed=packed)
     return KVCache(
         k=k, v=v, capacity=capacity, lens=kv_lens, block_table=block_table, page_size=k.shape[2], kv_layout=kv_layout
     )
@@ -306,6 +314,7 @@ def kernel_config(q: torch.Tensor, kv: KVCache, save_lse: bool, inputs_wide: boo
         wide_offsets=inputs_wide or not _rows_fit(q, kv),
         positions=kv.positions is not None,
         wide_positions=wide_positions(q.shape[2], kv.capacity, kv.positions),
+        varlen=kv.packed is not None,
     )
 
 
@@ -328,8 +337,11 @@ def _layouts_fit(tensors: tuple[torch.Tensor, ...], width: int) -> bool:
 
 def kv_launch_args(kv: KVCache) -> dict[str, Any]:
     """The kernel arguments of the cache by name: its capacity ``N_K``, lengths, and a paged cache's block
-    table (its strides come with it), page size and number of pages; or the call's positions."""
+    table (its strides come with it), page size and number of pages; or the call's positions; or packed
+    sequences' offsets."""
     args: dict[str, Any] = {"N_K": kv.capacity, **position_args(kv)}
+    if kv.packed is not None:
+        args.update(packed_args(kv.packed))
     if kv.lens is not None:
         args["KvLens"] = kv.lens
     if kv.block_table is not None:
@@ -353,8 +365,8 @@ def heads_together(q: torch.Tensor, kv: KVCache) -> int:
 
 def even_keys(kv: KVCache) -> Any:
     """EVEN_K of a launch, as a function of its tiles: every sequence has the cache's capacity of keys,
-    and that is a multiple of BLOCK_N."""
-    if kv.lens is not None:
+    and that is a multiple of BLOCK_N (never so for packed sequences)."""
+    if kv.lens is not None or kv.packed is not None:
         return False
     return lambda tiles: kv.capacity % tiles.block_n == 0
 

@@ -35,6 +35,7 @@ from .inputs import (
 )
 from .kv_layout import check_kv_layout
 from .offsets import inputs_fit
+from .packed import Packed, check_packed, check_values, refuse_arguments, refuse_program
 from .plugin_args import check_takes_offsets
 from .validate import check_call_values
 
@@ -89,6 +90,10 @@ def run_attention(
     k_offset: int | None = None,
     seq_len: int | None = None,
     kv_layout: str | None = None,
+    cu_seqlens_q: torch.Tensor | None = None,
+    cu_seqlens_k: torch.Tensor | None = None,
+    max_seqlen_q: int | None = None,
+    max_seqlen_k: int | None = None,
 ):
     """Run a traced program on q (B, Hq, Nq, D), k (B, Hkv, Nk, D), v (B, Hkv, Nk, DV).
 
@@ -125,10 +130,35 @@ def run_attention(
         i + Nk - Nq. Runtime values: a new offset compiles nothing.
     :param seq_len: with offsets, the sequence's length (default: the last position plus one), what
         fragments read as the number of keys (relu_attention divides by it).
+    :param cu_seqlens_q: packed sequences (FlashAttention's varlen call): q (1, Hq, total_q, D), k and v (1,
+        Hkv, total_k, D/DV) hold documents one after another, document i at rows cu_seqlens_q[i] ..
+        cu_seqlens_q[i + 1] of q and cu_seqlens_k[i] .. cu_seqlens_k[i + 1] of k and v; both (docs + 1,)
+        int32 or int64 on q's device, starting at 0, never decreasing, ending at total_q (total_k). Each
+        document attends within itself, at positions local to it (its queries bottom-right aligned to its
+        keys, as a call with its rows alone). Any strides (FlashAttention's (total, H, D) tensors as
+        ``t.transpose(0, 1)[None]``, with no copy). The values are checked on the device as ``validate`` says
+        for kv_lens. Not with kv_lens, block_table, q_offset/k_offset/seq_len or split_kv, nor for programs
+        with block masks or tensors indexed by query and key, nor with gradients of runtime inputs
+        (UnsupportedError).
+    :param max_seqlen_q: with packed sequences, the longest document's query count (and ``max_seqlen_k``
+        its key count), optional; a document longer than one given is an InputError (checked on the device).
     :return: out (B, Hq, Nq, DV), or (out, lse) with lse (B, Hq, Nq) float32 when ``return_lse``.
     """
     inputs = inputs or {}
-    positions = None
+    positions = packed = None
+    if any(a is not None for a in (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)):
+        refuse_arguments(
+            {
+                "kv_lens": kv_lens is not None,
+                "block_table": block_table is not None,
+                "q_offset": q_offset is not None,
+                "k_offset": k_offset is not None,
+                "seq_len": seq_len is not None,
+                "split_kv=True (decoding)": bool(split_kv),
+            }
+        )
+        check_inputs(q, k, v)
+        packed = check_packed(q, k, cu_seqlens_q, cu_seqlens_k)
     if q_offset is not None or k_offset is not None or seq_len is not None:
         check_inputs(q, k, v, paged=block_table is not None, kv_layout=kv_layout)
         positions = check_positions(q_offset, k_offset, seq_len, q.shape[2], k.shape[2], kv_lens, block_table)
@@ -145,9 +175,12 @@ def run_attention(
         split_kv=split_kv,
         positions=positions,
         kv_layout=kv_layout,
+        packed=packed,
     )
     check_call_values(k, kv_lens, block_table, kv_layout=call.kv_layout, validate=validate)
-    out, lse = call(q, k, v, inputs, kv_lens, block_table, positions)
+    if packed is not None:
+        check_values(packed, q.shape[2], k.shape[2], max_seqlen_q, max_seqlen_k, validate)
+    out, lse = call(q, k, v, inputs, kv_lens, block_table, positions, packed)
     return (out, lse) if return_lse else out
 
 
@@ -165,11 +198,13 @@ def planned(
     split_kv: bool | None,
     positions: Positions | None = None,
     kv_layout: Any = None,
+    packed: Packed | None = None,
 ) -> Call:
     """The call's ``Call``, decided once per call signature. ``grads``: None when no gradient is wanted,
     else the runtime inputs whose gradients are (``wanted_grads``). ``positions``: the call's, checked,
     whose presence matters here, and whether they need int64 kernels (the kernels take their values as runtime
-    ints). ``kv_layout``: as the caller named it (``kv_layout.check_kv_layout``)."""
+    ints). ``kv_layout``: as the caller named it (``kv_layout.check_kv_layout``). ``packed``: the call's document
+    offsets (checked), whose dtypes matter here."""
     check_kv_layout(kv_layout, block_table is not None)  # a valid key before the lookup
     placed = None if positions is None else wide_positions(0, 0, positions)
     signature = (
@@ -186,13 +221,14 @@ def planned(
         torch.backends.cuda.matmul.allow_tf32,
         placed,
         kv_layout,
+        None if packed is None else (packed.cu_q.dtype, packed.cu_k.dtype),
     )
     call = _calls.get(signature)
     if call is None:
         call = _calls.get_or_build(
             signature,
             lambda: _decide(
-                graph, q, k, v, inputs, kv_lens, block_table, return_lse, grads, split_kv, positions, kv_layout
+                graph, q, k, v, inputs, kv_lens, block_table, return_lse, grads, split_kv, positions, kv_layout, packed
             ),
         )
     return call
@@ -223,11 +259,13 @@ def _decide(
     split_kv: bool | None,
     positions: Positions | None,
     kv_layout: str | None,
+    packed: Packed | None = None,
 ) -> Call:
     """Check a new call signature and choose its kernels: the split-KV kernel if it takes that path, else
     its forward (hoisted when worth it) and, with gradients wanted, the backward writing them. A call that
-    gives its positions never takes the split-KV path (its kernel places queries bottom-right)."""
-    kv = check_cache(q, k, v, kv_lens, block_table, kv_layout)._replace(positions=positions)
+    gives its positions never takes the split-KV path (its kernel places queries bottom-right), nor does a
+    packed call, which is never hoisted either (the passes place rows by their index in the call)."""
+    kv = check_cache(q, k, v, kv_lens, block_table, kv_layout)._replace(positions=positions, packed=packed)
     check_input_names(graph, inputs)
     has_lse = keeps_lse(graph, return_lse)
     if grads is not None and block_table is not None:
@@ -237,7 +275,10 @@ def _decide(
     plan = program.plan
     if positions is not None:
         check_takes_offsets(plan)
+    if packed is not None:
+        refuse_program(plan, grads)
     can_split = grads is None and plan.combine is not None and not plan.partial and positions is None
+    can_split = can_split and packed is None
     if split_kv is None:
         split_kv = can_split and q.shape[2] <= MAX_QUERIES
     elif split_kv and not can_split:
@@ -251,7 +292,7 @@ def _decide(
     if grads is not None:
         check_differentiable(plan)
         gradients = tensor_grads(plan, inputs, grads, (*q.shape[:3], kv.capacity)) if grads else ()
-    if worth_hoisting(program.forward, q.shape[2]):
+    if packed is None and worth_hoisting(program.forward, q.shape[2]):
         return Call(
             program,
             forward=program.hoisted,

@@ -49,7 +49,11 @@ from .operands import (
     qk_product,
     query_shift,
 )
+from .packed import lse_rows
 from .scores import has_masks, prologues, scores, with_bounds
+
+DQ_QUERY_ROWS = ("Q", "DO", "O", "DQuery")  # the dQ kernel's row-indexed tensors of q's rows (packed sequences)
+DKDV_KEY_ROWS = ("K", "V", "DKey", "DValue")  # the dK/dV kernel's of k's rows
 
 _DKDV = string.Template("""\
     # One program per (key block, batch x kv head): dK, dV of these keys, summed over the group's heads.
@@ -277,7 +281,7 @@ def generate_dkdv(kernel: LoweredProgram, name: str, parameters: tuple[Param, ..
     head = (
         "h = hk * GROUP + g\nq_base = Q + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh\n"
         "do_base = DO + b.to(tl.int64) * stride_dob + h.to(tl.int64) * stride_doh\n"
-        "rows = (b * HQ + h).to(tl.int64) * Nq\n" + prologues(kernel)
+        f"rows = {lse_rows(kernel, '(b * HQ + h).to(tl.int64)')}\n" + prologues(kernel)
     )
     body = visit(
         kernel,
@@ -311,7 +315,9 @@ def generate_dkdv(kernel: LoweredProgram, name: str, parameters: tuple[Param, ..
             ),
             columns=indent(columns(kernel), 4),
             key_block=indent(key_block(kernel, even_keys=True), 4),
-            program=indent(program(kernel, "pid_n", "BLOCK_N", "N_K", transposed=True), 4),
+            program=indent(
+                program(kernel, "pid_n", "BLOCK_N", "N_K", transposed=True, moved=(("Q", "DO"), DKDV_KEY_ROWS)), 4
+            ),
             k_load=indent(
                 operand(kernel, "k", "k_base", "k_idx[:, None] * stride_kn", "k_pos", "k_ok", "stride_kd", True), 4
             ),
@@ -355,14 +361,16 @@ def generate_dq(
         name,
         parameters,
         _DQ.substitute(
-            query_block=indent(query_block(kernel, even_queries=True), 4),
+            query_block=indent(query_block(kernel, even_queries=True, moved=(DQ_QUERY_ROWS, ("K", "V"))), 4),
             q_load=indent(
                 operand(kernel, "q", "q_base", "q_idx[:, None] * stride_qm", "q_pos", "q_ok", "stride_qd", True), 4
             ),
             do_load=do,
             k_base=kv_base(kernel, "k"),
             v_base=kv_base(kernel, "v"),
-            rows=indent("rows = pid_bh.to(tl.int64) * Nq\n" + _rows(kernel, True, compute_delta=True), 4),
+            rows=indent(
+                f"rows = {lse_rows(kernel, 'pid_bh.to(tl.int64)')}\n" + _rows(kernel, True, compute_delta=True), 4
+            ),
             prologues=indent(prologues(kernel), 4),
             dq_init=indent(_accumulators(kernel, "dq", "BLOCK_M"), 4),
             key_range=indent(key_range(kernel), 4),

@@ -12,6 +12,7 @@ from ...launch_spec import INT, TENSOR, Param, params, strides
 from ..lower import LoweredProgram
 from .common import constexpr_params, dv_mask, indent, kernel_source, kv_params, masked_load, precision, qkv_strides
 from .loops import HEAD_GROUP, every_block, key_range, listing_mask, query_block, visit
+from .packed import lse_rows
 from .operands import key_masked, key_offsets, key_rows, kv_base, operand, qk_product
 from .scores import masked_values, masks_keys, normaliser_update, poisoned_redo, prologues, scores, with_bounds
 
@@ -97,7 +98,8 @@ def generate_forward(kernel: LoweredProgram, name: str, parameters: tuple[Param,
     mask = dv_mask(kernel)
     store_lse = ""
     if kernel.config.save_lse:
-        store_lse = indent("tl.store(Lse + pid_bh.to(tl.int64) * Nq + q_idx, lse, mask=q_ok)", 4)
+        rows = lse_rows(kernel, "pid_bh.to(tl.int64)")
+        store_lse = indent(f"tl.store(Lse + {rows} + q_idx, lse, mask=q_ok)", 4)
     return kernel_source(
         kernel,
         "forward kernel",
@@ -105,7 +107,7 @@ def generate_forward(kernel: LoweredProgram, name: str, parameters: tuple[Param,
         parameters,
         _KERNEL.substitute(
             acc_dtype=kernel.accumulator,
-            query_block=indent(query_block(kernel, even_queries=True), 4),
+            query_block=indent(query_block(kernel, even_queries=True, moved=(("Q", "Out"), ("K", "V"))), 4),
             k_base=kv_base(kernel, "k"),
             v_base=kv_base(kernel, "v"),
             q_load=indent(

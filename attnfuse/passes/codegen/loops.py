@@ -4,20 +4,22 @@ the masks' facts give, and the masked / unmasked / block-list loops over them.""
 from __future__ import annotations
 
 from ..lower import LoweredProgram, masked_head
+from . import packed
 from .common import columns, indent
 from .operands import key_count, key_rows, key_shift, kv_length, position, query_shift
 from .scores import has_masks
 
 
-def query_block(kernel: LoweredProgram, even_queries: bool = False) -> str:
+def query_block(kernel: LoweredProgram, even_queries: bool = False, moved: tuple[tuple[str, ...], ...] = ()) -> str:
     """Program -> (query block, batch, query head, kv head): the block's rows, their positions, and the span
     ``q_lo`` .. ``q_hi`` of positions the masks' facts take. The longest rows start first (see ``program``).
     ``even_queries``: the kernel takes EVEN_M (Nq a multiple of BLOCK_M), which makes ``q_ok`` constant
-    true, so the row masks of q's load and out's store drop (and the registers they hold)."""
+    true, so the row masks of q's load and out's store drop (and the registers they hold). ``moved``: packed
+    sequences' pointers to q's rows and to k's rows, which move to the program's document (``program``)."""
     q_ok = "(q_idx < Nq) | EVEN_M" if even_queries else "q_idx < Nq"
     shift = query_shift(kernel)
     return (
-        program(kernel, "pid_m", "BLOCK_M", "Nq")
+        program(kernel, "pid_m", "BLOCK_M", "Nq", moved=moved)
         + "b = pid_bh // HQ\nh = pid_bh % HQ\nhk = h // GROUP\n"
         + kv_length(kernel)
         + f"q_idx = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)\nq_pos = {position(kernel, f'q_idx + {shift}')}\n"
@@ -33,12 +35,12 @@ HEAD_OF_PROGRAM = "pid_bh = tl.program_id(1) + tl.program_id(2) * tl.num_program
 HEAD_GROUP = "HEAD_GROUP"  # query-block kernels without a listing mask: heads per group, a runtime int
 
 
-def _grouped(pid: str, block: str, rows: str) -> str:
+def _grouped(pid: str, block: str, blocks: str) -> str:
     """Grid (blocks x heads,): the heads in groups of HEAD_GROUP (the last may be smaller), a group's
     blocks last first, each block for every head of the group before the next (runtime ``query_grid``)."""
     return (
         "# heads in groups of HEAD_GROUP; in a group, each block (last first) for all its heads\n"
-        f"blocks = tl.cdiv({rows}, {block})\npid = tl.program_id(0)\n"
+        f"blocks = {blocks}\npid = tl.program_id(0)\n"
         f"head_lo = pid // ({HEAD_GROUP} * blocks) * {HEAD_GROUP}\n"
         f"group_heads = tl.minimum({HEAD_GROUP}, tl.num_programs(0) // blocks - head_lo)\n"
         f"slot = pid - head_lo * blocks\n{pid} = blocks - 1 - slot // group_heads\n"
@@ -46,7 +48,9 @@ def _grouped(pid: str, block: str, rows: str) -> str:
     )
 
 
-def program(kernel: LoweredProgram, pid: str, block: str, rows: str, transposed: bool = False) -> str:
+def program(
+    kernel: LoweredProgram, pid: str, block: str, rows: str, transposed: bool = False, moved: tuple = ()
+) -> str:
     """This program's block ``pid`` (of ``block`` rows; ``rows`` in all) and ``pid_bh`` (batch x head).
 
     Query blocks: grid (blocks x heads,), the heads in groups of HEAD_GROUP whose keys and values share the
@@ -56,21 +60,24 @@ def program(kernel: LoweredProgram, pid: str, block: str, rows: str, transposed:
     or, when the listing mask orders its blocks (key blocks when ``transposed``), grid (heads, slots):
     slot by slot its blocks heaviest first, each block of its size taking size // ``block`` programs, of
     which one past ``rows`` returns at once. With ``split_heads`` (dK/dV), the slots of the first blocks
-    come GROUP times, one program per query head of the group: ``one_head``, heads ``g_lo`` .. ``g_hi``."""
+    come GROUP times, one program per query head of the group: ``one_head``, heads ``g_lo`` .. ``g_hi``.
+
+    Packed sequences (``varlen``, no listing mask): the grid's blocks are ``packed.virtual_blocks``; then
+    ``packed.document`` takes the block to its document, and moves the pointers ``moved`` (q's rows, then
+    k's) there."""
+    if kernel.config.varlen:
+        side = "k" if transposed else "q"
+        found = packed.document(pid, block, side, *moved)
+        if not transposed:
+            return _grouped(pid, block, packed.virtual_blocks(block, "Nq")) + found
+        return _placed(kernel, pid) + found
     m = listing_mask(kernel)
     order = None if m is None else (m.fragment.block_list.q_order if transposed else m.fragment.block_list.order)
     heavy = split_heads(kernel) if transposed else None
     if order is None:
-        if heavy is not None:  # key blocks in order, the first (under causal masks, the heaviest) split
-            return (
-                HEAD_OF_PROGRAM
-                + "slot = tl.program_id(0)\n"
-                + _split_slots(f"# the first {heavy} key blocks come once per query head of the group", heavy)
-                + f"{pid} = slot\n"
-            )
         if not transposed:
-            return _grouped(pid, block, rows)
-        return f"{pid} = tl.program_id(0)\n" + HEAD_OF_PROGRAM
+            return _grouped(pid, block, f"tl.cdiv({rows}, {block})")
+        return _placed(kernel, pid)
     code = (
         f"# slots run {m.prefix}'s blocks heaviest first, each for every head before the next\n"
         f"pid_bh = tl.program_id(0)\nrun_tiles = {m.code(m.fragment.block_list.size)} // {block}\n"
@@ -83,6 +90,20 @@ def program(kernel: LoweredProgram, pid: str, block: str, rows: str, transposed:
     return code + (
         f"{pid} = {m.code(order, slot='slot // run_tiles')} * run_tiles + slot % run_tiles\n"
         f"if {pid} * {block} >= {rows}:\n    return\n"
+    )
+
+
+def _placed(kernel: LoweredProgram, pid: str) -> str:
+    """Key blocks without a listing mask: grid (blocks, heads) in order, the first blocks (under causal
+    masks, the heaviest) split over a GQA group's query heads where the kernel splits any."""
+    heavy = split_heads(kernel)
+    if heavy is None:
+        return f"{pid} = tl.program_id(0)\n" + HEAD_OF_PROGRAM
+    return (
+        HEAD_OF_PROGRAM
+        + "slot = tl.program_id(0)\n"
+        + _split_slots(f"# the first {heavy} key blocks come once per query head of the group", heavy)
+        + f"{pid} = slot\n"
     )
 
 
