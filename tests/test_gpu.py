@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import attnfuse as af
+from attnfuse.examples import EXAMPLES
 from attnfuse.testing import assert_matches_reference
 
 from conftest import deterministic_algorithms, hoisted_last_call, requires_cuda
@@ -649,3 +650,43 @@ def test_masked_non_finite_values_bf16_forward_and_backward_match_the_math(progr
         assert torch.equal(torch.isfinite(got), torch.isfinite(expected))
     finite = torch.isfinite(want)
     assert (out.double()[finite] - want[finite]).abs().max() < 2e-2
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(
+    "lq,lk",
+    [([1], [1]), ([700, 0, 1, 300, 64], [700, 5, 1, 257, 0]), ([128] * 9, [128] * 9)],
+    ids=["one-token", "mixed", "whole-blocks"],
+)
+def test_packed_sequences_match_each_document_alone(monkeypatch, dtype, lq, lk):
+    """Packed calls (cu_seqlens), forward and gradients, against each document run alone through the float64
+    reference: GQA, lengths 0 and 1, a pack of one token (Triton specialises its lengths to 1), Nq_i != Nk_i.
+    The kernels run on a GPU only when asked (ATTNFUSE_PACKED_ON_GPU=1) until this test has passed there."""
+    monkeypatch.setenv("ATTNFUSE_PACKED_ON_GPU", "1")
+    Hq, Hkv, D = 8, 2, 128
+    cu_q, cu_k = (torch.tensor([0, *torch.tensor(n).cumsum(0).tolist()], device="cuda", dtype=torch.int32)
+                  for n in (lq, lk))  # fmt: skip
+    q = torch.randn(1, Hq, sum(lq), D, device="cuda", dtype=dtype, requires_grad=True)
+    k, v = (torch.randn(1, Hkv, sum(lk), D, device="cuda", dtype=dtype, requires_grad=True) for _ in "kv")
+    program = EXAMPLES["gpt2"]
+    out = program(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
+    dout = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+
+    def per_document(dtype_=None):
+        outs = []
+        for i in range(len(lq)):
+            rows, keys = slice(cu_q[i], cu_q[i + 1]), slice(cu_k[i], cu_k[i + 1])
+            if keys.stop == keys.start:
+                outs.append(torch.zeros_like(q[:, :, rows], dtype=dtype_ or torch.float64) * v.sum())
+            elif rows.stop > rows.start:
+                kwargs = {} if dtype_ is None else {"dtype": dtype_}
+                outs.append(program.reference(q[:, :, rows], k[:, :, keys], v[:, :, keys], **kwargs))
+        return torch.cat(outs, 2)
+
+    ref, low = per_document(), per_document(dtype)
+    assert_matches_reference(out, ref, low, dtype)
+    want = torch.autograd.grad(ref, (q, k, v), dout.double())
+    lowp = torch.autograd.grad(low, (q, k, v), dout)
+    for got, w, lw, name in zip(grads, want, lowp, "qkv"):
+        assert_matches_reference(got, w, lw, dtype, what=f"d{name}")

@@ -288,3 +288,17 @@ def test_under_torch_compile():
     dout = torch.randn_like(out)
     for g, w in zip(torch.autograd.grad(out, (q, k, v), dout), torch.autograd.grad(expected, (q, k, v), dout.double())):
         torch.testing.assert_close(g.double(), w.double(), atol=5e-5, rtol=5e-5)
+
+
+def test_a_device_no_gpu_run_has_checked_refuses_packed_calls_unless_asked(monkeypatch):
+    """The packed kernels have run on the CPU only: another device refuses them, naming the opt-in."""
+    from attnfuse.runtime import packed as packed_module
+
+    q, k, v, cu_q, cu_k = packed([3, 4], [3, 4])
+    monkeypatch.setattr(packed_module, "CHECKED_DEVICES", ())  # as a GPU is today
+    monkeypatch.delenv(packed_module.GPU_ENV, raising=False)
+    with pytest.raises(af.UnsupportedError, match="checked on the CPU only.*ATTNFUSE_PACKED_ON_GPU=1"):
+        gpt2(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
+    monkeypatch.setenv(packed_module.GPU_ENV, "1")
+    out = gpt2(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
+    torch.testing.assert_close(out.double(), reference(gpt2, q, k, v, cu_q, cu_k), atol=2e-5, rtol=2e-5)
