@@ -113,6 +113,14 @@ def test_decoding_with_kv_lens():
     _check_forward(qwen3, q, k, v, *_weights("both", 16), kv_lens=kv_lens)
 
 
+def test_chunk_positions_and_strided_weights():
+    """A chunk placed by q_offset/k_offset (the norm reads no position), weights that are strided views."""
+    q, k, v = _qkv(1, 2, 1, 12, 20, 16)
+    wq, wk = torch.randn(32)[::2], torch.randn(16, 3)[:, 1]
+    assert wq.stride() == (2,) and wk.stride() == (3,)
+    _check_forward(qwen3, q, k, v, wq, wk, q_offset=30, k_offset=22, seq_len=64)
+
+
 @pytest.mark.parametrize("which", ["both", "none"])
 def test_hoisted_and_fused_agree_with_reference(which):
     """Hoisted into transform passes (and a gradient pass) or run inside the kernels: both match."""
