@@ -100,9 +100,7 @@ def _side(name: str | None, eps: float) -> tuple[str, str]:
     y = x·r·w with r = (mean(x²) + eps)^-1/2, so dx = r·(g·w) - x·r³·mean((g·w)·x).
     """
     scale = (lambda i: f" * ${{tmp}}_w{i}") if name is not None else (lambda i: "")
-    normalise = (
-        _inverse_rms(eps) + _weights(name) + "".join(f"$x{i} = $x{i} * ${{tmp}}_r{scale(i)}\n" for i in (1, 2))
-    )
+    normalise = _inverse_rms(eps) + _weights(name) + "".join(f"$x{i} = $x{i} * ${{tmp}}_r{scale(i)}\n" for i in (1, 2))
     vjp = (
         _inverse_rms(eps)
         + _weights(name)
