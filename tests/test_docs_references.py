@@ -239,6 +239,7 @@ def test_heading_anchors_are_githubs():
 
 README_ROW = re.compile(r"^\| `(?P<name>\w+)(?P<signature>\([^`]*\))` \| (?P<role>[^|]+?) \|", re.M)
 ROLE_SECTIONS = {
+    "QK transforms": "qk transform",
     "Score sources": "score source",
     "Score modifications": "score modification",
     "Masks": "mask",
