@@ -8,9 +8,7 @@ out): whether a gap is the kernel's or the host's. Forward and forward+backward 
 from __future__ import annotations
 
 import argparse
-import cProfile
 import os
-import pstats
 import time
 
 import torch
@@ -18,6 +16,7 @@ import triton
 
 import attnfuse as af
 from attnfuse.runtime import launch
+from profile_training import host_profile  # benchmarks/, beside this script
 
 
 @af.attention
@@ -40,19 +39,6 @@ def host_us(fn, calls: int = 200) -> float:
     elapsed = time.perf_counter() - start
     torch.cuda.synchronize()
     return elapsed / calls * 1e6
-
-
-def profile(fn, calls: int = 100, top: int = 18) -> None:
-    """Print the ``top`` functions by own host time over ``calls`` calls of ``fn``."""
-    fn()
-    torch.cuda.synchronize()
-    profiler = cProfile.Profile()
-    profiler.enable()
-    for _ in range(calls):
-        fn()
-    profiler.disable()
-    torch.cuda.synchronize()
-    pstats.Stats(profiler).sort_stats("tottime").print_stats(top)
 
 
 def timed(fn, graph: bool = True) -> tuple[float, float | None]:
@@ -98,8 +84,7 @@ def main() -> None:
                     replay = "—" if graph is None else f"{graph:.3f}"
                     print(f"| {case} | {engine} | {eager:.3f} | {replay} | {host:.1f} |", flush=True)
                     if options.profile:
-                        print(f"\nhost profile, {case}, {engine}:")
-                        profile(call)
+                        host_profile(f"{case}, {engine}", call)
 
 
 if __name__ == "__main__":
