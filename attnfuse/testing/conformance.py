@@ -21,7 +21,7 @@ from ..runtime.source_cache import CACHE_ENV
 from .fixed_cases import check_fixed_cases
 from .mask_facts import check_mask_facts
 from .program_case import add_note, check_program_case, show_extras
-from .strategies import drawable, pool, program_cases, shapes
+from .strategies import documents, drawable, pool, program_cases, shapes
 
 
 # No shrinking: each shrink step reruns (and may recompile) kernels, which under the interpreter turns one
@@ -106,6 +106,9 @@ def check_combinator(
             kv_lens = data.draw(
                 st.lists(st.integers(shape.Nq, shape.Nk), min_size=shape.B, max_size=shape.B), label="kv_lens"
             )
+        packed = None
+        if kv_lens is None and shape.B == 1 and shape.Nq <= shape.Nk and data.draw(st.booleans(), label="packed"):
+            packed = data.draw(documents(shape.Nq, shape.Nk), label="documents")
         check_program_case(
             case,
             dtype,
@@ -113,6 +116,7 @@ def check_combinator(
             seed=data.draw(st.integers(0, 2**31 - 1), label="seed"),
             grads=data.draw(st.booleans(), label="grads"),
             kv_lens=kv_lens,
+            packed=packed,
         )
 
     with temporary_cache():

@@ -7,6 +7,7 @@ import sys
 
 import torch
 
+from ..errors import UnsupportedError
 from ..passes.fuse import fuse
 from ..passes.lower import instance
 from .grad_bounds import delta_rounding
@@ -64,13 +65,16 @@ def check_program_case(
     kv_lens: list[int] | None = None,
     page_size: int | None = None,
     positions: tuple[int, int, int] | None = None,
+    packed: tuple[list[int], list[int]] | None = None,
 ) -> None:
     """Run ``case`` fused and compare out, lse (when the normaliser has one) and, with ``grads``, the
     gradients of q, k, v and of tensor inputs with declared gradients, with the reference's. ``kv_lens``:
     per-sequence key counts (a KV cache; with at most 16 queries and no gradients, the split-KV path).
     ``page_size`` (with ``kv_lens``, no gradients): k and v are stored as a paged cache of pages of that many
     keys, in shuffled pages of a pool. ``positions``: (q_offset, k_offset, seq_len), a chunk of a longer
-    sequence."""
+    sequence. ``packed`` (with batch size 1): the documents' query and key lengths of a packed call
+    (``cu_seqlens_q``/``cu_seqlens_k``), compared with each document run alone through the reference; a
+    program packed calls do not take yet (``UnsupportedError``) is left out."""
     __tracebackhide__ = True  # pytest: a failure is its message, not this frame's tensors
     q, k, v = case.inputs(dtype, device, seed)
     extras = dict(case.extras_on(device))
@@ -79,6 +83,8 @@ def check_program_case(
         call["kv_lens"] = torch.tensor(kv_lens, dtype=torch.int32, device=device)
     if positions is not None:
         call.update(zip(("q_offset", "k_offset", "seq_len"), positions))
+    if packed is not None:
+        call["cu_seqlens_q"], call["cu_seqlens_k"] = (_offsets(n, device) for n in packed)
     if page_size is not None:
         if kv_lens is None or grads:
             raise ValueError("check_program_case: page_size needs kv_lens, and no gradients")
@@ -93,13 +99,24 @@ def check_program_case(
     if can_grad:
         for t in leaves:
             t.requires_grad_(True)
-    result = case.program(q, k, v, return_lse=has_lse, **call, **extras)
+    if packed is None:
+        result = case.program(q, k, v, return_lse=has_lse, **call, **extras)
+    else:
+        try:
+            result = case.program(q, k, v, return_lse=has_lse, **call, **extras)
+        except UnsupportedError:
+            return  # what packed calls do not take yet (runtime/packed.py), refused by name
     _synchronize(device)  # a fault in the fused kernel is reported with this example, not a later one
     out, lse = result if has_lse else (result, None)
-    ref64 = case.program.reference(q, k, v, return_lse=has_lse, dtype=torch.float64, **call, **extras)
-    ref_lowp = case.program.reference(q, k, v, return_lse=has_lse, dtype=dtype, **call, **extras)
-    if not has_lse:
-        ref64, ref_lowp = (ref64, None), (ref_lowp, None)
+
+    def reference(q, k, v, precision):
+        """(out, lse or None) of the reference in ``precision``: the call's, or each packed document's."""
+        if packed is None:
+            found = case.program.reference(q, k, v, return_lse=has_lse, dtype=precision, **call, **extras)
+            return found if has_lse else (found, None)
+        return _packed_reference(case, q, k, v, extras, packed, has_lse, precision)
+
+    ref64, ref_lowp = reference(q, k, v, torch.float64), reference(q, k, v, dtype)
     assert_matches_reference(out, ref64[0], ref_lowp[0], dtype, what=f"out of {case.text}")
     if has_lse:
         if lse.dtype != (torch.float64 if dtype == torch.float64 else torch.float32):
@@ -114,9 +131,7 @@ def check_program_case(
     rounding = [None] * len(leaves)
     if norm.needs_delta:
         with torch.no_grad():
-            abs_weighted_v = case.program.reference(
-                q.detach(), k.detach(), v.detach().abs(), return_lse=True, dtype=torch.float64, **call, **extras
-            )[0]
+            abs_weighted_v = reference(q.detach(), k.detach(), v.detach().abs(), torch.float64)[0]
         rounding = delta_rounding(ref64[1], ref64[0], abs_weighted_v, dout, leaves, dtype)
     want64 = torch.autograd.grad(ref64[0], leaves, dout.to(torch.float64))
     want_lowp = torch.autograd.grad(ref_lowp[0], leaves, dout)
@@ -125,6 +140,32 @@ def check_program_case(
     names = ["dq", "dk", "dv", *(f"d{n}" for n in grad_extras)]
     for name, a, b, c, n, r in zip(names, got, want64, want_lowp, summed, rounding):
         assert_matches_reference(a, b, c, dtype, what=f"{name} of {case.text}", summed=n, rounding=r)
+
+
+def _offsets(lengths: list[int], device: str) -> torch.Tensor:
+    return torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=device)
+
+
+def _packed_reference(
+    case: ProgramCase, q, k, v, extras: dict, packed: tuple[list[int], list[int]], has_lse: bool, dtype
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Out (1, Hq, total_q, DV) and lse (1, Hq, total_q) or None of a packed call: each document through the
+    reference on its own, concatenated along the rows (a document with no keys: out 0, lse -inf)."""
+    outs, lses = [], []
+    for (q0, q1), (k0, k1) in zip(*((zip(c[:-1], c[1:])) for c in (_offsets(n, "cpu").tolist() for n in packed))):
+        rows = q[:, :, q0:q1]
+        if q1 == q0:
+            continue  # a document of keys only: no rows
+        if k1 == k0:
+            zeros = rows.new_zeros((*rows.shape[:3], v.shape[3]), dtype=dtype) + 0 * v.sum().to(dtype)
+            outs.append(zeros)
+            lses.append(torch.full(rows.shape[:3], float("-inf"), dtype=zeros.dtype, device=q.device))
+            continue
+        found = case.program.reference(rows, k[:, :, k0:k1], v[:, :, k0:k1], return_lse=has_lse, dtype=dtype, **extras)
+        out, lse = found if has_lse else (found, None)
+        outs.append(out)
+        lses.append(lse)
+    return torch.cat(outs, 2), torch.cat(lses, 2) if has_lse else None
 
 
 def add_note(exc: BaseException, note_text: str) -> None:

@@ -52,6 +52,21 @@ def shapes(
     )
 
 
+@st.composite
+def documents(draw, Nq: int, Nk: int, max_docs: int = 4) -> tuple[list[int], list[int]]:
+    """A packed call's document lengths: queries (summing to Nq) and keys (summing to Nk >= Nq), each document
+    with at least as many keys as queries (as a call of its rows alone with rope's tables needs); lengths 0 and 1
+    included."""
+
+    def split(total: int, parts: int) -> list[int]:
+        cuts = sorted(draw(st.lists(st.integers(0, total), min_size=parts - 1, max_size=parts - 1)))
+        return [b - a for a, b in zip([0, *cuts], [*cuts, total])]
+
+    docs = draw(st.integers(1, max_docs))
+    queries = split(Nq, docs)
+    return queries, [n + extra for n, extra in zip(queries, split(Nk - Nq, docs))]
+
+
 def describe(extras: dict[str, Any]) -> str:
     """Runtime inputs by name, tensors as their shape and dtype (a failure report never prints them whole)."""
     return ", ".join(

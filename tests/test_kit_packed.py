@@ -1,0 +1,66 @@
+"""The conformance kit's packed calls: the document lengths it draws, and its check of a packed call against
+each document run alone through the reference (which a whole-row result fails)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import attnfuse as af
+from attnfuse.examples import EXAMPLES
+from attnfuse.testing import program_case
+from attnfuse.testing.program_case import check_program_case
+from attnfuse.testing.strategies import ProgramCase, Shape, documents
+
+PACKS = [([5, 0, 1, 9], [5, 3, 1, 12]), ([15], [21])]
+
+
+@settings(max_examples=60, deadline=None, database=None)
+@given(data=st.data(), Nq=st.integers(0, 40), extra=st.integers(0, 30))
+def test_documents_fill_the_rows_with_keys_for_every_query(data, Nq, extra):
+    queries, keys = data.draw(documents(Nq, Nq + extra))
+    assert len(queries) == len(keys) >= 1
+    assert sum(queries) == Nq and sum(keys) == Nq + extra
+    assert all(0 <= q <= k for q, k in zip(queries, keys))
+
+
+def _case(name: str, packed) -> ProgramCase:
+    shape = Shape(B=1, Hq=4, Hkv=2, Nq=sum(packed[0]), Nk=sum(packed[1]), D=16, DV=16)
+    return ProgramCase(program=EXAMPLES[name], text=name, shape=shape, extras={})
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama", "alibi"])
+@pytest.mark.parametrize("packed", PACKS, ids=["mixed", "one-document"])
+def test_a_packed_call_matches_each_document_alone(name, packed):
+    check_program_case(_case(name, packed), torch.float32, "cpu", seed=3, grads=True, packed=packed)
+
+
+def test_a_result_that_attends_across_documents_fails(monkeypatch):
+    """The check can fail: a reference over the whole row (what a kernel ignoring the documents computes) differs
+    from the packed call's."""
+    packed = PACKS[0]
+
+    def whole_row(case, q, k, v, extras, packed, has_lse, dtype):
+        found = case.program.reference(q, k, v, return_lse=has_lse, dtype=dtype, **extras)
+        return found if has_lse else (found, None)
+
+    monkeypatch.setattr(program_case, "_packed_reference", whole_row)
+    with pytest.raises(AssertionError, match="out of gpt2"):
+        check_program_case(_case("gpt2", packed), torch.float32, "cpu", seed=3, packed=packed)
+
+
+def test_a_program_packed_calls_do_not_take_is_left_out():
+    @af.attention
+    def biased(q, k, v, bias):
+        return af.softmax(af.additive_bias(af.scaled_dot_product(q, k), bias)) @ v
+
+    packed = PACKS[1]
+    shape = Shape(B=1, Hq=2, Hkv=2, Nq=15, Nk=21, D=16, DV=16)
+    case = ProgramCase(program=biased, text="biased", shape=shape, extras={"bias": torch.randn(1, 2, 15, 21)})
+    with pytest.raises(af.UnsupportedError):  # the call itself refuses it
+        q, k, v = case.inputs(torch.float32, "cpu", 0)
+        cu = [torch.tensor([0, n], dtype=torch.int32) for n in (15, 21)]
+        biased(q, k, v, bias=case.extras["bias"], cu_seqlens_q=cu[0], cu_seqlens_k=cu[1])
+    check_program_case(case, torch.float32, "cpu", seed=0, packed=packed)  # so the kit leaves it out
