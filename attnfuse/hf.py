@@ -27,6 +27,7 @@ from . import hf_packed, hf_rope
 from .errors import InputError
 from .hf_rope import ROPE_KWARG
 from .program import AttentionProgram
+from .runtime.packed import runs_on as packed_runs_on
 
 __all__ = ["attention_forward", "fuse_rope", "register"]
 
@@ -144,8 +145,11 @@ def attention_forward(
     rotate_keys = True
     packed = hf_packed.packed_call(query, key, kwargs)
     if packed is not None:  # documents one after another in one row: each attends within itself
+        hf_packed.check_mask(attention_mask, packed, None if sliding_window is None else sliding_window - 1)
+        if attention_mask is not None and not packed_runs_on(query.device):
+            packed = None  # HF's block-diagonal mask, as a bias, where the packed kernels are not yet checked
+    if packed is not None:
         window = None if sliding_window is None else sliding_window - 1
-        hf_packed.check_mask(attention_mask, packed, window)
         attention_mask = None
         if kwargs.get(ROPE_KWARG) is not None:
             cos, sin = hf_packed.local_rope_tables(*kwargs[ROPE_KWARG][:2], packed)
