@@ -89,13 +89,12 @@ def documents_causal_mask(packed: PackedCall, Nq: int, Nk: int, window: int | No
     return keep if window is None else keep & (offset <= window)
 
 
-def local_rope_tables(
-    cos: torch.Tensor, sin: torch.Tensor, packed: PackedCall
-) -> tuple[torch.Tensor, torch.Tensor]:
+def local_rope_tables(cos: torch.Tensor, sin: torch.Tensor, packed: PackedCall) -> tuple[torch.Tensor, torch.Tensor]:
     """HF's cos, sin (1, total, D), one row per packed token, as the tables (total, D) a packed call reads at
-    document-local positions: the longest document's rows (the rows after them are never read). Refused (UnsupportedError) unless every token's
-    row equals the table's row of its local position (position_ids restarting alike in every document), and
-    when queries and keys are offset differently. Host syncs: the offsets, and the check."""
+    document-local positions: the longest document's rows (the rows after them are never read). Refused
+    (UnsupportedError) unless every token's row equals the table's row of its local position (position_ids
+    restarting alike in every document), and when queries and keys are offset differently. Host syncs: the
+    offsets, and the check."""
     if not torch.equal(packed.cu_seqlens_q, packed.cu_seqlens_k):
         raise UnsupportedError("fuse_rope: a packed batch with cu_seq_lens_q != cu_seq_lens_k is not supported")
     cu = packed.cu_seqlens_q.long()
