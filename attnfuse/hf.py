@@ -143,13 +143,11 @@ def attention_forward(
         key, value, Nk = key[:, :, :Nq], value[:, :, :Nq], Nq  # a static cache's prefill: later slots are empty
     cos = sin = None
     rotate_keys = True
-    packed = hf_packed.packed_call(query, key, kwargs)
+    window = None if sliding_window is None else sliding_window - 1
+    packed = hf_packed.packed_call(query, key, attention_mask, window, kwargs)
+    if packed is not None and attention_mask is not None and not packed_runs_on(query.device):
+        packed = None  # HF's block-diagonal mask, as a bias, where the packed kernels are not yet checked
     if packed is not None:  # documents one after another in one row: each attends within itself
-        hf_packed.check_mask(attention_mask, packed, None if sliding_window is None else sliding_window - 1)
-        if attention_mask is not None and not packed_runs_on(query.device):
-            packed = None  # HF's block-diagonal mask, as a bias, where the packed kernels are not yet checked
-    if packed is not None:
-        window = None if sliding_window is None else sliding_window - 1
         attention_mask = None
         if kwargs.get(ROPE_KWARG) is not None:
             cos, sin = hf_packed.local_rope_tables(*kwargs[ROPE_KWARG][:2], packed)
@@ -159,7 +157,7 @@ def attention_forward(
             cos, sin, rotate_keys = _rope_tables(kwargs[ROPE_KWARG], Nq, Nk)
         if attention_mask is not None and attention_mask.dim() == 4:
             attention_mask = attention_mask[..., :Nk]
-        window = None if sliding_window is None or attention_mask is not None else sliding_window - 1
+        window = None if attention_mask is not None else window
         call_kwargs = {}
     sinks = kwargs.get("s_aux")
     sink_grad = sinks is not None and sinks.requires_grad and torch.is_grad_enabled()

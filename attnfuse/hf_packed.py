@@ -5,7 +5,8 @@ documents one after another (batch size 1), with position_ids restarting at 0 fo
 ``cu_seqlens_q``/``cu_seqlens_k``: each document attends within itself, with no (total, total) mask read.
 
 HF still builds the block-diagonal boolean mask of such a batch for SDPA-style masks; it is checked to be
-exactly the documents' causal (or sliding-window) mask, and anything else is refused rather than dropped.
+exactly the documents' causal (or sliding-window) mask: with the flash keywords anything else is refused
+rather than dropped, and with position_ids alone it means no packing (the mask then runs as a bias).
 """
 
 from __future__ import annotations
@@ -29,9 +30,14 @@ class PackedCall(NamedTuple):
     max_seqlen_k: int | None
 
 
-def packed_call(query: torch.Tensor, key: torch.Tensor, kwargs: dict[str, Any]) -> PackedCall | None:
-    """The offsets of a packed call of query (1, Hq, total, D), key (1, Hkv, total, D): HF's flash keywords when
-    given, else position_ids (1, total) restarting at 0 inside the row; None for an unpacked call."""
+def packed_call(
+    query: torch.Tensor, key: torch.Tensor, mask: torch.Tensor | None, window: int | None, kwargs: dict[str, Any]
+) -> PackedCall | None:
+    """The offsets of a packed call of query (1, Hq, total, D), key (1, Hkv, total, D) with HF's ``mask``
+    (None or (1, 1, total, total) bool) and sliding ``window`` (left extent, or None): HF's flash keywords when
+    given (then a mask other than the documents' causal one is an UnsupportedError), else position_ids
+    (1, total) restarting at 0 inside the row, with no mask or exactly the documents' one (a padded row whose
+    positions restart is no packing: its mask runs as a bias); None for an unpacked call."""
     if any(kwargs.get(name) is not None for name in FLASH_KWARGS):
         cu_q, cu_k = (kwargs.get(name) for name in FLASH_KWARGS)
         if cu_q is None or cu_k is None:
@@ -40,7 +46,14 @@ def packed_call(query: torch.Tensor, key: torch.Tensor, kwargs: dict[str, Any]) 
                 f"attn_implementation='attnfuse': a packed batch needs both {FLASH_KWARGS}; {missing} is missing"
             )
         bounds = (_int_or_none(kwargs.get("max_length_q")), _int_or_none(kwargs.get("max_length_k")))
-        return PackedCall(cu_q, cu_k, *bounds)
+        packed = PackedCall(cu_q, cu_k, *bounds)
+        if mask is not None and not _is_documents_mask(mask, packed, window):
+            raise UnsupportedError(
+                f"attn_implementation='attnfuse': a packed batch (cu_seq_lens_q, cu_seq_lens_k) with an attention "
+                f"mask ({mask.dtype} {tuple(mask.shape)}) other than its documents' causal mask (padding, or a "
+                f"custom mask): packed calls cannot honour it; pass no attention_mask with packed sequences"
+            )
+        return packed
     position_ids = kwargs.get("position_ids")
     if position_ids is None or query.shape[0] != 1 or position_ids.numel() != query.shape[2]:
         return None
@@ -48,31 +61,22 @@ def packed_call(query: torch.Tensor, key: torch.Tensor, kwargs: dict[str, Any]) 
         return None
     # One host sync (the number of documents), as HF's own flash path makes from position_ids.
     cu = cu_seqlens_from_position_ids(position_ids.reshape(-1))
-    return PackedCall(cu, cu, None, None) if cu.shape[0] > 2 else None
+    packed = PackedCall(cu, cu, None, None)
+    if cu.shape[0] <= 2 or (mask is not None and not _is_documents_mask(mask, packed, window)):
+        return None
+    return packed
 
 
 def _int_or_none(value: Any) -> int | None:
     return None if value is None else int(value)
 
 
-def check_mask(mask: torch.Tensor | None, packed: PackedCall, window: int | None) -> None:
-    """Refuse (UnsupportedError) an HF mask (1, 1, total, total) of a packed call that is not exactly its
-    documents' causal mask (keeping ``window`` keys to the left, when given): the packed call runs that mask
-    alone and must not drop anything else. One host sync (the comparison)."""
-    if mask is None:
-        return
+def _is_documents_mask(mask: torch.Tensor, packed: PackedCall, window: int | None) -> bool:
+    """Whether HF's ``mask`` is a boolean (1, 1, total, total) equal to the documents' causal mask (keeping
+    ``window`` keys to the left, when given). One host sync (the comparison)."""
     if mask.dtype != torch.bool or mask.dim() != 4 or mask.shape[0] != 1 or mask.shape[1] != 1:
-        raise UnsupportedError(
-            f"attn_implementation='attnfuse': a packed batch (cu_seq_lens_q or position_ids restarting at 0) "
-            f"with an attention mask of {mask.dtype} {tuple(mask.shape)}: packed calls take only the documents' "
-            f"causal mask (boolean (1, 1, total, total))"
-        )
-    if not torch.equal(mask[0, 0], documents_causal_mask(packed, mask.shape[-2], mask.shape[-1], window)):
-        raise UnsupportedError(
-            "attn_implementation='attnfuse': a packed batch (cu_seq_lens_q or position_ids restarting at 0) "
-            "with an attention mask other than its documents' causal mask (padding, or a custom mask): packed "
-            "calls cannot honour it; pass no attention_mask with packed sequences"
-        )
+        return False
+    return torch.equal(mask[0, 0], documents_causal_mask(packed, mask.shape[-2], mask.shape[-1], window))
 
 
 def documents_causal_mask(packed: PackedCall, Nq: int, Nk: int, window: int | None) -> torch.Tensor:

@@ -189,3 +189,18 @@ def test_where_packed_kernels_are_unchecked_hf_mask_runs_as_a_bias(monkeypatch):
     collator = transformers.DataCollatorWithFlattening(return_flash_attn_kwargs=True, return_position_ids=False)
     with pytest.raises(af.UnsupportedError, match=attnfuse.runtime.packed.GPU_ENV):
         model(**collator([{"input_ids": d.tolist()} for d in documents]))
+
+
+def test_a_padded_row_whose_positions_restart_is_not_packing():
+    """One left-padded row with generate()'s position_ids (1 on padding, then 0, 1, ...): the restart is not a
+    document boundary, HF's padding mask runs as a bias, and logits equal sdpa's."""
+    model = _model("llama").eval()
+    ids, mask = torch.randint(0, SIZES["vocab_size"], (1, 10)), torch.ones(1, 10, dtype=torch.long)
+    mask[:, :3] = 0
+    positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1)
+    logits = {}
+    for implementation in ("sdpa", "attnfuse"):
+        model.set_attn_implementation(implementation)
+        logits[implementation] = model(ids, attention_mask=mask, position_ids=positions).logits.detach()
+    real = mask[0].bool()
+    torch.testing.assert_close(logits["attnfuse"][:, real], logits["sdpa"][:, real], atol=2e-5, rtol=2e-5)
