@@ -73,10 +73,16 @@ def _int_or_none(value: Any) -> int | None:
 
 def _is_documents_mask(mask: torch.Tensor, packed: PackedCall, window: int | None) -> bool:
     """Whether HF's ``mask`` is a boolean (1, 1, total, total) equal to the documents' causal mask (keeping
-    ``window`` keys to the left, when given). One host sync (the comparison)."""
+    ``window`` keys to the left, when given), or to the whole row's, which HF builds where its mask function
+    is not given the position_ids (GPT-OSS's layers), as None where it needs no mask. One or two host syncs."""
     if mask.dtype != torch.bool or mask.dim() != 4 or mask.shape[0] != 1 or mask.shape[1] != 1:
         return False
-    return torch.equal(mask[0, 0], documents_causal_mask(packed, mask.shape[-2], mask.shape[-1], window))
+    Nq, Nk = mask.shape[-2:]
+    whole_row = torch.tensor([0, Nk], device=mask.device)
+    return any(
+        torch.equal(mask[0, 0], documents_causal_mask(p, Nq, Nk, window))
+        for p in (packed, PackedCall(whole_row - Nk + Nq, whole_row, None, None))
+    )
 
 
 def documents_causal_mask(packed: PackedCall, Nq: int, Nk: int, window: int | None) -> torch.Tensor:

@@ -29,14 +29,21 @@ SIZES = dict(
     vocab_size=64,
     head_dim=8,
 )
-FAMILIES = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "qwen2": ("Qwen2Config", "Qwen2ForCausalLM")}
+FAMILIES = {"llama": ("LlamaConfig", "LlamaForCausalLM", {}), "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {})}
+GPT_OSS = {"sliding_window": 4, "num_local_experts": 2, "num_experts_per_tok": 2, "experts_implementation": "eager"}
 LENGTHS = [(5, 1, 7), (1, 9, 3)]  # a document of one token, first and in the middle
 
 
 def _model(family):
-    config_name, model_name = FAMILIES[family]
-    config = getattr(transformers, config_name)(**SIZES, use_cache=False)
-    return getattr(transformers, model_name)(config).train()
+    config_name, model_name, extra = {**FAMILIES, "gpt_oss": ("GptOssConfig", "GptOssForCausalLM", GPT_OSS)}[family]
+    if not hasattr(transformers, model_name):
+        pytest.skip(f"transformers {transformers.__version__} has no {model_name}")
+    config = getattr(transformers, config_name)(**SIZES, **extra, use_cache=False)
+    model = getattr(transformers, model_name)(config).train()
+    if family == "gpt_oss":  # sinks comparable to the scores, so that they take weight (HF draws std 0.02)
+        for layer in model.model.layers:
+            layer.self_attn.sinks.data = torch.randn(SIZES["num_attention_heads"]) * 2
+    return model
 
 
 def _documents(lengths):
@@ -204,3 +211,15 @@ def test_a_padded_row_whose_positions_restart_is_not_packing():
         logits[implementation] = model(ids, attention_mask=mask, position_ids=positions).logits.detach()
     real = mask[0].bool()
     torch.testing.assert_close(logits["attnfuse"][:, real], logits["sdpa"][:, real], atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("flash_kwargs", [True, False], ids=["cu_seq_lens", "position_ids"])
+def test_gpt_oss_packed_training_with_window_and_sinks_equals_padded_eager(flash_kwargs):
+    """GPT-OSS builds its masks without the position_ids (a causal or sliding mask over the whole row, which
+    HF's own sdpa and eager then apply across documents); its packed batch still keeps each document apart,
+    with a window of 4 binding in the 7-token document and a sink on every head."""
+    model, documents = _model("gpt_oss"), _documents((7, 1, 6))
+    want64, want32 = _padded_step(copy.deepcopy(model).double(), documents), _padded_step(model, documents)
+    got = _packed_step(model, "attnfuse", documents, flash_kwargs)
+    for name in want64:
+        assert_matches_reference(got[name], want64[name], want32[name], what=name)
