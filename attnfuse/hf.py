@@ -23,10 +23,11 @@ from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 import attnfuse as af
-from . import hf_rope
+from . import hf_packed, hf_rope
 from .errors import InputError
 from .hf_rope import ROPE_KWARG
 from .program import AttentionProgram
+from .runtime.packed import runs_on as packed_runs_on
 
 __all__ = ["attention_forward", "fuse_rope", "register"]
 
@@ -131,7 +132,9 @@ def attention_forward(
 ) -> tuple[torch.Tensor, None]:
     """HF's attention function signature: query (B, Hq, Nq, D), key and value (B, Hkv, Nk, D) -> the output
     (B, Nq, Hq, D) and no weights. ``softcap`` (Gemma 2) and ``s_aux`` (each head's sink logit (Hq,): GPT-OSS)
-    are honoured; the sinks get their gradient too."""
+    are honoured; the sinks get their gradient too. A packed batch (HF's flash keywords ``cu_seq_lens_q``/
+    ``cu_seq_lens_k``, or position_ids restarting at 0 in a batch of one row) runs each document on its own
+    through the program's ``cu_seqlens_q``/``cu_seqlens_k`` (``attnfuse.hf_packed``)."""
     _refuse_unsupported("attnfuse", module, dropout, kwargs, supported=("softcap", "s_aux"))
     Nq, Nk = query.shape[2], key.shape[2]
     causal = kwargs.get("is_causal")
@@ -140,11 +143,22 @@ def attention_forward(
         key, value, Nk = key[:, :, :Nq], value[:, :, :Nq], Nq  # a static cache's prefill: later slots are empty
     cos = sin = None
     rotate_keys = True
-    if kwargs.get(ROPE_KWARG) is not None:
-        cos, sin, rotate_keys = _rope_tables(kwargs[ROPE_KWARG], Nq, Nk)
-    if attention_mask is not None and attention_mask.dim() == 4:
-        attention_mask = attention_mask[..., :Nk]
-    window = None if sliding_window is None or attention_mask is not None else sliding_window - 1
+    window = None if sliding_window is None else sliding_window - 1
+    packed = hf_packed.packed_call(query, key, attention_mask, window, kwargs)
+    if packed is not None and attention_mask is not None and not packed_runs_on(query.device):
+        packed = None  # HF's block-diagonal mask, as a bias, where the packed kernels are not yet checked
+    if packed is not None:  # documents one after another in one row: each attends within itself
+        attention_mask = None
+        if kwargs.get(ROPE_KWARG) is not None:
+            cos, sin = hf_packed.local_rope_tables(*kwargs[ROPE_KWARG][:2], packed)
+        call_kwargs = packed._asdict()
+    else:
+        if kwargs.get(ROPE_KWARG) is not None:
+            cos, sin, rotate_keys = _rope_tables(kwargs[ROPE_KWARG], Nq, Nk)
+        if attention_mask is not None and attention_mask.dim() == 4:
+            attention_mask = attention_mask[..., :Nk]
+        window = None if attention_mask is not None else window
+        call_kwargs = {}
     sinks = kwargs.get("s_aux")
     sink_grad = sinks is not None and sinks.requires_grad and torch.is_grad_enabled()
     out = hf_attention(
@@ -161,6 +175,7 @@ def attention_forward(
         None if kwargs.get("softcap") is None else float(kwargs["softcap"]),
         None if sinks is None else sinks.detach(),
         return_lse=sink_grad,
+        **call_kwargs,
     )
     if sink_grad:
         out = _with_sink_gradient(*out, sinks)

@@ -62,10 +62,15 @@ def refuse_arguments(given: dict[str, bool]) -> None:
             )
 
 
+def runs_on(device: torch.device) -> bool:
+    """Whether packed calls run on ``device``: one their kernels were checked on, or any with GPU_ENV=1."""
+    return device.type in CHECKED_DEVICES or os.environ.get(GPU_ENV, "").strip() == "1"
+
+
 def check_packed(q: torch.Tensor, k: torch.Tensor, cu_seqlens_q: Any, cu_seqlens_k: Any) -> Packed:
     """The call's ``Packed`` offsets (types, shapes, devices checked; values are checked on the device by
     ``check_values``). q, k passed ``inputs.check_inputs``."""
-    if q.device.type not in CHECKED_DEVICES and os.environ.get(GPU_ENV, "").strip() != "1":
+    if not runs_on(q.device):
         raise UnsupportedError(
             f"packed sequences (cu_seqlens_q/cu_seqlens_k) on {q.device.type}: their kernels have been checked "
             f"on the CPU only, so a GPU runs them only when asked: set {GPU_ENV}=1 (tests/test_gpu.py checks them)"
