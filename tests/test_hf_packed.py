@@ -19,27 +19,15 @@ import attnfuse as af  # noqa: E402
 import attnfuse.hf  # noqa: E402
 import attnfuse.runtime.packed  # noqa: E402
 from attnfuse.testing.tolerances import assert_matches_reference  # noqa: E402
+from hf_training import SIZES, tiny_model  # noqa: E402
 
-SIZES = dict(
-    hidden_size=32,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    num_hidden_layers=2,
-    intermediate_size=64,
-    vocab_size=64,
-    head_dim=8,
-)
 FAMILIES = {"llama": ("LlamaConfig", "LlamaForCausalLM", {}), "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {})}
 GPT_OSS = {"sliding_window": 4, "num_local_experts": 2, "num_experts_per_tok": 2, "experts_implementation": "eager"}
 LENGTHS = [(5, 1, 7), (1, 9, 3)]  # a document of one token, first and in the middle
 
 
 def _model(family):
-    config_name, model_name, extra = {**FAMILIES, "gpt_oss": ("GptOssConfig", "GptOssForCausalLM", GPT_OSS)}[family]
-    if not hasattr(transformers, model_name):
-        pytest.skip(f"transformers {transformers.__version__} has no {model_name}")
-    config = getattr(transformers, config_name)(**SIZES, **extra, use_cache=False)
-    model = getattr(transformers, model_name)(config).train()
+    model = tiny_model(transformers, *{**FAMILIES, "gpt_oss": ("GptOssConfig", "GptOssForCausalLM", GPT_OSS)}[family])
     if family == "gpt_oss":  # sinks comparable to the scores, so that they take weight (HF draws std 0.02)
         for layer in model.model.layers:
             layer.self_attn.sinks.data = torch.randn(SIZES["num_attention_heads"]) * 2

@@ -24,17 +24,8 @@ transformers = pytest.importorskip("transformers")
 import attnfuse as af  # noqa: E402
 import attnfuse.hf  # noqa: E402
 from attnfuse.testing.tolerances import assert_matches_reference  # noqa: E402
-from hf_training import padded_batch, training_step  # noqa: E402
+from hf_training import SIZES, padded_batch, tiny_model, training_step  # noqa: E402
 
-SIZES = dict(
-    hidden_size=32,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    num_hidden_layers=2,
-    intermediate_size=64,
-    vocab_size=64,
-    head_dim=8,
-)
 FAMILIES = {  # windows and caps small enough to bind at N = 12
     "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
     "mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": 4}),
@@ -64,11 +55,7 @@ transformers.masking_utils.AttentionMaskInterface.register(REFERENCE, _sdpa_mask
 
 
 def _model(family):
-    config_name, model_name, extra = FAMILIES[family]
-    if not hasattr(transformers, model_name):
-        pytest.skip(f"transformers {transformers.__version__} has no {model_name}")
-    config = getattr(transformers, config_name)(**SIZES, **extra, use_cache=False)
-    return getattr(transformers, model_name)(config).train()
+    return tiny_model(transformers, *FAMILIES[family])
 
 
 def _reference(model, implementation, batch):
