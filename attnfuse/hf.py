@@ -144,9 +144,10 @@ def attention_forward(
     cos = sin = None
     rotate_keys = True
     window = None if sliding_window is None else sliding_window - 1
-    packed = hf_packed.packed_call(query, key, attention_mask, window, kwargs)
-    if packed is not None and attention_mask is not None and not packed_runs_on(query.device):
-        packed = None  # HF's block-diagonal mask, as a bias, where the packed kernels are not yet checked
+    if attention_mask is not None and not packed_runs_on(query.device):
+        packed = None  # HF's mask as a bias (block-diagonal for a packed batch): no detection, no host sync
+    else:
+        packed = hf_packed.packed_call(query, key, attention_mask, window, kwargs)
     if packed is not None:  # documents one after another in one row: each attends within itself
         attention_mask = None
         if kwargs.get(ROPE_KWARG) is not None:
