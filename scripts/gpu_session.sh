@@ -47,6 +47,15 @@ for step in "$@"; do
       name=${BENCH_NAME:-bench}
       timeout "${STEP_TIMEOUT:-0}" python3 -m attnfuse.cli bench ${BENCH_ARGS:-} --markdown "$OUT/$name.md" \
         --json "$OUT/$name.json" ${BENCH_PLOT:+--plot "$OUT/$name.png"} 2>&1 | tee "$OUT/$name.log" ;;
+    packed)
+      # the packed kernels' GPU check, and only once it passes, the packed suite (runtime/packed.py's GPU gate)
+      if timeout "${STEP_TIMEOUT:-0}" python3 -m pytest -q -rfE -p no:cacheprovider tests/test_gpu.py -k packed 2>&1 \
+        | tee "$OUT/packed_test.log" | tail -5; [ "${PIPESTATUS[0]}" -eq 0 ]; then
+        ATTNFUSE_PACKED_ON_GPU=1 timeout "${STEP_TIMEOUT:-0}" python3 -m attnfuse.cli bench --suite packed \
+          --markdown "$OUT/packed.md" --json "$OUT/packed.json" 2>&1 | tee "$OUT/packed.log"
+      else
+        echo "packed: the GPU check failed, so the packed suite did not run"
+      fi ;;
     bench_base)
       # python -m attnfuse.bench: the old tree's attnfuse.cli has no bench command; third-party plugins
       # (contrib/) may need the new API, so the old tree loads its built-ins only

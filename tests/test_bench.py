@@ -12,7 +12,7 @@ import sys
 import pytest
 import torch
 
-from attnfuse.bench import plot, report, rows, run
+from attnfuse.bench import baselines, cases, plot, report, rows, run
 from attnfuse.bench.command import command_line, main as bench_main
 from attnfuse.cli import main
 
@@ -104,6 +104,52 @@ def test_rows_count_the_work_of_the_pairs_kept():
     assert (sparse.case, sparse.work) == ("bigbird llama3-8b N4096 (72% sparse) fwd+bwd", 3.5 * 4 * 32 * 1000 * 128)
 
 
+@pytest.mark.parametrize(
+    "total, lengths", [(16384, (256, 4096)), (300, (256, 4096)), (4352, (256, 4096)), (97, (5, 9))]
+)
+def test_packed_lengths_fill_the_row_with_documents_in_range(total, lengths):
+    seeds = range(40)
+    for seed in seeds:
+        drawn = cases.packed_lengths(total, lengths, seed)
+        assert sum(drawn) == total, (seed, drawn)
+        assert lengths[0] <= min(drawn) and max(drawn) <= lengths[1], (seed, drawn)
+    assert cases.packed_lengths(total, lengths, 0) == cases.packed_lengths(total, lengths, 0)  # seeded
+    assert len({tuple(cases.packed_lengths(total, lengths, s)) for s in seeds}) > 1 or total < 2 * lengths[0]
+    with pytest.raises(ValueError, match="cannot pack 100 tokens into documents of 256-4096 tokens"):
+        cases.packed_lengths(100)
+
+
+def test_packed_row_counts_the_pairs_inside_the_documents():
+    row = rows.packed_row("causal", True, [300, 4000, 12084])
+    kept = sum(n * (n + 1) // 2 for n in (300, 4000, 12084))
+    assert (row.case, row.work, row.N) == (
+        "llama3-8b 16384 tokens, 3 documents causal fwd+bwd",
+        3.5 * 4 * 32 * kept * 128,
+        16384,
+    )
+    assert run.cases_of("packed", None)[0] == 2 * len(cases.PACKED_VARIANTS)
+
+
+def test_flex_document_mask_keeps_each_document_causal_and_alone():
+    """The packed suite's flex baseline: document-causal flex_attention (its CPU path) equals SDPA run on each
+    document alone, with GQA."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    lengths = [5, 9, 1, 3]
+    cu = torch.tensor([0, 5, 14, 15, 18], dtype=torch.int32)
+    q, k, v = (torch.randn(1, h, 18, 16, dtype=torch.float64) for h in (4, 2, 2))
+    with pytest.warns(UserWarning):  # flex_attention without torch.compile: its reference path
+        got = flex_attention(q, k, v, block_mask=baselines.flex_document_mask(cu), enable_gqa=True)
+    alone = [
+        torch.nn.functional.scaled_dot_product_attention(
+            q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], is_causal=True, enable_gqa=True
+        )
+        for a, b in zip(cu[:-1].tolist(), cu[1:].tolist())
+    ]
+    assert sum(lengths) == 18
+    torch.testing.assert_close(got, torch.cat(alone, dim=2))
+
+
 def test_cells_and_ratios_match_the_printed_figures():
     causal, window, _, training, decode = timed_rows()
     table = [causal, window]
@@ -128,7 +174,7 @@ def test_table_keeps_only_the_columns_some_row_has():
     ]
     assert report.header([decode]).startswith("| case | AttnFuse ms (GB/s) | cuDNN SDPA | cuDNN / AttnFuse |")
     every = report.header(None).splitlines()[0]  # lines printed while a suite runs: every column
-    assert every.count("|") == 10 and "FA2 Triton (hand-written)" in every
+    assert every.count("|") == 11 and "FA2 Triton (hand-written)" in every and "FlashAttention varlen" in every
 
 
 def test_report_json_round_trip():
@@ -192,7 +238,7 @@ def test_run_table_prints_each_row_and_records_failures(monkeypatch):
     run.run_table("forward", None, result, out)
     printed = out.getvalue().splitlines()
     assert printed[0] == "## Forward" and printed[2].startswith("| case | AttnFuse ms (TFLOP/s) |")
-    assert printed[4] == "| gpt2 N2048 dense | 1.000 (52) | — | — | — | 2.000 (26) | 2.00× | — | — |"  # 51.5e9 FLOPs
+    assert printed[4] == "| gpt2 N2048 dense | 1.000 (52) | — | — | — | 2.000 (26) | — | 2.00× | — | — |"  # 51.5e9 FLOPs
     assert printed[5] == "| forward gpt2 2048 causal_alibi: RuntimeError: out of shared memory |"
     assert [r.case for r in result.rows] == ["gpt2 N2048 dense"]
     assert result.failures == ["forward gpt2 2048 causal_alibi: RuntimeError: out of shared memory"]

@@ -6,6 +6,7 @@ flex_attention and the pre-rotation are compiled on first use (``compiled()``), 
 from __future__ import annotations
 
 import functools
+import importlib
 
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -67,6 +68,33 @@ def flex_case(variant: str, Hq: int, N: int, device):
     elif variant == "sliding_window":
         mask = create_block_mask(window_mask, None, None, N, N, device=device)
     return (alibi if variant == "causal_alibi" else None), mask
+
+
+def flex_document_mask(cu_seqlens: torch.Tensor):
+    """flex_attention's BlockMask for one packed row of documents (offsets ``cu_seqlens`` (docs + 1,)):
+    causal within each document, nothing across documents."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    total = int(cu_seqlens[-1])
+    document = torch.repeat_interleave(
+        torch.arange(len(cu_seqlens) - 1, device=cu_seqlens.device), cu_seqlens.diff().long(), output_size=total
+    )
+
+    def document_causal(b, h, q_idx, kv_idx):
+        return (document[q_idx] == document[kv_idx]) & (kv_idx <= q_idx)
+
+    return create_block_mask(document_causal, None, None, total, total, device=cu_seqlens.device)
+
+
+def flash_varlen():
+    """FlashAttention's ``flash_attn_varlen_func`` (FlashAttention-3's interface where installed, else
+    FlashAttention-2's), or None when neither is installed."""
+    for module in ("flash_attn_interface", "flash_attn"):
+        try:
+            return importlib.import_module(module).flash_attn_varlen_func
+        except ImportError:
+            continue
+    return None
 
 
 def flex_block_mask(active: torch.Tensor):

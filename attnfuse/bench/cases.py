@@ -14,6 +14,8 @@ GEOMETRIES = {"gpt2": (4, 12, 12, 64), "llama3-8b": (1, 32, 8, 128)}
 DECODE_MODELS = {"llama3-8b": (32, 8, 128, 4096), "llama3-70b": (64, 8, 128, 32768), "mistral-7b": (32, 8, 128, 16384)}
 WINDOW = 256  # keys kept per query by sliding_window, its own included
 SPARSE_BLOCK = 128  # BigBird's block size, for AttnFuse's BlockMask and flex's alike
+PACKED_TOKENS = 16384  # one packed row of documents (the packed suite)
+PACKED_LENGTHS = (256, 4096)  # the least and most tokens of a packed document
 
 
 @af.attention
@@ -42,6 +44,12 @@ def rope_causal(q, k, v):
 
 
 @af.attention
+def packed_rope_causal(q, k, v, cos, sin):
+    """rope_causal with given tables: a packed call indexes them by each document's own positions."""
+    return af.softmax(af.causal(af.rope(q, k, cos=cos, sin=sin))) @ v
+
+
+@af.attention
 def decode_program(q, k, v):
     return af.softmax(af.scaled_dot_product(q, k)) @ v
 
@@ -56,6 +64,7 @@ PROGRAMS = {p.__name__: p for p in (dense, causal, sliding_window, causal_alibi,
 PER_TILE = "rope_causal_per_tile"
 FORWARD_VARIANTS = (*PROGRAMS, PER_TILE)
 BACKWARD_VARIANTS = ("causal", "rope_causal", "sliding_window")
+PACKED_VARIANTS = ("causal", "rope_causal")  # causal within each document
 
 
 def pairs(variant: str, N: int) -> int:
@@ -65,6 +74,24 @@ def pairs(variant: str, N: int) -> int:
     if variant == "sliding_window":
         return sum(min(i + 1, WINDOW) for i in range(N))
     return N * (N + 1) // 2
+
+
+def packed_lengths(total: int = PACKED_TOKENS, lengths: tuple[int, int] = PACKED_LENGTHS, seed: int = 0) -> list[int]:
+    """Document lengths, each in ``lengths`` (least, most), summing to ``total``: drawn uniformly with ``seed``
+    while more than ``most`` tokens are left; those left become the last document, or where they are fewer
+    than ``least``, join the one before it (split again into ``least`` and the rest if that gets too long)."""
+    least, most = lengths
+    if total < least or most < 2 * least - 1:
+        raise ValueError(f"cannot pack {total} tokens into documents of {least}-{most} tokens")
+    g = torch.Generator().manual_seed(seed)
+    found: list[int] = []
+    while total - sum(found) > most:
+        found.append(int(torch.randint(least, most + 1, (1,), generator=g)))
+    rest = total - sum(found)
+    if rest >= least or not found:
+        return [*found, rest]
+    last = found.pop() + rest  # from least + 1 to most + least - 1 tokens
+    return [*found, last] if last <= most else [*found, last - least, least]
 
 
 def rope_tables(N: int, D: int, device) -> tuple[torch.Tensor, torch.Tensor]:

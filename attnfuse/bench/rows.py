@@ -20,14 +20,16 @@ CONTENDERS = {
     "cudnn": "cuDNN SDPA",
     "flash": "FA2 SDPA",
     "flex": "flex (compiled)",
+    "fa_varlen": "FlashAttention varlen",
 }
 TRAINING_FLOPS = 3.5  # forward + backward, relative to the forward's 4·pairs·D per head
-TABLE_SUITES = ("forward", "backward", "decode", "sparse")  # a Row per case; memory and overhead: lines
+TABLE_SUITES = ("forward", "backward", "decode", "sparse", "packed")  # a Row per case; memory and overhead: lines
 SUITE_TITLES = {
     "forward": "Forward",
     "backward": "Forward + backward",
     "decode": "Decoding (one query per sequence, full cache)",
     "sparse": "Block-sparse (BigBird)",
+    "packed": "Packed documents (varlen)",
     "memory": "Memory",
     "overhead": "Host overhead",
 }
@@ -105,6 +107,23 @@ def sparse_row(N: int, train: bool, sparsity: float, pairs_kept: int) -> Row:
         geometry="llama3-8b",
         variant="bigbird fwd+bwd" if train else "bigbird",
         N=N,
+    )
+
+
+def packed_row(variant: str, train: bool, lengths: list[int]) -> Row:
+    """One packed row of documents of ``lengths`` tokens at Llama-3-8B geometry, ``variant`` causal within
+    each document; the work counts the (query, key) pairs inside the documents only."""
+    _, Hq, _, D = GEOMETRIES["llama3-8b"]
+    total = sum(lengths)
+    kept = sum(pairs(variant, n) for n in lengths)
+    return Row(
+        suite="packed",
+        case=f"llama3-8b {total} tokens, {len(lengths)} documents {variant}{' fwd+bwd' if train else ''}",
+        work=(TRAINING_FLOPS if train else 1.0) * 4 * Hq * kept * D,
+        unit="TFLOP/s",
+        geometry="llama3-8b",
+        variant=f"{variant} fwd+bwd" if train else variant,
+        N=total,
     )
 
 

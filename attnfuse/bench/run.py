@@ -25,6 +25,8 @@ def cases_of(suite: str, args: argparse.Namespace) -> tuple[int, Iterable]:
         )
     if suite == "decode":
         return 2 * len(suites.DECODE_MODELS) * 2, suites.decode_cases()
+    if suite == "packed":
+        return 2 * len(suites.PACKED_VARIANTS), suites.packed_cases()
     return 4, suites.sparse_cases()
 
 

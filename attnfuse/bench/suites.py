@@ -1,4 +1,4 @@
-"""The table suites: forward, forward+backward, decoding and block-sparse, one Row per case.
+"""The table suites: forward, forward+backward, decoding, block-sparse and packed documents, one Row per case.
 
 Every AttnFuse result is checked against a baseline on the same inputs (Row.err). AttnFuse and the
 hand-written FA2 kernel (forward), and AttnFuse and flex (forward+backward), are timed in turns. RoPE
@@ -8,6 +8,7 @@ baselines attend with q and k pre-rotated by a compiled function, and that time 
 from __future__ import annotations
 
 import contextlib
+import itertools
 
 import attrs
 import torch
@@ -15,16 +16,29 @@ import torch
 import attnfuse as af
 
 from . import rows
-from .baselines import SDPA_BACKENDS, failure, flex, flex_block_mask, flex_case, pre_rotate, sdpa
+from .baselines import (
+    SDPA_BACKENDS,
+    failure,
+    flash_varlen,
+    flex,
+    flex_block_mask,
+    flex_case,
+    flex_document_mask,
+    pre_rotate,
+    sdpa,
+)
 from .cases import (
     DECODE_MODELS,
     GEOMETRIES,
+    PACKED_VARIANTS,
     PER_TILE,
     PROGRAMS,
     SPARSE_BLOCK,
     bigbird_blocks,
     bigbird_program,
     decode_program,
+    packed_lengths,
+    packed_rope_causal,
     rope_tables,
 )
 from .timing import bench, bench_graphed, paired_bench
@@ -193,3 +207,61 @@ def sparse_cases(Ns: tuple[int, ...] = (4096, 16384)):
     for train in (False, True):
         for N in Ns:
             yield sparse_case, (N, train)
+
+
+def packed_case(variant: str, train: bool) -> rows.Row:
+    """One row of documents (``packed_lengths``) at Llama-3-8B geometry, causal within each document (RoPE at
+    each document's own positions for rope_causal), against flex_attention's document mask and FlashAttention's
+    varlen function (where installed) on the same inputs. Packed calls run on a GPU only with
+    ``ATTNFUSE_PACKED_ON_GPU=1`` until a GPU run has checked their kernels (``runtime/packed.py``)."""
+    _, Hq, Hkv, D = GEOMETRIES["llama3-8b"]
+    lengths = packed_lengths()
+    total, longest = sum(lengths), max(lengths)
+    cu = torch.tensor([0, *itertools.accumulate(lengths)], device="cuda", dtype=torch.int32)
+    starts = torch.repeat_interleave(cu[:-1], torch.tensor(lengths, device="cuda"), output_size=total)
+    positions = torch.arange(total, device="cuda") - starts  # each document's own, from 0
+    leaves = [
+        torch.randn(1, h, total, D, device="cuda", dtype=torch.bfloat16, requires_grad=train) for h in (Hq, Hkv, Hkv)
+    ]
+    q, k, v = leaves
+    dout = torch.randn(1, Hq, total, D, device="cuda", dtype=torch.bfloat16)
+    cos, sin = rope_tables(total, D, "cuda")  # rows by position: a packed call needs total_k of them
+    rope = variant == "rope_causal"
+    packed = dict(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=longest, max_seqlen_k=longest)
+
+    def inputs():
+        return pre_rotate(q, k, cos[positions], sin[positions]) if rope else (q, k)
+
+    def run(attend):
+        return (lambda: torch.autograd.grad(attend(), leaves, dout)[0]) if train else attend
+
+    def attend():
+        return packed_rope_causal(q, k, v, cos, sin, **packed) if rope else PROGRAMS[variant](q, k, v, **packed)
+
+    ours = run(attend)
+    mask = flex_document_mask(cu)
+    theirs = run(lambda: flex(*inputs(), v, block_mask=mask, enable_gqa=True))
+    row = rows.packed_row(variant, train, lengths)
+    row.times.update(paired_bench({"attnfuse": ours, "flex": theirs}))
+    row.err = max_diff(ours(), theirs())
+    varlen = flash_varlen()
+    if varlen is None:
+        row.times["fa_varlen"] = "n/a (flash_attn not installed)"
+        return row
+
+    def flash():  # FlashAttention's (total, heads, D) layout: views of the same rows
+        rows_of = [t[0].transpose(0, 1) for t in (*inputs(), v)]
+        out = varlen(*rows_of, cu, cu, longest, longest, causal=True)
+        return (out[0] if isinstance(out, tuple) else out).transpose(0, 1)[None]
+
+    try:
+        row.times["fa_varlen"] = bench(run(flash))
+    except RuntimeError as exc:
+        row.times["fa_varlen"] = failure(exc)
+    return row
+
+
+def packed_cases():
+    for train in (False, True):
+        for variant in PACKED_VARIANTS:
+            yield packed_case, (variant, train)
