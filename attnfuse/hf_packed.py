@@ -7,11 +7,16 @@ documents one after another (batch size 1), with position_ids restarting at 0 fo
 HF still builds the block-diagonal boolean mask of such a batch for SDPA-style masks; it is checked to be
 exactly the documents' causal (or sliding-window) mask: with the flash keywords anything else is refused
 rather than dropped, and with position_ids alone it means no packing (the mask then runs as a bias).
+
+These checks sync with the host. HF hands every layer of a forward the same position_ids, mask, flash keywords
+and rotary tables, so each answer is remembered (``_Recent``) for the tensors it read, by identity and
+version: the layers after the first reuse it with no host sync, and a tensor changed in place is read again.
 """
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+import weakref
+from typing import Any, Callable, NamedTuple
 
 import torch
 
@@ -30,6 +35,36 @@ class PackedCall(NamedTuple):
     max_seqlen_k: int | None
 
 
+class _Recent:
+    """The last ``size`` answers of a function of tensors and plain values. An answer is reused while each of
+    its tensors is the same object at the same version (``Tensor._version``, bumped by in-place writes); the
+    tensors are held weakly. Not while torch.compile traces (its tensors are fakes)."""
+
+    def __init__(self, size: int = 4):
+        self.size = size
+        self.entries: list[tuple[tuple, tuple, Any, Any]] = []  # (weakrefs, versions, plain key, answer)
+
+    def get_or_compute(self, tensors: tuple, plain: Any, compute: Callable[[], Any]) -> Any:
+        if torch.compiler.is_compiling():
+            return compute()
+        versions = tuple(None if t is None else t._version for t in tensors)
+        for refs, seen, key, answer in self.entries:
+            if key == plain and seen == versions and all(_alive(r) is t for r, t in zip(refs, tensors)):
+                return answer
+        answer = compute()
+        refs = tuple(None if t is None else weakref.ref(t) for t in tensors)
+        live = [e for e in self.entries if all(r is None or r() is not None for r in e[0])]
+        self.entries = [(refs, versions, plain, answer), *live][: self.size]
+        return answer
+
+
+def _alive(ref: weakref.ref | None) -> torch.Tensor | None:
+    return None if ref is None else ref()
+
+
+_recent_calls, _recent_tables = _Recent(), _Recent()
+
+
 def packed_call(
     query: torch.Tensor, key: torch.Tensor, mask: torch.Tensor | None, window: int | None, kwargs: dict[str, Any]
 ) -> PackedCall | None:
@@ -37,7 +72,22 @@ def packed_call(
     (None or (1, 1, total, total) bool) and sliding ``window`` (left extent, or None): HF's flash keywords when
     given (then a mask other than the documents' causal one is an UnsupportedError), else position_ids
     (1, total) restarting at 0 inside the row, with no mask or exactly the documents' one (a padded row whose
-    positions restart is no packing: its mask runs as a bias); None for an unpacked call."""
+    positions restart is no packing: its mask runs as a bias); None for an unpacked call. Remembered for the
+    tensors it reads (``_Recent``)."""
+    read = (mask, kwargs.get("position_ids"), *(kwargs.get(name) for name in FLASH_KWARGS))
+    plain = (
+        query.shape[0],
+        query.shape[2],
+        key.shape[2],
+        window,
+        *(_int_or_none(kwargs.get(f"max_length_{x}")) for x in "qk"),
+    )
+    return _recent_calls.get_or_compute(read, plain, lambda: _packed_call(query, key, mask, window, kwargs))
+
+
+def _packed_call(
+    query: torch.Tensor, key: torch.Tensor, mask: torch.Tensor | None, window: int | None, kwargs: dict[str, Any]
+) -> PackedCall | None:
     if any(kwargs.get(name) is not None for name in FLASH_KWARGS):
         cu_q, cu_k = (kwargs.get(name) for name in FLASH_KWARGS)
         if cu_q is None or cu_k is None:
@@ -104,7 +154,12 @@ def local_rope_tables(cos: torch.Tensor, sin: torch.Tensor, packed: PackedCall) 
     document-local positions: the longest document's rows (the rows after them are never read). Refused
     (UnsupportedError) unless every token's row equals the table's row of its local position (position_ids
     restarting alike in every document), and when queries and keys are offset differently. Host syncs: the
-    offsets, and the check."""
+    offsets, and the check; remembered for the tensors they read (``_Recent``)."""
+    read = (cos, sin, packed.cu_seqlens_q, packed.cu_seqlens_k)
+    return _recent_tables.get_or_compute(read, None, lambda: _local_rope_tables(cos, sin, packed))
+
+
+def _local_rope_tables(cos: torch.Tensor, sin: torch.Tensor, packed: PackedCall) -> tuple[torch.Tensor, torch.Tensor]:
     if not torch.equal(packed.cu_seqlens_q, packed.cu_seqlens_k):
         raise UnsupportedError("fuse_rope: a packed batch with cu_seq_lens_q != cu_seq_lens_k is not supported")
     cu = packed.cu_seqlens_q.long()

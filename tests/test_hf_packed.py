@@ -109,6 +109,42 @@ def test_packed_batch_runs_the_documents_not_a_mask(monkeypatch, flash_kwargs):
         assert bias is None and torch.equal(cu_q.long(), want) and torch.equal(cu_k.long(), want)
 
 
+@pytest.mark.parametrize("flash_kwargs", [True, False], ids=["cu_seq_lens", "position_ids"])
+def test_the_layers_after_the_first_reuse_the_packing_checks(monkeypatch, flash_kwargs):
+    """HF hands every layer the same position_ids, mask, flash keywords and rotary tables: the host-syncing
+    checks (offsets from position_ids, the mask compared with the documents', fuse_rope's local tables) run
+    once a forward, not once a layer; a second forward with new tensors runs them again."""
+    counted = {"_packed_call": 0, "_local_rope_tables": 0}
+    for name in counted:
+        original = getattr(attnfuse.hf_packed, name)
+
+        def counting(*args, _name=name, _original=original):
+            counted[_name] += 1
+            return _original(*args)
+
+        monkeypatch.setattr(attnfuse.hf_packed, name, counting)
+    model = attnfuse.hf.fuse_rope(_model("llama"))
+    assert SIZES["num_hidden_layers"] >= 2
+    for step in (1, 2):
+        _packed_step(model, "attnfuse", _documents((4, 1, 6)), flash_kwargs)
+        assert counted == {"_packed_call": step, "_local_rope_tables": step}
+
+
+def test_packed_call_reads_a_tensor_changed_in_place_again():
+    """The remembered answer belongs to the tensors' versions: position_ids rewritten in place (a new packing of
+    the row) give the new documents, not the remembered ones."""
+    _, q, k, _ = _attention_inputs(total=9)
+    positions = torch.tensor([[0, 1, 2, 0, 0, 1, 2, 3, 4]])
+    first = attnfuse.hf_packed.packed_call(q, k, None, None, {"position_ids": positions})
+    assert first.cu_seqlens_q.tolist() == [0, 3, 4, 9]
+    assert attnfuse.hf_packed.packed_call(q, k, None, None, {"position_ids": positions}) is first
+    positions[0, 4:] = torch.tensor([1, 2, 0, 1, 2])
+    again = attnfuse.hf_packed.packed_call(q, k, None, None, {"position_ids": positions})
+    assert again.cu_seqlens_q.tolist() == [0, 3, 6, 9]
+    other = attnfuse.hf_packed.packed_call(q, k, None, None, {"position_ids": positions.clone()})
+    assert other is not again and other.cu_seqlens_q.tolist() == [0, 3, 6, 9]  # another tensor: checked itself
+
+
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_packed_training_with_fuse_rope_equals_padded_eager(family):
     """fuse_rope reads HF's per-token cos/sin as tables at document-local positions."""
