@@ -14,7 +14,7 @@ from ..kernels.tiles import SHARED_MEMORY_LIMIT
 from ..kernels.verified import MODE_ENV, chosen, is_verified, mode, record_key
 from ..plan import KernelConfig, KernelSpec, Plan
 from ..runtime.compiled import compiled
-from ..runtime.hoisted import HOIST_MIN_QUERY_BLOCKS
+from ..runtime.hoisted import least_hoisted_queries
 
 NOT_VERIFIED = f"instance not verified on a GPU ({MODE_ENV}=all opts in)"
 TEMPLATES_OFF = f"the templates are turned off ({MODE_ENV}=off)"
@@ -130,9 +130,7 @@ def call_engines(graph: ir.MatMulPV, inference: KernelConfig, training: KernelCo
         engine = kernel_engine(plan, kind)
         if "transform" in plan.kernels and kind in HOISTED_KINDS and not plan.config.varlen:  # packed: never
             hoisted = kernel_engine(compiled(graph, plan.hoisted_config).plan, kind)
-            least = (HOIST_MIN_QUERY_BLOCKS - 1) * plan.kernels[
-                "forward"
-            ].tiles.block_m + 1  # worth_hoisting's least Nq
+            least = least_hoisted_queries(plan.kernels["forward"].tiles.block_m)
             engine = evolve(hoisted, hoisted=True, when=f"calls with at least {least} queries", fused=engine)
         engines[kind] = engine
     return engines

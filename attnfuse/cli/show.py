@@ -165,6 +165,7 @@ def cmd_show(args: argparse.Namespace, out: TextIO) -> int:
     from ..runtime.compiled import compiled
     from ..runtime.inputs import MAX_HEAD_DIM
     from .engines import call_engines, with_resources
+    from .transforms import TransformChoice
 
     if args.json and args.kernel is not None:
         raise CLIError("--json reports every kernel of a call; --kernel picks the one whose source the text shows")
@@ -205,6 +206,8 @@ def cmd_show(args: argparse.Namespace, out: TextIO) -> int:
     training = attrs.evolve(inference, save_lse=args.lse or has_lse)
     config = training if kind in ("dkdv", "dq") else inference
 
+    transforms = TransformChoice.of(graph, inference)
+
     def engines_of_call() -> dict:
         engines = call_engines(graph, inference, training)
         if not args.resources:
@@ -218,6 +221,7 @@ def cmd_show(args: argparse.Namespace, out: TextIO) -> int:
             "config": attrs.asdict(inference),
             "templates": mode(),
             "kernels": {k: engine.fields() for k, engine in engines_of_call().items()},
+            "transforms": transforms.fields() if transforms is not None else None,
         }
         json.dump(report, out, indent=2)
         out.write("\n")
@@ -250,6 +254,10 @@ def cmd_show(args: argparse.Namespace, out: TextIO) -> int:
     print(f"# engines    ({MODE_ENV}={mode()})", file=out)
     for line in (line for engine in engines.values() for line in engine.lines()):
         print(f"    {line}", file=out)
+    if transforms is not None:
+        print("# transforms", file=out)
+        for line in transforms.lines():
+            print(f"    {line}", file=out)
     print("# source", file=out)
     out.write(kernel.source if kernel.source.endswith("\n") else kernel.source + "\n")
     return 0

@@ -25,6 +25,11 @@ from .launcher import cdiv
 HOIST_MIN_QUERY_BLOCKS = 4  # `attnfuse bench` times both ways (the rope_causal_per_tile rows)
 
 
+def least_hoisted_queries(block_m: int) -> int:
+    """The fewest queries a call hoists with, for the fused forward's ``block_m``."""
+    return (HOIST_MIN_QUERY_BLOCKS - 1) * block_m + 1
+
+
 def worth_hoisting(forward: ForwardKernel, Nq: int) -> bool:
     """Whether a call with ``Nq`` queries runs the plan's passes: at least HOIST_MIN_QUERY_BLOCKS query
     blocks would each transform the keys."""
