@@ -11,6 +11,7 @@ from ..launch_spec import LaunchSpec
 from ..passes.lower import LoweredProgram, masked_head
 from ..plan import KernelSpec, TemplatePlan, TileConfig
 from . import descriptors, dkdv_pipeline, launch, pipeline, rows
+from .canonical import canonical_source
 from .capability import dkdv_reason, forward_reason
 from .dkdv import dkdv_params, generate_dkdv
 from .forward import forward_params, generate_forward
@@ -79,7 +80,8 @@ def _library() -> str:
 
 
 def instance_digest(spec: KernelSpec) -> str:
-    """What identifies a template instance's code: a hash of its source, the constants and tiles it is launched
-    with, and the library it imports and is launched by."""
+    """What identifies a template instance's code: a hash of its canonical source (``canonical.py``: no names,
+    docstrings or unread parameters, so programs that get the same kernel share it), the constants and tiles it
+    is launched with, and the library it imports and is launched by."""
     launched = f"{sorted(spec.launch.constants.items())!r}{spec.tiles!r}"
-    return hashlib.sha256((spec.source + launched + _library()).encode()).hexdigest()[:24]
+    return hashlib.sha256((canonical_source(spec.source) + launched + _library()).encode()).hexdigest()[:24]

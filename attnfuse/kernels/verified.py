@@ -2,9 +2,10 @@
 
 ``verified.json`` beside this file is written by the GPU run (``python -m attnfuse.kernels.verify --write``),
 never by hand: one entry per (instance, dtype, head dim) whose every case matched the float64 reference on the
-GPU. An instance is named by ``instance_digest``, a hash of its source and of the template library it imports,
-so any change to the template, to a fragment it splices or to the library makes it a new, unverified instance:
-the record cannot drift from the code.
+GPU. An instance is named by ``instance_digest``, a hash of its code (its canonical source: programs whose
+kernels differ only in names share one) and of the template library it imports, so any change to the template,
+to a fragment it splices or to the library makes it a new, unverified instance: the record cannot drift from
+the code.
 
 ``ATTNFUSE_TEMPLATES`` chooses: ``verified`` (the default) runs the verified instances and the generated kernels
 elsewhere; ``all`` opts in to every instance the templates can run, verified or not; ``off`` runs none.
