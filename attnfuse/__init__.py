@@ -20,6 +20,7 @@ from .block_mask import BlockMask, create_block_mask, create_block_mask_from_blo
 from .combinator import Combinator, Role
 from .errors import AttnFuseError, InputError, KernelCacheError, PluginError, ProgramError, UnsupportedError
 from .hookspecs import hookimpl
+from .packed_cache import PackedCache, packed_to_cache, packed_to_pages
 from .packing import cu_seqlens_from_document_ids, cu_seqlens_from_position_ids
 from .plugin_manager import combinators, register_plugin, reserve_names, unregister_plugin
 from .program import AttentionProgram, attention
@@ -34,6 +35,7 @@ __all__ = [
     "Combinator",
     "InputError",
     "KernelCacheError",
+    "PackedCache",
     "PluginError",
     "ProgramError",
     "RecompileWarning",
@@ -47,6 +49,8 @@ __all__ = [
     "cu_seqlens_from_document_ids",
     "cu_seqlens_from_position_ids",
     "hookimpl",
+    "packed_to_cache",
+    "packed_to_pages",
     "register_plugin",
     "run_attention",
     "unregister_plugin",
