@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from ..lower import LoweredProgram
 from .common import fragment, half_mask, masked_load, precision, split, transformed
+from .fp8 import operand_dtype
 
 
 def operand(
@@ -37,7 +38,7 @@ def operand(
                 f"# {t.prefix}: qk transform of {x}",
                 fragment(t.code(text, x1=f"{x}1f", x2=f"{x}2f", pos=pos, ok=fragment_ok, tmp=f"{x}_{t.prefix}")),
             ]
-    lines += [f"{x}1 = {x}1f.to({x.upper()}.dtype.element_ty)", f"{x}2 = {x}2f.to({x.upper()}.dtype.element_ty)"]
+    lines += [f"{x}1 = {x}1f.to({operand_dtype(kernel, x)})", f"{x}2 = {x}2f.to({operand_dtype(kernel, x)})"]
     return "\n".join(lines) + "\n"
 
 
