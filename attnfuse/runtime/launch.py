@@ -352,8 +352,8 @@ def _fp8_call(program: compiled.Compiled, kv: Any, grads: Any, split_kv: bool | 
     """A float8 call's ``Call``: the generated forward kernel, never hoisted (``fp8.py`` names what it refuses)."""
     if not fp8:
         raise InputError(
-            f"float8 q, k, v need q_descale, k_descale and v_descale: float32 tensors of shape (1,) or (B, Hkv) "
-            f"(torch.compile's op and context parallelism take no float8; call the program eagerly)"
+            "float8 q, k, v need q_descale, k_descale and v_descale, float32 tensors of shape (1,) or (B, Hkv), "
+            "given to the program's call (attnfuse.run_attention); this path takes none"
         )
     if grads is not None:
         raise UnsupportedError(
