@@ -51,7 +51,8 @@ def descales(kernel: LoweredProgram) -> str:
 
     return (
         "# float8: the descales of this (batch, kv head)\n"
-        f"qk_descale = {load('QDescale', 'qds')} * {load('KDescale', 'kds')}\n"
+        f"qk_descale = {load('QDescale', 'qds')}\n"
+        f"qk_descale = qk_descale * {load('KDescale', 'kds')}\n"
         f"v_descale = {load('VDescale', 'vds')}\n"
     )
 
