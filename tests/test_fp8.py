@@ -30,13 +30,19 @@ from attnfuse.errors import DeclarationError
 from attnfuse.passes.compiler import lowered
 from attnfuse.kernels.capability import forward_reason
 from attnfuse.plan import KernelConfig
+from attnfuse.runtime import fp8 as fp8_module
 from attnfuse.runtime.launch import planned
+
+from conftest import requires_cuda
 from attnfuse.testing import assert_matches_reference
 
 FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 B, HQ, HKV, D = 2, 4, 2, 16
-P_ROUNDOFF = 2.0**-11  # the interpreter's UPCAST_DTYPE, float16 (bfloat16 on a GPU: 2**-8)
-OUT_ROUNDOFF = {torch.float32: 0.0, torch.float16: 2.0**-11, torch.bfloat16: 2.0**-7}  # bfloat16: truncated
+P_ROUNDOFF = {"cpu": 2.0**-11, "cuda": 2.0**-8}  # UPCAST_DTYPE: float16 under the interpreter, else bfloat16
+OUT_ROUNDOFF = {
+    "cpu": {torch.float32: 0.0, torch.float16: 2.0**-11, torch.bfloat16: 2.0**-7},  # bfloat16 truncated
+    "cuda": {torch.float32: 0.0, torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8},
+}
 
 
 def quantised(x: torch.Tensor, dtype: torch.dtype, per_head: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -49,12 +55,15 @@ def quantised(x: torch.Tensor, dtype: torch.dtype, per_head: bool) -> tuple[torc
     return (x / scale).to(dtype), descale
 
 
-def fp8_inputs(dtype: torch.dtype, per_head: bool, Nq: int = 40, Nk: int = 40) -> tuple[list, dict]:
+def fp8_inputs(
+    dtype: torch.dtype, per_head: bool, Nq: int = 40, Nk: int = 40, device: str = "cpu", head_dim: int = D
+) -> tuple[list, dict]:
     """Fresh random q, k, v quantised to ``dtype``, and their descales by argument name."""
-    q, qd = quantised(torch.randn(B, HQ, Nq, D), dtype, per_head)
-    k, kd = quantised(torch.randn(B, HKV, Nk, D), dtype, per_head)
-    v, vd = quantised(torch.randn(B, HKV, Nk, D), dtype, per_head)
-    return [q, k, v], {"q_descale": qd, "k_descale": kd, "v_descale": vd}
+    q, qd = quantised(torch.randn(B, HQ, Nq, head_dim), dtype, per_head)
+    k, kd = quantised(torch.randn(B, HKV, Nk, head_dim), dtype, per_head)
+    v, vd = quantised(torch.randn(B, HKV, Nk, head_dim), dtype, per_head)
+    moved = [t.to(device) for t in (q, k, v)]
+    return moved, {"q_descale": qd.to(device), "k_descale": kd.to(device), "v_descale": vd.to(device)}
 
 
 def check(program, qkv, descales, out_dtype=None, extra=(), **call):
@@ -70,8 +79,8 @@ def check(program, qkv, descales, out_dtype=None, extra=(), **call):
     (out, ref, naive), lses = zip(*results) if lse else (results, None)
     assert out.dtype == (out_dtype or torch.bfloat16)
     v_abs = v.float().abs().to(v.dtype)  # exact
-    pv = P_ROUNDOFF * program.reference(q, k, v_abs, *extra, **descales, **call)
-    u_out = OUT_ROUNDOFF[out.dtype]
+    pv = P_ROUNDOFF[q.device.type] * program.reference(q, k, v_abs, *extra, **descales, **call)
+    u_out = OUT_ROUNDOFF[q.device.type][out.dtype]
     assert_matches_reference(out, ref, naive, dtype=torch.float32, rounding=pv + u_out * (ref.abs() + pv))
     if lse:
         assert lses[0].dtype == torch.float32
@@ -108,12 +117,12 @@ def biased(q, k, v, bias):
     return af.softmax(af.additive_bias(af.scaled_dot_product(q, k), bias)) @ v
 
 
-PROGRAMS = {
-    "causal": (causal_softmax, lambda: ()),
-    "alibi": (alibi, lambda: ()),
-    "softcap": (softcapped, lambda: ()),
-    "sinks": (with_sinks, lambda: (torch.randn(HQ) * 2,)),
-    "bias": (biased, lambda: (torch.randn(B, 1, 40, 40),)),
+PROGRAMS = {  # each with its extra arguments for N queries and keys
+    "causal": (causal_softmax, lambda n: ()),
+    "alibi": (alibi, lambda n: ()),
+    "softcap": (softcapped, lambda n: ()),
+    "sinks": (with_sinks, lambda n: (torch.randn(HQ) * 2,)),
+    "bias": (biased, lambda n: (torch.randn(B, 1, n, n),)),
 }
 
 
@@ -123,7 +132,7 @@ def test_programs_match_the_dequantised_reference(name, dtype):
     """Every program of the table, GQA (Hq = 4, Hkv = 2), per-head descales, out in float32."""
     program, extra = PROGRAMS[name]
     qkv, descales = fp8_inputs(dtype, per_head=True)
-    check(program, qkv, descales, torch.float32, extra())
+    check(program, qkv, descales, torch.float32, extra(40))
 
 
 @pytest.mark.parametrize("dtype", FP8, ids=lambda d: str(d)[6:])
@@ -179,9 +188,10 @@ def test_transform_declaring_runs_on_fp8():
         ref = rotated.reference(q, k, v, **descales)
         naive = rotated.reference(q, k, v, **descales, dtype=torch.float32)
         norms = [(t.double() * descales[f"{n}_descale"].double()).norm(dim=-1).max() for n, t in (("q", q), ("k", k))]
-        eps = 2 * P_ROUNDOFF * norms[0] * norms[1] / math.sqrt(D)
+        u_p = P_ROUNDOFF["cpu"]
+        eps = 2 * u_p * norms[0] * norms[1] / math.sqrt(D)
         w_abs_v = rotated.reference(q, k, v.float().abs().to(v.dtype), **descales)
-        bound = (math.expm1(2 * eps) + P_ROUNDOFF) * w_abs_v
+        bound = (math.expm1(2 * eps) + u_p) * w_abs_v
         assert_matches_reference(out, ref, naive, dtype=torch.float32, rounding=bound)
     finally:
         af.unregister_plugin("test-fp8-rope")
@@ -312,3 +322,28 @@ def test_hopper_template_refuses_fp8_with_a_reason(dtype):
     assert forward_reason(lowered(causal_softmax.graph(), config)) == (
         f"the templates take float16 and bfloat16, not {dtype}"
     )
+
+
+def test_a_device_no_gpu_run_has_checked_refuses_fp8_unless_asked(monkeypatch):
+    """The float8 kernel has run on the CPU only: another device refuses it, naming the opt-in."""
+    qkv, descales = fp8_inputs(torch.float8_e4m3fn, per_head=False)
+    monkeypatch.setattr(fp8_module, "CHECKED_DEVICES", ())  # as a GPU is today
+    monkeypatch.delenv(fp8_module.GPU_ENV, raising=False)
+    with pytest.raises(af.UnsupportedError, match="checked on the CPU only.*ATTNFUSE_FP8_ON_GPU=1"):
+        causal_softmax(*qkv, **descales)
+    monkeypatch.setenv(fp8_module.GPU_ENV, "1")
+    check(causal_softmax, qkv, descales, torch.float32)
+
+
+@requires_cuda
+@pytest.mark.parametrize("dtype", FP8, ids=lambda d: str(d)[6:])
+@pytest.mark.parametrize("per_head", [False, True], ids=["per-tensor", "per-head"])
+@pytest.mark.parametrize("name", PROGRAMS)
+def test_on_a_gpu(monkeypatch, name, dtype, per_head):
+    """The float8 forward on a GPU (sm89+: float8 q·kᵀ, bfloat16 P·V), production head dim, against the float64
+    reference at the module doc's GPU bounds. Float8 calls run on a GPU only when asked (ATTNFUSE_FP8_ON_GPU=1)
+    until this test has passed there."""
+    monkeypatch.setenv(fp8_module.GPU_ENV, "1")
+    program, extra = PROGRAMS[name]
+    qkv, descales = fp8_inputs(dtype, per_head, Nq=300, Nk=300, device="cuda", head_dim=128)
+    check(program, qkv, descales, None, [t.cuda() for t in extra(300)])
