@@ -347,3 +347,27 @@ def test_on_a_gpu(monkeypatch, name, dtype, per_head):
     program, extra = PROGRAMS[name]
     qkv, descales = fp8_inputs(dtype, per_head, Nq=300, Nk=300, device="cuda", head_dim=128)
     check(program, qkv, descales, None, [t.cuda() for t in extra(300)])
+
+
+def test_under_torch_compile_an_fp8_call_runs_eagerly():
+    """Dynamo leaves a call with descales out of the graph (a graph break) and runs it eagerly."""
+    qkv, descales = fp8_inputs(torch.float8_e5m2, per_head=True)
+    step = torch.compile(
+        lambda q, k, v: causal_softmax(q, k, v, **descales, out_dtype=torch.float32) * 2, backend="eager"
+    )
+    assert torch.equal(step(*qkv), causal_softmax(*qkv, **descales, out_dtype=torch.float32) * 2)
+
+
+@pytest.mark.parametrize("name", ["q_descale", "k_descale", "v_descale", "out_dtype"])
+def test_fp8_argument_names_are_reserved(name):
+    with pytest.raises(af.ProgramError, match=rf"argument name\(s\) \['{name}'\] are reserved"):
+        af.attention(eval(f"lambda q, k, v, {name}: af.softmax(af.scaled_dot_product(q, k)) @ v"))
+
+
+def test_show_prints_the_fp8_kernel_and_the_templates_reason(capsys):
+    from attnfuse.cli import main
+
+    assert main(["show", "gpt2", "--arch", "sm90", "--dtype", "float8_e4m3fn", "--head-dim", "64"]) == 0
+    out = capsys.readouterr().out
+    assert "forward: generated — the templates take float16 and bfloat16, not float8_e4m3fn" in out
+    assert "s = s * qk_descale" in out and "acc = tl.dot(p.to(UPCAST_DTYPE), v, acc)" in out
