@@ -1,12 +1,13 @@
 """The forward kernel of float8 inputs (``KernelConfig.dtype`` "float8_e4m3fn" or "float8_e5m2").
 
-q and k tiles load as float8 and q·kᵀ takes them as they are (a float8 product on sm89 and later), giving
-float32 scores, which ``qk_descale`` (q_descale · k_descale of the program's batch and kv head) multiplies
-before anything else reads them. P·V takes P, and v upcast, in ``UPCAST_DTYPE``: bfloat16 on a GPU (v's
-float8 values are exact there; P rounds to 8 significant bits, where float8 e4m3 would keep 4), float16 under
-Triton's interpreter, whose bfloat16 products and float32 -> float8 casts compute wrongly (Triton 3.6). q and
-k halves rewritten by a qk transform (one that declares ``runs_on_fp8``) go to ``UPCAST_DTYPE`` too. ``out``
-is multiplied by ``v_descale`` after the normaliser's ``finalize`` (every normaliser is linear in v).
+q and k tiles load as float8 and q·kᵀ takes them as they are (a float8 product on sm89 and later, its
+partial sums moved to float32 every 32 terms: ``product_keywords``), giving float32 scores, which
+``qk_descale`` (q_descale · k_descale of the program's batch and kv head) multiplies before anything else
+reads them. P·V takes P, and v upcast, in ``UPCAST_DTYPE``: bfloat16 on a GPU (v's float8 values are exact
+there; P keeps 8 significant bits, where float8 e4m3 would keep 4), float16 under Triton's interpreter,
+whose bfloat16 products and float32 -> float8 casts compute wrongly (Triton 3.6). q and k halves rewritten
+by a qk transform (one that declares ``runs_on_fp8``) go to ``UPCAST_DTYPE`` too. ``out`` is multiplied by
+``v_descale`` after the normaliser's ``finalize`` (every normaliser is linear in v).
 
 Descales are float32 (B, Hkv) tensors read through their strides (a per-tensor one is broadcast with
 stride 0). Every other dtype's kernel is written as before: each helper here writes nothing for it.
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 from ...launch_spec import CONSTEXPR, TENSOR, Param, params, strides
 from ..lower import LoweredProgram
+from .common import split
 
 FP8_DTYPES = ("float8_e4m3fn", "float8_e5m2")
 UPCAST = "UPCAST_DTYPE"  # constexpr: the dtype of the float8 kernel's products that do not take float8
@@ -60,6 +62,19 @@ def descales(kernel: LoweredProgram) -> str:
 def score_descale(kernel: LoweredProgram) -> str:
     """The raw float8 product -> the product of the dequantised q and k."""
     return "s = s * qk_descale\n" if is_fp8(kernel) else ""
+
+
+PROMOTE_EVERY = 32  # terms of q·kᵀ summed in a float8 product's own accumulator before float32 takes over
+
+
+def product_keywords(kernel: LoweredProgram) -> str:
+    """tl.dot keywords of a float8 q·kᵀ: Hopper's float8 tensor cores sum in an accumulator narrower than
+    float32, which Triton by default keeps for the whole product; ``max_num_imprecise_acc`` moves the partial
+    sums into float32 every ``PROMOTE_EVERY`` terms (a head dim below that is summed in one step). None for
+    other dtypes, nor when qk transforms upcast the halves."""
+    if not is_fp8(kernel) or split(kernel) or kernel.block_d < PROMOTE_EVERY:
+        return ""
+    return f", max_num_imprecise_acc={PROMOTE_EVERY}"
 
 
 def value_tile(kernel: LoweredProgram, load: str) -> str:
