@@ -158,10 +158,11 @@ def run_attention(
     """
     inputs = inputs or {}
     positions = packed = fp8 = None
-    descales = {"q_descale": q_descale, "k_descale": k_descale, "v_descale": v_descale}
-    if out_dtype is not None or any(d is not None for d in descales.values()) or float8.is_fp8(q):
+    asked = q_descale is not None or k_descale is not None or v_descale is not None or out_dtype is not None
+    if asked or float8.is_fp8(q):
         layout = check_inputs(q, k, v, paged=block_table is not None, kv_layout=kv_layout)
         kv_heads = k.shape[1] if block_table is None else head_second(k, layout).shape[1]
+        descales = {"q_descale": q_descale, "k_descale": k_descale, "v_descale": v_descale}
         fp8 = float8.check_fp8(q, k, v, descales, out_dtype, kv_heads)
     if any(a is not None for a in (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)):
         refuse_arguments(
