@@ -52,7 +52,7 @@ class KernelConfig:
     """What besides the program's structure decides its kernels (the compile key): one plan per value."""
 
     arch: str  # "sm90", "sm80", ... or "interpreter"
-    dtype: str  # "float16", "bfloat16", "float32" or "float64"
+    dtype: str  # "float16", "bfloat16", "float32", "float64", or (forward only) "float8_e4m3fn", "float8_e5m2"
     head_dim: int  # D of q and k
     head_dim_v: int  # D of v
     group: int  # Hq // Hkv
