@@ -7,7 +7,8 @@ the reference computes with), and float8 values are exact in float16, bfloat16 a
 - q·kᵀ: each product of two float8 values is exact in float32 (4 + 4 significant bits at most); the sum over
   D, the descale multiply and everything up to the weights are float32 arithmetic, as in a float32 call:
   covered by the float32 floor of ``assert_matches_reference`` (twice the naive float32 evaluator's error on
-  the same dequantised inputs, plus its ATOL).
+  the same dequantised inputs, plus its ATOL). On a GPU the tensor cores sum float8 products in a narrower
+  accumulator first: ``test_on_a_gpu`` adds that term (``ACCUMULATOR_ROUNDOFF``).
 - P·V: P is rounded to UPCAST_DTYPE before the product (float16 under the interpreter, unit roundoff
   u_p = 2⁻¹¹; bfloat16 on a GPU, 2⁻⁸), v is exact there, the sum is float32 and the normaliser's sums take
   the unrounded P. Each weight w_j (≥ 0 for every normaliser tested) is off by at most u_p · w_j, so out is
@@ -32,9 +33,9 @@ from attnfuse.kernels.capability import forward_reason
 from attnfuse.plan import KernelConfig
 from attnfuse.runtime import fp8 as fp8_module
 from attnfuse.runtime.launch import planned
+from attnfuse.testing import assert_matches_reference
 
 from conftest import requires_cuda
-from attnfuse.testing import assert_matches_reference
 
 FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 B, HQ, HKV, D = 2, 4, 2, 16
@@ -46,8 +47,9 @@ OUT_ROUNDOFF = {
 
 
 def quantised(x: torch.Tensor, dtype: torch.dtype, per_head: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """x (B, H, N, D) scaled into ``dtype``'s range and rounded to it, with its descale: (B, H) per head
-    (each head of q's kv group sharing one), else (1,); random factors so that no descale is 1."""
+    """x (B, H, N, D) scaled into ``dtype``'s range and rounded to it, with its descale: (B, Hkv) per kv head
+    (the query heads of a group sharing one), else (1,); a random factor in [1, 2) so that no descale is the
+    plain amax / max."""
     groups = x.shape[1] // HKV
     amax = x.abs().amax(dim=(2, 3)).view(x.shape[0], HKV, groups).amax(-1) if per_head else x.abs().amax().view(1)
     descale = (amax / torch.finfo(dtype).max * (1 + torch.rand(amax.shape))).float()  # in range: |x| <= max
