@@ -199,6 +199,12 @@ class Combinator:
     and its ``prepare`` takes the sequence's length from ``seq_len`` where it means the sequence's. A
     combinator without ``prepare`` reads no memory of its own and needs no declaration. Default False:
     such calls raise an InputError naming it.
+    ``runs_on_fp8``: a combinator whose fragment reads q or k values itself (a qk transform, or a score
+    source with a transform) runs in float8 calls only if it declares True: there its fragment gets the
+    quantised values as stored (float32, before ``q_descale``/``k_descale``, which multiply the product
+    after it), and its result is rounded to bfloat16 for the product, so it must commute with a positive
+    per-head factor (a rotation does; a normalisation does not). Default False: such calls raise an
+    UnsupportedError naming it. Other combinators see float32 scores and need no declaration.
     """
 
     name: str = field(validator=_identifier)
@@ -212,6 +218,7 @@ class Combinator:
     prepare: Callable[..., dict[str, Any]] | None = field(default=None)
     examples: Callable[..., dict[str, Any]] | None = field(default=None)
     takes_offsets: bool = field(default=False)
+    runs_on_fp8: bool = field(default=False)
 
     @params.validator
     def _check_params(self, _, params) -> None:
@@ -251,6 +258,11 @@ class Combinator:
     def _check_takes_offsets(self, _, value) -> None:
         if not isinstance(value, bool):
             raise DeclarationError(f"combinator {self.name!r}: takes_offsets must be True or False, got {value!r}")
+
+    @runs_on_fp8.validator
+    def _check_runs_on_fp8(self, _, value) -> None:
+        if not isinstance(value, bool):
+            raise DeclarationError(f"combinator {self.name!r}: runs_on_fp8 must be True or False, got {value!r}")
 
     def __attrs_post_init__(self) -> None:
         self._check_reference(self.reference)

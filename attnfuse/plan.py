@@ -52,7 +52,7 @@ class KernelConfig:
     """What besides the program's structure decides its kernels (the compile key): one plan per value."""
 
     arch: str  # "sm90", "sm80", ... or "interpreter"
-    dtype: str  # "float16", "bfloat16", "float32" or "float64"
+    dtype: str  # "float16", "bfloat16", "float32", "float64", or (forward only) "float8_e4m3fn", "float8_e5m2"
     head_dim: int  # D of q and k
     head_dim_v: int  # D of v
     group: int  # Hq // Hkv
@@ -169,6 +169,8 @@ class Plan:
     compiles it), so the split-KV path, which would count its key-independent term in every split, does
     not take it. ``refuses_offsets``: the first combinator with a ``prepare`` that does not declare
     ``takes_offsets`` (a call giving q_offset or k_offset refuses it), or None.
+    ``refuses_fp8``: the first combinator whose fragment reads q or k values (a qk transform) and does not
+    declare ``runs_on_fp8`` (a float8 call refuses it), or None.
     ``missing_backward``: the combinator declaring no backward (as "the score modification <name>"), or None.
     ``plugin_calls``: the applications whose plugins give kernel
     arguments, in the kernels' order; ``plugin_args``: those arguments' parameter names (tensors, then
@@ -201,6 +203,7 @@ class Plan:
     kernels: Mapping[str, KernelSpec] = field(converter=lambda k: MappingProxyType(dict(k)), validator=_kernels)
     templates: TemplatePlan = field(factory=TemplatePlan)
     dq_for: Callable[[tuple[InputGradient, ...]], KernelSpec] = field(repr=False)
+    refuses_fp8: str | None = None
 
     def dq(self, gradients: tuple[InputGradient, ...] = ()) -> KernelSpec:
         """The dQ kernel, writing the score-shaped gradients of ``gradients`` (of ``input_gradients``)."""

@@ -25,6 +25,8 @@ from .runtime.inputs import check_cache, check_positions, kernel_config
 from .runtime.compiled import compiled_kernel
 from .runtime.offsets import inputs_fit
 from .runtime.validate import check_call_values
+from .runtime.fp8 import FP8_ARGUMENTS
+from .runtime.fp8_reference import reference_inputs
 
 RESERVED_ARGUMENTS = (
     "return_lse",
@@ -39,6 +41,7 @@ RESERVED_ARGUMENTS = (
     "cu_seqlens_k",
     "max_seqlen_q",
     "max_seqlen_k",
+    *FP8_ARGUMENTS,
 )
 MAX_TRACES = 64  # graphs kept per program: past RECOMPILE_LIMIT (8) configurations it warns (recompile.py)
 
@@ -240,6 +243,10 @@ class AttentionProgram:
         cu_seqlens_k: torch.Tensor | None = None,
         max_seqlen_q: int | None = None,
         max_seqlen_k: int | None = None,
+        q_descale: torch.Tensor | None = None,
+        k_descale: torch.Tensor | None = None,
+        v_descale: torch.Tensor | None = None,
+        out_dtype: torch.dtype | None = None,
         **kwargs: Any,
     ):
         """The fused kernel's result: out (B, Hq, Nq, DV), or (out, lse) when ``return_lse``.
@@ -260,8 +267,13 @@ class AttentionProgram:
         ``cu_seqlens_q``, ``cu_seqlens_k`` (docs + 1,) int32 or int64: packed sequences, q (1, Hq, total_q, D)
         and k, v (1, Hkv, total_k, D) holding documents one after another, each attending within itself at
         positions local to it; ``max_seqlen_q``, ``max_seqlen_k``: optional bounds on their lengths. Under
-        torch.compile such a call runs eagerly too. See ``attnfuse.run_attention``.
+        torch.compile such a call runs eagerly too.
+        ``q_descale``, ``k_descale``, ``v_descale``: float8 q, k, v (torch.float8_e4m3fn or torch.float8_e5m2)
+        need them: float32, shape (1,) or (B, Hkv), the factors that dequantise each (FlashAttention-3's);
+        ``out_dtype``: a float8 call's output dtype (torch.bfloat16 by default, torch.float16, torch.float32).
+        Forward only; under torch.compile such a call runs eagerly. See ``attnfuse.run_attention``.
         """
+        fp8 = {"q_descale": q_descale, "k_descale": k_descale, "v_descale": v_descale, "out_dtype": out_dtype}
         packed = {
             "cu_seqlens_q": cu_seqlens_q,
             "cu_seqlens_k": cu_seqlens_k,
@@ -269,7 +281,7 @@ class AttentionProgram:
             "max_seqlen_k": max_seqlen_k,
         }
         if torch.compiler.is_compiling():  # one opaque call to Dynamo (see custom_op.opaque_program_call)
-            eager = any(a is not None for a in (q_offset, k_offset, seq_len, *packed.values()))
+            eager = any(a is not None for a in (q_offset, k_offset, seq_len, *packed.values(), *fp8.values()))
             if eager:  # a graph break
                 return torch.compiler.disable(self.__call__)(
                     *args,
@@ -282,6 +294,7 @@ class AttentionProgram:
                     k_offset=k_offset,
                     seq_len=seq_len,
                     **packed,
+                    **fp8,
                     **kwargs,
                 )
             hide = custom_op.hide_none
@@ -306,6 +319,7 @@ class AttentionProgram:
             seq_len=seq_len,
             kv_layout=kv_layout,
             **packed,
+            **fp8,
         )
 
     def __eq__(self, other: object) -> bool:  # by identity; defined for torch.compile (a pytree constant)
@@ -324,12 +338,17 @@ class AttentionProgram:
         q_offset: int | None = None,
         k_offset: int | None = None,
         seq_len: int | None = None,
+        q_descale: torch.Tensor | None = None,
+        k_descale: torch.Tensor | None = None,
+        v_descale: torch.Tensor | None = None,
         **kwargs: Any,
     ):
         """The naive PyTorch result computed in ``dtype`` (float64 by default), as the oracle for tests;
         kv_lens and block_table values are checked as a validated call checks them, positions and a paged
-        cache's ``kv_layout`` as a call's."""
+        cache's ``kv_layout`` as a call's. Float8 q, k, v are dequantised with their descales (checked as
+        a call's) first."""
         (q, k, v), args, kwargs = self._take_qkv(args, kwargs)
+        q, k, v = reference_inputs(q, k, v, q_descale, k_descale, v_descale, dtype, block_table, kv_layout)
         layout = check_cache(q, k, v, kv_lens, block_table, kv_layout).kv_layout
         positions = check_positions(q_offset, k_offset, seq_len, q.shape[2], k.shape[2], kv_lens, block_table)
         check_call_values(k, kv_lens, block_table, kv_layout=layout, wait=True)

@@ -248,6 +248,8 @@ def _errors(afd, world: int, rank: int) -> dict[str, str]:
         "cu_seqlens": _error(
             lambda: afd.context_parallel(causal)(q(), q(), q(), cu_seqlens_q=torch.tensor([0, 20]), cu_seqlens_k=None)
         ),
+        "fp8": _error(lambda: afd.context_parallel(causal)(*(q().to(torch.float8_e4m3fn) for _ in "qkv"))),
+        "fp8_descale": _error(lambda: afd.context_parallel(causal)(q(), q(), q(), q_descale=torch.ones(1))),
         "layout_mismatch": _error(
             lambda: afd.context_parallel(causal, layout="contiguous")(zigzag_shard(2), zigzag_shard(1), zigzag_shard(1))
         ),
@@ -414,6 +416,10 @@ ERRORS = {  # the message each rank gets, {w} the world size and {c} the zigzag 
     r"v shards of the same length\) and sets every chunk's positions itself$",
     "cu_seqlens": r"UnsupportedError: context_parallel: packed sequences \(cu_seqlens_q, cu_seqlens_k\) are not "
     r"supported by the ring yet",
+    "fp8": r"UnsupportedError: float8 calls run the generated forward kernel only; context_parallel's ring does not "
+    r"take float8 yet",
+    "fp8_descale": r"UnsupportedError: float8 calls run the generated forward kernel only; context_parallel's ring "
+    r"\(q_descale\) does not take float8 yet",
     "layout_mismatch": r"InputError: context_parallel: q is a shard of layout 'zigzag', but this context_parallel uses "
     r"layout 'contiguous'; shard with layout='contiguous', or use layout='zigzag' here",
     "unshard_layout": r"InputError: unshard: x_shard is a shard of layout 'zigzag', but this unshard uses layout "

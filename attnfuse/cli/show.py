@@ -279,7 +279,7 @@ def add_parser(sub) -> None:
     )
     p.add_argument(
         "--dtype",
-        choices=("float16", "bfloat16", "float32"),
+        choices=("float16", "bfloat16", "float32", "float8_e4m3fn", "float8_e5m2"),
         help="input dtype (default: bfloat16 on a GPU arch, float32 for the interpreter)",
     )
     p.add_argument("--head-dim", type=_positive_int, default=128, metavar="D", help="head dim of q and k (128)")

@@ -24,6 +24,8 @@ from ..program import RESERVED_ARGUMENTS, AttentionProgram
 from ..runtime.autograd import _FirstOrderOnly
 from ..runtime.compiled import compiled
 from ..runtime.hoisted import HoistedForward
+from ..runtime.fp8 import FP8_ARGUMENTS, is_fp8
+from ..runtime.fp8 import refuse as refuse_fp8
 from ..runtime.inputs import Positions, accumulator_dtype, check_inputs, kv_cache
 from ..runtime.launch import keeps_lse, planned
 from .agree import Facts, agree
@@ -129,6 +131,9 @@ class ContextParallel:
         rank's call must share)."""
         refused = [name for name in RESERVED_ARGUMENTS if name in kwargs]
         packed = [name for name in refused if name.startswith(("cu_seqlens", "max_seqlen"))]
+        fp8 = [name for name in refused if name in FP8_ARGUMENTS]
+        if fp8:
+            refuse_fp8(f"context_parallel's ring ({', '.join(fp8)})")
         if packed:
             raise UnsupportedError(
                 f"context_parallel: packed sequences ({', '.join(packed)}) are not supported by the ring yet: "
@@ -151,6 +156,8 @@ class ContextParallel:
         graph = self.program._trace(statics)
         self._takes_offsets.get_or_build(graph, lambda: check_takes_offsets(graph))
         check_inputs(q, k, v)
+        if is_fp8(q):
+            refuse_fp8("context_parallel's ring")
         n = q.shape[2]
         if k.shape[2] != n or v.shape[2] != n:
             raise InputError(

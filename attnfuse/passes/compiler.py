@@ -62,6 +62,7 @@ def compile(graph: ir.MatMulPV, config: KernelConfig) -> Plan:  # noqa: A001 (th
             ),
             None,
         ),
+        refuses_fp8=next((t.apply.combinator for t in program.transforms if not t.apply.declaration.runs_on_fp8), None),
         missing_backward=_missing_backward(program),
         plugin_calls=tuple(
             PluginCall(prefix=inst.prefix, apply=inst.apply) for inst in program.instances() if inst.args

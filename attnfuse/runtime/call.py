@@ -10,6 +10,7 @@ from .autograd import AttentionFunction, runtime_tensors
 from .backward import BackwardKernels
 from .decode import DecodeKernel
 from .forward import ForwardKernel
+from .fp8 import Fp8
 from .hoisted import HoistedBackward, HoistedForward
 from .inputs import KVCache, Positions, kv_cache
 from .compiled import Compiled
@@ -56,11 +57,12 @@ class Call:
         block_table: torch.Tensor | None,
         positions: Positions | None = None,
         packed: Packed | None = None,
+        fp8: Fp8 | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """out (B, Hq, Nq, DV) and lse (B, Hq, Nq) or None; differentiable when the call has a backward.
         ``positions``: the call's (checked), when its signature has them; ``packed``: likewise its document
-        offsets."""
-        kv = kv_cache(k, v, kv_lens, block_table, positions, self.kv_layout, packed)
+        offsets; ``fp8``: a float8 call's descales and out dtype."""
+        kv = kv_cache(k, v, kv_lens, block_table, positions, self.kv_layout, packed, fp8)
         if self.decode is not None:
             return self.decode(q, kv, inputs)
         if self.build_backward is None:

@@ -15,6 +15,7 @@ from ..plan import Plan
 from .inputs import KVCache, accumulator_dtype, empty_like_layout, even_keys, heads_together, kv_launch_args
 from . import packed
 from .kernel import CompiledKernel
+from .fp8 import FP8_DTYPES, Fp8, upcast_dtype
 from .launcher import query_grid
 from .plugin_args import PluginArgs, Prepared
 
@@ -29,6 +30,16 @@ def template_forward(plan: Plan) -> TemplateForward | None:
     return TemplateForward(spec, plan.templates.scale, plan.templates.qk_scale, key) if chosen(key) else None
 
 
+FP8_NAMES = frozenset(FP8_DTYPES.values())
+
+
+def fp8_args(fp8: Fp8 | None) -> dict[str, torch.Tensor]:
+    """A float8 forward's descale arguments by name (their strides come with them); none otherwise."""
+    if fp8 is None:
+        return {}
+    return {"QDescale": fp8.q_descale, "KDescale": fp8.k_descale, "VDescale": fp8.v_descale}
+
+
 class ForwardKernel:
     """The compiled forward kernel of one plan, and its launcher."""
 
@@ -39,15 +50,18 @@ class ForwardKernel:
         self.path = self.kernel.path
         self.plugin_args = PluginArgs(plan)
         self.template = template_forward(plan)
+        interpreted = plan.config.arch == "interpreter"
+        self.fp8 = {"UPCAST_DTYPE": upcast_dtype(interpreted)} if plan.config.dtype in FP8_NAMES else {}
 
     def __call__(
         self, q: torch.Tensor, kv: KVCache, inputs: dict[str, Any], prepared: Prepared | None = None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """out (B, Hq, Nq, DV) in q's dtype and memory order; lse (B, Hq, Nq) float32 (float64 for float64
-        inputs) or None. ``prepared``: the plugin arguments, if the caller has them already."""
+        """out (B, Hq, Nq, DV) in q's dtype (a float8 call's ``out_dtype``) and memory order; lse (B, Hq, Nq)
+        float32 (float64 for float64 inputs) or None. ``prepared``: the plugin arguments, if the caller has
+        them already."""
         B, Hq, Nq, D = q.shape
         k, v, Nk, DV = kv.k, kv.v, kv.capacity, kv.v.shape[3]
-        out = empty_like_layout(q, DV, q.dtype)
+        out = empty_like_layout(q, DV, q.dtype if kv.fp8 is None else kv.fp8.out_dtype)
         lse = (
             torch.empty((B, Hq, Nq), dtype=accumulator_dtype(q.dtype), device=q.device)
             if self.plan.config.save_lse
@@ -78,11 +92,12 @@ class ForwardKernel:
                 "HEAD_GROUP": heads_together(q, kv),
                 **kv_launch_args(kv),
                 **pargs,
+                **fp8_args(kv.fp8),
             }
         )
         if kv.packed is not None:
             grid, even_m = packed.query_grid(Nq, kv.packed.docs, Hq), False
         else:
             grid, even_m = query_grid(Nq, B * Hq, limit if spec.scheduled else None), lambda t: Nq % t.block_m == 0
-        self.kernel.launch(grid, args, q.device, limit=limit, EVEN_K=even_keys(kv), EVEN_M=even_m)
+        self.kernel.launch(grid, args, q.device, limit=limit, EVEN_K=even_keys(kv), EVEN_M=even_m, **self.fp8)
         return out, lse

@@ -13,13 +13,20 @@ from .. import ir
 from ..errors import InputError
 from ..launch_context import LaunchContext
 from ..plan import KernelConfig, accumulator_type
+from .fp8 import FP8_DTYPES, Fp8
 from .kv_layout import check_kv_layout, head_second, pool_layout
 from .offsets import any_layout_fits, rows_fit
 from .launcher import head_group
 from .packed import Packed
 from .packed import launch_args as packed_args
 
-DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32", torch.float64: "float64"}
+DTYPES = {
+    torch.float16: "float16",
+    torch.bfloat16: "bfloat16",
+    torch.float32: "float32",
+    torch.float64: "float64",
+    **FP8_DTYPES,  # with descales (``fp8.py``)
+}
 _ACCUMULATORS = {dtype: getattr(torch, accumulator_type(name)) for dtype, name in DTYPES.items()}
 
 
@@ -106,7 +113,7 @@ class KVCache(NamedTuple):
     queries and keys sit (``Positions``), or None: key j at j, query i at i + Nk - Nq (i + lens[b] - Nq).
     ``kv_layout``: a paged cache's pool layout, "NHD" or "HND" (``kv_layout.py``); None for a contiguous one.
     ``packed``: packed sequences' document offsets (``packed.Packed``), or None; ``capacity`` is then the
-    packed length of k.
+    packed length of k. ``fp8``: a float8 call's descales and out dtype (``fp8.Fp8``), or None.
     """
 
     k: torch.Tensor
@@ -118,6 +125,7 @@ class KVCache(NamedTuple):
     positions: Positions | None = None
     kv_layout: str | None = None
     packed: Packed | None = None
+    fp8: Fp8 | None = None
 
 
 def launch_context(q: torch.Tensor, kv: KVCache) -> LaunchContext:
@@ -219,11 +227,13 @@ def kv_cache(
     positions: Positions | None = None,
     kv_layout: str | None = "NHD",
     packed: Packed | None = None,
+    fp8: Fp8 | None = None,
 ) -> KVCache:
     """The KV view of inputs :func:`check_cache` accepted, a paged cache's pools read in ``kv_layout``
     (the one it decided). It checks no values: lengths outside [0, capacity] count as the nearest bound,
     never wrapped; an int64 block table goes to the kernels as it is, which drop keys on pages outside the
-    pool. ``positions``: the call's (checked); ``packed``: its document offsets (checked)."""
+    pool. ``positions``: the call's (checked); ``packed``: its document offsets (checked); ``fp8``: a float8
+    call's descales (checked)."""
     if block_table is not None:
         k, v = head_second(k, kv_layout), head_second(v, kv_layout)
     capacity = k.shape[2] if block_table is None else block_table.shape[1] * k.shape[2]
@@ -232,9 +242,16 @@ def kv_cache(
     if kv_lens is not None and not kv_lens.is_contiguous():
         kv_lens = kv_lens.contiguous()
     if block_table is None:
-        return KVCache(k=k, v=v, capacity=capacity, lens=kv_lens, positions=positions, packed=packed)
+        return KVCache(k=k, v=v, capacity=capacity, lens=kv_lens, positions=positions, packed=packed, fp8=fp8)
     return KVCache(
-        k=k, v=v, capacity=capacity, lens=kv_lens, block_table=block_table, page_size=k.shape[2], kv_layout=kv_layout
+        k=k,
+        v=v,
+        capacity=capacity,
+        lens=kv_lens,
+        block_table=block_table,
+        page_size=k.shape[2],
+        kv_layout=kv_layout,
+        fp8=fp8,
     )
 
 
@@ -249,7 +266,10 @@ def check_inputs(q: Any, k: Any, v: Any, paged: bool = False, kv_layout: Any = N
         if t.dim() != 4:
             raise InputError(f"{name} must be 4-D (B, H, N, D), got shape {tuple(t.shape)}")
         if t.dtype not in DTYPES:
-            raise InputError(f"{name} has dtype {t.dtype}; allowed: float16, bfloat16, float32, float64")
+            raise InputError(
+                f"{name} has dtype {t.dtype}; allowed: float16, bfloat16, float32, float64, and float8_e4m3fn, "
+                f"float8_e5m2 with q_descale, k_descale, v_descale"
+            )
     if not q.dtype == k.dtype == v.dtype:
         raise InputError(f"q, k and v must share one dtype, got q {q.dtype}, k {k.dtype}, v {v.dtype}")
     if not q.device == k.device == v.device:

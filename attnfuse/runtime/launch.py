@@ -16,11 +16,12 @@ import attrs
 import torch
 
 from .. import ir
-from ..errors import InputError
+from ..errors import InputError, UnsupportedError
 from ..lru import LRUCache
 from . import compiled
 from .call import Call
 from .decode import MAX_QUERIES
+from . import fp8 as float8
 from .gradients import check_differentiable, tensor_grads
 from .hoisted import worth_hoisting
 from .inputs import (
@@ -33,7 +34,7 @@ from .inputs import (
     kv_cache,
     wide_positions,
 )
-from .kv_layout import check_kv_layout
+from .kv_layout import check_kv_layout, head_second
 from .offsets import inputs_fit
 from .packed import Packed, check_packed, check_values, refuse_arguments, refuse_program
 from .plugin_args import check_takes_offsets
@@ -94,6 +95,10 @@ def run_attention(
     cu_seqlens_k: torch.Tensor | None = None,
     max_seqlen_q: int | None = None,
     max_seqlen_k: int | None = None,
+    q_descale: torch.Tensor | None = None,
+    k_descale: torch.Tensor | None = None,
+    v_descale: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
 ):
     """Run a traced program on q (B, Hq, Nq, D), k (B, Hkv, Nk, D), v (B, Hkv, Nk, DV).
 
@@ -142,10 +147,23 @@ def run_attention(
         (UnsupportedError).
     :param max_seqlen_q: with packed sequences, the longest document's query count (and ``max_seqlen_k``
         its key count), optional; a document longer than one given is an InputError (checked on the device).
+    :param q_descale: with float8 q, k, v (torch.float8_e4m3fn or torch.float8_e5m2, all three alike): the
+        float32 factors that dequantise q (and ``k_descale``, ``v_descale`` k and v), each of shape (1,) (per
+        tensor) or (B, Hkv) (per batch and kv head; a query head takes its kv group's), FlashAttention-3's.
+        The call computes as with q · q_descale, k · k_descale, v · v_descale: float32 scores, P·V with P
+        rounded to bfloat16 (``fp8.py``). Required with float8 inputs, refused with others (InputError).
+        Forward only: no gradient, split-KV decoding, paged cache or packed sequences (UnsupportedError).
+    :param out_dtype: a float8 call's output dtype: torch.bfloat16 (default), torch.float16 or torch.float32.
     :return: out (B, Hq, Nq, DV), or (out, lse) with lse (B, Hq, Nq) float32 when ``return_lse``.
     """
     inputs = inputs or {}
-    positions = packed = None
+    positions = packed = fp8 = None
+    asked = q_descale is not None or k_descale is not None or v_descale is not None or out_dtype is not None
+    if asked or float8.is_fp8(q):
+        layout = check_inputs(q, k, v, paged=block_table is not None, kv_layout=kv_layout)
+        kv_heads = k.shape[1] if block_table is None else head_second(k, layout).shape[1]
+        descales = {"q_descale": q_descale, "k_descale": k_descale, "v_descale": v_descale}
+        fp8 = float8.check_fp8(q, k, v, descales, out_dtype, kv_heads)
     if any(a is not None for a in (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)):
         refuse_arguments(
             {
@@ -158,6 +176,8 @@ def run_attention(
             }
         )
         check_inputs(q, k, v)
+        if fp8 is not None:
+            float8.refuse("packed sequences (cu_seqlens_q, cu_seqlens_k)")
         packed = check_packed(q, k, cu_seqlens_q, cu_seqlens_k)
     if q_offset is not None or k_offset is not None or seq_len is not None:
         check_inputs(q, k, v, paged=block_table is not None, kv_layout=kv_layout)
@@ -176,11 +196,12 @@ def run_attention(
         positions=positions,
         kv_layout=kv_layout,
         packed=packed,
+        fp8=fp8 is not None,
     )
     check_call_values(k, kv_lens, block_table, kv_layout=call.kv_layout, validate=validate)
     if packed is not None:
         check_values(packed, q.shape[2], k.shape[2], max_seqlen_q, max_seqlen_k, validate)
-    out, lse = call(q, k, v, inputs, kv_lens, block_table, positions, packed)
+    out, lse = call(q, k, v, inputs, kv_lens, block_table, positions, packed, fp8)
     return (out, lse) if return_lse else out
 
 
@@ -199,12 +220,14 @@ def planned(
     positions: Positions | None = None,
     kv_layout: Any = None,
     packed: Packed | None = None,
+    fp8: bool = False,
 ) -> Call:
     """The call's ``Call``, decided once per call signature. ``grads``: None when no gradient is wanted,
     else the runtime inputs whose gradients are (``wanted_grads``). ``positions``: the call's, checked,
     whose presence matters here, and whether they need int64 kernels (the kernels take their values as runtime
     ints). ``kv_layout``: as the caller named it (``kv_layout.check_kv_layout``). ``packed``: the call's document
-    offsets (checked), whose dtypes matter here."""
+    offsets (checked), whose dtypes matter here. ``fp8``: the call gives float8 inputs' descales (checked:
+    ``fp8.check_fp8``); float8 inputs without are refused."""
     check_kv_layout(kv_layout, block_table is not None)  # a valid key before the lookup
     placed = None if positions is None else wide_positions(0, 0, positions)
     signature = (
@@ -222,13 +245,27 @@ def planned(
         placed,
         kv_layout,
         None if packed is None else (packed.cu_q.dtype, packed.cu_k.dtype),
+        fp8,
     )
     call = _calls.get(signature)
     if call is None:
         call = _calls.get_or_build(
             signature,
             lambda: _decide(
-                graph, q, k, v, inputs, kv_lens, block_table, return_lse, grads, split_kv, positions, kv_layout, packed
+                graph,
+                q,
+                k,
+                v,
+                inputs,
+                kv_lens,
+                block_table,
+                return_lse,
+                grads,
+                split_kv,
+                positions,
+                kv_layout,
+                packed,
+                fp8,
             ),
         )
     return call
@@ -260,6 +297,7 @@ def _decide(
     positions: Positions | None,
     kv_layout: str | None,
     packed: Packed | None = None,
+    fp8: bool = False,
 ) -> Call:
     """Check a new call signature and choose its kernels: the split-KV kernel if it takes that path, else
     its forward (hoisted when worth it) and, with gradients wanted, the backward writing them. A call that
@@ -277,6 +315,8 @@ def _decide(
         check_takes_offsets(plan)
     if packed is not None:
         refuse_program(plan, grads)
+    if float8.is_fp8(q):
+        return _fp8_call(program, kv, grads, split_kv, fp8)
     can_split = grads is None and plan.combine is not None and not plan.partial and positions is None
     can_split = can_split and packed is None
     if split_kv is None:
@@ -307,6 +347,31 @@ def _decide(
         kv_layout=kv.kv_layout,
         build_backward=partial(program.backward, gradients) if grads is not None else None,
     )
+
+
+def _fp8_call(program: compiled.Compiled, kv: Any, grads: Any, split_kv: bool | None, fp8: bool) -> Call:
+    """A float8 call's ``Call``: the generated forward kernel, never hoisted (``fp8.py`` names what it refuses)."""
+    if not fp8:
+        raise InputError(
+            "float8 q, k, v need q_descale, k_descale and v_descale, float32 tensors of shape (1,) or (B, Hkv), "
+            "given to the program's call (attnfuse.run_attention); this path takes none"
+        )
+    if grads is not None:
+        raise UnsupportedError(
+            "float8 calls have no backward: compute them under torch.no_grad() (or with inputs that do not "
+            "require grad), or train in bfloat16"
+        )
+    if kv.block_table is not None:
+        float8.refuse("a paged cache (block_table)")
+    if split_kv:
+        float8.refuse("the split-KV decoding path (split_kv=True)")
+    refused = program.plan.refuses_fp8
+    if refused is not None:
+        raise UnsupportedError(
+            f"{refused} reads q or k values in its fragment and does not declare runs_on_fp8=True, so float8 "
+            f"calls refuse it (docs/writing-a-combinator.md: runs_on_fp8); dequantise q and k to bfloat16 for it"
+        )
+    return Call(program, forward=program.forward, kv_layout=kv.kv_layout)
 
 
 def _names(gradients: tuple) -> tuple[str, ...]:

@@ -12,6 +12,7 @@ from ...launch_spec import INT, TENSOR, Param, params, strides
 from ..lower import LoweredProgram
 from .common import constexpr_params, dv_mask, indent, kernel_source, kv_params, masked_load, precision, qkv_strides
 from .loops import HEAD_GROUP, every_block, key_range, listing_mask, query_block, visit
+from .fp8 import descales, fp8_constexprs, fp8_params, out_descale, score_descale, value_tile, weights_dtype
 from .packed import lse_rows
 from .operands import key_masked, key_offsets, key_rows, kv_base, operand, qk_product
 from .scores import masked_values, masks_keys, normaliser_update, poisoned_redo, prologues, scores, with_bounds
@@ -48,11 +49,12 @@ def key_tile(kernel: LoweredProgram, masked: bool, implied: str | None = None, c
         + with_bounds(
             operand(kernel, "k", "k_base", "k_off[:, None]", "k_pos", "k_ok", "stride_kd", masked)
             + qk_product(kernel)
+            + score_descale(kernel)
             + score
         )
-        + f"v = {v}\n"
+        + value_tile(kernel, v)
         + (masked_values(kernel) if careful and masks_keys(kernel, masked, implied) else "")
-        + f"acc = tl.dot(p.to(V.dtype.element_ty), v, acc{precision(kernel)})\n"
+        + f"acc = tl.dot(p.to({weights_dtype(kernel)}), v, acc{precision(kernel)})\n"
     )
 
 
@@ -88,7 +90,9 @@ def forward_params(kernel: LoweredProgram) -> tuple[Param, ...]:
         + params(INT, "HQ", "Nq", "N_K", HEAD_GROUP)
         + kv_params(kernel)
         + kernel.args()
+        + fp8_params(kernel)
         + constexpr_params(kernel, even_keys=True, even_queries=True)
+        + fp8_constexprs(kernel)
     )
 
 
@@ -113,11 +117,11 @@ def generate_forward(kernel: LoweredProgram, name: str, parameters: tuple[Param,
             q_load=indent(
                 operand(kernel, "q", "q_base", "q_idx[:, None] * stride_qm", "q_pos", "q_ok", "stride_qd", True), 4
             ),
-            prologues=indent(prologues(kernel), 4),
+            prologues=indent(descales(kernel) + prologues(kernel), 4),
             norm_init=indent(norm.init, 4),
             key_range=indent(key_range(kernel), 4),
             loops=indent(key_loops(kernel), 4),
-            norm_finalize=indent(norm.finalize, 4),
+            norm_finalize=indent(norm.finalize, 4) + indent(out_descale(kernel), 4),
             dv_mask=f" & {mask}" if mask else "",
             store_lse=store_lse,
         ),

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from ..lower import LoweredProgram
 from .common import fragment, half_mask, masked_load, precision, split, transformed
+from .fp8 import operand_dtype, product_keywords
 
 
 def operand(
@@ -37,7 +38,7 @@ def operand(
                 f"# {t.prefix}: qk transform of {x}",
                 fragment(t.code(text, x1=f"{x}1f", x2=f"{x}2f", pos=pos, ok=fragment_ok, tmp=f"{x}_{t.prefix}")),
             ]
-    lines += [f"{x}1 = {x}1f.to({x.upper()}.dtype.element_ty)", f"{x}2 = {x}2f.to({x.upper()}.dtype.element_ty)"]
+    lines += [f"{x}1 = {x}1f.to({operand_dtype(kernel, x)})", f"{x}2 = {x}2f.to({operand_dtype(kernel, x)})"]
     return "\n".join(lines) + "\n"
 
 
@@ -74,7 +75,7 @@ def qk_product(kernel: LoweredProgram, transposed: bool = False) -> str:
     """The raw scores ``s`` = q·kᵀ, (BLOCK_M, BLOCK_N). ``transposed``: computed as (k·qᵀ)ᵀ, for kernels
     whose next products take ``tl.trans`` of the weights (dK/dV): the transposed weights are then already
     in the product's register layout, with no round trip through shared memory."""
-    p = precision(kernel)
+    p = precision(kernel) + product_keywords(kernel)
     a, b, out = ("k", "q", "sT") if transposed else ("q", "k", "s")
     if split(kernel):
         code = f"{out} = tl.dot({a}1, tl.trans({b}1){p})\n{out} = tl.dot({a}2, tl.trans({b}2), {out}{p})\n"

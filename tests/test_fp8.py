@@ -1,0 +1,397 @@
+"""Float8 calls (q, k, v in float8_e4m3fn or float8_e5m2 with FlashAttention-3's descales): programs against
+the float64 reference of the dequantised inputs, at tolerances derived below, and every refusal.
+
+Why the tolerances are what they are. The inputs are exact after dequantisation (q_raw · q_descale is what
+the reference computes with), and float8 values are exact in float16, bfloat16 and float32, so:
+
+- q·kᵀ: each product of two float8 values is exact in float32 (4 + 4 significant bits at most); the sum over
+  D, the descale multiply and everything up to the weights are float32 arithmetic, as in a float32 call:
+  covered by the float32 floor of ``assert_matches_reference`` (twice the naive float32 evaluator's error on
+  the same dequantised inputs, plus its ATOL). On a GPU the tensor cores sum float8 products in a narrower
+  accumulator first: ``test_on_a_gpu`` adds that term (``ACCUMULATOR_ROUNDOFF``).
+- P·V: P is rounded to UPCAST_DTYPE before the product (float16 under the interpreter, unit roundoff
+  u_p = 2⁻¹¹; bfloat16 on a GPU, 2⁻⁸), v is exact there, the sum is float32 and the normaliser's sums take
+  the unrounded P. Each weight w_j (≥ 0 for every normaliser tested) is off by at most u_p · w_j, so out is
+  off by at most u_p · Σ_j w_j |v_j| = u_p · (the reference's out for |v|).
+- out is rounded to out_dtype: float32 (in the floor), float16 (u = 2⁻¹¹), bfloat16 (2⁻⁸ on a GPU; 2⁻⁷ under
+  Triton 3.6's interpreter, which truncates float32 to bfloat16 instead of rounding to nearest): at most
+  u_out · (|ref| + the P·V bound).
+"""
+
+from __future__ import annotations
+
+import math
+
+import attrs
+import pytest
+import torch
+
+import attnfuse as af
+from attnfuse.errors import DeclarationError
+from attnfuse.passes.compiler import lowered
+from attnfuse.kernels.capability import forward_reason
+from attnfuse.plan import KernelConfig
+from attnfuse.runtime import fp8 as fp8_module
+from attnfuse.runtime.launch import planned
+from attnfuse.testing import assert_matches_reference
+
+from conftest import requires_cuda
+
+FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+B, HQ, HKV, D = 2, 4, 2, 16
+P_ROUNDOFF = {"cpu": 2.0**-11, "cuda": 2.0**-8}  # UPCAST_DTYPE: float16 under the interpreter, else bfloat16
+OUT_ROUNDOFF = {
+    "cpu": {torch.float32: 0.0, torch.float16: 2.0**-11, torch.bfloat16: 2.0**-7},  # bfloat16 truncated
+    "cuda": {torch.float32: 0.0, torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8},
+}
+
+
+def quantised(x: torch.Tensor, dtype: torch.dtype, per_head: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """x (B, H, N, D) scaled into ``dtype``'s range and rounded to it, with its descale: (B, Hkv) per kv head
+    (the query heads of a group sharing one), else (1,); a random factor in [1, 2) so that no descale is the
+    plain amax / max."""
+    groups = x.shape[1] // HKV
+    amax = x.abs().amax(dim=(2, 3)).view(x.shape[0], HKV, groups).amax(-1) if per_head else x.abs().amax().view(1)
+    descale = (amax / torch.finfo(dtype).max * (1 + torch.rand(amax.shape))).float()  # in range: |x| <= max
+    scale = descale.repeat_interleave(groups, dim=1)[:, :, None, None] if per_head else descale
+    return (x / scale).to(dtype), descale
+
+
+def fp8_inputs(
+    dtype: torch.dtype, per_head: bool, Nq: int = 40, Nk: int = 40, device: str = "cpu", head_dim: int = D
+) -> tuple[list, dict]:
+    """Fresh random q, k, v quantised to ``dtype``, and their descales by argument name."""
+    q, qd = quantised(torch.randn(B, HQ, Nq, head_dim), dtype, per_head)
+    k, kd = quantised(torch.randn(B, HKV, Nk, head_dim), dtype, per_head)
+    v, vd = quantised(torch.randn(B, HKV, Nk, head_dim), dtype, per_head)
+    moved = [t.to(device) for t in (q, k, v)]
+    return moved, {"q_descale": qd.to(device), "k_descale": kd.to(device), "v_descale": vd.to(device)}
+
+
+def check(program, qkv, descales, out_dtype=None, extra=(), score_error=0.0, **call):
+    """The call (out and lse) against the float64 reference, within the bounds derived in the module's doc;
+    ``score_error``: a bound on each score's error beyond float32's, which moves each weight by a factor
+    within e^(±2 score_error) and out by at most (e^(2 score_error) - 1) Σ_j w_j |v_j|."""
+    q, k, v = qkv
+    given = {} if out_dtype is None else {"out_dtype": out_dtype}
+    lse = program.graph(*extra).has_lse
+    results = [
+        program(q, k, v, *extra, **descales, **given, **call, return_lse=lse),
+        program.reference(q, k, v, *extra, **descales, **call, return_lse=lse),
+        program.reference(q, k, v, *extra, **descales, **call, return_lse=lse, dtype=torch.float32),
+    ]
+    (out, ref, naive), lses = zip(*results) if lse else (results, None)
+    assert out.dtype == (out_dtype or torch.bfloat16)
+    v_abs = v.float().abs().to(v.dtype)  # exact
+    pv = (P_ROUNDOFF[q.device.type] + math.expm1(2 * score_error)) * program.reference(
+        q, k, v_abs, *extra, **descales, **call
+    )
+    u_out = OUT_ROUNDOFF[q.device.type][out.dtype]
+    assert_matches_reference(out, ref, naive, dtype=torch.float32, rounding=pv + u_out * (ref.abs() + pv))
+    if lse:  # lse = log Σ_j exp(s_j) moves by at most score_error
+        assert lses[0].dtype == torch.float32
+        bound = torch.full_like(lses[1], score_error)
+        assert_matches_reference(*lses, dtype=torch.float32, what="lse", rounding=bound)
+
+
+@af.attention
+def causal_softmax(q, k, v):
+    return af.softmax(af.causal(af.scaled_dot_product(q, k))) @ v
+
+
+@af.attention
+def alibi(q, k, v):
+    return af.softmax(af.alibi(af.causal(af.scaled_dot_product(q, k)))) @ v
+
+
+@af.attention
+def softcapped(q, k, v):
+    return af.softmax(af.softcap(af.scaled_dot_product(q, k, scale=0.5), cap=5.0)) @ v
+
+
+@af.attention
+def with_sinks(q, k, v, sinks):
+    return af.softmax_with_sinks(af.sliding_window(af.scaled_dot_product(q, k), left=9), sinks) @ v
+
+
+@af.attention
+def relu(q, k, v):
+    return af.relu_attention(af.causal(af.scaled_dot_product(q, k))) @ v
+
+
+@af.attention
+def biased(q, k, v, bias):
+    return af.softmax(af.additive_bias(af.scaled_dot_product(q, k), bias)) @ v
+
+
+PROGRAMS = {  # each with its extra arguments for N queries and keys
+    "causal": (causal_softmax, lambda n: ()),
+    "alibi": (alibi, lambda n: ()),
+    "softcap": (softcapped, lambda n: ()),
+    "sinks": (with_sinks, lambda n: (torch.randn(HQ) * 2,)),
+    "bias": (biased, lambda n: (torch.randn(B, 1, n, n),)),
+}
+
+
+@pytest.mark.parametrize("dtype", FP8, ids=lambda d: str(d)[6:])
+@pytest.mark.parametrize("name", PROGRAMS)
+def test_programs_match_the_dequantised_reference(name, dtype):
+    """Every program of the table, GQA (Hq = 4, Hkv = 2), per-head descales, out in float32."""
+    program, extra = PROGRAMS[name]
+    qkv, descales = fp8_inputs(dtype, per_head=True)
+    check(program, qkv, descales, torch.float32, extra(40))
+
+
+@pytest.mark.parametrize("dtype", FP8, ids=lambda d: str(d)[6:])
+@pytest.mark.parametrize("out_dtype", [None, torch.float16], ids=["default-bfloat16", "float16"])
+def test_per_tensor_descales_and_out_dtypes(dtype, out_dtype):
+    qkv, descales = fp8_inputs(dtype, per_head=False)
+    check(causal_softmax, qkv, descales, out_dtype)
+
+
+def test_relu_attention_weights_that_do_not_sum_to_one():
+    qkv, descales = fp8_inputs(torch.float8_e4m3fn, per_head=True)
+    check(relu, qkv, descales, torch.float32)
+
+
+@pytest.mark.parametrize("Nq", [3, 40])
+def test_kv_lens(Nq):
+    """A KV cache's lengths (with few queries: decoding, which float8 runs in the forward kernel)."""
+    qkv, descales = fp8_inputs(torch.float8_e5m2, per_head=True, Nq=Nq, Nk=48)
+    check(causal_softmax, qkv, descales, torch.float32, kv_lens=torch.tensor([48, 29]))
+
+
+def test_positions():
+    qkv, descales = fp8_inputs(torch.float8_e4m3fn, per_head=False, Nq=24, Nk=40)
+    check(causal_softmax, qkv, descales, torch.float32, q_offset=16, seq_len=50)
+
+
+def _rope_fp8():
+    """rope declaring runs_on_fp8 (a rotation commutes with a positive per-head factor), as a third party
+    would."""
+    return attrs.evolve(af.combinators()["rope"].combinator, name="_test_rope_fp8", runs_on_fp8=True)
+
+
+def test_transform_declaring_runs_on_fp8():
+    """The rotated halves go to UPCAST_DTYPE for q·kᵀ: each score moves by at most ε = 2 u_p ‖q_i‖‖k_j‖ ·
+    scale (both rounded, a rotation keeps norms), so the weights by a factor within e^(±2ε) and out by at
+    most (e^(2ε) - 1) Σ_j w_j |v_j|, on top of the P·V bound of the module's doc."""
+    comb = _rope_fp8()
+
+    class Plugin:
+        @af.hookimpl
+        def attnfuse_combinators(self):
+            return [comb]
+
+    af.register_plugin(Plugin(), name="test-fp8-rope")
+    try:
+
+        @af.attention
+        def rotated(q, k, v):
+            return af.softmax(af.causal(af._test_rope_fp8(q, k))) @ v
+
+        (q, k, v), descales = fp8_inputs(torch.float8_e4m3fn, per_head=False)
+        out = rotated(q, k, v, **descales, out_dtype=torch.float32)
+        ref = rotated.reference(q, k, v, **descales)
+        naive = rotated.reference(q, k, v, **descales, dtype=torch.float32)
+        norms = [(t.double() * descales[f"{n}_descale"].double()).norm(dim=-1).max() for n, t in (("q", q), ("k", k))]
+        u_p = P_ROUNDOFF["cpu"]
+        eps = 2 * u_p * norms[0] * norms[1] / math.sqrt(D)
+        w_abs_v = rotated.reference(q, k, v.float().abs().to(v.dtype), **descales)
+        bound = (math.expm1(2 * eps) + u_p) * w_abs_v
+        assert_matches_reference(out, ref, naive, dtype=torch.float32, rounding=bound)
+    finally:
+        af.unregister_plugin("test-fp8-rope")
+
+
+def test_transforms_refuse_fp8_unless_they_declare_it():
+    from attnfuse.examples import llama
+
+    qkv, descales = fp8_inputs(torch.float8_e4m3fn, per_head=False)
+    with pytest.raises(af.UnsupportedError, match=r"rope reads q or k values .* runs_on_fp8=True"):
+        llama(*qkv, **descales)
+
+
+def test_runs_on_fp8_must_be_a_bool():
+    with pytest.raises(DeclarationError, match="runs_on_fp8 must be True or False"):
+        attrs.evolve(af.combinators()["rope"].combinator, runs_on_fp8="yes")
+
+
+# ---- refusals: bad input (InputError naming the argument) ----
+
+
+@pytest.mark.parametrize("missing", ["q_descale", "k_descale", "v_descale"])
+def test_missing_descale(missing):
+    qkv, descales = fp8_inputs(torch.float8_e4m3fn, per_head=False)
+    del descales[missing]
+    with pytest.raises(af.InputError, match=f"need {missing}"):
+        causal_softmax(*qkv, **descales)
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        torch.ones(2, 2, dtype=torch.float64),  # dtype
+        torch.ones(2, 2, dtype=torch.float16),
+        torch.ones(2),  # shape
+        torch.ones(2, 4),  # (B, Hq), not (B, Hkv)
+        torch.ones(1, 1, 1),
+        1.0,  # not a tensor
+        torch.ones(2, 2, device="meta"),  # device
+    ],
+    ids=["float64", "float16", "shape-2", "per-q-head", "rank-3", "number", "device"],
+)
+@pytest.mark.parametrize("name", ["q_descale", "k_descale", "v_descale"])
+def test_bad_descale(name, bad):
+    qkv, descales = fp8_inputs(torch.float8_e4m3fn, per_head=True)
+    descales[name] = bad
+    with pytest.raises(af.InputError, match=name):
+        causal_softmax(*qkv, **descales)
+
+
+@pytest.mark.parametrize("given", ["q_descale", "k_descale", "v_descale", "out_dtype"])
+def test_fp8_arguments_refused_for_other_dtypes(given):
+    q, k, v = (torch.randn(B, H, 16, D) for H in (HQ, HKV, HKV))
+    value = torch.float32 if given == "out_dtype" else torch.ones(1)
+    with pytest.raises(af.InputError, match=f"{given} apply to float8"):
+        causal_softmax(q, k, v, **{given: value})
+    with pytest.raises(af.InputError, match="apply to float8"):
+        causal_softmax.reference(q, k, v, q_descale=torch.ones(1))
+
+
+@pytest.mark.parametrize(
+    "dtypes",
+    [
+        (torch.float8_e4m3fn, torch.float16, torch.float16),
+        (torch.float8_e4m3fn, torch.float8_e4m3fn, torch.bfloat16),
+        (torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fn),  # float8 kinds do not mix (FA3's rule)
+        (torch.float16, torch.float8_e5m2, torch.float8_e5m2),
+    ],
+)
+def test_mixed_dtypes(dtypes):
+    (q, k, v), descales = fp8_inputs(torch.float8_e4m3fn, per_head=False)
+    q, k, v = (t.float().to(dtype) for t, dtype in zip((q, k, v), dtypes))
+    with pytest.raises(af.InputError, match="must share one dtype"):
+        causal_softmax(q, k, v, **descales)
+
+
+@pytest.mark.parametrize("out_dtype", [torch.float64, torch.float8_e4m3fn, torch.int32, "bfloat16"])
+def test_bad_out_dtype(out_dtype):
+    qkv, descales = fp8_inputs(torch.float8_e4m3fn, per_head=False)
+    with pytest.raises(af.InputError, match="out_dtype must be torch.bfloat16, torch.float16 or torch.float32"):
+        causal_softmax(*qkv, **descales, out_dtype=out_dtype)
+
+
+# ---- refusals: what float8 does not run (UnsupportedError naming it) ----
+
+
+def test_no_backward():
+    qkv, descales = fp8_inputs(torch.float8_e4m3fn, per_head=False)
+    bias = torch.randn(1, 1, 40, 40, requires_grad=True)
+    with pytest.raises(af.UnsupportedError, match="float8 calls have no backward"):
+        biased(*qkv, bias, **descales)
+
+
+def test_no_split_kv():
+    (q, k, v), descales = fp8_inputs(torch.float8_e4m3fn, per_head=False, Nq=2)
+    with pytest.raises(af.UnsupportedError, match=r"split-KV decoding path \(split_kv=True\)"):
+        af.run_attention(causal_softmax.graph(), q, k, v, split_kv=True, **descales)
+
+
+def test_no_paged_cache():
+    (q, k, v), descales = fp8_inputs(torch.float8_e4m3fn, per_head=False, Nq=2, Nk=32)
+    pool_k, pool_v = (t.float()[:1].permute(0, 2, 1, 3).reshape(2, 16, HKV, D).to(t.dtype) for t in (k, v))
+    table = torch.tensor([[0, 1], [1, 0]], dtype=torch.int32)
+    lens = torch.tensor([32, 20])
+    with pytest.raises(af.UnsupportedError, match=r"a paged cache \(block_table\)"):
+        causal_softmax(q, pool_k, pool_v, **descales, block_table=table, kv_lens=lens)
+
+
+def test_no_packed_sequences():
+    (q, k, v), descales = fp8_inputs(torch.float8_e4m3fn, per_head=False)
+    cu = torch.tensor([0, 15, 40], dtype=torch.int32)
+    with pytest.raises(af.UnsupportedError, match=r"packed sequences \(cu_seqlens_q, cu_seqlens_k\)"):
+        causal_softmax(q[:1], k[:1], v[:1], **descales, cu_seqlens_q=cu, cu_seqlens_k=cu)
+
+
+def test_no_descales_past_the_program_call():
+    """The paths that take no descales (torch.compile's op, context parallelism) refuse float8 inputs."""
+    (q, k, v), _ = fp8_inputs(torch.float8_e4m3fn, per_head=False)
+    with pytest.raises(af.InputError, match="float8 q, k, v need q_descale, k_descale and v_descale"):
+        planned(causal_softmax.graph(), q, k, v, {}, None, None, return_lse=False, grads=None, split_kv=None)
+
+
+@pytest.mark.parametrize("dtype", ["float8_e4m3fn", "float8_e5m2"])
+def test_hopper_template_refuses_fp8_with_a_reason(dtype):
+    config = KernelConfig(
+        arch="sm90", dtype=dtype, head_dim=128, head_dim_v=128, group=1, save_lse=False, fp32_precision="ieee"
+    )
+    assert forward_reason(lowered(causal_softmax.graph(), config)) == (
+        f"the templates take float16 and bfloat16, not {dtype}"
+    )
+
+
+def test_a_device_no_gpu_run_has_checked_refuses_fp8_unless_asked(monkeypatch):
+    """The float8 kernel has run on the CPU only: another device refuses it, naming the opt-in."""
+    qkv, descales = fp8_inputs(torch.float8_e4m3fn, per_head=False)
+    monkeypatch.setattr(fp8_module, "CHECKED_DEVICES", ())  # as a GPU is today
+    monkeypatch.delenv(fp8_module.GPU_ENV, raising=False)
+    with pytest.raises(af.UnsupportedError, match="checked on the CPU only.*ATTNFUSE_FP8_ON_GPU=1"):
+        causal_softmax(*qkv, **descales)
+    monkeypatch.setenv(fp8_module.GPU_ENV, "1")
+    check(causal_softmax, qkv, descales, torch.float32)
+
+
+ACCUMULATOR_ROUNDOFF = 2.0**-13
+"""Assumed: within the 32 terms a float8 q·kᵀ sums before float32 takes over (``max_num_imprecise_acc``),
+Hopper's tensor cores keep at least 13 significant bits (DeepSeek-V3 measured about 14), so each score is off
+by at most 2⁻¹³ Σ_i |q_i k_i| · scale beyond float32 (softcap, alibi, a bias and masks do not enlarge it)."""
+
+
+@requires_cuda
+@pytest.mark.parametrize("dtype", FP8, ids=lambda d: str(d)[6:])
+@pytest.mark.parametrize("per_head", [False, True], ids=["per-tensor", "per-head"])
+@pytest.mark.parametrize("name", PROGRAMS)
+def test_on_a_gpu(monkeypatch, name, dtype, per_head):
+    """The float8 forward on a GPU (sm89+: float8 q·kᵀ, bfloat16 P·V), production head dim, against the float64
+    reference at the module doc's GPU bounds. Float8 calls run on a GPU only when asked (ATTNFUSE_FP8_ON_GPU=1)
+    until this test has passed there."""
+    monkeypatch.setenv(fp8_module.GPU_ENV, "1")
+    program, extra = PROGRAMS[name]
+    (q, k, v), descales = fp8_inputs(dtype, per_head, Nq=300, Nk=300, device="cuda", head_dim=128)
+    q64, k64 = (fp8_module.dequantised(t, descales[f"{n}_descale"], torch.float64) for n, t in (("q", q), ("k", k)))
+    magnitude = (q64.abs() @ k64.abs().repeat_interleave(HQ // HKV, 1).transpose(-1, -2)).max().item()
+    score_error = ACCUMULATOR_ROUNDOFF * magnitude * (0.5 if name == "softcap" else 128**-0.5)
+    check(program, (q, k, v), descales, None, [t.cuda() for t in extra(300)], score_error=score_error)
+
+
+def test_under_torch_compile_an_fp8_call_runs_eagerly():
+    """Dynamo leaves a call with descales out of the graph (a graph break) and runs it eagerly."""
+    qkv, descales = fp8_inputs(torch.float8_e5m2, per_head=True)
+    step = torch.compile(
+        lambda q, k, v: causal_softmax(q, k, v, **descales, out_dtype=torch.float32) * 2, backend="eager"
+    )
+    assert torch.equal(step(*qkv), causal_softmax(*qkv, **descales, out_dtype=torch.float32) * 2)
+
+
+TAKING_RESERVED_NAMES = {
+    "q_descale": lambda q, k, v, q_descale: None,
+    "k_descale": lambda q, k, v, k_descale: None,
+    "v_descale": lambda q, k, v, v_descale: None,
+    "out_dtype": lambda q, k, v, out_dtype: None,
+}
+
+
+@pytest.mark.parametrize("name", TAKING_RESERVED_NAMES)
+def test_fp8_argument_names_are_reserved(name):
+    with pytest.raises(af.ProgramError, match=rf"argument name\(s\) \['{name}'\] are reserved"):
+        af.attention(TAKING_RESERVED_NAMES[name])
+
+
+def test_show_prints_the_fp8_kernel_and_the_templates_reason(capsys):
+    from attnfuse.cli import main
+
+    assert main(["show", "gpt2", "--arch", "sm90", "--dtype", "float8_e4m3fn", "--head-dim", "64"]) == 0
+    out = capsys.readouterr().out
+    assert "forward: generated — the templates take float16 and bfloat16, not float8_e4m3fn" in out
+    assert "s = s * qk_descale" in out and "acc = tl.dot(p.to(UPCAST_DTYPE), v, acc)" in out
