@@ -32,9 +32,9 @@ from attnfuse.plugin import (
     finite_number_or_none,
     hookimpl,
     positive_number,
+    rotate_every_two,
     rotate_half,
 )
-from attnfuse.rotary import rotate_every_two
 
 
 def _boolean(value) -> None:
