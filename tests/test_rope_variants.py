@@ -14,6 +14,7 @@ import torch
 
 import attnfuse as af
 from attnfuse import ir
+from attnfuse.cli import main
 from attnfuse.combinator import Combinator, Param, QKTransformFragment, Role
 from attnfuse.errors import DeclarationError
 from attnfuse.runtime import hoisted
@@ -221,6 +222,38 @@ def test_kernels_load_by_the_column_map():
     forward = _program(8, True).source(q, k, v)
     assert "tl.where(dh < 4, 2 * dh, dh + 4)" in forward and "dh + HALF * stride" not in forward
     assert "tl.where(dh < 4, 2 * dh, dh + 4)" not in _program(None, True).source(q, k, v)
+
+
+@af.attention
+def gptj(q, k, v, rotary_dim=8, interleaved=True):
+    """GPT-J's attention: interleaved pairs of the first rotary_dim columns, causal softmax."""
+    return af.softmax(af.causal(af.rope(q, k, rotary_dim=rotary_dim, interleaved=interleaved))) @ v
+
+
+@pytest.mark.parametrize("kernel", ["forward", "transform"])
+def test_show_prints_the_parameters_and_the_kernel_a_call_runs(capsys, kernel):
+    code = main(
+        [
+            "show",
+            f"{__name__}:gptj",
+            "--arch",
+            "interpreter",
+            "--head-dim",
+            "32",
+            "--arg",
+            "rotary_dim=12",
+            "--kernel",
+            kernel,
+        ]
+    )
+    out = capsys.readouterr().out
+    assert code == 0
+    assert (
+        "rope(theta=10000.0, scale=None, cos=None, sin=None, rotate_keys=True, rotary_dim=12, interleaved=True)" in out
+    )
+    q, k, v = _qkv(1, 1, 1, 8, 8, 32)
+    want = gptj.source(q, k, v, rotary_dim=12, kernel=kernel)
+    assert out.split("# source\n", 1)[1] == want + ("" if want.endswith("\n") else "\n")
 
 
 # Bad parameters and tables.
