@@ -31,6 +31,7 @@ from attrs import field, frozen
 from .errors import DeclarationError, deprecated
 from .fragments import (
     ACCUMULATOR,
+    HALVES,
     BlockList,
     MaskFragment,
     NormaliserFragment,
@@ -42,6 +43,7 @@ from .fragments import (
 
 __all__ = [
     "ACCUMULATOR",
+    "HALVES",
     "INPUT",
     "PLACEHOLDERS",
     "REQUIRED",
@@ -100,6 +102,10 @@ class Param:
     ``runtime=False``: a static value (number, bool, None) baked into the kernel; a new value compiles a new
     kernel. ``runtime=True``: a runtime input (a tensor or a BlockMask) that must be an argument of the
     decorated function, so it is passed at every call. ``check`` raises ValueError naming what is allowed.
+    ``recorded_at_default=False`` (a static parameter with a default): while it holds its default, the traced
+    program leaves it out of its IR, so the signature and generated kernels stay those of the combinator
+    before the parameter existed (a parameter added to a combinator already in use); its functions still
+    get the default.
     """
 
     name: str = field(validator=_identifier)
@@ -107,6 +113,16 @@ class Param:
     default: Any = REQUIRED
     check: Callable[[Any], None] | None = None
     doc: str = ""
+    recorded_at_default: bool = field(default=True)
+
+    @recorded_at_default.validator
+    def _check_recorded(self, _, value) -> None:
+        if not isinstance(value, bool):
+            raise DeclarationError(f"parameter {self.name!r}: recorded_at_default must be True or False, got {value!r}")
+        if not value and (self.runtime or self.default is REQUIRED):
+            raise DeclarationError(
+                f"parameter {self.name!r}: recorded_at_default=False needs a static parameter with a default"
+            )
 
 
 @frozen(kw_only=True)
@@ -124,7 +140,7 @@ class ScalarArg:
     name: str = field(validator=_identifier)
 
 
-_TRANSFORM_PLACEHOLDERS = frozenset({"self", ACCUMULATOR, "x1", "x2", "pos", "ok", "tmp", "g1", "g2"})
+_TRANSFORM_PLACEHOLDERS = frozenset({"self", ACCUMULATOR, "x1", "x2", "pos", "ok", "tmp", "g1", "g2", "col1", "col2"})
 PLACEHOLDERS = {
     Role.QK_TRANSFORM: _TRANSFORM_PLACEHOLDERS,
     Role.SCORE_SOURCE: _TRANSFORM_PLACEHOLDERS,

@@ -13,7 +13,7 @@ from .combinator import REQUIRED, Combinator, Param, Role
 from .errors import ProgramError
 from .plugin_manager import Registered
 from .ir import Apply, BiasOp, MaskOp, MatMulPV, NormOp, ScoreOp, TensorSym
-from .static_values import STATIC_TYPES, exact, literal
+from .static_values import STATIC_TYPES, exact, literal, typed
 
 _NAMES = {"q": "the query tensor q", "k": "the key tensor k", "v": "the value tensor v"}
 
@@ -232,6 +232,8 @@ def _apply(record: Registered, args: tuple, kwargs: dict) -> Apply:
                     f"got {type(value).__name__}"
                 )
             _check_static(comb, p, value)
+            if not p.recorded_at_default and typed(value) == typed(p.default):
+                continue  # left out of the IR: programs keep the signature they had before the parameter
         params.append((p.name, value))
     return Apply(combinator=comb.name, params=tuple(params), record=record)
 

@@ -228,13 +228,14 @@ def _slots(fragment: Any, state: frozenset, rows_state: frozenset) -> dict[str, 
             )
         }
     if isinstance(fragment, QKTransformFragment):
-        site = COMMON | {"_x1_", "_x2_", "_pos_", "_ok_"}
+        site = COMMON | {"_x1_", "_x2_", "_pos_", "_ok_", "_col1_", "_col2_"}
         grad = site | {"_g1_", "_g2_"}
         return {
             "q": Slot(False, site, f({"_x1_", "_x2_"})),
             "k": Slot(False, site, f({"_x1_", "_x2_"})),
             "q_grad": Slot(False, grad, f({"_g1_", "_g2_"})),
             "k_grad": Slot(False, grad, f({"_g1_", "_g2_"})),
+            "columns": Slot(True, BUILTINS | {"dh", "HALF", "D"}),
         }
     if isinstance(fragment, NormaliserFragment):
         update = TILE | {"s", "acc"} | state
@@ -279,6 +280,8 @@ _SITE = (
     "ok",
     "g1",
     "g2",
+    "col1",
+    "col2",
     "s_in",
     "s_out",
     "q_lo",

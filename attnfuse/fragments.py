@@ -13,25 +13,51 @@ from .errors import DeclarationError
 from .parsing import parse
 
 
+HALVES = ("dh", "dh + HALF")
+"""The default column map of a qk transform's halves: ``$x1`` holds columns [0, D/2), ``$x2`` [D/2, D)."""
+
+
 @frozen(kw_only=True)
 class QKTransformFragment:
     """Rewrites the q tile once before the key loop and each k tile inside it.
 
-    The tile arrives as its two halves, float32 (rows, BLOCK_H): ``$x1`` holds columns [0, D/2) and
-    ``$x2`` columns [D/2, D); the fragment rewrites both in place. ``$pos`` are the rows' positions (rows,),
-    ``$ok`` the (rows, BLOCK_H) mask of real elements; ``dh`` is ``tl.arange(0, BLOCK_H)`` and ``HALF``
-    is D/2. Name temporaries ``${tmp}_<name>``: ``$tmp`` differs between the q site (before the loop) and
-    the k site (inside it), whose tiles differ in shape. An empty string leaves that operand unchanged.
+    The tile arrives as its two halves, float32 (rows, BLOCK_H): ``$x1`` holds columns [0, D/2) and ``$x2``
+    columns [D/2, D) (or those of the program's column map, below); the fragment rewrites both in place.
+    ``$pos`` are the rows' positions (rows,), ``$ok`` the (rows, BLOCK_H) mask of real elements; ``dh`` is
+    ``tl.arange(0, BLOCK_H)`` and ``HALF`` is D/2. Name temporaries ``${tmp}_<name>``: ``$tmp`` differs between
+    the q site (before the loop) and the k site (inside it), whose tiles differ in shape. An empty string leaves
+    that operand unchanged.
 
     Backward: ``q_grad``/``k_grad`` rewrite the gradient halves ``$g1``, ``$g2`` (gradient with respect
     to the transform's output) into the gradient with respect to its input ``$x1``, ``$x2`` (a
     vector-Jacobian product; for a rotation, the transposed rotation). ``None``: no backward.
+
+    ``columns`` (optional): the column map, a pair of expressions of ``dh`` (and ``HALF``): the head-dim
+    columns of ``$x1[:, dh]`` and ``$x2[:, dh]``, for dh < HALF a bijection onto [0, D). ``None`` is
+    ``HALVES``, (``dh``, ``dh + HALF``). The score is the same whatever the order of the columns, so the
+    kernels then load q and k (and store their gradients) by this map: a transform that pairs columns
+    otherwise (interleaved RoPE: ``2 * dh``, ``2 * dh + 1``) gets its pairs as the two halves. A program's
+    transforms share one map: two that declare different ones are refused. Every transform reads the map
+    as ``$col1``, ``$col2`` (the columns of its halves, (BLOCK_H,)): one that loads per-column data of its
+    own (qk_norm's weights) loads it there; one that reads ``dh`` and neither placeholder is refused
+    alongside a map other than ``HALVES``.
     """
 
     q: str = ""
     k: str = ""
     q_grad: str | None = None
     k_grad: str | None = None
+    columns: tuple[str, str] | None = field(default=None)
+
+    @columns.validator
+    def _check_columns(self, _, columns) -> None:
+        if columns is not None and not (
+            isinstance(columns, tuple) and len(columns) == 2 and all(isinstance(c, str) and c.strip() for c in columns)
+        ):
+            raise DeclarationError(
+                f"QKTransformFragment: columns must be None or a pair of expression strings of dh (the columns "
+                f"of $x1[:, dh] and $x2[:, dh]), got {columns!r}"
+            )
 
     def differentiable(self) -> bool:
         return (not self.q or self.q_grad is not None) and (not self.k or self.k_grad is not None)

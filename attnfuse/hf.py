@@ -25,7 +25,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 import attnfuse as af
 from . import hf_packed, hf_rope
 from .errors import InputError
-from .hf_rope import ROPE_KWARG
+from .hf_rope import INTERLEAVED_KWARG, ROPE_KWARG
 from .program import AttentionProgram
 from .runtime.packed import runs_on as packed_runs_on
 
@@ -33,14 +33,32 @@ __all__ = ["attention_forward", "fuse_rope", "register"]
 
 
 @af.attention
-def hf_attention(q, k, v, bias, cos, sin, scale, window, causal, rotate_keys, softcap=None, sinks=None):
-    """What HF's attention asks for: the scaled product (rotated first when given cos and sin), softcapped
-    if asked (Gemma 2), then the mask as an additive bias, or a sliding window, or causal, then softmax, with
-    each head's sink logit (Hq,) in its denominator when given (GPT-OSS)."""
+def hf_attention(
+    q,
+    k,
+    v,
+    bias,
+    cos,
+    sin,
+    scale,
+    window,
+    causal,
+    rotate_keys,
+    softcap=None,
+    sinks=None,
+    rotary_dim=None,
+    interleaved=False,
+):
+    """What HF's attention asks for: the scaled product (rotated first when given cos and sin: the first
+    ``rotary_dim`` columns of q and k, all without it; interleaved pairs with ``interleaved``), softcapped if
+    asked (Gemma 2), then the mask as an additive bias, or a sliding window, or causal, then softmax, with each
+    head's sink logit (Hq,) in its denominator when given (GPT-OSS)."""
     if cos is None:
         s = af.scaled_dot_product(q, k, scale=scale)
     else:
-        s = af.rope(q, k, scale=scale, cos=cos, sin=sin, rotate_keys=rotate_keys)
+        s = af.rope(
+            q, k, scale=scale, cos=cos, sin=sin, rotate_keys=rotate_keys, rotary_dim=rotary_dim, interleaved=interleaved
+        )
     if softcap is not None:
         s = af.softcap(s, softcap)
     if bias is not None:
@@ -162,6 +180,7 @@ def attention_forward(
         call_kwargs = {}
     sinks = kwargs.get("s_aux")
     sink_grad = sinks is not None and sinks.requires_grad and torch.is_grad_enabled()
+    rotary_dim = cos.shape[-1] if cos is not None and cos.shape[-1] != query.shape[-1] else None  # GPT-NeoX's
     out = hf_attention(
         query,
         key,
@@ -175,6 +194,8 @@ def attention_forward(
         rotate_keys,
         None if kwargs.get("softcap") is None else float(kwargs["softcap"]),
         None if sinks is None else sinks.detach(),
+        rotary_dim,
+        bool(kwargs.get(INTERLEAVED_KWARG)),
         return_lse=sink_grad,
         **call_kwargs,
     )

@@ -74,20 +74,28 @@ class Apply:
         """The combinator applied."""
         return self.record.combinator
 
+    def all_params(self) -> tuple[tuple[str, Any], ...]:
+        """Every parameter in declaration order: those recorded, and the defaults of those the IR leaves out
+        (``Param.recorded_at_default=False``)."""
+        recorded = dict(self.params)
+        return tuple((p.name, recorded.get(p.name, p.default)) for p in self.declaration.params)
+
     def static(self) -> dict[str, Any]:
-        return {n: v for n, v in self.params if not isinstance(v, TensorSym)}
+        return {n: v for n, v in self.all_params() if not isinstance(v, TensorSym)}
 
     def inputs(self) -> dict[str, TensorSym]:
         return {n: v for n, v in self.params if isinstance(v, TensorSym)}
 
     def values(self, inputs: dict[str, Any]) -> dict[str, Any]:
         """Every parameter's value, runtime inputs looked up by argument name in ``inputs``."""
-        return {n: inputs[v.name] if isinstance(v, TensorSym) else v for n, v in self.params}
+        return {n: inputs[v.name] if isinstance(v, TensorSym) else v for n, v in self.all_params()}
 
     def fragment(self) -> Any:
         """The combinator's fragment for this application, before substitution (a fragment function gets
         the parameters: static values, and ``INPUT`` for each runtime input given)."""
-        return self.declaration.fragment_for({n: INPUT if isinstance(v, TensorSym) else v for n, v in self.params})
+        return self.declaration.fragment_for(
+            {n: INPUT if isinstance(v, TensorSym) else v for n, v in self.all_params()}
+        )
 
     def __str__(self) -> str:
         args = ", ".join(f"{n}={v.name if isinstance(v, TensorSym) else literal(v)}" for n, v in self.params)

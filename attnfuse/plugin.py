@@ -14,7 +14,7 @@ compiler and the runtime into every process that loads the plugin. Nothing here 
 - the fragments of each role: ``QKTransformFragment``, ``ScoreSourceFragment``, ``ScoreModFragment``,
   ``MaskFragment`` (with its ``Range`` facts and a ``BlockList``), ``NormaliserFragment``;
 - what ``prepare`` is given and may use: ``LaunchContext``, ``device_cached``, ``rotate_half``,
-  ``BlockMask``;
+  ``rotate_every_two``, ``BlockMask``;
 - parameter checks: ``positive_number``, ``finite_number_or_none``, ``non_negative_int``;
 - the errors a plugin raises: ``InputError`` (a call's inputs), ``DeclarationError`` and ``PluginError``
   (a declaration), ``ProgramError``, ``UnsupportedError``, and their base ``AttnFuseError``;
@@ -43,7 +43,7 @@ from .fragments import (
 )
 from .hookspecs import hookimpl
 from .launch_context import LaunchContext
-from .rotary import rotate_half
+from .rotary import rotate_every_two, rotate_half
 from .tiles import TileConfig, TileRule
 
 __all__ = [
@@ -78,6 +78,7 @@ __all__ = [
     "hookimpl",
     "non_negative_int",
     "positive_number",
+    "rotate_every_two",
     "rotate_half",
 ]  # and random_tensor, given by __getattr__ (left out here, so that ``import *`` needs no hypothesis)
 

@@ -84,13 +84,13 @@ def _inverse_rms(eps: float) -> str:
 
 
 def _weights(name: str | None) -> str:
-    """``${tmp}_w1``, ``${tmp}_w2`` (1, BLOCK_H): the halves of weight ``name``; nothing without one."""
+    """``${tmp}_w1``, ``${tmp}_w2`` (1, BLOCK_H): the halves of weight ``name``, at the halves' columns
+    ``$col1``, ``$col2``; nothing without one."""
     if name is None:
         return ""
     return "".join(
-        f"${{tmp}}_w{i} = tl.load(${name} + ({column}) * ${name}_s0, mask=dh < HALF, other=0.0)"
-        ".to($acc_dtype)[None, :]\n"
-        for i, column in ((1, "dh"), (2, "dh + HALF"))
+        f"${{tmp}}_w{i} = tl.load(${name} + $col{i} * ${name}_s0, mask=dh < HALF, other=0.0).to($acc_dtype)[None, :]\n"
+        for i in (1, 2)
     )
 
 

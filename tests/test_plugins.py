@@ -120,7 +120,8 @@ def test_builtin_parameters_documented(name):
 def test_af_docstring_signature():
     assert af.sliding_window.__doc__.startswith("sliding_window(s, left, right=0)  [mask]")
     assert af.rope.__doc__.startswith(
-        "rope(q, k, theta=10000.0, scale=None, cos=None, sin=None, rotate_keys=True)  [score source]"
+        "rope(q, k, theta=10000.0, scale=None, cos=None, sin=None, rotate_keys=True, rotary_dim=None, "
+        "interleaved=False)  [score source]"
     )
     assert af.causal.__doc__.startswith("causal(s)  [mask]")
 

@@ -20,6 +20,7 @@ from .. import ir
 
 from ..combinator import (
     ACCUMULATOR,
+    HALVES,
     BlockList,
     MaskFragment,
     NormaliserFragment,
@@ -77,6 +78,7 @@ class LoweredProgram:
     block_d: int
     block_dv: int
     block_h: int  # width of each half of the head dim, when qk transforms split it
+    columns: tuple[str, str] = HALVES  # the columns of the halves' element dh: the transforms' column map
     scale: float
     score_factor: float
     transforms: tuple[Instance, ...]
@@ -110,7 +112,7 @@ def _resolve(value: Any, mapping: dict[str, str]) -> Any:
     return value
 
 
-_TRANSFORM_SITE = {"x1", "x2", "pos", "ok", "tmp"}
+_TRANSFORM_SITE = {"x1", "x2", "pos", "ok", "tmp", "col1", "col2"}
 _SITE = {  # (fragment type, field) -> the template's own placeholders it may use (the rest are resolved here)
     (QKTransformFragment, "q"): _TRANSFORM_SITE,
     (QKTransformFragment, "k"): _TRANSFORM_SITE,
@@ -255,6 +257,7 @@ def lower(fused: FusedProgram, config: KernelConfig, listing: str = "") -> Lower
         block_d=block_d,
         block_dv=block_dv,
         block_h=_block(config.head_dim // 2),
+        columns=_column_map(transforms),
         scale=scale,
         score_factor=normaliser.fragment.score_factor,
         transforms=tuple(transforms),
@@ -262,6 +265,35 @@ def lower(fused: FusedProgram, config: KernelConfig, listing: str = "") -> Lower
         masks=masks,
         normaliser=normaliser,
     )
+
+
+_COLUMN_PLACEHOLDER = re.compile(r"\$\{?col[12]\b")
+_DH = re.compile(r"\bdh\b")
+
+
+def _column_map(transforms: list[Instance]) -> tuple[str, str]:
+    """The program's column map (``QKTransformFragment.columns``): the one its transforms declare, or
+    ``HALVES``. A ProgramError for two different ones, and for a transform that reads columns by ``dh``
+    but not by ``$col1``/``$col2`` alongside a map that moves them."""
+    declared = [t for t in transforms if t.fragment.columns is not None and t.fragment.columns != HALVES]
+    for t in declared[1:]:
+        if t.fragment.columns != declared[0].fragment.columns:
+            raise ProgramError(
+                f"{declared[0].apply} and {t.apply} lay q's and k's columns out differently (column maps "
+                f"{declared[0].fragment.columns} and {t.fragment.columns}): a program's qk transforms need one"
+            )
+    if not declared:
+        return HALVES
+    for t in transforms:
+        texts = [t.fragment.q, t.fragment.k, t.fragment.q_grad or "", t.fragment.k_grad or ""]
+        if t.fragment.columns is None and any(_DH.search(x) for x in texts):
+            if not any(_COLUMN_PLACEHOLDER.search(x) for x in texts):
+                raise ProgramError(
+                    f"{t.apply} reads head-dim columns by dh, but {declared[0].apply} moves them (column map "
+                    f"{declared[0].fragment.columns}): the fragments of {t.apply.combinator} must load per-column "
+                    f"data at $col1/$col2, the columns of the halves, to run with it"
+                )
+    return declared[0].fragment.columns
 
 
 def _scale(source: ir.Apply, normaliser: Instance, head_dim: int) -> float:

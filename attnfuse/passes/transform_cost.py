@@ -20,6 +20,7 @@ import ast
 from attrs import frozen
 
 from ..parsing import parse
+from .codegen.common import half_columns
 from .lower import LoweredProgram
 
 _ARITHMETIC = (ast.Add, ast.Sub, ast.Mult, ast.Div)
@@ -66,7 +67,8 @@ def transform_cost(kernel: LoweredProgram) -> TransformCost | None:
         for t in kernel.transforms:
             text = getattr(t.fragment, side)
             if text:
-                counted = _count(t.code(text, x1="x1", x2="x2", pos="pos", ok="ok", tmp="tmp"))
+                site = dict(x1="x1", x2="x2", pos="pos", ok="ok", tmp="tmp", **half_columns(kernel))
+                counted = _count(t.code(text, **site))
                 flops, loads = flops + counted[0], loads + counted[1]
         sides[side] = SideCost(flops=flops * half, table_bytes=loads * half * table)
     return TransformCost(q=sides["q"], k=sides["k"], pass_bytes=2 * kernel.config.head_dim * element)

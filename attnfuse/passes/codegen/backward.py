@@ -26,6 +26,7 @@ from .common import (
     dv_mask,
     fragment,
     half_mask,
+    half_offsets,
     indent,
     kernel_source,
     kv_params,
@@ -207,10 +208,11 @@ def _store(
 ) -> str:
     if split(kernel):
         h_mask = half_mask(kernel, joined=True)
-        ptrs = f"{base} + {rows}[:, None] * {stride_row} + dh[None, :] * {stride_d}"
+        first, second = half_offsets(kernel, stride_d)
+        ptrs = f"{base} + {rows}[:, None] * {stride_row} + {first}"
         return (
             f"tl.store({ptrs}, {acc}1.to({out}.dtype.element_ty), mask={ok}[:, None]{h_mask})\n"
-            f"tl.store({ptrs} + HALF * {stride_d}, {acc}2.to({out}.dtype.element_ty), "
+            f"tl.store({ptrs} + {second}, {acc}2.to({out}.dtype.element_ty), "
             f"mask={ok}[:, None]{h_mask})\n"
         )
     d_mask = "" if kernel.block_d == kernel.config.head_dim else " & (d[None, :] < D)"

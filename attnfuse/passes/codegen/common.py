@@ -6,6 +6,7 @@ from __future__ import annotations
 import textwrap
 from typing import Any
 
+from ...fragments import HALVES
 from ...launch_spec import CONSTEXPR, INT, STRIDE, TENSOR, Param, params, render_signature, strides
 from ..lower import LoweredProgram
 from .packed import packed_params
@@ -131,6 +132,20 @@ def half_mask(kernel: LoweredProgram, joined: bool = False) -> str:
     if kernel.block_h * 2 == kernel.config.head_dim:
         return ""
     return " & (dh[None, :] < HALF)" if joined else "(dh[None, :] < HALF)"
+
+
+def half_offsets(kernel: LoweredProgram, stride: str) -> tuple[str, str]:
+    """Where the halves of a row lie, by the program's column map (``LoweredProgram.columns``): the offset
+    (1, BLOCK_H) of the first half's columns, and that of the second half's from the first's."""
+    if kernel.columns == HALVES:
+        return f"dh[None, :] * {stride}", f"HALF * {stride}"
+    first, second = kernel.columns
+    return f"({first})[None, :] * {stride}", f"(({second}) - ({first}))[None, :] * {stride}"
+
+
+def half_columns(kernel: LoweredProgram) -> dict[str, str]:
+    """A transform site's ``$col1``, ``$col2``: the columns of its halves, each parenthesised."""
+    return {f"col{i}": f"({column})" for i, column in enumerate(kernel.columns, 1)}
 
 
 def columns(kernel: LoweredProgram) -> str:

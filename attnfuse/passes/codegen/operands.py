@@ -4,7 +4,7 @@ q·kᵀ product, and where a key tile's rows lie in a contiguous or paged cache.
 from __future__ import annotations
 
 from ..lower import LoweredProgram
-from .common import fragment, half_mask, masked_load, precision, split, transformed
+from .common import fragment, half_columns, half_mask, half_offsets, masked_load, precision, split, transformed
 from .fp8 import operand_dtype, product_keywords
 
 
@@ -14,8 +14,9 @@ def operand(
     """Load the q or k tile (row offsets ``rows``, (rows, 1)) and run the qk transforms on it.
 
     With no transform: one (rows, BLOCK_D) tile ``x``. With transforms: the halves ``x1``, ``x2``
-    (rows, BLOCK_H), columns [0, D/2) and [D/2, D), transformed in float32 and cast back for the
-    products; ``x_in<i>_1``/``_2`` keep each transform's input for the backward's vector-Jacobian products.
+    (rows, BLOCK_H), columns [0, D/2) and [D/2, D) or those of the transforms' column map, transformed in
+    float32 and cast back for the products; ``x_in<i>_1``/``_2`` keep each transform's input for the
+    backward's vector-Jacobian products.
     Rows a transform pass already transformed (``config.q_transformed``, ``k_transformed``) are only loaded.
     """
     row_mask = f"{ok}[:, None]" if masked else ""
@@ -24,10 +25,11 @@ def operand(
         return f"{x} = {masked_load(f'{base} + {rows} + d[None, :] * {stride_d}', row_mask, d_mask)}\n"
     h_mask = half_mask(kernel)
     fragment_ok = " & ".join(m for m in (f"{ok}[:, None]", h_mask) if m)
+    first, second = half_offsets(kernel, stride_d)
     lines = [
-        f"{x}_ptrs = {base} + {rows} + dh[None, :] * {stride_d}",
+        f"{x}_ptrs = {base} + {rows} + {first}",
         f"{x}1f = {masked_load(f'{x}_ptrs', row_mask, h_mask)}.to({kernel.accumulator})",
-        f"{x}2f = {masked_load(f'{x}_ptrs + HALF * {stride_d}', row_mask, h_mask)}.to({kernel.accumulator})",
+        f"{x}2f = {masked_load(f'{x}_ptrs + {second}', row_mask, h_mask)}.to({kernel.accumulator})",
     ]
     for i, t in enumerate(kernel.transforms):
         text = getattr(t.fragment, x)
@@ -36,7 +38,17 @@ def operand(
                 f"{x}_in{i}_1 = {x}1f",
                 f"{x}_in{i}_2 = {x}2f",
                 f"# {t.prefix}: qk transform of {x}",
-                fragment(t.code(text, x1=f"{x}1f", x2=f"{x}2f", pos=pos, ok=fragment_ok, tmp=f"{x}_{t.prefix}")),
+                fragment(
+                    t.code(
+                        text,
+                        x1=f"{x}1f",
+                        x2=f"{x}2f",
+                        pos=pos,
+                        ok=fragment_ok,
+                        tmp=f"{x}_{t.prefix}",
+                        **half_columns(kernel),
+                    )
+                ),
             ]
     lines += [f"{x}1 = {x}1f.to({operand_dtype(kernel, x)})", f"{x}2 = {x}2f.to({operand_dtype(kernel, x)})"]
     return "\n".join(lines) + "\n"
@@ -65,6 +77,7 @@ def operand_grad(kernel: LoweredProgram, x: str, grad: str, pos: str, ok: str) -
                         pos=pos,
                         ok=fragment_ok,
                         tmp=f"d{x}_{t.prefix}",
+                        **half_columns(kernel),
                     )
                 ),
             ]

@@ -15,7 +15,7 @@ import string
 
 from ...launch_spec import INT, TENSOR, Param, params, strides
 from ..lower import LoweredProgram
-from .common import columns, constexpr_params, half_mask, indent, kernel_source
+from .common import columns, constexpr_params, half_mask, half_offsets, indent, kernel_source
 from .loops import key_block
 from .operands import kv_length, operand, operand_grad, position, query_shift
 
@@ -30,9 +30,9 @@ pid_n = $pid % blocks
 pid_bh = $pid // blocks
 $rows$columns${x}_base = $X + b.to(tl.int64) * stride_${x}b + $head.to(tl.int64) * stride_${x}h
 $load$body${x}o_ptrs = (${X}Out + b.to(tl.int64) * stride_${x}ob + $head.to(tl.int64) * stride_${x}oh
-          + ${idx}[:, None] * stride_${x}on + dh[None, :] * stride_${x}od)
+          + ${idx}[:, None] * stride_${x}on + $offset)
 tl.store(${x}o_ptrs, ${result}1.to(${X}Out.dtype.element_ty), mask=$store_mask)
-tl.store(${x}o_ptrs + HALF * stride_${x}od, ${result}2.to(${X}Out.dtype.element_ty), mask=$store_mask)
+tl.store(${x}o_ptrs + $next_half, ${result}2.to(${X}Out.dtype.element_ty), mask=$store_mask)
 """)
 
 _SITE = {"q": ("q_idx", "q_pos", "q_ok", "h"), "k": ("k_idx", "k_pos", "k_ok", "hk")}  # idx, pos, ok, head
@@ -58,6 +58,7 @@ def _side(kernel: LoweredProgram, x: str, first: str, gradient: bool) -> str:
     idx, pos, ok, head = _SITE[x]
     rows_n, block = _ROWS[x]
     h_mask = half_mask(kernel, joined=True)
+    offset, next_half = half_offsets(kernel, f"stride_{x}od")
     body = ""
     if gradient:
         g = (
@@ -65,9 +66,9 @@ def _side(kernel: LoweredProgram, x: str, first: str, gradient: bool) -> str:
             f" + {idx}[:, None] * stride_{x}on"
         )
         body = (
-            f"g_ptrs = {g} + dh[None, :] * stride_{x}od\n"
+            f"g_ptrs = {g} + {offset}\n"
             f"g1 = tl.load(g_ptrs, mask={ok}[:, None]{h_mask}, other=0.0)\n"
-            f"g2 = tl.load(g_ptrs + HALF * stride_{x}od, mask={ok}[:, None]{h_mask}, other=0.0)\n"
+            f"g2 = tl.load(g_ptrs + {next_half}, mask={ok}[:, None]{h_mask}, other=0.0)\n"
             + operand_grad(kernel, x, "g", pos, ok)
         )
     return _SIDE.substitute(
@@ -84,6 +85,8 @@ def _side(kernel: LoweredProgram, x: str, first: str, gradient: bool) -> str:
         body=body,
         result="g" if gradient else x,
         store_mask=f"{ok}[:, None]{h_mask}",
+        offset=offset,
+        next_half=next_half,
     )
 
 
