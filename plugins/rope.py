@@ -369,6 +369,7 @@ COMBINATOR = Combinator(
     fragment=fragment,
     examples=examples,
     takes_offsets=True,
+    runs_on_fp8=True,  # a rotation commutes with the descales (a positive factor a head)
 )
 
 

@@ -166,50 +166,30 @@ def test_positions():
     check(causal_softmax, qkv, descales, torch.float32, q_offset=16, seq_len=50)
 
 
-def _rope_fp8():
-    """rope declaring runs_on_fp8 (a rotation commutes with a positive per-head factor), as a third party
-    would."""
-    return attrs.evolve(af.combinators()["rope"].combinator, name="_test_rope_fp8", runs_on_fp8=True)
+def test_rope_runs_on_fp8():
+    """rope declares runs_on_fp8 (a rotation commutes with a positive per-head factor). The rotated halves go to
+    UPCAST_DTYPE for q·kᵀ: each score moves by at most ε = 2 u_p ‖q_i‖‖k_j‖ · scale (both rounded, a rotation
+    keeps norms), so the weights by a factor within e^(±2ε) and out by at most (e^(2ε) - 1) Σ_j w_j |v_j|, on
+    top of the P·V bound of the module's doc."""
+    from attnfuse.examples import llama
 
-
-def test_transform_declaring_runs_on_fp8():
-    """The rotated halves go to UPCAST_DTYPE for q·kᵀ: each score moves by at most ε = 2 u_p ‖q_i‖‖k_j‖ ·
-    scale (both rounded, a rotation keeps norms), so the weights by a factor within e^(±2ε) and out by at
-    most (e^(2ε) - 1) Σ_j w_j |v_j|, on top of the P·V bound of the module's doc."""
-    comb = _rope_fp8()
-
-    class Plugin:
-        @af.hookimpl
-        def attnfuse_combinators(self):
-            return [comb]
-
-    af.register_plugin(Plugin(), name="test-fp8-rope")
-    try:
-
-        @af.attention
-        def rotated(q, k, v):
-            return af.softmax(af.causal(af._test_rope_fp8(q, k))) @ v
-
-        (q, k, v), descales = fp8_inputs(torch.float8_e4m3fn, per_head=False)
-        out = rotated(q, k, v, **descales, out_dtype=torch.float32)
-        ref = rotated.reference(q, k, v, **descales)
-        naive = rotated.reference(q, k, v, **descales, dtype=torch.float32)
-        norms = [(t.double() * descales[f"{n}_descale"].double()).norm(dim=-1).max() for n, t in (("q", q), ("k", k))]
-        u_p = P_ROUNDOFF["cpu"]
-        eps = 2 * u_p * norms[0] * norms[1] / math.sqrt(D)
-        w_abs_v = rotated.reference(q, k, v.float().abs().to(v.dtype), **descales)
-        bound = (math.expm1(2 * eps) + u_p) * w_abs_v
-        assert_matches_reference(out, ref, naive, dtype=torch.float32, rounding=bound)
-    finally:
-        af.unregister_plugin("test-fp8-rope")
+    (q, k, v), descales = fp8_inputs(torch.float8_e4m3fn, per_head=False)
+    out = llama(q, k, v, **descales, out_dtype=torch.float32)
+    ref = llama.reference(q, k, v, **descales)
+    naive = llama.reference(q, k, v, **descales, dtype=torch.float32)
+    norms = [(t.double() * descales[f"{n}_descale"].double()).norm(dim=-1).max() for n, t in (("q", q), ("k", k))]
+    u_p = P_ROUNDOFF["cpu"]
+    eps = 2 * u_p * norms[0] * norms[1] / math.sqrt(D)
+    w_abs_v = llama.reference(q, k, v.float().abs().to(v.dtype), **descales)
+    bound = (math.expm1(2 * eps) + u_p) * w_abs_v
+    assert_matches_reference(out, ref, naive, dtype=torch.float32, rounding=bound)
 
 
 def test_transforms_refuse_fp8_unless_they_declare_it():
-    from attnfuse.examples import llama
-
+    normed = af.attention(lambda q, k, v: af.softmax(af.causal(af.scaled_dot_product(*af.qk_norm(q, k)))) @ v)
     qkv, descales = fp8_inputs(torch.float8_e4m3fn, per_head=False)
-    with pytest.raises(af.UnsupportedError, match=r"rope reads q or k values .* runs_on_fp8=True"):
-        llama(*qkv, **descales)
+    with pytest.raises(af.UnsupportedError, match=r"qk_norm reads q or k values .* runs_on_fp8=True"):
+        normed(*qkv, **descales)
 
 
 def test_runs_on_fp8_must_be_a_bool():
