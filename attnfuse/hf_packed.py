@@ -150,8 +150,8 @@ def documents_causal_mask(packed: PackedCall, Nq: int, Nk: int, window: int | No
 
 
 def local_rope_tables(cos: torch.Tensor, sin: torch.Tensor, packed: PackedCall) -> tuple[torch.Tensor, torch.Tensor]:
-    """HF's cos, sin (1, total, D), one row per packed token, as the tables (total, D) a packed call reads at
-    document-local positions: the longest document's rows (the rows after them are never read). Refused
+    """HF's cos, sin (1, total, D), one row per packed token, as the tables (longest, D) a packed call reads at
+    document-local positions: the longest document's rows. Refused
     (UnsupportedError) unless every token's row equals the table's row of its local position (position_ids
     restarting alike in every document), and when queries and keys are offset differently. Host syncs: the
     offsets, and the check; remembered for the tensors they read (``_Recent``)."""
@@ -172,5 +172,4 @@ def _local_rope_tables(cos: torch.Tensor, sin: torch.Tensor, packed: PackedCall)
             "fuse_rope: a packed batch whose rotary tables differ between documents at the same local "
             "position (position_ids that do not restart alike in every document) is not supported"
         )
-    unread = cos.new_zeros((cos.shape[1] - (end - start), cos.shape[2]))  # rope takes (total, D) tables
-    return torch.cat((cos[0, start:end], unread)), torch.cat((sin[0, start:end], unread))
+    return cos[0, start:end], sin[0, start:end]

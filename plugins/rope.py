@@ -78,6 +78,9 @@ def _check_tables(cos, sin, ctx, rotary_dim=None, interleaved=False):
             f"(got Nq={ctx.Nq}, Nk={ctx.Nk}); pass theta instead"
         )
     rows, what = (ctx.Nk, "Nk") if ctx.q_offset is None else (ctx.seq_len, "seq_len")  # positions lie below it
+    offsets = getattr(ctx, "cu_seqlens_k", None)  # a launch's context has them; the reference's none
+    if offsets is not None:  # positions restart in each document: the longest one's keys (a host sync)
+        rows, what = int(offsets.diff().max()) if offsets.numel() > 1 else 0, "longest document"
     width = "D" if rotary_dim is None else "rotary_dim"
     for name, t in (("cos", cos), ("sin", sin)):
         if not isinstance(t, torch.Tensor) or not t.is_floating_point():

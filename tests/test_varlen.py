@@ -258,6 +258,18 @@ def test_rope_tables_at_local_positions():
         rope_tables(q, k, v, cos[:13], sin[:13], cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
 
 
+def test_rope_tables_need_rows_for_the_longest_document_only():
+    """A packed call's positions restart in every document, so tables of the longest document's rows serve
+    any pack of documents (as FlashAttention-style callers build them); fewer rows are an InputError."""
+    lq, lk = [3, 8, 5], [4, 8, 6]
+    angles = torch.randn(max(lk), 8)
+    cos, sin = torch.cat((angles, angles), -1).cos(), torch.cat((angles, angles), -1).sin()
+    check(rope_tables, lq, lk, cos, sin)
+    q, k, v, cu_q, cu_k = packed(lq, lk)
+    with pytest.raises(af.InputError, match=r"cos must have shape \(longest document, D\).* = \(8, 16\)"):
+        rope_tables(q, k, v, cos[:7], sin[:7], cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
+
+
 def test_the_templates_leave_packed_calls_to_the_generated_kernels(capsys):
     """The Hopper templates take no packed call and give the reason, which ``attnfuse show --json --varlen``
     reports."""
