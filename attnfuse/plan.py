@@ -67,6 +67,7 @@ class KernelConfig:
     wide_positions: bool = False  # some position can reach 2**30: positions and the masks' facts are int64
     partial: bool = False  # a partial result over some of each row's keys: the normaliser's ``partial`` fragment
     varlen: bool = False  # packed sequences: q, k rows are documents at cu_seqlens offsets (B = 1), each its own
+    dropout: bool = False  # attention dropout: the weights P·V reads are masked by Philox numbers (DROPOUT_P > 0)
 
 
 @frozen(kw_only=True)

@@ -23,6 +23,7 @@ from . import custom_op
 from .runtime.launch import run_attention
 from .runtime.inputs import check_cache, check_positions, kernel_config
 from .runtime.compiled import compiled_kernel
+from .runtime.dropout import check_dropout_p, reference_dropout
 from .runtime.offsets import inputs_fit
 from .runtime.validate import check_call_values
 
@@ -39,6 +40,8 @@ RESERVED_ARGUMENTS = (
     "cu_seqlens_k",
     "max_seqlen_q",
     "max_seqlen_k",
+    "dropout_p",
+    "dropout_mask",
 )
 MAX_TRACES = 64  # graphs kept per program: past RECOMPILE_LIMIT (8) configurations it warns (recompile.py)
 
@@ -240,6 +243,7 @@ class AttentionProgram:
         cu_seqlens_k: torch.Tensor | None = None,
         max_seqlen_q: int | None = None,
         max_seqlen_k: int | None = None,
+        dropout_p: float = 0.0,
         **kwargs: Any,
     ):
         """The fused kernel's result: out (B, Hq, Nq, DV), or (out, lse) when ``return_lse``.
@@ -260,7 +264,9 @@ class AttentionProgram:
         ``cu_seqlens_q``, ``cu_seqlens_k`` (docs + 1,) int32 or int64: packed sequences, q (1, Hq, total_q, D)
         and k, v (1, Hkv, total_k, D) holding documents one after another, each attending within itself at
         positions local to it; ``max_seqlen_q``, ``max_seqlen_k``: optional bounds on their lengths. Under
-        torch.compile such a call runs eagerly too. See ``attnfuse.run_attention``.
+        torch.compile such a call runs eagerly too. ``dropout_p``: attention dropout (SDPA's meaning), a number
+        in [0, 1): each weight zeroed with that probability, the others scaled by 1 / (1 - p); the call draws
+        its dropout state from the device's default generator. See ``attnfuse.run_attention``.
         """
         packed = {
             "cu_seqlens_q": cu_seqlens_q,
@@ -282,11 +288,20 @@ class AttentionProgram:
                     k_offset=k_offset,
                     seq_len=seq_len,
                     **packed,
+                    dropout_p=dropout_p,
                     **kwargs,
                 )
             hide = custom_op.hide_none
             return custom_op.opaque_program_call(
-                self, hide(args), hide(kwargs), return_lse, hide(kv_lens), hide(block_table), validate, hide(kv_layout)
+                self,
+                hide(args),
+                hide(kwargs),
+                return_lse,
+                hide(kv_lens),
+                hide(block_table),
+                validate,
+                hide(kv_layout),
+                check_dropout_p(dropout_p),
             )
         # eager: straight to the kernels (the op boundary costs host time that only a compiler needs)
         (q, k, v), args, kwargs = self._take_qkv(args, kwargs)
@@ -306,6 +321,7 @@ class AttentionProgram:
             seq_len=seq_len,
             kv_layout=kv_layout,
             **packed,
+            dropout_p=dropout_p,
         )
 
     def __eq__(self, other: object) -> bool:  # by identity; defined for torch.compile (a pytree constant)
@@ -324,16 +340,20 @@ class AttentionProgram:
         q_offset: int | None = None,
         k_offset: int | None = None,
         seq_len: int | None = None,
+        dropout_p: float = 0.0,
+        dropout_mask: torch.Tensor | None = None,
         **kwargs: Any,
     ):
         """The naive PyTorch result computed in ``dtype`` (float64 by default), as the oracle for tests;
         kv_lens and block_table values are checked as a validated call checks them, positions and a paged
-        cache's ``kv_layout`` as a call's."""
+        cache's ``kv_layout`` as a call's. With ``dropout_p`` > 0, ``dropout_mask`` (B, Hq, Nq, Nk) bool is the
+        weights dropout keeps (a call's: ``attnfuse.dropout_keep``): weights times mask / (1 - p)."""
         (q, k, v), args, kwargs = self._take_qkv(args, kwargs)
         layout = check_cache(q, k, v, kv_lens, block_table, kv_layout).kv_layout
         positions = check_positions(q_offset, k_offset, seq_len, q.shape[2], k.shape[2], kv_lens, block_table)
         check_call_values(k, kv_lens, block_table, kv_layout=layout, wait=True)
         key, inputs = self._bind(args, kwargs)
+        dropout = reference_dropout(dropout_p, dropout_mask, q, k, paged=block_table is not None)
         out, lse = evaluate(
             self._trace(key),
             q,
@@ -345,6 +365,7 @@ class AttentionProgram:
             block_table=block_table,
             positions=positions,
             kv_layout=layout or "NHD",
+            dropout=dropout,
         )
         if not return_lse:
             return out

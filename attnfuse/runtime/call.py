@@ -9,6 +9,7 @@ import torch
 from .autograd import AttentionFunction, runtime_tensors
 from .backward import BackwardKernels
 from .decode import DecodeKernel
+from .dropout import Dropout
 from .forward import ForwardKernel
 from .hoisted import HoistedBackward, HoistedForward
 from .inputs import KVCache, Positions, kv_cache
@@ -56,17 +57,20 @@ class Call:
         block_table: torch.Tensor | None,
         positions: Positions | None = None,
         packed: Packed | None = None,
+        dropout: Dropout | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """out (B, Hq, Nq, DV) and lse (B, Hq, Nq) or None; differentiable when the call has a backward.
         ``positions``: the call's (checked), when its signature has them; ``packed``: likewise its document
-        offsets."""
-        kv = kv_cache(k, v, kv_lens, block_table, positions, self.kv_layout, packed)
+        offsets; ``dropout``: likewise its attention dropout."""
+        kv = kv_cache(k, v, kv_lens, block_table, positions, self.kv_layout, packed, dropout)
         if self.decode is not None:
             return self.decode(q, kv, inputs)
         if self.build_backward is None:
             return self.forward(q, kv, inputs)
         tensors, names = runtime_tensors(inputs)
-        return AttentionFunction.apply(self, inputs, tuple(names), positions, packed, q, k, v, kv_lens, *tensors)
+        return AttentionFunction.apply(
+            self, inputs, tuple(names), positions, packed, dropout, q, k, v, kv_lens, *tensors
+        )
 
     @property
     def backward(self) -> BackwardKernels | HoistedBackward | None:

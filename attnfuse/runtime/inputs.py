@@ -13,6 +13,8 @@ from .. import ir
 from ..errors import InputError
 from ..launch_context import LaunchContext
 from ..plan import KernelConfig, accumulator_type
+from .dropout import Dropout
+from .dropout import launch_args as dropout_args
 from .kv_layout import check_kv_layout, head_second, pool_layout
 from .offsets import any_layout_fits, rows_fit
 from .launcher import head_group
@@ -106,7 +108,7 @@ class KVCache(NamedTuple):
     queries and keys sit (``Positions``), or None: key j at j, query i at i + Nk - Nq (i + lens[b] - Nq).
     ``kv_layout``: a paged cache's pool layout, "NHD" or "HND" (``kv_layout.py``); None for a contiguous one.
     ``packed``: packed sequences' document offsets (``packed.Packed``), or None; ``capacity`` is then the
-    packed length of k.
+    packed length of k. ``dropout``: the call's attention dropout (``dropout.Dropout``), or None.
     """
 
     k: torch.Tensor
@@ -118,6 +120,7 @@ class KVCache(NamedTuple):
     positions: Positions | None = None
     kv_layout: str | None = None
     packed: Packed | None = None
+    dropout: Dropout | None = None
 
 
 def launch_context(q: torch.Tensor, kv: KVCache) -> LaunchContext:
@@ -219,11 +222,13 @@ def kv_cache(
     positions: Positions | None = None,
     kv_layout: str | None = "NHD",
     packed: Packed | None = None,
+    dropout: Dropout | None = None,
 ) -> KVCache:
     """The KV view of inputs :func:`check_cache` accepted, a paged cache's pools read in ``kv_layout``
     (the one it decided). It checks no values: lengths outside [0, capacity] count as the nearest bound,
     never wrapped; an int64 block table goes to the kernels as it is, which drop keys on pages outside the
-    pool. ``positions``: the call's (checked); ``packed``: its document offsets (checked)."""
+    pool. ``positions``: the call's (checked); ``packed``: its document offsets (checked); ``dropout``: its
+    attention dropout."""
     if block_table is not None:
         k, v = head_second(k, kv_layout), head_second(v, kv_layout)
     capacity = k.shape[2] if block_table is None else block_table.shape[1] * k.shape[2]
@@ -232,7 +237,9 @@ def kv_cache(
     if kv_lens is not None and not kv_lens.is_contiguous():
         kv_lens = kv_lens.contiguous()
     if block_table is None:
-        return KVCache(k=k, v=v, capacity=capacity, lens=kv_lens, positions=positions, packed=packed)
+        return KVCache(
+            k=k, v=v, capacity=capacity, lens=kv_lens, positions=positions, packed=packed, dropout=dropout
+        )
     return KVCache(
         k=k, v=v, capacity=capacity, lens=kv_lens, block_table=block_table, page_size=k.shape[2], kv_layout=kv_layout
     )
@@ -297,9 +304,11 @@ def _arch(device: torch.device) -> str:
     return f"sm{major}{minor}"
 
 
-def kernel_config(q: torch.Tensor, kv: KVCache, save_lse: bool, inputs_wide: bool = False) -> KernelConfig:
+def kernel_config(
+    q: torch.Tensor, kv: KVCache, save_lse: bool, inputs_wide: bool = False, dropout: bool = False
+) -> KernelConfig:
     """The configuration part of the kernel-cache key for these inputs; ``inputs_wide``: some runtime
-    input tensor needs 64-bit offsets (``offsets.inputs_fit``)."""
+    input tensor needs 64-bit offsets (``offsets.inputs_fit``); ``dropout``: the call has attention dropout."""
     tf32 = q.device.type == "cuda" and torch.backends.cuda.matmul.allow_tf32
     return KernelConfig(
         arch=_arch(q.device),
@@ -315,6 +324,7 @@ def kernel_config(q: torch.Tensor, kv: KVCache, save_lse: bool, inputs_wide: boo
         positions=kv.positions is not None,
         wide_positions=wide_positions(q.shape[2], kv.capacity, kv.positions),
         varlen=kv.packed is not None,
+        dropout=dropout,
     )
 
 
@@ -338,8 +348,8 @@ def _layouts_fit(tensors: tuple[torch.Tensor, ...], width: int) -> bool:
 def kv_launch_args(kv: KVCache) -> dict[str, Any]:
     """The kernel arguments of the cache by name: its capacity ``N_K``, lengths, and a paged cache's block
     table (its strides come with it), page size and number of pages; or the call's positions; or packed
-    sequences' offsets."""
-    args: dict[str, Any] = {"N_K": kv.capacity, **position_args(kv)}
+    sequences' offsets; and the call's attention dropout's."""
+    args: dict[str, Any] = {"N_K": kv.capacity, **position_args(kv), **dropout_args(kv.dropout)}
     if kv.packed is not None:
         args.update(packed_args(kv.packed))
     if kv.lens is not None:

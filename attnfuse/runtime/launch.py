@@ -35,6 +35,7 @@ from .inputs import (
 )
 from .kv_layout import check_kv_layout
 from .offsets import inputs_fit
+from .dropout import call_dropout, check_dropout_p, refuse_dropout_with
 from .packed import Packed, check_packed, check_values, refuse_arguments, refuse_program
 from .plugin_args import check_takes_offsets
 from .validate import check_call_values
@@ -94,6 +95,7 @@ def run_attention(
     cu_seqlens_k: torch.Tensor | None = None,
     max_seqlen_q: int | None = None,
     max_seqlen_k: int | None = None,
+    dropout_p: float = 0.0,
 ):
     """Run a traced program on q (B, Hq, Nq, D), k (B, Hkv, Nk, D), v (B, Hkv, Nk, DV).
 
@@ -142,10 +144,16 @@ def run_attention(
         (UnsupportedError).
     :param max_seqlen_q: with packed sequences, the longest document's query count (and ``max_seqlen_k``
         its key count), optional; a document longer than one given is an InputError (checked on the device).
+    :param dropout_p: attention dropout, SDPA's meaning (``runtime/dropout.py``): each weight zeroed with
+        probability p, the others scaled by 1 / (1 - p), after normalisation (lse is the undropped one's). A
+        Python number in [0, 1), else an InputError. With p > 0 the call first draws its dropout state from
+        the device's default generator (``torch.manual_seed`` repeats it); not with block_table, packed
+        sequences or split_kv=True (UnsupportedError). 0 (default): no dropout, the kernels of a call without.
     :return: out (B, Hq, Nq, DV), or (out, lse) with lse (B, Hq, Nq) float32 when ``return_lse``.
     """
     inputs = inputs or {}
     positions = packed = None
+    dropping = check_dropout_p(dropout_p) > 0.0
     if any(a is not None for a in (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)):
         refuse_arguments(
             {
@@ -176,11 +184,13 @@ def run_attention(
         positions=positions,
         kv_layout=kv_layout,
         packed=packed,
+        dropout=dropping,
     )
+    dropout = call_dropout(dropout_p, q.device)  # after every check: a refused call draws nothing
     check_call_values(k, kv_lens, block_table, kv_layout=call.kv_layout, validate=validate)
     if packed is not None:
         check_values(packed, q.shape[2], k.shape[2], max_seqlen_q, max_seqlen_k, validate)
-    out, lse = call(q, k, v, inputs, kv_lens, block_table, positions, packed)
+    out, lse = call(q, k, v, inputs, kv_lens, block_table, positions, packed, dropout)
     return (out, lse) if return_lse else out
 
 
@@ -199,12 +209,13 @@ def planned(
     positions: Positions | None = None,
     kv_layout: Any = None,
     packed: Packed | None = None,
+    dropout: bool = False,
 ) -> Call:
     """The call's ``Call``, decided once per call signature. ``grads``: None when no gradient is wanted,
     else the runtime inputs whose gradients are (``wanted_grads``). ``positions``: the call's, checked,
     whose presence matters here, and whether they need int64 kernels (the kernels take their values as runtime
     ints). ``kv_layout``: as the caller named it (``kv_layout.check_kv_layout``). ``packed``: the call's document
-    offsets (checked), whose dtypes matter here."""
+    offsets (checked), whose dtypes matter here. ``dropout``: the call has attention dropout (p > 0)."""
     check_kv_layout(kv_layout, block_table is not None)  # a valid key before the lookup
     placed = None if positions is None else wide_positions(0, 0, positions)
     signature = (
@@ -222,13 +233,27 @@ def planned(
         placed,
         kv_layout,
         None if packed is None else (packed.cu_q.dtype, packed.cu_k.dtype),
+        dropout,
     )
     call = _calls.get(signature)
     if call is None:
         call = _calls.get_or_build(
             signature,
             lambda: _decide(
-                graph, q, k, v, inputs, kv_lens, block_table, return_lse, grads, split_kv, positions, kv_layout, packed
+                graph,
+                q,
+                k,
+                v,
+                inputs,
+                kv_lens,
+                block_table,
+                return_lse,
+                grads,
+                split_kv,
+                positions,
+                kv_layout,
+                packed,
+                dropout,
             ),
         )
     return call
@@ -260,17 +285,21 @@ def _decide(
     positions: Positions | None,
     kv_layout: str | None,
     packed: Packed | None = None,
+    dropout: bool = False,
 ) -> Call:
     """Check a new call signature and choose its kernels: the split-KV kernel if it takes that path, else
     its forward (hoisted when worth it) and, with gradients wanted, the backward writing them. A call that
     gives its positions never takes the split-KV path (its kernel places queries bottom-right), nor does a
-    packed call, which is never hoisted either (the passes place rows by their index in the call)."""
+    packed call, which is never hoisted either (the passes place rows by their index in the call). A call with
+    ``dropout`` never takes the split-KV path (its kernel has no dropout) nor a paged cache or packed sequences."""
     kv = check_cache(q, k, v, kv_lens, block_table, kv_layout)._replace(positions=positions, packed=packed)
     check_input_names(graph, inputs)
+    if dropout:
+        refuse_dropout_with(paged=block_table is not None, packed=packed is not None, split_kv=bool(split_kv))
     has_lse = keeps_lse(graph, return_lse)
     if grads is not None and block_table is not None:
         raise InputError("gradients through a paged cache are not supported; pass contiguous k and v to train")
-    config = kernel_config(q, kv, return_lse or (grads is not None and has_lse), not inputs_fit(inputs))
+    config = kernel_config(q, kv, return_lse or (grads is not None and has_lse), not inputs_fit(inputs), dropout)
     program = compiled.compiled(graph, config)
     plan = program.plan
     if positions is not None:
@@ -278,7 +307,7 @@ def _decide(
     if packed is not None:
         refuse_program(plan, grads)
     can_split = grads is None and plan.combine is not None and not plan.partial and positions is None
-    can_split = can_split and packed is None
+    can_split = can_split and packed is None and not dropout
     if split_kv is None:
         split_kv = can_split and q.shape[2] <= MAX_QUERIES
     elif split_kv and not can_split:
