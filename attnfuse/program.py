@@ -411,6 +411,7 @@ def _call(
     block_table: Any,
     validate: bool = True,
     kv_layout: str | None = None,
+    dropout_p: float = 0.0,
 ):
     """A program call: bind the arguments, find the trace, run it through ``torch.ops.attnfuse.attention``."""
     (q, k, v), args, kwargs = program._take_qkv(args, kwargs)
@@ -426,6 +427,7 @@ def _call(
         block_table=block_table,
         validate=validate,
         kv_layout=kv_layout,
+        dropout_p=dropout_p,
     )
 
 

@@ -84,6 +84,11 @@ def check_state(state: Any, device: torch.device) -> torch.Tensor:
     return state.contiguous()
 
 
+def op_dropout(p: float, state: torch.Tensor | None, device: torch.device) -> Dropout | None:
+    """The dropout of an ``attnfuse::attention`` call whose spec has rate ``p`` and whose state is ``state``."""
+    return Dropout(p, check_state(state, device)) if p > 0.0 else None
+
+
 def launch_args(dropout: Dropout | None) -> dict[str, Any]:
     """The kernels' dropout arguments by name (none without dropout)."""
     if dropout is None:
