@@ -384,11 +384,13 @@ class AttentionProgram:
         q_offset: int | None = None,
         k_offset: int | None = None,
         seq_len: int | None = None,
+        dropout_p: float = 0.0,
         **kwargs: Any,
     ) -> str:
         """The generated Triton source of one kernel for these inputs: ``kernel`` is "forward", "decode"
         (the split-KV path), "dkdv" or "dq" (the backward's), "transform" or "gradient" (the passes of
-        hoisted qk transforms): a kind of ``attnfuse.plan.KERNEL_KINDS``."""
+        hoisted qk transforms): a kind of ``attnfuse.plan.KERNEL_KINDS``; ``dropout_p`` > 0: a call's with
+        attention dropout."""
         (q, k, v), args, kwargs = self._take_qkv(args, kwargs)
         kv = check_cache(q, k, v, kv_lens, block_table, kv_layout)._replace(
             positions=check_positions(q_offset, k_offset, seq_len, q.shape[2], k.shape[2], kv_lens, block_table)
@@ -396,7 +398,8 @@ class AttentionProgram:
         key, inputs = self._bind(args, kwargs)
         graph = self._trace(key)
         save_lse = return_lse or (kernel in ("dkdv", "dq", "gradient") and graph.has_lse)
-        return compiled_kernel(graph, kernel_config(q, kv, save_lse, not inputs_fit(inputs)), kernel).source
+        config = kernel_config(q, kv, save_lse, not inputs_fit(inputs), check_dropout_p(dropout_p) > 0.0)
+        return compiled_kernel(graph, config, kernel).source
 
     def __repr__(self) -> str:
         return f"<attnfuse program {self.fn.__qualname__}>"
