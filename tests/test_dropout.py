@@ -2,6 +2,7 @@
 gradients, every normaliser), its rate and expectation, repeatability, refusals, bad values, HF's training
 mode and torch.compile."""
 
+import copy
 import math
 
 import pytest
@@ -288,3 +289,54 @@ def test_compiled_call_matches_the_eager_call():
     eager, traced = run(step), run(compiled)
     assert all(torch.equal(a, b) for a, b in zip(eager, traced))
     assert not torch.equal(eager[0], causal(q, k, v))
+
+
+class _ReplayingReference:
+    """Stands for ``attnfuse.hf.hf_attention`` in a test: its float64-capable reference, in the model's dtype,
+    drawing each call's dropout state as the call would and replaying its mask."""
+
+    def __init__(self, program):
+        self.program = program
+
+    def __call__(self, q, k, v, *args, dropout_p=0.0, **kwargs):
+        replay = {}
+        if dropout_p:
+            keep = af.dropout_keep(af.dropout_state(q.device), dropout_p, (*q.shape[:3], k.shape[2]))
+            replay = {"dropout_p": dropout_p, "dropout_mask": keep}
+        return self.program.reference(q, k, v, *args, dtype=q.dtype, **replay, **kwargs)
+
+
+def test_hf_attention_dropout_trains_and_is_off_in_eval_mode(monkeypatch):
+    """A model whose config has attention_dropout 0.3, under attn_implementation="attnfuse": in eval mode its
+    logits are bitwise those with no dropout; in training mode the loss differs, repeats bitwise with the seed,
+    and loss, logits and every gradient equal the model run through the reference replaying each layer's mask
+    (in float64, and in float32 for the reference's own error)."""
+    transformers = pytest.importorskip("transformers")
+    import attnfuse.hf
+    from hf_training import padded_batch, tiny_model, training_step
+
+    model = tiny_model(transformers, "LlamaConfig", "LlamaForCausalLM", {"attention_dropout": 0.3})
+    batch = padded_batch(model.config.vocab_size)
+    ids, mask, _ = batch
+
+    def step(m, seed):
+        torch.manual_seed(seed)
+        return training_step(m, "attnfuse", batch)
+
+    trained, again = step(model, 2), step(model, 2)
+    assert all(torch.equal(trained[n], again[n]) for n in trained)
+    assert all(torch.isfinite(t).all() for t in trained.values())
+    undropped = copy.deepcopy(model)
+    for layer in undropped.model.layers:
+        layer.self_attn.attention_dropout = 0.0
+    plain = step(undropped, 2)
+    assert not torch.equal(trained["loss"], plain["loss"])
+    with torch.no_grad():
+        model.eval()
+        assert torch.equal(model(ids, attention_mask=mask).logits, plain["logits"])
+        model.train()
+
+    monkeypatch.setattr(attnfuse.hf, "hf_attention", _ReplayingReference(attnfuse.hf.hf_attention))
+    want64, want32 = step(copy.deepcopy(model).double(), 2), step(model, 2)
+    for name in want64:
+        assert_matches_reference(trained[name], want64[name], want32[name], what=name)

@@ -237,9 +237,7 @@ def kv_cache(
     if kv_lens is not None and not kv_lens.is_contiguous():
         kv_lens = kv_lens.contiguous()
     if block_table is None:
-        return KVCache(
-            k=k, v=v, capacity=capacity, lens=kv_lens, positions=positions, packed=packed, dropout=dropout
-        )
+        return KVCache(k=k, v=v, capacity=capacity, lens=kv_lens, positions=positions, packed=packed, dropout=dropout)
     return KVCache(
         k=k, v=v, capacity=capacity, lens=kv_lens, block_table=block_table, page_size=k.shape[2], kv_layout=kv_layout
     )

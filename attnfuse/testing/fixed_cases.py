@@ -134,6 +134,7 @@ def check_fixed_cases(name: str, device: str) -> None:
                 exc,
                 f"fixed case ({call.what}): {case.text}, shape {call.shape}, float32, seed 0"
                 f"{', with gradients' if call.grads else ''}, kv_lens {call.kv_lens}, page_size "
-                f"{call.page_size}, positions {call.positions}, dropout_p {call.dropout_p}; extras: {show_extras(case.extras, False)}",
+                f"{call.page_size}, positions {call.positions}, dropout_p {call.dropout_p}; "
+                f"extras: {show_extras(case.extras, False)}",
             )
             raise

@@ -127,9 +127,7 @@ def check_program_case(
     def reference(q, k, v, precision):
         """(out, lse or None) of the reference in ``precision``: the call's, or each packed document's."""
         if packed is None:
-            found = case.program.reference(
-                q, k, v, return_lse=has_lse, dtype=precision, **call, **replay, **extras
-            )
+            found = case.program.reference(q, k, v, return_lse=has_lse, dtype=precision, **call, **replay, **extras)
             return found if has_lse else (found, None)
         return _packed_reference(case, q, k, v, extras, packed, has_lse, precision)
 

@@ -75,7 +75,9 @@ def mask_kernel_source() -> str:
     """A kernel writing the keep mask (B, Hq, Nq, N_K) int8 the kernels above use, for the reference: grid
     (B x Hq x row blocks x key blocks,), ``Keep`` contiguous."""
     parameters = (
-        params(TENSOR, STATE, "Keep") + params(INT, "HQ", "Nq", "N_K") + params(SCALAR, P)
+        params(TENSOR, STATE, "Keep")
+        + params(INT, "HQ", "Nq", "N_K")
+        + params(SCALAR, P)
         + params(CONSTEXPR, "BLOCK_M", "BLOCK_N")
     )
     body = (
