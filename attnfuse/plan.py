@@ -41,6 +41,10 @@ transforms are hoistable."""
 
 ALWAYS_PLANNED = ("forward", "decode", "dkdv", "dq")
 
+DROPOUT_STATE, DROPOUT_P, DROPOUT_SCALE = "DropoutState", "DROPOUT_P", "DROPOUT_SCALE"
+"""The parameters of kernels with attention dropout (``KernelConfig.dropout``): the (2,) int64 state tensor (Philox
+seed, counter offset), p and 1 / (1 - p) (``passes/codegen/dropout.py``, ``runtime/dropout.py``)."""
+
 
 def accumulator_type(dtype: str) -> str:
     """The dtype inputs of ``dtype`` accumulate in: "float64" for float64 (for gradcheck), else "float32"."""

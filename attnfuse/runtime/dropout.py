@@ -26,11 +26,13 @@ import torch
 import triton
 
 from ..errors import InputError, UnsupportedError
-from ..passes.codegen.dropout import MASK_KERNEL, P, SCALE, STATE, mask_kernel_source
+from ..passes.compiler import dropout_mask_source
+from ..plan import DROPOUT_P, DROPOUT_SCALE, DROPOUT_STATE
 from .interpreter import InterpretedKernel
 from .launcher import Launcher, cdiv
 from .source_cache import load_function, write_source
 
+MASK_KERNEL = "attnfuse_dropout_mask"
 OFFSET_LIMIT = 2**62  # offsets below it: an offset plus an element's index (< 2**62) stays below 2**63
 MASK_TILE = 32  # the mask kernel's block of rows and of keys
 
@@ -93,7 +95,7 @@ def launch_args(dropout: Dropout | None) -> dict[str, Any]:
     """The kernels' dropout arguments by name (none without dropout)."""
     if dropout is None:
         return {}
-    return {STATE: dropout.state, P: dropout.p, SCALE: 1.0 / (1.0 - dropout.p)}
+    return {DROPOUT_STATE: dropout.state, DROPOUT_P: dropout.p, DROPOUT_SCALE: 1.0 / (1.0 - dropout.p)}
 
 
 def refuse(feature: str) -> UnsupportedError:
@@ -143,7 +145,7 @@ def reference_dropout(
 
 @functools.lru_cache(maxsize=2)
 def _mask_kernel(interpreted: bool) -> InterpretedKernel | Launcher:
-    source = mask_kernel_source()
+    source = dropout_mask_source(MASK_KERNEL)
     fn = load_function(source, MASK_KERNEL, write_source(MASK_KERNEL, source))
     return InterpretedKernel(fn) if interpreted else Launcher(triton.jit(fn))
 

@@ -14,10 +14,10 @@ unmasked weights.
 from __future__ import annotations
 
 from ...launch_spec import CONSTEXPR, INT, SCALAR, TENSOR, Param, params, render_signature
+from ...plan import DROPOUT_P as P
+from ...plan import DROPOUT_SCALE as SCALE
+from ...plan import DROPOUT_STATE as STATE
 from ..lower import LoweredProgram
-
-STATE, P, SCALE = "DropoutState", "DROPOUT_P", "DROPOUT_SCALE"  # the kernels' parameters (``dropout_params``)
-MASK_KERNEL = "attnfuse_dropout_mask"
 
 
 def dropout_params(kernel: LoweredProgram) -> tuple[Param, ...]:
@@ -71,8 +71,8 @@ def dropped_dp(kernel: LoweredProgram) -> str:
     return f"dp = tl.where(drop_keep, dp * {SCALE}, 0.0)\n" if kernel.config.dropout else ""
 
 
-def mask_kernel_source() -> str:
-    """A kernel writing the keep mask (B, Hq, Nq, N_K) int8 the kernels above use, for the reference: grid
+def mask_kernel_source(name: str) -> str:
+    """Kernel ``name`` writing the keep mask (B, Hq, Nq, N_K) int8 the kernels above use, for the reference: grid
     (B x Hq x row blocks x key blocks,), ``Keep`` contiguous."""
     parameters = (
         params(TENSOR, STATE, "Keep")
@@ -91,4 +91,4 @@ def mask_kernel_source() -> str:
         "tl.store(Keep + drop_index - drop_offset, drop_keep.to(tl.int8), mask=inside)\n"
     )
     lines = "".join(f"    {line}\n" for line in body.splitlines())
-    return "import triton\nimport triton.language as tl\n\n\n" + render_signature(MASK_KERNEL, parameters) + lines
+    return "import triton\nimport triton.language as tl\n\n\n" + render_signature(name, parameters) + lines
