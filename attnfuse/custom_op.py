@@ -159,10 +159,12 @@ def _attention_backward_fake(key, q, k, v, out, lse, dout, dlse, kv_lens, inputs
 
 
 def _setup_context(ctx, inputs, output):
-    key, q, k, v, kv_lens, _, tensors, *state = inputs
+    key, q, k, v, kv_lens, _, tensors, dropout_state = inputs  # torch fills in the defaults here
     out, lse, copies = output
     ctx.key, ctx.counts = key, (len(tensors), len(copies))
-    ctx.save_for_backward(q, k, v, out, lse, kv_lens, state[0] if state else None, *tensors, *copies)
+    # the op received a dropout_state of None as its default, which the dispatcher drops: no gradient slot for it
+    ctx.arguments = len(inputs) - (dropout_state is None)
+    ctx.save_for_backward(q, k, v, out, lse, kv_lens, dropout_state, *tensors, *copies)
 
 
 def _backward(ctx, dout, dlse, _):
@@ -174,7 +176,8 @@ def _backward(ctx, dout, dlse, _):
         ctx.key, q, k, v, out, lse, dout, dlse if spec.save_lse else None, kv_lens, tensors, copies, dropout_state
     )
     by_name = dict(zip(spec.grads, grads[3:]))
-    return None, grads[0], grads[1], grads[2], None, None, [by_name.get(n) for n in tensor_names(spec)], None
+    found = (None, grads[0], grads[1], grads[2], None, None, [by_name.get(n) for n in tensor_names(spec)], None)
+    return found[: ctx.arguments]
 
 
 def _no_second_derivative(ctx, *grads):
