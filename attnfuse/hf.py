@@ -70,6 +70,12 @@ def _refuse_unsupported(
             )
 
 
+def _rate(module: torch.nn.Module, dropout: float) -> float:
+    """The call's ``dropout_p``: HF's ``dropout`` in training mode; in eval mode (where HF passes 0.0) the program's
+    default, 0, which torch.compile does not read as a float."""
+    return dropout if module.training else 0
+
+
 def _with_sink_gradient(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
     """``out`` (B, Hq, Nq, DV) of ``softmax_with_sinks``, unchanged, with the gradient of ``sinks`` (Hq,), which
     the kernels do not compute: d out / d sink_h = -w·out, where w = exp(sink_h - lse) is the sink's own weight
@@ -173,7 +179,7 @@ def attention_forward(
         None if kwargs.get("softcap") is None else float(kwargs["softcap"]),
         None if sinks is None else sinks.detach(),
         return_lse=sink_grad,
-        dropout_p=dropout,
+        dropout_p=_rate(module, dropout),
         **call_kwargs,
     )
     if sink_grad:
@@ -202,7 +208,9 @@ def _program_forward(name: str, program: AttentionProgram) -> Callable:
                 f"window longer than the keys), but program {program.__name__} takes no 'bias' "
                 f"argument to honour it"
             )
-        out = program(query, key, value, dropout_p=dropout, **{n: extras[n] for n in declared if n in extras})
+        out = program(
+            query, key, value, dropout_p=_rate(module, dropout), **{n: extras[n] for n in declared if n in extras}
+        )
         return out.transpose(1, 2), None
 
     return forward

@@ -243,7 +243,7 @@ class AttentionProgram:
         cu_seqlens_k: torch.Tensor | None = None,
         max_seqlen_q: int | None = None,
         max_seqlen_k: int | None = None,
-        dropout_p: float = 0.0,
+        dropout_p: float = 0,
         **kwargs: Any,
     ):
         """The fused kernel's result: out (B, Hq, Nq, DV), or (out, lse) when ``return_lse``.
@@ -301,7 +301,7 @@ class AttentionProgram:
                 hide(block_table),
                 validate,
                 hide(kv_layout),
-                check_dropout_p(dropout_p),
+                hide(_compiled_rate(dropout_p)),
             )
         # eager: straight to the kernels (the op boundary costs host time that only a compiler needs)
         (q, k, v), args, kwargs = self._take_qkv(args, kwargs)
@@ -405,6 +405,14 @@ class AttentionProgram:
         return f"<attnfuse program {self.fn.__qualname__}>"
 
 
+def _compiled_rate(dropout_p: Any) -> float | None:
+    """A compiled call's dropout rate for ``_call``, checked; None for none. The default, the int 0, is never
+    touched as a float: a float Dynamo sees makes it restart its analysis (one more frame compiled)."""
+    if type(dropout_p) is int and dropout_p == 0:
+        return None
+    return check_dropout_p(dropout_p) or None
+
+
 def _call(
     program: AttentionProgram,
     args: tuple,
@@ -414,9 +422,11 @@ def _call(
     block_table: Any,
     validate: bool = True,
     kv_layout: str | None = None,
-    dropout_p: float = 0.0,
+    dropout_p: float | None = None,
 ):
-    """A program call: bind the arguments, find the trace, run it through ``torch.ops.attnfuse.attention``."""
+    """A program call: bind the arguments, find the trace, run it through ``torch.ops.attnfuse.attention``.
+    ``dropout_p``: the checked rate, None for 0; under ``dynamic=True`` Dynamo passes a rate as a symbolic float,
+    which ``float`` specialises (a guard: another rate compiles again)."""
     (q, k, v), args, kwargs = program._take_qkv(args, kwargs)
     statics, inputs = program._bind(args, kwargs) if args or kwargs or program._extra else ((), {})
     return custom_op.call(
@@ -430,7 +440,7 @@ def _call(
         block_table=block_table,
         validate=validate,
         kv_layout=kv_layout,
-        dropout_p=dropout_p,
+        dropout_p=0.0 if dropout_p is None else float(dropout_p),
     )
 
 

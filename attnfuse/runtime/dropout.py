@@ -19,7 +19,6 @@ reference evaluator: ``program.reference(..., dropout_p=p, dropout_mask=keep)``.
 from __future__ import annotations
 
 import functools
-import numbers
 from typing import Any, NamedTuple
 
 import torch
@@ -46,11 +45,7 @@ class Dropout(NamedTuple):
 
 def check_dropout_p(value: Any) -> float:
     """``dropout_p`` as a float in [0, 1); an InputError for anything else (a tensor, a bool, NaN, 1.0)."""
-    if (
-        isinstance(value, (bool, torch.Tensor))
-        or not isinstance(value, numbers.Real)
-        or not 0.0 <= float(value) < 1.0  # NaN fails too
-    ):
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value < 1.0:  # NaN fails too
         raise InputError(
             f"dropout_p must be a Python number in [0, 1) (the probability of zeroing each attention weight), "
             f"got {value!r}" + (" (a tensor: pass a float)" if isinstance(value, torch.Tensor) else "")
