@@ -3,16 +3,14 @@ gradients, every normaliser), its rate and expectation, repeatability, refusals,
 mode and torch.compile."""
 
 import copy
+import json
 import math
 
 import pytest
 import torch
 
 import attnfuse as af
-import attrs
-
-from attnfuse.cli.engines import call_engines
-from attnfuse.plan import KernelConfig
+from attnfuse.cli import main
 from attnfuse.runtime import decode, hoisted
 from attnfuse.testing import assert_matches_reference
 
@@ -257,18 +255,19 @@ def test_reference_needs_the_mask_with_dropout():
         af.dropout_keep(torch.zeros(3, dtype=torch.int64), 0.2, (1, 1, 2, 2))
 
 
-def test_hopper_templates_are_not_chosen():
-    """The templates' capability check gives dropout as the reason they cannot run a call with it (``attnfuse
-    show --dropout`` prints it)."""
-    config = KernelConfig(
-        arch="sm90", dtype="bfloat16", head_dim=128, head_dim_v=128, group=1, save_lse=True, fp32_precision="ieee"
-    )
-    with_dropout = attrs.evolve(config, dropout=True)
+def test_hopper_templates_are_not_chosen(capsys):
+    """`attnfuse show --dropout` names dropout as the reason the templates do not run a call with it (llama's
+    verified instances run without it)."""
+
+    def kernels(*options):
+        assert main(["show", "llama", "--json", "--arch", "sm90", *options]) == 0
+        return json.loads(capsys.readouterr().out)["kernels"]
+
+    plain, dropped = kernels(), kernels("--dropout")
     for kind in ("forward", "dkdv"):
-        plain = call_engines(causal.graph(), config, config)[kind].fields()
-        dropped = call_engines(causal.graph(), with_dropout, with_dropout)[kind].fields()
-        assert plain["template_available"] and not dropped["template_available"]
-        assert dropped["engine"] == "generated" and "attention dropout (dropout_p)" in dropped["reason"]
+        assert plain[kind]["engine"] == "template"
+        assert dropped[kind]["engine"] == "generated" and not dropped[kind]["template_available"]
+        assert "does not take attention dropout (dropout_p)" in dropped[kind]["reason"]
 
 
 def test_compiled_call_matches_the_eager_call():
