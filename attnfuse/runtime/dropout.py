@@ -6,11 +6,12 @@ without it, unchanged.
 Random numbers: the kernels draw one Philox number per (batch, query head, query row, key column)
 (``passes/codegen/dropout.py``), keyed by a seed and counted from an offset; the backward regenerates the same
 mask, so none is stored. Seed and offset are one (2,) int64 tensor on q's device, the call's *dropout state*,
-drawn by ``dropout_state`` with ``torch.randint`` from the device's default generator as the call starts (before
-anything else the call draws): ``torch.manual_seed`` makes a run repeatable. The kernels read the two values on
+drawn by ``dropout_state`` with ``torch.randint`` from the device's default generator once the call's checks pass
+(the only draw of a call; a refused call draws nothing): ``torch.manual_seed`` makes a run repeatable. The kernels read the two values on
 the device, so none is baked into a launch: a CUDA graph replay draws a fresh state as any torch random op does
 (torch's generators are graph-safe), and under torch.compile the draw is an op of the graph, ahead of
-``attnfuse::attention``, which takes the state as an input (as SDPA's kernels take theirs), as does its backward.
+``attnfuse::attention``, which takes the state as an input, as does its backward (SDPA's backward likewise takes
+the seed and offset its forward used).
 
 ``dropout_keep`` replays a state's mask (from the same Philox stream, through a small generated kernel) for the
 reference evaluator: ``program.reference(..., dropout_p=p, dropout_mask=keep)``.
