@@ -25,6 +25,7 @@ from .packing import cu_seqlens_from_document_ids, cu_seqlens_from_position_ids
 from .plugin_manager import combinators, register_plugin, reserve_names, unregister_plugin
 from .program import AttentionProgram, attention
 from .recompile import RecompileWarning
+from .runtime.dropout import dropout_keep, dropout_state
 from .runtime.error_record import check_errors
 from .runtime.launch import run_attention
 
@@ -48,6 +49,8 @@ __all__ = [
     "create_block_mask_from_blocks",
     "cu_seqlens_from_document_ids",
     "cu_seqlens_from_position_ids",
+    "dropout_keep",
+    "dropout_state",
     "hookimpl",
     "packed_to_cache",
     "packed_to_pages",

@@ -22,6 +22,7 @@ from .block_mask_checks import TENSORS as MASK_TENSORS
 from .errors import InputError, PluginError
 from .lru import LRUCache
 from .plugin_manager import registered
+from .runtime.dropout import check_dropout_p
 from .runtime.kv_layout import KV_LAYOUTS
 
 
@@ -34,7 +35,8 @@ class CallSpec:
     tensor. ``grad``: the call is differentiable (no split-KV path). ``grads``: the inputs whose gradient the
     backward returns. ``validate``: the call checks its kv_lens and block_table values (``validate.py``).
     ``kv_layout``: a paged call's pool layout as the caller named it ("NHD", "HND"), or None
-    (``runtime/kv_layout.py``)."""
+    (``runtime/kv_layout.py``). ``dropout_p``: the call's attention dropout rate in [0, 1); with p > 0 the op
+    takes the call's dropout state (``runtime/dropout.py``)."""
 
     graph: ir.MatMulPV = field(validator=instance_of(ir.MatMulPV))
     inputs: tuple
@@ -43,6 +45,7 @@ class CallSpec:
     grads: tuple
     validate: bool = True
     kv_layout: str | None = field(default=None, validator=in_((None, *KV_LAYOUTS)))
+    dropout_p: float = field(default=0.0, converter=check_dropout_p)
 
     def to_data(self) -> dict[str, Any]:
         """The spec as plain data (JSON's types)."""
@@ -54,6 +57,7 @@ class CallSpec:
             "grads": list(self.grads),
             "validate": self.validate,
             "kv_layout": self.kv_layout,
+            **({"dropout_p": self.dropout_p} if self.dropout_p else {}),  # keys without dropout as before it
         }
 
     @classmethod
@@ -69,6 +73,7 @@ class CallSpec:
             grads=tuple(map(str, data["grads"])),
             validate=bool(data.get("validate", True)),  # keys made before it was a field validate
             kv_layout=data.get("kv_layout"),
+            dropout_p=data.get("dropout_p", 0.0),
         )  # and read their pools as a call naming no layout
 
 
@@ -85,9 +90,10 @@ def key_of(
     grads: tuple,
     validate: bool = True,
     kv_layout: str | None = None,
+    dropout_p: float = 0.0,
 ) -> str:
     """The op's string argument for the spec of these fields (registered, so the op finds it unparsed)."""
-    fields = (graph, inputs, save_lse, grad, grads, validate, kv_layout)
+    fields = (graph, inputs, save_lse, grad, grads, validate, kv_layout, dropout_p)
     key = _keys.get(fields)
     if key is None:
         key = _keys.get_or_build(
@@ -101,6 +107,7 @@ def key_of(
                     grads=grads,
                     validate=validate,
                     kv_layout=kv_layout,
+                    dropout_p=dropout_p,
                 )
             ),
         )
@@ -116,7 +123,9 @@ def _register(spec: CallSpec) -> str:
 
 def call_key(spec: CallSpec) -> str:
     """The op's string argument for ``spec``."""
-    return key_of(spec.graph, spec.inputs, spec.save_lse, spec.grad, spec.grads, spec.validate, spec.kv_layout)
+    return key_of(
+        spec.graph, spec.inputs, spec.save_lse, spec.grad, spec.grads, spec.validate, spec.kv_layout, spec.dropout_p
+    )
 
 
 def spec_of(key: str) -> CallSpec:

@@ -23,6 +23,7 @@ from .block_mask import BlockMask
 from .call_spec import flatten_inputs, key_of, plain_tensors, spec_of, tensor_names, unflatten_inputs
 from .runtime import gradients
 from .runtime.launch import hoisted_sides, keeps_lse, planned, run_attention, wanted_grads
+from .runtime.dropout import dropout_state, op_dropout
 from .runtime.inputs import accumulator_dtype, check_cache, empty_like_layout, kv_cache
 from .runtime.kv_layout import check_kv_layout
 from .runtime.offsets import inputs_fit
@@ -31,11 +32,11 @@ from .runtime.validate import check_call_values
 _LIBRARY = torch.library.Library("attnfuse", "DEF")  # not torch.library.custom_op: its wrappers cost ~60 us a call
 _LIBRARY.define(
     "attention(str key, Tensor q, Tensor k, Tensor v, Tensor? kv_lens, Tensor? block_table, "
-    "Tensor[] inputs) -> (Tensor, Tensor, Tensor[])"
+    "Tensor[] inputs, Tensor? dropout_state=None) -> (Tensor, Tensor, Tensor[])"
 )
 _LIBRARY.define(
     "attention_backward(str key, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor dout, "
-    "Tensor? dlse, Tensor? kv_lens, Tensor[] inputs, Tensor[] copies) -> Tensor[]"
+    "Tensor? dlse, Tensor? kv_lens, Tensor[] inputs, Tensor[] copies, Tensor? dropout_state=None) -> Tensor[]"
 )
 
 
@@ -47,11 +48,14 @@ def _attention(
     kv_lens: Optional[torch.Tensor],
     block_table: Optional[torch.Tensor],
     inputs: list[torch.Tensor],
+    dropout_state: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
     """out (B, Hq, Nq, DV) in q's memory order; lse (B, Hq, Nq) when the spec saves it, else (0,); the
-    transformed rows of the hoisted sides ("q", "k" order) of a differentiable hoisted call, else []."""
+    transformed rows of the hoisted sides ("q", "k" order) of a differentiable hoisted call, else [].
+    ``dropout_state``: the call's (2,) int64 dropout state when the spec has dropout (``runtime/dropout.py``)."""
     spec = spec_of(key)
     values = unflatten_inputs(spec, inputs)
+    dropout = op_dropout(spec.dropout_p, dropout_state, q.device)
     call = planned(
         spec.graph,
         q,
@@ -64,21 +68,22 @@ def _attention(
         grads=spec.grads if spec.grad else None,
         split_kv=False if spec.grad else None,
         kv_layout=spec.kv_layout,
+        dropout=dropout is not None,
     )
     check_call_values(
         k, kv_lens, block_table, kv_layout=call.kv_layout, validate=spec.validate
     )  # as an eager call: on the device
     if not spec.grad:
-        out, lse = call(q, k, v, values, kv_lens, block_table)
+        out, lse = call(q, k, v, values, kv_lens, block_table, dropout=dropout)
         copies = {}
     else:
-        kv = kv_cache(k, v, kv_lens, None)
+        kv = kv_cache(k, v, kv_lens, None, dropout=dropout)
         out, lse, copies = call.run_forward(q, kv, values, call.prepare(q, kv, values))
     return out, q.new_empty(0, dtype=torch.float32) if lse is None else lse, list(copies.values())
 
 
 @torch.library.register_fake("attnfuse::attention", lib=_LIBRARY)
-def _attention_fake(key, q, k, v, kv_lens, block_table, inputs):
+def _attention_fake(key, q, k, v, kv_lens, block_table, inputs, dropout_state=None):
     """The outputs' metadata; the inputs' checks run here too, so a bad call fails while it is compiled (and
     meta tensors, which take this path, are refused as ``run_attention`` refuses them)."""
     spec = spec_of(key)
@@ -112,16 +117,28 @@ def _attention_backward(
     kv_lens: Optional[torch.Tensor],
     inputs: list[torch.Tensor],
     copies: list[torch.Tensor],
+    dropout_state: Optional[torch.Tensor] = None,
 ) -> list[torch.Tensor]:
     """[dq, dk, dv, *gradients of spec.grads], each in its input's shape, dtype and memory order."""
     spec = spec_of(key)
     values = unflatten_inputs(spec, inputs)
+    dropout = op_dropout(spec.dropout_p, dropout_state, q.device)
     call = planned(
-        spec.graph, q, k, v, values, kv_lens, None, return_lse=spec.save_lse, grads=spec.grads, split_kv=False
+        spec.graph,
+        q,
+        k,
+        v,
+        values,
+        kv_lens,
+        None,
+        return_lse=spec.save_lse,
+        grads=spec.grads,
+        split_kv=False,
+        dropout=dropout is not None,
     )
     dq, dk, dv, grads = call.run_backward(
         q,
-        kv_cache(k, v, kv_lens, None),
+        kv_cache(k, v, kv_lens, None, dropout=dropout),
         out,
         lse if spec.save_lse else None,
         dout,
@@ -134,7 +151,7 @@ def _attention_backward(
 
 
 @torch.library.register_fake("attnfuse::attention_backward", lib=_LIBRARY)
-def _attention_backward_fake(key, q, k, v, out, lse, dout, dlse, kv_lens, inputs, copies):
+def _attention_backward_fake(key, q, k, v, out, lse, dout, dlse, kv_lens, inputs, copies, dropout_state=None):
     spec = spec_of(key)
     tensors = plain_tensors(spec, inputs)
     grads = [empty_like_layout(t, t.shape[-1], t.dtype) for t in (q, k, v)]
@@ -142,22 +159,25 @@ def _attention_backward_fake(key, q, k, v, out, lse, dout, dlse, kv_lens, inputs
 
 
 def _setup_context(ctx, inputs, output):
-    key, q, k, v, kv_lens, _, tensors = inputs
+    key, q, k, v, kv_lens, _, tensors, dropout_state = inputs  # torch fills in the defaults here
     out, lse, copies = output
     ctx.key, ctx.counts = key, (len(tensors), len(copies))
-    ctx.save_for_backward(q, k, v, out, lse, kv_lens, *tensors, *copies)
+    # the op received a dropout_state of None as its default, which the dispatcher drops: no gradient slot for it
+    ctx.arguments = len(inputs) - (dropout_state is None)
+    ctx.save_for_backward(q, k, v, out, lse, kv_lens, dropout_state, *tensors, *copies)
 
 
 def _backward(ctx, dout, dlse, _):
-    q, k, v, out, lse, kv_lens, *rest = ctx.saved_tensors
+    q, k, v, out, lse, kv_lens, dropout_state, *rest = ctx.saved_tensors
     tensors, copies = rest[: ctx.counts[0]], rest[ctx.counts[0] :]
     spec = spec_of(ctx.key)
     dout = torch.zeros_like(out) if dout is None else dout
     grads = torch.ops.attnfuse.attention_backward(
-        ctx.key, q, k, v, out, lse, dout, dlse if spec.save_lse else None, kv_lens, tensors, copies
+        ctx.key, q, k, v, out, lse, dout, dlse if spec.save_lse else None, kv_lens, tensors, copies, dropout_state
     )
     by_name = dict(zip(spec.grads, grads[3:]))
-    return None, grads[0], grads[1], grads[2], None, None, [by_name.get(n) for n in tensor_names(spec)]
+    found = (None, grads[0], grads[1], grads[2], None, None, [by_name.get(n) for n in tensor_names(spec)], None)
+    return found[: ctx.arguments]
 
 
 def _no_second_derivative(ctx, *grads):
@@ -185,8 +205,10 @@ def call(
     block_table: Any,
     validate: bool = True,
     kv_layout: Any = None,
+    dropout_p: float = 0.0,
 ):
-    """``run_attention``'s result through the op: out, or (out, lse) when ``return_lse``."""
+    """``run_attention``'s result through the op: out, or (out, lse) when ``return_lse``. With ``dropout_p`` >
+    0 the call's dropout state is drawn here, ahead of the op (an op of the graph under torch.compile)."""
     tensors = (q, k, v, *(t for t in (kv_lens, block_table) if t is not None))
     if not all(isinstance(t, torch.Tensor) for t in tensors) or not all(
         isinstance(t, (torch.Tensor, BlockMask)) for t in inputs.values()
@@ -202,6 +224,7 @@ def call(
             block_table=block_table,
             validate=validate,
             kv_layout=kv_layout,
+            dropout_p=dropout_p,
         )
     check_kv_layout(kv_layout, block_table is not None)  # a CallSpec takes only a layout a call may name
     lse_kept = keeps_lse(graph, return_lse)
@@ -215,8 +238,10 @@ def call(
         grads or (),
         validate,
         kv_layout,
+        dropout_p,
     )
-    out, lse, _ = torch.ops.attnfuse.attention.default(key, q, k, v, kv_lens, block_table, flat)
+    state = dropout_state(q.device) if dropout_p > 0.0 else None
+    out, lse, _ = torch.ops.attnfuse.attention.default(key, q, k, v, kv_lens, block_table, flat, state)
     return (out, lse) if return_lse else out
 
 

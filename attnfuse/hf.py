@@ -71,15 +71,10 @@ def hf_attention(
 
 
 def _refuse_unsupported(
-    name: str, module: torch.nn.Module, dropout: float, kwargs: dict[str, Any], supported: tuple[str, ...] = ()
+    name: str, module: torch.nn.Module, kwargs: dict[str, Any], supported: tuple[str, ...] = ()
 ) -> None:
-    """An InputError for what ``name`` cannot honour: dropout, and each keyword HF passes that is not in
-    ``supported`` (``"softcap"``, ``"s_aux"``: what ``attn_implementation="attnfuse"`` runs)."""
-    if dropout:
-        raise InputError(
-            f"attn_implementation={name!r}: dropout={dropout} is not supported; set the model's "
-            f"attention_dropout to 0 (or call model.eval())"
-        )
+    """An InputError for each keyword HF passes that ``name`` cannot honour, those not in ``supported``
+    (``"softcap"``, ``"s_aux"``: what ``attn_implementation="attnfuse"`` runs)."""
     for key in ("softcap", "s_aux", "sinks", "position_bias"):
         if kwargs.get(key) is not None and key not in supported:
             how = (
@@ -91,6 +86,12 @@ def _refuse_unsupported(
                 f"attn_implementation={name!r}: {key} (given by {type(module).__name__}) is not "
                 f"supported here; use {how}"
             )
+
+
+def _rate(module: torch.nn.Module, dropout: float) -> float:
+    """The call's ``dropout_p``: HF's ``dropout`` in training mode; in eval mode (where HF passes 0.0) the program's
+    default, 0, which torch.compile does not read as a float."""
+    return dropout if module.training else 0
 
 
 def _with_sink_gradient(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
@@ -152,8 +153,10 @@ def attention_forward(
     (B, Nq, Hq, D) and no weights. ``softcap`` (Gemma 2) and ``s_aux`` (each head's sink logit (Hq,): GPT-OSS)
     are honoured; the sinks get their gradient too. A packed batch (HF's flash keywords ``cu_seq_lens_q``/
     ``cu_seq_lens_k``, or position_ids restarting at 0 in a batch of one row) runs each document on its own
-    through the program's ``cu_seqlens_q``/``cu_seqlens_k`` (``attnfuse.hf_packed``)."""
-    _refuse_unsupported("attnfuse", module, dropout, kwargs, supported=("softcap", "s_aux"))
+    through the program's ``cu_seqlens_q``/``cu_seqlens_k`` (``attnfuse.hf_packed``). ``dropout``: the rate HF
+    passes (the model's ``attention_dropout`` in training mode, 0 in eval mode), the call's ``dropout_p``; a
+    packed batch takes none (``af.UnsupportedError``)."""
+    _refuse_unsupported("attnfuse", module, kwargs, supported=("softcap", "s_aux"))
     Nq, Nk = query.shape[2], key.shape[2]
     causal = kwargs.get("is_causal")
     causal = getattr(module, "is_causal", True) if causal is None else causal
@@ -197,6 +200,7 @@ def attention_forward(
         rotary_dim,
         bool(kwargs.get(INTERLEAVED_KWARG)),
         return_lse=sink_grad,
+        dropout_p=_rate(module, dropout),
         **call_kwargs,
     )
     if sink_grad:
@@ -208,12 +212,12 @@ def _program_forward(name: str, program: AttentionProgram) -> Callable:
     """An HF attention function running ``program``; it gets q, k, v and, by name, those of ``scale``
     (the module's scaling), ``bias`` (the mask as an additive bias (B, 1, Nq, Nk), or None where causal alone
     is right; a row that keeps no key is all -inf, to which ``softmax`` gives 0, as SDPA does) and
-    ``window`` (a sliding window's left extent when there is no mask, else None) it declares. A mask given
-    to a program without ``bias`` is an InputError."""
+    ``window`` (a sliding window's left extent when there is no mask, else None) it declares, and HF's
+    ``dropout`` as ``dropout_p``. A mask given to a program without ``bias`` is an InputError."""
     declared = {n for n, _ in program._extra}
 
     def forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None, sliding_window=None, **kwargs):
-        _refuse_unsupported(name, module, dropout, kwargs)
+        _refuse_unsupported(name, module, kwargs)
         extras = {
             "scale": None if scaling is None else float(scaling),
             "bias": _bias(attention_mask, query.dtype),
@@ -225,7 +229,9 @@ def _program_forward(name: str, program: AttentionProgram) -> Callable:
                 f"window longer than the keys), but program {program.__name__} takes no 'bias' "
                 f"argument to honour it"
             )
-        out = program(query, key, value, **{n: extras[n] for n in declared if n in extras})
+        out = program(
+            query, key, value, dropout_p=_rate(module, dropout), **{n: extras[n] for n in declared if n in extras}
+        )
         return out.transpose(1, 2), None
 
     return forward

@@ -41,6 +41,10 @@ transforms are hoistable."""
 
 ALWAYS_PLANNED = ("forward", "decode", "dkdv", "dq")
 
+DROPOUT_STATE, DROPOUT_P, DROPOUT_SCALE = "DropoutState", "DROPOUT_P", "DROPOUT_SCALE"
+"""The parameters of kernels with attention dropout (``KernelConfig.dropout``): the (2,) int64 state tensor (Philox
+seed, counter offset), p and 1 / (1 - p) (``passes/codegen/dropout.py``, ``runtime/dropout.py``)."""
+
 
 def accumulator_type(dtype: str) -> str:
     """The dtype inputs of ``dtype`` accumulate in: "float64" for float64 (for gradcheck), else "float32"."""
@@ -67,6 +71,7 @@ class KernelConfig:
     wide_positions: bool = False  # some position can reach 2**30: positions and the masks' facts are int64
     partial: bool = False  # a partial result over some of each row's keys: the normaliser's ``partial`` fragment
     varlen: bool = False  # packed sequences: q, k rows are documents at cu_seqlens offsets (B = 1), each its own
+    dropout: bool = False  # attention dropout: the weights P·V reads are masked by Philox numbers (DROPOUT_P > 0)
 
 
 @frozen(kw_only=True)

@@ -23,6 +23,7 @@ from . import custom_op
 from .runtime.launch import run_attention
 from .runtime.inputs import check_cache, check_positions, kernel_config
 from .runtime.compiled import compiled_kernel
+from .runtime.dropout import check_dropout_p, reference_dropout
 from .runtime.offsets import inputs_fit
 from .runtime.validate import check_call_values
 from .runtime.fp8 import FP8_ARGUMENTS
@@ -42,6 +43,8 @@ RESERVED_ARGUMENTS = (
     "max_seqlen_q",
     "max_seqlen_k",
     *FP8_ARGUMENTS,
+    "dropout_p",
+    "dropout_mask",
 )
 MAX_TRACES = 64  # graphs kept per program: past RECOMPILE_LIMIT (8) configurations it warns (recompile.py)
 
@@ -247,6 +250,7 @@ class AttentionProgram:
         k_descale: torch.Tensor | None = None,
         v_descale: torch.Tensor | None = None,
         out_dtype: torch.dtype | None = None,
+        dropout_p: float = 0,
         **kwargs: Any,
     ):
         """The fused kernel's result: out (B, Hq, Nq, DV), or (out, lse) when ``return_lse``.
@@ -271,7 +275,10 @@ class AttentionProgram:
         ``q_descale``, ``k_descale``, ``v_descale``: float8 q, k, v (torch.float8_e4m3fn or torch.float8_e5m2)
         need them: float32, shape (1,) or (B, Hkv), the factors that dequantise each (FlashAttention-3's);
         ``out_dtype``: a float8 call's output dtype (torch.bfloat16 by default, torch.float16, torch.float32).
-        Forward only; under torch.compile such a call runs eagerly. See ``attnfuse.run_attention``.
+        Forward only; under torch.compile such a call runs eagerly. ``dropout_p``: attention dropout (SDPA's
+        meaning), a number in [0, 1): each weight zeroed with that probability, the others scaled by
+        1 / (1 - p); the call draws its dropout state from the device's default generator. See
+        ``attnfuse.run_attention``.
         """
         fp8 = {"q_descale": q_descale, "k_descale": k_descale, "v_descale": v_descale, "out_dtype": out_dtype}
         packed = {
@@ -295,11 +302,20 @@ class AttentionProgram:
                     seq_len=seq_len,
                     **packed,
                     **fp8,
+                    dropout_p=dropout_p,
                     **kwargs,
                 )
             hide = custom_op.hide_none
             return custom_op.opaque_program_call(
-                self, hide(args), hide(kwargs), return_lse, hide(kv_lens), hide(block_table), validate, hide(kv_layout)
+                self,
+                hide(args),
+                hide(kwargs),
+                return_lse,
+                hide(kv_lens),
+                hide(block_table),
+                validate,
+                hide(kv_layout),
+                hide(_compiled_rate(dropout_p)),
             )
         # eager: straight to the kernels (the op boundary costs host time that only a compiler needs)
         (q, k, v), args, kwargs = self._take_qkv(args, kwargs)
@@ -320,6 +336,7 @@ class AttentionProgram:
             kv_layout=kv_layout,
             **packed,
             **fp8,
+            dropout_p=dropout_p,
         )
 
     def __eq__(self, other: object) -> bool:  # by identity; defined for torch.compile (a pytree constant)
@@ -341,18 +358,22 @@ class AttentionProgram:
         q_descale: torch.Tensor | None = None,
         k_descale: torch.Tensor | None = None,
         v_descale: torch.Tensor | None = None,
+        dropout_p: float = 0.0,
+        dropout_mask: torch.Tensor | None = None,
         **kwargs: Any,
     ):
         """The naive PyTorch result computed in ``dtype`` (float64 by default), as the oracle for tests;
         kv_lens and block_table values are checked as a validated call checks them, positions and a paged
         cache's ``kv_layout`` as a call's. Float8 q, k, v are dequantised with their descales (checked as
-        a call's) first."""
+        a call's) first. With ``dropout_p`` > 0, ``dropout_mask`` (B, Hq, Nq, Nk) bool is the weights dropout
+        keeps (a call's: ``attnfuse.dropout_keep``): weights times mask / (1 - p)."""
         (q, k, v), args, kwargs = self._take_qkv(args, kwargs)
         q, k, v = reference_inputs(q, k, v, q_descale, k_descale, v_descale, dtype, block_table, kv_layout)
         layout = check_cache(q, k, v, kv_lens, block_table, kv_layout).kv_layout
         positions = check_positions(q_offset, k_offset, seq_len, q.shape[2], k.shape[2], kv_lens, block_table)
         check_call_values(k, kv_lens, block_table, kv_layout=layout, wait=True)
         key, inputs = self._bind(args, kwargs)
+        dropout = reference_dropout(dropout_p, dropout_mask, q, k, paged=block_table is not None)
         out, lse = evaluate(
             self._trace(key),
             q,
@@ -364,6 +385,7 @@ class AttentionProgram:
             block_table=block_table,
             positions=positions,
             kv_layout=layout or "NHD",
+            dropout=dropout,
         )
         if not return_lse:
             return out
@@ -382,11 +404,13 @@ class AttentionProgram:
         q_offset: int | None = None,
         k_offset: int | None = None,
         seq_len: int | None = None,
+        dropout_p: float = 0.0,
         **kwargs: Any,
     ) -> str:
         """The generated Triton source of one kernel for these inputs: ``kernel`` is "forward", "decode"
         (the split-KV path), "dkdv" or "dq" (the backward's), "transform" or "gradient" (the passes of
-        hoisted qk transforms): a kind of ``attnfuse.plan.KERNEL_KINDS``."""
+        hoisted qk transforms): a kind of ``attnfuse.plan.KERNEL_KINDS``; ``dropout_p`` > 0: a call's with
+        attention dropout."""
         (q, k, v), args, kwargs = self._take_qkv(args, kwargs)
         kv = check_cache(q, k, v, kv_lens, block_table, kv_layout)._replace(
             positions=check_positions(q_offset, k_offset, seq_len, q.shape[2], k.shape[2], kv_lens, block_table)
@@ -394,10 +418,19 @@ class AttentionProgram:
         key, inputs = self._bind(args, kwargs)
         graph = self._trace(key)
         save_lse = return_lse or (kernel in ("dkdv", "dq", "gradient") and graph.has_lse)
-        return compiled_kernel(graph, kernel_config(q, kv, save_lse, not inputs_fit(inputs)), kernel).source
+        config = kernel_config(q, kv, save_lse, not inputs_fit(inputs), check_dropout_p(dropout_p) > 0.0)
+        return compiled_kernel(graph, config, kernel).source
 
     def __repr__(self) -> str:
         return f"<attnfuse program {self.fn.__qualname__}>"
+
+
+def _compiled_rate(dropout_p: Any) -> float | None:
+    """A compiled call's dropout rate for ``_call``, checked; None for none. The default, the int 0, is never
+    touched as a float: a float Dynamo sees makes it restart its analysis (one more frame compiled)."""
+    if type(dropout_p) is int and dropout_p == 0:
+        return None
+    return check_dropout_p(dropout_p) or None
 
 
 def _call(
@@ -409,8 +442,11 @@ def _call(
     block_table: Any,
     validate: bool = True,
     kv_layout: str | None = None,
+    dropout_p: float | None = None,
 ):
-    """A program call: bind the arguments, find the trace, run it through ``torch.ops.attnfuse.attention``."""
+    """A program call: bind the arguments, find the trace, run it through ``torch.ops.attnfuse.attention``.
+    ``dropout_p``: the checked rate, None for 0; under ``dynamic=True`` Dynamo passes a rate as a symbolic float,
+    which ``float`` specialises (a guard: another rate compiles again)."""
     (q, k, v), args, kwargs = program._take_qkv(args, kwargs)
     statics, inputs = program._bind(args, kwargs) if args or kwargs or program._extra else ((), {})
     return custom_op.call(
@@ -424,6 +460,7 @@ def _call(
         block_table=block_table,
         validate=validate,
         kv_layout=kv_layout,
+        dropout_p=0.0 if dropout_p is None else float(dropout_p),
     )
 
 

@@ -105,6 +105,7 @@ def evaluate(
     block_table: torch.Tensor | None = None,
     positions: Any = None,
     kv_layout: str = "NHD",
+    dropout: tuple[torch.Tensor, float] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Run ``graph`` naively in ``dtype``.
 
@@ -112,6 +113,8 @@ def evaluate(
     :param kv_lens: (B,) keys per sequence, or None; ``block_table``: k, v are paged pools in ``kv_layout``
         (see run_attention; here "NHD" or "HND", as decided).
     :param positions: the call's ``Positions`` (q_offset, k_offset, seq_len), or None.
+    :param dropout: (keep (B, Hq, Nq, Nk) bool, p): attention dropout, the normalised weights times keep / (1 - p)
+        (the lse is the undropped weights'); None: no dropout.
     :return: out (B, Hq, Nq, DV) and lse (B, Hq, Nq), natural log, or None if the normaliser has none.
     """
     if block_table is not None:
@@ -138,6 +141,9 @@ def evaluate(
             s = comb.reference(s, ctx, **values)
     norm: ir.NormOp = nodes[-2]
     weights, lse = norm.apply.declaration.reference(s, keep, ctx, **_values(norm.apply, inputs, dtype))
+    if dropout is not None:
+        kept, p = dropout
+        weights = torch.where(kept, weights / (1.0 - p), 0.0)
     return weighted_values(weights, v, keep), lse
 
 

@@ -245,6 +245,7 @@ def _errors(afd, world: int, rank: int) -> dict[str, str]:
         "kv_lens": _error(lambda: afd.context_parallel(causal)(q(), q(), q(), kv_lens=torch.tensor([20]))),
         "block_table": _error(lambda: afd.context_parallel(causal)(q(), q(), q(), block_table=torch.zeros(1, 1))),
         "q_offset": _error(lambda: afd.context_parallel(causal)(q(), q(), q(), q_offset=0)),
+        "dropout_p": _error(lambda: afd.context_parallel(causal)(q(), q(), q(), dropout_p=0.1)),
         "cu_seqlens": _error(
             lambda: afd.context_parallel(causal)(q(), q(), q(), cu_seqlens_q=torch.tensor([0, 20]), cu_seqlens_k=None)
         ),
@@ -414,6 +415,8 @@ ERRORS = {  # the message each rank gets, {w} the world size and {c} the zigzag 
     "block_table": r"InputError: context_parallel: the ring takes no block_table: .*describe a decoding cache",
     "q_offset": r"InputError: context_parallel: the ring takes no q_offset: it splits one whole sequence \(q, k and "
     r"v shards of the same length\) and sets every chunk's positions itself$",
+    "dropout_p": r"UnsupportedError: context_parallel: dropout_p > 0 is not supported by the ring yet; call it with "
+    r"dropout_p=0$",
     "cu_seqlens": r"UnsupportedError: context_parallel: packed sequences \(cu_seqlens_q, cu_seqlens_k\) are not "
     r"supported by the ring yet",
     "fp8": r"UnsupportedError: float8 calls run the generated forward kernel only; context_parallel's ring does not "

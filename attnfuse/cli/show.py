@@ -202,6 +202,7 @@ def cmd_show(args: argparse.Namespace, out: TextIO) -> int:
         save_lse=args.lse,
         fp32_precision="ieee",
         varlen=args.varlen,
+        dropout=args.dropout,
     )
     training = attrs.evolve(inference, save_lse=args.lse or has_lse)
     config = training if kind in ("dkdv", "dq") else inference
@@ -296,6 +297,11 @@ def add_parser(sub) -> None:
         "--varlen",
         action="store_true",
         help="a packed call's kernels (cu_seqlens_q, cu_seqlens_k: documents in one row)",
+    )
+    p.add_argument(
+        "--dropout",
+        action="store_true",
+        help="the kernels of a call with attention dropout (dropout_p > 0: a Philox mask on the weights)",
     )
     p.add_argument(
         "--arg",

@@ -14,6 +14,7 @@ from typing import Callable
 from .. import ir
 from ..launch_spec import STRIDE, LaunchSpec, Param
 from ..plan import KERNEL_KINDS, InputGradient, KernelConfig, KernelSpec, MaskRange, Plan, PluginCall
+from .codegen.dropout import mask_kernel_source
 from .codegen import (
     constants,
     decode_params,
@@ -80,6 +81,12 @@ def compile(graph: ir.MatMulPV, config: KernelConfig) -> Plan:  # noqa: A001 (th
         templates=template_plan(program),
         dq_for=functools.partial(_dq, program),
     )
+
+
+def dropout_mask_source(name: str) -> str:
+    """The source of kernel ``name``, which writes the keep mask of a call with attention dropout from its state
+    (``runtime.dropout.dropout_keep``), with the generated kernels' own Philox stream."""
+    return mask_kernel_source(name)
 
 
 def _kernels(program: LoweredProgram) -> dict[str, KernelSpec]:

@@ -8,6 +8,7 @@ import torch
 
 from ..block_mask import BlockMask
 from .gradients import no_double_backward
+from .dropout import Dropout
 from .inputs import Positions, kv_cache
 from .packed import Packed
 
@@ -55,6 +56,7 @@ class AttentionFunction(torch.autograd.Function):
         names: tuple[str | None, ...],
         positions: Positions | None,
         packed: Packed | None,
+        dropout: Dropout | None,
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
@@ -62,15 +64,16 @@ class AttentionFunction(torch.autograd.Function):
         *tensors: torch.Tensor,
     ):
         """q (B, Hq, Nq, D), k (B, Hkv, Nk, D), v (B, Hkv, Nk, DV) (no gradient flows through a paged cache),
-        kv_lens (B,) or None, the call's positions or None, its packed documents' offsets or None (kept as they
-        are: integers, no gradient); ``inputs`` the runtime inputs by name, whose
+        kv_lens (B,) or None, the call's positions or None, its packed documents' offsets or None, its attention
+        dropout or None (kept as they are: integers, no gradient; the backward regenerates dropout's mask from
+        its state); ``inputs`` the runtime inputs by name, whose
         tensors are ``tensors``; ``call`` the kernels of the call's signature."""
-        kv = kv_cache(k, v, kv_lens, None, positions, packed=packed)
+        kv = kv_cache(k, v, kv_lens, None, positions, packed=packed, dropout=dropout)
         prepared = call.prepare(q, kv, inputs)
         out, lse, copies = call.run_forward(q, kv, inputs, prepared)
         ctx.save_for_backward(q, k, v, out, lse, kv_lens, *tensors, *copies.values())
         ctx.call, ctx.inputs, ctx.names, ctx.sides, ctx.prepared = call, inputs, names, tuple(copies), prepared
-        ctx.positions, ctx.packed = positions, packed
+        ctx.positions, ctx.packed, ctx.dropout = positions, packed, dropout
         ctx.set_materialize_grads(False)
         return out, lse
 
@@ -81,7 +84,7 @@ class AttentionFunction(torch.autograd.Function):
         call = ctx.call
 
         def gradients() -> tuple[torch.Tensor, ...]:
-            kv = kv_cache(k, v, kv_lens, None, ctx.positions, packed=ctx.packed)
+            kv = kv_cache(k, v, kv_lens, None, ctx.positions, packed=ctx.packed, dropout=ctx.dropout)
             dq, dk, dv, grads = call.run_backward(
                 q, kv, out, lse, dout, dlse, ctx.inputs, ctx.prepared, dict(zip(ctx.sides, copies))
             )
@@ -94,7 +97,7 @@ class AttentionFunction(torch.autograd.Function):
         else:
             dq, dk, dv, *grads = gradients()
         by_name = dict(zip(call.grads, grads))
-        return (None, None, None, None, None, dq, dk, dv, None, *(by_name.get(name) for name in ctx.names))
+        return (None, None, None, None, None, None, dq, dk, dv, None, *(by_name.get(name) for name in ctx.names))
 
 
 class _FirstOrderOnly(torch.autograd.Function):

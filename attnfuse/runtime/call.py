@@ -9,6 +9,7 @@ import torch
 from .autograd import AttentionFunction, runtime_tensors
 from .backward import BackwardKernels
 from .decode import DecodeKernel
+from .dropout import Dropout
 from .forward import ForwardKernel
 from .fp8 import Fp8
 from .hoisted import HoistedBackward, HoistedForward
@@ -58,17 +59,20 @@ class Call:
         positions: Positions | None = None,
         packed: Packed | None = None,
         fp8: Fp8 | None = None,
+        dropout: Dropout | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """out (B, Hq, Nq, DV) and lse (B, Hq, Nq) or None; differentiable when the call has a backward.
         ``positions``: the call's (checked), when its signature has them; ``packed``: likewise its document
-        offsets; ``fp8``: a float8 call's descales and out dtype."""
-        kv = kv_cache(k, v, kv_lens, block_table, positions, self.kv_layout, packed, fp8)
+        offsets; ``fp8``: a float8 call's descales and out dtype; ``dropout``: its attention dropout."""
+        kv = kv_cache(k, v, kv_lens, block_table, positions, self.kv_layout, packed, fp8, dropout)
         if self.decode is not None:
             return self.decode(q, kv, inputs)
         if self.build_backward is None:
             return self.forward(q, kv, inputs)
         tensors, names = runtime_tensors(inputs)
-        return AttentionFunction.apply(self, inputs, tuple(names), positions, packed, q, k, v, kv_lens, *tensors)
+        return AttentionFunction.apply(
+            self, inputs, tuple(names), positions, packed, dropout, q, k, v, kv_lens, *tensors
+        )
 
     @property
     def backward(self) -> BackwardKernels | HoistedBackward | None:

@@ -13,6 +13,8 @@ from .. import ir
 from ..errors import InputError
 from ..launch_context import LaunchContext
 from ..plan import KernelConfig, accumulator_type
+from .dropout import Dropout
+from .dropout import launch_args as dropout_args
 from .fp8 import FP8_DTYPES, Fp8
 from .kv_layout import check_kv_layout, head_second, pool_layout
 from .offsets import any_layout_fits, rows_fit
@@ -114,6 +116,7 @@ class KVCache(NamedTuple):
     ``kv_layout``: a paged cache's pool layout, "NHD" or "HND" (``kv_layout.py``); None for a contiguous one.
     ``packed``: packed sequences' document offsets (``packed.Packed``), or None; ``capacity`` is then the
     packed length of k. ``fp8``: a float8 call's descales and out dtype (``fp8.Fp8``), or None.
+    ``dropout``: the call's attention dropout (``dropout.Dropout``), or None.
     """
 
     k: torch.Tensor
@@ -126,6 +129,7 @@ class KVCache(NamedTuple):
     kv_layout: str | None = None
     packed: Packed | None = None
     fp8: Fp8 | None = None
+    dropout: Dropout | None = None
 
 
 def launch_context(q: torch.Tensor, kv: KVCache) -> LaunchContext:
@@ -228,12 +232,13 @@ def kv_cache(
     kv_layout: str | None = "NHD",
     packed: Packed | None = None,
     fp8: Fp8 | None = None,
+    dropout: Dropout | None = None,
 ) -> KVCache:
     """The KV view of inputs :func:`check_cache` accepted, a paged cache's pools read in ``kv_layout``
     (the one it decided). It checks no values: lengths outside [0, capacity] count as the nearest bound,
     never wrapped; an int64 block table goes to the kernels as it is, which drop keys on pages outside the
     pool. ``positions``: the call's (checked); ``packed``: its document offsets (checked); ``fp8``: a float8
-    call's descales (checked)."""
+    call's descales (checked); ``dropout``: its attention dropout."""
     if block_table is not None:
         k, v = head_second(k, kv_layout), head_second(v, kv_layout)
     capacity = k.shape[2] if block_table is None else block_table.shape[1] * k.shape[2]
@@ -242,7 +247,9 @@ def kv_cache(
     if kv_lens is not None and not kv_lens.is_contiguous():
         kv_lens = kv_lens.contiguous()
     if block_table is None:
-        return KVCache(k=k, v=v, capacity=capacity, lens=kv_lens, positions=positions, packed=packed, fp8=fp8)
+        return KVCache(
+            k=k, v=v, capacity=capacity, lens=kv_lens, positions=positions, packed=packed, fp8=fp8, dropout=dropout
+        )
     return KVCache(
         k=k,
         v=v,
@@ -317,9 +324,11 @@ def _arch(device: torch.device) -> str:
     return f"sm{major}{minor}"
 
 
-def kernel_config(q: torch.Tensor, kv: KVCache, save_lse: bool, inputs_wide: bool = False) -> KernelConfig:
+def kernel_config(
+    q: torch.Tensor, kv: KVCache, save_lse: bool, inputs_wide: bool = False, dropout: bool = False
+) -> KernelConfig:
     """The configuration part of the kernel-cache key for these inputs; ``inputs_wide``: some runtime
-    input tensor needs 64-bit offsets (``offsets.inputs_fit``)."""
+    input tensor needs 64-bit offsets (``offsets.inputs_fit``); ``dropout``: the call has attention dropout."""
     tf32 = q.device.type == "cuda" and torch.backends.cuda.matmul.allow_tf32
     return KernelConfig(
         arch=_arch(q.device),
@@ -335,6 +344,7 @@ def kernel_config(q: torch.Tensor, kv: KVCache, save_lse: bool, inputs_wide: boo
         positions=kv.positions is not None,
         wide_positions=wide_positions(q.shape[2], kv.capacity, kv.positions),
         varlen=kv.packed is not None,
+        dropout=dropout,
     )
 
 
@@ -358,8 +368,8 @@ def _layouts_fit(tensors: tuple[torch.Tensor, ...], width: int) -> bool:
 def kv_launch_args(kv: KVCache) -> dict[str, Any]:
     """The kernel arguments of the cache by name: its capacity ``N_K``, lengths, and a paged cache's block
     table (its strides come with it), page size and number of pages; or the call's positions; or packed
-    sequences' offsets."""
-    args: dict[str, Any] = {"N_K": kv.capacity, **position_args(kv)}
+    sequences' offsets; and the call's attention dropout's."""
+    args: dict[str, Any] = {"N_K": kv.capacity, **position_args(kv), **dropout_args(kv.dropout)}
     if kv.packed is not None:
         args.update(packed_args(kv.packed))
     if kv.lens is not None:

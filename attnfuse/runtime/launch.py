@@ -36,6 +36,7 @@ from .inputs import (
 )
 from .kv_layout import check_kv_layout, head_second
 from .offsets import inputs_fit
+from .dropout import call_dropout, check_dropout_p, refuse_dropout_with
 from .packed import Packed, check_packed, check_values, refuse_arguments, refuse_program
 from .plugin_args import check_takes_offsets
 from .validate import check_call_values
@@ -99,6 +100,7 @@ def run_attention(
     k_descale: torch.Tensor | None = None,
     v_descale: torch.Tensor | None = None,
     out_dtype: torch.dtype | None = None,
+    dropout_p: float = 0.0,
 ):
     """Run a traced program on q (B, Hq, Nq, D), k (B, Hkv, Nk, D), v (B, Hkv, Nk, DV).
 
@@ -154,10 +156,16 @@ def run_attention(
         rounded to bfloat16 (``fp8.py``). Required with float8 inputs, refused with others (InputError).
         Forward only: no gradient, split-KV decoding, paged cache or packed sequences (UnsupportedError).
     :param out_dtype: a float8 call's output dtype: torch.bfloat16 (default), torch.float16 or torch.float32.
+    :param dropout_p: attention dropout, SDPA's meaning (``runtime/dropout.py``): each weight zeroed with
+        probability p, the others scaled by 1 / (1 - p), after normalisation (lse is the undropped one's). A
+        Python number in [0, 1), else an InputError. With p > 0 the call first draws its dropout state from
+        the device's default generator (``torch.manual_seed`` repeats it); not with block_table, packed
+        sequences or split_kv=True (UnsupportedError). 0 (default): no dropout, the kernels of a call without.
     :return: out (B, Hq, Nq, DV), or (out, lse) with lse (B, Hq, Nq) float32 when ``return_lse``.
     """
     inputs = inputs or {}
     positions = packed = fp8 = None
+    dropping = check_dropout_p(dropout_p) > 0.0
     asked = q_descale is not None or k_descale is not None or v_descale is not None or out_dtype is not None
     if asked or float8.is_fp8(q):
         layout = check_inputs(q, k, v, paged=block_table is not None, kv_layout=kv_layout)
@@ -197,11 +205,13 @@ def run_attention(
         kv_layout=kv_layout,
         packed=packed,
         fp8=fp8 is not None,
+        dropout=dropping,
     )
+    dropout = call_dropout(dropout_p, q.device)  # after every check: a refused call draws nothing
     check_call_values(k, kv_lens, block_table, kv_layout=call.kv_layout, validate=validate)
     if packed is not None:
         check_values(packed, q.shape[2], k.shape[2], max_seqlen_q, max_seqlen_k, validate)
-    out, lse = call(q, k, v, inputs, kv_lens, block_table, positions, packed, fp8)
+    out, lse = call(q, k, v, inputs, kv_lens, block_table, positions, packed, fp8, dropout)
     return (out, lse) if return_lse else out
 
 
@@ -221,13 +231,14 @@ def planned(
     kv_layout: Any = None,
     packed: Packed | None = None,
     fp8: bool = False,
+    dropout: bool = False,
 ) -> Call:
     """The call's ``Call``, decided once per call signature. ``grads``: None when no gradient is wanted,
     else the runtime inputs whose gradients are (``wanted_grads``). ``positions``: the call's, checked,
     whose presence matters here, and whether they need int64 kernels (the kernels take their values as runtime
     ints). ``kv_layout``: as the caller named it (``kv_layout.check_kv_layout``). ``packed``: the call's document
     offsets (checked), whose dtypes matter here. ``fp8``: the call gives float8 inputs' descales (checked:
-    ``fp8.check_fp8``); float8 inputs without are refused."""
+    ``fp8.check_fp8``); float8 inputs without are refused. ``dropout``: the call has attention dropout (p > 0)."""
     check_kv_layout(kv_layout, block_table is not None)  # a valid key before the lookup
     placed = None if positions is None else wide_positions(0, 0, positions)
     signature = (
@@ -246,6 +257,7 @@ def planned(
         kv_layout,
         None if packed is None else (packed.cu_q.dtype, packed.cu_k.dtype),
         fp8,
+        dropout,
     )
     call = _calls.get(signature)
     if call is None:
@@ -266,6 +278,7 @@ def planned(
                 kv_layout,
                 packed,
                 fp8,
+                dropout,
             ),
         )
     return call
@@ -298,17 +311,21 @@ def _decide(
     kv_layout: str | None,
     packed: Packed | None = None,
     fp8: bool = False,
+    dropout: bool = False,
 ) -> Call:
     """Check a new call signature and choose its kernels: the split-KV kernel if it takes that path, else
     its forward (hoisted when worth it) and, with gradients wanted, the backward writing them. A call that
     gives its positions never takes the split-KV path (its kernel places queries bottom-right), nor does a
-    packed call, which is never hoisted either (the passes place rows by their index in the call)."""
+    packed call, which is never hoisted either (the passes place rows by their index in the call). A call with
+    ``dropout`` never takes the split-KV path (its kernel has no dropout) nor a paged cache or packed sequences."""
     kv = check_cache(q, k, v, kv_lens, block_table, kv_layout)._replace(positions=positions, packed=packed)
     check_input_names(graph, inputs)
+    if dropout:
+        refuse_dropout_with(paged=block_table is not None, packed=packed is not None, split_kv=bool(split_kv))
     has_lse = keeps_lse(graph, return_lse)
     if grads is not None and block_table is not None:
         raise InputError("gradients through a paged cache are not supported; pass contiguous k and v to train")
-    config = kernel_config(q, kv, return_lse or (grads is not None and has_lse), not inputs_fit(inputs))
+    config = kernel_config(q, kv, return_lse or (grads is not None and has_lse), not inputs_fit(inputs), dropout)
     program = compiled.compiled(graph, config)
     plan = program.plan
     if positions is not None:
@@ -318,7 +335,7 @@ def _decide(
     if float8.is_fp8(q):
         return _fp8_call(program, kv, grads, split_kv, fp8)
     can_split = grads is None and plan.combine is not None and not plan.partial and positions is None
-    can_split = can_split and packed is None
+    can_split = can_split and packed is None and not dropout
     if split_kv is None:
         split_kv = can_split and q.shape[2] <= MAX_QUERIES
     elif split_kv and not can_split:

@@ -36,6 +36,7 @@ class FixedCall:
     kv_lens: tuple[int, ...] | None = None
     page_size: int | None = None
     positions: tuple[int, int, int] | None = None  # q_offset, k_offset, seq_len
+    dropout_p: float = 0.0  # attention dropout, its mask replayed by the reference
 
 
 FIXED_CALLS = (
@@ -59,6 +60,12 @@ FIXED_CALLS = (
         what="a chunk of queries at position offsets",
         shape=Shape(B=2, Hq=4, Hkv=2, Nq=21, Nk=45, D=32, DV=32),
         positions=(10, 0, 45),
+    ),
+    FixedCall(
+        what="prefill with attention dropout and gradients, GQA, Nq != Nk",
+        shape=Shape(B=2, Hq=4, Hkv=2, Nq=37, Nk=45, D=32, DV=32),
+        grads=True,
+        dropout_p=0.3,
     ),
 )
 
@@ -101,9 +108,9 @@ def _keys_per_row(case: ProgramCase) -> float:
 
 
 def check_fixed_cases(name: str, device: str) -> None:
-    """Run the fixed program of ``name`` on each of ``FIXED_CALLS`` in float32 (the prefill with gradients):
+    """Run the fixed program of ``name`` on each of ``FIXED_CALLS`` in float32 (the prefills with gradients):
     a wrong backward, a fragment reading the capacity for the length, a fact wrong only for a decode step
-    or a chunk, fails every run."""
+    or a chunk, a normaliser whose weights dropout does not reach as SDPA's would, fails every run."""
     __tracebackhide__ = True
     comb = combinators()[name].combinator
     for call in FIXED_CALLS:
@@ -120,12 +127,14 @@ def check_fixed_cases(name: str, device: str) -> None:
                 kv_lens=None if call.kv_lens is None else list(call.kv_lens),
                 page_size=call.page_size,
                 positions=call.positions,
+                dropout_p=call.dropout_p,
             )
         except Exception as exc:
             add_note(
                 exc,
                 f"fixed case ({call.what}): {case.text}, shape {call.shape}, float32, seed 0"
                 f"{', with gradients' if call.grads else ''}, kv_lens {call.kv_lens}, page_size "
-                f"{call.page_size}, positions {call.positions}; extras: {show_extras(case.extras, False)}",
+                f"{call.page_size}, positions {call.positions}, dropout_p {call.dropout_p}; "
+                f"extras: {show_extras(case.extras, False)}",
             )
             raise

@@ -10,6 +10,7 @@ import torch
 from ..errors import UnsupportedError
 from ..passes.fuse import fuse
 from ..passes.lower import instance
+from ..runtime.dropout import dropout_keep, dropout_state
 from .grad_bounds import delta_rounding
 from .strategies import ProgramCase, describe
 from .tolerances import assert_matches_reference
@@ -66,6 +67,7 @@ def check_program_case(
     page_size: int | None = None,
     positions: tuple[int, int, int] | None = None,
     packed: tuple[list[int], list[int]] | None = None,
+    dropout_p: float = 0.0,
 ) -> None:
     """Run ``case`` fused and compare out, lse (when the normaliser has one) and, with ``grads``, the
     gradients of q, k, v and of tensor inputs with declared gradients, with the reference's. ``kv_lens``:
@@ -74,7 +76,9 @@ def check_program_case(
     keys, in shuffled pages of a pool. ``positions``: (q_offset, k_offset, seq_len), a chunk of a longer
     sequence. ``packed`` (with batch size 1): the documents' query and key lengths of a packed call
     (``cu_seqlens_q``/``cu_seqlens_k``), compared with each document run alone through the reference; a
-    program packed calls do not take yet (``UnsupportedError``) is left out."""
+    program packed calls do not take yet (``UnsupportedError``) is left out. ``dropout_p`` (> 0: not with
+    ``page_size`` or ``packed``): the call drops attention weights, its dropout state drawn from a generator
+    seeded with ``seed``; the reference replays its mask (``attnfuse.dropout_keep``)."""
     __tracebackhide__ = True  # pytest: a failure is its message, not this frame's tensors
     q, k, v = case.inputs(dtype, device, seed)
     extras = dict(case.extras_on(device))
@@ -99,7 +103,18 @@ def check_program_case(
     if can_grad:
         for t in leaves:
             t.requires_grad_(True)
-    if packed is None:
+    replay: dict = {}  # the reference's dropout arguments
+    if dropout_p:
+        if packed is not None or page_size is not None:
+            raise ValueError("check_program_case: dropout_p takes no page_size or packed")
+        with torch.random.fork_rng(devices=[device] if torch.device(device).type == "cuda" else []):
+            torch.manual_seed(seed)
+            result = case.program(q, k, v, return_lse=has_lse, **call, **extras, dropout_p=dropout_p)
+            torch.manual_seed(seed)
+            state = dropout_state(device)
+        shape = (*q.shape[:3], k.shape[2])
+        replay = {"dropout_p": dropout_p, "dropout_mask": dropout_keep(state, dropout_p, shape)}
+    elif packed is None:
         result = case.program(q, k, v, return_lse=has_lse, **call, **extras)
     else:
         try:
@@ -112,7 +127,7 @@ def check_program_case(
     def reference(q, k, v, precision):
         """(out, lse or None) of the reference in ``precision``: the call's, or each packed document's."""
         if packed is None:
-            found = case.program.reference(q, k, v, return_lse=has_lse, dtype=precision, **call, **extras)
+            found = case.program.reference(q, k, v, return_lse=has_lse, dtype=precision, **call, **replay, **extras)
             return found if has_lse else (found, None)
         return _packed_reference(case, q, k, v, extras, packed, has_lse, precision)
 

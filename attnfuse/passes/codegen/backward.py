@@ -35,6 +35,7 @@ from .common import (
     qkv_strides,
     split,
 )
+from .dropout import backward_weights, dropout_setup, dropped_dp, regenerated_keep
 from .head_split import LIGHT_BLOCKS, share_sum
 from .loops import HEAD_GROUP, SPLIT_BLOCKS, block_range, key_block, key_range, program, query_block, split_heads, visit
 from .operands import (
@@ -153,14 +154,18 @@ def _dkdv_body(kernel: LoweredProgram, masked: bool, implied: str | None) -> str
     q_pos = position(kernel, f"q_idx + {query_shift(kernel)}")
     rows = f"q_idx = start_m + tl.arange(0, BLOCK_M)\nq_pos = {q_pos}\nq_ok = (q_idx < Nq) | EVEN_M\n"
     do_ptrs = "do_base + q_idx[:, None] * stride_dom + dv[None, :] * stride_dod"
+    dropped, weights = backward_weights(kernel)
     code = (
         operand(kernel, "q", "q_base", "q_idx[:, None] * stride_qm", "q_pos", "q_ok", "stride_qd", masked)
         + f"do = {masked_load(do_ptrs, f'{ok}[:, None]' if masked else '', dv_mask(kernel))}\n"
         + _rows(kernel, masked)
         + qk_product(kernel, transposed=True)
         + _recompute(kernel, masked, implied)
-        + f"dv_acc = tl.dot(tl.trans(p.to({dtype})), do, dv_acc{p})\n"
+        + regenerated_keep(kernel)
+        + dropped
+        + f"dv_acc = tl.dot(tl.trans({weights}.to({dtype})), do, dv_acc{p})\n"
         + f"dp = tl.trans(tl.dot(v, tl.trans(do){p}))\n"
+        + dropped_dp(kernel)
         + _chain(kernel, masked, False)
     )
     code += _accumulate(kernel, "dk", f"tl.trans(ds.to({dtype}))", "q")
@@ -180,7 +185,9 @@ def _dq_body(kernel: LoweredProgram, masked: bool, implied: str | None) -> str:
         + f"v = {v}\n"
         + qk_product(kernel)
         + _recompute(kernel, masked, implied)
+        + regenerated_keep(kernel)
         + f"dp = tl.dot(do, tl.trans(v){p})\n"
+        + dropped_dp(kernel)
         + _chain(kernel, masked, True)
     )
     code += _accumulate(kernel, "dq", f"ds.to({dtype})", "k")
@@ -315,7 +322,7 @@ def generate_dkdv(kernel: LoweredProgram, name: str, parameters: tuple[Param, ..
             k_hi=position(
                 kernel, f"tl.minimum(pid_n * BLOCK_N + BLOCK_N, {key_count(kernel)}) - 1 + {key_shift(kernel)}"
             ),
-            columns=indent(columns(kernel), 4),
+            columns=indent(columns(kernel) + dropout_setup(kernel), 4),
             key_block=indent(key_block(kernel, even_keys=True), 4),
             program=indent(
                 program(kernel, "pid_n", "BLOCK_N", "N_K", transposed=True, moved=(("Q", "DO"), DKDV_KEY_ROWS)), 4
@@ -373,7 +380,7 @@ def generate_dq(
             rows=indent(
                 f"rows = {lse_rows(kernel, 'pid_bh.to(tl.int64)')}\n" + _rows(kernel, True, compute_delta=True), 4
             ),
-            prologues=indent(prologues(kernel), 4),
+            prologues=indent(prologues(kernel) + dropout_setup(kernel), 4),
             dq_init=indent(_accumulators(kernel, "dq", "BLOCK_M"), 4),
             key_range=indent(key_range(kernel), 4),
             loops=indent(body, 4),

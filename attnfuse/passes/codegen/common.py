@@ -9,6 +9,7 @@ from typing import Any
 from ...fragments import HALVES
 from ...launch_spec import CONSTEXPR, INT, STRIDE, TENSOR, Param, params, render_signature, strides
 from ..lower import LoweredProgram
+from .dropout import dropout_params
 from .packed import packed_params
 
 HEADER = '''\
@@ -30,7 +31,8 @@ def qkv_strides() -> tuple[Param, ...]:
 def kv_params(kernel: LoweredProgram) -> tuple[Param, ...]:
     """After ``N_K``: per-sequence lengths, a paged cache's block table, page size and number of pages; or
     the call's positions: its first query's and first key's, and the sequence's length (``positions``); or
-    packed sequences' document offsets (``packed.packed_params``)."""
+    packed sequences' document offsets (``packed.packed_params``); then attention dropout's state and rate
+    (``dropout.dropout_params``)."""
     found = packed_params(kernel) + (params(TENSOR, "KvLens") if kernel.config.kv_lens else ())
     if kernel.config.positions:
         found += params(INT, "Q_OFFSET", "K_OFFSET", "N_SEQ")
@@ -38,7 +40,7 @@ def kv_params(kernel: LoweredProgram) -> tuple[Param, ...]:
         found += (
             params(TENSOR, "BlockTable") + strides("bt", "bp", "BlockTable") + params(INT, "PAGE_SIZE", "NUM_PAGES")
         )
-    return found
+    return found + dropout_params(kernel)
 
 
 def docstring_text(text: str) -> str:

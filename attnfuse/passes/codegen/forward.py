@@ -11,6 +11,7 @@ import string
 from ...launch_spec import INT, TENSOR, Param, params, strides
 from ..lower import LoweredProgram
 from .common import constexpr_params, dv_mask, indent, kernel_source, kv_params, masked_load, precision, qkv_strides
+from .dropout import dropout_setup, dropped_weights
 from .loops import HEAD_GROUP, every_block, key_range, listing_mask, query_block, visit
 from .fp8 import descales, fp8_constexprs, fp8_params, out_descale, score_descale, value_tile, weights_dtype
 from .packed import lse_rows
@@ -52,6 +53,7 @@ def key_tile(kernel: LoweredProgram, masked: bool, implied: str | None = None, c
             + score_descale(kernel)
             + score
         )
+        + dropped_weights(kernel)
         + value_tile(kernel, v)
         + (masked_values(kernel) if careful and masks_keys(kernel, masked, implied) else "")
         + f"acc = tl.dot(p.to({weights_dtype(kernel)}), v, acc{precision(kernel)})\n"
@@ -117,7 +119,7 @@ def generate_forward(kernel: LoweredProgram, name: str, parameters: tuple[Param,
             q_load=indent(
                 operand(kernel, "q", "q_base", "q_idx[:, None] * stride_qm", "q_pos", "q_ok", "stride_qd", True), 4
             ),
-            prologues=indent(descales(kernel) + prologues(kernel), 4),
+            prologues=indent(descales(kernel) + prologues(kernel) + dropout_setup(kernel), 4),
             norm_init=indent(norm.init, 4),
             key_range=indent(key_range(kernel), 4),
             loops=indent(key_loops(kernel), 4),
