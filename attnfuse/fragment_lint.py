@@ -138,6 +138,7 @@ TEMPLATE_NAMES = TILE | {
     "q_ptrs",
     "k_ptrs",
     "k_in",
+    "part_row",
     "q_base",
     "k_base",
     "v_base",
@@ -235,6 +236,8 @@ def _slots(fragment: Any, state: frozenset, rows_state: frozenset) -> dict[str, 
             "k": Slot(False, site, f({"_x1_", "_x2_"})),
             "q_grad": Slot(False, grad, f({"_g1_", "_g2_"})),
             "k_grad": Slot(False, grad, f({"_g1_", "_g2_"})),
+            "q_tensor_grads": Slot(False, grad, f({"_d1_", "_d2_"}), f({"_d1_", "_d2_"})),
+            "k_tensor_grads": Slot(False, grad, f({"_d1_", "_d2_"}), f({"_d1_", "_d2_"})),
         }
     if isinstance(fragment, NormaliserFragment):
         update = TILE | {"s", "acc"} | state
@@ -279,6 +282,8 @@ _SITE = (
     "ok",
     "g1",
     "g2",
+    "d1",
+    "d2",
     "s_in",
     "s_out",
     "q_lo",

@@ -26,12 +26,22 @@ class QKTransformFragment:
     Backward: ``q_grad``/``k_grad`` rewrite the gradient halves ``$g1``, ``$g2`` (gradient with respect
     to the transform's output) into the gradient with respect to its input ``$x1``, ``$x2`` (a
     vector-Jacobian product; for a rotation, the transposed rotation). ``None``: no backward.
+
+    ``q_tensor_grads``/``k_tensor_grads``: (runtime tensor parameter, statements) pairs giving the gradient
+    of a (D,) tensor of the head dim's columns (qk_norm's weights) from that side's rows. The statements
+    run before ``q_grad``/``k_grad`` and may read what they read (``$g1``, ``$g2``, ``$x1``, ``$x2``,
+    ``$pos``, ``$ok``, ``${tmp}_`` names); they write ``$d1`` and ``$d2`` (rows, BLOCK_H), each row's
+    contribution to the gradient of columns [0, D/2) and [D/2, D). The kernels sum them over the rows of
+    each program (rows outside the tensors count 0) and the runtime over the programs: over batch, heads
+    and rows. Default none: the parameter has no gradient (one that requires grad is refused).
     """
 
     q: str = ""
     k: str = ""
     q_grad: str | None = None
     k_grad: str | None = None
+    q_tensor_grads: tuple[tuple[str, str], ...] = field(default=(), converter=tuple)
+    k_tensor_grads: tuple[tuple[str, str], ...] = field(default=(), converter=tuple)
 
     def differentiable(self) -> bool:
         return (not self.q or self.q_grad is not None) and (not self.k or self.k_grad is not None)
