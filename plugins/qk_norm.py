@@ -121,15 +121,10 @@ def _weight_grad(eps: float) -> str:
 
 def fragment(weight_q, weight_k, eps) -> QKTransformFragment:
     """Normalise each row of the tile's halves; a side with no weight reads none (and has no weight gradient)."""
-    (q, q_grad), (k, k_grad) = (
-        _side(name if weight is not None else None, eps) for name, weight in zip(_WEIGHTS, (weight_q, weight_k))
-    )
-    q_weight, k_weight = (
-        [(name, _weight_grad(eps))] if weight is not None else [] for name, weight in zip(_WEIGHTS, (weight_q, weight_k))
-    )
-    return QKTransformFragment(
-        q=q, k=k, q_grad=q_grad, k_grad=k_grad, q_tensor_grads=q_weight, k_tensor_grads=k_weight
-    )
+    given = [name if weight is not None else None for name, weight in zip(_WEIGHTS, (weight_q, weight_k))]
+    (q, q_grad), (k, k_grad) = (_side(name, eps) for name in given)
+    q_weight, k_weight = ([(name, _weight_grad(eps))] if name is not None else [] for name in given)
+    return QKTransformFragment(q=q, k=k, q_grad=q_grad, k_grad=k_grad, q_tensor_grads=q_weight, k_tensor_grads=k_weight)
 
 
 COMBINATOR = Combinator(

@@ -76,9 +76,7 @@ def _partial_sums(t: Instance, name: str, text: str, site: dict[str, str], rows_
     ]
     for i, column in ((1, "dh"), (2, "HALF + dh")):
         total = f"tl.sum(tl.where({rows_ok}[:, None], {halves[f'd{i}']}, 0.0), 0)"
-        code.append(
-            f"tl.store({buffer} + part_row + {column}, {total}.to({buffer}.dtype.element_ty), mask=dh < HALF)"
-        )
+        code.append(f"tl.store({buffer} + part_row + {column}, {total}.to({buffer}.dtype.element_ty), mask=dh < HALF)")
     return "\n".join(code)
 
 
