@@ -35,12 +35,12 @@ def _model(family):
 
 
 def _record_norms(monkeypatch) -> list:
-    """Record (norm_eps given, rotate_keys) of each kernel call of attn_implementation="attnfuse"."""
+    """Record (norm_eps given, rotate_keys, packed) of each kernel call of attn_implementation="attnfuse"."""
     calls = []
     program = attnfuse.hf.hf_attention
 
     def recording(q, k, v, bias, cos, sin, scale, window, causal, rotate_keys, *args, **kwargs):
-        calls.append((args[4] is not None, rotate_keys))
+        calls.append((args[4] is not None, rotate_keys, "cu_seqlens_q" in kwargs))
         return program(q, k, v, bias, cos, sin, scale, window, causal, rotate_keys, *args, **kwargs)
 
     monkeypatch.setattr(attnfuse.hf, "hf_attention", recording)
@@ -70,7 +70,7 @@ def test_logits_and_training_step_equal_eager_with_norms_in_kernel(family, monke
     attnfuse.hf.fuse_rope(model)
     got_logits, _ = _step(model, "attnfuse", padded)
     got_full, got_grads = _step(model, "attnfuse", full)
-    assert calls and all(normed and rotate_keys for normed, rotate_keys in calls)  # q and k normed in the kernel
+    assert calls and all(normed and rotate_keys for normed, rotate_keys, _ in calls)  # q and k normed in the kernel
     torch.testing.assert_close(got_logits[real], want_logits[real], atol=1e-6, rtol=1e-6)
     torch.testing.assert_close(got_full, want_full, atol=1e-6, rtol=1e-6)
     for name in want_grads:
@@ -91,7 +91,7 @@ def test_generate_gives_eager_tokens(family, monkeypatch):
     calls = _record_norms(monkeypatch)
     attnfuse.hf.fuse_rope(model)
     assert model.generate(ids, **options).tolist() == want.tolist()
-    assert calls and all(not normed and not rotate_keys for normed, rotate_keys in calls)
+    assert calls and all(not normed and not rotate_keys for normed, rotate_keys, _ in calls)
 
 
 @pytest.mark.parametrize("family", sorted(MODELS))
@@ -104,3 +104,29 @@ def test_switched_away_runs_hf_norms(family):
     attnfuse.hf.fuse_rope(model)
     model.set_attn_implementation("eager")
     torch.testing.assert_close(model(ids).logits, want, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("family", sorted(MODELS))
+def test_packed_training_step_equals_norms_in_pytorch(family, monkeypatch):
+    """A packed batch (HF's DataCollatorWithFlattening: one row, position_ids restarting per document): with the
+    norms in the kernel, loss, logits and every gradient equal those with HF's norms in PyTorch (the packed path,
+    which tests/test_hf_packed.py holds to a padded batch under eager)."""
+    model = _model(family)
+    documents = [torch.randint(0, SIZES["vocab_size"], (n,)) for n in (5, 1, 7)]
+    collator = transformers.DataCollatorWithFlattening(return_flash_attn_kwargs=True)
+    batch = collator([{"input_ids": d.tolist()} for d in documents])
+
+    def step():
+        model.zero_grad()
+        out = model(**batch, use_cache=False)
+        out.loss.backward()
+        return {"logits": out.logits.detach(), **{name: p.grad.clone() for name, p in model.named_parameters()}}
+
+    model.set_attn_implementation("attnfuse")
+    want = step()
+    calls = _record_norms(monkeypatch)
+    attnfuse.hf.fuse_rope(model)
+    got = step()
+    assert calls and all(normed and packed for normed, _, packed in calls)
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], atol=1e-5, rtol=1e-4, msg=name)

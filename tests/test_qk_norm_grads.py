@@ -2,7 +2,8 @@
 
 Every gradient (q, k, v and the weights) against the float64 reference evaluator through torch.autograd: q-only,
 k-only and both weights, GQA and MQA, with rope after the norm, fused into the backward kernels and hoisted into
-a gradient pass, with kv_lens, in float16 (the gradient in the weight's dtype), and one tensor serving both sides.
+a gradient pass, with kv_lens, packed sequences, in float16 (the gradient in the weight's dtype), and one tensor
+serving both sides.
 """
 
 from __future__ import annotations
@@ -112,6 +113,28 @@ def test_with_kv_lens():
     q, k, v = _qkv(3, 4, 2, 6, 48, 16)
     kv_lens = torch.tensor([48, 17, 5], dtype=torch.int32)
     _check_grads(normed, q, k, v, *_weights("both", 16), kv_lens=kv_lens)
+
+
+def test_packed_sequences():
+    """Documents packed in one row (cu_seqlens), across tile boundaries: each weight's gradient sums every
+    document's rows, as the reference run on each document alone gives."""
+    lengths = [20, 37, 7]
+    q, k, v = _qkv(1, 4, 2, sum(lengths), sum(lengths), 16)
+    wq, wk = _weights("both", 16)
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    out = qwen3(q, k, v, wq, wk, cu_seqlens_q=cu, cu_seqlens_k=cu)
+    dout = torch.randn(out.shape)
+    leaves = (q, k, v, wq, wk)
+    got = torch.autograd.grad(out, leaves, dout)
+    documents = list(zip(cu[:-1].tolist(), cu[1:].tolist()))
+
+    def reference(dtype):
+        rows = [qwen3.reference(*(t[:, :, a:b] for t in (q, k, v)), wq, wk, dtype=dtype) for a, b in documents]
+        return torch.autograd.grad(torch.cat(rows, 2), leaves, dout.to(dtype))
+
+    summed = {"dwq": 4 * sum(lengths), "dwk": 2 * sum(lengths)}
+    for name, a, b, c in zip(("dq", "dk", "dv", "dwq", "dwk"), got, reference(torch.float64), reference(torch.float32)):
+        assert_matches_reference(a, b, c, what=name, summed=summed.get(name, 1))
 
 
 def test_half_precision_weights():
