@@ -264,3 +264,16 @@ def test_third_party_tensor_of_other_shape_is_refused(column_scale):
 def test_third_party_conforms(column_scale):
     """The conformance kit draws the transform's scale requiring grad and checks its gradient too."""
     check_combinator("_test_column_scale", max_examples=3, head_dims=(16,))
+
+
+def test_torch_compile_fullgraph_equals_eager():
+    """Under torch.compile (the program one opaque op), the weights get the eager call's gradients."""
+    q, k, v = _qkv(1, 4, 2, 24, 24, 16)
+    wq, wk = _weights("both", 16)
+    compiled = torch.compile(qwen3, backend="aot_eager", fullgraph=True)
+    dout = torch.randn(1, 4, 24, 16)
+    leaves = (q, k, v, wq, wk)
+    got = torch.autograd.grad(compiled(q, k, v, wq, wk), leaves, dout)
+    want = torch.autograd.grad(qwen3(q, k, v, wq, wk), leaves, dout)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, atol=0, rtol=0)
