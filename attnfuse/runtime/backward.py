@@ -188,8 +188,8 @@ class BackwardKernels:
         inputs: dict[str, Any],
         prepared: Prepared | None,
         buffers: list[torch.Tensor],
-        engine: str,
         partials: dict[str, dict[str, torch.Tensor]],
+        engine: str,
     ) -> None:
         """The generated dQ kernel (which writes delta and the tensor gradients' buffers), then the dK/dV
         kernel ``engine`` names: "template" (the dK/dV template's instance) or "generated". Deterministic.
@@ -274,7 +274,7 @@ class BackwardKernels:
             dlse = dlse.to(accumulator_dtype(q.dtype)).contiguous() if dlse is not None else None
             served = self.template is not None and self.template.fits(q, k, v, dout, lse, dk, dv)
             engine = "template" if served else "generated"
-            self._dq_then_dkdv(q, kv, out, lse, dout, dlse, dq, dk, dv, inputs, prepared, buffers, engine, partials)
+            self._dq_then_dkdv(q, kv, out, lse, dout, dlse, dq, dk, dv, inputs, prepared, buffers, partials, engine)
         else:
             for g in (dq, dk, dv):
                 g.zero_()
