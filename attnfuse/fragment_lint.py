@@ -138,6 +138,7 @@ TEMPLATE_NAMES = TILE | {
     "q_ptrs",
     "k_ptrs",
     "k_in",
+    "part_row",
     "q_base",
     "k_base",
     "v_base",
@@ -236,6 +237,8 @@ def _slots(fragment: Any, state: frozenset, rows_state: frozenset) -> dict[str, 
             "q_grad": Slot(False, grad, f({"_g1_", "_g2_"})),
             "k_grad": Slot(False, grad, f({"_g1_", "_g2_"})),
             "columns": Slot(True, BUILTINS | {"dh", "HALF", "D"}),
+            "q_tensor_grads": Slot(False, grad, f({"_d1_", "_d2_"}), f({"_d1_", "_d2_"})),
+            "k_tensor_grads": Slot(False, grad, f({"_d1_", "_d2_"}), f({"_d1_", "_d2_"})),
         }
     if isinstance(fragment, NormaliserFragment):
         update = TILE | {"s", "acc"} | state
@@ -282,6 +285,8 @@ _SITE = (
     "g2",
     "col1",
     "col2",
+    "d1",
+    "d2",
     "s_in",
     "s_out",
     "q_lo",

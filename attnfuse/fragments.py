@@ -41,6 +41,13 @@ class QKTransformFragment:
     as ``$col1``, ``$col2`` (the columns of its halves, (BLOCK_H,)): one that loads per-column data of its
     own (qk_norm's weights) loads it there; one that reads ``dh`` and neither placeholder is refused
     alongside a map other than ``HALVES``.
+    ``q_tensor_grads``/``k_tensor_grads``: (runtime tensor parameter, statements) pairs giving the gradient
+    of a (D,) tensor of the head dim's columns (qk_norm's weights) from that side's rows. The statements
+    run before ``q_grad``/``k_grad`` and may read what they read (``$g1``, ``$g2``, ``$x1``, ``$x2``,
+    ``$pos``, ``$ok``, ``${tmp}_`` names); they write ``$d1`` and ``$d2`` (rows, BLOCK_H), each row's
+    contribution to the gradient of the halves' columns (``$col1``, ``$col2``). The kernels sum them over the rows of
+    each program (rows outside the tensors count 0) and the runtime over the programs: over batch, heads
+    and rows. Default none: the parameter has no gradient (one that requires grad is refused).
     """
 
     q: str = ""
@@ -48,6 +55,8 @@ class QKTransformFragment:
     q_grad: str | None = None
     k_grad: str | None = None
     columns: tuple[str, str] | None = field(default=None)
+    q_tensor_grads: tuple[tuple[str, str], ...] = field(default=(), converter=tuple)
+    k_tensor_grads: tuple[tuple[str, str], ...] = field(default=(), converter=tuple)
 
     @columns.validator
     def _check_columns(self, _, columns) -> None:

@@ -25,7 +25,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 import attnfuse as af
 from . import hf_packed, hf_rope
 from .errors import InputError
-from .hf_rope import INTERLEAVED_KWARG, ROPE_KWARG
+from .hf_rope import INTERLEAVED_KWARG, QK_NORM_KWARG, ROPE_KWARG
 from .program import AttentionProgram
 from .runtime.packed import runs_on as packed_runs_on
 
@@ -48,11 +48,17 @@ def hf_attention(
     sinks=None,
     rotary_dim=None,
     interleaved=False,
+    norm_q=None,
+    norm_k=None,
+    norm_eps=None,
 ):
-    """What HF's attention asks for: the scaled product (rotated first when given cos and sin: the first
+    """What HF's attention asks for: q and k RMS-normalised with weights ``norm_q``, ``norm_k`` (D,) when given
+    ``norm_eps`` (Qwen3, Gemma 3), the scaled product (rotated first when given cos and sin: the first
     ``rotary_dim`` columns of q and k, all without it; interleaved pairs with ``interleaved``), softcapped if
     asked (Gemma 2), then the mask as an additive bias, or a sliding window, or causal, then softmax, with each
     head's sink logit (Hq,) in its denominator when given (GPT-OSS)."""
+    if norm_eps is not None:
+        q, k = af.qk_norm(q, k, norm_q, norm_k, eps=norm_eps)
     if cos is None:
         s = af.scaled_dot_product(q, k, scale=scale)
     else:
@@ -199,6 +205,7 @@ def attention_forward(
         None if sinks is None else sinks.detach(),
         rotary_dim,
         bool(kwargs.get(INTERLEAVED_KWARG)),
+        *(kwargs.get(QK_NORM_KWARG) or (None, None, None)),
         return_lse=sink_grad,
         dropout_p=_rate(module, dropout),
         **call_kwargs,
@@ -251,5 +258,6 @@ AttentionMaskInterface.register("attnfuse", sdpa_mask)
 
 def fuse_rope(model: torch.nn.Module) -> torch.nn.Module:
     """Run the rotary embedding of ``model``'s attention layers inside the kernel (Llama, Mistral, Qwen2,
-    Qwen3); switches the model to ``attn_implementation="attnfuse"``. Returns the model."""
+    Qwen3, Gemma 3), and Qwen3's and Gemma 3's q/k norms before it; switches the model to
+    ``attn_implementation="attnfuse"``. Returns the model."""
     return hf_rope.fuse(model)

@@ -9,6 +9,13 @@ and k unrotated too when the layer has no cache (with a cache, k is rotated as H
 rotates only q: ``rotate_keys=False``); the wrapper passes (cos, sin, rotate_keys) to the attention
 function as the ``attnfuse_rope`` keyword, which HF forwards to it. A model switched to another
 ``attn_implementation`` afterwards runs HF's forward unchanged.
+
+Qwen3 and Gemma 3 also normalise q and k (``q_norm``, ``k_norm``: RMSNorm over the head dim) before the rotation.
+Their layers' norms are wrapped too (``QK_NORMS``): while a wrapped layer without a cache runs, they return their
+input, and the wrapper passes the norms' weights (as the kernel scales by them: Gemma 3's ``1 + weight``, which
+carries the gradient to ``weight``) and eps as the ``attnfuse_qk_norm`` keyword: the kernel runs ``af.qk_norm``,
+then ``af.rope``, and the weights get their gradients from the kernels. With a cache, k must be stored as HF
+stores it (normed and rotated), so both norms run in PyTorch as HF's, and the kernel rotates q only.
 """
 
 from __future__ import annotations
@@ -26,6 +33,26 @@ INTERLEAVED_KWARG = "attnfuse_rope_interleaved"  # True: the tables rotate pairs
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3")  # modeling modules whose attention rotates this way
 OTHER_FAMILIES = ("gpt_neox", "gptj")  # modeling modules whose attention forward or rotation differ
 CACHE_ARGUMENTS = ("cache", "past_key_values", "past_key_value")  # the name differs between versions
+QK_NORM_KWARG = "attnfuse_qk_norm"  # (weight_q (D,), weight_k (D,), eps), passed by fused forwards without a cache
+
+
+def _qwen3_norm(norm: torch.nn.Module) -> tuple[torch.Tensor, float]:
+    """Qwen3RMSNorm: x / rms(x) · weight."""
+    return norm.weight, float(norm.variance_epsilon)
+
+
+def _gemma3_norm(norm: torch.nn.Module) -> tuple[torch.Tensor, float]:
+    """Gemma3RMSNorm: x / rms(x) · (1 + weight), in float32."""
+    return 1.0 + norm.weight.float(), float(norm.eps)
+
+
+# Families whose attention normalises q and k (q_norm, k_norm) before the rotation: (weight as the kernel scales
+# by it, eps) of one norm module
+QK_NORMS: dict[str, Callable[[torch.nn.Module], tuple[torch.Tensor, float]]] = {
+    "qwen3": _qwen3_norm,
+    "gemma3": _gemma3_norm,
+}
+SUPPORTED = (*FAMILIES, *OTHER_FAMILIES, *(family for family in QK_NORMS if family not in FAMILIES))
 
 
 class _Fusing:
@@ -33,6 +60,7 @@ class _Fusing:
 
     active = False
     rotate_keys_here = False
+    norms_in_kernel = False  # the layer's q_norm and k_norm return their input: the kernel normalises
 
 
 _state = _Fusing()
@@ -52,6 +80,33 @@ def _fusing_rotation(original: Callable) -> Callable:
 
     apply_rotary_pos_emb.__attnfuse_fusing__ = True
     return apply_rotary_pos_emb
+
+
+def _skippable_norm(original: Callable, x: torch.Tensor) -> torch.Tensor:
+    """A q_norm's or k_norm's forward: its input while a fused layer's kernel normalises, else ``original``'s."""
+    return x if _state.active and _state.norms_in_kernel else original(x)
+
+
+def _qk_norm_argument(layer: torch.nn.Module, cached: bool) -> dict[str, Any]:
+    """The ``attnfuse_qk_norm`` keyword of a fused layer of a ``QK_NORMS`` family without a cache, else none."""
+    family = _family_of(layer)
+    if cached or family not in QK_NORMS:
+        return {}
+    (weight_q, eps_q), (weight_k, eps_k) = (QK_NORMS[family](norm) for norm in (layer.q_norm, layer.k_norm))
+    if eps_q != eps_k:
+        raise InputError(
+            f"fuse_rope: {type(layer).__name__}'s q_norm and k_norm have different eps ({eps_q}, {eps_k}); the "
+            f"kernel's qk_norm takes one"
+        )
+    return {QK_NORM_KWARG: (weight_q, weight_k, eps_q)}
+
+
+def _wrap_norms(layer: torch.nn.Module) -> None:
+    """Make a ``QK_NORMS`` family layer's q_norm and k_norm skippable (``_skippable_norm``)."""
+    if _family_of(layer) not in QK_NORMS:
+        return
+    for norm in (layer.q_norm, layer.k_norm):
+        norm.forward = functools.partial(_skippable_norm, norm.forward)
 
 
 def _has_cache(args: tuple, kwargs: dict[str, Any]) -> bool:
@@ -75,13 +130,25 @@ def _fused_forward(
         raise InputError("fuse_rope: the attention layer got no position_embeddings (cos, sin)")
     cos, sin = position_embeddings
     cached = _has_cache(args, kwargs)
-    _state.active, _state.rotate_keys_here = True, cached
+    norms = _qk_norm_argument(layer, cached)
+    _state.active, _state.rotate_keys_here, _state.norms_in_kernel = True, cached, bool(norms)
     try:
         return original(
-            hidden_states, position_embeddings, attention_mask, *args, **{ROPE_KWARG: (cos, sin, not cached)}, **kwargs
+            hidden_states,
+            position_embeddings,
+            attention_mask,
+            *args,
+            **{ROPE_KWARG: (cos, sin, not cached)},
+            **norms,
+            **kwargs,
         )
     finally:
-        _state.active = _state.rotate_keys_here = False
+        _state.active = _state.rotate_keys_here = _state.norms_in_kernel = False
+
+
+def _family_of(module: torch.nn.Module) -> str:
+    """The modeling module's family (``llama``, ``qwen3`` ...) of a transformers module."""
+    return type(module).__module__.rsplit(".", 1)[-1].removeprefix("modeling_")
 
 
 def _fused_neox_forward(
@@ -166,15 +233,9 @@ _FORWARDS = {"gpt_neox": _fused_neox_forward, "gptj": _fused_gptj_forward}  # fa
 _ROTATIONS = {"gptj": _fusing_tensor_rotation}  # families whose apply_rotary_pos_emb rotates one tensor
 
 
-def _family(module: torch.nn.Module) -> str:
-    return type(module).__module__.rsplit(".", 1)[-1].removeprefix("modeling_")
-
-
 def _family_module(module: torch.nn.Module):
     name = type(module).__module__
-    family = _family(module)
-    known = family in FAMILIES or family in OTHER_FAMILIES
-    return sys.modules[name] if known and name.startswith("transformers.models.") else None
+    return sys.modules[name] if _family_of(module) in SUPPORTED and name.startswith("transformers.models.") else None
 
 
 def _is_attention(module: torch.nn.Module) -> bool:
@@ -185,8 +246,8 @@ def _is_attention(module: torch.nn.Module) -> bool:
 
 
 def fuse(model: torch.nn.Module) -> torch.nn.Module:
-    """Wrap every attention layer of a Llama, Mistral, Qwen2, Qwen3, GPT-NeoX or GPT-J model (or decoder
-    layer); an InputError for any other."""
+    """Wrap every attention layer of a Llama, Mistral, Qwen2, Qwen3, Gemma 3 (text), GPT-NeoX or GPT-J model (or
+    decoder layer); an InputError for any other."""
     layers = [m for m in model.modules() if _is_attention(m)]
     if not layers:
         raise InputError(
@@ -196,14 +257,15 @@ def fuse(model: torch.nn.Module) -> torch.nn.Module:
         modeling = _family_module(layer)
         if modeling is None or not hasattr(modeling, "apply_rotary_pos_emb"):
             raise InputError(
-                f"fuse_rope supports the attention of {', '.join(FAMILIES + OTHER_FAMILIES)} models, got "
+                f"fuse_rope supports the attention of {', '.join(SUPPORTED)} models, got "
                 f"{type(layer).__module__}.{type(layer).__name__}"
             )
         if not getattr(modeling.apply_rotary_pos_emb, "__attnfuse_fusing__", False):
-            rotation = _ROTATIONS.get(_family(layer), _fusing_rotation)
+            rotation = _ROTATIONS.get(_family_of(layer), _fusing_rotation)
             modeling.apply_rotary_pos_emb = rotation(modeling.apply_rotary_pos_emb)
         if not getattr(layer, "__attnfuse_fused__", False):
-            layer.forward = functools.partial(_FORWARDS.get(_family(layer), _fused_forward), layer, layer.forward)
+            layer.forward = functools.partial(_FORWARDS.get(_family_of(layer), _fused_forward), layer, layer.forward)
+            _wrap_norms(layer)
             layer.__attnfuse_fused__ = True
     if hasattr(model, "set_attn_implementation"):
         model.set_attn_implementation("attnfuse")

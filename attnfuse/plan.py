@@ -99,12 +99,16 @@ class PluginCall:
 class InputGradient:
     """A runtime argument (``argument``) that parameter ``param`` of combinator ``combinator`` reads. With a
     ``prefix`` (the score modification's application), the dQ kernel can write its score-shaped gradient;
-    None: the combinator declares no gradient for it."""
+    None: the combinator declares no gradient for it. ``sides``: for a qk transform's (D,) tensor, the
+    sides ("q", "k") whose rows give its gradient (``QKTransformFragment.q_tensor_grads``, ``k_tensor_grads``):
+    the kernels that carry dQ (the dQ kernel or a gradient pass) and dK (the dK/dV kernel or a gradient pass)
+    back through the transforms write (programs, D) partial sums of it; empty for a score-shaped gradient."""
 
     argument: str
     combinator: str
     param: str
     prefix: str | None
+    sides: tuple[str, ...] = ()
 
 
 @frozen(kw_only=True)
@@ -130,7 +134,9 @@ class KernelSpec:
     (dK/dV) it splits heavy key blocks over a GQA group's query heads, and takes PartDKV and SplitCount.
     ``halves``: q and k are handled as two halves of the head dim. ``sides``: (passes) the sides it covers.
     ``grad_buffers``: (dQ) the parameters of the score-shaped gradient buffers it writes, in the order of
-    its tensor gradients; each takes its strides as ``<buffer>_s<i>``. ``origins``: the distribution of
+    its tensor gradients; each takes its strides as ``<buffer>_s<i>``. ``partial_buffers``: (parameter, runtime
+    argument) of each (programs, D) buffer of a qk transform tensor's partial gradient sums it writes
+    (contiguous, a row per program of its grid, indexed by the linear program id). ``origins``: the distribution of
     each combinator application's plugin, by the prefix that names its fragment in the source.
     """
 
@@ -145,6 +151,7 @@ class KernelSpec:
     halves: bool = False
     sides: tuple[str, ...] = ()
     grad_buffers: tuple[str, ...] = ()
+    partial_buffers: tuple[tuple[str, str], ...] = ()
 
     @functools.cached_property
     def source(self) -> str:
@@ -209,10 +216,17 @@ class Plan:
     templates: TemplatePlan = field(factory=TemplatePlan)
     dq_for: Callable[[tuple[InputGradient, ...]], KernelSpec] = field(repr=False)
     refuses_fp8: str | None = None
+    with_tensor_grads: Callable[[str, tuple[InputGradient, ...]], KernelSpec] | None = field(default=None, repr=False)
 
     def dq(self, gradients: tuple[InputGradient, ...] = ()) -> KernelSpec:
-        """The dQ kernel, writing the score-shaped gradients of ``gradients`` (of ``input_gradients``)."""
+        """The dQ kernel, writing the score-shaped gradients of ``gradients`` (of ``input_gradients``), and the
+        partial sums of the q side's transform tensor gradients among them."""
         return self.dq_for(gradients) if gradients else self.kernels["dq"]
+
+    def with_partials(self, kind: str, gradients: tuple[InputGradient, ...]) -> KernelSpec:
+        """Kernel ``kind`` ("dkdv" or "gradient") writing the partial sums of the qk transforms' tensor
+        gradients ``gradients`` (of ``input_gradients``, with ``sides``) its rows give."""
+        return self.with_tensor_grads(kind, gradients) if gradients else self.kernels[kind]
 
     @property
     def hoisted_config(self) -> KernelConfig:

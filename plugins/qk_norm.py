@@ -6,8 +6,10 @@ x̂ = x / sqrt(mean(x², over D) + eps) · weight, in float32 (float64 for float
 weight (all ones). Gemma 3 scales by (1 + weight): pass ``1 + weight``. Compose it before the score source,
 ``af.rope(*af.qk_norm(q, k, wq, wk), cos=cos, sin=sin)``: the norm runs first, then the rotation.
 
-Gradients flow to q and k (the RMSNorm vector-Jacobian product, per row). The weights have none: a weight
-that requires grad is refused (``InputError``), pass it detached.
+Gradients flow to q and k (the RMSNorm vector-Jacobian product, per row) and to a weight that requires grad:
+dweight[d] = Σ g[row, d] · x[row, d] / rms(row) over every batch, head and row of its side (g: the gradient
+with respect to the norm's output), summed per program by the kernels that carry dQ and dK back, in the
+weight's dtype.
 """
 
 from __future__ import annotations
@@ -112,12 +114,17 @@ def _side(name: str | None, eps: float) -> tuple[str, str]:
     return normalise, vjp
 
 
+def _weight_grad(eps: float) -> str:
+    """``$d1``, ``$d2``: each row's share of its weight's gradient, g · x / rms(x) (the normalised row)."""
+    return _inverse_rms(eps) + "$d1 = $g1 * $x1 * ${tmp}_r\n$d2 = $g2 * $x2 * ${tmp}_r\n"
+
+
 def fragment(weight_q, weight_k, eps) -> QKTransformFragment:
-    """Normalise each row of the tile's halves; a side with no weight reads none."""
-    (q, q_grad), (k, k_grad) = (
-        _side(name if weight is not None else None, eps) for name, weight in zip(_WEIGHTS, (weight_q, weight_k))
-    )
-    return QKTransformFragment(q=q, k=k, q_grad=q_grad, k_grad=k_grad)
+    """Normalise each row of the tile's halves; a side with no weight reads none (and has no weight gradient)."""
+    given = [name if weight is not None else None for name, weight in zip(_WEIGHTS, (weight_q, weight_k))]
+    (q, q_grad), (k, k_grad) = (_side(name, eps) for name in given)
+    q_weight, k_weight = ([(name, _weight_grad(eps))] if name is not None else [] for name in given)
+    return QKTransformFragment(q=q, k=k, q_grad=q_grad, k_grad=k_grad, q_tensor_grads=q_weight, k_tensor_grads=k_weight)
 
 
 COMBINATOR = Combinator(

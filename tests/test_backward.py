@@ -239,9 +239,9 @@ def test_hoisted_backward_reuses_the_forwards_transformed_rows(monkeypatch):
     calls = []
     original = hoisted.TransformPass.__call__
 
-    def counting(self, rows, *args, grads=None):
+    def counting(self, rows, *args, grads=None, **kwargs):
         calls.append((self.sides, "gradient" if grads is not None else "transform"))
-        return original(self, rows, *args, grads=grads)
+        return original(self, rows, *args, grads=grads, **kwargs)
 
     monkeypatch.setattr(hoisted.TransformPass, "__call__", counting)
     q, k, v = _qkv(1, 2, 1, 150, 150, 32, 32, torch.float32)  # 5 query blocks of 32 under the interpreter

@@ -59,7 +59,7 @@ def test_fuse_rope_logits_gradients_and_generation_equal_eager(family, rotary, m
     monkeypatch.setattr(
         attnfuse.hf,
         "hf_attention",
-        lambda *a, **kw: (a[4] is not None and calls.append(a[9:10] + a[12:])) or program(*a, **kw),
+        lambda *a, **kw: (a[4] is not None and calls.append(a[9:10] + a[12:14])) or program(*a, **kw),
     )
     model.set_attn_implementation("eager")
     want_logits = model(ids, attention_mask=mask).logits

@@ -2,7 +2,8 @@
 
 Forward and q/k gradients against the float64 reference evaluator (and, once, against torch's own
 ``rms_norm`` and SDPA), with and without weights, before rope, with GQA, decoding with kv_lens, in the fused
-kernels and hoisted into transform passes; bad weights and eps refused.
+kernels and hoisted into transform passes; bad weights and eps refused. The weights' gradients:
+tests/test_qk_norm_grads.py.
 """
 
 from __future__ import annotations
@@ -167,13 +168,3 @@ def test_bad_eps_is_refused(eps):
 
     with pytest.raises(af.ProgramError, match="qk_norm: parameter 'eps': must be a finite number > 0"):
         program(*_qkv(1, 1, 1, 8, 8, 16))
-
-
-def test_weight_gradient_is_refused():
-    """The weights have no gradient in the kernels: one that requires grad is refused, naming it."""
-    q, k, v = _qkv(1, 2, 1, 8, 8, 16, grad=True)
-    wq = torch.randn(16, requires_grad=True)
-    with pytest.raises(af.InputError, match="qk_norm: its input 'weight_q' \\(argument 'wq'\\) requires grad"):
-        normed(q, k, v, wq, None)
-    normed(q, k, v, wq.detach(), None).sum().backward()  # detached: q, k and v get their gradients
-    assert all(t.grad is not None for t in (q, k, v))

@@ -27,6 +27,8 @@ from .codegen import (
     generate_forward,
     generate_pass,
     grad_buffer,
+    partial_buffer,
+    partial_grads,
     pass_params,
     scheduled,
     split,
@@ -80,6 +82,7 @@ def compile(graph: ir.MatMulPV, config: KernelConfig) -> Plan:  # noqa: A001 (th
         kernels=_kernels(program),
         templates=template_plan(program),
         dq_for=functools.partial(_dq, program),
+        with_tensor_grads=functools.partial(_with_partials, program),
     )
 
 
@@ -128,16 +131,31 @@ def _missing_backward(program: LoweredProgram) -> str | None:
     return None
 
 
+def _transform_sides(program: LoweredProgram) -> dict[tuple[str, str], tuple[str, ...]]:
+    """(transform prefix, tensor) -> the sides whose rows give that tensor's gradient (the sides the
+    transform touches and declares it in ``q_tensor_grads``/``k_tensor_grads``)."""
+    sides: dict[tuple[str, str], tuple[str, ...]] = {}
+    for t in program.transforms:
+        for x in "qk":
+            if getattr(t.fragment, x):
+                for name, _ in getattr(t.fragment, f"{x}_tensor_grads"):
+                    sides[t.prefix, name] = (*sides.get((t.prefix, name), ()), x)
+    return sides
+
+
 def _input_gradients(program: LoweredProgram) -> tuple[InputGradient, ...]:
     """Every (runtime argument, combinator parameter) pair of the program, each with its application's
-    prefix where that application is a score modification declaring the parameter's gradient."""
+    prefix where that application declares the parameter's gradient: a score modification (score-shaped), or
+    a qk transform (from its rows, with the sides that give it)."""
     writes = {(m.prefix, name) for m in program.mods for name, _ in m.fragment.tensor_grads}
+    rows = _transform_sides(program)
     return tuple(
         InputGradient(
             argument=sym.name,
             combinator=inst.apply.combinator,
             param=param,
-            prefix=inst.prefix if (inst.prefix, param) in writes else None,
+            prefix=inst.prefix if (inst.prefix, param) in writes or (inst.prefix, param) in rows else None,
+            sides=rows.get((inst.prefix, param), ()),
         )
         for inst in program.instances()
         for param, sym in inst.apply.inputs().items()
@@ -145,20 +163,60 @@ def _input_gradients(program: LoweredProgram) -> tuple[InputGradient, ...]:
 
 
 def _instances(program: LoweredProgram, gradients: tuple[InputGradient, ...]) -> tuple[tuple[Instance, str], ...]:
-    """The (modification instance, parameter) pairs writing ``gradients``."""
+    """The (modification instance, parameter) pairs writing the score-shaped ones of ``gradients``."""
     by_prefix = {m.prefix: m for m in program.mods}
-    return tuple((by_prefix[g.prefix], g.param) for g in gradients)
+    return tuple((by_prefix[g.prefix], g.param) for g in gradients if not g.sides)
+
+
+def _partials(
+    program: LoweredProgram, gradients: tuple[InputGradient, ...], sides: str
+) -> tuple[tuple[Instance, InputGradient], ...]:
+    """(transform, gradient) of each qk transform tensor gradient of ``gradients`` that the rows of ``sides``
+    give, in their order; none of a side that the program's kernels read transformed (a pass gives those)."""
+    by_prefix = {t.prefix: t for t in program.transforms}
+    sides = "".join(x for x in sides if not getattr(program.config, f"{x}_transformed"))
+    return tuple((by_prefix[g.prefix], g) for g in gradients if set(g.sides) & set(sides))
+
+
+def _partial_facts(partials: tuple[tuple[Instance, InputGradient], ...]) -> dict:
+    """The codegen argument (``wanted``: (prefix, tensor) pairs) and the spec fact (``partial_buffers``:
+    (buffer parameter, runtime argument) pairs) of a kernel writing ``partials``."""
+    return {
+        "wanted": {(t.prefix, g.param) for t, g in partials},
+        "partial_buffers": tuple((partial_buffer(t, g.param), g.argument) for t, g in partials),
+    }
 
 
 def _dq(program: LoweredProgram, gradients: tuple[InputGradient, ...]) -> KernelSpec:
     tensor_grads = _instances(program, gradients)
+    facts = _partial_facts(_partials(program, gradients, "q"))
+    partials = partial_grads(program, "q", facts.pop("wanted"))
     return _spec(
         program,
         "dq",
-        dq_params(program, tensor_grads),
-        lambda name, parameters: generate_dq(program, name, parameters, tensor_grads),
+        dq_params(program, tensor_grads, partials),
+        lambda name, parameters: generate_dq(program, name, parameters, tensor_grads, partials),
         scheduled=scheduled(program),
         grad_buffers=tuple(grad_buffer(inst, name) for inst, name in tensor_grads),
+        **facts,
+    )
+
+
+def _with_partials(program: LoweredProgram, kind: str, gradients: tuple[InputGradient, ...]) -> KernelSpec:
+    """The dK/dV kernel or the gradient pass (``kind``), also writing the partial sums of the qk transforms'
+    tensor gradients among ``gradients`` that its sides' rows give."""
+    if kind != "dkdv":
+        return _pass(program, True, gradients)
+    facts = _partial_facts(_partials(program, gradients, "k"))
+    partials = partial_grads(program, "k", facts.pop("wanted"))
+    return _spec(
+        program,
+        "dkdv",
+        dkdv_params(program, partials),
+        lambda name, parameters: generate_dkdv(program, name, parameters, partials),
+        scheduled=scheduled(program, transposed=True),
+        split_heads=split_heads(program) is not None,
+        **facts,
     )
 
 
@@ -190,13 +248,18 @@ def _hoistable(program: LoweredProgram) -> bool:
     return any(t.fragment.k for t in program.transforms) and not (c.kv_lens or c.paged or c.k_transformed)
 
 
-def _pass(program: LoweredProgram, gradient: bool) -> KernelSpec:
+def _pass(program: LoweredProgram, gradient: bool, gradients: tuple[InputGradient, ...] = ()) -> KernelSpec:
+    """The transform pass, or (``gradient``) the gradient pass, writing the partial sums of the qk
+    transforms' tensor gradients among ``gradients``."""
     sides = hoisted_sides(program)
+    facts = _partial_facts(_partials(program, gradients, "".join(sides)))
+    wanted = facts.pop("wanted")
     return _spec(
         program,
         "gradient" if gradient else "transform",
-        pass_params(program, sides, gradient),
-        lambda name, parameters: generate_pass(program, name, parameters, sides, gradient),
+        pass_params(program, sides, gradient, wanted),
+        lambda name, parameters: generate_pass(program, name, parameters, sides, gradient, wanted),
         tiles_of="forward",
         sides=sides,
+        **facts,
     )

@@ -118,6 +118,8 @@ _SITE = {  # (fragment type, field) -> the template's own placeholders it may us
     (QKTransformFragment, "k"): _TRANSFORM_SITE,
     (QKTransformFragment, "q_grad"): _TRANSFORM_SITE | {"g1", "g2"},
     (QKTransformFragment, "k_grad"): _TRANSFORM_SITE | {"g1", "g2"},
+    (QKTransformFragment, "q_tensor_grads"): _TRANSFORM_SITE | {"g1", "g2", "d1", "d2"},
+    (QKTransformFragment, "k_tensor_grads"): _TRANSFORM_SITE | {"g1", "g2", "d1", "d2"},
     (ScoreModFragment, "grad"): {"s_in", "s_out"},
     (ScoreModFragment, "tensor_grads"): {"s_in", "s_out"},
     (MaskFragment, "kv_range"): {"q_lo", "q_hi"},

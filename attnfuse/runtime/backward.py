@@ -5,10 +5,12 @@ generated kernel."""
 
 from __future__ import annotations
 
+import math
 import os
 import warnings
-from typing import Any
+from typing import Any, Callable
 
+import attrs
 import torch
 
 from ..kernels.launch import TemplateDkdv
@@ -63,6 +65,31 @@ def template_dkdv(plan: Plan) -> TemplateDkdv | None:
     return TemplateDkdv(spec, plan.templates.scale, plan.templates.qk_scale, key, plan.has_lse)
 
 
+def partial_sums(
+    kernel: CompiledKernel, grid: Callable[[Any], tuple[int, ...]], head_dim: int, q: torch.Tensor
+) -> dict[str, torch.Tensor]:
+    """Zeroed (programs, D) buffers, by parameter, of the partial sums of qk transform tensor gradients that
+    ``kernel`` writes, a row per program of ``grid`` at the smallest tiles (16 rows) it may launch with."""
+    if not kernel.spec.partial_buffers:
+        return {}
+    programs = math.prod(grid(attrs.evolve(kernel.tiles, block_m=16, block_n=16)))
+    return {
+        name: torch.zeros((programs, head_dim), dtype=accumulator_dtype(q.dtype), device=q.device)
+        for name, _ in kernel.spec.partial_buffers
+    }
+
+
+def add_partial_sums(
+    kernel: CompiledKernel, buffers: dict[str, torch.Tensor], inputs: dict[str, Any], grads: dict[str, torch.Tensor]
+) -> None:
+    """Add each of ``kernel``'s partial-sum buffers (``partial_sums``), summed over its programs, to its
+    argument's gradient in ``grads``, in the argument's dtype; one that did not launch (no rows) adds zeros."""
+    for name, arg in kernel.spec.partial_buffers:
+        buffer = buffers.get(name)
+        grad = buffer.sum(0).to(inputs[arg].dtype) if buffer is not None else torch.zeros_like(inputs[arg])
+        grads[arg] = grads[arg] + grad if arg in grads else grad
+
+
 def _sum_to(grad: torch.Tensor, shape: torch.Size) -> torch.Tensor:
     """Sum a (B, Hq, Nq, Nk) gradient over the dimensions a tensor of ``shape`` was broadcast along."""
     padded = (1,) * (4 - len(shape)) + tuple(shape)
@@ -73,19 +100,21 @@ def _sum_to(grad: torch.Tensor, shape: torch.Size) -> torch.Tensor:
 class BackwardKernels:
     """The gradient kernels of one program and configuration, writing the tensor gradients asked for.
 
-    ``tensor_grads``: the runtime inputs (of ``plan.input_gradients``) whose score-shaped gradient the dQ
-    kernel writes; each is summed to its input's shape.
+    ``tensor_grads``: the runtime inputs (of ``plan.input_gradients``) whose gradient the kernels write: a
+    score-shaped one (the dQ kernel), summed to its input's shape; a qk transform's (D,) tensor's, from the
+    rows of q (the dQ kernel) and k (the dK/dV kernel), as partial sums over each program's rows (none from
+    the sides a gradient pass carries back: ``Plan.hoisted_config``'s).
     """
 
     def __init__(self, plan: Plan, tensor_grads: tuple[InputGradient, ...]):
         self.plan = plan
-        self.tensor_grads = tensor_grads
+        self.tensor_grads = tuple(g for g in tensor_grads if not g.sides)  # score-shaped
         interpreted = plan.config.arch == "interpreter"
-        dkdv = plan.kernels["dkdv"]
+        dkdv = plan.with_partials("dkdv", tuple(g for g in tensor_grads if g.sides))
         self.dkdv = CompiledKernel(dkdv, interpreted)
         self.dq = CompiledKernel(plan.dq(tensor_grads), interpreted)
         self.plugin_args = PluginArgs(plan)
-        self.template = template_dkdv(plan)
+        self.template = template_dkdv(plan) if not dkdv.partial_buffers else None
         width = dkdv.launch.constants
         self._share_width = (2 * width["BLOCK_H"] if dkdv.halves else width["BLOCK_D"]) + width["BLOCK_DV"]
 
@@ -111,8 +140,10 @@ class BackwardKernels:
         limit: int | None,
         heavy: int,
         even_m: Any,
+        partials: dict[str, dict[str, torch.Tensor]],
     ) -> None:
-        """The generated dK/dV kernel's launch, with its split scratch when it splits heavy key blocks."""
+        """The generated dK/dV kernel's launch, with its split scratch when it splits heavy key blocks; its
+        partial-sum buffers go to ``partials["dkdv"]``."""
         B, Hq = q.shape[:2]
         Hkv, Nk = kv.k.shape[1], kv.k.shape[2]
         dkdv_spec = self.dkdv.spec
@@ -133,9 +164,10 @@ class BackwardKernels:
                 Nk, B * Hkv, "block_n", limit if dkdv_spec.scheduled else None, heavy * (Hq // Hkv - 1), what="B x Hkv"
             )
         )
+        buffers = partials["dkdv"] = partial_sums(self.dkdv, grid, q.shape[3], q)
         self.dkdv.launch(
             grid,
-            dkdv_spec.launch.bind({**shared, "DKey": dk, "DValue": dv, **pargs, **split_args}),
+            dkdv_spec.launch.bind({**shared, "DKey": dk, "DValue": dv, **pargs, **split_args, **buffers}),
             q.device,
             limit=limit,
             EVEN_K=even_keys(kv),
@@ -156,10 +188,12 @@ class BackwardKernels:
         inputs: dict[str, Any],
         prepared: Prepared | None,
         buffers: list[torch.Tensor],
+        partials: dict[str, dict[str, torch.Tensor]],
         engine: str,
     ) -> None:
         """The generated dQ kernel (which writes delta and the tensor gradients' buffers), then the dK/dV
-        kernel ``engine`` names: "template" (the dK/dV template's instance) or "generated". Deterministic."""
+        kernel ``engine`` names: "template" (the dK/dV template's instance) or "generated". Deterministic.
+        The kernels' partial-sum buffers (``partial_sums``) go to ``partials`` by kind ("dq", "dkdv")."""
         B, Hq, Nq, _ = q.shape
         delta = torch.empty((B, Hq, Nq), dtype=accumulator_dtype(q.dtype), device=q.device)  # dQ writes it
         shared = {
@@ -177,10 +211,14 @@ class BackwardKernels:
         grad_args = dict(zip(self.dq.spec.grad_buffers, buffers))
         even_m = False if kv.packed is not None else lambda tiles: Nq % tiles.block_m == 0  # noqa: E731
         dq_spec = self.dq.spec
-        self.dq.launch(
+        grid = (
             packed.query_grid(Nq, kv.packed.docs, Hq)
             if kv.packed is not None
-            else query_grid(Nq, B * Hq, limit if dq_spec.scheduled else None),
+            else query_grid(Nq, B * Hq, limit if dq_spec.scheduled else None)
+        )
+        dq_partials = partials["dq"] = partial_sums(self.dq, grid, q.shape[3], q)
+        self.dq.launch(
+            grid,
             dq_spec.launch.bind(
                 {
                     **shared,
@@ -190,6 +228,7 @@ class BackwardKernels:
                     "HEAD_GROUP": heads_together(q, kv),
                     **pargs,
                     **grad_args,
+                    **dq_partials,
                 }
             ),
             q.device,
@@ -201,7 +240,7 @@ class BackwardKernels:
         if engine == "template":
             self.template(q, kv.k, kv.v, dout, lse, delta, dk, dv, pargs)
         else:
-            self._generated_dkdv(q, kv, dk, dv, shared, pargs, limit, heavy, even_m)
+            self._generated_dkdv(q, kv, dk, dv, shared, pargs, limit, heavy, even_m, partials)
 
     def __call__(
         self,
@@ -230,11 +269,12 @@ class BackwardKernels:
             torch.zeros((B, Hq, Nq, Nk), dtype=accumulator_dtype(q.dtype), device=q.device) for _ in self.tensor_grads
         ]
         warn_fused_dq()
+        partials: dict[str, dict[str, torch.Tensor]] = {}
         if q.numel() and k.numel():
             dlse = dlse.to(accumulator_dtype(q.dtype)).contiguous() if dlse is not None else None
             served = self.template is not None and self.template.fits(q, k, v, dout, lse, dk, dv)
             engine = "template" if served else "generated"
-            self._dq_then_dkdv(q, kv, out, lse, dout, dlse, dq, dk, dv, inputs, prepared, buffers, engine)
+            self._dq_then_dkdv(q, kv, out, lse, dout, dlse, dq, dk, dv, inputs, prepared, buffers, partials, engine)
         else:
             for g in (dq, dk, dv):
                 g.zero_()
@@ -243,4 +283,6 @@ class BackwardKernels:
             arg = gradient.argument
             grad = _sum_to(buffer, inputs[arg].shape).to(inputs[arg].dtype)
             grads[arg] = grads[arg] + grad if arg in grads else grad
+        for kind in ("dq", "dkdv"):
+            add_partial_sums(getattr(self, kind), partials.get(kind, {}), inputs, grads)
         return dq, dk, dv, grads

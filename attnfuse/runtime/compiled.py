@@ -71,7 +71,7 @@ class Compiled:
         """The backward with the qk transforms hoisted into transform and gradient passes."""
         return self._once(
             ("hoisted backward", gradients),
-            lambda: HoistedBackward(self.plan, self.hoisted_kernels.backward(gradients)),
+            lambda: HoistedBackward(self.plan, self.hoisted_kernels.backward(gradients), gradients),
         )
 
     def kernel(self, kind: str) -> CompiledKernel:

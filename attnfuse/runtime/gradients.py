@@ -18,12 +18,13 @@ def check_differentiable(plan: Plan) -> None:
 
 
 def tensor_grads(
-    plan: Plan, inputs: dict[str, Any], wanted: Collection[str], scores: tuple[int, int, int, int]
+    plan: Plan, inputs: dict[str, Any], wanted: Collection[str], scores: tuple[int, int, int, int], head_dim: int
 ) -> tuple[InputGradient, ...]:
-    """The gradients the dQ kernel writes for the runtime inputs named in ``wanted`` (argument names of
+    """The gradients the backward kernels write for the runtime inputs named in ``wanted`` (argument names of
     ``inputs``). An InputError, before anything runs, for a wanted input whose combinator declares no
-    gradient for it, or whose shape does not broadcast to the scores ``scores`` (B, Hq, Nq, Nk) by torch's
-    rules: the kernels write its gradient score by score, summed to its shape."""
+    gradient for it; whose shape does not broadcast to the scores ``scores`` (B, Hq, Nq, Nk) by torch's
+    rules (a score modification's: the kernels write its gradient score by score, summed to its shape); or,
+    a qk transform's, that is not a (``head_dim``,) tensor of the head dim's columns."""
     found = tuple(g for g in plan.input_gradients if g.prefix is not None and g.argument in wanted)
     covered = {g.argument for g in found}
     for g in plan.input_gradients:
@@ -34,7 +35,9 @@ def tensor_grads(
             )
     for g in found:
         shape = tuple(inputs[g.argument].shape)
-        if not _broadcasts(shape, scores):
+        if g.sides:
+            _check_columns(g, shape, head_dim)
+        elif not _broadcasts(shape, scores):
             raise InputError(
                 f"{g.combinator}: its input {g.param!r} (argument {g.argument!r}) requires grad and has shape "
                 f"{shape}, which does not broadcast to the scores (B, Hq, Nq, Nk) = {scores}; its gradient is "
@@ -42,6 +45,16 @@ def tensor_grads(
                 f"size, aligned from the right (torch's rules): per head, (Hq, 1, 1); or pass it detached"
             )
     return found
+
+
+def _check_columns(g: InputGradient, shape: tuple[int, ...], head_dim: int) -> None:
+    """InputError unless a qk transform's tensor that requires grad has shape (D,)."""
+    if shape != (head_dim,):
+        raise InputError(
+            f"{g.combinator}: its input {g.param!r} (argument {g.argument!r}) requires grad and has shape "
+            f"{shape}; a qk transform's tensor gets its gradient as one value per column of the head dim, so it "
+            f"must have shape (D,) = ({head_dim},); or pass it detached"
+        )
 
 
 def _broadcasts(shape: tuple[int, ...], scores: tuple[int, ...]) -> bool:

@@ -14,8 +14,8 @@ from typing import Any
 
 import torch
 
-from ..plan import KernelSpec, Plan
-from .backward import BackwardKernels
+from ..plan import InputGradient, KernelSpec, Plan
+from .backward import BackwardKernels, add_partial_sums, partial_sums
 from .forward import ForwardKernel
 from .inputs import KVCache, accumulator_dtype, empty_like_layout, position_args
 from .kernel import CompiledKernel
@@ -52,10 +52,12 @@ class TransformPass:
         Hq: int,
         Nq: int,
         grads: dict[str, torch.Tensor] | None = None,
+        partials: dict[str, torch.Tensor] | None = None,
     ) -> dict[str, torch.Tensor]:
         """rows by side: q (B, Hq, Nq, D), k (B, Hkv, Nk, D) -> the transformed rows by side, or with
         ``grads`` (float32, each in its rows' shape and memory order) the gradients of the rows; in the
-        rows' dtypes and memory orders. ``pargs``: the plugins' arguments, and the call's positions'."""
+        rows' dtypes and memory orders. ``pargs``: the plugins' arguments, and the call's positions'.
+        ``partials``: receives a gradient pass's partial sums of transform tensor gradients, by parameter."""
         sides = self.sides
         outs = {x: empty_like_layout(rows[x], rows[x].shape[3], rows[x].dtype) for x in sides}
         if grads is not None and any(grads[x].stride() != outs[x].stride() for x in sides):
@@ -68,7 +70,9 @@ class TransformPass:
             return (sum(blocks[x] * B * heads[x] for x in sides),)
 
         if grid(self.kernel.tiles)[0]:
-            named = {}
+            named = partial_sums(self.kernel, grid, rows["k"].shape[3], rows["k"])
+            if partials is not None:
+                partials.update(named)
             for x in sides:
                 named.update({x.upper(): rows[x], f"{x.upper()}Out": outs[x]})
                 if grads is not None:
@@ -117,11 +121,13 @@ class HoistedBackward:
     ``inner`` (the backward kernels generated for transformed rows, writing float32 dQ and dK), then a
     gradient pass back to q and k."""
 
-    def __init__(self, fused: Plan, inner: BackwardKernels):
+    def __init__(self, fused: Plan, inner: BackwardKernels, tensor_grads: tuple[InputGradient, ...] = ()):
         self.inner = inner
         interpreted = fused.config.arch == "interpreter"
         self.transform = TransformPass(fused.kernels["transform"], interpreted)
-        self.gradient = TransformPass(fused.kernels["gradient"], interpreted)
+        self.gradient = TransformPass(
+            fused.with_partials("gradient", tuple(g for g in tensor_grads if g.sides)), interpreted
+        )
         self.plugin_args = PluginArgs(fused)
 
     def __call__(
@@ -154,7 +160,9 @@ class HoistedBackward:
             dqk_dtype=accumulator_dtype(q.dtype),
             prepared=prepared,
         )
+        partials: dict[str, torch.Tensor] = {}
         of_rows = self.gradient(
-            rows, pargs, Hq, Nq, grads={"q": dq, "k": dk}
+            rows, pargs, Hq, Nq, grads={"q": dq, "k": dk}, partials=partials
         )  # float32, with respect to the transformed rows
+        add_partial_sums(self.gradient.kernel, partials, inputs, grads)
         return of_rows["q"] if "q" in of_rows else dq.to(q.dtype), of_rows["k"], dv, grads

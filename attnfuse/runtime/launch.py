@@ -348,7 +348,7 @@ def _decide(
     gradients = ()
     if grads is not None:
         check_differentiable(plan)
-        gradients = tensor_grads(plan, inputs, grads, (*q.shape[:3], kv.capacity)) if grads else ()
+        gradients = tensor_grads(plan, inputs, grads, (*q.shape[:3], kv.capacity), q.shape[3]) if grads else ()
     if packed is None and worth_hoisting(program.forward, q.shape[2]):
         return Call(
             program,

@@ -105,8 +105,8 @@ def check_packed(q: torch.Tensor, k: torch.Tensor, cu_seqlens_q: Any, cu_seqlens
 def refuse_program(plan: Plan, wanted_grads: tuple[str, ...] | None) -> None:
     """UnsupportedError for what packed sequences do not run yet: a mask listing blocks by index (a
     BlockMask), a combinator reading the call's indices q_idx, k_idx (a tensor indexed by query and key,
-    such as additive_bias's bias), or gradients of runtime inputs (``wanted_grads``, their names: written
-    score by score)."""
+    such as additive_bias's bias), or score-shaped gradients of runtime inputs (``wanted_grads``, their names:
+    written score by score; a qk transform's tensor's, summed over rows, runs)."""
     for app in applications(plan.graph):
         fragment = app.fragment()
         if getattr(fragment, "block_list", None) is not None:
@@ -120,9 +120,11 @@ def refuse_program(plan: Plan, wanted_grads: tuple[str, ...] | None) -> None:
                 f"{app.combinator} reads {', '.join(reads)} (a tensor indexed by query and key, such as a "
                 f"score-shaped (B, H, Nq, Nk) bias): not supported with cu_seqlens_q/cu_seqlens_k yet"
             )
-    if wanted_grads:
+    row_wise = {g.argument for g in plan.input_gradients if g.sides}
+    score_shaped = [name for name in wanted_grads or () if name not in row_wise]
+    if score_shaped:
         raise UnsupportedError(
-            f"gradients of runtime inputs ({', '.join(wanted_grads)}) are not computed with "
+            f"gradients of runtime inputs ({', '.join(score_shaped)}) are not computed with "
             f"cu_seqlens_q/cu_seqlens_k yet; pass them detached"
         )
 

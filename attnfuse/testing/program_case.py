@@ -16,21 +16,27 @@ from .strategies import ProgramCase, describe
 from .tolerances import assert_matches_reference
 
 
-def differentiable(case: ProgramCase, extras: dict) -> tuple[bool, tuple[str, ...]]:
-    """Whether every combinator of the program declares a backward, and which extra tensors get gradients."""
+def differentiable(case: ProgramCase, extras: dict) -> tuple[bool, dict[str, str]]:
+    """Whether every combinator of the program declares a backward, and which extra tensors get gradients:
+    by name, "" for a score-shaped one, or the sides ("q", "k", "qk") whose rows give a qk transform's."""
     fused = fuse(case.program.graph(**extras))
-    grads: list[str] = []
+    grads: dict[str, str] = {}
     for i, app in enumerate(fused.applications()):
         fragment = instance(app, i).fragment
         transform = getattr(fragment, "transform", fragment)
         if hasattr(transform, "differentiable") and not transform.differentiable():
-            return False, ()
+            return False, {}
         if getattr(fragment, "grad", "") is None:
-            return False, ()
-        for name, _ in getattr(fragment, "tensor_grads", ()):
+            return False, {}
+        declared = [(name, "") for name, _ in getattr(fragment, "tensor_grads", ())]
+        for x in "qk" if transform is not None else "":
+            if getattr(transform, x, ""):
+                declared += [(name, x) for name, _ in getattr(transform, f"{x}_tensor_grads", ())]
+        for name, side in declared:
             if name in app.inputs():
-                grads.append(app.inputs()[name].name)
-    return True, tuple(dict.fromkeys(grads))
+                argument = app.inputs()[name].name
+                grads[argument] = "".join(sorted(set(grads.get(argument, "") + side)))
+    return True, grads
 
 
 def _synchronize(device: str) -> None:
@@ -96,7 +102,8 @@ def check_program_case(
     graph = case.program.graph(**extras)
     norm = graph.weights.apply.fragment()
     has_lse = norm.has_lse
-    can_grad, grad_extras = differentiable(case, extras) if grads else (False, ())
+    can_grad, grad_sides = differentiable(case, extras) if grads else (False, {})
+    grad_extras = tuple(grad_sides)
     if dtype in (torch.float16, torch.bfloat16) and not norm.smooth:
         can_grad = False
     leaves = [q, k, v] + [extras[n] for n in grad_extras]
@@ -151,7 +158,9 @@ def check_program_case(
     want64 = torch.autograd.grad(ref64[0], leaves, dout.to(torch.float64))
     want_lowp = torch.autograd.grad(ref_lowp[0], leaves, dout)
     scores = q.shape[0] * q.shape[1] * q.shape[2] * k.shape[2]
-    summed = [1, 1, 1, *(scores // extras[n].numel() for n in grad_extras)]
+    rows = {"q": q.shape[0] * q.shape[1] * q.shape[2], "k": k.shape[0] * k.shape[1] * k.shape[2]}
+    summed = [1, 1, 1]  # a score-shaped gradient sums scores; a transform's, the rows of its sides
+    summed += [sum(rows[x] for x in grad_sides[n]) or scores // extras[n].numel() for n in grad_extras]
     names = ["dq", "dk", "dv", *(f"d{n}" for n in grad_extras)]
     for name, a, b, c, n, r in zip(names, got, want64, want_lowp, summed, rounding):
         assert_matches_reference(a, b, c, dtype, what=f"{name} of {case.text}", summed=n, rounding=r)

@@ -12,6 +12,7 @@ from .common import constants, split
 from .decode import decode_params, generate_decode
 from .forward import forward_params, generate_forward
 from .loops import scheduled, split_heads
+from .operands import partial_buffer, partial_grads
 from .transform_pass import generate_pass, pass_params
 
 __all__ = [
@@ -26,6 +27,8 @@ __all__ = [
     "generate_forward",
     "generate_pass",
     "grad_buffer",
+    "partial_buffer",
+    "partial_grads",
     "pass_params",
     "scheduled",
     "split",

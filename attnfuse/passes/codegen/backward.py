@@ -47,6 +47,7 @@ from .operands import (
     kv_base,
     operand,
     operand_grad,
+    partial_buffer,
     position,
     qk_product,
     query_shift,
@@ -243,9 +244,15 @@ def _tensor_grad_params(grads: tuple[tuple[Instance, str], ...]) -> tuple[Param,
     )
 
 
-def dkdv_params(kernel: LoweredProgram) -> tuple[Param, ...]:
+def partial_params(partials: tuple[tuple[Instance, str], ...]) -> tuple[Param, ...]:
+    """Each (programs, D) buffer of a transform tensor's partial gradient sums a kernel writes, once each."""
+    return params(TENSOR, *dict.fromkeys(partial_buffer(inst, name) for inst, name in partials))
+
+
+def dkdv_params(kernel: LoweredProgram, partials: tuple[tuple[Instance, str], ...] = ()) -> tuple[Param, ...]:
     """The dK/dV kernel's parameters, in order (PartDKV and SplitCount when it splits heavy key blocks, after
-    SPLIT_BLOCKS and SPLIT_ROWS when the runtime says how many blocks, and how many query rows a block needs)."""
+    SPLIT_BLOCKS and SPLIT_ROWS when the runtime says how many blocks, and how many query rows a block needs;
+    then the buffers of the k side's transform tensor gradients ``partials``, of ``operands.partial_grads``)."""
     return (
         params(TENSOR, "Q", "K", "V", "DO", "Lse", "Delta", "DKey", "DValue")
         + qkv_strides()
@@ -257,12 +264,18 @@ def dkdv_params(kernel: LoweredProgram) -> tuple[Param, ...]:
         + kernel.args()
         + (params(INT, SPLIT_BLOCKS, "SPLIT_ROWS") if split_heads(kernel) == SPLIT_BLOCKS else ())
         + (params(TENSOR, "PartDKV", "SplitCount") if split_heads(kernel) is not None else ())
+        + partial_params(partials)
         + constexpr_params(kernel, even_keys=True, even_queries=True)
     )
 
 
-def dq_params(kernel: LoweredProgram, tensor_grads: tuple[tuple[Instance, str], ...] = ()) -> tuple[Param, ...]:
-    """The dQ kernel's parameters, in order, with the buffers of the score-shaped gradients it writes."""
+def dq_params(
+    kernel: LoweredProgram,
+    tensor_grads: tuple[tuple[Instance, str], ...] = (),
+    partials: tuple[tuple[Instance, str], ...] = (),
+) -> tuple[Param, ...]:
+    """The dQ kernel's parameters, in order, with the buffers of the score-shaped gradients it writes, then
+    those of the q side's transform tensor gradients ``partials`` (of ``operands.partial_grads``)."""
     return (
         params(TENSOR, "Q", "K", "V", "DO", "O", "Lse", "DLse", "Delta", "DQuery")
         + qkv_strides()
@@ -273,12 +286,16 @@ def dq_params(kernel: LoweredProgram, tensor_grads: tuple[tuple[Instance, str], 
         + kv_params(kernel)
         + kernel.args()
         + _tensor_grad_params(tensor_grads)
+        + partial_params(partials)
         + constexpr_params(kernel, True, True, "HAS_DLSE")
     )
 
 
-def generate_dkdv(kernel: LoweredProgram, name: str, parameters: tuple[Param, ...]) -> str:
-    """Triton source of the dK/dV kernel (one undecorated function ``name`` taking ``parameters``)."""
+def generate_dkdv(
+    kernel: LoweredProgram, name: str, parameters: tuple[Param, ...], partials: tuple[tuple[Instance, str], ...] = ()
+) -> str:
+    """Triton source of the dK/dV kernel (one undecorated function ``name`` taking ``parameters``); it also
+    writes its partial sums of the k side's transform tensor gradients ``partials``."""
     mask = dv_mask(kernel)
     query_range = (
         block_range(
@@ -339,7 +356,7 @@ def generate_dkdv(kernel: LoweredProgram, name: str, parameters: tuple[Param, ..
             dk_init=indent(_accumulators(kernel, "dk", "BLOCK_N"), 4),
             query_range=indent(query_range, 4),
             loops=indent(body, 4),
-            dk_grad=indent(operand_grad(kernel, "k", "dk", "k_pos", "k_ok"), 4),
+            dk_grad=indent(operand_grad(kernel, "k", "dk", "k_pos", "k_ok", partials, "k_in"), 4),
             dk_store=indent(_store(kernel, "DKey", "dk", dk_base, "k_idx", "k_in", "stride_dkn", "stride_dkd"), 4),
             dv_mask=f" & {mask}" if mask else "",
         ),
@@ -351,8 +368,10 @@ def generate_dq(
     name: str,
     parameters: tuple[Param, ...],
     tensor_grads: tuple[tuple[Instance, str], ...] = (),
+    partials: tuple[tuple[Instance, str], ...] = (),
 ) -> str:
-    """Triton source of the dQ kernel; it also writes the score-shaped gradients named in ``tensor_grads``."""
+    """Triton source of the dQ kernel; it also writes the score-shaped gradients named in ``tensor_grads``,
+    and its partial sums of the q side's transform tensor gradients ``partials``."""
     chained = _only(kernel, {(inst.prefix, name) for inst, name in tensor_grads})
     body = visit(
         chained, lambda masked, implied: _dq_body(chained, masked, implied), "start_n", "BLOCK_N", "pid_m * BLOCK_M"
@@ -384,7 +403,7 @@ def generate_dq(
             dq_init=indent(_accumulators(kernel, "dq", "BLOCK_M"), 4),
             key_range=indent(key_range(kernel), 4),
             loops=indent(body, 4),
-            dq_grad=indent(operand_grad(kernel, "q", "dq", "q_pos", "q_ok"), 4),
+            dq_grad=indent(operand_grad(kernel, "q", "dq", "q_pos", "q_ok", partials), 4),
             dq_store=indent(_store(kernel, "DQuery", "dq", dq_base, "q_idx", "q_ok", "stride_dqm", "stride_dqd"), 4),
         ),
     )

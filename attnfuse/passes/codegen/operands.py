@@ -3,9 +3,15 @@ q·kᵀ product, and where a key tile's rows lie in a contiguous or paged cache.
 
 from __future__ import annotations
 
-from ..lower import LoweredProgram
+from ..lower import Instance, LoweredProgram
 from .common import fragment, half_columns, half_mask, half_offsets, masked_load, precision, split, transformed
 from .fp8 import operand_dtype, product_keywords
+
+# The row of this program in a (programs, D) partial-sum buffer: its linear id in the launch grid
+PARTIAL_ROW = (
+    "part_row = (tl.program_id(0) + tl.num_programs(0) * (tl.program_id(1) + tl.num_programs(1) * "
+    "tl.program_id(2))).to(tl.int64) * D\n"
+)
 
 
 def operand(
@@ -54,33 +60,80 @@ def operand(
     return "\n".join(lines) + "\n"
 
 
-def operand_grad(kernel: LoweredProgram, x: str, grad: str, pos: str, ok: str) -> str:
+def partial_buffer(inst: Instance, name: str) -> str:
+    """The parameter of the (programs, D) buffer of partial sums of the gradient of transform ``inst``'s
+    tensor ``name`` (``QKTransformFragment.q_tensor_grads``/``k_tensor_grads``)."""
+    return f"{inst.prefix}_d{name}"
+
+
+def partial_grads(kernel: LoweredProgram, x: str, wanted: set[tuple[str, str]]) -> tuple[tuple[Instance, str], ...]:
+    """The (transform, tensor) pairs of side ``x`` whose gradient is ``wanted`` ((prefix, tensor) pairs),
+    in the program's order: those whose transform touches ``x`` and declares the tensor's gradient there."""
+    return tuple(
+        (t, name)
+        for t in kernel.transforms
+        if getattr(t.fragment, x)
+        for name, _ in getattr(t.fragment, f"{x}_tensor_grads")
+        if (t.prefix, name) in wanted
+    )
+
+
+def _partial_sums(
+    t: Instance, name: str, text: str, site: dict[str, str], rows_ok: str, columns: tuple[str, str]
+) -> str:
+    """Transform ``t``'s statements ``text`` of its tensor ``name``'s gradient per row, then this program's
+    sum of them over its rows (``rows_ok``: (rows,) the rows that exist) stored in its partial buffer, at the
+    ``columns`` of the halves (the program's column map)."""
+    halves = {f"d{i}": f"{site['tmp']}_{name}_d{i}" for i in (1, 2)}
+    buffer = partial_buffer(t, name)
+    code = [
+        f"# {t.prefix}: this program's sum over its rows of the gradient of its {name}",
+        fragment(t.code(text, **site, **halves)),
+    ]
+    for i, column in enumerate((f"({c})" for c in columns), 1):
+        total = f"tl.sum(tl.where({rows_ok}[:, None], {halves[f'd{i}']}, 0.0), 0)"
+        code.append(f"tl.store({buffer} + part_row + {column}, {total}.to({buffer}.dtype.element_ty), mask=dh < HALF)")
+    return "\n".join(code)
+
+
+def operand_grad(
+    kernel: LoweredProgram,
+    x: str,
+    grad: str,
+    pos: str,
+    ok: str,
+    partials: tuple[tuple[Instance, str], ...] = (),
+    rows_ok: str = "",
+) -> str:
     """Run the transforms' vector-Jacobian products, last transform first, on gradient halves
-    ``grad1``/``grad2`` (with respect to the transformed ``x``), giving the gradient of the loaded ``x``."""
+    ``grad1``/``grad2`` (with respect to the transformed ``x``), giving the gradient of the loaded ``x``.
+    ``partials`` (of ``partial_grads``): before a transform's product, write this program's partial sum
+    of the gradients of its tensors over the rows ``rows_ok`` (``ok`` if empty)."""
     if transformed(kernel, x):  # a gradient pass carries it back through the transforms
         return ""
     h_mask = half_mask(kernel)
     fragment_ok = " & ".join(m for m in (f"{ok}[:, None]", h_mask) if m)
-    lines = []
+    wanted = {(t.prefix, name) for t, name in partials}
+    lines = [PARTIAL_ROW.rstrip("\n")] if partials else []
     for i, t in reversed(list(enumerate(kernel.transforms))):
         text = getattr(t.fragment, f"{x}_grad")
         if getattr(t.fragment, x):
+            site = dict(
+                g1=f"{grad}1",
+                g2=f"{grad}2",
+                x1=f"{x}_in{i}_1",
+                x2=f"{x}_in{i}_2",
+                pos=pos,
+                ok=fragment_ok,
+                tmp=f"d{x}_{t.prefix}",
+                **half_columns(kernel),
+            )
             lines += [
-                f"# {t.prefix}: gradient through the qk transform of {x}",
-                fragment(
-                    t.code(
-                        text,
-                        g1=f"{grad}1",
-                        g2=f"{grad}2",
-                        x1=f"{x}_in{i}_1",
-                        x2=f"{x}_in{i}_2",
-                        pos=pos,
-                        ok=fragment_ok,
-                        tmp=f"d{x}_{t.prefix}",
-                        **half_columns(kernel),
-                    )
-                ),
+                _partial_sums(t, name, code, site, rows_ok or ok, kernel.columns)
+                for name, code in getattr(t.fragment, f"{x}_tensor_grads")
+                if (t.prefix, name) in wanted
             ]
+            lines += [f"# {t.prefix}: gradient through the qk transform of {x}", fragment(t.code(text, **site))]
     return "\n".join(lines) + "\n" if lines else ""
 
 

@@ -17,7 +17,7 @@ from ...launch_spec import INT, TENSOR, Param, params, strides
 from ..lower import LoweredProgram
 from .common import columns, constexpr_params, half_mask, half_offsets, indent, kernel_source
 from .loops import key_block
-from .operands import kv_length, operand, operand_grad, position, query_shift
+from .operands import kv_length, operand, operand_grad, partial_buffer, partial_grads, position, query_shift
 
 _KERNEL = string.Template("""\
     # A 1-D grid: $layout
@@ -53,8 +53,9 @@ def _rows(kernel: LoweredProgram, x: str) -> str:
     )
 
 
-def _side(kernel: LoweredProgram, x: str, first: str, gradient: bool) -> str:
-    """One side's program body; its programs start at ``first`` in the grid."""
+def _side(kernel: LoweredProgram, x: str, first: str, gradient: bool, wanted: set[tuple[str, str]]) -> str:
+    """One side's program body; its programs start at ``first`` in the grid. ``wanted``: the (transform
+    prefix, tensor) pairs whose gradients' partial sums a gradient pass writes."""
     idx, pos, ok, head = _SITE[x]
     rows_n, block = _ROWS[x]
     h_mask = half_mask(kernel, joined=True)
@@ -69,7 +70,7 @@ def _side(kernel: LoweredProgram, x: str, first: str, gradient: bool) -> str:
             f"g_ptrs = {g} + {offset}\n"
             f"g1 = tl.load(g_ptrs, mask={ok}[:, None]{h_mask}, other=0.0)\n"
             f"g2 = tl.load(g_ptrs + {next_half}, mask={ok}[:, None]{h_mask}, other=0.0)\n"
-            + operand_grad(kernel, x, "g", pos, ok)
+            + operand_grad(kernel, x, "g", pos, ok, partial_grads(kernel, x, wanted))
         )
     return _SIDE.substitute(
         rows_n=rows_n,
@@ -90,9 +91,14 @@ def _side(kernel: LoweredProgram, x: str, first: str, gradient: bool) -> str:
     )
 
 
-def pass_params(kernel: LoweredProgram, sides: tuple[str, ...], gradient: bool) -> tuple[Param, ...]:
+def pass_params(
+    kernel: LoweredProgram, sides: tuple[str, ...], gradient: bool, wanted: set[tuple[str, str]] = frozenset()
+) -> tuple[Param, ...]:
     """A pass's parameters: each side's X, then each XOut (then each GX: ``gradient``), the strides of each
-    X then of each XOut (GX has XOut's), HQ, Nq, N_K, BATCH, the plugins' arguments."""
+    X then of each XOut (GX has XOut's), HQ, Nq, N_K, BATCH, the plugins' arguments, then (a gradient pass)
+    the (programs, D) buffers of the transforms' tensor gradients ``wanted`` ((prefix, tensor) pairs), one
+    row per program of the whole launch."""
+    partials = dict.fromkeys(partial_buffer(t, n) for x in sides for t, n in partial_grads(kernel, x, wanted))
     pointers = [x.upper() for x in sides] + [f"{x.upper()}Out" for x in sides]
     pointers += [f"G{x.upper()}" for x in sides] if gradient else []
     owners = [(x, x.upper()) for x in sides] + [(f"{x}o", f"{x.upper()}Out") for x in sides]  # (prefix, tensor)
@@ -102,29 +108,36 @@ def pass_params(kernel: LoweredProgram, sides: tuple[str, ...], gradient: bool) 
         + params(INT, "HQ", "Nq", "N_K", "BATCH")
         + (params(INT, "Q_OFFSET", "K_OFFSET", "N_SEQ") if kernel.config.positions else ())
         + kernel.args()
+        + params(TENSOR, *partials)
         + constexpr_params(kernel)
     )
 
 
 def generate_pass(
-    kernel: LoweredProgram, name: str, parameters: tuple[Param, ...], sides: tuple[str, ...], gradient: bool
+    kernel: LoweredProgram,
+    name: str,
+    parameters: tuple[Param, ...],
+    sides: tuple[str, ...],
+    gradient: bool,
+    wanted: set[tuple[str, str]] = frozenset(),
 ) -> str:
     """The pass over ``sides`` ("q", "k" or both; with both, q's programs come first, then k's): it writes
     the transformed rows (contiguous rows, no per-sequence lengths; grid: one program per block of rows,
     BLOCK_M of q, BLOCK_N of k, per batch and head of each side), or with ``gradient`` turns GX, the float32
-    gradient with respect to each transformed side X, into the gradient of X itself, XOut."""
+    gradient with respect to each transformed side X, into the gradient of X itself, XOut, and writes the
+    partial sums of the transforms' tensor gradients ``wanted`` ((prefix, tensor) pairs)."""
     if sides == ("q", "k"):
         q_programs = "tl.cdiv(Nq, BLOCK_M) * BATCH * HQ"
         code = (
             f"q_programs = {q_programs}\nif pid >= q_programs:\n"
-            + indent(_side(kernel, "k", "q_programs", gradient), 4)
+            + indent(_side(kernel, "k", "q_programs", gradient, wanted), 4)
             + "    return\n"
-            + _side(kernel, "q", "0", gradient)
+            + _side(kernel, "q", "0", gradient, wanted)
         )
         layout = "(block of q rows, batch x head) programs first, then (block of k rows, batch x kv head)."
     else:
         [x] = sides
-        code = _side(kernel, x, "0", gradient)
+        code = _side(kernel, x, "0", gradient, wanted)
         layout = f"one program per (block of {x} rows, batch x {'head' if x == 'q' else 'kv head'})."
     what = "gradient pass" if gradient else "transform pass"
     return kernel_source(
