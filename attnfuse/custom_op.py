@@ -23,6 +23,7 @@ from .block_mask import BlockMask
 from .call_spec import flatten_inputs, key_of, plain_tensors, spec_of, tensor_names, unflatten_inputs
 from .runtime import gradients
 from .runtime.launch import hoisted_sides, keeps_lse, planned, run_attention, wanted_grads
+from .runtime import dropout as dropout_runtime
 from .runtime.dropout import dropout_state, op_dropout
 from .runtime.inputs import accumulator_dtype, check_cache, empty_like_layout, kv_cache
 from .runtime.kv_layout import check_kv_layout
@@ -240,6 +241,8 @@ def call(
         kv_layout,
         dropout_p,
     )
+    if dropout_p > 0.0:
+        dropout_runtime.GATE.check(q.device)
     state = dropout_state(q.device) if dropout_p > 0.0 else None
     out, lse, _ = torch.ops.attnfuse.attention.default(key, q, k, v, kv_lens, block_table, flat, state)
     return (out, lse) if return_lse else out

@@ -27,7 +27,7 @@ from . import hf_packed, hf_rope
 from .errors import InputError
 from .hf_rope import INTERLEAVED_KWARG, QK_NORM_KWARG, ROPE_KWARG
 from .program import AttentionProgram
-from .runtime.packed import runs_on as packed_runs_on
+from .runtime import packed as packed_runtime
 
 __all__ = ["attention_forward", "fuse_rope", "register"]
 
@@ -171,7 +171,7 @@ def attention_forward(
     cos = sin = None
     rotate_keys = True
     window = None if sliding_window is None else sliding_window - 1
-    if attention_mask is not None and not packed_runs_on(query.device):
+    if attention_mask is not None and not packed_runtime.GATE.opens(query.device):
         packed = None  # HF's mask as a bias (block-diagonal for a packed batch): no detection, no host sync
     else:
         packed = hf_packed.packed_call(query, key, attention_mask, window, kwargs)

@@ -234,6 +234,32 @@ def test_refused_where_not_supported():
     assert torch.equal(torch.get_rng_state(), before)  # a refused call draws no state
 
 
+def test_a_device_no_gpu_run_has_checked_refuses_dropout_unless_asked(monkeypatch):
+    """Where the dropout kernels are unchecked (a GPU today, here the CPU made to look so) a call with p > 0 is
+    refused with the variable that asks for it, eager and through the op; p = 0 runs; asked, it runs."""
+    import attrs
+
+    from attnfuse import custom_op
+    from attnfuse.runtime import dropout as dropout_module
+
+    monkeypatch.setattr(dropout_module, "GATE", attrs.evolve(dropout_module.GATE, checked=()))
+    monkeypatch.delenv(dropout_module.GATE.env, raising=False)
+    q, k, v = _qkv()
+    with pytest.raises(af.UnsupportedError, match="checked on the CPU only.*ATTNFUSE_DROPOUT_ON_GPU=1"):
+        causal(q, k, v, dropout_p=0.2)
+    with pytest.raises(af.UnsupportedError, match="ATTNFUSE_DROPOUT_ON_GPU=1"):  # the op's path (torch.compile)
+        custom_op.call(causal.graph(), q, k, v, {}, return_lse=False, kv_lens=None, block_table=None, dropout_p=0.2)
+    torch.testing.assert_close(causal(q, k, v, dropout_p=0.0), causal(q, k, v))
+    monkeypatch.setenv(dropout_module.GATE.env, "1")
+    out, keep = _replayed(causal, q, k, v, 0.2, seed=3)
+    assert_matches_reference(
+        out,
+        causal.reference(q, k, v, dropout_p=0.2, dropout_mask=keep),
+        causal.reference(q, k, v, dropout_p=0.2, dropout_mask=keep, dtype=q.dtype),
+        q.dtype,
+    )
+
+
 @pytest.mark.parametrize("bad", [-0.1, 1.0, 1.5, float("nan"), "0.1", True, None, torch.tensor(0.1)])
 def test_bad_dropout_p_is_an_input_error(bad):
     q, k, v = _qkv(Nq=8, Nk=8)

@@ -314,11 +314,11 @@ def test_hopper_template_refuses_fp8_with_a_reason(dtype):
 def test_a_device_no_gpu_run_has_checked_refuses_fp8_unless_asked(monkeypatch):
     """The float8 kernel has run on the CPU only: another device refuses it, naming the opt-in."""
     qkv, descales = fp8_inputs(torch.float8_e4m3fn, per_head=False)
-    monkeypatch.setattr(fp8_module, "CHECKED_DEVICES", ())  # as a GPU is today
-    monkeypatch.delenv(fp8_module.GPU_ENV, raising=False)
+    monkeypatch.setattr(fp8_module, "GATE", attrs.evolve(fp8_module.GATE, checked=()))  # as a GPU is today
+    monkeypatch.delenv(fp8_module.GATE.env, raising=False)
     with pytest.raises(af.UnsupportedError, match="checked on the CPU only.*ATTNFUSE_FP8_ON_GPU=1"):
         causal_softmax(*qkv, **descales)
-    monkeypatch.setenv(fp8_module.GPU_ENV, "1")
+    monkeypatch.setenv(fp8_module.GATE.env, "1")
     check(causal_softmax, qkv, descales, torch.float32)
 
 
@@ -336,7 +336,7 @@ def test_on_a_gpu(monkeypatch, name, dtype, per_head):
     """The float8 forward on a GPU (sm89+: float8 q·kᵀ, bfloat16 P·V), production head dim, against the float64
     reference at the module doc's GPU bounds. Float8 calls run on a GPU only when asked (ATTNFUSE_FP8_ON_GPU=1)
     until this test has passed there."""
-    monkeypatch.setenv(fp8_module.GPU_ENV, "1")
+    monkeypatch.setenv(fp8_module.GATE.env, "1")
     program, extra = PROGRAMS[name]
     (q, k, v), descales = fp8_inputs(dtype, per_head, Nq=300, Nk=300, device="cuda", head_dim=128)
     q64, k64 = (fp8_module.dequantised(t, descales[f"{n}_descale"], torch.float64) for n, t in (("q", q), ("k", k)))

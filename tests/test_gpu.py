@@ -690,3 +690,31 @@ def test_packed_sequences_match_each_document_alone(monkeypatch, dtype, lq, lk):
     lowp = torch.autograd.grad(low, (q, k, v), dout)
     for got, w, lw, name in zip(grads, want, lowp, "qkv"):
         assert_matches_reference(got, w, lw, dtype, what=f"d{name}")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("name", ["llama", "relu"])
+def test_dropout_replays(monkeypatch, dtype, name):
+    """Attention dropout on the GPU, forward and gradients, against the float64 reference replaying the call's
+    mask (``af.dropout_keep``): GQA, ragged lengths, a normaliser with and without lse. The kernels with dropout
+    run on a GPU only when asked (ATTNFUSE_DROPOUT_ON_GPU=1) until this test has passed there."""
+    monkeypatch.setenv("ATTNFUSE_DROPOUT_ON_GPU", "1")
+    program, p = EXAMPLES[name], 0.3
+    q = torch.randn(2, 8, 300, 128, device="cuda", dtype=dtype, requires_grad=True)
+    k, v = (torch.randn(2, 2, 333, 128, device="cuda", dtype=dtype, requires_grad=True) for _ in "kv")
+    torch.manual_seed(11)
+    out = program(q, k, v, dropout_p=p)
+    torch.manual_seed(11)
+    keep = af.dropout_keep(af.dropout_state(q.device), p, (2, 8, 300, 333))
+    assert abs(keep.float().mean().item() - (1 - p)) < 5 * (p * (1 - p) / keep.numel()) ** 0.5
+    dout = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    ref = program.reference(q, k, v, dropout_p=p, dropout_mask=keep)
+    low = program.reference(q, k, v, dropout_p=p, dropout_mask=keep, dtype=dtype)
+    assert_matches_reference(out, ref, low, dtype)
+    if name == "relu":  # its weights' derivative jumps: low-precision gradients are not compared (smooth=False)
+        return
+    want = torch.autograd.grad(ref, (q, k, v), dout.double())
+    lowp = torch.autograd.grad(low, (q, k, v), dout)
+    for got, w, lw, grad_name in zip(grads, want, lowp, "qkv"):
+        assert_matches_reference(got, w, lw, dtype, what=f"d{grad_name}")

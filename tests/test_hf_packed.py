@@ -10,6 +10,7 @@ Tolerance: ``attnfuse.testing.tolerances.assert_matches_reference`` against the 
 
 import copy
 
+import attrs
 import pytest
 import torch
 
@@ -210,15 +211,15 @@ def test_where_packed_kernels_are_unchecked_hf_mask_runs_as_a_bias(monkeypatch):
     """On a device the packed kernels have not been checked on (a GPU without ATTNFUSE_PACKED_ON_GPU=1, here
     the CPU made to look so), HF's block-diagonal mask runs as a bias, still each document on its own; flash
     keywords without that mask raise the packed path's UnsupportedError rather than attend across documents."""
-    monkeypatch.setattr(attnfuse.runtime.packed, "CHECKED_DEVICES", ())
-    monkeypatch.delenv(attnfuse.runtime.packed.GPU_ENV, raising=False)
+    monkeypatch.setattr(attnfuse.runtime.packed, "GATE", attrs.evolve(attnfuse.runtime.packed.GATE, checked=()))
+    monkeypatch.delenv(attnfuse.runtime.packed.GATE.env, raising=False)
     model, documents = _model("llama"), _documents((5, 1, 7))
     want64, want32 = _padded_step(copy.deepcopy(model).double(), documents), _padded_step(model, documents)
     got = _packed_step(model, "attnfuse", documents)
     for name in want64:
         assert_matches_reference(got[name], want64[name], want32[name], what=name)
     collator = transformers.DataCollatorWithFlattening(return_flash_attn_kwargs=True, return_position_ids=False)
-    with pytest.raises(af.UnsupportedError, match=attnfuse.runtime.packed.GPU_ENV):
+    with pytest.raises(af.UnsupportedError, match=attnfuse.runtime.packed.GATE.env):
         model(**collator([{"input_ids": d.tolist()} for d in documents]))
 
 

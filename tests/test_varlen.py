@@ -307,10 +307,10 @@ def test_a_device_no_gpu_run_has_checked_refuses_packed_calls_unless_asked(monke
     from attnfuse.runtime import packed as packed_module
 
     q, k, v, cu_q, cu_k = packed([3, 4], [3, 4])
-    monkeypatch.setattr(packed_module, "CHECKED_DEVICES", ())  # as a GPU is today
-    monkeypatch.delenv(packed_module.GPU_ENV, raising=False)
+    monkeypatch.setattr(packed_module, "GATE", attrs.evolve(packed_module.GATE, checked=()))  # as a GPU is today
+    monkeypatch.delenv(packed_module.GATE.env, raising=False)
     with pytest.raises(af.UnsupportedError, match="checked on the CPU only.*ATTNFUSE_PACKED_ON_GPU=1"):
         gpt2(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
-    monkeypatch.setenv(packed_module.GPU_ENV, "1")
+    monkeypatch.setenv(packed_module.GATE.env, "1")
     out = gpt2(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
     torch.testing.assert_close(out.double(), reference(gpt2, q, k, v, cu_q, cu_k), atol=2e-5, rtol=2e-5)

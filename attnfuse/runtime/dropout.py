@@ -28,6 +28,7 @@ import triton
 from ..errors import InputError, UnsupportedError
 from ..passes.compiler import dropout_mask_source
 from ..plan import DROPOUT_P, DROPOUT_SCALE, DROPOUT_STATE
+from .gpu_gate import Gate
 from .interpreter import InterpretedKernel
 from .launcher import Launcher, cdiv
 from .source_cache import load_function, write_source
@@ -60,10 +61,17 @@ def dropout_state(device: torch.device | str) -> torch.Tensor:
     return torch.randint(0, OFFSET_LIMIT, (2,), dtype=torch.int64, device=device)
 
 
+GATE = Gate("attention dropout (dropout_p > 0)", "ATTNFUSE_DROPOUT_ON_GPU", "tests/test_gpu.py::test_dropout_replays")
+
+
 def call_dropout(dropout_p: Any, device: torch.device) -> Dropout | None:
-    """The dropout of a call with ``dropout_p`` on ``device`` (its state drawn now), or None for p = 0."""
+    """The dropout of a call with ``dropout_p`` on ``device`` (its state drawn now), or None for p = 0. An
+    UnsupportedError where no GPU run has checked the kernels with dropout (``GATE``)."""
     p = check_dropout_p(dropout_p)
-    return Dropout(p, dropout_state(device)) if p > 0.0 else None
+    if p == 0.0:
+        return None
+    GATE.check(device)
+    return Dropout(p, dropout_state(device))
 
 
 def check_state(state: Any, device: torch.device) -> torch.Tensor:

@@ -11,21 +11,20 @@ the backward, paged caches, packed sequences and the Hopper templates refuse it 
 
 from __future__ import annotations
 
-import os
 from typing import Any, NamedTuple
 
 import torch
 import triton.language as tl
 
 from ..errors import InputError, UnsupportedError
+from .gpu_gate import Gate
 
 FP8_DTYPES = {torch.float8_e4m3fn: "float8_e4m3fn", torch.float8_e5m2: "float8_e5m2"}
 OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 DESCALES = ("q_descale", "k_descale", "v_descale")
 FP8_ARGUMENTS = (*DESCALES, "out_dtype")  # a program call's arguments for float8 inputs
 MIN_ARCH = (8, 9)  # float8 products: Ada (sm89) and later
-GPU_ENV = "ATTNFUSE_FP8_ON_GPU"  # "1": run float8 calls on a GPU before a GPU run has checked their kernel
-CHECKED_DEVICES = ("cpu",)  # where the float8 forward has been checked against the float64 reference
+GATE = Gate("float8 calls", "ATTNFUSE_FP8_ON_GPU", "tests/test_fp8.py::test_on_a_gpu")
 
 
 class Fp8(NamedTuple):
@@ -75,11 +74,7 @@ def check_fp8(
         out_dtype = torch.bfloat16
     if out_dtype not in OUT_DTYPES:
         raise InputError(f"out_dtype must be torch.bfloat16, torch.float16 or torch.float32, got {out_dtype!r}")
-    if q.device.type not in CHECKED_DEVICES and os.environ.get(GPU_ENV, "").strip() != "1":
-        raise UnsupportedError(
-            f"float8 calls on {q.device.type}: their kernel has been checked on the CPU only (Triton's "
-            f"interpreter), so a GPU runs it only when asked: set {GPU_ENV}=1 (tests/test_fp8.py checks it there)"
-        )
+    GATE.check(q.device)
     if q.device.type == "cuda" and torch.cuda.get_device_capability(q.device) < MIN_ARCH:
         major, minor = torch.cuda.get_device_capability(q.device)
         raise UnsupportedError(f"float8 calls need a GPU of compute capability 8.9 or later, got {major}.{minor}")

@@ -10,7 +10,6 @@ Nq_i queries and Nk_i keys at i + Nk_i - Nq_i, as a call with those tensors alon
 from __future__ import annotations
 
 import operator
-import os
 from typing import Any, Callable, NamedTuple
 
 import torch
@@ -23,12 +22,16 @@ from ..ir import applications
 from ..launch_spec import CONSTEXPR, INT, TENSOR, LaunchSpec, params
 from ..plan import Plan
 from . import error_record
+from .gpu_gate import Gate
 from .interpreter import InterpretedKernel
 from .launcher import Launcher, cdiv, head_grid
 
 NO_LIMIT = 2**62  # max_seqlen not given
-GPU_ENV = "ATTNFUSE_PACKED_ON_GPU"  # "1": run packed calls on a GPU before a GPU run has checked their kernels
-CHECKED_DEVICES = ("cpu",)  # where the packed kernels have been checked against the float64 reference
+GATE = Gate(
+    "packed sequences (cu_seqlens_q/cu_seqlens_k)",
+    "ATTNFUSE_PACKED_ON_GPU",
+    "tests/test_gpu.py::test_packed_sequences_match_each_document_alone",
+)
 
 
 class Packed(NamedTuple):
@@ -62,19 +65,10 @@ def refuse_arguments(given: dict[str, bool]) -> None:
             )
 
 
-def runs_on(device: torch.device) -> bool:
-    """Whether packed calls run on ``device``: one their kernels were checked on, or any with GPU_ENV=1."""
-    return device.type in CHECKED_DEVICES or os.environ.get(GPU_ENV, "").strip() == "1"
-
-
 def check_packed(q: torch.Tensor, k: torch.Tensor, cu_seqlens_q: Any, cu_seqlens_k: Any) -> Packed:
     """The call's ``Packed`` offsets (types, shapes, devices checked; values are checked on the device by
     ``check_values``). q, k passed ``inputs.check_inputs``."""
-    if not runs_on(q.device):
-        raise UnsupportedError(
-            f"packed sequences (cu_seqlens_q/cu_seqlens_k) on {q.device.type}: their kernels have been checked "
-            f"on the CPU only, so a GPU runs them only when asked: set {GPU_ENV}=1 (tests/test_gpu.py checks them)"
-        )
+    GATE.check(q.device)
     if cu_seqlens_q is None or cu_seqlens_k is None:
         missing = "cu_seqlens_k" if cu_seqlens_k is None else "cu_seqlens_q"
         raise InputError(f"packed sequences need both cu_seqlens_q and cu_seqlens_k; {missing} is missing")
