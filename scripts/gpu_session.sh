@@ -47,14 +47,20 @@ for step in "$@"; do
       name=${BENCH_NAME:-bench}
       timeout "${STEP_TIMEOUT:-0}" python3 -m attnfuse.cli bench ${BENCH_ARGS:-} --markdown "$OUT/$name.md" \
         --json "$OUT/$name.json" ${BENCH_PLOT:+--plot "$OUT/$name.png"} 2>&1 | tee "$OUT/$name.log" ;;
-    packed)
-      # the packed kernels' GPU check, and only once it passes, the packed suite (runtime/packed.py's GPU gate)
-      if timeout "${STEP_TIMEOUT:-0}" python3 -m pytest -q -rfE -p no:cacheprovider tests/test_gpu.py -k packed 2>&1 \
-        | tee "$OUT/packed_test.log" | tail -5; [ "${PIPESTATUS[0]}" -eq 0 ]; then
-        ATTNFUSE_PACKED_ON_GPU=1 timeout "${STEP_TIMEOUT:-0}" python3 -m attnfuse.cli bench --suite packed \
-          --markdown "$OUT/packed.md" --json "$OUT/packed.json" 2>&1 | tee "$OUT/packed.log"
+    packed|fp8|dropout)
+      # a feature only the CPU has checked (runtime/gpu_gate.py): its GPU test, and only once that passes, its
+      # bench suite with the feature's gate open
+      case $step in
+        packed) tests="tests/test_gpu.py -k packed_sequences"; env=ATTNFUSE_PACKED_ON_GPU ;;
+        fp8) tests="tests/test_fp8.py -k on_a_gpu"; env=ATTNFUSE_FP8_ON_GPU ;;
+        dropout) tests="tests/test_gpu.py -k dropout_replays"; env=ATTNFUSE_DROPOUT_ON_GPU ;;
+      esac
+      if timeout "${STEP_TIMEOUT:-0}" python3 -m pytest -q -rfE -p no:cacheprovider $tests 2>&1 \
+        | tee "$OUT/${step}_test.log" | tail -5; [ "${PIPESTATUS[0]}" -eq 0 ]; then
+        env "$env=1" timeout "${STEP_TIMEOUT:-0}" python3 -m attnfuse.cli bench --suite "$step" \
+          --markdown "$OUT/$step.md" --json "$OUT/$step.json" 2>&1 | tee "$OUT/$step.log"
       else
-        echo "packed: the GPU check failed, so the packed suite did not run"
+        echo "$step: the GPU check failed, so the $step suite did not run"
       fi ;;
     bench_base)
       # python -m attnfuse.bench: the old tree's attnfuse.cli has no bench command; third-party plugins

@@ -12,6 +12,8 @@ import sys
 import pytest
 import torch
 
+import attnfuse as af
+
 from attnfuse.bench import baselines, cases, plot, report, rows, run
 from attnfuse.bench.command import command_line, main as bench_main
 from attnfuse.cli import main
@@ -130,6 +132,52 @@ def test_packed_row_counts_the_pairs_inside_the_documents():
     assert run.cases_of("packed", None)[0] == 2 * len(cases.PACKED_VARIANTS)
 
 
+def test_fp8_and_dropout_rows_count_the_work_of_their_variant():
+    fp8 = rows.fp8_row(8192)
+    assert (fp8.suite, fp8.case, fp8.work) == (
+        "fp8",
+        "llama3-8b N8192 causal fp8",
+        rows.forward_row("llama3-8b", 8192, "causal").work,
+    )
+    dropped = rows.dropout_row(4096, 0.1)
+    assert (dropped.suite, dropped.case) == ("dropout", "llama3-8b N4096 causal dropout 0.1 fwd+bwd")
+    assert dropped.work == rows.backward_row("llama3-8b", 4096, "causal").work
+    assert run.cases_of("fp8", None)[0] == len(cases.FP8_NS) and run.cases_of("dropout", None)[0] == len(
+        cases.DROPOUT_NS
+    )
+
+
+def test_fp8_suite_inputs_dequantise_to_what_was_quantised():
+    """The fp8 suite's inputs: per-(batch, kv head) descales, float8 values within e4m3's rounding of the
+    originals, and an AttnFuse call on them (the CPU's interpreter) matching the bfloat16 baselines' inputs' result."""
+    from attnfuse.bench import suites
+
+    x = [torch.randn(2, h, 24, 16) * s for h, s in ((4, 3.0), (2, 0.5), (2, 1.0))]
+    (q8, k8, v8), dequantised, scales = suites.quantised(*x)
+    assert all(t.dtype == torch.float8_e4m3fn for t in (q8, k8, v8))
+    assert all(d.shape == (2, 2) and d.dtype == torch.float32 for d in scales.values())
+    for original, back in zip(x, dequantised):
+        scale = original.abs().amax()
+        assert (back.float() - original).abs().max() <= scale * 2**-4  # e4m3: 3 mantissa bits, bf16 rounding
+    out = cases.PROGRAMS["causal"](q8, k8, v8, **scales, out_dtype=torch.float32)
+    want = cases.PROGRAMS["causal"].reference(*(t.float() for t in dequantised))
+    assert (out.double() - want).abs().max() < 2e-2
+
+
+def test_dropout_suite_checks_attnfuse_against_its_replayed_mask():
+    """The dropout suite's ``err``: a call's first (batch, head) against causal attention in float32 with the
+    call's mask replayed from its state; another state's mask gives a large difference."""
+    from attnfuse.bench import suites
+
+    q, k, v = (torch.randn(1, h, 40, 16) for h in (2, 1, 1))
+    state = torch.get_rng_state()
+    out = cases.PROGRAMS["causal"](q, k, v, dropout_p=0.3)
+    torch.set_rng_state(state)
+    drawn = af.dropout_state(q.device)
+    assert suites.replayed_error(q, k, v, out, drawn, 0.3) < 1e-5
+    assert suites.replayed_error(q, k, v, out, drawn + 1, 0.3) > 1e-2
+
+
 def test_flex_document_mask_keeps_each_document_causal_and_alone():
     """The packed suite's flex baseline: document-causal flex_attention (its CPU path) equals SDPA run on each
     document alone, with GQA."""
@@ -174,7 +222,7 @@ def test_table_keeps_only_the_columns_some_row_has():
     ]
     assert report.header([decode]).startswith("| case | AttnFuse ms (GB/s) | cuDNN SDPA | cuDNN / AttnFuse |")
     every = report.header(None).splitlines()[0]  # lines printed while a suite runs: every column
-    assert every.count("|") == 11 and "FA2 Triton (hand-written)" in every and "FlashAttention varlen" in every
+    assert every.count("|") == 12 and "FA2 Triton (hand-written)" in every and "FlashAttention-3 fp8" in every
 
 
 def test_report_json_round_trip():
@@ -239,7 +287,7 @@ def test_run_table_prints_each_row_and_records_failures(monkeypatch):
     printed = out.getvalue().splitlines()
     assert printed[0] == "## Forward" and printed[2].startswith("| case | AttnFuse ms (TFLOP/s) |")
     # 51.5e9 FLOPs; every contender's column while the suite runs
-    assert printed[4] == "| gpt2 N2048 dense | 1.000 (52) | — | — | — | 2.000 (26) | — | 2.00× | — | — |"
+    assert printed[4] == "| gpt2 N2048 dense | 1.000 (52) | — | — | — | 2.000 (26) | — | — | 2.00× | — | — |"
     assert printed[5] == "| forward gpt2 2048 causal_alibi: RuntimeError: out of shared memory |"
     assert [r.case for r in result.rows] == ["gpt2 N2048 dense"]
     assert result.failures == ["forward gpt2 2048 causal_alibi: RuntimeError: out of shared memory"]

@@ -86,6 +86,20 @@ def flex_document_mask(cu_seqlens: torch.Tensor):
     return create_block_mask(document_causal, None, None, total, total, device=cu_seqlens.device)
 
 
+def flash3_fp8():
+    """FlashAttention-3's ``flash_attn_func`` (float8 with descales) where installed, else None."""
+    try:
+        return importlib.import_module("flash_attn_interface").flash_attn_func
+    except ImportError:
+        return None
+
+
+def sdpa_dropout(backend: str, q, k, v, p: float):
+    """Causal SDPA with attention dropout ``p`` through one backend (a SDPA_BACKENDS key), GQA."""
+    with sdpa_kernel(SDPA_BACKENDS[backend]):
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=p, enable_gqa=True)
+
+
 def flash_varlen():
     """FlashAttention's ``flash_attn_varlen_func`` (FlashAttention-3's interface where installed, else
     FlashAttention-2's), or None when neither is installed."""

@@ -21,15 +21,19 @@ CONTENDERS = {
     "flash": "FA2 SDPA",
     "flex": "flex (compiled)",
     "fa_varlen": "FlashAttention varlen",
+    "fa3_fp8": "FlashAttention-3 fp8",
 }
 TRAINING_FLOPS = 3.5  # forward + backward, relative to the forward's 4·pairs·D per head
-TABLE_SUITES = ("forward", "backward", "decode", "sparse", "packed")  # a Row per case; memory and overhead: lines
+# a Row per case (memory and overhead: lines)
+TABLE_SUITES = ("forward", "backward", "decode", "sparse", "packed", "fp8", "dropout")
 SUITE_TITLES = {
     "forward": "Forward",
     "backward": "Forward + backward",
     "decode": "Decoding (one query per sequence, full cache)",
     "sparse": "Block-sparse (BigBird)",
     "packed": "Packed documents (varlen)",
+    "fp8": "Float8 forward (e4m3, baselines in bfloat16)",
+    "dropout": "Forward + backward with attention dropout",
     "memory": "Memory",
     "overhead": "Host overhead",
 }
@@ -125,6 +129,18 @@ def packed_row(variant: str, train: bool, lengths: list[int]) -> Row:
         variant=f"{variant} fwd+bwd" if train else variant,
         N=total,
     )
+
+
+def fp8_row(N: int) -> Row:
+    """Llama-3-8B causal forward at N with float8 q, k, v (the baselines: bfloat16, or FlashAttention-3's fp8)."""
+    row = forward_row("llama3-8b", N, "causal")
+    return attrs.evolve(row, suite="fp8", case=f"llama3-8b N{N} causal fp8", variant="causal fp8")
+
+
+def dropout_row(N: int, p: float) -> Row:
+    """Llama-3-8B causal forward + backward at N with attention dropout ``p``."""
+    row = backward_row("llama3-8b", N, "causal")
+    return attrs.evolve(row, suite="dropout", case=f"llama3-8b N{N} causal dropout {p} fwd+bwd", variant=f"dropout {p}")
 
 
 @define(kw_only=True)

@@ -19,6 +19,7 @@ from . import rows
 from .baselines import (
     SDPA_BACKENDS,
     failure,
+    flash3_fp8,
     flash_varlen,
     flex,
     flex_block_mask,
@@ -26,9 +27,13 @@ from .baselines import (
     flex_document_mask,
     pre_rotate,
     sdpa,
+    sdpa_dropout,
 )
 from .cases import (
     DECODE_MODELS,
+    DROPOUT_NS,
+    DROPOUT_P,
+    FP8_NS,
     GEOMETRIES,
     PACKED_VARIANTS,
     PER_TILE,
@@ -265,3 +270,93 @@ def packed_cases():
     for train in (False, True):
         for variant in PACKED_VARIANTS:
             yield packed_case, (variant, train)
+
+
+def quantised(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[tuple, tuple, dict]:
+    """q (B, Hq, N, D), k, v (B, Hkv, N, D) float32 -> their float8 (e4m3) values, those values dequantised to
+    bfloat16, and the call's descales: ``q_descale``, ``k_descale``, ``v_descale`` (B, Hkv) float32, each the
+    amax of its kv group's rows over e4m3's largest value (a group's query heads share q's)."""
+    B, Hq, N, D = q.shape
+    Hkv, fp8 = k.shape[1], torch.float8_e4m3fn
+    grouped = (q.reshape(B, Hkv, Hq // Hkv * N, D), k, v)
+    descales = [t.abs().amax((2, 3)) / torch.finfo(fp8).max for t in grouped]
+    per_head = (descales[0].repeat_interleave(Hq // Hkv, 1), descales[1], descales[2])
+    low = tuple((t / d[..., None, None]).to(fp8) for t, d in zip((q, k, v), per_head))
+    dequantised = tuple((t.float() * d[..., None, None]).to(torch.bfloat16) for t, d in zip(low, per_head))
+    return low, dequantised, dict(zip(("q_descale", "k_descale", "v_descale"), descales))
+
+
+def fp8_case(N: int) -> rows.Row:
+    """Llama-3-8B causal forward at N: AttnFuse on float8 (e4m3) q, k, v with per-(batch, kv head) descales,
+    against SDPA (cuDNN, FA2) in bfloat16 on the same values dequantised, and FlashAttention-3's float8 forward
+    where installed. Float8 calls run on a GPU only with ``ATTNFUSE_FP8_ON_GPU=1`` until a GPU run has checked
+    them (``runtime/fp8.py``)."""
+    B, Hq, Hkv, D = GEOMETRIES["llama3-8b"]
+    (q8, k8, v8), (qd, kd, vd), scales = quantised(*(torch.randn(B, h, N, D, device="cuda") for h in (Hq, Hkv, Hkv)))
+
+    def ours():
+        return PROGRAMS["causal"](q8, k8, v8, **scales)
+
+    out = ours()
+    row = rows.fp8_row(N)
+    row.times["attnfuse"] = bench(ours)
+    time_sdpa(row, out, bench, lambda name: lambda: sdpa(name, qd, kd, vd, True))
+    flash = flash3_fp8()
+    if flash is None:
+        row.times["fa3_fp8"] = "n/a (flash_attn_interface not installed)"
+        return row
+    rows_first = [t.transpose(1, 2).contiguous() for t in (q8, k8, v8)]  # FlashAttention's (B, N, H, D)
+    try:
+        row.times["fa3_fp8"] = bench(lambda: flash(*rows_first, causal=True, **scales))
+    except RuntimeError as exc:
+        row.times["fa3_fp8"] = failure(exc)
+    return row
+
+
+def fp8_cases():
+    for N in FP8_NS:
+        yield fp8_case, (N,)
+
+
+def replayed_error(q, k, v, out, state, p: float) -> float:
+    """The max abs difference of ``out``'s first (batch, head) from causal attention of its rows in float32 with
+    the call's dropout mask replayed (``af.dropout_keep`` of ``state``: the first (batch, head)'s numbers are a
+    (1, 1, N, N) call's)."""
+    N, D = q.shape[2], q.shape[3]
+    keep = af.dropout_keep(state, p, (1, 1, N, N))[0, 0]
+    s = (q[0, 0].float() @ k[0, 0].float().T) * D**-0.5
+    s = s.masked_fill(torch.ones(N, N, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
+    want = (torch.softmax(s, -1) * keep / (1 - p)) @ v[0, 0].float()
+    return max_diff(out[0, 0], want)
+
+
+def dropout_case(N: int) -> rows.Row:
+    """Llama-3-8B causal forward + backward at N with attention dropout, against SDPA's (cuDNN, FA2) on the same
+    inputs (their masks are their own: the check is AttnFuse's output against its replayed mask, ``err``).
+    Dropout runs on a GPU only with ``ATTNFUSE_DROPOUT_ON_GPU=1`` until a GPU run has checked it."""
+    B, Hq, Hkv, D = GEOMETRIES["llama3-8b"]
+    leaves = [torch.randn(B, h, N, D, device="cuda", dtype=torch.bfloat16, requires_grad=True) for h in (Hq, Hkv, Hkv)]
+    q, k, v = leaves
+    dout = torch.randn(B, Hq, N, D, device="cuda", dtype=torch.bfloat16)
+    program = PROGRAMS["causal"]
+    state = torch.cuda.get_rng_state()
+    out = program(q, k, v, dropout_p=DROPOUT_P)
+    torch.cuda.set_rng_state(state)
+    row = rows.dropout_row(N, DROPOUT_P)
+    row.err = replayed_error(q.detach(), k.detach(), v.detach(), out.detach(), af.dropout_state(q.device), DROPOUT_P)
+
+    def train(attend):
+        return lambda: torch.autograd.grad(attend(), leaves, dout)
+
+    row.times["attnfuse"] = bench(train(lambda: program(q, k, v, dropout_p=DROPOUT_P)))
+    for name in SDPA_BACKENDS:
+        try:
+            row.times[name] = bench(train(lambda name=name: sdpa_dropout(name, q, k, v, DROPOUT_P)))
+        except RuntimeError as exc:
+            row.times[name] = failure(exc)
+    return row
+
+
+def dropout_cases():
+    for N in DROPOUT_NS:
+        yield dropout_case, (N,)
