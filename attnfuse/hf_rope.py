@@ -20,9 +20,10 @@ stores it (normed and rotated), so both norms run in PyTorch as HF's, and the ke
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import sys
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -115,6 +116,17 @@ def _has_cache(args: tuple, kwargs: dict[str, Any]) -> bool:
     return len(args) > 0 and args[0] is not None  # (hidden_states, position_embeddings, attention_mask, cache)
 
 
+@contextlib.contextmanager
+def _running(rotate_keys_here: bool = False, norms_in_kernel: bool = False) -> Iterator[None]:
+    """While a fused layer runs: HF's rotation (and, ``norms_in_kernel``, its q/k norms) leave their inputs to
+    the kernel; ``rotate_keys_here``: the rotation still rotates k (a cache stores it rotated)."""
+    _state.active, _state.rotate_keys_here, _state.norms_in_kernel = True, rotate_keys_here, norms_in_kernel
+    try:
+        yield
+    finally:
+        _state.active = _state.rotate_keys_here = _state.norms_in_kernel = False
+
+
 def _fused_forward(
     layer: torch.nn.Module,
     original: Callable,
@@ -131,8 +143,7 @@ def _fused_forward(
     cos, sin = position_embeddings
     cached = _has_cache(args, kwargs)
     norms = _qk_norm_argument(layer, cached)
-    _state.active, _state.rotate_keys_here, _state.norms_in_kernel = True, cached, bool(norms)
-    try:
+    with _running(rotate_keys_here=cached, norms_in_kernel=bool(norms)):
         return original(
             hidden_states,
             position_embeddings,
@@ -142,8 +153,6 @@ def _fused_forward(
             **norms,
             **kwargs,
         )
-    finally:
-        _state.active = _state.rotate_keys_here = _state.norms_in_kernel = False
 
 
 def _family_of(module: torch.nn.Module) -> str:
@@ -169,18 +178,9 @@ def _fused_neox_forward(
         raise InputError("fuse_rope: the attention layer got no position_embeddings (cos, sin)")
     cos, sin = position_embeddings
     cached = layer_past is not None
-    _state.active, _state.rotate_keys_here = True, cached
-    try:
-        return original(
-            hidden_states,
-            attention_mask,
-            layer_past,
-            position_embeddings,
-            **{ROPE_KWARG: (cos, sin, not cached)},
-            **kwargs,
-        )
-    finally:
-        _state.active = _state.rotate_keys_here = False
+    with _running(rotate_keys_here=cached):
+        rope = {ROPE_KWARG: (cos, sin, not cached)}
+        return original(hidden_states, attention_mask, layer_past, position_embeddings, **rope, **kwargs)
 
 
 def _fusing_tensor_rotation(original: Callable) -> Callable:
@@ -215,8 +215,7 @@ def _fused_gptj_forward(
         raise InputError("fuse_rope: the attention layer got no position_embeddings (sin, cos)")
     sin, cos = position_embeddings
     cos, sin = (t.repeat_interleave(2, dim=-1) for t in (cos, sin))
-    _state.active = True
-    try:
+    with _running():
         return original(
             hidden_states,
             position_embeddings,
@@ -225,8 +224,6 @@ def _fused_gptj_forward(
             **{ROPE_KWARG: (cos, sin, True), INTERLEAVED_KWARG: True},
             **kwargs,
         )
-    finally:
-        _state.active = False
 
 
 _FORWARDS = {"gpt_neox": _fused_neox_forward, "gptj": _fused_gptj_forward}  # families with forwards of their own
