@@ -294,6 +294,9 @@ def test_hopper_templates_are_not_chosen(capsys):
         assert plain[kind]["engine"] == "template"
         assert dropped[kind]["engine"] == "generated" and not dropped[kind]["template_available"]
         assert "does not take attention dropout (dropout_p)" in dropped[kind]["reason"]
+    assert dropped["decode"]["name"] == dropped["forward"]["name"]  # few queries: the forward kernel, never split
+    assert dropped["decode"]["reason"].startswith("a call with attention dropout never takes the split-KV path")
+    assert plain["decode"]["name"] != plain["forward"]["name"]
 
 
 def test_compiled_call_matches_the_eager_call():

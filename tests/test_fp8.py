@@ -374,4 +374,5 @@ def test_show_prints_the_fp8_kernel_and_the_templates_reason(capsys):
     assert main(["show", "gpt2", "--arch", "sm90", "--dtype", "float8_e4m3fn", "--head-dim", "64"]) == 0
     out = capsys.readouterr().out
     assert "forward: generated — the templates take float16 and bfloat16, not float8_e4m3fn" in out
+    assert "decode: generated — a float8 call never takes the split-KV path" in out
     assert "s = s * qk_descale" in out and "acc = tl.dot(p.to(UPCAST_DTYPE), v, acc)" in out

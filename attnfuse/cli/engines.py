@@ -18,6 +18,7 @@ from ..runtime.hoisted import least_hoisted_queries
 
 NOT_VERIFIED = f"instance not verified on a GPU ({MODE_ENV}=all opts in)"
 TEMPLATES_OFF = f"the templates are turned off ({MODE_ENV}=off)"
+NO_SPLIT_KV = "{what} never takes the split-KV path: a call with few queries runs the forward kernel"
 HOISTED_KINDS = ("forward", "dkdv", "dq")  # a call that hoists its qk transforms runs the hoisted plan's
 
 
@@ -132,6 +133,9 @@ def call_engines(graph: ir.MatMulPV, inference: KernelConfig, training: KernelCo
             hoisted = kernel_engine(compiled(graph, plan.hoisted_config).plan, kind)
             least = least_hoisted_queries(plan.kernels["forward"].tiles.block_m)
             engine = evolve(hoisted, hoisted=True, when=f"calls with at least {least} queries", fused=engine)
+        if kind == "decode" and (inference.dropout or inference.dtype.startswith("float8")):
+            what = "a call with attention dropout" if inference.dropout else "a float8 call"
+            engine = evolve(engine, name=plan.kernels["forward"].name, reason=NO_SPLIT_KV.format(what=what))
         engines[kind] = engine
     return engines
 
