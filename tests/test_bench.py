@@ -293,6 +293,16 @@ def test_run_table_prints_each_row_and_records_failures(monkeypatch):
     assert result.failures == ["forward gpt2 2048 causal_alibi: RuntimeError: out of shared memory"]
 
 
+def test_default_suites_leave_out_the_gated_features():
+    """packed, fp8 and dropout run on a GPU only with their gates open: asked by name, never by default."""
+    from attnfuse.cli import build_parser
+
+    args = build_parser().parse_args(["bench"])
+    assert args.suite == ["forward", "backward", "decode", "sparse", "memory", "overhead"]
+    every = build_parser().parse_args(["bench", "--suite", "all"]).suite
+    assert {"packed", "fp8", "dropout"} <= set(every) and set(args.suite) < set(every)
+
+
 def test_command_line_spells_out_the_run():
     from attnfuse.cli import build_parser
 

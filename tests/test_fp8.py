@@ -375,4 +375,5 @@ def test_show_prints_the_fp8_kernel_and_the_templates_reason(capsys):
     out = capsys.readouterr().out
     assert "forward: generated — the templates take float16 and bfloat16, not float8_e4m3fn" in out
     assert "decode: generated — a float8 call never takes the split-KV path" in out
+    assert "dkdv: generated — float8 calls have no backward" in out and "dq: generated — float8 calls have" in out
     assert "s = s * qk_descale" in out and "acc = tl.dot(p.to(UPCAST_DTYPE), v, acc)" in out

@@ -133,6 +133,8 @@ def call_engines(graph: ir.MatMulPV, inference: KernelConfig, training: KernelCo
             hoisted = kernel_engine(compiled(graph, plan.hoisted_config).plan, kind)
             least = least_hoisted_queries(plan.kernels["forward"].tiles.block_m)
             engine = evolve(hoisted, hoisted=True, when=f"calls with at least {least} queries", fused=engine)
+        if kind in ("dkdv", "dq") and inference.dtype.startswith("float8"):
+            engine = evolve(engine, reason="float8 calls have no backward (a gradient is an UnsupportedError)")
         if kind == "decode" and (inference.dropout or inference.dtype.startswith("float8")):
             what = "a call with attention dropout" if inference.dropout else "a float8 call"
             engine = evolve(engine, name=plan.kernels["forward"].name, reason=NO_SPLIT_KV.format(what=what))
