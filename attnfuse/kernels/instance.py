@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import importlib
+import re
 from pathlib import Path
 
 from ..launch_spec import LaunchSpec
 from ..passes.lower import LoweredProgram, masked_head
 from ..plan import KernelSpec, TemplatePlan, TileConfig
-from . import descriptors, dkdv_pipeline, launch, pipeline, rows
+from . import pipeline
 from .canonical import canonical_source
 from .capability import dkdv_reason, forward_reason
 from .dkdv import dkdv_params, generate_dkdv
@@ -72,16 +74,31 @@ def _dkdv_spec(kernel: LoweredProgram) -> KernelSpec:
     )
 
 
-@functools.lru_cache(maxsize=1)
-def _library() -> str:
-    """The source of the template modules an instance imports or is launched by (their change changes every
-    instance)."""
-    return "".join(Path(m.__file__).read_text() for m in (pipeline, rows, launch, descriptors, dkdv_pipeline))
+# What launches an instance (host code): its change changes every instance
+_LAUNCHED_BY = (
+    "attnfuse.kernels.launch",
+    "attnfuse.kernels.descriptors",
+    "attnfuse.runtime.hopper",
+    "attnfuse.runtime.template_rows",
+)
+_IMPORTS = re.compile(r"^from (attnfuse(?:\.\w+)*) import", re.M)
+
+
+@functools.lru_cache(maxsize=None)
+def _module_source(module: str) -> str:
+    return Path(importlib.import_module(module).__file__).read_text()
+
+
+def _library(source: str) -> str:
+    """The source of the AttnFuse modules an instance's ``source`` imports and of those that launch it: a
+    change to them changes the instance, and a module it does not import (a new template's) does not."""
+    imported = sorted(set(_IMPORTS.findall(source)))
+    return "".join(_module_source(m) for m in (*imported, *_LAUNCHED_BY))
 
 
 def instance_digest(spec: KernelSpec) -> str:
     """What identifies a template instance's code: a hash of its canonical source (``canonical.py``: no names,
     docstrings or unread parameters, so programs that get the same kernel share it), the constants and tiles it
-    is launched with, and the library it imports and is launched by."""
+    is launched with, and the library it imports and is launched by (``_library``)."""
     launched = f"{sorted(spec.launch.constants.items())!r}{spec.tiles!r}"
-    return hashlib.sha256((canonical_source(spec.source) + launched + _library()).encode()).hexdigest()[:24]
+    return hashlib.sha256((canonical_source(spec.source) + launched + _library(spec.source)).encode()).hexdigest()[:24]

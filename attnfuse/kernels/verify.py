@@ -9,6 +9,8 @@ file in ``$ATTNFUSE_VERIFY_OUT``. Then
     python -m attnfuse.kernels.verify --collect $ATTNFUSE_VERIFY_OUT --write attnfuse/kernels/verified.json
 
 writes the record (``verified.py``): every instance each of whose cases ran and passed, and no other.
+``python -m attnfuse.kernels.verify --keys`` prints, with no GPU, the instance each variant's cases run and
+whether the record holds it: what a change to the templates or to a fragment un-verified.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ import attnfuse as af
 from ..testing.grad_bounds import delta_rounding
 from ..testing.tolerances import assert_matches_reference
 from .launch import TemplateDkdv, TemplateForward
-from .verified import MODE_ENV, RECORD
+from .verified import MODE_ENV, RECORD, is_verified, record_key
 
 OUT_ENV = "ATTNFUSE_VERIFY_OUT"
 HEAD_DIMS = (64, 128, 256)
@@ -243,11 +245,34 @@ def record(results: list[dict], failed: set[str], run: dict) -> dict:
     }
 
 
+def instance_keys() -> dict[tuple[str, str, str, int], str]:
+    """The record key of the instance that each (kind, variant, dtype, head dim) of the cases runs, computed on
+    the CPU from the variant's sm90 plan."""
+    from .resources import variant_plan
+
+    keys = {}
+    for case in cases() + backward_cases():
+        spec = variant_plan(case.variant, case.dtype, case.head_dim).templates.kernels[case.kind]
+        keys[(case.kind, case.variant, case.dtype, case.head_dim)] = record_key(spec, case.dtype, case.head_dim)
+    return keys
+
+
+def print_keys() -> None:
+    for (kind, variant, dtype, head_dim), key in sorted(instance_keys().items()):
+        state = "verified" if is_verified(key) else "not verified"
+        print(f"{kind:8} {variant:16} {dtype:9} D{head_dim:<4} {key}  {state}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--collect", type=Path, required=True, help="the directory the GPU tests wrote")
+    what = parser.add_mutually_exclusive_group(required=True)
+    what.add_argument("--collect", type=Path, help="the directory the GPU tests wrote")
+    what.add_argument("--keys", action="store_true", help="print each case's instance and whether it is verified")
     parser.add_argument("--write", type=Path, default=RECORD, help="the record to write")
     args = parser.parse_args()
+    if args.keys:
+        print_keys()
+        return
     results, failed = [], set()
     for path in sorted(args.collect.glob("*.jsonl")):
         for line in path.read_text().splitlines():
