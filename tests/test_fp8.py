@@ -75,23 +75,31 @@ def check(program, qkv, descales, out_dtype=None, extra=(), score_error=0.0, **c
     q, k, v = qkv
     given = {} if out_dtype is None else {"out_dtype": out_dtype}
     lse = program.graph(*extra).has_lse
-    results = [
-        program(q, k, v, *extra, **descales, **given, **call, return_lse=lse),
-        program.reference(q, k, v, *extra, **descales, **call, return_lse=lse),
-        program.reference(q, k, v, *extra, **descales, **call, return_lse=lse, dtype=torch.float32),
-    ]
-    (out, ref, naive), lses = zip(*results) if lse else (results, None)
+    got = program(q, k, v, *extra, **descales, **given, **call, return_lse=lse)
+    out, got_lse = got if lse else (got, None)
     assert out.dtype == (out_dtype or torch.bfloat16)
+    assert_within_bounds(program, qkv, descales, out, got_lse, extra, score_error, **call)
+
+
+def assert_within_bounds(program, qkv, descales, out, lse=None, extra=(), score_error=0.0, **call):
+    """``out`` (and ``lse``, where given) of a float8 call on ``qkv`` against the float64 reference, within the
+    bounds derived in the module's doc (``check``)."""
+    q, k, v = qkv
+    results = [
+        program.reference(q, k, v, *extra, **descales, **call, return_lse=lse is not None),
+        program.reference(q, k, v, *extra, **descales, **call, return_lse=lse is not None, dtype=torch.float32),
+    ]
+    (ref, naive), lses = zip(*results) if lse is not None else (results, None)
     v_abs = v.float().abs().to(v.dtype)  # exact
     pv = (P_ROUNDOFF[q.device.type] + math.expm1(2 * score_error)) * program.reference(
         q, k, v_abs, *extra, **descales, **call
     )
     u_out = OUT_ROUNDOFF[q.device.type][out.dtype]
     assert_matches_reference(out, ref, naive, dtype=torch.float32, rounding=pv + u_out * (ref.abs() + pv))
-    if lse:  # lse = log Σ_j exp(s_j) moves by at most score_error
-        assert lses[0].dtype == torch.float32
-        bound = torch.full_like(lses[1], score_error)
-        assert_matches_reference(*lses, dtype=torch.float32, what="lse", rounding=bound)
+    if lse is not None:  # lse = log Σ_j exp(s_j) moves by at most score_error
+        assert lse.dtype == torch.float32
+        bound = torch.full_like(lses[0], score_error)
+        assert_matches_reference(lse, *lses, dtype=torch.float32, what="lse", rounding=bound)
 
 
 @af.attention
@@ -287,11 +295,24 @@ def test_no_paged_cache():
         causal_softmax(q, pool_k, pool_v, **descales, block_table=table, kv_lens=lens)
 
 
-def test_no_packed_sequences():
-    (q, k, v), descales = fp8_inputs(torch.float8_e4m3fn, per_head=False)
-    cu = torch.tensor([0, 15, 40], dtype=torch.int32)
-    with pytest.raises(af.UnsupportedError, match=r"packed sequences \(cu_seqlens_q, cu_seqlens_k\)"):
-        causal_softmax(q[:1], k[:1], v[:1], **descales, cu_seqlens_q=cu, cu_seqlens_k=cu)
+@pytest.mark.parametrize("per_head", [False, True], ids=["per-tensor", "per-head"])
+def test_packed_sequences(per_head):
+    """Packed documents (lengths 0 and 1 among them, GQA): each document's rows of out and lse against the
+    float64 reference of that document alone."""
+    lengths = [13, 0, 1, 26]
+    total = sum(lengths)
+    (q, k, v), descales = fp8_inputs(torch.float8_e4m3fn, per_head, Nq=total, Nk=total)
+    q, k, v = q[:1], k[:1], v[:1]
+    descales = {name: d[:1] for name, d in descales.items()}
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    out, lse = causal_softmax(
+        q, k, v, **descales, out_dtype=torch.float32, cu_seqlens_q=cu, cu_seqlens_k=cu, return_lse=True
+    )
+    for start, n in zip(cu[:-1].tolist(), lengths):
+        if n:
+            rows = slice(start, start + n)
+            alone = [t[:, :, rows] for t in (q, k, v)]
+            assert_within_bounds(causal_softmax, alone, descales, out[:, :, rows], lse[:, :, rows])
 
 
 def test_no_descales_past_the_program_call():

@@ -184,8 +184,6 @@ def run_attention(
             }
         )
         check_inputs(q, k, v)
-        if fp8 is not None:
-            float8.refuse("packed sequences (cu_seqlens_q, cu_seqlens_k)")
         packed = check_packed(q, k, cu_seqlens_q, cu_seqlens_k)
     if q_offset is not None or k_offset is not None or seq_len is not None:
         check_inputs(q, k, v, paged=block_table is not None, kv_layout=kv_layout)
