@@ -117,6 +117,37 @@ def test_cache_and_positions_match_the_reference(call):
     assert_matches_reference(out, ref, ref_lowp, torch.float32, what="out")
 
 
+@pytest.mark.parametrize("name", ["causal", "sinks", "llama"])
+def test_packed_sequences_match_each_document_alone(name):
+    """Packed documents (lengths 0 and 1 among them, GQA, positions restarting per document): the call's mask
+    is that of the packed tensors as one sequence (``af.dropout_keep`` over (1, Hq, total_q, total_k)); each
+    document's out and gradients equal the float64 reference of that document alone with its block of the
+    mask."""
+    program = PROGRAMS.get(name) or {"llama": llama}[name]
+    lengths = [13, 0, 1, 26, 7]
+    total = sum(lengths)
+    q, k, v = (t.requires_grad_(True) for t in _qkv(B=1, Nq=total, Nk=total))
+    extras = _extras(name, q, k)
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    out, keep = _replayed(program, q, k, v, 0.3, seed=7, cu_seqlens_q=cu, cu_seqlens_k=cu, **extras)
+    assert 0.5 < keep.float().mean() < 0.9
+    dout = torch.randn(out.shape)
+    got = torch.autograd.grad(out, (q, k, v), dout)
+    for start, n in zip(cu[:-1].tolist(), lengths):
+        if n == 0:  # an empty document has no rows to compare
+            continue
+        rows = slice(start, start + n)
+        alone = [t.detach()[:, :, rows].requires_grad_(True) for t in (q, k, v)]
+        mask = keep[:, :, rows, rows]
+        ref64 = program.reference(*alone, dropout_p=0.3, dropout_mask=mask, **extras)
+        ref32 = program.reference(*alone, dropout_p=0.3, dropout_mask=mask, dtype=torch.float32, **extras)
+        assert_matches_reference(out[:, :, rows], ref64, ref32, torch.float32, what=f"out of document {start}")
+        want64 = torch.autograd.grad(ref64, alone, dout[:, :, rows].double())
+        want32 = torch.autograd.grad(ref32, alone, dout[:, :, rows])
+        for what, a, b, c in zip(("dq", "dk", "dv"), got, want64, want32):
+            assert_matches_reference(a[:, :, rows], b, c, torch.float32, what=f"{what} of document {start}")
+
+
 def test_hoisted_qk_transforms_match_the_reference():
     """With rope hoisted into passes, forward and backward still drop the replayed mask."""
     q, k, v = (t.requires_grad_(True) for t in _qkv(Hq=2, Hkv=1, Nq=48, Nk=48))
@@ -225,9 +256,6 @@ def test_refused_where_not_supported():
     table = torch.tensor([[1]], dtype=torch.int32)
     with pytest.raises(af.UnsupportedError, match=r"dropout_p > 0 is not supported with a paged cache \(block_table\)"):
         causal(q, pool, pool, kv_lens=torch.tensor([8]), block_table=table, dropout_p=0.1)
-    cu = torch.tensor([0, 3, 8])
-    with pytest.raises(af.UnsupportedError, match=r"dropout_p > 0 is not supported with packed sequences"):
-        causal(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, dropout_p=0.1)
     before = torch.get_rng_state()
     with pytest.raises(af.UnsupportedError):
         causal(q, pool, pool, kv_lens=torch.tensor([8]), block_table=table, dropout_p=0.1)

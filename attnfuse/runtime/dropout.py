@@ -107,11 +107,10 @@ def refuse(feature: str) -> UnsupportedError:
     return UnsupportedError(f"dropout_p > 0 is not supported with {feature}; call it with dropout_p=0")
 
 
-def refuse_dropout_with(*, paged: bool, packed: bool, split_kv: bool) -> None:
+def refuse_dropout_with(*, paged: bool, split_kv: bool) -> None:
     """Raise ``refuse``'s error for the first feature a call with dropout gives that does not take it."""
     for given, feature in (
         (paged, "a paged cache (block_table)"),
-        (packed, "packed sequences (cu_seqlens_q, cu_seqlens_k)"),
         (split_kv, "the split-KV decoding path (split_kv=True)"),
     ):
         if given:

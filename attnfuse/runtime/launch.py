@@ -319,7 +319,7 @@ def _decide(
     kv = check_cache(q, k, v, kv_lens, block_table, kv_layout)._replace(positions=positions, packed=packed)
     check_input_names(graph, inputs)
     if dropout:
-        refuse_dropout_with(paged=block_table is not None, packed=packed is not None, split_kv=bool(split_kv))
+        refuse_dropout_with(paged=block_table is not None, split_kv=bool(split_kv))
     has_lse = keeps_lse(graph, return_lse)
     if grads is not None and block_table is not None:
         raise InputError("gradients through a paged cache are not supported; pass contiguous k and v to train")

@@ -33,11 +33,18 @@ def dropout_setup(kernel: LoweredProgram) -> str:
 _SETUP = f"drop_seed = tl.load({STATE})\ndrop_offset = tl.load({STATE} + 1)\n"
 
 
-def _keep() -> str:
+def _keep(packed: bool = False) -> str:
     """``drop_keep`` (BLOCK_M, BLOCK_N) of the tile of rows ``q_idx`` and keys ``k_idx`` of head ``h`` of
-    batch ``b``: whether dropout keeps each weight."""
+    batch ``b``: whether dropout keeps each weight. ``packed`` (``KernelConfig.varlen``): the rows and keys are
+    a document's (``packed.document``), numbered by their place in the packed weights (1, Hq, TOTAL_Q, TOTAL_K),
+    so a call's mask is the one of the packed tensors as a single sequence."""
+    if packed:
+        rows, keys, n_rows, n_keys = "(q_start + q_idx)", "(k_start + k_idx)", "TOTAL_Q", "TOTAL_K"
+    else:
+        rows, keys, n_rows, n_keys = "q_idx", "k_idx", "Nq", "N_K"
     return (
-        "drop_index = ((b * HQ + h).to(tl.int64) * Nq + q_idx[:, None]) * N_K + k_idx[None, :] + drop_offset\n"
+        f"drop_index = ((b * HQ + h).to(tl.int64) * {n_rows} + {rows}[:, None]) * {n_keys} + {keys}[None, :]"
+        " + drop_offset\n"
         f"drop_keep = tl.rand(drop_seed, drop_index) >= {P}\n"
     )
 
@@ -47,14 +54,17 @@ def dropped_weights(kernel: LoweredProgram) -> str:
     them before)."""
     if not kernel.config.dropout:
         return ""
-    return f"# dropout: each weight kept with probability 1 - {P}, scaled by {SCALE}\n{_keep()}" + (
+    keep = _keep(kernel.config.varlen)
+    return f"# dropout: each weight kept with probability 1 - {P}, scaled by {SCALE}\n{keep}" + (
         f"p = tl.where(drop_keep, p * {SCALE}, 0.0)\n"
     )
 
 
 def regenerated_keep(kernel: LoweredProgram) -> str:
     """Backward, per tile: ``drop_keep``, the forward's mask regenerated."""
-    return f"# dropout: the forward's mask, regenerated\n{_keep()}" if kernel.config.dropout else ""
+    if not kernel.config.dropout:
+        return ""
+    return f"# dropout: the forward's mask, regenerated\n{_keep(kernel.config.varlen)}"
 
 
 def backward_weights(kernel: LoweredProgram) -> tuple[str, str]:
