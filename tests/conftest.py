@@ -67,6 +67,16 @@ def pytest_runtest_makereport(item, call):
         )
 
 
+def pytest_runtest_logreport(report):
+    """With ATTNFUSE_FAILURES_LOG set (the GPU sessions' scripts set it), each failure's report is appended to
+    that file as it happens, so a run stopped by its time limit still says what failed and why (the pytest-xdist
+    controller writes it, once)."""
+    path = os.environ.get("ATTNFUSE_FAILURES_LOG")
+    if report.failed and path and "PYTEST_XDIST_WORKER" not in os.environ:
+        with open(path, "a") as log:
+            log.write(f"=== {report.nodeid} ({report.when})\n{report.longreprtext[-4000:]}\n")
+
+
 def fuzz_examples(cpu_default: int, gpu_default: int) -> int:
     """ATTNFUSE_FUZZ_EXAMPLES overrides; otherwise a small count under the interpreter, more on a GPU."""
     return int(os.environ.get("ATTNFUSE_FUZZ_EXAMPLES", gpu_default if CUDA else cpu_default))
