@@ -462,10 +462,10 @@ def test_capability_names_no_combinator(third_party_normalisers):
 
 @pytest.fixture
 def fresh_library():
-    """``instance._library`` read again for the test, and again after it."""
-    instance._library.cache_clear()
+    """The library modules' sources (``instance._module_source``) read again for the test, and again after it."""
+    instance._module_source.cache_clear()
     yield
-    instance._library.cache_clear()
+    instance._module_source.cache_clear()
 
 
 def test_record_key_names_the_program_dtype_and_head_dim():
@@ -480,8 +480,19 @@ def test_record_key_names_the_program_dtype_and_head_dim():
     assert all(k.startswith("forward/") for k in keys)
 
 
-@pytest.mark.parametrize("changed", ["pipeline.py", "rows.py"])
-def test_record_key_changes_with_the_template_library(changed, fresh_library, monkeypatch):
+@pytest.mark.parametrize(
+    "changed, changes",
+    [
+        ("pipeline.py", True),
+        ("rows.py", True),
+        ("launch.py", True),
+        ("template_rows.py", True),
+        ("dkdv_pipeline.py", False),
+    ],
+)
+def test_record_key_changes_with_the_template_library(changed, changes, fresh_library, monkeypatch):
+    """A forward instance's key follows the modules its source imports and those that launch it, and not a module
+    it does not import (the dK/dV template's)."""
     spec = _forward_spec(_graph("causal"))
     before = verified.record_key(spec, "bfloat16", 128)
     read_text = Path.read_text
@@ -490,9 +501,9 @@ def test_record_key_changes_with_the_template_library(changed, fresh_library, mo
         text = read_text(path, *args, **kwargs)
         return text + "\n# edited\n" if Path(path).name == changed else text
 
-    instance._library.cache_clear()
+    instance._module_source.cache_clear()
     monkeypatch.setattr(Path, "read_text", edited)
-    assert verified.record_key(spec, "bfloat16", 128) != before
+    assert (verified.record_key(spec, "bfloat16", 128) != before) is changes
 
 
 def test_record_key_changes_with_the_tiles_an_instance_launches_with(monkeypatch):
