@@ -33,7 +33,7 @@ from attrs import frozen
 
 from ..errors import InputError
 from ..triton_compat import GluonASTSource, GPUTarget, gl, knobs
-from ..launch_spec import CONSTEXPR, SCALAR, TENSOR
+from ..launch_spec import CONSTEXPR, TENSOR
 from ..passes.compiler import compile as compile_plan
 from ..plan import KernelConfig, KernelSpec, Plan
 from ..runtime.hopper import _ROW_LAYOUT, DKDV_BLOCK_M
@@ -42,6 +42,7 @@ from . import pipeline, verify
 from .tiles import SHARED_MEMORY_LIMIT
 
 DTYPES = {"float16": (gl.float16, "fp16"), "bfloat16": (gl.bfloat16, "bf16")}  # dtype -> (Gluon's, Triton's)
+INDEX_LIKE = re.compile(r"(num|idx|index|count|active|lens|order)$")  # a plugin tensor's name read as int32
 SECTION = "template_resources"  # its marked section of docs/benchmarks.md (--markdown-section)
 _CARRIED = {"Q", "K", "V", "Out"}  # the forward's tensors, in the call's dtype; Lse is float32
 KERNELS = ("forward", "dkdv")  # the template kinds compiled here
@@ -103,10 +104,15 @@ def variant_plan(variant: str, dtype: str, head_dim: int) -> Plan:
 def signature(spec: KernelSpec, dtype: str, head_dim: int, save_lse: bool, group_sum: str = "none") -> dict[str, str]:
     """Triton's types of the parameters of ``spec`` (a forward or dK/dV instance) for tensors of ``dtype`` and
     ``head_dim``, as the runtime launches it (``kernels/launch.py``); the types ``_launch_types`` does not name
-    are the launch spec's kinds (a plugin's tensors float32, its strides and sizes int32)."""
-    kinds = {CONSTEXPR: "constexpr", SCALAR: "fp32", TENSOR: "*fp32"}
-    named = _launch_types(spec, dtype, head_dim, save_lse, group_sum)
-    return {p.name: named.get(p.name) or kinds.get(p.kind, "i32") for p in spec.launch.params}
+    are the launch spec's kinds: a plugin's tensors float32 (int32 where their names say they hold indices or
+    counts, ``INDEX_LIKE``, as a block list's), its scalars, strides and sizes int32."""
+    kinds = {CONSTEXPR: "constexpr", TENSOR: "*fp32"}
+    named = {"sm_scale": "fp32", "qk_scale": "fp32", **_launch_types(spec, dtype, head_dim, save_lse, group_sum)}
+
+    def plugin_type(name: str, kind: str) -> str:
+        return "*i32" if kind == TENSOR and INDEX_LIKE.search(name) else kinds.get(kind, "i32")
+
+    return {p.name: named.get(p.name) or plugin_type(p.name, p.kind) for p in spec.launch.params}
 
 
 def _launch_types(spec: KernelSpec, dtype: str, head_dim: int, save_lse: bool, group_sum: str) -> dict[str, str]:
