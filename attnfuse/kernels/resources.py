@@ -84,9 +84,9 @@ class Resources:
 
 
 def variant_plan(variant: str, dtype: str, head_dim: int) -> Plan:
-    """The sm90 plan of ``verify.VARIANTS[variant]`` (GQA group 2; the hoisted plan, which is the one that
+    """The sm90 plan of ``verify.FORWARD_VARIANTS[variant]`` (GQA group 2; the hoisted plan, which is the one that
     runs the template, where the program's transforms are hoisted)."""
-    program, extra = verify.VARIANTS[variant]
+    program, extra = verify.FORWARD_VARIANTS[variant]
     graph = program.graph(**extra(4, 64, 64, "cpu"))
     config = KernelConfig(
         arch="sm90",
