@@ -291,7 +291,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--markdown", action="store_true", help="print the section (the default)")
     parser.add_argument("--markdown-section", metavar="PATH", help="write the section into the page PATH instead")
-    parser.add_argument("--variants", nargs="+", default=list(verify.VARIANTS), choices=list(verify.VARIANTS))
+    parser.add_argument(
+        "--variants", nargs="+", default=list(verify.VARIANTS), choices=list(verify.FORWARD_VARIANTS),
+        help="default: verify.VARIANTS; the listed ones (verify.LISTED_VARIANTS) by name",
+    )
     parser.add_argument("--head-dims", nargs="+", type=int, default=list(verify.HEAD_DIMS), choices=verify.HEAD_DIMS)
     parser.add_argument("--dtypes", nargs="+", default=list(verify.DTYPES), choices=list(DTYPES))
     parser.add_argument("--kernels", nargs="+", default=list(KERNELS), choices=KERNELS)
