@@ -33,7 +33,7 @@ from attrs import frozen
 
 from ..errors import InputError
 from ..triton_compat import GluonASTSource, GPUTarget, gl, knobs
-from ..launch_spec import CONSTEXPR, TENSOR
+from ..launch_spec import CONSTEXPR, SCALAR, TENSOR
 from ..passes.compiler import compile as compile_plan
 from ..plan import KernelConfig, KernelSpec, Plan
 from ..runtime.hopper import _ROW_LAYOUT, DKDV_BLOCK_M
@@ -43,6 +43,7 @@ from .tiles import SHARED_MEMORY_LIMIT
 
 DTYPES = {"float16": (gl.float16, "fp16"), "bfloat16": (gl.bfloat16, "bf16")}  # dtype -> (Gluon's, Triton's)
 INDEX_LIKE = re.compile(r"(num|idx|index|count|active|lens|order)$")  # a plugin tensor's name read as int32
+_LIST_SIZE = re.compile(r"^\s*list_size = (\w+)\b", re.M)  # the scalar a listing mask's block size names (listed.py)
 SECTION = "template_resources"  # its marked section of docs/benchmarks.md (--markdown-section)
 _CARRIED = {"Q", "K", "V", "Out"}  # the forward's tensors, in the call's dtype; Lse is float32
 KERNELS = ("forward", "dkdv")  # the template kinds compiled here
@@ -105,9 +106,11 @@ def signature(spec: KernelSpec, dtype: str, head_dim: int, save_lse: bool, group
     """Triton's types of the parameters of ``spec`` (a forward or dK/dV instance) for tensors of ``dtype`` and
     ``head_dim``, as the runtime launches it (``kernels/launch.py``); the types ``_launch_types`` does not name
     are the launch spec's kinds: a plugin's tensors float32 (int32 where their names say they hold indices or
-    counts, ``INDEX_LIKE``, as a block list's), its scalars, strides and sizes int32."""
-    kinds = {CONSTEXPR: "constexpr", TENSOR: "*fp32"}
-    named = {"sm_scale": "fp32", "qk_scale": "fp32", **_launch_types(spec, dtype, head_dim, save_lse, group_sum)}
+    counts, ``INDEX_LIKE``, as a block list's), its scalars float32 (int32: a listing mask's block size, which
+    the instance divides rows by), its strides and sizes int32."""
+    kinds = {CONSTEXPR: "constexpr", SCALAR: "fp32", TENSOR: "*fp32"}
+    named = _launch_types(spec, dtype, head_dim, save_lse, group_sum)
+    named |= {name: "i32" for name in _LIST_SIZE.findall(spec.source)}
 
     def plugin_type(name: str, kind: str) -> str:
         return "*i32" if kind == TENSOR and INDEX_LIKE.search(name) else kinds.get(kind, "i32")
