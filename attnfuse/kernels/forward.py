@@ -49,7 +49,7 @@ def ${name}_consumer(
     full_start, full_end, Q, K, V, Out, Lse, Nq, N_K, HQ, GROUP, sm_scale, qk_scale, ${plugin_args}
     HALF_ID: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SAVE_LSE: gl.constexpr,
 ):  # fmt: skip
-    """One warpgroup: rows m0 + HALF_ID * 64.. over key blocks start + j * BLOCK_N, j < n_steps."""
+    """One warpgroup: rows m0 + HALF_ID * 64.. over ${keys}."""
 $layouts
     S_LAYOUT: gl.constexpr = warpgroup_layout(BLOCK_N)
     O_LAYOUT: gl.constexpr = warpgroup_layout(DV)
@@ -116,7 +116,7 @@ def ${name}_careful(
     Q, K, V, Out, q_desc, k_desc, v_desc, o_desc, Lse, pid_bh, first, start, n_keys, Nq, N_K, HQ, GROUP,
     sm_scale, qk_scale, ${plugin_args} SAVE_LSE: gl.constexpr,
 ):  # fmt: skip
-    """The careful redo of rows first.. (64) over keys [start, start + n_keys), CAREFUL_COLUMNS of out at a
+    """The careful redo of rows first.. (64) over ${careful_keys}, CAREFUL_COLUMNS of out at a
     time."""
     DV: gl.constexpr = v_desc.block_type.shape[3]
     b = pid_bh // HQ
@@ -134,7 +134,7 @@ def ${name}_careful_columns(
     Q, K, V, Out, q_desc, k_desc, v_desc, o_desc, Lse, pid_bh, b, h, hk, first, start, n_keys, Nq, N_K, HQ,
     GROUP, sm_scale, qk_scale, ${plugin_args} SAVE_LSE: gl.constexpr, C0: gl.constexpr,
 ):  # fmt: skip
-    """Rows first.. (64), out's columns [C0, C0 + CAREFUL_COLUMNS), redone over keys [start, start + n_keys),
+    """Rows first.. (64), out's columns [C0, C0 + CAREFUL_COLUMNS), redone over ${careful_keys},
     16 at a time, with mma.sync in registers: masked keys' non-finite values are kept out of P·V, and
     out[r, c] is NaN where row r keeps a key whose value in column c is not finite. Writes out and (with the
     first columns) lse itself."""
@@ -343,10 +343,14 @@ def generate_forward(kernel: LoweredProgram, name: str, consumer_registers: int,
         signature=kernel.signature,
         listing=docstring_text(kernel.listing),
     )
-    common = {"name": name, "plugin_args": args, "layouts": _LAYOUTS, "prologues": prologues, "init": init}
     m = listing_mask(kernel)
+    common = {
+        "name": name, "plugin_args": args, "layouts": _LAYOUTS, "prologues": prologues, "init": init,
+        "careful_keys": "keys [start, start + n_keys)" if m is None else listed.CAREFUL_KEYS,
+    }  # fmt: skip
     consumer = _CONSUMER.substitute(
         common,
+        keys="key blocks start + j * BLOCK_N, j < n_steps" if m is None else listed.KEYS,
         first_key="    start_n = start" if m is None else listed.first_key(m),
         step_key="        start_n = start + j * BLOCK_N" if m is None else listed.step_key(m),
         tile=_indent(tile, 4),

@@ -20,6 +20,8 @@ from ..passes.lower import Instance, LoweredProgram
 from .gluon_text import for_template
 
 IMPORT = "from attnfuse.kernels.listed_pipeline import load_key_block, load_query_tiles\n"
+KEYS = "the n_steps tiles of the key blocks listed for them (step j: tile j % list_tiles of the j // list_tiles-th)"
+CAREFUL_KEYS = "the key blocks listed for them"
 
 _LOADER = string.Template('''
 @gluon.jit
