@@ -229,10 +229,16 @@ $loader
     )
 ''')
 
-_STEPS = "    n_steps = tl.maximum(tl.cdiv(hi - start, BLOCK_N), 1)  # at least one: rows with no key get the init's out"
-_LOADER = """\
-                forward_loader,
-                (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, bars, b, h, hk, m0, start, n_steps, BLOCK_N, STAGES),"""
+# The kernel's steps and loader of a program without a listing mask (``kernels/listed.py`` writes a listed one's)
+_STEPS = (
+    "    n_steps = tl.maximum(tl.cdiv(hi - start, BLOCK_N), 1)  # at least one: rows with no key get the init's out"
+)
+_LOADER = (
+    "                forward_loader,\n"
+    "                (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, bars, b, h, hk, m0, start, n_steps, BLOCK_N, "
+    "STAGES),"
+)
+_CAREFUL_LOOP = "    for start_n in range(start, start + n_keys, BLOCK_N):"
 
 _LAYOUTS = """\
     BLOCK_M: gl.constexpr = ROWS
@@ -362,7 +368,7 @@ def generate_forward(kernel: LoweredProgram, name: str, consumer_registers: int,
     )
     careful = _CAREFUL.substitute(
         common,
-        careful_loop="    for start_n in range(start, start + n_keys, BLOCK_N):" if m is None else listed.careful_loop(m),
+        careful_loop=_CAREFUL_LOOP if m is None else listed.careful_loop(m),
         careful_tile=_indent(careful_tile, 8),
         careful_rescale=_indent(careful_rescale, 8),
         careful_finalize=_finalize(kernel, 4),

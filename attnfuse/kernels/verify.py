@@ -118,10 +118,9 @@ def _listed_variants() -> dict[str, tuple[Callable, Callable]]:
         ),
         "block_sparse_tokens": (
             af.attention(
-                lambda q, k, v, block_mask: af.softmax(
-                    af.block_sparse(af.causal(af.scaled_dot_product(q, k)), block_mask)
+                lambda q, k, v, block_mask: (
+                    af.softmax(af.block_sparse(af.causal(af.scaled_dot_product(q, k)), block_mask)) @ v
                 )
-                @ v
             ),
             _document_tokens,
         ),
