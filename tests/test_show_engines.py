@@ -249,3 +249,35 @@ def test_a_bad_templates_mode_is_a_clear_error(capsys, monkeypatch):
     captured = capsys.readouterr()
     assert code == 2 and captured.out == ""
     assert "ATTNFUSE_TEMPLATES must be one of verified, all, off, got 'sometimes'" in captured.err
+
+
+@af.attention
+def sparse_causal(q, k, v, block_mask):
+    return af.softmax(af.block_sparse(af.causal(af.scaled_dot_product(q, k)), block_mask)) @ v
+
+
+@pytest.mark.parametrize("mode", ["verified", "all"])
+@pytest.mark.parametrize("head_dim", [64, 256])
+def test_a_block_sparse_call_names_the_forward_template_and_its_block_size_condition(
+    capsys, monkeypatch, mode, head_dim
+):
+    """A program whose mask lists its blocks has a forward instance (opt-in until a GPU verifies it), which a call
+    runs where its block size is one the template follows; its dK/dV kernel is the generated one, and says why."""
+    monkeypatch.setenv(verified.MODE_ENV, mode)
+    report = show_json(capsys, f"{__name__}:sparse_causal", "--arch", "sm90", "--head-dim", str(head_dim))
+    mask = af.create_block_mask_from_blocks(lambda b, h, qb, kb: qb >= kb, None, None, 256, 256)
+    config = KernelConfig(
+        arch="sm90", dtype="bfloat16", head_dim=head_dim, head_dim_v=head_dim, group=1, save_lse=False,
+        fp32_precision="ieee",
+    )
+    plan = compiled(sparse_causal.graph(block_mask=mask), config).plan
+    forward, spec = report["kernels"]["forward"], plan.templates.kernels["forward"]
+    assert forward["template_available"] is True
+    assert forward["instance"] == verified.record_key(spec, "bfloat16", head_dim)
+    assert (forward["engine"] == "template") is (mode == "all") is (template_forward(plan) is not None)
+    assert forward["name"] == (spec.name if mode == "all" else plan.kernels["forward"].name)
+    assert "multiple of 128" in forward["condition"]
+    dkdv = report["kernels"]["dkdv"]
+    assert dkdv["engine"] == "generated" and dkdv["template_available"] is False
+    assert "condition" not in dkdv
+    assert ("lists its blocks" in dkdv["reason"]) is (head_dim == 64)  # at 256: it has no tiles for the head dim

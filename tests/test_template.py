@@ -43,8 +43,8 @@ TEMPLATE_DTYPES = ("bfloat16", "float16")
 
 
 def _graph(variant: str):
-    """The graph of ``verify.VARIANTS[variant]`` (its runtime inputs made for a small CPU shape)."""
-    program, extra = verify.VARIANTS[variant]
+    """The graph of ``verify.FORWARD_VARIANTS[variant]`` (its runtime inputs made for a small CPU shape)."""
+    program, extra = verify.FORWARD_VARIANTS[variant]
     return program.graph(**extra(4, 48, 64, "cpu"))
 
 
@@ -265,7 +265,7 @@ def test_assigned_reads_tuples_and_annotations_once():
 # 3. capability.forward_reason
 
 
-@pytest.mark.parametrize("variant", sorted(verify.VARIANTS))
+@pytest.mark.parametrize("variant", sorted(verify.FORWARD_VARIANTS))
 @pytest.mark.parametrize("dtype", TEMPLATE_DTYPES)
 @pytest.mark.parametrize("head_dim", HEAD_DIMS)
 def test_the_template_serves_every_verified_variant(variant, dtype, head_dim):
@@ -286,7 +286,7 @@ def _undefined(source: str) -> list[str]:
     return sorted(n for n in read - module if not hasattr(builtins, n))
 
 
-@pytest.mark.parametrize("variant", sorted(verify.VARIANTS))
+@pytest.mark.parametrize("variant", sorted(verify.FORWARD_VARIANTS))
 @pytest.mark.parametrize("head_dim", HEAD_DIMS)
 def test_served_instances_splice_into_complete_gluon_text(variant, head_dim):
     """Each served instance's source (generated, not compiled) is Python, creates no tensor without a layout
@@ -351,12 +351,14 @@ def _block_sparse(q, k, v, block_mask):
     return af.softmax(af.block_sparse(af.causal(af.scaled_dot_product(q, k)), block_mask)) @ v
 
 
-def test_forward_reason_refuses_a_mask_that_lists_its_blocks():
+def test_a_mask_that_lists_its_blocks_runs_the_forward_template_and_not_the_dkdv_one():
     keep = torch.rand(1, 2, 2, 2) < 0.7
     block_mask = af.create_block_mask_from_blocks(
         lambda b, h, qb, kb: (qb == kb) | keep[b, h, qb, kb], 1, 2, 256, 256, block_size=128
     )
-    reason = capability.forward_reason(lowered(_block_sparse.graph(block_mask), SM90))
+    kernel = lowered(_block_sparse.graph(block_mask), SM90)
+    assert capability.forward_reason(kernel) is None
+    reason = capability.dkdv_reason(kernel)
     assert reason is not None and "block_sparse" in reason and "lists its blocks" in reason
 
 
@@ -609,7 +611,7 @@ def test_record_is_empty_when_nothing_passed():
 def test_cases_cover_every_variant_head_dim_and_dtype():
     found = verify.cases()
     covered = {(c.variant, c.head_dim, c.dtype) for c in found if not c.poison}
-    assert covered == {(v, d, t) for v in verify.VARIANTS for d in verify.HEAD_DIMS for t in verify.DTYPES}
+    assert covered == {(v, d, t) for v in verify.FORWARD_VARIANTS for d in verify.HEAD_DIMS for t in verify.DTYPES}
     assert set(verify.HEAD_DIMS) == set(HEAD_DIMS) and set(verify.DTYPES) == set(TEMPLATE_DTYPES)
     assert len({c.id for c in found}) == len(found)  # each case its own test id
     assert all(c.shape[1] % c.shape[2] == 0 for c in found)  # (B, Hq, Hkv, Nq, Nk)
@@ -638,7 +640,7 @@ def recorder(monkeypatch):
     return _Recorder
 
 
-@pytest.mark.parametrize("variant", sorted(verify.VARIANTS))
+@pytest.mark.parametrize("variant", sorted(verify.FORWARD_VARIANTS))
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_cpu_plans_have_no_template(variant, dtype, recorder, monkeypatch):
     monkeypatch.setenv(verified.MODE_ENV, "all")

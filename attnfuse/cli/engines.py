@@ -9,6 +9,7 @@ from attrs import evolve, frozen
 from .. import ir
 from ..kernels.generated_resources import generated_resources
 from ..kernels.instance import TEMPLATE_KINDS
+from ..kernels.pipeline import ROWS
 from ..kernels.resources import template_resources
 from ..kernels.tiles import SHARED_MEMORY_LIMIT
 from ..kernels.verified import MODE_ENV, chosen, is_verified, mode, record_key
@@ -19,7 +20,11 @@ from ..runtime.hoisted import least_hoisted_queries
 NOT_VERIFIED = f"instance not verified on a GPU ({MODE_ENV}=all opts in)"
 TEMPLATES_OFF = f"the templates are turned off ({MODE_ENV}=off)"
 NO_SPLIT_KV = "{what} never takes the split-KV path: a call with few queries runs the forward kernel"
-HOISTED_KINDS = ("forward", "dkdv", "dq")  # a call that hoists its qk transforms runs the hoisted plan's
+HOISTED_KINDS = ("forward", "dkdv", "dq")
+LISTED_CONDITION = (  # capability.block_list_reason
+    f"the template runs calls whose block lists' block size is a multiple of {2 * ROWS.value} (a program's query "
+    "rows), the generated kernel the others"
+)  # a call that hoists its qk transforms runs the hoisted plan's
 
 
 @frozen(kw_only=True)
@@ -29,7 +34,8 @@ class KernelEngine:
     spec where the templates can run the kind, and ``instance`` its record key; ``config``: the plan's
     configuration (with ``template``, what a compile report of the instance reads). ``hoisted``: the kernel of
     the plan for transformed rows, which a call hoisting its qk transforms runs (``fused``: the kernel shorter
-    calls run, with the transforms inside, and ``when``: which calls hoist)."""
+    calls run, with the transforms inside, and ``when``: which calls hoist). ``condition``: what a call must meet
+    for the template's instance to run (else it runs the generated kernel), where there is a condition."""
 
     kind: str
     engine: str
@@ -43,6 +49,7 @@ class KernelEngine:
     when: str | None = None
     fused: KernelEngine | None = None
     resources: dict | None = None  # with_resources's figures, where asked for
+    condition: str | None = None
 
     def fields(self) -> dict:
         """The JSON object ``attnfuse show --json`` prints for this kernel."""
@@ -59,6 +66,8 @@ class KernelEngine:
             fields.update(self.resources)
         if self.fused is not None:
             fields.update(when=self.when, fused=self.fused.fields())
+        if self.condition is not None:
+            fields["condition"] = self.condition
         return fields
 
     def lines(self) -> list[str]:
@@ -77,6 +86,8 @@ class KernelEngine:
         else:
             head = "generated"
         words = head if self.reason is None else f"{head} — {self.reason}"
+        if self.condition is not None:
+            words = f"{words}; {self.condition}"
         if self.resources is None:
             return words
         r = self.resources
@@ -133,6 +144,8 @@ def call_engines(graph: ir.MatMulPV, inference: KernelConfig, training: KernelCo
             hoisted = kernel_engine(compiled(graph, plan.hoisted_config).plan, kind)
             least = least_hoisted_queries(plan.kernels["forward"].tiles.block_m)
             engine = evolve(hoisted, hoisted=True, when=f"calls with at least {least} queries", fused=engine)
+        if kind == "forward" and engine.template is not None and plan.block_limit is not None:
+            engine = evolve(engine, condition=LISTED_CONDITION)
         if kind in ("dkdv", "dq") and inference.dtype.startswith("float8"):
             engine = evolve(engine, reason="float8 calls have no backward (a gradient is an UnsupportedError)")
         if kind == "decode" and (inference.dropout or inference.dtype.startswith("float8")):

@@ -5,8 +5,10 @@ from a combinator's name. Each check that fails gives the reason the kernel fall
 from __future__ import annotations
 
 from ..passes.codegen.common import split
+from ..passes.codegen.loops import listing_mask
 from ..passes.lower import LoweredProgram
 from .gluon_text import row_rescale
+from .pipeline import ROWS
 from .tiles import DKDV_TILES, FORWARD_TILES
 
 TEMPLATE_DTYPES = ("float16", "bfloat16")
@@ -14,7 +16,7 @@ TEMPLATE_DTYPES = ("float16", "bfloat16")
 
 def _common_reason(kernel: LoweredProgram, template: str, tiles: dict) -> str | None:
     """Why the ``template`` template, with ``tiles`` by head dim, cannot run ``kernel`` for what every template
-    refuses (its configuration, its masks' block lists, a qk transform inside the kernel), or None."""
+    refuses (its configuration, a qk transform inside the kernel), or None."""
     c = kernel.config
     if c.arch != "sm90":
         return f"the templates are built for sm90 (Hopper), not {c.arch}"
@@ -37,10 +39,20 @@ def _common_reason(kernel: LoweredProgram, template: str, tiles: dict) -> str | 
             return f"the {template} template does not take {what} yet"
     if split(kernel):
         return "a qk transform applied inside the kernel (the template runs them hoisted into a pass)"
-    listing = next((m for m in kernel.masks if m.fragment.block_list is not None), None)
-    if listing is not None:
-        return f"{listing.prefix} lists its blocks, and the template does not follow block lists yet"
     return None
+
+
+def block_list_reason(block_size: int | None) -> str | None:
+    """Why the forward template cannot follow, in a call, block lists of ``block_size`` (the listing mask's block
+    size, ``Prepared.limit``; None: no listing mask), or None when it can: a program's query rows must lie in one
+    of the lists' query blocks."""
+    rows = 2 * ROWS.value
+    if block_size is None or (block_size > 0 and block_size % rows == 0):
+        return None
+    return (
+        f"the forward template follows block lists whose block size is a multiple of {rows} (a program's query "
+        f"rows), not {block_size}"
+    )
 
 
 def forward_reason(kernel: LoweredProgram) -> str | None:
@@ -72,6 +84,9 @@ def dkdv_reason(kernel: LoweredProgram) -> str | None:
             f"{norm.prefix} needs delta but saves no lse: the template reads delta from the rows it makes of lse "
             "(runtime/template_rows.py)"
         )
+    listing = listing_mask(kernel)
+    if listing is not None:
+        return f"{listing.prefix} lists its blocks, and the dK/dV template does not follow block lists yet"
     no_grad = next((m for m in kernel.mods if m.fragment.grad is None), None)
     if no_grad is not None:
         return f"{no_grad.prefix} declares no backward (its grad is None)"

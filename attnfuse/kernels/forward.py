@@ -17,11 +17,14 @@ from __future__ import annotations
 
 import string
 
+import attrs
+
 from ..launch_spec import CONSTEXPR, INT, SCALAR, TENSOR, Param, params
 from ..passes.codegen.common import docstring_text
-from ..passes.codegen.loops import key_range
+from ..passes.codegen.loops import key_range, listing_mask
 from ..passes.codegen.scores import folded_scale
 from ..passes.lower import LoweredProgram
+from . import listed
 from .gluon_text import assigned, for_template, row_rescale
 
 RESCALE = "acc_rows"  # the row factor an update's ``acc = acc * f[:, None]`` becomes
@@ -46,7 +49,7 @@ def ${name}_consumer(
     full_start, full_end, Q, K, V, Out, Lse, Nq, N_K, HQ, GROUP, sm_scale, qk_scale, ${plugin_args}
     HALF_ID: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SAVE_LSE: gl.constexpr,
 ):  # fmt: skip
-    """One warpgroup: rows m0 + HALF_ID * 64.. over key blocks start + j * BLOCK_N, j < n_steps."""
+    """One warpgroup: rows m0 + HALF_ID * 64.. over ${keys}."""
 $layouts
     S_LAYOUT: gl.constexpr = warpgroup_layout(BLOCK_N)
     O_LAYOUT: gl.constexpr = warpgroup_layout(DV)
@@ -67,7 +70,7 @@ $prologues$init
     # Block 0: its weights; its P·V is issued in the next step, under block 1's score pipeline.
     mbarrier.wait(k_ready.index(0), 0)
     s = warpgroup_mma(q, k_smem.index(0).reshape([BLOCK_N, D]).permute((1, 0)), no_scores, use_acc=False)
-    start_n = start
+$first_key
 $tile
     o_acc = gl.zeros([BLOCK_M, DV], gl.float32, O_LAYOUT)
     for j in range(1, n_steps):
@@ -80,7 +83,7 @@ $tile
         v = v_smem.index(prev).reshape([BLOCK_N, DV])
         o_acc = warpgroup_mma(gl.convert_layout(p.to(dtype), P_LAYOUT), v, o_acc, is_async=True)
         s, _, _ = warpgroup_mma_wait(1, deps=(s_next, q, k))  # QKᵀ done; P·V may still run
-        start_n = start + j * BLOCK_N
+$step_key
 $loop_tile
         o_acc, _ = warpgroup_mma_wait(0, deps=(o_acc, v))
         mbarrier.arrive(kv_free.index(prev), count=1)
@@ -113,7 +116,7 @@ def ${name}_careful(
     Q, K, V, Out, q_desc, k_desc, v_desc, o_desc, Lse, pid_bh, first, start, n_keys, Nq, N_K, HQ, GROUP,
     sm_scale, qk_scale, ${plugin_args} SAVE_LSE: gl.constexpr,
 ):  # fmt: skip
-    """The careful redo of rows first.. (64) over keys [start, start + n_keys), CAREFUL_COLUMNS of out at a
+    """The careful redo of rows first.. (64) over ${careful_keys}, CAREFUL_COLUMNS of out at a
     time."""
     DV: gl.constexpr = v_desc.block_type.shape[3]
     b = pid_bh // HQ
@@ -131,7 +134,7 @@ def ${name}_careful_columns(
     Q, K, V, Out, q_desc, k_desc, v_desc, o_desc, Lse, pid_bh, b, h, hk, first, start, n_keys, Nq, N_K, HQ,
     GROUP, sm_scale, qk_scale, ${plugin_args} SAVE_LSE: gl.constexpr, C0: gl.constexpr,
 ):  # fmt: skip
-    """Rows first.. (64), out's columns [C0, C0 + CAREFUL_COLUMNS), redone over keys [start, start + n_keys),
+    """Rows first.. (64), out's columns [C0, C0 + CAREFUL_COLUMNS), redone over ${careful_keys},
     16 at a time, with mma.sync in registers: masked keys' non-finite values are kept out of P·V, and
     out[r, c] is NaN where row r keeps a key whose value in column c is not finite. Writes out and (with the
     first columns) lse itself."""
@@ -151,7 +154,7 @@ $layouts
 $prologues$init
     o_acc = gl.zeros([BLOCK_M, CAREFUL_COLUMNS], gl.float32, S_LAYOUT)
     poisoned = gl.zeros([BLOCK_M, CAREFUL_COLUMNS], gl.float32, S_LAYOUT)  # kept keys with a non-finite value
-    for start_n in range(start, start + n_keys, BLOCK_N):
+$careful_loop
         s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, S_LAYOUT)
         for d0 in gl.static_range(0, D, CAREFUL_COLUMNS):  # q·kᵀ a slice of the head dim at a time
             q = load_rows(Q, q_desc, b, h, first, Nq, BLOCK_M, A_OP, d0, CAREFUL_COLUMNS)
@@ -194,7 +197,7 @@ def ${name}(
     q_lo = m0 + (Nk - Nq)
     q_hi = tl.minimum(m0 + BLOCK_M, Nq) - 1 + (Nk - Nq)
 $key_range
-    n_steps = tl.maximum(tl.cdiv(hi - start, BLOCK_N), 1)  # at least one: rows with no key get the init's out
+$steps
     q_smem, q_ready = query_tiles(q_desc)
     k_smem, v_smem, k_ready, v_ready, kv_free = ring(k_desc, v_desc, STAGES)
     bars = (q_ready, k_ready, v_ready, kv_free)
@@ -218,14 +221,24 @@ $key_range
                 ),
             ),
             (
-                forward_loader,
-                (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, bars, b, h, hk, m0, start, n_steps, BLOCK_N, STAGES),
+$loader
             ),
         ],
         [4, 1],
         [${consumer_registers}, ${loader_registers}],
     )
 ''')
+
+# The kernel's steps and loader of a program without a listing mask (``kernels/listed.py`` writes a listed one's)
+_STEPS = (
+    "    n_steps = tl.maximum(tl.cdiv(hi - start, BLOCK_N), 1)  # at least one: rows with no key get the init's out"
+)
+_LOADER = (
+    "                forward_loader,\n"
+    "                (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, bars, b, h, hk, m0, start, n_steps, BLOCK_N, "
+    "STAGES),"
+)
+_CAREFUL_LOOP = "    for start_n in range(start, start + n_keys, BLOCK_N):"
 
 _LAYOUTS = """\
     BLOCK_M: gl.constexpr = ROWS
@@ -244,8 +257,11 @@ def _indent(code: str, spaces: int) -> str:
 def _tile(kernel: LoweredProgram, always_masked: bool) -> tuple[str, bool]:
     """The score pipeline of one key block, on the raw product ``s``: keys, scale, modifications, the masks
     (under ``if masked:`` unless ``always_masked``, the careful redo's, which also drops rows past Nq), the
-    normaliser's update. Also whether the update rescales the accumulator (by ``RESCALE``)."""
+    normaliser's update. Also whether the update rescales the accumulator (by ``RESCALE``). A mask that lists
+    its blocks applies its keep only in the blocks its lists call partial (``list_partial``, ``kernels/listed``)."""
     norm = kernel.normaliser
+    listing = listing_mask(kernel)
+    partial = None if listing is None else listed.partial_keep(listing)
     lines = [
         "k_idx = start_n + gl.arange(0, BLOCK_N, layout=KEY_LAYOUT)",
         "k_pos = k_idx",
@@ -259,13 +275,20 @@ def _tile(kernel: LoweredProgram, always_masked: bool) -> tuple[str, bool]:
         if kernel.score_factor != 1.0:
             lines.append(f"s = s * {kernel.score_factor!r}")
     keeps = (["q_ok[:, None]"] if always_masked else []) + ["k_ok[None, :]"]
-    keeps += [f"({for_template(m.fragment.keep)})" for m in kernel.masks if m.fragment.keep]
+    keeps += [f"({for_template(m.fragment.keep)})" for m in kernel.masks if m.fragment.keep and m is not listing]
+    if always_masked and partial is not None:
+        keeps.append(f"(({partial}) | (list_partial == 0))")
     mask = [f"keep = {' & '.join(keeps)}", f"s = tl.where(keep, s, {norm.fragment.masked_score})"]
     if always_masked:
         lines += mask
     else:
         lines += ["masked = (start_n < full_start) | (start_n >= full_end)", "if masked:"]
         lines += ["    " + line for line in mask]
+        if partial is not None:
+            lines += [
+                f"if list_partial:  # {listing.prefix}: a partial listed block, masked element by element",
+                f"    s = tl.where({partial}, s, {norm.fragment.masked_score})",
+            ]
     update = norm.fragment.update if factor is None else norm.code(norm.fragment.scaled_update, factor="qk_scale")
     rescaled = row_rescale(update, RESCALE)
     if rescaled is None:
@@ -326,9 +349,16 @@ def generate_forward(kernel: LoweredProgram, name: str, consumer_registers: int,
         signature=kernel.signature,
         listing=docstring_text(kernel.listing),
     )
-    common = {"name": name, "plugin_args": args, "layouts": _LAYOUTS, "prologues": prologues, "init": init}
+    m = listing_mask(kernel)
+    common = {
+        "name": name, "plugin_args": args, "layouts": _LAYOUTS, "prologues": prologues, "init": init,
+        "careful_keys": "keys [start, start + n_keys)" if m is None else listed.CAREFUL_KEYS,
+    }  # fmt: skip
     consumer = _CONSUMER.substitute(
         common,
+        keys="key blocks start + j * BLOCK_N, j < n_steps" if m is None else listed.KEYS,
+        first_key="    start_n = start" if m is None else listed.first_key(m),
+        step_key="        start_n = start + j * BLOCK_N" if m is None else listed.step_key(m),
         tile=_indent(tile, 4),
         loop_tile=_indent(tile, 8),
         rescale=_indent(rescale, 8),
@@ -338,6 +368,7 @@ def generate_forward(kernel: LoweredProgram, name: str, consumer_registers: int,
     )
     careful = _CAREFUL.substitute(
         common,
+        careful_loop=_CAREFUL_LOOP if m is None else listed.careful_loop(m),
         careful_tile=_indent(careful_tile, 8),
         careful_rescale=_indent(careful_rescale, 8),
         careful_finalize=_finalize(kernel, 4),
@@ -346,8 +377,18 @@ def generate_forward(kernel: LoweredProgram, name: str, consumer_registers: int,
     entry = _KERNEL.substitute(
         name=name,
         plugin_args=args,
-        key_range=_indent(key_range(kernel), 4),
+        key_range=_indent(key_range(kernel if m is None else _without(kernel, m)), 4),
+        steps=_STEPS if m is None else listed.steps(m, name, args),
+        loader=_LOADER if m is None else listed.loader_call(m, kernel, name),
         consumer_registers=consumer_registers,
         loader_registers=loader_registers,
     )
-    return header + careful + consumer + entry
+    if m is None:
+        return header + careful + consumer + entry
+    return header + listed.IMPORT + careful + consumer + listed.loader(m, kernel, name) + entry
+
+
+def _without(kernel: LoweredProgram, listing) -> LoweredProgram:
+    """``kernel`` without its listing mask: the other masks' facts bound a listed block's tiles and tell which
+    of them they keep whole (the listing mask's own keep applies where its lists call a block partial)."""
+    return attrs.evolve(kernel, masks=tuple(m for m in kernel.masks if m is not listing))

@@ -19,7 +19,7 @@ from ..plan import Plan, TileConfig
 from ..runtime.kernel import smaller_tiles
 from ..runtime.source_cache import load_function, write_source
 from ..triton_compat import ASTSource, GPUTarget, knobs
-from .resources import DTYPES, run_tool
+from .resources import DTYPES, INDEX_LIKE, run_tool
 
 _SIZES = {
     "HQ",
@@ -61,7 +61,7 @@ def signature(fn, tensors: dict[str, int], dtype: str) -> tuple[dict, dict, dict
         if p.is_constexpr:
             types[p.name] = "constexpr"
         elif p.name in tensors:
-            types[p.name] = "*i32" if re.search(r"(num|idx|index|count|active|lens|order)$", p.name) else "*fp32"
+            types[p.name] = "*i32" if INDEX_LIKE.search(p.name) else "*fp32"
             attributes[(i,)] = [["tt.divisibility", 16]]
         elif p.name[0].isupper() and p.name not in _SIZES:
             types[p.name] = "*" + ("fp32" if p.name in _FLOAT32 else "i32" if p.name in _INT32 else dtype)

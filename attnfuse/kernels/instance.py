@@ -10,6 +10,7 @@ import re
 from pathlib import Path
 
 from ..launch_spec import LaunchSpec
+from ..passes.codegen.loops import listing_mask
 from ..passes.lower import LoweredProgram, masked_head
 from ..plan import KernelSpec, TemplatePlan, TileConfig
 from . import pipeline
@@ -17,6 +18,7 @@ from .canonical import canonical_source
 from .capability import dkdv_reason, forward_reason
 from .dkdv import dkdv_params, generate_dkdv
 from .forward import forward_params, generate_forward
+from .listed import partial_keep
 from .tiles import DKDV_TILES, FORWARD_TILES, NARROW_TILES
 
 TEMPLATE_KINDS = ("forward", "dkdv", "dq", "decode")  # the kernels `attnfuse show` reports an engine for
@@ -45,8 +47,14 @@ def loads_per_score(kernel: LoweredProgram) -> bool:
     return any("tl.load" in m.fragment.body for m in kernel.mods)
 
 
+def listing_loads(kernel: LoweredProgram) -> bool:
+    """Whether the mask that lists its blocks reads a tensor per score where it applies (a partial block)."""
+    m = listing_mask(kernel)
+    return m is not None and partial_keep(m) is not None and "tl.load" in m.fragment.keep
+
+
 def _forward_spec(kernel: LoweredProgram) -> KernelSpec:
-    narrow = loads_per_score(kernel) or masked_head(kernel.masks)
+    narrow = loads_per_score(kernel) or masked_head(kernel.masks) or listing_loads(kernel)
     tiles = (NARROW_TILES if narrow else FORWARD_TILES)[kernel.config.head_dim]
     name = f"attnfuse_tfwd_{kernel.signature[:12]}"
     parameters = forward_params(kernel)

@@ -42,6 +42,8 @@ from . import pipeline, verify
 from .tiles import SHARED_MEMORY_LIMIT
 
 DTYPES = {"float16": (gl.float16, "fp16"), "bfloat16": (gl.bfloat16, "bf16")}  # dtype -> (Gluon's, Triton's)
+INDEX_LIKE = re.compile(r"(num|idx|index|count|active|lens|order)$")  # a plugin tensor's name read as int32
+_LIST_SIZE = re.compile(r"^\s*list_size = (\w+)\b", re.M)  # the scalar a listing mask's block size names (listed.py)
 SECTION = "template_resources"  # its marked section of docs/benchmarks.md (--markdown-section)
 _CARRIED = {"Q", "K", "V", "Out"}  # the forward's tensors, in the call's dtype; Lse is float32
 KERNELS = ("forward", "dkdv")  # the template kinds compiled here
@@ -83,9 +85,9 @@ class Resources:
 
 
 def variant_plan(variant: str, dtype: str, head_dim: int) -> Plan:
-    """The sm90 plan of ``verify.VARIANTS[variant]`` (GQA group 2; the hoisted plan, which is the one that
+    """The sm90 plan of ``verify.FORWARD_VARIANTS[variant]`` (GQA group 2; the hoisted plan, which is the one that
     runs the template, where the program's transforms are hoisted)."""
-    program, extra = verify.VARIANTS[variant]
+    program, extra = verify.FORWARD_VARIANTS[variant]
     graph = program.graph(**extra(4, 64, 64, "cpu"))
     config = KernelConfig(
         arch="sm90",
@@ -103,10 +105,17 @@ def variant_plan(variant: str, dtype: str, head_dim: int) -> Plan:
 def signature(spec: KernelSpec, dtype: str, head_dim: int, save_lse: bool, group_sum: str = "none") -> dict[str, str]:
     """Triton's types of the parameters of ``spec`` (a forward or dK/dV instance) for tensors of ``dtype`` and
     ``head_dim``, as the runtime launches it (``kernels/launch.py``); the types ``_launch_types`` does not name
-    are the launch spec's kinds (a plugin's tensors float32, its strides and sizes int32)."""
+    are the launch spec's kinds: a plugin's tensors float32 (int32 where their names say they hold indices or
+    counts, ``INDEX_LIKE``, as a block list's), its scalars float32 (int32: a listing mask's block size, which
+    the instance divides rows by), its strides and sizes int32."""
     kinds = {CONSTEXPR: "constexpr", SCALAR: "fp32", TENSOR: "*fp32"}
     named = _launch_types(spec, dtype, head_dim, save_lse, group_sum)
-    return {p.name: named.get(p.name) or kinds.get(p.kind, "i32") for p in spec.launch.params}
+    named |= {name: "i32" for name in _LIST_SIZE.findall(spec.source)}
+
+    def plugin_type(name: str, kind: str) -> str:
+        return "*i32" if kind == TENSOR and INDEX_LIKE.search(name) else kinds.get(kind, "i32")
+
+    return {p.name: named.get(p.name) or plugin_type(p.name, p.kind) for p in spec.launch.params}
 
 
 def _launch_types(spec: KernelSpec, dtype: str, head_dim: int, save_lse: bool, group_sum: str) -> dict[str, str]:
@@ -285,7 +294,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--markdown", action="store_true", help="print the section (the default)")
     parser.add_argument("--markdown-section", metavar="PATH", help="write the section into the page PATH instead")
-    parser.add_argument("--variants", nargs="+", default=list(verify.VARIANTS), choices=list(verify.VARIANTS))
+    parser.add_argument(
+        "--variants", nargs="+", default=list(verify.VARIANTS), choices=list(verify.FORWARD_VARIANTS),
+        help="default: verify.VARIANTS; the listed ones (verify.LISTED_VARIANTS) by name",
+    )
     parser.add_argument("--head-dims", nargs="+", type=int, default=list(verify.HEAD_DIMS), choices=verify.HEAD_DIMS)
     parser.add_argument("--dtypes", nargs="+", default=list(verify.DTYPES), choices=list(DTYPES))
     parser.add_argument("--kernels", nargs="+", default=list(KERNELS), choices=KERNELS)

@@ -20,6 +20,7 @@ import datetime
 import json
 import math
 import os
+import warnings
 from pathlib import Path
 from typing import Callable
 
@@ -80,6 +81,54 @@ def _variants() -> dict[str, tuple[Callable, Callable]]:
 
 
 VARIANTS = _variants()
+LISTED_BLOCK = 256  # the random block grid's block size: two or four template tiles of keys a listed block
+
+
+def _random_blocks(hq: int, nq: int, nk: int, device) -> dict:
+    """A block grid of LISTED_BLOCK blocks, random per head (seeded by the shape): head 0's last query block
+    lists nothing (its rows get the normaliser's init), every other head's lists the last key block (ragged where
+    Nk is not a multiple of the block)."""
+    gen = torch.Generator().manual_seed(nq * 7919 + nk)
+    active = torch.rand(1, hq, -(-nq // LISTED_BLOCK), -(-nk // LISTED_BLOCK), generator=gen) < 0.6
+    active[:, 1:, :, -1] = True
+    active[:, 0, -1] = False
+    return {"block_mask": af.BlockMask.from_blocks(active.to(device), nq, nk, block_size=LISTED_BLOCK)}
+
+
+def _document_tokens(hq: int, nq: int, nk: int, device) -> dict:
+    """A token-level block mask of 128 blocks: documents of 200 tokens and 16 global keys, so the lists hold full
+    blocks, partial ones (their token masks applied) and leave blocks out."""
+    with warnings.catch_warnings():  # create_block_mask's one-release notice of its per-token predicate
+        warnings.simplefilter("ignore", DeprecationWarning)
+        mask = af.create_block_mask(
+            lambda b, h, q, k: (q // 200 == k // 200) | (k < 16), None, hq, nq, nk, block_size=128, device=device
+        )
+    return {"block_mask": mask}
+
+
+def _listed_variants() -> dict[str, tuple[Callable, Callable]]:
+    """name -> (program, its runtime arguments): programs whose mask lists its blocks, which the forward
+    template follows (the dK/dV template does not yet)."""
+    return {
+        "block_sparse": (
+            af.attention(
+                lambda q, k, v, block_mask: af.softmax(af.block_sparse(af.scaled_dot_product(q, k), block_mask)) @ v
+            ),
+            _random_blocks,
+        ),
+        "block_sparse_tokens": (
+            af.attention(
+                lambda q, k, v, block_mask: (
+                    af.softmax(af.block_sparse(af.causal(af.scaled_dot_product(q, k)), block_mask)) @ v
+                )
+            ),
+            _document_tokens,
+        ),
+    }
+
+
+LISTED_VARIANTS = _listed_variants()
+FORWARD_VARIANTS = {**VARIANTS, **LISTED_VARIANTS}  # the forward template's: every variant, and the listed ones
 
 
 @frozen
@@ -105,9 +154,9 @@ def _shapes(variant: str) -> tuple:
 
 def cases() -> list[Case]:
     """The forward template's cases."""
-    found = [Case(v, d, t, s, False) for v in VARIANTS for d in HEAD_DIMS for t in DTYPES for s in _shapes(v)]
-    masked = ("causal", "sliding_window", "causal_alibi", "relu", "sigmoid")
-    found += [Case(v, d, "bfloat16", SHAPES[0], True) for v in masked if v in VARIANTS for d in HEAD_DIMS]
+    found = [Case(v, d, t, s, False) for v in FORWARD_VARIANTS for d in HEAD_DIMS for t in DTYPES for s in _shapes(v)]
+    masked = ("causal", "sliding_window", "causal_alibi", "relu", "sigmoid", *LISTED_VARIANTS)
+    found += [Case(v, d, "bfloat16", SHAPES[0], True) for v in masked if v in FORWARD_VARIANTS for d in HEAD_DIMS]
     return found
 
 
@@ -138,7 +187,7 @@ def check(case: Case, seed: int = 0) -> dict:
     if the template did not run); its result."""
     if case.kind == "dkdv":
         return _check_dkdv(case, seed)
-    program, extra = VARIANTS[case.variant]
+    program, extra = FORWARD_VARIANTS[case.variant]
     B, Hq, Hkv, Nq, Nk = case.shape
     dtype = getattr(torch, case.dtype)
     gen = torch.Generator(device="cuda").manual_seed(seed)

@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from ..kernels.capability import block_list_reason
 from ..kernels.launch import TemplateForward
 from ..kernels.verified import chosen, record_key
 from ..plan import Plan
@@ -58,7 +59,8 @@ class ForwardKernel:
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """out (B, Hq, Nq, DV) in q's dtype (a float8 call's ``out_dtype``) and memory order; lse (B, Hq, Nq)
         float32 (float64 for float64 inputs) or None. ``prepared``: the plugin arguments, if the caller has
-        them already."""
+        them already. The template's instance runs where it is chosen, TMA addresses the tensors and a listing
+        mask's block size is one it follows (``capability.block_list_reason``); else the generated kernel."""
         B, Hq, Nq, D = q.shape
         k, v, Nk, DV = kv.k, kv.v, kv.capacity, kv.v.shape[3]
         out = empty_like_layout(q, DV, q.dtype if kv.fp8 is None else kv.fp8.out_dtype)
@@ -74,11 +76,11 @@ class ForwardKernel:
             if lse is not None:
                 lse.fill_(-math.inf)
             return out, lse
-        if self.template is not None and self.template.fits(q, k, v, out):
-            pargs = (prepared or self.plugin_args(q, kv, inputs)).args
+        prepared = prepared or self.plugin_args(q, kv, inputs)
+        pargs, limit, _ = prepared
+        if self.template is not None and self.template.fits(q, k, v, out) and block_list_reason(limit) is None:
             self.template(q, k, v, out, lse, pargs)
             return out, lse
-        pargs, limit, _ = prepared or self.plugin_args(q, kv, inputs)
         spec = self.kernel.spec
         args = spec.launch.bind(
             {
