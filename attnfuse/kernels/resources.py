@@ -44,7 +44,7 @@ from .tiles import SHARED_MEMORY_LIMIT
 DTYPES = {"float16": (gl.float16, "fp16"), "bfloat16": (gl.bfloat16, "bf16")}  # dtype -> (Gluon's, Triton's)
 SECTION = "template_resources"  # its marked section of docs/benchmarks.md (--markdown-section)
 _CARRIED = {"Q", "K", "V", "Out"}  # the forward's tensors, in the call's dtype; Lse is float32
-KERNELS = ("forward", "dkdv")  # the template kinds compiled here
+KERNELS = ("forward", "dkdv", "dq")  # the template kinds compiled here
 GROUP_SUMS = ("none", "last", "atomic")  # how a dK/dV launch sums a GQA group's programs (hopper.group_split)
 _SPILLS = re.compile(r"Function properties for (\S+)\n\s*\d+ bytes stack frame, (\d+) bytes spill stores")
 _LOCAL = re.compile(r"\b(?:STL|LDL)\b")  # a store to or load from local memory (a spill, or a stack array)
@@ -101,7 +101,7 @@ def variant_plan(variant: str, dtype: str, head_dim: int) -> Plan:
 
 
 def signature(spec: KernelSpec, dtype: str, head_dim: int, save_lse: bool, group_sum: str = "none") -> dict[str, str]:
-    """Triton's types of the parameters of ``spec`` (a forward or dK/dV instance) for tensors of ``dtype`` and
+    """Triton's types of the parameters of ``spec`` (a forward, dK/dV or dQ instance) for tensors of ``dtype`` and
     ``head_dim``, as the runtime launches it (``kernels/launch.py``); the types ``_launch_types`` does not name
     are the launch spec's kinds (a plugin's tensors float32, its strides and sizes int32)."""
     kinds = {CONSTEXPR: "constexpr", SCALAR: "fp32", TENSOR: "*fp32"}
@@ -133,7 +133,12 @@ def _launch_types(spec: KernelSpec, dtype: str, head_dim: int, save_lse: bool, g
         return {**{n: tiles(rows) for n in ("q_desc", "do_desc", "k_desc", "v_desc")}, "lse_desc": row,
                 "delta_desc": row, "DKey": grads, "DValue": grads, "dk_part": parts, "dv_part": parts,
                 "counts": "*i32" if group_sum == "last" else grads}  # fmt: skip
-    raise InputError(f"spec.kind={spec.kind!r}: template instances are of kinds {' and '.join(KERNELS)}")
+    if spec.kind == "dq":
+        block_n = spec.tiles.block_n
+        return {**{n: tiles(rows) for n in ("q_desc", "do_desc", "o_desc")}, "k_desc": tiles(block_n),
+                "v_desc": tiles(block_n), "O": f"*{short}", "DQuery": f"*{short}",
+                **{n: "*fp32" for n in ("Lse", "DLse", "Delta")}}  # fmt: skip
+    raise InputError(f"spec.kind={spec.kind!r}: template instances are of kinds {', '.join(KERNELS)}")
 
 
 def template_resources(
@@ -144,12 +149,14 @@ def template_resources(
     if ``save_lse``, or a dK/dV instance (``["dkdv"]`` of the training plan), reading the forward's lse and
     delta rows if ``save_lse`` (the plan's ``config.save_lse``), summing a GQA group's programs as ``group_sum``
     says ("none": one program a group, the launch of a grid that fills the GPU; "last" or "atomic":
-    ``hopper.group_split``). Raises whatever Triton raises on an instance that does not compile, and
+    ``hopper.group_split``), or a dQ instance (``["dq"]`` of the training plan), as a call with no dLSE
+    launches it. Raises whatever Triton raises on an instance that does not compile, and
     RuntimeError if ptxas or nvdisasm fails."""
     if dtype not in DTYPES:
         raise InputError(f"dtype={dtype!r}: the templates compile for {' and '.join(DTYPES)}")
     types = signature(spec, dtype, head_dim, save_lse, group_sum)
-    launch = {"forward": {"SAVE_LSE": save_lse}, "dkdv": {"GROUP_SUM": group_sum}}[spec.kind]
+    launch = {"forward": {"SAVE_LSE": save_lse}, "dkdv": {"GROUP_SUM": group_sum}, "dq": {"HAS_DLSE": False}}
+    launch = launch[spec.kind]
     rows = {name: None for name in ("lse_desc", "delta_desc") if types.get(name) == "constexpr"}
     fn = load_function(spec.source, spec.name, write_source(spec.name, spec.source))
     source = GluonASTSource(fn, types, {**spec.launch.constants, **launch, **rows})
