@@ -231,7 +231,7 @@ def _loops(lines: list[str]) -> list[tuple[int, int]]:
 
 
 def table_rows(variants: list[str], head_dims: list[int], dtypes: list[str], kernels: list[str]):
-    """The table's rows, one per kernel x variant x head dim x dtype (the dK/dV template's head dims only,
+    """The table's rows, one per kernel x variant x head dim x dtype (the backward templates' head dims only,
     ``verify.DKDV_HEAD_DIMS``), each printed as soon as it is compiled."""
     for kernel in kernels:
         served = [d for d in head_dims if kernel == "forward" or d in verify.DKDV_HEAD_DIMS]
@@ -270,12 +270,13 @@ def heading(arguments: list[str]) -> list[str]:
         "",
         "Each template instance of each variant (GQA group 2), compiled as a launch would, with no GPU: the forward",
         "template's (kernel `forward`) at every head dim, the dK/dV template's (kernel `dkdv`, of the training plan,",
-        'which saves the lse it reads; a GQA group summed in one program, GROUP_SUM "none") at the head dims it',
-        "serves. Registers: ptxas' count at entry (the launch's cap), then the budget `setmaxnreg` gives each",
-        "consumer warpgroup / the loader warp. Spill bytes: ptxas' spill stores in the main path / in the careful",
-        "redo (the forward's noinline functions that redo rows a non-finite value reached; the dK/dV template has",
-        "none: 0). Local memory in the loop: an STL or LDL inside a key loop (forward) or step loop (dK/dV) of the",
-        "main path (innermost loops with wgmma). wgmma and TMA: HGMMA and UTMALDG/UTMASTG in the SASS. Shared",
+        'which saves the lse it reads; a GQA group summed in one program, GROUP_SUM "none") and the dQ template\'s',
+        "(kernel `dq`, of the training plan, as a call with no dLSE launches it) at the head dims they serve.",
+        "Registers: ptxas' count at entry (the launch's cap), then the budget `setmaxnreg` gives each consumer",
+        "warpgroup / the loader warp. Spill bytes: ptxas' spill stores in the main path / in the careful redo (the",
+        "forward's noinline functions that redo rows a non-finite value reached; the dK/dV and dQ templates have",
+        "none: 0). Local memory in the loop: an STL or LDL inside a key loop (forward, dQ) or step loop (dK/dV) of",
+        "the main path (innermost loops with wgmma). wgmma and TMA: HGMMA and UTMALDG/UTMASTG in the SASS. Shared",
         f"memory in KiB, of {SHARED_MEMORY_LIMIT / 1024:.0f} KiB a block may use.",
         "",
         "A known defect, to be driven to zero: the `dkdv` rows with local memory in the loop spill inside the step",
