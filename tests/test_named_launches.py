@@ -112,7 +112,8 @@ def test_dq_instance_binds_every_argument_by_name(monkeypatch, with_dlse):
     assert (args["Nq"], args["N_K"], args["HQ"], args["GROUP"]) == (Nq, Nk, Hq, 4)
     assert (args["sm_scale"], args["qk_scale"]) == (0.125, 0.25)
     assert [args[d].base for d in ("q_desc", "do_desc", "k_desc", "v_desc", "o_desc")] == [q, dout, k, v, out]
-    assert [args[d].block_shape for d in ("q_desc", "k_desc")] == [[1, 1, 64, D], [1, 1, instance.spec.tiles.block_n, D]]
+    block_n = instance.spec.tiles.block_n
+    assert [args[d].block_shape for d in ("q_desc", "k_desc")] == [[1, 1, 64, D], [1, 1, block_n, D]]
     assert args["O"] is out and args["Lse"] is lse and args["Delta"] is delta and args["DQuery"] is dq
     assert args["DLse"] is (dlse if with_dlse else delta)  # a placeholder the instance never reads
     assert constexprs["HAS_DLSE"] is with_dlse
