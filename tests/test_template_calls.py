@@ -210,8 +210,9 @@ def test_instances_read_nothing_outside_their_views():
 def test_backward_through_lse(program, deterministic, B, Hq, Hkv, Nq, Nk):
     """A loss of out and lse (so dlse enters delta, which the dQ instance computes) through the dQ and dK/dV
     instances, against float64 autograd of the reference; under torch.use_deterministic_algorithms its
-    gradients are bitwise equal from step to step. Partial blocks, GQA groups split over four programs (their shares added atomically, or under determinism
-    summed in order by the last) or two (summed by the last), on an H200's 132 multiprocessors."""
+    gradients are bitwise equal from step to step. Partial blocks, GQA groups split over four programs (their
+    shares added atomically, or under determinism summed in order by the last) or two (summed by the last), on
+    an H200's 132 multiprocessors."""
     before, before_dq = TemplateDkdv.launches, TemplateDq.launches
     leaves = [
         torch.randn(B, h, n, 128, device="cuda", dtype=torch.bfloat16).requires_grad_()
