@@ -462,10 +462,10 @@ def test_capability_names_no_combinator(third_party_normalisers):
 
 @pytest.fixture
 def fresh_library():
-    """``instance._library`` read again for the test, and again after it."""
-    instance._library.cache_clear()
+    """The library's modules (``instance._module_source``) read again for the test, and again after it."""
+    instance._module_source.cache_clear()
     yield
-    instance._library.cache_clear()
+    instance._module_source.cache_clear()
 
 
 def test_record_key_names_the_program_dtype_and_head_dim():
@@ -490,9 +490,27 @@ def test_record_key_changes_with_the_template_library(changed, fresh_library, mo
         text = read_text(path, *args, **kwargs)
         return text + "\n# edited\n" if Path(path).name == changed else text
 
-    instance._library.cache_clear()
+    instance._module_source.cache_clear()
     monkeypatch.setattr(Path, "read_text", edited)
     assert verified.record_key(spec, "bfloat16", 128) != before
+
+
+@pytest.mark.parametrize("kind", ["forward", "dkdv", "dq"])
+def test_only_a_dq_instances_record_key_changes_with_the_dq_launch(kind, fresh_library, monkeypatch):
+    """``kernels/dq_launch.py`` launches the dQ template's instances alone: its change changes their keys, and
+    leaves the forward's and the dK/dV template's verified."""
+    graph = _graph("causal")
+    spec = compile_plan(graph, compile_plan(graph, _config(save_lse=True)).hoisted_config).templates.kernels[kind]
+    before = verified.record_key(spec, "bfloat16", 128)
+    read_text = Path.read_text
+
+    def edited(path, *args, **kwargs):
+        text = read_text(path, *args, **kwargs)
+        return text + "\n# edited\n" if Path(path).name == "dq_launch.py" else text
+
+    instance._module_source.cache_clear()
+    monkeypatch.setattr(Path, "read_text", edited)
+    assert (verified.record_key(spec, "bfloat16", 128) != before) is (kind == "dq")
 
 
 def test_record_key_changes_with_the_tiles_an_instance_launches_with(monkeypatch):
