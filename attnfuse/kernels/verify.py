@@ -136,8 +136,8 @@ def backward_cases() -> list[Case]:
 
 
 def check(case: Case, seed: int = 0) -> dict:
-    """Run ``case`` through its template instance on the GPU and compare out and lse (or, for a dK/dV case,
-    the gradients) with the float64 reference (AssertionError if they differ beyond what the dtype allows, or
+    """Run ``case`` through its template instance on the GPU and compare out and lse (or, for a dK/dV or dQ
+    case, the gradients) with the float64 reference (AssertionError if they differ beyond what the dtype allows, or
     if the template did not run); its result."""
     if case.kind in BACKWARD_TEMPLATES:
         return _check_backward(case, seed)
