@@ -278,30 +278,69 @@ def test_hoisted_transforms_give_the_fused_gradients(monkeypatch, program, extra
 
 
 class _ServingTemplate:
-    """Stands in for the dK/dV template's instance of a call it serves (CPU tensors never are)."""
+    """Stands in for a template's instance of a call it serves (CPU tensors never are)."""
 
     fits = staticmethod(lambda *tensors: True)
 
 
-@pytest.mark.parametrize("serves", [True, False])
-def test_the_backward_runs_the_dkdv_instance_after_the_generated_dq_kernel(monkeypatch, serves):
-    """The generated dQ kernel runs first, then the dK/dV template's instance where it serves the tensors, else
-    the generated dK/dV kernel. Only which path runs is checked: the instance itself needs the GPU."""
+def _interpreted_backward(program=None):
     from attnfuse.plan import KernelConfig
     from attnfuse.runtime.compiled import compiled
-    from attnfuse.runtime.inputs import kv_cache
 
     config = KernelConfig(
         arch="interpreter", dtype="float32", head_dim=16, head_dim_v=16, group=1, save_lse=True, fp32_precision="ieee"
     )
-    kernels = compiled(causal.graph(), config).backward()
+    return compiled((program or causal).graph(), config).backward()
+
+
+@pytest.mark.parametrize("dq_serves", [True, False])
+@pytest.mark.parametrize("serves", [True, False])
+def test_the_backward_runs_each_template_instance_that_serves_the_call(monkeypatch, serves, dq_serves):
+    """The dQ kernel runs first (the dQ template's instance where it serves the tensors, else the generated
+    kernel), then the dK/dV kernel (the dK/dV template's instance where it serves them, else the generated
+    one). Only which path runs is checked here: the instances themselves need the GPU."""
+    from attnfuse.runtime.inputs import kv_cache
+
+    kernels = _interpreted_backward()
     if serves:
         monkeypatch.setattr(kernels, "template", _ServingTemplate())
+    if dq_serves:
+        monkeypatch.setattr(kernels, "dq_template", _ServingTemplate())
     paths = []
-    monkeypatch.setattr(kernels, "_dq_then_dkdv", lambda *args: paths.append(args[-1]))
+    monkeypatch.setattr(kernels, "_dq_then_dkdv", lambda *args: paths.append(args[-2:]))
     q, k, v, out, dout = (torch.randn(1, 2, 24, 16) for _ in range(5))
     kernels(q, kv_cache(k, v, None, None), out, torch.randn(1, 2, 24), dout, None, {})
-    assert paths == ["template" if serves else "generated"]
+    assert paths == [("template" if dq_serves else "generated", "template" if serves else "generated")]
+
+
+class _RecordingTemplate(_ServingTemplate):
+    """Stands in for a template's instance: records each call's arguments, in the order of the calls."""
+
+    def __init__(self, name, calls):
+        self.name, self.calls = name, calls
+
+    def __call__(self, *args):
+        self.calls.append((self.name, args))
+
+
+def test_the_dq_instance_writes_the_delta_the_dkdv_kernel_then_reads(monkeypatch):
+    """With both instances serving: the dQ instance runs first, given the call's out, dout, lse, dLSE and dq, and
+    the delta buffer it writes is the one the dK/dV instance is given next (the dK/dV kernel reads delta)."""
+    from attnfuse.runtime.inputs import kv_cache
+
+    kernels = _interpreted_backward()
+    calls = []
+    monkeypatch.setattr(kernels, "dq_template", _RecordingTemplate("dq", calls))
+    monkeypatch.setattr(kernels, "template", _RecordingTemplate("dkdv", calls))
+    q, k, v, out, dout = (torch.randn(1, 2, 24, 16) for _ in range(5))
+    lse, dlse = torch.randn(1, 2, 24), torch.randn(1, 2, 24)
+    dq, dk, dv, _ = kernels(q, kv_cache(k, v, None, None), out, lse, dout, dlse, {})
+    assert [name for name, _ in calls] == ["dq", "dkdv"]
+    (_, (q1, k1, v1, out1, dout1, lse1, dlse1, delta1, dq1, _)), (_, dkdv_args) = calls
+    assert all(a is b for a, b in zip((q1, k1, v1, out1, dout1, lse1, dq1), (q, k, v, out, dout, lse, dq)))
+    assert torch.equal(dlse1, dlse)
+    assert delta1.shape == (1, 2, 24) and delta1.dtype == torch.float32
+    assert dkdv_args[5] is delta1 and dkdv_args[6] is dk and dkdv_args[7] is dv
 
 
 @pytest.mark.parametrize("setting", ["1", "0"])

@@ -25,9 +25,9 @@ SM90 = KernelConfig(
 
 
 def digest(graph, kind: str = "forward", hoisted: bool = False, **config) -> str:
-    """The digest of ``graph``'s ``kind`` instance (dK/dV: with the lse saved), of the plan for transformed rows
-    when ``hoisted``."""
-    cfg = attrs.evolve(SM90, save_lse=kind == "dkdv", **config)
+    """The digest of ``graph``'s ``kind`` instance (dK/dV and dQ: with the lse saved), of the plan for transformed
+    rows when ``hoisted``."""
+    cfg = attrs.evolve(SM90, save_lse=kind in ("dkdv", "dq"), **config)
     plan = compiled(graph, cfg).plan
     if hoisted:
         plan = compiled(graph, plan.hoisted_config).plan
@@ -44,7 +44,7 @@ def hf_graph(**arguments):
     return attnfuse.hf.hf_attention.graph(**{**base, **arguments})
 
 
-@pytest.mark.parametrize("kind", ["forward", "dkdv"])
+@pytest.mark.parametrize("kind", ["forward", "dkdv", "dq"])
 def test_programs_with_the_same_kernel_share_an_instance(kind):
     """HF's explicit 1/√D scale and the default one; RoPE (from theta, or from HF's tables) and a norm before
     it, once a pass applies them, and plain causal attention: one instance each way."""
@@ -57,7 +57,7 @@ def test_programs_with_the_same_kernel_share_an_instance(kind):
     assert digest(qwen3.graph(wq=weight, wk=weight, cos=tables, sin=tables), kind, hoisted=True) == causal
 
 
-@pytest.mark.parametrize("kind", ["forward", "dkdv"])
+@pytest.mark.parametrize("kind", ["forward", "dkdv", "dq"])
 def test_different_code_is_a_different_instance(kind):
     window = verify.VARIANTS["sliding_window"][0]  # left=100
     other_window = af.attention(lambda q, k, v: af.softmax(af.sliding_window(af.scaled_dot_product(q, k), 101)) @ v)

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from attnfuse.examples import EXAMPLES
+from attnfuse.kernels.dq_launch import TemplateDq
 from attnfuse.kernels.launch import TemplateDkdv, TemplateForward
 from attnfuse.launch_spec import CONSTEXPR
 from attnfuse.passes.compiler import compile as compile_plan
@@ -45,8 +46,8 @@ class _Recorder:
 def _instance(kind: str, monkeypatch):
     """The causal program's instance of ``kind`` at head dim 128, GQA group 4, its launches recorded."""
     spec = compile_plan(EXAMPLES["gpt2"].graph(), SM90).templates.kernels[kind]
-    cls = {"forward": TemplateForward, "dkdv": TemplateDkdv}[kind]
-    extra = {"has_lse": True} if kind == "dkdv" else {}
+    cls = {"forward": TemplateForward, "dkdv": TemplateDkdv, "dq": TemplateDq}[kind]
+    extra = {"has_lse": True} if kind in ("dkdv", "dq") else {}
     instance = cls(spec, 0.125, 0.25, "key", **extra)
     monkeypatch.setattr(instance, "_launcher", _Recorder(spec.launch))
     return instance
@@ -94,3 +95,25 @@ def test_dkdv_instance_binds_every_argument_by_name(monkeypatch, parts):
     parts_shape = {1: dk.shape, 2: (2, B, Hkv, Nk, D), 4: (B, Hkv, Nk, D)}[parts]  # shares of dK: none, each, a sum
     assert args["dk_part"].shape == args["dv_part"].shape == parts_shape
     assert constexprs["GROUP_SUM"] == {1: "none", 2: "last", 4: "atomic"}[parts]
+
+
+@pytest.mark.parametrize("with_dlse", [False, True])
+def test_dq_instance_binds_every_argument_by_name(monkeypatch, with_dlse):
+    instance = _instance("dq", monkeypatch)
+    B, Hq, Hkv, Nq, Nk, D = 2, 8, 2, 100, 130, 128
+    q, out, dout = _rows(B, Hq, Nq, D), _rows(B, Hq, Nq, D), _rows(B, Hq, Nq, D)
+    k, v = _rows(B, Hkv, Nk, D), _rows(B, Hkv, Nk, D)
+    dq = torch.empty(B, Nq, Hq, D, dtype=torch.float32).transpose(1, 2)  # HF's layout, a float32 gradient
+    lse, delta = torch.randn(B, Hq, Nq), torch.empty(B, Hq, Nq)
+    dlse = torch.randn(B, Hq, Nq) if with_dlse else None
+    instance(q, k, v, out, dout, lse, dlse, delta, dq, {})
+    [(args, constexprs)] = instance._launcher.launches
+    assert [args[f"stride_dq{d}"] for d in "bhm"] == list(dq.stride()[:3])
+    assert (args["Nq"], args["N_K"], args["HQ"], args["GROUP"]) == (Nq, Nk, Hq, 4)
+    assert (args["sm_scale"], args["qk_scale"]) == (0.125, 0.25)
+    assert [args[d].base for d in ("q_desc", "do_desc", "k_desc", "v_desc", "o_desc")] == [q, dout, k, v, out]
+    block_n = instance.spec.tiles.block_n
+    assert [args[d].block_shape for d in ("q_desc", "k_desc")] == [[1, 1, 64, D], [1, 1, block_n, D]]
+    assert args["O"] is out and args["Lse"] is lse and args["Delta"] is delta and args["DQuery"] is dq
+    assert args["DLse"] is (dlse if with_dlse else delta)  # a placeholder the instance never reads
+    assert constexprs["HAS_DLSE"] is with_dlse

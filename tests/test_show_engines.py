@@ -1,6 +1,7 @@
 """``attnfuse show --json`` and the text's engines section: which engine runs each kernel of a call (a Hopper
 template instance or the generated kernel) and why, checked against the runtime's own choice
-(``runtime.forward.template_forward``, ``runtime.backward.template_dkdv``, ``runtime.hoisted.worth_hoisting``)."""
+(``runtime.forward.template_forward``, ``runtime.backward.template_dkdv`` and ``template_dq``,
+``runtime.hoisted.worth_hoisting``)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from attnfuse.examples import EXAMPLES
 from attnfuse.kernels import verified
 from attnfuse.kernels.instance import TEMPLATE_KINDS
 from attnfuse.plan import KernelConfig
-from attnfuse.runtime.backward import template_dkdv
+from attnfuse.runtime.backward import template_dkdv, template_dq
 from attnfuse.runtime.compiled import compiled
 from attnfuse.runtime.forward import template_forward
 from attnfuse.runtime.hoisted import worth_hoisting
@@ -117,19 +118,33 @@ def test_an_unverified_instance_falls_back_by_default(capsys, empty_record, name
     assert verified.MODE_ENV + "=all" in forward["reason"]
     # the runtime's next choice: the generated kernel
     assert forward["engine"] == "generated" and forward["name"] == plan.kernels["forward"].name
-    # the backward (its plan saves the log-sum-exp): the dK/dV template's instance is not verified either, so
-    # the generated dK/dV kernel runs, after the generated dQ kernel
+    # the backward (its plan saves the log-sum-exp): the dQ and dK/dV templates' instances are not verified
+    # either, so the generated dQ kernel runs, then the generated dK/dV kernel
     training = compiled(plan.graph, attrs.evolve(plan.config, save_lse=True)).plan
     assert "dkdv" in training.templates.kernels and template_dkdv(training) is None
+    assert "dq" in training.templates.kernels and template_dq(training) is None
     for kind in ("dkdv", "dq"):
         entry = report["kernels"][kind]
         assert entry["engine"] == "generated" and entry["name"] == training.kernels[kind].name, entry
-        if kind == "dkdv":
-            assert entry["template_available"] is True and entry["verified"] is False
-            assert "not verified" in entry["reason"]
-        else:
-            assert entry["reason"] == training.templates.reasons[kind]
+        assert entry["template_available"] is True and entry["verified"] is False
+        assert "not verified" in entry["reason"]
         assert entry["hoisted"] is forward["hoisted"]
+
+
+@pytest.mark.parametrize("name, head_dim", CASES)
+def test_the_dq_template_is_reported_where_the_backward_runs_it(capsys, monkeypatch, name, head_dim):
+    """With ATTNFUSE_TEMPLATES=all, show's dq engine is the template, the instance the runtime's own choice
+    (``template_dq``) names, beside the dK/dV instance."""
+    monkeypatch.setenv(verified.MODE_ENV, "all")
+    report = show_json(capsys, name, "--arch", "sm90", "--dtype", "bfloat16", "--head-dim", str(head_dim))
+    plan, _ = runtime_forward_plan(name, head_dim)
+    training = compiled(plan.graph, attrs.evolve(plan.config, save_lse=True)).plan
+    chosen = template_dq(training)
+    entry = report["kernels"]["dq"]
+    assert chosen is not None and entry["engine"] == "template" and entry["reason"] is None
+    assert entry["instance"] == chosen.key and entry["name"] == chosen.spec.name and chosen.key.startswith("dq/")
+    assert entry["verified"] is verified.is_verified(chosen.key)
+    assert report["kernels"]["dkdv"]["engine"] == "template"
 
 
 def test_a_verified_instance_runs_by_default(capsys, tmp_path, monkeypatch, empty_record):
@@ -267,7 +282,12 @@ def test_a_block_sparse_call_names_the_forward_template_and_its_block_size_condi
     report = show_json(capsys, f"{__name__}:sparse_causal", "--arch", "sm90", "--head-dim", str(head_dim))
     mask = af.create_block_mask_from_blocks(lambda b, h, qb, kb: qb >= kb, None, None, 256, 256)
     config = KernelConfig(
-        arch="sm90", dtype="bfloat16", head_dim=head_dim, head_dim_v=head_dim, group=1, save_lse=False,
+        arch="sm90",
+        dtype="bfloat16",
+        head_dim=head_dim,
+        head_dim_v=head_dim,
+        group=1,
+        save_lse=False,
         fp32_precision="ieee",
     )
     plan = compiled(sparse_causal.graph(block_mask=mask), config).plan

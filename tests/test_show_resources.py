@@ -1,7 +1,7 @@
 """``attnfuse show --resources``: each kernel's registers, spill bytes and shared memory on an H100/H200,
 compiled with no GPU, next to its engine: a template instance's as ``template_resources`` reports the
-instance the runtime itself chooses (``runtime.forward.template_forward``, ``runtime.backward.template_dkdv``),
-and a generated kernel's within a block's shared memory."""
+instance the runtime itself chooses (``runtime.forward.template_forward``, ``runtime.backward.template_dkdv`` and
+``template_dq``), and a generated kernel's within a block's shared memory."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from attnfuse.kernels import verified
 from attnfuse.kernels.resources import template_resources
 from attnfuse.kernels.tiles import SHARED_MEMORY_LIMIT
 from attnfuse.plan import KernelConfig
-from attnfuse.runtime.backward import template_dkdv
+from attnfuse.runtime.backward import template_dkdv, template_dq
 from attnfuse.runtime.compiled import compiled
 from attnfuse.runtime.forward import template_forward
 from attnfuse.runtime.source_cache import CACHE_ENV
@@ -51,17 +51,17 @@ def test_template_kernels_report_what_template_resources_compiles_for_the_runtim
     chosen = {
         "forward": (template_forward(compiled(graph, inference).plan).spec, inference),
         "dkdv": (template_dkdv(compiled(graph, training).plan).spec, training),
+        "dq": (template_dq(compiled(graph, training).plan).spec, training),
     }
     for kind, (spec, config) in chosen.items():
         entry = kernels[kind]
         assert entry["engine"] == "template" and entry["name"] == spec.name, entry
         used = template_resources(spec, "bfloat16", HEAD_DIM, config.save_lse)
         assert {f: entry[f] for f in FIGURES} == {f: getattr(used, f) for f in FIGURES}, kind
-    for kind in ("decode", "dq"):
-        entry = kernels[kind]
-        assert entry["engine"] == "generated", entry
-        assert entry["registers"] > 0 and entry["spill_bytes"] >= 0, entry
-        assert 0 < entry["shared_bytes"] <= SHARED_MEMORY_LIMIT, entry
+    entry = kernels["decode"]
+    assert entry["engine"] == "generated", entry
+    assert entry["registers"] > 0 and entry["spill_bytes"] >= 0, entry
+    assert 0 < entry["shared_bytes"] <= SHARED_MEMORY_LIMIT, entry
 
 
 def test_with_the_templates_off_every_kernel_reports_its_generated_figures(capsys, monkeypatch):

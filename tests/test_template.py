@@ -464,7 +464,7 @@ def test_capability_names_no_combinator(third_party_normalisers):
 
 @pytest.fixture
 def fresh_library():
-    """The library modules' sources (``instance._module_source``) read again for the test, and again after it."""
+    """The library's modules (``instance._module_source``) read again for the test, and again after it."""
     instance._module_source.cache_clear()
     yield
     instance._module_source.cache_clear()
@@ -506,6 +506,24 @@ def test_record_key_changes_with_the_template_library(changed, changes, fresh_li
     instance._module_source.cache_clear()
     monkeypatch.setattr(Path, "read_text", edited)
     assert (verified.record_key(spec, "bfloat16", 128) != before) is changes
+
+
+@pytest.mark.parametrize("kind", ["forward", "dkdv", "dq"])
+def test_only_a_dq_instances_record_key_changes_with_the_dq_launch(kind, fresh_library, monkeypatch):
+    """``kernels/dq_launch.py`` launches the dQ template's instances alone: its change changes their keys, and
+    leaves the forward's and the dK/dV template's verified."""
+    graph = _graph("causal")
+    spec = compile_plan(graph, compile_plan(graph, _config(save_lse=True)).hoisted_config).templates.kernels[kind]
+    before = verified.record_key(spec, "bfloat16", 128)
+    read_text = Path.read_text
+
+    def edited(path, *args, **kwargs):
+        text = read_text(path, *args, **kwargs)
+        return text + "\n# edited\n" if Path(path).name == "dq_launch.py" else text
+
+    instance._module_source.cache_clear()
+    monkeypatch.setattr(Path, "read_text", edited)
+    assert (verified.record_key(spec, "bfloat16", 128) != before) is (kind == "dq")
 
 
 def test_record_key_changes_with_the_tiles_an_instance_launches_with(monkeypatch):

@@ -10,6 +10,7 @@ import torch
 
 import attnfuse as af
 from attnfuse.kernels.descriptors import describable, describe
+from attnfuse.kernels.dq_launch import TemplateDq
 from attnfuse.kernels.launch import TemplateDkdv, TemplateForward
 from attnfuse.runtime import hopper
 from attnfuse.runtime.template_rows import template_rows
@@ -154,11 +155,11 @@ def test_forward_matches_float64(program, B, Hq, Hkv, Nq, Nk, dtype):
 )
 @pytest.mark.parametrize("program", [causal, dense], ids=["causal", "dense"])
 def test_dkdv_matches_float64(program, B, Hq, Hkv, Nq, Nk, dtype):
-    """dq, dk, dv of a training step whose dK and dV ran the dK/dV instance (after the generated dQ kernel),
-    against float64 autograd of the reference; q and dout in HF's (B, N, H, D) order. GQA groups split over
-    query heads (small grids) and looped (1 x 32 x 8 at 4096), partial blocks, Nq < Nk and Nq > Nk (causal:
-    rows that keep no key)."""
-    before = TemplateDkdv.launches
+    """dq, dk, dv of a training step whose dQ ran the dQ instance and dK and dV the dK/dV instance, against
+    float64 autograd of the reference; q, dout and dq in HF's (B, N, H, D) order. GQA groups split over query
+    heads (small grids) and looped (1 x 32 x 8 at 4096), partial blocks, Nq < Nk and Nq > Nk (causal: rows
+    that keep no key)."""
+    before, before_dq = TemplateDkdv.launches, TemplateDq.launches
     q = torch.randn(B, Nq, Hq, 128, device="cuda", dtype=dtype).transpose(1, 2)
     k, v = (torch.randn(B, Hkv, Nk, 128, device="cuda", dtype=dtype) for _ in range(2))
     leaves = [t.requires_grad_() for t in (q, k, v)]
@@ -166,6 +167,7 @@ def test_dkdv_matches_float64(program, B, Hq, Hkv, Nq, Nk, dtype):
     args = (0.2,) if program is dense else ()
     grads = torch.autograd.grad(program(*leaves, *args), leaves, dout)
     assert TemplateDkdv.launches > before, "the dK/dV template did not run"
+    assert TemplateDq.launches > before_dq, "the dQ template did not run"
     want = torch.autograd.grad(program.reference(*leaves, *args), leaves, dout.double())
     lowp = torch.autograd.grad(program.reference(*leaves, *args, dtype=dtype), leaves, dout)
     for got, ref, ref_lowp, name in zip(grads, want, lowp, "qkv"):
@@ -175,9 +177,9 @@ def test_dkdv_matches_float64(program, B, Hq, Hkv, Nq, Nk, dtype):
 @requires_hopper
 def test_instances_read_nothing_outside_their_views():
     """q, k, v are views into NaN arenas (rows before and after, a wider head dim): partial tiles read
-    zeros, not the neighbours (a NaN would spread); out, lse and the gradients (the dK/dV instance, after the
-    generated dQ kernel) match float64."""
-    forward, backward = TemplateForward.launches, TemplateDkdv.launches
+    zeros, not the neighbours (a NaN would spread); out, lse and the gradients (the dQ instance, then the dK/dV
+    instance) match float64."""
+    forward, backward, dq = TemplateForward.launches, TemplateDkdv.launches, TemplateDq.launches
     B, Hq, Hkv, N, D = 2, 4, 2, 200, 128
     views = []
     for heads in (Hq, Hkv, Hkv):
@@ -194,7 +196,7 @@ def test_instances_read_nothing_outside_their_views():
     grads = torch.autograd.grad(out, views, dout)
     ref_grads = torch.autograd.grad(causal.reference(*views), views, dout.double())
     lowp_grads = torch.autograd.grad(causal.reference(*views, dtype=torch.bfloat16), views, dout)
-    assert TemplateDkdv.launches > backward
+    assert TemplateDkdv.launches > backward and TemplateDq.launches > dq
     for got, want, lowp, name in zip(grads, ref_grads, lowp_grads, "qkv"):
         assert_matches_reference(got, want, lowp, torch.bfloat16, what=f"d{name}")
 
@@ -206,11 +208,12 @@ def test_instances_read_nothing_outside_their_views():
     "B,Hq,Hkv,Nq,Nk", [(2, 8, 2, 700, 900), (1, 32, 8, 1500, 1700)], ids=["four-parts", "two-parts"]
 )
 def test_backward_through_lse(program, deterministic, B, Hq, Hkv, Nq, Nk):
-    """A loss of out and lse (so dlse enters delta) through the dK/dV instance, against float64 autograd of the
-    reference; under torch.use_deterministic_algorithms its gradients are bitwise equal from step to step.
-    Partial blocks, GQA groups split over four programs (their shares added atomically, or under determinism
-    summed in order by the last) or two (summed by the last), on an H200's 132 multiprocessors."""
-    before = TemplateDkdv.launches
+    """A loss of out and lse (so dlse enters delta, which the dQ instance computes) through the dQ and dK/dV
+    instances, against float64 autograd of the reference; under torch.use_deterministic_algorithms its
+    gradients are bitwise equal from step to step. Partial blocks, GQA groups split over four programs (their
+    shares added atomically, or under determinism summed in order by the last) or two (summed by the last), on
+    an H200's 132 multiprocessors."""
+    before, before_dq = TemplateDkdv.launches, TemplateDq.launches
     leaves = [
         torch.randn(B, h, n, 128, device="cuda", dtype=torch.bfloat16).requires_grad_()
         for h, n in ((Hq, Nq), (Hkv, Nk), (Hkv, Nk))
@@ -226,7 +229,7 @@ def test_backward_through_lse(program, deterministic, B, Hq, Hkv, Nq, Nk):
         grads = step(program)
         if deterministic:
             assert all(torch.equal(a, b) for a, b in zip(grads, step(program)))
-    assert TemplateDkdv.launches > before
+    assert TemplateDkdv.launches > before and TemplateDq.launches > before_dq
     want = step(program.reference)
     lowp = step(lambda *a, **kw: program.reference(*a, **kw, dtype=torch.bfloat16))
     for got, ref, ref_lowp, name in zip(grads, want, lowp, "qkv"):

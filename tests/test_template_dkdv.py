@@ -372,15 +372,17 @@ def test_group_split_sums_the_group_s_parts(monkeypatch, parts, deterministic, w
 # 5. The GPU check's cases and gradient comparison
 
 
-def test_backward_cases_cover_every_smooth_variant_head_dim_and_dtype():
-    found = verify.backward_cases()
+@pytest.mark.parametrize("kind", ["dkdv", "dq"])
+def test_backward_cases_cover_every_smooth_variant_head_dim_and_dtype(kind):
+    found = [c for c in verify.backward_cases() if c.kind == kind]
     smooth = {v for v in verify.VARIANTS if verify.smooth(v)}
     assert "relu" in verify.VARIANTS and "relu" not in smooth  # its low-precision gradients are not compared
     assert {(c.variant, c.head_dim, c.dtype) for c in found} == {
         (v, d, t) for v in smooth for d in HEAD_DIMS for t in verify.DTYPES
     }
-    assert all(c.kind == "dkdv" and not c.poison for c in found)
-    ids = [c.id for c in found + verify.cases()]
+    assert not any(c.poison for c in found)
+    assert {c.kind for c in verify.backward_cases()} == {"dkdv", "dq"}
+    ids = [c.id for c in verify.backward_cases() + verify.cases()]
     assert len(set(ids)) == len(ids)
     assert any(c.shape[1] > c.shape[2] for c in found) and any(c.shape[3] % 64 for c in found)
 

@@ -1,7 +1,7 @@
 """The template instances on the GPU against the float64 reference (``attnfuse/kernels/verify.py``): the
 forward's on every built-in and installed contrib variant, head dims 64/128/256, float16 and bfloat16, GQA,
-ragged lengths, NaN values under the masks; the dK/dV template's gradients on every variant with smooth
-weights, head dims 64/128. With ``ATTNFUSE_VERIFY_OUT`` set, each result is appended there for the record."""
+ragged lengths, NaN values under the masks; the dK/dV and dQ templates' gradients on every variant with
+smooth weights, head dims 64/128. With ``ATTNFUSE_VERIFY_OUT`` set, each result is appended there for the record."""
 
 import json
 import os
@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from attnfuse.kernels import verify
-from attnfuse.kernels.launch import TemplateDkdv, TemplateForward
+from attnfuse.kernels.launch import TemplateForward
 
 from conftest import requires_cuda
 
@@ -45,6 +45,6 @@ def test_template_instance_matches_float64(case, monkeypatch):
 
 
 @pytest.mark.parametrize("case", verify.backward_cases(), ids=lambda c: c.id)
-def test_dkdv_template_instance_gradients_match_float64(case, monkeypatch):
+def test_backward_template_instance_gradients_match_float64(case, monkeypatch):
     monkeypatch.setenv("ATTNFUSE_TEMPLATES", "all")
-    _check(case, TemplateDkdv)
+    _check(case, verify.BACKWARD_TEMPLATES[case.kind])

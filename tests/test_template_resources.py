@@ -4,7 +4,8 @@ the dK/dV template (the listed ones, ``verify.LISTED_VARIANTS``, by the forward 
 block's shared memory, on wgmma and TMA, with one main loop per consumer warpgroup. The forward's key loop holds
 no local memory (the spill bytes outside the loop, a few at head dims 128 and 256, are in docs/benchmarks.md's
 table: not yet none); the dK/dV step loop holds none either, except where
-``KNOWN_DKDV_LOOP_SPILLS`` says it spills today, and there no more than it says.
+``KNOWN_DKDV_LOOP_SPILLS`` says it spills today, and there no more than it says; the dQ template's step loop holds
+none at all.
 
 Each case is one compile (seconds). Forward: bfloat16 at every head dim, float16 at head dim 128. dK/dV:
 bfloat16 at its head dims (float16's figures are the same: docs/benchmarks.md's table has both). The cases share
@@ -20,6 +21,7 @@ from attnfuse.kernels.tiles import SHARED_MEMORY_LIMIT
 CASES = [(v, d, "bfloat16") for v in verify.FORWARD_VARIANTS for d in verify.HEAD_DIMS]
 CASES += [(v, 128, "float16") for v in verify.FORWARD_VARIANTS]
 DKDV_CASES = [(v, d, "bfloat16") for v in verify.VARIANTS for d in verify.DKDV_HEAD_DIMS]
+DQ_CASES = DKDV_CASES + [(v, 128, "float16") for v in verify.VARIANTS]
 CONSUMERS = 2  # consumer warpgroups of either template, each running its own key (forward) or step (dK/dV) loop
 
 # A KNOWN DEFECT, to be driven to zero: the dK/dV instances that spill inside their step loop today (ptxas' spill
@@ -79,6 +81,19 @@ def test_dkdv_instance_compiles_for_sm90_and_spills_in_its_loop_no_more_than_tod
         problems.append(f"{used.spill_bytes} bytes spilled in the main path, above today's {known} (a ratchet)")
     if known is not None and not used.loop_local_memory:
         problems.append("no local memory in the step loop any more: take it out of KNOWN_DKDV_LOOP_SPILLS and the docs")
+    assert not problems, f"{spec.name}: " + "; ".join(problems) + f"\n{used}"
+
+
+@pytest.mark.parametrize("variant,head_dim,dtype", DQ_CASES, ids=[f"{v}-D{d}-{t}" for v, d, t in DQ_CASES])
+def test_dq_instance_compiles_for_sm90_with_no_local_memory_in_its_loop(variant, head_dim, dtype):
+    plan = variant_plan(variant, dtype, head_dim)  # the training plan: it saves the lse the dQ instance reads
+    spec = plan.templates.kernels.get("dq")
+    if spec is None:
+        pytest.fail(f"{variant} falls off the dQ template: {plan.templates.reasons['dq']}")
+    used = template_resources(spec, dtype, head_dim, plan.config.save_lse)
+    problems = _problems(used)
+    if used.loop_local_memory:
+        problems.append(f"local memory (STL/LDL) in the step loop ({used.spill_bytes} bytes spilled in the main path)")
     assert not problems, f"{spec.name}: " + "; ".join(problems) + f"\n{used}"
 
 

@@ -9,7 +9,7 @@ from ..passes.codegen.loops import listing_mask
 from ..passes.lower import LoweredProgram
 from .gluon_text import row_rescale
 from .pipeline import ROWS
-from .tiles import DKDV_TILES, FORWARD_TILES
+from .tiles import DKDV_TILES, DQ_TILES, FORWARD_TILES
 
 TEMPLATE_DTYPES = ("float16", "bfloat16")
 
@@ -73,9 +73,17 @@ def forward_reason(kernel: LoweredProgram) -> str | None:
 
 def dkdv_reason(kernel: LoweredProgram) -> str | None:
     """Why the dK/dV template cannot run ``kernel``, or None when it can."""
-    reason = _common_reason(kernel, "dK/dV", DKDV_TILES)
-    if reason is not None:
-        return reason
+    return _common_reason(kernel, "dK/dV", DKDV_TILES) or _backward_reason(kernel)
+
+
+def dq_reason(kernel: LoweredProgram) -> str | None:
+    """Why the dQ template cannot run ``kernel``, or None when it can: the programs the dK/dV template takes."""
+    return _common_reason(kernel, "dQ", DQ_TILES) or _backward_reason(kernel)
+
+
+def _backward_reason(kernel: LoweredProgram) -> str | None:
+    """Why a backward template (dK/dV, dQ) cannot run ``kernel``'s gradients, or None: a normaliser or score
+    modification with no backward, or a normaliser that needs delta without saving lse."""
     norm = kernel.normaliser
     if norm.fragment.grad is None:
         return f"{norm.prefix} declares no backward (its grad is None)"

@@ -15,15 +15,15 @@ from ..passes.lower import LoweredProgram, masked_head
 from ..plan import KernelSpec, TemplatePlan, TileConfig
 from . import pipeline
 from .canonical import canonical_source
-from .capability import dkdv_reason, forward_reason
+from .capability import dkdv_reason, dq_reason, forward_reason
 from .dkdv import dkdv_params, generate_dkdv
+from .dq import dq_params, generate_dq
 from .forward import forward_params, generate_forward
 from .listed import partial_keep
-from .tiles import DKDV_TILES, FORWARD_TILES, NARROW_TILES
+from .tiles import DKDV_TILES, DQ_TILES, FORWARD_TILES, NARROW_TILES
 
 TEMPLATE_KINDS = ("forward", "dkdv", "dq", "decode")  # the kernels `attnfuse show` reports an engine for
 _NOT_YET = {
-    "dq": "the dQ kernel has no template yet: the generated dQ kernel runs before the dK/dV one",
     "decode": "decoding reads few rows a program: the generated split-KV kernel serves it",
 }
 
@@ -31,7 +31,11 @@ _NOT_YET = {
 def template_plan(kernel: LoweredProgram) -> TemplatePlan:
     """The template instances of ``kernel`` and the reasons for the kinds that fall back."""
     kernels, reasons = {}, dict(_NOT_YET)
-    for kind, reason, spec in (("forward", forward_reason, _forward_spec), ("dkdv", dkdv_reason, _dkdv_spec)):
+    for kind, reason, spec in (
+        ("forward", forward_reason, _forward_spec),
+        ("dkdv", dkdv_reason, _dkdv_spec),
+        ("dq", dq_reason, _dq_spec),
+    ):
         why = reason(kernel)
         if why is None:
             kernels[kind] = spec(kernel)
@@ -82,6 +86,20 @@ def _dkdv_spec(kernel: LoweredProgram) -> KernelSpec:
     )
 
 
+def _dq_spec(kernel: LoweredProgram) -> KernelSpec:
+    tiles = DQ_TILES[kernel.config.head_dim]
+    name = f"attnfuse_tdq_{kernel.signature[:12]}"
+    constants = {"BLOCK_N": tiles.block_n, "STAGES": tiles.stages}
+    return KernelSpec(
+        kind="dq",
+        name=name,
+        tiles=TileConfig(block_m=2 * pipeline.ROWS.value, block_n=tiles.block_n, num_stages=tiles.stages),
+        launch=LaunchSpec(name, dq_params(kernel), constants, tiles=()),
+        generate=lambda name, _: generate_dq(kernel, name, pipeline.CONSUMER_REGISTERS, pipeline.LOADER_REGISTERS),
+        origins={inst.prefix: inst.apply.record.distribution for inst in kernel.instances()},
+    )
+
+
 # What launches an instance (host code): its change changes every instance
 _LAUNCHED_BY = (
     "attnfuse.kernels.launch",
@@ -89,6 +107,7 @@ _LAUNCHED_BY = (
     "attnfuse.runtime.hopper",
     "attnfuse.runtime.template_rows",
 )
+_LAUNCHED_BY_KIND = {"dq": ("attnfuse.kernels.dq_launch",)}  # and what launches one kind's instances alone
 _IMPORTS = re.compile(r"^from (attnfuse(?:\.\w+)*) import", re.M)
 
 
@@ -97,11 +116,12 @@ def _module_source(module: str) -> str:
     return Path(importlib.import_module(module).__file__).read_text()
 
 
-def _library(source: str) -> str:
-    """The source of the AttnFuse modules an instance's ``source`` imports and of those that launch it: a
-    change to them changes the instance, and a module it does not import (a new template's) does not."""
+def _library(source: str, kind: str) -> str:
+    """The source of the AttnFuse modules an instance's ``source`` imports and of those that launch it (an
+    instance of ``kind``): a change to them changes the instance, and a module it does not import (a new
+    template's) does not."""
     imported = sorted(set(_IMPORTS.findall(source)))
-    return "".join(_module_source(m) for m in (*imported, *_LAUNCHED_BY))
+    return "".join(_module_source(m) for m in (*imported, *_LAUNCHED_BY, *_LAUNCHED_BY_KIND.get(kind, ())))
 
 
 def instance_digest(spec: KernelSpec) -> str:
@@ -109,4 +129,5 @@ def instance_digest(spec: KernelSpec) -> str:
     docstrings or unread parameters, so programs that get the same kernel share it), the constants and tiles it
     is launched with, and the library it imports and is launched by (``_library``)."""
     launched = f"{sorted(spec.launch.constants.items())!r}{spec.tiles!r}"
-    return hashlib.sha256((canonical_source(spec.source) + launched + _library(spec.source)).encode()).hexdigest()[:24]
+    text = canonical_source(spec.source) + launched + _library(spec.source, spec.kind)
+    return hashlib.sha256(text.encode()).hexdigest()[:24]

@@ -46,7 +46,7 @@ INDEX_LIKE = re.compile(r"(num|idx|index|count|active|lens|order)$")  # a plugin
 _LIST_SIZE = re.compile(r"^\s*list_size = (\w+)\b", re.M)  # the scalar a listing mask's block size names (listed.py)
 SECTION = "template_resources"  # its marked section of docs/benchmarks.md (--markdown-section)
 _CARRIED = {"Q", "K", "V", "Out"}  # the forward's tensors, in the call's dtype; Lse is float32
-KERNELS = ("forward", "dkdv")  # the template kinds compiled here
+KERNELS = ("forward", "dkdv", "dq")  # the template kinds compiled here
 GROUP_SUMS = ("none", "last", "atomic")  # how a dK/dV launch sums a GQA group's programs (hopper.group_split)
 _SPILLS = re.compile(r"Function properties for (\S+)\n\s*\d+ bytes stack frame, (\d+) bytes spill stores")
 _LOCAL = re.compile(r"\b(?:STL|LDL)\b")  # a store to or load from local memory (a spill, or a stack array)
@@ -85,7 +85,7 @@ class Resources:
 
 
 def signature(spec: KernelSpec, dtype: str, head_dim: int, save_lse: bool, group_sum: str = "none") -> dict[str, str]:
-    """Triton's types of the parameters of ``spec`` (a forward or dK/dV instance) for tensors of ``dtype`` and
+    """Triton's types of the parameters of ``spec`` (a forward, dK/dV or dQ instance) for tensors of ``dtype`` and
     ``head_dim``, as the runtime launches it (``kernels/launch.py``); the types ``_launch_types`` does not name
     are the launch spec's kinds: a plugin's tensors float32 (int32 where their names say they hold indices or
     counts, ``INDEX_LIKE``, as a block list's), its scalars float32 (int32: a listing mask's block size, which
@@ -124,7 +124,12 @@ def _launch_types(spec: KernelSpec, dtype: str, head_dim: int, save_lse: bool, g
         return {**{n: tiles(rows) for n in ("q_desc", "do_desc", "k_desc", "v_desc")}, "lse_desc": row,
                 "delta_desc": row, "DKey": grads, "DValue": grads, "dk_part": parts, "dv_part": parts,
                 "counts": "*i32" if group_sum == "last" else grads}  # fmt: skip
-    raise InputError(f"spec.kind={spec.kind!r}: template instances are of kinds {' and '.join(KERNELS)}")
+    if spec.kind == "dq":
+        block_n = spec.tiles.block_n
+        return {**{n: tiles(rows) for n in ("q_desc", "do_desc", "o_desc")}, "k_desc": tiles(block_n),
+                "v_desc": tiles(block_n), "O": f"*{short}", "DQuery": f"*{short}",
+                **{n: "*fp32" for n in ("Lse", "DLse", "Delta")}}  # fmt: skip
+    raise InputError(f"spec.kind={spec.kind!r}: template instances are of kinds {', '.join(KERNELS)}")
 
 
 def template_resources(
@@ -135,12 +140,14 @@ def template_resources(
     if ``save_lse``, or a dK/dV instance (``["dkdv"]`` of the training plan), reading the forward's lse and
     delta rows if ``save_lse`` (the plan's ``config.save_lse``), summing a GQA group's programs as ``group_sum``
     says ("none": one program a group, the launch of a grid that fills the GPU; "last" or "atomic":
-    ``hopper.group_split``). Raises whatever Triton raises on an instance that does not compile, and
+    ``hopper.group_split``), or a dQ instance (``["dq"]`` of the training plan), as a call with no dLSE
+    launches it. Raises whatever Triton raises on an instance that does not compile, and
     RuntimeError if ptxas or nvdisasm fails."""
     if dtype not in DTYPES:
         raise InputError(f"dtype={dtype!r}: the templates compile for {' and '.join(DTYPES)}")
     types = signature(spec, dtype, head_dim, save_lse, group_sum)
-    launch = {"forward": {"SAVE_LSE": save_lse}, "dkdv": {"GROUP_SUM": group_sum}}[spec.kind]
+    launch = {"forward": {"SAVE_LSE": save_lse}, "dkdv": {"GROUP_SUM": group_sum}, "dq": {"HAS_DLSE": False}}
+    launch = launch[spec.kind]
     rows = {name: None for name in ("lse_desc", "delta_desc") if types.get(name) == "constexpr"}
     fn = load_function(spec.source, spec.name, write_source(spec.name, spec.source))
     source = GluonASTSource(fn, types, {**spec.launch.constants, **launch, **rows})
@@ -215,7 +222,7 @@ def _loops(lines: list[str]) -> list[tuple[int, int]]:
 
 
 def table_rows(variants: list[str], head_dims: list[int], dtypes: list[str], kernels: list[str]):
-    """The table's rows, one per kernel x variant x head dim x dtype (the dK/dV template's head dims only,
+    """The table's rows, one per kernel x variant x head dim x dtype (the backward templates' head dims only,
     ``verify.DKDV_HEAD_DIMS``), each printed as soon as it is compiled."""
     for kernel in kernels:
         served = [d for d in head_dims if kernel == "forward" or d in verify.DKDV_HEAD_DIMS]
@@ -254,12 +261,13 @@ def heading(arguments: list[str]) -> list[str]:
         "",
         "Each template instance of each variant (GQA group 2), compiled as a launch would, with no GPU: the forward",
         "template's (kernel `forward`) at every head dim, the dK/dV template's (kernel `dkdv`, of the training plan,",
-        'which saves the lse it reads; a GQA group summed in one program, GROUP_SUM "none") at the head dims it',
-        "serves. Registers: ptxas' count at entry (the launch's cap), then the budget `setmaxnreg` gives each",
-        "consumer warpgroup / the loader warp. Spill bytes: ptxas' spill stores in the main path / in the careful",
-        "redo (the forward's noinline functions that redo rows a non-finite value reached; the dK/dV template has",
-        "none: 0). Local memory in the loop: an STL or LDL inside a key loop (forward) or step loop (dK/dV) of the",
-        "main path (innermost loops with wgmma). wgmma and TMA: HGMMA and UTMALDG/UTMASTG in the SASS. Shared",
+        'which saves the lse it reads; a GQA group summed in one program, GROUP_SUM "none") and the dQ template\'s',
+        "(kernel `dq`, of the training plan, as a call with no dLSE launches it) at the head dims they serve.",
+        "Registers: ptxas' count at entry (the launch's cap), then the budget `setmaxnreg` gives each consumer",
+        "warpgroup / the loader warp. Spill bytes: ptxas' spill stores in the main path / in the careful redo (the",
+        "forward's noinline functions that redo rows a non-finite value reached; the dK/dV and dQ templates have",
+        "none: 0). Local memory in the loop: an STL or LDL inside a key loop (forward, dQ) or step loop (dK/dV) of",
+        "the main path (innermost loops with wgmma). wgmma and TMA: HGMMA and UTMALDG/UTMASTG in the SASS. Shared",
         f"memory in KiB, of {SHARED_MEMORY_LIMIT / 1024:.0f} KiB a block may use.",
         "",
         "A known defect, to be driven to zero: the `dkdv` rows with local memory in the loop spill inside the step",

@@ -4,7 +4,8 @@ A forward program is 2 x 64 query rows (``pipeline.ROWS`` per consumer warpgroup
 a step through ``stages`` shared-memory stages. Each choice keeps the consumers' registers under their budget
 (no spills: ``tests/test_template_resources.py``) and the shared memory in an H100/H200 block
 (Q's 2 x 64 rows, then ``stages`` x (K + V) tiles of ``block_n`` rows). A dK/dV program is 2 x 64 keys; it
-streams query blocks of 64 rows through ``stages`` stages of Q and dO tiles.
+streams query blocks of 64 rows through ``stages`` stages of Q and dO tiles. A dQ program is 2 x 64 query rows,
+as the forward's; it streams ``block_n`` keys a step (K and V tiles) through ``stages`` stages.
 """
 
 from __future__ import annotations
@@ -43,4 +44,18 @@ class DkdvTiles:
 DKDV_TILES = {  # shared memory: K and V (2 x 64 rows each), stages x (Q + dO) of 64 rows, 4 P/dS tiles of 64 x 64
     64: DkdvTiles(stages=3),
     128: DkdvTiles(stages=2),
+}
+
+
+@frozen
+class DqTiles:
+    block_n: int  # keys per step (a dQ program: 2 x 64 query rows, as the forward's)
+    stages: int  # K and V tiles in flight
+
+
+DQ_TILES = {  # shared memory: Q and dO (2 x 64 rows each), stages x (K + V) of block_n rows; the step's S, dP
+    # (64 x block_n each) and dQ (64 x D) accumulators take a consumer's registers: at head dim 128, 128 keys a
+    # step made ptxas spill in the loop (ALiBi, softcap)
+    64: DqTiles(block_n=128, stages=3),
+    128: DqTiles(block_n=64, stages=3),
 }

@@ -2,9 +2,9 @@
 
 ``tests/test_template_gpu.py`` runs ``check`` on every case of ``cases()`` (the forward template: each built-in
 and installed contrib variant, head dims 64/128/256, float16 and bfloat16, GQA, lengths that are not multiples
-of a tile, Nq != Nk, non-finite values under the masks) and of ``backward_cases()`` (the dK/dV template: its
-gradients dq, dk, dv through the public API) with ``ATTNFUSE_TEMPLATES=all``, and appends each result to a
-file in ``$ATTNFUSE_VERIFY_OUT``. Then
+of a tile, Nq != Nk, non-finite values under the masks) and of ``backward_cases()`` (the dK/dV and the dQ
+templates: their gradients dq, dk, dv through the public API) with ``ATTNFUSE_TEMPLATES=all``, and appends each
+result to a file in ``$ATTNFUSE_VERIFY_OUT``. Then
 
     python -m attnfuse.kernels.verify --collect $ATTNFUSE_VERIFY_OUT --write attnfuse/kernels/verified.json
 
@@ -32,6 +32,7 @@ from ..passes.compiler import compile as compile_plan
 from ..plan import KernelConfig, Plan
 from ..testing.grad_bounds import delta_rounding
 from ..testing.tolerances import assert_matches_reference
+from .dq_launch import TemplateDq
 from .launch import TemplateDkdv, TemplateForward
 from .verified import MODE_ENV, RECORD, is_verified, record_key
 
@@ -40,7 +41,8 @@ HEAD_DIMS = (64, 128, 256)
 DTYPES = ("float16", "bfloat16")
 SHAPES = ((2, 4, 2, 300, 300), (1, 2, 2, 130, 257))  # (B, Hq, Hkv, Nq, Nk): GQA; ragged, fewer queries
 HOISTED_SHAPES = ((1, 4, 2, 600, 600), (1, 2, 2, 520, 700))  # enough query blocks that a qk transform is hoisted
-DKDV_HEAD_DIMS = (64, 128)  # the dK/dV template's (``tiles.DKDV_TILES``)
+DKDV_HEAD_DIMS = (64, 128)  # the dK/dV template's (``tiles.DKDV_TILES``) and the dQ template's (``DQ_TILES``)
+BACKWARD_TEMPLATES = {"dkdv": TemplateDkdv, "dq": TemplateDq}  # the backward's templates, by case kind
 
 
 def _variants() -> dict[str, tuple[Callable, Callable]]:
@@ -140,7 +142,7 @@ class Case:
     dtype: str
     shape: tuple[int, int, int, int, int]
     poison: bool  # a NaN value that some rows mask and the others keep: the careful redo must sort them out
-    kind: str = "forward"  # the template checked: "forward" (out, lse) or "dkdv" (the gradients)
+    kind: str = "forward"  # the template checked: "forward" (out, lse), "dkdv" or "dq" (the gradients)
 
     @property
     def id(self) -> str:
@@ -170,11 +172,12 @@ def smooth(variant: str) -> bool:
 
 
 def backward_cases() -> list[Case]:
-    """The dK/dV template's cases: each variant with smooth weights, its head dims, both dtypes, the forward's
-    shapes. None with NaN values: a masked key's NaN value makes the float64 reference's gradients NaN
-    (its masked weights' dS is 0 · NaN), where the kernels' are 0."""
+    """The dK/dV and dQ templates' cases: each variant with smooth weights, their head dims, both dtypes, the
+    forward's shapes. None with NaN values: a masked key's NaN value makes the float64 reference's gradients
+    NaN (its masked weights' dS is 0 · NaN), where the kernels' are 0."""
     return [
-        Case(v, d, t, s, False, kind="dkdv")
+        Case(v, d, t, s, False, kind=kind)
+        for kind in BACKWARD_TEMPLATES
         for v in VARIANTS
         if smooth(v)
         for d in DKDV_HEAD_DIMS
@@ -184,11 +187,11 @@ def backward_cases() -> list[Case]:
 
 
 def check(case: Case, seed: int = 0) -> dict:
-    """Run ``case`` through its template instance on the GPU and compare out and lse (or, for a dK/dV case,
-    the gradients) with the float64 reference (AssertionError if they differ beyond what the dtype allows, or
+    """Run ``case`` through its template instance on the GPU and compare out and lse (or, for a dK/dV or dQ
+    case, the gradients) with the float64 reference (AssertionError if they differ beyond what the dtype allows, or
     if the template did not run); its result."""
-    if case.kind == "dkdv":
-        return _check_dkdv(case, seed)
+    if case.kind in BACKWARD_TEMPLATES:
+        return _check_backward(case, seed)
     program, extra = FORWARD_VARIANTS[case.variant]
     B, Hq, Hkv, Nq, Nk = case.shape
     dtype = getattr(torch, case.dtype)
@@ -225,10 +228,12 @@ def check(case: Case, seed: int = 0) -> dict:
     return {"key": TemplateForward.last_key, "case": case.id, "max_error": error}
 
 
-def _check_dkdv(case: Case, seed: int) -> dict:
-    """Forward and backward through the public API (the dK/dV template's instance computes dk and dv, the
-    generated dQ kernel dq); dq, dk and dv against the float64 reference's gradients, with the bound of
-    delta's rounding (``grad_bounds``) for normalisers that read delta."""
+def _check_backward(case: Case, seed: int) -> dict:
+    """Forward and backward through the public API (the dK/dV template's instance computes dk and dv, the dQ
+    template's dq and delta, each where the templates can run the program); dq, dk and dv against the float64
+    reference's gradients, with the bound of delta's rounding (``grad_bounds``) for normalisers that read delta.
+    AssertionError too if the case's template (``case.kind``) did not run."""
+    template = BACKWARD_TEMPLATES[case.kind]
     program, extra = VARIANTS[case.variant]
     B, Hq, Hkv, Nq, Nk = case.shape
     dtype = getattr(torch, case.dtype)
@@ -239,13 +244,13 @@ def _check_dkdv(case: Case, seed: int) -> dict:
     kwargs = extra(Hq, Nq, Nk, "cuda")
     if os.environ.get(MODE_ENV) != "all":
         raise RuntimeError(f"the check runs the template instances: set {MODE_ENV}=all")
-    before = TemplateDkdv.launches
+    before = template.launches
     leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
     got = torch.autograd.grad(program(*leaves, **kwargs), leaves, dout)
-    if TemplateDkdv.launches == before:
-        raise AssertionError(f"{case.id}: the call did not run the dK/dV template")
+    if template.launches == before:
+        raise AssertionError(f"{case.id}: the call did not run the {case.kind} template")
     error = compare_gradients(program, kwargs, (q, k, v), dout, got, case.id)
-    return {"key": TemplateDkdv.last_key, "case": case.id, "max_error": error}
+    return {"key": template.last_key, "case": case.id, "max_error": error}
 
 
 def compare_gradients(

@@ -1,7 +1,7 @@
 """The backward launcher: the dQ kernel (which also writes each row's delta), then the dK/dV kernel, then
-tensor gradients. On Hopper, for the programs and tensors they serve, the dK/dV kernel is the dK/dV template's
-instance (``attnfuse/kernels``) where it is chosen (as the forward's is, ``forward.template_forward``), else the
-generated kernel."""
+tensor gradients. On Hopper, for the programs and tensors they serve, each is its template's instance
+(``attnfuse/kernels``: the dQ template's, the dK/dV template's) where it is chosen (as the forward's is,
+``forward.template_forward``), else the generated kernel."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from typing import Any, Callable
 import attrs
 import torch
 
+from ..kernels.dq_launch import TemplateDq
 from ..kernels.launch import TemplateDkdv
 from ..kernels.verified import chosen, record_key
 from ..plan import InputGradient, Plan
@@ -65,6 +66,18 @@ def template_dkdv(plan: Plan) -> TemplateDkdv | None:
     return TemplateDkdv(spec, plan.templates.scale, plan.templates.qk_scale, key, plan.has_lse)
 
 
+def template_dq(plan: Plan) -> TemplateDq | None:
+    """The dQ template's instance of ``plan`` where the templates can run it and ``verified.chosen`` chooses it
+    (a GPU verified it, or ``ATTNFUSE_TEMPLATES=all``), else None."""
+    spec = plan.templates.kernels.get("dq")
+    if spec is None:
+        return None
+    key = record_key(spec, plan.config.dtype, plan.config.head_dim)
+    if not chosen(key):
+        return None
+    return TemplateDq(spec, plan.templates.scale, plan.templates.qk_scale, key, plan.has_lse)
+
+
 def partial_sums(
     kernel: CompiledKernel, grid: Callable[[Any], tuple[int, ...]], head_dim: int, q: torch.Tensor
 ) -> dict[str, torch.Tensor]:
@@ -115,6 +128,8 @@ class BackwardKernels:
         self.dq = CompiledKernel(plan.dq(tensor_grads), interpreted)
         self.plugin_args = PluginArgs(plan)
         self.template = template_dkdv(plan) if not dkdv.partial_buffers else None
+        # the dQ template writes no score-shaped gradient of a tensor input, nor transform tensors' partial sums
+        self.dq_template = template_dq(plan) if not (self.tensor_grads or self.dq.spec.partial_buffers) else None
         width = dkdv.launch.constants
         self._share_width = (2 * width["BLOCK_H"] if dkdv.halves else width["BLOCK_D"]) + width["BLOCK_DV"]
 
@@ -174,6 +189,52 @@ class BackwardKernels:
             EVEN_M=even_m,
         )
 
+    def _generated_dq(
+        self,
+        q: torch.Tensor,
+        kv: KVCache,
+        out: torch.Tensor,
+        dlse: torch.Tensor | None,
+        dq: torch.Tensor,
+        shared: dict[str, Any],
+        pargs: dict[str, Any],
+        limit: int | None,
+        even_m: Any,
+        buffers: list[torch.Tensor],
+        partials: dict[str, dict[str, torch.Tensor]],
+    ) -> None:
+        """The generated dQ kernel's launch: dq, delta (into ``shared["Delta"]``) and the tensor gradients'
+        ``buffers``; its partial-sum buffers go to ``partials["dq"]``."""
+        B, Hq, Nq, _ = q.shape
+        grad_args = dict(zip(self.dq.spec.grad_buffers, buffers))
+        dq_spec = self.dq.spec
+        grid = (
+            packed.query_grid(Nq, kv.packed.docs, Hq)
+            if kv.packed is not None
+            else query_grid(Nq, B * Hq, limit if dq_spec.scheduled else None)
+        )
+        dq_partials = partials["dq"] = partial_sums(self.dq, grid, q.shape[3], q)
+        self.dq.launch(
+            grid,
+            dq_spec.launch.bind(
+                {
+                    **shared,
+                    "O": out,
+                    "DLse": shared["Delta"] if dlse is None else dlse,
+                    "DQuery": dq,
+                    "HEAD_GROUP": heads_together(q, kv),
+                    **pargs,
+                    **grad_args,
+                    **dq_partials,
+                }
+            ),
+            q.device,
+            limit=limit,
+            HAS_DLSE=dlse is not None,
+            EVEN_K=even_keys(kv),
+            EVEN_M=even_m,
+        )
+
     def _dq_then_dkdv(
         self,
         q: torch.Tensor,
@@ -189,11 +250,13 @@ class BackwardKernels:
         prepared: Prepared | None,
         buffers: list[torch.Tensor],
         partials: dict[str, dict[str, torch.Tensor]],
+        dq_engine: str,
         engine: str,
     ) -> None:
-        """The generated dQ kernel (which writes delta and the tensor gradients' buffers), then the dK/dV
-        kernel ``engine`` names: "template" (the dK/dV template's instance) or "generated". Deterministic.
-        The kernels' partial-sum buffers (``partial_sums``) go to ``partials`` by kind ("dq", "dkdv")."""
+        """The dQ kernel ``dq_engine`` names, "template" (the dQ template's instance) or "generated" (which also
+        writes the tensor gradients' buffers), either writing delta; then the dK/dV kernel ``engine`` names:
+        "template" (the dK/dV template's instance) or "generated". Deterministic. The kernels' partial-sum
+        buffers (``partial_sums``) go to ``partials`` by kind ("dq", "dkdv")."""
         B, Hq, Nq, _ = q.shape
         delta = torch.empty((B, Hq, Nq), dtype=accumulator_dtype(q.dtype), device=q.device)  # dQ writes it
         shared = {
@@ -208,35 +271,11 @@ class BackwardKernels:
             **kv_launch_args(kv),
         }  # Lse: a placeholder when the normaliser saves none
         pargs, limit, heavy = prepared or self.plugin_args(q, kv, inputs)
-        grad_args = dict(zip(self.dq.spec.grad_buffers, buffers))
         even_m = False if kv.packed is not None else lambda tiles: Nq % tiles.block_m == 0  # noqa: E731
-        dq_spec = self.dq.spec
-        grid = (
-            packed.query_grid(Nq, kv.packed.docs, Hq)
-            if kv.packed is not None
-            else query_grid(Nq, B * Hq, limit if dq_spec.scheduled else None)
-        )
-        dq_partials = partials["dq"] = partial_sums(self.dq, grid, q.shape[3], q)
-        self.dq.launch(
-            grid,
-            dq_spec.launch.bind(
-                {
-                    **shared,
-                    "O": out,
-                    "DLse": delta if dlse is None else dlse,
-                    "DQuery": dq,
-                    "HEAD_GROUP": heads_together(q, kv),
-                    **pargs,
-                    **grad_args,
-                    **dq_partials,
-                }
-            ),
-            q.device,
-            limit=limit,
-            HAS_DLSE=dlse is not None,
-            EVEN_K=even_keys(kv),
-            EVEN_M=even_m,
-        )
+        if dq_engine == "template":
+            self.dq_template(q, kv.k, kv.v, out, dout, lse, dlse, delta, dq, pargs)
+        else:
+            self._generated_dq(q, kv, out, dlse, dq, shared, pargs, limit, even_m, buffers, partials)
         if engine == "template":
             self.template(q, kv.k, kv.v, dout, lse, delta, dk, dv, pargs)
         else:
@@ -274,7 +313,11 @@ class BackwardKernels:
             dlse = dlse.to(accumulator_dtype(q.dtype)).contiguous() if dlse is not None else None
             served = self.template is not None and self.template.fits(q, k, v, dout, lse, dk, dv)
             engine = "template" if served else "generated"
-            self._dq_then_dkdv(q, kv, out, lse, dout, dlse, dq, dk, dv, inputs, prepared, buffers, partials, engine)
+            dq_served = self.dq_template is not None and self.dq_template.fits(q, k, v, out, dout, lse, dq)
+            dq_engine = "template" if dq_served else "generated"
+            self._dq_then_dkdv(
+                q, kv, out, lse, dout, dlse, dq, dk, dv, inputs, prepared, buffers, partials, dq_engine, engine
+            )
         else:
             for g in (dq, dk, dv):
                 g.zero_()
