@@ -37,7 +37,9 @@ for step in "$@"; do
         | tee "$OUT/templates.log" | tail -40
       # a run stopped by STEP_TIMEOUT left cases unrun: no record from it
       if [ "${PIPESTATUS[0]}" -ne 124 ]; then
-        python3 -m attnfuse.kernels.verify --collect /tmp/attnfuse-verify --write "$OUT/verified.json"
+        # some cases (TEMPLATES_K): their instances added to the checked-in record
+        python3 -m attnfuse.kernels.verify --collect /tmp/attnfuse-verify --write "$OUT/verified.json" \
+          ${TEMPLATES_K:+--add-to attnfuse/kernels/verified.json}
       else
         echo "templates: stopped at STEP_TIMEOUT, so no record is written"
       fi ;;

@@ -612,6 +612,23 @@ def test_record_keeps_only_instances_all_of_whose_cases_passed():
         assert entry["max_error"] == max(errors[entry["key"]])
 
 
+def test_a_run_of_some_cases_adds_to_the_record():
+    """``verify --add-to``: the earlier record's instances stay (each naming its run) unless this run failed a
+    case of theirs; this run's passed instances join it, replacing an earlier entry of their key."""
+    first = verify.record(_results("forward/a", [0.1]) + _results("forward/b", [0.2]), set(), {"gpu": "one"})
+    second_run = verify.record(
+        _results("forward/c", [0.3]) + _results("forward/a", [0.05]), {"forward/b"}, {"gpu": "two"}
+    )
+    data = verify.added(first, second_run, {"forward/b"})
+    assert data["runs"] == [{"gpu": "one"}, {"gpu": "two"}]
+    assert {e["key"]: (e["run"], e["max_error"]) for e in data["instances"]} == {
+        "forward/a": (1, 0.05),
+        "forward/c": (1, 0.3),
+    }
+    third = verify.added(data, verify.record(_results("forward/d", [0.4]), set(), {"gpu": "three"}), set())
+    assert [e["run"] for e in third["instances"]] == [1, 1, 2] and len(third["runs"]) == 3
+
+
 @pytest.mark.parametrize("bad", [math.inf, math.nan])
 @pytest.mark.parametrize("position", ["first", "last"])
 def test_record_leaves_out_an_instance_with_a_non_finite_error(bad, position):

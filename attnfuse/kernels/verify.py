@@ -301,6 +301,19 @@ def record(results: list[dict], failed: set[str], run: dict) -> dict:
     }
 
 
+def added(earlier: dict, new: dict, failed: set[str]) -> dict:
+    """``earlier``'s record with ``new``'s instances added (a new entry replaces an earlier one of its key) and
+    those of ``failed`` keys taken out; each entry names the run it comes from (``runs``, in order)."""
+    runs = earlier.get("runs") or [earlier["run"]]
+    instances = {e["key"]: {"run": 0, **e} for e in earlier["instances"] if e["key"] not in failed}
+    instances.update({e["key"]: {**e, "run": len(runs)} for e in new["instances"]})
+    return {
+        "about": new["about"],
+        "runs": [*runs, new["run"]],
+        "instances": [instances[k] for k in sorted(instances)],
+    }
+
+
 def variant_plan(variant: str, dtype: str, head_dim: int) -> Plan:
     """The sm90 plan of ``FORWARD_VARIANTS[variant]`` (GQA group 2; the hoisted plan, which is the one that
     runs the template, where the program's transforms are hoisted)."""
@@ -341,6 +354,12 @@ def main() -> None:
     what.add_argument("--collect", type=Path, help="the directory the GPU tests wrote")
     what.add_argument("--keys", action="store_true", help="print each case's instance and whether it is verified")
     parser.add_argument("--write", type=Path, default=RECORD, help="the record to write")
+    parser.add_argument(
+        "--add-to",
+        type=Path,
+        help="a record whose instances this run adds to (a run of some cases: TEMPLATES_K); an instance with a "
+        "failing case in this run leaves it",
+    )
     args = parser.parse_args()
     if args.keys:
         print_keys()
@@ -357,6 +376,8 @@ def main() -> None:
         "triton": __import__("triton").__version__,
     }
     data = record(results, failed, run)
+    if args.add_to is not None:
+        data = added(json.loads(args.add_to.read_text()), data, failed)
     args.write.write_text(json.dumps(data, indent=1) + "\n")
     print(f"{len(data['instances'])} instances verified, {len(failed)} with a failing case; written to {args.write}")
 
