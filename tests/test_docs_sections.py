@@ -1,8 +1,8 @@
 """docs/benchmarks.md is regenerated, not edited: ``attnfuse bench --markdown`` writes the page and keeps the
 marked sections (``<!-- BEGIN name -->`` ... ``<!-- END name -->``) that other commands write with
-``--markdown-section PATH``: benchmarks/hf_layer.py (Table 9), benchmarks/validation_cost.py and
-benchmarks/hf_generate.py. A section writer replaces its own section and leaves every other byte of the page
-as it was."""
+``--markdown-section PATH``: benchmarks/hf_layer.py (Table 9), benchmarks/validation_cost.py,
+benchmarks/hf_generate.py and benchmarks/template_launch.py. A section writer replaces its own section and
+leaves every other byte of the page as it was."""
 
 from __future__ import annotations
 
@@ -110,7 +110,7 @@ def test_the_bench_page_keeps_the_sections_in_order(tmp_path):
 
 def test_the_docs_page_has_the_sections_of_the_scripts():
     names = [m["name"] for m in report.SECTION.finditer((ROOT / "docs" / "benchmarks.md").read_text())]
-    assert names == ["hf_layer", "validation_cost", "hf_generate", "template_resources"]
+    assert names == ["hf_layer", "validation_cost", "hf_generate", "template_resources", "template_launch"]
 
 
 def load(script: str):
