@@ -14,7 +14,7 @@ set -uo pipefail
 OUT=${OUT:-/tmp/attnfuse-out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
-export ATTNFUSE_FAILURES_LOG="$OUT/failures.log"  # each failing test's report as it happens (tests/conftest.py)
+export ATTNFUSE_TEST_LOG="$OUT/tests.log"  # each test's outcome as it happens, failures' reports (tests/conftest.py)
 cd "$(dirname "$0")/.."
 for step in "$@"; do
   echo "=== $step ($(date +%T))"

@@ -68,13 +68,16 @@ def pytest_runtest_makereport(item, call):
 
 
 def pytest_runtest_logreport(report):
-    """With ATTNFUSE_FAILURES_LOG set (the GPU sessions' scripts set it), each failure's report is appended to
-    that file as it happens, so a run stopped by its time limit still says what failed and why (the pytest-xdist
-    controller writes it, once)."""
-    path = os.environ.get("ATTNFUSE_FAILURES_LOG")
-    if report.failed and path and "PYTEST_XDIST_WORKER" not in os.environ:
-        with open(path, "a") as log:
-            log.write(f"=== {report.nodeid} ({report.when})\n{report.longreprtext[-4000:]}\n")
+    """With ATTNFUSE_TEST_LOG set (the GPU sessions' script sets it), each test's outcome is appended to that file
+    as it happens, a failure with its report, so a run stopped by its time limit still says what passed, what
+    failed and why (the pytest-xdist controller writes it, once)."""
+    path = os.environ.get("ATTNFUSE_TEST_LOG")
+    if not path or "PYTEST_XDIST_WORKER" in os.environ or not (report.when == "call" or report.outcome != "passed"):
+        return
+    with open(path, "a") as log:
+        log.write(f"{report.outcome.upper()} {report.nodeid} ({report.when}, {report.duration:.1f} s)\n")
+        if report.failed:
+            log.write(f"{report.longreprtext[-4000:]}\n")
 
 
 def fuzz_examples(cpu_default: int, gpu_default: int) -> int:
