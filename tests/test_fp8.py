@@ -286,13 +286,21 @@ def test_no_split_kv():
         af.run_attention(causal_softmax.graph(), q, k, v, split_kv=True, **descales)
 
 
-def test_no_paged_cache():
-    (q, k, v), descales = fp8_inputs(torch.float8_e4m3fn, per_head=False, Nq=2, Nk=32)
-    pool_k, pool_v = (t.float()[:1].permute(0, 2, 1, 3).reshape(2, 16, HKV, D).to(t.dtype) for t in (k, v))
-    table = torch.tensor([[0, 1], [1, 0]], dtype=torch.int32)
-    lens = torch.tensor([32, 20])
-    with pytest.raises(af.UnsupportedError, match=r"a paged cache \(block_table\)"):
-        causal_softmax(q, pool_k, pool_v, **descales, block_table=table, kv_lens=lens)
+@pytest.mark.parametrize("kv_layout", ["NHD", "HND"])
+@pytest.mark.parametrize("per_head", [False, True], ids=["per-tensor", "per-head"])
+def test_paged_cache(per_head, kv_layout):
+    """A float8 paged cache (a decoding step and a prefill chunk, pages shared and out of order, a sequence
+    shorter than its pages): each sequence's keys take its (batch, kv head)'s descale."""
+    for Nq in (2, 24):
+        (q, k, v), descales = fp8_inputs(torch.float8_e4m3fn, per_head, Nq=Nq, Nk=32)
+        pages = [t.float().permute(0, 2, 1, 3).reshape(B * 2, 16, HKV, D) for t in (k, v)]  # (pages, 16, Hkv, D)
+        if kv_layout == "HND":
+            pages = [t.transpose(1, 2).contiguous() for t in pages]
+        pool_k, pool_v = (t.to(k.dtype) for t in pages)
+        table = torch.tensor([[2, 0], [1, 3]], dtype=torch.int32)
+        lens = torch.tensor([32, 20])
+        call = dict(block_table=table, kv_lens=lens, kv_layout=kv_layout)
+        check(causal_softmax, (q, pool_k, pool_v), descales, torch.float32, **call)
 
 
 @pytest.mark.parametrize("per_head", [False, True], ids=["per-tensor", "per-head"])

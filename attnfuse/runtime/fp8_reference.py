@@ -6,8 +6,10 @@ from typing import Any
 
 import torch
 
-from .fp8 import check_fp8, dequantised, is_fp8, refuse
-from .inputs import check_inputs
+from ..reference import gather_pages
+from .fp8 import check_fp8, dequantised, is_fp8
+from .inputs import check_cache, check_inputs
+from .validate import check_call_values
 
 
 def reference_inputs(
@@ -18,16 +20,23 @@ def reference_inputs(
     k_descale: Any,
     v_descale: Any,
     dtype: torch.dtype,
+    kv_lens: Any,
     block_table: Any,
     kv_layout: Any,
-) -> tuple[Any, Any, Any]:
-    """q, k, v for the reference evaluator: float8 ones dequantised in ``dtype`` with their descales (checked
-    as a call checks them), others as they are (descales given to them refused)."""
+) -> tuple[Any, Any, Any, Any, Any]:
+    """(q, k, v, block_table, kv_layout) for the reference evaluator: float8 ones dequantised in ``dtype`` with
+    their descales (checked as a call checks them), others as they are (descales given to them refused). A paged
+    float8 cache's pools are first checked as a call checks them and gathered into each sequence's (B, Hkv, N, D)
+    keys and values, which then take their (batch, kv head)'s descale: a cache with no block table."""
     descales = {"q_descale": q_descale, "k_descale": k_descale, "v_descale": v_descale}
     if not is_fp8(q) and all(d is None for d in descales.values()):
-        return q, k, v
-    check_inputs(q, k, v, paged=block_table is not None, kv_layout=kv_layout)
+        return q, k, v, block_table, kv_layout
+    layout = check_inputs(q, k, v, paged=block_table is not None, kv_layout=kv_layout)
     if block_table is not None:
-        refuse("a paged cache (block_table)")
+        layout = check_cache(q, k, v, kv_lens, block_table, kv_layout).kv_layout
+        check_call_values(k, kv_lens, block_table, kv_layout=layout, wait=True)
+        k, v = (gather_pages(t, block_table, layout) for t in (k, v))
+        block_table, kv_layout = None, None
     fp8 = check_fp8(q, k, v, descales, None, k.shape[1])
-    return tuple(dequantised(t, d, dtype) for t, d in zip((q, k, v), fp8[:3]))
+    q, k, v = (dequantised(t, d, dtype) for t, d in zip((q, k, v), fp8[:3]))
+    return q, k, v, block_table, kv_layout

@@ -376,8 +376,6 @@ def _fp8_call(program: compiled.Compiled, kv: Any, grads: Any, split_kv: bool | 
             "float8 calls have no backward: compute them under torch.no_grad() (or with inputs that do not "
             "require grad), or train in bfloat16"
         )
-    if kv.block_table is not None:
-        float8.refuse("a paged cache (block_table)")
     if split_kv:
         float8.refuse("the split-KV decoding path (split_kv=True)")
     refused = program.plan.refuses_fp8
