@@ -263,7 +263,8 @@ def test_a_bad_templates_mode_is_a_clear_error(capsys, monkeypatch):
     code = main(["show", "gpt2", "--arch", "sm90", "--json"])
     captured = capsys.readouterr()
     assert code == 2 and captured.out == ""
-    assert "ATTNFUSE_TEMPLATES must be one of verified, all, off, got 'sometimes'" in captured.err
+    assert "ATTNFUSE_TEMPLATES must be one of verified, all, off, or a comma-separated list" in captured.err
+    assert "got 'sometimes'" in captured.err
 
 
 @af.attention

@@ -538,7 +538,7 @@ def test_record_key_changes_with_the_tiles_an_instance_launches_with(monkeypatch
     assert verified.record_key(after, "bfloat16", 128) != verified.record_key(before, "bfloat16", 128)
 
 
-@pytest.mark.parametrize("value", ["yes", "ALL", "verified,all", "1"])
+@pytest.mark.parametrize("value", ["yes", "ALL", "verified,all", "1", "forward,decode", "dkdv,"])
 def test_mode_refuses_an_unknown_value(value, monkeypatch):
     monkeypatch.setenv(verified.MODE_ENV, value)
     with pytest.raises(InputError) as caught:
@@ -555,6 +555,17 @@ def test_mode_reads_the_variable(value, mode, monkeypatch):
     else:
         monkeypatch.setenv(verified.MODE_ENV, value)
     assert verified.mode() == mode
+
+
+@pytest.mark.parametrize("value", ["dkdv", "forward, dq"])
+def test_a_list_of_kinds_opts_in_to_those_kinds_alone(value, monkeypatch):
+    """``ATTNFUSE_TEMPLATES=forward,dq``: every instance of the kinds listed, the verified ones of the others."""
+    listed = [kind.strip() for kind in value.split(",")]
+    monkeypatch.setenv(verified.MODE_ENV, value)
+    monkeypatch.setattr(verified, "is_verified", lambda key: key.endswith("/recorded"))
+    for kind in verified.KINDS:
+        assert verified.chosen(f"{kind}/abc/bfloat16/128") is (kind in listed)
+        assert verified.chosen(f"{kind}/recorded") is True
 
 
 @pytest.fixture

@@ -8,7 +8,9 @@ to a fragment it splices or to the library makes it a new, unverified instance: 
 the code.
 
 ``ATTNFUSE_TEMPLATES`` chooses: ``verified`` (the default) runs the verified instances and the generated kernels
-elsewhere; ``all`` opts in to every instance the templates can run, verified or not; ``off`` runs none.
+elsewhere; ``all`` opts in to every instance the templates can run, verified or not; ``off`` runs none; a
+comma-separated list of kernel kinds (``forward``, ``dkdv``, ``dq``) opts in to every instance of those kinds and
+runs the verified ones of the others.
 """
 
 from __future__ import annotations
@@ -43,15 +45,27 @@ def is_verified(key: str) -> bool:
     return key in _verified(RECORD)
 
 
+KINDS = ("forward", "dkdv", "dq")  # the kernel kinds a list of ATTNFUSE_TEMPLATES may name
+
+
 def mode() -> str:
     """``ATTNFUSE_TEMPLATES``, checked."""
     value = os.environ.get(MODE_ENV, "verified").strip() or "verified"
-    if value not in MODES:
-        raise InputError(f"{MODE_ENV} must be one of {', '.join(MODES)}, got {value!r}")
+    if value not in MODES and not set(_kinds(value)) <= set(KINDS):
+        raise InputError(
+            f"{MODE_ENV} must be one of {', '.join(MODES)}, or a comma-separated list of the kernel kinds "
+            f"{', '.join(KINDS)} (every instance of those, the verified ones of the others), got {value!r}"
+        )
     return value
+
+
+def _kinds(value: str) -> list[str]:
+    return [part.strip() for part in value.split(",")]
 
 
 def chosen(key: str) -> bool:
     """Whether a call runs the template instance named ``key`` (when the templates can run it at all)."""
     m = mode()
-    return m == "all" or (m == "verified" and is_verified(key))
+    if m == "off":
+        return False
+    return m == "all" or key.split("/", 1)[0] in _kinds(m) or is_verified(key)
