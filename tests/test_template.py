@@ -462,10 +462,10 @@ def test_capability_names_no_combinator(third_party_normalisers):
 
 @pytest.fixture
 def fresh_library():
-    """``instance._library`` read again for the test, and again after it."""
-    instance._library.cache_clear()
+    """The library modules' sources (``instance._module_source``) read again for the test, and again after it."""
+    instance._module_source.cache_clear()
     yield
-    instance._library.cache_clear()
+    instance._module_source.cache_clear()
 
 
 def test_record_key_names_the_program_dtype_and_head_dim():
@@ -490,7 +490,7 @@ def test_record_key_changes_with_the_template_library(changed, fresh_library, mo
         text = read_text(path, *args, **kwargs)
         return text + "\n# edited\n" if Path(path).name == changed else text
 
-    instance._library.cache_clear()
+    instance._module_source.cache_clear()
     monkeypatch.setattr(Path, "read_text", edited)
     assert verified.record_key(spec, "bfloat16", 128) != before
 

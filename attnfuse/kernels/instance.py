@@ -81,6 +81,8 @@ _LAUNCHED_BY = (
     "attnfuse.runtime.hopper",
     "attnfuse.runtime.template_rows",
 )
+# and, besides, what launches the instance of a packed call (its parameters hold the document offsets, CuQ)
+_PACKED_LAUNCH = "attnfuse.kernels.launch_packed"
 _IMPORTS = re.compile(r"^from (attnfuse(?:\.\w+)*) import", re.M)
 
 
@@ -89,11 +91,12 @@ def _module_source(module: str) -> str:
     return Path(importlib.import_module(module).__file__).read_text()
 
 
-def _library(source: str) -> str:
-    """The source of the AttnFuse modules an instance's ``source`` imports and of those that launch it: a
+def _library(spec: KernelSpec) -> str:
+    """The source of the AttnFuse modules the instance's source imports and of those that launch it: a
     change to them changes the instance, and a module it does not import (a new template's) does not."""
-    imported = sorted(set(_IMPORTS.findall(source)))
-    return "".join(_module_source(m) for m in (*imported, *_LAUNCHED_BY))
+    imported = sorted(set(_IMPORTS.findall(spec.source)))
+    packed = any(p.name == "CuQ" for p in spec.launch.params)
+    return "".join(_module_source(m) for m in (*imported, *_LAUNCHED_BY, *((_PACKED_LAUNCH,) if packed else ())))
 
 
 def instance_digest(spec: KernelSpec) -> str:
@@ -101,4 +104,4 @@ def instance_digest(spec: KernelSpec) -> str:
     docstrings or unread parameters, so programs that get the same kernel share it), the constants and tiles it
     is launched with, and the library it imports and is launched by (``_library``)."""
     launched = f"{sorted(spec.launch.constants.items())!r}{spec.tiles!r}"
-    return hashlib.sha256((canonical_source(spec.source) + launched + _library(spec.source)).encode()).hexdigest()[:24]
+    return hashlib.sha256((canonical_source(spec.source) + launched + _library(spec)).encode()).hexdigest()[:24]

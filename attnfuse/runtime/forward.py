@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from ..kernels.launch import TemplateForward
+from ..kernels.launch_packed import PackedTemplateForward
 from ..kernels.verified import chosen, record_key
 from ..plan import Plan
 from .inputs import KVCache, accumulator_dtype, empty_like_layout, even_keys, heads_together, kv_launch_args
@@ -22,12 +23,14 @@ from .plugin_args import PluginArgs, Prepared
 
 def template_forward(plan: Plan) -> TemplateForward | None:
     """The forward template's instance of ``plan`` where the templates can run it and ``verified.chosen``
-    chooses it (a GPU verified it, or ``ATTNFUSE_TEMPLATES=all``), else None."""
+    chooses it (a GPU verified it, or ``ATTNFUSE_TEMPLATES=all``), else None; a packed call's launches its
+    own grid (``PackedTemplateForward``)."""
     spec = plan.templates.kernels.get("forward")
     if spec is None:
         return None
     key = record_key(spec, plan.config.dtype, plan.config.head_dim)
-    return TemplateForward(spec, plan.templates.scale, plan.templates.qk_scale, key) if chosen(key) else None
+    instance = PackedTemplateForward if plan.config.varlen else TemplateForward
+    return instance(spec, plan.templates.scale, plan.templates.qk_scale, key) if chosen(key) else None
 
 
 FP8_NAMES = frozenset(FP8_DTYPES.values())
@@ -75,9 +78,10 @@ class ForwardKernel:
                 lse.fill_(-math.inf)
             return out, lse
         if self.template is not None and self.template.fits(q, k, v, out):
-            pargs = (prepared or self.plugin_args(q, kv, inputs)).args
-            self.template(q, k, v, out, lse, pargs)
-            return out, lse
+            if kv.packed is None or PackedTemplateForward.fits_pack(Nq, kv.packed.docs):
+                pargs = (prepared or self.plugin_args(q, kv, inputs)).args
+                self.template(q, k, v, out, lse, {**pargs, **kv_launch_args(kv)})  # with the call's facts
+                return out, lse
         pargs, limit, _ = prepared or self.plugin_args(q, kv, inputs)
         spec = self.kernel.spec
         args = spec.launch.bind(
