@@ -83,9 +83,10 @@ class Resources:
     loader_registers: int = pipeline.LOADER_REGISTERS
 
 
-def variant_plan(variant: str, dtype: str, head_dim: int) -> Plan:
+def variant_plan(variant: str, dtype: str, head_dim: int, fact: str = "") -> Plan:
     """The sm90 plan of ``verify.VARIANTS[variant]`` (GQA group 2; the hoisted plan, which is the one that
-    runs the template, where the program's transforms are hoisted)."""
+    runs the template, where the program's transforms are hoisted) for a call with ``fact`` ("kv_lens",
+    "positions" or "varlen": ``verify.fact_cases``), or none."""
     program, extra = verify.VARIANTS[variant]
     graph = program.graph(**extra(4, 64, 64, "cpu"))
     config = KernelConfig(
@@ -96,6 +97,7 @@ def variant_plan(variant: str, dtype: str, head_dim: int) -> Plan:
         group=2,
         save_lse=graph.has_lse,
         fp32_precision="ieee",
+        **({fact: True} if fact else {}),
     )
     plan = compile_plan(graph, config)
     return plan if "transform" not in plan.kernels else compile_plan(graph, plan.hoisted_config)
