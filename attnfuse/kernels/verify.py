@@ -257,27 +257,23 @@ def _packed_on_gpu(asked: bool):
 def _per_document(program, qkv: tuple[torch.Tensor, ...], kwargs: dict, with_lse: bool, **options):
     """The reference of a packed call (q (1, Hq, total_q, D), k and v (1, Hkv, total_k, D) holding
     ``DOCUMENTS``): each document alone through ``program.reference`` (with ``options``), concatenated along the
-    rows; out, or (out, lse). A document with no key: out 0, lse -inf, as a call of its rows alone gives."""
+    rows; out, or (out, lse). A document with no key is its rows against a cache of length 0 (``kv_lens``)."""
     q, k, v = qkv
     outs, lses, q0, k0 = [], [], 0, 0
-    dtype = options.get("dtype", torch.float64)
     for nq, nk in DOCUMENTS:
-        rows, keys = slice(q0, q0 + nq), slice(k0, k0 + nk)
+        rows, keys = slice(q0, q0 + nq), slice(k0, k0 + nk) if nk else slice(0, 1)
         q0, k0 = q0 + nq, k0 + nk
         if nq == 0:
             continue
-        if nk == 0:
-            out = torch.zeros(1, q.shape[1], nq, v.shape[3], dtype=dtype, device=q.device)
-            lse = torch.full((1, q.shape[1], nq), float("-inf"), dtype=torch.float64, device=q.device)
-        else:
-            got = program.reference(
-                q[:, :, rows], k[:, :, keys], v[:, :, keys], return_lse=with_lse, **kwargs, **options
-            )
-            out, lse = got if with_lse else (got, None)
+        lens = {} if nk else {"kv_lens": torch.zeros(1, dtype=torch.int32, device=q.device)}
+        got = program.reference(
+            q[:, :, rows], k[:, :, keys], v[:, :, keys], return_lse=with_lse, **kwargs, **lens, **options
+        )
+        out, lse = got if with_lse else (got, None)
         outs.append(out)
         lses.append(lse)
     out = torch.cat(outs, 2)
-    return (out, torch.cat([lse.to(torch.float64) for lse in lses], 2)) if with_lse else out
+    return (out, torch.cat(lses, 2)) if with_lse else out
 
 
 def _check_dkdv(case: Case, seed: int) -> dict:
