@@ -25,7 +25,7 @@ import attnfuse as af
 from attnfuse.combinator import INPUT, Combinator, NormaliserFragment, Role
 from attnfuse.errors import InputError
 from attnfuse.fragment_lint import _SITE, _fields, _markers
-from attnfuse.kernels import capability, instance, resources, verified, verify
+from attnfuse.kernels import capability, instance, verified, verify
 from attnfuse.kernels.forward import RESCALE
 from attnfuse.kernels.gluon_text import assigned, for_template, row_rescale
 from attnfuse.kernels.tiles import FORWARD_TILES, ForwardTiles
@@ -641,7 +641,7 @@ def test_fact_cases_cover_each_fact_at_every_head_dim_and_dtype_with_the_lengths
         assert all(c.shape[1] > c.shape[2] for c in mine)  # GQA
         assert {"causal", "dense", "sinks"} <= {c.variant for c in mine}
         for c in mine:  # each case's plan runs the forward template
-            plan = resources.variant_plan(c.variant, c.dtype, c.head_dim, c.fact)
+            plan = verify.variant_plan(c.variant, c.dtype, c.head_dim, c.fact)
             assert "forward" in plan.templates.kernels, plan.templates.reasons["forward"]
     lens, block = verify.KV_LENS, FORWARD_TILES[128].block_n
     assert 0 in lens and max(lens) > block and any(n % 64 for n in lens) and max(lens) == verify.KV_LENS_SHAPE[4]

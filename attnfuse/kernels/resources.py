@@ -34,11 +34,11 @@ from attrs import frozen
 from ..errors import InputError
 from ..triton_compat import GluonASTSource, GPUTarget, gl, knobs
 from ..launch_spec import CONSTEXPR, SCALAR, TENSOR
-from ..passes.compiler import compile as compile_plan
-from ..plan import KernelConfig, KernelSpec, Plan
+from ..plan import KernelSpec
 from ..runtime.hopper import _ROW_LAYOUT, DKDV_BLOCK_M
 from ..runtime.source_cache import load_function, write_source
 from . import pipeline, verify
+from .verify import variant_plan
 from .tiles import SHARED_MEMORY_LIMIT
 
 DTYPES = {"float16": (gl.float16, "fp16"), "bfloat16": (gl.bfloat16, "bf16")}  # dtype -> (Gluon's, Triton's)
@@ -81,26 +81,6 @@ class Resources:
     loops: int
     consumer_registers: int = pipeline.CONSUMER_REGISTERS
     loader_registers: int = pipeline.LOADER_REGISTERS
-
-
-def variant_plan(variant: str, dtype: str, head_dim: int, fact: str = "") -> Plan:
-    """The sm90 plan of ``verify.VARIANTS[variant]`` (GQA group 2; the hoisted plan, which is the one that
-    runs the template, where the program's transforms are hoisted) for a call with ``fact`` ("kv_lens",
-    "positions" or "varlen": ``verify.fact_cases``), or none."""
-    program, extra = verify.VARIANTS[variant]
-    graph = program.graph(**extra(4, 64, 64, "cpu"))
-    config = KernelConfig(
-        arch="sm90",
-        dtype=dtype,
-        head_dim=head_dim,
-        head_dim_v=head_dim,
-        group=2,
-        save_lse=graph.has_lse,
-        fp32_precision="ieee",
-        **({fact: True} if fact else {}),
-    )
-    plan = compile_plan(graph, config)
-    return plan if "transform" not in plan.kernels else compile_plan(graph, plan.hoisted_config)
 
 
 def signature(spec: KernelSpec, dtype: str, head_dim: int, save_lse: bool, group_sum: str = "none") -> dict[str, str]:

@@ -29,6 +29,8 @@ import torch
 from attrs import frozen
 
 import attnfuse as af
+from ..passes.compiler import compile as compile_plan
+from ..plan import KernelConfig, Plan
 from ..runtime import packed
 from ..testing.grad_bounds import delta_rounding
 from ..testing.tolerances import assert_matches_reference
@@ -347,11 +349,29 @@ def record(results: list[dict], failed: set[str], run: dict) -> dict:
     }
 
 
+def variant_plan(variant: str, dtype: str, head_dim: int, fact: str = "") -> Plan:
+    """The sm90 plan of ``VARIANTS[variant]`` (GQA group 2; the hoisted plan, which is the one that runs the
+    template, where the program's transforms are hoisted) for a call with ``fact`` ("kv_lens", "positions" or
+    "varlen": ``fact_cases``), or none."""
+    program, extra = VARIANTS[variant]
+    graph = program.graph(**extra(4, 64, 64, "cpu"))
+    config = KernelConfig(
+        arch="sm90",
+        dtype=dtype,
+        head_dim=head_dim,
+        head_dim_v=head_dim,
+        group=2,
+        save_lse=graph.has_lse,
+        fp32_precision="ieee",
+        **({fact: True} if fact else {}),
+    )
+    plan = compile_plan(graph, config)
+    return plan if "transform" not in plan.kernels else compile_plan(graph, plan.hoisted_config)
+
+
 def instance_keys() -> dict[tuple[str, str, str, int], str]:
     """The record key of the instance that each (kind, variant, dtype, head dim) of the cases runs, computed on
     the CPU from the variant's sm90 plan; a case with a fact names its variant ``variant+fact``."""
-    from .resources import variant_plan
-
     keys = {}
     for case in cases() + backward_cases():
         spec = variant_plan(case.variant, case.dtype, case.head_dim, case.fact).templates.kernels[case.kind]
