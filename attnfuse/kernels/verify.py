@@ -130,8 +130,8 @@ def cases() -> list[Case]:
 def _takes(variant: str, fact: str) -> bool:
     """Whether a call of ``variant`` with ``fact`` runs the forward template: a qk transform (rope) runs hoisted
     into a pass only with one length for all sequences (not kv_lens) and outside packed calls; a packed call
-    takes no tensor indexed by query and key (additive_bias's bias), and sigmoid's offset is the call's
-    key count, not each document's."""
+    takes no tensor indexed by query and key (additive_bias's bias), and a packed sigmoid call's default offset
+    is -log of the packed key count, not each document's, so it is not each document alone."""
     if variant.startswith("rope"):
         return fact == "positions"
     return fact != "varlen" or variant not in ("additive_bias", "sigmoid")
@@ -188,7 +188,7 @@ def check(case: Case, seed: int = 0) -> dict:
     gen = torch.Generator(device="cuda").manual_seed(seed)
     q, k, v = (torch.randn(B, h, n, case.head_dim, device="cuda", dtype=dtype, generator=gen) for h, n in
                ((Hq, Nq), (Hkv, Nk), (Hkv, Nk)))  # fmt: skip
-    facts = _fact_arguments(case.fact, k, v)
+    facts = _fact_arguments(case.fact, q.device)
     if case.poison and case.fact == "kv_lens":  # the cache's rows past each sequence's length are no keys of it
         for b, n in enumerate(KV_LENS):
             k[b, :, n:] = v[b, :, n:] = float("nan")
@@ -226,16 +226,16 @@ def check(case: Case, seed: int = 0) -> dict:
     return {"key": TemplateForward.last_key, "case": case.id, "max_error": error}
 
 
-def _fact_arguments(fact: str, k: torch.Tensor, v: torch.Tensor) -> dict:
-    """The call's arguments of ``fact`` (``fact_cases``) for keys and values k, v: kv_lens ``KV_LENS``, the
+def _fact_arguments(fact: str, device: torch.device) -> dict:
+    """The call's arguments of ``fact`` (``fact_cases``), tensors on ``device``: kv_lens ``KV_LENS``, the
     positions ``POSITIONS``, or the offsets of the packed ``DOCUMENTS``; none for no fact."""
     if fact == "kv_lens":
-        return {"kv_lens": torch.tensor(KV_LENS, dtype=torch.int32, device=k.device)}
+        return {"kv_lens": torch.tensor(KV_LENS, dtype=torch.int32, device=device)}
     if fact == "positions":
         return dict(POSITIONS)
     if fact == "varlen":
         offsets = [[0, *torch.tensor(n).cumsum(0).tolist()] for n in zip(*DOCUMENTS)]
-        cu_q, cu_k = (torch.tensor(o, dtype=torch.int32, device=k.device) for o in offsets)
+        cu_q, cu_k = (torch.tensor(o, dtype=torch.int32, device=device) for o in offsets)
         return {"cu_seqlens_q": cu_q, "cu_seqlens_k": cu_k}
     return {}
 
