@@ -23,7 +23,7 @@ from .plugin_args import PluginArgs, Prepared
 
 def template_forward(plan: Plan) -> TemplateForward | None:
     """The forward template's instance of ``plan`` where the templates can run it and ``verified.chosen``
-    chooses it (a GPU verified it, or ``ATTNFUSE_TEMPLATES=all``), else None; a packed call's launches its
+    chooses it (a GPU verified it, or ``ATTNFUSE_TEMPLATES=all``), else None; a packed call's instance launches its
     own grid (``PackedTemplateForward``)."""
     spec = plan.templates.kernels.get("forward")
     if spec is None:
@@ -77,11 +77,11 @@ class ForwardKernel:
             if lse is not None:
                 lse.fill_(-math.inf)
             return out, lse
-        if self.template is not None and self.template.fits(q, k, v, out):
-            if kv.packed is None or PackedTemplateForward.fits_pack(Nq, kv.packed.docs):
-                pargs = (prepared or self.plugin_args(q, kv, inputs)).args
-                self.template(q, k, v, out, lse, {**pargs, **kv_launch_args(kv)})  # with the call's facts
-                return out, lse
+        served = self.template is not None and self.template.fits(q, k, v, out)
+        if served and (kv.packed is None or PackedTemplateForward.fits_pack(Nq, kv.packed.docs)):
+            pargs = (prepared or self.plugin_args(q, kv, inputs)).args
+            self.template(q, k, v, out, lse, {**pargs, **kv_launch_args(kv)})  # with the call's facts
+            return out, lse
         pargs, limit, _ = prepared or self.plugin_args(q, kv, inputs)
         spec = self.kernel.spec
         args = spec.launch.bind(
