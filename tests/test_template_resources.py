@@ -1,11 +1,11 @@
 """The template instances compiled for sm90 here, with no GPU (Triton, ptxas, nvdisasm:
 ``attnfuse/kernels/resources.py``): every variant of ``verify.VARIANTS`` is served by the forward template and
 the dK/dV template (the listed ones, ``verify.LISTED_VARIANTS``, by the forward template) and compiles within a
-block's shared memory, on wgmma and TMA, with one main loop per consumer warpgroup. The forward's key loop holds
-no local memory (the spill bytes outside the loop, a few at head dims 128 and 256, are in docs/benchmarks.md's
-table: not yet none); the dK/dV step loop holds none either, except where
-``KNOWN_DKDV_LOOP_SPILLS`` says it spills today, and there no more than it says; the dQ template's step loop holds
-none at all.
+block's shared memory, on wgmma and TMA, with one main loop per consumer warpgroup; so do the forward instances of
+calls with a fact (``FACT_CASES``: kv_lens, given positions, packed sequences). The forward's key loop holds no
+local memory (the spill bytes outside the loop, a few at head dims 128 and 256, are in docs/benchmarks.md's table:
+not yet none); the dK/dV step loop holds none either, except where ``KNOWN_DKDV_LOOP_SPILLS`` says it spills today,
+and there no more than it says; the dQ template's step loop holds none at all.
 
 Each case is one compile (seconds). Forward: bfloat16 at every head dim, float16 at head dim 128. dK/dV:
 bfloat16 at its head dims (float16's figures are the same: docs/benchmarks.md's table has both). The cases share
@@ -22,6 +22,17 @@ CASES = [(v, d, "bfloat16") for v in verify.FORWARD_VARIANTS for d in verify.HEA
 CASES += [(v, 128, "float16") for v in verify.FORWARD_VARIANTS]
 DKDV_CASES = [(v, d, "bfloat16") for v in verify.VARIANTS for d in verify.DKDV_HEAD_DIMS]
 DQ_CASES = DKDV_CASES + [(v, 128, "float16") for v in verify.VARIANTS]
+# Instances of calls with a fact (``verify.fact_cases``): each fact at head dims 64 to 256, with a window's two
+# masked ends, a hoisted transform's rows, a normaliser with sinks
+FACT_CASES = [
+    ("causal", 128, "bfloat16", "kv_lens"),
+    ("sliding_window", 256, "bfloat16", "kv_lens"),
+    ("causal", 128, "bfloat16", "positions"),
+    ("rope_causal", 64, "bfloat16", "positions"),
+    ("causal", 128, "bfloat16", "varlen"),
+    ("sinks", 64, "float16", "varlen"),
+    ("sliding_window", 256, "bfloat16", "varlen"),
+]
 CONSUMERS = 2  # consumer warpgroups of either template, each running its own key (forward) or step (dK/dV) loop
 
 # A KNOWN DEFECT, to be driven to zero: the dK/dV instances that spill inside their step loop today (ptxas' spill
@@ -59,6 +70,23 @@ def test_instance_compiles_for_sm90_with_no_local_memory_in_its_loop(variant, he
     spec = plan.templates.kernels.get("forward")
     if spec is None:
         pytest.fail(f"{variant} falls off the forward template: {plan.templates.reasons['forward']}")
+    used = template_resources(spec, dtype, head_dim, plan.config.save_lse)
+    problems = _problems(used)
+    if used.loop_local_memory:
+        problems.append(f"local memory (STL/LDL) in the main loop ({used.spill_bytes} bytes spilled in the main path)")
+    assert not problems, f"{spec.name}: " + "; ".join(problems) + f"\n{used}"
+
+
+@pytest.mark.parametrize(
+    "variant,head_dim,dtype,fact", FACT_CASES, ids=[f"{v}-D{d}-{t}-{f}" for v, d, t, f in FACT_CASES]
+)
+def test_instance_of_a_call_with_a_fact_compiles_for_sm90_with_no_local_memory_in_its_loop(
+    variant, head_dim, dtype, fact
+):
+    plan = variant_plan(variant, dtype, head_dim, fact)
+    spec = plan.templates.kernels.get("forward")
+    if spec is None:
+        pytest.fail(f"{variant} with {fact} falls off the forward template: {plan.templates.reasons['forward']}")
     used = template_resources(spec, dtype, head_dim, plan.config.save_lse)
     problems = _problems(used)
     if used.loop_local_memory:

@@ -33,9 +33,14 @@ _SIZES = {
     "SPLIT_BLOCKS",
     "SPLIT_ROWS",
     "HEAD_GROUP",
+    "Q_OFFSET",
+    "K_OFFSET",
+    "N_SEQ",
+    "DOCS",
+    "SEARCH_STEPS",
 }
 _FLOAT32 = {"Lse", "Delta", "PartOut", "PartLse", "DLse", "PartDKV"}
-_INT32 = {"KvLens", "BlockTable", "SplitCount"}
+_INT32 = {"KvLens", "BlockTable", "SplitCount", "CuQ", "CuK"}
 _SHORT = {**{dtype: short for dtype, (_, short) in DTYPES.items()}, "float32": "fp32"}  # dtype -> Triton's
 
 
