@@ -202,7 +202,7 @@ def test_zero_is_no_dropout_and_draws_nothing():
     assert torch.equal(torch.get_rng_state(), before)
     assert torch.equal(out, plain)
     assert causal.source(q, k, v, dropout_p=0.0) == causal.source(q, k, v)
-    assert "tl.rand" not in causal.source(q, k, v) and "tl.rand" in causal.source(q, k, v, dropout_p=0.1)
+    assert "drop_keep" not in causal.source(q, k, v) and "drop_keep" in causal.source(q, k, v, dropout_p=0.1)
 
 
 def test_few_queries_take_the_forward_kernel():

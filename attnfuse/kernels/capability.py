@@ -31,7 +31,6 @@ def _common_reason(kernel: LoweredProgram, template: str, tiles: dict) -> str | 
         (c.wide_positions, "positions from 2**30 on"),
         (c.partial, "partial results over some of each row's keys"),
         (c.varlen, "packed sequences (cu_seqlens)"),
-        (c.dropout, "attention dropout (dropout_p)"),
     ):
         if fact:
             return f"the {template} template does not take {what} yet"

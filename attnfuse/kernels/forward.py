@@ -19,6 +19,7 @@ import string
 
 from ..launch_spec import CONSTEXPR, INT, SCALAR, TENSOR, Param, params
 from ..passes.codegen.common import docstring_text
+from ..passes.codegen.dropout import dropout_params, dropout_setup, dropped_weights
 from ..passes.codegen.loops import key_range
 from ..passes.codegen.scores import folded_scale
 from ..passes.lower import LoweredProgram
@@ -241,7 +242,7 @@ def _indent(code: str, spaces: int) -> str:
     return "".join(pad + line + "\n" if line.strip() else "\n" for line in code.strip("\n").splitlines())
 
 
-def _tile(kernel: LoweredProgram, always_masked: bool) -> tuple[str, bool]:
+def _tile(kernel: LoweredProgram, always_masked: bool, dropped: bool = True) -> tuple[str, bool]:
     """The score pipeline of one key block, on the raw product ``s``: keys, scale, modifications, the masks
     (under ``if masked:`` unless ``always_masked``, the careful redo's, which also drops rows past Nq), the
     normaliser's update. Also whether the update rescales the accumulator (by ``RESCALE``)."""
@@ -274,6 +275,8 @@ def _tile(kernel: LoweredProgram, always_masked: bool) -> tuple[str, bool]:
     if rescales:
         lines.append(f"{RESCALE} = gl.full([BLOCK_M], 1.0, gl.float32, ROW_LAYOUT)")
     lines += [f"# {norm.prefix}: normaliser update", for_template(rescaled)]
+    if kernel.config.dropout and dropped:  # the weights P·V reads, after the update read them whole
+        lines.append(dropped_weights(kernel).rstrip("\n"))
     if any("in_bounds" in line for line in lines):
         lines.insert(3, "in_bounds = q_ok[:, None] & k_ok[None, :]")
     return "\n".join(lines), rescales
@@ -302,6 +305,7 @@ def forward_params(kernel: LoweredProgram) -> tuple[Param, ...]:
         + params(INT, "Nq", "N_K", "HQ", "GROUP")
         + params(SCALAR, "sm_scale", "qk_scale")
         + kernel.args()
+        + dropout_params(kernel)
         + params(CONSTEXPR, "BLOCK_N", "STAGES", "SAVE_LSE")
     )
 
@@ -309,17 +313,22 @@ def forward_params(kernel: LoweredProgram) -> tuple[Param, ...]:
 def generate_forward(kernel: LoweredProgram, name: str, consumer_registers: int, loader_registers: int) -> str:
     """Gluon source of the forward template's instance for ``kernel`` (its entry point: ``name``)."""
     norm = kernel.normaliser
-    args = "".join(f"{a.name}, " for a in kernel.args())
+    args = "".join(f"{a.name}, " for a in kernel.args() + dropout_params(kernel))
     tile, rescales = _tile(kernel, always_masked=False)
+    loop_tile, _ = _tile(kernel, always_masked=False, dropped=False)
     careful_tile, careful_rescales = _tile(kernel, always_masked=True)
     prologues = "".join(
         f"    # {m.prefix}: prologue\n{_indent(for_template(m.fragment.prologue), 4)}"
         for m in kernel.mods
         if m.fragment.prologue
     )
+    if kernel.config.dropout:
+        prologues += f"    # dropout: the Philox seed and counter offset\n{_indent(dropout_setup(kernel), 4)}"
     init = _indent(for_template(norm.fragment.init), 4)
     state = [n for n in assigned(norm.fragment.init)]
     rescale = f"o_acc = o_acc * gl.expand_dims(gl.convert_layout({RESCALE}, O_ROWS), 1)" if rescales else ""
+    if kernel.config.dropout:
+        rescale += "\n" + dropped_weights(kernel)
     careful_rescale = f"o_acc = o_acc * gl.expand_dims({RESCALE}, 1)" if careful_rescales else ""
     header = _HEADER.format(
         what=docstring_text("Hopper forward template"),
@@ -330,7 +339,7 @@ def generate_forward(kernel: LoweredProgram, name: str, consumer_registers: int,
     consumer = _CONSUMER.substitute(
         common,
         tile=_indent(tile, 4),
-        loop_tile=_indent(tile, 8),
+        loop_tile=_indent(loop_tile, 8),
         rescale=_indent(rescale, 8),
         state_rows=_indent("\n".join(f"{n} = gl.convert_layout({n}, O_ROWS)" for n in state), 4),
         finalize=_finalize(kernel, 8),

@@ -35,7 +35,7 @@ from ..errors import InputError
 from ..triton_compat import GluonASTSource, GPUTarget, gl, knobs
 from ..launch_spec import CONSTEXPR, SCALAR, TENSOR
 from ..passes.compiler import compile as compile_plan
-from ..plan import KernelConfig, KernelSpec, Plan
+from ..plan import DROPOUT_STATE, KernelConfig, KernelSpec, Plan
 from ..runtime.hopper import _ROW_LAYOUT, DKDV_BLOCK_M
 from ..runtime.source_cache import load_function, write_source
 from . import pipeline, verify
@@ -82,9 +82,10 @@ class Resources:
     loader_registers: int = pipeline.LOADER_REGISTERS
 
 
-def variant_plan(variant: str, dtype: str, head_dim: int) -> Plan:
+def variant_plan(variant: str, dtype: str, head_dim: int, dropout: bool = False) -> Plan:
     """The sm90 plan of ``verify.VARIANTS[variant]`` (GQA group 2; the hoisted plan, which is the one that
-    runs the template, where the program's transforms are hoisted)."""
+    runs the template, where the program's transforms are hoisted), of calls with attention dropout if
+    ``dropout``."""
     program, extra = verify.VARIANTS[variant]
     graph = program.graph(**extra(4, 64, 64, "cpu"))
     config = KernelConfig(
@@ -95,6 +96,7 @@ def variant_plan(variant: str, dtype: str, head_dim: int) -> Plan:
         group=2,
         save_lse=graph.has_lse,
         fp32_precision="ieee",
+        dropout=dropout,
     )
     plan = compile_plan(graph, config)
     return plan if "transform" not in plan.kernels else compile_plan(graph, plan.hoisted_config)
@@ -103,9 +105,9 @@ def variant_plan(variant: str, dtype: str, head_dim: int) -> Plan:
 def signature(spec: KernelSpec, dtype: str, head_dim: int, save_lse: bool, group_sum: str = "none") -> dict[str, str]:
     """Triton's types of the parameters of ``spec`` (a forward or dK/dV instance) for tensors of ``dtype`` and
     ``head_dim``, as the runtime launches it (``kernels/launch.py``); the types ``_launch_types`` does not name
-    are the launch spec's kinds (a plugin's tensors float32, its strides and sizes int32)."""
+    are the launch spec's kinds (a plugin's tensors float32, its strides and sizes int32; dropout's state int64)."""
     kinds = {CONSTEXPR: "constexpr", SCALAR: "fp32", TENSOR: "*fp32"}
-    named = _launch_types(spec, dtype, head_dim, save_lse, group_sum)
+    named = {DROPOUT_STATE: "*i64", **_launch_types(spec, dtype, head_dim, save_lse, group_sum)}
     return {p.name: named.get(p.name) or kinds.get(p.kind, "i32") for p in spec.launch.params}
 
 

@@ -2,9 +2,11 @@
 
 ``tests/test_template_gpu.py`` runs ``check`` on every case of ``cases()`` (the forward template: each built-in
 and installed contrib variant, head dims 64/128/256, float16 and bfloat16, GQA, lengths that are not multiples
-of a tile, Nq != Nk, non-finite values under the masks) and of ``backward_cases()`` (the dK/dV template: its
-gradients dq, dk, dv through the public API) with ``ATTNFUSE_TEMPLATES=all``, and appends each result to a
-file in ``$ATTNFUSE_VERIFY_OUT``. Then
+of a tile, Nq != Nk, non-finite values under the masks; ``DROPOUT_VARIANTS`` with attention dropout too) and
+of ``backward_cases()`` (the dK/dV template: its gradients dq, dk, dv through the public API) with
+``ATTNFUSE_TEMPLATES=all`` (and ``ATTNFUSE_DROPOUT_ON_GPU=1``), and appends each result to a file in
+``$ATTNFUSE_VERIFY_OUT``. A dropout case compares with the float64 reference replaying the call's mask
+(``af.dropout_keep``). Then
 
     python -m attnfuse.kernels.verify --collect $ATTNFUSE_VERIFY_OUT --write attnfuse/kernels/verified.json
 
@@ -16,6 +18,7 @@ whether the record holds it: what a change to the templates or to a fragment un-
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import math
@@ -28,6 +31,7 @@ from attrs import frozen
 
 import attnfuse as af
 from ..testing.grad_bounds import delta_rounding
+from ..runtime.dropout import GATE as DROPOUT_GATE
 from ..testing.tolerances import assert_matches_reference
 from .launch import TemplateDkdv, TemplateForward
 from .verified import MODE_ENV, RECORD, is_verified, record_key
@@ -38,6 +42,8 @@ DTYPES = ("float16", "bfloat16")
 SHAPES = ((2, 4, 2, 300, 300), (1, 2, 2, 130, 257))  # (B, Hq, Hkv, Nq, Nk): GQA; ragged, fewer queries
 HOISTED_SHAPES = ((1, 4, 2, 600, 600), (1, 2, 2, 520, 700))  # enough query blocks that a qk transform is hoisted
 DKDV_HEAD_DIMS = (64, 128)  # the dK/dV template's (``tiles.DKDV_TILES``)
+DROPOUT_VARIANTS = ("causal", "softcap")  # checked with attention dropout too (smooth weights: their dK/dV as well)
+DROPOUT_P = 0.2  # their dropout rate
 
 
 def _variants() -> dict[str, tuple[Callable, Callable]]:
@@ -90,13 +96,15 @@ class Case:
     shape: tuple[int, int, int, int, int]
     poison: bool  # a NaN value that some rows mask and the others keep: the careful redo must sort them out
     kind: str = "forward"  # the template checked: "forward" (out, lse) or "dkdv" (the gradients)
+    dropout: float = 0.0  # the call's dropout_p: its instance is the program's instance with dropout
 
     @property
     def id(self) -> str:
         B, Hq, Hkv, Nq, Nk = self.shape
         kind = "" if self.kind == "forward" else f"{self.kind}-"
         shape = f"{B}x{Hq}x{Hkv}x{Nq}x{Nk}"
-        return f"{kind}{self.variant}-D{self.head_dim}-{self.dtype}-{shape}{'-nan' if self.poison else ''}"
+        dropout = f"-dropout{self.dropout}" if self.dropout else ""
+        return f"{kind}{self.variant}-D{self.head_dim}-{self.dtype}-{shape}{'-nan' if self.poison else ''}{dropout}"
 
 
 def _shapes(variant: str) -> tuple:
@@ -108,7 +116,19 @@ def cases() -> list[Case]:
     found = [Case(v, d, t, s, False) for v in VARIANTS for d in HEAD_DIMS for t in DTYPES for s in _shapes(v)]
     masked = ("causal", "sliding_window", "causal_alibi", "relu", "sigmoid")
     found += [Case(v, d, "bfloat16", SHAPES[0], True) for v in masked if v in VARIANTS for d in HEAD_DIMS]
-    return found
+    return found + _dropout_cases("forward")
+
+
+def _dropout_cases(kind: str) -> list[Case]:
+    """``kind``'s cases with attention dropout: ``DROPOUT_VARIANTS`` at the dK/dV template's head dims, both
+    dtypes, the forward's shapes (GQA, ragged)."""
+    return [
+        Case(v, d, t, s, False, kind=kind, dropout=DROPOUT_P)
+        for v in DROPOUT_VARIANTS
+        for d in DKDV_HEAD_DIMS
+        for t in DTYPES
+        for s in _shapes(v)
+    ]
 
 
 def smooth(variant: str) -> bool:
@@ -120,8 +140,8 @@ def smooth(variant: str) -> bool:
 
 def backward_cases() -> list[Case]:
     """The dK/dV template's cases: each variant with smooth weights, its head dims, both dtypes, the forward's
-    shapes. None with NaN values: a masked key's NaN value makes the float64 reference's gradients NaN
-    (its masked weights' dS is 0 · NaN), where the kernels' are 0."""
+    shapes, and ``DROPOUT_VARIANTS`` with attention dropout. None with NaN values: a masked key's NaN value
+    makes the float64 reference's gradients NaN (its masked weights' dS is 0 · NaN), where the kernels' are 0."""
     return [
         Case(v, d, t, s, False, kind="dkdv")
         for v in VARIANTS
@@ -129,7 +149,30 @@ def backward_cases() -> list[Case]:
         for d in DKDV_HEAD_DIMS
         for t in DTYPES
         for s in _shapes(v)
-    ]
+    ] + _dropout_cases("dkdv")
+
+
+def _environment(case: Case) -> None:
+    """A RuntimeError unless the environment runs ``case``'s template instance on the GPU."""
+    if os.environ.get(MODE_ENV) != "all":
+        raise RuntimeError(f"the check runs the template instances: set {MODE_ENV}=all")
+    if case.dropout and os.environ.get(DROPOUT_GATE.env) != "1":
+        raise RuntimeError(f"the check runs the kernels with attention dropout: set {DROPOUT_GATE.env}=1")
+
+
+@contextlib.contextmanager
+def replayed_dropout(case: Case, seed: int, shape: tuple[int, int, int, int], device: torch.device):
+    """Around a call of ``case`` (q (B, Hq, Nq, D) and Nk keys: ``shape`` (B, Hq, Nq, Nk)): yields the call's
+    dropout arguments and a dict that, once the call returned, holds the reference's (``dropout_p`` and the
+    mask the call drew, replayed: ``af.dropout_keep``); both empty without dropout."""
+    call: dict = {"dropout_p": case.dropout} if case.dropout else {}
+    reference: dict = {}
+    if case.dropout:
+        torch.manual_seed(seed)  # the call draws its dropout state from the default generator
+    yield call, reference
+    if case.dropout:
+        torch.manual_seed(seed)
+        reference.update(call, dropout_mask=af.dropout_keep(af.dropout_state(device), case.dropout, shape))
 
 
 def check(case: Case, seed: int = 0) -> dict:
@@ -147,17 +190,17 @@ def check(case: Case, seed: int = 0) -> dict:
     if case.poison:  # rows before position 2 Nk / 3 (causal), or past it by more than a window, mask this key
         v[:, :, 2 * Nk // 3, ::3] = float("nan")
     kwargs = extra(Hq, Nq, Nk, "cuda")
-    if os.environ.get(MODE_ENV) != "all":
-        raise RuntimeError(f"the check runs the template instances: set {MODE_ENV}=all")
+    _environment(case)
     before = TemplateForward.launches
-    if program.graph(**kwargs).has_lse:
-        out, lse = program(q, k, v, return_lse=True, **kwargs)
-    else:
-        out, lse = program(q, k, v, **kwargs), None
+    with replayed_dropout(case, seed, (B, Hq, Nq, Nk), q.device) as (dropout, replayed):
+        if program.graph(**kwargs).has_lse:
+            out, lse = program(q, k, v, return_lse=True, **kwargs, **dropout)
+        else:
+            out, lse = program(q, k, v, **kwargs, **dropout), None
     if TemplateForward.launches == before:
         raise AssertionError(f"{case.id}: the call did not run the forward template")
-    ref = program.reference(q, k, v, return_lse=lse is not None, **kwargs)
-    low = program.reference(q, k, v, return_lse=lse is not None, dtype=dtype, **kwargs)
+    ref = program.reference(q, k, v, return_lse=lse is not None, **kwargs, **replayed)
+    low = program.reference(q, k, v, return_lse=lse is not None, dtype=dtype, **kwargs, **replayed)
     if lse is not None:  # lse reads q and k only: as close as inputs of the call's dtype allow
         (ref, ref_lse), (low, low_lse) = ref, low
         assert_matches_reference(lse, ref_lse, low_lse, dtype, what="lse")
@@ -186,25 +229,33 @@ def _check_dkdv(case: Case, seed: int) -> dict:
                ((Hq, Nq), (Hkv, Nk), (Hkv, Nk)))  # fmt: skip
     dout = torch.randn(B, Hq, Nq, case.head_dim, device="cuda", dtype=dtype, generator=gen)
     kwargs = extra(Hq, Nq, Nk, "cuda")
-    if os.environ.get(MODE_ENV) != "all":
-        raise RuntimeError(f"the check runs the template instances: set {MODE_ENV}=all")
+    _environment(case)
     before = TemplateDkdv.launches
     leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
-    got = torch.autograd.grad(program(*leaves, **kwargs), leaves, dout)
+    with replayed_dropout(case, seed, (B, Hq, Nq, Nk), q.device) as (dropout, replayed):
+        got = torch.autograd.grad(program(*leaves, **kwargs, **dropout), leaves, dout)
     if TemplateDkdv.launches == before:
         raise AssertionError(f"{case.id}: the call did not run the dK/dV template")
-    error = compare_gradients(program, kwargs, (q, k, v), dout, got, case.id)
+    error = compare_gradients(program, kwargs, (q, k, v), dout, got, case.id, replayed)
     return {"key": TemplateDkdv.last_key, "case": case.id, "max_error": error}
 
 
 def compare_gradients(
-    program, kwargs: dict, qkv: tuple[torch.Tensor, ...], dout: torch.Tensor, got: tuple[torch.Tensor, ...], what: str
+    program,
+    kwargs: dict,
+    qkv: tuple[torch.Tensor, ...],
+    dout: torch.Tensor,
+    got: tuple[torch.Tensor, ...],
+    what: str,
+    dropout: dict | None = None,
 ) -> float:
     """Compare ``got`` (dq, dk, dv of ``program`` at q, k, v = ``qkv`` for the output gradient ``dout``, all of
     one dtype) with the float64 reference's gradients (AssertionError beyond what the dtype allows, with the
-    bound of delta's rounding, ``grad_bounds``, for a normaliser that reads delta); the largest error."""
+    bound of delta's rounding, ``grad_bounds``, for a normaliser that reads delta); the largest error.
+    ``dropout``: the call's ``dropout_p`` and replayed ``dropout_mask``, for the reference (None: none)."""
     dtype = dout.dtype
     graph = program.graph(**kwargs)
+    kwargs = {**kwargs, **(dropout or {})}
     leaves64 = [t.detach().double().requires_grad_(True) for t in qkv]
     if graph.has_lse:
         out64, lse64 = program.reference(*leaves64, return_lse=True, **kwargs)
@@ -245,22 +296,27 @@ def record(results: list[dict], failed: set[str], run: dict) -> dict:
     }
 
 
-def instance_keys() -> dict[tuple[str, str, str, int], str]:
-    """The record key of the instance that each (kind, variant, dtype, head dim) of the cases runs, computed on
-    the CPU from the variant's sm90 plan."""
+def instance_keys() -> dict[tuple[str, str, str, int, bool], str]:
+    """The record key of the instance that each (kind, variant, dtype, head dim, with dropout) of the cases runs,
+    computed on the CPU from the variant's sm90 plan."""
     from .resources import variant_plan
 
     keys = {}
     for case in cases() + backward_cases():
-        spec = variant_plan(case.variant, case.dtype, case.head_dim).templates.kernels[case.kind]
-        keys[(case.kind, case.variant, case.dtype, case.head_dim)] = record_key(spec, case.dtype, case.head_dim)
+        dropout = bool(case.dropout)
+        plan = variant_plan(case.variant, case.dtype, case.head_dim, dropout=dropout)
+        spec = plan.templates.kernels[case.kind]
+        keys[(case.kind, case.variant, case.dtype, case.head_dim, dropout)] = record_key(
+            spec, case.dtype, case.head_dim
+        )
     return keys
 
 
 def print_keys() -> None:
-    for (kind, variant, dtype, head_dim), key in sorted(instance_keys().items()):
+    for (kind, variant, dtype, head_dim, dropout), key in sorted(instance_keys().items()):
         state = "verified" if is_verified(key) else "not verified"
-        print(f"{kind:8} {variant:16} {dtype:9} D{head_dim:<4} {key}  {state}")
+        name = f"{variant}+dropout" if dropout else variant
+        print(f"{kind:8} {name:16} {dtype:9} D{head_dim:<4} {key}  {state}")
 
 
 def main() -> None:

@@ -15,6 +15,7 @@ from ..plan import Plan
 from .inputs import KVCache, accumulator_dtype, empty_like_layout, even_keys, heads_together, kv_launch_args
 from . import packed
 from .kernel import CompiledKernel
+from .dropout import launch_args as dropout_args
 from .fp8 import FP8_DTYPES, Fp8, upcast_dtype
 from .launcher import query_grid
 from .plugin_args import PluginArgs, Prepared
@@ -76,7 +77,7 @@ class ForwardKernel:
             return out, lse
         if self.template is not None and self.template.fits(q, k, v, out):
             pargs = (prepared or self.plugin_args(q, kv, inputs)).args
-            self.template(q, k, v, out, lse, pargs)
+            self.template(q, k, v, out, lse, {**pargs, **dropout_args(kv.dropout)})
             return out, lse
         pargs, limit, _ = prepared or self.plugin_args(q, kv, inputs)
         spec = self.kernel.spec

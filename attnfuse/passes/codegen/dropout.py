@@ -2,7 +2,7 @@
 without dropout is unchanged.
 
 Each weight of P (B, Hq, Nq, Nk), as the normaliser forms it, is kept where a Philox number ``tl.rand(seed,
-counter)`` is at least DROPOUT_P, and scaled by DROPOUT_SCALE = 1 / (1 - DROPOUT_P); the others are zeroed. The
+counter)`` (written out by ``philox.uniform``, the text the Hopper templates run too) is at least DROPOUT_P, and scaled by DROPOUT_SCALE = 1 / (1 - DROPOUT_P); the others are zeroed. The
 counter is the element's index ((b * HQ + h) * Nq + query row) * N_K + key column plus an offset: one number per
 (batch, query head, query row, key column), so the backward kernels regenerate the forward's mask exactly and no
 mask is stored. Seed and offset are the two int64 values of the call's ``DropoutState`` tensor, read on the
@@ -18,6 +18,7 @@ from ...plan import DROPOUT_P as P
 from ...plan import DROPOUT_SCALE as SCALE
 from ...plan import DROPOUT_STATE as STATE
 from ..lower import LoweredProgram
+from .philox import uniform
 
 
 def dropout_params(kernel: LoweredProgram) -> tuple[Param, ...]:
@@ -33,12 +34,13 @@ def dropout_setup(kernel: LoweredProgram) -> str:
 _SETUP = f"drop_seed = tl.load({STATE})\ndrop_offset = tl.load({STATE} + 1)\n"
 
 
-def _keep() -> str:
+def keep() -> str:
     """``drop_keep`` (BLOCK_M, BLOCK_N) of the tile of rows ``q_idx`` and keys ``k_idx`` of head ``h`` of
-    batch ``b``: whether dropout keeps each weight."""
+    batch ``b``: whether dropout keeps each weight (the text the templates splice too)."""
     return (
         "drop_index = ((b * HQ + h).to(tl.int64) * Nq + q_idx[:, None]) * N_K + k_idx[None, :] + drop_offset\n"
-        f"drop_keep = tl.rand(drop_seed, drop_index) >= {P}\n"
+        + uniform("drop_seed", "drop_index", "drop_rand", temp="drop_philox")
+        + f"drop_keep = drop_rand >= {P}\n"
     )
 
 
@@ -47,14 +49,14 @@ def dropped_weights(kernel: LoweredProgram) -> str:
     them before)."""
     if not kernel.config.dropout:
         return ""
-    return f"# dropout: each weight kept with probability 1 - {P}, scaled by {SCALE}\n{_keep()}" + (
+    return f"# dropout: each weight kept with probability 1 - {P}, scaled by {SCALE}\n{keep()}" + (
         f"p = tl.where(drop_keep, p * {SCALE}, 0.0)\n"
     )
 
 
 def regenerated_keep(kernel: LoweredProgram) -> str:
     """Backward, per tile: ``drop_keep``, the forward's mask regenerated."""
-    return f"# dropout: the forward's mask, regenerated\n{_keep()}" if kernel.config.dropout else ""
+    return f"# dropout: the forward's mask, regenerated\n{keep()}" if kernel.config.dropout else ""
 
 
 def backward_weights(kernel: LoweredProgram) -> tuple[str, str]:
@@ -86,7 +88,7 @@ def mask_kernel_source(name: str) -> str:
         "q_idx = pid // key_blocks % row_blocks * BLOCK_M + tl.arange(0, BLOCK_M)\n"
         "k_idx = pid % key_blocks * BLOCK_N + tl.arange(0, BLOCK_N)\n"
         + _SETUP
-        + _keep()
+        + keep()
         + "inside = (q_idx[:, None] < Nq) & (k_idx[None, :] < N_K)\n"
         "tl.store(Keep + drop_index - drop_offset, drop_keep.to(tl.int8), mask=inside)\n"
     )
