@@ -281,19 +281,23 @@ def test_reference_needs_the_mask_with_dropout():
         af.dropout_keep(torch.zeros(3, dtype=torch.int64), 0.2, (1, 1, 2, 2))
 
 
-def test_hopper_templates_are_not_chosen(capsys):
-    """`attnfuse show --dropout` names dropout as the reason the templates do not run a call with it (llama's
-    verified instances run without it)."""
+def test_hopper_templates_take_dropout_once_a_gpu_verified_them(capsys, monkeypatch):
+    """`attnfuse show --dropout` names the forward and dK/dV template instances of a call with dropout: run by
+    default once a GPU verified them (their instances are not llama's without dropout), by all before."""
 
     def kernels(*options):
         assert main(["show", "llama", "--json", "--arch", "sm90", *options]) == 0
         return json.loads(capsys.readouterr().out)["kernels"]
 
     plain, dropped = kernels(), kernels("--dropout")
+    monkeypatch.setenv("ATTNFUSE_TEMPLATES", "all")
+    opted = kernels("--dropout")
     for kind in ("forward", "dkdv"):
-        assert plain[kind]["engine"] == "template"
-        assert dropped[kind]["engine"] == "generated" and not dropped[kind]["template_available"]
-        assert "does not take attention dropout (dropout_p)" in dropped[kind]["reason"]
+        assert plain[kind]["engine"] == "template" and dropped[kind]["template_available"]
+        assert dropped[kind]["engine"] == "generated" and not dropped[kind]["verified"]
+        assert dropped[kind]["reason"].startswith("instance not verified on a GPU")
+        assert dropped[kind]["instance"] != plain[kind]["instance"]  # the instance with dropout is its own
+        assert opted[kind]["engine"] == "template" and opted[kind]["instance"] == dropped[kind]["instance"]
     assert dropped["decode"]["name"] == dropped["forward"]["name"]  # few queries: the forward kernel, never split
     assert dropped["decode"]["reason"].startswith("a call with attention dropout never takes the split-KV path")
     assert plain["decode"]["name"] != plain["forward"]["name"]
