@@ -10,6 +10,7 @@ from .gluon_text import row_rescale
 from .tiles import DKDV_TILES, FORWARD_TILES
 
 TEMPLATE_DTYPES = ("float16", "bfloat16")
+FORWARD_DROPOUT_HEAD_DIMS = (64, 128)  # at 256, dropout's Philox rounds made ptxas spill in the key loop
 
 
 def _common_reason(kernel: LoweredProgram, template: str, tiles: dict) -> str | None:
@@ -47,6 +48,11 @@ def forward_reason(kernel: LoweredProgram) -> str | None:
     reason = _common_reason(kernel, "forward", FORWARD_TILES)
     if reason is not None:
         return reason
+    if kernel.config.dropout and kernel.config.head_dim not in FORWARD_DROPOUT_HEAD_DIMS:
+        return (
+            f"the forward template takes attention dropout (dropout_p) at head dims "
+            f"{', '.join(map(str, FORWARD_DROPOUT_HEAD_DIMS))}, not {kernel.config.head_dim}"
+        )
     norm = kernel.normaliser
     scaled = norm.fragment.scaled_update and norm.code(norm.fragment.scaled_update, factor="qk_scale")
     for update in filter(None, (norm.fragment.update, scaled)):

@@ -29,6 +29,10 @@ masked pair's weight and dS are set to 0, whatever its key's value (dP carries a
 generated kernel masks the scores before the recompute too (both made ptxas spill: the (queries, keys)
 orientation holds a key vector in 16 registers a thread, not 2).
 
+With attention dropout (``KernelConfig.dropout``) a step regenerates the forward's mask (the generated kernels'
+Philox text, ``passes/codegen/dropout.py``) once dP is in, masks and scales dP before the normaliser's gradient
+and the weights dV reads after it, as the generated backward does.
+
 dQ is not computed here: the generated dQ kernel runs first (it writes delta, and the score-shaped
 gradients of tensor inputs such as an additive bias). dK and dV are stored as the hand kernel stores them,
 summed over a split group's programs as GROUP_SUM says (``dkdv_pipeline.store_program_grads``).

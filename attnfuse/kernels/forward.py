@@ -11,6 +11,10 @@ The update's rescaling of the accumulator (``acc = acc * f[:, None]``) is applie
 A block whose accumulator ends non-finite (a masked key's NaN or inf value reached it as 0 · NaN, or a kept
 key's did, or a sum overflowed) is redone by ``careful``: its keys again from global memory, 16 at a time,
 with the non-finite values of masked keys kept out, as the generated kernels do. Rare, so small, not fast.
+
+With attention dropout (``KernelConfig.dropout``) block j's weights are masked and scaled
+(``passes/codegen/dropout.py``: the generated kernels' Philox text) after its update, once block j-1's P·V is
+in: with that product in flight, the Philox rounds made ptxas spill in the loop.
 """
 
 from __future__ import annotations
@@ -245,7 +249,9 @@ def _indent(code: str, spaces: int) -> str:
 def _tile(kernel: LoweredProgram, always_masked: bool, dropped: bool = True) -> tuple[str, bool]:
     """The score pipeline of one key block, on the raw product ``s``: keys, scale, modifications, the masks
     (under ``if masked:`` unless ``always_masked``, the careful redo's, which also drops rows past Nq), the
-    normaliser's update. Also whether the update rescales the accumulator (by ``RESCALE``)."""
+    normaliser's update, then with attention dropout the weights masked and scaled (unless not ``dropped``:
+    the key loop drops them once the previous block's P·V is in). Also whether the update rescales the
+    accumulator (by ``RESCALE``)."""
     norm = kernel.normaliser
     lines = [
         "k_idx = start_n + gl.arange(0, BLOCK_N, layout=KEY_LAYOUT)",
@@ -327,7 +333,7 @@ def generate_forward(kernel: LoweredProgram, name: str, consumer_registers: int,
     init = _indent(for_template(norm.fragment.init), 4)
     state = [n for n in assigned(norm.fragment.init)]
     rescale = f"o_acc = o_acc * gl.expand_dims(gl.convert_layout({RESCALE}, O_ROWS), 1)" if rescales else ""
-    if kernel.config.dropout:
+    if kernel.config.dropout:  # the loop's weights, dropped once block j-1's P·V is in (its registers are free)
         rescale += "\n" + dropped_weights(kernel)
     careful_rescale = f"o_acc = o_acc * gl.expand_dims({RESCALE}, 1)" if careful_rescales else ""
     header = _HEADER.format(
