@@ -273,7 +273,8 @@ def _recompute(kernel: LoweredProgram) -> str:
 
 def _chain(kernel: LoweredProgram) -> str:
     """``ds`` from ``dp`` through the normaliser, then back through every modification, last first; on a masked
-    step, ``p`` and ``ds`` 0 on its masked pairs; ``ds`` times the scale."""
+    step, ``p`` and ``ds`` 0 on its masked pairs; ``ds`` times the scale. With attention dropout, ``dp`` is first
+    masked and scaled by the regenerated mask ``drop_keep``, and ``p`` (dV's weights) last."""
     norm = kernel.normaliser
     lines = []
     if kernel.config.dropout:  # dP is the gradient of the dropped weights: theirs, masked and scaled the same way

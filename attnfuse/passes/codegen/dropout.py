@@ -1,12 +1,13 @@
-"""Attention dropout in the generated kernels (``KernelConfig.dropout``): text emitted only then, so a kernel
-without dropout is unchanged.
+"""Attention dropout in the generated kernels and the Hopper templates (``KernelConfig.dropout``): text emitted
+only then, so a kernel without dropout is unchanged.
 
 Each weight of P (B, Hq, Nq, Nk), as the normaliser forms it, is kept where a Philox number ``tl.rand(seed,
-counter)`` (written out by ``philox.uniform``, the text the Hopper templates run too) is at least DROPOUT_P, and scaled by DROPOUT_SCALE = 1 / (1 - DROPOUT_P); the others are zeroed. The
-counter is the element's index ((b * HQ + h) * Nq + query row) * N_K + key column plus an offset: one number per
-(batch, query head, query row, key column), so the backward kernels regenerate the forward's mask exactly and no
-mask is stored. Seed and offset are the two int64 values of the call's ``DropoutState`` tensor, read on the
-device (``runtime/dropout.py`` draws them). The forward masks the weights P·V reads; the backward masks them for
+counter)`` (written out by ``philox.uniform``, which Gluon runs too) is at least DROPOUT_P, and scaled by
+DROPOUT_SCALE = 1 / (1 - DROPOUT_P); the others are zeroed. The counter is the element's index
+((b * HQ + h) * Nq + query row) * N_K + key column plus an offset: one number per (batch, query head, query row,
+key column), so the backward kernels regenerate the forward's mask exactly and no mask is stored. Seed and
+offset are the two int64 values of the call's ``DropoutState`` tensor, read on the device (``runtime/dropout.py``
+draws them). The forward masks the weights P·V reads; the backward masks them for
 dV = (P ∘ M / (1 - p))ᵀ·dO and masks dP = dO·Vᵀ the same way before the normaliser's gradient, which reads the
 unmasked weights.
 """
