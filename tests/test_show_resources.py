@@ -115,3 +115,21 @@ def test_resources_need_the_sm90_arch(capsys, monkeypatch, arch):
     err = capsys.readouterr().err
     assert code == 2 and "--resources compiles the kernels for an H100/H200 with no GPU: give --arch sm90" in err
     assert f"not {arch or 'interpreter'!r}" in err
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_a_call_with_dropout_reports_every_kernel(capsys, monkeypatch, head_dim):
+    """`show --dropout --resources`: the kernels with dropout compile for sm90 with their dropout state int64
+    and p a float32 scalar (the generated ones, and the template instances opted in)."""
+    for mode in ("verified", "all"):
+        monkeypatch.setenv(verified.MODE_ENV, mode)
+        code = main(
+            ["show", "gpt2", "--json", "--resources", "--arch", "sm90", "--dropout", "--head-dim", str(head_dim)]
+        )
+        captured = capsys.readouterr()
+        assert code == 0 and captured.err == "", captured.err
+        kernels = json.loads(captured.out)["kernels"]
+        for kind, entry in kernels.items():
+            assert all(entry[f] > 0 for f in ("registers", "shared_bytes")), (kind, entry)
+        engines = {kind: kernels[kind]["engine"] for kind in ("forward", "dkdv")}
+        assert set(engines.values()) == {"generated" if mode == "verified" else "template"}, engines

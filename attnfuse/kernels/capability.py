@@ -12,6 +12,7 @@ from .pipeline import ROWS
 from .tiles import DKDV_TILES, DQ_TILES, FORWARD_TILES
 
 TEMPLATE_DTYPES = ("float16", "bfloat16")
+FORWARD_DROPOUT_HEAD_DIMS = (64, 128)  # at 256, dropout's Philox rounds made ptxas spill in the key loop
 
 
 # A call's facts (``KernelConfig``'s), in words
@@ -24,7 +25,8 @@ _FACTS = {
     "varlen": "packed sequences (cu_seqlens)",
     "dropout": "attention dropout (dropout_p)",
 }
-# Those the forward template takes (``forward_facts.py``) and the dK/dV template does not
+# Those the forward template takes (``forward_facts.py``) and the dK/dV template does not; both take dropout
+# (``passes/codegen/dropout.py``), not combined with these nor with block lists, and the dQ template none
 _FORWARD_FACTS = ("kv_lens", "positions", "varlen")
 
 
@@ -63,15 +65,28 @@ def block_list_reason(block_size: int | None) -> str | None:
 
 def forward_reason(kernel: LoweredProgram) -> str | None:
     """Why the forward template cannot run ``kernel``, or None when it can."""
-    reason = _common_reason(kernel, "forward", FORWARD_TILES, takes=_FORWARD_FACTS)
+    reason = _common_reason(kernel, "forward", FORWARD_TILES, takes=(*_FORWARD_FACTS, "dropout"))
     if reason is not None:
         return reason
+    c = kernel.config
     listing = listing_mask(kernel)
-    fact = next((f for f in _FORWARD_FACTS if getattr(kernel.config, f)), None)
+    fact = next((f for f in _FORWARD_FACTS if getattr(c, f)), None)
     if listing is not None and fact is not None:
         return (
             f"{listing.prefix} lists its blocks, and the forward template follows block lists only in a call "
             f"without {_FACTS[fact]} (a listed program's loader, steps and careful redo take none of them)"
+        )
+    if c.dropout and listing is not None:
+        return (
+            f"{listing.prefix} lists its blocks, and the forward template does not take block lists with "
+            f"{_FACTS['dropout']} yet"
+        )
+    if c.dropout and fact is not None:  # the template's dropout numbers rows and keys as a plain call's
+        return f"the forward template does not take {_FACTS['dropout']} with {_FACTS[fact]} yet"
+    if c.dropout and c.head_dim not in FORWARD_DROPOUT_HEAD_DIMS:
+        return (
+            f"the forward template takes {_FACTS['dropout']} at head dims "
+            f"{', '.join(map(str, FORWARD_DROPOUT_HEAD_DIMS))}, not {c.head_dim}"
         )
     norm = kernel.normaliser
     scaled = norm.fragment.scaled_update and norm.code(norm.fragment.scaled_update, factor="qk_scale")
@@ -86,7 +101,7 @@ def forward_reason(kernel: LoweredProgram) -> str | None:
 
 def dkdv_reason(kernel: LoweredProgram) -> str | None:
     """Why the dK/dV template cannot run ``kernel``, or None when it can."""
-    return _common_reason(kernel, "dK/dV", DKDV_TILES) or _backward_reason(kernel)
+    return _common_reason(kernel, "dK/dV", DKDV_TILES, takes=("dropout",)) or _backward_reason(kernel)
 
 
 def dq_reason(kernel: LoweredProgram) -> str | None:

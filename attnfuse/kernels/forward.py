@@ -11,6 +11,10 @@ The update's rescaling of the accumulator (``acc = acc * f[:, None]``) is applie
 A block whose accumulator ends non-finite (a masked key's NaN or inf value reached it as 0 · NaN, or a kept
 key's did, or a sum overflowed) is redone by ``careful``: its keys again from global memory, 16 at a time,
 with the non-finite values of masked keys kept out, as the generated kernels do. Rare, so small, not fast.
+
+With attention dropout (``KernelConfig.dropout``) block j's weights are masked and scaled
+(``passes/codegen/dropout.py``: the generated kernels' Philox text) after its update, once block j-1's P·V is
+in: with that product in flight, the Philox rounds made ptxas spill in the loop.
 """
 
 from __future__ import annotations
@@ -20,13 +24,14 @@ import string
 import attrs
 
 from ..launch_spec import CONSTEXPR, INT, SCALAR, TENSOR, Param, params
-from ..passes.codegen.common import docstring_text, kv_params
+from ..passes.codegen.common import docstring_text
+from ..passes.codegen.dropout import dropout_params, dropout_setup, dropped_weights
 from ..passes.codegen.loops import key_range, listing_mask
 from ..passes.codegen.packed import lse_rows
 from ..passes.codegen.scores import folded_scale
 from ..passes.lower import LoweredProgram
 from . import listed
-from .forward_facts import ForwardFacts, forward_facts
+from .forward_facts import ForwardFacts, fact_params, forward_facts
 from .gluon_text import assigned, for_template, row_rescale
 
 RESCALE = "acc_rows"  # the row factor an update's ``acc = acc * f[:, None]`` becomes
@@ -247,12 +252,13 @@ def _indent(code: str, spaces: int) -> str:
     return "".join(pad + line + "\n" if line.strip() else "\n" for line in code.strip("\n").splitlines())
 
 
-def _tile(kernel: LoweredProgram, facts: ForwardFacts, always_masked: bool) -> tuple[str, bool]:
+def _tile(kernel: LoweredProgram, facts: ForwardFacts, always_masked: bool, dropped: bool = True) -> tuple[str, bool]:
     """The score pipeline of one key block, on the raw product ``s``: keys (their positions and count:
     ``facts``), scale, modifications, the masks (under ``if masked:`` unless ``always_masked``, the careful
-    redo's, which also drops rows past Nq), the normaliser's update. Also whether the update rescales the
-    accumulator (by ``RESCALE``). A mask that lists its blocks applies its keep only in the blocks its lists call
-    partial (``list_partial``, ``kernels/listed``)."""
+    redo's, which also drops rows past Nq), the normaliser's update, then with attention dropout the weights
+    masked and scaled (unless not ``dropped``: the key loop drops them once the previous block's P·V is in). Also
+    whether the update rescales the accumulator (by ``RESCALE``). A mask that lists its blocks applies its keep
+    only in the blocks its lists call partial (``list_partial``, ``kernels/listed``)."""
     norm = kernel.normaliser
     listing = listing_mask(kernel)
     partial = None if listing is None else listed.partial_keep(listing)
@@ -291,6 +297,8 @@ def _tile(kernel: LoweredProgram, facts: ForwardFacts, always_masked: bool) -> t
     if rescales:
         lines.append(f"{RESCALE} = gl.full([BLOCK_M], 1.0, gl.float32, ROW_LAYOUT)")
     lines += [f"# {norm.prefix}: normaliser update", for_template(rescaled)]
+    if kernel.config.dropout and dropped:  # the weights P·V reads, after the update read them whole
+        lines.append(dropped_weights(kernel).rstrip("\n"))
     if any("in_bounds" in line for line in lines):
         lines.insert(3, "in_bounds = q_ok[:, None] & k_ok[None, :]")
     return "\n".join(lines), rescales
@@ -318,8 +326,9 @@ def forward_params(kernel: LoweredProgram) -> tuple[Param, ...]:
         params(TENSOR, "q_desc", "k_desc", "v_desc", "o_desc", "Q", "K", "V", "Out", "Lse")
         + params(INT, "Nq", "N_K", "HQ", "GROUP")
         + params(SCALAR, "sm_scale", "qk_scale")
-        + kv_params(kernel)
+        + fact_params(kernel)
         + kernel.args()
+        + dropout_params(kernel)
         + params(CONSTEXPR, "BLOCK_N", "STAGES", "SAVE_LSE")
     )
 
@@ -327,18 +336,23 @@ def forward_params(kernel: LoweredProgram) -> tuple[Param, ...]:
 def generate_forward(kernel: LoweredProgram, name: str, consumer_registers: int, loader_registers: int) -> str:
     """Gluon source of the forward template's instance for ``kernel`` (its entry point: ``name``)."""
     norm = kernel.normaliser
-    args = "".join(f"{a.name}, " for a in kernel.args())
+    args = "".join(f"{a.name}, " for a in kernel.args() + dropout_params(kernel))
     facts = forward_facts(kernel)
     tile, rescales = _tile(kernel, facts, always_masked=False)
+    loop_tile, _ = _tile(kernel, facts, always_masked=False, dropped=False)
     careful_tile, careful_rescales = _tile(kernel, facts, always_masked=True)
     prologues = "".join(
         f"    # {m.prefix}: prologue\n{_indent(for_template(m.fragment.prologue), 4)}"
         for m in kernel.mods
         if m.fragment.prologue
     )
+    if kernel.config.dropout:
+        prologues += f"    # dropout: the Philox seed and counter offset\n{_indent(dropout_setup(kernel), 4)}"
     init = _indent(for_template(norm.fragment.init), 4)
     state = [n for n in assigned(norm.fragment.init)]
     rescale = f"o_acc = o_acc * gl.expand_dims(gl.convert_layout({RESCALE}, O_ROWS), 1)" if rescales else ""
+    if kernel.config.dropout:  # the loop's weights, dropped once block j-1's P·V is in (its registers are free)
+        rescale += "\n" + dropped_weights(kernel)
     careful_rescale = f"o_acc = o_acc * gl.expand_dims({RESCALE}, 1)" if careful_rescales else ""
     header = _HEADER.format(
         what=docstring_text("Hopper forward template"),
@@ -364,7 +378,7 @@ def generate_forward(kernel: LoweredProgram, name: str, consumer_registers: int,
         first_key="    start_n = start" if m is None else listed.first_key(m),
         step_key="        start_n = start + j * BLOCK_N" if m is None else listed.step_key(m),
         tile=_indent(tile, 4),
-        loop_tile=_indent(tile, 8),
+        loop_tile=_indent(loop_tile, 8),
         rescale=_indent(rescale, 8),
         state_rows=_indent("\n".join(f"{n} = gl.convert_layout({n}, O_ROWS)" for n in state), 4),
         finalize=_finalize(kernel, 8),

@@ -16,8 +16,10 @@ from __future__ import annotations
 
 from attrs import frozen
 
+from ..launch_spec import Param
 from ..passes.codegen import packed
 from ..passes.codegen.common import kv_params
+from ..passes.codegen.dropout import dropout_params
 from ..passes.codegen.operands import key_count, key_shift, kv_length, position, query_shift
 from ..passes.lower import LoweredProgram
 
@@ -60,10 +62,17 @@ class ForwardFacts:
     grid: str  # the launch's grid, in words
 
 
+def fact_params(kernel: LoweredProgram) -> tuple[Param, ...]:
+    """The parameters of ``kernel``'s facts: the generated kernels' ``kv_params`` but attention dropout's, which the
+    template takes after the plugins' arguments (``forward.forward_params``)."""
+    dropout = {p.name for p in dropout_params(kernel)}
+    return tuple(p for p in kv_params(kernel) if p.name not in dropout)
+
+
 def forward_facts(kernel: LoweredProgram) -> ForwardFacts:
     """The text of ``kernel``'s facts for the forward template."""
     c = kernel.config
-    entry = [p.name for p in kv_params(kernel)]
+    entry = [p.name for p in fact_params(kernel)]
     passed = [n for n in entry if n not in ("CuQ", "CuK", "DOCS", "SEARCH_STEPS")]
     shift = query_shift(kernel)
     if c.varlen:

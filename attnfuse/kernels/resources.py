@@ -34,7 +34,7 @@ from attrs import frozen
 from ..errors import InputError
 from ..triton_compat import GluonASTSource, GPUTarget, gl, knobs
 from ..launch_spec import CONSTEXPR, SCALAR, TENSOR
-from ..plan import KernelSpec
+from ..plan import DROPOUT_STATE, KernelSpec
 from ..runtime.hopper import _ROW_LAYOUT, DKDV_BLOCK_M
 from ..runtime.source_cache import load_function, write_source
 from . import pipeline, verify
@@ -90,9 +90,9 @@ def signature(spec: KernelSpec, dtype: str, head_dim: int, save_lse: bool, group
     ``head_dim``, as the runtime launches it (``kernels/launch.py``); the types ``_launch_types`` does not name
     are the launch spec's kinds: a plugin's tensors float32 (int32 where their names say they hold indices or
     counts, ``INDEX_LIKE``, as a block list's), its scalars float32 (int32: a listing mask's block size, which
-    the instance divides rows by), its strides and sizes int32."""
+    the instance divides rows by), its strides and sizes int32; dropout's state int64."""
     kinds = {CONSTEXPR: "constexpr", SCALAR: "fp32", TENSOR: "*fp32"}
-    named = _launch_types(spec, dtype, head_dim, save_lse, group_sum)
+    named = {DROPOUT_STATE: "*i64", **_launch_types(spec, dtype, head_dim, save_lse, group_sum)}
     named |= {name: "i32" for name in _LIST_SIZE.findall(spec.source)}
 
     def plugin_type(name: str, kind: str) -> str:

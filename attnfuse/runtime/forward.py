@@ -17,6 +17,7 @@ from ..plan import Plan
 from .inputs import KVCache, accumulator_dtype, empty_like_layout, even_keys, heads_together, kv_launch_args
 from . import packed
 from .kernel import CompiledKernel
+from .dropout import launch_args as dropout_args
 from .fp8 import FP8_DTYPES, Fp8, upcast_dtype
 from .launcher import query_grid
 from .plugin_args import PluginArgs, Prepared
@@ -84,7 +85,7 @@ class ForwardKernel:
         pargs, limit, _ = prepared
         served = self.template is not None and self.template.fits(q, k, v, out) and block_list_reason(limit) is None
         if served and (kv.packed is None or PackedTemplateForward.fits_pack(Nq, kv.packed.docs)):
-            self.template(q, k, v, out, lse, {**pargs, **kv_launch_args(kv)})  # with the call's facts
+            self.template(q, k, v, out, lse, {**pargs, **kv_launch_args(kv), **dropout_args(kv.dropout)})
             return out, lse
         spec = self.kernel.spec
         args = spec.launch.bind(
