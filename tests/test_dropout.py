@@ -6,11 +6,16 @@ import copy
 import json
 import math
 
+import attrs
 import pytest
 import torch
 
 import attnfuse as af
 from attnfuse.cli import main
+from attnfuse.kernels import capability
+from attnfuse.passes.compiler import compile as compile_plan
+from attnfuse.passes.compiler import lowered
+from attnfuse.plan import KernelConfig
 from attnfuse.runtime import decode, hoisted
 from attnfuse.testing import assert_matches_reference
 
@@ -233,7 +238,7 @@ def test_zero_is_no_dropout_and_draws_nothing():
     assert torch.equal(torch.get_rng_state(), before)
     assert torch.equal(out, plain)
     assert causal.source(q, k, v, dropout_p=0.0) == causal.source(q, k, v)
-    assert "tl.rand" not in causal.source(q, k, v) and "tl.rand" in causal.source(q, k, v, dropout_p=0.1)
+    assert "drop_keep" not in causal.source(q, k, v) and "drop_keep" in causal.source(q, k, v, dropout_p=0.1)
 
 
 def test_few_queries_take_the_forward_kernel():
@@ -309,22 +314,46 @@ def test_reference_needs_the_mask_with_dropout():
         af.dropout_keep(torch.zeros(3, dtype=torch.int64), 0.2, (1, 1, 2, 2))
 
 
-def test_hopper_templates_are_not_chosen(capsys):
-    """`attnfuse show --dropout` names dropout as the reason the templates do not run a call with it (llama's
-    verified instances run without it)."""
+def test_hopper_templates_take_dropout_once_a_gpu_verified_them(capsys, monkeypatch):
+    """`attnfuse show --dropout` names the forward and dK/dV template instances of a call with dropout: run by
+    default once a GPU verified them (their instances are not llama's without dropout), by all before."""
 
     def kernels(*options):
         assert main(["show", "llama", "--json", "--arch", "sm90", *options]) == 0
         return json.loads(capsys.readouterr().out)["kernels"]
 
     plain, dropped = kernels(), kernels("--dropout")
+    monkeypatch.setenv("ATTNFUSE_TEMPLATES", "all")
+    opted = kernels("--dropout")
     for kind in ("forward", "dkdv"):
-        assert plain[kind]["engine"] == "template"
-        assert dropped[kind]["engine"] == "generated" and not dropped[kind]["template_available"]
-        assert "does not take attention dropout (dropout_p)" in dropped[kind]["reason"]
+        assert plain[kind]["engine"] == "template" and dropped[kind]["template_available"]
+        assert dropped[kind]["engine"] == "generated" and not dropped[kind]["verified"]
+        assert dropped[kind]["reason"].startswith("instance not verified on a GPU")
+        assert dropped[kind]["instance"] != plain[kind]["instance"]  # the instance with dropout is its own
+        assert opted[kind]["engine"] == "template" and opted[kind]["instance"] == dropped[kind]["instance"]
     assert dropped["decode"]["name"] == dropped["forward"]["name"]  # few queries: the forward kernel, never split
     assert dropped["decode"]["reason"].startswith("a call with attention dropout never takes the split-KV path")
     assert plain["decode"]["name"] != plain["forward"]["name"]
+
+
+@pytest.mark.parametrize(
+    "fact, words", [("kv_lens", "(kv_lens)"), ("positions", "given positions"), ("varlen", "(cu_seqlens)")]
+)
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_the_forward_template_refuses_dropout_with_a_calls_fact(fact, words, head_dim):
+    """The forward template takes dropout, and kv_lens, given positions and packed sequences, each alone; not
+    together yet (its dropout numbers rows and keys as a plain call's, where a packed call's mask numbers them by
+    their packed place): such a call runs the generated forward kernel, and the reason names both."""
+    config = KernelConfig(
+        arch="sm90", dtype="bfloat16", head_dim=head_dim, head_dim_v=head_dim, group=1, save_lse=True,
+        fp32_precision="ieee",
+    )  # fmt: skip
+    for alone in ({fact: True}, {"dropout": True}):
+        assert capability.forward_reason(lowered(causal.graph(), attrs.evolve(config, **alone))) is None
+    both = attrs.evolve(config, dropout=True, **{fact: True})
+    reason = capability.forward_reason(lowered(causal.graph(), both))
+    assert reason is not None and "attention dropout (dropout_p)" in reason and words in reason
+    assert "forward" not in compile_plan(causal.graph(), both).templates.kernels
 
 
 def test_compiled_call_matches_the_eager_call():

@@ -2,6 +2,7 @@
 parameters in order (so a launch binds by name, never by position), and the launchers give exactly those
 names. The template instances (Gluon) cannot run here: their launches run up to the launch, which is recorded."""
 
+import attrs
 import pytest
 import torch
 
@@ -10,8 +11,12 @@ from attnfuse.kernels.dq_launch import TemplateDq
 from attnfuse.kernels.launch import TemplateDkdv, TemplateForward
 from attnfuse.launch_spec import CONSTEXPR
 from attnfuse.passes.compiler import compile as compile_plan
-from attnfuse.plan import KernelConfig
+from attnfuse.plan import DROPOUT_P, DROPOUT_SCALE, DROPOUT_STATE, KernelConfig
 from attnfuse.runtime import combine, hopper, template_rows, validate
+from attnfuse.runtime.backward import BackwardKernels
+from attnfuse.runtime.dropout import Dropout, dropout_state
+from attnfuse.runtime.forward import ForwardKernel
+from attnfuse.runtime.inputs import kv_cache
 
 SPECS = {
     "combine": (combine.COMBINE, combine._jitted),
@@ -117,3 +122,27 @@ def test_dq_instance_binds_every_argument_by_name(monkeypatch, with_dlse):
     assert args["O"] is out and args["Lse"] is lse and args["Delta"] is delta and args["DQuery"] is dq
     assert args["DLse"] is (dlse if with_dlse else delta)  # a placeholder the instance never reads
     assert constexprs["HAS_DLSE"] is with_dlse
+
+
+def test_runtime_gives_the_instances_with_dropout_the_calls_dropout_state(monkeypatch):
+    """A call with attention dropout hands its state, p and 1 / (1 - p) to the forward and dK/dV template
+    instances (which bind every parameter by name: a missing one is a TypeError), as to the generated kernels."""
+    monkeypatch.setenv("ATTNFUSE_TEMPLATES", "all")
+    plan = compile_plan(EXAMPLES["gpt2"].graph(), attrs.evolve(SM90, dropout=True))
+    p = 0.25
+    dropout = Dropout(p, dropout_state("cpu"))
+    B, Hq, Hkv, Nq, Nk, D = 1, 4, 1, 70, 90, 128
+    q, k, v, dout = _rows(B, Hq, Nq, D), _rows(B, Hkv, Nk, D), _rows(B, Hkv, Nk, D), _rows(B, Hq, Nq, D)
+    kv = kv_cache(k, v, None, None, None, dropout=dropout)
+    forward = ForwardKernel(plan)
+    monkeypatch.setattr(forward.template, "_launcher", _Recorder(forward.template.spec.launch))
+    out, lse = forward(q, kv, {})
+    backward = BackwardKernels(plan, ())
+    monkeypatch.setattr(backward.template, "_launcher", _Recorder(backward.template.spec.launch))
+    monkeypatch.setattr(backward.dq, "launch", lambda *args, **options: None)  # the generated dQ kernel: a GPU's
+    monkeypatch.setattr(hopper, "_group_parts", lambda programs, group, device: 1)
+    backward(q, kv, out, lse, dout, None, {})
+    for instance in (forward.template, backward.template):
+        [(args, _)] = instance._launcher.launches
+        assert args[DROPOUT_STATE] is dropout.state
+        assert (args[DROPOUT_P], args[DROPOUT_SCALE]) == (p, 1 / (1 - p))

@@ -302,3 +302,38 @@ def test_a_block_sparse_call_names_the_forward_template_and_its_block_size_condi
     assert dkdv["engine"] == "generated" and dkdv["template_available"] is False
     assert "condition" not in dkdv
     assert ("lists its blocks" in dkdv["reason"]) is (head_dim == 64)  # at 256: it has no tiles for the head dim
+
+
+@pytest.mark.parametrize("fact, words", [("kv_lens", "kv_lens"), ("positions", "positions"), ("varlen", "cu_seqlens")])
+@pytest.mark.parametrize("name, head_dim", [("gpt2", 64), ("llama", 128)])
+def test_a_call_with_a_fact_reports_the_forward_template(capsys, monkeypatch, fact, words, name, head_dim):
+    """``--kv-lens``, ``--positions``, ``--varlen``: the forward template's instance of such a call, the runtime's
+    own choice (the hoisted one where the call hoists; with kv_lens or packed, rope stays in the kernel and
+    falls back), and the dK/dV template's reason."""
+    monkeypatch.setenv(verified.MODE_ENV, "all")
+    report = show_json(capsys, name, "--arch", "sm90", "--head-dim", str(head_dim), f"--{fact.replace('_', '-')}")
+    assert report["config"][fact] is True
+    forward, dkdv = report["kernels"]["forward"], report["kernels"]["dkdv"]
+    config = KernelConfig(
+        arch="sm90", dtype="bfloat16", head_dim=head_dim, head_dim_v=head_dim, group=1, save_lse=False,
+        fp32_precision="ieee", **{fact: True},
+    )  # fmt: skip
+    kernels = compiled(EXAMPLES[name].graph(), config)
+    hoists = "transform" in kernels.plan.kernels and fact != "varlen"
+    chosen = template_forward(kernels.hoisted_kernels.plan if hoists else kernels.plan)
+    if chosen is None:  # rope inside the kernel: kv_lens (no pass takes per-sequence lengths) or packed
+        assert name == "llama" and fact != "positions" and "qk transform" in forward["reason"]
+    else:
+        assert forward["engine"] == "template" and forward["instance"] == chosen.key and forward["reason"] is None
+        assert forward["name"] == chosen.spec.name and forward["hoisted"] is hoists
+    assert dkdv["engine"] == "generated" and words in dkdv["reason"] and "dK/dV" in dkdv["reason"]
+
+
+COMBINED = [("--kv-lens", "--positions"), ("--kv-lens", "--varlen"), ("--positions", "--varlen")]
+
+
+@pytest.mark.parametrize("options", COMBINED)
+def test_facts_no_call_combines_are_refused(capsys, options):
+    code = main(["show", "gpt2", "--arch", "sm90", "--json", *options])
+    err = capsys.readouterr().err
+    assert code == 2 and " and ".join(options) in err and "cannot be combined" in err

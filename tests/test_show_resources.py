@@ -34,8 +34,8 @@ def _isolated(tmp_path, monkeypatch):
     verified._verified.cache_clear()
 
 
-def show_resources(capsys, head_dim: int = HEAD_DIM) -> dict:
-    code = main(["show", "gpt2", "--json", "--resources", "--arch", "sm90", "--head-dim", str(head_dim)])
+def show_resources(capsys, head_dim: int = HEAD_DIM, *options: str) -> dict:
+    code = main(["show", "gpt2", "--json", "--resources", "--arch", "sm90", "--head-dim", str(head_dim), *options])
     captured = capsys.readouterr()
     assert code == 0 and captured.err == "", captured.err
     return json.loads(captured.out)["kernels"]
@@ -62,6 +62,27 @@ def test_template_kernels_report_what_template_resources_compiles_for_the_runtim
     assert entry["engine"] == "generated", entry
     assert entry["registers"] > 0 and entry["spill_bytes"] >= 0, entry
     assert 0 < entry["shared_bytes"] <= SHARED_MEMORY_LIMIT, entry
+
+
+@pytest.mark.parametrize("fact", ["kv_lens", "positions", "varlen"])
+@pytest.mark.parametrize("mode", ["all", "off"])
+def test_a_call_with_a_fact_reports_each_kernel_s_figures(capsys, monkeypatch, fact, mode):
+    """``--kv-lens``, ``--positions``, ``--varlen``: the forward template's instance of such a call (opted in),
+    or each generated kernel, which takes the fact's arguments (the packed offsets int32, the positions ints)."""
+    monkeypatch.setenv(verified.MODE_ENV, mode)
+    kernels = show_resources(capsys, HEAD_DIM, f"--{fact.replace('_', '-')}")
+    config = KernelConfig(arch="sm90", dtype="bfloat16", head_dim=HEAD_DIM, head_dim_v=HEAD_DIM, group=1,
+                          save_lse=False, fp32_precision="ieee", **{fact: True})  # fmt: skip
+    forward = kernels["forward"]
+    if mode == "all":
+        spec = template_forward(compiled(EXAMPLES["gpt2"].graph(), config).plan).spec
+        assert forward["engine"] == "template" and forward["name"] == spec.name, forward
+        used = template_resources(spec, "bfloat16", HEAD_DIM, save_lse=False)
+        assert {f: forward[f] for f in FIGURES} == {f: getattr(used, f) for f in FIGURES}
+    for entry in kernels.values() if mode == "off" else (kernels["dkdv"], kernels["dq"]):
+        assert entry["engine"] == "generated", entry
+        assert entry["registers"] > 0 and entry["spill_bytes"] >= 0, entry
+        assert 0 < entry["shared_bytes"] <= SHARED_MEMORY_LIMIT, entry
 
 
 def test_with_the_templates_off_every_kernel_reports_its_generated_figures(capsys, monkeypatch):
@@ -94,3 +115,21 @@ def test_resources_need_the_sm90_arch(capsys, monkeypatch, arch):
     err = capsys.readouterr().err
     assert code == 2 and "--resources compiles the kernels for an H100/H200 with no GPU: give --arch sm90" in err
     assert f"not {arch or 'interpreter'!r}" in err
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_a_call_with_dropout_reports_every_kernel(capsys, monkeypatch, head_dim):
+    """`show --dropout --resources`: the kernels with dropout compile for sm90 with their dropout state int64
+    and p a float32 scalar (the generated ones, and the template instances opted in)."""
+    for mode in ("verified", "all"):
+        monkeypatch.setenv(verified.MODE_ENV, mode)
+        code = main(
+            ["show", "gpt2", "--json", "--resources", "--arch", "sm90", "--dropout", "--head-dim", str(head_dim)]
+        )
+        captured = capsys.readouterr()
+        assert code == 0 and captured.err == "", captured.err
+        kernels = json.loads(captured.out)["kernels"]
+        for kind, entry in kernels.items():
+            assert all(entry[f] > 0 for f in ("registers", "shared_bytes")), (kind, entry)
+        engines = {kind: kernels[kind]["engine"] for kind in ("forward", "dkdv")}
+        assert set(engines.values()) == {"generated" if mode == "verified" else "template"}, engines

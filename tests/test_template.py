@@ -323,10 +323,9 @@ def test_served_instances_fold_the_scale_into_the_update_only_when_it_is_positiv
         ({"head_dim": 96, "head_dim_v": 96}, "96"),
         ({"head_dim": 32, "head_dim_v": 32}, "32"),
         ({"head_dim_v": 64}, "D == DV (got 128 and 64)"),
-        ({"kv_lens": True}, "kv_lens"),
         ({"paged": True}, "paged"),
-        ({"positions": True}, "positions"),
         ({"wide_positions": True}, "2**30"),
+        ({"positions": True, "wide_positions": True}, "2**30"),
         ({"partial": True}, "partial"),
     ],
 )
@@ -336,6 +335,32 @@ def test_forward_reason_names_what_the_template_does_not_take(variant, changes, 
     assert capability.forward_reason(lowered(graph, SM90)) is None
     reason = capability.forward_reason(lowered(graph, _config(**changes)))
     assert reason is not None and cause in reason
+
+
+FACTS = ("kv_lens", "positions", "varlen")
+
+
+@pytest.mark.parametrize("fact", FACTS)
+@pytest.mark.parametrize("variant", ["causal", "sinks", "sliding_window"])
+def test_the_forward_template_takes_a_call_s_facts_and_the_dkdv_template_does_not_yet(variant, fact):
+    graph = _graph(variant)
+    program = lowered(graph, _config(**{fact: True}))
+    assert capability.forward_reason(program) is None
+    reason = capability.dkdv_reason(program)
+    assert reason is not None and "dK/dV" in reason and {"varlen": "cu_seqlens"}.get(fact, fact) in reason
+
+
+@pytest.mark.parametrize("fact", FACTS)
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+def test_instances_of_a_call_with_a_fact_splice_into_complete_gluon_text(fact, head_dim):
+    """As ``test_served_instances_splice_into_complete_gluon_text``, for each fact: the instance reads the
+    fact's parameters (the launch passes them) and defines every name it reads."""
+    spec = _forward_spec(_graph("causal"), _config(head_dim=head_dim, head_dim_v=head_dim, **{fact: True}))
+    calls = [ast.unparse(n.func) for n in ast.walk(ast.parse(spec.source)) if isinstance(n, ast.Call)]
+    assert not {"tl.full", "tl.zeros", "tl.arange"} & set(calls)
+    assert _undefined(spec.source) == []
+    given = {"kv_lens": {"KvLens"}, "positions": {"Q_OFFSET", "K_OFFSET", "N_SEQ"}, "varlen": {"CuQ", "CuK", "DOCS"}}
+    assert given[fact] <= {p.name for p in spec.launch.params}
 
 
 def test_forward_reason_refuses_a_qk_transform_inside_the_kernel():
@@ -464,7 +489,7 @@ def test_capability_names_no_combinator(third_party_normalisers):
 
 @pytest.fixture
 def fresh_library():
-    """The library's modules (``instance._module_source``) read again for the test, and again after it."""
+    """The library modules' sources (``instance._module_source``) read again for the test, and again after it."""
     instance._module_source.cache_clear()
     yield
     instance._module_source.cache_clear()
@@ -664,6 +689,27 @@ def test_cases_cover_every_variant_head_dim_and_dtype():
     assert any(c.shape[1] > c.shape[2] for c in found)  # GQA
     assert any(c.shape[3] % 64 and c.shape[4] % 64 for c in found)  # lengths off the tiles
     assert any(c.shape[3] != c.shape[4] for c in found)
+
+
+def test_fact_cases_cover_each_fact_at_every_head_dim_and_dtype_with_the_lengths_that_matter():
+    found = verify.fact_cases()
+    assert {c.fact for c in found} == set(FACTS) and all(c in verify.cases() for c in found)
+    for fact in FACTS:
+        mine = [c for c in found if c.fact == fact]
+        assert {(c.head_dim, c.dtype) for c in mine} == {(d, t) for d in HEAD_DIMS for t in TEMPLATE_DTYPES}
+        assert all(c.shape[1] > c.shape[2] for c in mine)  # GQA
+        assert {"causal", "dense", "sinks"} <= {c.variant for c in mine}
+        for c in mine:  # each case's plan runs the forward template
+            plan = verify.variant_plan(c.variant, c.dtype, c.head_dim, c.fact)
+            assert "forward" in plan.templates.kernels, plan.templates.reasons["forward"]
+    lens, block = verify.KV_LENS, FORWARD_TILES[128].block_n
+    assert 0 in lens and max(lens) > block and any(n % 64 for n in lens) and max(lens) == verify.KV_LENS_SHAPE[4]
+    assert all(c.poison for c in found if c.fact == "kv_lens")  # NaN keys and values past each length
+    at = verify.POSITIONS
+    assert at["q_offset"] < at["k_offset"]  # rows that keep no causal key
+    lengths = [n for doc in verify.DOCUMENTS for n in doc]
+    assert {0, 1} <= set(lengths) and any(n % 64 and n > 128 for n in lengths)
+    assert any(nq and not nk for nq, nk in verify.DOCUMENTS) and any(nq > nk > 0 for nq, nk in verify.DOCUMENTS)
 
 
 # ---------------------------------------------------------------------------------------------------------

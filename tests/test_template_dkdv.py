@@ -404,3 +404,24 @@ def test_compare_gradients_passes_a_right_backward_and_fails_a_wrong_one(variant
     wrong = dk + 0.05 * dk.abs().max() * torch.randn_like(dk).sign()
     with pytest.raises(AssertionError, match="dk of"):
         verify.compare_gradients(program, kwargs, (q, k, v), dout, (dq, wrong, dv), variant)
+
+
+@pytest.mark.parametrize("variant", verify.DROPOUT_VARIANTS)
+def test_compare_gradients_replays_the_calls_dropout_mask(variant):
+    """The dropout cases' comparison, run here on the generated kernels' float16 gradients with dropout: it
+    passes them against the reference replaying the call's mask, and fails them against another mask."""
+    program, extra = verify.VARIANTS[variant]
+    B, Hq, Hkv, Nq, Nk, D, p = 1, 2, 1, 40, 56, 16, verify.DROPOUT_P
+    kwargs = extra(Hq, Nq, Nk, "cpu")
+    q, k, v = (torch.randn(B, h, n, D).to(torch.float16) for h, n in ((Hq, Nq), (Hkv, Nk), (Hkv, Nk)))
+    dout = torch.randn(B, Hq, Nq, D).to(torch.float16)
+    leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+    case = verify.Case(variant, D, "float16", (B, Hq, Hkv, Nq, Nk), False, kind="dkdv", dropout=p)
+    with verify.replayed_dropout(case, 5, (B, Hq, Nq, Nk), q.device) as (dropout, replayed):
+        got = torch.autograd.grad(program(*leaves, **kwargs, **dropout), leaves, dout)
+    assert dropout == {"dropout_p": p} and not replayed["dropout_mask"].all()
+    error = verify.compare_gradients(program, kwargs, (q, k, v), dout, got, variant, replayed)
+    assert 0.0 < error < 0.1
+    other = {**replayed, "dropout_mask": af.dropout_keep(af.dropout_state("cpu"), p, (B, Hq, Nq, Nk))}
+    with pytest.raises(AssertionError, match=rf"d[qkv] of {variant}"):
+        verify.compare_gradients(program, kwargs, (q, k, v), dout, got, variant, other)

@@ -69,6 +69,20 @@ def test_dq_serves_exactly_the_programs_the_dkdv_template_serves(variant, change
 
 @pytest.mark.parametrize("variant", sorted(verify.VARIANTS))
 @pytest.mark.parametrize("head_dim", HEAD_DIMS)
+def test_the_dq_template_refuses_dropout_where_the_dkdv_template_takes_it(variant, head_dim):
+    """The dQ template regenerates no dropout mask: a call with attention dropout runs the generated dQ kernel (its
+    delta read by the dK/dV instance, which takes dropout), and the reason says so; the GPU check's dropout cases
+    are dK/dV ones only."""
+    plan = _plan(variant, head_dim=head_dim, head_dim_v=head_dim, dropout=True)
+    reason = plan.templates.reasons.get("dq")
+    assert "dq" not in plan.templates.kernels
+    assert reason == "the dQ template does not take attention dropout (dropout_p) yet"
+    assert ("dkdv" in plan.templates.kernels) is (capability.dkdv_reason(lowered(_graph(variant), plan.config)) is None)
+    assert {c.kind for c in verify.backward_cases() if c.dropout} == {"dkdv"}
+
+
+@pytest.mark.parametrize("variant", sorted(verify.VARIANTS))
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
 def test_served_dq_instances_splice_into_complete_gluon_text(variant, head_dim):
     source = _plan(variant, head_dim=head_dim, head_dim_v=head_dim).templates.kernels["dq"].source
     calls = [ast.unparse(n.func) for n in ast.walk(ast.parse(source)) if isinstance(n, ast.Call)]

@@ -1,7 +1,9 @@
 """The template instances on the GPU against the float64 reference (``attnfuse/kernels/verify.py``): the
 forward's on every built-in and installed contrib variant, head dims 64/128/256, float16 and bfloat16, GQA,
 ragged lengths, NaN values under the masks; the dK/dV and dQ templates' gradients on every variant with
-smooth weights, head dims 64/128. With ``ATTNFUSE_VERIFY_OUT`` set, each result is appended there for the record."""
+smooth weights, head dims 64/128; the forward and dK/dV templates with attention dropout on two variants, against
+the reference replaying the call's mask. With ``ATTNFUSE_VERIFY_OUT`` set, each result is appended there for the
+record."""
 
 import json
 import os
@@ -41,10 +43,12 @@ def _check(case, launcher) -> None:
 @pytest.mark.parametrize("case", verify.cases(), ids=lambda c: c.id)
 def test_template_instance_matches_float64(case, monkeypatch):
     monkeypatch.setenv("ATTNFUSE_TEMPLATES", "all")
+    monkeypatch.setenv("ATTNFUSE_DROPOUT_ON_GPU", "1")  # what checks the dropout cases' kernels on a GPU
     _check(case, TemplateForward)
 
 
 @pytest.mark.parametrize("case", verify.backward_cases(), ids=lambda c: c.id)
 def test_backward_template_instance_gradients_match_float64(case, monkeypatch):
     monkeypatch.setenv("ATTNFUSE_TEMPLATES", "all")
+    monkeypatch.setenv("ATTNFUSE_DROPOUT_ON_GPU", "1")
     _check(case, verify.BACKWARD_TEMPLATES[case.kind])

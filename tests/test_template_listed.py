@@ -54,6 +54,34 @@ def test_the_forward_template_serves_listed_programs_and_the_dkdv_template_says_
         assert reason is not None and "lists its blocks" in reason and "dK/dV template" in reason
 
 
+@pytest.mark.parametrize("variant", LISTED)
+@pytest.mark.parametrize(
+    "fact, words",
+    [("kv_lens", "per-sequence key counts (kv_lens)"), ("positions", "given positions"), ("varlen", "cu_seqlens")],
+)
+def test_the_forward_template_refuses_block_lists_in_a_call_with_a_fact(variant, fact, words):
+    """A listed program's loader, steps and careful redo take none of a call's facts (``forward_facts``): a call
+    with kv_lens, given positions or packed sequences and a listing mask runs the generated kernel, and the
+    reason names both; the GPU check has no such case."""
+    kernel = lowered(_graph(variant), attrs.evolve(SM90, **{fact: True}))
+    reason = capability.forward_reason(kernel)
+    assert reason is not None and "lists its blocks" in reason and words in reason
+    assert "forward" not in compile_plan(_graph(variant), attrs.evolve(SM90, **{fact: True})).templates.kernels
+    assert not [c for c in verify.fact_cases() if c.variant in verify.LISTED_VARIANTS]
+
+
+@pytest.mark.parametrize("variant", LISTED)
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_the_forward_template_refuses_block_lists_in_a_call_with_dropout(variant, head_dim):
+    """Dropout and block lists, each of which the forward template takes alone, are not combined in it yet: such a
+    call runs the generated kernel, and the reason names both."""
+    config = attrs.evolve(SM90, head_dim=head_dim, head_dim_v=head_dim)
+    reason = capability.forward_reason(lowered(_graph(variant), attrs.evolve(config, dropout=True)))
+    assert reason is not None and "lists its blocks" in reason and "attention dropout (dropout_p)" in reason
+    assert "forward" not in compile_plan(_graph(variant), attrs.evolve(config, dropout=True)).templates.kernels
+    assert capability.forward_reason(lowered(_graph(variant), config)) is None
+
+
 def _function(source: str, suffix: str) -> ast.FunctionDef:
     """The function of ``source`` whose name ends in ``suffix``."""
     return next(n for n in ast.parse(source).body if isinstance(n, ast.FunctionDef) and n.name.endswith(suffix))

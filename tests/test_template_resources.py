@@ -1,27 +1,43 @@
 """The template instances compiled for sm90 here, with no GPU (Triton, ptxas, nvdisasm:
 ``attnfuse/kernels/resources.py``): every variant of ``verify.VARIANTS`` is served by the forward template and
 the dK/dV template (the listed ones, ``verify.LISTED_VARIANTS``, by the forward template) and compiles within a
-block's shared memory, on wgmma and TMA, with one main loop per consumer warpgroup. The forward's key loop holds
-no local memory (the spill bytes outside the loop, a few at head dims 128 and 256, are in docs/benchmarks.md's
-table: not yet none); the dK/dV step loop holds none either, except where
-``KNOWN_DKDV_LOOP_SPILLS`` says it spills today, and there no more than it says; the dQ template's step loop holds
-none at all.
+block's shared memory, on wgmma and TMA, with one main loop per consumer warpgroup; so do the forward instances of
+calls with a fact (``FACT_CASES``: kv_lens, given positions, packed sequences). The forward's key loop holds no
+local memory (the spill bytes outside the loop, a few at head dims 128 and 256, are in docs/benchmarks.md's table:
+not yet none); the dK/dV step loop holds none either, except where ``KNOWN_DKDV_LOOP_SPILLS`` says it spills today,
+and there no more than it says; the dQ template's step loop holds none at all.
 
 Each case is one compile (seconds). Forward: bfloat16 at every head dim, float16 at head dim 128. dK/dV:
-bfloat16 at its head dims (float16's figures are the same: docs/benchmarks.md's table has both). The cases share
+bfloat16 at its head dims (float16's figures are the same: docs/benchmarks.md's table has both). The instances
+with attention dropout (``verify.DROPOUT_VARIANTS``, the head dims the templates take it at) likewise. The cases share
 no state (each compiles in its own temporary directory), so pytest-xdist spreads them over its workers."""
 
 import pytest
 
 from attnfuse.errors import InputError
 from attnfuse.kernels import verify
+from attnfuse.kernels.capability import FORWARD_DROPOUT_HEAD_DIMS
 from attnfuse.kernels.resources import GROUP_SUMS, template_resources, variant_plan
 from attnfuse.kernels.tiles import SHARED_MEMORY_LIMIT
 
-CASES = [(v, d, "bfloat16") for v in verify.FORWARD_VARIANTS for d in verify.HEAD_DIMS]
-CASES += [(v, 128, "float16") for v in verify.FORWARD_VARIANTS]
-DKDV_CASES = [(v, d, "bfloat16") for v in verify.VARIANTS for d in verify.DKDV_HEAD_DIMS]
-DQ_CASES = DKDV_CASES + [(v, 128, "float16") for v in verify.VARIANTS]
+CASES = [(v, d, "bfloat16", False) for v in verify.FORWARD_VARIANTS for d in verify.HEAD_DIMS]
+CASES += [(v, 128, "float16", False) for v in verify.FORWARD_VARIANTS]
+CASES += [(v, d, t, True) for v in verify.DROPOUT_VARIANTS for d in FORWARD_DROPOUT_HEAD_DIMS for t in verify.DTYPES]
+DKDV_CASES = [(v, d, "bfloat16", False) for v in verify.VARIANTS for d in verify.DKDV_HEAD_DIMS]
+DKDV_CASES += [(v, d, "bfloat16", True) for v in verify.DROPOUT_VARIANTS for d in verify.DKDV_HEAD_DIMS]
+DQ_CASES = [(v, d, "bfloat16") for v in verify.VARIANTS for d in verify.DKDV_HEAD_DIMS]  # no dropout: dq_reason
+DQ_CASES += [(v, 128, "float16") for v in verify.VARIANTS]
+# Instances of calls with a fact (``verify.fact_cases``): each fact at head dims 64 to 256, with a window's two
+# masked ends, a hoisted transform's rows, a normaliser with sinks
+FACT_CASES = [
+    ("causal", 128, "bfloat16", "kv_lens"),
+    ("sliding_window", 256, "bfloat16", "kv_lens"),
+    ("causal", 128, "bfloat16", "positions"),
+    ("rope_causal", 64, "bfloat16", "positions"),
+    ("causal", 128, "bfloat16", "varlen"),
+    ("sinks", 64, "float16", "varlen"),
+    ("sliding_window", 256, "bfloat16", "varlen"),
+]
 CONSUMERS = 2  # consumer warpgroups of either template, each running its own key (forward) or step (dK/dV) loop
 
 # A KNOWN DEFECT, to be driven to zero: the dK/dV instances that spill inside their step loop today (ptxas' spill
@@ -38,7 +54,16 @@ KNOWN_DKDV_LOOP_SPILLS = {
     ("sinks", 128): 32,
     ("additive_bias", 128): 252,
     ("sigmoid", 128): 76,  # the contrib package's variant, where installed
+    # with attention dropout: its Philox rounds (a 64 x 64 tile of 10-round Philox-4x32 a step) on top
+    ("causal+dropout", 64): 184,
+    ("softcap+dropout", 64): 280,
+    ("causal+dropout", 128): 884,
+    ("softcap+dropout", 128): 1176,
 }
+
+
+def _ids(cases) -> list[str]:
+    return [f"{v}{'+dropout' if dropout else ''}-D{d}-{t}" for v, d, t, dropout in cases]
 
 
 def _problems(used) -> list[str]:
@@ -53,9 +78,9 @@ def _problems(used) -> list[str]:
     return problems
 
 
-@pytest.mark.parametrize("variant,head_dim,dtype", CASES, ids=[f"{v}-D{d}-{t}" for v, d, t in CASES])
-def test_instance_compiles_for_sm90_with_no_local_memory_in_its_loop(variant, head_dim, dtype):
-    plan = variant_plan(variant, dtype, head_dim)
+@pytest.mark.parametrize("variant,head_dim,dtype,dropout", CASES, ids=_ids(CASES))
+def test_instance_compiles_for_sm90_with_no_local_memory_in_its_loop(variant, head_dim, dtype, dropout):
+    plan = variant_plan(variant, dtype, head_dim, dropout=dropout)
     spec = plan.templates.kernels.get("forward")
     if spec is None:
         pytest.fail(f"{variant} falls off the forward template: {plan.templates.reasons['forward']}")
@@ -66,15 +91,32 @@ def test_instance_compiles_for_sm90_with_no_local_memory_in_its_loop(variant, he
     assert not problems, f"{spec.name}: " + "; ".join(problems) + f"\n{used}"
 
 
-@pytest.mark.parametrize("variant,head_dim,dtype", DKDV_CASES, ids=[f"{v}-D{d}-{t}" for v, d, t in DKDV_CASES])
-def test_dkdv_instance_compiles_for_sm90_and_spills_in_its_loop_no_more_than_today(variant, head_dim, dtype):
-    plan = variant_plan(variant, dtype, head_dim)  # the training plan: it saves the lse the dK/dV instance reads
+@pytest.mark.parametrize(
+    "variant,head_dim,dtype,fact", FACT_CASES, ids=[f"{v}-D{d}-{t}-{f}" for v, d, t, f in FACT_CASES]
+)
+def test_instance_of_a_call_with_a_fact_compiles_for_sm90_with_no_local_memory_in_its_loop(
+    variant, head_dim, dtype, fact
+):
+    plan = variant_plan(variant, dtype, head_dim, fact)
+    spec = plan.templates.kernels.get("forward")
+    if spec is None:
+        pytest.fail(f"{variant} with {fact} falls off the forward template: {plan.templates.reasons['forward']}")
+    used = template_resources(spec, dtype, head_dim, plan.config.save_lse)
+    problems = _problems(used)
+    if used.loop_local_memory:
+        problems.append(f"local memory (STL/LDL) in the main loop ({used.spill_bytes} bytes spilled in the main path)")
+    assert not problems, f"{spec.name}: " + "; ".join(problems) + f"\n{used}"
+
+
+@pytest.mark.parametrize("variant,head_dim,dtype,dropout", DKDV_CASES, ids=_ids(DKDV_CASES))
+def test_dkdv_instance_compiles_for_sm90_and_spills_in_its_loop_no_more_than_today(variant, head_dim, dtype, dropout):
+    plan = variant_plan(variant, dtype, head_dim, dropout=dropout)  # the training plan: it saves the lse
     spec = plan.templates.kernels.get("dkdv")
     if spec is None:
         pytest.fail(f"{variant} falls off the dK/dV template: {plan.templates.reasons['dkdv']}")
     used = template_resources(spec, dtype, head_dim, plan.config.save_lse)
     problems = _problems(used)
-    known = KNOWN_DKDV_LOOP_SPILLS.get((variant, head_dim))
+    known = KNOWN_DKDV_LOOP_SPILLS.get((f"{variant}+dropout" if dropout else variant, head_dim))
     if known is None and used.loop_local_memory:
         problems.append(f"local memory (STL/LDL) in the step loop ({used.spill_bytes} bytes spilled in the main path)")
     if known is not None and used.spill_bytes > known:

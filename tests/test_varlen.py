@@ -270,22 +270,26 @@ def test_rope_tables_need_rows_for_the_longest_document_only():
         rope_tables(q, k, v, cos[:7], sin[:7], cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
 
 
-def test_the_templates_leave_packed_calls_to_the_generated_kernels(capsys):
-    """The Hopper templates take no packed call and give the reason, which ``attnfuse show --json --varlen``
-    reports."""
+def test_the_forward_template_takes_packed_calls_and_the_dkdv_template_leaves_them(capsys, monkeypatch):
+    """The forward template's instance of a packed call runs where chosen (here: opted in); the dK/dV and dQ
+    templates take no packed call and give the reason. ``attnfuse show --json --varlen`` reports them."""
     from attnfuse.cli import main
+    from attnfuse.kernels.verified import record_key
     from attnfuse.plan import KernelConfig
     from attnfuse.runtime.compiled import compiled
 
     config = KernelConfig(
-        arch="sm90", dtype="bfloat16", head_dim=128, head_dim_v=128, group=1, save_lse=True, fp32_precision="ieee"
+        arch="sm90", dtype="bfloat16", head_dim=128, head_dim_v=128, group=1, save_lse=False, fp32_precision="ieee"
     )
-    assert "forward" in compiled(gpt2.graph(), config).plan.templates.kernels
     plan = compiled(gpt2.graph(), attrs.evolve(config, varlen=True)).plan
-    assert not {"forward", "dkdv", "dq"} & set(plan.templates.kernels)
+    monkeypatch.setenv("ATTNFUSE_TEMPLATES", "all")
+    assert "forward" in plan.templates.kernels and not {"dkdv", "dq"} & set(plan.templates.kernels)
     assert main(["show", "gpt2", "--json", "--arch", "sm90", "--varlen"]) == 0
     report = json.loads(capsys.readouterr().out)
-    for kind in ("forward", "dkdv", "dq"):
+    forward = report["kernels"]["forward"]
+    assert forward["engine"] == "template" and forward["template_available"] is True and forward["reason"] is None
+    assert forward["instance"] == record_key(plan.templates.kernels["forward"], "bfloat16", 128)
+    for kind in ("dkdv", "dq"):
         entry = report["kernels"][kind]
         assert entry["engine"] == "generated" and "packed sequences (cu_seqlens)" in entry["reason"]
 

@@ -166,6 +166,9 @@ def with_resources(engine: KernelEngine, graph: ir.MatMulPV) -> KernelEngine:
     if engine.engine == "template":
         used = template_resources(engine.template, config.dtype, config.head_dim, config.save_lse)
     else:
-        used = generated_resources(compiled(graph, config).plan, engine.kind, shared_limit=SHARED_MEMORY_LIMIT)
+        plan = compiled(graph, config).plan
+        # the kernel that runs: a dropout or float8 call's decode row names the forward kernel (call_engines)
+        kind = next((k for k, spec in plan.kernels.items() if spec.name == engine.name), engine.kind)
+        used = generated_resources(plan, kind, shared_limit=SHARED_MEMORY_LIMIT)
     figures = {"registers": used.registers, "spill_bytes": used.spill_bytes, "shared_bytes": used.shared_bytes}
     return evolve(engine, resources=figures, fused=fused)

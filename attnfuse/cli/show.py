@@ -183,6 +183,12 @@ def cmd_show(args: argparse.Namespace, out: TextIO) -> int:
         raise CLIError(
             "--resources reports in the engines section (or with --json), not with --source-only/--path-only"
         )
+    given = [f"--{n}" for n in ("kv-lens", "positions", "varlen") if getattr(args, n.replace("-", "_"))]
+    if len(given) > 1:
+        raise CLIError(
+            f"{' and '.join(given)} describe calls that cannot be combined: a call gives kv_lens, q_offset/k_offset "
+            "or cu_seqlens_q/cu_seqlens_k, one of them"
+        )
     dtype = args.dtype or ("float32" if arch == "interpreter" else "bfloat16")
     head_dim_v = args.head_dim_v or args.head_dim
     for name, dim in (("--head-dim", args.head_dim), ("--head-dim-v", head_dim_v)):
@@ -201,6 +207,8 @@ def cmd_show(args: argparse.Namespace, out: TextIO) -> int:
         group=args.group,
         save_lse=args.lse,
         fp32_precision="ieee",
+        kv_lens=args.kv_lens,
+        positions=args.positions,
         varlen=args.varlen,
         dropout=args.dropout,
     )
@@ -293,6 +301,16 @@ def add_parser(sub) -> None:
         help="interpreter, sm90, sm80, ... (default: the local GPU's, else interpreter)",
     )
     p.add_argument("--lse", action="store_true", help="a kernel that also writes the log-sum-exp")
+    p.add_argument(
+        "--kv-lens",
+        action="store_true",
+        help="the kernels of a call with per-sequence key counts (kv_lens: a KV cache's lengths)",
+    )
+    p.add_argument(
+        "--positions",
+        action="store_true",
+        help="the kernels of a call with given positions (q_offset, k_offset, seq_len: a chunk of a longer sequence)",
+    )
     p.add_argument(
         "--varlen",
         action="store_true",

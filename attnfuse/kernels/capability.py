@@ -12,11 +12,27 @@ from .pipeline import ROWS
 from .tiles import DKDV_TILES, DQ_TILES, FORWARD_TILES
 
 TEMPLATE_DTYPES = ("float16", "bfloat16")
+FORWARD_DROPOUT_HEAD_DIMS = (64, 128)  # at 256, dropout's Philox rounds made ptxas spill in the key loop
 
 
-def _common_reason(kernel: LoweredProgram, template: str, tiles: dict) -> str | None:
+# A call's facts (``KernelConfig``'s), in words
+_FACTS = {
+    "kv_lens": "per-sequence key counts (kv_lens)",
+    "paged": "a paged cache",
+    "positions": "given positions (q_offset, k_offset)",
+    "wide_positions": "positions from 2**30 on",
+    "partial": "partial results over some of each row's keys",
+    "varlen": "packed sequences (cu_seqlens)",
+    "dropout": "attention dropout (dropout_p)",
+}
+# Those the forward template takes (``forward_facts.py``) and the dK/dV template does not; both take dropout
+# (``passes/codegen/dropout.py``), not combined with these nor with block lists, and the dQ template none
+_FORWARD_FACTS = ("kv_lens", "positions", "varlen")
+
+
+def _common_reason(kernel: LoweredProgram, template: str, tiles: dict, takes: tuple[str, ...] = ()) -> str | None:
     """Why the ``template`` template, with ``tiles`` by head dim, cannot run ``kernel`` for what every template
-    refuses (its configuration, a qk transform inside the kernel), or None."""
+    refuses (its configuration but the facts it ``takes``, a qk transform inside the kernel), or None."""
     c = kernel.config
     if c.arch != "sm90":
         return f"the templates are built for sm90 (Hopper), not {c.arch}"
@@ -26,16 +42,8 @@ def _common_reason(kernel: LoweredProgram, template: str, tiles: dict) -> str | 
         return f"the templates need D == DV (got {c.head_dim} and {c.head_dim_v})"
     if c.head_dim not in tiles:
         return f"the {template} template has tiles for head dims {', '.join(map(str, tiles))}, not {c.head_dim}"
-    for fact, what in (
-        (c.kv_lens, "per-sequence key counts (kv_lens)"),
-        (c.paged, "a paged cache"),
-        (c.positions, "given positions (q_offset, k_offset)"),
-        (c.wide_positions, "positions from 2**30 on"),
-        (c.partial, "partial results over some of each row's keys"),
-        (c.varlen, "packed sequences (cu_seqlens)"),
-        (c.dropout, "attention dropout (dropout_p)"),
-    ):
-        if fact:
+    for fact, what in _FACTS.items():
+        if getattr(c, fact) and fact not in takes:
             return f"the {template} template does not take {what} yet"
     if split(kernel):
         return "a qk transform applied inside the kernel (the template runs them hoisted into a pass)"
@@ -57,9 +65,29 @@ def block_list_reason(block_size: int | None) -> str | None:
 
 def forward_reason(kernel: LoweredProgram) -> str | None:
     """Why the forward template cannot run ``kernel``, or None when it can."""
-    reason = _common_reason(kernel, "forward", FORWARD_TILES)
+    reason = _common_reason(kernel, "forward", FORWARD_TILES, takes=(*_FORWARD_FACTS, "dropout"))
     if reason is not None:
         return reason
+    c = kernel.config
+    listing = listing_mask(kernel)
+    fact = next((f for f in _FORWARD_FACTS if getattr(c, f)), None)
+    if listing is not None and fact is not None:
+        return (
+            f"{listing.prefix} lists its blocks, and the forward template follows block lists only in a call "
+            f"without {_FACTS[fact]} (a listed program's loader, steps and careful redo take none of them)"
+        )
+    if c.dropout and listing is not None:
+        return (
+            f"{listing.prefix} lists its blocks, and the forward template does not take block lists with "
+            f"{_FACTS['dropout']} yet"
+        )
+    if c.dropout and fact is not None:  # the template's dropout numbers rows and keys as a plain call's
+        return f"the forward template does not take {_FACTS['dropout']} with {_FACTS[fact]} yet"
+    if c.dropout and c.head_dim not in FORWARD_DROPOUT_HEAD_DIMS:
+        return (
+            f"the forward template takes {_FACTS['dropout']} at head dims "
+            f"{', '.join(map(str, FORWARD_DROPOUT_HEAD_DIMS))}, not {c.head_dim}"
+        )
     norm = kernel.normaliser
     scaled = norm.fragment.scaled_update and norm.code(norm.fragment.scaled_update, factor="qk_scale")
     for update in filter(None, (norm.fragment.update, scaled)):
@@ -73,7 +101,7 @@ def forward_reason(kernel: LoweredProgram) -> str | None:
 
 def dkdv_reason(kernel: LoweredProgram) -> str | None:
     """Why the dK/dV template cannot run ``kernel``, or None when it can."""
-    return _common_reason(kernel, "dK/dV", DKDV_TILES) or _backward_reason(kernel)
+    return _common_reason(kernel, "dK/dV", DKDV_TILES, takes=("dropout",)) or _backward_reason(kernel)
 
 
 def dq_reason(kernel: LoweredProgram) -> str | None:

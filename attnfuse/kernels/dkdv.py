@@ -29,6 +29,10 @@ masked pair's weight and dS are set to 0, whatever its key's value (dP carries a
 generated kernel masks the scores before the recompute too (both made ptxas spill: the (queries, keys)
 orientation holds a key vector in 16 registers a thread, not 2).
 
+With attention dropout (``KernelConfig.dropout``) a step regenerates the forward's mask (the generated kernels'
+Philox text, ``passes/codegen/dropout.py``) once dP is in, masks and scales dP before the normaliser's gradient
+and the weights dV reads after it, as the generated backward does.
+
 dQ is not computed here: the generated dQ kernel runs first (it writes delta, and the score-shaped
 gradients of tensor inputs such as an additive bias). dK and dV are stored as the hand kernel stores them,
 summed over a split group's programs as GROUP_SUM says (``dkdv_pipeline.store_program_grads``).
@@ -40,10 +44,12 @@ import string
 
 from ..launch_spec import CONSTEXPR, INT, SCALAR, TENSOR, Param, params
 from ..passes.codegen.common import docstring_text
+from ..passes.codegen.dropout import dropout_params, dropout_setup, dropped_dp, regenerated_keep
 from ..passes.codegen.loops import block_range
 from ..passes.codegen.operands import query_shift
 from ..passes.codegen.scores import has_masks
 from ..passes.lower import LoweredProgram
+from ..plan import DROPOUT_SCALE
 from .gluon_text import for_template
 
 _HEADER = '''\
@@ -87,7 +93,7 @@ def ${name}_consumer(
     k_idx = n0 + HALF_ID * BLOCK_N + gl.arange(0, BLOCK_N, layout=KEY_LAYOUT)
     k_pos = k_idx
     k_ok = k_idx < Nk
-    no_scores = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, S_LAYOUT)
+${dropout_setup}    no_scores = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, S_LAYOUT)
     dk = gl.zeros([BLOCK_N, D], gl.float32, G_LAYOUT)
     dv = gl.zeros([BLOCK_N, DV], gl.float32, G_LAYOUT)
     mbarrier.wait(kv_ready.index(HALF_ID), 0)
@@ -267,9 +273,13 @@ def _recompute(kernel: LoweredProgram) -> str:
 
 def _chain(kernel: LoweredProgram) -> str:
     """``ds`` from ``dp`` through the normaliser, then back through every modification, last first; on a masked
-    step, ``p`` and ``ds`` 0 on its masked pairs; ``ds`` times the scale."""
+    step, ``p`` and ``ds`` 0 on its masked pairs; ``ds`` times the scale. With attention dropout, ``dp`` is first
+    masked and scaled by the regenerated mask ``drop_keep``, and ``p`` (dV's weights) last."""
     norm = kernel.normaliser
     lines = []
+    if kernel.config.dropout:  # dP is the gradient of the dropped weights: theirs, masked and scaled the same way
+        lines.append(regenerated_keep(kernel).rstrip("\n"))
+        lines.append(dropped_dp(kernel).rstrip("\n"))
     if norm.fragment.needs_delta:
         lines.append("delta = delta_smem.index(stage).load(ROW_LAYOUT)")
     lines += [f"# {norm.prefix}: gradient of the scores", for_template(norm.fragment.grad)]
@@ -285,6 +295,8 @@ def _chain(kernel: LoweredProgram) -> str:
     masked = f"{_keep(kernel)}\np = tl.where(keep, p, 0.0)\nds = tl.where(keep, ds, 0.0)"
     lines += ["if masked:", _indent(masked, 4).rstrip("\n")]
     lines.append("ds = ds * sm_scale")
+    if kernel.config.dropout:  # dV reads the weights P·V read in the forward
+        lines.append(f"p = tl.where(drop_keep, p * {DROPOUT_SCALE}, 0.0)")
     if any("in_bounds" in line for line in lines):
         lines.insert(0, "in_bounds = q_ok[:, None] & k_ok[None, :]")
     return "\n".join(lines)
@@ -309,6 +321,7 @@ def dkdv_params(kernel: LoweredProgram) -> tuple[Param, ...]:
         + params(INT, "Nq", "N_K", "HQ", "GROUP", "heads", "row_stride")
         + params(SCALAR, "sm_scale", "qk_scale")
         + kernel.args()
+        + dropout_params(kernel)
         + params(CONSTEXPR, "STAGES", "GROUP_SUM")
     )
 
@@ -316,7 +329,7 @@ def dkdv_params(kernel: LoweredProgram) -> tuple[Param, ...]:
 def generate_dkdv(kernel: LoweredProgram, name: str, consumer_registers: int, loader_registers: int) -> str:
     """Gluon source of the dK/dV template's instance for ``kernel`` (its entry point: ``name``)."""
     norm = kernel.normaliser.fragment
-    args = "".join(f"{a.name}, " for a in kernel.args())
+    args = "".join(f"{a.name}, " for a in kernel.args() + dropout_params(kernel))
     rows = [r for r, present in (("lse", norm.has_lse), ("delta", norm.needs_delta)) if present]
     rows_doc = (
         f"{' and '.join(rows)} rows (``runtime/template_rows.py``), float32\n    (B * HQ * row_stride,): each (batch, "
@@ -335,6 +348,9 @@ def generate_dkdv(kernel: LoweredProgram, name: str, consumer_registers: int, lo
         s_then_dp=_indent(s_then_dp, 8).rstrip("\n"),
         dp_done=_indent(dp_done, 8).rstrip("\n"),
         plugin_args=args,
+        dropout_setup=_indent(f"# dropout: the Philox seed and counter offset\n{dropout_setup(kernel)}", 4)
+        if kernel.config.dropout
+        else "",
         recompute=_indent(_recompute(kernel), 8).rstrip("\n"),
         chain=_indent(_chain(kernel), 8).rstrip("\n"),
     )

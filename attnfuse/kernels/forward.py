@@ -11,6 +11,10 @@ The update's rescaling of the accumulator (``acc = acc * f[:, None]``) is applie
 A block whose accumulator ends non-finite (a masked key's NaN or inf value reached it as 0 · NaN, or a kept
 key's did, or a sum overflowed) is redone by ``careful``: its keys again from global memory, 16 at a time,
 with the non-finite values of masked keys kept out, as the generated kernels do. Rare, so small, not fast.
+
+With attention dropout (``KernelConfig.dropout``) block j's weights are masked and scaled
+(``passes/codegen/dropout.py``: the generated kernels' Philox text) after its update, once block j-1's P·V is
+in: with that product in flight, the Philox rounds made ptxas spill in the loop.
 """
 
 from __future__ import annotations
@@ -21,10 +25,13 @@ import attrs
 
 from ..launch_spec import CONSTEXPR, INT, SCALAR, TENSOR, Param, params
 from ..passes.codegen.common import docstring_text
+from ..passes.codegen.dropout import dropout_params, dropout_setup, dropped_weights
 from ..passes.codegen.loops import key_range, listing_mask
+from ..passes.codegen.packed import lse_rows
 from ..passes.codegen.scores import folded_scale
 from ..passes.lower import LoweredProgram
 from . import listed
+from .forward_facts import ForwardFacts, fact_params, forward_facts
 from .gluon_text import assigned, for_template, row_rescale
 
 RESCALE = "acc_rows"  # the row factor an update's ``acc = acc * f[:, None]`` becomes
@@ -46,7 +53,7 @@ _CONSUMER = string.Template('''
 @gluon.jit
 def ${name}_consumer(
     q_desc, k_desc, v_desc, o_desc, q_smem, k_smem, v_smem, bars, pid_bh, b, h, hk, m0, start, n_steps,
-    full_start, full_end, Q, K, V, Out, Lse, Nq, N_K, HQ, GROUP, sm_scale, qk_scale, ${plugin_args}
+    full_start, full_end, Q, K, V, Out, Lse, Nq, N_K, HQ, GROUP, sm_scale, qk_scale, ${facts}${plugin_args}
     HALF_ID: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SAVE_LSE: gl.constexpr,
 ):  # fmt: skip
     """One warpgroup: rows m0 + HALF_ID * 64.. over ${keys}."""
@@ -58,9 +65,9 @@ $layouts
     O_ROWS: gl.constexpr = gl.SliceLayout(1, O_LAYOUT)
     P_LAYOUT: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=O_LAYOUT, k_width=2)
     q_ready, k_ready, v_ready, kv_free = bars
-    Nk = N_K
+    ${key_length}
     q_idx = m0 + HALF_ID * BLOCK_M + gl.arange(0, BLOCK_M, layout=ROW_LAYOUT)
-    q_pos = q_idx + (Nk - Nq)  # bottom-right aligned: the last query sees the last key
+    q_pos = q_idx + ${query_shift}  # ${aligned}
     q_ok = q_idx < Nq
 $prologues$init
     q = q_smem.index(HALF_ID).reshape([BLOCK_M, D])
@@ -98,23 +105,20 @@ $state_rows
     if gl.max(gl.max(gl.where(gl.abs(o_acc) < float("inf"), 0, 1), 1), 0) > 0:  # NaN too
         ${name}_careful(
             Q, K, V, Out, q_desc, k_desc, v_desc, o_desc, Lse, pid_bh, m0 + HALF_ID * BLOCK_M, start,
-            n_steps * BLOCK_N, Nq, N_K, HQ, GROUP, sm_scale, qk_scale, ${plugin_args} SAVE_LSE,
+            n_steps * BLOCK_N, Nq, N_K, HQ, GROUP, sm_scale, qk_scale, ${facts}${plugin_args} SAVE_LSE,
         )
     else:
         acc = o_acc
 $finalize
 $store_lse
-        q.store(out.to(dtype))  # the Q tile is read: stage out there
-        fence_async_shared()
-        tma.async_copy_shared_to_global(o_desc, [b, h, m0 + HALF_ID * BLOCK_M, 0], q_smem.index(HALF_ID))
-        tma.store_wait(0)
+$store_out
 ''')
 
 _CAREFUL = string.Template('''
 @gluon.jit(noinline=True)  # its registers are its own: inlined, the consumer's loop would spill
 def ${name}_careful(
     Q, K, V, Out, q_desc, k_desc, v_desc, o_desc, Lse, pid_bh, first, start, n_keys, Nq, N_K, HQ, GROUP,
-    sm_scale, qk_scale, ${plugin_args} SAVE_LSE: gl.constexpr,
+    sm_scale, qk_scale, ${facts}${plugin_args} SAVE_LSE: gl.constexpr,
 ):  # fmt: skip
     """The careful redo of rows first.. (64) over ${careful_keys}, CAREFUL_COLUMNS of out at a
     time."""
@@ -125,14 +129,14 @@ def ${name}_careful(
     for c0 in gl.static_range(0, DV, CAREFUL_COLUMNS):
         ${name}_careful_columns(
             Q, K, V, Out, q_desc, k_desc, v_desc, o_desc, Lse, pid_bh, b, h, hk, first, start, n_keys, Nq, N_K,
-            HQ, GROUP, sm_scale, qk_scale, ${plugin_args} SAVE_LSE, c0,
+            HQ, GROUP, sm_scale, qk_scale, ${facts}${plugin_args} SAVE_LSE, c0,
         )
 
 
 @gluon.jit
 def ${name}_careful_columns(
     Q, K, V, Out, q_desc, k_desc, v_desc, o_desc, Lse, pid_bh, b, h, hk, first, start, n_keys, Nq, N_K, HQ,
-    GROUP, sm_scale, qk_scale, ${plugin_args} SAVE_LSE: gl.constexpr, C0: gl.constexpr,
+    GROUP, sm_scale, qk_scale, ${facts}${plugin_args} SAVE_LSE: gl.constexpr, C0: gl.constexpr,
 ):  # fmt: skip
     """Rows first.. (64), out's columns [C0, C0 + CAREFUL_COLUMNS), redone over ${careful_keys},
     16 at a time, with mma.sync in registers: masked keys' non-finite values are kept out of P·V, and
@@ -147,9 +151,9 @@ $layouts
     O_ROWS: gl.constexpr = ROW_LAYOUT
     A_OP: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=S_LAYOUT, k_width=2)
     B_OP: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=S_LAYOUT, k_width=2)
-    Nk = N_K
+    ${key_length}
     q_idx = first + gl.arange(0, BLOCK_M, layout=ROW_LAYOUT)
-    q_pos = q_idx + (Nk - Nq)
+    q_pos = q_idx + ${query_shift}
     q_ok = q_idx < Nq
 $prologues$init
     o_acc = gl.zeros([BLOCK_M, CAREFUL_COLUMNS], gl.float32, S_LAYOUT)
@@ -157,10 +161,10 @@ $prologues$init
 $careful_loop
         s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, S_LAYOUT)
         for d0 in gl.static_range(0, D, CAREFUL_COLUMNS):  # q·kᵀ a slice of the head dim at a time
-            q = load_rows(Q, q_desc, b, h, first, Nq, BLOCK_M, A_OP, d0, CAREFUL_COLUMNS)
-            s = mma_v2(q, load_rows_t(K, k_desc, b, hk, start_n, Nk, BLOCK_N, B_OP, d0, CAREFUL_COLUMNS), s)
+            q = load_rows(Q, q_desc, b, h, ${query_rows}, BLOCK_M, A_OP, d0, CAREFUL_COLUMNS)
+            s = mma_v2(q, load_rows_t(K, k_desc, b, hk, ${key_rows}, BLOCK_N, B_OP, d0, CAREFUL_COLUMNS), s)
 $careful_tile
-        v = load_rows(V, v_desc, b, hk, start_n, Nk, BLOCK_N, B_OP, C0, CAREFUL_COLUMNS)
+        v = load_rows(V, v_desc, b, hk, ${key_rows}, BLOCK_N, B_OP, C0, CAREFUL_COLUMNS)
         finite = gl.abs(v.to(gl.float32)) < float("inf")  # false for NaN too
         poisoned = mma_v2(
             gl.convert_layout(gl.where(keep, 1.0, 0.0).to(dtype), A_OP), gl.where(finite, 0.0, 1.0).to(dtype), poisoned
@@ -173,30 +177,23 @@ $careful_finalize
 $careful_store_lse
     d_out = gl.expand_dims(C0 + gl.arange(0, CAREFUL_COLUMNS, layout=KEY_LAYOUT), 0)
     gl.store(
-        Out + row_offsets(o_desc, b, h, gl.expand_dims(q_idx, 1), d_out), out.to(dtype), mask=gl.expand_dims(q_ok, 1)
+        Out + row_offsets(o_desc, b, h, gl.expand_dims(${q_row}, 1), d_out), out.to(dtype), mask=gl.expand_dims(q_ok, 1)
     )
 ''')
 
 _KERNEL = string.Template('''
 @gluon.jit
 def ${name}(
-    q_desc, k_desc, v_desc, o_desc, Q, K, V, Out, Lse, Nq, N_K, HQ, GROUP, sm_scale, qk_scale, ${plugin_args}
+    q_desc, k_desc, v_desc, o_desc, Q, K, V, Out, Lse, Nq, N_K, HQ, GROUP, sm_scale, qk_scale, ${given}${plugin_args}
     BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SAVE_LSE: gl.constexpr,
 ):  # fmt: skip
     """q_desc, o_desc: (B, HQ, Nq, D) in [1, 1, 64, D] tiles; k_desc, v_desc: (B, HQ // GROUP, N_K, D) in
     [1, 1, BLOCK_N, D] tiles; Q, K, V, Out: the same tensors (the careful redo reads and writes through them
     with the descriptors' strides); Lse (B, HQ, Nq) float32, natural log, written if SAVE_LSE. Grid
-    (B * HQ, cdiv(Nq, 128)); 4 warps (a consumer) plus the workers: a consumer and the loader."""
+    ${grid}; 4 warps (a consumer) plus the workers: a consumer and the loader."""
     BLOCK_M: gl.constexpr = 2 * ROWS  # the program's rows: the masks' facts bound its key range
     pid_bh = gl.program_id(0)
-    m0 = (gl.num_programs(1) - 1 - gl.program_id(1)) * BLOCK_M
-    b = pid_bh // HQ
-    h = pid_bh % HQ
-    hk = h // GROUP
-    Nk = N_K
-    q_lo = m0 + (Nk - Nq)
-    q_hi = tl.minimum(m0 + BLOCK_M, Nq) - 1 + (Nk - Nq)
-$key_range
+$program$key_range
 $steps
     q_smem, q_ready = query_tiles(q_desc)
     k_smem, v_smem, k_ready, v_ready, kv_free = ring(k_desc, v_desc, STAGES)
@@ -209,7 +206,7 @@ $steps
                 (
                     q_desc, k_desc, v_desc, o_desc, q_smem, k_smem, v_smem, bars, pid_bh, b, h, hk, m0, start,
                     n_steps, full_start, full_end, Q, K, V, Out, Lse, Nq, N_K, HQ, GROUP, sm_scale, qk_scale,
-                    ${plugin_args} 0, BLOCK_N, STAGES, SAVE_LSE,
+                    ${facts}${plugin_args} 0, BLOCK_N, STAGES, SAVE_LSE,
                 ),
             ),
             (
@@ -217,7 +214,7 @@ $steps
                 (
                     q_desc, k_desc, v_desc, o_desc, q_smem, k_smem, v_smem, bars, pid_bh, b, h, hk, m0, start,
                     n_steps, full_start, full_end, Q, K, V, Out, Lse, Nq, N_K, HQ, GROUP, sm_scale, qk_scale,
-                    ${plugin_args} 1, BLOCK_N, STAGES, SAVE_LSE,
+                    ${facts}${plugin_args} 1, BLOCK_N, STAGES, SAVE_LSE,
                 ),
             ),
             (
@@ -229,13 +226,14 @@ $loader
     )
 ''')
 
-# The kernel's steps and loader of a program without a listing mask (``kernels/listed.py`` writes a listed one's)
+# The kernel's steps and loader of a program without a listing mask (``kernels/listed.py`` writes a listed one's);
+# the loader's first q row and first key row: ``ForwardFacts.loader_rows``
 _STEPS = (
     "    n_steps = tl.maximum(tl.cdiv(hi - start, BLOCK_N), 1)  # at least one: rows with no key get the init's out"
 )
 _LOADER = (
     "                forward_loader,\n"
-    "                (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, bars, b, h, hk, m0, start, n_steps, BLOCK_N, "
+    "                (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, bars, b, h, hk, {firsts}, n_steps, BLOCK_N, "
     "STAGES),"
 )
 _CAREFUL_LOOP = "    for start_n in range(start, start + n_keys, BLOCK_N):"
@@ -254,18 +252,20 @@ def _indent(code: str, spaces: int) -> str:
     return "".join(pad + line + "\n" if line.strip() else "\n" for line in code.strip("\n").splitlines())
 
 
-def _tile(kernel: LoweredProgram, always_masked: bool) -> tuple[str, bool]:
-    """The score pipeline of one key block, on the raw product ``s``: keys, scale, modifications, the masks
-    (under ``if masked:`` unless ``always_masked``, the careful redo's, which also drops rows past Nq), the
-    normaliser's update. Also whether the update rescales the accumulator (by ``RESCALE``). A mask that lists
-    its blocks applies its keep only in the blocks its lists call partial (``list_partial``, ``kernels/listed``)."""
+def _tile(kernel: LoweredProgram, facts: ForwardFacts, always_masked: bool, dropped: bool = True) -> tuple[str, bool]:
+    """The score pipeline of one key block, on the raw product ``s``: keys (their positions and count:
+    ``facts``), scale, modifications, the masks (under ``if masked:`` unless ``always_masked``, the careful
+    redo's, which also drops rows past Nq), the normaliser's update, then with attention dropout the weights
+    masked and scaled (unless not ``dropped``: the key loop drops them once the previous block's P·V is in). Also
+    whether the update rescales the accumulator (by ``RESCALE``). A mask that lists its blocks applies its keep
+    only in the blocks its lists call partial (``list_partial``, ``kernels/listed``)."""
     norm = kernel.normaliser
     listing = listing_mask(kernel)
     partial = None if listing is None else listed.partial_keep(listing)
     lines = [
         "k_idx = start_n + gl.arange(0, BLOCK_N, layout=KEY_LAYOUT)",
-        "k_pos = k_idx",
-        "k_ok = k_idx < Nk",
+        f"k_pos = {facts.key_position}",
+        f"k_ok = k_idx < {facts.key_count}",
     ]
     factor = folded_scale(kernel)
     if factor is None:
@@ -297,6 +297,8 @@ def _tile(kernel: LoweredProgram, always_masked: bool) -> tuple[str, bool]:
     if rescales:
         lines.append(f"{RESCALE} = gl.full([BLOCK_M], 1.0, gl.float32, ROW_LAYOUT)")
     lines += [f"# {norm.prefix}: normaliser update", for_template(rescaled)]
+    if kernel.config.dropout and dropped:  # the weights P·V reads, after the update read them whole
+        lines.append(dropped_weights(kernel).rstrip("\n"))
     if any("in_bounds" in line for line in lines):
         lines.insert(3, "in_bounds = q_ok[:, None] & k_ok[None, :]")
     return "\n".join(lines), rescales
@@ -314,7 +316,7 @@ def _store_lse(kernel: LoweredProgram, rows: str, first_columns: bool = False) -
     return (
         f"if SAVE_LSE{' and C0 == 0' if first_columns else ''}:\n"
         f"    lse_idx = gl.convert_layout(q_idx, {rows})\n"
-        "    gl.store(Lse + pid_bh.to(tl.int64) * Nq + lse_idx, lse, mask=lse_idx < Nq)"
+        f"    gl.store(Lse + {lse_rows(kernel, 'pid_bh.to(tl.int64)')} + lse_idx, lse, mask=lse_idx < Nq)"
     )
 
 
@@ -324,7 +326,9 @@ def forward_params(kernel: LoweredProgram) -> tuple[Param, ...]:
         params(TENSOR, "q_desc", "k_desc", "v_desc", "o_desc", "Q", "K", "V", "Out", "Lse")
         + params(INT, "Nq", "N_K", "HQ", "GROUP")
         + params(SCALAR, "sm_scale", "qk_scale")
+        + fact_params(kernel)
         + kernel.args()
+        + dropout_params(kernel)
         + params(CONSTEXPR, "BLOCK_N", "STAGES", "SAVE_LSE")
     )
 
@@ -332,17 +336,23 @@ def forward_params(kernel: LoweredProgram) -> tuple[Param, ...]:
 def generate_forward(kernel: LoweredProgram, name: str, consumer_registers: int, loader_registers: int) -> str:
     """Gluon source of the forward template's instance for ``kernel`` (its entry point: ``name``)."""
     norm = kernel.normaliser
-    args = "".join(f"{a.name}, " for a in kernel.args())
-    tile, rescales = _tile(kernel, always_masked=False)
-    careful_tile, careful_rescales = _tile(kernel, always_masked=True)
+    args = "".join(f"{a.name}, " for a in kernel.args() + dropout_params(kernel))
+    facts = forward_facts(kernel)
+    tile, rescales = _tile(kernel, facts, always_masked=False)
+    loop_tile, _ = _tile(kernel, facts, always_masked=False, dropped=False)
+    careful_tile, careful_rescales = _tile(kernel, facts, always_masked=True)
     prologues = "".join(
         f"    # {m.prefix}: prologue\n{_indent(for_template(m.fragment.prologue), 4)}"
         for m in kernel.mods
         if m.fragment.prologue
     )
+    if kernel.config.dropout:
+        prologues += f"    # dropout: the Philox seed and counter offset\n{_indent(dropout_setup(kernel), 4)}"
     init = _indent(for_template(norm.fragment.init), 4)
     state = [n for n in assigned(norm.fragment.init)]
     rescale = f"o_acc = o_acc * gl.expand_dims(gl.convert_layout({RESCALE}, O_ROWS), 1)" if rescales else ""
+    if kernel.config.dropout:  # the loop's weights, dropped once block j-1's P·V is in (its registers are free)
+        rescale += "\n" + dropped_weights(kernel)
     careful_rescale = f"o_acc = o_acc * gl.expand_dims({RESCALE}, 1)" if careful_rescales else ""
     header = _HEADER.format(
         what=docstring_text("Hopper forward template"),
@@ -351,20 +361,29 @@ def generate_forward(kernel: LoweredProgram, name: str, consumer_registers: int,
     )
     m = listing_mask(kernel)
     common = {
-        "name": name, "plugin_args": args, "layouts": _LAYOUTS, "prologues": prologues, "init": init,
+        "name": name,
+        "plugin_args": args,
+        "facts": facts.passed,
+        "layouts": _LAYOUTS,
+        "prologues": prologues,
+        "init": init,
+        "key_length": facts.key_length,
+        "query_shift": facts.query_shift,
+        "aligned": facts.aligned,
         "careful_keys": "keys [start, start + n_keys)" if m is None else listed.CAREFUL_KEYS,
-    }  # fmt: skip
+    }
     consumer = _CONSUMER.substitute(
         common,
         keys="key blocks start + j * BLOCK_N, j < n_steps" if m is None else listed.KEYS,
         first_key="    start_n = start" if m is None else listed.first_key(m),
         step_key="        start_n = start + j * BLOCK_N" if m is None else listed.step_key(m),
         tile=_indent(tile, 4),
-        loop_tile=_indent(tile, 8),
+        loop_tile=_indent(loop_tile, 8),
         rescale=_indent(rescale, 8),
         state_rows=_indent("\n".join(f"{n} = gl.convert_layout({n}, O_ROWS)" for n in state), 4),
         finalize=_finalize(kernel, 8),
         store_lse=_indent(_store_lse(kernel, "O_ROWS"), 8),
+        store_out=_indent(facts.store_out, 8).rstrip("\n"),
     )
     careful = _CAREFUL.substitute(
         common,
@@ -373,13 +392,20 @@ def generate_forward(kernel: LoweredProgram, name: str, consumer_registers: int,
         careful_rescale=_indent(careful_rescale, 8),
         careful_finalize=_finalize(kernel, 4),
         careful_store_lse=_indent(_store_lse(kernel, "ROW_LAYOUT", first_columns=True), 4),
+        query_rows=facts.query_rows,
+        key_rows=facts.key_rows,
+        q_row=facts.out_rows,
     )
     entry = _KERNEL.substitute(
         name=name,
         plugin_args=args,
+        facts=facts.passed,
+        given=facts.entry_params,
+        program=_indent(facts.program, 4),
+        grid=facts.grid,
         key_range=_indent(key_range(kernel if m is None else _without(kernel, m)), 4),
         steps=_STEPS if m is None else listed.steps(m, name, args),
-        loader=_LOADER if m is None else listed.loader_call(m, kernel, name),
+        loader=_LOADER.format(firsts=facts.loader_rows) if m is None else listed.loader_call(m, kernel, name),
         consumer_registers=consumer_registers,
         loader_registers=loader_registers,
     )

@@ -15,7 +15,7 @@ import tempfile
 import triton
 from attrs import frozen
 
-from ..plan import Plan, TileConfig
+from ..plan import DROPOUT_P, DROPOUT_SCALE, DROPOUT_STATE, Plan, TileConfig
 from ..runtime.kernel import smaller_tiles
 from ..runtime.source_cache import load_function, write_source
 from ..triton_compat import ASTSource, GPUTarget, knobs
@@ -33,9 +33,16 @@ _SIZES = {
     "SPLIT_BLOCKS",
     "SPLIT_ROWS",
     "HEAD_GROUP",
+    "Q_OFFSET",
+    "K_OFFSET",
+    "N_SEQ",
+    "DOCS",
+    "SEARCH_STEPS",
 }
 _FLOAT32 = {"Lse", "Delta", "PartOut", "PartLse", "DLse", "PartDKV"}
-_INT32 = {"KvLens", "BlockTable", "SplitCount"}
+_INT32 = {"KvLens", "BlockTable", "SplitCount", "CuQ", "CuK"}
+_INT64 = {DROPOUT_STATE}  # attention dropout's seed and counter offset
+_FLOAT32_SCALARS = {DROPOUT_P, DROPOUT_SCALE}
 _SHORT = {**{dtype: short for dtype, (_, short) in DTYPES.items()}, "float32": "fp32"}  # dtype -> Triton's
 
 
@@ -63,8 +70,11 @@ def signature(fn, tensors: dict[str, int], dtype: str) -> tuple[dict, dict, dict
         elif p.name in tensors:
             types[p.name] = "*i32" if INDEX_LIKE.search(p.name) else "*fp32"
             attributes[(i,)] = [["tt.divisibility", 16]]
+        elif p.name in _FLOAT32_SCALARS:
+            types[p.name] = "fp32"
         elif p.name[0].isupper() and p.name not in _SIZES:
-            types[p.name] = "*" + ("fp32" if p.name in _FLOAT32 else "i32" if p.name in _INT32 else dtype)
+            pointee = "i64" if p.name in _INT64 else "i32" if p.name in _INT32 else dtype
+            types[p.name] = "*" + ("fp32" if p.name in _FLOAT32 else pointee)
             attributes[(i,)] = [["tt.divisibility", 16]]
         elif re.fullmatch(r"stride_\w*d", p.name) or p.name in unit:  # unit strides, as Triton specialises
             types[p.name], values[p.name] = "constexpr", 1

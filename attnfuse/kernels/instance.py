@@ -108,6 +108,8 @@ _LAUNCHED_BY = (
     "attnfuse.runtime.template_rows",
 )
 _LAUNCHED_BY_KIND = {"dq": ("attnfuse.kernels.dq_launch",)}  # and what launches one kind's instances alone
+# and, besides, what launches the instance of a packed call (its parameters hold the document offsets, CuQ)
+_PACKED_LAUNCH = "attnfuse.kernels.launch_packed"
 _IMPORTS = re.compile(r"^from (attnfuse(?:\.\w+)*) import", re.M)
 
 
@@ -116,12 +118,14 @@ def _module_source(module: str) -> str:
     return Path(importlib.import_module(module).__file__).read_text()
 
 
-def _library(source: str, kind: str) -> str:
-    """The source of the AttnFuse modules an instance's ``source`` imports and of those that launch it (an
-    instance of ``kind``): a change to them changes the instance, and a module it does not import (a new
-    template's) does not."""
-    imported = sorted(set(_IMPORTS.findall(source)))
-    return "".join(_module_source(m) for m in (*imported, *_LAUNCHED_BY, *_LAUNCHED_BY_KIND.get(kind, ())))
+def _library(spec: KernelSpec) -> str:
+    """The source of the AttnFuse modules the instance's source imports and of those that launch it (an
+    instance of its kind; a packed call's): a change to them changes the instance, and a module it does not
+    import (a new template's) does not."""
+    imported = sorted(set(_IMPORTS.findall(spec.source)))
+    packed = (_PACKED_LAUNCH,) if any(p.name == "CuQ" for p in spec.launch.params) else ()
+    launched = (*_LAUNCHED_BY, *_LAUNCHED_BY_KIND.get(spec.kind, ()), *packed)
+    return "".join(_module_source(m) for m in (*imported, *launched))
 
 
 def instance_digest(spec: KernelSpec) -> str:
@@ -129,5 +133,5 @@ def instance_digest(spec: KernelSpec) -> str:
     docstrings or unread parameters, so programs that get the same kernel share it), the constants and tiles it
     is launched with, and the library it imports and is launched by (``_library``)."""
     launched = f"{sorted(spec.launch.constants.items())!r}{spec.tiles!r}"
-    text = canonical_source(spec.source) + launched + _library(spec.source, spec.kind)
+    text = canonical_source(spec.source) + launched + _library(spec)
     return hashlib.sha256(text.encode()).hexdigest()[:24]

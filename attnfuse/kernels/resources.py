@@ -34,7 +34,7 @@ from attrs import frozen
 from ..errors import InputError
 from ..triton_compat import GluonASTSource, GPUTarget, gl, knobs
 from ..launch_spec import CONSTEXPR, SCALAR, TENSOR
-from ..plan import KernelSpec
+from ..plan import DROPOUT_STATE, KernelSpec
 from ..runtime.hopper import _ROW_LAYOUT, DKDV_BLOCK_M
 from ..runtime.source_cache import load_function, write_source
 from . import pipeline, verify
@@ -46,6 +46,7 @@ INDEX_LIKE = re.compile(r"(num|idx|index|count|active|lens|order)$")  # a plugin
 _LIST_SIZE = re.compile(r"^\s*list_size = (\w+)\b", re.M)  # the scalar a listing mask's block size names (listed.py)
 SECTION = "template_resources"  # its marked section of docs/benchmarks.md (--markdown-section)
 _CARRIED = {"Q", "K", "V", "Out"}  # the forward's tensors, in the call's dtype; Lse is float32
+_FACT_TENSORS = {"KvLens": "*i32", "CuQ": "*i32", "CuK": "*i32"}  # a call's key counts and document offsets
 KERNELS = ("forward", "dkdv", "dq")  # the template kinds compiled here
 GROUP_SUMS = ("none", "last", "atomic")  # how a dK/dV launch sums a GQA group's programs (hopper.group_split)
 _SPILLS = re.compile(r"Function properties for (\S+)\n\s*\d+ bytes stack frame, (\d+) bytes spill stores")
@@ -89,9 +90,9 @@ def signature(spec: KernelSpec, dtype: str, head_dim: int, save_lse: bool, group
     ``head_dim``, as the runtime launches it (``kernels/launch.py``); the types ``_launch_types`` does not name
     are the launch spec's kinds: a plugin's tensors float32 (int32 where their names say they hold indices or
     counts, ``INDEX_LIKE``, as a block list's), its scalars float32 (int32: a listing mask's block size, which
-    the instance divides rows by), its strides and sizes int32."""
+    the instance divides rows by), its strides and sizes int32; dropout's state int64."""
     kinds = {CONSTEXPR: "constexpr", SCALAR: "fp32", TENSOR: "*fp32"}
-    named = _launch_types(spec, dtype, head_dim, save_lse, group_sum)
+    named = {DROPOUT_STATE: "*i64", **_launch_types(spec, dtype, head_dim, save_lse, group_sum)}
     named |= {name: "i32" for name in _LIST_SIZE.findall(spec.source)}
 
     def plugin_type(name: str, kind: str) -> str:
@@ -114,7 +115,7 @@ def _launch_types(spec: KernelSpec, dtype: str, head_dim: int, save_lse: bool, g
     if spec.kind == "forward":
         block_n = spec.tiles.block_n
         return {"q_desc": tiles(rows), "o_desc": tiles(rows), "k_desc": tiles(block_n), "v_desc": tiles(block_n),
-                "Lse": "*fp32", **{n: f"*{short}" for n in _CARRIED}}  # fmt: skip
+                "Lse": "*fp32", **{n: f"*{short}" for n in _CARRIED}, **_FACT_TENSORS}  # fmt: skip
     if spec.kind == "dkdv":
         if group_sum not in GROUP_SUMS:
             raise InputError(f"group_sum={group_sum!r}: the dK/dV template sums a group as one of {GROUP_SUMS}")

@@ -2,9 +2,12 @@
 
 ``tests/test_template_gpu.py`` runs ``check`` on every case of ``cases()`` (the forward template: each built-in
 and installed contrib variant, head dims 64/128/256, float16 and bfloat16, GQA, lengths that are not multiples
-of a tile, Nq != Nk, non-finite values under the masks) and of ``backward_cases()`` (the dK/dV and the dQ
-templates: their gradients dq, dk, dv through the public API) with ``ATTNFUSE_TEMPLATES=all``, and appends each
-result to a file in ``$ATTNFUSE_VERIFY_OUT``. Then
+of a tile, Nq != Nk, non-finite values under the masks; calls with a fact, ``fact_cases()``: per-sequence key
+counts, given positions, packed sequences; ``DROPOUT_VARIANTS`` with attention dropout) and of ``backward_cases()``
+(the dK/dV and the dQ templates: their gradients dq, dk, dv through the public API; the dK/dV template's with
+attention dropout too) with ``ATTNFUSE_TEMPLATES=all`` (and ``ATTNFUSE_DROPOUT_ON_GPU=1``), and appends each
+result to a file in ``$ATTNFUSE_VERIFY_OUT``. A dropout case compares with the float64 reference replaying the
+call's mask (``af.dropout_keep``). Then
 
     python -m attnfuse.kernels.verify --collect $ATTNFUSE_VERIFY_OUT --write attnfuse/kernels/verified.json
 
@@ -16,6 +19,7 @@ whether the record holds it: what a change to the templates or to a fragment un-
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import math
@@ -30,7 +34,9 @@ from attrs import frozen
 import attnfuse as af
 from ..passes.compiler import compile as compile_plan
 from ..plan import KernelConfig, Plan
+from ..runtime import packed
 from ..testing.grad_bounds import delta_rounding
+from ..runtime.dropout import GATE as DROPOUT_GATE
 from ..testing.tolerances import assert_matches_reference
 from .dq_launch import TemplateDq
 from .launch import TemplateDkdv, TemplateForward
@@ -43,6 +49,17 @@ SHAPES = ((2, 4, 2, 300, 300), (1, 2, 2, 130, 257))  # (B, Hq, Hkv, Nq, Nk): GQA
 HOISTED_SHAPES = ((1, 4, 2, 600, 600), (1, 2, 2, 520, 700))  # enough query blocks that a qk transform is hoisted
 DKDV_HEAD_DIMS = (64, 128)  # the dK/dV template's (``tiles.DKDV_TILES``) and the dQ template's (``DQ_TILES``)
 BACKWARD_TEMPLATES = {"dkdv": TemplateDkdv, "dq": TemplateDq}  # the backward's templates, by case kind
+# A call's facts (``forward_facts.py``), each with its cases' shape (B, Hq, Hkv, Nq, Nk):
+KV_LENS_SHAPE = (3, 4, 2, 130, 300)  # kv_lens (0, 300, 77): none, more than a tile, off the tiles
+KV_LENS = (0, 300, 77)
+POSITIONS_SHAPE = (2, 4, 2, 130, 257)  # queries at 140.., keys at 200..: the first 60 rows keep no causal key
+HOISTED_POSITIONS_SHAPE = (1, 4, 2, 520, 700)  # enough query blocks that a qk transform is hoisted
+POSITIONS = {"q_offset": 140, "k_offset": 200, "seq_len": 1000}
+# packed documents' lengths (q, k): empty, of one row, off the tiles, rows with no key, more queries than keys
+DOCUMENTS = ((0, 5), (1, 1), (130, 130), (64, 0), (200, 257), (7, 70), (300, 128), (0, 9))
+PACKED_SHAPE = (1, 4, 2, sum(q for q, _ in DOCUMENTS), sum(k for _, k in DOCUMENTS))
+DROPOUT_VARIANTS = ("causal", "softcap")  # checked with attention dropout too (smooth weights: their dK/dV as well)
+DROPOUT_P = 0.2  # their dropout rate
 
 
 def _variants() -> dict[str, tuple[Callable, Callable]]:
@@ -143,13 +160,19 @@ class Case:
     shape: tuple[int, int, int, int, int]
     poison: bool  # a NaN value that some rows mask and the others keep: the careful redo must sort them out
     kind: str = "forward"  # the template checked: "forward" (out, lse), "dkdv" or "dq" (the gradients)
+    fact: str = ""  # the call's fact: "kv_lens", "positions" or "varlen" (``fact_cases``), or none
+    dropout: float = 0.0  # the call's dropout_p: its instance is the program's instance with dropout
 
     @property
     def id(self) -> str:
         B, Hq, Hkv, Nq, Nk = self.shape
         kind = "" if self.kind == "forward" else f"{self.kind}-"
         shape = f"{B}x{Hq}x{Hkv}x{Nq}x{Nk}"
-        return f"{kind}{self.variant}-D{self.head_dim}-{self.dtype}-{shape}{'-nan' if self.poison else ''}"
+        fact = f"-{self.fact}" if self.fact else ""
+        dropout = f"-dropout{self.dropout}" if self.dropout else ""
+        return (
+            f"{kind}{self.variant}-D{self.head_dim}-{self.dtype}-{shape}{fact}{'-nan' if self.poison else ''}{dropout}"
+        )
 
 
 def _shapes(variant: str) -> tuple:
@@ -161,7 +184,48 @@ def cases() -> list[Case]:
     found = [Case(v, d, t, s, False) for v in FORWARD_VARIANTS for d in HEAD_DIMS for t in DTYPES for s in _shapes(v)]
     masked = ("causal", "sliding_window", "causal_alibi", "relu", "sigmoid", *LISTED_VARIANTS)
     found += [Case(v, d, "bfloat16", SHAPES[0], True) for v in masked if v in FORWARD_VARIANTS for d in HEAD_DIMS]
-    return found
+    return found + fact_cases() + _dropout_cases("forward")
+
+
+def _takes(variant: str, fact: str) -> bool:
+    """Whether a call of ``variant`` with ``fact`` runs the forward template: a qk transform (rope) runs hoisted
+    into a pass only with one length for all sequences (not kv_lens) and outside packed calls; a packed call
+    takes no tensor indexed by query and key (additive_bias's bias), and a packed sigmoid call's default offset
+    is -log of the packed key count, not each document's, so it is not each document alone."""
+    if variant.startswith("rope"):
+        return fact == "positions"
+    return fact != "varlen" or variant not in ("additive_bias", "sigmoid")
+
+
+def fact_cases() -> list[Case]:
+    """The forward template's cases of calls with a fact: each variant that takes it (not the listed ones: the
+    template follows block lists only in a call with no fact, ``capability.forward_reason``), at every head dim
+    and dtype. kv_lens: NaN keys and values past each sequence's length (the cache's unused rows)."""
+    shapes = {
+        "kv_lens": lambda v: KV_LENS_SHAPE,
+        "positions": lambda v: HOISTED_POSITIONS_SHAPE if v.startswith("rope") else POSITIONS_SHAPE,
+        "varlen": lambda v: PACKED_SHAPE,
+    }
+    return [
+        Case(v, d, t, shape(v), fact == "kv_lens", fact=fact)
+        for fact, shape in shapes.items()
+        for v in VARIANTS
+        if _takes(v, fact)
+        for d in HEAD_DIMS
+        for t in DTYPES
+    ]
+
+
+def _dropout_cases(kind: str) -> list[Case]:
+    """``kind``'s cases with attention dropout: ``DROPOUT_VARIANTS`` at the dK/dV template's head dims, both
+    dtypes, the forward's shapes (GQA, ragged)."""
+    return [
+        Case(v, d, t, s, False, kind=kind, dropout=DROPOUT_P)
+        for v in DROPOUT_VARIANTS
+        for d in DKDV_HEAD_DIMS
+        for t in DTYPES
+        for s in _shapes(v)
+    ]
 
 
 def smooth(variant: str) -> bool:
@@ -173,8 +237,9 @@ def smooth(variant: str) -> bool:
 
 def backward_cases() -> list[Case]:
     """The dK/dV and dQ templates' cases: each variant with smooth weights, their head dims, both dtypes, the
-    forward's shapes. None with NaN values: a masked key's NaN value makes the float64 reference's gradients
-    NaN (its masked weights' dS is 0 · NaN), where the kernels' are 0."""
+    forward's shapes; and the dK/dV template's with attention dropout, ``DROPOUT_VARIANTS`` (the dQ template does
+    not take dropout). None with NaN values: a masked key's NaN value makes the float64 reference's gradients NaN
+    (its masked weights' dS is 0 · NaN), where the kernels' are 0."""
     return [
         Case(v, d, t, s, False, kind=kind)
         for kind in BACKWARD_TEMPLATES
@@ -183,7 +248,30 @@ def backward_cases() -> list[Case]:
         for d in DKDV_HEAD_DIMS
         for t in DTYPES
         for s in _shapes(v)
-    ]
+    ] + _dropout_cases("dkdv")
+
+
+def _environment(case: Case) -> None:
+    """A RuntimeError unless the environment runs ``case``'s template instance on the GPU."""
+    if os.environ.get(MODE_ENV) != "all":
+        raise RuntimeError(f"the check runs the template instances: set {MODE_ENV}=all")
+    if case.dropout and os.environ.get(DROPOUT_GATE.env) != "1":
+        raise RuntimeError(f"the check runs the kernels with attention dropout: set {DROPOUT_GATE.env}=1")
+
+
+@contextlib.contextmanager
+def replayed_dropout(case: Case, seed: int, shape: tuple[int, int, int, int], device: torch.device):
+    """Around a call of ``case`` (q (B, Hq, Nq, D) and Nk keys: ``shape`` (B, Hq, Nq, Nk)): yields the call's
+    dropout arguments and a dict that, once the call returned, holds the reference's (``dropout_p`` and the
+    mask the call drew, replayed: ``af.dropout_keep``); both empty without dropout."""
+    call: dict = {"dropout_p": case.dropout} if case.dropout else {}
+    reference: dict = {}
+    if case.dropout:
+        torch.manual_seed(seed)  # the call draws its dropout state from the default generator
+    yield call, reference
+    if case.dropout:
+        torch.manual_seed(seed)
+        reference.update(call, dropout_mask=af.dropout_keep(af.dropout_state(device), case.dropout, shape))
 
 
 def check(case: Case, seed: int = 0) -> dict:
@@ -198,20 +286,28 @@ def check(case: Case, seed: int = 0) -> dict:
     gen = torch.Generator(device="cuda").manual_seed(seed)
     q, k, v = (torch.randn(B, h, n, case.head_dim, device="cuda", dtype=dtype, generator=gen) for h, n in
                ((Hq, Nq), (Hkv, Nk), (Hkv, Nk)))  # fmt: skip
-    if case.poison:  # rows before position 2 Nk / 3 (causal), or past it by more than a window, mask this key
+    facts = _fact_arguments(case.fact, q.device)
+    if case.poison and case.fact == "kv_lens":  # the cache's rows past each sequence's length are no keys of it
+        for b, n in enumerate(KV_LENS):
+            k[b, :, n:] = v[b, :, n:] = float("nan")
+    elif case.poison:  # rows before position 2 Nk / 3 (causal), or past it by more than a window, mask this key
         v[:, :, 2 * Nk // 3, ::3] = float("nan")
     kwargs = extra(Hq, Nq, Nk, "cuda")
-    if os.environ.get(MODE_ENV) != "all":
-        raise RuntimeError(f"the check runs the template instances: set {MODE_ENV}=all")
+    _environment(case)
     before = TemplateForward.launches
-    if program.graph(**kwargs).has_lse:
-        out, lse = program(q, k, v, return_lse=True, **kwargs)
-    else:
-        out, lse = program(q, k, v, **kwargs), None
+    with_lse = program.graph(**kwargs).has_lse
+    with _packed_on_gpu(case.fact == "varlen"), replayed_dropout(case, seed, (B, Hq, Nq, Nk), q.device) as calls:
+        dropout, replayed = calls
+        out = program(q, k, v, return_lse=with_lse, **kwargs, **facts, **dropout)
+    out, lse = out if with_lse else (out, None)
     if TemplateForward.launches == before:
         raise AssertionError(f"{case.id}: the call did not run the forward template")
-    ref = program.reference(q, k, v, return_lse=lse is not None, **kwargs)
-    low = program.reference(q, k, v, return_lse=lse is not None, dtype=dtype, **kwargs)
+    if case.fact == "varlen":
+        ref = _per_document(program, (q, k, v), kwargs, with_lse)
+        low = _per_document(program, (q, k, v), kwargs, with_lse, dtype=dtype)
+    else:
+        ref = program.reference(q, k, v, return_lse=with_lse, **kwargs, **facts, **replayed)
+        low = program.reference(q, k, v, return_lse=with_lse, dtype=dtype, **kwargs, **facts, **replayed)
     if lse is not None:  # lse reads q and k only: as close as inputs of the call's dtype allow
         (ref, ref_lse), (low, low_lse) = ref, low
         assert_matches_reference(lse, ref_lse, low_lse, dtype, what="lse")
@@ -228,6 +324,58 @@ def check(case: Case, seed: int = 0) -> dict:
     return {"key": TemplateForward.last_key, "case": case.id, "max_error": error}
 
 
+def _fact_arguments(fact: str, device: torch.device) -> dict:
+    """The call's arguments of ``fact`` (``fact_cases``), tensors on ``device``: kv_lens ``KV_LENS``, the
+    positions ``POSITIONS``, or the offsets of the packed ``DOCUMENTS``; none for no fact."""
+    if fact == "kv_lens":
+        return {"kv_lens": torch.tensor(KV_LENS, dtype=torch.int32, device=device)}
+    if fact == "positions":
+        return dict(POSITIONS)
+    if fact == "varlen":
+        offsets = [[0, *torch.tensor(n).cumsum(0).tolist()] for n in zip(*DOCUMENTS)]
+        cu_q, cu_k = (torch.tensor(o, dtype=torch.int32, device=device) for o in offsets)
+        return {"cu_seqlens_q": cu_q, "cu_seqlens_k": cu_k}
+    return {}
+
+
+@contextlib.contextmanager
+def _packed_on_gpu(asked: bool):
+    """Packed calls on the GPU, where ``asked``, for the time of the block (``runtime/packed.py``'s gate: its
+    kernels run on a GPU only when asked until a GPU run has checked them)."""
+    before = os.environ.get(packed.GATE.env)
+    if asked:
+        os.environ[packed.GATE.env] = "1"
+    try:
+        yield
+    finally:
+        if asked and before is None:
+            del os.environ[packed.GATE.env]
+        elif asked:
+            os.environ[packed.GATE.env] = before
+
+
+def _per_document(program, qkv: tuple[torch.Tensor, ...], kwargs: dict, with_lse: bool, **options):
+    """The reference of a packed call (q (1, Hq, total_q, D), k and v (1, Hkv, total_k, D) holding
+    ``DOCUMENTS``): each document alone through ``program.reference`` (with ``options``), concatenated along the
+    rows; out, or (out, lse). A document with no key is its rows against a cache of length 0 (``kv_lens``)."""
+    q, k, v = qkv
+    outs, lses, q0, k0 = [], [], 0, 0
+    for nq, nk in DOCUMENTS:
+        rows, keys = slice(q0, q0 + nq), slice(k0, k0 + nk) if nk else slice(0, 1)
+        q0, k0 = q0 + nq, k0 + nk
+        if nq == 0:
+            continue
+        lens = {} if nk else {"kv_lens": torch.zeros(1, dtype=torch.int32, device=q.device)}
+        got = program.reference(
+            q[:, :, rows], k[:, :, keys], v[:, :, keys], return_lse=with_lse, **kwargs, **lens, **options
+        )
+        out, lse = got if with_lse else (got, None)
+        outs.append(out)
+        lses.append(lse)
+    out = torch.cat(outs, 2)
+    return (out, torch.cat(lses, 2)) if with_lse else out
+
+
 def _check_backward(case: Case, seed: int) -> dict:
     """Forward and backward through the public API (the dK/dV template's instance computes dk and dv, the dQ
     template's dq and delta, each where the templates can run the program); dq, dk and dv against the float64
@@ -242,25 +390,33 @@ def _check_backward(case: Case, seed: int) -> dict:
                ((Hq, Nq), (Hkv, Nk), (Hkv, Nk)))  # fmt: skip
     dout = torch.randn(B, Hq, Nq, case.head_dim, device="cuda", dtype=dtype, generator=gen)
     kwargs = extra(Hq, Nq, Nk, "cuda")
-    if os.environ.get(MODE_ENV) != "all":
-        raise RuntimeError(f"the check runs the template instances: set {MODE_ENV}=all")
+    _environment(case)
     before = template.launches
     leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
-    got = torch.autograd.grad(program(*leaves, **kwargs), leaves, dout)
+    with replayed_dropout(case, seed, (B, Hq, Nq, Nk), q.device) as (dropout, replayed):
+        got = torch.autograd.grad(program(*leaves, **kwargs, **dropout), leaves, dout)
     if template.launches == before:
         raise AssertionError(f"{case.id}: the call did not run the {case.kind} template")
-    error = compare_gradients(program, kwargs, (q, k, v), dout, got, case.id)
+    error = compare_gradients(program, kwargs, (q, k, v), dout, got, case.id, replayed)
     return {"key": template.last_key, "case": case.id, "max_error": error}
 
 
 def compare_gradients(
-    program, kwargs: dict, qkv: tuple[torch.Tensor, ...], dout: torch.Tensor, got: tuple[torch.Tensor, ...], what: str
+    program,
+    kwargs: dict,
+    qkv: tuple[torch.Tensor, ...],
+    dout: torch.Tensor,
+    got: tuple[torch.Tensor, ...],
+    what: str,
+    dropout: dict | None = None,
 ) -> float:
     """Compare ``got`` (dq, dk, dv of ``program`` at q, k, v = ``qkv`` for the output gradient ``dout``, all of
     one dtype) with the float64 reference's gradients (AssertionError beyond what the dtype allows, with the
-    bound of delta's rounding, ``grad_bounds``, for a normaliser that reads delta); the largest error."""
+    bound of delta's rounding, ``grad_bounds``, for a normaliser that reads delta); the largest error.
+    ``dropout``: the call's ``dropout_p`` and replayed ``dropout_mask``, for the reference (None: none)."""
     dtype = dout.dtype
     graph = program.graph(**kwargs)
+    kwargs = {**kwargs, **(dropout or {})}
     leaves64 = [t.detach().double().requires_grad_(True) for t in qkv]
     if graph.has_lse:
         out64, lse64 = program.reference(*leaves64, return_lse=True, **kwargs)
@@ -314,9 +470,10 @@ def added(earlier: dict, new: dict, failed: set[str]) -> dict:
     }
 
 
-def variant_plan(variant: str, dtype: str, head_dim: int) -> Plan:
+def variant_plan(variant: str, dtype: str, head_dim: int, fact: str = "", dropout: bool = False) -> Plan:
     """The sm90 plan of ``FORWARD_VARIANTS[variant]`` (GQA group 2; the hoisted plan, which is the one that
-    runs the template, where the program's transforms are hoisted)."""
+    runs the template, where the program's transforms are hoisted) for a call with ``fact`` ("kv_lens",
+    "positions" or "varlen": ``fact_cases``), or none, and with attention dropout if ``dropout``."""
     program, extra = FORWARD_VARIANTS[variant]
     graph = program.graph(**extra(4, 64, 64, "cpu"))
     config = KernelConfig(
@@ -327,6 +484,8 @@ def variant_plan(variant: str, dtype: str, head_dim: int) -> Plan:
         group=2,
         save_lse=graph.has_lse,
         fp32_precision="ieee",
+        **({fact: True} if fact else {}),
+        dropout=dropout,
     )
     plan = compile_plan(graph, config)
     return plan if "transform" not in plan.kernels else compile_plan(graph, plan.hoisted_config)
@@ -334,11 +493,14 @@ def variant_plan(variant: str, dtype: str, head_dim: int) -> Plan:
 
 def instance_keys() -> dict[tuple[str, str, str, int], str]:
     """The record key of the instance that each (kind, variant, dtype, head dim) of the cases runs, computed on
-    the CPU from the variant's sm90 plan."""
+    the CPU from the variant's sm90 plan; a case with a fact names its variant ``variant+fact``, one with
+    attention dropout ``variant+dropout``."""
     keys = {}
     for case in cases() + backward_cases():
-        spec = variant_plan(case.variant, case.dtype, case.head_dim).templates.kernels[case.kind]
-        keys[(case.kind, case.variant, case.dtype, case.head_dim)] = record_key(spec, case.dtype, case.head_dim)
+        plan = variant_plan(case.variant, case.dtype, case.head_dim, case.fact, dropout=bool(case.dropout))
+        spec = plan.templates.kernels[case.kind]
+        variant = "+".join([case.variant] + [case.fact] * bool(case.fact) + ["dropout"] * bool(case.dropout))
+        keys[(case.kind, variant, case.dtype, case.head_dim)] = record_key(spec, case.dtype, case.head_dim)
     return keys
 
 

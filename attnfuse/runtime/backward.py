@@ -18,6 +18,7 @@ from ..kernels.launch import TemplateDkdv
 from ..kernels.verified import chosen, record_key
 from ..plan import InputGradient, Plan
 from . import packed
+from .dropout import launch_args as dropout_args
 from .inputs import KVCache, accumulator_dtype, empty_like_layout, even_keys, heads_together, kv_launch_args
 from .kernel import CompiledKernel
 from .plugin_args import PluginArgs, Prepared
@@ -277,7 +278,7 @@ class BackwardKernels:
         else:
             self._generated_dq(q, kv, out, dlse, dq, shared, pargs, limit, even_m, buffers, partials)
         if engine == "template":
-            self.template(q, kv.k, kv.v, dout, lse, delta, dk, dv, pargs)
+            self.template(q, kv.k, kv.v, dout, lse, delta, dk, dv, {**pargs, **dropout_args(kv.dropout)})
         else:
             self._generated_dkdv(q, kv, dk, dv, shared, pargs, limit, heavy, even_m, partials)
 

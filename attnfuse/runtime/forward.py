@@ -11,11 +11,13 @@ import torch
 
 from ..kernels.capability import block_list_reason
 from ..kernels.launch import TemplateForward
+from ..kernels.launch_packed import PackedTemplateForward
 from ..kernels.verified import chosen, record_key
 from ..plan import Plan
 from .inputs import KVCache, accumulator_dtype, empty_like_layout, even_keys, heads_together, kv_launch_args
 from . import packed
 from .kernel import CompiledKernel
+from .dropout import launch_args as dropout_args
 from .fp8 import FP8_DTYPES, Fp8, upcast_dtype
 from .launcher import query_grid
 from .plugin_args import PluginArgs, Prepared
@@ -23,12 +25,14 @@ from .plugin_args import PluginArgs, Prepared
 
 def template_forward(plan: Plan) -> TemplateForward | None:
     """The forward template's instance of ``plan`` where the templates can run it and ``verified.chosen``
-    chooses it (a GPU verified it, or ``ATTNFUSE_TEMPLATES=all``), else None."""
+    chooses it (a GPU verified it, or ``ATTNFUSE_TEMPLATES=all``), else None; a packed call's instance launches its
+    own grid (``PackedTemplateForward``)."""
     spec = plan.templates.kernels.get("forward")
     if spec is None:
         return None
     key = record_key(spec, plan.config.dtype, plan.config.head_dim)
-    return TemplateForward(spec, plan.templates.scale, plan.templates.qk_scale, key) if chosen(key) else None
+    instance = PackedTemplateForward if plan.config.varlen else TemplateForward
+    return instance(spec, plan.templates.scale, plan.templates.qk_scale, key) if chosen(key) else None
 
 
 FP8_NAMES = frozenset(FP8_DTYPES.values())
@@ -59,8 +63,9 @@ class ForwardKernel:
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """out (B, Hq, Nq, DV) in q's dtype (a float8 call's ``out_dtype``) and memory order; lse (B, Hq, Nq)
         float32 (float64 for float64 inputs) or None. ``prepared``: the plugin arguments, if the caller has
-        them already. The template's instance runs where it is chosen, TMA addresses the tensors and a listing
-        mask's block size is one it follows (``capability.block_list_reason``); else the generated kernel."""
+        them already. The template's instance runs where it is chosen, TMA addresses the tensors, a listing
+        mask's block size is one it follows (``capability.block_list_reason``) and a packed call's query blocks fit
+        one grid (``PackedTemplateForward.fits_pack``); else the generated kernel."""
         B, Hq, Nq, D = q.shape
         k, v, Nk, DV = kv.k, kv.v, kv.capacity, kv.v.shape[3]
         out = empty_like_layout(q, DV, q.dtype if kv.fp8 is None else kv.fp8.out_dtype)
@@ -78,8 +83,9 @@ class ForwardKernel:
             return out, lse
         prepared = prepared or self.plugin_args(q, kv, inputs)
         pargs, limit, _ = prepared
-        if self.template is not None and self.template.fits(q, k, v, out) and block_list_reason(limit) is None:
-            self.template(q, k, v, out, lse, pargs)
+        served = self.template is not None and self.template.fits(q, k, v, out) and block_list_reason(limit) is None
+        if served and (kv.packed is None or PackedTemplateForward.fits_pack(Nq, kv.packed.docs)):
+            self.template(q, k, v, out, lse, {**pargs, **kv_launch_args(kv), **dropout_args(kv.dropout)})
             return out, lse
         spec = self.kernel.spec
         args = spec.launch.bind(

@@ -1,12 +1,13 @@
-"""Attention dropout in the generated kernels (``KernelConfig.dropout``): text emitted only then, so a kernel
-without dropout is unchanged.
+"""Attention dropout in the generated kernels and the Hopper templates (``KernelConfig.dropout``): text emitted
+only then, so a kernel without dropout is unchanged.
 
 Each weight of P (B, Hq, Nq, Nk), as the normaliser forms it, is kept where a Philox number ``tl.rand(seed,
-counter)`` is at least DROPOUT_P, and scaled by DROPOUT_SCALE = 1 / (1 - DROPOUT_P); the others are zeroed. The
-counter is the element's index ((b * HQ + h) * Nq + query row) * N_K + key column plus an offset: one number per
-(batch, query head, query row, key column), so the backward kernels regenerate the forward's mask exactly and no
-mask is stored. Seed and offset are the two int64 values of the call's ``DropoutState`` tensor, read on the
-device (``runtime/dropout.py`` draws them). The forward masks the weights P·V reads; the backward masks them for
+counter)`` (written out by ``philox.uniform``, which Gluon runs too) is at least DROPOUT_P, and scaled by
+DROPOUT_SCALE = 1 / (1 - DROPOUT_P); the others are zeroed. The counter is the element's index
+((b * HQ + h) * Nq + query row) * N_K + key column plus an offset: one number per (batch, query head, query row,
+key column), so the backward kernels regenerate the forward's mask exactly and no mask is stored. Seed and
+offset are the two int64 values of the call's ``DropoutState`` tensor, read on the device (``runtime/dropout.py``
+draws them). The forward masks the weights P·V reads; the backward masks them for
 dV = (P ∘ M / (1 - p))ᵀ·dO and masks dP = dO·Vᵀ the same way before the normaliser's gradient, which reads the
 unmasked weights.
 """
@@ -18,6 +19,7 @@ from ...plan import DROPOUT_P as P
 from ...plan import DROPOUT_SCALE as SCALE
 from ...plan import DROPOUT_STATE as STATE
 from ..lower import LoweredProgram
+from .philox import uniform
 
 
 def dropout_params(kernel: LoweredProgram) -> tuple[Param, ...]:
@@ -33,11 +35,12 @@ def dropout_setup(kernel: LoweredProgram) -> str:
 _SETUP = f"drop_seed = tl.load({STATE})\ndrop_offset = tl.load({STATE} + 1)\n"
 
 
-def _keep(packed: bool = False) -> str:
+def keep(packed: bool = False) -> str:
     """``drop_keep`` (BLOCK_M, BLOCK_N) of the tile of rows ``q_idx`` and keys ``k_idx`` of head ``h`` of
-    batch ``b``: whether dropout keeps each weight. ``packed`` (``KernelConfig.varlen``): the rows and keys are
-    a document's (``packed.document``), numbered by their place in the packed weights (1, Hq, TOTAL_Q, TOTAL_K),
-    so a call's mask is the one of the packed tensors as a single sequence."""
+    batch ``b``: whether dropout keeps each weight (the text the templates splice too). ``packed``
+    (``KernelConfig.varlen``): the rows and keys are a document's (``packed.document``), numbered by their place
+    in the packed weights (1, Hq, TOTAL_Q, TOTAL_K), so a call's mask is the one of the packed tensors as a single
+    sequence."""
     if packed:
         rows, keys, n_rows, n_keys = "(q_start + q_idx)", "(k_start + k_idx)", "TOTAL_Q", "TOTAL_K"
     else:
@@ -45,7 +48,8 @@ def _keep(packed: bool = False) -> str:
     return (
         f"drop_index = ((b * HQ + h).to(tl.int64) * {n_rows} + {rows}[:, None]) * {n_keys} + {keys}[None, :]"
         " + drop_offset\n"
-        f"drop_keep = tl.rand(drop_seed, drop_index) >= {P}\n"
+        + uniform("drop_seed", "drop_index", "drop_rand", temp="drop_philox")
+        + f"drop_keep = drop_rand >= {P}\n"
     )
 
 
@@ -54,8 +58,8 @@ def dropped_weights(kernel: LoweredProgram) -> str:
     them before)."""
     if not kernel.config.dropout:
         return ""
-    keep = _keep(kernel.config.varlen)
-    return f"# dropout: each weight kept with probability 1 - {P}, scaled by {SCALE}\n{keep}" + (
+    kept = keep(kernel.config.varlen)
+    return f"# dropout: each weight kept with probability 1 - {P}, scaled by {SCALE}\n{kept}" + (
         f"p = tl.where(drop_keep, p * {SCALE}, 0.0)\n"
     )
 
@@ -64,7 +68,7 @@ def regenerated_keep(kernel: LoweredProgram) -> str:
     """Backward, per tile: ``drop_keep``, the forward's mask regenerated."""
     if not kernel.config.dropout:
         return ""
-    return f"# dropout: the forward's mask, regenerated\n{_keep(kernel.config.varlen)}"
+    return f"# dropout: the forward's mask, regenerated\n{keep(kernel.config.varlen)}"
 
 
 def backward_weights(kernel: LoweredProgram) -> tuple[str, str]:
@@ -96,7 +100,7 @@ def mask_kernel_source(name: str) -> str:
         "q_idx = pid // key_blocks % row_blocks * BLOCK_M + tl.arange(0, BLOCK_M)\n"
         "k_idx = pid % key_blocks * BLOCK_N + tl.arange(0, BLOCK_N)\n"
         + _SETUP
-        + _keep()
+        + keep()
         + "inside = (q_idx[:, None] < Nq) & (k_idx[None, :] < N_K)\n"
         "tl.store(Keep + drop_index - drop_offset, drop_keep.to(tl.int8), mask=inside)\n"
     )

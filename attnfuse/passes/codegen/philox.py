@@ -1,0 +1,45 @@
+"""Triton's ``tl.rand`` written out as kernel text that both Triton and Gluon kernels run: the generated kernels
+and the Hopper templates draw attention dropout's numbers from this one text, so their masks are bit-identical.
+
+Gluon has no ``rand`` (it cannot call a ``@triton.jit`` function), but it runs the integer builtins ``tl.rand``
+is made of. ``uniform`` is ``tl.rand(seed, counter)`` for an int64 seed and an int64 counter tile, step for
+step (``triton/language/random.py``): Philox-4x32 with 10 rounds of counter (low word, high word, 0, 0) and key
+(seed's low word, high word); its first word, read as int32, folded onto [0, 2**31) and scaled into [0, 1).
+Products and sums wrap (``sanitize_overflow=False``, as there: the interpreter checks overflow otherwise).
+Only ``x`` itself makes the interim tiles (``x * 0``), so nothing needs a layout. ``~x`` is ``-x - 1`` in
+two's complement, without the overflow at -2**31.
+"""
+
+from __future__ import annotations
+
+ROUNDS = 10
+KEY_A, KEY_B = 0x9E3779B9, 0xBB67AE85  # the key's increments per round
+ROUND_A, ROUND_B = 0xD2511F53, 0xCD9E8D57  # the round multipliers
+INT32_TO_UNIT = 4.6566127342e-10  # ``uint_to_uniform_float``'s scale: 2**31 - 1 maps below 1.0 in float32
+
+_PHILOX = f"""\
+{{t}}_c0 = {{counter}}.to(tl.uint32)
+{{t}}_c1 = ({{counter}} >> 32).to(tl.uint32)
+{{t}}_c2 = {{t}}_c0 * 0
+{{t}}_c3 = {{t}}_c2
+{{t}}_key = {{seed}}.to(tl.uint64)
+{{t}}_k0 = ({{t}}_key & 0xFFFFFFFF).to(tl.uint32)
+{{t}}_k1 = (({{t}}_key >> 32) & 0xFFFFFFFF).to(tl.uint32)
+for {{t}}_round in tl.static_range({ROUNDS}):
+    {{t}}_a, {{t}}_b = {{t}}_c0, {{t}}_c2
+    {{t}}_c0 = tl.umulhi({{t}}_b, {ROUND_B:#x}) ^ {{t}}_c1 ^ {{t}}_k0
+    {{t}}_c2 = tl.umulhi({{t}}_a, {ROUND_A:#x}) ^ {{t}}_c3 ^ {{t}}_k1
+    {{t}}_c1 = tl.mul({{t}}_b, {ROUND_B:#x}, sanitize_overflow=False)
+    {{t}}_c3 = tl.mul({{t}}_a, {ROUND_A:#x}, sanitize_overflow=False)
+    {{t}}_k0 = tl.add({{t}}_k0, {KEY_A:#x}, sanitize_overflow=False)
+    {{t}}_k1 = tl.add({{t}}_k1, {KEY_B:#x}, sanitize_overflow=False)
+{{t}}_x = {{t}}_c0.to(tl.int32, bitcast=True)
+{{out}} = tl.where({{t}}_x < 0, ~{{t}}_x, {{t}}_x) * {INT32_TO_UNIT!r}
+"""
+
+
+def uniform(seed: str, counter: str, out: str, temp: str = "philox") -> str:
+    """Statements setting ``out`` to ``tl.rand(seed, counter)``, bit for bit: float32 in [0, 1) of ``counter``'s
+    shape. ``seed``: an int64 scalar; ``counter``: an int64 tile (non-negative); ``temp``: the prefix of the
+    names the statements assign besides ``out``."""
+    return _PHILOX.format(t=temp, seed=seed, counter=counter, out=out)

@@ -1,0 +1,118 @@
+"""A forward call with a fact (kv_lens, given positions, packed sequences) hands the forward template's instance
+the fact's arguments, bound to the instance's own parameters, and a packed call's launch its grid
+(``runtime/forward.py``, ``kernels/launch_packed.py``): on any machine, each launch recorded instead of run (only a
+GPU runs an instance: ``verify.fact_cases``)."""
+
+from __future__ import annotations
+
+import attrs
+import pytest
+import torch
+
+import attnfuse as af
+from attnfuse.kernels import verified
+from attnfuse.kernels.launch import TemplateForward
+from attnfuse.kernels.launch_packed import GRID_Y_LIMIT, PackedTemplateForward
+from attnfuse.launch_spec import CONSTEXPR
+from attnfuse.plan import KernelConfig
+from attnfuse.runtime.compiled import compiled
+from attnfuse.runtime.forward import ForwardKernel
+from attnfuse.runtime.inputs import KVCache, Positions
+from attnfuse.runtime.packed import Packed, search_steps
+
+SM90 = KernelConfig(
+    arch="sm90", dtype="bfloat16", head_dim=64, head_dim_v=64, group=2, save_lse=True, fp32_precision="ieee"
+)
+Hq, Hkv, D = 4, 2, 64
+
+
+@af.attention
+def causal(q, k, v):
+    return af.softmax(af.causal(af.scaled_dot_product(q, k))) @ v
+
+
+class _Launches:
+    """Stands for an instance's launcher: records (grid, the arguments by parameter name, constexprs)."""
+
+    def __init__(self, spec):
+        self.names = [p.name for p in spec.launch.params if p.kind != CONSTEXPR]
+        self.made: list[tuple] = []
+
+    def launch(self, grid, args, constexprs, **_):
+        self.made.append((grid, dict(zip(self.names, args, strict=True)), constexprs))
+
+
+def _rows(*shape: int) -> torch.Tensor:
+    return torch.randn(*shape, dtype=torch.bfloat16)
+
+
+def _call(fact: str, monkeypatch) -> tuple[dict, tuple, dict, KVCache, torch.Tensor]:
+    """A call of ``causal`` with ``fact`` through the sm90 plan's forward, its template's launch recorded:
+    (the arguments by name, the grid, the constexprs, the call's keys and values, q)."""
+    monkeypatch.setenv(verified.MODE_ENV, "all")
+    plan = compiled(causal.graph(), attrs.evolve(SM90, **({fact: True} if fact else {}))).plan
+    forward = ForwardKernel(plan)
+    assert isinstance(forward.template, PackedTemplateForward if fact == "varlen" else TemplateForward)
+    launches = _Launches(forward.template.spec)
+    monkeypatch.setattr(forward.template, "_launcher", launches)
+    lens = torch.randint(0, 200, (3,), dtype=torch.int32)
+    if fact == "varlen":
+        docs = int(torch.randint(1, 6, ()))
+        cu_q, cu_k = (torch.cat([torch.zeros(1), torch.randint(1, 150, (docs,)).cumsum(0)]).int() for _ in "qk")
+        q, k, v = _rows(1, Hq, int(cu_q[-1]), D), _rows(1, Hkv, int(cu_k[-1]), D), _rows(1, Hkv, int(cu_k[-1]), D)
+        kv = KVCache(k, v, k.shape[2], packed=Packed(cu_q, cu_k, docs))
+    else:
+        q, k, v = _rows(3, Hq, 150, D), _rows(3, Hkv, 200, D), _rows(3, Hkv, 200, D)
+        kv = KVCache(
+            k,
+            v,
+            200,
+            lens=lens if fact == "kv_lens" else None,
+            positions=Positions(40, 7, 300) if fact == "positions" else None,
+        )
+    out, lse = forward(q, kv, {})
+    assert out.shape == q.shape and lse.shape == q.shape[:3] and len(launches.made) == 1
+    grid, named, constexprs = launches.made[0]
+    return named, grid, constexprs, kv, q
+
+
+@pytest.mark.parametrize("fact", ["", "kv_lens", "positions", "varlen"])
+def test_a_call_hands_the_instance_its_tensors_and_its_fact_s_arguments(fact, monkeypatch):
+    named, grid, constexprs, kv, q = _call(fact, monkeypatch)
+    B, _, Nq, _ = q.shape
+    assert named["Q"] is q and named["K"] is kv.k and named["V"] is kv.v and named["Nq"] == Nq
+    assert named["N_K"] == kv.k.shape[2] and named["HQ"] == Hq and named["GROUP"] == Hq // Hkv
+    assert constexprs["SAVE_LSE"] is True
+    facts = {"KvLens", "Q_OFFSET", "K_OFFSET", "N_SEQ", "CuQ", "CuK", "DOCS", "SEARCH_STEPS"}
+    given = {
+        "": {},
+        "kv_lens": {"KvLens": kv.lens},
+        "positions": {"Q_OFFSET": 40, "K_OFFSET": 7, "N_SEQ": 300},
+        "varlen": {"CuQ": kv.packed and kv.packed.cu_q, "CuK": kv.packed and kv.packed.cu_k},
+    }[fact]
+    assert facts & set(named) == set(given) | ({"DOCS", "SEARCH_STEPS"} if fact == "varlen" else set())
+    assert all(named[n] is value if isinstance(value, torch.Tensor) else named[n] == value for n, value in
+               given.items())  # fmt: skip
+    if fact == "varlen":  # the generated packed kernels' grid: total // 128 + docs blocks a query head
+        docs = kv.packed.docs
+        assert named["DOCS"] == docs and named["SEARCH_STEPS"] == search_steps(docs)
+        assert grid == (Hq, Nq // 128 + docs)
+    else:
+        assert grid == (B * Hq, -(-Nq // 128))
+
+
+def test_a_pack_whose_blocks_overflow_a_grid_runs_the_generated_kernel(monkeypatch):
+    total = int(torch.randint(1000, 100_000, ()))
+    docs = GRID_Y_LIMIT - total // 128
+    assert PackedTemplateForward.fits_pack(total, docs) and not PackedTemplateForward.fits_pack(total, docs + 1)
+    monkeypatch.setenv(verified.MODE_ENV, "all")
+    forward = ForwardKernel(compiled(causal.graph(), attrs.evolve(SM90, varlen=True)).plan)
+    launches = _Launches(forward.template.spec)
+    monkeypatch.setattr(forward.template, "_launcher", launches)
+    generated = []
+    monkeypatch.setattr(forward.kernel, "launch", lambda *args, **kwargs: generated.append(args))
+    q, k, v = _rows(1, Hq, 300, D), _rows(1, Hkv, 300, D), _rows(1, Hkv, 300, D)
+    many = GRID_Y_LIMIT  # documents, most of them empty: one launch's grid cannot hold their blocks
+    cu = torch.cat([torch.zeros(many, dtype=torch.int32), torch.tensor([300], dtype=torch.int32)])
+    forward(q, KVCache(k, v, 300, packed=Packed(cu, cu.clone(), many)), {})
+    assert launches.made == [] and len(generated) == 1
