@@ -7,6 +7,7 @@ launcher takes. Its compile for sm90 is in ``tests/test_template_resources.py``;
 from __future__ import annotations
 
 import ast
+import os
 
 import attrs
 import pytest
@@ -215,3 +216,20 @@ def test_the_dq_instance_is_a_program_of_its_own_in_the_record():
     keys = {kind: verified.record_key(plan.templates.kernels[kind], "bfloat16", 128) for kind in ("dq", "dkdv")}
     assert keys["dq"].startswith("dq/") and keys["dq"].split("/")[1] != keys["dkdv"].split("/")[1]
     assert not verified.is_verified(keys["dq"])
+
+
+def test_a_backward_case_runs_the_unverified_instances_of_its_own_kind_alone(monkeypatch):
+    """verify's dK/dV case runs an unverified dQ instance nowhere (and a dQ case no unverified dK/dV one): inside
+    the case the mode lists the forward and the case's kind, with every cached choice dropped on the way in and
+    out; afterwards the GPU check's mode is back."""
+    record = verified
+    cleared = []
+    monkeypatch.setattr(verify, "clear_cache", lambda: cleared.append(os.environ.get(record.MODE_ENV)))
+    monkeypatch.setenv(record.MODE_ENV, "all")
+    monkeypatch.setattr(record, "is_verified", lambda key: False)
+    for kind, other in (("dkdv", "dq"), ("dq", "dkdv")):
+        cleared.clear()
+        with verify._only_unverified(kind):
+            assert record.chosen(f"{kind}/x/bfloat16/128") and record.chosen("forward/x/bfloat16/128")
+            assert not record.chosen(f"{other}/x/bfloat16/128")
+        assert os.environ[record.MODE_ENV] == "all" and cleared == ["all", "all"]

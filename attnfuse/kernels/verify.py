@@ -37,6 +37,7 @@ from ..plan import KernelConfig, Plan
 from ..runtime import packed
 from ..testing.grad_bounds import delta_rounding
 from ..runtime.dropout import GATE as DROPOUT_GATE
+from ..runtime.launch import clear_cache
 from ..testing.tolerances import assert_matches_reference
 from .dq_launch import TemplateDq
 from .launch import TemplateDkdv, TemplateForward
@@ -393,12 +394,25 @@ def _check_backward(case: Case, seed: int) -> dict:
     _environment(case)
     before = template.launches
     leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
-    with replayed_dropout(case, seed, (B, Hq, Nq, Nk), q.device) as (dropout, replayed):
+    with _only_unverified(case.kind), replayed_dropout(case, seed, (B, Hq, Nq, Nk), q.device) as (dropout, replayed):
         got = torch.autograd.grad(program(*leaves, **kwargs, **dropout), leaves, dout)
     if template.launches == before:
         raise AssertionError(f"{case.id}: the call did not run the {case.kind} template")
     error = compare_gradients(program, kwargs, (q, k, v), dout, got, case.id, replayed)
     return {"key": template.last_key, "case": case.id, "max_error": error}
+
+
+@contextlib.contextmanager
+def _only_unverified(kind: str):
+    """Calls that run the unverified instances of ``kind`` (and the forward's) alone, the other backward kernel's
+    only where verified: a dK/dV case checks the dK/dV instance, not an unverified dQ instance beside it."""
+    clear_cache()
+    os.environ[MODE_ENV] = f"forward,{kind}"
+    try:
+        yield
+    finally:
+        os.environ[MODE_ENV] = "all"
+        clear_cache()
 
 
 def compare_gradients(
