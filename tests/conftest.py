@@ -6,6 +6,7 @@ Under pytest-xdist (``-n 2``) every worker is its own process with its own sessi
 directory, named after the worker, and the same seed for a test whichever worker runs it."""
 
 import contextlib
+import json
 import os
 import random
 import shutil
@@ -78,6 +79,37 @@ def pytest_runtest_logreport(report):
         log.write(f"{report.outcome.upper()} {report.nodeid} ({report.when}, {report.duration:.1f} s)\n")
         if report.failed:
             log.write(f"{report.longreprtext[-4000:]}\n")
+
+
+@pytest.fixture
+def record(tmp_path, monkeypatch):
+    """A temporary record of verified template instances: ``record(keys)`` writes it (None: no file at all)."""
+    from attnfuse.kernels import verified, verify
+
+    def write(keys: list[str] | None) -> None:
+        path = tmp_path / ("verified.json" if keys is not None else "absent.json")
+        if keys is not None:
+            data = verify.record([{"key": k, "case": "c", "max_error": 0.01} for k in keys], set(), {})
+            path.write_text(json.dumps(data))
+        monkeypatch.setattr(verified, "RECORD", path)
+        verified._verified.cache_clear()
+
+    yield write
+    verified._verified.cache_clear()
+
+
+def stand_in(monkeypatch, module, name: str) -> type:
+    """``module.name`` (a template instance's class) replaced, for the test, by a class that records each
+    construction's arguments in its ``made`` instead of compiling; that class."""
+
+    class StandIn:
+        made: list[tuple] = []
+
+        def __init__(self, *args):
+            StandIn.made.append(args)
+
+    monkeypatch.setattr(module, name, StandIn)
+    return StandIn
 
 
 def fuzz_examples(cpu_default: int, gpu_default: int) -> int:

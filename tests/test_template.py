@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import ast
 import builtins
-import json
 import math
 import re
 import string
@@ -34,6 +33,8 @@ from attnfuse.passes.compiler import lowered
 from attnfuse.plan import KernelConfig
 from attnfuse.runtime import forward as runtime_forward
 from attnfuse.testing.strategies import shapes
+
+from conftest import stand_in
 
 SM90 = KernelConfig(
     arch="sm90", dtype="bfloat16", head_dim=128, head_dim_v=128, group=2, save_lse=True, fp32_precision="ieee"
@@ -593,22 +594,6 @@ def test_a_list_of_kinds_opts_in_to_those_kinds_alone(value, monkeypatch):
         assert verified.chosen(f"{kind}/recorded") is True
 
 
-@pytest.fixture
-def record(tmp_path, monkeypatch):
-    """A temporary record of verified instances: ``record(keys)`` writes it (None: no file at all)."""
-
-    def write(keys: list[str] | None) -> None:
-        path = tmp_path / ("verified.json" if keys is not None else "absent.json")
-        if keys is not None:
-            data = verify.record([{"key": k, "case": "c", "max_error": 0.01} for k in keys], set(), {})
-            path.write_text(json.dumps(data))
-        monkeypatch.setattr(verified, "RECORD", path)
-        verified._verified.cache_clear()
-
-    yield write
-    verified._verified.cache_clear()
-
-
 @pytest.mark.parametrize(
     "mode,recorded_runs,other_runs",
     [("verified", True, False), (None, True, False), ("all", True, True), ("off", False, False)],
@@ -716,20 +701,10 @@ def test_fact_cases_cover_each_fact_at_every_head_dim_and_dtype_with_the_lengths
 # 6. The runtime runs no unverified instance by default
 
 
-class _Recorder:
-    """Stands for ``TemplateForward``: records its construction instead of compiling."""
-
-    made: list[tuple] = []
-
-    def __init__(self, spec, scale, qk_scale, key):
-        _Recorder.made.append((spec, scale, qk_scale, key))
-
-
 @pytest.fixture
 def recorder(monkeypatch):
-    _Recorder.made = []
-    monkeypatch.setattr(runtime_forward, "TemplateForward", _Recorder)
-    return _Recorder
+    """``TemplateForward``'s stand-in: its constructions recorded instead of compiled."""
+    return stand_in(monkeypatch, runtime_forward, "TemplateForward")
 
 
 @pytest.mark.parametrize("variant", sorted(verify.FORWARD_VARIANTS))
@@ -767,7 +742,7 @@ def test_an_unrecorded_sm90_instance_runs_only_when_opted_in(variant, record, re
         assert runtime_forward.template_forward(plan) is None
     assert recorder.made == []
     monkeypatch.setenv(verified.MODE_ENV, "all")
-    assert isinstance(runtime_forward.template_forward(plan), _Recorder)
+    assert isinstance(runtime_forward.template_forward(plan), recorder)
     assert recorder.made == [(spec, plan.templates.scale, plan.templates.qk_scale, key)]
 
 
@@ -780,5 +755,5 @@ def test_a_recorded_sm90_instance_runs_by_default(dtype, other, record, recorder
     record([verified.record_key(spec, other, 128)])  # another dtype's instance of the same source
     assert runtime_forward.template_forward(plan) is None
     record([key])
-    assert isinstance(runtime_forward.template_forward(plan), _Recorder)
+    assert isinstance(runtime_forward.template_forward(plan), recorder)
     assert recorder.made == [(spec, plan.templates.scale, plan.templates.qk_scale, key)]

@@ -30,6 +30,8 @@ from attnfuse.runtime.template_rows import padded_rows, template_rows
 
 from test_template import _undefined
 
+from conftest import stand_in
+
 SM90 = KernelConfig(
     arch="sm90", dtype="bfloat16", head_dim=128, head_dim_v=128, group=2, save_lse=True, fp32_precision="ieee"
 )
@@ -245,33 +247,10 @@ def test_dkdv_instances_visit_the_query_blocks_the_masks_facts_give():
 # 3. How the backward chooses it
 
 
-class _Recorder:
-    """Stands for ``TemplateDkdv``: records its construction instead of compiling."""
-
-    made: list[tuple] = []
-
-    def __init__(self, *args):
-        _Recorder.made.append(args)
-
-
 @pytest.fixture
 def recorder(monkeypatch):
-    _Recorder.made = []
-    monkeypatch.setattr(runtime_backward, "TemplateDkdv", _Recorder)
-    return _Recorder
-
-
-@pytest.fixture
-def record(tmp_path, monkeypatch):
-    def write(keys: list[str]) -> None:
-        path = tmp_path / "verified.json"
-        data = verify.record([{"key": k, "case": "c", "max_error": 0.01} for k in keys], set(), {})
-        path.write_text(__import__("json").dumps(data))
-        monkeypatch.setattr(verified, "RECORD", path)
-        verified._verified.cache_clear()
-
-    yield write
-    verified._verified.cache_clear()
+    """``TemplateDkdv``'s stand-in: its constructions recorded instead of compiled."""
+    return stand_in(monkeypatch, runtime_backward, "TemplateDkdv")
 
 
 @pytest.mark.parametrize("variant", ["causal", "sinks", "rope_causal"])
@@ -286,7 +265,7 @@ def test_an_unrecorded_dkdv_instance_runs_only_when_opted_in(variant, record, re
         assert runtime_backward.template_dkdv(plan) is None
     assert recorder.made == []
     monkeypatch.setenv(verified.MODE_ENV, "all")
-    assert isinstance(runtime_backward.template_dkdv(plan), _Recorder)
+    assert isinstance(runtime_backward.template_dkdv(plan), recorder)
     assert recorder.made == [(spec, plan.templates.scale, plan.templates.qk_scale, key, plan.has_lse)]
 
 
@@ -297,7 +276,7 @@ def test_a_recorded_dkdv_instance_runs_by_default(record, recorder, monkeypatch)
     record([verified.record_key(spec, "float16", 128)])  # another dtype's instance of the same source
     assert runtime_backward.template_dkdv(plan) is None
     record([verified.record_key(spec, "bfloat16", 128)])
-    assert isinstance(runtime_backward.template_dkdv(plan), _Recorder)
+    assert isinstance(runtime_backward.template_dkdv(plan), recorder)
 
 
 def test_cpu_backwards_have_no_dkdv_template(monkeypatch):

@@ -25,6 +25,8 @@ from attnfuse.runtime.compiled import compiled
 from test_template import _undefined
 from test_template_dkdv import SM90, _graph, _plan
 
+from conftest import stand_in
+
 HEAD_DIMS = tuple(DQ_TILES)
 
 
@@ -115,33 +117,10 @@ def test_a_masked_step_zeroes_ds_past_the_keys_and_rows_and_on_masked_pairs(vari
 # How the backward chooses it
 
 
-class _Recorder:
-    """Stands for ``TemplateDq``: records its construction instead of loading it."""
-
-    made: list[tuple] = []
-
-    def __init__(self, *args):
-        _Recorder.made.append(args)
-
-
 @pytest.fixture
 def recorder(monkeypatch):
-    _Recorder.made = []
-    monkeypatch.setattr(runtime_backward, "TemplateDq", _Recorder)
-    return _Recorder
-
-
-@pytest.fixture
-def record(tmp_path, monkeypatch):
-    def write(keys: list[str]) -> None:
-        path = tmp_path / "verified.json"
-        data = verify.record([{"key": k, "case": "c", "max_error": 0.01} for k in keys], set(), {})
-        path.write_text(__import__("json").dumps(data))
-        monkeypatch.setattr(verified, "RECORD", path)
-        verified._verified.cache_clear()
-
-    yield write
-    verified._verified.cache_clear()
+    """``TemplateDq``'s stand-in: its constructions recorded instead of compiled."""
+    return stand_in(monkeypatch, runtime_backward, "TemplateDq")
 
 
 @pytest.mark.parametrize("variant", ["causal", "sinks", "rope_causal"])
@@ -156,7 +135,7 @@ def test_an_unrecorded_dq_instance_runs_only_when_opted_in(variant, record, reco
         assert runtime_backward.template_dq(plan) is None
     assert recorder.made == []
     monkeypatch.setenv(verified.MODE_ENV, "all")
-    assert isinstance(runtime_backward.template_dq(plan), _Recorder)
+    assert isinstance(runtime_backward.template_dq(plan), recorder)
     assert recorder.made == [(spec, plan.templates.scale, plan.templates.qk_scale, key, plan.has_lse)]
 
 
@@ -167,7 +146,7 @@ def test_a_recorded_dq_instance_runs_by_default(record, recorder, monkeypatch):
     record([verified.record_key(spec, "float16", 128)])  # another dtype's instance of the same source
     assert runtime_backward.template_dq(plan) is None
     record([verified.record_key(spec, "bfloat16", 128)])
-    assert isinstance(runtime_backward.template_dq(plan), _Recorder)
+    assert isinstance(runtime_backward.template_dq(plan), recorder)
 
 
 def test_a_call_that_wants_a_tensor_inputs_gradient_keeps_the_generated_dq_kernel(recorder, monkeypatch):
@@ -177,7 +156,7 @@ def test_a_call_that_wants_a_tensor_inputs_gradient_keeps_the_generated_dq_kerne
     plan = _plan("additive_bias")
     [wanted] = plan.input_gradients
     assert isinstance(wanted, InputGradient) and not wanted.sides
-    assert isinstance(runtime_backward.BackwardKernels(plan, ()).dq_template, _Recorder)
+    assert isinstance(runtime_backward.BackwardKernels(plan, ()).dq_template, recorder)
     assert runtime_backward.BackwardKernels(plan, (wanted,)).dq_template is None
 
 
