@@ -19,7 +19,16 @@ import math
 
 import torch
 
-from attnfuse.plugin import Combinator, NormaliserFragment, Param, Role, ScalarArg, finite_number_or_none, hookimpl
+from attnfuse.plugin import (
+    Combinator,
+    NormaliserFragment,
+    Param,
+    Role,
+    ScalarArg,
+    UnsupportedError,
+    finite_number_or_none,
+    hookimpl,
+)
 
 __all__ = ["COMBINATOR", "attnfuse_combinators", "examples", "offset", "reference"]
 __version__ = "0.1.0"
@@ -43,7 +52,13 @@ def reference(s: torch.Tensor, keep, ctx, bias):
 
 def prepare(ctx, bias):
     """The offset is a kernel argument (not a literal): -log(Nk) changes with every key count (the sequence's
-    length ``seq_len`` for a chunk of it, as in context parallelism; Nk otherwise)."""
+    length ``seq_len`` for a chunk of it, as in context parallelism; Nk otherwise). A packed call's documents
+    each have their own key count, which the host does not know: the default bias is refused there."""
+    if bias is None and ctx.cu_seqlens_k is not None:
+        raise UnsupportedError(
+            "sigmoid_attention: bias=None means -log(the sequence's key count), and each document of a packed call "
+            "(cu_seqlens_k) has its own, which the kernel does not take yet: pass bias= explicitly (a number)"
+        )
     return {"offset": offset(bias, ctx.seq_len)}
 
 

@@ -35,6 +35,11 @@ def sigmoid_causal(q, k, v):
     return af.sigmoid_attention(af.causal(af.scaled_dot_product(q, k))) @ v
 
 
+@af.attention
+def sigmoid_causal_biased(q, k, v):
+    return af.sigmoid_attention(af.causal(af.scaled_dot_product(q, k)), bias=-2.0) @ v
+
+
 def by_hand(q, k, v, bias):
     """float64: sigmoid(q·kᵀ/√D + b) on the causal (bottom-right) pattern, times v."""
     q, k, v = (t.double() for t in (q, k, v))
@@ -103,3 +108,19 @@ def test_no_lse():
     q = torch.randn(1, 1, 4, 16, generator=torch.Generator().manual_seed(0))
     with pytest.raises(af.InputError, match="lse"):
         sigmoid_causal(q, q, q, return_lse=True)
+
+
+def test_packed_calls_take_an_explicit_bias_and_refuse_the_default():
+    """A packed call with bias=None is refused (each document would need -log of its own key count); with a
+    number, each document matches the reference run alone."""
+    torch.manual_seed(0)
+    lengths = [5, 30]
+    q, k, v = (torch.randn(1, 2, sum(lengths), 16) for _ in range(3))
+    cu = torch.tensor([0, 5, 35], dtype=torch.int32)
+    with pytest.raises(af.UnsupportedError, match="bias=None.*packed call.*pass bias="):
+        sigmoid_causal(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu)
+    out = sigmoid_causal_biased(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu)
+    for start, n in zip(cu[:-1].tolist(), lengths):
+        rows = slice(start, start + n)
+        ref = sigmoid_causal_biased.reference(q[:, :, rows], k[:, :, rows], v[:, :, rows])
+        assert_matches_reference(out[:, :, rows], ref, ref.float(), torch.float32)
