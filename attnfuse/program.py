@@ -368,11 +368,12 @@ class AttentionProgram:
         a call's) first. With ``dropout_p`` > 0, ``dropout_mask`` (B, Hq, Nq, Nk) bool is the weights dropout
         keeps (a call's: ``attnfuse.dropout_keep``): weights times mask / (1 - p)."""
         (q, k, v), args, kwargs = self._take_qkv(args, kwargs)
-        positions = check_positions(q_offset, k_offset, seq_len, q.shape[2], k.shape[2], kv_lens, block_table)
+        paged = block_table  # (a float8 cache's pages are gathered for the reference: it has no table then)
         q, k, v, block_table, kv_layout = reference_inputs(
             q, k, v, q_descale, k_descale, v_descale, dtype, kv_lens, block_table, kv_layout
         )
         layout = check_cache(q, k, v, kv_lens, block_table, kv_layout).kv_layout
+        positions = check_positions(q_offset, k_offset, seq_len, q.shape[2], k.shape[2], kv_lens, paged)
         check_call_values(k, kv_lens, block_table, kv_layout=layout, wait=True)
         key, inputs = self._bind(args, kwargs)
         dropout = reference_dropout(dropout_p, dropout_mask, q, k, paged=block_table is not None)
