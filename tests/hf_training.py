@@ -45,3 +45,29 @@ def training_step(model, implementation: str, batch) -> dict[str, torch.Tensor]:
         "logits": out.logits.detach(),
         **{name: p.grad.clone() for name, p in model.named_parameters()},
     }
+
+
+def check_fuse_rope_equals_eager(model, ids, mask, gradients, atol: float) -> None:
+    """``attnfuse.hf.fuse_rope(model)`` against eager on ``ids`` (B, N) with ``mask``: the logits of the real
+    tokens (within ``atol``), a training step's gradients (``gradients(model, implementation, ids)``; no cache,
+    so the kernel rotates q and k) and a greedy generation (with a cache)."""
+    import attnfuse.hf
+
+    model.set_attn_implementation("eager")
+    want_logits = model(ids, attention_mask=mask).logits
+    model.train()
+    want_grads = gradients(model, "eager", ids)
+    model.eval()
+    want_tokens = model.generate(ids[:1, :10], max_new_tokens=5, do_sample=False)
+    attnfuse.hf.fuse_rope(model)
+    assert model.config._attn_implementation == "attnfuse"
+    real = mask.bool()
+    torch.testing.assert_close(model(ids, attention_mask=mask).logits[real], want_logits[real], atol=atol, rtol=atol)
+    model.train()
+    model.config.use_cache = False
+    got_grads = gradients(model, "attnfuse", ids)
+    model.config.use_cache = True
+    for name in want_grads:
+        torch.testing.assert_close(got_grads[name], want_grads[name], atol=1e-5, rtol=1e-4, msg=name)
+    model.eval()
+    assert model.generate(ids[:1, :10], max_new_tokens=5, do_sample=False).tolist() == want_tokens.tolist()

@@ -15,6 +15,7 @@ transformers = pytest.importorskip("transformers")
 import attnfuse as af  # noqa: E402
 import attnfuse.hf  # noqa: E402
 from attnfuse.errors import InputError  # noqa: E402
+from hf_training import check_fuse_rope_equals_eager  # noqa: E402
 
 SIZES = dict(
     hidden_size=64,
@@ -112,23 +113,7 @@ def test_fuse_rope_logits_gradients_and_generation_equal_eager(family, monkeypat
     fused_calls = []
     tables = attnfuse.hf._rope_tables
     monkeypatch.setattr(attnfuse.hf, "_rope_tables", lambda *a: fused_calls.append(a[0][2]) or tables(*a))
-    want_logits = _logits(model, "eager", ids, mask)
-    model.train()
-    want_grads = _gradients(model, "eager", ids)
-    model.eval()
-    want_tokens = model.generate(ids[:1, :10], max_new_tokens=5, do_sample=False)
-    attnfuse.hf.fuse_rope(model)
-    assert model.config._attn_implementation == "attnfuse"
-    real = mask.bool()
-    torch.testing.assert_close(model(ids, attention_mask=mask).logits[real], want_logits[real], atol=1e-5, rtol=1e-5)
-    model.train()
-    model.config.use_cache = False  # training: no cache, so the kernel rotates q and k
-    got_grads = _gradients(model, "attnfuse", ids)
-    model.config.use_cache = True
-    for name in want_grads:
-        torch.testing.assert_close(got_grads[name], want_grads[name], atol=1e-5, rtol=1e-4, msg=name)
-    model.eval()
-    assert model.generate(ids[:1, :10], max_new_tokens=5, do_sample=False).tolist() == want_tokens.tolist()
+    check_fuse_rope_equals_eager(model, ids, mask, _gradients, atol=1e-5)
     assert True in fused_calls and False in fused_calls  # the kernel rotated keys (training) and only q (cache)
 
 

@@ -10,6 +10,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 import attnfuse.hf  # noqa: E402
+from hf_training import check_fuse_rope_equals_eager  # noqa: E402
 
 HEAD = 16  # head dim of every model here: 4 heads of a hidden size of 64
 
@@ -61,24 +62,7 @@ def test_fuse_rope_logits_gradients_and_generation_equal_eager(family, rotary, m
         "hf_attention",
         lambda *a, **kw: (a[4] is not None and calls.append(a[9:10] + a[12:14])) or program(*a, **kw),
     )
-    model.set_attn_implementation("eager")
-    want_logits = model(ids, attention_mask=mask).logits
-    model.train()
-    want_grads = _gradients(model, "eager", ids)
-    model.eval()
-    want_tokens = model.generate(ids[:1, :10], max_new_tokens=5, do_sample=False)
-    attnfuse.hf.fuse_rope(model)
-    assert model.config._attn_implementation == "attnfuse"
-    real = mask.bool()
-    torch.testing.assert_close(model(ids, attention_mask=mask).logits[real], want_logits[real], atol=1e-6, rtol=1e-6)
-    model.train()
-    model.config.use_cache = False  # training: no cache, so the kernel rotates q and k
-    got_grads = _gradients(model, "attnfuse", ids)
-    model.config.use_cache = True
-    for name in want_grads:
-        torch.testing.assert_close(got_grads[name], want_grads[name], atol=1e-5, rtol=1e-4, msg=name)
-    model.eval()
-    assert model.generate(ids[:1, :10], max_new_tokens=5, do_sample=False).tolist() == want_tokens.tolist()
+    check_fuse_rope_equals_eager(model, ids, mask, _gradients, atol=1e-6)
     rotary_dim = None if rotary == HEAD else rotary  # the tables' width, or all of D
     interleaved = family == "gptj"
     assert (True, rotary_dim, interleaved) in calls  # the kernel rotated q and k (training)
