@@ -78,17 +78,22 @@ def _problems(used) -> list[str]:
     return problems
 
 
-@pytest.mark.parametrize("variant,head_dim,dtype,dropout", CASES, ids=_ids(CASES))
-def test_instance_compiles_for_sm90_with_no_local_memory_in_its_loop(variant, head_dim, dtype, dropout):
-    plan = variant_plan(variant, dtype, head_dim, dropout=dropout)
+def _check_forward(plan, what: str, dtype: str, head_dim: int) -> None:
+    """``plan``'s forward instance (``what``: whose) is on the template, compiles for sm90 and holds no local
+    memory in its main loop."""
     spec = plan.templates.kernels.get("forward")
     if spec is None:
-        pytest.fail(f"{variant} falls off the forward template: {plan.templates.reasons['forward']}")
+        pytest.fail(f"{what} falls off the forward template: {plan.templates.reasons['forward']}")
     used = template_resources(spec, dtype, head_dim, plan.config.save_lse)
     problems = _problems(used)
     if used.loop_local_memory:
         problems.append(f"local memory (STL/LDL) in the main loop ({used.spill_bytes} bytes spilled in the main path)")
     assert not problems, f"{spec.name}: " + "; ".join(problems) + f"\n{used}"
+
+
+@pytest.mark.parametrize("variant,head_dim,dtype,dropout", CASES, ids=_ids(CASES))
+def test_instance_compiles_for_sm90_with_no_local_memory_in_its_loop(variant, head_dim, dtype, dropout):
+    _check_forward(variant_plan(variant, dtype, head_dim, dropout=dropout), variant, dtype, head_dim)
 
 
 @pytest.mark.parametrize(
@@ -97,15 +102,7 @@ def test_instance_compiles_for_sm90_with_no_local_memory_in_its_loop(variant, he
 def test_instance_of_a_call_with_a_fact_compiles_for_sm90_with_no_local_memory_in_its_loop(
     variant, head_dim, dtype, fact
 ):
-    plan = variant_plan(variant, dtype, head_dim, fact)
-    spec = plan.templates.kernels.get("forward")
-    if spec is None:
-        pytest.fail(f"{variant} with {fact} falls off the forward template: {plan.templates.reasons['forward']}")
-    used = template_resources(spec, dtype, head_dim, plan.config.save_lse)
-    problems = _problems(used)
-    if used.loop_local_memory:
-        problems.append(f"local memory (STL/LDL) in the main loop ({used.spill_bytes} bytes spilled in the main path)")
-    assert not problems, f"{spec.name}: " + "; ".join(problems) + f"\n{used}"
+    _check_forward(variant_plan(variant, dtype, head_dim, fact), f"{variant} with {fact}", dtype, head_dim)
 
 
 @pytest.mark.parametrize("variant,head_dim,dtype,dropout", DKDV_CASES, ids=_ids(DKDV_CASES))
