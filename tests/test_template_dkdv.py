@@ -247,36 +247,42 @@ def test_dkdv_instances_visit_the_query_blocks_the_masks_facts_give():
 # 3. How the backward chooses it
 
 
-@pytest.fixture
-def recorder(monkeypatch):
-    """``TemplateDkdv``'s stand-in: its constructions recorded instead of compiled."""
-    return stand_in(monkeypatch, runtime_backward, "TemplateDkdv")
+BACKWARD_KINDS = {  # each backward template: the class that launches it and the function choosing it
+    "dkdv": ("TemplateDkdv", runtime_backward.template_dkdv),
+    "dq": ("TemplateDq", runtime_backward.template_dq),
+}
 
 
+@pytest.mark.parametrize("kind", list(BACKWARD_KINDS))
 @pytest.mark.parametrize("variant", ["causal", "sinks", "rope_causal"])
-def test_an_unrecorded_dkdv_instance_runs_only_when_opted_in(variant, record, recorder, monkeypatch):
+def test_an_unrecorded_backward_instance_runs_only_when_opted_in(kind, variant, record, monkeypatch):
+    cls, choose = BACKWARD_KINDS[kind]
+    recorder = stand_in(monkeypatch, runtime_backward, cls)
     plan = _plan(variant)
-    spec = plan.templates.kernels["dkdv"]
+    spec = plan.templates.kernels[kind]
     key = verified.record_key(spec, plan.config.dtype, plan.config.head_dim)
-    assert key.startswith("dkdv/")
+    assert key.startswith(f"{kind}/")
     record([])
     for mode in ("verified", "off"):
         monkeypatch.setenv(verified.MODE_ENV, mode)
-        assert runtime_backward.template_dkdv(plan) is None
+        assert choose(plan) is None
     assert recorder.made == []
     monkeypatch.setenv(verified.MODE_ENV, "all")
-    assert isinstance(runtime_backward.template_dkdv(plan), recorder)
+    assert isinstance(choose(plan), recorder)
     assert recorder.made == [(spec, plan.templates.scale, plan.templates.qk_scale, key, plan.has_lse)]
 
 
-def test_a_recorded_dkdv_instance_runs_by_default(record, recorder, monkeypatch):
+@pytest.mark.parametrize("kind", list(BACKWARD_KINDS))
+def test_a_recorded_backward_instance_runs_by_default(kind, record, monkeypatch):
+    cls, choose = BACKWARD_KINDS[kind]
+    recorder = stand_in(monkeypatch, runtime_backward, cls)
     monkeypatch.delenv(verified.MODE_ENV, raising=False)
     plan = _plan("causal")
-    spec = plan.templates.kernels["dkdv"]
+    spec = plan.templates.kernels[kind]
     record([verified.record_key(spec, "float16", 128)])  # another dtype's instance of the same source
-    assert runtime_backward.template_dkdv(plan) is None
+    assert choose(plan) is None
     record([verified.record_key(spec, "bfloat16", 128)])
-    assert isinstance(runtime_backward.template_dkdv(plan), recorder)
+    assert isinstance(choose(plan), recorder)
 
 
 def test_cpu_backwards_have_no_dkdv_template(monkeypatch):

@@ -114,39 +114,13 @@ def test_a_masked_step_zeroes_ds_past_the_keys_and_rows_and_on_masked_pairs(vari
 
 
 # ---------------------------------------------------------------------------------------------------------
-# How the backward chooses it
+# How the backward chooses it (whether it is opted in or recorded: test_template_dkdv.py, for both kinds)
 
 
 @pytest.fixture
 def recorder(monkeypatch):
     """``TemplateDq``'s stand-in: its constructions recorded instead of compiled."""
     return stand_in(monkeypatch, runtime_backward, "TemplateDq")
-
-
-@pytest.mark.parametrize("variant", ["causal", "sinks", "rope_causal"])
-def test_an_unrecorded_dq_instance_runs_only_when_opted_in(variant, record, recorder, monkeypatch):
-    plan = _plan(variant)
-    spec = plan.templates.kernels["dq"]
-    key = verified.record_key(spec, plan.config.dtype, plan.config.head_dim)
-    assert key.startswith("dq/")
-    record([])
-    for mode in ("verified", "off"):
-        monkeypatch.setenv(verified.MODE_ENV, mode)
-        assert runtime_backward.template_dq(plan) is None
-    assert recorder.made == []
-    monkeypatch.setenv(verified.MODE_ENV, "all")
-    assert isinstance(runtime_backward.template_dq(plan), recorder)
-    assert recorder.made == [(spec, plan.templates.scale, plan.templates.qk_scale, key, plan.has_lse)]
-
-
-def test_a_recorded_dq_instance_runs_by_default(record, recorder, monkeypatch):
-    monkeypatch.delenv(verified.MODE_ENV, raising=False)
-    plan = _plan("causal")
-    spec = plan.templates.kernels["dq"]
-    record([verified.record_key(spec, "float16", 128)])  # another dtype's instance of the same source
-    assert runtime_backward.template_dq(plan) is None
-    record([verified.record_key(spec, "bfloat16", 128)])
-    assert isinstance(runtime_backward.template_dq(plan), recorder)
 
 
 def test_a_call_that_wants_a_tensor_inputs_gradient_keeps_the_generated_dq_kernel(recorder, monkeypatch):
