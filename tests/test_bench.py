@@ -6,6 +6,7 @@ The expected cells are worked out by hand from figures the H200 printed (llama3-
 
 from __future__ import annotations
 
+import argparse
 import io
 import sys
 
@@ -269,6 +270,31 @@ def test_rewriting_the_page_keeps_the_sections_of_other_commands(tmp_path):
     assert page.startswith("# Benchmarks: NVIDIA H200, 2026-11-29") and "| old table |" not in page
     assert page.endswith("\n" + other + "\n")
     assert report.kept_sections(str(tmp_path / "absent.md")) == ""
+
+
+def test_markdown_section_writes_each_suite_as_a_marked_section_and_nothing_else(tmp_path):
+    """``--markdown-section``: each suite of the run replaces its own section (suite_NAME) of the page, the
+    page's other lines and sections stay, and a suite's failed cases are listed under its table."""
+    path = tmp_path / "benchmarks.md"
+    path.write_text(
+        "# Benchmarks: a run\n\n| its table |\n\n<!-- BEGIN suite_forward -->\nold\n<!-- END suite_forward -->\n"
+    )
+    result = sample_report()
+    result.failures.append("forward gpt2 2048 causal_alibi: RuntimeError: out of shared memory")
+    args = argparse.Namespace(json=None, plot=None, markdown=None, markdown_section=str(path))
+    run.save(args, result)
+    text = path.read_text()
+    assert text.startswith("# Benchmarks: a run\n\n| its table |\n\n<!-- BEGIN suite_forward -->\n## Forward\n")
+    assert "\nold\n" not in text
+    names = [m["name"] for m in report.SECTION.finditer(text)]
+    assert names == ["suite_forward", "suite_backward", "suite_decode", "suite_memory"]
+    forward = next(m["body"] for m in report.SECTION.finditer(text) if m["name"] == "suite_forward")
+    assert report.table(result.rows[:3]) in forward and "```bash\nattnfuse bench --suite" in forward
+    assert forward.endswith("Failed cases:\n\n- forward gpt2 2048 causal_alibi: RuntimeError: out of shared memory\n")
+    backward = next(m["body"] for m in report.SECTION.finditer(text) if m["name"] == "suite_backward")
+    assert "Failed cases" not in backward and "sparse 4096" not in text
+    memory = next(m["body"] for m in report.SECTION.finditer(text) if m["name"] == "suite_memory")
+    assert "- peak memory, attnfuse: 0.44 GiB" in memory
 
 
 def test_run_table_prints_each_row_and_records_failures(monkeypatch):

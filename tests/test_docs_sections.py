@@ -110,7 +110,16 @@ def test_the_bench_page_keeps_the_sections_in_order(tmp_path):
 
 def test_the_docs_page_has_the_sections_of_the_scripts():
     names = [m["name"] for m in report.SECTION.finditer((ROOT / "docs" / "benchmarks.md").read_text())]
-    assert names == ["hf_layer", "validation_cost", "hf_generate", "template_resources", "template_launch"]
+    assert names == [
+        "hf_layer",
+        "validation_cost",
+        "hf_generate",
+        "template_resources",
+        "template_launch",
+        "suite_packed",
+        "suite_fp8",
+        "suite_dropout",
+    ]
 
 
 def load(script: str):

@@ -268,8 +268,8 @@ def test_refused_where_not_supported():
 
 
 def test_a_device_no_gpu_run_has_checked_refuses_dropout_unless_asked(monkeypatch):
-    """Where the dropout kernels are unchecked (a GPU today, here the CPU made to look so) a call with p > 0 is
-    refused with the variable that asks for it, eager and through the op; p = 0 runs; asked, it runs."""
+    """Where the dropout kernels are unchecked (a GPU other than sm90, here the CPU made to look so) a call with
+    p > 0 is refused with the variable that asks for it, eager and through the op; p = 0 runs; asked, it runs."""
     import attrs
 
     from attnfuse import custom_op
@@ -278,7 +278,7 @@ def test_a_device_no_gpu_run_has_checked_refuses_dropout_unless_asked(monkeypatc
     monkeypatch.setattr(dropout_module, "GATE", attrs.evolve(dropout_module.GATE, checked=()))
     monkeypatch.delenv(dropout_module.GATE.env, raising=False)
     q, k, v = _qkv()
-    with pytest.raises(af.UnsupportedError, match="checked on the CPU only.*ATTNFUSE_DROPOUT_ON_GPU=1"):
+    with pytest.raises(af.UnsupportedError, match="no run has checked the kernels there.*ATTNFUSE_DROPOUT_ON_GPU=1"):
         causal(q, k, v, dropout_p=0.2)
     with pytest.raises(af.UnsupportedError, match="ATTNFUSE_DROPOUT_ON_GPU=1"):  # the op's path (torch.compile)
         custom_op.call(causal.graph(), q, k, v, {}, return_lse=False, kv_lens=None, block_table=None, dropout_p=0.2)

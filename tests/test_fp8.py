@@ -341,11 +341,11 @@ def test_hopper_template_refuses_fp8_with_a_reason(dtype):
 
 
 def test_a_device_no_gpu_run_has_checked_refuses_fp8_unless_asked(monkeypatch):
-    """The float8 kernel has run on the CPU only: another device refuses it, naming the opt-in."""
+    """A device whose architecture no run has checked the float8 kernel on refuses it, naming the opt-in."""
     qkv, descales = fp8_inputs(torch.float8_e4m3fn, per_head=False)
-    monkeypatch.setattr(fp8_module, "GATE", attrs.evolve(fp8_module.GATE, checked=()))  # as a GPU is today
+    monkeypatch.setattr(fp8_module, "GATE", attrs.evolve(fp8_module.GATE, checked=()))  # unchecked
     monkeypatch.delenv(fp8_module.GATE.env, raising=False)
-    with pytest.raises(af.UnsupportedError, match="checked on the CPU only.*ATTNFUSE_FP8_ON_GPU=1"):
+    with pytest.raises(af.UnsupportedError, match="no run has checked the kernels there.*ATTNFUSE_FP8_ON_GPU=1"):
         causal_softmax(*qkv, **descales)
     monkeypatch.setenv(fp8_module.GATE.env, "1")
     check(causal_softmax, qkv, descales, torch.float32)

@@ -208,7 +208,7 @@ def test_flash_kwargs_without_position_ids_attend_within_documents():
 
 
 def test_where_packed_kernels_are_unchecked_hf_mask_runs_as_a_bias(monkeypatch):
-    """On a device the packed kernels have not been checked on (a GPU without ATTNFUSE_PACKED_ON_GPU=1, here
+    """On a device the packed kernels have not been checked on (a GPU but sm90 without ATTNFUSE_PACKED_ON_GPU=1, here
     the CPU made to look so), HF's block-diagonal mask runs as a bias, still each document on its own; flash
     keywords without that mask raise the packed path's UnsupportedError rather than attend across documents."""
     monkeypatch.setattr(attnfuse.runtime.packed, "GATE", attrs.evolve(attnfuse.runtime.packed.GATE, checked=()))

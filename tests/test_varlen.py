@@ -307,13 +307,13 @@ def test_under_torch_compile():
 
 
 def test_a_device_no_gpu_run_has_checked_refuses_packed_calls_unless_asked(monkeypatch):
-    """The packed kernels have run on the CPU only: another device refuses them, naming the opt-in."""
+    """A device whose architecture no run has checked the packed kernels on refuses them, naming the opt-in."""
     from attnfuse.runtime import packed as packed_module
 
     q, k, v, cu_q, cu_k = packed([3, 4], [3, 4])
-    monkeypatch.setattr(packed_module, "GATE", attrs.evolve(packed_module.GATE, checked=()))  # as a GPU is today
+    monkeypatch.setattr(packed_module, "GATE", attrs.evolve(packed_module.GATE, checked=()))  # unchecked
     monkeypatch.delenv(packed_module.GATE.env, raising=False)
-    with pytest.raises(af.UnsupportedError, match="checked on the CPU only.*ATTNFUSE_PACKED_ON_GPU=1"):
+    with pytest.raises(af.UnsupportedError, match="no run has checked the kernels there.*ATTNFUSE_PACKED_ON_GPU=1"):
         gpt2(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
     monkeypatch.setenv(packed_module.GATE.env, "1")
     out = gpt2(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)

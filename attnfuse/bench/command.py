@@ -92,6 +92,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", metavar="PATH", help="write every result row as JSON")
     p.add_argument("--plot", metavar="PATH", help="draw TFLOP/s against N per variant (PNG; needs matplotlib)")
     p.add_argument("--markdown", metavar="PATH", help="write the benchmark page (docs/benchmarks.md)")
+    p.add_argument(
+        "--markdown-section",
+        metavar="PATH",
+        help="write each suite as a marked section (suite_NAME) of the page at PATH, leaving the rest of it",
+    )
 
 
 def add_bench_parser(sub) -> None:
@@ -117,9 +122,9 @@ def command_line(args: argparse.Namespace) -> str:
             "--backward-variants",
             ",".join(args.backward_variants),
         ]
-    for option in ("json", "plot", "markdown"):
+    for option in ("json", "plot", "markdown", "markdown_section"):
         if getattr(args, option):
-            words += [f"--{option}", getattr(args, option)]
+            words += [f"--{option.replace('_', '-')}", getattr(args, option)]
     return shlex.join(words)
 
 

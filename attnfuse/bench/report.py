@@ -5,8 +5,9 @@ A cell is a median ms with TFLOP/s (compute-bound suites) or GB/s (decoding) in 
 columns are a baseline's time over AttnFuse's (above 1: AttnFuse is faster).
 
 A marked section runs from a line ``<!-- BEGIN name -->`` to a line ``<!-- END name -->``. Its command
-(``benchmarks/hf_layer.py``, ``benchmarks/validation_cost.py`` or ``benchmarks/hf_generate.py``, each with
-``--markdown-section PATH``) replaces it and nothing else (``write_section``); ``attnfuse bench --markdown``
+(``benchmarks/hf_layer.py``, ``benchmarks/validation_cost.py``, ``benchmarks/hf_generate.py`` or ``attnfuse bench``
+for its suites, ``suite_NAME``, each with ``--markdown-section PATH``) replaces it and nothing else
+(``write_section``); ``attnfuse bench --markdown``
 rewrites the page around the marked sections and keeps them.
 """
 
@@ -150,6 +151,17 @@ def markdown_page(report: Report, plot: str | None = None, page: str | None = No
     if report.failures:
         lines += ["## Failed cases", "", *(f"- {failure}" for failure in report.failures), ""]
     return "\n".join(lines) + (f"\n{kept}" if kept else "")
+
+
+def suite_section(report: Report, suite: str) -> str:
+    """One suite of a run as a marked section (``suite_NAME``, written by ``attnfuse bench --markdown-section``):
+    its heading, the run, the table (or lines) and the suite's failed cases."""
+    rows = [r for r in report.rows if r.suite == suite]
+    lines = heading("##", SUITE_TITLES[suite], report.meta, EXPLANATION)
+    lines += [table(rows)] if rows else [f"- {line}" for line in report.lines[suite]]
+    failed = [f for f in report.failures if f.startswith(f"{suite} ")]
+    lines += ["", "Failed cases:", "", *(f"- {failure}" for failure in failed)] if failed else []
+    return "\n".join(lines)
 
 
 def _read(page: str) -> str:

@@ -82,6 +82,9 @@ def save(args: argparse.Namespace, result: Report) -> None:
         kept = report.kept_sections(args.markdown)
         with open(args.markdown, "w") as f:
             f.write(report.markdown_page(result, args.plot if plotted else None, args.markdown, kept))
+    if args.markdown_section:
+        for suite in result.suites():
+            report.write_section(args.markdown_section, f"suite_{suite}", report.suite_section(result, suite))
 
 
 def run(args: argparse.Namespace, meta: dict[str, str], out: TextIO) -> Report:

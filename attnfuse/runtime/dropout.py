@@ -61,7 +61,12 @@ def dropout_state(device: torch.device | str) -> torch.Tensor:
     return torch.randint(0, OFFSET_LIMIT, (2,), dtype=torch.int64, device=device)
 
 
-GATE = Gate("attention dropout (dropout_p > 0)", "ATTNFUSE_DROPOUT_ON_GPU", "tests/test_gpu.py::test_dropout_replays")
+GATE = Gate(
+    "attention dropout (dropout_p > 0)",
+    "ATTNFUSE_DROPOUT_ON_GPU",
+    "tests/test_gpu.py::test_dropout_replays",
+    checked=("interpreter", "sm90"),
+)
 
 
 def call_dropout(dropout_p: Any, device: torch.device) -> Dropout | None:

@@ -24,7 +24,7 @@ OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 DESCALES = ("q_descale", "k_descale", "v_descale")
 FP8_ARGUMENTS = (*DESCALES, "out_dtype")  # a program call's arguments for float8 inputs
 MIN_ARCH = (8, 9)  # float8 products: Ada (sm89) and later
-GATE = Gate("float8 calls", "ATTNFUSE_FP8_ON_GPU", "tests/test_fp8.py::test_on_a_gpu")
+GATE = Gate("float8 calls", "ATTNFUSE_FP8_ON_GPU", "tests/test_fp8.py::test_on_a_gpu", checked=("interpreter", "sm90"))
 
 
 class Fp8(NamedTuple):

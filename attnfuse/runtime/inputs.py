@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import difflib
-import functools
 import operator
 from typing import Any, NamedTuple
 
@@ -16,6 +15,7 @@ from ..plan import KernelConfig, accumulator_type
 from .dropout import Dropout
 from .dropout import launch_args as dropout_args
 from .fp8 import FP8_DTYPES, Fp8
+from .gpu_gate import device_arch
 from .kv_layout import check_kv_layout, head_second, pool_layout
 from .offsets import any_layout_fits, rows_fit
 from .launcher import head_group
@@ -316,14 +316,6 @@ def check_inputs(q: Any, k: Any, v: Any, paged: bool = False, kv_layout: Any = N
     return layout
 
 
-@functools.lru_cache(maxsize=None)
-def _arch(device: torch.device) -> str:
-    if device.type == "cpu":
-        return "interpreter"
-    major, minor = torch.cuda.get_device_capability(device)
-    return f"sm{major}{minor}"
-
-
 def kernel_config(
     q: torch.Tensor, kv: KVCache, save_lse: bool, inputs_wide: bool = False, dropout: bool = False
 ) -> KernelConfig:
@@ -331,7 +323,7 @@ def kernel_config(
     input tensor needs 64-bit offsets (``offsets.inputs_fit``); ``dropout``: the call has attention dropout."""
     tf32 = q.device.type == "cuda" and torch.backends.cuda.matmul.allow_tf32
     return KernelConfig(
-        arch=_arch(q.device),
+        arch=device_arch(q.device),
         dtype=DTYPES[q.dtype],
         head_dim=q.shape[3],
         head_dim_v=kv.v.shape[3],

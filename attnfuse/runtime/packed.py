@@ -31,6 +31,7 @@ GATE = Gate(
     "packed sequences (cu_seqlens_q/cu_seqlens_k)",
     "ATTNFUSE_PACKED_ON_GPU",
     "tests/test_gpu.py::test_packed_sequences_match_each_document_alone",
+    checked=("interpreter", "sm90"),
 )
 
 
