@@ -277,8 +277,8 @@ def sparse_causal(q, k, v, block_mask):
 def test_a_block_sparse_call_names_the_forward_template_and_its_block_size_condition(
     capsys, monkeypatch, mode, head_dim
 ):
-    """A program whose mask lists its blocks has a forward instance (opt-in until a GPU verifies it), which a call
-    runs where its block size is one the template follows; its dK/dV kernel is the generated one, and says why."""
+    """A program whose mask lists its blocks has a forward instance (GPU-verified, so chosen in either mode),
+    which a call runs where its block size is one the template follows; its dK/dV kernel is the generated one, and says why."""
     monkeypatch.setenv(verified.MODE_ENV, mode)
     report = show_json(capsys, f"{__name__}:sparse_causal", "--arch", "sm90", "--head-dim", str(head_dim))
     mask = af.create_block_mask_from_blocks(lambda b, h, qb, kb: qb >= kb, None, None, 256, 256)
@@ -295,8 +295,8 @@ def test_a_block_sparse_call_names_the_forward_template_and_its_block_size_condi
     forward, spec = report["kernels"]["forward"], plan.templates.kernels["forward"]
     assert forward["template_available"] is True
     assert forward["instance"] == verified.record_key(spec, "bfloat16", head_dim)
-    assert (forward["engine"] == "template") is (mode == "all") is (template_forward(plan) is not None)
-    assert forward["name"] == (spec.name if mode == "all" else plan.kernels["forward"].name)
+    assert forward["engine"] == "template" and template_forward(plan) is not None  # in the GPU-verified record
+    assert forward["name"] == spec.name
     assert "multiple of 128" in forward["condition"]
     dkdv = report["kernels"]["dkdv"]
     assert dkdv["engine"] == "generated" and dkdv["template_available"] is False
@@ -308,8 +308,8 @@ def test_a_block_sparse_call_names_the_forward_template_and_its_block_size_condi
 @pytest.mark.parametrize("name, head_dim", [("gpt2", 64), ("llama", 128)])
 def test_a_call_with_a_fact_reports_the_forward_template(capsys, monkeypatch, fact, words, name, head_dim):
     """``--kv-lens``, ``--positions``, ``--varlen``: the forward template's instance of such a call, the runtime's
-    own choice (the hoisted one where the call hoists; with kv_lens or packed, rope stays in the kernel and
-    falls back), and the dK/dV template's reason."""
+    own choice (the hoisted one where the call hoists; with kv_lens, rope stays in the kernel and falls back),
+    and the dK/dV template's reason."""
     monkeypatch.setenv(verified.MODE_ENV, "all")
     report = show_json(capsys, name, "--arch", "sm90", "--head-dim", str(head_dim), f"--{fact.replace('_', '-')}")
     assert report["config"][fact] is True
@@ -319,10 +319,10 @@ def test_a_call_with_a_fact_reports_the_forward_template(capsys, monkeypatch, fa
         fp32_precision="ieee", **{fact: True},
     )  # fmt: skip
     kernels = compiled(EXAMPLES[name].graph(), config)
-    hoists = "transform" in kernels.plan.kernels and fact != "varlen"
+    hoists = "transform" in kernels.plan.kernels
     chosen = template_forward(kernels.hoisted_kernels.plan if hoists else kernels.plan)
-    if chosen is None:  # rope inside the kernel: kv_lens (no pass takes per-sequence lengths) or packed
-        assert name == "llama" and fact != "positions" and "qk transform" in forward["reason"]
+    if chosen is None:  # rope inside the kernel: kv_lens (no pass takes per-sequence lengths)
+        assert name == "llama" and fact == "kv_lens" and "qk transform" in forward["reason"]
     else:
         assert forward["engine"] == "template" and forward["instance"] == chosen.key and forward["reason"] is None
         assert forward["name"] == chosen.spec.name and forward["hoisted"] is hoists

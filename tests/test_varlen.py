@@ -318,3 +318,36 @@ def test_a_device_no_gpu_run_has_checked_refuses_packed_calls_unless_asked(monke
     monkeypatch.setenv(packed_module.GATE.env, "1")
     out = gpt2(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
     torch.testing.assert_close(out.double(), reference(gpt2, q, k, v, cu_q, cu_k), atol=2e-5, rtol=2e-5)
+
+
+@pytest.fixture
+def hoisted_passes(monkeypatch):
+    """Calls hoist their qk transforms however short the pack; the list receives one item per pass run."""
+    from attnfuse.runtime import hoisted
+
+    passes = []
+    monkeypatch.setattr(hoisted, "HOIST_MIN_QUERY_BLOCKS", 1)
+    run_pass = hoisted.TransformPass.__call__
+    monkeypatch.setattr(hoisted.TransformPass, "__call__", lambda *a, **kw: passes.append(1) or run_pass(*a, **kw))
+    return passes
+
+
+ONE_EACH = "not one transform pass (its copies kept for the backward) and one gradient pass"
+
+
+@pytest.mark.parametrize("program", [llama, rope_dense], ids=lambda p: p.fn.__name__)
+def test_hoisted_transforms_rotate_each_document_at_its_own_positions(hoisted_passes, program):
+    """A packed call whose qk transforms are hoisted (a transform pass over q and k, kernels on the copies, a
+    gradient pass back): each document's rows at its local positions, forward and gradients, with empty and
+    one-row documents and blocks that straddle documents."""
+    check(program, *MIXED, Hq=4, Hkv=2)
+    assert len(hoisted_passes) == 2, ONE_EACH
+
+
+def test_hoisted_rope_tables_at_local_positions(hoisted_passes):
+    """As the fused kernels, the transform pass reads cos/sin tables at each document's own positions."""
+    lq, lk = [3, 8, 5, 20], [4, 8, 6, 21]
+    angles = torch.randn(max(lk), 8)
+    cos, sin = torch.cat((angles, angles), -1).cos(), torch.cat((angles, angles), -1).sin()
+    check(rope_tables, lq, lk, cos, sin)
+    assert len(hoisted_passes) == 2, ONE_EACH

@@ -21,6 +21,8 @@ from .inputs import KVCache, accumulator_dtype, empty_like_layout, position_args
 from .kernel import CompiledKernel
 from .plugin_args import PluginArgs, Prepared
 from .launcher import cdiv
+from .packed import Packed
+from .packed import launch_args as packed_args
 
 HOIST_MIN_QUERY_BLOCKS = 4  # `attnfuse bench` times both ways (the rope_causal_per_tile rows)
 
@@ -53,11 +55,13 @@ class TransformPass:
         Nq: int,
         grads: dict[str, torch.Tensor] | None = None,
         partials: dict[str, torch.Tensor] | None = None,
+        packed: Packed | None = None,
     ) -> dict[str, torch.Tensor]:
         """rows by side: q (B, Hq, Nq, D), k (B, Hkv, Nk, D) -> the transformed rows by side, or with
         ``grads`` (float32, each in its rows' shape and memory order) the gradients of the rows; in the
         rows' dtypes and memory orders. ``pargs``: the plugins' arguments, and the call's positions'.
-        ``partials``: receives a gradient pass's partial sums of transform tensor gradients, by parameter."""
+        ``partials``: receives a gradient pass's partial sums of transform tensor gradients, by parameter.
+        ``packed``: packed sequences' document offsets (B = 1), each document's rows at its own positions."""
         sides = self.sides
         outs = {x: empty_like_layout(rows[x], rows[x].shape[3], rows[x].dtype) for x in sides}
         if grads is not None and any(grads[x].stride() != outs[x].stride() for x in sides):
@@ -66,8 +70,14 @@ class TransformPass:
         heads = {"q": Hq, "k": Hkv}
 
         def grid(tiles):
-            blocks = {"q": cdiv(Nq, tiles.block_m), "k": cdiv(Nk, tiles.block_n)}
+            if packed is None:
+                blocks = {"q": cdiv(Nq, tiles.block_m), "k": cdiv(Nk, tiles.block_n)}
+            else:  # codegen/packed.py: virtual_blocks
+                blocks = {"q": Nq // tiles.block_m + packed.docs, "k": Nk // tiles.block_n + packed.docs}
             return (sum(blocks[x] * B * heads[x] for x in sides),)
+
+        if packed is not None:
+            pargs = {**pargs, **packed_args(packed)}
 
         if grid(self.kernel.tiles)[0]:
             named = partial_sums(self.kernel, grid, rows["k"].shape[3], rows["k"])
@@ -111,7 +121,9 @@ class HoistedForward:
         """out, lse, and the transformed copies by side ("q", "k"), for the backward to reuse.
         ``prepared``: the plugin arguments, if the caller has them already."""
         prepared = prepared or self.plugin_args(q, kv, inputs)
-        copies = self.transform({"q": q, "k": kv.k}, {**prepared.args, **position_args(kv)}, q.shape[1], q.shape[2])
+        copies = self.transform(
+            {"q": q, "k": kv.k}, {**prepared.args, **position_args(kv)}, q.shape[1], q.shape[2], packed=kv.packed
+        )
         out, lse = self.main(copies.get("q", q), kv._replace(k=copies["k"]), inputs, prepared)
         return out, lse, copies
 
@@ -148,7 +160,7 @@ class HoistedBackward:
         Hq, Nq = q.shape[1], q.shape[2]
         rows = {"q": q, "k": kv.k}
         pargs = {**prepared.args, **position_args(kv)}
-        copies = copies or self.transform(rows, pargs, Hq, Nq)
+        copies = copies or self.transform(rows, pargs, Hq, Nq, packed=kv.packed)
         dq, dk, dv, grads = self.inner(
             copies.get("q", q),
             kv._replace(k=copies["k"]),
@@ -162,7 +174,7 @@ class HoistedBackward:
         )
         partials: dict[str, torch.Tensor] = {}
         of_rows = self.gradient(
-            rows, pargs, Hq, Nq, grads={"q": dq, "k": dk}, partials=partials
+            rows, pargs, Hq, Nq, grads={"q": dq, "k": dk}, partials=partials, packed=kv.packed
         )  # float32, with respect to the transformed rows
         add_partial_sums(self.gradient.kernel, partials, inputs, grads)
         return of_rows["q"] if "q" in of_rows else dq.to(q.dtype), of_rows["k"], dv, grads

@@ -347,7 +347,7 @@ def _decide(
     if grads is not None:
         check_differentiable(plan)
         gradients = tensor_grads(plan, inputs, grads, (*q.shape[:3], kv.capacity), q.shape[3]) if grads else ()
-    if packed is None and worth_hoisting(program.forward, q.shape[2]):
+    if worth_hoisting(program.forward, q.shape[2]):
         return Call(
             program,
             forward=program.hoisted,

@@ -18,6 +18,7 @@ from ..lower import LoweredProgram
 from .common import columns, constexpr_params, half_mask, half_offsets, indent, kernel_source
 from .loops import key_block
 from .operands import kv_length, operand, operand_grad, partial_buffer, partial_grads, position, query_shift
+from .packed import document, packed_params, virtual_blocks
 
 _KERNEL = string.Template("""\
     # A 1-D grid: $layout
@@ -25,10 +26,10 @@ _KERNEL = string.Template("""\
 $sides""")
 
 _SIDE = string.Template("""\
-blocks = tl.cdiv($rows_n, $block)
+blocks = $blocks
 pid_n = $pid % blocks
 pid_bh = $pid // blocks
-$rows$columns${x}_base = $X + b.to(tl.int64) * stride_${x}b + $head.to(tl.int64) * stride_${x}h
+$document$rows$columns${x}_base = $X + b.to(tl.int64) * stride_${x}b + $head.to(tl.int64) * stride_${x}h
 $load$body${x}o_ptrs = (${X}Out + b.to(tl.int64) * stride_${x}ob + $head.to(tl.int64) * stride_${x}oh
           + ${idx}[:, None] * stride_${x}on + $offset)
 tl.store(${x}o_ptrs, ${result}1.to(${X}Out.dtype.element_ty), mask=$store_mask)
@@ -53,6 +54,18 @@ def _rows(kernel: LoweredProgram, x: str) -> str:
     )
 
 
+def _document(kernel: LoweredProgram, x: str, gradient: bool) -> str:
+    """Packed sequences: block ``pid_n`` of side ``x`` taken to its document (``codegen/packed.py``), its rows'
+    pointers moved to the document's first row; from there on the program is one of a single sequence."""
+    if not kernel.config.varlen:
+        return ""
+    X, block = x.upper(), _ROWS[x][1]
+    moves = [f"{X} += {x}_start.to(tl.int64) * stride_{x}n\n"] + [
+        f"{p} += {x}_start.to(tl.int64) * stride_{x}on\n" for p in (f"{X}Out", f"G{X}")[: 1 + gradient]
+    ]
+    return document("pid_n", block, x, (), ()) + "".join(moves)
+
+
 def _side(kernel: LoweredProgram, x: str, first: str, gradient: bool, wanted: set[tuple[str, str]]) -> str:
     """One side's program body; its programs start at ``first`` in the grid. ``wanted``: the (transform
     prefix, tensor) pairs whose gradients' partial sums a gradient pass writes."""
@@ -73,9 +86,9 @@ def _side(kernel: LoweredProgram, x: str, first: str, gradient: bool, wanted: se
             + operand_grad(kernel, x, "g", pos, ok, partial_grads(kernel, x, wanted))
         )
     return _SIDE.substitute(
-        rows_n=rows_n,
-        block=block,
+        blocks=virtual_blocks(block, rows_n) if kernel.config.varlen else f"tl.cdiv({rows_n}, {block})",
         pid=f"(pid - {first})" if first != "0" else "pid",
+        document=_document(kernel, x, gradient),
         rows=_rows(kernel, x),
         columns=columns(kernel),
         x=x,
@@ -107,6 +120,7 @@ def pass_params(
         + tuple(p for prefix, owner in owners for p in strides(prefix, "bhnd", owner))
         + params(INT, "HQ", "Nq", "N_K", "BATCH")
         + (params(INT, "Q_OFFSET", "K_OFFSET", "N_SEQ") if kernel.config.positions else ())
+        + packed_params(kernel)
         + kernel.args()
         + params(TENSOR, *partials)
         + constexpr_params(kernel)
@@ -123,11 +137,13 @@ def generate_pass(
 ) -> str:
     """The pass over ``sides`` ("q", "k" or both; with both, q's programs come first, then k's): it writes
     the transformed rows (contiguous rows, no per-sequence lengths; grid: one program per block of rows,
-    BLOCK_M of q, BLOCK_N of k, per batch and head of each side), or with ``gradient`` turns GX, the float32
-    gradient with respect to each transformed side X, into the gradient of X itself, XOut, and writes the
-    partial sums of the transforms' tensor gradients ``wanted`` ((prefix, tensor) pairs)."""
+    BLOCK_M of q, BLOCK_N of k, per batch and head of each side; packed sequences: per head, the blocks of
+    ``packed.virtual_blocks``, each of one document, at the document's positions), or with ``gradient``
+    turns GX, the float32 gradient with respect to each transformed side X, into the gradient of X itself,
+    XOut, and writes the partial sums of the transforms' tensor gradients ``wanted`` ((prefix, tensor) pairs)."""
     if sides == ("q", "k"):
-        q_programs = "tl.cdiv(Nq, BLOCK_M) * BATCH * HQ"
+        q_blocks = virtual_blocks("BLOCK_M", "Nq") if kernel.config.varlen else "tl.cdiv(Nq, BLOCK_M)"
+        q_programs = f"{q_blocks} * BATCH * HQ"
         code = (
             f"q_programs = {q_programs}\nif pid >= q_programs:\n"
             + indent(_side(kernel, "k", "q_programs", gradient, wanted), 4)
