@@ -16,6 +16,15 @@ mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 export ATTNFUSE_TEST_LOG="$OUT/tests.log"  # each test's outcome as it happens, failures' reports (tests/conftest.py)
 cd "$(dirname "$0")/.."
+# the device returns at most 8 files from $OUT: more than that leave it as one archive, session.tgz
+dmon_pid=
+finish() {
+  [ -n "$dmon_pid" ] && kill "$dmon_pid" 2>/dev/null
+  if [ "$(find "$OUT" -type f | wc -l)" -gt 8 ]; then
+    tar -C "$OUT" -czf /tmp/session.tgz . && find "$OUT" -mindepth 1 -delete && mv /tmp/session.tgz "$OUT/"
+  fi
+}
+trap finish EXIT
 for step in "$@"; do
   echo "=== $step ($(date +%T))"
   case $step in
@@ -84,7 +93,7 @@ for step in "$@"; do
     dmon)
       # the GPU's power, temperature and clocks once a second until the last step ends
       nvidia-smi dmon -s pc -d 1 -o T >"$OUT/dmon.log" 2>&1 </dev/null &
-      trap "kill $! 2>/dev/null" EXIT ;;
+      dmon_pid=$! ;;
     validation)
       timeout "${STEP_TIMEOUT:-0}" python3 benchmarks/validation_cost.py 2>&1 | tee "$OUT/validation.log" ;;
     *) echo "unknown step $step" ;;
