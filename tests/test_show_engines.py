@@ -278,7 +278,8 @@ def test_a_block_sparse_call_names_the_forward_template_and_its_block_size_condi
     capsys, monkeypatch, mode, head_dim
 ):
     """A program whose mask lists its blocks has a forward instance (GPU-verified, so chosen in either mode),
-    which a call runs where its block size is one the template follows; its dK/dV kernel is the generated one, and says why."""
+    which a call runs where its block size is one the template follows; its dK/dV kernel is the generated one,
+    and says why."""
     monkeypatch.setenv(verified.MODE_ENV, mode)
     report = show_json(capsys, f"{__name__}:sparse_causal", "--arch", "sm90", "--head-dim", str(head_dim))
     mask = af.create_block_mask_from_blocks(lambda b, h, qb, kb: qb >= kb, None, None, 256, 256)

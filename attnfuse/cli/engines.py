@@ -134,12 +134,13 @@ def call_engines(graph: ir.MatMulPV, inference: KernelConfig, training: KernelCo
     """The engine of each of ``TEMPLATE_KINDS`` in a call of ``graph``: the forward and decoding kernels for
     ``inference``, the backward's for ``training`` (which saves the log-sum-exp the backward reads). A program
     with qk transforms to hoist reports the kernels that calls long enough to hoist them run (those of the
-    plan for transformed rows, ``Plan.hoisted_config``), each with the fused one shorter calls run."""
+    plan for transformed rows, ``Plan.hoisted_config``), each with the fused one shorter calls run (a float8
+    call never hoists)."""
     engines = {}
     for kind in TEMPLATE_KINDS:
         plan = compiled(graph, training if kind in ("dkdv", "dq") else inference).plan
         engine = kernel_engine(plan, kind)
-        if "transform" in plan.kernels and kind in HOISTED_KINDS:
+        if "transform" in plan.kernels and kind in HOISTED_KINDS and not inference.dtype.startswith("float8"):
             hoisted = kernel_engine(compiled(graph, plan.hoisted_config).plan, kind)
             least = least_hoisted_queries(plan.kernels["forward"].tiles.block_m)
             engine = evolve(hoisted, hoisted=True, when=f"calls with at least {least} queries", fused=engine)

@@ -30,7 +30,7 @@ class TransformChoice:
         if cost is None:
             return None
         plan = compiled(graph, config).plan
-        hoists = "transform" in plan.kernels
+        hoists = "transform" in plan.kernels and not config.dtype.startswith("float8")  # launch._fp8_call
         least = least_hoisted_queries(plan.kernels["forward"].tiles.block_m) if hoists else None
         return cls(names=tuple(t.prefix for t in program.transforms), cost=cost, hoisted_from=least)
 

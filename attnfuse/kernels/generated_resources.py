@@ -16,6 +16,8 @@ import triton
 from attrs import frozen
 
 from ..plan import DROPOUT_P, DROPOUT_SCALE, DROPOUT_STATE, Plan, TileConfig
+from ..passes.codegen.fp8 import UPCAST
+from ..runtime.fp8 import upcast_dtype
 from ..runtime.kernel import smaller_tiles
 from ..runtime.source_cache import load_function, write_source
 from ..triton_compat import ASTSource, GPUTarget, knobs
@@ -39,11 +41,17 @@ _SIZES = {
     "DOCS",
     "SEARCH_STEPS",
 }
-_FLOAT32 = {"Lse", "Delta", "PartOut", "PartLse", "DLse", "PartDKV"}
+_FLOAT32 = {"Lse", "Delta", "PartOut", "PartLse", "DLse", "PartDKV", "QDescale", "KDescale", "VDescale"}
 _INT32 = {"KvLens", "BlockTable", "SplitCount", "CuQ", "CuK"}
 _INT64 = {DROPOUT_STATE}  # attention dropout's seed and counter offset
 _FLOAT32_SCALARS = {DROPOUT_P, DROPOUT_SCALE}
-_SHORT = {**{dtype: short for dtype, (_, short) in DTYPES.items()}, "float32": "fp32"}  # dtype -> Triton's
+_SHORT = {  # dtype -> Triton's
+    **{dtype: short for dtype, (_, short) in DTYPES.items()},
+    "float32": "fp32",
+    "float8_e4m3fn": "fp8e4nv",
+    "float8_e5m2": "fp8e5",
+}
+_INPUTS = {"Q", "K", "V"}  # of the call's dtype; a float8 call's other tensors are bfloat16 (its out_dtype's default)
 
 
 @frozen
@@ -61,7 +69,9 @@ class KernelResources:
 def signature(fn, tensors: dict[str, int], dtype: str) -> tuple[dict, dict, dict]:
     """Triton's (signature, specialised values, attributes) for a generated kernel's runtime parameters.
     ``tensors``: the plugins' tensor arguments and their ranks (index-like names are int32, others
-    float32; their last dim is contiguous); ``dtype``: Triton's name of the call's dtype ("bf16")."""
+    float32; their last dim is contiguous); ``dtype``: Triton's name of the call's dtype ("bf16"; a float8
+    one's q, k, v, with bfloat16 for its output and gradients)."""
+    others = "bf16" if dtype.startswith("fp8") else dtype
     unit = {f"{name}_s{rank - 1}" for name, rank in tensors.items()}
     types, values, attributes = {}, {}, {}
     for i, p in enumerate(fn.params):
@@ -73,7 +83,9 @@ def signature(fn, tensors: dict[str, int], dtype: str) -> tuple[dict, dict, dict
         elif p.name in _FLOAT32_SCALARS:
             types[p.name] = "fp32"
         elif p.name[0].isupper() and p.name not in _SIZES:
-            pointee = "i64" if p.name in _INT64 else "i32" if p.name in _INT32 else dtype
+            pointee = (
+                "i64" if p.name in _INT64 else "i32" if p.name in _INT32 else dtype if p.name in _INPUTS else others
+            )
             types[p.name] = "*" + ("fp32" if p.name in _FLOAT32 else pointee)
             attributes[(i,)] = [["tt.divisibility", 16]]
         elif re.fullmatch(r"stride_\w*d", p.name) or p.name in unit:  # unit strides, as Triton specialises
@@ -108,6 +120,7 @@ def _compile(plan: Plan, kind: str, tiles: TileConfig) -> KernelResources:
     types, values, attributes = signature(fn, tensors, _SHORT[plan.config.dtype])
     values.update(spec.launch.constants, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n)
     values.update({name: True for name in ("EVEN_K", "EVEN_M") if name in fn.arg_names})
+    values[UPCAST] = upcast_dtype(interpreted=False)  # a float8 kernel's, as a GPU launch gives it
     values = {k: v for k, v in values.items() if k in fn.arg_names}
     compiled = triton.compile(
         ASTSource(fn, types, values, attributes),

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import ast
 
+import torch
 from attrs import frozen
 
 from ..parsing import parse
@@ -60,7 +61,7 @@ def transform_cost(kernel: LoweredProgram) -> TransformCost | None:
         return None
     half = kernel.config.head_dim // 2
     table = 8 if kernel.config.dtype == "float64" else _TABLE_BYTES
-    element = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8}[kernel.config.dtype]
+    element = getattr(torch, kernel.config.dtype).itemsize
     sides = {}
     for side in ("q", "k"):
         flops = loads = 0
