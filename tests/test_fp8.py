@@ -20,6 +20,7 @@ the reference computes with), and float8 values are exact in float16, bfloat16 a
 
 from __future__ import annotations
 
+import json
 import math
 
 import attrs
@@ -406,3 +407,34 @@ def test_show_prints_the_fp8_kernel_and_the_templates_reason(capsys):
     assert "decode: generated — a float8 call never takes the split-KV path" in out
     assert "dkdv: generated — float8 calls have no backward" in out and "dq: generated — float8 calls have" in out
     assert "s = s * qk_descale" in out and "acc = tl.dot(p.to(UPCAST_DTYPE), v, acc)" in out
+
+
+@pytest.mark.parametrize("dtype", ["float8_e4m3fn", "float8_e5m2"])
+def test_show_reports_the_fp8_forwards_resources_and_never_a_hoisted_transform(capsys, tmp_path, monkeypatch, dtype):
+    """`show --resources` of a float8 call with RoPE: the forward kernel (the one the call runs, RoPE inside it:
+    a float8 call never hoists) compiles for sm90 with float8 q, k, v, and ptxas' figures are those of
+    ``generated_resources`` for it; the backward kinds, which never run, have none."""
+    from attnfuse.cli import main
+    from attnfuse.examples import EXAMPLES
+    from attnfuse.kernels.generated_resources import generated_resources
+    from attnfuse.kernels.tiles import SHARED_MEMORY_LIMIT
+    from attnfuse.runtime.compiled import compiled
+    from attnfuse.runtime.source_cache import CACHE_ENV
+
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "kernels"))
+    code = main(["show", "llama", "--json", "--resources", "--arch", "sm90", "--dtype", dtype, "--head-dim", "64"])
+    captured = capsys.readouterr()
+    assert code == 0 and captured.err == "", captured.err
+    report = json.loads(captured.out)
+    assert report["transforms"]["hoisted_from_queries"] is None
+    kernels = report["kernels"]
+    config = KernelConfig(arch="sm90", dtype=dtype, head_dim=64, head_dim_v=64, group=1, save_lse=False,
+                          fp32_precision="ieee")  # fmt: skip
+    plan = compiled(EXAMPLES["llama"].graph(), config).plan
+    used = generated_resources(plan, "forward", shared_limit=SHARED_MEMORY_LIMIT)
+    forward = kernels["forward"]
+    assert forward["hoisted"] is False and forward["name"] == plan.kernels["forward"].name
+    assert (forward["registers"], forward["spill_bytes"], forward["shared_bytes"]) == (
+        used.registers, used.spill_bytes, used.shared_bytes,
+    )  # fmt: skip
+    assert "registers" not in kernels["dkdv"] and "registers" not in kernels["dq"]
