@@ -161,7 +161,7 @@ def attention_forward(
     ``cu_seq_lens_k``, or position_ids restarting at 0 in a batch of one row) runs each document on its own
     through the program's ``cu_seqlens_q``/``cu_seqlens_k`` (``attnfuse.hf_packed``). ``dropout``: the rate HF
     passes (the model's ``attention_dropout`` in training mode, 0 in eval mode), the call's ``dropout_p``; a
-    packed batch takes none (``af.UnsupportedError``)."""
+    packed batch takes it too."""
     _refuse_unsupported("attnfuse", module, kwargs, supported=("softcap", "s_aux"))
     Nq, Nk = query.shape[2], key.shape[2]
     causal = kwargs.get("is_causal")

@@ -60,8 +60,8 @@ for step in "$@"; do
       timeout "${STEP_TIMEOUT:-0}" python3 -m attnfuse.cli bench ${BENCH_ARGS:-} --markdown "$OUT/$name.md" \
         --json "$OUT/$name.json" ${BENCH_PLOT:+--plot "$OUT/$name.png"} 2>&1 | tee "$OUT/$name.log" ;;
     packed|fp8|dropout)
-      # a feature only the CPU has checked (runtime/gpu_gate.py): its GPU test, and only once that passes, its
-      # bench suite with the feature's gate open
+      # a feature gated by architecture (runtime/gpu_gate.py): its GPU test, and only once that passes, its
+      # bench suite with the feature's gate open (needed on an architecture not in the gate's checked)
       case $step in
         packed) tests="tests/test_gpu.py -k packed_sequences"; env=ATTNFUSE_PACKED_ON_GPU ;;
         fp8) tests="tests/test_fp8.py -k on_a_gpu"; env=ATTNFUSE_FP8_ON_GPU ;;

@@ -661,7 +661,8 @@ def test_masked_non_finite_values_bf16_forward_and_backward_match_the_math(progr
 def test_packed_sequences_match_each_document_alone(monkeypatch, dtype, lq, lk):
     """Packed calls (cu_seqlens), forward and gradients, against each document run alone through the float64
     reference: GQA, lengths 0 and 1, a pack of one token (Triton specialises its lengths to 1), Nq_i != Nk_i.
-    The kernels run on a GPU only when asked (ATTNFUSE_PACKED_ON_GPU=1) until this test has passed there."""
+    It asks for them (ATTNFUSE_PACKED_ON_GPU=1), so it checks any architecture; a GPU runs them by default only
+    on the architectures where it has passed (runtime/packed.py: GATE)."""
     monkeypatch.setenv("ATTNFUSE_PACKED_ON_GPU", "1")
     Hq, Hkv, D = 8, 2, 128
     cu_q, cu_k = (torch.tensor([0, *torch.tensor(n).cumsum(0).tolist()], device="cuda", dtype=torch.int32)
@@ -696,8 +697,9 @@ def test_packed_sequences_match_each_document_alone(monkeypatch, dtype, lq, lk):
 @pytest.mark.parametrize("name", ["llama", "relu"])
 def test_dropout_replays(monkeypatch, dtype, name):
     """Attention dropout on the GPU, forward and gradients, against the float64 reference replaying the call's
-    mask (``af.dropout_keep``): GQA, ragged lengths, a normaliser with and without lse. The kernels with dropout
-    run on a GPU only when asked (ATTNFUSE_DROPOUT_ON_GPU=1) until this test has passed there."""
+    mask (``af.dropout_keep``): GQA, ragged lengths, a normaliser with and without lse. It asks for the kernels
+    with dropout (ATTNFUSE_DROPOUT_ON_GPU=1), so it checks any architecture; a GPU runs them by default only on the
+    architectures where it has passed (runtime/dropout.py: GATE)."""
     monkeypatch.setenv("ATTNFUSE_DROPOUT_ON_GPU", "1")
     program, p = EXAMPLES[name], 0.3
     q = torch.randn(2, 8, 300, 128, device="cuda", dtype=dtype, requires_grad=True)

@@ -217,8 +217,8 @@ def sparse_cases(Ns: tuple[int, ...] = (4096, 16384)):
 def packed_case(variant: str, train: bool) -> rows.Row:
     """One row of documents (``packed_lengths``) at Llama-3-8B geometry, causal within each document (RoPE at
     each document's own positions for rope_causal), against flex_attention's document mask and FlashAttention's
-    varlen function (where installed) on the same inputs. Packed calls run on a GPU only with
-    ``ATTNFUSE_PACKED_ON_GPU=1`` until a GPU run has checked their kernels (``runtime/packed.py``)."""
+    varlen function (where installed) on the same inputs. A GPU other than sm90 runs packed calls only with
+    ``ATTNFUSE_PACKED_ON_GPU=1`` (``runtime/packed.py``)."""
     _, Hq, Hkv, D = GEOMETRIES["llama3-8b"]
     lengths = packed_lengths()
     total, longest = sum(lengths), max(lengths)
@@ -289,8 +289,8 @@ def quantised(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[tuple,
 def fp8_case(N: int) -> rows.Row:
     """Llama-3-8B causal forward at N: AttnFuse on float8 (e4m3) q, k, v with per-(batch, kv head) descales,
     against SDPA (cuDNN, FA2) in bfloat16 on the same values dequantised, and FlashAttention-3's float8 forward
-    where installed. Float8 calls run on a GPU only with ``ATTNFUSE_FP8_ON_GPU=1`` until a GPU run has checked
-    them (``runtime/fp8.py``)."""
+    where installed. A GPU other than sm90 runs float8 calls only with ``ATTNFUSE_FP8_ON_GPU=1``
+    (``runtime/fp8.py``)."""
     B, Hq, Hkv, D = GEOMETRIES["llama3-8b"]
     (q8, k8, v8), (qd, kd, vd), scales = quantised(*(torch.randn(B, h, N, D, device="cuda") for h in (Hq, Hkv, Hkv)))
 
@@ -333,7 +333,7 @@ def replayed_error(q, k, v, out, state, p: float) -> float:
 def dropout_case(N: int) -> rows.Row:
     """Llama-3-8B causal forward + backward at N with attention dropout, against SDPA's (cuDNN, FA2) on the same
     inputs (their masks are their own: the check is AttnFuse's output against its replayed mask, ``err``).
-    Dropout runs on a GPU only with ``ATTNFUSE_DROPOUT_ON_GPU=1`` until a GPU run has checked it."""
+    A GPU other than sm90 runs dropout only with ``ATTNFUSE_DROPOUT_ON_GPU=1`` (``runtime/dropout.py``)."""
     B, Hq, Hkv, D = GEOMETRIES["llama3-8b"]
     leaves = [torch.randn(B, h, N, D, device="cuda", dtype=torch.bfloat16, requires_grad=True) for h in (Hq, Hkv, Hkv)]
     q, k, v = leaves

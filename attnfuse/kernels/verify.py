@@ -342,7 +342,7 @@ def _fact_arguments(fact: str, device: torch.device) -> dict:
 @contextlib.contextmanager
 def _packed_on_gpu(asked: bool):
     """Packed calls on the GPU, where ``asked``, for the time of the block (``runtime/packed.py``'s gate: its
-    kernels run on a GPU only when asked until a GPU run has checked them)."""
+    kernels run by default only on the architectures a GPU run has checked them on)."""
     before = os.environ.get(packed.GATE.env)
     if asked:
         os.environ[packed.GATE.env] = "1"
