@@ -315,22 +315,34 @@ def test_reference_needs_the_mask_with_dropout():
 
 
 def test_hopper_templates_take_dropout_once_a_gpu_verified_them(capsys, monkeypatch):
-    """`attnfuse show --dropout` names the forward and dK/dV template instances of a call with dropout: run by
-    default once a GPU verified them (their instances are not llama's without dropout), by all before."""
+    """`attnfuse show --dropout` names the forward and dK/dV template instances of a call with dropout (their own,
+    not llama's without dropout): run by default where the record holds them, by all always; a record without
+    them leaves the generated kernels, with the reason."""
+    from attnfuse.cli import engines
+    from attnfuse.kernels import verified
+    from attnfuse.runtime.launch import clear_cache
 
     def kernels(*options):
+        clear_cache()
         assert main(["show", "llama", "--json", "--arch", "sm90", *options]) == 0
         return json.loads(capsys.readouterr().out)["kernels"]
 
     plain, dropped = kernels(), kernels("--dropout")
     monkeypatch.setenv("ATTNFUSE_TEMPLATES", "all")
     opted = kernels("--dropout")
+    monkeypatch.delenv("ATTNFUSE_TEMPLATES")
+    instances, recorded = {opted[kind]["instance"] for kind in ("forward", "dkdv")}, verified.is_verified
+    unrecorded = lambda key: recorded(key) and key not in instances  # noqa: E731
+    for module in (verified, engines):
+        monkeypatch.setattr(module, "is_verified", unrecorded)
+    without = kernels("--dropout")
     for kind in ("forward", "dkdv"):
-        assert plain[kind]["engine"] == "template" and dropped[kind]["template_available"]
-        assert dropped[kind]["engine"] == "generated" and not dropped[kind]["verified"]
-        assert dropped[kind]["reason"].startswith("instance not verified on a GPU")
-        assert dropped[kind]["instance"] != plain[kind]["instance"]  # the instance with dropout is its own
-        assert opted[kind]["engine"] == "template" and opted[kind]["instance"] == dropped[kind]["instance"]
+        instance = opted[kind]["instance"]
+        assert plain[kind]["engine"] == "template" and instance != plain[kind]["instance"]
+        assert opted[kind]["engine"] == "template" and dropped[kind]["instance"] == instance
+        assert dropped[kind]["engine"] == ("template" if recorded(instance) else "generated")
+        assert without[kind]["engine"] == "generated" and not without[kind]["verified"]
+        assert without[kind]["reason"].startswith("instance not verified on a GPU")
     assert dropped["decode"]["name"] == dropped["forward"]["name"]  # few queries: the forward kernel, never split
     assert dropped["decode"]["reason"].startswith("a call with attention dropout never takes the split-KV path")
     assert plain["decode"]["name"] != plain["forward"]["name"]
