@@ -3,6 +3,7 @@
     python benchmarks/sweep_tiles.py [--kernel forward|backward] [--cases gpt2:4096:causal,llama3-8b:8192:causal,...]
     python benchmarks/sweep_tiles.py --kernel backward --split-per-sm 0 2 4 8 [--dkdv-tiles ...] [--cases ...]
     python benchmarks/sweep_tiles.py --kernel decode [--cases llama3-70b:1,llama3-8b:8,...]
+    python benchmarks/sweep_tiles.py --fp8 [--cases llama3-8b:8192:causal,...]   (the float8 forward's tiles)
 
 Prints the median ms of each configuration per case and the best; the winners go in attnfuse/passes/tile.py
 (decode: also the split count, attnfuse.runtime.decode.PROGRAMS_PER_SM; backward: the GQA dK/dV grid size
@@ -21,6 +22,7 @@ from triton.testing import do_bench, do_bench_cudagraph
 import attnfuse as af
 from attnfuse.passes.tile import TileConfig, TileRule
 from attnfuse.runtime import backward, decode
+from attnfuse.bench.suites import quantised
 from attnfuse.bench.cases import (
     DECODE_MODELS,
     GEOMETRIES,
@@ -167,12 +169,19 @@ def main() -> None:
         "of kernel times per step), not do_bench's wall time: small steps are host-bound",
     )
     parser.add_argument(
+        "--fp8",
+        action="store_true",
+        help="forward: float8 (e4m3) q, k, v with per-(batch, kv head) descales, as `attnfuse bench --suite fp8`",
+    )
+    parser.add_argument(
         "--split-per-sm",
         nargs="+",
         type=int,
         help="backward: values of attnfuse.runtime.backward.SPLIT_PROGRAMS_PER_SM to sweep too (0: no split)",
     )
     args = parser.parse_args()
+    if args.fp8 and args.kernel != "forward":
+        parser.error("--fp8 sweeps the forward kernel's tiles: float8 calls have no backward and no split-KV path")
     if args.tiles:
         for D in CONFIGS:
             CONFIGS[D] = [tuple(int(x) for x in t.split(",")) for t in args.tiles]
@@ -198,13 +207,17 @@ def main() -> None:
             active = bigbird_blocks(B, Hq, N)
             mask = af.BlockMask.from_blocks(active, N, N)
             kept = int(active.sum().item()) * mask.block_size**2 // (B * Hq)
-            program = lambda q, k, v: bigbird_program(q, k, v, mask)  # noqa: E731
+            program = lambda q, k, v, **descales: bigbird_program(q, k, v, mask, **descales)  # noqa: E731
         else:
             kept, program = pairs(variant, N), PROGRAMS[variant]
         flops = (3.5 if training else 1.0) * 4 * B * Hq * kept * D
 
+        inputs, descales, label = (q, k, v), {}, case + " fp8" * args.fp8
+        if args.fp8:
+            inputs, _, descales = quantised(q.float(), k.float(), v.float())
+
         def step():
-            out = program(q, k, v)
+            out = program(*inputs, **descales)
             return torch.autograd.grad(out, (q, k, v), out) if training else out
 
         configs = (
@@ -214,7 +227,7 @@ def main() -> None:
         for per_sm in args.split_per_sm or [default_split]:
             backward.SPLIT_PROGRAMS_PER_SM = per_sm
             sweep(
-                f"{case} split<{per_sm}/SM" if args.split_per_sm else case,
+                f"{label} split<{per_sm}/SM" if args.split_per_sm else label,
                 args.kernel,
                 configs,
                 step,
