@@ -351,3 +351,19 @@ def test_hoisted_rope_tables_at_local_positions(hoisted_passes):
     cos, sin = torch.cat((angles, angles), -1).cos(), torch.cat((angles, angles), -1).sin()
     check(rope_tables, lq, lk, cos, sin)
     assert len(hoisted_passes) == 2, ONE_EACH
+
+
+def test_hostile_offsets_stay_inside_the_tensors_through_the_transform_passes(hoisted_passes):
+    """validate=False with hostile offsets and hoisted RoPE: the passes clamp the offsets as the kernels do, so
+    the call (forward and gradients) is the one with the clamped offsets, bit for bit."""
+    q, k, v = (t.requires_grad_() for t in good_case()[:3])
+    hostile_q = torch.tensor([-4, 3, 2**40], dtype=torch.int64)
+    hostile_k = torch.tensor([0, 2**31 - 1, -7], dtype=torch.int64)
+    clamped_q, clamped_k = hostile_q.clamp(0, q.shape[2]), hostile_k.clamp(0, k.shape[2])
+    results = []
+    for cu_q, cu_k in ((hostile_q, hostile_k), (clamped_q, clamped_k)):
+        out = llama(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, validate=False)
+        results.append((out, *torch.autograd.grad(out, (q, k, v), out)))
+    for got, want in zip(*results):
+        torch.testing.assert_close(got, want, atol=0, rtol=0)
+    assert len(hoisted_passes) == 4, "not a transform and a gradient pass in each call"
