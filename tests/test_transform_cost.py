@@ -120,7 +120,9 @@ def test_show_prints_the_choice_and_its_inputs(capsys):
         "k_row": {"flops": 384, "table_bytes": 512},
         "pass_bytes_per_row": 512,
     }
-    assert main(["show", "llama", "--arch", "sm90", "--json", "--varlen"]) == 0  # packed calls never hoist
+    assert main(["show", "llama", "--arch", "sm90", "--json", "--varlen"]) == 0  # packed calls hoist alike
+    assert json.loads(capsys.readouterr().out)["transforms"]["hoisted_from_queries"] == least
+    assert main(["show", "llama", "--arch", "sm90", "--json", "--dtype", "float8_e4m3fn"]) == 0  # float8: never
     assert json.loads(capsys.readouterr().out)["transforms"]["hoisted_from_queries"] is None
     assert main(["show", "gpt2", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["transforms"] is None
