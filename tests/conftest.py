@@ -131,21 +131,11 @@ def hoisted_last_call() -> bool:
     return isinstance(last_call().forward, hoisted.HoistedForward)
 
 
-@contextlib.contextmanager
 def plan_setting(module, name: str, value):
-    """``module.name = value`` inside the block (a setting the runtime plans calls by, e.g.
-    ``hoisted.HOIST_MIN_QUERY_BLOCKS``), with no plan outliving the change either way: the calls and kernels
-    cached before are forgotten on entry, those planned under it on exit (``launch.clear_cache``)."""
-    from attnfuse.runtime import launch
+    """``attnfuse.testing.plan_settings.plan_setting`` (imported when used, after this file set the caches)."""
+    from attnfuse.testing.plan_settings import plan_setting as setting
 
-    before = getattr(module, name)
-    setattr(module, name, value)
-    launch.clear_cache()
-    try:
-        yield
-    finally:
-        setattr(module, name, before)
-        launch.clear_cache()
+    return setting(module, name, value)
 
 
 @contextlib.contextmanager

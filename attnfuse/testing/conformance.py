@@ -20,6 +20,7 @@ from ..plugin_manager import broken_plugins, combinators
 from ..runtime.source_cache import CACHE_ENV
 from .fixed_cases import check_fixed_cases
 from .mask_facts import check_mask_facts
+from .plan_settings import transforms_hoisted
 from .program_case import add_note, check_program_case, show_extras
 from .strategies import documents, drawable, pool, program_cases, shapes
 
@@ -56,7 +57,8 @@ def check_combinator(
     """Check combinator ``name`` (every registered one when None): a mask's keep and facts, deterministically
     over enumerated problems (``mask_facts``); its fixed program on every kind of call (``fixed_cases``);
     then, as a property test, programs using it match the float64 reference, forward and, for about half the
-    examples, backward. ``fixed=False`` leaves out the deterministic checks (facts, fixed cases), which
+    examples, backward; qk transforms run in the kernels or, in about half the examples, hoisted into passes
+    (as long calls run them). ``fixed=False`` leaves out the deterministic checks (facts, fixed cases), which
     give the same verdict on every run: for repeated runs with other seeds.
 
     Programs combine it with the built-ins (``installed=True``: with every registered combinator). Kernels
@@ -109,15 +111,17 @@ def check_combinator(
         packed = None
         if kv_lens is None and shape.B == 1 and shape.Nq <= shape.Nk and data.draw(st.booleans(), label="packed"):
             packed = data.draw(documents(shape.Nq, shape.Nk), label="documents")
-        check_program_case(
-            case,
-            dtype,
-            device,
-            seed=data.draw(st.integers(0, 2**31 - 1), label="seed"),
-            grads=data.draw(st.booleans(), label="grads"),
-            kv_lens=kv_lens,
-            packed=packed,
-        )
+        hoisted = kv_lens is None and data.draw(st.booleans(), label="qk transforms hoisted into passes")
+        with transforms_hoisted() if hoisted else contextlib.nullcontext():
+            check_program_case(
+                case,
+                dtype,
+                device,
+                seed=data.draw(st.integers(0, 2**31 - 1), label="seed"),
+                grads=data.draw(st.booleans(), label="grads"),
+                kv_lens=kv_lens,
+                packed=packed,
+            )
 
     with temporary_cache():
         try:
