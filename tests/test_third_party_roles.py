@@ -159,6 +159,10 @@ def sigmoid_reference(s, keep, ctx, bias):
 
 
 def sigmoid_prepare(ctx, bias):
+    """The default bias is -log(Nk): a packed call's documents each have their own Nk, so it is refused there
+    (as the attnfuse-sigmoid package does); the conformance kit leaves such calls out."""
+    if bias is None and ctx.cu_seqlens_k is not None:
+        raise af.UnsupportedError("_test_sigmoid_attention: bias=None in a packed call; pass bias= explicitly")
     return {"offset": _offset(bias, max(ctx.Nk, 1))}
 
 
