@@ -23,6 +23,9 @@ def test_fixed_calls_cover_every_axis():
     )  # split-KV on a cache filled below its capacity
     assert any(c.page_size and max(c.kv_lens) < c.shape.Nk for c in FIXED_CALLS)
     assert any(c.positions and c.positions[0] != c.shape.Nk - c.shape.Nq for c in FIXED_CALLS)
+    packed = [c for c in FIXED_CALLS if c.packed]  # documents of 0 and 1 queries, gradients, transforms hoisted
+    assert any({0, 1} <= set(c.packed[0]) and c.grads and c.hoisted for c in packed)
+    assert all(c.shape.B == 1 and (sum(c.packed[0]), sum(c.packed[1])) == (c.shape.Nq, c.shape.Nk) for c in packed)
 
 
 @pytest.mark.parametrize("name", builtins())
@@ -67,3 +70,33 @@ def test_every_planted_bug_is_caught_without_fuzzing(bug):
         assert is_finding(info.value, comb.name), str(info.value)
     finally:
         af.unregister_plugin(f"test-fixed-{bug}")
+
+
+def test_a_prepare_that_takes_a_packed_calls_total_for_a_documents_length_is_caught_without_fuzzing():
+    """A normaliser whose default bias, -log(the key count), comes from ``prepare``'s Nk, which in a packed call is
+    the total of the documents, each of which has its own (the bug attnfuse-sigmoid had): the packed fixed case
+    catches it on every run."""
+    import attrs
+
+    from test_third_party_roles import SIGMOID_ATTENTION, _offset
+
+    comb = attrs.evolve(
+        SIGMOID_ATTENTION,
+        name="_test_sigmoid_packed_total",
+        prepare=lambda ctx, bias: {"offset": _offset(bias, max(ctx.Nk, 1))},
+        examples=lambda draw, shape: {"bias": None},
+    )
+
+    class Plugin:
+        @af.hookimpl
+        def attnfuse_combinators(self):
+            return [comb]
+
+    af.register_plugin(Plugin(), name="test-fixed-packed-total")
+    try:
+        with pytest.raises(AssertionError) as info:
+            check_fixed_cases(comb.name, "cpu")
+        notes = "".join(getattr(info.value, "__notes__", []))
+        assert is_finding(info.value, comb.name) and "fixed case (packed documents" in notes, notes
+    finally:
+        af.unregister_plugin("test-fixed-packed-total")

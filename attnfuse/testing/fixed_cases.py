@@ -11,6 +11,8 @@ which most query rows keep at least two keys, and, where there is one, none of i
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from attrs import frozen
 from hypothesis import HealthCheck, Phase, given, seed, settings
@@ -18,6 +20,7 @@ from hypothesis import strategies as st
 
 from ..combinator import Role
 from ..plugin_manager import combinators
+from .plan_settings import transforms_hoisted
 from .program_case import add_note, check_program_case, show_extras
 from .strategies import ProgramCase, Shape, case_of
 
@@ -37,6 +40,8 @@ class FixedCall:
     page_size: int | None = None
     positions: tuple[int, int, int] | None = None  # q_offset, k_offset, seq_len
     dropout_p: float = 0.0  # attention dropout, its mask replayed by the reference
+    packed: tuple[tuple[int, ...], tuple[int, ...]] | None = None  # documents' query and key lengths (B = 1)
+    hoisted: bool = False  # qk transforms hoisted into passes, as long calls run them
 
 
 FIXED_CALLS = (
@@ -66,6 +71,13 @@ FIXED_CALLS = (
         shape=Shape(B=2, Hq=4, Hkv=2, Nq=37, Nk=45, D=32, DV=32),
         grads=True,
         dropout_p=0.3,
+    ),
+    FixedCall(
+        what="packed documents (lengths 0 and 1 among them) with gradients, GQA, qk transforms hoisted into passes",
+        shape=Shape(B=1, Hq=4, Hkv=2, Nq=37, Nk=46, D=32, DV=32),
+        grads=True,
+        packed=((7, 0, 1, 20, 9), (9, 3, 1, 24, 9)),
+        hoisted=True,
     ),
 )
 
@@ -110,7 +122,8 @@ def _keys_per_row(case: ProgramCase) -> float:
 def check_fixed_cases(name: str, device: str) -> None:
     """Run the fixed program of ``name`` on each of ``FIXED_CALLS`` in float32 (the prefills with gradients):
     a wrong backward, a fragment reading the capacity for the length, a fact wrong only for a decode step
-    or a chunk, a normaliser whose weights dropout does not reach as SDPA's would, fails every run."""
+    or a chunk, a normaliser whose weights dropout does not reach as SDPA's would, a ``prepare`` that takes a
+    packed call's totals for a document's lengths, a transform wrong in the passes, fails every run."""
     __tracebackhide__ = True
     comb = combinators()[name].combinator
     for call in FIXED_CALLS:
@@ -118,23 +131,25 @@ def check_fixed_cases(name: str, device: str) -> None:
             continue  # such a call refuses it (it does not declare takes_offsets)
         case = fixed_program(name, call.shape)
         try:
-            check_program_case(
-                case,
-                torch.float32,
-                device,
-                seed=0,
-                grads=call.grads,
-                kv_lens=None if call.kv_lens is None else list(call.kv_lens),
-                page_size=call.page_size,
-                positions=call.positions,
-                dropout_p=call.dropout_p,
-            )
+            with transforms_hoisted() if call.hoisted else contextlib.nullcontext():
+                check_program_case(
+                    case,
+                    torch.float32,
+                    device,
+                    seed=0,
+                    grads=call.grads,
+                    kv_lens=None if call.kv_lens is None else list(call.kv_lens),
+                    page_size=call.page_size,
+                    positions=call.positions,
+                    packed=None if call.packed is None else tuple(list(n) for n in call.packed),
+                    dropout_p=call.dropout_p,
+                )
         except Exception as exc:
             add_note(
                 exc,
                 f"fixed case ({call.what}): {case.text}, shape {call.shape}, float32, seed 0"
                 f"{', with gradients' if call.grads else ''}, kv_lens {call.kv_lens}, page_size "
-                f"{call.page_size}, positions {call.positions}, dropout_p {call.dropout_p}; "
-                f"extras: {show_extras(case.extras, False)}",
+                f"{call.page_size}, positions {call.positions}, dropout_p {call.dropout_p}, packed "
+                f"{call.packed}, hoisted {call.hoisted}; extras: {show_extras(case.extras, False)}",
             )
             raise
