@@ -29,5 +29,8 @@ def test_a_gate_opens_on_the_architectures_checked_and_elsewhere_when_asked(monk
             GATE.check(device)
 
 
-def test_the_cpu_is_an_interpreter_architecture():
+def test_the_cpu_is_an_interpreter_architecture_and_other_devices_their_type():
     assert gpu_gate.device_arch(torch.device("cpu")) == "interpreter"
+    assert gpu_gate.device_arch(torch.device("meta")) == "meta"
+    with pytest.raises(af.UnsupportedError, match=r"a feature on meta: .*ATTNFUSE_FEATURE_ON_GPU=1"):
+        GATE.check(torch.device("meta"))

@@ -17,9 +17,12 @@ from ..errors import UnsupportedError
 
 @functools.lru_cache(maxsize=None)
 def device_arch(device: torch.device) -> str:
-    """The architecture the kernels are compiled for on ``device``: "interpreter" (the CPU) or "sm90"-style."""
+    """The architecture the kernels are compiled for on ``device``: "interpreter" (the CPU), "sm90"-style (CUDA),
+    else the device's type ("meta", ...), which no gate has checked."""
     if device.type == "cpu":
         return "interpreter"
+    if device.type != "cuda":
+        return device.type
     major, minor = torch.cuda.get_device_capability(device)
     return f"sm{major}{minor}"
 
