@@ -148,8 +148,17 @@ def check_fixed_cases(name: str, device: str) -> None:
             add_note(
                 exc,
                 f"fixed case ({call.what}): {case.text}, shape {call.shape}, float32, seed 0"
-                f"{', with gradients' if call.grads else ''}, kv_lens {call.kv_lens}, page_size "
-                f"{call.page_size}, positions {call.positions}, dropout_p {call.dropout_p}, packed "
-                f"{call.packed}, hoisted {call.hoisted}; extras: {show_extras(case.extras, False)}",
+                f"{''.join(_options(call))}; extras: {show_extras(case.extras, False)}",
             )
             raise
+
+
+def _options(call: FixedCall) -> list[str]:
+    """The options ``call`` sets, each as ", name value" (gradients: ", with gradients")."""
+    given = [("kv_lens", call.kv_lens), ("page_size", call.page_size), ("positions", call.positions)]
+    given += [("dropout_p", call.dropout_p or None), ("packed", call.packed)]
+    return (
+        [", with gradients"] * call.grads
+        + [f", {name} {value}" for name, value in given if value is not None]
+        + [", qk transforms hoisted"] * call.hoisted
+    )
