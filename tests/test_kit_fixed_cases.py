@@ -47,16 +47,20 @@ def test_fixed_programs_show_every_part_of_a_fragment(name):
             assert "cap=1.0" in case.text or "cap=5.0" in case.text, case.text  # scores (|s| ~ 1.7) reach it
 
 
-def _registered(bug: str):
-    comb = planted(bug)
+def _register(comb, name: str):
+    """``comb`` registered from code as plugin ``name``."""
 
     class Plugin:
         @af.hookimpl
         def attnfuse_combinators(self):
             return [comb]
 
-    af.register_plugin(Plugin(), name=f"test-fixed-{bug}")
+    af.register_plugin(Plugin(), name=name)
     return comb
+
+
+def _registered(bug: str):
+    return _register(planted(bug), f"test-fixed-{bug}")
 
 
 @pytest.mark.parametrize("bug", sorted(PLANTED))
@@ -86,13 +90,7 @@ def test_a_prepare_that_takes_a_packed_calls_total_for_a_documents_length_is_cau
         prepare=lambda ctx, bias: {"offset": _offset(bias, max(ctx.Nk, 1))},
         examples=lambda draw, shape: {"bias": None},
     )
-
-    class Plugin:
-        @af.hookimpl
-        def attnfuse_combinators(self):
-            return [comb]
-
-    af.register_plugin(Plugin(), name="test-fixed-packed-total")
+    _register(comb, "test-fixed-packed-total")
     try:
         with pytest.raises(AssertionError) as info:
             check_fixed_cases(comb.name, "cpu")
