@@ -131,6 +131,16 @@ def hoisted_last_call() -> bool:
     return isinstance(last_call().forward, hoisted.HoistedForward)
 
 
+@pytest.fixture
+def transform_passes(monkeypatch):
+    """A list that receives one item per transform or gradient pass run (``runtime.hoisted.TransformPass``)."""
+    from attnfuse.runtime import hoisted
+
+    passes, run_pass = [], hoisted.TransformPass.__call__
+    monkeypatch.setattr(hoisted.TransformPass, "__call__", lambda *a, **kw: passes.append(1) or run_pass(*a, **kw))
+    return passes
+
+
 def plan_setting(module, name: str, value):
     """``attnfuse.testing.plan_settings.plan_setting`` (imported when used, after this file set the caches)."""
     from attnfuse.testing.plan_settings import plan_setting as setting

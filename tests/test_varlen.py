@@ -321,15 +321,12 @@ def test_a_device_no_gpu_run_has_checked_refuses_packed_calls_unless_asked(monke
 
 
 @pytest.fixture
-def hoisted_passes(monkeypatch):
+def hoisted_passes(monkeypatch, transform_passes):
     """Calls hoist their qk transforms however short the pack; the list receives one item per pass run."""
     from attnfuse.runtime import hoisted
 
-    passes = []
     monkeypatch.setattr(hoisted, "HOIST_MIN_QUERY_BLOCKS", 1)
-    run_pass = hoisted.TransformPass.__call__
-    monkeypatch.setattr(hoisted.TransformPass, "__call__", lambda *a, **kw: passes.append(1) or run_pass(*a, **kw))
-    return passes
+    return transform_passes
 
 
 ONE_EACH = "not one transform pass (its copies kept for the backward) and one gradient pass"

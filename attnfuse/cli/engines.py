@@ -136,19 +136,19 @@ def call_engines(graph: ir.MatMulPV, inference: KernelConfig, training: KernelCo
     with qk transforms to hoist reports the kernels that calls long enough to hoist them run (those of the
     plan for transformed rows, ``Plan.hoisted_config``), each with the fused one shorter calls run (a float8
     call never hoists)."""
-    engines = {}
+    engines, fp8 = {}, inference.dtype.startswith("float8")
     for kind in TEMPLATE_KINDS:
         plan = compiled(graph, training if kind in ("dkdv", "dq") else inference).plan
         engine = kernel_engine(plan, kind)
-        if "transform" in plan.kernels and kind in HOISTED_KINDS and not inference.dtype.startswith("float8"):
+        if "transform" in plan.kernels and kind in HOISTED_KINDS and not fp8:
             hoisted = kernel_engine(compiled(graph, plan.hoisted_config).plan, kind)
             least = least_hoisted_queries(plan.kernels["forward"].tiles.block_m)
             engine = evolve(hoisted, hoisted=True, when=f"calls with at least {least} queries", fused=engine)
         if kind == "forward" and engine.template is not None and plan.block_limit is not None:
             engine = evolve(engine, condition=LISTED_CONDITION)
-        if kind in ("dkdv", "dq") and inference.dtype.startswith("float8"):
+        if kind in ("dkdv", "dq") and fp8:
             engine = evolve(engine, reason="float8 calls have no backward (a gradient is an UnsupportedError)")
-        if kind == "decode" and (inference.dropout or inference.dtype.startswith("float8")):
+        if kind == "decode" and (inference.dropout or fp8):
             what = "a call with attention dropout" if inference.dropout else "a float8 call"
             engine = evolve(engine, name=plan.kernels["forward"].name, reason=NO_SPLIT_KV.format(what=what))
         engines[kind] = engine
