@@ -18,7 +18,7 @@ from .errors import InputError, ProgramError
 from .lru import LRUCache
 from .outside_values import OutsideReads, freeze
 from .recompile import RecompileWarning, Recompiles
-from .reference import evaluate
+from .reference import check_precision, evaluate
 from . import custom_op
 from .runtime.launch import run_attention
 from .runtime.inputs import check_cache, check_positions, kernel_config
@@ -367,6 +367,7 @@ class AttentionProgram:
         cache's ``kv_layout`` as a call's. Float8 q, k, v are dequantised with their descales (checked as
         a call's) first. With ``dropout_p`` > 0, ``dropout_mask`` (B, Hq, Nq, Nk) bool is the weights dropout
         keeps (a call's: ``attnfuse.dropout_keep``): weights times mask / (1 - p)."""
+        check_precision(dtype)
         (q, k, v), args, kwargs = self._take_qkv(args, kwargs)
         paged = block_table  # (a float8 cache's pages are gathered for the reference: it has no table then)
         q, k, v, block_table, kv_layout = reference_inputs(

@@ -13,7 +13,17 @@ import torch
 from attrs import frozen
 
 from . import ir
+from .errors import InputError
 from .runtime.kv_layout import head_second
+
+PRECISIONS = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
+
+
+def check_precision(dtype: Any) -> None:
+    """Refuse an evaluator ``dtype`` other than the floating dtypes it computes in (None is not "the inputs'")."""
+    if dtype not in PRECISIONS:
+        allowed = ", ".join(str(d).removeprefix("torch.") for d in PRECISIONS)
+        raise InputError(f"dtype={dtype!r}: the reference evaluates in one of {allowed} (float64 by default)")
 
 
 @frozen(kw_only=True, eq=False)
@@ -117,6 +127,7 @@ def evaluate(
         (the lse is the undropped weights'); None: no dropout.
     :return: out (B, Hq, Nq, DV) and lse (B, Hq, Nq), natural log, or None if the normaliser has none.
     """
+    check_precision(dtype)
     if block_table is not None:
         k, v = gather_pages(k, block_table, kv_layout), gather_pages(v, block_table, kv_layout)
     ctx = make_context(q, k, v, dtype, kv_lens, positions)

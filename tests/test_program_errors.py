@@ -423,6 +423,14 @@ def test_return_lse_with_relu_attention():
         relu.reference(*qkv(), return_lse=True)
 
 
+@pytest.mark.parametrize("dtype", [None, torch.int32, torch.float8_e4m3fn, "float64"])
+def test_reference_refuses_a_precision_it_cannot_compute_in(dtype):
+    """None once meant "the inputs' dtype": a float64 reference computed in float16 without a word."""
+    prog = af.attention(lambda q, k, v: af.softmax(af.scaled_dot_product(q, k)) @ v)
+    with pytest.raises(InputError, match=r"dtype=.*: the reference evaluates in one of float64, float32, float16"):
+        prog.reference(*qkv(), dtype=dtype)
+
+
 def test_unknown_combinator_attribute():
     with pytest.raises(AttributeError, match=r"no combinator of that name is registered; `attnfuse list`"):
         af.no_such_combinator  # noqa: B018

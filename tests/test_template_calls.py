@@ -117,7 +117,7 @@ def test_dkdv_group_parts(monkeypatch):
     assert _group_parts(10, 1, None) == 1
 
 
-def reference_grads(program, leaves, args, dout, dtype=None):
+def reference_grads(program, leaves, args, dout, dtype=torch.float64):
     """The reference's gradients of ``leaves`` (q, k, v) for ``dout``, one key head and its query heads at a
     time, so that a float64 reference of 1 x 32 x 4096² (a few GiB for its whole scores) fits beside the other
     test processes sharing the GPU."""
