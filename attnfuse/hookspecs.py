@@ -31,7 +31,7 @@ def attnfuse_combinators() -> list:
 
 
 @hookspec(firstresult=True)
-def attnfuse_tile_config(kernel: str, arch: str, variant: str, head_dim: int):
+def attnfuse_tile_config(kernel: str, arch: str, variant: str, head_dim: int, dtype: str):
     """Choose the tiles of one generated kernel, or leave the choice to the next plugin.
 
     Called when a program is compiled, for each kernel kind. The first implementation that returns tiles
@@ -43,6 +43,8 @@ def attnfuse_tile_config(kernel: str, arch: str, variant: str, head_dim: int):
     :param arch: "sm90", "sm80", ... or "interpreter".
     :param variant: "dense", "masked", "window", "listed" or "rope" (``attnfuse.plugin.TileRule``).
     :param head_dim: the wider head dim of q/k and v, padded to a power of two.
+    :param dtype: q, k and v's dtype: "bfloat16", "float16", "float32", "float64", "float8_e4m3fn" or
+        "float8_e5m2".
     :return: an :class:`attnfuse.plugin.TileConfig`, or None.
     """
 
@@ -52,7 +54,7 @@ def attnfuse_tile_configs() -> list:
     """Return tile rules that take precedence over the built-in tuning table.
 
     :return: a list of :class:`attnfuse.plugin.TileRule`. The first rule matching a kernel's
-        (kernel kind, arch, variant, head dim) wins; plugins' rules are tried after ``attnfuse_tile_config``
+        (kernel kind, arch, variant, head dim, dtype) wins; plugins' rules are tried after ``attnfuse_tile_config``
         and before the built-in table. Call ``attnfuse.runtime.launch.clear_cache()`` after registering
         rules at run time.
     """

@@ -384,18 +384,18 @@ def lookup(name: str) -> Combinator:
     return registered(name).combinator
 
 
-def tile_config(kernel: str, arch: str, variant: str, head_dim: int) -> Any:
+def tile_config(kernel: str, arch: str, variant: str, head_dim: int, dtype: str) -> Any:
     """The tiles plugins choose for one kernel: the first ``attnfuse_tile_config`` result, else the config of
     the first matching rule of ``attnfuse_tile_configs``; None when no plugin chooses."""
     hook = plugin_manager().hook
-    config = hook.attnfuse_tile_config(kernel=kernel, arch=arch, variant=variant, head_dim=head_dim)
+    config = hook.attnfuse_tile_config(kernel=kernel, arch=arch, variant=variant, head_dim=head_dim, dtype=dtype)
     if config is None:
         config = next(
             (
                 rule.config
                 for rules in hook.attnfuse_tile_configs()
                 for rule in rules or ()
-                if rule.matches(kernel, arch, variant, head_dim)
+                if rule.matches(kernel, arch, variant, head_dim, dtype)
             ),
             None,
         )

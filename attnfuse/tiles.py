@@ -26,21 +26,26 @@ class TileConfig:
 @frozen(kw_only=True)
 class TileRule:
     """Use ``config`` for kernels on ``arch`` ("sm90", "sm80", ..., "interpreter", "*"), of ``variant``
-    ("dense", "masked", "window", "rope", "*") and a head dim (padded to a power of two) in ``head_dim``, for
-    ``kernel`` "forward", "dkdv" (BLOCK_M queries per step, BLOCK_N keys per program), "dq" (BLOCK_M
-    queries per program, BLOCK_N keys per step), "decode" (BLOCK_M at most rows per program, BLOCK_N keys
-    per step) or "*"."""
+    ("dense", "masked", "window", "listed", "rope", "*") and a head dim (padded to a power of two) in
+    ``head_dim``, for ``kernel`` "forward", "dkdv" (BLOCK_M queries per step, BLOCK_N keys per program), "dq"
+    (BLOCK_M queries per program, BLOCK_N keys per step), "decode" (BLOCK_M at most rows per program, BLOCK_N
+    keys per step) or "*", whose q, k, v are of ``dtype`` ("bfloat16", "float16", "float32", "float64",
+    "float8_e4m3fn", "float8_e5m2"; "float8" for either float8 type; "*")."""
 
     config: TileConfig
     arch: str = "*"
     variant: str = "*"
     head_dim: tuple[int, int] = (1, 512)
     kernel: str = "*"
+    dtype: str = "*"
 
-    def matches(self, kernel: str, arch: str, variant: str, head_dim: int) -> bool:
+    def matches(self, kernel: str, arch: str, variant: str, head_dim: int, dtype: str | None = None) -> bool:
+        """Whether the rule covers this kernel; ``dtype`` None (a caller that does not know it) matches only
+        rules for any dtype."""
         return (
             self.kernel in ("*", kernel)
             and self.arch in ("*", arch)
             and self.variant in ("*", variant)
             and self.head_dim[0] <= head_dim <= self.head_dim[1]
+            and (self.dtype == "*" or dtype is not None and self.dtype in (dtype, dtype.split("_")[0]))
         )

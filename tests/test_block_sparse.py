@@ -108,8 +108,8 @@ def test_block_sparse_programs_take_the_listed_tiles():
         arch="sm90", dtype="bfloat16", head_dim=128, head_dim_v=128, group=4, save_lse=False, fp32_precision="ieee"
     )
     lowered = lower(fuse(sparse.graph(bigbird(1, 2, 256, 128))), config)
-    assert lowered.tiles["forward"] == choose_tiles("sm90", "listed", 128, "forward")
-    assert lowered.tiles["forward"] != choose_tiles("sm90", "dense", 128, "forward")
+    assert lowered.tiles["forward"] == choose_tiles("sm90", "listed", 128, "forward", "bfloat16")
+    assert lowered.tiles["forward"] != choose_tiles("sm90", "dense", 128, "forward", "bfloat16")
 
 
 def _heavy_last_column(B, H, N, block_size):

@@ -198,15 +198,15 @@ def test_tile_table_rendering():
             head_dim=(65, 128),
             config=TileConfig(block_m=64, block_n=32, num_warps=8, num_stages=3),
         ),
-        TileRule(head_dim=(1, 64), config=TileConfig(block_m=16, block_n=128)),
+        TileRule(head_dim=(1, 64), dtype="float8", config=TileConfig(block_m=16, block_n=128)),
         TileRule(config=TileConfig(block_m=32, block_n=16, num_warps=1, num_stages=1)),
     )
     assert markdown_table(rules).splitlines() == [
-        "| arch | kernel | variant | head dim | BLOCK_M × BLOCK_N, warps, stages |",
-        "|---|---|---|---|---|",
-        "| `sm90` | `dq` | `listed` | 65–128 | 64 × 32, 8, 3 |",
-        "| `*` | `*` | `*` | ≤ 64 | 16 × 128, 4, 2 |",
-        "| `*` | `*` | `*` | any | 32 × 16, 1, 1 |",
+        "| arch | kernel | variant | head dim | dtype | BLOCK_M × BLOCK_N, warps, stages |",
+        "|---|---|---|---|---|---|",
+        "| `sm90` | `dq` | `listed` | 65–128 | `*` | 64 × 32, 8, 3 |",
+        "| `*` | `*` | `*` | ≤ 64 | `float8` | 16 × 128, 4, 2 |",
+        "| `*` | `*` | `*` | any | `*` | 32 × 16, 1, 1 |",
     ]
 
 

@@ -57,14 +57,14 @@ def registered():
 
 
 def test_the_first_answer_decides_before_the_rules_and_the_table(registered):
-    table = choose_tiles("interpreter", "masked", 32, "forward")
+    table = choose_tiles("interpreter", "masked", 32, "forward", "float32")
     registered(Rules())
-    assert choose_tiles("interpreter", "masked", 32, "forward") == RULED
+    assert choose_tiles("interpreter", "masked", 32, "forward", "float32") == RULED
     registered(Chooser(None))  # declines: the rules decide
-    assert choose_tiles("interpreter", "masked", 32, "forward") == RULED
+    assert choose_tiles("interpreter", "masked", 32, "forward", "float32") == RULED
     registered(Chooser(CHOSEN))
-    assert choose_tiles("interpreter", "masked", 32, "forward") == CHOSEN
-    assert choose_tiles("interpreter", "masked", 32, "dq") == table  # no plugin chooses: the table
+    assert choose_tiles("interpreter", "masked", 32, "forward", "float32") == CHOSEN
+    assert choose_tiles("interpreter", "masked", 32, "dq", "float32") == table  # no plugin chooses: the table
 
 
 def test_a_program_runs_with_the_tiles_chosen(registered):
@@ -80,4 +80,35 @@ def test_a_program_runs_with_the_tiles_chosen(registered):
 def test_an_answer_that_is_not_tiles_is_a_plugin_error(registered):
     registered(Chooser((16, 16)))
     with pytest.raises(PluginError, match=r"chose \(16, 16\) as the tiles of the forward kernel"):
-        choose_tiles("interpreter", "masked", 32, "forward")
+        choose_tiles("interpreter", "masked", 32, "forward", "float32")
+
+
+def test_rules_and_the_hook_see_the_dtype(registered):
+    """A float8 rule covers both float8 types and nothing else; a hook that names ``dtype`` receives it, and
+    ``matches`` called without one (the 0.x signature) matches only rules for any dtype."""
+    rule = TileRule(arch="interpreter", dtype="float8", config=RULED)
+    assert rule.matches("forward", "interpreter", "dense", 32, "float8_e4m3fn")
+    assert rule.matches("forward", "interpreter", "dense", 32, "float8_e5m2")
+    assert not rule.matches("forward", "interpreter", "dense", 32, "bfloat16")
+    assert not rule.matches("forward", "interpreter", "dense", 32)
+    assert TileRule(config=RULED).matches("forward", "interpreter", "dense", 32)
+    seen = []
+
+    class Recorder:
+        @hookimpl
+        def attnfuse_tile_config(self, dtype):
+            seen.append(dtype)
+
+    registered(Recorder())
+    choose_tiles("interpreter", "masked", 32, "forward", "float16")
+    assert seen == ["float16"]
+
+
+def test_the_table_gives_float8_forwards_their_own_tiles():
+    """Swept on an H100 (sweep_tiles.py --fp8): 128 x 64 at D 128, where bfloat16's 128 x 128 spills."""
+    fp8 = choose_tiles("sm90", "masked", 128, "forward", "float8_e5m2")
+    assert (fp8.block_m, fp8.block_n, fp8.num_warps) == (128, 64, 8)
+    assert choose_tiles("sm90", "masked", 128, "forward", "bfloat16").block_n == 128
+    assert choose_tiles("sm90", "masked", 128, "dq", "float8_e4m3fn") == choose_tiles(
+        "sm90", "masked", 128, "dq", "bfloat16"
+    )

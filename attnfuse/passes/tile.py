@@ -19,6 +19,22 @@ TABLE: tuple[TileRule, ...] = (
     TileRule(arch="interpreter", kernel="decode", config=T(block_m=32, block_n=16, num_warps=1, num_stages=1)),
     TileRule(arch="interpreter", config=T(block_m=32, block_n=32, num_warps=1, num_stages=1)),
     # H100/H200: the winners of tile sweeps on an H200 (benchmarks/sweep_tiles.py, through the tile-rule hook).
+    # Float8 forwards: swept on an H100 (sweep_tiles.py --fp8); 128 x 128 spills at D 128 and ran 1.8x slower;
+    # at D 64, 128 x 64 w4 (5% faster without RoPE) spills with it.
+    TileRule(
+        arch="sm90",
+        kernel="forward",
+        dtype="float8",
+        head_dim=(1, 64),
+        config=T(block_m=128, block_n=32, num_warps=4, num_stages=3),
+    ),
+    TileRule(
+        arch="sm90",
+        kernel="forward",
+        dtype="float8",
+        head_dim=(65, 128),
+        config=T(block_m=128, block_n=64, num_warps=8, num_stages=3),
+    ),
     TileRule(
         arch="sm90", kernel="forward", head_dim=(1, 64), config=T(block_m=64, block_n=64, num_warps=4, num_stages=3)
     ),
@@ -74,27 +90,32 @@ def _head_dims(lo: int, hi: int) -> str:
 
 def markdown_table(rules: tuple[TileRule, ...] = TABLE) -> str:
     """``rules`` as docs/plugins.md shows the table: one row per rule, in the order they are searched."""
-    lines = ["| arch | kernel | variant | head dim | BLOCK_M × BLOCK_N, warps, stages |", "|---|---|---|---|---|"]
+    lines = [
+        "| arch | kernel | variant | head dim | dtype | BLOCK_M × BLOCK_N, warps, stages |",
+        "|---|---|---|---|---|---|",
+    ]
     for rule in rules:
         c = rule.config
         lines.append(
-            f"| `{rule.arch}` | `{rule.kernel}` | `{rule.variant}` | {_head_dims(*rule.head_dim)} | "
+            f"| `{rule.arch}` | `{rule.kernel}` | `{rule.variant}` | {_head_dims(*rule.head_dim)} | `{rule.dtype}` | "
             f"{c.block_m} × {c.block_n}, {c.num_warps}, {c.num_stages} |"
         )
     return "\n".join(lines)
 
 
-def choose_tiles(arch: str, variant: str, head_dim: int, kernel: str) -> TileConfig:
+def choose_tiles(arch: str, variant: str, head_dim: int, kernel: str, dtype: str) -> TileConfig:
     """The tiles plugins choose (``plugin_manager.tile_config``), else the first matching rule's of the table."""
-    chosen = tile_config(kernel, arch, variant, head_dim)
+    chosen = tile_config(kernel, arch, variant, head_dim, dtype)
     if chosen is not None:
         if not isinstance(chosen, TileConfig):
             raise PluginError(
                 f"a plugin chose {chosen!r} as the tiles of the {kernel} kernel (arch {arch}, variant "
-                f"{variant}, head dim {head_dim}); a tile hook must give an attnfuse.plugin.TileConfig"
+                f"{variant}, head dim {head_dim}, dtype {dtype}); a tile hook must give an attnfuse.plugin.TileConfig"
             )
         return chosen
     for rule in TABLE:
-        if rule.matches(kernel, arch, variant, head_dim):
+        if rule.matches(kernel, arch, variant, head_dim, dtype):
             return rule.config
-    raise LookupError(f"no tile rule for kernel={kernel} arch={arch} variant={variant} head_dim={head_dim}")
+    raise LookupError(
+        f"no tile rule for kernel={kernel} arch={arch} variant={variant} head_dim={head_dim} dtype={dtype}"
+    )
