@@ -7,12 +7,14 @@ from __future__ import annotations
 from ..passes.codegen.common import split
 from ..passes.codegen.loops import listing_mask
 from ..passes.lower import LoweredProgram
+from .forward_fp8 import FP8_TEMPLATE_DTYPE
 from .gluon_text import row_rescale
 from .pipeline import ROWS
 from .tiles import DKDV_TILES, DQ_TILES, FORWARD_TILES
 
 TEMPLATE_DTYPES = ("float16", "bfloat16")
 FORWARD_DROPOUT_HEAD_DIMS = (64, 128)  # at 256, dropout's Philox rounds made ptxas spill in the key loop
+FORWARD_FP8_HEAD_DIMS = (64, 128)
 
 
 # A call's facts (``KernelConfig``'s), in words
@@ -30,13 +32,18 @@ _FACTS = {
 _FORWARD_FACTS = ("kv_lens", "positions", "varlen")
 
 
-def _common_reason(kernel: LoweredProgram, template: str, tiles: dict, takes: tuple[str, ...] = ()) -> str | None:
+def _common_reason(
+    kernel: LoweredProgram, template: str, tiles: dict, takes: tuple[str, ...] = (), dtypes: tuple[str, ...] = ()
+) -> str | None:
     """Why the ``template`` template, with ``tiles`` by head dim, cannot run ``kernel`` for what every template
-    refuses (its configuration but the facts it ``takes``, a qk transform inside the kernel), or None."""
+    refuses (its configuration but the facts it ``takes`` and the ``dtypes`` beyond float16 and bfloat16 it
+    takes, a qk transform inside the kernel), or None."""
     c = kernel.config
     if c.arch != "sm90":
         return f"the templates are built for sm90 (Hopper), not {c.arch}"
-    if c.dtype not in TEMPLATE_DTYPES:
+    if c.dtype not in TEMPLATE_DTYPES + dtypes:
+        if dtypes:
+            return f"the {template} template takes {', '.join(TEMPLATE_DTYPES + dtypes)}, not {c.dtype}"
         return f"the templates take float16 and bfloat16, not {c.dtype}"
     if c.head_dim != c.head_dim_v:
         return f"the templates need D == DV (got {c.head_dim} and {c.head_dim_v})"
@@ -65,12 +72,24 @@ def block_list_reason(block_size: int | None) -> str | None:
 
 def forward_reason(kernel: LoweredProgram) -> str | None:
     """Why the forward template cannot run ``kernel``, or None when it can."""
-    reason = _common_reason(kernel, "forward", FORWARD_TILES, takes=(*_FORWARD_FACTS, "dropout"))
+    reason = _common_reason(
+        kernel, "forward", FORWARD_TILES, takes=(*_FORWARD_FACTS, "dropout"), dtypes=(FP8_TEMPLATE_DTYPE,)
+    )
     if reason is not None:
         return reason
     c = kernel.config
     listing = listing_mask(kernel)
     fact = next((f for f in _FORWARD_FACTS if getattr(c, f)), None)
+    if c.dtype == FP8_TEMPLATE_DTYPE:
+        if c.head_dim not in FORWARD_FP8_HEAD_DIMS:
+            dims = ", ".join(map(str, FORWARD_FP8_HEAD_DIMS))
+            return f"the forward template takes float8 at head dims {dims}, not {c.head_dim}"
+        if fact is not None:
+            return f"the forward template takes float8 only in a call without {_FACTS[fact]} yet"
+        if listing is not None:
+            return (
+                f"{listing.prefix} lists its blocks, and the forward template does not take block lists with float8 yet"
+            )
     if listing is not None and fact is not None:
         return (
             f"{listing.prefix} lists its blocks, and the forward template follows block lists only in a call "

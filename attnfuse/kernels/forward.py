@@ -26,12 +26,14 @@ import attrs
 from ..launch_spec import CONSTEXPR, INT, SCALAR, TENSOR, Param, params
 from ..passes.codegen.common import docstring_text
 from ..passes.codegen.dropout import dropout_params, dropout_setup, dropped_weights
+from ..passes.codegen.fp8 import fp8_params
 from ..passes.codegen.loops import key_range, listing_mask
 from ..passes.codegen.packed import lse_rows
 from ..passes.codegen.scores import folded_scale
 from ..passes.lower import LoweredProgram
 from . import listed
 from .forward_facts import ForwardFacts, fact_params, forward_facts
+from .forward_fp8 import fp8_text
 from .gluon_text import assigned, for_template, row_rescale
 
 RESCALE = "acc_rows"  # the row factor an update's ``acc = acc * f[:, None]`` becomes
@@ -47,7 +49,7 @@ from attnfuse.triton_compat import (
 )
 from attnfuse.kernels.pipeline import CAREFUL_COLUMNS, ROWS, forward_loader, query_tiles, ring, warpgroup_layout
 from attnfuse.kernels.rows import load_rows, load_rows_t, row_offsets
-'''
+{extra_imports}'''
 
 _CONSUMER = string.Template('''
 @gluon.jit
@@ -58,12 +60,12 @@ def ${name}_consumer(
 ):  # fmt: skip
     """One warpgroup: rows m0 + HALF_ID * 64.. over ${keys}."""
 $layouts
-    S_LAYOUT: gl.constexpr = warpgroup_layout(BLOCK_N)
-    O_LAYOUT: gl.constexpr = warpgroup_layout(DV)
+    S_LAYOUT: gl.constexpr = ${warpgroup_layout}(BLOCK_N)
+    O_LAYOUT: gl.constexpr = ${warpgroup_layout}(DV)
     ROW_LAYOUT: gl.constexpr = gl.SliceLayout(1, S_LAYOUT)
     KEY_LAYOUT: gl.constexpr = gl.SliceLayout(0, S_LAYOUT)
     O_ROWS: gl.constexpr = gl.SliceLayout(1, O_LAYOUT)
-    P_LAYOUT: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=O_LAYOUT, k_width=2)
+    P_LAYOUT: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=O_LAYOUT, k_width=${p_width})
     q_ready, k_ready, v_ready, kv_free = bars
     ${key_length}
     q_idx = m0 + HALF_ID * BLOCK_M + gl.arange(0, BLOCK_M, layout=ROW_LAYOUT)
@@ -87,8 +89,8 @@ $tile
         k = k_smem.index(stage).reshape([BLOCK_N, D])
         s_next = warpgroup_mma(q, k.permute((1, 0)), no_scores, use_acc=False, is_async=True)
         mbarrier.wait(v_ready.index(prev), ((j - 1) // STAGES) & 1)
-        v = v_smem.index(prev).reshape([BLOCK_N, DV])
-        o_acc = warpgroup_mma(gl.convert_layout(p.to(dtype), P_LAYOUT), v, o_acc, is_async=True)
+        v = v_smem.index(prev)${v_view}
+        o_acc = warpgroup_mma(gl.convert_layout(${p_weights}, P_LAYOUT), v, o_acc, is_async=True)
         s, _, _ = warpgroup_mma_wait(1, deps=(s_next, q, k))  # QKᵀ done; P·V may still run
 $step_key
 $loop_tile
@@ -97,8 +99,8 @@ $loop_tile
 $rescale
     last = (n_steps - 1) % STAGES
     mbarrier.wait(v_ready.index(last), ((n_steps - 1) // STAGES) & 1)
-    v = v_smem.index(last).reshape([BLOCK_N, DV])
-    o_acc = warpgroup_mma(gl.convert_layout(p.to(dtype), P_LAYOUT), v, o_acc)
+    v = v_smem.index(last)${v_view}
+    o_acc = warpgroup_mma(gl.convert_layout(${p_weights}, P_LAYOUT), v, o_acc)
     mbarrier.arrive(kv_free.index(last), count=1)
 
 $state_rows
@@ -122,7 +124,7 @@ def ${name}_careful(
 ):  # fmt: skip
     """The careful redo of rows first.. (64) over ${careful_keys}, CAREFUL_COLUMNS of out at a
     time."""
-    DV: gl.constexpr = v_desc.block_type.shape[3]
+    DV: gl.constexpr = v_desc.block_type.shape[${dv_axis}]
     b = pid_bh // HQ
     h = pid_bh % HQ
     hk = h // GROUP
@@ -161,10 +163,10 @@ $prologues$init
 $careful_loop
         s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, S_LAYOUT)
         for d0 in gl.static_range(0, D, CAREFUL_COLUMNS):  # q·kᵀ a slice of the head dim at a time
-            q = load_rows(Q, q_desc, b, h, ${query_rows}, BLOCK_M, A_OP, d0, CAREFUL_COLUMNS)
-            s = mma_v2(q, load_rows_t(K, k_desc, b, hk, ${key_rows}, BLOCK_N, B_OP, d0, CAREFUL_COLUMNS), s)
+            q = load_rows(Q, q_desc, b, h, ${query_rows}, BLOCK_M, A_OP, d0, CAREFUL_COLUMNS)${upcast}
+            s = mma_v2(q, load_rows_t(K, k_desc, b, hk, ${key_rows}, BLOCK_N, B_OP, d0, CAREFUL_COLUMNS)${upcast}, s)
 $careful_tile
-        v = load_rows(V, v_desc, b, hk, ${key_rows}, BLOCK_N, B_OP, C0, CAREFUL_COLUMNS)
+        v = ${load_values}(V, v_desc, b, hk, ${key_rows}, BLOCK_N, B_OP, C0, CAREFUL_COLUMNS)${upcast}
         finite = gl.abs(v.to(gl.float32)) < float("inf")  # false for NaN too
         poisoned = mma_v2(
             gl.convert_layout(gl.where(keep, 1.0, 0.0).to(dtype), A_OP), gl.where(finite, 0.0, 1.0).to(dtype), poisoned
@@ -177,7 +179,7 @@ $careful_finalize
 $careful_store_lse
     d_out = gl.expand_dims(C0 + gl.arange(0, CAREFUL_COLUMNS, layout=KEY_LAYOUT), 0)
     gl.store(
-        Out + row_offsets(o_desc, b, h, gl.expand_dims(${q_row}, 1), d_out), out.to(dtype), mask=gl.expand_dims(q_ok, 1)
+        Out + row_offsets(o_desc, b, h, gl.expand_dims(${q_row}, 1), d_out), out.to($odt), mask=gl.expand_dims(q_ok, 1)
     )
 ''')
 
@@ -232,7 +234,7 @@ _STEPS = (
     "    n_steps = tl.maximum(tl.cdiv(hi - start, BLOCK_N), 1)  # at least one: rows with no key get the init's out"
 )
 _LOADER = (
-    "                forward_loader,\n"
+    "                {loader},\n"
     "                (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, bars, b, h, hk, {firsts}, n_steps, BLOCK_N, "
     "STAGES),"
 )
@@ -305,7 +307,9 @@ def _tile(kernel: LoweredProgram, facts: ForwardFacts, always_masked: bool, drop
 
 
 def _finalize(kernel: LoweredProgram, spaces: int) -> str:
-    return _indent(for_template(kernel.normaliser.fragment.finalize), spaces)
+    """The normaliser's finalize (acc -> out), then a float8 call's v_descale."""
+    finalize = for_template(kernel.normaliser.fragment.finalize).rstrip("\n")
+    return _indent(f"{finalize}\n{fp8_text(kernel).out_descale}", spaces)
 
 
 def _store_lse(kernel: LoweredProgram, rows: str, first_columns: bool = False) -> str:
@@ -329,6 +333,7 @@ def forward_params(kernel: LoweredProgram) -> tuple[Param, ...]:
         + fact_params(kernel)
         + kernel.args()
         + dropout_params(kernel)
+        + fp8_params(kernel)
         + params(CONSTEXPR, "BLOCK_N", "STAGES", "SAVE_LSE")
     )
 
@@ -336,8 +341,9 @@ def forward_params(kernel: LoweredProgram) -> tuple[Param, ...]:
 def generate_forward(kernel: LoweredProgram, name: str, consumer_registers: int, loader_registers: int) -> str:
     """Gluon source of the forward template's instance for ``kernel`` (its entry point: ``name``)."""
     norm = kernel.normaliser
-    args = "".join(f"{a.name}, " for a in kernel.args() + dropout_params(kernel))
+    args = "".join(f"{a.name}, " for a in kernel.args() + dropout_params(kernel) + fp8_params(kernel))
     facts = forward_facts(kernel)
+    fp8 = fp8_text(kernel)
     tile, rescales = _tile(kernel, facts, always_masked=False)
     loop_tile, _ = _tile(kernel, facts, always_masked=False, dropped=False)
     careful_tile, careful_rescales = _tile(kernel, facts, always_masked=True)
@@ -358,13 +364,14 @@ def generate_forward(kernel: LoweredProgram, name: str, consumer_registers: int,
         what=docstring_text("Hopper forward template"),
         signature=kernel.signature,
         listing=docstring_text(kernel.listing),
+        extra_imports=fp8.imports,
     )
     m = listing_mask(kernel)
     common = {
         "name": name,
         "plugin_args": args,
         "facts": facts.passed,
-        "layouts": _LAYOUTS,
+        "layouts": fp8.layouts or _LAYOUTS,
         "prologues": prologues,
         "init": init,
         "key_length": facts.key_length,
@@ -383,7 +390,11 @@ def generate_forward(kernel: LoweredProgram, name: str, consumer_registers: int,
         state_rows=_indent("\n".join(f"{n} = gl.convert_layout({n}, O_ROWS)" for n in state), 4),
         finalize=_finalize(kernel, 8),
         store_lse=_indent(_store_lse(kernel, "O_ROWS"), 8),
-        store_out=_indent(facts.store_out, 8).rstrip("\n"),
+        store_out=_indent(fp8.store_out or facts.store_out, 8).rstrip("\n"),
+        p_width=fp8.p_width,
+        p_weights=fp8.p_weights,
+        v_view=fp8.v_view,
+        warpgroup_layout=fp8.warpgroup_layout,
     )
     careful = _CAREFUL.substitute(
         common,
@@ -395,17 +406,23 @@ def generate_forward(kernel: LoweredProgram, name: str, consumer_registers: int,
         query_rows=facts.query_rows,
         key_rows=facts.key_rows,
         q_row=facts.out_rows,
+        dv_axis=fp8.dv_axis,
+        upcast=fp8.upcast,
+        load_values=fp8.load_values,
+        odt=fp8.out_dtype,  # the dtype of out's store
     )
     entry = _KERNEL.substitute(
         name=name,
         plugin_args=args,
         facts=facts.passed,
         given=facts.entry_params,
-        program=_indent(facts.program, 4),
+        program=_indent(facts.program + fp8.descales, 4),
         grid=facts.grid,
         key_range=_indent(key_range(kernel if m is None else _without(kernel, m)), 4),
         steps=_STEPS if m is None else listed.steps(m, name, args),
-        loader=_LOADER.format(firsts=facts.loader_rows) if m is None else listed.loader_call(m, kernel, name),
+        loader=_LOADER.format(loader=fp8.loader, firsts=facts.loader_rows)
+        if m is None
+        else listed.loader_call(m, kernel, name),
         consumer_registers=consumer_registers,
         loader_registers=loader_registers,
     )

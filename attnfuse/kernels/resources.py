@@ -41,17 +41,22 @@ from . import pipeline, verify
 from .verify import variant_plan
 from .tiles import SHARED_MEMORY_LIMIT
 
-DTYPES = {"float16": (gl.float16, "fp16"), "bfloat16": (gl.bfloat16, "bf16")}  # dtype -> (Gluon's, Triton's)
+DTYPES = {  # dtype -> (Gluon's, Triton's)
+    "float16": (gl.float16, "fp16"),
+    "bfloat16": (gl.bfloat16, "bf16"),
+    "float8_e4m3fn": (gl.float8e4nv, "fp8e4nv"),  # the forward's; its out is bfloat16
+}
 INDEX_LIKE = re.compile(r"(num|idx|index|count|active|lens|order)$")  # a plugin tensor's name read as int32
 _LIST_SIZE = re.compile(r"^\s*list_size = (\w+)\b", re.M)  # the scalar a listing mask's block size names (listed.py)
 SECTION = "template_resources"  # its marked section of docs/benchmarks.md (--markdown-section)
 _CARRIED = {"Q", "K", "V", "Out"}  # the forward's tensors, in the call's dtype; Lse is float32
+FP8_OUT = {"float8_e4m3fn": "bfloat16"}  # a float8 forward's out, compiled as a call's default out_dtype
 _FACT_TENSORS = {"KvLens": "*i32", "CuQ": "*i32", "CuK": "*i32"}  # a call's key counts and document offsets
 KERNELS = ("forward", "dkdv", "dq")  # the template kinds compiled here
 GROUP_SUMS = ("none", "last", "atomic")  # how a dK/dV launch sums a GQA group's programs (hopper.group_split)
 _SPILLS = re.compile(r"Function properties for (\S+)\n\s*\d+ bytes stack frame, (\d+) bytes spill stores")
 _LOCAL = re.compile(r"\b(?:STL|LDL)\b")  # a store to or load from local memory (a spill, or a stack array)
-_WGMMA = re.compile(r"\bHGMMA\.")
+_WGMMA = re.compile(r"\b[HQ]GMMA\.")  # float16/bfloat16 wgmma; float8 (QGMMA)
 _TMA = re.compile(r"\bUTMA(?:LDG|STG)\b")
 _LABEL = re.compile(r"^(\.L_x_\d+):\s*$")  # a branch target in nvdisasm's listing
 _BRANCH = re.compile(r"\bBRA\b[^`]*`\((\.L_x_\d+)\)")  # a branch (predicated or not) to one
@@ -107,11 +112,16 @@ def _launch_types(spec: KernelSpec, dtype: str, head_dim: int, save_lse: bool, g
     None, a constexpr, where the dK/dV instance reads none: ``save_lse`` False), and the call's tensors."""
     gluon_dtype, short = DTYPES[dtype]
 
-    def tiles(rows: int) -> str:
-        layout = gl.NVMMASharedLayout.get_default_for([1, 1, rows, head_dim], gluon_dtype)
-        return f"tensordesc<{short}[1, 1, {rows}, {head_dim}],{layout!r}>"
+    def tiles(rows: int, columns: int = head_dim, of: tuple = (gluon_dtype, short)) -> str:
+        layout = gl.NVMMASharedLayout.get_default_for([1, 1, rows, columns], of[0])
+        return f"tensordesc<{of[1]}[1, 1, {rows}, {columns}],{layout!r}>"
 
     rows = pipeline.ROWS.value
+    if spec.kind == "forward" and dtype in FP8_OUT:  # float8: Vᵀ's tiles (fp8_pipeline), out in bfloat16
+        block_n, out = spec.tiles.block_n, DTYPES[FP8_OUT[dtype]]
+        return {"q_desc": tiles(rows), "o_desc": tiles(rows, of=out), "k_desc": tiles(block_n),
+                "v_desc": tiles(head_dim, block_n), "Lse": "*fp32", **{n: f"*{short}" for n in ("Q", "K", "V")},
+                "Out": f"*{out[1]}", **_FACT_TENSORS}  # fmt: skip
     if spec.kind == "forward":
         block_n = spec.tiles.block_n
         return {"q_desc": tiles(rows), "o_desc": tiles(rows), "k_desc": tiles(block_n), "v_desc": tiles(block_n),
@@ -136,7 +146,7 @@ def _launch_types(spec: KernelSpec, dtype: str, head_dim: int, save_lse: bool, g
 def template_resources(
     spec: KernelSpec, dtype: str, head_dim: int, save_lse: bool, group_sum: str = "none"
 ) -> Resources:
-    """Compile ``spec`` for sm_90a with tensors of ``dtype`` ("float16" or "bfloat16", else InputError) and
+    """Compile ``spec`` for sm_90a with tensors of ``dtype`` (one of ``DTYPES``, else InputError) and
     ``head_dim``; what it uses. ``spec``: a forward instance (``plan.templates.kernels["forward"]``), writing lse
     if ``save_lse``, or a dK/dV instance (``["dkdv"]`` of the training plan), reading the forward's lse and
     delta rows if ``save_lse`` (the plan's ``config.save_lse``), summing a GQA group's programs as ``group_sum``
@@ -145,7 +155,7 @@ def template_resources(
     launches it. Raises whatever Triton raises on an instance that does not compile, and
     RuntimeError if ptxas or nvdisasm fails."""
     if dtype not in DTYPES:
-        raise InputError(f"dtype={dtype!r}: the templates compile for {' and '.join(DTYPES)}")
+        raise InputError(f"dtype={dtype!r}: the templates compile for {', '.join(DTYPES)}")
     types = signature(spec, dtype, head_dim, save_lse, group_sum)
     launch = {"forward": {"SAVE_LSE": save_lse}, "dkdv": {"GROUP_SUM": group_sum}, "dq": {"HAS_DLSE": False}}
     launch = launch[spec.kind]

@@ -1,0 +1,66 @@
+"""What a float8 (e4m3) instance of the forward template reads differently: float8 ``wgmma`` takes both operands
+K-major from shared memory, so P·V multiplies by V transposed. The launch (``launch_fp8.py``) makes that copy,
+(B, Hkv, DV, Nk) with rows padded to 16 bytes; the loader streams it in [1, 1, DV, BLOCK_N] tiles, and the
+careful redo reads V's rows from it. Q and K stream as ``pipeline.forward_loader`` streams them."""
+
+from __future__ import annotations
+
+from ..triton_compat import gl, gluon, mbarrier, tma
+from .pipeline import ROWS
+
+
+@gluon.constexpr_function
+def warpgroup_layout_fp8(columns):
+    """The register layout of one warpgroup's [ROWS, columns] accumulator of float8 ``wgmma`` (32 terms an
+    instruction)."""
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, columns, 32])
+
+
+@gluon.jit
+def forward_loader_fp8(
+    q_desc, k_desc, vt_desc, q_smem, k_smem, vt_smem, bars, b, h, hk, m0, start, n_steps, BLOCK_N: gl.constexpr,
+    STAGES: gl.constexpr,
+):  # fmt: skip
+    """One warp: the two Q tiles of rows m0.., then key block j (keys start + j * BLOCK_N..: K's rows, Vᵀ's
+    columns) into stage j % STAGES once both consumers freed it. TMA fills what lies past a tensor's end with
+    zeros."""
+    q_ready, k_ready, v_ready, kv_free = bars
+    for half in gl.static_range(2):
+        mbarrier.expect(q_ready.index(half), q_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(q_desc, [b, h, m0 + half * ROWS, 0], q_ready.index(half), q_smem.index(half))
+    for j in range(n_steps):
+        stage = j % STAGES
+        key = start + j * BLOCK_N
+        mbarrier.wait(kv_free.index(stage), ((j // STAGES) & 1) ^ 1)
+        mbarrier.expect(k_ready.index(stage), k_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(k_desc, [b, hk, key, 0], k_ready.index(stage), k_smem.index(stage))
+        mbarrier.expect(v_ready.index(stage), vt_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(vt_desc, [b, hk, 0, key], v_ready.index(stage), vt_smem.index(stage))
+
+
+E4M3_MAX = gl.constexpr(448.0)  # float8 e4m3fn's largest finite value
+
+
+@gluon.jit
+def fp8_weights(p):
+    """P rounded to float8 e4m3 for P·V; a weight beyond e4m3's range is NaN rather than saturated, so that the
+    consumer's non-finite accumulator sends its rows to the careful redo (bfloat16) instead of a wrong out."""
+    return gl.where(gl.abs(p) <= E4M3_MAX, p, float("nan")).to(gl.float8e4nv)
+
+
+@gluon.jit
+def load_value_rows(
+    ptr, vt_desc, b, h, first, n_rows, ROWS_: gl.constexpr, layout: gl.constexpr, C0: gl.constexpr,
+    COLUMNS: gl.constexpr,
+):  # fmt: skip
+    """V's rows [first, first + ROWS_), columns [C0, C0 + COLUMNS) at (b, h), in ``layout``, read from its
+    transposed copy ``ptr`` (B, H, DV, N) through ``vt_desc``'s strides; rows past n_rows read 0."""
+    r = gl.expand_dims(first + gl.arange(0, ROWS_, layout=gl.SliceLayout(1, layout)), 1)
+    d = gl.expand_dims(C0 + gl.arange(0, COLUMNS, layout=gl.SliceLayout(0, layout)), 0)
+    offsets = (
+        b.to(gl.int64) * vt_desc.strides[0]
+        + h.to(gl.int64) * vt_desc.strides[1]
+        + d.to(gl.int64) * vt_desc.strides[2]
+        + r
+    )
+    return gl.load(ptr + offsets, mask=r < n_rows, other=0.0)
