@@ -306,10 +306,11 @@ def _tile(kernel: LoweredProgram, facts: ForwardFacts, always_masked: bool, drop
     return "\n".join(lines), rescales
 
 
-def _finalize(kernel: LoweredProgram, spaces: int) -> str:
-    """The normaliser's finalize (acc -> out), then a float8 call's v_descale."""
+def _finalize(kernel: LoweredProgram, spaces: int, careful: bool = False) -> str:
+    """The normaliser's finalize (acc -> out), then a float8 call's v_descale (the ``careful`` redo's own)."""
     finalize = for_template(kernel.normaliser.fragment.finalize).rstrip("\n")
-    return _indent(f"{finalize}\n{fp8_text(kernel).out_descale}", spaces)
+    fp8 = fp8_text(kernel)
+    return _indent(f"{finalize}\n{fp8.careful_out_descale if careful else fp8.out_descale}", spaces)
 
 
 def _store_lse(kernel: LoweredProgram, rows: str, first_columns: bool = False) -> str:
@@ -401,7 +402,7 @@ def generate_forward(kernel: LoweredProgram, name: str, consumer_registers: int,
         careful_loop=_CAREFUL_LOOP if m is None else listed.careful_loop(m),
         careful_tile=_indent(careful_tile, 8),
         careful_rescale=_indent(careful_rescale, 8),
-        careful_finalize=_finalize(kernel, 4),
+        careful_finalize=_finalize(kernel, 4, careful=True),
         careful_store_lse=_indent(_store_lse(kernel, "ROW_LAYOUT", first_columns=True), 4),
         query_rows=facts.query_rows,
         key_rows=facts.key_rows,

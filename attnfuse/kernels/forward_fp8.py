@@ -1,13 +1,14 @@
 """The forward template's text for float8 (e4m3) q, k, v (``KernelConfig.dtype`` "float8_e4m3fn"); a program of
-another dtype gets the text it always had (``Fp8Text`` of None), so its instance's source is unchanged.
+another dtype gets the text it always had (``Fp8Text()``), so its instance's source is unchanged.
 
 q·kᵀ multiplies the float8 tiles as they are (``wgmma`` on float8, float32 scores). The entry multiplies the two
 scales by q_descale · k_descale of its (batch, kv head), so every score the plugins see is the product of the
-dequantised q and k. P·V multiplies P rounded to e4m3 by Vᵀ's float8 tiles (``fp8_pipeline``), as
-FlashAttention-3 does (a weight beyond e4m3's range makes the block's accumulator NaN: the careful redo takes
-its rows); out is multiplied by v_descale after the normaliser's finalize (every normaliser is
-linear in v) and stored by pointer in the call's ``out_dtype`` (the Q tile, float8, is too narrow to stage it).
-The careful redo computes in bfloat16, where float8 values are exact.
+dequantised q and k. P·V multiplies P, scaled by ``fp8_pipeline.P_SCALE`` and rounded to e4m3, by Vᵀ's float8
+tiles (``fp8_pipeline``), as FlashAttention-3 does but for the scale (small weights keep e4m3's relative
+precision; a weight beyond its range makes the block's accumulator NaN, and the careful redo takes its rows).
+out is multiplied by v_descale / P_SCALE after the normaliser's finalize (every normaliser is linear in v) and
+stored by pointer in the call's ``out_dtype`` (the Q tile, float8, is too narrow to stage it). The careful redo
+computes in bfloat16, where float8 values are exact, and multiplies by v_descale alone.
 """
 
 from __future__ import annotations
@@ -53,7 +54,8 @@ class Fp8Text:
     out_dtype: str = "dtype"  # the careful redo's out store
     loader: str = "forward_loader"
     descales: str = ""  # entry code once b and hk are known
-    out_descale: str = ""  # after the normaliser's finalize
+    out_descale: str = ""  # after the normaliser's finalize of the consumer's accumulator (P·V of P · P_SCALE)
+    careful_out_descale: str = ""  # and of the careful redo's
     store_out: str | None = None  # a consumer's store of its out (None: the facts')
 
 
@@ -68,7 +70,7 @@ def fp8_text(kernel: LoweredProgram) -> Fp8Text:
     return Fp8Text(
         imports=(
             "from attnfuse.kernels.fp8_pipeline import (\n"
-            "    forward_loader_fp8, fp8_weights, load_value_rows, warpgroup_layout_fp8,\n"
+            "    P_SCALE, forward_loader_fp8, fp8_weights, load_value_rows, warpgroup_layout_fp8,\n"
             ")\n"
         ),
         warpgroup_layout="warpgroup_layout_fp8",
@@ -86,6 +88,7 @@ def fp8_text(kernel: LoweredProgram) -> Fp8Text:
             "sm_scale = sm_scale * qk_descale  # float8: the scores of the dequantised q and k\n"
             "qk_scale = qk_scale * qk_descale\n"
         ),
-        out_descale=f"out = out * {descale('VDescale', 'vds')}  # float8: the dequantised values' output\n",
+        out_descale=f"out = out * ({descale('VDescale', 'vds')} / P_SCALE)  # float8: the dequantised values'\n",
+        careful_out_descale=f"out = out * {descale('VDescale', 'vds')}  # float8: the dequantised values'\n",
         store_out=_STORE_OUT,
     )

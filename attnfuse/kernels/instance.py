@@ -108,8 +108,10 @@ _LAUNCHED_BY = (
     "attnfuse.runtime.template_rows",
 )
 _LAUNCHED_BY_KIND = {"dq": ("attnfuse.kernels.dq_launch",)}  # and what launches one kind's instances alone
-# and, besides, what launches the instance of a packed call (its parameters hold the document offsets, CuQ)
+# and, besides, what launches the instance of a packed call (its parameters hold the document offsets, CuQ), and
+# a float8 call's (they hold its descales)
 _PACKED_LAUNCH = "attnfuse.kernels.launch_packed"
+_FP8_LAUNCH = "attnfuse.kernels.launch_fp8"
 _IMPORTS = re.compile(r"^from (attnfuse(?:\.\w+)*) import", re.M)
 
 
@@ -120,11 +122,13 @@ def _module_source(module: str) -> str:
 
 def _library(spec: KernelSpec) -> str:
     """The source of the AttnFuse modules the instance's source imports and of those that launch it (an
-    instance of its kind; a packed call's): a change to them changes the instance, and a module it does not
-    import (a new template's) does not."""
+    instance of its kind; a packed call's; a float8 call's): a change to them changes the instance, and a module
+    it does not import (a new template's) does not."""
     imported = sorted(set(_IMPORTS.findall(spec.source)))
-    packed = (_PACKED_LAUNCH,) if any(p.name == "CuQ" for p in spec.launch.params) else ()
-    launched = (*_LAUNCHED_BY, *_LAUNCHED_BY_KIND.get(spec.kind, ()), *packed)
+    names = {p.name for p in spec.launch.params}
+    packed = (_PACKED_LAUNCH,) if "CuQ" in names else ()
+    fp8 = (_FP8_LAUNCH,) if "QDescale" in names else ()
+    launched = (*_LAUNCHED_BY, *_LAUNCHED_BY_KIND.get(spec.kind, ()), *packed, *fp8)
     return "".join(_module_source(m) for m in (*imported, *launched))
 
 

@@ -11,6 +11,7 @@ import torch
 
 from ..kernels.capability import block_list_reason
 from ..kernels.launch import TemplateForward
+from ..kernels.launch_fp8 import Fp8TemplateForward
 from ..kernels.launch_packed import PackedTemplateForward
 from ..kernels.verified import chosen, record_key
 from ..plan import Plan
@@ -26,12 +27,16 @@ from .plugin_args import PluginArgs, Prepared
 def template_forward(plan: Plan) -> TemplateForward | None:
     """The forward template's instance of ``plan`` where the templates can run it and ``verified.chosen``
     chooses it (a GPU verified it, or ``ATTNFUSE_TEMPLATES=all``), else None; a packed call's instance launches its
-    own grid (``PackedTemplateForward``)."""
+    own grid (``PackedTemplateForward``), a float8 call's instance reads V transposed (``Fp8TemplateForward``)."""
     spec = plan.templates.kernels.get("forward")
     if spec is None:
         return None
     key = record_key(spec, plan.config.dtype, plan.config.head_dim)
-    instance = PackedTemplateForward if plan.config.varlen else TemplateForward
+    instance = TemplateForward
+    if plan.config.varlen:
+        instance = PackedTemplateForward
+    elif plan.config.dtype in FP8_NAMES:
+        instance = Fp8TemplateForward
     return instance(spec, plan.templates.scale, plan.templates.qk_scale, key) if chosen(key) else None
 
 
@@ -85,7 +90,8 @@ class ForwardKernel:
         pargs, limit, _ = prepared
         served = self.template is not None and self.template.fits(q, k, v, out) and block_list_reason(limit) is None
         if served and (kv.packed is None or PackedTemplateForward.fits_pack(Nq, kv.packed.docs)):
-            self.template(q, k, v, out, lse, {**pargs, **kv_launch_args(kv), **dropout_args(kv.dropout)})
+            launch_args = {**pargs, **kv_launch_args(kv), **dropout_args(kv.dropout), **fp8_args(kv.fp8)}
+            self.template(q, k, v, out, lse, launch_args)
             return out, lse
         spec = self.kernel.spec
         args = spec.launch.bind(

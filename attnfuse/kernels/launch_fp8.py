@@ -1,0 +1,83 @@
+"""Launching the forward template's float8 (e4m3) instance: q and k as they are, V copied transposed (float8
+``wgmma`` reads both operands K-major: ``fp8_pipeline``), out in the call's ``out_dtype``, the descales among the
+arguments (``runtime/forward.py``: ``fp8_args``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..runtime.launcher import cdiv
+from ..triton_compat import TensorDescriptor, gl
+from .descriptors import descriptor, describe
+from .launch import TemplateForward
+from .pipeline import LAUNCH_REGISTERS, ROWS
+
+TMA_ALIGNMENT = 16  # bytes: a TMA stride is a multiple of it
+
+
+def transposed_values(v: torch.Tensor) -> torch.Tensor:
+    """v (B, Hkv, Nk, DV) float8 -> the same values as (B, Hkv, DV, Nk), a view of a fresh copy whose rows are
+    padded to TMA_ALIGNMENT bytes."""
+    B, H, N, DV = v.shape
+    padded = torch.empty(B, H, DV, cdiv(N, TMA_ALIGNMENT) * TMA_ALIGNMENT, dtype=v.dtype, device=v.device)
+    transposed = padded[..., :N]
+    transposed.copy_(v.transpose(2, 3))
+    return transposed
+
+
+def describe_fp8(t: torch.Tensor, rows: int, columns: int) -> TensorDescriptor:
+    """``t`` (4-d float8 e4m3, ``describable``) read in [1, 1, rows, columns] tiles."""
+    strides = [s if n > 1 else TMA_ALIGNMENT for n, s in zip(t.shape[:3], t.stride())] + [1]
+    layout = gl.NVMMASharedLayout.get_default_for([1, 1, rows, columns], gl.float8e4nv)
+    return descriptor(t, list(t.shape), strides, [1, 1, rows, columns], layout)
+
+
+class Fp8TemplateForward(TemplateForward):
+    """The forward template's float8 instance (its launches count as ``TemplateForward``'s)."""
+
+    def __call__(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        out: torch.Tensor,
+        lse: torch.Tensor | None,
+        plugin_args: dict[str, Any],
+    ) -> None:
+        """q (B, Hq, Nq, D), k and v (B, Hkv, Nk, D) float8 e4m3 with Nq, Nk >= 1 -> out (B, Hq, Nq, D) in its
+        dtype and, if given, lse (B, Hq, Nq) float32 contiguous, written in place; ``plugin_args``: the plugins'
+        kernel arguments and the descales (QDescale, KDescale, VDescale: (B, Hkv) float32 views)."""
+        B, Hq, Nq, D = q.shape
+        block_n = self.spec.tiles.block_n
+        values = transposed_values(v)
+        args = self.spec.launch.bind(
+            {
+                "q_desc": describe_fp8(q, ROWS.value, D),
+                "k_desc": describe_fp8(k, block_n, D),
+                "v_desc": describe_fp8(values, v.shape[3], block_n),
+                "o_desc": describe(out, ROWS.value),
+                "Q": q,
+                "K": k,
+                "V": values,
+                "Out": out,
+                "Lse": out if lse is None else lse,
+                "Nq": Nq,
+                "N_K": k.shape[2],
+                "HQ": Hq,
+                "GROUP": Hq // k.shape[1],
+                **self._scales,
+                **plugin_args,
+            }
+        )
+        TemplateForward.launches += 1
+        TemplateForward.last_key = self.key
+        self._launcher.launch(
+            (B * Hq, cdiv(Nq, 2 * ROWS.value)),
+            args,
+            self.spec.launch.constexprs({"SAVE_LSE": lse is not None}),
+            num_warps=4,
+            device=q.device,
+            maxnreg=LAUNCH_REGISTERS,
+        )
