@@ -7,7 +7,8 @@ local memory (the spill bytes outside the loop, a few at head dims 128 and 256, 
 not yet none); the dK/dV step loop holds none either, except where ``KNOWN_DKDV_LOOP_SPILLS`` says it spills today,
 and there no more than it says; the dQ template's step loop holds none at all.
 
-Each case is one compile (seconds). Forward: bfloat16 at every head dim, float16 at head dim 128. dK/dV:
+Each case is one compile (seconds). Forward: bfloat16 at every head dim, float16 at head dim 128, float8 (e4m3) at
+its head dims for ``verify.FP8_VARIANTS``. dK/dV:
 bfloat16 at its head dims (float16's figures are the same: docs/benchmarks.md's table has both). The instances
 with attention dropout (``verify.DROPOUT_VARIANTS``, the head dims the templates take it at) likewise. The cases share
 no state (each compiles in its own temporary directory), so pytest-xdist spreads them over its workers."""
@@ -16,13 +17,14 @@ import pytest
 
 from attnfuse.errors import InputError
 from attnfuse.kernels import verify
-from attnfuse.kernels.capability import FORWARD_DROPOUT_HEAD_DIMS
+from attnfuse.kernels.capability import FORWARD_DROPOUT_HEAD_DIMS, FORWARD_FP8_HEAD_DIMS
 from attnfuse.kernels.resources import GROUP_SUMS, template_resources, variant_plan
 from attnfuse.kernels.tiles import SHARED_MEMORY_LIMIT
 
 CASES = [(v, d, "bfloat16", False) for v in verify.FORWARD_VARIANTS for d in verify.HEAD_DIMS]
 CASES += [(v, 128, "float16", False) for v in verify.FORWARD_VARIANTS]
 CASES += [(v, d, t, True) for v in verify.DROPOUT_VARIANTS for d in FORWARD_DROPOUT_HEAD_DIMS for t in verify.DTYPES]
+CASES += [(v, d, verify.FP8_DTYPE, False) for v in verify.FP8_VARIANTS for d in FORWARD_FP8_HEAD_DIMS]
 DKDV_CASES = [(v, d, "bfloat16", False) for v in verify.VARIANTS for d in verify.DKDV_HEAD_DIMS]
 DKDV_CASES += [(v, d, "bfloat16", True) for v in verify.DROPOUT_VARIANTS for d in verify.DKDV_HEAD_DIMS]
 DQ_CASES = [(v, d, "bfloat16") for v in verify.VARIANTS for d in verify.DKDV_HEAD_DIMS]  # no dropout: dq_reason

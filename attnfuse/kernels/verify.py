@@ -3,7 +3,8 @@
 ``tests/test_template_gpu.py`` runs ``check`` on every case of ``cases()`` (the forward template: each built-in
 and installed contrib variant, head dims 64/128/256, float16 and bfloat16, GQA, lengths that are not multiples
 of a tile, Nq != Nk, non-finite values under the masks; calls with a fact, ``fact_cases()``: per-sequence key
-counts, given positions, packed sequences; ``DROPOUT_VARIANTS`` with attention dropout) and of ``backward_cases()``
+counts, given positions, packed sequences; ``DROPOUT_VARIANTS`` with attention dropout; float8 calls,
+``fp8_cases()``, checked by ``verify_fp8``) and of ``backward_cases()``
 (the dK/dV and the dQ templates: their gradients dq, dk, dv through the public API; the dK/dV template's with
 attention dropout too) with ``ATTNFUSE_TEMPLATES=all`` (and ``ATTNFUSE_DROPOUT_ON_GPU=1``), and appends each
 result to a file in ``$ATTNFUSE_VERIFY_OUT``. A dropout case compares with the float64 reference replaying the
@@ -39,9 +40,11 @@ from ..testing.grad_bounds import delta_rounding
 from ..runtime.dropout import GATE as DROPOUT_GATE
 from ..runtime.launch import clear_cache
 from ..testing.tolerances import assert_matches_reference
+from .capability import FORWARD_FP8_HEAD_DIMS
 from .dq_launch import TemplateDq
 from .launch import TemplateDkdv, TemplateForward
 from .verified import MODE_ENV, RECORD, is_verified, record_key
+from .verify_fp8 import FP8_DTYPE, check_fp8
 
 OUT_ENV = "ATTNFUSE_VERIFY_OUT"
 HEAD_DIMS = (64, 128, 256)
@@ -103,6 +106,13 @@ def _variants() -> dict[str, tuple[Callable, Callable]]:
 
 
 VARIANTS = _variants()
+# checked with float8 q, k, v: the variants whose normaliser saves lse (weights of at most 1 summing to at least 1,
+# the bound of ``verify_fp8``) and that run the template (a qk transform runs inside a float8 call's kernel)
+FP8_VARIANTS = tuple(
+    v
+    for v, (program, extra) in VARIANTS.items()
+    if not v.startswith("rope") and program.graph(**extra(1, 1, 1, "cpu")).has_lse
+)
 LISTED_BLOCK = 256  # the random block grid's block size: two or four template tiles of keys a listed block
 
 
@@ -185,7 +195,12 @@ def cases() -> list[Case]:
     found = [Case(v, d, t, s, False) for v in FORWARD_VARIANTS for d in HEAD_DIMS for t in DTYPES for s in _shapes(v)]
     masked = ("causal", "sliding_window", "causal_alibi", "relu", "sigmoid", *LISTED_VARIANTS)
     found += [Case(v, d, "bfloat16", SHAPES[0], True) for v in masked if v in FORWARD_VARIANTS for d in HEAD_DIMS]
-    return found + fact_cases() + _dropout_cases("forward")
+    return found + fact_cases() + _dropout_cases("forward") + fp8_cases()
+
+
+def fp8_cases() -> list[Case]:
+    """The forward template's float8 (e4m3) cases: ``FP8_VARIANTS`` at its float8 head dims."""
+    return [Case(v, d, FP8_DTYPE, s, False) for v in FP8_VARIANTS for d in FORWARD_FP8_HEAD_DIMS for s in SHAPES]
 
 
 def _takes(variant: str, fact: str) -> bool:
@@ -283,6 +298,9 @@ def check(case: Case, seed: int = 0) -> dict:
         return _check_backward(case, seed)
     program, extra = FORWARD_VARIANTS[case.variant]
     B, Hq, Hkv, Nq, Nk = case.shape
+    if case.dtype == FP8_DTYPE:
+        _environment(case)
+        return check_fp8(program, extra(Hq, Nq, Nk, "cuda"), case.shape, case.head_dim, seed, case.id)
     dtype = getattr(torch, case.dtype)
     gen = torch.Generator(device="cuda").manual_seed(seed)
     q, k, v = (torch.randn(B, h, n, case.head_dim, device="cuda", dtype=dtype, generator=gen) for h, n in
