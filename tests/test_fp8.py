@@ -479,3 +479,16 @@ def test_the_fp8_forward_keeps_its_registers_on_sm90(tmp_path, monkeypatch, exam
     plan = compiled(EXAMPLES[example].graph(), config).plan
     used = generated_resources(plan, "forward", shared_limit=SHARED_MEMORY_LIMIT)
     assert used.spill_bytes == KNOWN_FP8_SPILLS.get((example, head_dim), 0), f"{example} D{head_dim}: {used}"
+
+
+@pytest.mark.parametrize("shape", [(2, 3, 37, 64), (1, 2, 130, 128), (1, 1, 1, 16)])
+def test_the_float8_instance_reads_v_transposed_with_aligned_rows(shape):
+    """The float8 forward instance's copy of V (kernels/launch_fp8.py): the same values as (B, Hkv, DV, Nk), rows
+    padded to 16 bytes (TMA's stride alignment), from a V in HF's (B, N, H, D) order."""
+    from attnfuse.kernels.launch_fp8 import transposed_values
+
+    B, H, N, DV = shape
+    v = torch.randn(B, N, H, DV).to(torch.float8_e4m3fn).transpose(1, 2)
+    got = transposed_values(v)
+    assert got.shape == (B, H, DV, N) and got.stride(3) == 1 and got.stride(2) % 16 == 0
+    assert torch.equal(got.view(torch.uint8), v.transpose(2, 3).view(torch.uint8))

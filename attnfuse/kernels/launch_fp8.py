@@ -7,23 +7,57 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import triton
+import triton.language as tl
 
-from ..runtime.launcher import cdiv
+from ..launch_spec import CONSTEXPR, INT, TENSOR, LaunchSpec, params
+from ..runtime.interpreter import InterpretedKernel
+from ..runtime.launcher import Launcher, cdiv
 from ..triton_compat import TensorDescriptor, gl
 from .descriptors import descriptor, describe
 from .launch import TemplateForward
 from .pipeline import LAUNCH_REGISTERS, ROWS
 
 TMA_ALIGNMENT = 16  # bytes: a TMA stride is a multiple of it
+TRANSPOSE_ROWS = 64  # V's rows a program of the transpose moves
+
+
+def _transpose_values(V, VT, N, H, svb, svh, svn, stb, sth, std, DV: tl.constexpr, ROWS: tl.constexpr):
+    """VT[b, h, :, rows] = V[b, h, rows, :]ᵀ for ROWS rows of V (a unit last stride) a program."""
+    b = tl.program_id(1) // H
+    h = tl.program_id(1) % H
+    n = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    d = tl.arange(0, DV)
+    tile = tl.load(V + b.to(tl.int64) * svb + h.to(tl.int64) * svh + n[:, None].to(tl.int64) * svn + d[None, :],
+                   mask=n[:, None] < N)  # fmt: skip
+    tl.store(VT + b.to(tl.int64) * stb + h.to(tl.int64) * sth + d[:, None].to(tl.int64) * std + n[None, :],
+             tl.trans(tile), mask=n[None, :] < N)  # fmt: skip
+
+
+TRANSPOSE = LaunchSpec(
+    "_transpose_values",
+    params(TENSOR, "V", "VT") + params(INT, "N", "H", "svb", "svh", "svn", "stb", "sth", "std")
+    + params(CONSTEXPR, "DV", "ROWS"),
+    tiles=(),
+)  # fmt: skip
+_jitted = Launcher(triton.jit(_transpose_values))
+_interpreted = InterpretedKernel(_transpose_values)
 
 
 def transposed_values(v: torch.Tensor) -> torch.Tensor:
-    """v (B, Hkv, Nk, DV) float8 -> the same values as (B, Hkv, DV, Nk), a view of a fresh copy whose rows are
-    padded to TMA_ALIGNMENT bytes."""
+    """v (B, Hkv, Nk, DV) float8 with a unit last stride and DV a power of two -> the same values as
+    (B, Hkv, DV, Nk), a view of a fresh copy whose rows are padded to TMA_ALIGNMENT bytes. One Triton kernel:
+    torch's strided copy moved 4 MB in 32 µs on an H100, an eighth of the attention at 4096 keys."""
     B, H, N, DV = v.shape
     padded = torch.empty(B, H, DV, cdiv(N, TMA_ALIGNMENT) * TMA_ALIGNMENT, dtype=v.dtype, device=v.device)
     transposed = padded[..., :N]
-    transposed.copy_(v.transpose(2, 3))
+    strides = dict(zip(("svb", "svh", "svn", "stb", "sth", "std"), (*v.stride()[:3], *transposed.stride()[:3])))
+    (_jitted if v.is_cuda else _interpreted).launch(
+        (cdiv(N, TRANSPOSE_ROWS), B * H),
+        TRANSPOSE.bind({"V": v, "VT": transposed, "N": N, "H": H, **strides}),
+        TRANSPOSE.constexprs({"DV": DV, "ROWS": TRANSPOSE_ROWS}),
+        device=v.device,
+    )
     return transposed
 
 
