@@ -416,12 +416,12 @@ def test_fp8_argument_names_are_reserved(name):
         af.attention(TAKING_RESERVED_NAMES[name])
 
 
-def test_show_prints_the_fp8_kernel_and_the_templates_reason(capsys):
+def test_show_prints_the_fp8_kernel_and_its_engines(capsys):
     from attnfuse.cli import main
 
     assert main(["show", "gpt2", "--arch", "sm90", "--dtype", "float8_e4m3fn", "--head-dim", "64"]) == 0
     out = capsys.readouterr().out
-    assert "forward: generated — instance not verified on a GPU (ATTNFUSE_TEMPLATES=all opts in)" in out
+    assert "forward: template (verified)" in out  # its float8 instance passed the GPU check (kernels/verify_fp8.py)
     assert "decode: generated — a float8 call never takes the split-KV path" in out
     assert "dkdv: generated — float8 calls have no backward" in out and "dq: generated — float8 calls have" in out
     assert "s = s * qk_descale" in out and "acc = tl.dot(p.to(UPCAST_DTYPE), v, acc)" in out

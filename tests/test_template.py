@@ -667,13 +667,25 @@ def test_record_is_empty_when_nothing_passed():
 def test_cases_cover_every_variant_head_dim_and_dtype():
     found = verify.cases()
     covered = {(c.variant, c.head_dim, c.dtype) for c in found if not c.poison}
-    assert covered == {(v, d, t) for v in verify.FORWARD_VARIANTS for d in verify.HEAD_DIMS for t in verify.DTYPES}
+    fp8 = {(v, d, verify.FP8_DTYPE) for v in verify.FP8_VARIANTS for d in capability.FORWARD_FP8_HEAD_DIMS}
+    every = {(v, d, t) for v in verify.FORWARD_VARIANTS for d in verify.HEAD_DIMS for t in verify.DTYPES}
+    assert covered == every | fp8
     assert set(verify.HEAD_DIMS) == set(HEAD_DIMS) and set(verify.DTYPES) == set(TEMPLATE_DTYPES)
     assert len({c.id for c in found}) == len(found)  # each case its own test id
     assert all(c.shape[1] % c.shape[2] == 0 for c in found)  # (B, Hq, Hkv, Nq, Nk)
     assert any(c.shape[1] > c.shape[2] for c in found)  # GQA
     assert any(c.shape[3] % 64 and c.shape[4] % 64 for c in found)  # lengths off the tiles
     assert any(c.shape[3] != c.shape[4] for c in found)
+
+
+def test_fp8_cases_cover_the_softmax_variants_the_float8_template_runs():
+    """Every variant whose normaliser saves lse and that has no qk transform (a float8 call runs transforms inside
+    its kernel), at the float8 head dims; each case's plan runs the forward template."""
+    assert {"causal", "dense", "sliding_window", "causal_alibi", "softcap", "sinks"} <= set(verify.FP8_VARIANTS)
+    assert not {"rope_causal", "relu"} & set(verify.FP8_VARIANTS)
+    for c in verify.fp8_cases():
+        plan = verify.variant_plan(c.variant, c.dtype, c.head_dim)
+        assert "forward" in plan.templates.kernels, plan.templates.reasons["forward"]
 
 
 def test_fact_cases_cover_each_fact_at_every_head_dim_and_dtype_with_the_lengths_that_matter():
