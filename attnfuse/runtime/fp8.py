@@ -5,8 +5,9 @@ float32 tensor of shape (1,) (per tensor) or (B, Hkv) (per batch and kv head; q'
 group's, as in FlashAttention-3). Scores, score modifications, masks and the normaliser are float32 as for
 other dtypes; ``out`` is bfloat16, or the ``out_dtype`` the call names (float16, bfloat16, float32).
 
-Only the generated forward kernel runs float8 (``passes/codegen/fp8.py``): the split-KV decoding kernel,
-the backward, paged caches, packed sequences and the Hopper templates refuse it by name.
+The generated forward kernel runs float8 (``passes/codegen/fp8.py``), and on sm90 the forward template's e4m3
+instance (``kernels/forward_fp8.py``) where it is chosen: the split-KV decoding kernel and the backward refuse it
+by name.
 """
 
 from __future__ import annotations
