@@ -720,3 +720,30 @@ def test_dropout_replays(monkeypatch, dtype, name):
     lowp = torch.autograd.grad(low, (q, k, v), dout)
     for got, w, lw, grad_name in zip(grads, want, lowp, "qkv"):
         assert_matches_reference(got, w, lw, dtype, what=f"d{grad_name}")
+
+
+@requires_cuda
+@pytest.mark.parametrize("name", ["llama", "relu"])
+def test_dropout_in_a_cuda_graph_draws_as_an_eager_call_and_afresh_at_each_replay(name):
+    """The dropout state is drawn on the device from torch's graph-safe generator (runtime/dropout.py): a captured
+    call, replayed after torch.manual_seed(s), gives bit for bit the eager call's out after torch.manual_seed(s), and
+    the next replay draws another mask."""
+    program, p = EXAMPLES[name], 0.3
+    q = torch.randn(2, 8, 300, 128, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(2, 2, 333, 128, device="cuda", dtype=torch.bfloat16) for _ in "kv")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # compiles the kernels, off the capture
+        program(q, k, v, dropout_p=p)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = program(q, k, v, dropout_p=p)
+    torch.manual_seed(5)
+    eager = program(q, k, v, dropout_p=p)
+    torch.manual_seed(5)
+    graph.replay()
+    assert torch.equal(captured, eager)
+    first = captured.clone()
+    graph.replay()
+    assert not torch.equal(captured, first)
