@@ -9,6 +9,8 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
+
 PLANTED_CONFTEST = textwrap.dedent("""
     import attnfuse as af
     from attnfuse.testing.planted_bugs import planted
@@ -27,15 +29,15 @@ PLANTED_CONFTEST = textwrap.dedent("""
 
 
 def pytest_in(root: Path, *args: str) -> subprocess.CompletedProcess:
+    """pytest run in ``root``; a run that hangs dumps every thread's stack after 240 s (faulthandler) and fails
+    with what it printed once 600 s have passed (a CI run once hung here, silently)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}
-    return subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rA", *args],
-        cwd=root,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "faulthandler_timeout=240", "-rA"]
+    try:
+        return subprocess.run([*command, *args], cwd=root, env=env, capture_output=True, text=True, timeout=600)
+    except subprocess.TimeoutExpired as hung:
+        printed = [(part or b"").decode(errors="replace") for part in (hung.stdout, hung.stderr)]  # always bytes
+        pytest.fail(f"pytest {' '.join(args)} ran past 600 s; it printed:\n" + "\n".join(printed), pytrace=False)
 
 
 def test_fixture_checks_a_combinator(tmp_path):
