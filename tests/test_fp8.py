@@ -496,3 +496,20 @@ def test_the_float8_instance_reads_v_transposed_with_aligned_rows(shape):
     got = transposed_values(v)
     assert got.shape == (B, H, DV, N) and got.stride(3) == 1 and got.stride(2) % 16 == 0
     assert torch.equal(got.view(torch.uint8), v.transpose(2, 3).view(torch.uint8))
+
+
+@requires_cuda
+def test_a_float8_call_takes_the_template_only_with_a_bfloat16_out():
+    """On sm90 an e4m3 causal call at head dim 128 runs the forward template's verified float8 instance with the
+    default (bfloat16) out, and the generated kernel with another out_dtype (the template's GPU check ran
+    bfloat16 only: runtime/forward.py, TEMPLATE_FP8_OUT)."""
+    from attnfuse.kernels.launch import TemplateForward
+
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the float8 template runs on sm90")
+    (q, k, v), descales = fp8_inputs(torch.float8_e4m3fn, True, Nq=300, Nk=300, device="cuda", head_dim=128)
+    before = TemplateForward.launches
+    causal_softmax(q, k, v, **descales, out_dtype=torch.float32)
+    assert TemplateForward.launches == before
+    causal_softmax(q, k, v, **descales)
+    assert TemplateForward.launches == before + 1
