@@ -154,5 +154,11 @@ def test_a_group_sum_the_dkdv_template_does_not_know_is_refused():
 @pytest.mark.parametrize("dtype", ["float32", "float64", "bf16"])
 def test_a_dtype_the_templates_do_not_compile_for_is_refused(dtype):
     spec = variant_plan("dense", "bfloat16", 64).templates.kernels["forward"]
-    with pytest.raises(InputError, match=rf"dtype='{dtype}': the templates compile for float16 and bfloat16"):
+    with pytest.raises(InputError, match=rf"dtype='{dtype}': the templates compile for float16 and bfloat16, and"):
         template_resources(spec, dtype, 64, save_lse=True)
+
+
+def test_float8_compiles_for_the_forward_template_only():
+    spec = variant_plan("dense", "bfloat16", 64).templates.kernels["dkdv"]
+    with pytest.raises(InputError, match=r"dtype='float8_e4m3fn': .*the forward template for float8_e4m3fn too \(dkdv"):
+        template_resources(spec, "float8_e4m3fn", 64, save_lse=True)

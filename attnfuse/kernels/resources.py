@@ -154,8 +154,11 @@ def template_resources(
     ``hopper.group_split``), or a dQ instance (``["dq"]`` of the training plan), as a call with no dLSE
     launches it. Raises whatever Triton raises on an instance that does not compile, and
     RuntimeError if ptxas or nvdisasm fails."""
-    if dtype not in DTYPES:
-        raise InputError(f"dtype={dtype!r}: the templates compile for {', '.join(DTYPES)}")
+    if dtype not in DTYPES or (dtype in FP8_OUT and spec.kind != "forward"):
+        raise InputError(
+            f"dtype={dtype!r}: the templates compile for float16 and bfloat16, and the forward template for "
+            f"{', '.join(FP8_OUT)} too ({spec.kind} instance given)"
+        )
     types = signature(spec, dtype, head_dim, save_lse, group_sum)
     launch = {"forward": {"SAVE_LSE": save_lse}, "dkdv": {"GROUP_SUM": group_sum}, "dq": {"HAS_DLSE": False}}
     launch = launch[spec.kind]
