@@ -154,3 +154,26 @@ def test_a_directory_owned_by_another_user_is_refused(cache, monkeypatch):
         rf"{uid}, not by this user \(uid {uid + 1}\).*{CACHE_ENV}",
     ):
         causal_softmax(*_qkv())
+
+
+def test_a_loaded_kernels_finalizer_run_under_the_cache_lock_does_not_deadlock(tmp_path):
+    """The garbage collector may run a loaded function's finalizer (which forgets its source lines, under the
+    cache's lock) in a thread that holds that lock already: eviction's directory scan allocates under it. A CI
+    run once hung there for good. The lock must let its holder take it again (checked with a timeout, so a
+    plain lock fails here rather than hanging), and a collection under it runs the finalizer."""
+    import gc
+
+    from attnfuse.runtime import source_cache
+
+    with source_cache._lock:
+        assert source_cache._lock.acquire(timeout=5), "the cache's lock is not reentrant: a finalizer would deadlock"
+        source_cache._lock.release()
+    source = "def attnfuse_probe():\n    return 1\n"
+    path = tmp_path / "attnfuse_probe_0123456789abcdef.py"
+    box = [source_cache.load_function(source, "attnfuse_probe", path)]
+    filename = source_cache.code_filename(path)
+    assert filename in source_cache._registered
+    with source_cache._lock:
+        box.clear()  # the last reference to the function: its finalizer runs now, under the lock
+        gc.collect()
+    assert filename not in source_cache._registered

@@ -32,7 +32,10 @@ MAX_BYTES_ENV = "ATTNFUSE_CACHE_MAX_BYTES"
 DEFAULT_MAX_BYTES = 64 * 2**20  # a generated kernel's file is 5-20 KB: thousands of them
 KERNEL_FILE = re.compile(r"attnfuse_\w+_[0-9a-f]{16}\.py")  # "<kernel name>_<source digest>.py"
 
-_lock = threading.Lock()
+# Reentrant: a loaded function's finalizer (``_unregister``) takes it, and the garbage collector may run that
+# finalizer in a thread that holds it already (any allocation under the lock, as eviction's directory scan): a
+# plain lock deadlocked a CI run there
+_lock = threading.RLock()
 _totals: dict[Path, int] = {}  # directory -> bytes of its kernel files as this process last counted them
 _registered: dict[str, int] = {}  # linecache name -> loaded functions using it
 
