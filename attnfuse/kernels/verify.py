@@ -173,6 +173,7 @@ class Case:
     kind: str = "forward"  # the template checked: "forward" (out, lse), "dkdv" or "dq" (the gradients)
     fact: str = ""  # the call's fact: "kv_lens", "positions" or "varlen" (``fact_cases``), or none
     dropout: float = 0.0  # the call's dropout_p: its instance is the program's instance with dropout
+    out_dtype: str = ""  # a float8 call's out_dtype ("": its default, bfloat16)
 
     @property
     def id(self) -> str:
@@ -181,8 +182,10 @@ class Case:
         shape = f"{B}x{Hq}x{Hkv}x{Nq}x{Nk}"
         fact = f"-{self.fact}" if self.fact else ""
         dropout = f"-dropout{self.dropout}" if self.dropout else ""
+        out = f"-out-{self.out_dtype}" if self.out_dtype else ""
         return (
             f"{kind}{self.variant}-D{self.head_dim}-{self.dtype}-{shape}{fact}{'-nan' if self.poison else ''}{dropout}"
+            f"{out}"
         )
 
 
@@ -199,8 +202,12 @@ def cases() -> list[Case]:
 
 
 def fp8_cases() -> list[Case]:
-    """The forward template's float8 (e4m3) cases: ``FP8_VARIANTS`` at its float8 head dims."""
-    return [Case(v, d, FP8_DTYPE, s, False) for v in FP8_VARIANTS for d in FORWARD_FP8_HEAD_DIMS for s in SHAPES]
+    """The forward template's float8 (e4m3) cases: ``FP8_VARIANTS`` at its float8 head dims, and at head dim 128
+    with each other out_dtype (float16, float32)."""
+    found = [Case(v, d, FP8_DTYPE, s, False) for v in FP8_VARIANTS for d in FORWARD_FP8_HEAD_DIMS for s in SHAPES]
+    return found + [
+        Case(v, 128, FP8_DTYPE, SHAPES[0], False, out_dtype=out) for v in FP8_VARIANTS for out in ("float16", "float32")
+    ]
 
 
 def _takes(variant: str, fact: str) -> bool:
@@ -300,7 +307,8 @@ def check(case: Case, seed: int = 0) -> dict:
     B, Hq, Hkv, Nq, Nk = case.shape
     if case.dtype == FP8_DTYPE:
         _environment(case)
-        return check_fp8(program, extra(Hq, Nq, Nk, "cuda"), case.shape, case.head_dim, seed, case.id)
+        out_dtype = getattr(torch, case.out_dtype or "bfloat16")
+        return check_fp8(program, extra(Hq, Nq, Nk, "cuda"), case.shape, case.head_dim, seed, case.id, out_dtype)
     dtype = getattr(torch, case.dtype)
     gen = torch.Generator(device="cuda").manual_seed(seed)
     q, k, v = (torch.randn(B, h, n, case.head_dim, device="cuda", dtype=dtype, generator=gen) for h, n in

@@ -9,7 +9,7 @@ dequantised inputs, at a tolerance derived from what the instance rounds:
   2⁻¹⁸ in P), and the products sum in the narrow accumulator, one rounding of 2⁻¹³ relative per 32 keys. With
   weights of at most 1 that sum to at least 1 (a softmax's: the variants checked save lse), out is off by at most
   (2⁻⁴ + (e^(2 score_error) − 1) + ⌈Nk / 32⌉ · 2⁻¹³) · (the reference's out for |v|) + 2⁻¹⁸ · Σ_j |v_j|.
-- out rounds to bfloat16: 2⁻⁸ · (|ref| + that bound).
+- out rounds to its dtype (``OUT_ROUNDOFF``: bfloat16 2⁻⁸, float16 2⁻¹¹, float32 none): u · (|ref| + that bound).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ ACCUMULATOR_BITS = 13
 TERMS_PER_INSTRUCTION = 32  # a float8 wgmma's K
 P_ROUNDOFF = 2.0**-4  # e4m3's unit roundoff
 P_ABSOLUTE = 2.0**-10 / 256  # below e4m3's normal range, in P (fp8_pipeline.P_SCALE = 256)
-OUT_ROUNDOFF = 2.0**-8  # bfloat16, the call's default out_dtype
+OUT_ROUNDOFF = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11, torch.float32: 0.0}  # by out_dtype
 
 
 def quantised(x: torch.Tensor, kv_heads: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
@@ -43,19 +43,23 @@ def quantised(x: torch.Tensor, kv_heads: int, gen: torch.Generator) -> tuple[tor
     return (x / scale).to(torch.float8_e4m3fn), descale
 
 
-def check_fp8(program: Callable, kwargs: dict, shape: tuple, head_dim: int, seed: int, case_id: str) -> dict:
-    """Run ``program`` on fresh float8 q, k, v of ``shape`` (B, Hq, Hkv, Nq, Nk) through its forward instance and
-    compare out and lse with the float64 reference at the module's bounds (AssertionError beyond them, or if the
-    template did not run); its result."""
+def check_fp8(
+    program: Callable, kwargs: dict, shape: tuple, head_dim: int, seed: int, case_id: str, out_dtype: torch.dtype
+) -> dict:
+    """Run ``program`` on fresh float8 q, k, v of ``shape`` (B, Hq, Hkv, Nq, Nk) through its forward instance,
+    with ``out_dtype``, and compare out and lse with the float64 reference at the module's bounds (AssertionError
+    beyond them, if out is not of ``out_dtype``, or if the template did not run); its result."""
     B, Hq, Hkv, Nq, Nk = shape
     gen = torch.Generator(device="cuda").manual_seed(seed)
     raw = [torch.randn(B, h, n, head_dim, device="cuda", generator=gen) for h, n in ((Hq, Nq), (Hkv, Nk), (Hkv, Nk))]
     (q, qd), (k, kd), (v, vd) = (quantised(t, Hkv, gen) for t in raw)
     descales = {"q_descale": qd, "k_descale": kd, "v_descale": vd}
     before = TemplateForward.launches
-    out, lse = program(q, k, v, return_lse=True, **kwargs, **descales)
+    out, lse = program(q, k, v, return_lse=True, out_dtype=out_dtype, **kwargs, **descales)
     if TemplateForward.launches == before:
         raise AssertionError(f"{case_id}: the call did not run the forward template")
+    if out.dtype != out_dtype:
+        raise AssertionError(f"{case_id}: out is {out.dtype}, the call asked for {out_dtype}")
     ref, ref_lse = program.reference(q, k, v, return_lse=True, **kwargs, **descales)
     naive, naive_lse = program.reference(q, k, v, return_lse=True, dtype=torch.float32, **kwargs, **descales)
     q64, k64, v64 = (dequantised(t, d, torch.float64) for t, d in ((q, qd), (k, kd), (v, vd)))
@@ -67,6 +71,7 @@ def check_fp8(program: Callable, kwargs: dict, shape: tuple, head_dim: int, seed
     weights = P_ROUNDOFF + torch.expm1(2 * score_error) + math.ceil(Nk / TERMS_PER_INSTRUCTION) * 2.0**-13
     pv = weights[..., None] * program.reference(q, k, v_abs, **kwargs, **descales)
     pv = pv + P_ABSOLUTE * v64.abs().sum(2, keepdim=True).repeat_interleave(group, 1)
-    assert_matches_reference(out, ref, naive, torch.float32, rounding=pv + OUT_ROUNDOFF * (ref.abs() + pv))
+    u_out = OUT_ROUNDOFF[out_dtype]
+    assert_matches_reference(out, ref, naive, torch.float32, rounding=pv + u_out * (ref.abs() + pv))
     error = (out.double() - ref).abs().max().item()
     return {"key": TemplateForward.last_key, "case": case_id, "max_error": error}

@@ -13,7 +13,7 @@ from ..kernels.capability import block_list_reason
 from ..kernels.launch import TemplateForward
 from ..kernels.launch_fp8 import Fp8TemplateForward
 from ..kernels.launch_packed import PackedTemplateForward
-from ..kernels.verified import chosen, record_key
+from ..kernels.verified import chosen, mode, record_key
 from ..plan import Plan
 from .inputs import KVCache, accumulator_dtype, empty_like_layout, even_keys, heads_together, kv_launch_args
 from . import packed
@@ -42,6 +42,7 @@ def template_forward(plan: Plan) -> TemplateForward | None:
 
 FP8_NAMES = frozenset(FP8_DTYPES.values())
 TEMPLATE_FP8_OUT = torch.bfloat16  # the out_dtype of a float8 call the template's GPU check ran (verify_fp8)
+# (ATTNFUSE_TEMPLATES=all opts into the others, as into every unverified instance: the GPU check of them)
 
 
 def fp8_args(fp8: Fp8 | None) -> dict[str, torch.Tensor]:
@@ -71,8 +72,8 @@ class ForwardKernel:
         float32 (float64 for float64 inputs) or None. ``prepared``: the plugin arguments, if the caller has
         them already. The template's instance runs where it is chosen, TMA addresses the tensors, a listing
         mask's block size is one it follows (``capability.block_list_reason``), a packed call's query blocks fit
-        one grid (``PackedTemplateForward.fits_pack``) and a float8 call's out is bfloat16; else the generated
-        kernel."""
+        one grid (``PackedTemplateForward.fits_pack``) and a float8 call's out is bfloat16 (any, with
+        ``ATTNFUSE_TEMPLATES=all``); else the generated kernel."""
         B, Hq, Nq, D = q.shape
         k, v, Nk, DV = kv.k, kv.v, kv.capacity, kv.v.shape[3]
         out = empty_like_layout(q, DV, q.dtype if kv.fp8 is None else kv.fp8.out_dtype)
@@ -91,7 +92,7 @@ class ForwardKernel:
         prepared = prepared or self.plugin_args(q, kv, inputs)
         pargs, limit, _ = prepared
         served = self.template is not None and self.template.fits(q, k, v, out) and block_list_reason(limit) is None
-        served = served and (kv.fp8 is None or kv.fp8.out_dtype == TEMPLATE_FP8_OUT)
+        served = served and (kv.fp8 is None or kv.fp8.out_dtype == TEMPLATE_FP8_OUT or mode() == "all")
         if served and (kv.packed is None or PackedTemplateForward.fits_pack(Nq, kv.packed.docs)):
             launch_args = {**pargs, **kv_launch_args(kv), **dropout_args(kv.dropout), **fp8_args(kv.fp8)}
             self.template(q, k, v, out, lse, launch_args)
