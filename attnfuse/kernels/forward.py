@@ -306,11 +306,10 @@ def _tile(kernel: LoweredProgram, facts: ForwardFacts, always_masked: bool, drop
     return "\n".join(lines), rescales
 
 
-def _finalize(kernel: LoweredProgram, spaces: int, careful: bool = False) -> str:
-    """The normaliser's finalize (acc -> out), then a float8 call's v_descale (the ``careful`` redo's own)."""
+def _finalize(kernel: LoweredProgram, spaces: int, descale: str) -> str:
+    """The normaliser's finalize (acc -> out), then ``descale`` (a float8 call's v_descale, else nothing)."""
     finalize = for_template(kernel.normaliser.fragment.finalize).rstrip("\n")
-    fp8 = fp8_text(kernel)
-    return _indent(f"{finalize}\n{fp8.careful_out_descale if careful else fp8.out_descale}", spaces)
+    return _indent(f"{finalize}\n{descale}", spaces)
 
 
 def _store_lse(kernel: LoweredProgram, rows: str, first_columns: bool = False) -> str:
@@ -389,7 +388,7 @@ def generate_forward(kernel: LoweredProgram, name: str, consumer_registers: int,
         loop_tile=_indent(loop_tile, 8),
         rescale=_indent(rescale, 8),
         state_rows=_indent("\n".join(f"{n} = gl.convert_layout({n}, O_ROWS)" for n in state), 4),
-        finalize=_finalize(kernel, 8),
+        finalize=_finalize(kernel, 8, fp8.out_descale),
         store_lse=_indent(_store_lse(kernel, "O_ROWS"), 8),
         store_out=_indent(fp8.store_out or facts.store_out, 8).rstrip("\n"),
         p_width=fp8.p_width,
@@ -402,7 +401,7 @@ def generate_forward(kernel: LoweredProgram, name: str, consumer_registers: int,
         careful_loop=_CAREFUL_LOOP if m is None else listed.careful_loop(m),
         careful_tile=_indent(careful_tile, 8),
         careful_rescale=_indent(careful_rescale, 8),
-        careful_finalize=_finalize(kernel, 4, careful=True),
+        careful_finalize=_finalize(kernel, 4, fp8.careful_out_descale),
         careful_store_lse=_indent(_store_lse(kernel, "ROW_LAYOUT", first_columns=True), 4),
         query_rows=facts.query_rows,
         key_rows=facts.key_rows,
