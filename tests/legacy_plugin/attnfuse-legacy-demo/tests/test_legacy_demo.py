@@ -171,3 +171,15 @@ def test_float64_call_is_refused_naming_combinator_and_field(name, field, progra
         prog(q, k, v, w)
     ref = prog.reference(q, k, v, w, dtype=torch.float64)  # the reference still runs in float64
     assert ref.dtype == torch.float64 and torch.isfinite(ref).all()
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float8_e4m3fn"])
+def test_its_tile_hooks_still_choose_whatever_the_dtype(dtype):
+    """Tile rules and the tile hook gained a dtype (2026-12-05): a hook that does not name it and a rule without
+    it still decide, for every dtype, and only where they match."""
+    from attnfuse.passes.tile import choose_tiles
+    from attnfuse_legacy_demo.tiles import CHOSEN, RULED
+
+    assert choose_tiles("sm80", "masked", 128, "forward", dtype) == RULED
+    assert choose_tiles("sm80", "masked", 64, "dq", dtype) == CHOSEN
+    assert choose_tiles("sm80", "dense", 128, "forward", dtype) not in (RULED, CHOSEN)
