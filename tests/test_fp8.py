@@ -34,7 +34,7 @@ from attnfuse.kernels.capability import forward_reason
 from attnfuse.kernels import verified
 from attnfuse.plan import KernelConfig
 from attnfuse.runtime import fp8 as fp8_module
-from attnfuse.runtime.launch import planned
+from attnfuse.runtime.launch import clear_cache, planned
 from attnfuse.testing import assert_matches_reference
 
 from conftest import requires_cuda
@@ -485,31 +485,51 @@ def test_the_fp8_forward_keeps_its_registers_on_sm90(tmp_path, monkeypatch, exam
     assert used.spill_bytes == KNOWN_FP8_SPILLS.get((example, head_dim), 0), f"{example} D{head_dim}: {used}"
 
 
+def stored_key(n: torch.Tensor) -> torch.Tensor:
+    """The column of the float8 instance's copy of Vᵀ that holds key n, from the layouts' description
+    (kernels/fp8_pipeline.py): within each 32 keys, key 16·a1 + 8·a0 + 2·c + e is stored at 16·a1 + 4·c + 2·a0 + e."""
+    a1, a0, c, e = n // 16, n // 8 % 2, n // 2 % 4, n % 2
+    return 16 * a1 + 4 * c + 2 * a0 + e
+
+
 @pytest.mark.parametrize("shape", [(2, 3, 37, 64), (1, 2, 130, 128), (1, 1, 1, 16)])
-def test_the_float8_instance_reads_v_transposed_with_aligned_rows(shape):
-    """The float8 forward instance's copy of V (kernels/launch_fp8.py): the same values as (B, Hkv, DV, Nk), rows
-    padded to 16 bytes (TMA's stride alignment), from a V in HF's (B, N, H, D) order."""
+def test_the_float8_instance_reads_v_transposed_with_its_keys_permuted(shape):
+    """The float8 forward instance's copy of V (kernels/launch_fp8.py), from a V in HF's (B, N, H, D) order:
+    (B, Hkv, DV, Nk rounded up to 32), key n's values in column stored_key(n), the columns of no key zero."""
     from attnfuse.kernels.launch_fp8 import transposed_values
 
     B, H, N, DV = shape
     v = torch.randn(B, N, H, DV).to(torch.float8_e4m3fn).transpose(1, 2)
     got = transposed_values(v)
-    assert got.shape == (B, H, DV, N) and got.stride(3) == 1 and got.stride(2) % 16 == 0
-    assert torch.equal(got.view(torch.uint8), v.transpose(2, 3).view(torch.uint8))
+    padded = -(-N // 32) * 32
+    assert got.shape == (B, H, DV, padded) and got.stride(3) == 1 and got.stride(2) % 16 == 0
+    expected = torch.zeros(B, H, DV, padded, dtype=torch.uint8)
+    expected[..., stored_key(torch.arange(N))] = v.transpose(2, 3).view(torch.uint8)
+    assert torch.equal(got.view(torch.uint8), expected)
+    assert sorted(stored_key(torch.arange(padded)).tolist()) == list(range(padded))  # a permutation
 
 
 @requires_cuda
-def test_a_float8_call_takes_the_template_only_with_a_bfloat16_out():
-    """On sm90 an e4m3 causal call at head dim 128 runs the forward template's verified float8 instance with the
-    default (bfloat16) out, and the generated kernel with another out_dtype (the template's GPU check ran
-    bfloat16 only: runtime/forward.py, TEMPLATE_FP8_OUT)."""
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+def test_a_float8_call_takes_the_template_with_any_out_dtype(monkeypatch, out_dtype):
+    """On sm90 an e4m3 causal call at head dim 128 runs the forward template's verified float8 instance whatever
+    its out_dtype (verify.fp8_cases checked each on a GPU), and its out matches the generated kernel's to
+    within their P's roundings (e4m3 with P·256 rounded: 2⁻⁴ relative, 2⁻¹⁸ absolute below e4m3's normal range;
+    bfloat16: 2⁻⁸) and two roundings of out: each row's weights sum to one, so out moves by at most that much
+    of max |v|."""
     from attnfuse.kernels.launch import TemplateForward
 
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the float8 template runs on sm90")
     (q, k, v), descales = fp8_inputs(torch.float8_e4m3fn, True, Nq=300, Nk=300, device="cuda", head_dim=128)
     before = TemplateForward.launches
-    causal_softmax(q, k, v, **descales, out_dtype=torch.float32)
-    assert TemplateForward.launches == before
-    causal_softmax(q, k, v, **descales)
+    out = causal_softmax(q, k, v, **descales, out_dtype=out_dtype)
+    assert TemplateForward.launches == before + 1 and out.dtype == out_dtype
+    monkeypatch.setenv(verified.MODE_ENV, "off")  # read when a call is first planned
+    clear_cache()
+    expected = causal_softmax(q, k, v, **descales, out_dtype=out_dtype)
     assert TemplateForward.launches == before + 1
+    v_max = fp8_module.dequantised(v, descales["v_descale"], torch.float64).abs().max().item()
+    bound = (2**-4 + 300 * 2**-18 + 2**-8 + 2 * torch.finfo(out_dtype).eps) * v_max
+    difference = (out.double() - expected.double()).abs().max().item()
+    assert difference <= bound, f"out_dtype {out_dtype}: the template and the generated kernel differ by {difference}"

@@ -650,6 +650,21 @@ def test_a_run_of_some_cases_adds_to_the_record():
     assert [e["run"] for e in third["instances"]] == [1, 1, 2] and len(third["runs"]) == 3
 
 
+def test_pruning_keeps_the_instances_the_cases_run_and_their_runs():
+    """``verify --prune``: an instance whose source changed (its old key) leaves the record, and so does a run
+    no kept instance comes from; the kept entries point at their runs renumbered."""
+    first = verify.record(_results("forward/old", [0.1]), set(), {"gpu": "one"})
+    second = verify.record(_results("forward/a", [0.2]), set(), {"gpu": "two"})
+    data = verify.added(
+        verify.added(first, second, set()), verify.record(_results("forward/b", [0.3]), set(), {}), set()
+    )
+    kept = verify.pruned(data, {"forward/a", "forward/b", "forward/never-run"})
+    assert kept["runs"] == [{"gpu": "two"}, {}]
+    assert {e["key"]: e["run"] for e in kept["instances"]} == {"forward/a": 0, "forward/b": 1}
+    single = verify.pruned(first, set())
+    assert single["run"] == {"gpu": "one"} and single["instances"] == []
+
+
 @pytest.mark.parametrize("bad", [math.inf, math.nan])
 @pytest.mark.parametrize("position", ["first", "last"])
 def test_record_leaves_out_an_instance_with_a_non_finite_error(bad, position):

@@ -1,7 +1,8 @@
 """What a float8 (e4m3) instance of the forward template reads differently: float8 ``wgmma`` takes both operands
 K-major from shared memory, so P·V multiplies by V transposed. The launch (``launch_fp8.py``) makes that copy,
-(B, Hkv, DV, Nk) with rows padded to 16 bytes; the loader streams it in [1, 1, DV, BLOCK_N] tiles, and the
-careful redo reads V's rows from it. Q and K stream as ``pipeline.forward_loader`` streams them."""
+(B, Hkv, DV, Nk rounded up to KEY_CHUNK), its keys permuted within each chunk as P's columns are
+(``fp8_weights``); the loader streams it in [1, 1, DV, BLOCK_N] tiles, and the careful redo reads V's rows from
+it. Q and K stream as ``pipeline.forward_loader`` streams them."""
 
 from __future__ import annotations
 
@@ -42,15 +43,42 @@ E4M3_MAX = gl.constexpr(448.0)  # float8 e4m3fn's largest finite value
 # P·V takes P times this: a softmax's weights (at most 1) then round with e4m3's relative error down to 2⁻¹⁴ (its
 # normal range starts at 2⁻⁶), and weights up to 1.75 stay in range; out is divided by it again
 P_SCALE = gl.constexpr(256.0)
+KEY_CHUNK = gl.constexpr(32)  # the keys one float8 wgmma sums: P's columns and Vᵀ's are permuted within each chunk
 
 
 @gluon.jit
 def fp8_weights(p):
-    """P · P_SCALE rounded to float8 e4m3 for P·V; a weight beyond e4m3's range is NaN rather than saturated, so
-    that the consumer's non-finite accumulator sends its rows to the careful redo (bfloat16) instead of a wrong
-    out."""
-    scaled = p * P_SCALE
-    return gl.where(gl.abs(scaled) <= E4M3_MAX, scaled, float("nan")).to(gl.float8e4nv)
+    """P · P_SCALE rounded to float8 e4m3 (saturated: ``peak`` tells the rows beyond its range), its columns
+    permuted within each KEY_CHUNK as ``stored_key`` stores V's keys, so that the accumulator's registers are
+    already P·V's register operand: a thread holds columns 8·a + 2·c + e of the accumulator and 4·c + e' + 16·a'
+    of the operand (c: its lane within a row's four; e, e' < 2 and 4), so the columns 16·a1 + 8·a0 + 2·c + e
+    move to 16·a1 + 4·c + 2·a0 + e and no value leaves its thread."""
+    weights = (p * P_SCALE).to(gl.float8e4nv)
+    M: gl.constexpr = weights.shape[0]
+    N: gl.constexpr = weights.shape[1]
+    split = weights.reshape([M, N // KEY_CHUNK, 2, 2, 4, 2])  # (a1, a0, c, e) of each chunk's columns
+    return split.permute((0, 1, 2, 4, 3, 5)).reshape([M, N])
+
+
+@gluon.jit
+def stored_key(n):
+    """The column of Vᵀ's copy that holds key n (``fp8_weights``' permutation; ``launch_fp8.transposed_values``)."""
+    return (n & ~15) | ((n & 6) << 1) | ((n & 8) >> 2) | (n & 1)
+
+
+@gluon.jit
+def peak_weight(peak, p):
+    """``peak`` (rows) raised to the largest |weight| of each row of ``p`` (rows, keys) float32 (NaN is left out:
+    a NaN weight makes P·V's accumulator NaN itself)."""
+    return gl.maximum(peak, gl.max(gl.abs(p), 1))
+
+
+@gluon.jit
+def beyond_range_nan(o_acc, peak):
+    """The accumulator (rows, DV) with the rows whose weights left e4m3's range (``peak`` (rows), in its row
+    layout, above E4M3_MAX / P_SCALE: ``fp8_weights`` saturated them) made NaN, so that the careful redo
+    (bfloat16) takes them rather than a wrong out."""
+    return gl.where(gl.expand_dims(peak <= E4M3_MAX / P_SCALE, 1), o_acc, float("nan"))
 
 
 @gluon.jit
@@ -59,13 +87,14 @@ def load_value_rows(
     COLUMNS: gl.constexpr,
 ):  # fmt: skip
     """V's rows [first, first + ROWS_), columns [C0, C0 + COLUMNS) at (b, h), in ``layout``, read from its
-    transposed copy ``ptr`` (B, H, DV, N) through ``vt_desc``'s strides; rows past n_rows read 0."""
+    transposed copy ``ptr`` (B, H, DV, N rounded up to KEY_CHUNK; key n in column ``stored_key(n)``) through
+    ``vt_desc``'s strides; rows past n_rows read 0."""
     r = gl.expand_dims(first + gl.arange(0, ROWS_, layout=gl.SliceLayout(1, layout)), 1)
     d = gl.expand_dims(C0 + gl.arange(0, COLUMNS, layout=gl.SliceLayout(0, layout)), 0)
     offsets = (
         b.to(gl.int64) * vt_desc.strides[0]
         + h.to(gl.int64) * vt_desc.strides[1]
         + d.to(gl.int64) * vt_desc.strides[2]
-        + r
+        + stored_key(r)
     )
     return gl.load(ptr + offsets, mask=r < n_rows, other=0.0)

@@ -16,28 +16,35 @@ from ..runtime.launcher import Launcher, cdiv
 from ..triton_compat import TensorDescriptor, gl
 from .descriptors import descriptor, describe
 from .launch import TemplateForward
+from .fp8_pipeline import KEY_CHUNK
 from .pipeline import LAUNCH_REGISTERS, ROWS
 
 TMA_ALIGNMENT = 16  # bytes: a TMA stride is a multiple of it
 TRANSPOSE_ROWS = 64  # V's rows a program of the transpose moves
 
 
-def _transpose_values(V, VT, N, H, svb, svh, svn, stb, sth, std, DV: tl.constexpr, ROWS: tl.constexpr):
-    """VT[b, h, :, rows] = V[b, h, rows, :]ᵀ for ROWS rows of V (a unit last stride) a program."""
+def _transpose_values(
+    V, VT, N, N_PADDED, H, svb, svh, svn, stb, sth, std, DV: tl.constexpr, ROWS: tl.constexpr, CHUNK: tl.constexpr
+):  # fmt: skip
+    """VT[b, h, :, columns] = V[b, h, rows, :]ᵀ for ROWS rows of V (a unit last stride) a program, each CHUNK of
+    rows permuted as ``fp8_pipeline.fp8_weights`` permutes P's columns (row 16·a1 + 8·a0 + 2·c + e of a chunk to
+    column 16·a1 + 4·c + 2·a0 + e); columns of rows past N, up to N_PADDED, are zeros."""
     b = tl.program_id(1) // H
     h = tl.program_id(1) % H
     n = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     d = tl.arange(0, DV)
     tile = tl.load(V + b.to(tl.int64) * svb + h.to(tl.int64) * svh + n[:, None].to(tl.int64) * svn + d[None, :],
-                   mask=n[:, None] < N)  # fmt: skip
+                   mask=n[:, None] < N, other=0.0)  # fmt: skip
+    tile = tl.permute(tl.reshape(tile, [ROWS // CHUNK, 2, 2, 4, 2, DV]), (0, 1, 3, 2, 4, 5))
+    tile = tl.reshape(tile, [ROWS, DV])
     tl.store(VT + b.to(tl.int64) * stb + h.to(tl.int64) * sth + d[:, None].to(tl.int64) * std + n[None, :],
-             tl.trans(tile), mask=n[None, :] < N)  # fmt: skip
+             tl.trans(tile), mask=n[None, :] < N_PADDED)  # fmt: skip
 
 
 TRANSPOSE = LaunchSpec(
     "_transpose_values",
-    params(TENSOR, "V", "VT") + params(INT, "N", "H", "svb", "svh", "svn", "stb", "sth", "std")
-    + params(CONSTEXPR, "DV", "ROWS"),
+    params(TENSOR, "V", "VT") + params(INT, "N", "N_PADDED", "H", "svb", "svh", "svn", "stb", "sth", "std")
+    + params(CONSTEXPR, "DV", "ROWS", "CHUNK"),
     tiles=(),
 )  # fmt: skip
 _jitted = Launcher(triton.jit(_transpose_values))
@@ -45,17 +52,17 @@ _interpreted = InterpretedKernel(_transpose_values)
 
 
 def transposed_values(v: torch.Tensor) -> torch.Tensor:
-    """v (B, Hkv, Nk, DV) float8 with a unit last stride and DV a power of two -> the same values as
-    (B, Hkv, DV, Nk), a view of a fresh copy whose rows are padded to TMA_ALIGNMENT bytes. One Triton kernel:
-    torch's strided copy moved 4 MB in 32 µs on an H100, an eighth of the attention at 4096 keys."""
+    """v (B, Hkv, Nk, DV) float8 with a unit last stride and DV a power of two -> the same values transposed,
+    (B, Hkv, DV, Nk rounded up to KEY_CHUNK), a fresh tensor: key n in column ``fp8_pipeline.stored_key(n)``,
+    the columns of no key zero. One Triton kernel: torch's strided copy moved 4 MB in 32 µs on an H100, an
+    eighth of the attention at 4096 keys."""
     B, H, N, DV = v.shape
-    padded = torch.empty(B, H, DV, cdiv(N, TMA_ALIGNMENT) * TMA_ALIGNMENT, dtype=v.dtype, device=v.device)
-    transposed = padded[..., :N]
+    transposed = torch.empty(B, H, DV, cdiv(N, KEY_CHUNK.value) * KEY_CHUNK.value, dtype=v.dtype, device=v.device)
     strides = dict(zip(("svb", "svh", "svn", "stb", "sth", "std"), (*v.stride()[:3], *transposed.stride()[:3])))
     (_jitted if v.is_cuda else _interpreted).launch(
-        (cdiv(N, TRANSPOSE_ROWS), B * H),
-        TRANSPOSE.bind({"V": v, "VT": transposed, "N": N, "H": H, **strides}),
-        TRANSPOSE.constexprs({"DV": DV, "ROWS": TRANSPOSE_ROWS}),
+        (cdiv(transposed.shape[3], TRANSPOSE_ROWS), B * H),
+        TRANSPOSE.bind({"V": v, "VT": transposed, "N": N, "N_PADDED": transposed.shape[3], "H": H, **strides}),
+        TRANSPOSE.constexprs({"DV": DV, "ROWS": TRANSPOSE_ROWS, "CHUNK": KEY_CHUNK.value}),
         device=v.device,
     )
     return transposed

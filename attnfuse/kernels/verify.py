@@ -202,9 +202,10 @@ def cases() -> list[Case]:
 
 
 def fp8_cases() -> list[Case]:
-    """The forward template's float8 (e4m3) cases: ``FP8_VARIANTS`` at its float8 head dims, and at head dim 128
-    with each other out_dtype (float16, float32)."""
+    """The forward template's float8 (e4m3) cases: ``FP8_VARIANTS`` at its float8 head dims (once with a NaN
+    value: the careful redo's), and at head dim 128 with each other out_dtype (float16, float32)."""
     found = [Case(v, d, FP8_DTYPE, s, False) for v in FP8_VARIANTS for d in FORWARD_FP8_HEAD_DIMS for s in SHAPES]
+    found += [Case(v, d, FP8_DTYPE, SHAPES[0], True) for v in FP8_VARIANTS for d in FORWARD_FP8_HEAD_DIMS]
     return found + [
         Case(v, 128, FP8_DTYPE, SHAPES[0], False, out_dtype=out) for v in FP8_VARIANTS for out in ("float16", "float32")
     ]
@@ -297,6 +298,12 @@ def replayed_dropout(case: Case, seed: int, shape: tuple[int, int, int, int], de
         reference.update(call, dropout_mask=af.dropout_keep(af.dropout_state(device), case.dropout, shape))
 
 
+def poison(v: torch.Tensor) -> None:
+    """Make a third of key 2 Nk / 3's values in v (B, Hkv, Nk, D) NaN: rows before that position (causal), or past
+    it by more than a window, mask the key; the others keep it, and their out is NaN in those columns."""
+    v[:, :, 2 * v.shape[2] // 3, ::3] = float("nan")
+
+
 def check(case: Case, seed: int = 0) -> dict:
     """Run ``case`` through its template instance on the GPU and compare out and lse (or, for a dK/dV or dQ
     case, the gradients) with the float64 reference (AssertionError if they differ beyond what the dtype allows, or
@@ -308,7 +315,16 @@ def check(case: Case, seed: int = 0) -> dict:
     if case.dtype == FP8_DTYPE:
         _environment(case)
         out_dtype = getattr(torch, case.out_dtype or "bfloat16")
-        return check_fp8(program, extra(Hq, Nq, Nk, "cuda"), case.shape, case.head_dim, seed, case.id, out_dtype)
+        return check_fp8(
+            program,
+            extra(Hq, Nq, Nk, "cuda"),
+            case.shape,
+            case.head_dim,
+            seed,
+            case.id,
+            out_dtype,
+            poison if case.poison else None,
+        )
     dtype = getattr(torch, case.dtype)
     gen = torch.Generator(device="cuda").manual_seed(seed)
     q, k, v = (torch.randn(B, h, n, case.head_dim, device="cuda", dtype=dtype, generator=gen) for h, n in
@@ -317,8 +333,8 @@ def check(case: Case, seed: int = 0) -> dict:
     if case.poison and case.fact == "kv_lens":  # the cache's rows past each sequence's length are no keys of it
         for b, n in enumerate(KV_LENS):
             k[b, :, n:] = v[b, :, n:] = float("nan")
-    elif case.poison:  # rows before position 2 Nk / 3 (causal), or past it by more than a window, mask this key
-        v[:, :, 2 * Nk // 3, ::3] = float("nan")
+    elif case.poison:
+        poison(v)
     kwargs = extra(Hq, Nq, Nk, "cuda")
     _environment(case)
     before = TemplateForward.launches
@@ -510,6 +526,22 @@ def added(earlier: dict, new: dict, failed: set[str]) -> dict:
     }
 
 
+def pruned(earlier: dict, keys: set[str]) -> dict:
+    """``earlier``'s record with only the instances of ``keys`` (those the cases run now: an instance whose
+    source changed has a new key) and the runs they come from."""
+    instances = [e for e in earlier["instances"] if e["key"] in keys]
+    runs = earlier.get("runs")
+    if runs is None:
+        return {**earlier, "instances": instances}
+    kept = sorted({e["run"] for e in instances})
+    renumbered = {old: new for new, old in enumerate(kept)}
+    return {
+        "about": earlier["about"],
+        "runs": [runs[i] for i in kept],
+        "instances": [{**e, "run": renumbered[e["run"]]} for e in instances],
+    }
+
+
 def variant_plan(variant: str, dtype: str, head_dim: int, fact: str = "", dropout: bool = False) -> Plan:
     """The sm90 plan of ``FORWARD_VARIANTS[variant]`` (GQA group 2; the hoisted plan, which is the one that
     runs the template, where the program's transforms are hoisted) for a call with ``fact`` ("kv_lens",
@@ -555,6 +587,9 @@ def main() -> None:
     what = parser.add_mutually_exclusive_group(required=True)
     what.add_argument("--collect", type=Path, help="the directory the GPU tests wrote")
     what.add_argument("--keys", action="store_true", help="print each case's instance and whether it is verified")
+    what.add_argument(
+        "--prune", action="store_true", help="drop from the record (--write) the instances no case runs any more"
+    )
     parser.add_argument("--write", type=Path, default=RECORD, help="the record to write")
     parser.add_argument(
         "--add-to",
@@ -565,6 +600,12 @@ def main() -> None:
     args = parser.parse_args()
     if args.keys:
         print_keys()
+        return
+    if args.prune:
+        earlier = json.loads(args.write.read_text())
+        data = pruned(earlier, set(instance_keys().values()))
+        args.write.write_text(json.dumps(data, indent=1) + "\n")
+        print(f"{len(earlier['instances']) - len(data['instances'])} instances no case runs dropped from {args.write}")
         return
     results, failed = [], set()
     for path in sorted(args.collect.glob("*.jsonl")):

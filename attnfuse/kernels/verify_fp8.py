@@ -10,6 +10,9 @@ dequantised inputs, at a tolerance derived from what the instance rounds:
   weights of at most 1 that sum to at least 1 (a softmax's: the variants checked save lse), out is off by at most
   (2⁻⁴ + (e^(2 score_error) − 1) + ⌈Nk / 32⌉ · 2⁻¹³) · (the reference's out for |v|) + 2⁻¹⁸ · Σ_j |v_j|.
 - out rounds to its dtype (``OUT_ROUNDOFF``: bfloat16 2⁻⁸, float16 2⁻¹¹, float32 none): u · (|ref| + that bound).
+
+A case with a NaN value (``poison``) must make out NaN exactly where the reference is (the rows that keep that
+key, in its NaN columns: the careful redo sorts the rows out) and meet the bounds elsewhere.
 """
 
 from __future__ import annotations
@@ -44,15 +47,26 @@ def quantised(x: torch.Tensor, kv_heads: int, gen: torch.Generator) -> tuple[tor
 
 
 def check_fp8(
-    program: Callable, kwargs: dict, shape: tuple, head_dim: int, seed: int, case_id: str, out_dtype: torch.dtype
+    program: Callable,
+    kwargs: dict,
+    shape: tuple,
+    head_dim: int,
+    seed: int,
+    case_id: str,
+    out_dtype: torch.dtype,
+    poison: Callable[[torch.Tensor], None] | None = None,
 ) -> dict:
     """Run ``program`` on fresh float8 q, k, v of ``shape`` (B, Hq, Hkv, Nq, Nk) through its forward instance,
-    with ``out_dtype``, and compare out and lse with the float64 reference at the module's bounds (AssertionError
-    beyond them, if out is not of ``out_dtype``, or if the template did not run); its result."""
+    with ``out_dtype`` (``poison``, if given, writes NaN values into v: ``verify.poison``), and compare out and
+    lse with the float64 reference at the module's bounds (AssertionError beyond them, if out is NaN elsewhere
+    than the reference, if out is not of ``out_dtype``, or if the template did not run); its result."""
+
     B, Hq, Hkv, Nq, Nk = shape
     gen = torch.Generator(device="cuda").manual_seed(seed)
     raw = [torch.randn(B, h, n, head_dim, device="cuda", generator=gen) for h, n in ((Hq, Nq), (Hkv, Nk), (Hkv, Nk))]
     (q, qd), (k, kd), (v, vd) = (quantised(t, Hkv, gen) for t in raw)
+    if poison is not None:
+        poison(v)
     descales = {"q_descale": qd, "k_descale": kd, "v_descale": vd}
     before = TemplateForward.launches
     out, lse = program(q, k, v, return_lse=True, out_dtype=out_dtype, **kwargs, **descales)
@@ -67,11 +81,19 @@ def check_fp8(
     magnitude = (q64.abs() @ k64.abs().repeat_interleave(group, 1).transpose(-1, -2)).amax(-1)  # (B, Hq, Nq)
     score_error = head_dim / TERMS_PER_INSTRUCTION * 2.0**-ACCUMULATOR_BITS * magnitude * head_dim**-0.5
     assert_matches_reference(lse, ref_lse, naive_lse, torch.float32, what="lse", rounding=score_error)
+    nan = ref.isnan()
+    if not torch.equal(out.isnan(), nan):
+        raise AssertionError(
+            f"{case_id}: out is NaN in {int(out.isnan().sum())} elements, the reference in {int(nan.sum())}"
+        )
     v_abs = v.float().abs().to(v.dtype)  # exact
     weights = P_ROUNDOFF + torch.expm1(2 * score_error) + math.ceil(Nk / TERMS_PER_INSTRUCTION) * 2.0**-13
     pv = weights[..., None] * program.reference(q, k, v_abs, **kwargs, **descales)
-    pv = pv + P_ABSOLUTE * v64.abs().sum(2, keepdim=True).repeat_interleave(group, 1)
+    # a NaN value adds nothing where out is finite: the rows that keep it are NaN in its columns
+    pv = pv + P_ABSOLUTE * v64.abs().nan_to_num(0.0).sum(2, keepdim=True).repeat_interleave(group, 1)
     u_out = OUT_ROUNDOFF[out_dtype]
-    assert_matches_reference(out, ref, naive, torch.float32, rounding=pv + u_out * (ref.abs() + pv))
-    error = (out.double() - ref).abs().max().item()
+    bound = (pv + u_out * (ref.abs() + pv)).masked_fill(nan, 0.0)
+    finite = [t.masked_fill(t.isnan() | nan, 0.0) for t in (out, ref, naive)]
+    assert_matches_reference(*finite, torch.float32, rounding=bound)
+    error = (finite[0].double() - finite[1]).abs().max().item()
     return {"key": TemplateForward.last_key, "case": case_id, "max_error": error}

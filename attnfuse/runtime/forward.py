@@ -13,7 +13,7 @@ from ..kernels.capability import block_list_reason
 from ..kernels.launch import TemplateForward
 from ..kernels.launch_fp8 import Fp8TemplateForward
 from ..kernels.launch_packed import PackedTemplateForward
-from ..kernels.verified import chosen, mode, record_key
+from ..kernels.verified import chosen, record_key
 from ..plan import Plan
 from .inputs import KVCache, accumulator_dtype, empty_like_layout, even_keys, heads_together, kv_launch_args
 from . import packed
@@ -41,8 +41,6 @@ def template_forward(plan: Plan) -> TemplateForward | None:
 
 
 FP8_NAMES = frozenset(FP8_DTYPES.values())
-TEMPLATE_FP8_OUT = torch.bfloat16  # the out_dtype of a float8 call the template's GPU check ran (verify_fp8)
-# (ATTNFUSE_TEMPLATES=all opts into the others, as into every unverified instance: the GPU check of them)
 
 
 def fp8_args(fp8: Fp8 | None) -> dict[str, torch.Tensor]:
@@ -92,7 +90,6 @@ class ForwardKernel:
         prepared = prepared or self.plugin_args(q, kv, inputs)
         pargs, limit, _ = prepared
         served = self.template is not None and self.template.fits(q, k, v, out) and block_list_reason(limit) is None
-        served = served and (kv.fp8 is None or kv.fp8.out_dtype == TEMPLATE_FP8_OUT or mode() == "all")
         if served and (kv.packed is None or PackedTemplateForward.fits_pack(Nq, kv.packed.docs)):
             launch_args = {**pargs, **kv_launch_args(kv), **dropout_args(kv.dropout), **fp8_args(kv.fp8)}
             self.template(q, k, v, out, lse, launch_args)
