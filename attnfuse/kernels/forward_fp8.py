@@ -5,8 +5,8 @@ q·kᵀ multiplies the float8 tiles as they are (``wgmma`` on float8, float32 sc
 scales by q_descale · k_descale of its (batch, kv head), so every score the plugins see is the product of the
 dequantised q and k. P·V multiplies P, scaled by ``fp8_pipeline.P_SCALE`` and rounded to e4m3, by Vᵀ's float8
 tiles (``fp8_pipeline``), as FlashAttention-3 does but for the scale (small weights keep e4m3's relative
-precision). Each row's largest |weight| is kept (``peak``): a row whose weights left e4m3's range ends NaN after
-the loop, and the careful redo takes its rows.
+precision). Each row's largest |weight| is kept, by lane (``fp8_pipeline.lane_peaks``): a row whose weights left
+e4m3's range ends NaN after the loop, and the careful redo takes its rows.
 out is multiplied by v_descale / P_SCALE after the normaliser's finalize (every normaliser is linear in v) and
 stored by pointer in the call's ``out_dtype`` (the Q tile, float8, is too narrow to stage it). The careful redo
 computes in bfloat16, where float8 values are exact, and multiplies by v_descale alone.
@@ -74,7 +74,7 @@ def fp8_text(kernel: LoweredProgram) -> Fp8Text:
     return Fp8Text(
         imports=(
             "from attnfuse.kernels.fp8_pipeline import (\n"
-            "    P_SCALE, beyond_range_nan, forward_loader_fp8, fp8_weights, load_value_rows, peak_weight,\n"
+            "    P_SCALE, beyond_range_nan, forward_loader_fp8, fp8_weights, lane_peaks, load_value_rows,\n"
             "    warpgroup_layout_fp8,\n"
             ")\n"
         ),
@@ -82,9 +82,9 @@ def fp8_text(kernel: LoweredProgram) -> Fp8Text:
         layouts=_LAYOUTS,
         p_width="4",
         p_weights="fp8_weights(p)",
-        weights_init="peak = gl.zeros([BLOCK_M], gl.float32, ROW_LAYOUT)  # float8: each row's largest |weight|",
-        weights_check="peak = peak_weight(peak, p)",
-        weights_verdict="o_acc = beyond_range_nan(o_acc, gl.convert_layout(peak, O_ROWS))",
+        weights_init="peaks = gl.zeros_like(lane_peaks(p))  # float8: each row's largest |weight|, by lane",
+        weights_check="peaks = gl.maximum(peaks, lane_peaks(p))",
+        weights_verdict="o_acc = beyond_range_nan(o_acc, peaks, O_ROWS)",
         v_view=".reshape([DV, BLOCK_N]).permute((1, 0))",
         dv_axis="2",
         upcast=".to(dtype)",

@@ -67,18 +67,23 @@ def stored_key(n):
 
 
 @gluon.jit
-def peak_weight(peak, p):
-    """``peak`` (rows) raised to the largest |weight| of each row of ``p`` (rows, keys) float32 (NaN is left out:
+def lane_peaks(p):
+    """The largest |weight| of each row of ``p`` (rows, keys) float32 over the columns each of a row's four
+    lanes holds (rows, 4): the maxima stay in their threads, with no shuffle in the key loop (NaN is left out:
     a NaN weight makes P·V's accumulator NaN itself)."""
-    return gl.maximum(peak, gl.max(gl.abs(p), 1))
+    M: gl.constexpr = p.shape[0]
+    N: gl.constexpr = p.shape[1]
+    split = gl.abs(p).reshape([M, N // KEY_CHUNK, 2, 2, 4, 2])  # (a1, a0, c, e) of each chunk: c is the lane
+    return gl.max(gl.max(gl.max(gl.max(split, 5), 3), 2), 1)
 
 
 @gluon.jit
-def beyond_range_nan(o_acc, peak):
-    """The accumulator (rows, DV) with the rows whose weights left e4m3's range (``peak`` (rows), in its row
-    layout, above E4M3_MAX / P_SCALE: ``fp8_weights`` saturated them) made NaN, so that the careful redo
-    (bfloat16) takes them rather than a wrong out."""
-    return gl.where(gl.expand_dims(peak <= E4M3_MAX / P_SCALE, 1), o_acc, float("nan"))
+def beyond_range_nan(o_acc, peaks, rows: gl.constexpr):
+    """The accumulator (rows, DV) with the rows whose weights left e4m3's range (``peaks`` (rows, 4), the
+    ``lane_peaks`` of every block, above E4M3_MAX / P_SCALE: ``fp8_weights`` saturated them) made NaN, so that
+    the careful redo (bfloat16) takes them rather than a wrong out; ``rows``: o_acc's row layout."""
+    fits = gl.convert_layout(gl.max(peaks, 1), rows) <= E4M3_MAX / P_SCALE
+    return gl.where(gl.expand_dims(fits, 1), o_acc, float("nan"))
 
 
 @gluon.jit
