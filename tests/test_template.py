@@ -698,9 +698,16 @@ def test_fp8_cases_cover_the_softmax_variants_the_float8_template_runs():
     its kernel), at the float8 head dims; each case's plan runs the forward template."""
     assert {"causal", "dense", "sliding_window", "causal_alibi", "softcap", "sinks"} <= set(verify.FP8_VARIANTS)
     assert not {"rope_causal", "relu"} & set(verify.FP8_VARIANTS)
-    for c in verify.fp8_cases():
+    found = verify.fp8_cases()
+    for c in found:
         plan = verify.variant_plan(c.variant, c.dtype, c.head_dim)
         assert "forward" in plan.templates.kernels, plan.templates.reasons["forward"]
+    every = {(v, d) for v in verify.FP8_VARIANTS for d in capability.FORWARD_FP8_HEAD_DIMS}
+    assert {(c.variant, c.head_dim) for c in found if c.poison} == every  # a NaN value: the careful redo's rows
+    assert {(c.variant, c.out_dtype) for c in found if c.out_dtype} == {
+        (v, out) for v in verify.FP8_VARIANTS for out in ("float16", "float32")
+    }
+    assert len({c.id for c in found}) == len(found)
 
 
 def test_fact_cases_cover_each_fact_at_every_head_dim_and_dtype_with_the_lengths_that_matter():
