@@ -28,6 +28,7 @@ from .runtime.offsets import inputs_fit
 from .runtime.validate import check_call_values
 from .runtime.fp8 import FP8_ARGUMENTS
 from .runtime.fp8_reference import reference_inputs
+from .runtime.packed import reference_packed
 
 RESERVED_ARGUMENTS = (
     "return_lse",
@@ -355,6 +356,8 @@ class AttentionProgram:
         q_offset: int | None = None,
         k_offset: int | None = None,
         seq_len: int | None = None,
+        cu_seqlens_q: torch.Tensor | None = None,
+        cu_seqlens_k: torch.Tensor | None = None,
         q_descale: torch.Tensor | None = None,
         k_descale: torch.Tensor | None = None,
         v_descale: torch.Tensor | None = None,
@@ -366,9 +369,12 @@ class AttentionProgram:
         kv_lens and block_table values are checked as a validated call checks them, positions and a paged
         cache's ``kv_layout`` as a call's. Float8 q, k, v are dequantised with their descales (checked as
         a call's) first. With ``dropout_p`` > 0, ``dropout_mask`` (B, Hq, Nq, Nk) bool is the weights dropout
-        keeps (a call's: ``attnfuse.dropout_keep``): weights times mask / (1 - p)."""
+        keeps (a call's: ``attnfuse.dropout_keep``): weights times mask / (1 - p). With ``cu_seqlens_q`` and
+        ``cu_seqlens_k`` (checked as a call's, values included), a packed call's: the whole row at once, pairs
+        kept within a document, positions restarting in each, tensors indexed by packed rows."""
         check_precision(dtype)
         (q, k, v), args, kwargs = self._take_qkv(args, kwargs)
+        packed = reference_packed(q, k, cu_seqlens_q, cu_seqlens_k, kv_lens, block_table, q_offset, k_offset, seq_len)
         paged = block_table  # (a float8 cache's pages are gathered for the reference: it has no table then)
         q, k, v, block_table, kv_layout = reference_inputs(
             q, k, v, q_descale, k_descale, v_descale, dtype, kv_lens, block_table, kv_layout
@@ -390,6 +396,7 @@ class AttentionProgram:
             positions=positions,
             kv_layout=layout or "NHD",
             dropout=dropout,
+            packed=packed,
         )
         if not return_lse:
             return out

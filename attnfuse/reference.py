@@ -87,6 +87,33 @@ def make_context(
     return Context(**sizes, q_pos=q_idx + n_keys - Nq, k_pos=k_pos, n_keys=n_keys)
 
 
+def packed_context(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dtype: torch.dtype, cu_q: torch.Tensor, cu_k: torch.Tensor
+) -> tuple[Context, torch.Tensor]:
+    """The context of a packed call over its whole row (q (1, Hq, total_q, D), k and v (1, Hkv, total_k, D)
+    holding documents at the offsets cu_q, cu_k (docs + 1,)), and which (query, key) pairs share a document,
+    (1, 1, total_q, total_k) bool. Each document is its own sequence: positions restart in it (query i of a
+    document of n_q queries and n_k keys at i + n_k - n_q, key j at j) and ``n_keys`` (1, 1, total_q, 1) is
+    its query's document's key count; ``q_idx`` and the sizes are the packed row's, as a packed call's
+    tensors are indexed."""
+    ctx = make_context(q, k, v, dtype)
+    q_doc, q_local = _documents(cu_q, ctx.Nq, q.device)
+    k_doc, k_local = _documents(cu_k, ctx.Nk, q.device)
+    n_q, n_k = (cu[1:] - cu[:-1] for cu in (cu_q.long(), cu_k.long()))
+    rows = (q_local + (n_k - n_q).to(q.device)[q_doc]).view(1, 1, ctx.Nq, 1)
+    same = (q_doc.view(-1, 1) == k_doc.view(1, -1)).view(1, 1, ctx.Nq, ctx.Nk)
+    n_keys = n_k.to(q.device)[q_doc].view(1, 1, ctx.Nq, 1)
+    return attrs.evolve(ctx, q_pos=rows, k_pos=k_local.view(1, 1, 1, ctx.Nk), n_keys=n_keys), same
+
+
+def _documents(cu: torch.Tensor, total: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each of ``total`` packed rows' document (the last one that starts at or before it) and its index in it."""
+    starts = cu.long().to(device)
+    row = torch.arange(total, device=device)
+    doc = torch.searchsorted(starts, row, right=True) - 1
+    return doc, row - starts[doc]
+
+
 def gather_pages(pool: torch.Tensor, block_table: torch.Tensor, kv_layout: str = "NHD") -> torch.Tensor:
     """A paged pool in ``kv_layout`` ("NHD": (pages, page_size, H, D); "HND": (pages, H, page_size, D)) and
     block table (B, max_pages) -> (B, H, max_pages·page_size, D). Entries outside the pool (unused ones, past
@@ -116,6 +143,7 @@ def evaluate(
     positions: Any = None,
     kv_layout: str = "NHD",
     dropout: tuple[torch.Tensor, float] | None = None,
+    packed: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Run ``graph`` naively in ``dtype``.
 
@@ -125,12 +153,20 @@ def evaluate(
     :param positions: the call's ``Positions`` (q_offset, k_offset, seq_len), or None.
     :param dropout: (keep (B, Hq, Nq, Nk) bool, p): attention dropout, the normalised weights times keep / (1 - p)
         (the lse is the undropped weights'); None: no dropout.
+    :param packed: (cu_seqlens_q, cu_seqlens_k), valid offsets of a packed call's documents: the whole row at
+        once, each pair of rows kept only within a document (``packed_context``).
     :return: out (B, Hq, Nq, DV) and lse (B, Hq, Nq), natural log, or None if the normaliser has none.
     """
     check_precision(dtype)
     if block_table is not None:
         k, v = gather_pages(k, block_table, kv_layout), gather_pages(v, block_table, kv_layout)
-    ctx = make_context(q, k, v, dtype, kv_lens, positions)
+    keep = None
+    if packed is None:
+        ctx = make_context(q, k, v, dtype, kv_lens, positions)
+        if kv_lens is not None:
+            keep = ctx.k_pos < ctx.n_keys  # keys past a sequence's length do not exist
+    else:
+        ctx, keep = packed_context(q, k, v, dtype, *packed)
     group = ctx.Hq // ctx.Hkv
     q = q.to(dtype)
     k = k.to(dtype).repeat_interleave(group, dim=1)
@@ -140,7 +176,6 @@ def evaluate(
     for t in score.transforms:
         q, k = t.declaration.reference(q, k, ctx, **_values(t, inputs, dtype))
     s = score.source.declaration.reference(q, k, ctx, **_values(score.source, inputs, dtype))
-    keep = None if kv_lens is None else ctx.k_pos < ctx.n_keys  # keys past a sequence's length do not exist
     for node in nodes[1:-2]:
         comb = node.apply.declaration
         values = _values(node.apply, inputs, dtype)

@@ -1,8 +1,10 @@
 """The conformance kit's packed calls: the document lengths it draws, and its check of a packed call against
-each document run alone through the reference (which a whole-row result fails)."""
+each document run alone through the reference (which a whole-row result fails), or, for a program that indexes a
+tensor by query and key, against the packed call's reference over the whole row."""
 
 from __future__ import annotations
 
+import attrs
 import pytest
 import torch
 from hypothesis import given, settings
@@ -10,6 +12,8 @@ from hypothesis import strategies as st
 
 import attnfuse as af
 from attnfuse.examples import EXAMPLES
+from attnfuse.passes import lower
+from attnfuse.runtime import launch
 from attnfuse.testing import program_case
 from attnfuse.testing.program_case import check_program_case
 from attnfuse.testing.strategies import ProgramCase, Shape, documents
@@ -51,16 +55,49 @@ def test_a_result_that_attends_across_documents_fails(monkeypatch):
         check_program_case(_case("gpt2", packed), torch.float32, "cpu", seed=3, packed=packed)
 
 
-def test_a_program_packed_calls_do_not_take_is_left_out():
+def test_a_tensor_indexed_by_query_and_key_is_checked_over_the_packed_row():
+    """A bias over the packed row (1, Hq, total_q, total_k): the kit checks the call against the packed call's
+    reference (the whole row), and a planted misreading (each document reading the bias at its local rows, as
+    if it began at row 0) fails. (With gradients the kit leaves it out: a packed call computes no bias gradient
+    yet.)"""
+
     @af.attention
     def biased(q, k, v, bias):
         return af.softmax(af.additive_bias(af.scaled_dot_product(q, k), bias)) @ v
 
+    packed = PACKS[0]
+    shape = Shape(B=1, Hq=2, Hkv=2, Nq=sum(packed[0]), Nk=sum(packed[1]), D=16, DV=16)
+    bias = torch.randn(1, 2, shape.Nq, shape.Nk)
+    case = ProgramCase(program=biased, text="biased", shape=shape, extras={"bias": bias})
+    check_program_case(case, torch.float32, "cpu", seed=0, packed=packed)
+    local = {"(q_start + q_idx)": "q_idx", "(k_start + k_idx)": "k_idx"}
+    planted = lambda inst: attrs.evolve(inst, fragment=lower._rewritten(inst.fragment, lambda t: _undo(t, local)))  # noqa: E731
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(lower, "packed_rows", planted)
+        launch.clear_cache()
+        with pytest.raises(AssertionError):
+            check_program_case(case, torch.float32, "cpu", seed=0, packed=packed)
+    launch.clear_cache()
+
+
+def _undo(text: str, renamed: dict[str, str]) -> str:
+    for packed_rows, local in renamed.items():
+        text = text.replace(packed_rows, local)
+    return text
+
+
+def test_a_program_packed_calls_do_not_take_is_left_out():
+    @af.attention
+    def sparse(q, k, v, block_mask):
+        return af.softmax(af.block_sparse(af.scaled_dot_product(q, k), block_mask)) @ v
+
     packed = PACKS[1]
-    shape = Shape(B=1, Hq=2, Hkv=2, Nq=15, Nk=21, D=16, DV=16)
-    case = ProgramCase(program=biased, text="biased", shape=shape, extras={"bias": torch.randn(1, 2, 15, 21)})
+    shape = Shape(B=1, Hq=2, Hkv=2, Nq=sum(packed[0]), Nk=sum(packed[1]), D=16, DV=16)
+    grid = torch.ones(1, 1, 1, 1, dtype=torch.bool)
+    mask = af.BlockMask.from_blocks(grid, shape.Nq, shape.Nk, block_size=64)
+    case = ProgramCase(program=sparse, text="sparse", shape=shape, extras={"block_mask": mask})
     with pytest.raises(af.UnsupportedError):  # the call itself refuses it
         q, k, v = case.inputs(torch.float32, "cpu", 0)
-        cu = [torch.tensor([0, n], dtype=torch.int32) for n in (15, 21)]
-        biased(q, k, v, bias=case.extras["bias"], cu_seqlens_q=cu[0], cu_seqlens_k=cu[1])
+        cu = [torch.tensor([0, n], dtype=torch.int32) for n in (shape.Nq, shape.Nk)]
+        sparse(q, k, v, mask, cu_seqlens_q=cu[0], cu_seqlens_k=cu[1])
     check_program_case(case, torch.float32, "cpu", seed=0, packed=packed)  # so the kit leaves it out

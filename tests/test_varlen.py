@@ -39,6 +39,11 @@ def biased(q, k, v, bias):
     return af.softmax(af.additive_bias(af.scaled_dot_product(q, k), bias)) @ v
 
 
+@af.attention
+def sparse(q, k, v, block_mask):
+    return af.softmax(af.block_sparse(af.scaled_dot_product(q, k), block_mask)) @ v
+
+
 def offsets(lengths, dtype=torch.int32) -> torch.Tensor:
     return torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=dtype)
 
@@ -174,6 +179,12 @@ def test_hostile_offsets_unchecked_stay_inside_the_tensors():
     first = gpt2.reference(q[:, :, :3], k, v)  # document 0 as clamped: queries 0..2, every key
     torch.testing.assert_close(out[:, :, :3].double(), first, atol=2e-5, rtol=2e-5)
     assert not out[:, :, 3:].any()  # document 1 as clamped has no keys
+    bias = torch.randn(1, q.shape[1], q.shape[2], k.shape[2])  # read at packed rows, inside the tensor too
+    out = biased(q, k, v, bias, cu_seqlens_q=hostile_q, cu_seqlens_k=hostile_k, validate=False)
+    expected = biased(q, k, v, bias, cu_seqlens_q=clamped_q, cu_seqlens_k=clamped_k, validate=False)
+    torch.testing.assert_close(out, expected, atol=0, rtol=0)
+    first = biased.reference(q[:, :, :3], k, v, bias[:, :, :3])
+    torch.testing.assert_close(out[:, :, :3].double(), first, atol=2e-5, rtol=2e-5)
 
 
 def test_unsupported_combinations_name_the_argument():
@@ -188,11 +199,60 @@ def test_unsupported_combinations_name_the_argument():
             af.run_attention(gpt2._trace(()), q, k, v, **extra, **packed_args)
     with pytest.raises(af.UnsupportedError, match="block_table cannot be combined"):
         gpt2(q, k, v, block_table=torch.zeros(1, 1, dtype=torch.int32), **packed_args)
-    with pytest.raises(af.UnsupportedError, match=r"additive_bias reads k_idx, q_idx"):
-        biased(q, k, v, torch.randn(1, 2, 8, 10), **packed_args)
+    grid = torch.ones(1, 1, 1, 1, dtype=torch.bool)
+    with pytest.raises(af.UnsupportedError, match=r"block_sparse lists blocks by index"):
+        sparse(q, k, v, af.BlockMask.from_blocks(grid, q.shape[2], k.shape[2], block_size=64), **packed_args)
+    with pytest.raises(af.UnsupportedError, match=r"kv_lens cannot be combined"):
+        gpt2.reference(q, k, v, kv_lens=torch.tensor([3], dtype=torch.int32), **packed_args)
     slopes = torch.rand(2, requires_grad=True)
     with pytest.raises(af.UnsupportedError, match=r"gradients of runtime inputs \(sinks\)"):
         sinks(q.requires_grad_(), k, v, slopes, **packed_args)
+
+
+@pytest.mark.parametrize("program", [gpt2, window, alibi, relu, llama, rope_dense], ids=lambda p: p.fn.__name__)
+def test_the_reference_of_a_packed_call_is_each_document_alone(program):
+    """``program.reference`` with cu_seqlens (the whole packed row, pairs kept within a document, positions
+    restarting in each) equals each document run on its own, empty documents included."""
+    q, k, v, cu_q, cu_k = packed(*MIXED, Hq=4, Hkv=2)
+    whole = program.reference(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
+    torch.testing.assert_close(whole, reference(program, q, k, v, cu_q, cu_k), atol=1e-12, rtol=1e-12)
+
+
+@pytest.mark.parametrize("heads", [4, 1], ids=["per-head", "broadcast"])
+def test_a_tensor_indexed_by_query_and_key_is_indexed_by_packed_rows(heads):
+    """additive_bias's bias over the packed row, (1, heads, total_q, total_k): each document reads its own
+    block of it. Forward and gradients against each document alone with its block of the bias (float64), which
+    the packed call's reference (the whole row) equals."""
+    lq, lk = MIXED
+    q, k, v, cu_q, cu_k = packed(lq, lk, Hq=4, Hkv=2)
+    bias = torch.randn(1, heads, sum(lq), sum(lk))
+    out = biased(q, k, v, bias, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
+    blocks = []
+    for i in range(len(lq)):
+        rows, keys = slice(cu_q[i], cu_q[i + 1]), slice(cu_k[i], cu_k[i + 1])
+        if keys.stop == keys.start:
+            blocks.append(torch.zeros_like(q[:, :, rows], dtype=torch.float64) * v.sum())
+        elif rows.stop > rows.start:
+            blocks.append(biased.reference(q[:, :, rows], k[:, :, keys], v[:, :, keys], bias[:, :, rows, keys]))
+    expected = torch.cat(blocks, 2)
+    whole = biased.reference(q, k, v, bias, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
+    torch.testing.assert_close(whole, expected, atol=1e-12, rtol=1e-12)
+    torch.testing.assert_close(out.double(), expected, atol=2e-5, rtol=2e-5)
+    dout = torch.randn_like(out)
+    got = torch.autograd.grad(out, (q, k, v), dout)
+    want = torch.autograd.grad(expected, (q, k, v), dout.double())
+    for name, g, w in zip("qkv", got, want):
+        torch.testing.assert_close(
+            g.double(), w.double(), atol=5e-5, rtol=5e-5, msg=lambda m, name=name: f"d{name}: {m}"
+        )
+
+
+def test_the_reference_checks_packed_offsets_as_a_call_does():
+    q, k, v, cu_q, cu_k = packed([3, 2], [4, 1])
+    with pytest.raises(af.InputError, match="cu_seqlens_k"):
+        gpt2.reference(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=torch.tensor([0, 6, 5], dtype=torch.int32))
+    with pytest.raises(af.InputError, match="cu_seqlens_q and cu_seqlens_k must count the same documents"):
+        gpt2.reference(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=torch.tensor([0, 5], dtype=torch.int32))
 
 
 def offsets_by_loop(starts: list[bool]) -> list[int]:
@@ -364,3 +424,14 @@ def test_hostile_offsets_stay_inside_the_tensors_through_the_transform_passes(ho
     for got, want in zip(*results):
         torch.testing.assert_close(got, want, atol=0, rtol=0)
     assert len(hoisted_passes) == 4, "not a transform and a gradient pass in each call"
+
+
+def test_the_forward_template_leaves_packed_calls_that_index_a_tensor_by_query_and_key():
+    """On sm90 a packed additive_bias call runs the generated forward (its bias read at packed rows), and says
+    why; a packed causal call still runs the template."""
+    from attnfuse.kernels.verify import variant_plan
+
+    plan = variant_plan("additive_bias", "bfloat16", 128, "varlen")
+    assert "forward" not in plan.templates.kernels
+    assert "additive_bias_1 reads q_idx or k_idx" in plan.templates.reasons["forward"]
+    assert "forward" in variant_plan("causal", "bfloat16", 128, "varlen").templates.kernels

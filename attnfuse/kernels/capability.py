@@ -4,6 +4,7 @@ from a combinator's name. Each check that fails gives the reason the kernel fall
 
 from __future__ import annotations
 
+from ..fragment_lint import template_reads
 from ..passes.codegen.common import split
 from ..passes.codegen.loops import listing_mask
 from ..passes.lower import LoweredProgram
@@ -70,6 +71,14 @@ def block_list_reason(block_size: int | None) -> str | None:
     )
 
 
+def _index_reader(kernel: LoweredProgram) -> str | None:
+    """The first combinator application of ``kernel`` that reads q_idx or k_idx, or None."""
+    for inst in kernel.instances():
+        if template_reads(inst.apply.declaration, inst.apply.fragment()) & {"q_idx", "k_idx"}:
+            return inst.prefix
+    return None
+
+
 def forward_reason(kernel: LoweredProgram) -> str | None:
     """Why the forward template cannot run ``kernel``, or None when it can."""
     reason = _common_reason(
@@ -90,6 +99,11 @@ def forward_reason(kernel: LoweredProgram) -> str | None:
             return (
                 f"{listing.prefix} lists its blocks, and the forward template does not take block lists with float8 yet"
             )
+    if c.varlen and (reader := _index_reader(kernel)) is not None:
+        return (
+            f"{reader} reads q_idx or k_idx (a tensor indexed by query and key: by packed rows in a packed call), "
+            f"which the forward template's packed instance does not take yet"
+        )
     if listing is not None and fact is not None:
         return (
             f"{listing.prefix} lists its blocks, and the forward template follows block lists only in a call "

@@ -11,7 +11,7 @@ import math
 import re
 import string
 import warnings
-from typing import Any
+from typing import Any, Callable
 
 import attrs
 from attrs import frozen
@@ -101,15 +101,33 @@ class LoweredProgram:
 
 def _resolve(value: Any, mapping: dict[str, str]) -> Any:
     """Substitute ``mapping`` into every string of a fragment (a frozen attrs record), recursively."""
+    return _rewritten(value, lambda text: string.Template(text).safe_substitute(mapping))
+
+
+def _rewritten(value: Any, rewrite: Callable[[str], str]) -> Any:
+    """A fragment (a frozen attrs record) with ``rewrite`` applied to every string, recursively."""
     if isinstance(value, str):
-        return string.Template(value).safe_substitute(mapping)
+        return rewrite(value)
     if isinstance(value, tuple):
-        return tuple(_resolve(v, mapping) for v in value)
+        return tuple(_rewritten(v, rewrite) for v in value)
     if attrs.has(type(value)):  # a derived field (a Range's starts_at_zero) is derived again
         return attrs.evolve(
-            value, **{f.name: _resolve(getattr(value, f.name), mapping) for f in attrs.fields(type(value)) if f.init}
+            value, **{f.name: _rewritten(getattr(value, f.name), rewrite) for f in attrs.fields(type(value)) if f.init}
         )
     return value
+
+
+_INDICES = re.compile(r"(?<![\w.])(q_idx|k_idx)\b")
+_PACKED_ROWS = {"q_idx": "(q_start + q_idx)", "k_idx": "(k_start + k_idx)"}
+
+
+def packed_rows(inst: Instance) -> Instance:
+    """``inst`` for a packed call's kernels (``KernelConfig.varlen``): its fragment's ``q_idx`` and ``k_idx``,
+    which index the call's tensors, are rows of the packed q and k (the kernels' own are the document's,
+    from its first rows ``q_start``, ``k_start``: ``codegen/packed.py``)."""
+    return attrs.evolve(
+        inst, fragment=_rewritten(inst.fragment, lambda t: _INDICES.sub(lambda m: _PACKED_ROWS[m[1]], t))
+    )
 
 
 _TRANSFORM_SITE = {"x1", "x2", "pos", "ok", "tmp", "col1", "col2"}
@@ -243,6 +261,8 @@ def lower(fused: FusedProgram, config: KernelConfig, listing: str = "") -> Lower
     mods = tuple(inst(m) for m in fused.mods)
     masks = _one_listing(tuple(inst(m) for m in fused.masks))
     normaliser = inst(fused.normaliser)
+    if config.varlen:
+        mods, masks, normaliser = tuple(map(packed_rows, mods)), tuple(map(packed_rows, masks)), packed_rows(normaliser)
     if config.partial and normaliser.fragment.partial is not None:
         normaliser = attrs.evolve(normaliser, fragment=normaliser.fragment.partial)
     block_d = _block(config.head_dim)

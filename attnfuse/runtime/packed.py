@@ -16,6 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..combinator import Role
 from ..errors import InputError, UnsupportedError
 from ..fragment_lint import template_reads
 from ..ir import applications
@@ -68,8 +69,13 @@ def refuse_arguments(given: dict[str, bool]) -> None:
 
 def check_packed(q: torch.Tensor, k: torch.Tensor, cu_seqlens_q: Any, cu_seqlens_k: Any) -> Packed:
     """The call's ``Packed`` offsets (types, shapes, devices checked; values are checked on the device by
-    ``check_values``). q, k passed ``inputs.check_inputs``."""
+    ``check_values``), on a device where packed calls run (``GATE``). q, k passed ``inputs.check_inputs``."""
     GATE.check(q.device)
+    return check_offsets(q, k, cu_seqlens_q, cu_seqlens_k)
+
+
+def check_offsets(q: torch.Tensor, k: torch.Tensor, cu_seqlens_q: Any, cu_seqlens_k: Any) -> Packed:
+    """``check_packed`` on any device (the reference's)."""
     if cu_seqlens_q is None or cu_seqlens_k is None:
         missing = "cu_seqlens_k" if cu_seqlens_k is None else "cu_seqlens_q"
         raise InputError(f"packed sequences need both cu_seqlens_q and cu_seqlens_k; {missing} is missing")
@@ -97,11 +103,38 @@ def check_packed(q: torch.Tensor, k: torch.Tensor, cu_seqlens_q: Any, cu_seqlens
     return Packed(cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous(), cu_seqlens_q.shape[0] - 1)
 
 
+def reference_packed(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cu_seqlens_q: Any,
+    cu_seqlens_k: Any,
+    kv_lens: Any,
+    block_table: Any,
+    *positions: Any,
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The reference's packed offsets (cu_seqlens_q, cu_seqlens_k), checked as a call checks them, values
+    included (a host sync: an InputError here), or None when neither is given."""
+    if cu_seqlens_q is None and cu_seqlens_k is None:
+        return None
+    refuse_arguments(
+        {
+            "kv_lens": kv_lens is not None,
+            "block_table": block_table is not None,
+            "q_offset, k_offset, seq_len": any(p is not None for p in positions),
+        }
+    )
+    packed = check_offsets(q, k, cu_seqlens_q, cu_seqlens_k)
+    check_values(packed, q.shape[2], k.shape[2], None, None)
+    error_record.record_for(q.device).wait()
+    return packed.cu_q, packed.cu_k
+
+
 def refuse_program(plan: Plan, wanted_grads: tuple[str, ...] | None) -> None:
     """UnsupportedError for what packed sequences do not run yet: a mask listing blocks by index (a
-    BlockMask), a combinator reading the call's indices q_idx, k_idx (a tensor indexed by query and key,
-    such as additive_bias's bias), or score-shaped gradients of runtime inputs (``wanted_grads``, their names:
-    written score by score; a qk transform's tensor's, summed over rows, runs)."""
+    BlockMask), a qk transform or score source reading the call's indices q_idx, k_idx (score modifications,
+    masks and normalisers read them as rows of the packed q and k: ``passes/lower.packed_rows``), or
+    score-shaped gradients of runtime inputs (``wanted_grads``, their names: written score by score; a qk
+    transform's tensor's, summed over rows, runs)."""
     for app in applications(plan.graph):
         fragment = app.fragment()
         if getattr(fragment, "block_list", None) is not None:
@@ -110,10 +143,10 @@ def refuse_program(plan: Plan, wanted_grads: tuple[str, ...] | None) -> None:
                 f"cu_seqlens_q/cu_seqlens_k yet"
             )
         reads = sorted(template_reads(app.declaration, fragment) & {"q_idx", "k_idx"})
-        if reads:
+        if reads and app.declaration.role in (Role.QK_TRANSFORM, Role.SCORE_SOURCE):
             raise UnsupportedError(
-                f"{app.combinator} reads {', '.join(reads)} (a tensor indexed by query and key, such as a "
-                f"score-shaped (B, H, Nq, Nk) bias): not supported with cu_seqlens_q/cu_seqlens_k yet"
+                f"{app.combinator} reads {', '.join(reads)} in a qk transform or score source: not supported "
+                f"with cu_seqlens_q/cu_seqlens_k yet"
             )
     row_wise = {g.argument for g in plan.input_gradients if g.sides}
     score_shaped = [name for name in wanted_grads or () if name not in row_wise]

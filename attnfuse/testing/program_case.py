@@ -8,6 +8,8 @@ import sys
 import torch
 
 from ..errors import UnsupportedError
+from ..fragment_lint import template_reads
+from ..ir import applications
 from ..passes.fuse import fuse
 from ..passes.lower import instance
 from ..runtime.dropout import dropout_keep, dropout_state
@@ -81,8 +83,9 @@ def check_program_case(
     ``page_size`` (with ``kv_lens``, no gradients): k and v are stored as a paged cache of pages of that many
     keys, in shuffled pages of a pool. ``positions``: (q_offset, k_offset, seq_len), a chunk of a longer
     sequence. ``packed`` (with batch size 1): the documents' query and key lengths of a packed call
-    (``cu_seqlens_q``/``cu_seqlens_k``), compared with each document run alone through the reference; a
-    program packed calls do not take yet (``UnsupportedError``) is left out. ``dropout_p`` (> 0: not with
+    (``cu_seqlens_q``/``cu_seqlens_k``), compared with each document run alone through the reference (with the
+    packed call's reference, the whole row, where a combinator indexes a tensor by query and key); a program
+    packed calls do not take yet (``UnsupportedError``) is left out. ``dropout_p`` (> 0: not with
     ``page_size`` or ``packed``): the call drops attention weights, its dropout state drawn from a generator
     seeded with ``seed``; the reference replays its mask (``attnfuse.dropout_keep``)."""
     __tracebackhide__ = True  # pytest: a failure is its message, not this frame's tensors
@@ -132,8 +135,9 @@ def check_program_case(
     out, lse = result if has_lse else (result, None)
 
     def reference(q, k, v, precision):
-        """(out, lse or None) of the reference in ``precision``: the call's, or each packed document's."""
-        if packed is None:
+        """(out, lse or None) of the reference in ``precision``: the call's (a packed call's whole row where the
+        program indexes a tensor by packed rows), or each packed document's."""
+        if packed is None or reads_indices(graph):
             found = case.program.reference(q, k, v, return_lse=has_lse, dtype=precision, **call, **replay, **extras)
             return found if has_lse else (found, None)
         return _packed_reference(case, q, k, v, extras, packed, has_lse, precision)
@@ -164,6 +168,12 @@ def check_program_case(
     names = ["dq", "dk", "dv", *(f"d{n}" for n in grad_extras)]
     for name, a, b, c, n, r in zip(names, got, want64, want_lowp, summed, rounding):
         assert_matches_reference(a, b, c, dtype, what=f"{name} of {case.text}", summed=n, rounding=r)
+
+
+def reads_indices(graph) -> bool:
+    """Whether a combinator of ``graph`` reads q_idx or k_idx (indexes a tensor by query and key): in a packed
+    call, by packed rows, so no document's reference alone has its tensors."""
+    return any(template_reads(app.declaration, app.fragment()) & {"q_idx", "k_idx"} for app in applications(graph))
 
 
 def _offsets(lengths: list[int], device: str) -> torch.Tensor:
