@@ -58,8 +58,7 @@ def test_a_result_that_attends_across_documents_fails(monkeypatch):
 def test_a_tensor_indexed_by_query_and_key_is_checked_over_the_packed_row():
     """A bias over the packed row (1, Hq, total_q, total_k): the kit checks the call against the packed call's
     reference (the whole row), and a planted misreading (each document reading the bias at its local rows, as
-    if it began at row 0) fails. (With gradients the kit leaves it out: a packed call computes no bias gradient
-    yet.)"""
+    if it began at row 0) fails; with gradients, the bias's too."""
 
     @af.attention
     def biased(q, k, v, bias):
@@ -69,7 +68,13 @@ def test_a_tensor_indexed_by_query_and_key_is_checked_over_the_packed_row():
     shape = Shape(B=1, Hq=2, Hkv=2, Nq=sum(packed[0]), Nk=sum(packed[1]), D=16, DV=16)
     bias = torch.randn(1, 2, shape.Nq, shape.Nk)
     case = ProgramCase(program=biased, text="biased", shape=shape, extras={"bias": bias})
-    check_program_case(case, torch.float32, "cpu", seed=0, packed=packed)
+    check_program_case(case, torch.float32, "cpu", seed=0, packed=packed, grads=True)
+    q, k, v = case.inputs(torch.float32, "cpu", 0)  # the call takes the bias's gradient: the kit checked it
+    cu = [torch.tensor([0, *torch.tensor(n).cumsum(0).tolist()], dtype=torch.int32) for n in packed]
+    leaf = bias.detach().requires_grad_(True)
+    out = biased(q, k, v, leaf, cu_seqlens_q=cu[0], cu_seqlens_k=cu[1])
+    assert torch.autograd.grad(out.sum(), leaf)[0].shape == bias.shape
+    case = attrs.evolve(case, extras={"bias": bias.detach()})
     local = {"(q_start + q_idx)": "q_idx", "(k_start + k_idx)": "k_idx"}
     planted = lambda inst: attrs.evolve(inst, fragment=lower._rewritten(inst.fragment, lambda t: _undo(t, local)))  # noqa: E731
     with pytest.MonkeyPatch.context() as mp:

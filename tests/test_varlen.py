@@ -222,7 +222,7 @@ def test_the_reference_of_a_packed_call_is_each_document_alone(program):
 def test_a_tensor_indexed_by_query_and_key_is_indexed_by_packed_rows(heads):
     """additive_bias's bias over the packed row, (1, heads, total_q, total_k): each document reads its own
     block of it. Forward and gradients against each document alone with its block of the bias (float64), which
-    the packed call's reference (the whole row) equals."""
+    the packed call's reference (the whole row) equals; the bias's gradient against that reference's."""
     lq, lk = MIXED
     q, k, v, cu_q, cu_k = packed(lq, lk, Hq=4, Hkv=2)
     bias = torch.randn(1, heads, sum(lq), sum(lk))
@@ -245,6 +245,13 @@ def test_a_tensor_indexed_by_query_and_key_is_indexed_by_packed_rows(heads):
         torch.testing.assert_close(
             g.double(), w.double(), atol=5e-5, rtol=5e-5, msg=lambda m, name=name: f"d{name}: {m}"
         )
+    bias.requires_grad_(True)  # its score-shaped gradient, written at packed rows (0 across documents)
+    out = biased(q, k, v, bias, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
+    (got,) = torch.autograd.grad(out, bias, dout)
+    whole = biased.reference(q, k, v, bias, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
+    (want,) = torch.autograd.grad(whole, bias, dout.double())
+    assert got.shape == bias.shape
+    torch.testing.assert_close(got.double(), want.double(), atol=5e-5, rtol=5e-5)
 
 
 def test_the_reference_checks_packed_offsets_as_a_call_does():

@@ -147,7 +147,7 @@ def run_attention(
         for kv_lens. A tensor indexed by query and key (q_idx, k_idx in a fragment) is indexed by packed rows:
         (1, H, total_q, total_k). Not with kv_lens, block_table, q_offset/k_offset/seq_len or split_kv, nor for
         programs with block masks or a qk transform reading q_idx or k_idx, nor with gradients of runtime inputs
-        (UnsupportedError).
+        but a qk transform's tensor's and a score modification's score-shaped one (UnsupportedError).
     :param max_seqlen_q: with packed sequences, the longest document's query count (and ``max_seqlen_k``
         its key count), optional; a document longer than one given is an InputError (checked on the device).
     :param q_descale: with float8 q, k, v (torch.float8_e4m3fn or torch.float8_e5m2, all three alike): the

@@ -132,9 +132,9 @@ def reference_packed(
 def refuse_program(plan: Plan, wanted_grads: tuple[str, ...] | None) -> None:
     """UnsupportedError for what packed sequences do not run yet: a mask listing blocks by index (a
     BlockMask), a qk transform or score source reading the call's indices q_idx, k_idx (score modifications,
-    masks and normalisers read them as rows of the packed q and k: ``passes/lower.packed_rows``), or
-    score-shaped gradients of runtime inputs (``wanted_grads``, their names: written score by score; a qk
-    transform's tensor's, summed over rows, runs)."""
+    masks and normalisers read them as rows of the packed q and k: ``passes/lower.packed_rows``), or gradients
+    of runtime inputs (``wanted_grads``, their names) other than a qk transform's tensor's and a score
+    modification's score-shaped one."""
     for app in applications(plan.graph):
         fragment = app.fragment()
         if getattr(fragment, "block_list", None) is not None:
@@ -148,11 +148,13 @@ def refuse_program(plan: Plan, wanted_grads: tuple[str, ...] | None) -> None:
                 f"{app.combinator} reads {', '.join(reads)} in a qk transform or score source: not supported "
                 f"with cu_seqlens_q/cu_seqlens_k yet"
             )
-    row_wise = {g.argument for g in plan.input_gradients if g.sides}
-    score_shaped = [name for name in wanted_grads or () if name not in row_wise]
-    if score_shaped:
+    # a qk transform's tensor's (summed over rows) and a score modification's score-shaped one (written at
+    # packed rows, ``codegen/backward.py``) are computed; any other is not yet
+    computed = {g.argument for g in plan.input_gradients if g.sides or g.prefix is not None}
+    others = [name for name in wanted_grads or () if name not in computed]
+    if others:
         raise UnsupportedError(
-            f"gradients of runtime inputs ({', '.join(score_shaped)}) are not computed with "
+            f"gradients of runtime inputs ({', '.join(others)}) are not computed with "
             f"cu_seqlens_q/cu_seqlens_k yet; pass them detached"
         )
 

@@ -127,6 +127,8 @@ def _chain(kernel: LoweredProgram, masked: bool, write_tensor_grads: bool) -> st
     norm = kernel.normaliser
     code = f"# {norm.prefix}: gradient of the scores\n{fragment(norm.fragment.grad)}\n"
     mods = kernel.mods
+    # a score-shaped buffer spans the call's rows: a packed call's are the packed row's (``lower.packed_rows``)
+    rows, keys = ("(q_start + q_idx)", "(k_start + k_idx)") if kernel.config.varlen else ("q_idx", "k_idx")
     for i in reversed(range(len(mods))):
         m = mods[i]
         s_in, s_out = f"s_{i}", f"s_{i + 1}" if i + 1 < len(mods) else "s_nat"
@@ -137,7 +139,7 @@ def _chain(kernel: LoweredProgram, masked: bool, write_tensor_grads: bool) -> st
                 grad = grad_buffer(m, name)
                 code += (
                     f"tl.store({grad} + b.to(tl.int64) * {grad}_s0 + h.to(tl.int64) * {grad}_s1 + "
-                    f"q_idx[:, None].to(tl.int64) * {grad}_s2 + k_idx[None, :] * {grad}_s3, {value}, "
+                    f"{rows}[:, None].to(tl.int64) * {grad}_s2 + {keys}[None, :] * {grad}_s3, {value}, "
                     f"mask=in_bounds)\n"
                 )
         if m.fragment.grad:
