@@ -221,6 +221,11 @@ class Combinator:
     after it), and its result is rounded to bfloat16 for the product, so it must commute with a positive
     per-head factor (a rotation does; a normalisation does not). Default False: such calls raise an
     UnsupportedError naming it. Other combinators see float32 scores and need no declaration.
+    ``packed_rows``: a packed call (``cu_seqlens_q``/``cu_seqlens_k``) runs a score modification, mask or
+    normaliser whose fragments read ``q_idx`` or ``k_idx`` only if it declares True: there they are rows of the
+    packed q and k, indexing tensors that span the packed row ((1, H, total_q, total_k) for a score-shaped one),
+    while positions and ``Nq``, ``Nk`` stay the document's, so its fragments must not compare the indices with
+    the sizes. Default False: such calls raise an UnsupportedError naming it.
     """
 
     name: str = field(validator=_identifier)
@@ -235,6 +240,7 @@ class Combinator:
     examples: Callable[..., dict[str, Any]] | None = field(default=None)
     takes_offsets: bool = field(default=False)
     runs_on_fp8: bool = field(default=False)
+    packed_rows: bool = field(default=False)
 
     @params.validator
     def _check_params(self, _, params) -> None:
@@ -274,6 +280,11 @@ class Combinator:
     def _check_takes_offsets(self, _, value) -> None:
         if not isinstance(value, bool):
             raise DeclarationError(f"combinator {self.name!r}: takes_offsets must be True or False, got {value!r}")
+
+    @packed_rows.validator
+    def _check_packed_rows(self, _, value) -> None:
+        if not isinstance(value, bool):
+            raise DeclarationError(f"combinator {self.name!r}: packed_rows must be True or False, got {value!r}")
 
     @runs_on_fp8.validator
     def _check_runs_on_fp8(self, _, value) -> None:

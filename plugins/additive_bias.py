@@ -59,6 +59,7 @@ COMBINATOR = Combinator(
     ),
     examples=examples,
     takes_offsets=True,
+    packed_rows=True,
 )
 
 

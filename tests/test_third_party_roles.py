@@ -21,6 +21,7 @@ import math
 import os
 import zlib
 
+import attrs
 import pytest
 import torch
 
@@ -325,6 +326,20 @@ def test_qk_norm_is_a_pair_transform():
 
 def test_document_conforms():
     check_combinator("_test_document", max_examples=FUZZ_EXAMPLES)
+
+
+def test_a_packed_call_refuses_a_combinator_reading_indices_unless_it_declares_packed_rows():
+    """_test_document indexes its tensor by positions and bounds q_idx by Nq: in a packed call its q_idx would be a
+    packed row and Nq the document's length, so it is refused by name; additive_bias declares packed_rows."""
+    q, k, v = (torch.randn(1, 2, 9, 16) for _ in range(3))
+    cu = torch.tensor([0, 4, 9], dtype=torch.int32)
+    doc_ids = torch.zeros(1, 9, dtype=torch.int64)
+    with pytest.raises(af.UnsupportedError, match=r"_test_document reads q_idx, .*declares packed_rows=True"):
+        packed_bidirectional(q, k, v, doc_ids, cu_seqlens_q=cu, cu_seqlens_k=cu)
+    assert af.combinators()["additive_bias"].combinator.packed_rows
+    assert not af.combinators()["_test_document"].combinator.packed_rows
+    with pytest.raises(af.PluginError, match="packed_rows must be True or False, got 'yes'"):
+        attrs.evolve(af.combinators()["additive_bias"].combinator, packed_rows="yes")
 
 
 @af.attention

@@ -99,15 +99,15 @@ def forward_reason(kernel: LoweredProgram) -> str | None:
             return (
                 f"{listing.prefix} lists its blocks, and the forward template does not take block lists with float8 yet"
             )
-    if c.varlen and (reader := _index_reader(kernel)) is not None:
-        return (
-            f"{reader} reads q_idx or k_idx (a tensor indexed by query and key: by packed rows in a packed call), "
-            f"which the forward template's packed instance does not take yet"
-        )
     if listing is not None and fact is not None:
         return (
             f"{listing.prefix} lists its blocks, and the forward template follows block lists only in a call "
             f"without {_FACTS[fact]} (a listed program's loader, steps and careful redo take none of them)"
+        )
+    if c.varlen and (reader := _index_reader(kernel)) is not None:
+        return (
+            f"{reader} reads q_idx or k_idx (a tensor indexed by query and key: by packed rows in a packed call), "
+            f"which the forward template's packed instance does not take yet"
         )
     if c.dropout and listing is not None:
         return (

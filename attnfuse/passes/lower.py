@@ -122,9 +122,12 @@ _PACKED_ROWS = {"q_idx": "(q_start + q_idx)", "k_idx": "(k_start + k_idx)"}
 
 
 def packed_rows(inst: Instance) -> Instance:
-    """``inst`` for a packed call's kernels (``KernelConfig.varlen``): its fragment's ``q_idx`` and ``k_idx``,
-    which index the call's tensors, are rows of the packed q and k (the kernels' own are the document's,
-    from its first rows ``q_start``, ``k_start``: ``codegen/packed.py``)."""
+    """``inst`` for a packed call's kernels (``KernelConfig.varlen``): where its combinator declares
+    ``packed_rows``, its fragment's ``q_idx`` and ``k_idx``, which index the call's tensors, are rows of the
+    packed q and k (the kernels' own are the document's, from its first rows ``q_start``, ``k_start``:
+    ``codegen/packed.py``); unchanged otherwise (such a packed call is refused: ``runtime/packed.py``)."""
+    if not inst.apply.declaration.packed_rows:
+        return inst
     return attrs.evolve(
         inst, fragment=_rewritten(inst.fragment, lambda t: _INDICES.sub(lambda m: _PACKED_ROWS[m[1]], t))
     )
@@ -261,7 +264,7 @@ def lower(fused: FusedProgram, config: KernelConfig, listing: str = "") -> Lower
     mods = tuple(inst(m) for m in fused.mods)
     masks = _one_listing(tuple(inst(m) for m in fused.masks))
     normaliser = inst(fused.normaliser)
-    if config.varlen:
+    if config.varlen:  # the combinators that declare it read their tensors at packed rows
         mods, masks, normaliser = tuple(map(packed_rows, mods)), tuple(map(packed_rows, masks)), packed_rows(normaliser)
     if config.partial and normaliser.fragment.partial is not None:
         normaliser = attrs.evolve(normaliser, fragment=normaliser.fragment.partial)

@@ -144,9 +144,10 @@ def run_attention(
         document attends within itself, at positions local to it (its queries bottom-right aligned to its
         keys, as a call with its rows alone). Any strides (FlashAttention's (total, H, D) tensors as
         ``t.transpose(0, 1)[None]``, with no copy). The values are checked on the device as ``validate`` says
-        for kv_lens. A tensor indexed by query and key (q_idx, k_idx in a fragment) is indexed by packed rows:
-        (1, H, total_q, total_k). Not with kv_lens, block_table, q_offset/k_offset/seq_len or split_kv, nor for
-        programs with block masks or a qk transform reading q_idx or k_idx, nor with gradients of runtime inputs
+        for kv_lens. A tensor indexed by query and key (q_idx, k_idx in a fragment whose combinator declares
+        packed_rows) is indexed by packed rows: (1, H, total_q, total_k). Not with kv_lens, block_table,
+        q_offset/k_offset/seq_len or split_kv, nor for programs with block masks or another combinator reading
+        q_idx or k_idx, nor with gradients of runtime inputs
         but a qk transform's tensor's and a score modification's score-shaped one (UnsupportedError).
     :param max_seqlen_q: with packed sequences, the longest document's query count (and ``max_seqlen_k``
         its key count), optional; a document longer than one given is an InputError (checked on the device).

@@ -131,8 +131,9 @@ def reference_packed(
 
 def refuse_program(plan: Plan, wanted_grads: tuple[str, ...] | None) -> None:
     """UnsupportedError for what packed sequences do not run yet: a mask listing blocks by index (a
-    BlockMask), a qk transform or score source reading the call's indices q_idx, k_idx (score modifications,
-    masks and normalisers read them as rows of the packed q and k: ``passes/lower.packed_rows``), or gradients
+    BlockMask), a combinator reading the call's indices q_idx, k_idx unless it declares ``packed_rows`` (a
+    score modification, mask or normaliser: it reads them as rows of the packed q and k, ``lower.packed_rows``),
+    or gradients
     of runtime inputs (``wanted_grads``, their names) other than a qk transform's tensor's and a score
     modification's score-shaped one."""
     for app in applications(plan.graph):
@@ -147,6 +148,12 @@ def refuse_program(plan: Plan, wanted_grads: tuple[str, ...] | None) -> None:
             raise UnsupportedError(
                 f"{app.combinator} reads {', '.join(reads)} in a qk transform or score source: not supported "
                 f"with cu_seqlens_q/cu_seqlens_k yet"
+            )
+        if reads and not app.declaration.packed_rows:
+            raise UnsupportedError(
+                f"{app.combinator} reads {', '.join(reads)}, which index a packed call's tensors by packed rows "
+                f"only in a combinator that declares packed_rows=True (its tensors span the packed row, and its "
+                f"fragments compare no index with Nq or Nk); not supported with cu_seqlens_q/cu_seqlens_k"
             )
     # a qk transform's tensor's (summed over rows) and a score modification's score-shaped one (written at
     # packed rows, ``codegen/backward.py``) are computed; any other is not yet
