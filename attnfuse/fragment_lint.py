@@ -423,6 +423,12 @@ def lint(comb: Combinator, fragment: Any, distribution: str) -> None:
         )
 
 
+def indices_read(app: Any) -> list[str]:
+    """The call's indices (``q_idx``, ``k_idx``: a tensor indexed by query and key) that the fragments of
+    ``app`` (an ``ir.Apply``) read, sorted."""
+    return sorted(template_reads(app.declaration, app.fragment()) & {"q_idx", "k_idx"})
+
+
 def template_reads(comb: Combinator, fragment: Any) -> frozenset[str]:
     """The kernel template's names (``q_idx``, ``k_pos``, ``Nq`` ...) that the fields of ``comb``'s
     ``fragment`` (as declared, placeholders unresolved) read."""

@@ -4,7 +4,7 @@ from a combinator's name. Each check that fails gives the reason the kernel fall
 
 from __future__ import annotations
 
-from ..fragment_lint import template_reads
+from ..fragment_lint import indices_read
 from ..passes.codegen.common import split
 from ..passes.codegen.loops import listing_mask
 from ..passes.lower import LoweredProgram
@@ -74,7 +74,7 @@ def block_list_reason(block_size: int | None) -> str | None:
 def _index_reader(kernel: LoweredProgram) -> str | None:
     """The first combinator application of ``kernel`` that reads q_idx or k_idx, or None."""
     for inst in kernel.instances():
-        if template_reads(inst.apply.declaration, inst.apply.fragment()) & {"q_idx", "k_idx"}:
+        if indices_read(inst.apply):
             return inst.prefix
     return None
 

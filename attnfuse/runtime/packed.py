@@ -18,7 +18,7 @@ import triton.language as tl
 
 from ..combinator import Role
 from ..errors import InputError, UnsupportedError
-from ..fragment_lint import template_reads
+from ..fragment_lint import indices_read
 from ..ir import applications
 from ..launch_spec import CONSTEXPR, INT, TENSOR, LaunchSpec, params
 from ..plan import Plan
@@ -143,7 +143,7 @@ def refuse_program(plan: Plan, wanted_grads: tuple[str, ...] | None) -> None:
                 f"{app.combinator} lists blocks by index (block masks, block sparsity): not supported with "
                 f"cu_seqlens_q/cu_seqlens_k yet"
             )
-        reads = sorted(template_reads(app.declaration, fragment) & {"q_idx", "k_idx"})
+        reads = indices_read(app)
         if reads and app.declaration.role in (Role.QK_TRANSFORM, Role.SCORE_SOURCE):
             raise UnsupportedError(
                 f"{app.combinator} reads {', '.join(reads)} in a qk transform or score source: not supported "

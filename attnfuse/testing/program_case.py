@@ -8,7 +8,7 @@ import sys
 import torch
 
 from ..errors import UnsupportedError
-from ..fragment_lint import template_reads
+from ..fragment_lint import indices_read
 from ..ir import applications
 from ..passes.fuse import fuse
 from ..passes.lower import instance
@@ -173,7 +173,7 @@ def check_program_case(
 def reads_indices(graph) -> bool:
     """Whether a combinator of ``graph`` reads q_idx or k_idx (indexes a tensor by query and key): in a packed
     call, by packed rows, so no document's reference alone has its tensors."""
-    return any(template_reads(app.declaration, app.fragment()) & {"q_idx", "k_idx"} for app in applications(graph))
+    return any(indices_read(app) for app in applications(graph))
 
 
 def _offsets(lengths: list[int], device: str) -> torch.Tensor:
