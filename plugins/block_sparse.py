@@ -153,6 +153,7 @@ COMBINATOR = Combinator(
         ),
     ),
     examples=examples,
+    packed_rows=True,
     takes_offsets=True,
 )
 

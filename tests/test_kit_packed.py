@@ -93,16 +93,15 @@ def _undo(text: str, renamed: dict[str, str]) -> str:
 
 def test_a_program_packed_calls_do_not_take_is_left_out():
     @af.attention
-    def sparse(q, k, v, block_mask):
-        return af.softmax(af.block_sparse(af.scaled_dot_product(q, k), block_mask)) @ v
+    def sinks(q, k, v, sinks):
+        return af.softmax_with_sinks(af.causal(af.scaled_dot_product(q, k)), sinks) @ v
 
     packed = PACKS[1]
     shape = Shape(B=1, Hq=2, Hkv=2, Nq=sum(packed[0]), Nk=sum(packed[1]), D=16, DV=16)
-    grid = torch.ones(1, 1, 1, 1, dtype=torch.bool)
-    mask = af.BlockMask.from_blocks(grid, shape.Nq, shape.Nk, block_size=64)
-    case = ProgramCase(program=sparse, text="sparse", shape=shape, extras={"block_mask": mask})
-    with pytest.raises(af.UnsupportedError):  # the call itself refuses it
+    extras = {"sinks": torch.randn(shape.Hq)}
+    case = ProgramCase(program=sinks, text="sinks", shape=shape, extras=extras)
+    with pytest.raises(af.UnsupportedError, match=r"gradients of runtime inputs \(sinks\)"):  # the call refuses it
         q, k, v = case.inputs(torch.float32, "cpu", 0)
         cu = [torch.tensor([0, n], dtype=torch.int32) for n in (shape.Nq, shape.Nk)]
-        sparse(q, k, v, mask, cu_seqlens_q=cu[0], cu_seqlens_k=cu[1])
-    check_program_case(case, torch.float32, "cpu", seed=0, packed=packed)  # so the kit leaves it out
+        sinks(q, k, v, extras["sinks"].clone().requires_grad_(True), cu_seqlens_q=cu[0], cu_seqlens_k=cu[1])
+    check_program_case(case, torch.float32, "cpu", seed=0, packed=packed, grads=True)  # so the kit leaves it out

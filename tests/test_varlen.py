@@ -3,6 +3,7 @@ itself at local positions, checked against every document run on its own through
 float64 (forward and dq, dk, dv); bad offsets and unsupported combinations get errors naming the argument."""
 
 import json
+import warnings
 
 import attrs
 import pytest
@@ -199,9 +200,6 @@ def test_unsupported_combinations_name_the_argument():
             af.run_attention(gpt2._trace(()), q, k, v, **extra, **packed_args)
     with pytest.raises(af.UnsupportedError, match="block_table cannot be combined"):
         gpt2(q, k, v, block_table=torch.zeros(1, 1, dtype=torch.int32), **packed_args)
-    grid = torch.ones(1, 1, 1, 1, dtype=torch.bool)
-    with pytest.raises(af.UnsupportedError, match=r"block_sparse lists blocks by index"):
-        sparse(q, k, v, af.BlockMask.from_blocks(grid, q.shape[2], k.shape[2], block_size=64), **packed_args)
     with pytest.raises(af.UnsupportedError, match=r"kv_lens cannot be combined"):
         gpt2.reference(q, k, v, kv_lens=torch.tensor([3], dtype=torch.int32), **packed_args)
     slopes = torch.rand(2, requires_grad=True)
@@ -252,6 +250,54 @@ def test_a_tensor_indexed_by_query_and_key_is_indexed_by_packed_rows(heads):
     (want,) = torch.autograd.grad(whole, bias, dout.double())
     assert got.shape == bias.shape
     torch.testing.assert_close(got.double(), want.double(), atol=5e-5, rtol=5e-5)
+
+
+def keep_of_each_document(keep: torch.Tensor, q, k, v, cu_q, cu_k) -> torch.Tensor:
+    """Softmax attention (float64) of each document alone, keeping the pairs of its block of ``keep`` (1, H,
+    total_q, total_k): written out here, independent of the program's reference; a row keeping nothing gives 0."""
+    group = q.shape[1] // k.shape[1]
+    rows_out = []
+    for i in range(cu_q.shape[0] - 1):
+        rows, keys = slice(cu_q[i], cu_q[i + 1]), slice(cu_k[i], cu_k[i + 1])
+        qd = q[0, :, rows].double()
+        kd, vd = (t[0, :, keys].double().repeat_interleave(group, 0) for t in (k, v))
+        s = (qd @ kd.transpose(-1, -2)) / q.shape[-1] ** 0.5
+        kept = keep[0, :, rows, keys].expand_as(s)
+        w = torch.softmax(s.masked_fill(~kept, float("-inf")), -1).nan_to_num(0.0)
+        rows_out.append(w @ vd)
+    return torch.cat(rows_out, 1)[None]
+
+
+@pytest.mark.parametrize("partial", [False, True], ids=["blocks", "token-masks"])
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_a_block_mask_over_the_packed_row(block_size, partial):
+    """block_sparse with a BlockMask over the packed row (1, H, total_q, total_k), as flex_attention's document
+    masks are built: each document keeps the pairs of its block of it (its lists' blocks straddle documents,
+    so the kernels apply it element by element). Forward and gradients against each document alone (float64,
+    written out), which the packed call's reference equals."""
+    lq, lk = [5, 0, 1, 37, 9, 2], [5, 3, 1, 40, 14, 0]
+    q, k, v, cu_q, cu_k = packed(lq, lk, Hq=4, Hkv=2)
+    Nq, Nk = sum(lq), sum(lk)
+    if partial:
+        scores = torch.rand(1, 4, Nq, Nk)
+        with warnings.catch_warnings():  # create_block_mask's one-release notice of its token-level meaning
+            warnings.simplefilter("ignore", DeprecationWarning)
+            mask = af.create_block_mask(lambda b, h, q, k: scores[b, h, q, k] > 0.3, 1, 4, Nq, Nk, block_size)
+    else:
+        grid = torch.rand(1, 4, -(-Nq // block_size), -(-Nk // block_size)) > 0.4
+        mask = af.BlockMask.from_blocks(grid, Nq, Nk, block_size=block_size)
+    out = sparse(q, k, v, mask, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
+    expected = keep_of_each_document(mask.to_dense(), q, k, v, cu_q, cu_k)
+    whole = sparse.reference(q, k, v, mask, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
+    torch.testing.assert_close(whole, expected, atol=1e-12, rtol=1e-12)
+    torch.testing.assert_close(out.double(), expected, atol=2e-5, rtol=2e-5)
+    dout = torch.randn_like(out)
+    got = torch.autograd.grad(out, (q, k, v), dout)
+    want = torch.autograd.grad(expected, (q, k, v), dout.double())
+    for name, g, w in zip("qkv", got, want):
+        torch.testing.assert_close(
+            g.double(), w.double(), atol=5e-5, rtol=5e-5, msg=lambda m, name=name: f"d{name}: {m}"
+        )
 
 
 def test_the_reference_checks_packed_offsets_as_a_call_does():

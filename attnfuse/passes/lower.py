@@ -262,7 +262,7 @@ def lower(fused: FusedProgram, config: KernelConfig, listing: str = "") -> Lower
             f"halves of the head dim, so it must be even; got D={config.head_dim}"
         )
     mods = tuple(inst(m) for m in fused.mods)
-    masks = _one_listing(tuple(inst(m) for m in fused.masks))
+    masks = _one_listing(tuple(inst(m) for m in fused.masks), config.varlen)
     normaliser = inst(fused.normaliser)
     if config.varlen:  # the combinators that declare it read their tensors at packed rows
         mods, masks, normaliser = tuple(map(packed_rows, mods)), tuple(map(packed_rows, masks)), packed_rows(normaliser)
@@ -338,11 +338,15 @@ def _scale(source: ir.Apply, normaliser: Instance, head_dim: int) -> float:
     return scale
 
 
-def _one_listing(masks: tuple[Instance, ...]) -> tuple[Instance, ...]:
-    """The loops follow one mask's block lists; any further listing mask is applied element by element."""
+def _one_listing(masks: tuple[Instance, ...], varlen: bool) -> tuple[Instance, ...]:
+    """The loops follow one mask's block lists; any further listing mask is applied element by element, as
+    every one is in a packed call (``varlen``: the loops follow each document's tiles, and the lists index
+    blocks of the packed row, which a document's tiles need not align with)."""
     listing = [m for m in masks if m.fragment.block_list is not None]
+    followed = listing[:0] if varlen else listing[:1]
     return tuple(
-        attrs.evolve(m, fragment=attrs.evolve(m.fragment, block_list=None)) if m in listing[1:] else m for m in masks
+        m if m not in listing or m in followed else attrs.evolve(m, fragment=attrs.evolve(m.fragment, block_list=None))
+        for m in masks
     )
 
 

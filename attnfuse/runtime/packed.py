@@ -130,19 +130,12 @@ def reference_packed(
 
 
 def refuse_program(plan: Plan, wanted_grads: tuple[str, ...] | None) -> None:
-    """UnsupportedError for what packed sequences do not run yet: a mask listing blocks by index (a
-    BlockMask), a combinator reading the call's indices q_idx, k_idx unless it declares ``packed_rows`` (a
-    score modification, mask or normaliser: it reads them as rows of the packed q and k, ``lower.packed_rows``),
-    or gradients
-    of runtime inputs (``wanted_grads``, their names) other than a qk transform's tensor's and a score
-    modification's score-shaped one."""
+    """UnsupportedError for what packed sequences do not run yet: a combinator reading the call's indices
+    q_idx, k_idx unless it declares ``packed_rows`` (a score modification, mask or normaliser: it reads them as
+    rows of the packed q and k, ``lower.packed_rows``; a mask listing blocks, such as block_sparse, is then
+    applied element by element, ``lower._one_listing``), or gradients of runtime inputs (``wanted_grads``, their
+    names) other than a qk transform's tensor's and a score modification's score-shaped one."""
     for app in applications(plan.graph):
-        fragment = app.fragment()
-        if getattr(fragment, "block_list", None) is not None:
-            raise UnsupportedError(
-                f"{app.combinator} lists blocks by index (block masks, block sparsity): not supported with "
-                f"cu_seqlens_q/cu_seqlens_k yet"
-            )
         reads = indices_read(app)
         if reads and app.declaration.role in (Role.QK_TRANSFORM, Role.SCORE_SOURCE):
             raise UnsupportedError(
