@@ -274,12 +274,11 @@ def sparse_causal(q, k, v, block_mask):
 
 @pytest.mark.parametrize("mode", ["verified", "all"])
 @pytest.mark.parametrize("head_dim", [64, 256])
-def test_a_block_sparse_call_names_the_forward_template_and_its_block_size_condition(
-    capsys, monkeypatch, mode, head_dim
-):
+def test_a_block_sparse_call_names_the_templates_and_their_block_size_condition(capsys, monkeypatch, mode, head_dim):
     """A program whose mask lists its blocks has a forward instance (GPU-verified, so chosen in either mode),
-    which a call runs where its block size is one the template follows; its dK/dV kernel is the generated one,
-    and says why."""
+    which a call runs where its block size is one the template follows; at head dim 64 a dK/dV instance (not
+    verified yet: chosen only when opted in) under the same condition, and its dQ kernel is the generated one,
+    saying why; at 256 the backward templates have no tiles."""
     monkeypatch.setenv(verified.MODE_ENV, mode)
     report = show_json(capsys, f"{__name__}:sparse_causal", "--arch", "sm90", "--head-dim", str(head_dim))
     mask = af.create_block_mask_from_blocks(lambda b, h, qb, kb: qb >= kb, None, None, 256, 256)
@@ -299,10 +298,15 @@ def test_a_block_sparse_call_names_the_forward_template_and_its_block_size_condi
     assert forward["engine"] == "template" and template_forward(plan) is not None  # in the GPU-verified record
     assert forward["name"] == spec.name
     assert "multiple of 128" in forward["condition"]
-    dkdv = report["kernels"]["dkdv"]
-    assert dkdv["engine"] == "generated" and dkdv["template_available"] is False
-    assert "condition" not in dkdv
-    assert ("lists its blocks" in dkdv["reason"]) is (head_dim == 64)  # at 256: it has no tiles for the head dim
+    dkdv, dq = report["kernels"]["dkdv"], report["kernels"]["dq"]
+    if head_dim == 64:
+        training = compiled(sparse_causal.graph(block_mask=mask), attrs.evolve(config, save_lse=True)).plan
+        assert dkdv["template_available"] is True and "multiple of 128" in dkdv["condition"]
+        assert dkdv["instance"] == verified.record_key(training.templates.kernels["dkdv"], "bfloat16", head_dim)
+        assert dkdv["engine"] == ("template" if mode == "all" else "generated")
+        assert dq["engine"] == "generated" and "lists its blocks" in dq["reason"]
+    else:  # no tiles for the head dim
+        assert dkdv["engine"] == "generated" and dkdv["template_available"] is False and "condition" not in dkdv
 
 
 @pytest.mark.parametrize("fact, words", [("kv_lens", "kv_lens"), ("positions", "positions"), ("varlen", "cu_seqlens")])

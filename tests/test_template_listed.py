@@ -44,14 +44,18 @@ def _spec(variant: str, **changes):
 @pytest.mark.parametrize("variant", LISTED)
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
-def test_the_forward_template_serves_listed_programs_and_the_dkdv_template_says_why_not(variant, dtype, head_dim):
+def test_the_forward_and_dkdv_templates_serve_listed_programs_and_the_dq_template_says_why_not(
+    variant, dtype, head_dim
+):
     config = attrs.evolve(SM90, dtype=dtype, head_dim=head_dim, head_dim_v=head_dim)
     kernel = lowered(_graph(variant), config)
     assert capability.forward_reason(kernel) is None
-    assert "forward" in compile_plan(_graph(variant), config).templates.kernels
+    templates = compile_plan(_graph(variant), config).templates
+    assert "forward" in templates.kernels
     if head_dim in (64, 128):
-        reason = capability.dkdv_reason(kernel)
-        assert reason is not None and "lists its blocks" in reason and "dK/dV template" in reason
+        assert capability.dkdv_reason(kernel) is None and "dkdv" in templates.kernels
+        reason = capability.dq_reason(kernel)
+        assert reason is not None and "lists its blocks" in reason and "dQ template" in reason
 
 
 @pytest.mark.parametrize("variant", LISTED)
@@ -77,14 +81,16 @@ def test_the_forward_template_refuses_block_lists_in_a_call_with_a_fact(variant,
 
 @pytest.mark.parametrize("variant", LISTED)
 @pytest.mark.parametrize("head_dim", [64, 128])
-def test_the_forward_template_refuses_block_lists_in_a_call_with_dropout(variant, head_dim):
-    """Dropout and block lists, each of which the forward template takes alone, are not combined in it yet: such a
-    call runs the generated kernel, and the reason names both."""
+def test_the_templates_refuse_block_lists_in_a_call_with_dropout(variant, head_dim):
+    """Dropout and block lists, each of which the forward and dK/dV templates take alone, are not combined in them
+    yet: such a call runs the generated kernels, and the reasons name both."""
     config = attrs.evolve(SM90, head_dim=head_dim, head_dim_v=head_dim)
-    reason = capability.forward_reason(lowered(_graph(variant), attrs.evolve(config, dropout=True)))
-    assert reason is not None and "lists its blocks" in reason and "attention dropout (dropout_p)" in reason
-    assert "forward" not in compile_plan(_graph(variant), attrs.evolve(config, dropout=True)).templates.kernels
+    dropped = lowered(_graph(variant), attrs.evolve(config, dropout=True))
+    for kind, reason in (("forward", capability.forward_reason(dropped)), ("dkdv", capability.dkdv_reason(dropped))):
+        assert reason is not None and "lists its blocks" in reason and "attention dropout (dropout_p)" in reason
+        assert kind not in compile_plan(_graph(variant), attrs.evolve(config, dropout=True)).templates.kernels
     assert capability.forward_reason(lowered(_graph(variant), config)) is None
+    assert capability.dkdv_reason(lowered(_graph(variant), config)) is None
 
 
 def _function(source: str, suffix: str) -> ast.FunctionDef:

@@ -1,6 +1,6 @@
 """The template instances compiled for sm90 here, with no GPU (Triton, ptxas, nvdisasm:
 ``attnfuse/kernels/resources.py``): every variant of ``verify.VARIANTS`` is served by the forward template and
-the dK/dV template (the listed ones, ``verify.LISTED_VARIANTS``, by the forward template) and compiles within a
+the dK/dV template (the listed ones, ``verify.LISTED_VARIANTS``, too) and compiles within a
 block's shared memory, on wgmma and TMA, with one main loop per consumer warpgroup; so do the forward instances of
 calls with a fact (``FACT_CASES``: kv_lens, given positions, packed sequences). The forward's key loop holds no
 local memory (the spill bytes outside the loop, a few at head dims 128 and 256, are in docs/benchmarks.md's table:
@@ -25,7 +25,7 @@ CASES = [(v, d, "bfloat16", False) for v in verify.FORWARD_VARIANTS for d in ver
 CASES += [(v, 128, "float16", False) for v in verify.FORWARD_VARIANTS]
 CASES += [(v, d, t, True) for v in verify.DROPOUT_VARIANTS for d in FORWARD_DROPOUT_HEAD_DIMS for t in verify.DTYPES]
 CASES += [(v, d, verify.FP8_DTYPE, False) for v in verify.FP8_VARIANTS for d in FORWARD_FP8_HEAD_DIMS]
-DKDV_CASES = [(v, d, "bfloat16", False) for v in verify.VARIANTS for d in verify.DKDV_HEAD_DIMS]
+DKDV_CASES = [(v, d, "bfloat16", False) for v in verify.FORWARD_VARIANTS for d in verify.DKDV_HEAD_DIMS]
 DKDV_CASES += [(v, d, "bfloat16", True) for v in verify.DROPOUT_VARIANTS for d in verify.DKDV_HEAD_DIMS]
 DQ_CASES = [(v, d, "bfloat16") for v in verify.VARIANTS for d in verify.DKDV_HEAD_DIMS]  # no dropout: dq_reason
 DQ_CASES += [(v, 128, "float16") for v in verify.VARIANTS]
@@ -56,6 +56,11 @@ KNOWN_DKDV_LOOP_SPILLS = {
     ("sinks", 128): 32,
     ("additive_bias", 128): 252,
     ("sigmoid", 128): 76,  # the contrib package's variant, where installed
+    # following block lists: the walk over every head's lists, and in partial blocks the listing mask's keep
+    ("block_sparse", 64): 48,
+    ("block_sparse", 128): 140,
+    ("block_sparse_tokens", 64): 56,
+    ("block_sparse_tokens", 128): 344,
     # with attention dropout: its Philox rounds (a 64 x 64 tile of 10-round Philox-4x32 a step) on top
     ("causal+dropout", 64): 184,
     ("softcap+dropout", 64): 280,

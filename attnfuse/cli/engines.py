@@ -23,7 +23,7 @@ NO_SPLIT_KV = "{what} never takes the split-KV path: a call with few queries run
 HOISTED_KINDS = ("forward", "dkdv", "dq")
 LISTED_CONDITION = (  # capability.block_list_reason
     f"the template runs calls whose block lists' block size is a multiple of {2 * ROWS.value} (a program's query "
-    "rows), the generated kernel the others"
+    "rows or keys), the generated kernel the others"
 )  # a call that hoists its qk transforms runs the hoisted plan's
 
 
@@ -144,7 +144,7 @@ def call_engines(graph: ir.MatMulPV, inference: KernelConfig, training: KernelCo
             hoisted = kernel_engine(compiled(graph, plan.hoisted_config).plan, kind)
             least = least_hoisted_queries(plan.kernels["forward"].tiles.block_m)
             engine = evolve(hoisted, hoisted=True, when=f"calls with at least {least} queries", fused=engine)
-        if kind == "forward" and engine.template is not None and plan.block_limit is not None:
+        if kind in ("forward", "dkdv") and engine.template is not None and plan.block_limit is not None:
             engine = evolve(engine, condition=LISTED_CONDITION)
         if kind in ("dkdv", "dq") and fp8:
             engine = evolve(engine, reason="float8 calls have no backward (a gradient is an UnsupportedError)")

@@ -59,15 +59,15 @@ def _common_reason(
 
 
 def block_list_reason(block_size: int | None) -> str | None:
-    """Why the forward template cannot follow, in a call, block lists of ``block_size`` (the listing mask's block
-    size, ``Prepared.limit``; None: no listing mask), or None when it can: a program's query rows must lie in one
-    of the lists' query blocks."""
+    """Why the templates (forward, dK/dV) cannot follow, in a call, block lists of ``block_size`` (the listing
+    mask's block size, ``Prepared.limit``; None: no listing mask), or None when they can: a forward program's
+    query rows, and a dK/dV program's keys, must lie in one of the lists' blocks."""
     rows = 2 * ROWS.value
     if block_size is None or (block_size > 0 and block_size % rows == 0):
         return None
     return (
-        f"the forward template follows block lists whose block size is a multiple of {rows} (a program's query "
-        f"rows), not {block_size}"
+        f"the templates follow block lists whose block size is a multiple of {rows} (a program's query rows or "
+        f"keys), not {block_size}"
     )
 
 
@@ -133,12 +133,24 @@ def forward_reason(kernel: LoweredProgram) -> str | None:
 
 
 def dkdv_reason(kernel: LoweredProgram) -> str | None:
-    """Why the dK/dV template cannot run ``kernel``, or None when it can."""
-    return _common_reason(kernel, "dK/dV", DKDV_TILES, takes=("dropout",)) or _backward_reason(kernel)
+    """Why the dK/dV template cannot run ``kernel``, or None when it can (a listing mask's block size is checked
+    in the call: ``block_list_reason``)."""
+    reason = _common_reason(kernel, "dK/dV", DKDV_TILES, takes=("dropout",)) or _backward_reason(kernel)
+    listing = listing_mask(kernel)
+    if reason is None and listing is not None and kernel.config.dropout:
+        return (
+            f"{listing.prefix} lists its blocks, and the dK/dV template does not take block lists with "
+            f"{_FACTS['dropout']} yet"
+        )
+    return reason
 
 
 def dq_reason(kernel: LoweredProgram) -> str | None:
-    """Why the dQ template cannot run ``kernel``, or None when it can: the programs the dK/dV template takes."""
+    """Why the dQ template cannot run ``kernel``, or None when it can: the programs the dK/dV template takes,
+    but for a mask that lists its blocks."""
+    listing = listing_mask(kernel)
+    if listing is not None:
+        return f"{listing.prefix} lists its blocks, and the dQ template does not follow block lists yet"
     return _common_reason(kernel, "dQ", DQ_TILES) or _backward_reason(kernel)
 
 
@@ -153,9 +165,6 @@ def _backward_reason(kernel: LoweredProgram) -> str | None:
             f"{norm.prefix} needs delta but saves no lse: the template reads delta from the rows it makes of lse "
             "(runtime/template_rows.py)"
         )
-    listing = listing_mask(kernel)
-    if listing is not None:
-        return f"{listing.prefix} lists its blocks, and the dK/dV template does not follow block lists yet"
     no_grad = next((m for m in kernel.mods if m.fragment.grad is None), None)
     if no_grad is not None:
         return f"{no_grad.prefix} declares no backward (its grad is None)"

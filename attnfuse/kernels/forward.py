@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import string
 
-import attrs
 
 from ..launch_spec import CONSTEXPR, INT, SCALAR, TENSOR, Param, params
 from ..passes.codegen.common import docstring_text
@@ -422,7 +421,7 @@ def generate_forward(kernel: LoweredProgram, name: str, consumer_registers: int,
         given=facts.entry_params,
         program=_indent(facts.program + fp8.descales, 4),
         grid=facts.grid,
-        key_range=_indent(key_range(kernel if m is None else _without(kernel, m)), 4),
+        key_range=_indent(key_range(listed.without_listing(kernel)), 4),
         steps=_STEPS if m is None else listed.steps(m, name, args),
         loader=_LOADER.format(loader=fp8.loader, firsts=facts.loader_rows)
         if m is None
@@ -433,9 +432,3 @@ def generate_forward(kernel: LoweredProgram, name: str, consumer_registers: int,
     if m is None:
         return header + careful + consumer + entry
     return header + listed.IMPORT + careful + consumer + listed.loader(m, kernel, name) + entry
-
-
-def _without(kernel: LoweredProgram, listing) -> LoweredProgram:
-    """``kernel`` without its listing mask: the other masks' facts bound a listed block's tiles and tell which
-    of them they keep whole (the listing mask's own keep applies where its lists call a block partial)."""
-    return attrs.evolve(kernel, masks=tuple(m for m in kernel.masks if m is not listing))

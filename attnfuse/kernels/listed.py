@@ -16,6 +16,9 @@ from __future__ import annotations
 import re
 import string
 
+import attrs
+
+from ..passes.codegen.loops import listing_mask
 from ..passes.lower import Instance, LoweredProgram
 from .gluon_text import for_template
 
@@ -38,6 +41,14 @@ $lists
 $key
         load_key_block(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, kv_free, b, hk, start_n, j, STAGES)
 ''')
+
+
+def without_listing(kernel: LoweredProgram) -> LoweredProgram:
+    """``kernel`` without its listing mask (``kernel`` itself if it has none): the other masks' facts bound a
+    listed block's tiles and tell which of them they keep whole (the listing mask's own keep applies where its
+    lists call a block partial)."""
+    listing = listing_mask(kernel)
+    return kernel if listing is None else attrs.evolve(kernel, masks=tuple(m for m in kernel.masks if m is not listing))
 
 
 def _indent(code: str, spaces: int) -> str:

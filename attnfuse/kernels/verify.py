@@ -139,8 +139,8 @@ def _document_tokens(hq: int, nq: int, nk: int, device) -> dict:
 
 
 def _listed_variants() -> dict[str, tuple[Callable, Callable]]:
-    """name -> (program, its runtime arguments): programs whose mask lists its blocks, which the forward
-    template follows (the dK/dV template does not yet)."""
+    """name -> (program, its runtime arguments): programs whose mask lists its blocks, which the forward and
+    dK/dV templates follow (the dQ template does not yet)."""
     return {
         "block_sparse": (
             af.attention(
@@ -255,19 +255,20 @@ def _dropout_cases(kind: str) -> list[Case]:
 def smooth(variant: str) -> bool:
     """Whether the variant's normaliser has smooth weights: a non-smooth one's (relu) float16 and bfloat16
     gradients are not compared with the reference (``NormaliserFragment.smooth``), so it has no dK/dV case."""
-    program, extra = VARIANTS[variant]
+    program, extra = FORWARD_VARIANTS[variant]
     return program.graph(**extra(1, 1, 1, "cpu")).weights.apply.fragment().smooth
 
 
 def backward_cases() -> list[Case]:
-    """The dK/dV and dQ templates' cases: each variant with smooth weights, their head dims, both dtypes, the
-    forward's shapes; and the dK/dV template's with attention dropout, ``DROPOUT_VARIANTS`` (the dQ template does
-    not take dropout). None with NaN values: a masked key's NaN value makes the float64 reference's gradients NaN
-    (its masked weights' dS is 0 · NaN), where the kernels' are 0."""
+    """The dK/dV and dQ templates' cases: each variant with smooth weights (the dK/dV template's: the listed ones
+    too, ``LISTED_VARIANTS``), their head dims, both dtypes, the forward's shapes; and the dK/dV template's with
+    attention dropout, ``DROPOUT_VARIANTS`` (the dQ template takes neither block lists nor dropout). None with NaN
+    values: a masked key's NaN value makes the float64 reference's gradients NaN (its masked weights' dS is
+    0 · NaN), where the kernels' are 0."""
     return [
         Case(v, d, t, s, False, kind=kind)
         for kind in BACKWARD_TEMPLATES
-        for v in VARIANTS
+        for v in (FORWARD_VARIANTS if kind == "dkdv" else VARIANTS)
         if smooth(v)
         for d in DKDV_HEAD_DIMS
         for t in DTYPES
@@ -425,7 +426,7 @@ def _check_backward(case: Case, seed: int) -> dict:
     reference's gradients, with the bound of delta's rounding (``grad_bounds``) for normalisers that read delta.
     AssertionError too if the case's template (``case.kind``) did not run."""
     template = BACKWARD_TEMPLATES[case.kind]
-    program, extra = VARIANTS[case.variant]
+    program, extra = FORWARD_VARIANTS[case.variant]
     B, Hq, Hkv, Nq, Nk = case.shape
     dtype = getattr(torch, case.dtype)
     gen = torch.Generator(device="cuda").manual_seed(seed)

@@ -13,6 +13,7 @@ from typing import Any, Callable
 import attrs
 import torch
 
+from ..kernels.capability import block_list_reason
 from ..kernels.dq_launch import TemplateDq
 from ..kernels.launch import TemplateDkdv
 from ..kernels.verified import chosen, record_key
@@ -248,7 +249,7 @@ class BackwardKernels:
         dk: torch.Tensor,
         dv: torch.Tensor,
         inputs: dict[str, Any],
-        prepared: Prepared | None,
+        prepared: Prepared,
         buffers: list[torch.Tensor],
         partials: dict[str, dict[str, torch.Tensor]],
         dq_engine: str,
@@ -271,7 +272,7 @@ class BackwardKernels:
             "Nq": Nq,
             **kv_launch_args(kv),
         }  # Lse: a placeholder when the normaliser saves none
-        pargs, limit, heavy = prepared or self.plugin_args(q, kv, inputs)
+        pargs, limit, heavy = prepared
         even_m = False if kv.packed is not None else lambda tiles: Nq % tiles.block_m == 0  # noqa: E731
         if dq_engine == "template":
             self.dq_template(q, kv.k, kv.v, out, dout, lse, dlse, delta, dq, pargs)
@@ -312,8 +313,9 @@ class BackwardKernels:
         partials: dict[str, dict[str, torch.Tensor]] = {}
         if q.numel() and k.numel():
             dlse = dlse.to(accumulator_dtype(q.dtype)).contiguous() if dlse is not None else None
+            prepared = prepared or self.plugin_args(q, kv, inputs)
             served = self.template is not None and self.template.fits(q, k, v, dout, lse, dk, dv)
-            engine = "template" if served else "generated"
+            engine = "template" if served and block_list_reason(prepared.limit) is None else "generated"
             dq_served = self.dq_template is not None and self.dq_template.fits(q, k, v, out, dout, lse, dq)
             dq_engine = "template" if dq_served else "generated"
             self._dq_then_dkdv(

@@ -1,0 +1,48 @@
+"""The dK/dV template's loads for a program whose mask lists its blocks (block sparsity), in Gluon.
+
+An instance of such a program writes its own loader warp (``kernels/dkdv_listed.py``): it reads the mask's
+column lists with the plugin's fragments, and brings each step's query tile through ``load_query_tile`` into the
+ring of ``pipeline.ring``, on the protocol of ``dkdv_pipeline.dkdv_loader`` (a stage is refilled once both
+consumers freed it).
+"""
+
+from __future__ import annotations
+
+from ..triton_compat import gl, gluon, mbarrier, tma
+from .pipeline import ROWS
+
+
+@gluon.jit
+def load_key_tiles(k_desc, v_desc, k_smem, v_smem, bars, b, hkv, n0):
+    """Both halves' K and V tiles, keys n0.. (2 * ROWS) of kv head hkv, each half on its ready barrier."""
+    kv_ready = bars[0]
+    for half in gl.static_range(2):
+        mbarrier.expect(kv_ready.index(half), k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(k_desc, [b, hkv, n0 + half * ROWS, 0], kv_ready.index(half), k_smem.index(half))
+        tma.async_copy_global_to_shared(v_desc, [b, hkv, n0 + half * ROWS, 0], kv_ready.index(half), v_smem.index(half))
+
+
+@gluon.jit
+def load_query_tile(
+    q_desc, do_desc, lse_desc, delta_desc, q_smem, do_smem, lse_smem, delta_smem, bars, b, h, m, t, row_stride,
+    heads_q, STAGES: gl.constexpr, HAS_LSE: gl.constexpr, HAS_DELTA: gl.constexpr,
+):  # fmt: skip
+    """Step ``t``: the Q tile of rows m.. of query head h (with their lse, HAS_LSE) and its dO tile (with their
+    delta, HAS_DELTA) into stage t % STAGES, once both consumers freed it. TMA fills rows past a tensor's end with
+    zeros."""
+    _, q_ready, do_ready, free = bars
+    stage = t % STAGES
+    mbarrier.wait(free.index(stage), ((t // STAGES) & 1) ^ 1)
+    row = (b * heads_q + h) * row_stride + m  # in lse's and delta's flat rows
+    if HAS_LSE:
+        mbarrier.expect(q_ready.index(stage), q_desc.block_type.nbytes + lse_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(lse_desc, [row], q_ready.index(stage), lse_smem.index(stage))
+    else:
+        mbarrier.expect(q_ready.index(stage), q_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(q_desc, [b, h, m, 0], q_ready.index(stage), q_smem.index(stage))
+    if HAS_DELTA:
+        mbarrier.expect(do_ready.index(stage), do_desc.block_type.nbytes + delta_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(delta_desc, [row], do_ready.index(stage), delta_smem.index(stage))
+    else:
+        mbarrier.expect(do_ready.index(stage), do_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(do_desc, [b, h, m, 0], do_ready.index(stage), do_smem.index(stage))

@@ -1,0 +1,147 @@
+"""The dK/dV template follows a mask's column lists (block sparsity), checked with no GPU: that its loader warp
+and its consumers walk the same listed query tiles, head by head (``kernels/dkdv_listed.py``); that the listing
+mask's keep applies only in the blocks its lists call partial; that a backward runs the instance only where the
+mask's block size lets a program's keys lie in one block; and that the GPU check has the cases. The instances'
+resources are checked in tests/test_template_resources.py, their gradients on a GPU (tests/test_template_gpu.py)."""
+
+from __future__ import annotations
+
+import ast
+
+import attrs
+import pytest
+import torch
+
+import attnfuse as af
+from attnfuse.kernels import capability, verify
+from attnfuse.passes.compiler import compile as compile_plan
+from attnfuse.plan import KernelConfig
+from attnfuse.runtime import backward as runtime_backward
+from attnfuse.runtime import forward as runtime_forward
+from attnfuse.runtime.compiled import compiled
+from attnfuse.runtime.inputs import KVCache
+
+from test_template import _undefined
+
+LISTED = sorted(verify.LISTED_VARIANTS)
+SM90 = KernelConfig(
+    arch="sm90", dtype="bfloat16", head_dim=128, head_dim_v=128, group=2, save_lse=True, fp32_precision="ieee"
+)
+
+
+def _source(variant: str, head_dim: int = 128) -> str:
+    program, extra = verify.LISTED_VARIANTS[variant]
+    config = attrs.evolve(SM90, head_dim=head_dim, head_dim_v=head_dim)
+    return compile_plan(program.graph(**extra(4, 48, 64, "cpu")), config).templates.kernels["dkdv"].source
+
+
+def _function(source: str, suffix: str) -> ast.FunctionDef:
+    return next(n for n in ast.parse(source).body if isinstance(n, ast.FunctionDef) and n.name.endswith(suffix))
+
+
+def _walk(function: ast.FunctionDef) -> list[str]:
+    """The statements of ``function`` that walk the steps: the lists' names, the steps' count, each step's head
+    and rows (unparsed, in order)."""
+    names = {"list_size", "list_tiles", "list_block", "n_steps", "h", "t_head", "n_head", "j", "start_m"}
+    found = []
+    for node in ast.walk(function):
+        if isinstance(node, (ast.Assign, ast.AugAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            if {ast.unparse(t) for t in targets} & names:
+                found.append(ast.unparse(node))
+        elif isinstance(node, (ast.For, ast.While)):
+            found.append(ast.unparse(node.iter if isinstance(node, ast.For) else node.test))
+    return found
+
+
+@pytest.mark.parametrize("variant", LISTED)
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_the_loader_and_the_consumers_walk_the_same_listed_steps(variant, head_dim):
+    """Step t's head and rows come from the same statements in the loader warp and in each consumer (the column
+    list of the program's key block, ``q_num``/``q_idx``), the loader is the instance's own, not the contiguous
+    ``dkdv_loader``, and the source is complete Gluon."""
+    source = _source(variant, head_dim)
+    loader, consumer = _function(source, "_loader"), _function(source, "_consumer")
+    walk = _walk(loader)
+    assert walk == [w for w in _walk(consumer) if w in walk] and len(walk) == len(_walk(consumer))
+    start = [w for w in walk if w.startswith("start_m =")]
+    assert len(start) == 1 and "_q_idx" in start[0] and "list_block" in start[0]
+    assert any(w.startswith("n_steps +=") and "_q_num" in w for w in walk)
+    assert "t - t_head >= n_head" in walk
+    entry = _function(source, _function(source, "_consumer").name.removesuffix("_consumer"))
+    called = {ast.unparse(n) for n in ast.walk(entry) if isinstance(n, ast.Name)}
+    assert "dkdv_loader" not in called and loader.name in called
+    assert _undefined(source) == []
+
+
+@pytest.mark.parametrize("variant", LISTED)
+def test_the_listing_mask_applies_its_keep_only_in_the_blocks_its_lists_call_partial(variant):
+    """A listed step is masked where the other masks' facts say or its block is partial; its keep of the listing
+    mask is evaluated, into shared memory, only in a partial block, and the chain reads it only there; the other
+    masks' keeps apply in the chain as in an unlisted program."""
+    source = _source(variant)
+    consumer = ast.unparse(_function(source, "_consumer"))
+    assert "masked = (start_m < full_start) | (start_m >= full_end) | list_partial" in consumer
+    calls = [n for n in ast.walk(_function(source, "_consumer")) if isinstance(n, ast.If)]
+    partial = [n for n in calls if ast.unparse(n.test) == "list_partial"]
+    assert len(partial) == 1 and ast.unparse(partial[0].body[0]).split("(")[0].endswith("_keep")
+    keep = ast.unparse(_function(source, "_keep"))
+    assert "block_sparse" in keep and "keep_tile.slice(part * 16, 16).store" in keep
+    chain = next(ast.unparse(n) for n in calls if ast.unparse(n.test) == "masked")
+    assert "(keep_tile.load(S_LAYOUT) != 0) | (list_partial == 0)" in chain and "_active" not in chain
+    assert ("k_pos[None, :] <= q_pos[:, None]" in chain) == (variant == "block_sparse_tokens")  # its causal mask
+
+
+class _Dkdv:
+    """Stands for a chosen dK/dV instance: records its launches (dk and dv left as allocated)."""
+
+    def __init__(self):
+        self.launches = []
+
+    def fits(self, *tensors):
+        return True
+
+    def __call__(self, q, k, v, dout, lse, delta, dk, dv, plugin_args):
+        self.launches.append(plugin_args)
+
+
+@pytest.mark.parametrize("block_size", [16, 32, 64, 128, 256])
+def test_a_backward_runs_the_dkdv_template_only_with_a_block_size_it_follows(block_size, monkeypatch):
+    """Where the dK/dV instance is chosen, a backward whose block lists' block size it does not follow runs the
+    generated kernel (dq, dk and dv checked against the float64 reference's gradients); one whose block size it
+    follows runs the instance."""
+    torch.manual_seed(block_size)
+    template = _Dkdv()
+    monkeypatch.setattr(runtime_backward, "template_dkdv", lambda plan: template)
+
+    @af.attention
+    def sparse(q, k, v, block_mask):
+        return af.softmax(af.block_sparse(af.scaled_dot_product(q, k), block_mask)) @ v
+
+    B, H, N, D = 1, 2, 40, 16
+    q, k, v = (torch.randn(B, H, N, D, dtype=torch.float64) for _ in range(3))
+    active = torch.rand(1, H, -(-N // block_size), -(-N // block_size)) < 0.7
+    mask = af.BlockMask.from_blocks(active, N, N, block_size=block_size)
+    config = KernelConfig(
+        arch="interpreter", dtype="float64", head_dim=D, head_dim_v=D, group=1, save_lse=True, fp32_precision="ieee"
+    )
+    plan = compiled(sparse.graph(block_mask=mask), config).plan
+    inputs, kv = {"block_mask": mask}, KVCache(k, v, N)
+    out, lse = runtime_forward.ForwardKernel(plan)(q, kv, inputs)
+    dout = torch.randn_like(out)
+    dq, dk, dv, _ = runtime_backward.BackwardKernels(plan, ())(q, kv, out, lse, dout, None, inputs)
+    follows = capability.block_list_reason(block_size) is None
+    assert len(template.launches) == int(follows) and follows == (block_size % 128 == 0)
+    if not follows:
+        leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+        want = torch.autograd.grad(sparse.reference(*leaves, mask), leaves, dout)
+        for name, got, w in zip(("dq", "dk", "dv"), (dq, dk, dv), want):
+            torch.testing.assert_close(got, w, atol=1e-9, rtol=1e-9, msg=lambda m, name=name: f"{name}: {m}")
+
+
+def test_the_gpu_check_has_the_listed_dkdv_cases_and_no_listed_dq_case():
+    cases = [c for c in verify.backward_cases() if c.variant in verify.LISTED_VARIANTS]
+    assert {(c.kind, c.variant, c.head_dim, c.dtype) for c in cases} == {
+        ("dkdv", v, d, t) for v in LISTED for d in (64, 128) for t in verify.DTYPES
+    }
+    assert any(c.shape[1] > c.shape[2] for c in cases) and any(c.shape[4] % 128 for c in cases)  # GQA, ragged keys
