@@ -276,9 +276,9 @@ def sparse_causal(q, k, v, block_mask):
 @pytest.mark.parametrize("head_dim", [64, 256])
 def test_a_block_sparse_call_names_the_templates_and_their_block_size_condition(capsys, monkeypatch, mode, head_dim):
     """A program whose mask lists its blocks has a forward instance (GPU-verified, so chosen in either mode),
-    which a call runs where its block size is one the template follows; at head dim 64 a dK/dV instance (not
-    verified yet: chosen only when opted in) under the same condition, and its dQ kernel is the generated one,
-    saying why; at 256 the backward templates have no tiles."""
+    which a call runs where its block size is one the template follows; at head dim 64 dK/dV and dQ instances
+    (not verified yet: chosen only when opted in) under the same condition; at 256 the backward templates have no
+    tiles."""
     monkeypatch.setenv(verified.MODE_ENV, mode)
     report = show_json(capsys, f"{__name__}:sparse_causal", "--arch", "sm90", "--head-dim", str(head_dim))
     mask = af.create_block_mask_from_blocks(lambda b, h, qb, kb: qb >= kb, None, None, 256, 256)
@@ -301,12 +301,14 @@ def test_a_block_sparse_call_names_the_templates_and_their_block_size_condition(
     dkdv, dq = report["kernels"]["dkdv"], report["kernels"]["dq"]
     if head_dim == 64:
         training = compiled(sparse_causal.graph(block_mask=mask), attrs.evolve(config, save_lse=True)).plan
-        assert dkdv["template_available"] is True and "multiple of 128" in dkdv["condition"]
-        assert dkdv["instance"] == verified.record_key(training.templates.kernels["dkdv"], "bfloat16", head_dim)
-        assert dkdv["engine"] == ("template" if mode == "all" else "generated")
-        assert dq["engine"] == "generated" and "lists its blocks" in dq["reason"]
+        for kind, engine in (("dkdv", dkdv), ("dq", dq)):
+            assert engine["template_available"] is True and "multiple of 128" in engine["condition"]
+            assert engine["instance"] == verified.record_key(training.templates.kernels[kind], "bfloat16", head_dim)
+            assert engine["engine"] == ("template" if mode == "all" else "generated")
     else:  # no tiles for the head dim
-        assert dkdv["engine"] == "generated" and dkdv["template_available"] is False and "condition" not in dkdv
+        for engine in (dkdv, dq):
+            assert engine["engine"] == "generated" and engine["template_available"] is False
+            assert "condition" not in engine
 
 
 @pytest.mark.parametrize("fact, words", [("kv_lens", "kv_lens"), ("positions", "positions"), ("varlen", "cu_seqlens")])

@@ -360,8 +360,7 @@ def test_group_split_sums_the_group_s_parts(monkeypatch, parts, deterministic, w
 @pytest.mark.parametrize("kind", ["dkdv", "dq"])
 def test_backward_cases_cover_every_smooth_variant_head_dim_and_dtype(kind):
     found = [c for c in verify.backward_cases() if c.kind == kind]
-    variants = verify.FORWARD_VARIANTS if kind == "dkdv" else verify.VARIANTS  # the listed ones: dK/dV only
-    smooth = {v for v in variants if verify.smooth(v)}
+    smooth = {v for v in verify.FORWARD_VARIANTS if verify.smooth(v)}  # the listed ones included
     assert "relu" in verify.VARIANTS and "relu" not in smooth  # its low-precision gradients are not compared
     assert {(c.variant, c.head_dim, c.dtype) for c in found} == {
         (v, d, t) for v in smooth for d in HEAD_DIMS for t in verify.DTYPES

@@ -1,6 +1,6 @@
 """The template instances compiled for sm90 here, with no GPU (Triton, ptxas, nvdisasm:
 ``attnfuse/kernels/resources.py``): every variant of ``verify.VARIANTS`` is served by the forward template and
-the dK/dV template (the listed ones, ``verify.LISTED_VARIANTS``, too) and compiles within a
+the dK/dV and dQ templates (the listed ones, ``verify.LISTED_VARIANTS``, too) and compiles within a
 block's shared memory, on wgmma and TMA, with one main loop per consumer warpgroup; so do the forward instances of
 calls with a fact (``FACT_CASES``: kv_lens, given positions, packed sequences). The forward's key loop holds no
 local memory (the spill bytes outside the loop, a few at head dims 128 and 256, are in docs/benchmarks.md's table:
@@ -27,7 +27,7 @@ CASES += [(v, d, t, True) for v in verify.DROPOUT_VARIANTS for d in FORWARD_DROP
 CASES += [(v, d, verify.FP8_DTYPE, False) for v in verify.FP8_VARIANTS for d in FORWARD_FP8_HEAD_DIMS]
 DKDV_CASES = [(v, d, "bfloat16", False) for v in verify.FORWARD_VARIANTS for d in verify.DKDV_HEAD_DIMS]
 DKDV_CASES += [(v, d, "bfloat16", True) for v in verify.DROPOUT_VARIANTS for d in verify.DKDV_HEAD_DIMS]
-DQ_CASES = [(v, d, "bfloat16") for v in verify.VARIANTS for d in verify.DKDV_HEAD_DIMS]  # no dropout: dq_reason
+DQ_CASES = [(v, d, "bfloat16") for v in verify.FORWARD_VARIANTS for d in verify.DKDV_HEAD_DIMS]  # no dropout
 DQ_CASES += [(v, 128, "float16") for v in verify.VARIANTS]
 # Instances of calls with a fact (``verify.fact_cases``): each fact at head dims 64 to 256, with a window's two
 # masked ends, a hoisted transform's rows, a normaliser with sinks

@@ -144,7 +144,7 @@ def call_engines(graph: ir.MatMulPV, inference: KernelConfig, training: KernelCo
             hoisted = kernel_engine(compiled(graph, plan.hoisted_config).plan, kind)
             least = least_hoisted_queries(plan.kernels["forward"].tiles.block_m)
             engine = evolve(hoisted, hoisted=True, when=f"calls with at least {least} queries", fused=engine)
-        if kind in ("forward", "dkdv") and engine.template is not None and plan.block_limit is not None:
+        if kind in ("forward", "dkdv", "dq") and engine.template is not None and plan.block_limit is not None:
             engine = evolve(engine, condition=LISTED_CONDITION)
         if kind in ("dkdv", "dq") and fp8:
             engine = evolve(engine, reason="float8 calls have no backward (a gradient is an UnsupportedError)")

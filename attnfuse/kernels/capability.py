@@ -146,11 +146,8 @@ def dkdv_reason(kernel: LoweredProgram) -> str | None:
 
 
 def dq_reason(kernel: LoweredProgram) -> str | None:
-    """Why the dQ template cannot run ``kernel``, or None when it can: the programs the dK/dV template takes,
-    but for a mask that lists its blocks."""
-    listing = listing_mask(kernel)
-    if listing is not None:
-        return f"{listing.prefix} lists its blocks, and the dQ template does not follow block lists yet"
+    """Why the dQ template cannot run ``kernel``, or None when it can: the programs the dK/dV template takes but
+    those with dropout (a listing mask's block size is checked in the call: ``block_list_reason``)."""
     return _common_reason(kernel, "dQ", DQ_TILES) or _backward_reason(kernel)
 
 

@@ -19,7 +19,7 @@ import string
 from ..passes.lower import Instance, LoweredProgram
 from .gluon_text import for_template
 
-IMPORT = "from attnfuse.kernels.dkdv_listed_pipeline import load_key_tiles, load_query_tile\n"
+IMPORT = "from attnfuse.kernels.listed_backward_pipeline import load_key_tiles, load_query_tile\n"
 
 _LOADER = string.Template('''
 @gluon.jit
@@ -142,7 +142,7 @@ def _reads(m: Instance, kernel: LoweredProgram, code: str) -> list[str]:
 
 
 def functions(m: Instance, kernel: LoweredProgram, name: str, has_lse: bool, has_delta: bool) -> str:
-    """The instance's loader warp (``dkdv_pipeline.dkdv_loader``'s protocol, through ``dkdv_listed_pipeline``),
+    """The instance's loader warp (``dkdv_pipeline.dkdv_loader``'s protocol, through ``listed_backward_pipeline``),
     and where the lists can call a block partial, the consumers' evaluation of the listing mask's keep."""
     keep = ""
     if m.fragment.block_list.q_partial is not None:

@@ -20,7 +20,7 @@ from .dkdv import dkdv_params, generate_dkdv
 from .dq import dq_params, generate_dq
 from .forward import forward_params, generate_forward
 from .listed import partial_keep
-from .tiles import DKDV_TILES, DQ_TILES, FORWARD_TILES, NARROW_TILES
+from .tiles import DKDV_TILES, DQ_NARROW_TILES, DQ_TILES, FORWARD_TILES, NARROW_TILES
 
 TEMPLATE_KINDS = ("forward", "dkdv", "dq", "decode")  # the kernels `attnfuse show` reports an engine for
 _NOT_YET = {
@@ -87,7 +87,7 @@ def _dkdv_spec(kernel: LoweredProgram) -> KernelSpec:
 
 
 def _dq_spec(kernel: LoweredProgram) -> KernelSpec:
-    tiles = DQ_TILES[kernel.config.head_dim]
+    tiles = (DQ_NARROW_TILES if listing_loads(kernel) else DQ_TILES)[kernel.config.head_dim]
     name = f"attnfuse_tdq_{kernel.signature[:12]}"
     constants = {"BLOCK_N": tiles.block_n, "STAGES": tiles.stages}
     return KernelSpec(

@@ -56,7 +56,7 @@ def _indent(code: str, spaces: int) -> str:
     return "\n".join(pad + line for line in code.splitlines())
 
 
-def _lists(m: Instance, rows: str) -> str:
+def lists(m: Instance, rows: str) -> str:
     """``list_size``, ``list_tiles`` (BLOCK_N tiles a listed block) and ``list_block`` (the list of the query
     block holding row ``rows``)."""
     return (
@@ -66,7 +66,7 @@ def _lists(m: Instance, rows: str) -> str:
     )
 
 
-def _step(m: Instance, step: str) -> str:
+def step_keys(m: Instance, step: str) -> str:
     """``start_n`` (and ``list_partial``, where the lists mark partial blocks) of step ``step``."""
     bl = m.fragment.block_list
     entry = f"({step}) // list_tiles"
@@ -106,12 +106,12 @@ def steps(m: Instance, name: str, plugin_args: str) -> str:
 
 def first_key(m: Instance) -> str:
     """The consumer's lists and block 0's keys."""
-    return _indent(_lists(m, "m0") + "\n" + _step(m, "0"), 4)
+    return _indent(lists(m, "m0") + "\n" + step_keys(m, "0"), 4)
 
 
 def step_key(m: Instance) -> str:
     """The consumer's keys of step j."""
-    return _indent(_step(m, "j"), 8)
+    return _indent(step_keys(m, "j"), 8)
 
 
 def careful_loop(m: Instance) -> str:
@@ -119,9 +119,9 @@ def careful_loop(m: Instance) -> str:
     bl = m.fragment.block_list
     count = m.code(bl.count, block="list_block")
     return (
-        _indent(_lists(m, "first"), 4)
+        _indent(lists(m, "first"), 4)
         + f"\n    for list_t in range(0, {count} * list_tiles):\n"
-        + _indent(_step(m, "list_t"), 8)
+        + _indent(step_keys(m, "list_t"), 8)
     )
 
 
@@ -139,8 +139,8 @@ def loader(m: Instance, kernel: LoweredProgram, name: str) -> str:
         name=name,
         prefix=m.prefix,
         list_args=args,
-        lists=_indent(_lists(m, "m0"), 4),
-        key=_indent(_step(m, "j").splitlines()[0], 8),
+        lists=_indent(lists(m, "m0"), 4),
+        key=_indent(step_keys(m, "j").splitlines()[0], 8),
     )
 
 

@@ -139,8 +139,8 @@ def _document_tokens(hq: int, nq: int, nk: int, device) -> dict:
 
 
 def _listed_variants() -> dict[str, tuple[Callable, Callable]]:
-    """name -> (program, its runtime arguments): programs whose mask lists its blocks, which the forward and
-    dK/dV templates follow (the dQ template does not yet)."""
+    """name -> (program, its runtime arguments): programs whose mask lists its blocks, which the templates
+    follow."""
     return {
         "block_sparse": (
             af.attention(
@@ -260,15 +260,14 @@ def smooth(variant: str) -> bool:
 
 
 def backward_cases() -> list[Case]:
-    """The dK/dV and dQ templates' cases: each variant with smooth weights (the dK/dV template's: the listed ones
-    too, ``LISTED_VARIANTS``), their head dims, both dtypes, the forward's shapes; and the dK/dV template's with
-    attention dropout, ``DROPOUT_VARIANTS`` (the dQ template takes neither block lists nor dropout). None with NaN
-    values: a masked key's NaN value makes the float64 reference's gradients NaN (its masked weights' dS is
-    0 · NaN), where the kernels' are 0."""
+    """The dK/dV and dQ templates' cases: each variant with smooth weights, the listed ones (``LISTED_VARIANTS``)
+    included, their head dims, both dtypes, the forward's shapes; and the dK/dV template's with attention dropout,
+    ``DROPOUT_VARIANTS`` (the dQ template does not take dropout). None with NaN values: a masked key's NaN value
+    makes the float64 reference's gradients NaN (its masked weights' dS is 0 · NaN), where the kernels' are 0."""
     return [
         Case(v, d, t, s, False, kind=kind)
         for kind in BACKWARD_TEMPLATES
-        for v in (FORWARD_VARIANTS if kind == "dkdv" else VARIANTS)
+        for v in FORWARD_VARIANTS
         if smooth(v)
         for d in DKDV_HEAD_DIMS
         for t in DTYPES

@@ -314,9 +314,10 @@ class BackwardKernels:
         if q.numel() and k.numel():
             dlse = dlse.to(accumulator_dtype(q.dtype)).contiguous() if dlse is not None else None
             prepared = prepared or self.plugin_args(q, kv, inputs)
-            served = self.template is not None and self.template.fits(q, k, v, dout, lse, dk, dv)
-            engine = "template" if served and block_list_reason(prepared.limit) is None else "generated"
-            dq_served = self.dq_template is not None and self.dq_template.fits(q, k, v, out, dout, lse, dq)
+            follows = block_list_reason(prepared.limit) is None  # a listing mask's block size the templates take
+            served = follows and self.template is not None and self.template.fits(q, k, v, dout, lse, dk, dv)
+            engine = "template" if served else "generated"
+            dq_served = follows and self.dq_template is not None and self.dq_template.fits(q, k, v, out, dout, lse, dq)
             dq_engine = "template" if dq_served else "generated"
             self._dq_then_dkdv(
                 q, kv, out, lse, dout, dlse, dq, dk, dv, inputs, prepared, buffers, partials, dq_engine, engine

@@ -1,9 +1,11 @@
-"""The dK/dV template's loads for a program whose mask lists its blocks (block sparsity), in Gluon.
+"""The backward templates' loads for a program whose mask lists its blocks (block sparsity), in Gluon.
 
-An instance of such a program writes its own loader warp (``kernels/dkdv_listed.py``): it reads the mask's
-column lists with the plugin's fragments, and brings each step's query tile through ``load_query_tile`` into the
-ring of ``pipeline.ring``, on the protocol of ``dkdv_pipeline.dkdv_loader`` (a stage is refilled once both
-consumers freed it).
+An instance of such a program writes its own loader warp (``kernels/dkdv_listed.py``, ``kernels/dq_listed.py``):
+it reads the mask's lists with the plugin's fragments. A dK/dV instance brings its keys once
+(``load_key_tiles``), then each step's query tile through ``load_query_tile`` into the ring of ``pipeline.ring``,
+on the protocol of ``dkdv_pipeline.dkdv_loader``; a dQ instance brings its rows once (``load_query_rows``), then
+each step's key block through ``listed_pipeline.load_key_block``, on the protocol of ``dq_pipeline.dq_loader``
+(a stage is refilled once both consumers freed it).
 """
 
 from __future__ import annotations
@@ -46,3 +48,12 @@ def load_query_tile(
     else:
         mbarrier.expect(do_ready.index(stage), do_desc.block_type.nbytes)
     tma.async_copy_global_to_shared(do_desc, [b, h, m, 0], do_ready.index(stage), do_smem.index(stage))
+
+
+@gluon.jit
+def load_query_rows(q_desc, do_desc, q_smem, do_smem, q_ready, b, h, m0):
+    """The program's two Q and dO tiles, rows m0.. (2 * ROWS) of query head h, half i's on q_ready[i]."""
+    for half in gl.static_range(2):
+        mbarrier.expect(q_ready.index(half), q_desc.block_type.nbytes + do_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(q_desc, [b, h, m0 + half * ROWS, 0], q_ready.index(half), q_smem.index(half))
+        tma.async_copy_global_to_shared(do_desc, [b, h, m0 + half * ROWS, 0], q_ready.index(half), do_smem.index(half))

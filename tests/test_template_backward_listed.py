@@ -1,8 +1,10 @@
-"""The dK/dV template follows a mask's column lists (block sparsity), checked with no GPU: that its loader warp
-and its consumers walk the same listed query tiles, head by head (``kernels/dkdv_listed.py``); that the listing
-mask's keep applies only in the blocks its lists call partial; that a backward runs the instance only where the
-mask's block size lets a program's keys lie in one block; and that the GPU check has the cases. The instances'
-resources are checked in tests/test_template_resources.py, their gradients on a GPU (tests/test_template_gpu.py)."""
+"""The dK/dV and dQ templates follow a mask's lists (block sparsity), checked with no GPU: that the dK/dV
+instance's loader warp and consumers walk the same listed query tiles, head by head (``kernels/dkdv_listed.py``),
+and the dQ instance's the same listed key blocks (``kernels/dq_listed.py``); that the listing mask's keep applies
+only in the blocks its lists call partial; that a backward runs the instances only where the mask's block size
+lets a program's keys (dK/dV) or rows (dQ) lie in one block; and that the GPU check has the cases. The instances'
+resources are checked in tests/test_template_resources.py, their gradients on a GPU (tests/test_template_gpu.py).
+"""
 
 from __future__ import annotations
 
@@ -29,10 +31,10 @@ SM90 = KernelConfig(
 )
 
 
-def _source(variant: str, head_dim: int = 128) -> str:
+def _source(variant: str, head_dim: int = 128, kind: str = "dkdv") -> str:
     program, extra = verify.LISTED_VARIANTS[variant]
     config = attrs.evolve(SM90, head_dim=head_dim, head_dim_v=head_dim)
-    return compile_plan(program.graph(**extra(4, 48, 64, "cpu")), config).templates.kernels["dkdv"].source
+    return compile_plan(program.graph(**extra(4, 48, 64, "cpu")), config).templates.kernels[kind].source
 
 
 def _function(source: str, suffix: str) -> ast.FunctionDef:
@@ -92,8 +94,44 @@ def test_the_listing_mask_applies_its_keep_only_in_the_blocks_its_lists_call_par
     assert ("k_pos[None, :] <= q_pos[:, None]" in chain) == (variant == "block_sparse_tokens")  # its causal mask
 
 
-class _Dkdv:
-    """Stands for a chosen dK/dV instance: records its launches (dk and dv left as allocated)."""
+def _assigned(function: ast.FunctionDef, name: str) -> list[str]:
+    """The right-hand sides ``name`` is assigned in ``function``, in order."""
+    return [
+        ast.unparse(n.value)
+        for n in ast.walk(function)
+        if isinstance(n, ast.Assign) and [ast.unparse(t) for t in n.targets] == [name]
+    ]
+
+
+@pytest.mark.parametrize("variant", LISTED)
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_the_dq_loader_and_the_consumers_visit_the_same_listed_keys(variant, head_dim):
+    """The dQ instance's loader warp brings step j's keys from its rows' list (``kv_num``/``kv_idx``) as its
+    consumers compute them, with the kernel's step count; its own loader, not the contiguous ``dq_loader``."""
+    source = _source(variant, head_dim, "dq")
+    loader, consumer = _function(source, "_loader"), _function(source, "_consumer")
+    for name in ("list_size", "list_tiles", "list_block", "start_n"):
+        assert _assigned(loader, name) == _assigned(consumer, name) and len(_assigned(loader, name)) == 1
+    assert "_kv_idx" in _assigned(consumer, "start_n")[0]
+    entry = _function(source, consumer.name.removesuffix("_consumer"))
+    assert any("_kv_num" in n for n in _assigned(entry, "n_steps"))
+    called = {ast.unparse(n) for n in ast.walk(entry) if isinstance(n, ast.Name)}
+    assert "dq_loader" not in called and loader.name in called
+    assert _undefined(source) == []
+
+
+@pytest.mark.parametrize("variant", LISTED)
+def test_the_dq_instance_applies_the_listing_keep_only_in_partial_blocks(variant):
+    consumer = ast.unparse(_function(_source(variant, kind="dq"), "_consumer"))
+    ifs = [n for n in ast.walk(ast.parse(consumer)) if isinstance(n, ast.If)]
+    masked = next(ast.unparse(n) for n in ifs if ast.unparse(n.test) == "masked")
+    partial = next(ast.unparse(n) for n in ifs if ast.unparse(n.test) == "list_partial")
+    assert "_active" not in masked and "_active" in partial and "ds = tl.where(" in partial
+    assert ("k_pos[None, :] <= q_pos[:, None]" in masked) == (variant == "block_sparse_tokens")  # its causal mask
+
+
+class _Template:
+    """Stands for a chosen backward instance: records its launches (its outputs left as allocated)."""
 
     def __init__(self):
         self.launches = []
@@ -101,18 +139,19 @@ class _Dkdv:
     def fits(self, *tensors):
         return True
 
-    def __call__(self, q, k, v, dout, lse, delta, dk, dv, plugin_args):
-        self.launches.append(plugin_args)
+    def __call__(self, *tensors_and_plugin_args):
+        self.launches.append(tensors_and_plugin_args[-1])
 
 
+@pytest.mark.parametrize("kind", ["dkdv", "dq"])
 @pytest.mark.parametrize("block_size", [16, 32, 64, 128, 256])
-def test_a_backward_runs_the_dkdv_template_only_with_a_block_size_it_follows(block_size, monkeypatch):
-    """Where the dK/dV instance is chosen, a backward whose block lists' block size it does not follow runs the
-    generated kernel (dq, dk and dv checked against the float64 reference's gradients); one whose block size it
-    follows runs the instance."""
+def test_a_backward_runs_a_template_only_with_a_block_size_it_follows(kind, block_size, monkeypatch):
+    """Where a backward template's instance is chosen, a backward whose block lists' block size it does not
+    follow runs the generated kernels (dq, dk and dv checked against the float64 reference's gradients); one
+    whose block size it follows runs the instance."""
     torch.manual_seed(block_size)
-    template = _Dkdv()
-    monkeypatch.setattr(runtime_backward, "template_dkdv", lambda plan: template)
+    template = _Template()
+    monkeypatch.setattr(runtime_backward, f"template_{kind}", lambda plan: template)
 
     @af.attention
     def sparse(q, k, v, block_mask):
@@ -139,9 +178,9 @@ def test_a_backward_runs_the_dkdv_template_only_with_a_block_size_it_follows(blo
             torch.testing.assert_close(got, w, atol=1e-9, rtol=1e-9, msg=lambda m, name=name: f"{name}: {m}")
 
 
-def test_the_gpu_check_has_the_listed_dkdv_cases_and_no_listed_dq_case():
+def test_the_gpu_check_has_the_listed_backward_cases():
     cases = [c for c in verify.backward_cases() if c.variant in verify.LISTED_VARIANTS]
     assert {(c.kind, c.variant, c.head_dim, c.dtype) for c in cases} == {
-        ("dkdv", v, d, t) for v in LISTED for d in (64, 128) for t in verify.DTYPES
+        (kind, v, d, t) for kind in ("dkdv", "dq") for v in LISTED for d in (64, 128) for t in verify.DTYPES
     }
     assert any(c.shape[1] > c.shape[2] for c in cases) and any(c.shape[4] % 128 for c in cases)  # GQA, ragged keys
