@@ -699,10 +699,14 @@ def test_fp8_cases_cover_the_softmax_variants_the_float8_template_runs():
     assert not {"rope_causal", "relu"} & set(verify.FP8_VARIANTS)
     found = verify.fp8_cases()
     for c in found:
-        plan = verify.variant_plan(c.variant, c.dtype, c.head_dim)
+        plan = verify.variant_plan(c.variant, c.dtype, c.head_dim, c.fact)
         assert "forward" in plan.templates.kernels, plan.templates.reasons["forward"]
     every = {(v, d) for v in verify.FP8_VARIANTS for d in capability.FORWARD_FP8_HEAD_DIMS}
-    assert {(c.variant, c.head_dim) for c in found if c.poison} == every  # a NaN value: the careful redo's rows
+    assert {(c.variant, c.head_dim) for c in found if c.poison and not c.fact} == every  # the careful redo's rows
+    for fact in ("kv_lens", "positions"):  # kv_lens with NaN keys and values past each sequence's length
+        assert {(c.variant, c.head_dim, c.poison) for c in found if c.fact == fact} == {
+            (v, d, fact == "kv_lens") for v, d in every
+        }
     assert {(c.variant, c.out_dtype) for c in found if c.out_dtype} == {
         (v, out) for v in verify.FP8_VARIANTS for out in ("float16", "float32")
     }

@@ -1,10 +1,10 @@
 """The template instances compiled for sm90 here, with no GPU (Triton, ptxas, nvdisasm:
 ``attnfuse/kernels/resources.py``): every variant of ``verify.VARIANTS`` is served by the forward template and
-the dK/dV and dQ templates (the listed ones, ``verify.LISTED_VARIANTS``, too) and compiles within a
-block's shared memory, on wgmma and TMA, with one main loop per consumer warpgroup; so do the forward instances of
-calls with a fact (``FACT_CASES``: kv_lens, given positions, packed sequences). The forward's key loop holds no
-local memory (the spill bytes outside the loop, a few at head dims 128 and 256, are in docs/benchmarks.md's table:
-not yet none); the dK/dV step loop holds none either, except where ``KNOWN_DKDV_LOOP_SPILLS`` says it spills today,
+the dK/dV and dQ templates (the listed ones, ``verify.LISTED_VARIANTS``, too) and compiles within a block's shared
+memory, on wgmma and TMA, with one main loop per consumer warpgroup; so do the forward instances of calls with a
+fact (``FACT_CASES``: kv_lens, given positions, packed sequences; float8 ones too). The forward's key loop holds
+no local memory (the spill bytes outside the loop, a few at head dims 128 and 256, are in docs/benchmarks.md's
+table: not yet none); the dK/dV step loop holds none either, except where ``KNOWN_DKDV_LOOP_SPILLS`` says it spills today,
 and there no more than it says; the dQ template's step loop holds none at all.
 
 Each case is one compile (seconds). Forward: bfloat16 at every head dim, float16 at head dim 128, float8 (e4m3) at
@@ -39,6 +39,8 @@ FACT_CASES = [
     ("causal", 128, "bfloat16", "varlen"),
     ("sinks", 64, "float16", "varlen"),
     ("sliding_window", 256, "bfloat16", "varlen"),
+    ("causal", 128, verify.FP8_DTYPE, "kv_lens"),
+    ("sliding_window", 64, verify.FP8_DTYPE, "positions"),
 ]
 CONSUMERS = 2  # consumer warpgroups of either template, each running its own key (forward) or step (dK/dV) loop
 

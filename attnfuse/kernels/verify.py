@@ -203,9 +203,16 @@ def cases() -> list[Case]:
 
 def fp8_cases() -> list[Case]:
     """The forward template's float8 (e4m3) cases: ``FP8_VARIANTS`` at its float8 head dims (once with a NaN
-    value: the careful redo's), and at head dim 128 with each other out_dtype (float16, float32)."""
+    value: the careful redo's), and at head dim 128 with each other out_dtype (float16, float32); and of calls with
+    kv_lens (NaN keys and values past each sequence's length) or given positions, as ``fact_cases``."""
     found = [Case(v, d, FP8_DTYPE, s, False) for v in FP8_VARIANTS for d in FORWARD_FP8_HEAD_DIMS for s in SHAPES]
     found += [Case(v, d, FP8_DTYPE, SHAPES[0], True) for v in FP8_VARIANTS for d in FORWARD_FP8_HEAD_DIMS]
+    found += [
+        Case(v, d, FP8_DTYPE, shape, fact == "kv_lens", fact=fact)
+        for fact, shape in (("kv_lens", KV_LENS_SHAPE), ("positions", POSITIONS_SHAPE))
+        for v in FP8_VARIANTS
+        for d in FORWARD_FP8_HEAD_DIMS
+    ]
     return found + [
         Case(v, 128, FP8_DTYPE, SHAPES[0], False, out_dtype=out) for v in FP8_VARIANTS for out in ("float16", "float32")
     ]
@@ -323,18 +330,16 @@ def check(case: Case, seed: int = 0) -> dict:
             seed,
             case.id,
             out_dtype,
-            poison if case.poison else None,
+            poisoned(case),
+            fact_arguments(case.fact, torch.device("cuda")),
         )
     dtype = getattr(torch, case.dtype)
     gen = torch.Generator(device="cuda").manual_seed(seed)
     q, k, v = (torch.randn(B, h, n, case.head_dim, device="cuda", dtype=dtype, generator=gen) for h, n in
                ((Hq, Nq), (Hkv, Nk), (Hkv, Nk)))  # fmt: skip
-    facts = _fact_arguments(case.fact, q.device)
-    if case.poison and case.fact == "kv_lens":  # the cache's rows past each sequence's length are no keys of it
-        for b, n in enumerate(KV_LENS):
-            k[b, :, n:] = v[b, :, n:] = float("nan")
-    elif case.poison:
-        poison(v)
+    facts = fact_arguments(case.fact, q.device)
+    if (poison_kv := poisoned(case)) is not None:
+        poison_kv(k, v)
     kwargs = extra(Hq, Nq, Nk, "cuda")
     _environment(case)
     before = TemplateForward.launches
@@ -367,7 +372,22 @@ def check(case: Case, seed: int = 0) -> dict:
     return {"key": TemplateForward.last_key, "case": case.id, "max_error": error}
 
 
-def _fact_arguments(fact: str, device: torch.device) -> dict:
+def poisoned(case: Case) -> Callable[[torch.Tensor, torch.Tensor], None] | None:
+    """What writes ``case``'s NaN values into its k and v (B, Hkv, Nk, D), if it has any: with kv_lens, every
+    key and value past each sequence's length (the cache's rows that are no keys of it), else ``poison``'s."""
+    if not case.poison:
+        return None
+    if case.fact == "kv_lens":
+
+        def past_lengths(k: torch.Tensor, v: torch.Tensor) -> None:
+            for b, n in enumerate(KV_LENS):
+                k[b, :, n:] = v[b, :, n:] = float("nan")
+
+        return past_lengths
+    return lambda k, v: poison(v)
+
+
+def fact_arguments(fact: str, device: torch.device) -> dict:
     """The call's arguments of ``fact`` (``fact_cases``), tensors on ``device``: kv_lens ``KV_LENS``, the
     positions ``POSITIONS``, or the offsets of the packed ``DOCUMENTS``; none for no fact."""
     if fact == "kv_lens":

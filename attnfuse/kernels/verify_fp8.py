@@ -54,31 +54,34 @@ def check_fp8(
     seed: int,
     case_id: str,
     out_dtype: torch.dtype,
-    poison: Callable[[torch.Tensor], None] | None = None,
+    poison: Callable[[torch.Tensor, torch.Tensor], None] | None = None,
+    facts: dict | None = None,
 ) -> dict:
     """Run ``program`` on fresh float8 q, k, v of ``shape`` (B, Hq, Hkv, Nq, Nk) through its forward instance,
-    with ``out_dtype`` (``poison``, if given, writes NaN values into v: ``verify.poison``), and compare out and
-    lse with the float64 reference at the module's bounds (AssertionError beyond them, if out is NaN elsewhere
-    than the reference, if out is not of ``out_dtype``, or if the template did not run); its result."""
+    with ``out_dtype`` and the call's ``facts`` (kv_lens or positions: ``verify.fact_arguments``; ``poison``, if
+    given, writes NaN values into k and v: ``verify.poisoned``), and compare out and lse with the float64
+    reference at the module's bounds (AssertionError beyond them, if out is NaN elsewhere than the reference, if
+    out is not of ``out_dtype``, or if the template did not run); its result."""
 
     B, Hq, Hkv, Nq, Nk = shape
     gen = torch.Generator(device="cuda").manual_seed(seed)
     raw = [torch.randn(B, h, n, head_dim, device="cuda", generator=gen) for h, n in ((Hq, Nq), (Hkv, Nk), (Hkv, Nk))]
     (q, qd), (k, kd), (v, vd) = (quantised(t, Hkv, gen) for t in raw)
     if poison is not None:
-        poison(v)
-    descales = {"q_descale": qd, "k_descale": kd, "v_descale": vd}
+        poison(k, v)
+    call = {"q_descale": qd, "k_descale": kd, "v_descale": vd, **(facts or {})}  # the descales and facts
     before = TemplateForward.launches
-    out, lse = program(q, k, v, return_lse=True, out_dtype=out_dtype, **kwargs, **descales)
+    out, lse = program(q, k, v, return_lse=True, out_dtype=out_dtype, **kwargs, **call)
     if TemplateForward.launches == before:
         raise AssertionError(f"{case_id}: the call did not run the forward template")
     if out.dtype != out_dtype:
         raise AssertionError(f"{case_id}: out is {out.dtype}, the call asked for {out_dtype}")
-    ref, ref_lse = program.reference(q, k, v, return_lse=True, **kwargs, **descales)
-    naive, naive_lse = program.reference(q, k, v, return_lse=True, dtype=torch.float32, **kwargs, **descales)
+    ref, ref_lse = program.reference(q, k, v, return_lse=True, **kwargs, **call)
+    naive, naive_lse = program.reference(q, k, v, return_lse=True, dtype=torch.float32, **kwargs, **call)
     q64, k64, v64 = (dequantised(t, d, torch.float64) for t, d in ((q, qd), (k, kd), (v, vd)))
     group = Hq // Hkv
-    magnitude = (q64.abs() @ k64.abs().repeat_interleave(group, 1).transpose(-1, -2)).amax(-1)  # (B, Hq, Nq)
+    keys = k64.abs().nan_to_num(0.0).repeat_interleave(group, 1)  # a NaN key is past its sequence's length
+    magnitude = (q64.abs() @ keys.transpose(-1, -2)).amax(-1)  # (B, Hq, Nq)
     score_error = head_dim / TERMS_PER_INSTRUCTION * 2.0**-ACCUMULATOR_BITS * magnitude * head_dim**-0.5
     assert_matches_reference(lse, ref_lse, naive_lse, torch.float32, what="lse", rounding=score_error)
     nan = ref.isnan()
@@ -88,7 +91,7 @@ def check_fp8(
         )
     v_abs = v.float().abs().to(v.dtype)  # exact
     weights = P_ROUNDOFF + torch.expm1(2 * score_error) + math.ceil(Nk / TERMS_PER_INSTRUCTION) * 2.0**-13
-    pv = weights[..., None] * program.reference(q, k, v_abs, **kwargs, **descales)
+    pv = weights[..., None] * program.reference(q, k, v_abs, **kwargs, **call)
     # a NaN value adds nothing where out is finite: the rows that keep it are NaN in its columns
     pv = pv + P_ABSOLUTE * v64.abs().nan_to_num(0.0).sum(2, keepdim=True).repeat_interleave(group, 1)
     u_out = OUT_ROUNDOFF[out_dtype]
