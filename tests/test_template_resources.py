@@ -4,8 +4,8 @@ the dK/dV and dQ templates (the listed ones, ``verify.LISTED_VARIANTS``, too) an
 memory, on wgmma and TMA, with one main loop per consumer warpgroup; so do the forward instances of calls with a
 fact (``FACT_CASES``: kv_lens, given positions, packed sequences; float8 ones too). The forward's key loop holds
 no local memory (the spill bytes outside the loop, a few at head dims 128 and 256, are in docs/benchmarks.md's
-table: not yet none); the dK/dV step loop holds none either, except where ``KNOWN_DKDV_LOOP_SPILLS`` says it spills today,
-and there no more than it says; the dQ template's step loop holds none at all.
+table: not yet none); the dK/dV step loop holds none either, except where ``KNOWN_DKDV_LOOP_SPILLS`` says it
+spills today, and there no more than it says; the dQ template's step loop holds none at all.
 
 Each case is one compile (seconds). Forward: bfloat16 at every head dim, float16 at head dim 128, float8 (e4m3) at
 its head dims for ``verify.FP8_VARIANTS``. dK/dV:
