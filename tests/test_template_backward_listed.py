@@ -15,13 +15,17 @@ import pytest
 import torch
 
 import attnfuse as af
-from attnfuse.kernels import capability, verify
+from attnfuse.kernels import capability, dkdv_listed, verify
+from attnfuse.passes.codegen.loops import listing_mask
 from attnfuse.passes.compiler import compile as compile_plan
+from attnfuse.passes.compiler import lowered
 from attnfuse.plan import KernelConfig
 from attnfuse.runtime import backward as runtime_backward
 from attnfuse.runtime import forward as runtime_forward
 from attnfuse.runtime.compiled import compiled
 from attnfuse.runtime.inputs import KVCache
+from attnfuse.runtime.interpreter import InterpretedKernel
+from attnfuse.runtime.source_cache import load_function, write_source
 
 from test_template import _undefined
 
@@ -184,3 +188,67 @@ def test_the_gpu_check_has_the_listed_backward_cases():
         (kind, v, d, t) for kind in ("dkdv", "dq") for v in LISTED for d in (64, 128) for t in verify.DTYPES
     }
     assert any(c.shape[1] > c.shape[2] for c in cases) and any(c.shape[4] % 128 for c in cases)  # GQA, ragged keys
+
+
+def _walked(mask: af.BlockMask, b: int, h0: int, heads: int, n0: int) -> tuple[list[tuple[int, int]], int]:
+    """The steps the dK/dV instance's walk (``dkdv_listed.walk``, the loader's and the consumers' text) takes for
+    the keys n0.. of (batch b, query heads h0..h0+heads), run by Triton's interpreter on ``mask``'s lists: each
+    step's (head, first row), and the steps' count."""
+    program, _ = verify.LISTED_VARIANTS["block_sparse"]
+    graph = program.graph(block_mask=mask)
+    config = attrs.evolve(SM90, head_dim=64, head_dim_v=64, group=1)
+    kernel = lowered(graph, config)
+    m = listing_mask(kernel)
+    walk = dkdv_listed.walk(m)
+    names = dkdv_listed.reads(m, kernel, walk)
+    body = "".join(f"    {line}\n" for line in walk.splitlines())
+    source = (
+        "import triton.language as tl\n\n\n"
+        f"def walked(Out, n0, h0, heads, b, {', '.join(names)}, BLOCK_M: tl.constexpr):\n{body}"
+        "        tl.store(Out + 1 + 2 * t, h)\n"
+        "        tl.store(Out + 2 + 2 * t, start_m)\n"
+        "    tl.store(Out, n_steps)\n"
+    )
+    fn = load_function(source, "walked", write_source("walked", source))
+    B, H = mask.active.shape[:2]
+    q = torch.zeros(B, H, mask.Nq, 64)
+    kv = KVCache(torch.zeros(B, H, mask.Nk, 64), torch.zeros(B, H, mask.Nk, 64), mask.Nk)
+    prepared = compiled(graph, attrs.evolve(config, arch="interpreter", dtype="float32")).forward.plugin_args(
+        q, kv, {"block_mask": mask}
+    )
+    values = []
+    for name in names:
+        base, _, axis = name.rpartition("_s")
+        values.append(prepared.args[base].stride(int(axis)) if base in prepared.args else prepared.args[name])
+    out = torch.full((1 + 2 * 64,), -1, dtype=torch.int32)
+    InterpretedKernel(fn).launch((1,), (out, n0, h0, heads, b, *values), {"BLOCK_M": 64})
+    steps = int(out[0])
+    return [(int(out[1 + 2 * t]), int(out[2 + 2 * t])) for t in range(steps)], steps
+
+
+@pytest.mark.parametrize("block_size", [128, 256])
+def test_the_dkdv_walk_visits_each_listed_query_tile_of_each_head_once(block_size):
+    """Run on the interpreter, the walk of a program's keys visits, head by head, exactly the 64-row tiles of the
+    query blocks its key block keeps (read from the mask's grid, not its lists), each once: heads whose list is
+    empty (the first, one between, the last) are skipped, and its steps' count is theirs."""
+    torch.manual_seed(block_size)
+    B, H, N = 2, 6, 600
+    blocks = -(-N // block_size)
+    active = torch.rand(B, H, blocks, blocks) < 0.5
+    kb = 1
+    active[:, [0, 2, H - 1], :, kb] = False  # empty column lists: the first head, one between, the last
+    active[:, 1, :, kb] = True
+    mask = af.BlockMask.from_blocks(active, N, N, block_size=block_size)
+    for b in range(B):
+        for h0, heads in ((0, H), (1, 2), (2, 1)):
+            walked, steps = _walked(mask, b, h0, heads, n0=kb * block_size)
+            want = [
+                (h, qb * block_size + t * 64)
+                for h in range(h0, h0 + heads)
+                for qb in range(blocks)
+                if active[b, h, qb, kb]
+                for t in range(block_size // 64)
+            ]
+            assert steps == len(walked) == len(want)
+            assert sorted(walked) == sorted(want) and len(set(walked)) == len(walked)
+            assert [h for h, _ in walked] == sorted(h for h, _ in walked)  # head by head

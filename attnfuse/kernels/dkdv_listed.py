@@ -84,7 +84,7 @@ def _count(m: Instance) -> str:
     return f"{m.code(m.fragment.block_list.q_count, block='list_block')} * list_tiles"
 
 
-def _walk(m: Instance) -> str:
+def walk(m: Instance) -> str:
     """The steps' loop, and step t's query head ``h`` and first row ``start_m``, as both the loader and the
     consumers walk them: ``list_size``, ``list_tiles`` (query tiles of BLOCK_M rows a listed block) and
     ``list_block`` (the key block holding the program's keys), then every query head's steps in turn, in one flat
@@ -123,20 +123,20 @@ def steps(m: Instance, kernel: LoweredProgram, name: str, rows: str, step: str) 
         masked += f" | list_partial  # {m.prefix}: a partial listed block, masked element by element"
     body += [masked, rows]
     if bl.q_partial is not None:
-        args = "".join(f", {a}" for a in _reads(m, kernel, for_template(m.fragment.keep)))
+        args = "".join(f", {a}" for a in reads(m, kernel, for_template(m.fragment.keep)))
         body += [
             "if list_partial:",
             f"    {name}_keep(keep_tile, start_m, n0 + HALF_ID * BLOCK_N, Nq, Nk, HQ, GROUP, b, h{args})",
             "    gl.thread_barrier()  # the tile's keep, stored by other threads, before the chain reads it",
         ]
     body.append(step)
-    head = _walk(m)
+    head = walk(m)
     if bl.q_partial is not None:
         head = f"keep_tile = pds_smem.index(4 + HALF_ID)  # this warpgroup's keep of {m.prefix}\n{head}"
     return head + "\n" + _indent("\n".join(body), 4)
 
 
-def _reads(m: Instance, kernel: LoweredProgram, code: str) -> list[str]:
+def reads(m: Instance, kernel: LoweredProgram, code: str) -> list[str]:
     """The plugin arguments that ``code`` reads, in the kernel's order."""
     return [a.name for a in kernel.args() if re.search(rf"\b{re.escape(a.name)}\b", code)]
 
@@ -147,13 +147,13 @@ def functions(m: Instance, kernel: LoweredProgram, name: str, has_lse: bool, has
     keep = ""
     if m.fragment.block_list.q_partial is not None:
         text = for_template(m.fragment.keep)
-        args = "".join(f", {a}" for a in _reads(m, kernel, text))
+        args = "".join(f", {a}" for a in reads(m, kernel, text))
         keep = _KEEP.substitute(name=name, prefix=m.prefix, args=args, keep=text)
     return keep + _LOADER.substitute(
         name=name,
         prefix=m.prefix,
-        list_args="".join(f"{a}, " for a in _reads(m, kernel, _walk(m))),
-        walk=_indent(_walk(m), 4),
+        list_args="".join(f"{a}, " for a in reads(m, kernel, walk(m))),
+        walk=_indent(walk(m), 4),
         has_lse=has_lse,
         has_delta=has_delta,
     )
@@ -161,4 +161,4 @@ def functions(m: Instance, kernel: LoweredProgram, name: str, has_lse: bool, has
 
 def loader_call(m: Instance, kernel: LoweredProgram, name: str) -> str:
     """The loader's entry in the kernel's ``warp_specialize``."""
-    return _CALL.substitute(name=name, list_args="".join(f"{a}, " for a in _reads(m, kernel, _walk(m))))
+    return _CALL.substitute(name=name, list_args="".join(f"{a}, " for a in reads(m, kernel, walk(m))))
