@@ -92,7 +92,7 @@ def test_the_listing_mask_applies_its_keep_only_in_the_blocks_its_lists_call_par
     partial = [n for n in calls if ast.unparse(n.test) == "list_partial"]
     assert len(partial) == 1 and ast.unparse(partial[0].body[0]).split("(")[0].endswith("_keep")
     keep = ast.unparse(_function(source, "_keep"))
-    assert "block_sparse" in keep and "keep_tile.slice(part * 16, 16).store" in keep
+    assert "block_sparse" in keep and "keep_tile.slice(part * 8, 8).store" in keep
     chain = next(ast.unparse(n) for n in calls if ast.unparse(n.test) == "masked")
     assert "(keep_tile.load(S_LAYOUT) != 0) | (list_partial == 0)" in chain and "_active" not in chain
     assert ("k_pos[None, :] <= q_pos[:, None]" in chain) == (variant == "block_sparse_tokens")  # its causal mask

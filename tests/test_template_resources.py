@@ -59,10 +59,10 @@ KNOWN_DKDV_LOOP_SPILLS = {
     ("additive_bias", 128): 252,
     ("sigmoid", 128): 76,  # the contrib package's variant, where installed
     # following block lists: the walk over every head's lists, and in partial blocks the listing mask's keep
-    ("block_sparse", 64): 48,
-    ("block_sparse", 128): 140,
-    ("block_sparse_tokens", 64): 56,
-    ("block_sparse_tokens", 128): 344,
+    ("block_sparse", 64): 12,
+    ("block_sparse", 128): 88,
+    ("block_sparse_tokens", 64): 44,
+    ("block_sparse_tokens", 128): 292,
     # with attention dropout: its Philox rounds (a 64 x 64 tile of 10-round Philox-4x32 a step) on top
     ("causal+dropout", 64): 184,
     ("softcap+dropout", 64): 280,

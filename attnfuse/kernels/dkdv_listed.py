@@ -42,18 +42,19 @@ _KEEP = string.Template('''
 @gluon.jit
 def ${name}_keep(keep_tile, start_m, k0, Nq, Nk, HQ, GROUP, b, h${args}):
     """${prefix}'s keep of the step's (64 x 64) tile, rows start_m.. and keys k0.., into keep_tile (0 or 1 in its
-    dtype), 16 rows at a time: a thread holds 8 of the pairs, not 32 (evaluated on the whole tile beside dK and
-    dV, its loads' addresses made ptxas spill the step loop)."""
-    PART: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
-    for part in gl.static_range(4):
-        q_idx = start_m + part * 16 + gl.arange(0, 16, layout=gl.SliceLayout(1, PART))
+    dtype), 8 rows at a time: a thread holds 4 of the pairs, not 32 (evaluated on the whole tile beside dK and
+    dV, its loads' addresses made ptxas spill the step loop; 16 rows at a time, a quarter as much). Rows of shared
+    memory are sliced by 8, the swizzle's unit."""
+    PART: gl.constexpr = gl.BlockedLayout([1, 4], [2, 16], [4, 1], [1, 0])  # 8 x 64: 4 pairs a thread
+    for part in gl.static_range(8):
+        q_idx = start_m + part * 8 + gl.arange(0, 8, layout=gl.SliceLayout(1, PART))
         k_idx = k0 + gl.arange(0, 64, layout=gl.SliceLayout(0, PART))
         q_pos = q_idx + (Nk - Nq)  # bottom-right aligned, as the consumer's
         k_pos = k_idx
         q_ok = q_idx < Nq
         k_ok = k_idx < Nk
         in_bounds = q_ok[:, None] & k_ok[None, :]
-        keep_tile.slice(part * 16, 16).store(($keep).to(keep_tile.dtype))
+        keep_tile.slice(part * 8, 8).store(($keep).to(keep_tile.dtype))
 ''')
 
 _CALL = string.Template("""\
