@@ -9,6 +9,7 @@ resources are checked in tests/test_template_resources.py, their gradients on a 
 from __future__ import annotations
 
 import ast
+import re
 
 import attrs
 import pytest
@@ -81,21 +82,22 @@ def test_the_loader_and_the_consumers_walk_the_same_listed_steps(variant, head_d
 
 
 @pytest.mark.parametrize("variant", LISTED)
-def test_the_listing_mask_applies_its_keep_only_in_the_blocks_its_lists_call_partial(variant):
-    """A listed step is masked where the other masks' facts say or its block is partial; its keep of the listing
-    mask is evaluated, into shared memory, only in a partial block, and the chain reads it only there; the other
-    masks' keeps apply in the chain as in an unlisted program."""
+def test_a_masked_listed_step_stores_its_keep_and_the_chain_reads_it(variant):
+    """A listed step is masked where the other masks' facts say or its block is partial; a masked step first
+    stores its keep in shared memory (rows below Nq, the other masks' keeps, the listing mask's only where its
+    lists call the block partial), and its chain reads it there."""
     source = _source(variant)
-    consumer = ast.unparse(_function(source, "_consumer"))
-    assert "masked = (start_m < full_start) | (start_m >= full_end) | list_partial" in consumer
-    calls = [n for n in ast.walk(_function(source, "_consumer")) if isinstance(n, ast.If)]
-    partial = [n for n in calls if ast.unparse(n.test) == "list_partial"]
-    assert len(partial) == 1 and ast.unparse(partial[0].body[0]).split("(")[0].endswith("_keep")
+    consumer = _function(source, "_consumer")
+    assert "masked = (start_m < full_start) | (start_m >= full_end) | list_partial" in ast.unparse(consumer)
+    ifs = [n for n in ast.walk(consumer) if isinstance(n, ast.If)]
+    stores = [n for n in ifs if ast.unparse(n.test) == "masked" and "_keep(keep_tile, list_partial" in ast.unparse(n)]
+    assert len(stores) == 1
+    chain = [ast.unparse(n) for n in ifs if ast.unparse(n.test) == "masked" and n not in stores]
+    assert len(chain) == 1 and "keep = keep_tile.load(S_LAYOUT) != 0" in chain[0] and "_active" not in chain[0]
     keep = ast.unparse(_function(source, "_keep"))
-    assert "block_sparse" in keep and "keep_tile.slice(part * 8, 8).store" in keep
-    chain = next(ast.unparse(n) for n in calls if ast.unparse(n.test) == "masked")
-    assert "(keep_tile.load(S_LAYOUT) != 0) | (list_partial == 0)" in chain and "_active" not in chain
-    assert ("k_pos[None, :] <= q_pos[:, None]" in chain) == (variant == "block_sparse_tokens")  # its causal mask
+    assert "keep_tile.slice(part * 8, 8).store" in keep and "q_ok[:, None] &" in keep
+    assert re.search(r"\(tl\.load\(block_sparse_\d+_active.*\| \(list_partial == 0\)\)", keep)
+    assert ("k_pos[None, :] <= q_pos[:, None]" in keep) == (variant == "block_sparse_tokens")  # its causal mask
 
 
 def _assigned(function: ast.FunctionDef, name: str) -> list[str]:

@@ -58,11 +58,11 @@ KNOWN_DKDV_LOOP_SPILLS = {
     ("sinks", 128): 32,
     ("additive_bias", 128): 252,
     ("sigmoid", 128): 76,  # the contrib package's variant, where installed
-    # following block lists: the walk over every head's lists, and in partial blocks the listing mask's keep
-    ("block_sparse", 64): 12,
-    ("block_sparse", 128): 88,
-    ("block_sparse_tokens", 64): 44,
-    ("block_sparse_tokens", 128): 292,
+    # following block lists: the walk over every head's lists, and a masked step's keep into shared memory
+    ("block_sparse", 64): 28,
+    ("block_sparse", 128): 64,
+    ("block_sparse_tokens", 64): 32,
+    ("block_sparse_tokens", 128): 136,
     # with attention dropout: its Philox rounds (a 64 x 64 tile of 10-round Philox-4x32 a step) on top
     ("causal+dropout", 64): 184,
     ("softcap+dropout", 64): 280,

@@ -248,15 +248,14 @@ def _rows_smem(name: str, present: bool) -> str:
 
 
 def _keep(kernel: LoweredProgram) -> str:
-    """The masks' keep of a masked step: rows below Nq and every mask's own (a listing mask's only where its
-    lists mark the block partial, as the step stored it: ``dkdv_listed.kept``). Not keys below Nk: a key past Nk
+    """The masks' keep of a masked step: rows below Nq and every mask's own (for a program whose mask lists its
+    blocks, as the step stored it in shared memory: ``dkdv_listed.steps``). Not keys below Nk: a key past Nk
     (TMA's zero rows) reaches only its own rows of dK and dV, which are never stored, and testing it held a key
     vector in 16 registers a thread throughout the loop (ptxas spilled a dense program's step loop)."""
+    if listing_mask(kernel) is not None:
+        return dkdv_listed.CHAIN_KEEP
     keeps = ["q_ok[:, None]"]
-    keeps += [f"({for_template(m.fragment.keep)})" for m in without_listing(kernel).masks if m.fragment.keep]
-    listing = listing_mask(kernel)
-    if listing is not None and (listed := dkdv_listed.kept(listing)) is not None:
-        keeps.append(listed)
+    keeps += [f"({for_template(m.fragment.keep)})" for m in kernel.masks if m.fragment.keep]
     return f"keep = {' & '.join(keeps)}"
 
 
@@ -320,10 +319,9 @@ def _chain(kernel: LoweredProgram) -> str:
 
 
 def _pds_smem(listing) -> str:
-    """The kernel's shared memory of each consumer's P and dS (and its keep of a listing mask whose lists can
-    call a block partial, ``dkdv_listed.kept``), in the inputs' dtype."""
-    kept = listing is not None and dkdv_listed.kept(listing) is not None
-    tiles, what = (6, "P and dS, then its keep") if kept else (4, "P and dS")
+    """The kernel's shared memory of each consumer's P and dS (and for a program whose mask lists its blocks, its
+    masked steps' keep, ``dkdv_listed.steps``), in the inputs' dtype."""
+    tiles, what = (4, "P and dS") if listing is None else (6, "P and dS, then its keep")
     return (
         f"pds_smem = gl.allocate_shared_memory(k_desc.dtype, [{tiles}, ROWS, ROWS], pds_layout)  # each consumer's "
         f"{what}"

@@ -16,6 +16,7 @@ from __future__ import annotations
 import re
 import string
 
+from ..passes.codegen.loops import listing_mask
 from ..passes.lower import Instance, LoweredProgram
 from .gluon_text import for_template
 
@@ -40,11 +41,12 @@ $walk
 
 _KEEP = string.Template('''
 @gluon.jit
-def ${name}_keep(keep_tile, start_m, k0, Nq, Nk, HQ, GROUP, b, h${args}):
-    """${prefix}'s keep of the step's (64 x 64) tile, rows start_m.. and keys k0.., into keep_tile (0 or 1 in its
-    dtype), 8 rows at a time: a thread holds 4 of the pairs, not 32 (evaluated on the whole tile beside dK and
-    dV, its loads' addresses made ptxas spill the step loop; 16 rows at a time, a quarter as much). Rows of shared
-    memory are sliced by 8, the swizzle's unit."""
+def ${name}_keep(keep_tile, list_partial, start_m, k0, Nq, Nk, HQ, GROUP, b, h${args}):
+    """A masked step's keep of its (64 x 64) tile, rows start_m.. and keys k0.., into keep_tile (0 or 1 in its
+    dtype): rows below Nq, the masks' own (${prefix}'s where its lists call the block partial, ``list_partial``),
+    8 rows at a time, so that a thread holds 4 of the pairs, not 32 (evaluated on the whole tile in the chain,
+    beside the step's scores and dK and dV, its loads' addresses made ptxas spill the step loop; 16 rows at a time,
+    a quarter as much). Rows of shared memory are sliced by 8, the swizzle's unit."""
     PART: gl.constexpr = gl.BlockedLayout([1, 4], [2, 16], [4, 1], [1, 0])  # 8 x 64: 4 pairs a thread
     for part in gl.static_range(8):
         q_idx = start_m + part * 8 + gl.arange(0, 8, layout=gl.SliceLayout(1, PART))
@@ -72,12 +74,18 @@ def _indent(code: str, spaces: int) -> str:
     return "\n".join(pad + line if line.strip() else "" for line in code.splitlines())
 
 
-def kept(m: Instance) -> str | None:
-    """The listing mask's term of a masked step's keep (None where its lists call no block partial: every listed
-    block is kept whole): in a partial block, the keep the step stored before its products (``steps``)."""
-    if m.fragment.block_list.q_partial is None:
-        return None
-    return "((keep_tile.load(S_LAYOUT) != 0) | (list_partial == 0))"
+CHAIN_KEEP = "keep = keep_tile.load(S_LAYOUT) != 0  # as the step stored it (dkdv_listed.steps)"
+
+
+def _keep(kernel: LoweredProgram) -> str:
+    """The keep ``_KEEP`` stores: rows below Nq, the other masks' keeps, and the listing mask's where its lists
+    call the block partial (none: every listed block is kept whole)."""
+    listing = listing_mask(kernel)
+    keeps = ["q_ok[:, None]"]
+    keeps += [f"({for_template(m.fragment.keep)})" for m in kernel.masks if m.fragment.keep and m is not listing]
+    if listing.fragment.keep and listing.fragment.block_list.q_partial is not None:
+        keeps.append(f"(({for_template(listing.fragment.keep)}) | (list_partial == 0))")
+    return " & ".join(keeps)
 
 
 def _count(m: Instance) -> str:
@@ -113,27 +121,27 @@ for t in range(n_steps):
 
 def steps(m: Instance, kernel: LoweredProgram, name: str, rows: str, step: str) -> str:
     """The consumer's steps over the query tiles listed for its keys, head by head: each step's ``rows`` (its
-    q_idx, q_pos, q_ok), then ``step`` (from its products to freeing its stage). In a block the lists call partial
-    the listing mask's keep is first stored in shared memory (``_KEEP``), while only dK and dV are live (in the
-    chain, with the scores, weights and dP live, ptxas spilled a kilobyte at head dim 128)."""
+    q_idx, q_pos, q_ok), then ``step`` (from its products to freeing its stage). A masked step (where the other
+    masks' facts say, or in a block the lists call partial) first stores its keep in shared memory (``_KEEP``),
+    while only dK and dV are live, and its chain reads it there (``CHAIN_KEEP``)."""
     bl = m.fragment.block_list
     masked = "masked = (start_m < full_start) | (start_m >= full_end)"
     body = ["stage = t % STAGES", "phase = (t // STAGES) & 1"]
+    partial = "0"
     if bl.q_partial is not None:
         body.append(f"list_partial = {m.code(bl.q_partial, block='list_block', i='j // list_tiles')}")
         masked += f" | list_partial  # {m.prefix}: a partial listed block, masked element by element"
-    body += [masked, rows]
-    if bl.q_partial is not None:
-        args = "".join(f", {a}" for a in reads(m, kernel, for_template(m.fragment.keep)))
-        body += [
-            "if list_partial:",
-            f"    {name}_keep(keep_tile, start_m, n0 + HALF_ID * BLOCK_N, Nq, Nk, HQ, GROUP, b, h{args})",
-            "    gl.thread_barrier()  # the tile's keep, stored by other threads, before the chain reads it",
-        ]
-    body.append(step)
-    head = walk(m)
-    if bl.q_partial is not None:
-        head = f"keep_tile = pds_smem.index(4 + HALF_ID)  # this warpgroup's keep of {m.prefix}\n{head}"
+        partial = "list_partial"
+    args = "".join(f", {a}" for a in reads(m, kernel, _keep(kernel)))
+    body += [
+        masked,
+        rows,
+        "if masked:",
+        f"    {name}_keep(keep_tile, {partial}, start_m, n0 + HALF_ID * BLOCK_N, Nq, Nk, HQ, GROUP, b, h{args})",
+        "    gl.thread_barrier()  # the tile's keep, stored by other threads, before the chain reads it",
+        step,
+    ]
+    head = f"keep_tile = pds_smem.index(4 + HALF_ID)  # this warpgroup's keep of a masked step\n{walk(m)}"
     return head + "\n" + _indent("\n".join(body), 4)
 
 
@@ -143,13 +151,11 @@ def reads(m: Instance, kernel: LoweredProgram, code: str) -> list[str]:
 
 
 def functions(m: Instance, kernel: LoweredProgram, name: str, has_lse: bool, has_delta: bool) -> str:
-    """The instance's loader warp (``dkdv_pipeline.dkdv_loader``'s protocol, through ``listed_backward_pipeline``),
-    and where the lists can call a block partial, the consumers' evaluation of the listing mask's keep."""
-    keep = ""
-    if m.fragment.block_list.q_partial is not None:
-        text = for_template(m.fragment.keep)
-        args = "".join(f", {a}" for a in reads(m, kernel, text))
-        keep = _KEEP.substitute(name=name, prefix=m.prefix, args=args, keep=text)
+    """The consumers' evaluation of a masked step's keep (``_KEEP``), and the instance's loader warp
+    (``dkdv_pipeline.dkdv_loader``'s protocol, through ``listed_backward_pipeline``)."""
+    text = _keep(kernel)
+    args = "".join(f", {a}" for a in reads(m, kernel, text))
+    keep = _KEEP.substitute(name=name, prefix=m.prefix, args=args, keep=text)
     return keep + _LOADER.substitute(
         name=name,
         prefix=m.prefix,
