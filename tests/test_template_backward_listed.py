@@ -29,6 +29,7 @@ from attnfuse.runtime.interpreter import InterpretedKernel
 from attnfuse.runtime.source_cache import load_function, write_source
 
 from test_template import _undefined
+from test_template_listed import _assigned
 
 LISTED = sorted(verify.LISTED_VARIANTS)
 SM90 = KernelConfig(
@@ -98,15 +99,6 @@ def test_a_masked_listed_step_stores_its_keep_and_the_chain_reads_it(variant):
     assert "keep_tile.slice(part * 8, 8).store" in keep and "q_ok[:, None] &" in keep
     assert re.search(r"\(tl\.load\(block_sparse_\d+_active.*\| \(list_partial == 0\)\)", keep)
     assert ("k_pos[None, :] <= q_pos[:, None]" in keep) == (variant == "block_sparse_tokens")  # its causal mask
-
-
-def _assigned(function: ast.FunctionDef, name: str) -> list[str]:
-    """The right-hand sides ``name`` is assigned in ``function``, in order."""
-    return [
-        ast.unparse(n.value)
-        for n in ast.walk(function)
-        if isinstance(n, ast.Assign) and [ast.unparse(t) for t in n.targets] == [name]
-    ]
 
 
 @pytest.mark.parametrize("variant", LISTED)

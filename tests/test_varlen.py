@@ -79,12 +79,16 @@ def check(program, lq, lk, *extra, Hq=2, Hkv=2, cu_dtype=torch.int32, grads=True
     expected = reference(program, q, k, v, cu_q, cu_k, *extra)
     torch.testing.assert_close(out.double(), expected, atol=2e-5, rtol=2e-5)
     if grads:
-        dout = torch.randn_like(out)
-        got = torch.autograd.grad(out, (q, k, v), dout)
-        want = torch.autograd.grad(expected, (q, k, v), dout.double())
-        for name, g, w in zip("qkv", got, want):
-            message = lambda m, name=name: f"d{name}: {m}"  # noqa: E731
-            torch.testing.assert_close(g.double(), w.double(), atol=5e-5, rtol=5e-5, msg=message)
+        assert_gradients_match(out, expected, (q, k, v), torch.randn_like(out))
+
+
+def assert_gradients_match(out, expected, leaves, dout) -> None:
+    """The gradients of ``out`` for ``leaves`` (q, k, v) against ``expected``'s (float64), for ``dout``."""
+    got = torch.autograd.grad(out, leaves, dout)
+    want = torch.autograd.grad(expected, leaves, dout.double())
+    for name, g, w in zip("qkv", got, want):
+        message = lambda m, name=name: f"d{name}: {m}"  # noqa: E731
+        torch.testing.assert_close(g.double(), w.double(), atol=5e-5, rtol=5e-5, msg=message)
 
 
 @pytest.mark.parametrize("program", [gpt2, dense, window, alibi, relu, llama, rope_dense], ids=lambda p: p.fn.__name__)
@@ -237,12 +241,7 @@ def test_a_tensor_indexed_by_query_and_key_is_indexed_by_packed_rows(heads):
     torch.testing.assert_close(whole, expected, atol=1e-12, rtol=1e-12)
     torch.testing.assert_close(out.double(), expected, atol=2e-5, rtol=2e-5)
     dout = torch.randn_like(out)
-    got = torch.autograd.grad(out, (q, k, v), dout)
-    want = torch.autograd.grad(expected, (q, k, v), dout.double())
-    for name, g, w in zip("qkv", got, want):
-        torch.testing.assert_close(
-            g.double(), w.double(), atol=5e-5, rtol=5e-5, msg=lambda m, name=name: f"d{name}: {m}"
-        )
+    assert_gradients_match(out, expected, (q, k, v), dout)
     bias.requires_grad_(True)  # its score-shaped gradient, written at packed rows (0 across documents)
     out = biased(q, k, v, bias, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
     (got,) = torch.autograd.grad(out, bias, dout)
@@ -292,12 +291,7 @@ def test_a_block_mask_over_the_packed_row(block_size, partial):
     torch.testing.assert_close(whole, expected, atol=1e-12, rtol=1e-12)
     torch.testing.assert_close(out.double(), expected, atol=2e-5, rtol=2e-5)
     dout = torch.randn_like(out)
-    got = torch.autograd.grad(out, (q, k, v), dout)
-    want = torch.autograd.grad(expected, (q, k, v), dout.double())
-    for name, g, w in zip("qkv", got, want):
-        torch.testing.assert_close(
-            g.double(), w.double(), atol=5e-5, rtol=5e-5, msg=lambda m, name=name: f"d{name}: {m}"
-        )
+    assert_gradients_match(out, expected, (q, k, v), dout)
 
 
 def test_the_reference_checks_packed_offsets_as_a_call_does():
