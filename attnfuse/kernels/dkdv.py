@@ -33,6 +33,9 @@ With attention dropout (``KernelConfig.dropout``) a step regenerates the forward
 Philox text, ``passes/codegen/dropout.py``) once dP is in, masks and scales dP before the normaliser's gradient
 and the weights dV reads after it, as the generated backward does.
 
+A program whose mask lists its blocks walks the lists' query blocks instead, with a loader of its own, and
+stores a masked step's keep in shared memory before its products (``kernels/dkdv_listed.py``).
+
 dQ is not computed here: the generated dQ kernel runs first (it writes delta, and the score-shaped
 gradients of tensor inputs such as an additive bias). dK and dV are stored as the hand kernel stores them,
 summed over a split group's programs as GROUP_SUM says (``dkdv_pipeline.store_program_grads``).

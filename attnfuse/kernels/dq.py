@@ -18,6 +18,9 @@ orientation:
     and on keys past Nk (TMA's zero rows), whatever their values; dS times the scale; dQ += dS·K (wgmma,
     dS from registers).
 
+A program whose mask lists its blocks visits the key blocks its rows' list names instead, with a loader of its own
+(``kernels/dq_listed.py``).
+
 dP is issued with S, so the score pipeline runs while it multiplies, unless the program has score modifications
 (their kept inputs take the registers an in-flight dP holds), as in the dK/dV template. dQ is stored through
 its strides, in its dtype, rows below Nq only. Score-shaped gradients of tensor inputs (an additive bias's) are
