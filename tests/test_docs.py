@@ -241,6 +241,6 @@ def test_docs_have_python_blocks_to_run():
     counts = {path: len(python_blocks(path)[0]) for path in DOCS_WITH_CODE}
     assert {path: n for path, n in counts.items() if n} == {
         "README.md": 8,
-        "docs/combinators.md": 9,
+        "docs/combinators.md": 10,
         "docs/plugins.md": 4,
     }
