@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import attnfuse as af
-from attnfuse.kernels import capability, dkdv_listed, verify
+from attnfuse.kernels import capability, dkdv_keep, dkdv_listed, verify
 from attnfuse.passes.codegen.loops import listing_mask
 from attnfuse.passes.compiler import compile as compile_plan
 from attnfuse.passes.compiler import lowered
@@ -91,8 +91,8 @@ def test_a_masked_listed_step_stores_its_keep_and_the_chain_reads_it(variant):
     consumer = _function(source, "_consumer")
     assert "masked = (start_m < full_start) | (start_m >= full_end) | list_partial" in ast.unparse(consumer)
     ifs = [n for n in ast.walk(consumer) if isinstance(n, ast.If)]
-    stores = [n for n in ifs if ast.unparse(n.test) == "masked" and "_keep(keep_tile, list_partial" in ast.unparse(n)]
-    assert len(stores) == 1
+    stores = [n for n in ifs if ast.unparse(n.test) == "masked" and "_keep(keep_tile, start_m" in ast.unparse(n)]
+    assert len(stores) == 1 and "list_partial)" in ast.unparse(stores[0])
     chain = [ast.unparse(n) for n in ifs if ast.unparse(n.test) == "masked" and n not in stores]
     assert len(chain) == 1 and "keep = keep_tile.load(S_LAYOUT) != 0" in chain[0] and "_active" not in chain[0]
     keep = ast.unparse(_function(source, "_keep"))
@@ -194,7 +194,7 @@ def _walked(mask: af.BlockMask, b: int, h0: int, heads: int, n0: int) -> tuple[l
     kernel = lowered(graph, config)
     m = listing_mask(kernel)
     walk = dkdv_listed.walk(m)
-    names = dkdv_listed.reads(m, kernel, walk)
+    names = dkdv_keep.reads(kernel, walk)
     body = "".join(f"    {line}\n" for line in walk.splitlines())
     source = (
         "import triton.language as tl\n\n\n"

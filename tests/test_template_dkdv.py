@@ -185,6 +185,32 @@ def test_served_dkdv_instances_splice_into_complete_gluon_text(variant, head_dim
     assert _undefined(source) == []
 
 
+MASKED = sorted(v for v in verify.VARIANTS if v not in ("dense", "additive_bias"))  # the variants with a mask
+
+
+@pytest.mark.parametrize("variant", MASKED)
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+def test_masked_instances_at_head_dim_128_store_a_step_s_keep_before_its_products(variant, head_dim):
+    """At head dim 128 a masked step evaluates its keep (rows below Nq, the masks' own) into shared memory before
+    its products, its keys computed in the step, and the chain reads it there (``kernels/dkdv_keep.py``); at 64
+    the chain evaluates it beside the scores, the keys computed once."""
+    source = _plan(variant, head_dim=head_dim, head_dim_v=head_dim).templates.kernels["dkdv"].source
+    tree = ast.parse(source)
+    consumer = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name.endswith("_consumer"))
+    loop = next(n for n in consumer.body if isinstance(n, ast.For))
+    masked = [ast.unparse(n) for n in loop.body if isinstance(n, ast.If) and ast.unparse(n.test) == "masked"]
+    chain = next(n for n in ast.walk(loop) if isinstance(n, ast.If) and "p = tl.where(keep, p, 0.0)" in ast.unparse(n))
+    keys = [ast.unparse(n) for n in loop.body if isinstance(n, ast.Assign) and ast.unparse(n.targets[0]) == "k_idx"]
+    functions = {n.name.rsplit("_", 1)[-1]: ast.unparse(n) for n in tree.body if isinstance(n, ast.FunctionDef)}
+    if head_dim == 128:
+        assert len(masked) == 2 and "_keep(keep_tile, start_m, n0 + HALF_ID * BLOCK_N" in masked[0]
+        assert "keep = keep_tile.load(S_LAYOUT) != 0" in ast.unparse(chain) and len(keys) == 1
+        assert "keep_tile.slice(part * 8, 8).store" in functions["keep"] and "q_ok[:, None] &" in functions["keep"]
+    else:
+        assert len(masked) == 1 and "keep = q_ok[:, None] &" in ast.unparse(chain) and not keys
+        assert "keep" not in functions
+
+
 def _compile(spec, head_dim: int, group_sum: str):
     """``spec``'s instance compiled for sm90 (bfloat16 tensors), as a launch would compile it."""
     from triton.backends.compiler import GPUTarget

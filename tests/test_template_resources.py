@@ -49,16 +49,8 @@ CONSUMERS = 2  # consumer warpgroups of either template, each running its own ke
 # "Template resources". A ratchet: an instance may spill less, never more; one that no longer spills in its loop
 # leaves the table; an instance not in it may not spill in its loop at all.
 KNOWN_DKDV_LOOP_SPILLS = {
-    ("causal", 128): 32,
-    ("sliding_window", 128): 28,
-    ("causal_alibi", 128): 68,
-    ("rope_causal", 128): 32,
-    ("relu", 128): 36,
-    ("softcap", 128): 52,
-    ("sinks", 128): 32,
     ("additive_bias", 128): 252,
-    ("sigmoid", 128): 76,  # the contrib package's variant, where installed
-    # following block lists: the walk over every head's lists, and a masked step's keep into shared memory
+    # following block lists: the walk over every head's lists
     ("block_sparse", 64): 28,
     ("block_sparse", 128): 64,
     ("block_sparse_tokens", 64): 32,

@@ -33,8 +33,9 @@ With attention dropout (``KernelConfig.dropout``) a step regenerates the forward
 Philox text, ``passes/codegen/dropout.py``) once dP is in, masks and scales dP before the normaliser's gradient
 and the weights dV reads after it, as the generated backward does.
 
-A program whose mask lists its blocks walks the lists' query blocks instead, with a loader of its own, and
-stores a masked step's keep in shared memory before its products (``kernels/dkdv_listed.py``).
+A program whose mask lists its blocks walks the lists' query blocks instead, with a loader of its own
+(``kernels/dkdv_listed.py``). Such a program, and one with masks at head dim 128, stores a masked step's keep in
+shared memory before its products (``kernels/dkdv_keep.py``), and its chain reads it there.
 
 dQ is not computed here: the generated dQ kernel runs first (it writes delta, and the score-shaped
 gradients of tensor inputs such as an additive bias). dK and dV are stored as the hand kernel stores them,
@@ -53,7 +54,7 @@ from ..passes.codegen.operands import query_shift
 from ..passes.codegen.scores import has_masks
 from ..passes.lower import LoweredProgram
 from ..plan import DROPOUT_SCALE
-from . import dkdv_listed
+from . import dkdv_keep, dkdv_listed
 from .gluon_text import for_template
 from .listed import without_listing
 
@@ -95,10 +96,7 @@ def ${name}_consumer(
     v = v_smem.index(HALF_ID).reshape([BLOCK_N, DV])
     p_tile = pds_smem.index(2 * HALF_ID)  # this warpgroup's P and dS, read transposed by the dV and dK products
     ds_tile = pds_smem.index(2 * HALF_ID + 1)
-    k_idx = n0 + HALF_ID * BLOCK_N + gl.arange(0, BLOCK_N, layout=KEY_LAYOUT)
-    k_pos = k_idx
-    k_ok = k_idx < Nk
-${dropout_setup}    no_scores = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, S_LAYOUT)
+${keys}${dropout_setup}    no_scores = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, S_LAYOUT)
     dk = gl.zeros([BLOCK_N, D], gl.float32, G_LAYOUT)
     dv = gl.zeros([BLOCK_N, DV], gl.float32, G_LAYOUT)
     mbarrier.wait(kv_ready.index(HALF_ID), 0)
@@ -125,6 +123,10 @@ _ROWS = """\
 q_idx = start_m + gl.arange(0, BLOCK_M, layout=ROW_LAYOUT)
 q_pos = q_idx + (Nk - Nq)  # bottom-right aligned: the last query sees the last key
 q_ok = q_idx < Nq"""
+_KEYS = """\
+k_idx = n0 + HALF_ID * BLOCK_N + gl.arange(0, BLOCK_N, layout=KEY_LAYOUT)
+k_pos = k_idx
+k_ok = k_idx < Nk"""  # the warpgroup's keys: before the loop, or in each step where the instance stores its keep
 _STEP = string.Template("""\
 mbarrier.wait(q_ready.index(stage), phase)
 q = q_smem.index(stage).reshape([BLOCK_M, D])
@@ -251,15 +253,12 @@ def _rows_smem(name: str, present: bool) -> str:
 
 
 def _keep(kernel: LoweredProgram) -> str:
-    """The masks' keep of a masked step: rows below Nq and every mask's own (for a program whose mask lists its
-    blocks, as the step stored it in shared memory: ``dkdv_listed.steps``). Not keys below Nk: a key past Nk
-    (TMA's zero rows) reaches only its own rows of dK and dV, which are never stored, and testing it held a key
-    vector in 16 registers a thread throughout the loop (ptxas spilled a dense program's step loop)."""
-    if listing_mask(kernel) is not None:
-        return dkdv_listed.CHAIN_KEEP
-    keeps = ["q_ok[:, None]"]
-    keeps += [f"({for_template(m.fragment.keep)})" for m in kernel.masks if m.fragment.keep]
-    return f"keep = {' & '.join(keeps)}"
+    """The masks' keep of a masked step (``dkdv_keep.keep_text``), or where the step stored it in shared memory,
+    its load from there. Not keys below Nk: testing them held a key vector in 16 registers a thread throughout the
+    loop (ptxas spilled a dense program's step loop)."""
+    if dkdv_keep.stores_keep(kernel):
+        return dkdv_keep.CHAIN_KEEP
+    return f"keep = {dkdv_keep.keep_text(kernel)}"
 
 
 def _recompute(kernel: LoweredProgram) -> str:
@@ -321,10 +320,10 @@ def _chain(kernel: LoweredProgram) -> str:
     return "\n".join(lines)
 
 
-def _pds_smem(listing) -> str:
-    """The kernel's shared memory of each consumer's P and dS (and for a program whose mask lists its blocks, its
-    masked steps' keep, ``dkdv_listed.steps``), in the inputs' dtype."""
-    tiles, what = (4, "P and dS") if listing is None else (6, "P and dS, then its keep")
+def _pds_smem(kernel: LoweredProgram) -> str:
+    """The kernel's shared memory of each consumer's P and dS (and where the instance stores them, its masked
+    steps' keep: ``dkdv_keep``), in the inputs' dtype."""
+    tiles, what = (6, "P and dS, then its keep") if dkdv_keep.stores_keep(kernel) else (4, "P and dS")
     return (
         f"pds_smem = gl.allocate_shared_memory(k_desc.dtype, [{tiles}, ROWS, ROWS], pds_layout)  # each consumer's "
         f"{what}"
@@ -375,14 +374,19 @@ def generate_dkdv(kernel: LoweredProgram, name: str, consumer_registers: int, lo
     s_then_dp, dp_done = _SERIAL if kernel.mods else _OVERLAPPED
     step = _STEP.substitute(s_then_dp=s_then_dp, dp_done=dp_done, recompute=_recompute(kernel), chain=_chain(kernel))
     listing = listing_mask(kernel)
-    if listing is None:
-        steps = _FLAT_STEPS.replace("$step", _indent(_ROWS + "\n" + step, 4))
+    stored = dkdv_keep.stores_keep(kernel)
+    rows = f"{_ROWS}\n{_KEYS}" if stored else _ROWS
+    if listing is not None:
+        steps = dkdv_listed.steps(listing, kernel, name, rows, step)
     else:
-        steps = dkdv_listed.steps(listing, kernel, name, _ROWS, step)
+        store = dkdv_keep.store(kernel, name) + "\n" if stored else ""
+        steps = _FLAT_STEPS.replace("$step", _indent(rows + "\n" + store + step, 4))
+        steps = f"{dkdv_keep.TILE}\n{steps}" if stored else steps
     consumer = _CONSUMER.substitute(
         name=name,
         steps=_indent(steps, 4).rstrip("\n"),
         plugin_args=args,
+        keys="" if stored else _indent(_KEYS, 4),
         dropout_setup=_indent(f"# dropout: the Philox seed and counter offset\n{dropout_setup(kernel)}", 4)
         if kernel.config.dropout
         else "",
@@ -394,11 +398,12 @@ def generate_dkdv(kernel: LoweredProgram, name: str, consumer_registers: int, lo
         rows_doc=rows_doc,
         query_range=_indent(_query_range(kernel), 4),
         rows_smem=_indent(_rows_smem("lse", norm.has_lse) + "\n" + _rows_smem("delta", norm.needs_delta), 4),
-        pds_smem=_pds_smem(listing),
+        pds_smem=_pds_smem(kernel),
         loader=_LOADER.substitute(has_rows) if listing is None else dkdv_listed.loader_call(listing, kernel, name),
         consumer_registers=consumer_registers,
         loader_registers=loader_registers,
     )
+    keep = dkdv_keep.function(kernel, name) if stored else ""
     if listing is None:
-        return header + consumer + entry
-    return header + dkdv_listed.IMPORT + consumer + dkdv_listed.functions(listing, kernel, name, **has_rows) + entry
+        return header + consumer + keep + entry
+    return header + dkdv_listed.IMPORT + consumer + keep + dkdv_listed.loader(listing, kernel, name, **has_rows) + entry
