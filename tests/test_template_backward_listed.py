@@ -96,7 +96,7 @@ def test_a_masked_listed_step_stores_its_keep_and_the_chain_reads_it(variant):
     chain = [ast.unparse(n) for n in ifs if ast.unparse(n.test) == "masked" and n not in stores]
     assert len(chain) == 1 and "keep = keep_tile.load(S_LAYOUT) != 0" in chain[0] and "_active" not in chain[0]
     keep = ast.unparse(_function(source, "_keep"))
-    assert "keep_tile.slice(part * 8, 8).store" in keep and "q_ok[:, None] &" in keep
+    assert "keep_tile.slice(part * BLOCK_M, BLOCK_M).store" in keep and "q_ok[:, None] &" in keep
     assert re.search(r"\(tl\.load\(block_sparse_\d+_active.*\| \(list_partial == 0\)\)", keep)
     assert ("k_pos[None, :] <= q_pos[:, None]" in keep) == (variant == "block_sparse_tokens")  # its causal mask
 

@@ -15,7 +15,7 @@ import torch
 import triton
 
 import attnfuse as af
-from attnfuse.combinator import Combinator, Role, ScoreModFragment
+from attnfuse.combinator import Combinator, MaskFragment, Role, ScoreModFragment
 from attnfuse.kernels import capability, verified, verify
 from attnfuse.kernels.launch import TemplateDkdv
 from attnfuse.kernels.pipeline import LAUNCH_REGISTERS
@@ -205,7 +205,10 @@ def test_masked_instances_at_head_dim_128_store_a_step_s_keep_before_its_product
     if head_dim == 128:
         assert len(masked) == 2 and "_keep(keep_tile, start_m, n0 + HALF_ID * BLOCK_N" in masked[0]
         assert "keep = keep_tile.load(S_LAYOUT) != 0" in ast.unparse(chain) and len(keys) == 1
-        assert "keep_tile.slice(part * 8, 8).store" in functions["keep"] and "q_ok[:, None] &" in functions["keep"]
+        assert (
+            "keep_tile.slice(part * BLOCK_M, BLOCK_M).store" in functions["keep"]
+            and "q_ok[:, None] &" in functions["keep"]
+        )
     else:
         assert len(masked) == 1 and "keep = q_ok[:, None] &" in ast.unparse(chain) and not keys
         assert "keep" not in functions
@@ -240,6 +243,32 @@ def _compile(spec, head_dim: int, group_sum: str):
         target=GPUTarget("cuda", 90, 32),
         options={"num_warps": 4, "maxnreg": LAUNCH_REGISTERS},
     )
+
+
+EVEN_KEYS = Combinator(  # a keep that builds a tile from nothing, as fragments may
+    name="_test_dkdv_even_keys",
+    role=Role.MASK,
+    doc="Keeps the even keys (a test plugin).",
+    reference=lambda ctx: ctx.k_pos % 2 == 0,
+    fragment=MaskFragment(keep="(tl.zeros([BLOCK_M, BLOCK_N], tl.int32) + k_pos[None, :]) % 2 == 0"),
+)
+
+
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+def test_a_keep_that_builds_a_tile_compiles_where_the_step_stores_it(head_dim):
+    """A mask fragment's ``tl.zeros([BLOCK_M, BLOCK_N])`` is the step's tile in the chain and the part's (8 x 64)
+    where a masked step stores its keep (``dkdv_keep``): the instance defines every name and compiles."""
+    af.register_plugin(_Plugin(EVEN_KEYS), name="dkdv-test:even-keys")
+    try:
+        program = af.attention(lambda q, k, v: af.softmax(af._test_dkdv_even_keys(af.scaled_dot_product(q, k))) @ v)
+        graph = program.graph()
+        config = attrs.evolve(SM90, save_lse=True, head_dim=head_dim, head_dim_v=head_dim)
+        spec = compile_plan(graph, config).templates.kernels["dkdv"]
+        assert ("_keep(keep_tile" in spec.source) == (head_dim == 128)
+        assert _undefined(spec.source) == []
+        assert "wgmma.mma_async" in _compile(spec, head_dim, "none").asm["ptx"]
+    finally:
+        af.unregister_plugin("dkdv-test:even-keys")
 
 
 @pytest.mark.parametrize("variant", sorted(verify.VARIANTS))

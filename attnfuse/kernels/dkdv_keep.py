@@ -27,17 +27,22 @@ _FUNCTION = string.Template('''
 @gluon.jit
 def ${name}_keep(keep_tile, start_m, k0, Nq, Nk, HQ, GROUP, b, h${args}):
     """A masked step's keep of its (64 x 64) tile, rows start_m.. and keys k0.., into keep_tile (0 or 1 in its
-    dtype): ${what}, 8 rows at a time. Rows of shared memory are sliced by 8, the swizzle's unit."""
-    PART: gl.constexpr = gl.BlockedLayout([1, 4], [2, 16], [4, 1], [1, 0])  # 8 x 64: 4 pairs a thread
-    for part in gl.static_range(8):
-        q_idx = start_m + part * 8 + gl.arange(0, 8, layout=gl.SliceLayout(1, PART))
-        k_idx = k0 + gl.arange(0, 64, layout=gl.SliceLayout(0, PART))
+    dtype): ${what}, 8 rows at a time. Rows of shared memory are sliced by 8, the swizzle's unit. The fragments'
+    tile is the part (``BLOCK_M``, ``S_LAYOUT``: what ``gluon_text.for_template`` gives their constructors)."""
+    BLOCK_M: gl.constexpr = 8
+    BLOCK_N: gl.constexpr = 64
+    S_LAYOUT: gl.constexpr = gl.BlockedLayout([1, 4], [2, 16], [4, 1], [1, 0])  # 8 x 64: 4 pairs a thread
+    ROW_LAYOUT: gl.constexpr = gl.SliceLayout(1, S_LAYOUT)
+    KEY_LAYOUT: gl.constexpr = gl.SliceLayout(0, S_LAYOUT)
+    for part in gl.static_range(64 // BLOCK_M):
+        q_idx = start_m + part * BLOCK_M + gl.arange(0, BLOCK_M, layout=ROW_LAYOUT)
+        k_idx = k0 + gl.arange(0, BLOCK_N, layout=KEY_LAYOUT)
         q_pos = q_idx + (Nk - Nq)  # bottom-right aligned, as the consumer's
         k_pos = k_idx
         q_ok = q_idx < Nq
         k_ok = k_idx < Nk
         in_bounds = q_ok[:, None] & k_ok[None, :]
-        keep_tile.slice(part * 8, 8).store(($keep).to(keep_tile.dtype))
+        keep_tile.slice(part * BLOCK_M, BLOCK_M).store(($keep).to(keep_tile.dtype))
 ''')
 
 
