@@ -64,18 +64,28 @@ def _walk(function: ast.FunctionDef) -> list[str]:
 
 @pytest.mark.parametrize("variant", LISTED)
 @pytest.mark.parametrize("head_dim", [64, 128])
-def test_the_loader_and_the_consumers_walk_the_same_listed_steps(variant, head_dim):
-    """Step t's head and rows come from the same statements in the loader warp and in each consumer (the column
-    list of the program's key block, ``q_num``/``q_idx``), the loader is the instance's own, not the contiguous
-    ``dkdv_loader``, and the source is complete Gluon."""
+def test_the_loader_walks_the_lists_and_hands_each_step_to_the_consumers(variant, head_dim):
+    """The loader warp walks the column list of the program's key block (``q_num``/``q_idx``), head by head, and
+    hands each step's head, first row and partial flag to the consumers with its tiles (``load_query_tile``);
+    the consumers count the same steps from the same statements and take each step from the loader
+    (``read_step``), following no list. The loader is the instance's own, not the contiguous ``dkdv_loader``, and
+    the source is complete Gluon."""
     source = _source(variant, head_dim)
     loader, consumer = _function(source, "_loader"), _function(source, "_consumer")
     walk = _walk(loader)
-    assert walk == [w for w in _walk(consumer) if w in walk] and len(walk) == len(_walk(consumer))
+    count = ("list_size =", "list_tiles =", "list_block =", "n_steps =", "for hh in range(heads)")
+    counted = [ast.unparse(n) for n in consumer.body if ast.unparse(n).startswith(count)]
+    loader_body = [ast.unparse(n) for n in loader.body]
+    assert len(counted) == 5 and any(counted == loader_body[i : i + 5] for i in range(len(loader_body)))
+    assert "n_steps +=" in counted[-1] and "_q_num" in counted[-1]
     start = [w for w in walk if w.startswith("start_m =")]
     assert len(start) == 1 and "_q_idx" in start[0] and "list_block" in start[0]
-    assert any(w.startswith("n_steps +=") and "_q_num" in w for w in walk)
     assert "t - t_head >= n_head" in walk
+    calls = [ast.unparse(n) for n in ast.walk(loader) if isinstance(n, ast.Call)]
+    assert any(c.startswith("load_query_tile(") and "h, start_m, partial, t," in c for c in calls)
+    steps = next(n for n in consumer.body if isinstance(n, ast.For) and ast.unparse(n.iter) == "range(n_steps)")
+    text = ast.unparse(steps)
+    assert "h, start_m, list_partial = read_step(step_info, stage)" in text and "_q_idx" not in text
     entry = _function(source, _function(source, "_consumer").name.removesuffix("_consumer"))
     called = {ast.unparse(n) for n in ast.walk(entry) if isinstance(n, ast.Name)}
     assert "dkdv_loader" not in called and loader.name in called
@@ -185,7 +195,7 @@ def test_the_gpu_check_has_the_listed_backward_cases():
 
 
 def _walked(mask: af.BlockMask, b: int, h0: int, heads: int, n0: int) -> tuple[list[tuple[int, int]], int]:
-    """The steps the dK/dV instance's walk (``dkdv_listed.walk``, the loader's and the consumers' text) takes for
+    """The steps the dK/dV instance's walk (``dkdv_listed.walk``, the loader's text) takes for
     the keys n0.. of (batch b, query heads h0..h0+heads), run by Triton's interpreter on ``mask``'s lists: each
     step's (head, first row), and the steps' count."""
     program, _ = verify.LISTED_VARIANTS["block_sparse"]

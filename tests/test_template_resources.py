@@ -50,11 +50,6 @@ CONSUMERS = 2  # consumer warpgroups of either template, each running its own ke
 # leaves the table; an instance not in it may not spill in its loop at all.
 KNOWN_DKDV_LOOP_SPILLS = {
     ("additive_bias", 128): 252,
-    # following block lists: the walk over every head's lists
-    ("block_sparse", 64): 28,
-    ("block_sparse", 128): 64,
-    ("block_sparse_tokens", 64): 32,
-    ("block_sparse_tokens", 128): 136,
     # with attention dropout: its Philox rounds (a 64 x 64 tile of 10-round Philox-4x32 a step) on top
     ("causal+dropout", 64): 184,
     ("softcap+dropout", 64): 280,

@@ -90,7 +90,7 @@ def ${name}_consumer(
     G_LAYOUT: gl.constexpr = warpgroup_layout(D)  # dK and dV, (keys, D)
     ROW_LAYOUT: gl.constexpr = gl.SliceLayout(1, S_LAYOUT)
     KEY_LAYOUT: gl.constexpr = gl.SliceLayout(0, S_LAYOUT)
-    kv_ready, q_ready, do_ready, free = bars
+    kv_ready, q_ready, do_ready, free${step_info} = bars
     Nk = N_K
     k = k_smem.index(HALF_ID).reshape([BLOCK_N, D])
     v = v_smem.index(HALF_ID).reshape([BLOCK_N, DV])
@@ -180,7 +180,7 @@ $rows_smem
     kv_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(2):
         mbarrier.init(kv_ready.index(i), count=1)
-    bars = (kv_ready, q_ready, do_ready, free)
+    bars = (kv_ready, q_ready, do_ready, free${step_info})
     dk_strides = (stride_dkb, stride_dkh, stride_dkn)
     dv_strides = (stride_dvb, stride_dvh, stride_dvn)
     # The argument tuples are written out: a tuple built by concatenation loses its constexprs.
@@ -322,12 +322,14 @@ def _chain(kernel: LoweredProgram) -> str:
 
 def _pds_smem(kernel: LoweredProgram) -> str:
     """The kernel's shared memory of each consumer's P and dS (and where the instance stores them, its masked
-    steps' keep: ``dkdv_keep``), in the inputs' dtype."""
+    steps' keep: ``dkdv_keep``), in the inputs' dtype; for a program whose mask lists its blocks, then the
+    stages' steps (``dkdv_listed.STEP_INFO``)."""
     tiles, what = (6, "P and dS, then its keep") if dkdv_keep.stores_keep(kernel) else (4, "P and dS")
-    return (
+    pds = (
         f"pds_smem = gl.allocate_shared_memory(k_desc.dtype, [{tiles}, ROWS, ROWS], pds_layout)  # each consumer's "
         f"{what}"
     )
+    return pds if listing_mask(kernel) is None else f"{pds}\n    {dkdv_listed.STEP_INFO}"
 
 
 def _query_range(kernel: LoweredProgram) -> str:
@@ -382,8 +384,10 @@ def generate_dkdv(kernel: LoweredProgram, name: str, consumer_registers: int, lo
         store = dkdv_keep.store(kernel, name) + "\n" if stored else ""
         steps = _FLAT_STEPS.replace("$step", _indent(rows + "\n" + store + step, 4))
         steps = f"{dkdv_keep.TILE}\n{steps}" if stored else steps
+    step_info = "" if listing is None else ", step_info"  # the stages' steps, for a listed program's consumers
     consumer = _CONSUMER.substitute(
         name=name,
+        step_info=step_info,
         steps=_indent(steps, 4).rstrip("\n"),
         plugin_args=args,
         keys="" if stored else _indent(_KEYS, 4),
@@ -394,6 +398,7 @@ def generate_dkdv(kernel: LoweredProgram, name: str, consumer_registers: int, lo
     has_rows = {"has_lse": norm.has_lse, "has_delta": norm.needs_delta}
     entry = _KERNEL.substitute(
         name=name,
+        step_info=step_info,
         plugin_args=args,
         rows_doc=rows_doc,
         query_range=_indent(_query_range(kernel), 4),

@@ -18,7 +18,11 @@ import string
 from ..passes.lower import Instance, LoweredProgram
 from . import dkdv_keep
 
-IMPORT = "from attnfuse.kernels.listed_backward_pipeline import load_key_tiles, load_query_tile\n"
+IMPORT = "from attnfuse.kernels.listed_backward_pipeline import load_key_tiles, load_query_tile, read_step\n"
+STEP_INFO = (  # the kernel's shared memory of each stage's step, which the loader writes and the consumers read
+    "step_info = gl.allocate_shared_memory(gl.int32, [STAGES, 4], gl.SwizzledSharedLayout(1, 1, 1, [0]))"
+    "  # each stage's step: query head, first row, partial block"
+)
 
 _LOADER = string.Template('''
 @gluon.jit
@@ -31,9 +35,10 @@ def ${name}_loader(
     the (j // list_tiles)-th query block ${prefix} lists for the keys."""
     load_key_tiles(k_desc, v_desc, k_smem, v_smem, bars, b, hkv, n0)
 $walk
+        ${partial}
         load_query_tile(
-            q_desc, do_desc, lse_desc, delta_desc, q_smem, do_smem, lse_smem, delta_smem, bars, b, h, start_m, t,
-            row_stride, HQ, STAGES, ${has_lse}, ${has_delta},
+            q_desc, do_desc, lse_desc, delta_desc, q_smem, do_smem, lse_smem, delta_smem, bars, b, h, start_m,
+            partial, t, row_stride, HQ, STAGES, ${has_lse}, ${has_delta},
         )
 ''')
 
@@ -57,12 +62,9 @@ def _count(m: Instance) -> str:
     return f"{m.code(m.fragment.block_list.q_count, block='list_block')} * list_tiles"
 
 
-def walk(m: Instance) -> str:
-    """The steps' loop, and step t's query head ``h`` and first row ``start_m``, as both the loader and the
-    consumers walk them: ``list_size``, ``list_tiles`` (query tiles of BLOCK_M rows a listed block) and
-    ``list_block`` (the key block holding the program's keys), then every query head's steps in turn, in one flat
-    loop (nested loops over heads and lists made ptxas spill the consumers' step loop)."""
-    entry = m.code(m.fragment.block_list.q_index, block="list_block", i="j // list_tiles")
+def count(m: Instance) -> str:
+    """``list_size``, ``list_tiles`` (query tiles of BLOCK_M rows a listed block), ``list_block`` (the key block
+    holding the program's keys) and ``n_steps``, the program's steps: the listed query tiles of all its heads."""
     return f"""\
 list_size = {m.code(m.fragment.block_list.size)}  # {m.prefix}: its lists' block size
 list_tiles = list_size // BLOCK_M
@@ -70,7 +72,15 @@ list_block = n0 // list_size
 n_steps = 0
 for hh in range(heads):
     h = h0 + hh
-    n_steps += {_count(m)}
+    n_steps += {_count(m)}"""
+
+
+def walk(m: Instance) -> str:
+    """The loader's loop over the steps (``count``), and step t's query head ``h`` and first row ``start_m``:
+    every query head's steps in turn, in one flat loop (a ``while`` passes the heads whose list is empty)."""
+    entry = m.code(m.fragment.block_list.q_index, block="list_block", i="j // list_tiles")
+    return f"""\
+{count(m)}
 h = h0
 t_head = 0  # the first step of head h
 n_head = {_count(m)}
@@ -83,19 +93,39 @@ for t in range(n_steps):
     start_m = {entry} * list_size + j % list_tiles * BLOCK_M"""
 
 
-def steps(m: Instance, kernel: LoweredProgram, name: str, rows: str, step: str) -> str:
-    """The consumer's steps over the query tiles listed for its keys, head by head: each step's ``rows`` (its
-    q_idx, q_pos, q_ok), then ``step`` (from its products to freeing its stage). A masked step (where the other
-    masks' facts say, or in a block the lists call partial) first stores its keep in shared memory
-    (``dkdv_keep``)."""
+def _partial(m: Instance) -> str:
+    """Step t's ``partial`` (1 where the lists call its block partial), as the loader hands it on."""
     bl = m.fragment.block_list
+    if bl.q_partial is None:
+        return "partial = 0  # no block is partial"
+    return f"partial = ({m.code(bl.q_partial, block='list_block', i='j // list_tiles')}).to(tl.int32)"
+
+
+def steps(m: Instance, kernel: LoweredProgram, name: str, rows: str, step: str) -> str:
+    """The consumer's steps: as many as the loader's (``count``), each taking its query head, first row and
+    partial flag from the loader (``listed_backward_pipeline.read_step``: following the lists here held their
+    pointers through the step loop, and ptxas spilled), then its ``rows`` (q_idx, q_pos, q_ok) and ``step`` (from
+    its products to freeing its stage). A masked step (where the other masks' facts say, or in a block the lists
+    call partial) first stores its keep in shared memory (``dkdv_keep``)."""
     masked = "masked = (start_m < full_start) | (start_m >= full_end)"
-    body = ["stage = t % STAGES", "phase = (t // STAGES) & 1"]
-    if bl.q_partial is not None:
-        body.append(f"list_partial = {m.code(bl.q_partial, block='list_block', i='j // list_tiles')}")
+    if m.fragment.block_list.q_partial is not None:
         masked += f" | list_partial  # {m.prefix}: a partial listed block, masked element by element"
-    body += [masked, rows, dkdv_keep.store(kernel, name), step]
-    return f"{dkdv_keep.TILE}\n{walk(m)}\n" + _indent("\n".join(body), 4)
+    body = [
+        "stage = t % STAGES",
+        "phase = (t // STAGES) & 1",
+        "mbarrier.wait(q_ready.index(stage), phase)  # the stage's tiles, and its step from the loader",
+        "h, start_m, list_partial = read_step(step_info, stage)",
+        masked,
+        rows,
+        dkdv_keep.store(kernel, name),
+        step,
+    ]
+    return f"{dkdv_keep.TILE}\n{count(m)}\nfor t in range(n_steps):\n" + _indent("\n".join(body), 4)
+
+
+def _list_args(m: Instance, kernel: LoweredProgram) -> str:
+    """The plugin arguments the loader's walk reads (its lists)."""
+    return "".join(f"{a}, " for a in dkdv_keep.reads(kernel, f"{walk(m)}\n{_partial(m)}"))
 
 
 def loader(m: Instance, kernel: LoweredProgram, name: str, has_lse: bool, has_delta: bool) -> str:
@@ -104,8 +134,9 @@ def loader(m: Instance, kernel: LoweredProgram, name: str, has_lse: bool, has_de
     return _LOADER.substitute(
         name=name,
         prefix=m.prefix,
-        list_args="".join(f"{a}, " for a in dkdv_keep.reads(kernel, walk(m))),
+        list_args=_list_args(m, kernel),
         walk=_indent(walk(m), 4),
+        partial=_partial(m),
         has_lse=has_lse,
         has_delta=has_delta,
     )
@@ -113,4 +144,4 @@ def loader(m: Instance, kernel: LoweredProgram, name: str, has_lse: bool, has_de
 
 def loader_call(m: Instance, kernel: LoweredProgram, name: str) -> str:
     """The loader's entry in the kernel's ``warp_specialize``."""
-    return _CALL.substitute(name=name, list_args="".join(f"{a}, " for a in dkdv_keep.reads(kernel, walk(m))))
+    return _CALL.substitute(name=name, list_args=_list_args(m, kernel))

@@ -3,7 +3,8 @@
 An instance of such a program writes its own loader warp (``kernels/dkdv_listed.py``, ``kernels/dq_listed.py``):
 it reads the mask's lists with the plugin's fragments. A dK/dV instance brings its keys once
 (``load_key_tiles``), then each step's query tile through ``load_query_tile`` into the ring of ``pipeline.ring``,
-on the protocol of ``dkdv_pipeline.dkdv_loader``; a dQ instance brings its rows once (``load_query_rows``), then
+on the protocol of ``dkdv_pipeline.dkdv_loader``, with the step itself for the consumers (``read_step``: they
+follow no list); a dQ instance brings its rows once (``load_query_rows``), then
 each step's key block through ``listed_pipeline.load_key_block``, on the protocol of ``dq_pipeline.dq_loader``
 (a stage is refilled once both consumers freed it).
 """
@@ -26,15 +27,19 @@ def load_key_tiles(k_desc, v_desc, k_smem, v_smem, bars, b, hkv, n0):
 
 @gluon.jit
 def load_query_tile(
-    q_desc, do_desc, lse_desc, delta_desc, q_smem, do_smem, lse_smem, delta_smem, bars, b, h, m, t, row_stride,
-    heads_q, STAGES: gl.constexpr, HAS_LSE: gl.constexpr, HAS_DELTA: gl.constexpr,
+    q_desc, do_desc, lse_desc, delta_desc, q_smem, do_smem, lse_smem, delta_smem, bars, b, h, m, partial, t,
+    row_stride, heads_q, STAGES: gl.constexpr, HAS_LSE: gl.constexpr, HAS_DELTA: gl.constexpr,
 ):  # fmt: skip
     """Step ``t``: the Q tile of rows m.. of query head h (with their lse, HAS_LSE) and its dO tile (with their
-    delta, HAS_DELTA) into stage t % STAGES, once both consumers freed it. TMA fills rows past a tensor's end with
-    zeros."""
-    _, q_ready, do_ready, free = bars
+    delta, HAS_DELTA) into stage t % STAGES, once both consumers freed it, and the step itself (h, m and
+    ``partial``, 1 where the step's block is partial) into the stage's row of ``bars[4]`` (``read_step``). TMA
+    fills rows past a tensor's end with zeros."""
+    _, q_ready, do_ready, free, steps = bars
     stage = t % STAGES
     mbarrier.wait(free.index(stage), ((t // STAGES) & 1) ^ 1)
+    field = gl.arange(0, 4, layout=gl.BlockedLayout([4], [32], [1], [0]))
+    steps.index(stage).store(gl.where(field == 0, h, gl.where(field == 1, m, partial)))
+    gl.thread_barrier()  # the warp's stores before its arrive on q_ready publishes them
     row = (b * heads_q + h) * row_stride + m  # in lse's and delta's flat rows
     if HAS_LSE:
         mbarrier.expect(q_ready.index(stage), q_desc.block_type.nbytes + lse_desc.block_type.nbytes)
@@ -48,6 +53,17 @@ def load_query_tile(
     else:
         mbarrier.expect(do_ready.index(stage), do_desc.block_type.nbytes)
     tma.async_copy_global_to_shared(do_desc, [b, h, m, 0], do_ready.index(stage), do_smem.index(stage))
+
+
+@gluon.jit
+def read_step(steps, stage):
+    """A consumer warpgroup's read of the step ``load_query_tile`` wrote into stage ``stage`` (once its q_ready
+    phase completed): its query head, first row and whether its block is partial."""
+    field = gl.arange(0, 4, layout=gl.BlockedLayout([4], [32], [4], [0]))
+    step = steps.index(stage).load(gl.BlockedLayout([4], [32], [4], [0]))
+    h = gl.sum(gl.where(field == 0, step, 0), axis=0)
+    m = gl.sum(gl.where(field == 1, step, 0), axis=0)
+    return h, m, gl.sum(gl.where(field == 2, step, 0), axis=0) != 0
 
 
 @gluon.jit
