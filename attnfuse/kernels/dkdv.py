@@ -72,7 +72,7 @@ from attnfuse.kernels.pipeline import ROWS, ring, warpgroup_layout
 _CONSUMER = string.Template('''
 @gluon.jit
 def ${name}_consumer(
-    k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, pds_smem, bars, b, h0, hkv, n0, j_lo,
+    k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, pds_smem, ${smem}bars, b, h0, hkv, n0, j_lo,
     n_qblocks, n_iter, full_start, full_end, DKey, DValue, dk_strides, dv_strides, dk_part, dv_part, part_size,
     counts, Nq, N_K, HQ, GROUP, heads, sm_scale, qk_scale, ${plugin_args}
     HALF_ID: gl.constexpr, STAGES: gl.constexpr, GROUP_SUM: gl.constexpr,
@@ -90,7 +90,7 @@ def ${name}_consumer(
     G_LAYOUT: gl.constexpr = warpgroup_layout(D)  # dK and dV, (keys, D)
     ROW_LAYOUT: gl.constexpr = gl.SliceLayout(1, S_LAYOUT)
     KEY_LAYOUT: gl.constexpr = gl.SliceLayout(0, S_LAYOUT)
-    kv_ready, q_ready, do_ready, free${step_info} = bars
+    kv_ready, q_ready, do_ready, free = bars
     Nk = N_K
     k = k_smem.index(HALF_ID).reshape([BLOCK_N, D])
     v = v_smem.index(HALF_ID).reshape([BLOCK_N, DV])
@@ -180,7 +180,7 @@ $rows_smem
     kv_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(2):
         mbarrier.init(kv_ready.index(i), count=1)
-    bars = (kv_ready, q_ready, do_ready, free${step_info})
+    bars = (kv_ready, q_ready, do_ready, free)
     dk_strides = (stride_dkb, stride_dkh, stride_dkn)
     dv_strides = (stride_dvb, stride_dvh, stride_dvn)
     # The argument tuples are written out: a tuple built by concatenation loses its constexprs.
@@ -189,7 +189,7 @@ $rows_smem
             (
                 ${name}_consumer,
                 (
-                    k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, pds_smem, bars, b, h0,
+                    k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, pds_smem, ${smem}bars, b, h0,
                     hkv, n0, j_lo, n_qblocks, n_iter, full_start, full_end, DKey, DValue, dk_strides, dv_strides,
                     dk_part, dv_part, part_size, counts, Nq, N_K, HQ, GROUP, heads, sm_scale, qk_scale,
                     ${plugin_args} 0, STAGES, GROUP_SUM,
@@ -198,7 +198,7 @@ $rows_smem
             (
                 ${name}_consumer,
                 (
-                    k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, pds_smem, bars, b, h0,
+                    k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, pds_smem, ${smem}bars, b, h0,
                     hkv, n0, j_lo, n_qblocks, n_iter, full_start, full_end, DKey, DValue, dk_strides, dv_strides,
                     dk_part, dv_part, part_size, counts, Nq, N_K, HQ, GROUP, heads, sm_scale, qk_scale,
                     ${plugin_args} 1, STAGES, GROUP_SUM,
@@ -384,10 +384,10 @@ def generate_dkdv(kernel: LoweredProgram, name: str, consumer_registers: int, lo
         store = dkdv_keep.store(kernel, name) + "\n" if stored else ""
         steps = _FLAT_STEPS.replace("$step", _indent(rows + "\n" + store + step, 4))
         steps = f"{dkdv_keep.TILE}\n{steps}" if stored else steps
-    step_info = "" if listing is None else ", step_info"  # the stages' steps, for a listed program's consumers
+    smem = "" if listing is None else "step_info, "  # shared memory some instances pass their consumers
     consumer = _CONSUMER.substitute(
         name=name,
-        step_info=step_info,
+        smem=smem,
         steps=_indent(steps, 4).rstrip("\n"),
         plugin_args=args,
         keys="" if stored else _indent(_KEYS, 4),
@@ -398,7 +398,7 @@ def generate_dkdv(kernel: LoweredProgram, name: str, consumer_registers: int, lo
     has_rows = {"has_lse": norm.has_lse, "has_delta": norm.needs_delta}
     entry = _KERNEL.substitute(
         name=name,
-        step_info=step_info,
+        smem=smem,
         plugin_args=args,
         rows_doc=rows_doc,
         query_range=_indent(_query_range(kernel), 4),

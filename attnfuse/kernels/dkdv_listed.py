@@ -28,7 +28,7 @@ _LOADER = string.Template('''
 @gluon.jit
 def ${name}_loader(
     q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem,
-    bars, b, h0, hkv, n0, heads, row_stride, HQ, ${list_args}BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
+    step_info, bars, b, h0, hkv, n0, heads, row_stride, HQ, ${list_args}BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
 ):  # fmt: skip
     """One warp: both halves' K and V tiles, then for each query head h0.. in turn, step t's Q and dO tiles (with
     their rows' lse and delta where the normaliser reads them) into stage t % STAGES: query tile j % list_tiles of
@@ -37,8 +37,8 @@ def ${name}_loader(
 $walk
         ${partial}
         load_query_tile(
-            q_desc, do_desc, lse_desc, delta_desc, q_smem, do_smem, lse_smem, delta_smem, bars, b, h, start_m,
-            partial, t, row_stride, HQ, STAGES, ${has_lse}, ${has_delta},
+            q_desc, do_desc, lse_desc, delta_desc, q_smem, do_smem, lse_smem, delta_smem, step_info, bars, b, h,
+            start_m, partial, t, row_stride, HQ, STAGES, ${has_lse}, ${has_delta},
         )
 ''')
 
@@ -47,7 +47,8 @@ _CALL = string.Template("""\
                 ${name}_loader,
                 (
                     q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_smem, do_smem, k_smem, v_smem,
-                    lse_smem, delta_smem, bars, b, h0, hkv, n0, heads, row_stride, HQ, ${list_args}BLOCK_M, STAGES,
+                    lse_smem, delta_smem, step_info, bars, b, h0, hkv, n0, heads, row_stride, HQ, ${list_args}BLOCK_M,
+                    STAGES,
                 ),
             ),""")
 

@@ -27,14 +27,14 @@ def load_key_tiles(k_desc, v_desc, k_smem, v_smem, bars, b, hkv, n0):
 
 @gluon.jit
 def load_query_tile(
-    q_desc, do_desc, lse_desc, delta_desc, q_smem, do_smem, lse_smem, delta_smem, bars, b, h, m, partial, t,
-    row_stride, heads_q, STAGES: gl.constexpr, HAS_LSE: gl.constexpr, HAS_DELTA: gl.constexpr,
+    q_desc, do_desc, lse_desc, delta_desc, q_smem, do_smem, lse_smem, delta_smem, steps, bars, b, h, m, partial,
+    t, row_stride, heads_q, STAGES: gl.constexpr, HAS_LSE: gl.constexpr, HAS_DELTA: gl.constexpr,
 ):  # fmt: skip
     """Step ``t``: the Q tile of rows m.. of query head h (with their lse, HAS_LSE) and its dO tile (with their
     delta, HAS_DELTA) into stage t % STAGES, once both consumers freed it, and the step itself (h, m and
-    ``partial``, 1 where the step's block is partial) into the stage's row of ``bars[4]`` (``read_step``). TMA
+    ``partial``, 1 where the step's block is partial) into the stage's row of ``steps`` (``read_step``). TMA
     fills rows past a tensor's end with zeros."""
-    _, q_ready, do_ready, free, steps = bars
+    _, q_ready, do_ready, free = bars
     stage = t % STAGES
     mbarrier.wait(free.index(stage), ((t // STAGES) & 1) ^ 1)
     field = gl.arange(0, 4, layout=gl.BlockedLayout([4], [32], [1], [0]))
