@@ -54,7 +54,7 @@ from ..passes.codegen.operands import query_shift
 from ..passes.codegen.scores import has_masks
 from ..passes.lower import LoweredProgram
 from ..plan import DROPOUT_SCALE
-from . import dkdv_keep, dkdv_listed
+from . import dkdv_keep, dkdv_listed, dkdv_mods
 from .gluon_text import for_template
 from .listed import without_listing
 
@@ -261,24 +261,31 @@ def _keep(kernel: LoweredProgram) -> str:
     return f"keep = {dkdv_keep.keep_text(kernel)}"
 
 
-def _recompute(kernel: LoweredProgram) -> str:
-    """A step's weights ``p`` from the raw product ``s``: the modifications' prologues (per step: a step's query
-    head is its own), the score pipeline keeping each modification's input (``s_<i>``, ``s_nat`` after the
-    last), the normaliser's row statistics and recompute. No mask yet: ``_chain`` applies it."""
-    norm = kernel.normaliser
+def _mods(kernel: LoweredProgram) -> list[str]:
+    """The score pipeline on the step's tile: the modifications' prologues (per step: a step's query head is its
+    own), then the pipeline keeping each modification's input (``s_<i>``, ``s_nat`` after the last)."""
+    if not kernel.mods:
+        return ["s = s * qk_scale"]
     lines = []
     for m in kernel.mods:
         if m.fragment.prologue:
             lines += [f"# {m.prefix}: prologue", for_template(m.fragment.prologue)]
-    if kernel.mods:
-        lines.append("s = s * sm_scale")
-        for i, m in enumerate(kernel.mods):
-            lines += [f"s_{i} = s", f"# {m.prefix}: score modification", for_template(m.fragment.body)]
-        lines.append("s_nat = s")
-        if kernel.score_factor != 1.0:
-            lines.append(f"s = s * {kernel.score_factor!r}")
+    lines.append("s = s * sm_scale")
+    for i, m in enumerate(kernel.mods):
+        lines += [f"s_{i} = s", f"# {m.prefix}: score modification", for_template(m.fragment.body)]
+    return lines + ["s_nat = s"]
+
+
+def _recompute(kernel: LoweredProgram, name: str) -> str:
+    """A step's weights ``p`` from the raw product ``s``: the score pipeline (``_mods``, or staged through shared
+    memory: ``dkdv_mods``), the normaliser's row statistics and recompute. No mask yet: ``_chain`` applies it."""
+    norm = kernel.normaliser
+    if dkdv_mods.stages_mods(kernel):
+        lines = ["s = s * sm_scale", dkdv_mods.apply(kernel, name), "s_nat = s"]
     else:
-        lines.append("s = s * qk_scale")
+        lines = _mods(kernel)
+    if kernel.mods and kernel.score_factor != 1.0:
+        lines.append(f"s = s * {kernel.score_factor!r}")
     if norm.fragment.has_lse:
         lines.append("lse = lse_smem.index(stage).load(ROW_LAYOUT)  # natural log; -inf past Nq")
     if norm.fragment.backward_rows:
@@ -322,14 +329,17 @@ def _chain(kernel: LoweredProgram) -> str:
 
 def _pds_smem(kernel: LoweredProgram) -> str:
     """The kernel's shared memory of each consumer's P and dS (and where the instance stores them, its masked
-    steps' keep: ``dkdv_keep``), in the inputs' dtype; for a program whose mask lists its blocks, then the
-    stages' steps (``dkdv_listed.STEP_INFO``)."""
+    steps' keep: ``dkdv_keep``), in the inputs' dtype; then for a program whose mask lists its blocks, the
+    stages' steps (``dkdv_listed.STEP_INFO``), and where the instance stages its score modifications, each
+    consumer's scores (``dkdv_mods``)."""
     tiles, what = (6, "P and dS, then its keep") if dkdv_keep.stores_keep(kernel) else (4, "P and dS")
     pds = (
         f"pds_smem = gl.allocate_shared_memory(k_desc.dtype, [{tiles}, ROWS, ROWS], pds_layout)  # each consumer's "
         f"{what}"
     )
-    return pds if listing_mask(kernel) is None else f"{pds}\n    {dkdv_listed.STEP_INFO}"
+    more = [dkdv_listed.STEP_INFO] if listing_mask(kernel) is not None else []
+    more += [dkdv_mods.ALLOCATION] if dkdv_mods.stages_mods(kernel) else []
+    return "\n    ".join([pds, *more])
 
 
 def _query_range(kernel: LoweredProgram) -> str:
@@ -374,23 +384,28 @@ def generate_dkdv(kernel: LoweredProgram, name: str, consumer_registers: int, lo
         listing=docstring_text(kernel.listing),
     )
     s_then_dp, dp_done = _SERIAL if kernel.mods else _OVERLAPPED
-    step = _STEP.substitute(s_then_dp=s_then_dp, dp_done=dp_done, recompute=_recompute(kernel), chain=_chain(kernel))
+    step = _STEP.substitute(
+        s_then_dp=s_then_dp, dp_done=dp_done, recompute=_recompute(kernel, name), chain=_chain(kernel)
+    )
     listing = listing_mask(kernel)
-    stored = dkdv_keep.stores_keep(kernel)
-    rows = f"{_ROWS}\n{_KEYS}" if stored else _ROWS
+    stored, staged = dkdv_keep.stores_keep(kernel), dkdv_mods.stages_mods(kernel)
+    per_step = stored or staged  # the key vectors: computed in each step, not held across the loop
+    rows = f"{_ROWS}\n{_KEYS}" if per_step else _ROWS
     if listing is not None:
         steps = dkdv_listed.steps(listing, kernel, name, rows, step)
     else:
         store = dkdv_keep.store(kernel, name) + "\n" if stored else ""
         steps = _FLAT_STEPS.replace("$step", _indent(rows + "\n" + store + step, 4))
         steps = f"{dkdv_keep.TILE}\n{steps}" if stored else steps
-    smem = "" if listing is None else "step_info, "  # shared memory some instances pass their consumers
+    steps = f"{dkdv_mods.TILE}\n{steps}" if staged else steps
+    # shared memory some instances pass their consumers
+    smem = ("step_info, " if listing is not None else "") + ("s_smem, " if staged else "")
     consumer = _CONSUMER.substitute(
         name=name,
         smem=smem,
         steps=_indent(steps, 4).rstrip("\n"),
         plugin_args=args,
-        keys="" if stored else _indent(_KEYS, 4),
+        keys="" if per_step else _indent(_KEYS, 4),
         dropout_setup=_indent(f"# dropout: the Philox seed and counter offset\n{dropout_setup(kernel)}", 4)
         if kernel.config.dropout
         else "",
@@ -408,7 +423,10 @@ def generate_dkdv(kernel: LoweredProgram, name: str, consumer_registers: int, lo
         consumer_registers=consumer_registers,
         loader_registers=loader_registers,
     )
-    keep = dkdv_keep.function(kernel, name) if stored else ""
+    functions = (dkdv_keep.function(kernel, name) if stored else "") + (
+        dkdv_mods.function(kernel, name) if staged else ""
+    )
     if listing is None:
-        return header + consumer + keep + entry
-    return header + dkdv_listed.IMPORT + consumer + keep + dkdv_listed.loader(listing, kernel, name, **has_rows) + entry
+        return header + consumer + functions + entry
+    loader = dkdv_listed.loader(listing, kernel, name, **has_rows)
+    return header + dkdv_listed.IMPORT + consumer + functions + loader + entry

@@ -1,0 +1,96 @@
+"""A dK/dV step's score modifications staged through shared memory (``kernels/dkdv.py``).
+
+A modification that reads a tensor per score (an additive bias), applied on the whole (64 x 64) tile, holds a
+load address for each of a thread's 32 scores beside the step's S, dK and dV: at head dim 128 ptxas spilled a few
+hundred bytes in the step loop. Such an instance stores the step's scaled scores (float32) in a 64 x 64 tile of
+shared memory per consumer warpgroup, applies the modifications to it 8 rows at a time (a thread holds 4 of the
+scores), and reads it back. Only where every modification's gradient is the identity (its input is not kept for
+the chain) and there is no attention dropout (``stages_mods``).
+"""
+
+from __future__ import annotations
+
+import string
+
+from ..passes.lower import LoweredProgram
+from . import dkdv_keep
+from .gluon_text import for_template
+
+HEAD_DIMS = (128,)  # where such a program stages them; at head dim 64 its step loop does not spill
+TILE = "s_tile = s_smem.index(HALF_ID)  # this warpgroup's scores, staged for the modifications (dkdv_mods)"
+ALLOCATION = (
+    "s_smem = gl.allocate_shared_memory(gl.float32, [2, ROWS, ROWS], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))"
+    "  # each consumer's scores (dkdv_mods)"
+)
+
+_FUNCTION = string.Template('''
+@gluon.jit
+def ${name}_mods(s_tile, start_m, k0, Nq, Nk, HQ, GROUP, b, h${args}):
+    """The score modifications of a step's (64 x 64) scores in s_tile (float32, scaled), rows start_m.. and keys
+    k0.., in place, 8 rows at a time. The fragments' tile is the part (``BLOCK_M``, ``S_LAYOUT``)."""
+    BLOCK_M: gl.constexpr = 8
+    BLOCK_N: gl.constexpr = 64
+    S_LAYOUT: gl.constexpr = gl.BlockedLayout([1, 4], [2, 16], [4, 1], [1, 0])  # 8 x 64: 4 scores a thread
+    ROW_LAYOUT: gl.constexpr = gl.SliceLayout(1, S_LAYOUT)
+    KEY_LAYOUT: gl.constexpr = gl.SliceLayout(0, S_LAYOUT)
+${prologues}
+    for part in gl.static_range(64 // BLOCK_M):
+        q_idx = start_m + part * BLOCK_M + gl.arange(0, BLOCK_M, layout=ROW_LAYOUT)
+        k_idx = k0 + gl.arange(0, BLOCK_N, layout=KEY_LAYOUT)
+        q_pos = q_idx + (Nk - Nq)  # bottom-right aligned, as the consumer's
+        k_pos = k_idx
+        q_ok = q_idx < Nq
+        k_ok = k_idx < Nk
+        in_bounds = q_ok[:, None] & k_ok[None, :]
+        s = s_tile.slice(part * BLOCK_M, BLOCK_M).load(S_LAYOUT)
+${bodies}
+        s_tile.slice(part * BLOCK_M, BLOCK_M).store(s)
+''')
+
+
+def stages_mods(kernel: LoweredProgram) -> bool:
+    """Whether ``kernel``'s dK/dV instance stages its score modifications: one reads a tensor per score, every
+    one's gradient is the identity, at a head dim of ``HEAD_DIMS``, without attention dropout."""
+    mods = kernel.mods
+    return (
+        any("tl.load" in m.fragment.body for m in mods)
+        and not any(m.fragment.grad for m in mods)
+        and kernel.config.head_dim in HEAD_DIMS
+        and not kernel.config.dropout
+    )
+
+
+def _text(kernel: LoweredProgram) -> tuple[str, str]:
+    """The modifications' prologues and bodies, in order."""
+    prologues = [
+        f"# {m.prefix}: prologue\n{for_template(m.fragment.prologue)}" for m in kernel.mods if m.fragment.prologue
+    ]
+    bodies = [f"# {m.prefix}: score modification\n{for_template(m.fragment.body)}" for m in kernel.mods]
+    return "\n".join(prologues), "\n".join(bodies)
+
+
+def _indent(code: str, spaces: int) -> str:
+    return "\n".join(" " * spaces + line if line.strip() else "" for line in code.splitlines())
+
+
+def _arguments(kernel: LoweredProgram) -> str:
+    return "".join(f", {a}" for a in dkdv_keep.reads(kernel, "\n".join(_text(kernel))))
+
+
+def function(kernel: LoweredProgram, name: str) -> str:
+    """The instance's ``<name>_mods``."""
+    prologues, bodies = _text(kernel)
+    return _FUNCTION.substitute(
+        name=name, args=_arguments(kernel), prologues=_indent(prologues, 4), bodies=_indent(bodies, 8)
+    )
+
+
+def apply(kernel: LoweredProgram, name: str) -> str:
+    """A consumer's step lines that take its scaled scores ``s`` through the modifications, in shared memory."""
+    return (
+        "s_tile.store(s)\n"
+        "gl.thread_barrier()  # every thread's scores in shared memory before the modifications read them\n"
+        f"{name}_mods(s_tile, start_m, n0 + HALF_ID * BLOCK_N, Nq, Nk, HQ, GROUP, b, h{_arguments(kernel)})\n"
+        "gl.thread_barrier()  # the modified scores, stored by other threads, before they are read back\n"
+        "s = s_tile.load(S_LAYOUT)"
+    )
