@@ -245,6 +245,24 @@ def _compile(spec, head_dim: int, group_sum: str):
     )
 
 
+@pytest.mark.parametrize("variant", sorted(verify.DROPOUT_VARIANTS))
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+def test_dropout_instances_regenerate_a_step_s_mask_into_shared_memory(variant, head_dim):
+    """With attention dropout a step regenerates the forward's mask into shared memory before its products,
+    reading the seed and offset there, and the chain reads the mask back (``kernels/dkdv_dropout.py``); a masked
+    step stores its keep too (``dkdv_keep``)."""
+    source = _plan(variant, head_dim=head_dim, head_dim_v=head_dim, dropout=True).templates.kernels["dkdv"].source
+    tree = ast.parse(source)
+    functions = {n.name.rsplit("_", 1)[-1]: n for n in tree.body if isinstance(n, ast.FunctionDef)}
+    loop = next(n for n in functions["consumer"].body if isinstance(n, ast.For))
+    calls = [ast.unparse(n) for n in loop.body if isinstance(n, ast.Expr)]
+    assert any(c.startswith(f"{functions['drop'].name}(drop_tile, start_m, n0 + HALF_ID * BLOCK_N") for c in calls)
+    assert "drop_keep = drop_tile.load(S_LAYOUT) != 0" in ast.unparse(loop) and "_keep(keep_tile" in ast.unparse(loop)
+    assert "drop_seed" not in ast.unparse(functions["consumer"])
+    drop = ast.unparse(functions["drop"])
+    assert "drop_seed = tl.load(DropoutState)" in drop and "drop_keep = drop_rand >= DROPOUT_P" in drop
+
+
 EVEN_KEYS = Combinator(  # a keep that builds a tile from nothing, as fragments may
     name="_test_dkdv_even_keys",
     role=Role.MASK,

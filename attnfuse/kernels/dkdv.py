@@ -48,13 +48,13 @@ import string
 
 from ..launch_spec import CONSTEXPR, INT, SCALAR, TENSOR, Param, params
 from ..passes.codegen.common import docstring_text
-from ..passes.codegen.dropout import dropout_params, dropout_setup, dropped_dp, regenerated_keep
+from ..passes.codegen.dropout import dropout_params, dropped_dp
 from ..passes.codegen.loops import block_range, listing_mask
 from ..passes.codegen.operands import query_shift
 from ..passes.codegen.scores import has_masks
 from ..passes.lower import LoweredProgram
 from ..plan import DROPOUT_SCALE
-from . import dkdv_keep, dkdv_listed, dkdv_mods
+from . import dkdv_dropout, dkdv_keep, dkdv_listed, dkdv_mods
 from .gluon_text import for_template
 from .listed import without_listing
 
@@ -96,7 +96,7 @@ def ${name}_consumer(
     v = v_smem.index(HALF_ID).reshape([BLOCK_N, DV])
     p_tile = pds_smem.index(2 * HALF_ID)  # this warpgroup's P and dS, read transposed by the dV and dK products
     ds_tile = pds_smem.index(2 * HALF_ID + 1)
-${keys}${dropout_setup}    no_scores = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, S_LAYOUT)
+${keys}    no_scores = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, S_LAYOUT)
     dk = gl.zeros([BLOCK_N, D], gl.float32, G_LAYOUT)
     dv = gl.zeros([BLOCK_N, DV], gl.float32, G_LAYOUT)
     mbarrier.wait(kv_ready.index(HALF_ID), 0)
@@ -303,7 +303,7 @@ def _chain(kernel: LoweredProgram) -> str:
     norm = kernel.normaliser
     lines = []
     if kernel.config.dropout:  # dP is the gradient of the dropped weights: theirs, masked and scaled the same way
-        lines.append(regenerated_keep(kernel).rstrip("\n"))
+        lines.append(dkdv_dropout.CHAIN)
         lines.append(dropped_dp(kernel).rstrip("\n"))
     if norm.fragment.needs_delta:
         lines.append("delta = delta_smem.index(stage).load(ROW_LAYOUT)")
@@ -332,7 +332,11 @@ def _pds_smem(kernel: LoweredProgram) -> str:
     steps' keep: ``dkdv_keep``), in the inputs' dtype; then for a program whose mask lists its blocks, the
     stages' steps (``dkdv_listed.STEP_INFO``), and where the instance stages its score modifications, each
     consumer's scores (``dkdv_mods``)."""
-    tiles, what = (6, "P and dS, then its keep") if dkdv_keep.stores_keep(kernel) else (4, "P and dS")
+    tiles, what = 4, "P and dS"
+    if dkdv_keep.stores_keep(kernel):
+        tiles, what = tiles + 2, what + ", then its keep"
+    if kernel.config.dropout:
+        tiles, what = tiles + 2, what + ", then its dropout mask"
     pds = (
         f"pds_smem = gl.allocate_shared_memory(k_desc.dtype, [{tiles}, ROWS, ROWS], pds_layout)  # each consumer's "
         f"{what}"
@@ -394,9 +398,12 @@ def generate_dkdv(kernel: LoweredProgram, name: str, consumer_registers: int, lo
     if listing is not None:
         steps = dkdv_listed.steps(listing, kernel, name, rows, step)
     else:
-        store = dkdv_keep.store(kernel, name) + "\n" if stored else ""
-        steps = _FLAT_STEPS.replace("$step", _indent(rows + "\n" + store + step, 4))
-        steps = f"{dkdv_keep.TILE}\n{steps}" if stored else steps
+        stores = [dkdv_keep.store(kernel, name)] if stored else []
+        stores += [dkdv_dropout.store(name)] if kernel.config.dropout else []
+        steps = _FLAT_STEPS.replace("$step", _indent("\n".join([rows, *stores, step]), 4))
+        tiles = [dkdv_keep.TILE] if stored else []
+        tiles += [dkdv_dropout.tile(6 if stored else 4)] if kernel.config.dropout else []
+        steps = "\n".join([*tiles, steps])
     steps = f"{dkdv_mods.TILE}\n{steps}" if staged else steps
     # shared memory some instances pass their consumers
     smem = ("step_info, " if listing is not None else "") + ("s_smem, " if staged else "")
@@ -406,9 +413,6 @@ def generate_dkdv(kernel: LoweredProgram, name: str, consumer_registers: int, lo
         steps=_indent(steps, 4).rstrip("\n"),
         plugin_args=args,
         keys="" if per_step else _indent(_KEYS, 4),
-        dropout_setup=_indent(f"# dropout: the Philox seed and counter offset\n{dropout_setup(kernel)}", 4)
-        if kernel.config.dropout
-        else "",
     )
     has_rows = {"has_lse": norm.has_lse, "has_delta": norm.needs_delta}
     entry = _KERNEL.substitute(
@@ -423,9 +427,9 @@ def generate_dkdv(kernel: LoweredProgram, name: str, consumer_registers: int, lo
         consumer_registers=consumer_registers,
         loader_registers=loader_registers,
     )
-    functions = (dkdv_keep.function(kernel, name) if stored else "") + (
-        dkdv_mods.function(kernel, name) if staged else ""
-    )
+    functions = dkdv_keep.function(kernel, name) if stored else ""
+    functions += dkdv_mods.function(kernel, name) if staged else ""
+    functions += dkdv_dropout.function(kernel, name) if kernel.config.dropout else ""
     if listing is None:
         return header + consumer + functions + entry
     loader = dkdv_listed.loader(listing, kernel, name, **has_rows)

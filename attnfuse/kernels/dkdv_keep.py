@@ -5,8 +5,8 @@ positions, its loads' addresses) made ptxas spill the step loop of every masked 
 every program following block lists. So such an instance evaluates a masked step's keep first, while only dK and
 dV are live, 8 rows at a time (a thread holds 4 of the pairs, not 32), into a 64 x 64 tile of shared memory per
 consumer warpgroup (after its P and dS tiles in ``pds_smem``); the chain reads it there (``CHAIN_KEEP``). Its
-key vectors are computed in each step, not held across the loop (ALiBi's made ptxas spill there). Not with
-attention dropout: its Philox rounds are the cost there (``stores_keep``).
+key vectors are computed in each step, not held across the loop (ALiBi's made ptxas spill there). With
+attention dropout at any head dim (its mask takes the same road: ``dkdv_dropout``).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from ..passes.codegen.scores import has_masks
 from ..passes.lower import LoweredProgram
 from .gluon_text import for_template
 
-HEAD_DIMS = (128,)  # where a program with masks stores them; at head dim 64 its step loop does not spill
+HEAD_DIMS = (128,)  # where a program with masks stores them; at head dim 64 (no dropout) its loop does not spill
 TILE = "keep_tile = pds_smem.index(4 + HALF_ID)  # this warpgroup's keep of a masked step (dkdv_keep)"
 CHAIN_KEEP = "keep = keep_tile.load(S_LAYOUT) != 0  # as the step stored it (dkdv_keep)"
 
@@ -48,10 +48,10 @@ def ${name}_keep(keep_tile, start_m, k0, Nq, Nk, HQ, GROUP, b, h${args}):
 
 def stores_keep(kernel: LoweredProgram) -> bool:
     """Whether ``kernel``'s dK/dV instance stores a masked step's keep: a program following block lists, or one
-    with masks at a head dim of ``HEAD_DIMS``, without attention dropout."""
+    with masks at a head dim of ``HEAD_DIMS`` or with attention dropout."""
     if listing_mask(kernel) is not None:
         return True
-    return has_masks(kernel) and kernel.config.head_dim in HEAD_DIMS and not kernel.config.dropout
+    return has_masks(kernel) and (kernel.config.head_dim in HEAD_DIMS or kernel.config.dropout)
 
 
 def keep_text(kernel: LoweredProgram) -> str:
