@@ -23,25 +23,33 @@ HEAD_DIMS = (128,)  # where a program with masks stores them; at head dim 64 (no
 TILE = "keep_tile = pds_smem.index(4 + HALF_ID)  # this warpgroup's keep of a masked step (dkdv_keep)"
 CHAIN_KEEP = "keep = keep_tile.load(S_LAYOUT) != 0  # as the step stored it (dkdv_keep)"
 
-_FUNCTION = string.Template('''
-@gluon.jit
-def ${name}_keep(keep_tile, start_m, k0, Nq, Nk, HQ, GROUP, b, h${args}):
-    """A masked step's keep of its (64 x 64) tile, rows start_m.. and keys k0.., into keep_tile (0 or 1 in its
-    dtype): ${what}, 8 rows at a time. Rows of shared memory are sliced by 8, the swizzle's unit. The fragments'
-    tile is the part (``BLOCK_M``, ``S_LAYOUT``: what ``gluon_text.for_template`` gives their constructors)."""
+
+# The functions that evaluate fragments 8 rows at a time (here, ``dkdv_mods``): a part's tile as the fragments see
+# it (``gluon_text.for_template``'s names), and the positions of part ``part`` of rows start_m.. and keys k0..
+LAYOUTS = """\
     BLOCK_M: gl.constexpr = 8
     BLOCK_N: gl.constexpr = 64
     S_LAYOUT: gl.constexpr = gl.BlockedLayout([1, 4], [2, 16], [4, 1], [1, 0])  # 8 x 64: 4 pairs a thread
     ROW_LAYOUT: gl.constexpr = gl.SliceLayout(1, S_LAYOUT)
-    KEY_LAYOUT: gl.constexpr = gl.SliceLayout(0, S_LAYOUT)
-    for part in gl.static_range(64 // BLOCK_M):
+    KEY_LAYOUT: gl.constexpr = gl.SliceLayout(0, S_LAYOUT)"""
+POSITIONS = """\
         q_idx = start_m + part * BLOCK_M + gl.arange(0, BLOCK_M, layout=ROW_LAYOUT)
         k_idx = k0 + gl.arange(0, BLOCK_N, layout=KEY_LAYOUT)
         q_pos = q_idx + (Nk - Nq)  # bottom-right aligned, as the consumer's
         k_pos = k_idx
         q_ok = q_idx < Nq
         k_ok = k_idx < Nk
-        in_bounds = q_ok[:, None] & k_ok[None, :]
+        in_bounds = q_ok[:, None] & k_ok[None, :]"""
+
+_FUNCTION = string.Template('''
+@gluon.jit
+def ${name}_keep(keep_tile, start_m, k0, Nq, Nk, HQ, GROUP, b, h${args}):
+    """A masked step's keep of its (64 x 64) tile, rows start_m.. and keys k0.., into keep_tile (0 or 1 in its
+    dtype): ${what}, 8 rows at a time. Rows of shared memory are sliced by 8, the swizzle's unit. The fragments'
+    tile is the part (``BLOCK_M``, ``S_LAYOUT``: what ``gluon_text.for_template`` gives their constructors)."""
+${layouts}
+    for part in gl.static_range(64 // BLOCK_M):
+${positions}
         keep_tile.slice(part * BLOCK_M, BLOCK_M).store(($keep).to(keep_tile.dtype))
 ''')
 
@@ -81,7 +89,9 @@ def function(kernel: LoweredProgram, name: str) -> str:
     what = "rows below Nq, the masks' own"
     if "list_partial" in keep_text(kernel):
         what += f" ({listing_mask(kernel).prefix}'s where its lists call the block partial, ``list_partial``)"
-    return _FUNCTION.substitute(name=name, args=_arguments(kernel), what=what, keep=keep_text(kernel))
+    return _FUNCTION.substitute(
+        name=name, args=_arguments(kernel), what=what, layouts=LAYOUTS, positions=POSITIONS, keep=keep_text(kernel)
+    )
 
 
 def store(kernel: LoweredProgram, name: str) -> str:

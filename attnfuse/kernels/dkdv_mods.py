@@ -28,20 +28,9 @@ _FUNCTION = string.Template('''
 def ${name}_mods(s_tile, start_m, k0, Nq, Nk, HQ, GROUP, b, h${args}):
     """The score modifications of a step's (64 x 64) scores in s_tile (float32, scaled), rows start_m.. and keys
     k0.., in place, 8 rows at a time. The fragments' tile is the part (``BLOCK_M``, ``S_LAYOUT``)."""
-    BLOCK_M: gl.constexpr = 8
-    BLOCK_N: gl.constexpr = 64
-    S_LAYOUT: gl.constexpr = gl.BlockedLayout([1, 4], [2, 16], [4, 1], [1, 0])  # 8 x 64: 4 scores a thread
-    ROW_LAYOUT: gl.constexpr = gl.SliceLayout(1, S_LAYOUT)
-    KEY_LAYOUT: gl.constexpr = gl.SliceLayout(0, S_LAYOUT)
-${prologues}
+${layouts}${prologues}
     for part in gl.static_range(64 // BLOCK_M):
-        q_idx = start_m + part * BLOCK_M + gl.arange(0, BLOCK_M, layout=ROW_LAYOUT)
-        k_idx = k0 + gl.arange(0, BLOCK_N, layout=KEY_LAYOUT)
-        q_pos = q_idx + (Nk - Nq)  # bottom-right aligned, as the consumer's
-        k_pos = k_idx
-        q_ok = q_idx < Nq
-        k_ok = k_idx < Nk
-        in_bounds = q_ok[:, None] & k_ok[None, :]
+${positions}
         s = s_tile.slice(part * BLOCK_M, BLOCK_M).load(S_LAYOUT)
 ${bodies}
         s_tile.slice(part * BLOCK_M, BLOCK_M).store(s)
@@ -81,7 +70,12 @@ def function(kernel: LoweredProgram, name: str) -> str:
     """The instance's ``<name>_mods``."""
     prologues, bodies = _text(kernel)
     return _FUNCTION.substitute(
-        name=name, args=_arguments(kernel), prologues=_indent(prologues, 4), bodies=_indent(bodies, 8)
+        name=name,
+        args=_arguments(kernel),
+        layouts=dkdv_keep.LAYOUTS,
+        prologues="\n" + _indent(prologues, 4) if prologues else "",
+        positions=dkdv_keep.POSITIONS,
+        bodies=_indent(bodies, 8),
     )
 
 
