@@ -3,7 +3,7 @@
 optionally the Python functions that take AttnFuse's host time (cProfile).
 
     python benchmarks/profile_training.py [--cases llama3-8b:2048,gpt2:2048] [--variant rope_causal] [--host-profile]
-        [--ops]
+        [--ops] [--dropout 0.1]
 
 When the host time per call exceeds the kernels' sum, a call is host-bound and do_bench's figure for it
 measures the host as much as the kernels.
@@ -20,7 +20,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import attnfuse as af
-from attnfuse.bench.baselines import flex, flex_block_mask, flex_case, pre_rotate, sdpa
+from attnfuse.bench.baselines import flex, flex_block_mask, flex_case, pre_rotate, sdpa, sdpa_dropout
 from attnfuse.bench.cases import GEOMETRIES, PROGRAMS, bigbird_blocks, bigbird_program, rope_tables
 
 
@@ -107,6 +107,9 @@ def main() -> None:
         default="causal",
         help="causal, sliding_window, rope_causal (flex on pre-rotated q, k) or bigbird (block-sparse)",
     )
+    parser.add_argument(
+        "--dropout", type=float, default=0.0, help="attention dropout p (causal only; flex has none, so no flex row)"
+    )
     parser.add_argument("--host-profile", action="store_true", help="also print cProfile's host functions")
     parser.add_argument("--ops", action="store_true", help="also print AttnFuse's PyTorch ops with GPU time")
     args = parser.parse_args()
@@ -130,13 +133,16 @@ def main() -> None:
             ours = lambda: bigbird_program(*leaves, ours_mask)  # noqa: E731
         else:
             _, mask = flex_case(args.variant, Hq, int(N), "cuda")
-            ours = lambda: PROGRAMS[args.variant](*leaves)  # noqa: E731
-        steps = {
-            "attnfuse": lambda: torch.autograd.grad(ours(), leaves, dout),
-            "flex": lambda: torch.autograd.grad(flex(*inputs(), v, block_mask=mask, enable_gqa=True), leaves, dout),
-        }
-        if args.variant != "bigbird":
-            steps["sdpa (cuDNN)"] = lambda: torch.autograd.grad(sdpa("cudnn", *inputs(), v, True), leaves, dout)
+            ours = lambda: PROGRAMS[args.variant](*leaves, dropout_p=args.dropout)  # noqa: E731
+        steps = {"attnfuse": lambda: torch.autograd.grad(ours(), leaves, dout)}
+        if args.dropout:  # flex_attention has no dropout
+            cudnn = lambda: sdpa_dropout("cudnn", q, k, v, args.dropout)  # noqa: E731
+            steps["sdpa (cuDNN)"] = lambda: torch.autograd.grad(cudnn(), leaves, dout)
+        else:
+            theirs = lambda: flex(*inputs(), v, block_mask=mask, enable_gqa=True)  # noqa: E731
+            steps["flex"] = lambda: torch.autograd.grad(theirs(), leaves, dout)
+            if args.variant != "bigbird":
+                steps["sdpa (cuDNN)"] = lambda: torch.autograd.grad(sdpa("cudnn", *inputs(), v, True), leaves, dout)
         for name, step in steps.items():
             label = f"{case} {args.variant} {name}"
             host_time(f"{label} fwd+bwd", step)  # first: a profiler may leave launch hooks behind
