@@ -1,39 +1,40 @@
-"""``passes/codegen/philox.uniform``, the Philox text that the generated kernels and the Hopper templates draw
-attention dropout's numbers from, against Triton's own ``tl.rand``: the same float32 bits for random seeds and
-counters, run in one small kernel under Triton's interpreter."""
+"""``passes/codegen/philox.uniforms``, the Philox text that the generated kernels and the Hopper templates draw
+attention dropout's numbers from, against Triton's own ``tl.rand4x``: the same float32 bits for random seeds and
+counters, run in small kernels under Triton's interpreter; and dropout's mask (``passes/codegen/dropout.keep``),
+drawn a group of four weights at a time, against ``tl.rand4x`` at each group's counter."""
 
 import pytest
 import torch
 
 import attnfuse as af
-from attnfuse.passes.codegen.philox import uniform
+from attnfuse.passes.codegen.dropout import keep, replayed_keep
+from attnfuse.passes.codegen.philox import uniforms
 from attnfuse.runtime.dropout import OFFSET_LIMIT
 from attnfuse.runtime.interpreter import InterpretedKernel
 from attnfuse.runtime.source_cache import load_function, write_source
 
-NAME = "attnfuse_test_philox"
 BLOCK = 64
 
 
-def _kernel() -> InterpretedKernel:
-    """A kernel writing, for each of BLOCK counters, ``tl.rand`` and ``uniform``'s number from one seed."""
-    body = (
-        "seed = tl.load(Seed)\ncounter = tl.load(Counters + tl.arange(0, BLOCK))\n"
-        + uniform("seed", "counter", "ours")
-        + "tl.store(Ours + tl.arange(0, BLOCK), ours)\n"
-        "tl.store(Theirs + tl.arange(0, BLOCK), tl.rand(seed, counter))\n"
-    )
+def _interpreted(name: str, parameters: str, body: str) -> InterpretedKernel:
     lines = "".join(f"    {line}\n" for line in body.splitlines())
-    source = (
-        "import triton\nimport triton.language as tl\n\n\n"
-        f"def {NAME}(Seed, Counters, Ours, Theirs, BLOCK: tl.constexpr):\n{lines}"
-    )
-    return InterpretedKernel(load_function(source, NAME, write_source(NAME, source)))
+    source = f"import triton\nimport triton.language as tl\n\n\ndef {name}({parameters}):\n{lines}"
+    return InterpretedKernel(load_function(source, name, write_source(name, source)))
 
 
 def _draw(seed: torch.Tensor, counters: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    ours, theirs = torch.empty(BLOCK), torch.empty(BLOCK)
-    _kernel().launch((1,), (seed, counters, ours, theirs), {"BLOCK": BLOCK}, device=seed.device)
+    """(ours, theirs) (4, BLOCK): ``uniforms``' numbers and ``tl.rand4x``'s of each counter, from one seed."""
+    rows = "tl.arange(0, 4)[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]"
+    body = (
+        "seed = tl.load(Seed)\ncounter = tl.load(Counters + tl.arange(0, BLOCK))\n"
+        + uniforms("seed", "counter", ("u0", "u1", "u2", "u3"))
+        + f"tl.store(Ours + {rows}, tl.join(tl.join(u0, u2), tl.join(u1, u3)).reshape(BLOCK, 4).trans())\n"
+        "r0, r1, r2, r3 = tl.rand4x(seed, counter)\n"
+        f"tl.store(Theirs + {rows}, tl.join(tl.join(r0, r2), tl.join(r1, r3)).reshape(BLOCK, 4).trans())\n"
+    )
+    kernel = _interpreted("attnfuse_test_philox", "Seed, Counters, Ours, Theirs, BLOCK: tl.constexpr", body)
+    ours, theirs = torch.empty(4, BLOCK), torch.empty(4, BLOCK)
+    kernel.launch((1,), (seed, counters, ours, theirs), {"BLOCK": BLOCK}, device=seed.device)
     return ours, theirs
 
 
@@ -47,21 +48,54 @@ def _counters() -> torch.Tensor:
 
 
 @pytest.mark.parametrize("draw", range(8))
-def test_uniform_is_triton_rand_bit_for_bit(draw):
+def test_uniforms_are_triton_rand4x_bit_for_bit(draw):
     seed = torch.randint(0, OFFSET_LIMIT, (1,), dtype=torch.int64)
     ours, theirs = _draw(seed, _counters())
     assert torch.equal(ours.view(torch.int32), theirs.view(torch.int32)), (ours, theirs)
     assert ((0 <= ours) & (ours < 1)).all()
 
 
-def test_dropout_keep_is_triton_rand_at_each_weights_counter():
-    """The replayed mask (``af.dropout_keep``, the generated kernels' text) keeps weight (b, h, i, j) exactly
-    where ``tl.rand(seed, ((b * Hq + h) * Nq + i) * Nk + j + offset) >= p``: the layout of the numbers and the
-    numbers are Triton's."""
-    B, Hq, Nq, Nk, p = 2, 3, 5, 7, 0.4
+def test_dropout_keep_is_triton_rand4x_at_each_groups_counter():
+    """The replayed mask (``af.dropout_keep``) keeps weight (b, h, i, j) exactly where number 2 * (bit 3 of i) +
+    (bit 3 of j) of ``tl.rand4x(seed, ((b * Hq + h) * Nq + i0) * Nk + j0 + offset)`` is at least p, i0 and j0
+    being i and j with bit 3 cleared: the groups, their counters and the numbers are Triton's."""
+    B, Hq, Nq, Nk, p = 2, 3, 19, 35, 0.4
     state = af.dropout_state("cpu")
-    keep = af.dropout_keep(state, p, (B, Hq, Nq, Nk))
-    n = keep.numel()
-    counters = torch.arange(-(-n // BLOCK) * BLOCK, dtype=torch.int64) + state[1]
-    rand = torch.cat([_draw(state[:1], chunk)[1] for chunk in counters.split(BLOCK)])[:n]
-    assert torch.equal(keep.flatten(), rand >= torch.tensor(p, dtype=torch.float32))
+    kept = af.dropout_keep(state, p, (B, Hq, Nq, Nk))
+    bh, i, j = torch.arange(B * Hq)[:, None, None], torch.arange(Nq)[:, None], torch.arange(Nk)
+    counters = ((bh * Nq + (i & ~8)) * Nk + (j & ~8) + state[1]).flatten()
+    word = ((i >> 3 & 1) * 2 + (j >> 3 & 1)).expand(B * Hq, Nq, Nk).flatten()
+    padded = torch.cat([counters, counters[: -len(counters) % BLOCK]])
+    numbers = torch.cat([_draw(state[:1], chunk)[1] for chunk in padded.split(BLOCK)], dim=1)[:, : len(counters)]
+    rand = numbers.gather(0, word[None])[0]
+    assert torch.equal(kept.flatten(), rand >= torch.tensor(p, dtype=torch.float32))
+
+
+@pytest.mark.parametrize("tile", [(16, 16), (32, 64), (64, 32)])
+def test_a_tile_s_grouped_draws_are_the_replay_s_numbers(tile):
+    """``keep``'s text on a tile with sides multiples of 16 (a draw a group, its numbers split and joined back)
+    keeps the same weights as ``replayed_keep``'s (a draw a weight), for tiles at random multiples of their
+    sides. (A packed call's documents draw a weight at a time: ``keep`` is the replay's text there.)"""
+    block_m, block_n = tile
+    store = "tl.store({} + tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :], drop_keep)\n"
+    body = (
+        "drop_seed = tl.load(State)\ndrop_offset = tl.load(State + 1)\n"
+        "q_idx = M0 + tl.arange(0, BLOCK_M)\nk_idx = N0 + tl.arange(0, BLOCK_N)\n"
+        + keep()
+        + store.format("Grouped")
+        + replayed_keep()
+        + store.format("Each")
+    )
+    parameters = (
+        "State, Grouped, Each, b, h, HQ, Nq, N_K, M0, N0, DROPOUT_P, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr"
+    )
+    kernel = _interpreted("attnfuse_test_keep", parameters, body)
+    for _ in range(3):
+        state = af.dropout_state("cpu")
+        grouped, each = torch.zeros(block_m, block_n, dtype=torch.bool), torch.ones(block_m, block_n, dtype=torch.bool)
+        m0, n0 = (int(torch.randint(0, 8, ())) * side for side in tile)
+        b, h, hq = 1, int(torch.randint(0, 4, ())), 4
+        arguments = (state, grouped, each, b, h, hq, 200, 300, m0, n0, 0.5)
+        kernel.launch((1,), arguments, {"BLOCK_M": block_m, "BLOCK_N": block_n}, device=state.device)
+        assert torch.equal(grouped, each), (tile, m0, n0)
+        assert 0 < grouped.sum() < grouped.numel()

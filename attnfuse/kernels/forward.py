@@ -25,7 +25,7 @@ import string
 from ..launch_spec import CONSTEXPR, INT, SCALAR, TENSOR, Param, params
 from ..passes.codegen.common import docstring_text
 from ..passes.codegen.dropout import dropout_params, dropout_setup, dropped_weights
-from ..passes.codegen.fp8 import fp8_params
+from ..passes.codegen.fp8 import fp8_params, is_fp8
 from ..passes.codegen.loops import key_range, listing_mask
 from ..passes.codegen.packed import lse_rows
 from ..passes.codegen.scores import folded_scale
@@ -299,10 +299,16 @@ def _tile(kernel: LoweredProgram, facts: ForwardFacts, always_masked: bool, drop
         lines.append(f"{RESCALE} = gl.full([BLOCK_M], 1.0, gl.float32, ROW_LAYOUT)")
     lines += [f"# {norm.prefix}: normaliser update", for_template(rescaled)]
     if kernel.config.dropout and dropped:  # the weights P·V reads, after the update read them whole
-        lines.append(dropped_weights(kernel).rstrip("\n"))
+        lines.append(_dropped(kernel).rstrip("\n"))
     if any("in_bounds" in line for line in lines):
         lines.insert(3, "in_bounds = q_ok[:, None] & k_ok[None, :]")
     return "\n".join(lines), rescales
+
+
+def _dropped(kernel: LoweredProgram) -> str:
+    """The weights ``p`` that P·V reads, dropped out (``dropped_weights``) and, but for float8's scaled weights,
+    narrowed to the call's dtype at once, as P·V takes them: half the registers held until the next P·V."""
+    return dropped_weights(kernel, "S_LAYOUT") + ("" if is_fp8(kernel) else "p = p.to(dtype)\n")
 
 
 def _finalize(kernel: LoweredProgram, spaces: int, descale: str) -> str:
@@ -357,7 +363,7 @@ def generate_forward(kernel: LoweredProgram, name: str, consumer_registers: int,
     state = [n for n in assigned(norm.fragment.init)]
     rescale = f"o_acc = o_acc * gl.expand_dims(gl.convert_layout({RESCALE}, O_ROWS), 1)" if rescales else ""
     if kernel.config.dropout:  # the loop's weights, dropped once block j-1's P·V is in (its registers are free)
-        rescale += "\n" + dropped_weights(kernel)
+        rescale += "\n" + _dropped(kernel)
     careful_rescale = f"o_acc = o_acc * gl.expand_dims({RESCALE}, 1)" if careful_rescales else ""
     header = _HEADER.format(
         what=docstring_text("Hopper forward template"),

@@ -1,11 +1,12 @@
 """Attention dropout in the generated kernels and the Hopper templates (``KernelConfig.dropout``): text emitted
 only then, so a kernel without dropout is unchanged.
 
-Each weight of P (B, Hq, Nq, Nk), as the normaliser forms it, is kept where a Philox number ``tl.rand(seed,
-counter)`` (written out by ``philox.uniform``, which Gluon runs too) is at least DROPOUT_P, and scaled by
-DROPOUT_SCALE = 1 / (1 - DROPOUT_P); the others are zeroed. The counter is the element's index
-((b * HQ + h) * Nq + query row) * N_K + key column plus an offset: one number per (batch, query head, query row,
-key column), so the backward kernels regenerate the forward's mask exactly and no mask is stored. Seed and
+Each weight of P (B, Hq, Nq, Nk), as the normaliser forms it, is kept where its Philox number is at least
+DROPOUT_P, and scaled by DROPOUT_SCALE = 1 / (1 - DROPOUT_P); the others are zeroed. The numbers come four at a
+time, ``tl.rand4x(seed, counter)`` (written out by ``philox.uniforms``, which Gluon runs too), one draw for a
+group of four weights (``keep``); the counter is the index ((b * HQ + h) * Nq + query row) * N_K + key column of
+the group's first weight plus an offset, so the backward kernels regenerate the forward's mask exactly and no
+mask is stored. Seed and
 offset are the two int64 values of the call's ``DropoutState`` tensor, read on the device (``runtime/dropout.py``
 draws them). The forward masks the weights P·V reads; the backward masks them for
 dV = (P ∘ M / (1 - p))ᵀ·dO and masks dP = dO·Vᵀ the same way before the normaliser's gradient, which reads the
@@ -19,7 +20,7 @@ from ...plan import DROPOUT_P as P
 from ...plan import DROPOUT_SCALE as SCALE
 from ...plan import DROPOUT_STATE as STATE
 from ..lower import LoweredProgram
-from .philox import uniform
+from .philox import uniforms
 
 
 def dropout_params(kernel: LoweredProgram) -> tuple[Param, ...]:
@@ -35,33 +36,121 @@ def dropout_setup(kernel: LoweredProgram) -> str:
 _SETUP = f"drop_seed = tl.load({STATE})\ndrop_offset = tl.load({STATE} + 1)\n"
 
 
-def keep(packed: bool = False) -> str:
+def keep(packed: bool = False, layout: str | None = None) -> str:
     """``drop_keep`` (BLOCK_M, BLOCK_N) of the tile of rows ``q_idx`` and keys ``k_idx`` of head ``h`` of
-    batch ``b``: whether dropout keeps each weight (the text the templates splice too). ``packed``
-    (``KernelConfig.varlen``): the rows and keys are a document's (``packed.document``), numbered by their place
-    in the packed weights (1, Hq, TOTAL_Q, TOTAL_K), so a call's mask is the one of the packed tensors as a single
-    sequence."""
+    batch ``b``: whether dropout keeps each weight. ``packed`` (``KernelConfig.varlen``): the rows and keys are
+    a document's (``packed.document``), numbered by their place in the packed weights (1, Hq, TOTAL_Q,
+    TOTAL_K), so a call's mask is the one of the packed tensors as a single sequence.
+
+    The weights come in groups of four, rows i and i + 8 by keys j and j + 8 (i and j with bit 3 clear), that
+    share one Philox draw (``tl.rand4x``) at the group's first index: weight (i + 8a, j + 8c) takes the draw's
+    number 2a + c. A tile whose sides are multiples of 16 (it then starts at multiples of 16, as every loop's
+    tiles do) draws once per group (``_ANCHORS``); on an MMA accumulator's layout a thread holds whole groups,
+    so the numbers stay in its registers. ``layout``: the tile's Gluon layout (a name) in a template, whose
+    tiles are such tiles, which the numbers return to by a conversion that moves nothing; None in a Triton
+    kernel, whose other tiles draw once per weight (``replayed_keep``'s numbers), as packed documents do (they
+    start anywhere in the packed sequence, so their tiles cut its groups)."""
     if packed:
-        rows, keys, n_rows, n_keys = "(q_start + q_idx)", "(k_start + k_idx)", "TOTAL_Q", "TOTAL_K"
-    else:
-        rows, keys, n_rows, n_keys = "q_idx", "k_idx", "Nq", "N_K"
+        return replayed_keep(packed)
+    grouped = _grouped() + _JOIN_KEEP.format(p=P, back=_back("drop_keep", layout))
+    if layout is not None:
+        return _STATIC_ASSERT + grouped
     return (
-        f"drop_index = ((b * HQ + h).to(tl.int64) * {n_rows} + {rows}[:, None]) * {n_keys} + {keys}[None, :]"
-        " + drop_offset\n"
-        + uniform("drop_seed", "drop_index", "drop_rand", temp="drop_philox")
-        + f"drop_keep = drop_rand >= {P}\n"
+        "if BLOCK_M % 16 == 0 and BLOCK_N % 16 == 0:  # one Philox draw a group of four weights\n"
+        + _indent(grouped)
+        + "else:  # one draw a weight, of its group's numbers\n"
+        + _indent(replayed_keep())
     )
 
 
-def dropped_weights(kernel: LoweredProgram) -> str:
+def replayed_keep(packed: bool = False) -> str:
+    """``keep``'s ``drop_keep`` on any tile, a Philox draw per weight (of its group's four numbers): the replay
+    of the mask for the reference (``mask_kernel_source``), packed documents and tiles of other sides."""
+    rows, keys, n_rows, n_keys = _NUMBERING[packed]
+    draws = _EACH.format(index=_index(f"({rows} & -9)", f"({keys} & -9)", n_rows, n_keys), rows=rows, keys=keys)
+    return draws + f"drop_keep = drop_rand >= {P}\n"
+
+
+def _grouped() -> str:
+    """A tile's group draws: ``drop_u0``..``drop_u3`` (BLOCK_M // 16, 8, BLOCK_N // 16, 8), the numbers of the
+    weights (row bit 3, key bit 3) = (0, 0), (0, 1), (1, 0), (1, 1) of each group."""
+    return _ANCHORS.format(index=_index(*_NUMBERING[False])) + _DRAWS
+
+
+# the rows and keys of a tile as the mask numbers them, and their counts: the call's, or the packed sequence's
+_NUMBERING = {
+    False: ("q_idx", "k_idx", "Nq", "N_K"),
+    True: ("(q_start + q_idx)", "(k_start + k_idx)", "TOTAL_Q", "TOTAL_K"),
+}
+
+
+def _index(rows: str, keys: str, n_rows: str, n_keys: str) -> str:
+    """The counter tile (BLOCK_M, BLOCK_N) int64 of ``rows`` by ``keys`` (index expressions)."""
+    return f"((b * HQ + h).to(tl.int64) * {n_rows} + {rows}[:, None]) * {n_keys} + {keys}[None, :] + drop_offset"
+
+
+def _back(tile: str, layout: str | None) -> str:
+    return tile if layout is None else f"gl.convert_layout({tile}, {layout}, assert_trivial=True)"
+
+
+def _indent(text: str) -> str:
+    return "".join(f"    {line}\n" for line in text.splitlines())
+
+
+_DRAWS = uniforms("drop_seed", "drop_index", ("drop_u0", "drop_u1", "drop_u2", "drop_u3"), temp="drop_philox")
+
+_STATIC_ASSERT = "tl.static_assert(BLOCK_M % 16 == 0 and BLOCK_N % 16 == 0, 'dropout draws for 16 x 16 blocks')\n"
+
+# the tile as 6-d (row / 16, row % 8, key / 16, key % 8, row bit 3, key bit 3): splitting the last two off leaves
+# each group's first index; the groups' numbers join back in the same places (``_SIX_D`` undoes the permutation)
+_ANCHORS = """\
+drop_index = {index}
+drop_index = tl.permute(tl.reshape(drop_index, [BLOCK_M // 16, 2, 8, BLOCK_N // 16, 2, 8]), [0, 2, 3, 5, 1, 4])
+drop_index = tl.split(tl.split(drop_index)[0])[0]
+"""
+
+_TILE = "tl.reshape(tl.permute({}, [0, 4, 1, 2, 5, 3]), [BLOCK_M, BLOCK_N])"
+
+_JOIN_KEEP = f"""\
+drop_keep = tl.join(tl.join(drop_u0 >= {{p}}, drop_u2 >= {{p}}), tl.join(drop_u1 >= {{p}}, drop_u3 >= {{p}}))
+drop_keep = {_TILE.format("drop_keep")}
+drop_keep = {{back}}
+"""
+
+_EACH = f"""\
+drop_index = {{index}}
+{_DRAWS}\
+drop_word = (({{rows}} >> 3) & 1)[:, None] * 2 + (({{keys}} >> 3) & 1)[None, :]
+drop_rand = tl.where(drop_word < 2, tl.where(drop_word == 0, drop_u0, drop_u1), \\
+    tl.where(drop_word == 2, drop_u2, drop_u3))
+"""
+
+
+def dropped_weights(kernel: LoweredProgram, layout: str | None = None) -> str:
     """Forward: the weights ``p`` the normaliser formed, masked and scaled for P·V (its own statistics read
-    them before)."""
+    them before). ``layout``: as ``keep``'s; a template drops each group's four weights as it draws their
+    numbers (``_JOIN_WEIGHTS``), so no tile of the mask is ever whole in registers beside ``p``."""
     if not kernel.config.dropout:
         return ""
-    kept = keep(kernel.config.varlen)
-    return f"# dropout: each weight kept with probability 1 - {P}, scaled by {SCALE}\n{kept}" + (
-        f"p = tl.where(drop_keep, p * {SCALE}, 0.0)\n"
-    )
+    comment = f"# dropout: each weight kept with probability 1 - {P}, scaled by {SCALE}\n"
+    if layout is None or kernel.config.varlen:
+        return comment + keep(kernel.config.varlen) + f"p = tl.where(drop_keep, p * {SCALE}, 0.0)\n"
+    weights = _JOIN_WEIGHTS.format(p=P, scale=SCALE, back=_back("p", layout))
+    return comment + _STATIC_ASSERT + _grouped() + weights
+
+
+_JOIN_WEIGHTS = f"""\
+drop_p = tl.permute(tl.reshape(p, [BLOCK_M // 16, 2, 8, BLOCK_N // 16, 2, 8]), [0, 2, 3, 5, 1, 4])
+drop_p0, drop_p1 = tl.split(drop_p)
+drop_p00, drop_p10 = tl.split(drop_p0)
+drop_p01, drop_p11 = tl.split(drop_p1)
+drop_p00 = tl.where(drop_u0 >= {{p}}, drop_p00 * {{scale}}, 0.0)
+drop_p01 = tl.where(drop_u1 >= {{p}}, drop_p01 * {{scale}}, 0.0)
+drop_p10 = tl.where(drop_u2 >= {{p}}, drop_p10 * {{scale}}, 0.0)
+drop_p11 = tl.where(drop_u3 >= {{p}}, drop_p11 * {{scale}}, 0.0)
+p = {_TILE.format("tl.join(tl.join(drop_p00, drop_p10), tl.join(drop_p01, drop_p11))")}
+p = {{back}}
+"""
 
 
 def regenerated_keep(kernel: LoweredProgram) -> str:
@@ -100,9 +189,10 @@ def mask_kernel_source(name: str) -> str:
         "q_idx = pid // key_blocks % row_blocks * BLOCK_M + tl.arange(0, BLOCK_M)\n"
         "k_idx = pid % key_blocks * BLOCK_N + tl.arange(0, BLOCK_N)\n"
         + _SETUP
-        + keep()
+        + replayed_keep()
         + "inside = (q_idx[:, None] < Nq) & (k_idx[None, :] < N_K)\n"
-        "tl.store(Keep + drop_index - drop_offset, drop_keep.to(tl.int8), mask=inside)\n"
+        "element = (pid_bh.to(tl.int64) * Nq + q_idx[:, None]) * N_K + k_idx[None, :]\n"
+        "tl.store(Keep + element, drop_keep.to(tl.int8), mask=inside)\n"
     )
     lines = "".join(f"    {line}\n" for line in body.splitlines())
     return "import triton\nimport triton.language as tl\n\n\n" + render_signature(name, parameters) + lines

@@ -1,10 +1,11 @@
-"""Triton's ``tl.rand`` written out as kernel text that both Triton and Gluon kernels run: the generated kernels
+"""Triton's ``tl.rand4x`` written out as kernel text that both Triton and Gluon kernels run: the generated kernels
 and the Hopper templates draw attention dropout's numbers from this one text, so their masks are bit-identical.
 
-Gluon has no ``rand`` (it cannot call a ``@triton.jit`` function), but it runs the integer builtins ``tl.rand``
-is made of. ``uniform`` is ``tl.rand(seed, counter)`` for an int64 seed and an int64 counter tile, step for
-step (``triton/language/random.py``): Philox-4x32 with 10 rounds of counter (low word, high word, 0, 0) and key
-(seed's low word, high word); its first word, read as int32, folded onto [0, 2**31) and scaled into [0, 1).
+Gluon has no ``rand4x`` (it cannot call a ``@triton.jit`` function), but it runs the integer builtins
+``tl.rand4x`` is made of. ``uniforms`` is ``tl.rand4x(seed, counter)`` for an int64 seed and an int64 counter
+tile, step for step (``triton/language/random.py``): Philox-4x32 with 10 rounds of counter (low word, high word,
+0, 0) and key (seed's low word, high word); each of its four words, read as int32, folded onto [0, 2**31) and
+scaled into [0, 1). ``tl.rand`` is its first number.
 Products and sums wrap (``sanitize_overflow=False``, as there: the interpreter checks overflow otherwise).
 Only ``x`` itself makes the interim tiles (``x * 0``), so nothing needs a layout. ``~x`` is ``-x - 1`` in
 two's complement, without the overflow at -2**31.
@@ -33,13 +34,17 @@ for {{t}}_round in tl.static_range({ROUNDS}):
     {{t}}_c3 = tl.mul({{t}}_a, {ROUND_A:#x}, sanitize_overflow=False)
     {{t}}_k0 = tl.add({{t}}_k0, {KEY_A:#x}, sanitize_overflow=False)
     {{t}}_k1 = tl.add({{t}}_k1, {KEY_B:#x}, sanitize_overflow=False)
-{{t}}_x = {{t}}_c0.to(tl.int32, bitcast=True)
+"""
+
+_TO_UNIT = f"""\
+{{t}}_x = {{word}}.to(tl.int32, bitcast=True)
 {{out}} = tl.where({{t}}_x < 0, ~{{t}}_x, {{t}}_x) * {INT32_TO_UNIT!r}
 """
 
 
-def uniform(seed: str, counter: str, out: str, temp: str = "philox") -> str:
-    """Statements setting ``out`` to ``tl.rand(seed, counter)``, bit for bit: float32 in [0, 1) of ``counter``'s
-    shape. ``seed``: an int64 scalar; ``counter``: an int64 tile (non-negative); ``temp``: the prefix of the
-    names the statements assign besides ``out``."""
-    return _PHILOX.format(t=temp, seed=seed, counter=counter, out=out)
+def uniforms(seed: str, counter: str, outs: tuple[str, str, str, str], temp: str = "philox") -> str:
+    """Statements setting the four names ``outs`` to ``tl.rand4x(seed, counter)``, bit for bit: float32 in
+    [0, 1), each of ``counter``'s shape. ``seed``: an int64 scalar; ``counter``: an int64 tile (non-negative);
+    ``temp``: the prefix of the names the statements assign besides ``outs``."""
+    words = "".join(_TO_UNIT.format(t=temp, word=f"{temp}_c{i}", out=out) for i, out in enumerate(outs))
+    return _PHILOX.format(t=temp, seed=seed, counter=counter) + words
