@@ -72,16 +72,22 @@ def test_dq_serves_exactly_the_programs_the_dkdv_template_serves(variant, change
 
 @pytest.mark.parametrize("variant", sorted(verify.VARIANTS))
 @pytest.mark.parametrize("head_dim", HEAD_DIMS)
-def test_the_dq_template_refuses_dropout_where_the_dkdv_template_takes_it(variant, head_dim):
-    """The dQ template regenerates no dropout mask: a call with attention dropout runs the generated dQ kernel (its
-    delta read by the dK/dV instance, which takes dropout), and the reason says so; the GPU check's dropout cases
-    are dK/dV ones only."""
+def test_the_dq_template_takes_dropout_where_the_dkdv_template_takes_it(variant, head_dim):
+    """A call with attention dropout: the dQ template serves it exactly where the dK/dV template does (for the same
+    reason where not); its step masks and scales dP, drawing the forward's numbers in the step's layout, before
+    the normaliser's gradient; the GPU check's dropout cases are both templates'."""
     plan = _plan(variant, head_dim=head_dim, head_dim_v=head_dim, dropout=True)
-    reason = plan.templates.reasons.get("dq")
-    assert "dq" not in plan.templates.kernels
-    assert reason == "the dQ template does not take attention dropout (dropout_p) yet"
-    assert ("dkdv" in plan.templates.kernels) is (capability.dkdv_reason(lowered(_graph(variant), plan.config)) is None)
-    assert {c.kind for c in verify.backward_cases() if c.dropout} == {"dkdv"}
+    kernel = lowered(_graph(variant), plan.config)
+    dkdv, dq = capability.dkdv_reason(kernel), capability.dq_reason(kernel)
+    assert (dq is None) == (dkdv is None) and ("dq" in plan.templates.kernels) is (dq is None)
+    if dq is not None:
+        assert dq == dkdv.replace("dK/dV", "dQ")
+        return
+    source = plan.templates.kernels["dq"].source
+    drawn = source.index("dp = gl.convert_layout(dp, S_LAYOUT, assert_trivial=True)")
+    assert source.index("drop_seed = tl.load(DropoutState)") < source.index("for j in range(n_steps)") < drawn
+    assert drawn < source.index("gradient of the scores")
+    assert {c.kind for c in verify.backward_cases() if c.dropout} == {"dkdv", "dq"}
 
 
 @pytest.mark.parametrize("variant", sorted(verify.VARIANTS))

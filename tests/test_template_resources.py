@@ -9,10 +9,10 @@ table: not yet none), and the dK/dV step loop none either, except where ``KNOWN_
 holds none at all.
 
 Each case is one compile (seconds). Forward: bfloat16 at every head dim, float16 at head dim 128, float8 (e4m3) at
-its head dims for ``verify.FP8_VARIANTS``. dK/dV:
-bfloat16 at its head dims (float16's figures are the same: docs/benchmarks.md's table has both). The instances
-with attention dropout (``verify.DROPOUT_VARIANTS``, the head dims the templates take it at) likewise. The cases share
-no state (each compiles in its own temporary directory), so pytest-xdist spreads them over its workers."""
+its head dims for ``verify.FP8_VARIANTS``. dK/dV and dQ: bfloat16 at their head dims (float16's figures are the
+same: docs/benchmarks.md's table has both). The instances with attention dropout (``verify.DROPOUT_VARIANTS``, the
+head dims the templates take it at) likewise. The cases share no state (each compiles in its own temporary
+directory), so pytest-xdist spreads them over its workers."""
 
 import pytest
 
@@ -28,8 +28,9 @@ CASES += [(v, d, t, True) for v in verify.DROPOUT_VARIANTS for d in FORWARD_DROP
 CASES += [(v, d, verify.FP8_DTYPE, False) for v in verify.FP8_VARIANTS for d in FORWARD_FP8_HEAD_DIMS]
 DKDV_CASES = [(v, d, "bfloat16", False) for v in verify.FORWARD_VARIANTS for d in verify.DKDV_HEAD_DIMS]
 DKDV_CASES += [(v, d, "bfloat16", True) for v in verify.DROPOUT_VARIANTS for d in verify.DKDV_HEAD_DIMS]
-DQ_CASES = [(v, d, "bfloat16") for v in verify.FORWARD_VARIANTS for d in verify.DKDV_HEAD_DIMS]  # no dropout
-DQ_CASES += [(v, 128, "float16") for v in verify.VARIANTS]
+DQ_CASES = [(v, d, "bfloat16", False) for v in verify.FORWARD_VARIANTS for d in verify.DKDV_HEAD_DIMS]
+DQ_CASES += [(v, 128, "float16", False) for v in verify.VARIANTS]
+DQ_CASES += [(v, d, "bfloat16", True) for v in verify.DROPOUT_VARIANTS for d in verify.DKDV_HEAD_DIMS]
 # Instances of calls with a fact (``verify.fact_cases``): each fact at head dims 64 to 256, with a window's two
 # masked ends, a hoisted transform's rows, a normaliser with sinks
 FACT_CASES = [
@@ -126,9 +127,9 @@ def test_dkdv_instance_compiles_for_sm90_and_spills_in_its_loop_no_more_than_tod
     assert not problems, f"{spec.name}: " + "; ".join(problems) + f"\n{used}"
 
 
-@pytest.mark.parametrize("variant,head_dim,dtype", DQ_CASES, ids=[f"{v}-D{d}-{t}" for v, d, t in DQ_CASES])
-def test_dq_instance_compiles_for_sm90_with_no_local_memory_in_its_loop(variant, head_dim, dtype):
-    plan = variant_plan(variant, dtype, head_dim)  # the training plan: it saves the lse the dQ instance reads
+@pytest.mark.parametrize("variant,head_dim,dtype,dropout", DQ_CASES, ids=_ids(DQ_CASES))
+def test_dq_instance_compiles_for_sm90_with_no_local_memory_in_its_loop(variant, head_dim, dtype, dropout):
+    plan = variant_plan(variant, dtype, head_dim, dropout=dropout)  # the training plan: it saves the lse dQ reads
     spec = plan.templates.kernels.get("dq")
     if spec is None:
         pytest.fail(f"{variant} falls off the dQ template: {plan.templates.reasons['dq']}")

@@ -28,8 +28,8 @@ _FACTS = {
     "varlen": "packed sequences (cu_seqlens)",
     "dropout": "attention dropout (dropout_p)",
 }
-# Those the forward template takes (``forward_facts.py``) and the dK/dV template does not; both take dropout
-# (``passes/codegen/dropout.py``), not combined with these nor with block lists, and the dQ template none
+# Those the forward template takes (``forward_facts.py``) and the backward templates do not; all three take dropout
+# (``passes/codegen/dropout.py``), not combined with these nor with block lists
 _FORWARD_FACTS = ("kv_lens", "positions", "varlen")
 
 
@@ -135,20 +135,26 @@ def forward_reason(kernel: LoweredProgram) -> str | None:
 def dkdv_reason(kernel: LoweredProgram) -> str | None:
     """Why the dK/dV template cannot run ``kernel``, or None when it can (a listing mask's block size is checked
     in the call: ``block_list_reason``)."""
-    reason = _common_reason(kernel, "dK/dV", DKDV_TILES, takes=("dropout",)) or _backward_reason(kernel)
+    return _backward_template_reason(kernel, "dK/dV", DKDV_TILES)
+
+
+def _backward_template_reason(kernel: LoweredProgram, template: str, tiles: dict) -> str | None:
+    """Why the backward ``template`` (dK/dV or dQ, of ``tiles``) cannot run ``kernel``, or None: both take the
+    same programs, dropout included, but not with block lists."""
+    reason = _common_reason(kernel, template, tiles, takes=("dropout",)) or _backward_reason(kernel)
     listing = listing_mask(kernel)
     if reason is None and listing is not None and kernel.config.dropout:
         return (
-            f"{listing.prefix} lists its blocks, and the dK/dV template does not take block lists with "
+            f"{listing.prefix} lists its blocks, and the {template} template does not take block lists with "
             f"{_FACTS['dropout']} yet"
         )
     return reason
 
 
 def dq_reason(kernel: LoweredProgram) -> str | None:
-    """Why the dQ template cannot run ``kernel``, or None when it can: the programs the dK/dV template takes but
-    those with dropout (a listing mask's block size is checked in the call: ``block_list_reason``)."""
-    return _common_reason(kernel, "dQ", DQ_TILES) or _backward_reason(kernel)
+    """Why the dQ template cannot run ``kernel``, or None when it can: the programs the dK/dV template takes (a
+    listing mask's block size is checked in the call: ``block_list_reason``)."""
+    return _backward_template_reason(kernel, "dQ", DQ_TILES)
 
 
 def _backward_reason(kernel: LoweredProgram) -> str | None:

@@ -33,6 +33,7 @@ import string
 
 from ..launch_spec import CONSTEXPR, INT, SCALAR, TENSOR, Param, params
 from ..passes.codegen.common import docstring_text, indent
+from ..passes.codegen.dropout import dropout_params, dropout_setup, dropped_dp
 from ..passes.codegen.loops import key_range, listing_mask
 from ..passes.lower import LoweredProgram
 from . import dq_listed
@@ -195,11 +196,14 @@ def _with_bounds(lines: list[str]) -> list[str]:
 
 
 def _prologues(kernel: LoweredProgram) -> str:
-    """The modifications' prologues, once a program (its query head is its own)."""
+    """The modifications' prologues, once a program (its query head is its own), and dropout's seed and counter
+    offset."""
     lines = []
     for m in kernel.mods:
         if m.fragment.prologue:
             lines += [f"# {m.prefix}: prologue", for_template(m.fragment.prologue)]
+    if kernel.config.dropout:
+        lines += ["# dropout: the Philox seed and counter offset", dropout_setup(kernel).rstrip("\n")]
     return "\n".join(lines)
 
 
@@ -251,11 +255,12 @@ def _keep(kernel: LoweredProgram) -> str:
 
 
 def _chain(kernel: LoweredProgram) -> str:
-    """``ds`` from ``dp`` through the normaliser, then back through every modification, last first; on a masked
-    step, ``ds`` 0 on its masked pairs, whatever its value (dP carries a masked key's NaN); ``ds`` times the
-    scale."""
+    """``ds`` from ``dp`` (with dropout: masked and scaled as the forward's weights were) through the normaliser,
+    then back through every modification, last first; on a masked step, ``ds`` 0 on its masked pairs, whatever
+    its value (dP carries a masked key's NaN); ``ds`` times the scale."""
     norm = kernel.normaliser
-    lines = [f"# {norm.prefix}: gradient of the scores", for_template(norm.fragment.grad)]
+    lines = [dropped_dp(kernel, "S_LAYOUT").rstrip("\n")] if kernel.config.dropout else []
+    lines += [f"# {norm.prefix}: gradient of the scores", for_template(norm.fragment.grad)]
     mods = kernel.mods
     for i in reversed(range(len(mods))):
         m = mods[i]
@@ -280,13 +285,14 @@ def dq_params(kernel: LoweredProgram) -> tuple[Param, ...]:
         + params(INT, "stride_dqb", "stride_dqh", "stride_dqm", "Nq", "N_K", "HQ", "GROUP")
         + params(SCALAR, "sm_scale", "qk_scale")
         + kernel.args()
+        + dropout_params(kernel)
         + params(CONSTEXPR, "BLOCK_N", "STAGES", "HAS_DLSE")
     )
 
 
 def generate_dq(kernel: LoweredProgram, name: str, consumer_registers: int, loader_registers: int) -> str:
     """Gluon source of the dQ template's instance for ``kernel`` (its entry point: ``name``)."""
-    args = "".join(f"{a.name}, " for a in kernel.args())
+    args = "".join(f"{a.name}, " for a in kernel.args() + dropout_params(kernel))
     header = _HEADER.format(
         what=docstring_text("Hopper dQ template"),
         signature=kernel.signature,

@@ -87,7 +87,8 @@ def _dkdv_spec(kernel: LoweredProgram) -> KernelSpec:
 
 
 def _dq_spec(kernel: LoweredProgram) -> KernelSpec:
-    tiles = (DQ_NARROW_TILES if listing_loads(kernel) else DQ_TILES)[kernel.config.head_dim]
+    narrow = listing_loads(kernel) or (kernel.config.dropout and bool(kernel.mods))
+    tiles = (DQ_NARROW_TILES if narrow else DQ_TILES)[kernel.config.head_dim]
     name = f"attnfuse_tdq_{kernel.signature[:12]}"
     constants = {"BLOCK_N": tiles.block_n, "STAGES": tiles.stages}
     return KernelSpec(

@@ -60,7 +60,8 @@ DQ_TILES = {  # shared memory: Q and dO (2 x 64 rows each), stages x (K + V) of 
     128: DqTiles(block_n=64, stages=3),
 }
 DQ_NARROW_TILES = {  # programs whose listing mask reads a tensor per score in its partial blocks (a token block
-    # mask's): at head dim 64, its addresses beside a step of 128 keys made ptxas spill in the loop
+    # mask's), or with score modifications and dropout: at head dim 64, the mask's addresses, or the modifications'
+    # kept inputs beside dropout's draws, on a step of 128 keys made ptxas spill in the loop
     64: DqTiles(block_n=64, stages=3),
     128: DqTiles(block_n=64, stages=3),
 }

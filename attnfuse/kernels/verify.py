@@ -268,8 +268,8 @@ def smooth(variant: str) -> bool:
 
 def backward_cases() -> list[Case]:
     """The dK/dV and dQ templates' cases: each variant with smooth weights, the listed ones (``LISTED_VARIANTS``)
-    included, their head dims, both dtypes, the forward's shapes; and the dK/dV template's with attention dropout,
-    ``DROPOUT_VARIANTS`` (the dQ template does not take dropout). None with NaN values: a masked key's NaN value
+    included, their head dims, both dtypes, the forward's shapes; and both with attention dropout,
+    ``DROPOUT_VARIANTS``. None with NaN values: a masked key's NaN value
     makes the float64 reference's gradients NaN (its masked weights' dS is 0 · NaN), where the kernels' are 0."""
     return [
         Case(v, d, t, s, False, kind=kind)
@@ -279,7 +279,7 @@ def backward_cases() -> list[Case]:
         for d in DKDV_HEAD_DIMS
         for t in DTYPES
         for s in _shapes(v)
-    ] + _dropout_cases("dkdv")
+    ] + [case for kind in BACKWARD_TEMPLATES for case in _dropout_cases(kind)]
 
 
 def _environment(case: Case) -> None:

@@ -275,7 +275,7 @@ class BackwardKernels:
         pargs, limit, heavy = prepared
         even_m = False if kv.packed is not None else lambda tiles: Nq % tiles.block_m == 0  # noqa: E731
         if dq_engine == "template":
-            self.dq_template(q, kv.k, kv.v, out, dout, lse, dlse, delta, dq, pargs)
+            self.dq_template(q, kv.k, kv.v, out, dout, lse, dlse, delta, dq, {**pargs, **dropout_args(kv.dropout)})
         else:
             self._generated_dq(q, kv, out, dlse, dq, shared, pargs, limit, even_m, buffers, partials)
         if engine == "template":

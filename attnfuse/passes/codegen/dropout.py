@@ -128,28 +128,33 @@ drop_rand = tl.where(drop_word < 2, tl.where(drop_word == 0, drop_u0, drop_u1), 
 
 def dropped_weights(kernel: LoweredProgram, layout: str | None = None) -> str:
     """Forward: the weights ``p`` the normaliser formed, masked and scaled for P·V (its own statistics read
-    them before). ``layout``: as ``keep``'s; a template drops each group's four weights as it draws their
-    numbers (``_JOIN_WEIGHTS``), so no tile of the mask is ever whole in registers beside ``p``."""
+    them before). ``layout``: as ``keep``'s."""
     if not kernel.config.dropout:
         return ""
     comment = f"# dropout: each weight kept with probability 1 - {P}, scaled by {SCALE}\n"
+    return comment + _dropped(kernel, "p", layout)
+
+
+def _dropped(kernel: LoweredProgram, tile: str, layout: str | None) -> str:
+    """``tile`` (BLOCK_M, BLOCK_N) masked by the keep and scaled. In a template (``layout``, a plain call's
+    numbering) each group's four values are dropped as their numbers are drawn (``_JOIN_DROPPED``), so no tile
+    of the mask is whole in registers beside ``tile``."""
     if layout is None or kernel.config.varlen:
-        return comment + keep(kernel.config.varlen) + f"p = tl.where(drop_keep, p * {SCALE}, 0.0)\n"
-    weights = _JOIN_WEIGHTS.format(p=P, scale=SCALE, back=_back("p", layout))
-    return comment + _STATIC_ASSERT + _grouped() + weights
+        return keep(kernel.config.varlen) + f"{tile} = tl.where(drop_keep, {tile} * {SCALE}, 0.0)\n"
+    return _STATIC_ASSERT + _grouped() + _JOIN_DROPPED.format(tile=tile, p=P, scale=SCALE, back=_back(tile, layout))
 
 
-_JOIN_WEIGHTS = f"""\
-drop_p = tl.permute(tl.reshape(p, [BLOCK_M // 16, 2, 8, BLOCK_N // 16, 2, 8]), [0, 2, 3, 5, 1, 4])
-drop_p0, drop_p1 = tl.split(drop_p)
-drop_p00, drop_p10 = tl.split(drop_p0)
-drop_p01, drop_p11 = tl.split(drop_p1)
-drop_p00 = tl.where(drop_u0 >= {{p}}, drop_p00 * {{scale}}, 0.0)
-drop_p01 = tl.where(drop_u1 >= {{p}}, drop_p01 * {{scale}}, 0.0)
-drop_p10 = tl.where(drop_u2 >= {{p}}, drop_p10 * {{scale}}, 0.0)
-drop_p11 = tl.where(drop_u3 >= {{p}}, drop_p11 * {{scale}}, 0.0)
-p = {_TILE.format("tl.join(tl.join(drop_p00, drop_p10), tl.join(drop_p01, drop_p11))")}
-p = {{back}}
+_JOIN_DROPPED = f"""\
+drop_t = tl.permute(tl.reshape({{tile}}, [BLOCK_M // 16, 2, 8, BLOCK_N // 16, 2, 8]), [0, 2, 3, 5, 1, 4])
+drop_t0, drop_t1 = tl.split(drop_t)
+drop_t00, drop_t10 = tl.split(drop_t0)
+drop_t01, drop_t11 = tl.split(drop_t1)
+drop_t00 = tl.where(drop_u0 >= {{p}}, drop_t00 * {{scale}}, 0.0)
+drop_t01 = tl.where(drop_u1 >= {{p}}, drop_t01 * {{scale}}, 0.0)
+drop_t10 = tl.where(drop_u2 >= {{p}}, drop_t10 * {{scale}}, 0.0)
+drop_t11 = tl.where(drop_u3 >= {{p}}, drop_t11 * {{scale}}, 0.0)
+{{tile}} = {_TILE.format("tl.join(tl.join(drop_t00, drop_t10), tl.join(drop_t01, drop_t11))")}
+{{tile}} = {{back}}
 """
 
 
@@ -168,10 +173,15 @@ def backward_weights(kernel: LoweredProgram) -> tuple[str, str]:
     return f"p_drop = tl.where(drop_keep, p * {SCALE}, 0.0)\n", "p_drop"
 
 
-def dropped_dp(kernel: LoweredProgram) -> str:
+def dropped_dp(kernel: LoweredProgram, layout: str | None = None) -> str:
     """Backward: dP = dO·Vᵀ is the gradient of the masked, scaled weights; that of the weights themselves is
-    it masked and scaled the same way."""
-    return f"dp = tl.where(drop_keep, dp * {SCALE}, 0.0)\n" if kernel.config.dropout else ""
+    it masked and scaled the same way. ``layout`` None: by ``regenerated_keep``'s ``drop_keep``; else (the dQ
+    template) drawing the mask here, as the forward template does."""
+    if not kernel.config.dropout:
+        return ""
+    if layout is None:
+        return f"dp = tl.where(drop_keep, dp * {SCALE}, 0.0)\n"
+    return "# dropout: dP masked and scaled as the forward's weights were\n" + _dropped(kernel, "dp", layout)
 
 
 def mask_kernel_source(name: str) -> str:
