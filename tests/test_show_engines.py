@@ -277,8 +277,8 @@ def sparse_causal(q, k, v, block_mask):
 def test_a_block_sparse_call_names_the_templates_and_their_block_size_condition(capsys, monkeypatch, mode, head_dim):
     """A program whose mask lists its blocks has a forward instance (GPU-verified, so chosen in either mode),
     which a call runs where its block size is one the template follows; at head dim 64 dK/dV and dQ instances
-    (not verified yet: chosen only when opted in) under the same condition; at 256 the backward templates have no
-    tiles."""
+    (chosen where the record holds them, and when opted in) under the same condition; at 256 the backward
+    templates have no tiles."""
     monkeypatch.setenv(verified.MODE_ENV, mode)
     report = show_json(capsys, f"{__name__}:sparse_causal", "--arch", "sm90", "--head-dim", str(head_dim))
     mask = af.create_block_mask_from_blocks(lambda b, h, qb, kb: qb >= kb, None, None, 256, 256)
@@ -304,7 +304,8 @@ def test_a_block_sparse_call_names_the_templates_and_their_block_size_condition(
         for kind, engine in (("dkdv", dkdv), ("dq", dq)):
             assert engine["template_available"] is True and "multiple of 128" in engine["condition"]
             assert engine["instance"] == verified.record_key(training.templates.kernels[kind], "bfloat16", head_dim)
-            assert engine["engine"] == ("template" if mode == "all" else "generated")
+            chosen = mode == "all" or verified.is_verified(engine["instance"])
+            assert engine["engine"] == ("template" if chosen else "generated")
     else:  # no tiles for the head dim
         for engine in (dkdv, dq):
             assert engine["engine"] == "generated" and engine["template_available"] is False
