@@ -102,7 +102,7 @@ _DRAWS = uniforms("drop_seed", "drop_index", ("drop_u0", "drop_u1", "drop_u2", "
 _STATIC_ASSERT = "tl.static_assert(BLOCK_M % 16 == 0 and BLOCK_N % 16 == 0, 'dropout draws for 16 x 16 blocks')\n"
 
 # the tile as 6-d (row / 16, row % 8, key / 16, key % 8, row bit 3, key bit 3): splitting the last two off leaves
-# each group's first index; the groups' numbers join back in the same places (``_SIX_D`` undoes the permutation)
+# each group's first index; the groups' numbers join back in the same places (``_TILE`` undoes the permutation)
 _ANCHORS = """\
 drop_index = {index}
 drop_index = tl.permute(tl.reshape(drop_index, [BLOCK_M // 16, 2, 8, BLOCK_N // 16, 2, 8]), [0, 2, 3, 5, 1, 4])
