@@ -125,7 +125,7 @@ def test_dq_instance_binds_every_argument_by_name(monkeypatch, with_dlse):
 
 
 def test_runtime_gives_the_instances_with_dropout_the_calls_dropout_state(monkeypatch):
-    """A call with attention dropout hands its state, p and 1 / (1 - p) to the forward and dK/dV template
+    """A call with attention dropout hands its state, p and 1 / (1 - p) to the forward, dK/dV and dQ template
     instances (which bind every parameter by name: a missing one is a TypeError), as to the generated kernels."""
     monkeypatch.setenv("ATTNFUSE_TEMPLATES", "all")
     plan = compile_plan(EXAMPLES["gpt2"].graph(), attrs.evolve(SM90, dropout=True))
@@ -138,11 +138,11 @@ def test_runtime_gives_the_instances_with_dropout_the_calls_dropout_state(monkey
     monkeypatch.setattr(forward.template, "_launcher", _Recorder(forward.template.spec.launch))
     out, lse = forward(q, kv, {})
     backward = BackwardKernels(plan, ())
-    monkeypatch.setattr(backward.template, "_launcher", _Recorder(backward.template.spec.launch))
-    monkeypatch.setattr(backward.dq, "launch", lambda *args, **options: None)  # the generated dQ kernel: a GPU's
+    for instance in (backward.template, backward.dq_template):
+        monkeypatch.setattr(instance, "_launcher", _Recorder(instance.spec.launch))
     monkeypatch.setattr(hopper, "_group_parts", lambda programs, group, device: 1)
     backward(q, kv, out, lse, dout, None, {})
-    for instance in (forward.template, backward.template):
+    for instance in (forward.template, backward.template, backward.dq_template):
         [(args, _)] = instance._launcher.launches
         assert args[DROPOUT_STATE] is dropout.state
         assert (args[DROPOUT_P], args[DROPOUT_SCALE]) == (p, 1 / (1 - p))
