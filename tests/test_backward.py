@@ -260,12 +260,12 @@ def test_hoisted_transforms_give_the_fused_gradients(monkeypatch, program, extra
     autograd of the reference, and in float32 each other."""
     from attnfuse.runtime import hoisted, launch
 
-    q, k, v = _qkv(2, 4, 2, 150, 170, 80, 48, dtype)  # 5 query blocks of 32 under the interpreter
+    q, k, v = _qkv(1, 4, 2, 150, 170, 80, 48, dtype)  # 5 query blocks of 32 under the interpreter
     bias = torch.randn(150, 170, generator=torch.Generator().manual_seed(5)).to(dtype).requires_grad_(True)
     args = (bias,) if extra else ()
     _check_grads(program, q, k, v, *args, leaves=args)
     assert hoisted_last_call()
-    dout = torch.randn(2, 4, 150, 48, generator=torch.Generator().manual_seed(7)).to(dtype)
+    dout = torch.randn(1, 4, 150, 48, generator=torch.Generator().manual_seed(7)).to(dtype)
     hoisted_grads = torch.autograd.grad(program(q, k, v, *args), (q, k, v, *args), dout)
     monkeypatch.setattr(hoisted, "HOIST_MIN_QUERY_BLOCKS", 10**9)
     launch.clear_cache()
