@@ -113,6 +113,8 @@ def main() -> None:
     parser.add_argument("--host-profile", action="store_true", help="also print cProfile's host functions")
     parser.add_argument("--ops", action="store_true", help="also print AttnFuse's PyTorch ops with GPU time")
     args = parser.parse_args()
+    if args.dropout and args.variant != "causal":
+        parser.error("--dropout: the causal variant only (cuDNN's SDPA with dropout is the baseline)")
     for case in args.cases.split(","):
         geometry, N = case.split(":")
         B, Hq, Hkv, D = GEOMETRIES[geometry]

@@ -22,7 +22,7 @@ _FUNCTION = string.Template('''
 @gluon.jit
 def ${name}_drop(drop_tile, start_m, k0, Nq, N_K, HQ, b, h, ${state}, ${p}):
     """The forward's dropout mask of a step's (64 x 64) tile, rows start_m.. and keys k0.. of query head h, into
-    drop_tile (1 where a weight is kept, in its dtype), 8 rows at a time; the seed and counter offset read here
+    drop_tile (1 where a weight is kept, in its dtype), 16 rows at a time; the seed and counter offset read here
     (held in the consumer through the step loop, they made ptxas spill there at head dim 128)."""
 ${setup}
     BLOCK_M: gl.constexpr = 16
