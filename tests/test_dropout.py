@@ -268,9 +268,8 @@ def test_refused_where_not_supported():
 
 
 def test_a_device_no_gpu_run_has_checked_refuses_dropout_unless_asked(monkeypatch):
-    """Where the dropout kernels are unchecked (a GPU no run has checked them on, here the CPU made to look so) a
-    call with p > 0 is refused with the variable that asks for it, eager and through the op; p = 0 runs; asked, it
-    runs."""
+    """Where the dropout kernels are unchecked (a GPU other than sm90, here the CPU made to look so) a call with
+    p > 0 is refused with the variable that asks for it, eager and through the op; p = 0 runs; asked, it runs."""
     import attrs
 
     from attnfuse import custom_op

@@ -21,8 +21,7 @@ from .cases import BACKWARD_VARIANTS, FORWARD_VARIANTS, GEOMETRIES
 from .rows import TABLE_SUITES
 
 SUITES = (*TABLE_SUITES, "memory", "overhead")
-# suites of features gated by architecture (runtime/gpu_gate.py): run by name; a GPU no run has checked them on needs
-# their gate open
+# suites of features gated by architecture (runtime/gpu_gate.py): run by name; a GPU but sm90 needs their gate open
 GATED_SUITES = ("packed", "fp8", "dropout")
 DEFAULT_SUITES = [suite for suite in SUITES if suite not in GATED_SUITES]
 DESCRIPTION = (
@@ -67,7 +66,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=DEFAULT_SUITES,
         metavar="SUITES",
         help=f"comma-separated: {', '.join(SUITES)}, or all (default: all but {', '.join(GATED_SUITES)}, whose "
-        "features a GPU where no run checked them runs only with their ATTNFUSE_*_ON_GPU=1)",
+        "features a GPU other than sm90 runs only with their ATTNFUSE_*_ON_GPU=1)",
     )
     p.add_argument(
         "--geometry",

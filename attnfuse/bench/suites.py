@@ -333,8 +333,7 @@ def replayed_error(q, k, v, out, state, p: float) -> float:
 def dropout_case(N: int) -> rows.Row:
     """Llama-3-8B causal forward + backward at N with attention dropout, against SDPA's (cuDNN, FA2) on the same
     inputs (their masks are their own: the check is AttnFuse's output against its replayed mask, ``err``).
-    A GPU no run has checked the dropout kernels on runs them only with ``ATTNFUSE_DROPOUT_ON_GPU=1``
-    (``runtime/dropout.py``)."""
+    A GPU other than sm90 runs dropout only with ``ATTNFUSE_DROPOUT_ON_GPU=1`` (``runtime/dropout.py``)."""
     B, Hq, Hkv, D = GEOMETRIES["llama3-8b"]
     leaves = [torch.randn(B, h, N, D, device="cuda", dtype=torch.bfloat16, requires_grad=True) for h in (Hq, Hkv, Hkv)]
     q, k, v = leaves

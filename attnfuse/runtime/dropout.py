@@ -65,9 +65,7 @@ GATE = Gate(
     "attention dropout (dropout_p > 0)",
     "ATTNFUSE_DROPOUT_ON_GPU",
     "tests/test_gpu.py::test_dropout_replays",
-    # sm90's run checked the kernels that drew a number per weight; those that draw four weights' at once await
-    # one (CHANGELOG), so until it passes a GPU runs them only when asked
-    checked=("interpreter",),
+    checked=("interpreter", "sm90"),
 )
 
 
