@@ -260,7 +260,7 @@ def test_dropout_instances_regenerate_a_step_s_mask_into_shared_memory(variant, 
     assert "drop_keep = drop_tile.load(S_LAYOUT) != 0" in ast.unparse(loop) and "_keep(keep_tile" in ast.unparse(loop)
     assert "drop_seed" not in ast.unparse(functions["consumer"])
     drop = ast.unparse(functions["drop"])
-    assert "drop_seed = tl.load(DropoutState)" in drop and "tl.join(tl.join(drop_u0 >= DROPOUT_P" in drop
+    assert "drop_seed = tl.load(DropoutState)" in drop and "drop_w0 & 65535 >= drop_limit" in drop
     assert "gl.convert_layout(drop_keep, PART, assert_trivial=True)" in drop  # whole groups: nothing moves
 
 

@@ -3,7 +3,7 @@
 Regenerated in the chain on the whole (64 x 64) tile, beside the step's scores, dP, dK and dV, the mask's ten
 Philox rounds made ptxas spill the step loop (a few hundred bytes at head dim 64, about a thousand at 128). So an
 instance with attention dropout regenerates a step's mask first, while only dK and dV are live, 16 rows at a time
-(in ``PART`` a thread holds 8 weights, two groups of four that share a Philox draw each), into a 64 x 64 tile of
+(in ``PART`` a thread holds 8 weights, a group that shares one Philox draw), into a 64 x 64 tile of
 shared memory per consumer warpgroup (after its P and dS tiles in ``pds_smem``); the chain reads it there
 (``CHAIN``), for dP and for the weights dV reads. The numbers are the forward's (``passes/codegen/dropout.keep``).
 """
@@ -27,7 +27,7 @@ def ${name}_drop(drop_tile, start_m, k0, Nq, N_K, HQ, b, h, ${state}, ${p}):
 ${setup}
     BLOCK_M: gl.constexpr = 16
     BLOCK_N: gl.constexpr = 64
-    # 16 x 64, a thread's 8 weights two groups of dropout's numbers: rows r and r + 8 by keys c + {0, 1, 8, 9}
+    # 16 x 64, a thread's 8 weights a group of dropout's numbers: rows r and r + 8 by keys c + {0, 1, 8, 9}
     PART: gl.constexpr = gl.DistributedLinearLayout(
         reg_bases=[[8, 0], [0, 8], [0, 1]], lane_bases=[[0, 2], [0, 4], [0, 16], [0, 32], [1, 0]],
         warp_bases=[[2, 0], [4, 0]], block_bases=[], shape=[16, 64])

@@ -286,7 +286,7 @@ def heading(arguments: list[str]) -> list[str]:
         "",
         "A known defect, to be driven to zero: the `dkdv` rows with local memory in the loop spill inside the step",
         "loop; `tests/test_template_resources.py` holds each to the spill bytes shown (`KNOWN_DKDV_LOOP_SPILLS`),",
-        "the instances with attention dropout (not in this table) to theirs (`KNOWN_FORWARD_LOOP_SPILLS` too),",
+        "the instances with attention dropout (not in this table) to theirs,",
         "and every other instance to no local memory in its loop.",
         "",
         "| kernel | variant | D | dtype | registers (consumer / loader) | spill bytes (main / careful) | "

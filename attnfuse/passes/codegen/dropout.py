@@ -1,16 +1,16 @@
 """Attention dropout in the generated kernels and the Hopper templates (``KernelConfig.dropout``): text emitted
 only then, so a kernel without dropout is unchanged.
 
-Each weight of P (B, Hq, Nq, Nk), as the normaliser forms it, is kept where its Philox number is at least
-DROPOUT_P, and scaled by DROPOUT_SCALE = 1 / (1 - DROPOUT_P); the others are zeroed. The numbers come four at a
-time, ``tl.rand4x(seed, counter)`` (written out by ``philox.uniforms``, which Gluon runs too), one draw for a
-group of four weights (``keep``); the counter is the index ((b * HQ + h) * Nq + query row) * N_K + key column of
-the group's first weight plus an offset, so the backward kernels regenerate the forward's mask exactly and no
-mask is stored. Seed and
-offset are the two int64 values of the call's ``DropoutState`` tensor, read on the device (``runtime/dropout.py``
-draws them). The forward masks the weights P·V reads; the backward masks them for
-dV = (P ∘ M / (1 - p))ᵀ·dO and masks dP = dO·Vᵀ the same way before the normaliser's gradient, which reads the
-unmasked weights.
+Each weight of P (B, Hq, Nq, Nk), as the normaliser forms it, is kept where its 16-bit Philox number h has
+h / 2**16 >= DROPOUT_P (h >= ``drop_limit`` = ceil(DROPOUT_P * 2**16): p rounded up to a multiple of 2**-16), and
+scaled by DROPOUT_SCALE = 1 / (1 - DROPOUT_P); the others are zeroed. A Philox draw, ``tl.randint4x(seed,
+counter)`` (written out by ``philox.words``, which Gluon runs too), gives four 32-bit words, eight such numbers:
+one draw for a group of eight weights (``keep``); the counter is the index ((b * HQ + h) * Nq + query row) * N_K +
+key column of the group's first weight plus an offset, so the backward kernels regenerate the forward's mask
+exactly and no mask is stored. Seed and offset are the two int64 values of the call's ``DropoutState`` tensor,
+read on the device (``runtime/dropout.py`` draws them). The forward masks the weights P·V reads; the backward
+masks them for dV = (P ∘ M / (1 - p))ᵀ·dO and masks dP = dO·Vᵀ the same way before the normaliser's gradient,
+which reads the unmasked weights.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from ...plan import DROPOUT_P as P
 from ...plan import DROPOUT_SCALE as SCALE
 from ...plan import DROPOUT_STATE as STATE
 from ..lower import LoweredProgram
-from .philox import uniforms
+from .philox import words
 
 
 def dropout_params(kernel: LoweredProgram) -> tuple[Param, ...]:
@@ -29,11 +29,16 @@ def dropout_params(kernel: LoweredProgram) -> tuple[Param, ...]:
 
 
 def dropout_setup(kernel: LoweredProgram) -> str:
-    """Once per program: the seed and counter offset, read from the state tensor."""
-    return _SETUP if kernel.config.dropout else ""
+    """Once per program: the seed and counter offset, read from the state tensor, and ``drop_limit``."""
+    return SETUP if kernel.config.dropout else ""
 
 
-_SETUP = f"drop_seed = tl.load({STATE})\ndrop_offset = tl.load({STATE} + 1)\n"
+# drop_limit: ceil(p * 2**16), p in float32 as every kernel reads it (the product exact)
+SETUP = f"""\
+drop_seed = tl.load({STATE})
+drop_offset = tl.load({STATE} + 1)
+drop_limit = tl.ceil(tl.cast({P}, tl.float32) * 65536.0).to(tl.uint32)
+"""
 
 
 def keep(packed: bool = False, layout: str | None = None) -> str:
@@ -42,21 +47,22 @@ def keep(packed: bool = False, layout: str | None = None) -> str:
     a document's (``packed.document``), numbered by their place in the packed weights (1, Hq, TOTAL_Q,
     TOTAL_K), so a call's mask is the one of the packed tensors as a single sequence.
 
-    The weights come in groups of four, rows i and i + 8 by keys j and j + 8 (i and j with bit 3 clear), that
-    share one Philox draw (``tl.rand4x``) at the group's first index: weight (i + 8a, j + 8c) takes the draw's
-    number 2a + c. A tile whose sides are multiples of 16 (it then starts at multiples of 16, as every loop's
-    tiles do) draws once per group (``_ANCHORS``); on an MMA accumulator's layout a thread holds whole groups,
-    so the numbers stay in its registers. ``layout``: the tile's Gluon layout (a name) in a template, whose
-    tiles are such tiles, which the numbers return to by a conversion that moves nothing; None in a Triton
-    kernel, whose other tiles draw once per weight (``replayed_keep``'s numbers), as packed documents do (they
-    start anywhere in the packed sequence, so their tiles cut its groups)."""
+    The weights come in groups of eight, rows i and i + 8 by keys j, j + 1, j + 8 and j + 9 (i with bit 3 clear,
+    j with bits 0 and 3 clear), that share one Philox draw (``tl.randint4x``) at the group's first index: weight
+    (i + 8a, j + 8c + e) takes half e (0: low, 1: high 16 bits) of the draw's word 2a + c. A tile whose sides are
+    multiples of 16 (it then starts at multiples of 16, as every loop's tiles do) draws once per group
+    (``_ANCHORS``); on an MMA accumulator's layout a thread holds whole groups, so the numbers stay in its
+    registers. ``layout``: the tile's Gluon layout (a name) in a template, whose tiles are such tiles, which the
+    numbers return to by a conversion that moves nothing; None in a Triton kernel, whose other tiles draw once per
+    weight (``replayed_keep``'s numbers), as packed documents do (they start anywhere in the packed sequence, so
+    their tiles cut its groups)."""
     if packed:
         return replayed_keep(packed)
-    grouped = _grouped() + _JOIN_KEEP.format(p=P, back=_back("drop_keep", layout))
+    grouped = _grouped() + _JOIN_KEEP.format(back=_back("drop_keep", layout))
     if layout is not None:
         return _STATIC_ASSERT + grouped
     return (
-        "if BLOCK_M % 16 == 0 and BLOCK_N % 16 == 0:  # one Philox draw a group of four weights\n"
+        "if BLOCK_M % 16 == 0 and BLOCK_N % 16 == 0:  # one Philox draw a group of eight weights\n"
         + _indent(grouped)
         + "else:  # one draw a weight, of its group's numbers\n"
         + _indent(replayed_keep())
@@ -64,16 +70,16 @@ def keep(packed: bool = False, layout: str | None = None) -> str:
 
 
 def replayed_keep(packed: bool = False) -> str:
-    """``keep``'s ``drop_keep`` on any tile, a Philox draw per weight (of its group's four numbers): the replay
+    """``keep``'s ``drop_keep`` on any tile, a Philox draw per weight (of its group's eight numbers): the replay
     of the mask for the reference (``mask_kernel_source``), packed documents and tiles of other sides."""
     rows, keys, n_rows, n_keys = _NUMBERING[packed]
-    draws = _EACH.format(index=_index(f"({rows} & -9)", f"({keys} & -9)", n_rows, n_keys), rows=rows, keys=keys)
-    return draws + f"drop_keep = drop_rand >= {P}\n"
+    draws = _EACH.format(index=_index(f"({rows} & -9)", f"({keys} & -10)", n_rows, n_keys), rows=rows, keys=keys)
+    return draws + "drop_keep = drop_number >= drop_limit\n"
 
 
 def _grouped() -> str:
-    """A tile's group draws: ``drop_u0``..``drop_u3`` (BLOCK_M // 16, 8, BLOCK_N // 16, 8), the numbers of the
-    weights (row bit 3, key bit 3) = (0, 0), (0, 1), (1, 0), (1, 1) of each group."""
+    """A tile's group draws: ``drop_w0``..``drop_w3`` (BLOCK_M // 16, 8, BLOCK_N // 16, 4), the words of the
+    weights (row bit 3, key bit 3) = (0, 0), (0, 1), (1, 0), (1, 1) of each group, key bit 0 the half."""
     return _ANCHORS.format(index=_index(*_NUMBERING[False])) + _DRAWS
 
 
@@ -97,22 +103,35 @@ def _indent(text: str) -> str:
     return "".join(f"    {line}\n" for line in text.splitlines())
 
 
-_DRAWS = uniforms("drop_seed", "drop_index", ("drop_u0", "drop_u1", "drop_u2", "drop_u3"), temp="drop_philox")
+_DRAWS = words("drop_seed", "drop_index", ("drop_w0", "drop_w1", "drop_w2", "drop_w3"), temp="drop_philox")
 
 _STATIC_ASSERT = "tl.static_assert(BLOCK_M % 16 == 0 and BLOCK_N % 16 == 0, 'dropout draws for 16 x 16 blocks')\n"
 
-# the tile as 6-d (row / 16, row % 8, key / 16, key % 8, row bit 3, key bit 3): splitting the last two off leaves
+# the tile as 7-d (row / 16, row bit 3, row % 8, key / 16, key bit 3, key % 8 / 2, key bit 0), permuted to
+# (row / 16, row % 8, key / 16, key % 8 / 2, key bit 0, row bit 3, key bit 3): splitting the last three off leaves
 # each group's first index; the groups' numbers join back in the same places (``_TILE`` undoes the permutation)
-_ANCHORS = """\
-drop_index = {index}
-drop_index = tl.permute(tl.reshape(drop_index, [BLOCK_M // 16, 2, 8, BLOCK_N // 16, 2, 8]), [0, 2, 3, 5, 1, 4])
-drop_index = tl.split(tl.split(drop_index)[0])[0]
+_GROUPED = "tl.permute(tl.reshape({}, [BLOCK_M // 16, 2, 8, BLOCK_N // 16, 2, 4, 2]), [0, 2, 3, 5, 6, 1, 4])"
+
+_ANCHORS = f"""\
+drop_index = {{index}}
+drop_index = {_GROUPED.format("drop_index")}
+drop_index = tl.split(tl.split(tl.split(drop_index)[0])[0])[0]
 """
 
-_TILE = "tl.reshape(tl.permute({}, [0, 4, 1, 2, 5, 3]), [BLOCK_M, BLOCK_N])"
+_TILE = "tl.reshape(tl.permute({}, [0, 5, 1, 2, 6, 3, 4]), [BLOCK_M, BLOCK_N])"
+
+
+def _kept(word: int) -> tuple[str, str]:
+    """Whether dropout keeps the weights of word ``word``'s low and high halves (key bit 0 clear, set)."""
+    return f"(drop_w{word} & 0xFFFF) >= drop_limit", f"(drop_w{word} >> 16) >= drop_limit"
+
+
+def _joined_kept(word: int) -> str:
+    return "tl.join({}, {})".format(*_kept(word))
+
 
 _JOIN_KEEP = f"""\
-drop_keep = tl.join(tl.join(drop_u0 >= {{p}}, drop_u2 >= {{p}}), tl.join(drop_u1 >= {{p}}, drop_u3 >= {{p}}))
+drop_keep = tl.join(tl.join({_joined_kept(0)}, {_joined_kept(2)}), tl.join({_joined_kept(1)}, {_joined_kept(3)}))
 drop_keep = {_TILE.format("drop_keep")}
 drop_keep = {{back}}
 """
@@ -121,8 +140,9 @@ _EACH = f"""\
 drop_index = {{index}}
 {_DRAWS}\
 drop_word = (({{rows}} >> 3) & 1)[:, None] * 2 + (({{keys}} >> 3) & 1)[None, :]
-drop_rand = tl.where(drop_word < 2, tl.where(drop_word == 0, drop_u0, drop_u1), \\
-    tl.where(drop_word == 2, drop_u2, drop_u3))
+drop_number = tl.where(drop_word < 2, tl.where(drop_word == 0, drop_w0, drop_w1), \\
+    tl.where(drop_word == 2, drop_w2, drop_w3))
+drop_number = tl.where((({{keys}} & 1) == 1)[None, :], drop_number >> 16, drop_number & 0xFFFF)
 """
 
 
@@ -137,22 +157,26 @@ def dropped_weights(kernel: LoweredProgram, layout: str | None = None) -> str:
 
 def _dropped(kernel: LoweredProgram, tile: str, layout: str | None) -> str:
     """``tile`` (BLOCK_M, BLOCK_N) masked by the keep and scaled. In a template (``layout``, a plain call's
-    numbering) each group's four values are dropped as their numbers are drawn (``_JOIN_DROPPED``), so no tile
+    numbering) each group's eight values are dropped as their numbers are drawn (``_JOIN_DROPPED``), so no tile
     of the mask is whole in registers beside ``tile``."""
     if layout is None or kernel.config.varlen:
         return keep(kernel.config.varlen) + f"{tile} = tl.where(drop_keep, {tile} * {SCALE}, 0.0)\n"
-    return _STATIC_ASSERT + _grouped() + _JOIN_DROPPED.format(tile=tile, p=P, scale=SCALE, back=_back(tile, layout))
+    return _STATIC_ASSERT + _grouped() + _JOIN_DROPPED.format(tile=tile, scale=SCALE, back=_back(tile, layout))
 
 
+def _dropped_word(word: int, tile: str) -> str:
+    """``tile``'s weights of word ``word`` (..., key bit 0), masked by its two halves and scaled."""
+    low, high = (f"tl.where({kept}, drop_{half} * {{scale}}, 0.0)" for kept, half in zip(_kept(word), ("lo", "hi")))
+    return f"drop_lo, drop_hi = tl.split({tile})\n{tile} = tl.join({low}, {high})\n"
+
+
+# the tile's groups split as the draws' words: drop_t<row bit 3><key bit 3> (..., key bit 0)
 _JOIN_DROPPED = f"""\
-drop_t = tl.permute(tl.reshape({{tile}}, [BLOCK_M // 16, 2, 8, BLOCK_N // 16, 2, 8]), [0, 2, 3, 5, 1, 4])
+drop_t = {_GROUPED.format("{tile}")}
 drop_t0, drop_t1 = tl.split(drop_t)
 drop_t00, drop_t10 = tl.split(drop_t0)
 drop_t01, drop_t11 = tl.split(drop_t1)
-drop_t00 = tl.where(drop_u0 >= {{p}}, drop_t00 * {{scale}}, 0.0)
-drop_t01 = tl.where(drop_u1 >= {{p}}, drop_t01 * {{scale}}, 0.0)
-drop_t10 = tl.where(drop_u2 >= {{p}}, drop_t10 * {{scale}}, 0.0)
-drop_t11 = tl.where(drop_u3 >= {{p}}, drop_t11 * {{scale}}, 0.0)
+{"".join(_dropped_word(word, f"drop_t{word >> 1}{word & 1}") for word in range(4))}\
 {{tile}} = {_TILE.format("tl.join(tl.join(drop_t00, drop_t10), tl.join(drop_t01, drop_t11))")}
 {{tile}} = {{back}}
 """
@@ -198,7 +222,7 @@ def mask_kernel_source(name: str) -> str:
         "pid_bh = pid // (row_blocks * key_blocks)\nb = pid_bh // HQ\nh = pid_bh % HQ\n"
         "q_idx = pid // key_blocks % row_blocks * BLOCK_M + tl.arange(0, BLOCK_M)\n"
         "k_idx = pid % key_blocks * BLOCK_N + tl.arange(0, BLOCK_N)\n"
-        + _SETUP
+        + SETUP
         + replayed_keep()
         + "inside = (q_idx[:, None] < Nq) & (k_idx[None, :] < N_K)\n"
         "element = (pid_bh.to(tl.int64) * Nq + q_idx[:, None]) * N_K + k_idx[None, :]\n"

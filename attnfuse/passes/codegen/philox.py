@@ -1,14 +1,13 @@
-"""Triton's ``tl.rand4x`` written out as kernel text that both Triton and Gluon kernels run: the generated kernels
-and the Hopper templates draw attention dropout's numbers from this one text, so their masks are bit-identical.
+"""Triton's ``tl.randint4x`` written out as kernel text that both Triton and Gluon kernels run: the generated
+kernels and the Hopper templates draw attention dropout's numbers from this one text, so their masks are
+bit-identical.
 
-Gluon has no ``rand4x`` (it cannot call a ``@triton.jit`` function), but it runs the integer builtins
-``tl.rand4x`` is made of. ``uniforms`` is ``tl.rand4x(seed, counter)`` for an int64 seed and an int64 counter
+Gluon has no ``randint4x`` (it cannot call a ``@triton.jit`` function), but it runs the integer builtins
+``tl.randint4x`` is made of. ``words`` is ``tl.randint4x(seed, counter)`` for an int64 seed and an int64 counter
 tile, step for step (``triton/language/random.py``): Philox-4x32 with 10 rounds of counter (low word, high word,
-0, 0) and key (seed's low word, high word); each of its four words, read as int32, folded onto [0, 2**31) and
-scaled into [0, 1). ``tl.rand`` is its first number.
-Products and sums wrap (``sanitize_overflow=False``, as there: the interpreter checks overflow otherwise).
-Only ``x`` itself makes the interim tiles (``x * 0``), so nothing needs a layout. ``~x`` is ``-x - 1`` in
-two's complement, without the overflow at -2**31.
+0, 0) and key (seed's low word, high word), its four uint32 words. Products and sums wrap
+(``sanitize_overflow=False``, as there: the interpreter checks overflow otherwise). Only the counter makes the
+interim tiles (``x * 0``), so nothing needs a layout.
 """
 
 from __future__ import annotations
@@ -16,7 +15,6 @@ from __future__ import annotations
 ROUNDS = 10
 KEY_A, KEY_B = 0x9E3779B9, 0xBB67AE85  # the key's increments per round
 ROUND_A, ROUND_B = 0xD2511F53, 0xCD9E8D57  # the round multipliers
-INT32_TO_UNIT = 4.6566127342e-10  # ``uint_to_uniform_float``'s scale: 2**31 - 1 maps below 1.0 in float32
 
 _PHILOX = f"""\
 {{t}}_c0 = {{counter}}.to(tl.uint32)
@@ -36,15 +34,10 @@ for {{t}}_round in tl.static_range({ROUNDS}):
     {{t}}_k1 = tl.add({{t}}_k1, {KEY_B:#x}, sanitize_overflow=False)
 """
 
-_TO_UNIT = f"""\
-{{t}}_x = {{word}}.to(tl.int32, bitcast=True)
-{{out}} = tl.where({{t}}_x < 0, ~{{t}}_x, {{t}}_x) * {INT32_TO_UNIT!r}
-"""
 
-
-def uniforms(seed: str, counter: str, outs: tuple[str, str, str, str], temp: str = "philox") -> str:
-    """Statements setting the four names ``outs`` to ``tl.rand4x(seed, counter)``, bit for bit: float32 in
-    [0, 1), each of ``counter``'s shape. ``seed``: an int64 scalar; ``counter``: an int64 tile (non-negative);
-    ``temp``: the prefix of the names the statements assign besides ``outs``."""
-    words = "".join(_TO_UNIT.format(t=temp, word=f"{temp}_c{i}", out=out) for i, out in enumerate(outs))
-    return _PHILOX.format(t=temp, seed=seed, counter=counter) + words
+def words(seed: str, counter: str, outs: tuple[str, str, str, str], temp: str = "philox") -> str:
+    """Statements setting the four names ``outs`` to ``tl.randint4x(seed, counter)``, bit for bit: uint32, each
+    of ``counter``'s shape. ``seed``: an int64 scalar; ``counter``: an int64 tile (non-negative); ``temp``: the
+    prefix of the names the statements assign besides ``outs``."""
+    named = "".join(f"{out} = {temp}_c{i}\n" for i, out in enumerate(outs))
+    return _PHILOX.format(t=temp, seed=seed, counter=counter) + named
