@@ -8,9 +8,7 @@ weeds tile candidates out with it; ``attnfuse show --resources`` reports a plan'
 
 from __future__ import annotations
 
-import os
 import re
-import tempfile
 
 import triton
 from attrs import frozen
@@ -20,8 +18,8 @@ from ..passes.codegen.fp8 import UPCAST
 from ..runtime.fp8 import upcast_dtype
 from ..runtime.kernel import smaller_tiles
 from ..runtime.source_cache import load_function, write_source
-from ..triton_compat import ASTSource, GPUTarget, knobs
-from .resources import DTYPES, INDEX_LIKE, run_tool
+from ..triton_compat import ASTSource
+from .resources import DTYPES, INDEX_LIKE, compile_sm90
 
 _SIZES = {
     "HQ",
@@ -122,17 +120,8 @@ def _compile(plan: Plan, kind: str, tiles: TileConfig) -> KernelResources:
     values.update({name: True for name in ("EVEN_K", "EVEN_M") if name in fn.arg_names})
     values[UPCAST] = upcast_dtype(interpreted=False)  # a float8 kernel's, as a GPU launch gives it
     values = {k: v for k, v in values.items() if k in fn.arg_names}
-    compiled = triton.compile(
-        ASTSource(fn, types, values, attributes),
-        target=GPUTarget("cuda", 90, 32),
-        options=dict(num_warps=tiles.num_warps, num_stages=tiles.num_stages),
-    )
-    # the ptxas Triton compiled with: torch.compile sets TRITON_PTXAS_PATH to torch's own (a newer CUDA), whose
-    # PTX version an older ptxas refuses
-    with tempfile.NamedTemporaryFile("w", suffix=".ptx") as ptx:
-        ptx.write(compiled.asm["ptx"])
-        ptx.flush()
-        report = run_tool([knobs.nvidia.ptxas.path, "-arch=sm_90a", "-v", ptx.name, "-o", os.devnull]).stderr
+    options = dict(num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+    compiled, report = compile_sm90(ASTSource(fn, types, values, attributes), options)
     registers = re.search(r"Used (\d+) registers", report)
     spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", report)
     if registers is None or spills is None:

@@ -19,7 +19,9 @@ multiples of 16 or 1 (a launch specialises on those, which only takes code away)
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
+import io
 import re
 import shlex
 import subprocess
@@ -30,6 +32,7 @@ from pathlib import Path
 
 import triton
 from attrs import frozen
+from triton.compiler import CompiledKernel
 
 from ..errors import InputError
 from ..triton_compat import GluonASTSource, GPUTarget, gl, knobs
@@ -166,22 +169,12 @@ def template_resources(
     fn = load_function(spec.source, spec.name, write_source(spec.name, spec.source))
     source = GluonASTSource(fn, types, {**spec.launch.constants, **launch, **rows})
     start = time.perf_counter()
-    with knobs.compilation.scope():
-        knobs.compilation.always_compile = True  # the time of a compile, not of a cache hit
-        compiled = triton.compile(
-            source,
-            target=GPUTarget("cuda", 90, 32),
-            options={"num_warps": 4, "maxnreg": pipeline.LAUNCH_REGISTERS},
-        )
-    # the ptxas Triton compiled with: torch.compile sets TRITON_PTXAS_PATH to torch's own (a newer CUDA), whose
-    # PTX version an older ptxas refuses
-    ptxas = Path(knobs.nvidia.ptxas.path)
-    with tempfile.TemporaryDirectory(prefix="attnfuse-resources-") as tmp:
-        ptx, cubin = Path(tmp) / f"{spec.name}.ptx", Path(tmp) / f"{spec.name}.cubin"
-        ptx.write_text(compiled.asm["ptx"])
-        report = run_tool([str(ptxas), "-arch=sm_90a", "-v", str(ptx), "-o", str(cubin)]).stderr
-        seconds = time.perf_counter() - start
-        sass = run_tool([str(ptxas.with_name("nvdisasm")), "-c", str(cubin)]).stdout
+    compiled, report = compile_sm90(source, {"num_warps": 4, "maxnreg": pipeline.LAUNCH_REGISTERS})
+    seconds = time.perf_counter() - start
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
+        cubin.write(compiled.asm["cubin"])
+        cubin.flush()
+        sass = run_tool([str(Path(knobs.nvidia.ptxas.path).with_name("nvdisasm")), "-c", cubin.name]).stdout
     spills = {name: int(n) for name, n in _SPILLS.findall(report)}
     registers = re.search(rf"Compiling entry function '{re.escape(spec.name)}'.*?Used (\d+) registers", report, re.S)
     if spec.name not in spills or registers is None:
@@ -199,6 +192,18 @@ def template_resources(
         loop_local_memory=any(_LOCAL.search(line) for start, end in loops for line in entry[start:end]),
         loops=len(loops),
     )
+
+
+def compile_sm90(source, options: dict) -> tuple[CompiledKernel, str]:
+    """``source`` (a Triton or Gluon ``ASTSource``) compiled for sm_90a with ``options``, from the source (no cache
+    hit), and ptxas' ``-v`` report of that compile: Triton's own ptxas run, its log captured, so the figures are
+    those of the cubin Triton made (the ptxas it runs; torch.compile may point TRITON_PTXAS_PATH at its own)."""
+    log = io.StringIO()
+    with knobs.compilation.scope(), knobs.nvidia.scope(), contextlib.redirect_stdout(log):
+        knobs.compilation.always_compile = True
+        knobs.nvidia.dump_ptxas_log = True  # Triton prints ptxas' log
+        compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
+    return compiled, log.getvalue()
 
 
 def run_tool(command: list[str]) -> subprocess.CompletedProcess:
