@@ -53,6 +53,7 @@ from ..passes.codegen.loops import block_range, listing_mask
 from ..passes.codegen.operands import query_shift
 from ..passes.codegen.scores import has_masks
 from ..passes.lower import LoweredProgram
+from ..passes.codegen.text import indent
 from ..plan import DROPOUT_SCALE
 from . import dkdv_dropout, dkdv_keep, dkdv_listed, dkdv_mods
 from .gluon_text import for_template
@@ -237,11 +238,6 @@ _SERIAL = (  # dP issued after the score pipeline: its in-flight accumulator wou
 )
 
 
-def _indent(code: str, spaces: int) -> str:
-    pad = " " * spaces
-    return "".join(pad + line + "\n" if line.strip() else "\n" for line in code.strip("\n").splitlines())
-
-
 def _rows_smem(name: str, present: bool) -> str:
     """The stages of ``name``'s rows (lse or delta) in shared memory, or a placeholder the loader never fills."""
     if not present:
@@ -318,7 +314,7 @@ def _chain(kernel: LoweredProgram) -> str:
                 for_template(m.code(m.fragment.grad, s_in=f"s_{i}", s_out=s_out)),
             ]
     masked = f"{_keep(kernel)}\np = tl.where(keep, p, 0.0)\nds = tl.where(keep, ds, 0.0)"
-    lines += ["if masked:", _indent(masked, 4).rstrip("\n")]
+    lines += ["if masked:", indent(masked, 4).rstrip("\n")]
     lines.append("ds = ds * sm_scale")
     if kernel.config.dropout:  # dV reads the weights P·V read in the forward
         lines.append(f"p = tl.where(drop_keep, p * {DROPOUT_SCALE}, 0.0)")
@@ -400,7 +396,7 @@ def generate_dkdv(kernel: LoweredProgram, name: str, consumer_registers: int, lo
     else:
         stores = [dkdv_keep.store(kernel, name)] if stored else []
         stores += [dkdv_dropout.store(name)] if kernel.config.dropout else []
-        steps = _FLAT_STEPS.replace("$step", _indent("\n".join([rows, *stores, step]), 4))
+        steps = _FLAT_STEPS.replace("$step", indent("\n".join([rows, *stores, step]), 4))
         tiles = [dkdv_keep.TILE] if stored else []
         tiles += [dkdv_dropout.tile(6 if stored else 4)] if kernel.config.dropout else []
         steps = "\n".join([*tiles, steps])
@@ -410,9 +406,9 @@ def generate_dkdv(kernel: LoweredProgram, name: str, consumer_registers: int, lo
     consumer = _CONSUMER.substitute(
         name=name,
         smem=smem,
-        steps=_indent(steps, 4).rstrip("\n"),
+        steps=indent(steps, 4).rstrip("\n"),
         plugin_args=args,
-        keys="" if per_step else _indent(_KEYS, 4),
+        keys="" if per_step else indent(_KEYS, 4),
     )
     has_rows = {"has_lse": norm.has_lse, "has_delta": norm.needs_delta}
     entry = _KERNEL.substitute(
@@ -420,8 +416,8 @@ def generate_dkdv(kernel: LoweredProgram, name: str, consumer_registers: int, lo
         smem=smem,
         plugin_args=args,
         rows_doc=rows_doc,
-        query_range=_indent(_query_range(kernel), 4),
-        rows_smem=_indent(_rows_smem("lse", norm.has_lse) + "\n" + _rows_smem("delta", norm.needs_delta), 4),
+        query_range=indent(_query_range(kernel), 4),
+        rows_smem=indent(_rows_smem("lse", norm.has_lse) + "\n" + _rows_smem("delta", norm.needs_delta), 4),
         pds_smem=_pds_smem(kernel),
         loader=_LOADER.substitute(has_rows) if listing is None else dkdv_listed.loader_call(listing, kernel, name),
         consumer_registers=consumer_registers,

@@ -16,6 +16,7 @@ from __future__ import annotations
 import string
 
 from ..passes.lower import Instance, LoweredProgram
+from ..passes.codegen.text import indent
 from . import dkdv_keep
 
 IMPORT = "from attnfuse.kernels.listed_backward_pipeline import load_key_tiles, load_query_tile, read_step\n"
@@ -51,11 +52,6 @@ _CALL = string.Template("""\
                     STAGES,
                 ),
             ),""")
-
-
-def _indent(code: str, spaces: int) -> str:
-    pad = " " * spaces
-    return "\n".join(pad + line if line.strip() else "" for line in code.splitlines())
 
 
 def _count(m: Instance) -> str:
@@ -121,7 +117,7 @@ def steps(m: Instance, kernel: LoweredProgram, name: str, rows: str, step: str) 
         dkdv_keep.store(kernel, name),
         step,
     ]
-    return f"{dkdv_keep.TILE}\n{count(m)}\nfor t in range(n_steps):\n" + _indent("\n".join(body), 4)
+    return f"{dkdv_keep.TILE}\n{count(m)}\nfor t in range(n_steps):\n" + indent("\n".join(body), 4)
 
 
 def _list_args(m: Instance, kernel: LoweredProgram) -> str:
@@ -136,7 +132,7 @@ def loader(m: Instance, kernel: LoweredProgram, name: str, has_lse: bool, has_de
         name=name,
         prefix=m.prefix,
         list_args=_list_args(m, kernel),
-        walk=_indent(walk(m), 4),
+        walk=indent(walk(m), 4),
         partial=_partial(m),
         has_lse=has_lse,
         has_delta=has_delta,

@@ -13,6 +13,7 @@ from __future__ import annotations
 import string
 
 from ..passes.lower import LoweredProgram
+from ..passes.codegen.text import indent
 from . import dkdv_keep
 from .gluon_text import for_template
 
@@ -58,10 +59,6 @@ def _text(kernel: LoweredProgram) -> tuple[str, str]:
     return "\n".join(prologues), "\n".join(bodies)
 
 
-def _indent(code: str, spaces: int) -> str:
-    return "\n".join(" " * spaces + line if line.strip() else "" for line in code.splitlines())
-
-
 def _arguments(kernel: LoweredProgram) -> str:
     return "".join(f", {a}" for a in dkdv_keep.reads(kernel, "\n".join(_text(kernel))))
 
@@ -73,9 +70,9 @@ def function(kernel: LoweredProgram, name: str) -> str:
         name=name,
         args=_arguments(kernel),
         layouts=dkdv_keep.LAYOUTS,
-        prologues="\n" + _indent(prologues, 4) if prologues else "",
+        prologues="\n" + indent(prologues, 4) if prologues else "",
         positions=dkdv_keep.POSITIONS,
-        bodies=_indent(bodies, 8),
+        bodies=indent(bodies, 8),
     )
 
 

@@ -32,7 +32,8 @@ from __future__ import annotations
 import string
 
 from ..launch_spec import CONSTEXPR, INT, SCALAR, TENSOR, Param, params
-from ..passes.codegen.common import docstring_text, indent
+from ..passes.codegen.common import docstring_text
+from ..passes.codegen.text import indent
 from ..passes.codegen.dropout import dropout_params, dropout_setup, dropped_dp
 from ..passes.codegen.loops import key_range, listing_mask
 from ..passes.lower import LoweredProgram

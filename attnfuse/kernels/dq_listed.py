@@ -15,7 +15,7 @@ from __future__ import annotations
 import re
 import string
 
-from ..passes.codegen.common import indent
+from ..passes.codegen.text import indent
 from ..passes.lower import Instance, LoweredProgram
 from .gluon_text import for_template
 from .listed import lists, step_keys

@@ -30,6 +30,7 @@ from ..passes.codegen.loops import key_range, listing_mask
 from ..passes.codegen.packed import lse_rows
 from ..passes.codegen.scores import folded_scale
 from ..passes.lower import LoweredProgram
+from ..passes.codegen.text import indent
 from . import listed
 from .forward_facts import ForwardFacts, fact_params, forward_facts
 from .forward_fp8 import fp8_text
@@ -248,11 +249,6 @@ _LAYOUTS = """\
     dtype: gl.constexpr = q_desc.dtype"""
 
 
-def _indent(code: str, spaces: int) -> str:
-    pad = " " * spaces
-    return "".join(pad + line + "\n" if line.strip() else "\n" for line in code.strip("\n").splitlines())
-
-
 def _tile(kernel: LoweredProgram, facts: ForwardFacts, always_masked: bool, dropped: bool = True) -> tuple[str, bool]:
     """The score pipeline of one key block, on the raw product ``s``: keys (their positions and count:
     ``facts``), scale, modifications, the masks (under ``if masked:`` unless ``always_masked``, the careful
@@ -314,7 +310,7 @@ def _dropped(kernel: LoweredProgram) -> str:
 def _finalize(kernel: LoweredProgram, spaces: int, descale: str) -> str:
     """The normaliser's finalize (acc -> out), then ``descale`` (a float8 call's v_descale, else nothing)."""
     finalize = for_template(kernel.normaliser.fragment.finalize).rstrip("\n")
-    return _indent(f"{finalize}\n{descale}", spaces)
+    return indent(f"{finalize}\n{descale}", spaces)
 
 
 def _store_lse(kernel: LoweredProgram, rows: str, first_columns: bool = False) -> str:
@@ -353,13 +349,13 @@ def generate_forward(kernel: LoweredProgram, name: str, consumer_registers: int,
     loop_tile, _ = _tile(kernel, facts, always_masked=False, dropped=False)
     careful_tile, careful_rescales = _tile(kernel, facts, always_masked=True)
     prologues = "".join(
-        f"    # {m.prefix}: prologue\n{_indent(for_template(m.fragment.prologue), 4)}"
+        f"    # {m.prefix}: prologue\n{indent(for_template(m.fragment.prologue), 4)}"
         for m in kernel.mods
         if m.fragment.prologue
     )
     if kernel.config.dropout:
-        prologues += f"    # dropout: the Philox seed and counter offset\n{_indent(dropout_setup(kernel), 4)}"
-    init = _indent(for_template(norm.fragment.init), 4)
+        prologues += f"    # dropout: the Philox seed and counter offset\n{indent(dropout_setup(kernel), 4)}"
+    init = indent(for_template(norm.fragment.init), 4)
     state = [n for n in assigned(norm.fragment.init)]
     rescale = f"o_acc = o_acc * gl.expand_dims(gl.convert_layout({RESCALE}, O_ROWS), 1)" if rescales else ""
     if kernel.config.dropout:  # the loop's weights, dropped once block j-1's P·V is in (its registers are free)
@@ -389,29 +385,29 @@ def generate_forward(kernel: LoweredProgram, name: str, consumer_registers: int,
         keys="key blocks start + j * BLOCK_N, j < n_steps" if m is None else listed.KEYS,
         first_key="    start_n = start" if m is None else listed.first_key(m),
         step_key="        start_n = start + j * BLOCK_N" if m is None else listed.step_key(m),
-        tile=_indent(tile, 4),
-        loop_tile=_indent(loop_tile, 8),
-        rescale=_indent(rescale, 8),
-        state_rows=_indent("\n".join(f"{n} = gl.convert_layout({n}, O_ROWS)" for n in state), 4),
+        tile=indent(tile, 4),
+        loop_tile=indent(loop_tile, 8),
+        rescale=indent(rescale, 8),
+        state_rows=indent("\n".join(f"{n} = gl.convert_layout({n}, O_ROWS)" for n in state), 4),
         finalize=_finalize(kernel, 8, fp8.out_descale),
-        store_lse=_indent(_store_lse(kernel, "O_ROWS"), 8),
-        store_out=_indent(fp8.store_out or facts.store_out, 8).rstrip("\n"),
+        store_lse=indent(_store_lse(kernel, "O_ROWS"), 8),
+        store_out=indent(fp8.store_out or facts.store_out, 8).rstrip("\n"),
         p_width=fp8.p_width,
         p_weights=fp8.p_weights,
-        weights_init=_indent(fp8.weights_init, 4),
-        weights_loop=_indent(fp8.weights_check, 8),
-        weights_last=_indent(fp8.weights_check, 4),
-        weights_verdict=_indent(fp8.weights_verdict, 4),
+        weights_init=indent(fp8.weights_init, 4),
+        weights_loop=indent(fp8.weights_check, 8),
+        weights_last=indent(fp8.weights_check, 4),
+        weights_verdict=indent(fp8.weights_verdict, 4),
         v_view=fp8.v_view,
         warpgroup_layout=fp8.warpgroup_layout,
     )
     careful = _CAREFUL.substitute(
         common,
         careful_loop=_CAREFUL_LOOP if m is None else listed.careful_loop(m),
-        careful_tile=_indent(careful_tile, 8),
-        careful_rescale=_indent(careful_rescale, 8),
+        careful_tile=indent(careful_tile, 8),
+        careful_rescale=indent(careful_rescale, 8),
         careful_finalize=_finalize(kernel, 4, fp8.careful_out_descale),
-        careful_store_lse=_indent(_store_lse(kernel, "ROW_LAYOUT", first_columns=True), 4),
+        careful_store_lse=indent(_store_lse(kernel, "ROW_LAYOUT", first_columns=True), 4),
         query_rows=facts.query_rows,
         key_rows=facts.key_rows,
         q_row=facts.out_rows,
@@ -425,9 +421,9 @@ def generate_forward(kernel: LoweredProgram, name: str, consumer_registers: int,
         plugin_args=args,
         facts=facts.passed,
         given=facts.entry_params,
-        program=_indent(facts.program + fp8.descales, 4),
+        program=indent(facts.program + fp8.descales, 4),
         grid=facts.grid,
-        key_range=_indent(key_range(listed.without_listing(kernel)), 4),
+        key_range=indent(key_range(listed.without_listing(kernel)), 4),
         steps=_STEPS if m is None else listed.steps(m, name, args),
         loader=_LOADER.format(loader=fp8.loader, firsts=facts.loader_rows)
         if m is None

@@ -20,6 +20,7 @@ import attrs
 
 from ..passes.codegen.loops import listing_mask
 from ..passes.lower import Instance, LoweredProgram
+from ..passes.codegen.text import indent
 from .gluon_text import for_template
 
 IMPORT = "from attnfuse.kernels.listed_pipeline import load_key_block, load_query_tiles\n"
@@ -49,11 +50,6 @@ def without_listing(kernel: LoweredProgram) -> LoweredProgram:
     lists call a block partial)."""
     listing = listing_mask(kernel)
     return kernel if listing is None else attrs.evolve(kernel, masks=tuple(m for m in kernel.masks if m is not listing))
-
-
-def _indent(code: str, spaces: int) -> str:
-    pad = " " * spaces
-    return "\n".join(pad + line for line in code.splitlines())
 
 
 def lists(m: Instance, rows: str) -> str:
@@ -92,13 +88,13 @@ def steps(m: Instance, name: str, plugin_args: str) -> str:
         f"{name}_careful(\n    Q, K, V, Out, q_desc, k_desc, v_desc, o_desc, Lse, pid_bh, {{first}}, start, 0, Nq, N_K,"
         f" HQ, GROUP,\n    sm_scale, qk_scale, {plugin_args}SAVE_LSE,\n)"
     )
-    return _indent(
+    return indent(
         f"list_size = {m.code(bl.size)}  # {m.prefix}: its lists' block size\n"
         f"n_steps = {count} * (list_size // BLOCK_N)\n"
         f"if n_steps == 0:  # {m.prefix} lists no key block for these rows\n"
-        + _indent(careful.format(first="m0"), 4)
+        + indent(careful.format(first="m0"), 4)
         + "\n"
-        + _indent(careful.format(first="m0 + ROWS"), 4)
+        + indent(careful.format(first="m0 + ROWS"), 4)
         + "\n    return",
         4,
     )
@@ -106,12 +102,12 @@ def steps(m: Instance, name: str, plugin_args: str) -> str:
 
 def first_key(m: Instance) -> str:
     """The consumer's lists and block 0's keys."""
-    return _indent(lists(m, "m0") + "\n" + step_keys(m, "0"), 4)
+    return indent(lists(m, "m0") + "\n" + step_keys(m, "0"), 4)
 
 
 def step_key(m: Instance) -> str:
     """The consumer's keys of step j."""
-    return _indent(step_keys(m, "j"), 8)
+    return indent(step_keys(m, "j"), 8)
 
 
 def careful_loop(m: Instance) -> str:
@@ -119,9 +115,9 @@ def careful_loop(m: Instance) -> str:
     bl = m.fragment.block_list
     count = m.code(bl.count, block="list_block")
     return (
-        _indent(lists(m, "first"), 4)
+        indent(lists(m, "first"), 4)
         + f"\n    for list_t in range(0, {count} * list_tiles):\n"
-        + _indent(step_keys(m, "list_t"), 8)
+        + indent(step_keys(m, "list_t"), 8)
     )
 
 
@@ -139,8 +135,8 @@ def loader(m: Instance, kernel: LoweredProgram, name: str) -> str:
         name=name,
         prefix=m.prefix,
         list_args=args,
-        lists=_indent(lists(m, "m0"), 4),
-        key=_indent(step_keys(m, "j").splitlines()[0], 8),
+        lists=indent(lists(m, "m0"), 4),
+        key=indent(step_keys(m, "j").splitlines()[0], 8),
     )
 
 

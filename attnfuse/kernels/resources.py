@@ -32,10 +32,9 @@ from pathlib import Path
 
 import triton
 from attrs import frozen
-from triton.compiler import CompiledKernel
 
 from ..errors import InputError
-from ..triton_compat import GluonASTSource, GPUTarget, gl, knobs
+from ..triton_compat import CompiledKernel, GluonASTSource, GPUTarget, gl, knobs
 from ..launch_spec import CONSTEXPR, SCALAR, TENSOR
 from ..plan import DROPOUT_STATE, KernelSpec
 from ..runtime.hopper import _ROW_LAYOUT, DKDV_BLOCK_M

@@ -27,7 +27,6 @@ from .common import (
     fragment,
     half_mask,
     half_offsets,
-    indent,
     kernel_source,
     kv_params,
     masked_load,
@@ -37,6 +36,7 @@ from .common import (
 )
 from .dropout import backward_weights, dropout_setup, dropped_dp, regenerated_keep
 from .head_split import LIGHT_BLOCKS, share_sum
+from .text import indent
 from .loops import HEAD_GROUP, SPLIT_BLOCKS, block_range, key_block, key_range, program, query_block, split_heads, visit
 from .operands import (
     key_count,

@@ -71,12 +71,6 @@ def kernel_source(kernel: LoweredProgram, what: str, name: str, parameters: tupl
     return header + "\n" + render_signature(name, parameters) + casts + body
 
 
-def indent(code: str, spaces: int) -> str:
-    """Dedent a block of code, then indent it by ``spaces``; empty code stays empty."""
-    code = textwrap.dedent(code).strip("\n")
-    return textwrap.indent(code, " " * spaces) + "\n" if code else ""
-
-
 def fragment(text: str) -> str:
     return textwrap.dedent(text).strip()
 

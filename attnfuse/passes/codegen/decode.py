@@ -13,7 +13,8 @@ import string
 
 from ...launch_spec import INT, TENSOR, Param, params
 from ..lower import LoweredProgram, masked_head
-from .common import columns, constexpr_params, dv_mask, indent, kernel_source, kv_params, qkv_strides
+from .common import columns, constexpr_params, dv_mask, kernel_source, kv_params, qkv_strides
+from .text import indent
 from .loops import every_block, key_range, loops
 from .operands import kv_base, kv_length, operand, position
 from .scores import masks_keys, poisoned_redo, prologues

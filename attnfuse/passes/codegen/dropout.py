@@ -21,6 +21,7 @@ from ...plan import DROPOUT_SCALE as SCALE
 from ...plan import DROPOUT_STATE as STATE
 from ..lower import LoweredProgram
 from .philox import words
+from .text import indent
 
 
 def dropout_params(kernel: LoweredProgram) -> tuple[Param, ...]:
@@ -63,9 +64,9 @@ def keep(packed: bool = False, layout: str | None = None) -> str:
         return _STATIC_ASSERT + grouped
     return (
         "if BLOCK_M % 16 == 0 and BLOCK_N % 16 == 0:  # one Philox draw a group of eight weights\n"
-        + _indent(grouped)
+        + indent(grouped, 4)
         + "else:  # one draw a weight, of its group's numbers\n"
-        + _indent(replayed_keep())
+        + indent(replayed_keep(), 4)
     )
 
 
@@ -97,10 +98,6 @@ def _index(rows: str, keys: str, n_rows: str, n_keys: str) -> str:
 
 def _back(tile: str, layout: str | None) -> str:
     return tile if layout is None else f"gl.convert_layout({tile}, {layout}, assert_trivial=True)"
-
-
-def _indent(text: str) -> str:
-    return "".join(f"    {line}\n" for line in text.splitlines())
 
 
 _DRAWS = words("drop_seed", "drop_index", ("drop_w0", "drop_w1", "drop_w2", "drop_w3"), temp="drop_philox")

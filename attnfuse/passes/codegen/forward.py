@@ -10,7 +10,8 @@ import string
 
 from ...launch_spec import INT, TENSOR, Param, params, strides
 from ..lower import LoweredProgram
-from .common import constexpr_params, dv_mask, indent, kernel_source, kv_params, masked_load, precision, qkv_strides
+from .common import constexpr_params, dv_mask, kernel_source, kv_params, masked_load, precision, qkv_strides
+from .text import indent
 from .dropout import dropout_setup, dropped_weights
 from .loops import HEAD_GROUP, every_block, key_range, listing_mask, query_block, visit
 from .fp8 import descales, fp8_constexprs, fp8_params, out_descale, score_descale, value_tile, weights_dtype

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from ..lower import LoweredProgram, masked_head
 from . import packed
-from .common import columns, indent
+from .common import columns
+from .text import indent
 from .operands import key_count, key_rows, key_shift, kv_length, position, query_shift
 from .scores import has_masks
 

@@ -4,7 +4,8 @@ normaliser's update, and the guards that keep masked keys' non-finite values out
 from __future__ import annotations
 
 from ..lower import LoweredProgram
-from .common import fragment, indent
+from .common import fragment
+from .text import indent
 
 
 def prologues(kernel: LoweredProgram) -> str:

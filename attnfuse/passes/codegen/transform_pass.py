@@ -15,7 +15,8 @@ import string
 
 from ...launch_spec import INT, TENSOR, Param, params, strides
 from ..lower import LoweredProgram
-from .common import columns, constexpr_params, half_mask, half_offsets, indent, kernel_source
+from .common import columns, constexpr_params, half_mask, half_offsets, kernel_source
+from .text import indent
 from .loops import key_block
 from .operands import kv_length, operand, operand_grad, partial_buffer, partial_grads, position, query_shift
 from .packed import document, packed_params, virtual_blocks
