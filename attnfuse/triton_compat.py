@@ -14,8 +14,7 @@ generated source imports them from here too).
 - Gluon and its Hopper language (``gluon``, ``gl``, ``TensorDescriptor``, ``mma_v2``, ``mbarrier``,
   ``tma``, ``warpgroup_mma``, ``warpgroup_mma_wait``, ``fence_async_shared``, ``builtin``, and
   ``libtriton_ir``, the MLIR builder's module);
-- compiling without a GPU: ``ASTSource``, ``GluonASTSource``, ``GPUTarget``, ``BaseBackend``, ``CompiledKernel``
-  (its ``asm`` and ``metadata``; ``knobs`` prints ptxas' log).
+- compiling without a GPU: ``ASTSource``, ``GluonASTSource``, ``GPUTarget``, ``BaseBackend``.
 """
 
 from __future__ import annotations
@@ -23,7 +22,7 @@ from __future__ import annotations
 from triton import knobs
 from triton._C.libtriton import ir as libtriton_ir
 from triton.backends.compiler import BaseBackend, GPUTarget
-from triton.compiler import ASTSource, CompiledKernel
+from triton.compiler import ASTSource
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon._runtime import GluonASTSource
@@ -45,7 +44,6 @@ from triton.runtime.jit import JITFunction
 __all__ = [
     "ASTSource",
     "BaseBackend",
-    "CompiledKernel",
     "GPUTarget",
     "GluonASTSource",
     "InterpretedFunction",

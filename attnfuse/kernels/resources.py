@@ -29,12 +29,13 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import triton
 from attrs import frozen
 
 from ..errors import InputError
-from ..triton_compat import CompiledKernel, GluonASTSource, GPUTarget, gl, knobs
+from ..triton_compat import GluonASTSource, GPUTarget, gl, knobs
 from ..launch_spec import CONSTEXPR, SCALAR, TENSOR
 from ..plan import DROPOUT_STATE, KernelSpec
 from ..runtime.hopper import _ROW_LAYOUT, DKDV_BLOCK_M
@@ -193,10 +194,12 @@ def template_resources(
     )
 
 
-def compile_sm90(source, options: dict) -> tuple[CompiledKernel, str]:
-    """``source`` (a Triton or Gluon ``ASTSource``) compiled for sm_90a with ``options``, from the source (no cache
-    hit), and ptxas' ``-v`` report of that compile: Triton's own ptxas run, its log captured, so the figures are
-    those of the cubin Triton made (the ptxas it runs; torch.compile may point TRITON_PTXAS_PATH at its own)."""
+def compile_sm90(source, options: dict) -> tuple[Any, str]:
+    """``source`` (a Triton or Gluon ``ASTSource``) compiled for sm_90a with ``options`` (Triton's compiled kernel),
+    from the source (no cache hit), and ptxas' ``-v`` report of that compile: Triton's own ptxas run, its log
+    captured, so the figures are those of the cubin Triton made (with the ptxas it runs; torch.compile may point
+    TRITON_PTXAS_PATH at its own). Typed ``Any``: the compiled kernel's class is private Triton, and naming it in
+    ``triton_compat`` would rename every template instance (their keys hash that module)."""
     log = io.StringIO()
     with knobs.compilation.scope(), knobs.nvidia.scope(), contextlib.redirect_stdout(log):
         knobs.compilation.always_compile = True
