@@ -484,3 +484,25 @@ def test_compare_gradients_replays_the_calls_dropout_mask(variant):
     other = {**replayed, "dropout_mask": af.dropout_keep(af.dropout_state("cpu"), p, (B, Hq, Nq, Nk))}
     with pytest.raises(AssertionError, match=rf"d[qkv] of {variant}"):
         verify.compare_gradients(program, kwargs, (q, k, v), dout, got, variant, other)
+
+
+@pytest.mark.parametrize("variant", ["causal", "sinks"])
+def test_compare_gradients_of_a_packed_call_runs_each_document_alone(variant, monkeypatch):
+    """The packed cases' comparison (``documents``: the reference runs each of ``DOCUMENTS`` alone, an empty one
+    and one with no key among them), run here on the generated kernels' float16 gradients of a packed call: it
+    passes them, and fails them against the reference of the whole row as one sequence."""
+    documents = ((0, 3), (5, 5), (17, 9), (4, 0), (20, 31))
+    monkeypatch.setattr(verify, "DOCUMENTS", documents)
+    program, extra = verify.VARIANTS[variant]
+    Hq, Hkv, D = 2, 1, 16
+    Nq, Nk = (sum(n[i] for n in documents) for i in (0, 1))
+    kwargs = extra(Hq, Nq, Nk, "cpu")
+    q, k, v = (torch.randn(1, h, n, D).to(torch.float16) for h, n in ((Hq, Nq), (Hkv, Nk), (Hkv, Nk)))
+    dout = torch.randn(1, Hq, Nq, D).to(torch.float16)
+    leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+    facts = verify.fact_arguments("varlen", q.device)
+    got = torch.autograd.grad(program(*leaves, **kwargs, **facts), leaves, dout)
+    error = verify.compare_gradients(program, kwargs, (q, k, v), dout, got, variant, documents=True)
+    assert 0.0 < error < 0.1
+    with pytest.raises(AssertionError, match=rf"d[qkv] of {variant}"):
+        verify.compare_gradients(program, kwargs, (q, k, v), dout, got, variant)

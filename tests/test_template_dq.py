@@ -8,21 +8,27 @@ from __future__ import annotations
 
 import ast
 import os
+from types import SimpleNamespace
 
 import attrs
 import pytest
 import torch
 
+import attnfuse as af
+
 from attnfuse.kernels import capability, verified, verify
-from attnfuse.kernels.dq_launch import TemplateDq
+from attnfuse.kernels.dq_launch import PackedTemplateDq, TemplateDq
+from attnfuse.launch_spec import CONSTEXPR
 from attnfuse.kernels.tiles import DQ_TILES
 from attnfuse.passes.compiler import compile as compile_plan
 from attnfuse.passes.compiler import lowered
 from attnfuse.plan import InputGradient, KernelConfig
 from attnfuse.runtime import backward as runtime_backward
 from attnfuse.runtime.compiled import compiled
+from attnfuse.runtime.inputs import KVCache
+from attnfuse.runtime.packed import Packed, search_steps
 
-from test_template import _undefined
+from test_template import _block_sparse, _undefined
 from test_template_dkdv import SM90, _graph, _plan
 
 from conftest import stand_in
@@ -56,13 +62,13 @@ def test_the_dq_template_serves_every_variant(variant, dtype, head_dim):
         {"positions": True},
         {"wide_positions": True},
         {"partial": True},
-        {"varlen": True},
         {},
     ],
 )
 @pytest.mark.parametrize("variant", ["causal", "sinks", "additive_bias", "relu"])
 def test_dq_serves_exactly_the_programs_the_dkdv_template_serves(variant, changes):
-    """Same capability checks: where the dK/dV template falls back, the dQ template does, for the same cause."""
+    """Same capability checks: where the dK/dV template falls back, the dQ template does, for the same cause
+    (but for packed calls, which the dQ template takes: below)."""
     kernel = lowered(_graph(variant), attrs.evolve(SM90, **changes))
     dkdv, dq = capability.dkdv_reason(kernel), capability.dq_reason(kernel)
     assert (dq is None) == (dkdv is None)
@@ -88,6 +94,48 @@ def test_the_dq_template_takes_dropout_where_the_dkdv_template_takes_it(variant,
     assert source.index("drop_seed = tl.load(DropoutState)") < source.index("for j in range(n_steps)") < drawn
     assert drawn < source.index("gradient of the scores")
     assert {c.kind for c in verify.backward_cases() if c.dropout} == {"dkdv", "dq"}
+
+
+@pytest.mark.parametrize("variant", sorted(verify.VARIANTS))
+def test_the_dq_template_takes_a_packed_call_where_the_forward_template_takes_it(variant):
+    """Packed calls (cu_seqlens): the dQ template serves exactly the programs whose packed forward the forward
+    template serves (not a tensor indexed by query and key, read by packed rows); with dropout or a listing mask
+    it refuses them by name; its GPU cases are those programs' (``verify.backward_cases``)."""
+    kernel = lowered(_graph(variant), attrs.evolve(SM90, varlen=True))
+    forward, dq = capability.forward_reason(kernel), capability.dq_reason(kernel)
+    assert (dq is None) == (forward is None)
+    if dq is not None:  # a tensor indexed by query and key; a qk transform not hoisted (none is, packed)
+        assert dq == forward.replace("forward template", "dQ template")
+    dropout = capability.dq_reason(lowered(_graph(variant), attrs.evolve(SM90, varlen=True, dropout=True)))
+    assert dropout is not None and (dq is not None or ("dropout" in dropout and "cu_seqlens" in dropout))
+    packed = {c.variant for c in verify.backward_cases() if c.kind == "dq" and c.fact == "varlen"}
+    assert (variant in packed) == (dq is None and verify.smooth(variant) and variant != "sigmoid")
+
+
+def test_a_block_mask_in_a_packed_call_keeps_the_generated_dq_kernel_as_it_keeps_the_generated_forward():
+    block_mask = af.create_block_mask_from_blocks(lambda b, h, qb, kb: qb >= kb, 1, 2, 256, 256, block_size=128)
+    kernel = lowered(_block_sparse.graph(block_mask), attrs.evolve(SM90, varlen=True))
+    forward, dq = capability.forward_reason(kernel), capability.dq_reason(kernel)
+    assert forward is not None and dq == forward.replace("forward template", "dQ template")
+
+
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+def test_a_packed_dq_instance_works_on_its_document_s_rows(head_dim):
+    """A packed program finds its document from the grid (the packed forward's search), reads lse and delta at
+    the document's rows of (1, HQ, total_q), loads Q, dO, K and V at packed rows (q_start, k_start added) and
+    stores dQ and reads O at them, rows below the document's end only; its instance is complete Gluon."""
+    spec = _plan("causal", head_dim=head_dim, head_dim_v=head_dim, varlen=True).templates.kernels["dq"]
+    source = spec.source
+    assert {"CuQ", "CuK", "DOCS", "SEARCH_STEPS"} <= {p.name for p in spec.launch.params}
+    assert _undefined(source) == []
+    entry = source[source.index(f"def {spec.name}(") :]
+    assert entry.index("TOTAL_Q = Nq") < entry.index("if pid_m * BLOCK_M >= Nq:") < entry.index("q_lo = ")
+    assert "row_base = pid_bh.to(tl.int64) * TOTAL_Q + q_start" in source
+    assert "store_dq(dq, DQuery, dq_strides, b, h, q_start + first, q_start + Nq, G_LAYOUT)" in source
+    assert "load_rows(O, o_desc, b, h, q_start + first, q_start + Nq," in source
+    assert "bars, b, h, hk, q_start + m0, k_start + start," in source
+    plain = _plan("causal", head_dim=head_dim, head_dim_v=head_dim).templates.kernels["dq"].source
+    assert "q_start" not in plain and "TOTAL_Q" not in plain
 
 
 @pytest.mark.parametrize("variant", sorted(verify.VARIANTS))
@@ -191,3 +239,31 @@ def test_a_backward_case_runs_the_unverified_instances_of_its_own_kind_alone(mon
             assert record.chosen(f"{kind}/x/bfloat16/128") and record.chosen("forward/x/bfloat16/128")
             assert not record.chosen(f"{other}/x/bfloat16/128")
         assert os.environ[record.MODE_ENV] == "all" and cleared == ["all", "all"]
+
+
+def test_a_packed_backward_hands_the_dq_instance_the_pack_and_launches_the_packed_grid(monkeypatch):
+    """A packed call's backward runs the packed dQ instance (``PackedTemplateDq``): its launch gets the document
+    offsets and their count, and the packed forward's grid (Hq, total_q // 128 + docs); each launch recorded
+    instead of run (only a GPU runs an instance: ``verify.backward_cases``)."""
+    monkeypatch.setenv(verified.MODE_ENV, "all")
+    plan = compiled(_graph("causal"), attrs.evolve(SM90, head_dim=64, head_dim_v=64, varlen=True)).plan
+    kernels = runtime_backward.BackwardKernels(plan, ())
+    assert isinstance(kernels.dq_template, PackedTemplateDq)
+    names = [p.name for p in kernels.dq_template.spec.launch.params if p.kind != CONSTEXPR]
+    made = []
+    monkeypatch.setattr(
+        kernels.dq_template, "_launcher", SimpleNamespace(launch=lambda grid, args, *_, **__: made.append((grid, args)))
+    )
+    monkeypatch.setattr(kernels.dkdv, "launch", lambda *args, **kwargs: None)  # the generated dK/dV kernel
+    docs = int(torch.randint(1, 6, ()))
+    cu_q, cu_k = (torch.cat([torch.zeros(1), torch.randint(1, 150, (docs,)).cumsum(0)]).int() for _ in "qk")
+    Hq, Hkv, total_q, total_k = 4, 2, int(cu_q[-1]), int(cu_k[-1])
+    q, out, dout = (torch.randn(1, Hq, total_q, 64, dtype=torch.bfloat16) for _ in range(3))
+    k, v = (torch.randn(1, Hkv, total_k, 64, dtype=torch.bfloat16) for _ in range(2))
+    lse = torch.randn(1, Hq, total_q)
+    kernels(q, KVCache(k, v, total_k, packed=Packed(cu_q, cu_k, docs)), out, lse, dout, None, {})
+    [(grid, args)] = made
+    named = dict(zip(names, args, strict=True))
+    assert grid == (Hq, total_q // 128 + docs)
+    assert named["CuQ"] is cu_q and named["CuK"] is cu_k and named["DOCS"] == docs
+    assert named["SEARCH_STEPS"] == search_steps(docs) and named["Nq"] == total_q and named["N_K"] == total_k

@@ -2,7 +2,8 @@
 ``attnfuse/kernels/resources.py``): every variant of ``verify.VARIANTS`` is served by the forward template and
 the dK/dV and dQ templates (the listed ones, ``verify.LISTED_VARIANTS``, too) and compiles within a block's shared
 memory, on wgmma and TMA, with one main loop per consumer warpgroup; so do the forward instances of calls with a
-fact (``FACT_CASES``: kv_lens, given positions, packed sequences; float8 ones too). The forward's key loop holds
+fact (``FACT_CASES``: kv_lens, given positions, packed sequences; float8 ones too), and the dQ instances of
+packed calls (``PACKED_DQ_CASES``). The forward's key loop holds
 no local memory (the spill bytes outside the loop, a few at head dims 128 and 256, are in docs/benchmarks.md's
 table: not yet none), and the dK/dV step loop none either, except where ``KNOWN_DKDV_LOOP_SPILLS`` says it spills
 today, and there no more than it says; the dQ template's step loop holds none at all.
@@ -43,6 +44,7 @@ FACT_CASES = [
     ("causal", 128, verify.FP8_DTYPE, "kv_lens"),
     ("sliding_window", 64, verify.FP8_DTYPE, "positions"),
 ]
+PACKED_DQ_CASES = [("causal", 128, "bfloat16"), ("sinks", 64, "float16"), ("sliding_window", 128, "bfloat16")]
 CONSUMERS = 2  # consumer warpgroups of either template, each running its own key (forward) or step (dK/dV) loop
 
 # A KNOWN DEFECT, to be driven to zero: the dK/dV instances that spill inside their step loop today (ptxas' spill
@@ -123,17 +125,28 @@ def test_dkdv_instance_compiles_for_sm90_and_spills_in_its_loop_no_more_than_tod
     assert not problems, f"{spec.name}: " + "; ".join(problems) + f"\n{used}"
 
 
+def _check_dq(plan, what: str, dtype: str, head_dim: int) -> None:
+    """``plan``'s dQ instance (``what``: whose) is on the template, compiles for sm90 and holds no local memory
+    in its step loop."""
+    spec = plan.templates.kernels.get("dq")
+    if spec is None:
+        pytest.fail(f"{what} falls off the dQ template: {plan.templates.reasons['dq']}")
+    used = template_resources(spec, dtype, head_dim, plan.config.save_lse)
+    problems = _problems(used) + _ratchet(used, "step")
+    assert not problems, f"{spec.name}: " + "; ".join(problems) + f"\n{used}"
+
+
 @pytest.mark.parametrize("variant,head_dim,dtype,dropout", DQ_CASES, ids=_ids(DQ_CASES))
 def test_dq_instance_compiles_for_sm90_with_no_local_memory_in_its_loop(variant, head_dim, dtype, dropout):
     plan = variant_plan(variant, dtype, head_dim, dropout=dropout)  # the training plan: it saves the lse dQ reads
-    spec = plan.templates.kernels.get("dq")
-    if spec is None:
-        pytest.fail(f"{variant} falls off the dQ template: {plan.templates.reasons['dq']}")
-    used = template_resources(spec, dtype, head_dim, plan.config.save_lse)
-    problems = _problems(used)
-    if used.loop_local_memory:
-        problems.append(f"local memory (STL/LDL) in the step loop ({used.spill_bytes} bytes spilled in the main path)")
-    assert not problems, f"{spec.name}: " + "; ".join(problems) + f"\n{used}"
+    _check_dq(plan, variant, dtype, head_dim)
+
+
+@pytest.mark.parametrize(
+    "variant,head_dim,dtype", PACKED_DQ_CASES, ids=[f"{v}-D{d}-{t}" for v, d, t in PACKED_DQ_CASES]
+)
+def test_dq_instance_of_a_packed_call_compiles_for_sm90_with_no_local_memory_in_its_loop(variant, head_dim, dtype):
+    _check_dq(variant_plan(variant, dtype, head_dim, "varlen"), f"{variant} packed", dtype, head_dim)
 
 
 @pytest.mark.parametrize("group_sum", [g for g in GROUP_SUMS if g != "none"])

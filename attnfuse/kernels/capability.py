@@ -138,23 +138,37 @@ def dkdv_reason(kernel: LoweredProgram) -> str | None:
     return _backward_template_reason(kernel, "dK/dV", DKDV_TILES)
 
 
-def _backward_template_reason(kernel: LoweredProgram, template: str, tiles: dict) -> str | None:
+def _backward_template_reason(
+    kernel: LoweredProgram, template: str, tiles: dict, takes: tuple[str, ...] = ()
+) -> str | None:
     """Why the backward ``template`` (dK/dV or dQ, of ``tiles``) cannot run ``kernel``, or None: both take the
-    same programs, dropout included, but not with block lists."""
-    reason = _common_reason(kernel, template, tiles, takes=("dropout",)) or _backward_reason(kernel)
+    same programs, dropout included, but not with block lists; and the facts it ``takes`` (as the forward
+    template takes them: not with block lists, dropout or a tensor indexed by query and key)."""
+    reason = _common_reason(kernel, template, tiles, takes=("dropout", *takes)) or _backward_reason(kernel)
+    if reason is not None:
+        return reason
+    c = kernel.config
     listing = listing_mask(kernel)
-    if reason is None and listing is not None and kernel.config.dropout:
+    fact = next((f for f in takes if getattr(c, f)), None)
+    if listing is not None and (c.dropout or fact is not None):
         return (
             f"{listing.prefix} lists its blocks, and the {template} template does not take block lists with "
-            f"{_FACTS['dropout']} yet"
+            f"{_FACTS['dropout' if c.dropout else fact]} yet"
         )
-    return reason
+    if fact is not None and c.dropout:
+        return f"the {template} template does not take {_FACTS['dropout']} with {_FACTS[fact]} yet"
+    if c.varlen and (reader := _index_reader(kernel)) is not None:
+        return (
+            f"{reader} reads q_idx or k_idx (a tensor indexed by query and key: by packed rows in a packed call), "
+            f"which the {template} template's packed instance does not take yet"
+        )
+    return None
 
 
 def dq_reason(kernel: LoweredProgram) -> str | None:
-    """Why the dQ template cannot run ``kernel``, or None when it can: the programs the dK/dV template takes (a
-    listing mask's block size is checked in the call: ``block_list_reason``)."""
-    return _backward_template_reason(kernel, "dQ", DQ_TILES)
+    """Why the dQ template cannot run ``kernel``, or None when it can: the programs the dK/dV template takes, and
+    packed calls (a listing mask's block size is checked in the call: ``block_list_reason``)."""
+    return _backward_template_reason(kernel, "dQ", DQ_TILES, takes=("varlen",))
 
 
 def _backward_reason(kernel: LoweredProgram) -> str | None:

@@ -35,9 +35,12 @@ from ..launch_spec import CONSTEXPR, INT, SCALAR, TENSOR, Param, params
 from ..passes.codegen.common import docstring_text
 from ..passes.codegen.text import indent
 from ..passes.codegen.dropout import dropout_params, dropout_setup, dropped_dp
+from ..passes.codegen import packed
 from ..passes.codegen.loops import key_range, listing_mask
+from ..passes.codegen.packed import packed_params
 from ..passes.lower import LoweredProgram
 from . import dq_listed
+from .forward_facts import packed_program
 from .gluon_text import for_template
 from .listed import without_listing
 
@@ -58,7 +61,7 @@ _CONSUMER = string.Template('''
 def ${name}_consumer(
     q_desc, do_desc, k_desc, v_desc, o_desc, q_smem, do_smem, k_smem, v_smem, bars, pid_bh, b, h, m0, start,
     n_steps, full_start, full_end, O, Lse, DLse, Delta, DQuery, dq_strides, Nq, N_K, HQ, GROUP, sm_scale,
-    qk_scale, ${plugin_args} HALF_ID: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+    qk_scale, ${facts}${plugin_args} HALF_ID: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
     HAS_DLSE: gl.constexpr,
 ):  # fmt: skip
     """One warpgroup: dQ of rows m0 + HALF_ID * 64.. over key blocks start + j * BLOCK_N, j < n_steps; key
@@ -80,7 +83,7 @@ def ${name}_consumer(
     q_idx = first + gl.arange(0, BLOCK_M, layout=ROW_LAYOUT)
     q_pos = q_idx + (Nk - Nq)  # bottom-right aligned: the last query sees the last key
     q_ok = q_idx < Nq
-    row_base = pid_bh.to(tl.int64) * Nq  # of these rows in lse, dLSE and delta, (B, HQ, Nq)
+    row_base = ${row_base}  # of these rows in lse, dLSE and delta, (B, HQ, Nq)
 $prologues
     mbarrier.wait(q_ready.index(HALF_ID), 0)
     q = q_smem.index(HALF_ID).reshape([BLOCK_M, D])
@@ -103,24 +106,24 @@ $chain
         dq, _ = warpgroup_mma_wait(0, deps=(dq, k))
         mbarrier.arrive(kv_free.index(stage), count=1)
 
-    store_dq(dq, DQuery, dq_strides, b, h, first, Nq, G_LAYOUT)
+    store_dq(dq, DQuery, dq_strides, b, h, ${q0}first, ${q0}Nq, G_LAYOUT)
 ''')
 
 _KERNEL = string.Template('''
 @gluon.jit
 def ${name}(
     q_desc, do_desc, k_desc, v_desc, o_desc, O, Lse, DLse, Delta, DQuery, stride_dqb, stride_dqh, stride_dqm, Nq,
-    N_K, HQ, GROUP, sm_scale, qk_scale, ${plugin_args} BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+    N_K, HQ, GROUP, sm_scale, qk_scale, ${given}${plugin_args} BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
     HAS_DLSE: gl.constexpr,
 ):  # fmt: skip
     """q_desc, do_desc, o_desc: (B, HQ, Nq, D) in [1, 1, 64, D] tiles; k_desc, v_desc: (B, HQ // GROUP, N_K, D) in
     [1, 1, BLOCK_N, D] tiles; O: the forward's out (read through o_desc's strides, for delta); Lse, DLse, Delta:
     (B, HQ, Nq) float32 (lse natural, as saved; dLSE read if HAS_DLSE; delta written); DQuery: (B, HQ, Nq, D),
-    unit last stride, its other strides given. Grid (B * HQ, cdiv(Nq, 128)); 4 warps (a consumer) plus the
-    workers: a consumer and the loader."""
+    unit last stride, its other strides given.
+    Grid ${grid}; 4 warps (a consumer) plus the workers: a consumer and the loader."""
     BLOCK_M: gl.constexpr = 2 * ROWS  # the program's rows: the masks' facts bound its key range
     pid_bh = gl.program_id(0)
-    m0 = (gl.num_programs(1) - 1 - gl.program_id(1)) * BLOCK_M
+$program
     b = pid_bh // HQ
     h = pid_bh % HQ
     hk = h // GROUP
@@ -142,7 +145,7 @@ $key_range
                 (
                     q_desc, do_desc, k_desc, v_desc, o_desc, q_smem, do_smem, k_smem, v_smem, bars, pid_bh, b, h, m0,
                     start, n_steps, full_start, full_end, O, Lse, DLse, Delta, DQuery, dq_strides, Nq, N_K, HQ,
-                    GROUP, sm_scale, qk_scale, ${plugin_args} 0, BLOCK_N, STAGES, HAS_DLSE,
+                    GROUP, sm_scale, qk_scale, ${facts}${plugin_args} 0, BLOCK_N, STAGES, HAS_DLSE,
                 ),
             ),
             (
@@ -150,7 +153,7 @@ $key_range
                 (
                     q_desc, do_desc, k_desc, v_desc, o_desc, q_smem, do_smem, k_smem, v_smem, bars, pid_bh, b, h, m0,
                     start, n_steps, full_start, full_end, O, Lse, DLse, Delta, DQuery, dq_strides, Nq, N_K, HQ,
-                    GROUP, sm_scale, qk_scale, ${plugin_args} 1, BLOCK_N, STAGES, HAS_DLSE,
+                    GROUP, sm_scale, qk_scale, ${facts}${plugin_args} 1, BLOCK_N, STAGES, HAS_DLSE,
                 ),
             ),
 ${loader}
@@ -173,7 +176,7 @@ _LOADER = """\
             (
                 dq_loader,
                 (
-                    q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, bars, b, h, hk, m0, start,
+                    q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, bars, b, h, hk, {firsts},
                     n_steps, BLOCK_N, STAGES,
                 ),
             ),"""
@@ -212,12 +215,13 @@ def _rows(kernel: LoweredProgram) -> str:
     """The rows' statistics, once a program: lse as saved (natural log, -inf past Nq), delta = rowsum(dO ∘ O)
     − dLSE (stored for the dK/dV kernel), where the normaliser reads them, then its ``backward_rows``."""
     norm = kernel.normaliser.fragment
+    q0 = _first_row(kernel)
     lines = []
     if norm.has_lse:
         lines.append('lse = gl.load(Lse + row_base + q_idx, mask=q_ok, other=float("-inf"))  # natural log')
     if norm.needs_delta:
         lines += [
-            "o = load_rows(O, o_desc, b, h, first, Nq, BLOCK_M, G_LAYOUT).to(gl.float32)  # 0 past Nq",
+            f"o = load_rows(O, o_desc, b, h, {q0}first, {q0}Nq, BLOCK_M, G_LAYOUT).to(gl.float32)  # 0 past Nq",
             "delta = gl.convert_layout(gl.sum(o * do.load(G_LAYOUT).to(gl.float32), 1), ROW_LAYOUT)",
             "if HAS_DLSE:",
             "    delta -= gl.load(DLse + row_base + q_idx, mask=q_ok, other=0.0)",
@@ -279,12 +283,25 @@ def _chain(kernel: LoweredProgram) -> str:
     return "\n".join(_with_bounds(lines))
 
 
+def _first_row(kernel: LoweredProgram) -> str:
+    """What makes a row index of the program's document one of the packed tensors ("" outside packed calls)."""
+    return "q_start + " if kernel.config.varlen else ""
+
+
+def _program(kernel: LoweredProgram) -> str:
+    """Entry code: the program's first query row m0 (a packed call's: in its document, found from the grid)."""
+    if kernel.config.varlen:
+        return packed_program().rstrip("\n")
+    return "m0 = (gl.num_programs(1) - 1 - gl.program_id(1)) * BLOCK_M  # the longest causal rows first"
+
+
 def dq_params(kernel: LoweredProgram) -> tuple[Param, ...]:
     """The dQ template's parameters, in order (``_KERNEL``'s)."""
     return (
         params(TENSOR, "q_desc", "do_desc", "k_desc", "v_desc", "o_desc", "O", "Lse", "DLse", "Delta", "DQuery")
         + params(INT, "stride_dqb", "stride_dqh", "stride_dqm", "Nq", "N_K", "HQ", "GROUP")
         + params(SCALAR, "sm_scale", "qk_scale")
+        + packed_params(kernel)
         + kernel.args()
         + dropout_params(kernel)
         + params(CONSTEXPR, "BLOCK_N", "STAGES", "HAS_DLSE")
@@ -301,9 +318,15 @@ def generate_dq(kernel: LoweredProgram, name: str, consumer_registers: int, load
     )
     s_then_dp, dp_done = _SERIAL if kernel.mods else _OVERLAPPED
     listing = listing_mask(kernel)
+    q0 = _first_row(kernel)
+    given = "".join(f"{p.name}, " for p in packed_params(kernel))
+    facts = "q_start, TOTAL_Q, " if kernel.config.varlen else ""
     consumer = _CONSUMER.substitute(
         name=name,
         plugin_args=args,
+        facts=facts,
+        row_base=packed.lse_rows(kernel, "pid_bh.to(tl.int64)"),
+        q0=q0,
         loop=indent(_LOOP if listing is None else dq_listed.loop(listing), 4).rstrip("\n"),
         prologues=indent(_prologues(kernel), 4).rstrip("\n"),
         rows=indent(_rows(kernel), 4).rstrip("\n"),
@@ -312,12 +335,21 @@ def generate_dq(kernel: LoweredProgram, name: str, consumer_registers: int, load
         recompute=indent(_recompute(kernel), 8).rstrip("\n"),
         chain=indent(_chain(kernel), 8).rstrip("\n"),
     )
+    k0 = "k_start + " if kernel.config.varlen else ""
     entry = _KERNEL.substitute(
         name=name,
         plugin_args=args,
+        given=given,
+        facts=facts,
+        program=indent(_program(kernel), 4).rstrip("\n"),
+        grid="(HQ, Nq // 128 + DOCS), Nq the packed total" if kernel.config.varlen else "(B * HQ, cdiv(Nq, 128))",
         key_range=indent(key_range(without_listing(kernel)), 4).rstrip("\n"),
         n_steps=_N_STEPS if listing is None else dq_listed.n_steps(listing),
-        loader=_LOADER if listing is None else dq_listed.loader_call(listing, kernel, name),
+        loader=(
+            _LOADER.format(firsts=f"{q0}m0, {k0}start")
+            if listing is None
+            else dq_listed.loader_call(listing, kernel, name)
+        ),
         consumer_registers=consumer_registers,
         loader_registers=loader_registers,
     )

@@ -1,5 +1,6 @@
 """Launching the dQ template's instance: TMA descriptors of the call's tensors, the plugins' arguments, one
-launch, which writes dQ and each row's delta (the dK/dV kernel that runs next reads it)."""
+launch, which writes dQ and each row's delta (the dK/dV kernel that runs next reads it); a packed call's instance
+launches the packed forward's grid (``PackedTemplateDq``)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from ..plan import KernelSpec
 from ..runtime.launcher import cdiv
 from .descriptors import describable, describe
 from .launch import TemplateInstance
+from .launch_packed import PackedTemplateForward
 from .pipeline import LAUNCH_REGISTERS, ROWS
 
 
@@ -23,6 +25,12 @@ class TemplateDq(TemplateInstance):
     def __init__(self, spec: KernelSpec, scale: float, qk_scale: float, key: str, has_lse: bool):
         super().__init__(spec, scale, qk_scale, key)
         self._has_lse = has_lse
+
+    @staticmethod
+    def grid(q: torch.Tensor, plugin_args: dict[str, Any]) -> tuple[int, int]:
+        """The launch's grid for q (B, Hq, Nq, D): a program per 2 x 64 query rows of each (batch, query head)."""
+        B, Hq, Nq, _ = q.shape
+        return (B * Hq, cdiv(Nq, 2 * ROWS.value))
 
     def fits(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, dout: torch.Tensor,
              lse: torch.Tensor | None, dq: torch.Tensor) -> bool:  # fmt: skip
@@ -76,10 +84,20 @@ class TemplateDq(TemplateInstance):
         TemplateDq.launches += 1
         TemplateDq.last_key = self.key
         self._launcher.launch(
-            (B * Hq, cdiv(Nq, 2 * ROWS.value)),
+            self.grid(q, plugin_args),
             args,
             self.spec.launch.constexprs({"HAS_DLSE": dlse is not None}),
             num_warps=4,
             device=q.device,
             maxnreg=LAUNCH_REGISTERS,
         )
+
+
+class PackedTemplateDq(TemplateDq):
+    """The dQ template's instance of a packed call (its launches count as ``TemplateDq``'s): the packed forward's
+    grid, whose programs find their documents (``plugin_args`` holds the pack's: CuQ, CuK, DOCS, SEARCH_STEPS)."""
+
+    @staticmethod
+    def grid(q: torch.Tensor, plugin_args: dict[str, Any]) -> tuple[int, int]:
+        """q (1, Hq, total_q, D): (Hq, total_q // 128 + docs query blocks)."""
+        return (q.shape[1], PackedTemplateForward.blocks(q.shape[2], plugin_args["DOCS"]))

@@ -69,6 +69,17 @@ def fact_params(kernel: LoweredProgram) -> tuple[Param, ...]:
     return tuple(p for p in kv_params(kernel) if p.name not in dropout)
 
 
+def packed_program() -> str:
+    """Entry code of a packed call's query-block program (forward, dQ): from its place in the grid, the longest
+    causal rows first, its document (``packed.document``: q_start, k_start, TOTAL_Q, Nq and N_K the document's;
+    returns past its end) and its first row in it, m0."""
+    return (
+        "pid_m = gl.num_programs(1) - 1 - gl.program_id(1)  # the longest causal rows first\n"
+        + packed.document("pid_m", "BLOCK_M", "q", (), ())
+        + "m0 = pid_m * BLOCK_M\n"
+    )
+
+
 def forward_facts(kernel: LoweredProgram) -> ForwardFacts:
     """The text of ``kernel``'s facts for the forward template."""
     c = kernel.config
@@ -77,8 +88,7 @@ def forward_facts(kernel: LoweredProgram) -> ForwardFacts:
     shift = query_shift(kernel)
     if c.varlen:
         passed = ["q_start", "k_start", "TOTAL_Q", *passed]
-        program = "pid_m = gl.num_programs(1) - 1 - gl.program_id(1)  # the longest causal rows first\n"
-        program += packed.document("pid_m", "BLOCK_M", "q", (), ()) + "m0 = pid_m * BLOCK_M\n"
+        program = packed_program()
     else:
         program = "m0 = (gl.num_programs(1) - 1 - gl.program_id(1)) * BLOCK_M\n"
     program += (

@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
+import functools
 import json
 import math
 import os
@@ -53,6 +54,7 @@ SHAPES = ((2, 4, 2, 300, 300), (1, 2, 2, 130, 257))  # (B, Hq, Hkv, Nq, Nk): GQA
 HOISTED_SHAPES = ((1, 4, 2, 600, 600), (1, 2, 2, 520, 700))  # enough query blocks that a qk transform is hoisted
 DKDV_HEAD_DIMS = (64, 128)  # the dK/dV template's (``tiles.DKDV_TILES``) and the dQ template's (``DQ_TILES``)
 BACKWARD_TEMPLATES = {"dkdv": TemplateDkdv, "dq": TemplateDq}  # the backward's templates, by case kind
+PACKED_BACKWARD = ("dq",)  # those that take packed calls (``capability``)
 # A call's facts (``forward_facts.py``), each with its cases' shape (B, Hq, Hkv, Nq, Nk):
 KV_LENS_SHAPE = (3, 4, 2, 130, 300)  # kv_lens (0, 300, 77): none, more than a tile, off the tiles
 KV_LENS = (0, 300, 77)
@@ -268,8 +270,8 @@ def smooth(variant: str) -> bool:
 
 def backward_cases() -> list[Case]:
     """The dK/dV and dQ templates' cases: each variant with smooth weights, the listed ones (``LISTED_VARIANTS``)
-    included, their head dims, both dtypes, the forward's shapes; and both with attention dropout,
-    ``DROPOUT_VARIANTS``. None with NaN values: a masked key's NaN value
+    included, their head dims, both dtypes, the forward's shapes; both with attention dropout,
+    ``DROPOUT_VARIANTS``; and packed calls (``_packed_backward_cases``). None with NaN values: a masked key's NaN value
     makes the float64 reference's gradients NaN (its masked weights' dS is 0 · NaN), where the kernels' are 0."""
     return [
         Case(v, d, t, s, False, kind=kind)
@@ -279,7 +281,21 @@ def backward_cases() -> list[Case]:
         for d in DKDV_HEAD_DIMS
         for t in DTYPES
         for s in _shapes(v)
-    ] + [case for kind in BACKWARD_TEMPLATES for case in _dropout_cases(kind)]
+    ] + [case for kind in BACKWARD_TEMPLATES for case in _dropout_cases(kind) + _packed_backward_cases(kind)]
+
+
+def _packed_backward_cases(kind: str) -> list[Case]:
+    """``kind``'s cases of packed calls, where its template takes them (``PACKED_BACKWARD``): each variant with
+    smooth weights that the forward template runs packed (``_takes``), the forward's packed shape."""
+    if kind not in PACKED_BACKWARD:
+        return []
+    return [
+        Case(v, d, t, PACKED_SHAPE, False, kind=kind, fact="varlen")
+        for v in VARIANTS
+        if smooth(v) and _takes(v, "varlen")
+        for d in DKDV_HEAD_DIMS
+        for t in DTYPES
+    ]
 
 
 def _environment(case: Case) -> None:
@@ -351,8 +367,8 @@ def check(case: Case, seed: int = 0) -> dict:
     if TemplateForward.launches == before:
         raise AssertionError(f"{case.id}: the call did not run the forward template")
     if case.fact == "varlen":
-        ref = _per_document(program, (q, k, v), kwargs, with_lse)
-        low = _per_document(program, (q, k, v), kwargs, with_lse, dtype=dtype)
+        ref = per_document(program, q, k, v, return_lse=with_lse, **kwargs)
+        low = per_document(program, q, k, v, return_lse=with_lse, dtype=dtype, **kwargs)
     else:
         ref = program.reference(q, k, v, return_lse=with_lse, **kwargs, **facts, **replayed)
         low = program.reference(q, k, v, return_lse=with_lse, dtype=dtype, **kwargs, **facts, **replayed)
@@ -417,11 +433,10 @@ def _packed_on_gpu(asked: bool):
             os.environ[packed.GATE.env] = before
 
 
-def _per_document(program, qkv: tuple[torch.Tensor, ...], kwargs: dict, with_lse: bool, **options):
-    """The reference of a packed call (q (1, Hq, total_q, D), k and v (1, Hkv, total_k, D) holding
-    ``DOCUMENTS``): each document alone through ``program.reference`` (with ``options``), concatenated along the
-    rows; out, or (out, lse). A document with no key is its rows against a cache of length 0 (``kv_lens``)."""
-    q, k, v = qkv
+def per_document(program, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, return_lse: bool = False, **options):
+    """``program.reference`` of a packed call (q (1, Hq, total_q, D), k and v (1, Hkv, total_k, D) holding
+    ``DOCUMENTS``): each document alone (with ``options``), concatenated along the rows; out, or (out, lse). A
+    document with no key is its rows against a cache of length 0 (``kv_lens``)."""
     outs, lses, q0, k0 = [], [], 0, 0
     for nq, nk in DOCUMENTS:
         rows, keys = slice(q0, q0 + nq), slice(k0, k0 + nk) if nk else slice(0, 1)
@@ -429,14 +444,12 @@ def _per_document(program, qkv: tuple[torch.Tensor, ...], kwargs: dict, with_lse
         if nq == 0:
             continue
         lens = {} if nk else {"kv_lens": torch.zeros(1, dtype=torch.int32, device=q.device)}
-        got = program.reference(
-            q[:, :, rows], k[:, :, keys], v[:, :, keys], return_lse=with_lse, **kwargs, **lens, **options
-        )
-        out, lse = got if with_lse else (got, None)
+        got = program.reference(q[:, :, rows], k[:, :, keys], v[:, :, keys], return_lse=return_lse, **options, **lens)
+        out, lse = got if return_lse else (got, None)
         outs.append(out)
         lses.append(lse)
     out = torch.cat(outs, 2)
-    return (out, torch.cat(lses, 2)) if with_lse else out
+    return (out, torch.cat(lses, 2)) if return_lse else out
 
 
 def _check_backward(case: Case, seed: int) -> dict:
@@ -453,14 +466,20 @@ def _check_backward(case: Case, seed: int) -> dict:
                ((Hq, Nq), (Hkv, Nk), (Hkv, Nk)))  # fmt: skip
     dout = torch.randn(B, Hq, Nq, case.head_dim, device="cuda", dtype=dtype, generator=gen)
     kwargs = extra(Hq, Nq, Nk, "cuda")
+    facts = fact_arguments(case.fact, q.device)
     _environment(case)
     before = template.launches
     leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
-    with _only_unverified(case.kind), replayed_dropout(case, seed, (B, Hq, Nq, Nk), q.device) as (dropout, replayed):
-        got = torch.autograd.grad(program(*leaves, **kwargs, **dropout), leaves, dout)
+    with (
+        _only_unverified(case.kind),
+        _packed_on_gpu(case.fact == "varlen"),
+        replayed_dropout(case, seed, (B, Hq, Nq, Nk), q.device) as (dropout, replayed),
+    ):
+        got = torch.autograd.grad(program(*leaves, **kwargs, **facts, **dropout), leaves, dout)
     if template.launches == before:
         raise AssertionError(f"{case.id}: the call did not run the {case.kind} template")
-    error = compare_gradients(program, kwargs, (q, k, v), dout, got, case.id, replayed)
+    documents = case.fact == "varlen"
+    error = compare_gradients(program, kwargs, (q, k, v), dout, got, case.id, replayed, documents=documents)
     return {"key": template.last_key, "case": case.id, "max_error": error}
 
 
@@ -485,28 +504,31 @@ def compare_gradients(
     got: tuple[torch.Tensor, ...],
     what: str,
     dropout: dict | None = None,
+    documents: bool = False,
 ) -> float:
     """Compare ``got`` (dq, dk, dv of ``program`` at q, k, v = ``qkv`` for the output gradient ``dout``, all of
     one dtype) with the float64 reference's gradients (AssertionError beyond what the dtype allows, with the
     bound of delta's rounding, ``grad_bounds``, for a normaliser that reads delta); the largest error.
-    ``dropout``: the call's ``dropout_p`` and replayed ``dropout_mask``, for the reference (None: none)."""
+    ``dropout``: the call's ``dropout_p`` and replayed ``dropout_mask``, for the reference (None: none);
+    ``documents``: a packed call of ``DOCUMENTS``, its reference each document alone (``per_document``)."""
     dtype = dout.dtype
     graph = program.graph(**kwargs)
     kwargs = {**kwargs, **(dropout or {})}
+    reference = functools.partial(per_document, program) if documents else program.reference
     leaves64 = [t.detach().double().requires_grad_(True) for t in qkv]
     if graph.has_lse:
-        out64, lse64 = program.reference(*leaves64, return_lse=True, **kwargs)
+        out64, lse64 = reference(*leaves64, return_lse=True, **kwargs)
     else:
-        out64, lse64 = program.reference(*leaves64, **kwargs), None
+        out64, lse64 = reference(*leaves64, **kwargs), None
     rounding = [None] * 3
     if lse64 is not None and graph.weights.apply.fragment().needs_delta:
         q, k, v = (t.detach().double() for t in qkv)
         with torch.no_grad():
-            weighted = program.reference(q, k, v.abs(), return_lse=True, **kwargs)[0]
+            weighted = reference(q, k, v.abs(), return_lse=True, **kwargs)[0]
         rounding = delta_rounding(lse64, out64, weighted, dout, leaves64, dtype)
     want64 = torch.autograd.grad(out64, leaves64, dout.double())
     low_leaves = [t.detach().clone().requires_grad_(True) for t in qkv]
-    want_low = torch.autograd.grad(program.reference(*low_leaves, dtype=dtype, **kwargs), low_leaves, dout)
+    want_low = torch.autograd.grad(reference(*low_leaves, dtype=dtype, **kwargs), low_leaves, dout)
     error = 0.0
     for name, a, b, c, r in zip(("dq", "dk", "dv"), got, want64, want_low, rounding):
         assert_matches_reference(a, b, c, dtype, what=f"{name} of {what}", rounding=r)

@@ -14,7 +14,8 @@ import attrs
 import torch
 
 from ..kernels.capability import block_list_reason
-from ..kernels.dq_launch import TemplateDq
+from ..kernels.dq_launch import PackedTemplateDq, TemplateDq
+from ..kernels.launch_packed import PackedTemplateForward
 from ..kernels.launch import TemplateDkdv
 from ..kernels.verified import chosen, record_key
 from ..plan import InputGradient, Plan
@@ -77,7 +78,8 @@ def template_dq(plan: Plan) -> TemplateDq | None:
     key = record_key(spec, plan.config.dtype, plan.config.head_dim)
     if not chosen(key):
         return None
-    return TemplateDq(spec, plan.templates.scale, plan.templates.qk_scale, key, plan.has_lse)
+    instance = PackedTemplateDq if plan.config.varlen else TemplateDq
+    return instance(spec, plan.templates.scale, plan.templates.qk_scale, key, plan.has_lse)
 
 
 def partial_sums(
@@ -275,7 +277,8 @@ class BackwardKernels:
         pargs, limit, heavy = prepared
         even_m = False if kv.packed is not None else lambda tiles: Nq % tiles.block_m == 0  # noqa: E731
         if dq_engine == "template":
-            self.dq_template(q, kv.k, kv.v, out, dout, lse, dlse, delta, dq, {**pargs, **dropout_args(kv.dropout)})
+            launch_args = {**pargs, **kv_launch_args(kv), **dropout_args(kv.dropout)}
+            self.dq_template(q, kv.k, kv.v, out, dout, lse, dlse, delta, dq, launch_args)
         else:
             self._generated_dq(q, kv, out, dlse, dq, shared, pargs, limit, even_m, buffers, partials)
         if engine == "template":
@@ -317,7 +320,12 @@ class BackwardKernels:
             follows = block_list_reason(prepared.limit) is None  # a listing mask's block size the templates take
             served = follows and self.template is not None and self.template.fits(q, k, v, dout, lse, dk, dv)
             engine = "template" if served else "generated"
-            dq_served = follows and self.dq_template is not None and self.dq_template.fits(q, k, v, out, dout, lse, dq)
+            dq_served = (
+                follows
+                and self.dq_template is not None
+                and self.dq_template.fits(q, k, v, out, dout, lse, dq)
+                and (kv.packed is None or PackedTemplateForward.fits_pack(Nq, kv.packed.docs))
+            )
             dq_engine = "template" if dq_served else "generated"
             self._dq_then_dkdv(
                 q, kv, out, lse, dout, dlse, dq, dk, dv, inputs, prepared, buffers, partials, dq_engine, engine
