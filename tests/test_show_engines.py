@@ -317,7 +317,7 @@ def test_a_block_sparse_call_names_the_templates_and_their_block_size_condition(
 def test_a_call_with_a_fact_reports_the_forward_template(capsys, monkeypatch, fact, words, name, head_dim):
     """``--kv-lens``, ``--positions``, ``--varlen``: the forward template's instance of such a call, the runtime's
     own choice (the hoisted one where the call hoists; with kv_lens, rope stays in the kernel and falls back),
-    and the dK/dV template's reason."""
+    and the dK/dV template's: its instance of a packed call, its reason for the others."""
     monkeypatch.setenv(verified.MODE_ENV, "all")
     report = show_json(capsys, name, "--arch", "sm90", "--head-dim", str(head_dim), f"--{fact.replace('_', '-')}")
     assert report["config"][fact] is True
@@ -334,7 +334,10 @@ def test_a_call_with_a_fact_reports_the_forward_template(capsys, monkeypatch, fa
     else:
         assert forward["engine"] == "template" and forward["instance"] == chosen.key and forward["reason"] is None
         assert forward["name"] == chosen.spec.name and forward["hoisted"] is hoists
-    assert dkdv["engine"] == "generated" and words in dkdv["reason"] and "dK/dV" in dkdv["reason"]
+    if fact == "varlen":
+        assert dkdv["engine"] == "template" and dkdv["reason"] is None
+    else:
+        assert dkdv["engine"] == "generated" and words in dkdv["reason"] and "dK/dV" in dkdv["reason"]
 
 
 COMBINED = [("--kv-lens", "--positions"), ("--kv-lens", "--varlen"), ("--positions", "--varlen")]

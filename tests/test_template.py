@@ -343,12 +343,17 @@ FACTS = ("kv_lens", "positions", "varlen")
 
 @pytest.mark.parametrize("fact", FACTS)
 @pytest.mark.parametrize("variant", ["causal", "sinks", "sliding_window"])
-def test_the_forward_template_takes_a_call_s_facts_and_the_dkdv_template_does_not_yet(variant, fact):
+def test_the_forward_template_takes_a_call_s_facts_and_the_backward_templates_packed_calls(variant, fact):
+    """kv_lens and given positions: the forward template's alone (the backward templates name them); packed
+    sequences: all three templates'."""
     graph = _graph(variant)
     program = lowered(graph, _config(**{fact: True}))
     assert capability.forward_reason(program) is None
     reason = capability.dkdv_reason(program)
-    assert reason is not None and "dK/dV" in reason and {"varlen": "cu_seqlens"}.get(fact, fact) in reason
+    if fact == "varlen":
+        assert reason is None and capability.dq_reason(program) is None
+    else:
+        assert reason is not None and "dK/dV" in reason and fact in reason
 
 
 @pytest.mark.parametrize("fact", FACTS)

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import ast
 import os
-from types import SimpleNamespace
 
 import attrs
 import pytest
@@ -17,16 +16,13 @@ import torch
 import attnfuse as af
 
 from attnfuse.kernels import capability, verified, verify
-from attnfuse.kernels.dq_launch import PackedTemplateDq, TemplateDq
-from attnfuse.launch_spec import CONSTEXPR
+from attnfuse.kernels.dq_launch import TemplateDq
 from attnfuse.kernels.tiles import DQ_TILES
 from attnfuse.passes.compiler import compile as compile_plan
 from attnfuse.passes.compiler import lowered
 from attnfuse.plan import InputGradient, KernelConfig
 from attnfuse.runtime import backward as runtime_backward
 from attnfuse.runtime.compiled import compiled
-from attnfuse.runtime.inputs import KVCache
-from attnfuse.runtime.packed import Packed, search_steps
 
 from test_template import _block_sparse, _undefined
 from test_template_dkdv import SM90, _graph, _plan
@@ -62,13 +58,13 @@ def test_the_dq_template_serves_every_variant(variant, dtype, head_dim):
         {"positions": True},
         {"wide_positions": True},
         {"partial": True},
+        {"varlen": True},
         {},
     ],
 )
 @pytest.mark.parametrize("variant", ["causal", "sinks", "additive_bias", "relu"])
 def test_dq_serves_exactly_the_programs_the_dkdv_template_serves(variant, changes):
-    """Same capability checks: where the dK/dV template falls back, the dQ template does, for the same cause
-    (but for packed calls, which the dQ template takes: below)."""
+    """Same capability checks: where the dK/dV template falls back, the dQ template does, for the same cause."""
     kernel = lowered(_graph(variant), attrs.evolve(SM90, **changes))
     dkdv, dq = capability.dkdv_reason(kernel), capability.dq_reason(kernel)
     assert (dq is None) == (dkdv is None)
@@ -239,31 +235,3 @@ def test_a_backward_case_runs_the_unverified_instances_of_its_own_kind_alone(mon
             assert record.chosen(f"{kind}/x/bfloat16/128") and record.chosen("forward/x/bfloat16/128")
             assert not record.chosen(f"{other}/x/bfloat16/128")
         assert os.environ[record.MODE_ENV] == "all" and cleared == ["all", "all"]
-
-
-def test_a_packed_backward_hands_the_dq_instance_the_pack_and_launches_the_packed_grid(monkeypatch):
-    """A packed call's backward runs the packed dQ instance (``PackedTemplateDq``): its launch gets the document
-    offsets and their count, and the packed forward's grid (Hq, total_q // 128 + docs); each launch recorded
-    instead of run (only a GPU runs an instance: ``verify.backward_cases``)."""
-    monkeypatch.setenv(verified.MODE_ENV, "all")
-    plan = compiled(_graph("causal"), attrs.evolve(SM90, head_dim=64, head_dim_v=64, varlen=True)).plan
-    kernels = runtime_backward.BackwardKernels(plan, ())
-    assert isinstance(kernels.dq_template, PackedTemplateDq)
-    names = [p.name for p in kernels.dq_template.spec.launch.params if p.kind != CONSTEXPR]
-    made = []
-    monkeypatch.setattr(
-        kernels.dq_template, "_launcher", SimpleNamespace(launch=lambda grid, args, *_, **__: made.append((grid, args)))
-    )
-    monkeypatch.setattr(kernels.dkdv, "launch", lambda *args, **kwargs: None)  # the generated dK/dV kernel
-    docs = int(torch.randint(1, 6, ()))
-    cu_q, cu_k = (torch.cat([torch.zeros(1), torch.randint(1, 150, (docs,)).cumsum(0)]).int() for _ in "qk")
-    Hq, Hkv, total_q, total_k = 4, 2, int(cu_q[-1]), int(cu_k[-1])
-    q, out, dout = (torch.randn(1, Hq, total_q, 64, dtype=torch.bfloat16) for _ in range(3))
-    k, v = (torch.randn(1, Hkv, total_k, 64, dtype=torch.bfloat16) for _ in range(2))
-    lse = torch.randn(1, Hq, total_q)
-    kernels(q, KVCache(k, v, total_k, packed=Packed(cu_q, cu_k, docs)), out, lse, dout, None, {})
-    [(grid, args)] = made
-    named = dict(zip(names, args, strict=True))
-    assert grid == (Hq, total_q // 128 + docs)
-    assert named["CuQ"] is cu_q and named["CuK"] is cu_k and named["DOCS"] == docs
-    assert named["SEARCH_STEPS"] == search_steps(docs) and named["Nq"] == total_q and named["N_K"] == total_k

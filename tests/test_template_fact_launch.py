@@ -1,6 +1,7 @@
 """A forward call with a fact (kv_lens, given positions, packed sequences) hands the forward template's instance
-the fact's arguments, bound to the instance's own parameters, and a packed call's launch its grid
-(``runtime/forward.py``, ``kernels/launch_packed.py``): on any machine, each launch recorded instead of run (only a
+the fact's arguments, bound to the instance's own parameters, and a packed call's launch its grid; a packed call's
+backward likewise its dQ and dK/dV instances (``runtime/forward.py``, ``runtime/backward.py``,
+``kernels/launch_packed.py``): on any machine, each launch recorded instead of run (only a
 GPU runs an instance: ``verify.fact_cases``)."""
 
 from __future__ import annotations
@@ -12,9 +13,11 @@ import torch
 import attnfuse as af
 from attnfuse.kernels import verified
 from attnfuse.kernels.launch import TemplateForward
-from attnfuse.kernels.launch_packed import GRID_Y_LIMIT, PackedTemplateForward
+from attnfuse.kernels.dq_launch import PackedTemplateDq
+from attnfuse.kernels.launch_packed import GRID_Y_LIMIT, PackedTemplateDkdv, PackedTemplateForward
 from attnfuse.launch_spec import CONSTEXPR
 from attnfuse.plan import KernelConfig
+from attnfuse.runtime.backward import BackwardKernels
 from attnfuse.runtime.compiled import compiled
 from attnfuse.runtime.forward import ForwardKernel
 from attnfuse.runtime.inputs import KVCache, Positions
@@ -116,3 +119,30 @@ def test_a_pack_whose_blocks_overflow_a_grid_runs_the_generated_kernel(monkeypat
     cu = torch.cat([torch.zeros(many, dtype=torch.int32), torch.tensor([300], dtype=torch.int32)])
     forward(q, KVCache(k, v, 300, packed=Packed(cu, cu.clone(), many)), {})
     assert launches.made == [] and len(generated) == 1
+
+
+def test_a_packed_backward_hands_both_instances_the_pack_and_launches_the_packed_grids(monkeypatch):
+    """A packed call's backward runs the packed dQ and dK/dV instances: each launch gets the document offsets and
+    their count; dQ's grid is the packed forward's (Hq, total_q // 128 + docs), dK/dV's (Hkv, total_k // 128 +
+    docs), each program with all of its GQA group's query heads (GROUP_SUM "none": stored, never summed)."""
+    monkeypatch.setenv(verified.MODE_ENV, "all")
+    plan = compiled(causal.graph(), attrs.evolve(SM90, varlen=True)).plan
+    kernels = BackwardKernels(plan, ())
+    assert isinstance(kernels.dq_template, PackedTemplateDq) and isinstance(kernels.template, PackedTemplateDkdv)
+    launches = {kind: _Launches(t.spec) for kind, t in (("dq", kernels.dq_template), ("dkdv", kernels.template))}
+    monkeypatch.setattr(kernels.dq_template, "_launcher", launches["dq"])
+    monkeypatch.setattr(kernels.template, "_launcher", launches["dkdv"])
+    docs = int(torch.randint(1, 6, ()))
+    cu_q, cu_k = (torch.cat([torch.zeros(1), torch.randint(1, 150, (docs,)).cumsum(0)]).int() for _ in "qk")
+    total_q, total_k = int(cu_q[-1]), int(cu_k[-1])
+    q, out, dout = _rows(1, Hq, total_q, D), _rows(1, Hq, total_q, D), _rows(1, Hq, total_q, D)
+    k, v = _rows(1, Hkv, total_k, D), _rows(1, Hkv, total_k, D)
+    kernels(
+        q, KVCache(k, v, total_k, packed=Packed(cu_q, cu_k, docs)), out, torch.randn(1, Hq, total_q), dout, None, {}
+    )
+    (dq_grid, dq_args, _), (dkdv_grid, dkdv_args, dkdv_constexprs) = launches["dq"].made[0], launches["dkdv"].made[0]
+    assert dq_grid == (Hq, total_q // 128 + docs) and dkdv_grid == (Hkv, total_k // 128 + docs)
+    assert dkdv_constexprs["GROUP_SUM"] == "none" and dkdv_args["heads"] == Hq // Hkv
+    for named in (dq_args, dkdv_args):
+        assert named["CuQ"] is cu_q and named["CuK"] is cu_k and named["DOCS"] == docs
+        assert named["SEARCH_STEPS"] == search_steps(docs) and named["Nq"] == total_q and named["N_K"] == total_k

@@ -2,8 +2,8 @@
 ``attnfuse/kernels/resources.py``): every variant of ``verify.VARIANTS`` is served by the forward template and
 the dK/dV and dQ templates (the listed ones, ``verify.LISTED_VARIANTS``, too) and compiles within a block's shared
 memory, on wgmma and TMA, with one main loop per consumer warpgroup; so do the forward instances of calls with a
-fact (``FACT_CASES``: kv_lens, given positions, packed sequences; float8 ones too), and the dQ instances of
-packed calls (``PACKED_DQ_CASES``). The forward's key loop holds
+fact (``FACT_CASES``: kv_lens, given positions, packed sequences; float8 ones too), and the dK/dV and dQ
+instances of packed calls (``PACKED_BACKWARD_CASES``). The forward's key loop holds
 no local memory (the spill bytes outside the loop, a few at head dims 128 and 256, are in docs/benchmarks.md's
 table: not yet none), and the dK/dV step loop none either, except where ``KNOWN_DKDV_LOOP_SPILLS`` says it spills
 today, and there no more than it says; the dQ template's step loop holds none at all.
@@ -44,7 +44,8 @@ FACT_CASES = [
     ("causal", 128, verify.FP8_DTYPE, "kv_lens"),
     ("sliding_window", 64, verify.FP8_DTYPE, "positions"),
 ]
-PACKED_DQ_CASES = [("causal", 128, "bfloat16"), ("sinks", 64, "float16"), ("sliding_window", 128, "bfloat16")]
+# The backward instances of packed calls (``verify.backward_cases``, fact "varlen"): masked at both head dims, sinks
+PACKED_BACKWARD_CASES = [("causal", 128, "bfloat16"), ("sinks", 64, "float16"), ("sliding_window", 128, "bfloat16")]
 CONSUMERS = 2  # consumer warpgroups of either template, each running its own key (forward) or step (dK/dV) loop
 
 # A KNOWN DEFECT, to be driven to zero: the dK/dV instances that spill inside their step loop today (ptxas' spill
@@ -113,16 +114,29 @@ def test_instance_of_a_call_with_a_fact_compiles_for_sm90_with_no_local_memory_i
     _check_forward(variant_plan(variant, dtype, head_dim, fact), f"{variant} with {fact}", dtype, head_dim)
 
 
+def _check_dkdv(plan, what: str, dtype: str, head_dim: int, known: int | None) -> None:
+    """``plan``'s dK/dV instance (``what``: whose) is on the template, compiles for sm90 and spills in its step
+    loop no more than ``known`` (None: holds no local memory there)."""
+    spec = plan.templates.kernels.get("dkdv")
+    if spec is None:
+        pytest.fail(f"{what} falls off the dK/dV template: {plan.templates.reasons['dkdv']}")
+    used = template_resources(spec, dtype, head_dim, plan.config.save_lse)
+    problems = _problems(used) + _ratchet(used, "step", known, "KNOWN_DKDV_LOOP_SPILLS")
+    assert not problems, f"{spec.name}: " + "; ".join(problems) + f"\n{used}"
+
+
 @pytest.mark.parametrize("variant,head_dim,dtype,dropout", DKDV_CASES, ids=_ids(DKDV_CASES))
 def test_dkdv_instance_compiles_for_sm90_and_spills_in_its_loop_no_more_than_today(variant, head_dim, dtype, dropout):
     plan = variant_plan(variant, dtype, head_dim, dropout=dropout)  # the training plan: it saves the lse
-    spec = plan.templates.kernels.get("dkdv")
-    if spec is None:
-        pytest.fail(f"{variant} falls off the dK/dV template: {plan.templates.reasons['dkdv']}")
-    used = template_resources(spec, dtype, head_dim, plan.config.save_lse)
     known = KNOWN_DKDV_LOOP_SPILLS.get((f"{variant}+dropout" if dropout else variant, head_dim))
-    problems = _problems(used) + _ratchet(used, "step", known, "KNOWN_DKDV_LOOP_SPILLS")
-    assert not problems, f"{spec.name}: " + "; ".join(problems) + f"\n{used}"
+    _check_dkdv(plan, variant, dtype, head_dim, known)
+
+
+@pytest.mark.parametrize(
+    "variant,head_dim,dtype", PACKED_BACKWARD_CASES, ids=[f"{v}-D{d}-{t}" for v, d, t in PACKED_BACKWARD_CASES]
+)
+def test_dkdv_instance_of_a_packed_call_compiles_for_sm90_with_no_local_memory_in_its_loop(variant, head_dim, dtype):
+    _check_dkdv(variant_plan(variant, dtype, head_dim, "varlen"), f"{variant} packed", dtype, head_dim, None)
 
 
 def _check_dq(plan, what: str, dtype: str, head_dim: int) -> None:
@@ -143,7 +157,7 @@ def test_dq_instance_compiles_for_sm90_with_no_local_memory_in_its_loop(variant,
 
 
 @pytest.mark.parametrize(
-    "variant,head_dim,dtype", PACKED_DQ_CASES, ids=[f"{v}-D{d}-{t}" for v, d, t in PACKED_DQ_CASES]
+    "variant,head_dim,dtype", PACKED_BACKWARD_CASES, ids=[f"{v}-D{d}-{t}" for v, d, t in PACKED_BACKWARD_CASES]
 )
 def test_dq_instance_of_a_packed_call_compiles_for_sm90_with_no_local_memory_in_its_loop(variant, head_dim, dtype):
     _check_dq(variant_plan(variant, dtype, head_dim, "varlen"), f"{variant} packed", dtype, head_dim)

@@ -377,28 +377,26 @@ def test_rope_tables_need_rows_for_the_longest_document_only():
         rope_tables(q, k, v, cos[:7], sin[:7], cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
 
 
-def test_the_forward_template_takes_packed_calls_and_the_dkdv_template_leaves_them(capsys, monkeypatch):
-    """The forward template's instance of a packed call runs where chosen (here: opted in); the dK/dV and dQ
-    templates take no packed call and give the reason. ``attnfuse show --json --varlen`` reports them."""
+def test_all_three_templates_take_packed_calls(capsys, monkeypatch):
+    """The forward, dQ and dK/dV templates' instances of a packed call run where chosen (here: opted in), and
+    ``attnfuse show --json --varlen`` reports them."""
     from attnfuse.cli import main
     from attnfuse.kernels.verified import record_key
     from attnfuse.plan import KernelConfig
     from attnfuse.runtime.compiled import compiled
 
     config = KernelConfig(
-        arch="sm90", dtype="bfloat16", head_dim=128, head_dim_v=128, group=1, save_lse=False, fp32_precision="ieee"
+        arch="sm90", dtype="bfloat16", head_dim=128, head_dim_v=128, group=1, save_lse=True, fp32_precision="ieee"
     )
     plan = compiled(gpt2.graph(), attrs.evolve(config, varlen=True)).plan
     monkeypatch.setenv("ATTNFUSE_TEMPLATES", "all")
-    assert "forward" in plan.templates.kernels and not {"dkdv", "dq"} & set(plan.templates.kernels)
-    assert main(["show", "gpt2", "--json", "--arch", "sm90", "--varlen"]) == 0
+    assert {"forward", "dkdv", "dq"} <= set(plan.templates.kernels)
+    assert main(["show", "gpt2", "--json", "--arch", "sm90", "--varlen", "--lse"]) == 0
     report = json.loads(capsys.readouterr().out)
-    forward = report["kernels"]["forward"]
-    assert forward["engine"] == "template" and forward["template_available"] is True and forward["reason"] is None
-    assert forward["instance"] == record_key(plan.templates.kernels["forward"], "bfloat16", 128)
-    for kind in ("dkdv", "dq"):
+    for kind in ("forward", "dkdv", "dq"):
         entry = report["kernels"][kind]
-        assert entry["engine"] == "generated" and "packed sequences (cu_seqlens)" in entry["reason"]
+        assert entry["engine"] == "template" and entry["template_available"] is True and entry["reason"] is None
+        assert entry["instance"] == record_key(plan.templates.kernels[kind], "bfloat16", 128)
 
 
 def test_under_torch_compile():

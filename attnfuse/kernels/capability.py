@@ -28,9 +28,10 @@ _FACTS = {
     "varlen": "packed sequences (cu_seqlens)",
     "dropout": "attention dropout (dropout_p)",
 }
-# Those the forward template takes (``forward_facts.py``) and the backward templates do not; all three take dropout
-# (``passes/codegen/dropout.py``), not combined with these nor with block lists
+# Those the forward template takes (``forward_facts.py``), and of them those the backward templates take; all three
+# take dropout (``passes/codegen/dropout.py``), not combined with these nor with block lists
 _FORWARD_FACTS = ("kv_lens", "positions", "varlen")
+_BACKWARD_FACTS = ("varlen",)
 
 
 def _common_reason(
@@ -138,18 +139,16 @@ def dkdv_reason(kernel: LoweredProgram) -> str | None:
     return _backward_template_reason(kernel, "dK/dV", DKDV_TILES)
 
 
-def _backward_template_reason(
-    kernel: LoweredProgram, template: str, tiles: dict, takes: tuple[str, ...] = ()
-) -> str | None:
+def _backward_template_reason(kernel: LoweredProgram, template: str, tiles: dict) -> str | None:
     """Why the backward ``template`` (dK/dV or dQ, of ``tiles``) cannot run ``kernel``, or None: both take the
-    same programs, dropout included, but not with block lists; and the facts it ``takes`` (as the forward
-    template takes them: not with block lists, dropout or a tensor indexed by query and key)."""
-    reason = _common_reason(kernel, template, tiles, takes=("dropout", *takes)) or _backward_reason(kernel)
+    same programs, dropout included, but not with block lists; and packed calls, as the forward template takes
+    them (not with block lists, dropout or a tensor indexed by query and key)."""
+    reason = _common_reason(kernel, template, tiles, takes=("dropout", *_BACKWARD_FACTS)) or _backward_reason(kernel)
     if reason is not None:
         return reason
     c = kernel.config
     listing = listing_mask(kernel)
-    fact = next((f for f in takes if getattr(c, f)), None)
+    fact = next((f for f in _BACKWARD_FACTS if getattr(c, f)), None)
     if listing is not None and (c.dropout or fact is not None):
         return (
             f"{listing.prefix} lists its blocks, and the {template} template does not take block lists with "
@@ -166,9 +165,9 @@ def _backward_template_reason(
 
 
 def dq_reason(kernel: LoweredProgram) -> str | None:
-    """Why the dQ template cannot run ``kernel``, or None when it can: the programs the dK/dV template takes, and
-    packed calls (a listing mask's block size is checked in the call: ``block_list_reason``)."""
-    return _backward_template_reason(kernel, "dQ", DQ_TILES, takes=("varlen",))
+    """Why the dQ template cannot run ``kernel``, or None when it can: the programs the dK/dV template takes (a
+    listing mask's block size is checked in the call: ``block_list_reason``)."""
+    return _backward_template_reason(kernel, "dQ", DQ_TILES)
 
 
 def _backward_reason(kernel: LoweredProgram) -> str | None:

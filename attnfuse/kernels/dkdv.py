@@ -48,9 +48,11 @@ import string
 
 from ..launch_spec import CONSTEXPR, INT, SCALAR, TENSOR, Param, params
 from ..passes.codegen.common import docstring_text
+from ..passes.codegen import packed
 from ..passes.codegen.dropout import dropout_params, dropped_dp
 from ..passes.codegen.loops import block_range, listing_mask
 from ..passes.codegen.operands import query_shift
+from ..passes.codegen.packed import packed_params
 from ..passes.codegen.scores import has_masks
 from ..passes.lower import LoweredProgram
 from ..passes.codegen.text import indent
@@ -75,7 +77,7 @@ _CONSUMER = string.Template('''
 def ${name}_consumer(
     k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, pds_smem, ${smem}bars, b, h0, hkv, n0, j_lo,
     n_qblocks, n_iter, full_start, full_end, DKey, DValue, dk_strides, dv_strides, dk_part, dv_part, part_size,
-    counts, Nq, N_K, HQ, GROUP, heads, sm_scale, qk_scale, ${plugin_args}
+    counts, Nq, N_K, HQ, GROUP, heads, sm_scale, qk_scale, ${facts}${plugin_args}
     HALF_ID: gl.constexpr, STAGES: gl.constexpr, GROUP_SUM: gl.constexpr,
 ):  # fmt: skip
     """One warpgroup: dK and dV of keys n0 + HALF_ID * 64.. over the loader's steps (a query block of 64 rows
@@ -103,11 +105,11 @@ ${keys}    no_scores = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, S_LAYOUT)
     mbarrier.wait(kv_ready.index(HALF_ID), 0)
 $steps
 
-    key = gl.expand_dims(n0 + HALF_ID * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, G_LAYOUT)), 1)
+    key = gl.expand_dims(${k0}n0 + HALF_ID * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, G_LAYOUT)), 1)
     d = gl.expand_dims(gl.arange(0, D, layout=gl.SliceLayout(0, G_LAYOUT)), 0)
     store_program_grads(
         dk, dv, DKey, DValue, dk_strides, dv_strides, dk_part, dv_part, part_size, counts, key, d, b, h0, hkv, n0,
-        Nk, heads, HQ, GROUP, HALF_ID, GROUP_SUM,
+        ${k0}Nk, heads, HQ, GROUP, HALF_ID, GROUP_SUM,
     )
 ''')
 
@@ -150,18 +152,18 @@ _KERNEL = string.Template('''
 def ${name}(
     q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, DKey, DValue, dk_part, dv_part, counts, part_size,
     stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn, Nq, N_K, HQ, GROUP, heads, row_stride,
-    sm_scale, qk_scale, ${plugin_args} STAGES: gl.constexpr, GROUP_SUM: gl.constexpr,
+    sm_scale, qk_scale, ${given}${plugin_args} STAGES: gl.constexpr, GROUP_SUM: gl.constexpr,
 ):  # fmt: skip
     """q_desc, do_desc: (B, HQ, Nq, D) in [1, 1, 64, D] tiles; k_desc, v_desc: (B, HQ // GROUP, N_K, D) in
     [1, 1, 64, D] tiles; lse_desc, delta_desc: ${rows_doc}; DKey, DValue: (B, HQ // GROUP, N_K, D), unit last strides,
     their other strides given. A program takes ``heads`` query heads of a GQA group (a divisor of
     it): with all of them (GROUP_SUM "none") it stores dK and dV, else its float32 shares are summed over the
-    group's programs (``dkdv_pipeline.store_program_grads``: dk_part, dv_part, part_size, counts). Grid
-    (B * HQ / heads, cdiv(N_K, 128)); 4 warps (a consumer) plus the workers: a consumer and the loader."""
+    group's programs (``dkdv_pipeline.store_program_grads``: dk_part, dv_part, part_size, counts).
+    Grid ${grid}; 4 warps (a consumer) plus the workers: a consumer and the loader."""
     BLOCK_M: gl.constexpr = ROWS  # query rows a step
     BLOCK_N: gl.constexpr = 2 * ROWS  # the program's keys: the masks' facts bound its query blocks
     pid_bh = gl.program_id(0)
-    n0 = gl.program_id(1) * BLOCK_N
+$program
     b = pid_bh // (HQ // heads)
     h0 = pid_bh % (HQ // heads) * heads
     hkv = h0 // GROUP
@@ -193,7 +195,7 @@ $rows_smem
                     k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, pds_smem, ${smem}bars, b, h0,
                     hkv, n0, j_lo, n_qblocks, n_iter, full_start, full_end, DKey, DValue, dk_strides, dv_strides,
                     dk_part, dv_part, part_size, counts, Nq, N_K, HQ, GROUP, heads, sm_scale, qk_scale,
-                    ${plugin_args} 0, STAGES, GROUP_SUM,
+                    ${facts}${plugin_args} 0, STAGES, GROUP_SUM,
                 ),
             ),
             (
@@ -202,7 +204,7 @@ $rows_smem
                     k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, pds_smem, ${smem}bars, b, h0,
                     hkv, n0, j_lo, n_qblocks, n_iter, full_start, full_end, DKey, DValue, dk_strides, dv_strides,
                     dk_part, dv_part, part_size, counts, Nq, N_K, HQ, GROUP, heads, sm_scale, qk_scale,
-                    ${plugin_args} 1, STAGES, GROUP_SUM,
+                    ${facts}${plugin_args} 1, STAGES, GROUP_SUM,
                 ),
             ),
 ${loader}
@@ -218,8 +220,8 @@ _LOADER = string.Template("""\
                 dkdv_loader,
                 (
                     q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_smem, do_smem, k_smem, v_smem,
-                    lse_smem, delta_smem, bars, b, h0, hkv, n0, j_lo, n_qblocks, n_iter, row_stride, HQ, BLOCK_M,
-                    STAGES, ${has_lse}, ${has_delta},
+                    lse_smem, delta_smem, bars, b, h0, hkv, n0, j_lo, n_qblocks, n_iter, ${firsts}, row_stride, HQ,
+                    BLOCK_M, STAGES, ${has_lse}, ${has_delta},
                 ),
             ),""")  # the loader's entry in the kernel's warp_specialize (``dkdv_listed`` writes a listed program's)
 
@@ -353,6 +355,14 @@ def _query_range(kernel: LoweredProgram) -> str:
     )
 
 
+def _program(kernel: LoweredProgram) -> str:
+    """Entry code: the program's first key n0 (a packed call's: in its document, found from the grid as the
+    generated packed kernels find it, ``packed.document``; q_start, k_start, Nq and N_K the document's)."""
+    if not kernel.config.varlen:
+        return "n0 = gl.program_id(1) * BLOCK_N"
+    return "pid_n = gl.program_id(1)\n" + packed.document("pid_n", "BLOCK_N", "k", (), ()) + "n0 = pid_n * BLOCK_N"
+
+
 def dkdv_params(kernel: LoweredProgram) -> tuple[Param, ...]:
     """The dK/dV template's parameters, in order (``_KERNEL``'s)."""
     return (
@@ -361,6 +371,7 @@ def dkdv_params(kernel: LoweredProgram) -> tuple[Param, ...]:
         + params(INT, "part_size", "stride_dkb", "stride_dkh", "stride_dkn", "stride_dvb", "stride_dvh", "stride_dvn")
         + params(INT, "Nq", "N_K", "HQ", "GROUP", "heads", "row_stride")
         + params(SCALAR, "sm_scale", "qk_scale")
+        + packed_params(kernel)
         + kernel.args()
         + dropout_params(kernel)
         + params(CONSTEXPR, "STAGES", "GROUP_SUM")
@@ -403,23 +414,31 @@ def generate_dkdv(kernel: LoweredProgram, name: str, consumer_registers: int, lo
     steps = f"{dkdv_mods.TILE}\n{steps}" if staged else steps
     # shared memory some instances pass their consumers
     smem = ("step_info, " if listing is not None else "") + ("s_smem, " if staged else "")
+    varlen = kernel.config.varlen
     consumer = _CONSUMER.substitute(
         name=name,
         smem=smem,
         steps=indent(steps, 4).rstrip("\n"),
         plugin_args=args,
+        facts="k_start, " if varlen else "",
+        k0="k_start + " if varlen else "",
         keys="" if per_step else indent(_KEYS, 4),
     )
     has_rows = {"has_lse": norm.has_lse, "has_delta": norm.needs_delta}
+    loader_rows = {**has_rows, "firsts": "q_start, k_start" if varlen else "0, 0"}
     entry = _KERNEL.substitute(
         name=name,
         smem=smem,
         plugin_args=args,
+        given="".join(f"{p.name}, " for p in packed_params(kernel)),
+        facts="k_start, " if varlen else "",
+        program=indent(_program(kernel), 4).rstrip("\n"),
+        grid="(HQ // GROUP, N_K // 128 + DOCS), N_K the packed total" if varlen else "(B * HQ / heads, cdiv(N_K, 128))",
         rows_doc=rows_doc,
         query_range=indent(_query_range(kernel), 4),
         rows_smem=indent(_rows_smem("lse", norm.has_lse) + "\n" + _rows_smem("delta", norm.needs_delta), 4),
         pds_smem=_pds_smem(kernel),
-        loader=_LOADER.substitute(has_rows) if listing is None else dkdv_listed.loader_call(listing, kernel, name),
+        loader=_LOADER.substitute(loader_rows) if listing is None else dkdv_listed.loader_call(listing, kernel, name),
         consumer_registers=consumer_registers,
         loader_registers=loader_registers,
     )

@@ -16,21 +16,24 @@ from .pipeline import ROWS
 @gluon.jit
 def dkdv_loader(
     q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem,
-    bars, b, h0, hkv, n0, j_lo, n_qblocks, n_iter, row_stride, heads_q, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
-    HAS_LSE: gl.constexpr, HAS_DELTA: gl.constexpr,
+    bars, b, h0, hkv, n0, j_lo, n_qblocks, n_iter, q0, k0, row_stride, heads_q, BLOCK_M: gl.constexpr,
+    STAGES: gl.constexpr, HAS_LSE: gl.constexpr, HAS_DELTA: gl.constexpr,
 ):  # fmt: skip
     """One warp: both halves' K and V tiles, then step t's Q tile (with its rows' lse, HAS_LSE) and dO tile
     (with their delta, HAS_DELTA) into stage t % STAGES once both consumers freed it. Step t is query block
-    j_lo + t % n_qblocks of query head h0 + t // n_qblocks. TMA fills rows past a tensor's end with zeros."""
+    j_lo + t % n_qblocks of query head h0 + t // n_qblocks. Query block j and key n0 are rows q0 + j * BLOCK_M
+    and k0 + n0 of the tensors (a packed document's first rows; 0, 0 otherwise). TMA fills rows past a tensor's
+    end with zeros."""
     kv_ready, q_ready, do_ready, free = bars
     for half in gl.static_range(2):
         mbarrier.expect(kv_ready.index(half), k_desc.block_type.nbytes + v_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(k_desc, [b, hkv, n0 + half * ROWS, 0], kv_ready.index(half), k_smem.index(half))
-        tma.async_copy_global_to_shared(v_desc, [b, hkv, n0 + half * ROWS, 0], kv_ready.index(half), v_smem.index(half))
+        key = k0 + n0 + half * ROWS
+        tma.async_copy_global_to_shared(k_desc, [b, hkv, key, 0], kv_ready.index(half), k_smem.index(half))
+        tma.async_copy_global_to_shared(v_desc, [b, hkv, key, 0], kv_ready.index(half), v_smem.index(half))
     for t in range(n_iter):
         stage = t % STAGES
         h = h0 + t // n_qblocks
-        m = (j_lo + t % n_qblocks) * BLOCK_M
+        m = q0 + (j_lo + t % n_qblocks) * BLOCK_M
         mbarrier.wait(free.index(stage), ((t // STAGES) & 1) ^ 1)
         row = (b * heads_q + h) * row_stride + m  # in lse's and delta's flat rows
         if HAS_LSE:

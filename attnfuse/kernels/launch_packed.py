@@ -1,6 +1,7 @@
-"""Launching the forward template's instance of a packed call (cu_seqlens): the grid of the generated packed
-kernels (``passes/codegen/packed.py``), total_q // 128 + docs query blocks for each query head, known with no host
-sync; each program finds its document (``kernels/forward_facts.py``)."""
+"""Launching the forward and dK/dV templates' instances of a packed call (cu_seqlens; the dQ template's:
+``dq_launch.PackedTemplateDq``): the grids of the generated packed kernels (``passes/codegen/packed.py``), known with
+no host sync, whose programs each find their document (``kernels/forward_facts.py``, ``dkdv.py``): total_q // 128 +
+docs query blocks for each query head (forward), total_k // 128 + docs key blocks for each kv head (dK/dV)."""
 
 from __future__ import annotations
 
@@ -8,8 +9,10 @@ from typing import Any
 
 import torch
 
+from ..runtime.hopper import HopperLauncher
+from ..runtime.template_rows import padded_rows, template_rows
 from .descriptors import describe
-from .launch import TemplateForward
+from .launch import TemplateDkdv, TemplateForward
 from .pipeline import LAUNCH_REGISTERS, ROWS
 
 GRID_Y_LIMIT = 65535  # the largest grid dim y of a CUDA launch
@@ -19,14 +22,16 @@ class PackedTemplateForward(TemplateForward):
     """The forward template's instance of a packed call (its launches count as ``TemplateForward``'s)."""
 
     @staticmethod
-    def blocks(total_q: int, docs: int) -> int:
-        """The query blocks of the grid of a pack of ``docs`` documents in ``total_q`` rows."""
-        return total_q // (2 * ROWS.value) + docs
+    def blocks(total: int, docs: int) -> int:
+        """The blocks of 2 x 64 rows (queries, or keys) of the grid of a pack of ``docs`` documents in ``total``
+        rows."""
+        return total // (2 * ROWS.value) + docs
 
     @classmethod
-    def fits_pack(cls, total_q: int, docs: int) -> bool:
-        """Whether one launch's grid holds the pack's query blocks (else the call runs the generated kernel)."""
-        return cls.blocks(total_q, docs) <= GRID_Y_LIMIT
+    def fits_pack(cls, total: int, docs: int) -> bool:
+        """Whether one launch's grid holds the blocks of a pack's ``total`` query rows (forward, dQ) or keys
+        (dK/dV) (else that kernel is the generated one)."""
+        return cls.blocks(total, docs) <= GRID_Y_LIMIT
 
     def __call__(
         self,
@@ -67,6 +72,70 @@ class PackedTemplateForward(TemplateForward):
             (Hq, self.blocks(total_q, plugin_args["DOCS"])),
             args,
             self.spec.launch.constexprs({"SAVE_LSE": lse is not None}),
+            num_warps=4,
+            device=q.device,
+            maxnreg=LAUNCH_REGISTERS,
+        )
+
+
+class PackedTemplateDkdv(TemplateDkdv):
+    """The dK/dV template's instance of a packed call (its launches count as ``TemplateDkdv``'s). A program has all
+    of its GQA group's query heads (GROUP_SUM "none"): a split group's partial sums are laid out by key block of
+    one sequence, not of a document."""
+
+    def __call__(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        dout: torch.Tensor,
+        lse: torch.Tensor | None,
+        delta: torch.Tensor,
+        dk: torch.Tensor,
+        dv: torch.Tensor,
+        plugin_args: dict[str, Any],
+    ) -> None:
+        """q and dout (1, Hq, total_q, D), k and v (1, Hkv, total_k, D) with total_q, total_k >= 1 (``fits``); lse
+        and delta (1, Hq, total_q) float32 as ``TemplateDkdv`` takes them -> dk, dv, written in place;
+        ``plugin_args``: the plugins' kernel arguments and the pack's."""
+        _, Hq, total_q, D = q.shape
+        Hkv, total_k = k.shape[1], k.shape[2]
+        lse_desc = delta_desc = None
+        if self._has_lse:
+            lse_rows, delta_rows = template_rows(lse, ROWS.value, delta=delta, natural=True)
+            lse_desc, delta_desc = HopperLauncher._describe_rows(lse_rows), HopperLauncher._describe_rows(delta_rows)
+        args = self.spec.launch.bind(
+            {
+                "q_desc": describe(q, ROWS.value),
+                "do_desc": describe(dout, ROWS.value),
+                "k_desc": describe(k, ROWS.value),
+                "v_desc": describe(v, ROWS.value),
+                "lse_desc": lse_desc,
+                "delta_desc": delta_desc,
+                "DKey": dk,
+                "DValue": dv,
+                "dk_part": dk,  # unread: GROUP_SUM "none"
+                "dv_part": dv,
+                "counts": dk,
+                "part_size": 0,
+                **dict(zip(("stride_dkb", "stride_dkh", "stride_dkn"), dk.stride())),
+                **dict(zip(("stride_dvb", "stride_dvh", "stride_dvn"), dv.stride())),
+                "Nq": total_q,
+                "N_K": total_k,
+                "HQ": Hq,
+                "GROUP": Hq // Hkv,
+                "heads": Hq // Hkv,
+                "row_stride": padded_rows(total_q, ROWS.value),
+                **self._scales,
+                **plugin_args,
+            }
+        )
+        TemplateDkdv.launches += 1
+        TemplateDkdv.last_key = self.key
+        self._launcher.launch(
+            (Hkv, PackedTemplateForward.blocks(total_k, plugin_args["DOCS"])),
+            args,
+            self.spec.launch.constexprs({"GROUP_SUM": "none"}),
             num_warps=4,
             device=q.device,
             maxnreg=LAUNCH_REGISTERS,

@@ -54,7 +54,6 @@ SHAPES = ((2, 4, 2, 300, 300), (1, 2, 2, 130, 257))  # (B, Hq, Hkv, Nq, Nk): GQA
 HOISTED_SHAPES = ((1, 4, 2, 600, 600), (1, 2, 2, 520, 700))  # enough query blocks that a qk transform is hoisted
 DKDV_HEAD_DIMS = (64, 128)  # the dK/dV template's (``tiles.DKDV_TILES``) and the dQ template's (``DQ_TILES``)
 BACKWARD_TEMPLATES = {"dkdv": TemplateDkdv, "dq": TemplateDq}  # the backward's templates, by case kind
-PACKED_BACKWARD = ("dq",)  # those that take packed calls (``capability``)
 # A call's facts (``forward_facts.py``), each with its cases' shape (B, Hq, Hkv, Nq, Nk):
 KV_LENS_SHAPE = (3, 4, 2, 130, 300)  # kv_lens (0, 300, 77): none, more than a tile, off the tiles
 KV_LENS = (0, 300, 77)
@@ -285,10 +284,8 @@ def backward_cases() -> list[Case]:
 
 
 def _packed_backward_cases(kind: str) -> list[Case]:
-    """``kind``'s cases of packed calls, where its template takes them (``PACKED_BACKWARD``): each variant with
-    smooth weights that the forward template runs packed (``_takes``), the forward's packed shape."""
-    if kind not in PACKED_BACKWARD:
-        return []
+    """``kind``'s cases of packed calls: each variant with smooth weights that the forward template runs packed
+    (``_takes``), the forward's packed shape."""
     return [
         Case(v, d, t, PACKED_SHAPE, False, kind=kind, fact="varlen")
         for v in VARIANTS

@@ -15,12 +15,11 @@ import torch
 
 from ..kernels.capability import block_list_reason
 from ..kernels.dq_launch import PackedTemplateDq, TemplateDq
-from ..kernels.launch_packed import PackedTemplateForward
+from ..kernels.launch_packed import PackedTemplateDkdv, PackedTemplateForward
 from ..kernels.launch import TemplateDkdv
 from ..kernels.verified import chosen, record_key
 from ..plan import InputGradient, Plan
 from . import packed
-from .dropout import launch_args as dropout_args
 from .inputs import KVCache, accumulator_dtype, empty_like_layout, even_keys, heads_together, kv_launch_args
 from .kernel import CompiledKernel
 from .plugin_args import PluginArgs, Prepared
@@ -66,7 +65,8 @@ def template_dkdv(plan: Plan) -> TemplateDkdv | None:
     key = record_key(spec, plan.config.dtype, plan.config.head_dim)
     if not chosen(key):
         return None
-    return TemplateDkdv(spec, plan.templates.scale, plan.templates.qk_scale, key, plan.has_lse)
+    instance = PackedTemplateDkdv if plan.config.varlen else TemplateDkdv
+    return instance(spec, plan.templates.scale, plan.templates.qk_scale, key, plan.has_lse)
 
 
 def template_dq(plan: Plan) -> TemplateDq | None:
@@ -276,13 +276,13 @@ class BackwardKernels:
         }  # Lse: a placeholder when the normaliser saves none
         pargs, limit, heavy = prepared
         even_m = False if kv.packed is not None else lambda tiles: Nq % tiles.block_m == 0  # noqa: E731
+        launch_args = {**pargs, **kv_launch_args(kv)}  # the templates': the plugins', the cache's, dropout's
         if dq_engine == "template":
-            launch_args = {**pargs, **kv_launch_args(kv), **dropout_args(kv.dropout)}
             self.dq_template(q, kv.k, kv.v, out, dout, lse, dlse, delta, dq, launch_args)
         else:
             self._generated_dq(q, kv, out, dlse, dq, shared, pargs, limit, even_m, buffers, partials)
         if engine == "template":
-            self.template(q, kv.k, kv.v, dout, lse, delta, dk, dv, {**pargs, **dropout_args(kv.dropout)})
+            self.template(q, kv.k, kv.v, dout, lse, delta, dk, dv, launch_args)
         else:
             self._generated_dkdv(q, kv, dk, dv, shared, pargs, limit, heavy, even_m, partials)
 
@@ -318,7 +318,12 @@ class BackwardKernels:
             dlse = dlse.to(accumulator_dtype(q.dtype)).contiguous() if dlse is not None else None
             prepared = prepared or self.plugin_args(q, kv, inputs)
             follows = block_list_reason(prepared.limit) is None  # a listing mask's block size the templates take
-            served = follows and self.template is not None and self.template.fits(q, k, v, dout, lse, dk, dv)
+            served = (
+                follows
+                and self.template is not None
+                and self.template.fits(q, k, v, dout, lse, dk, dv)
+                and (kv.packed is None or PackedTemplateForward.fits_pack(Nk, kv.packed.docs))
+            )
             engine = "template" if served else "generated"
             dq_served = (
                 follows
