@@ -14,8 +14,9 @@ import attnfuse as af
 from attnfuse.kernels import verified
 from attnfuse.kernels.launch import TemplateForward
 from attnfuse.kernels.dq_launch import PackedTemplateDq
-from attnfuse.kernels.launch_packed import GRID_Y_LIMIT, PackedTemplateDkdv, PackedTemplateForward
+from attnfuse.kernels.launch_packed import GRID_Y_LIMIT, PackedTemplateDkdv, PackedTemplateForward, document_rows
 from attnfuse.launch_spec import CONSTEXPR
+from attnfuse.passes.codegen.packed import padded_start
 from attnfuse.plan import KernelConfig
 from attnfuse.runtime.backward import BackwardKernels
 from attnfuse.runtime.compiled import compiled
@@ -143,6 +144,31 @@ def test_a_packed_backward_hands_both_instances_the_pack_and_launches_the_packed
     (dq_grid, dq_args, _), (dkdv_grid, dkdv_args, dkdv_constexprs) = launches["dq"].made[0], launches["dkdv"].made[0]
     assert dq_grid == (Hq, total_q // 128 + docs) and dkdv_grid == (Hkv, total_k // 128 + docs)
     assert dkdv_constexprs["GROUP_SUM"] == "none" and dkdv_args["heads"] == Hq // Hkv
+    assert dkdv_args["row_stride"] == -(-(total_q + 64 * docs) // 64) * 64
     for named in (dq_args, dkdv_args):
         assert named["CuQ"] is cu_q and named["CuK"] is cu_k and named["DOCS"] == docs
         assert named["SEARCH_STEPS"] == search_steps(docs) and named["Nq"] == total_q and named["N_K"] == total_k
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_document_rows_start_each_document_on_a_query_block(seed):
+    """The dK/dV template's rows of a packed call (``document_rows``): each head's lse and delta of document i at
+    the block-aligned start the kernel computes (``packed.padded_start``: (cu_q[i] + 64 i) // 64 * 64), in order,
+    no two documents' rows overlapping, -inf and 0 everywhere else; empty documents take no rows."""
+    gen = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(0, 150, (6,), generator=gen) * (torch.rand(6, generator=gen) < 0.7)
+    cu_q = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)]).int()
+    docs, total = len(lengths), int(cu_q[-1])
+    lse, delta = torch.randn(1, Hq, total), torch.randn(1, Hq, total)
+    lse_rows, delta_rows, stride = document_rows(lse, delta, cu_q, docs)
+    assert stride % 64 == 0 and lse_rows.shape == delta_rows.shape == (Hq * stride,)
+    lse_rows, delta_rows = lse_rows.view(Hq, stride), delta_rows.view(Hq, stride)
+    placed = torch.zeros(stride, dtype=torch.bool)
+    for doc in range(docs):
+        first, n = int(cu_q[doc]), int(lengths[doc])
+        start = eval(padded_start("q_start", "64"), {"q_start": first, "doc": doc})
+        assert start % 64 == 0 and not placed[start : start + n].any()
+        placed[start : start + n] = True
+        assert torch.equal(lse_rows[:, start : start + n], lse[0, :, first : first + n])
+        assert torch.equal(delta_rows[:, start : start + n], delta[0, :, first : first + n])
+    assert (lse_rows[:, ~placed] == float("-inf")).all() and (delta_rows[:, ~placed] == 0).all()

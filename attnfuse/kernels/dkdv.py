@@ -357,10 +357,17 @@ def _query_range(kernel: LoweredProgram) -> str:
 
 def _program(kernel: LoweredProgram) -> str:
     """Entry code: the program's first key n0 (a packed call's: in its document, found from the grid as the
-    generated packed kernels find it, ``packed.document``; q_start, k_start, Nq and N_K the document's)."""
+    generated packed kernels find it, ``packed.document``; q_start, k_start, Nq and N_K the document's, and the
+    first of its rows of lse and delta, which start on a query block)."""
     if not kernel.config.varlen:
         return "n0 = gl.program_id(1) * BLOCK_N"
-    return "pid_n = gl.program_id(1)\n" + packed.document("pid_n", "BLOCK_N", "k", (), ()) + "n0 = pid_n * BLOCK_N"
+    return (
+        "pid_n = gl.program_id(1)\n"
+        + packed.document("pid_n", "BLOCK_N", "k", (), ())
+        + "n0 = pid_n * BLOCK_N\n"
+        + f"rows_start = {packed.padded_start('q_start', 'BLOCK_M')}  # its lse and delta rows' first "
+        "(launch_packed.document_rows)"
+    )
 
 
 def dkdv_params(kernel: LoweredProgram) -> tuple[Param, ...]:
@@ -425,7 +432,7 @@ def generate_dkdv(kernel: LoweredProgram, name: str, consumer_registers: int, lo
         keys="" if per_step else indent(_KEYS, 4),
     )
     has_rows = {"has_lse": norm.has_lse, "has_delta": norm.needs_delta}
-    loader_rows = {**has_rows, "firsts": "q_start, k_start" if varlen else "0, 0"}
+    loader_rows = {**has_rows, "firsts": "q_start, k_start, rows_start" if varlen else "0, 0, 0"}
     entry = _KERNEL.substitute(
         name=name,
         smem=smem,

@@ -16,13 +16,14 @@ from .pipeline import ROWS
 @gluon.jit
 def dkdv_loader(
     q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem,
-    bars, b, h0, hkv, n0, j_lo, n_qblocks, n_iter, q0, k0, row_stride, heads_q, BLOCK_M: gl.constexpr,
+    bars, b, h0, hkv, n0, j_lo, n_qblocks, n_iter, q0, k0, r0, row_stride, heads_q, BLOCK_M: gl.constexpr,
     STAGES: gl.constexpr, HAS_LSE: gl.constexpr, HAS_DELTA: gl.constexpr,
 ):  # fmt: skip
     """One warp: both halves' K and V tiles, then step t's Q tile (with its rows' lse, HAS_LSE) and dO tile
     (with their delta, HAS_DELTA) into stage t % STAGES once both consumers freed it. Step t is query block
     j_lo + t % n_qblocks of query head h0 + t // n_qblocks. Query block j and key n0 are rows q0 + j * BLOCK_M
-    and k0 + n0 of the tensors (a packed document's first rows; 0, 0 otherwise). TMA fills rows past a tensor's
+    and k0 + n0 of the tensors, and query block j's lse and delta start at r0 + j * BLOCK_M of a head's rows (a
+    packed document's first rows, r0 a multiple of BLOCK_M; 0, 0, 0 otherwise). TMA fills rows past a tensor's
     end with zeros."""
     kv_ready, q_ready, do_ready, free = bars
     for half in gl.static_range(2):
@@ -33,21 +34,21 @@ def dkdv_loader(
     for t in range(n_iter):
         stage = t % STAGES
         h = h0 + t // n_qblocks
-        m = q0 + (j_lo + t % n_qblocks) * BLOCK_M
+        m = (j_lo + t % n_qblocks) * BLOCK_M
         mbarrier.wait(free.index(stage), ((t // STAGES) & 1) ^ 1)
-        row = (b * heads_q + h) * row_stride + m  # in lse's and delta's flat rows
+        row = (b * heads_q + h) * row_stride + r0 + m  # in lse's and delta's flat rows
         if HAS_LSE:
             mbarrier.expect(q_ready.index(stage), q_desc.block_type.nbytes + lse_desc.block_type.nbytes)
             tma.async_copy_global_to_shared(lse_desc, [row], q_ready.index(stage), lse_smem.index(stage))
         else:
             mbarrier.expect(q_ready.index(stage), q_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(q_desc, [b, h, m, 0], q_ready.index(stage), q_smem.index(stage))
+        tma.async_copy_global_to_shared(q_desc, [b, h, q0 + m, 0], q_ready.index(stage), q_smem.index(stage))
         if HAS_DELTA:
             mbarrier.expect(do_ready.index(stage), do_desc.block_type.nbytes + delta_desc.block_type.nbytes)
             tma.async_copy_global_to_shared(delta_desc, [row], do_ready.index(stage), delta_smem.index(stage))
         else:
             mbarrier.expect(do_ready.index(stage), do_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(do_desc, [b, h, m, 0], do_ready.index(stage), do_smem.index(stage))
+        tma.async_copy_global_to_shared(do_desc, [b, h, q0 + m, 0], do_ready.index(stage), do_smem.index(stage))
 
 
 @gluon.jit

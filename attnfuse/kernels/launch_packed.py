@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from ..runtime.hopper import HopperLauncher
-from ..runtime.template_rows import padded_rows, template_rows
+from ..runtime.template_rows import padded_rows
 from .descriptors import describe
 from .launch import TemplateDkdv, TemplateForward
 from .pipeline import LAUNCH_REGISTERS, ROWS
@@ -78,10 +78,40 @@ class PackedTemplateForward(TemplateForward):
         )
 
 
+def document_rows(
+    lse: torch.Tensor, delta: torch.Tensor, cu_q: torch.Tensor, docs: int
+) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """lse (natural, as saved) and delta (1, H, total_q) float32 of a pack of ``docs`` documents (query offsets
+    ``cu_q``) -> the dK/dV template's rows of them, float32 (H * row_stride,), and row_stride: each head's rows
+    with document i's from (cu_q[i] + 64 i) rounded down to a multiple of 64 (``packed.padded_start``: TMA reads
+    a query block's from an aligned start), -inf and 0 between documents. Offsets clamped to [0, total_q] as the
+    kernels clamp them; torch ops on lse's device, no host sync."""
+    _, heads, total = lse.shape
+    block = ROWS.value
+    row_stride = padded_rows(total + block * docs, block)
+    cu = cu_q.to(torch.int64).clamp(0, total)
+    row = torch.arange(total, device=lse.device)
+    doc = (torch.searchsorted(cu, row, right=True) - 1).clamp(0, max(docs - 1, 0))
+    first = cu[doc]
+    place = ((first + block * doc) // block * block + row - first).clamp(0, row_stride - 1)
+    lse_rows = torch.full((heads, row_stride), float("-inf"), dtype=torch.float32, device=lse.device)
+    delta_rows = torch.zeros((heads, row_stride), dtype=torch.float32, device=lse.device)
+    lse_rows[:, place] = lse[0]
+    delta_rows[:, place] = delta[0]
+    return lse_rows.view(-1), delta_rows.view(-1), row_stride
+
+
 class PackedTemplateDkdv(TemplateDkdv):
     """The dK/dV template's instance of a packed call (its launches count as ``TemplateDkdv``'s). A program has all
     of its GQA group's query heads (GROUP_SUM "none"): a split group's partial sums are laid out by key block of
     one sequence, not of a document."""
+
+    @staticmethod
+    def fits_documents(heads_q: int, total_q: int, total_k: int, docs: int) -> bool:
+        """Whether one launch's grid holds a pack's key blocks and int32 TMA coordinates its rows of lse and delta
+        (``document_rows``) (else the call runs the generated dK/dV kernel)."""
+        rows = heads_q * padded_rows(total_q + ROWS.value * docs, ROWS.value)
+        return PackedTemplateForward.fits_pack(total_k, docs) and rows < 2**31
 
     def __call__(
         self,
@@ -95,14 +125,15 @@ class PackedTemplateDkdv(TemplateDkdv):
         dv: torch.Tensor,
         plugin_args: dict[str, Any],
     ) -> None:
-        """q and dout (1, Hq, total_q, D), k and v (1, Hkv, total_k, D) with total_q, total_k >= 1 (``fits``); lse
-        and delta (1, Hq, total_q) float32 as ``TemplateDkdv`` takes them -> dk, dv, written in place;
-        ``plugin_args``: the plugins' kernel arguments and the pack's."""
+        """q and dout (1, Hq, total_q, D), k and v (1, Hkv, total_k, D) with total_q, total_k >= 1 (``fits``,
+        ``fits_documents``); lse and delta (1, Hq, total_q) float32 as ``TemplateDkdv`` takes them -> dk, dv,
+        written in place; ``plugin_args``: the plugins' kernel arguments and the pack's."""
         _, Hq, total_q, D = q.shape
         Hkv, total_k = k.shape[1], k.shape[2]
         lse_desc = delta_desc = None
+        row_stride = 0  # no rows read: the normaliser saves no lse
         if self._has_lse:
-            lse_rows, delta_rows = template_rows(lse, ROWS.value, delta=delta, natural=True)
+            lse_rows, delta_rows, row_stride = document_rows(lse, delta, plugin_args["CuQ"], plugin_args["DOCS"])
             lse_desc, delta_desc = HopperLauncher._describe_rows(lse_rows), HopperLauncher._describe_rows(delta_rows)
         args = self.spec.launch.bind(
             {
@@ -125,7 +156,7 @@ class PackedTemplateDkdv(TemplateDkdv):
                 "HQ": Hq,
                 "GROUP": Hq // Hkv,
                 "heads": Hq // Hkv,
-                "row_stride": padded_rows(total_q, ROWS.value),
+                "row_stride": row_stride,
                 **self._scales,
                 **plugin_args,
             }

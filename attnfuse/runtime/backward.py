@@ -322,7 +322,7 @@ class BackwardKernels:
                 follows
                 and self.template is not None
                 and self.template.fits(q, k, v, dout, lse, dk, dv)
-                and (kv.packed is None or PackedTemplateForward.fits_pack(Nk, kv.packed.docs))
+                and (kv.packed is None or PackedTemplateDkdv.fits_documents(Hq, Nq, Nk, kv.packed.docs))
             )
             engine = "template" if served else "generated"
             dq_served = (

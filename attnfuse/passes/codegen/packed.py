@@ -70,6 +70,13 @@ def document(pid: str, block: str, side: str, q_rows: tuple[str, ...], k_rows: t
     )
 
 
+def padded_start(q_start: str, block: str) -> str:
+    """The first of document ``doc``'s rows (its first row of q: ``q_start``) in a layout of the packed rows where
+    every document starts on a block of ``block`` rows: (q_start + doc * block) rounded down to a block, which
+    leaves room for the documents before it (TMA reads a block of a row statistic from an aligned start)."""
+    return f"({q_start} + doc * {block}) // {block} * {block}"
+
+
 def lse_rows(kernel: LoweredProgram, head: str) -> str:
     """The offset of row 0 of ``head`` (batch x query head, an int64 expression) in the row statistics
     (Lse, Delta: (B, Hq, Nq)); packed: of its document's row 0 in (1, Hq, TOTAL_Q)."""
