@@ -37,6 +37,10 @@ A program whose mask lists its blocks walks the lists' query blocks instead, wit
 (``kernels/dkdv_listed.py``). Such a program, and one with masks at head dim 128, stores a masked step's keep in
 shared memory before its products (``kernels/dkdv_keep.py``), and its chain reads it there.
 
+A packed call's program (``KernelConfig.varlen``) is a key block of one document, found from its place in the grid
+(``packed.document``), with all of its group's query heads; its loader reads the document's packed rows, and its
+lse and delta from rows where each document starts on a query block (``launch_packed.document_rows``).
+
 dQ is not computed here: the generated dQ kernel runs first (it writes delta, and the score-shaped
 gradients of tensor inputs such as an additive bias). dK and dV are stored as the hand kernel stores them,
 summed over a split group's programs as GROUP_SUM says (``dkdv_pipeline.store_program_grads``).

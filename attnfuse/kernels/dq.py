@@ -19,7 +19,9 @@ orientation:
     dS from registers).
 
 A program whose mask lists its blocks visits the key blocks its rows' list names instead, with a loader of its own
-(``kernels/dq_listed.py``).
+(``kernels/dq_listed.py``). A packed call's program (``KernelConfig.varlen``) is a query block of one document,
+found as the packed forward's is (``forward_facts.packed_program``); its loader reads the document's packed rows,
+and its rows' statistics and dQ are at them.
 
 dP is issued with S, so the score pipeline runs while it multiplies, unless the program has score modifications
 (their kept inputs take the registers an in-flight dP holds), as in the dK/dV template. dQ is stored through
