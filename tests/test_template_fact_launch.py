@@ -172,3 +172,16 @@ def test_document_rows_start_each_document_on_a_query_block(seed):
         assert torch.equal(lse_rows[:, start : start + n], lse[0, :, first : first + n])
         assert torch.equal(delta_rows[:, start : start + n], delta[0, :, first : first + n])
     assert (lse_rows[:, ~placed] == float("-inf")).all() and (delta_rows[:, ~placed] == 0).all()
+
+
+def test_a_pack_whose_key_blocks_or_rows_overflow_keeps_the_generated_dkdv_kernel():
+    """``PackedTemplateDkdv.fits_documents``: the dK/dV instance of a packed call runs only where one launch's grid
+    holds the pack's key blocks (total_k // 128 + docs of them) and int32 TMA coordinates reach its rows of lse and
+    delta (each document's rows starting on a 64-row block: Hq x (total_q + 64 docs) rounded up)."""
+    total = int(torch.randint(1000, 100_000, ()))
+    docs = GRID_Y_LIMIT - total // 128
+    assert PackedTemplateDkdv.fits_documents(Hq, total, total, docs)
+    assert not PackedTemplateDkdv.fits_documents(Hq, total, total, docs + 1)  # one key block too many
+    rows = 2**31 // 64 // 64 * 64  # a head's rows, in whole blocks, at which 64 query heads reach 2**31
+    assert PackedTemplateDkdv.fits_documents(64, rows - 64 - 64, total, 1)
+    assert not PackedTemplateDkdv.fits_documents(64, rows - 64, total, 1)
