@@ -220,10 +220,11 @@ def fp8_cases() -> list[Case]:
 
 
 def _takes(variant: str, fact: str) -> bool:
-    """Whether a call of ``variant`` with ``fact`` runs the forward template: a qk transform (rope) runs hoisted
-    into a pass only with one length for all sequences (not kv_lens) and outside packed calls; a packed call
-    takes no tensor indexed by query and key (additive_bias's bias), and a packed sigmoid call's default offset
-    is -log of the packed key count, not each document's, so it is not each document alone."""
+    """Whether ``variant`` has cases of calls with ``fact``: a qk transform (rope) runs hoisted into a pass only
+    with one length for all sequences (not kv_lens), and a packed call's hoisted instance is the same code as
+    causal's (checked by causal's cases); a packed call takes no tensor indexed by query and key (additive_bias's
+    bias) in the templates, and a packed sigmoid call's default offset is -log of the packed key count, not each
+    document's, so it is not each document alone."""
     if variant.startswith("rope"):
         return fact == "positions"
     return fact != "varlen" or variant not in ("additive_bias", "sigmoid")
