@@ -508,20 +508,25 @@ def test_compare_gradients_of_a_packed_call_runs_each_document_alone(variant, mo
         verify.compare_gradients(program, kwargs, (q, k, v), dout, got, variant)
 
 
+def packed_instance(kind: str, head_dim: int) -> tuple[str, str, str]:
+    """The ``kind`` instance of a packed causal call, checked to take the pack's arguments and to be complete Gluon:
+    its source, its entry function's, and the source of the unpacked call's instance."""
+    spec = _plan("causal", head_dim=head_dim, head_dim_v=head_dim, varlen=True).templates.kernels[kind]
+    assert {"CuQ", "CuK", "DOCS", "SEARCH_STEPS"} <= {p.name for p in spec.launch.params}
+    assert _undefined(spec.source) == []
+    plain = _plan("causal", head_dim=head_dim, head_dim_v=head_dim).templates.kernels[kind].source
+    return spec.source, spec.source[spec.source.index(f"def {spec.name}(") :], plain
+
+
 @pytest.mark.parametrize("head_dim", HEAD_DIMS)
 def test_a_packed_dkdv_instance_works_on_its_document_s_rows(head_dim):
     """A packed program finds its document from the grid (its key block, as the generated packed dK/dV kernel
     finds it), its loader reads K, V, Q and dO at the document's packed rows (q_start, k_start), lse and delta from
     the document's block-aligned start (``launch_packed.document_rows``), and it stores dK and dV at its packed
     rows, keys below the document's end only; its instance is complete Gluon."""
-    spec = _plan("causal", head_dim=head_dim, head_dim_v=head_dim, varlen=True).templates.kernels["dkdv"]
-    source = spec.source
-    assert {"CuQ", "CuK", "DOCS", "SEARCH_STEPS"} <= {p.name for p in spec.launch.params}
-    assert _undefined(source) == []
-    entry = source[source.index(f"def {spec.name}(") :]
+    source, entry, plain = packed_instance("dkdv", head_dim)
     assert entry.index("TOTAL_K = N_K") < entry.index("if pid_n * BLOCK_N >= N_K:") < entry.index("k_lo = n0")
     assert "n_qblocks, n_iter, q_start, k_start, rows_start, row_stride" in entry
     assert "rows_start = (q_start + doc * BLOCK_M) // BLOCK_M * BLOCK_M" in entry
     assert "key = gl.expand_dims(k_start + n0 + HALF_ID * BLOCK_N" in source and "k_start + Nk, heads" in source
-    plain = _plan("causal", head_dim=head_dim, head_dim_v=head_dim).templates.kernels["dkdv"].source
     assert "n_qblocks, n_iter, 0, 0, 0, row_stride" in plain and "k_start" not in plain

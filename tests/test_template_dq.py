@@ -25,7 +25,7 @@ from attnfuse.runtime import backward as runtime_backward
 from attnfuse.runtime.compiled import compiled
 
 from test_template import _block_sparse, _undefined
-from test_template_dkdv import SM90, _graph, _plan
+from test_template_dkdv import SM90, _graph, _plan, packed_instance
 
 from conftest import stand_in
 
@@ -120,17 +120,12 @@ def test_a_packed_dq_instance_works_on_its_document_s_rows(head_dim):
     """A packed program finds its document from the grid (the packed forward's search), reads lse and delta at
     the document's rows of (1, HQ, total_q), loads Q, dO, K and V at packed rows (q_start, k_start added) and
     stores dQ and reads O at them, rows below the document's end only; its instance is complete Gluon."""
-    spec = _plan("causal", head_dim=head_dim, head_dim_v=head_dim, varlen=True).templates.kernels["dq"]
-    source = spec.source
-    assert {"CuQ", "CuK", "DOCS", "SEARCH_STEPS"} <= {p.name for p in spec.launch.params}
-    assert _undefined(source) == []
-    entry = source[source.index(f"def {spec.name}(") :]
+    source, entry, plain = packed_instance("dq", head_dim)
     assert entry.index("TOTAL_Q = Nq") < entry.index("if pid_m * BLOCK_M >= Nq:") < entry.index("q_lo = ")
     assert "row_base = pid_bh.to(tl.int64) * TOTAL_Q + q_start" in source
     assert "store_dq(dq, DQuery, dq_strides, b, h, q_start + first, q_start + Nq, G_LAYOUT)" in source
     assert "load_rows(O, o_desc, b, h, q_start + first, q_start + Nq," in source
     assert "bars, b, h, hk, q_start + m0, k_start + start," in source
-    plain = _plan("causal", head_dim=head_dim, head_dim_v=head_dim).templates.kernels["dq"].source
     assert "q_start" not in plain and "TOTAL_Q" not in plain
 
 
