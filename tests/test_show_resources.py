@@ -67,19 +67,27 @@ def test_template_kernels_report_what_template_resources_compiles_for_the_runtim
 @pytest.mark.parametrize("fact", ["kv_lens", "positions", "varlen"])
 @pytest.mark.parametrize("mode", ["all", "off"])
 def test_a_call_with_a_fact_reports_each_kernel_s_figures(capsys, monkeypatch, fact, mode):
-    """``--kv-lens``, ``--positions``, ``--varlen``: the forward template's instance of such a call (opted in),
-    or each generated kernel, which takes the fact's arguments (the packed offsets int32, the positions ints)."""
+    """``--kv-lens``, ``--positions``, ``--varlen``: the forward template's instance of such a call (opted in), and
+    of a packed call the dK/dV and dQ templates' too; or each generated kernel, which takes the fact's arguments
+    (the packed offsets int32, the positions ints)."""
     monkeypatch.setenv(verified.MODE_ENV, mode)
     kernels = show_resources(capsys, HEAD_DIM, f"--{fact.replace('_', '-')}")
     config = KernelConfig(arch="sm90", dtype="bfloat16", head_dim=HEAD_DIM, head_dim_v=HEAD_DIM, group=1,
                           save_lse=False, fp32_precision="ieee", **{fact: True})  # fmt: skip
-    forward = kernels["forward"]
+    training = attrs.evolve(config, save_lse=True)
+    graph = EXAMPLES["gpt2"].graph()
+    templates = {"forward": (template_forward, config)}
+    if fact == "varlen":
+        templates |= {"dkdv": (template_dkdv, training), "dq": (template_dq, training)}
     if mode == "all":
-        spec = template_forward(compiled(EXAMPLES["gpt2"].graph(), config).plan).spec
-        assert forward["engine"] == "template" and forward["name"] == spec.name, forward
-        used = template_resources(spec, "bfloat16", HEAD_DIM, save_lse=False)
-        assert {f: forward[f] for f in FIGURES} == {f: getattr(used, f) for f in FIGURES}
-    for entry in kernels.values() if mode == "off" else (kernels["dkdv"], kernels["dq"]):
+        for kind, (instance, plan_config) in templates.items():
+            spec = instance(compiled(graph, plan_config).plan).spec
+            entry = kernels[kind]
+            assert entry["engine"] == "template" and entry["name"] == spec.name, entry
+            used = template_resources(spec, "bfloat16", HEAD_DIM, save_lse=plan_config.save_lse)
+            assert {f: entry[f] for f in FIGURES} == {f: getattr(used, f) for f in FIGURES}, kind
+    generated = [kind for kind in kernels if mode == "off" or kind not in templates]
+    for entry in (kernels[kind] for kind in generated):
         assert entry["engine"] == "generated", entry
         assert entry["registers"] > 0 and entry["spill_bytes"] >= 0, entry
         assert 0 < entry["shared_bytes"] <= SHARED_MEMORY_LIMIT, entry
