@@ -14,6 +14,7 @@ import torch
 
 import attnfuse as af
 from attnfuse.kernels import capability, verify
+from attnfuse.passes.codegen.loops import listing_mask
 from attnfuse.passes.compiler import compile as compile_plan
 from attnfuse.passes.compiler import lowered
 from attnfuse.plan import KernelConfig
@@ -61,19 +62,32 @@ def test_the_templates_serve_listed_programs(variant, dtype, head_dim):
     [
         ("kv_lens", "lists its blocks, .* per-sequence key counts \\(kv_lens\\)"),
         ("positions", "lists its blocks, .* given positions"),
-        ("varlen", "reads q_idx or k_idx .* packed instance does not take yet"),
     ],
 )
 def test_the_forward_template_refuses_block_lists_in_a_call_with_a_fact(variant, fact, words):
     """A listed program's loader, steps and careful redo take none of a call's facts (``forward_facts``): a call
-    with kv_lens or given positions and a listing mask runs the generated kernel, and the reason names both; in a
-    packed call the mask is applied element by element, reading its grid at packed rows, which the template's
-    packed instance does not take. The GPU check has no such case."""
+    with kv_lens or given positions and a listing mask runs the generated kernel, and the reason names both. The
+    GPU check has no such case."""
     kernel = lowered(_graph(variant), attrs.evolve(SM90, **{fact: True}))
     reason = capability.forward_reason(kernel)
     assert reason is not None and re.search(words, reason), reason
     assert "forward" not in compile_plan(_graph(variant), attrs.evolve(SM90, **{fact: True})).templates.kernels
     assert not [c for c in verify.fact_cases() if c.variant in verify.LISTED_VARIANTS]
+
+
+@pytest.mark.parametrize("variant", LISTED)
+def test_in_a_packed_call_a_block_mask_is_an_element_mask_the_templates_take(variant):
+    """In a packed call a block mask lists nothing: its keep reads its grid at packed rows, element by element
+    (``passes/lower.py``), and the templates take it as any mask reading a tensor at packed rows (the forward and
+    dQ templates; the dK/dV one not yet). The GPU check has no such case, so those instances stay opt-in
+    (``ATTNFUSE_TEMPLATES=all``)."""
+    kernel = lowered(_graph(variant), attrs.evolve(SM90, varlen=True))
+    assert listing_mask(kernel) is None and "q_start + q_idx" in "\n".join(m.fragment.keep for m in kernel.masks)
+    assert capability.forward_reason(kernel) is None and capability.dq_reason(kernel) is None
+    assert "reads q_idx or k_idx" in capability.dkdv_reason(kernel)
+    assert not [
+        c for c in verify.fact_cases() + verify.backward_cases() if c.variant in verify.LISTED_VARIANTS and c.fact
+    ]
 
 
 @pytest.mark.parametrize("variant", LISTED)

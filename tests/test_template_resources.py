@@ -3,7 +3,7 @@
 the dK/dV and dQ templates (the listed ones, ``verify.LISTED_VARIANTS``, too) and compiles within a block's shared
 memory, on wgmma and TMA, with one main loop per consumer warpgroup; so do the forward instances of calls with a
 fact (``FACT_CASES``: kv_lens, given positions, packed sequences; float8 ones too), and the dK/dV and dQ
-instances of packed calls (``PACKED_BACKWARD_CASES``). The forward's key loop holds
+instances of packed calls (``PACKED_BACKWARD_CASES``, ``PACKED_DQ_CASES``). The forward's key loop holds
 no local memory (the spill bytes outside the loop, a few at head dims 128 and 256, are in docs/benchmarks.md's
 table: not yet none), and the dK/dV step loop none either, except where ``KNOWN_DKDV_LOOP_SPILLS`` says it spills
 today, and there no more than it says; the dQ template's step loop holds none at all.
@@ -41,11 +41,14 @@ FACT_CASES = [
     ("causal", 128, "bfloat16", "varlen"),
     ("sinks", 64, "float16", "varlen"),
     ("sliding_window", 256, "bfloat16", "varlen"),
+    ("additive_bias", 128, "bfloat16", "varlen"),
     ("causal", 128, verify.FP8_DTYPE, "kv_lens"),
     ("sliding_window", 64, verify.FP8_DTYPE, "positions"),
 ]
 # The backward instances of packed calls (``verify.backward_cases``, fact "varlen"): masked at both head dims, sinks
 PACKED_BACKWARD_CASES = [("causal", 128, "bfloat16"), ("sinks", 64, "float16"), ("sliding_window", 128, "bfloat16")]
+# and the dQ template's of a packed call reading a tensor at packed rows (the dK/dV template takes none yet)
+PACKED_DQ_CASES = [*PACKED_BACKWARD_CASES, ("additive_bias", 128, "bfloat16")]
 CONSUMERS = 2  # consumer warpgroups of either template, each running its own key (forward) or step (dK/dV) loop
 
 # A KNOWN DEFECT, to be driven to zero: the dK/dV instances that spill inside their step loop today (ptxas' spill
@@ -157,7 +160,7 @@ def test_dq_instance_compiles_for_sm90_with_no_local_memory_in_its_loop(variant,
 
 
 @pytest.mark.parametrize(
-    "variant,head_dim,dtype", PACKED_BACKWARD_CASES, ids=[f"{v}-D{d}-{t}" for v, d, t in PACKED_BACKWARD_CASES]
+    "variant,head_dim,dtype", PACKED_DQ_CASES, ids=[f"{v}-D{d}-{t}" for v, d, t in PACKED_DQ_CASES]
 )
 def test_dq_instance_of_a_packed_call_compiles_for_sm90_with_no_local_memory_in_its_loop(variant, head_dim, dtype):
     _check_dq(variant_plan(variant, dtype, head_dim, "varlen"), f"{variant} packed", dtype, head_dim)

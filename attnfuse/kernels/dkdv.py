@@ -431,7 +431,7 @@ def generate_dkdv(kernel: LoweredProgram, name: str, consumer_registers: int, lo
         smem=smem,
         steps=indent(steps, 4).rstrip("\n"),
         plugin_args=args,
-        facts="k_start, " if varlen else "",
+        facts="q_start, k_start, " if varlen else "",
         k0="k_start + " if varlen else "",
         keys="" if per_step else indent(_KEYS, 4),
     )
@@ -442,7 +442,7 @@ def generate_dkdv(kernel: LoweredProgram, name: str, consumer_registers: int, lo
         smem=smem,
         plugin_args=args,
         given="".join(f"{p.name}, " for p in packed_params(kernel)),
-        facts="k_start, " if varlen else "",
+        facts="q_start, k_start, " if varlen else "",
         program=indent(_program(kernel), 4).rstrip("\n"),
         grid="(HQ // GROUP, N_K // 128 + DOCS), N_K the packed total" if varlen else "(B * HQ / heads, cdiv(N_K, 128))",
         rows_doc=rows_doc,

@@ -74,9 +74,14 @@ def keep_text(kernel: LoweredProgram) -> str:
     return " & ".join(keeps)
 
 
+DOCUMENT_ROWS = ("q_start", "k_start")  # a packed call's first rows of its document, which a fragment reading
+# its tensors at packed rows reads (``passes/lower.py: packed_rows``)
+
+
 def reads(kernel: LoweredProgram, code: str, extra: tuple[str, ...] = ()) -> list[str]:
-    """The plugin arguments that ``code`` reads, in the kernel's order, then those of ``extra`` it reads."""
-    names = [a.name for a in kernel.args()] + list(extra)
+    """The plugin arguments that ``code`` reads, in the kernel's order, then the document's first rows
+    (``DOCUMENT_ROWS``) and those of ``extra`` it reads."""
+    names = [a.name for a in kernel.args()] + list(DOCUMENT_ROWS) + list(extra)
     return [n for n in names if re.search(rf"\b{re.escape(n)}\b", code)]
 
 

@@ -322,7 +322,7 @@ def generate_dq(kernel: LoweredProgram, name: str, consumer_registers: int, load
     listing = listing_mask(kernel)
     q0 = _first_row(kernel)
     given = "".join(f"{p.name}, " for p in packed_params(kernel))
-    facts = "q_start, TOTAL_Q, " if kernel.config.varlen else ""
+    facts = "q_start, k_start, TOTAL_Q, " if kernel.config.varlen else ""
     consumer = _CONSUMER.substitute(
         name=name,
         plugin_args=args,

@@ -222,12 +222,11 @@ def fp8_cases() -> list[Case]:
 def _takes(variant: str, fact: str) -> bool:
     """Whether ``variant`` has cases of calls with ``fact``: a qk transform (rope) runs hoisted into a pass only
     with one length for all sequences (not kv_lens), and a packed call's hoisted instance is the same code as
-    causal's (checked by causal's cases); a packed call takes no tensor indexed by query and key (additive_bias's
-    bias) in the templates, and a packed sigmoid call's default offset is -log of the packed key count, not each
-    document's, so it is not each document alone."""
+    causal's (checked by causal's cases); a packed sigmoid call's default offset is -log of the packed key count,
+    not each document's, so it is not each document alone."""
     if variant.startswith("rope"):
         return fact == "positions"
-    return fact != "varlen" or variant not in ("additive_bias", "sigmoid")
+    return fact != "varlen" or variant != "sigmoid"
 
 
 def fact_cases() -> list[Case]:
@@ -245,8 +244,16 @@ def fact_cases() -> list[Case]:
         for v in VARIANTS
         if _takes(v, fact)
         for d in HEAD_DIMS
+        if fact != "varlen" or _packed_served("forward", v, d)
         for t in DTYPES
     ]
+
+
+@functools.cache
+def _packed_served(kind: str, variant: str, head_dim: int) -> bool:
+    """Whether the ``kind`` template runs a packed call of ``variant`` at ``head_dim`` (``capability``: one reading
+    a tensor at packed rows, not at every head dim and not in the dK/dV template yet)."""
+    return kind in variant_plan(variant, "bfloat16", head_dim, "varlen").templates.kernels
 
 
 def _dropout_cases(kind: str) -> list[Case]:
@@ -286,12 +293,13 @@ def backward_cases() -> list[Case]:
 
 def _packed_backward_cases(kind: str) -> list[Case]:
     """``kind``'s cases of packed calls: each variant with smooth weights that the forward template runs packed
-    (``_takes``), the forward's packed shape."""
+    (``_takes``) and the ``kind`` template takes (``_packed_served``), the forward's packed shape."""
     return [
         Case(v, d, t, PACKED_SHAPE, False, kind=kind, fact="varlen")
         for v in VARIANTS
         if smooth(v) and _takes(v, "varlen")
         for d in DKDV_HEAD_DIMS
+        if _packed_served(kind, v, d)
         for t in DTYPES
     ]
 
@@ -365,8 +373,8 @@ def check(case: Case, seed: int = 0) -> dict:
     if TemplateForward.launches == before:
         raise AssertionError(f"{case.id}: the call did not run the forward template")
     if case.fact == "varlen":
-        ref = per_document(program, q, k, v, return_lse=with_lse, **kwargs)
-        low = per_document(program, q, k, v, return_lse=with_lse, dtype=dtype, **kwargs)
+        ref = packed_reference(program, q, k, v, return_lse=with_lse, **kwargs)
+        low = packed_reference(program, q, k, v, return_lse=with_lse, dtype=dtype, **kwargs)
     else:
         ref = program.reference(q, k, v, return_lse=with_lse, **kwargs, **facts, **replayed)
         low = program.reference(q, k, v, return_lse=with_lse, dtype=dtype, **kwargs, **facts, **replayed)
@@ -431,23 +439,12 @@ def _packed_on_gpu(asked: bool):
             os.environ[packed.GATE.env] = before
 
 
-def per_document(program, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, return_lse: bool = False, **options):
-    """``program.reference`` of a packed call (q (1, Hq, total_q, D), k and v (1, Hkv, total_k, D) holding
-    ``DOCUMENTS``): each document alone (with ``options``), concatenated along the rows; out, or (out, lse). A
-    document with no key is its rows against a cache of length 0 (``kv_lens``)."""
-    outs, lses, q0, k0 = [], [], 0, 0
-    for nq, nk in DOCUMENTS:
-        rows, keys = slice(q0, q0 + nq), slice(k0, k0 + nk) if nk else slice(0, 1)
-        q0, k0 = q0 + nq, k0 + nk
-        if nq == 0:
-            continue
-        lens = {} if nk else {"kv_lens": torch.zeros(1, dtype=torch.int32, device=q.device)}
-        got = program.reference(q[:, :, rows], k[:, :, keys], v[:, :, keys], return_lse=return_lse, **options, **lens)
-        out, lse = got if return_lse else (got, None)
-        outs.append(out)
-        lses.append(lse)
-    out = torch.cat(outs, 2)
-    return (out, torch.cat(lses, 2)) if return_lse else out
+def packed_reference(program, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, return_lse: bool = False, **options):
+    """``program.reference`` of a packed call of ``DOCUMENTS`` (q (1, Hq, total_q, D), k and v (1, Hkv, total_k,
+    D)): each document attending within itself at its own positions, a tensor indexed by query and key read at
+    packed rows (the evaluator's packed call, which ``tests/test_kit_packed.py`` checks against each document run
+    alone); out, or (out, lse)."""
+    return program.reference(q, k, v, return_lse=return_lse, **fact_arguments("varlen", q.device), **options)
 
 
 def _check_backward(case: Case, seed: int) -> dict:
@@ -508,11 +505,11 @@ def compare_gradients(
     one dtype) with the float64 reference's gradients (AssertionError beyond what the dtype allows, with the
     bound of delta's rounding, ``grad_bounds``, for a normaliser that reads delta); the largest error.
     ``dropout``: the call's ``dropout_p`` and replayed ``dropout_mask``, for the reference (None: none);
-    ``documents``: a packed call of ``DOCUMENTS``, its reference each document alone (``per_document``)."""
+    ``documents``: a packed call of ``DOCUMENTS`` (its reference: ``packed_reference``)."""
     dtype = dout.dtype
     graph = program.graph(**kwargs)
     kwargs = {**kwargs, **(dropout or {})}
-    reference = functools.partial(per_document, program) if documents else program.reference
+    reference = functools.partial(packed_reference, program) if documents else program.reference
     leaves64 = [t.detach().double().requires_grad_(True) for t in qkv]
     if graph.has_lse:
         out64, lse64 = reference(*leaves64, return_lse=True, **kwargs)
