@@ -487,10 +487,10 @@ def test_compare_gradients_replays_the_calls_dropout_mask(variant):
 
 
 @pytest.mark.parametrize("variant", ["causal", "sinks"])
-def test_compare_gradients_of_a_packed_call_runs_each_document_alone(variant, monkeypatch):
-    """The packed cases' comparison (``documents``: the reference runs each of ``DOCUMENTS`` alone, an empty one
-    and one with no key among them), run here on the generated kernels' float16 gradients of a packed call: it
-    passes them, and fails them against the reference of the whole row as one sequence."""
+def test_compare_gradients_of_a_packed_call_keeps_each_document_to_itself(variant, monkeypatch):
+    """The packed cases' comparison (``documents``: ``packed_reference``, each of ``DOCUMENTS`` attending within
+    itself, an empty one and one with no key among them), run here on the generated kernels' float16 gradients of a
+    packed call: it passes them, and fails them against the reference of the whole row as one sequence."""
     documents = ((0, 3), (5, 5), (17, 9), (4, 0), (20, 31))
     monkeypatch.setattr(verify, "DOCUMENTS", documents)
     program, extra = verify.VARIANTS[variant]
