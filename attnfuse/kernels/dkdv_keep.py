@@ -22,6 +22,9 @@ from .gluon_text import for_template
 HEAD_DIMS = (128,)  # where a program with masks stores them; at head dim 64 (no dropout) its loop does not spill
 TILE = "keep_tile = pds_smem.index(4 + HALF_ID)  # this warpgroup's keep of a masked step (dkdv_keep)"
 CHAIN_KEEP = "keep = keep_tile.load(S_LAYOUT) != 0  # as the step stored it (dkdv_keep)"
+# a packed call's first rows of its document, which a fragment reading its tensors at packed rows reads
+# (``passes/lower.py: packed_rows``)
+DOCUMENT_ROWS = ("q_start", "k_start")
 
 
 # The functions that evaluate fragments 8 rows at a time (here, ``dkdv_mods``): a part's tile as the fragments see
@@ -72,10 +75,6 @@ def keep_text(kernel: LoweredProgram) -> str:
     if listing is not None and listing.fragment.keep and listing.fragment.block_list.q_partial is not None:
         keeps.append(f"(({for_template(listing.fragment.keep)}) | (list_partial == 0))")
     return " & ".join(keeps)
-
-
-DOCUMENT_ROWS = ("q_start", "k_start")  # a packed call's first rows of its document, which a fragment reading
-# its tensors at packed rows reads (``passes/lower.py: packed_rows``)
 
 
 def reads(kernel: LoweredProgram, code: str, extra: tuple[str, ...] = ()) -> list[str]:
