@@ -67,7 +67,7 @@ def test_descriptors_pass_the_checks_they_skip():
         for rows, columns in ((64, None), (128, None), (64, 64))
     ]
     described += [
-        hopper.HopperLauncher._describe_rows(rows)
+        hopper.describe_rows(rows)
         for n in (64, 129)
         for rows in template_rows(torch.randn(2, 8, n), hopper.DKDV_BLOCK_M, delta=torch.randn(2, 8, n))
     ]
@@ -102,8 +102,8 @@ def test_template_rows_pad_each_head_to_whole_query_blocks(N):
     assert torch.equal(delta_rows.view(B, H, padded)[..., :N], delta)
     assert (lse_rows.view(B, H, padded)[..., N:] == float("inf")).all()
     assert not delta_rows.view(B, H, padded)[..., N:].any()
-    assert hopper.HopperLauncher.rows_fit(lse)
-    assert not hopper.HopperLauncher.rows_fit(torch.empty(1).expand(2**16, 2**8, 2**7 - 1))
+    assert hopper.lse_rows_fit(lse)
+    assert not hopper.lse_rows_fit(torch.empty(1).expand(2**16, 2**8, 2**7 - 1))
 
 
 def test_dkdv_group_parts(monkeypatch):

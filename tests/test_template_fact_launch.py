@@ -14,7 +14,14 @@ import attnfuse as af
 from attnfuse.kernels import verified
 from attnfuse.kernels.launch import TemplateForward
 from attnfuse.kernels.dq_launch import PackedTemplateDq
-from attnfuse.kernels.launch_packed import GRID_Y_LIMIT, PackedTemplateDkdv, PackedTemplateForward, document_rows
+from attnfuse.kernels.launch_packed import (
+    GRID_Y_LIMIT,
+    PackedTemplateDkdv,
+    PackedTemplateForward,
+    document_rows,
+    fits_documents,
+    fits_pack,
+)
 from attnfuse.launch_spec import CONSTEXPR
 from attnfuse.passes.codegen.packed import padded_start
 from attnfuse.plan import KernelConfig
@@ -108,7 +115,7 @@ def test_a_call_hands_the_instance_its_tensors_and_its_fact_s_arguments(fact, mo
 def test_a_pack_whose_blocks_overflow_a_grid_runs_the_generated_kernel(monkeypatch):
     total = int(torch.randint(1000, 100_000, ()))
     docs = GRID_Y_LIMIT - total // 128
-    assert PackedTemplateForward.fits_pack(total, docs) and not PackedTemplateForward.fits_pack(total, docs + 1)
+    assert fits_pack(total, docs) and not fits_pack(total, docs + 1)
     monkeypatch.setenv(verified.MODE_ENV, "all")
     forward = ForwardKernel(compiled(causal.graph(), attrs.evolve(SM90, varlen=True)).plan)
     launches = _Launches(forward.template.spec)
@@ -175,13 +182,13 @@ def test_document_rows_start_each_document_on_a_query_block(seed):
 
 
 def test_a_pack_whose_key_blocks_or_rows_overflow_keeps_the_generated_dkdv_kernel():
-    """``PackedTemplateDkdv.fits_documents``: the dK/dV instance of a packed call runs only where one launch's grid
+    """``fits_documents``: the dK/dV instance of a packed call runs only where one launch's grid
     holds the pack's key blocks (total_k // 128 + docs of them) and int32 TMA coordinates reach its rows of lse and
     delta (each document's rows starting on a 64-row block: Hq x (total_q + 64 docs) rounded up)."""
     total = int(torch.randint(1000, 100_000, ()))
     docs = GRID_Y_LIMIT - total // 128
-    assert PackedTemplateDkdv.fits_documents(Hq, total, total, docs)
-    assert not PackedTemplateDkdv.fits_documents(Hq, total, total, docs + 1)  # one key block too many
+    assert fits_documents(Hq, total, total, docs)
+    assert not fits_documents(Hq, total, total, docs + 1)  # one key block too many
     rows = 2**31 // 64 // 64 * 64  # a head's rows, in whole blocks, at which 64 query heads reach 2**31
-    assert PackedTemplateDkdv.fits_documents(64, rows - 64 - 64, total, 1)
-    assert not PackedTemplateDkdv.fits_documents(64, rows - 64, total, 1)
+    assert fits_documents(64, rows - 64 - 64, total, 1)
+    assert not fits_documents(64, rows - 64, total, 1)

@@ -9,11 +9,10 @@ from typing import Any
 import torch
 
 from ..plan import KernelSpec
-from ..runtime.launcher import cdiv
 from .descriptors import describable, describe
 from .launch import TemplateInstance
-from .launch_packed import PackedTemplateForward
-from .pipeline import LAUNCH_REGISTERS, ROWS
+from .launch_packed import PackedGrid
+from .pipeline import ROWS
 
 
 class TemplateDq(TemplateInstance):
@@ -25,12 +24,6 @@ class TemplateDq(TemplateInstance):
     def __init__(self, spec: KernelSpec, scale: float, qk_scale: float, key: str, has_lse: bool):
         super().__init__(spec, scale, qk_scale, key)
         self._has_lse = has_lse
-
-    @staticmethod
-    def grid(q: torch.Tensor, plugin_args: dict[str, Any]) -> tuple[int, int]:
-        """The launch's grid for q (B, Hq, Nq, D): a program per 2 x 64 query rows of each (batch, query head)."""
-        B, Hq, Nq, _ = q.shape
-        return (B * Hq, cdiv(Nq, 2 * ROWS.value))
 
     def fits(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, dout: torch.Tensor,
              lse: torch.Tensor | None, dq: torch.Tensor) -> bool:  # fmt: skip
@@ -81,23 +74,10 @@ class TemplateDq(TemplateInstance):
                 **plugin_args,
             }
         )
-        TemplateDq.launches += 1
-        TemplateDq.last_key = self.key
-        self._launcher.launch(
-            self.grid(q, plugin_args),
-            args,
-            self.spec.launch.constexprs({"HAS_DLSE": dlse is not None}),
-            num_warps=4,
-            device=q.device,
-            maxnreg=LAUNCH_REGISTERS,
-        )
+        constexprs = self.spec.launch.constexprs({"HAS_DLSE": dlse is not None})
+        self._launch(TemplateDq, (B * Hq, self.blocks(Nq, plugin_args)), args, constexprs, q.device)
 
 
-class PackedTemplateDq(TemplateDq):
-    """The dQ template's instance of a packed call (its launches count as ``TemplateDq``'s): the packed forward's
-    grid, whose programs find their documents (``plugin_args`` holds the pack's: CuQ, CuK, DOCS, SEARCH_STEPS)."""
-
-    @staticmethod
-    def grid(q: torch.Tensor, plugin_args: dict[str, Any]) -> tuple[int, int]:
-        """q (1, Hq, total_q, D): (Hq, total_q // 128 + docs query blocks)."""
-        return (q.shape[1], PackedTemplateForward.blocks(q.shape[2], plugin_args["DOCS"]))
+class PackedTemplateDq(PackedGrid, TemplateDq):
+    """The dQ template's instance of a packed call, q (1, Hq, total_q, D) (its launches count as ``TemplateDq``'s):
+    the packed forward's grid, whose programs find their documents."""

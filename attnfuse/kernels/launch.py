@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from ..plan import KernelSpec
-from ..runtime.hopper import HopperLauncher, group_split
+from ..runtime.hopper import describe_rows, group_split, lse_rows_fit
 from ..runtime.launcher import Launcher, cdiv
 from ..runtime.template_rows import padded_rows, template_rows
 from ..runtime.source_cache import load_function, write_source
@@ -19,7 +19,9 @@ from .pipeline import LAUNCH_REGISTERS, ROWS
 class TemplateInstance:
     """One template instance of a plan (``spec``), loaded from its source; ``key`` names it in the record of
     verified instances; ``scale`` and ``qk_scale`` are launch arguments. Each kind's class counts its
-    ``launches`` and keeps the ``last_key`` launched, which the GPU check (``verify.py``) reads."""
+    ``launches`` and keeps the ``last_key`` launched, which the GPU check (``verify.py``) reads. What differs
+    between calls of one kind (a packed call's grid, a float8 call's operands) are hooks its subclasses
+    override: ``blocks`` here, ``operands`` (forward), ``rows`` and ``split`` (dK/dV)."""
 
     launches = 0
     last_key: str | None = None
@@ -31,6 +33,18 @@ class TemplateInstance:
         self.path = write_source(spec.name, self.source)
         self._launcher = Launcher(load_function(self.source, spec.name, self.path))
         self._scales = {"sm_scale": scale, "qk_scale": qk_scale}
+
+    @staticmethod
+    def blocks(rows: int, plugin_args: dict[str, Any]) -> int:
+        """The grid's programs along a sequence of ``rows`` queries (forward, dQ) or keys (dK/dV): one per
+        2 x 64 rows."""
+        return cdiv(rows, 2 * ROWS.value)
+
+    def _launch(self, kind: type, grid: tuple[int, int], args: list, constexprs: list, device: torch.device) -> None:
+        """One launch of the instance, counted as ``kind``'s (its subclasses' launches count as their kind's)."""
+        kind.launches += 1
+        kind.last_key = self.key
+        self._launcher.launch(grid, args, constexprs, num_warps=4, device=device, maxnreg=LAUNCH_REGISTERS)
 
 
 class TemplateForward(TemplateInstance):
@@ -44,6 +58,18 @@ class TemplateForward(TemplateInstance):
         """Whether TMA can address every one of ``tensors`` (else the call runs the generated kernel)."""
         return all(describable(t) for t in tensors)
 
+    def operands(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> dict[str, Any]:
+        """The instance's arguments that read q, k and v: their TMA descriptors and the tensors."""
+        block_n = self.spec.tiles.block_n
+        return {
+            "q_desc": describe(q, ROWS.value),
+            "k_desc": describe(k, block_n),
+            "v_desc": describe(v, block_n),
+            "Q": q,
+            "K": k,
+            "V": v,
+        }
+
     def __call__(
         self,
         q: torch.Tensor,
@@ -56,16 +82,10 @@ class TemplateForward(TemplateInstance):
         """q (B, Hq, Nq, D), k and v (B, Hkv, Nk, D) with Nq, Nk >= 1 -> out (B, Hq, Nq, D) and, if given, lse
         (B, Hq, Nq) float32 contiguous, written in place; ``plugin_args``: the plugins' kernel arguments."""
         B, Hq, Nq, _ = q.shape
-        block_n = self.spec.tiles.block_n
         args = self.spec.launch.bind(
             {
-                "q_desc": describe(q, ROWS.value),
-                "k_desc": describe(k, block_n),
-                "v_desc": describe(v, block_n),
+                **self.operands(q, k, v),
                 "o_desc": describe(out, ROWS.value),
-                "Q": q,
-                "K": k,
-                "V": v,
                 "Out": out,
                 "Lse": out if lse is None else lse,
                 "Nq": Nq,
@@ -76,16 +96,8 @@ class TemplateForward(TemplateInstance):
                 **plugin_args,
             }
         )
-        TemplateForward.launches += 1
-        TemplateForward.last_key = self.key
-        self._launcher.launch(
-            (B * Hq, cdiv(Nq, 2 * ROWS.value)),
-            args,
-            self.spec.launch.constexprs({"SAVE_LSE": lse is not None}),
-            num_warps=4,
-            device=q.device,
-            maxnreg=LAUNCH_REGISTERS,
-        )
+        constexprs = self.spec.launch.constexprs({"SAVE_LSE": lse is not None})
+        self._launch(TemplateForward, (B * Hq, self.blocks(Nq, plugin_args)), args, constexprs, q.device)
 
 
 class TemplateDkdv(TemplateInstance):
@@ -103,9 +115,25 @@ class TemplateDkdv(TemplateInstance):
         """Whether the instance can run on these tensors: TMA addresses q, k, v and dout, the normaliser's lse
         is there when it reads one, its padded rows have int32 TMA coordinates, and dk and dv have unit last
         strides (else the call runs another dK/dV kernel)."""
-        if self._has_lse and (lse is None or not HopperLauncher.rows_fit(lse)):
+        if self._has_lse and (lse is None or not lse_rows_fit(lse)):
             return False
         return all(describable(t) for t in (q, k, v, dout)) and dk.stride(3) == dv.stride(3) == 1
+
+    @staticmethod
+    def rows(
+        lse: torch.Tensor, delta: torch.Tensor, plugin_args: dict[str, Any]
+    ) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """lse (natural, as saved) and delta (B, Hq, Nq) float32 -> the rows the instance reads, float32
+        (``template_rows``), and each (batch, head)'s row stride in them."""
+        lse_rows, delta_rows = template_rows(lse, ROWS.value, delta=delta, natural=True)
+        return lse_rows, delta_rows, padded_rows(lse.shape[2], ROWS.value)
+
+    @staticmethod
+    def split(
+        q: torch.Tensor, k: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor
+    ) -> tuple[int, str, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """How the launch sums a GQA group's query heads (``hopper.group_split``)."""
+        return group_split(q, k, dk, dv)
 
     def __call__(
         self,
@@ -122,14 +150,15 @@ class TemplateDkdv(TemplateInstance):
         """q and dout (B, Hq, Nq, D), k and v (B, Hkv, Nk, D) with Nq, Nk >= 1 (``fits``); lse (B, Hq, Nq) float32
         as the forward saved it (None when the normaliser saves none), delta (B, Hq, Nq) float32 as the dQ kernel
         wrote it -> dk, dv (k's and v's shapes), written in place; ``plugin_args``: the plugins' kernel
-        arguments. A GQA group's query heads split over programs are summed as ``hopper.group_split`` says."""
+        arguments. A GQA group's query heads split over programs are summed as ``split`` says."""
         B, Hq, Nq, D = q.shape
         Hkv, Nk = k.shape[1], k.shape[2]
         lse_desc = delta_desc = None
+        row_stride = 0  # no rows read: the normaliser saves no lse
         if self._has_lse:  # (an instance whose normaliser needs no delta reads no delta rows)
-            lse_rows, delta_rows = template_rows(lse, ROWS.value, delta=delta, natural=True)
-            lse_desc, delta_desc = HopperLauncher._describe_rows(lse_rows), HopperLauncher._describe_rows(delta_rows)
-        parts, group_sum, dk_part, dv_part, counts = group_split(q, k, dk, dv)
+            lse_rows, delta_rows, row_stride = self.rows(lse, delta, plugin_args)
+            lse_desc, delta_desc = describe_rows(lse_rows), describe_rows(delta_rows)
+        parts, group_sum, dk_part, dv_part, counts = self.split(q, k, dk, dv)
         args = self.spec.launch.bind(
             {
                 "q_desc": describe(q, ROWS.value),
@@ -151,21 +180,13 @@ class TemplateDkdv(TemplateInstance):
                 "HQ": Hq,
                 "GROUP": Hq // Hkv,
                 "heads": Hq // Hkv // parts,
-                "row_stride": padded_rows(Nq, ROWS.value),
+                "row_stride": row_stride,
                 **self._scales,
                 **plugin_args,
             }
         )
-        TemplateDkdv.launches += 1
-        TemplateDkdv.last_key = self.key
-        self._launcher.launch(
-            (B * Hkv * parts, cdiv(Nk, 2 * ROWS.value)),
-            args,
-            self.spec.launch.constexprs({"GROUP_SUM": group_sum}),
-            num_warps=4,
-            device=q.device,
-            maxnreg=LAUNCH_REGISTERS,
-        )
+        constexprs = self.spec.launch.constexprs({"GROUP_SUM": group_sum})
+        self._launch(TemplateDkdv, (B * Hkv * parts, self.blocks(Nk, plugin_args)), args, constexprs, q.device)
         if group_sum == "atomic":
             dk.copy_(dk_part)
             dv.copy_(dv_part)

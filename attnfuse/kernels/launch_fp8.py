@@ -14,10 +14,10 @@ from ..launch_spec import CONSTEXPR, INT, TENSOR, LaunchSpec, params
 from ..runtime.interpreter import InterpretedKernel
 from ..runtime.launcher import Launcher, cdiv
 from ..triton_compat import TensorDescriptor, gl
-from .descriptors import descriptor, describe
+from .descriptors import descriptor
 from .launch import TemplateForward
 from .fp8_pipeline import KEY_CHUNK
-from .pipeline import LAUNCH_REGISTERS, ROWS
+from .pipeline import ROWS
 
 TMA_ALIGNMENT = 16  # bytes: a TMA stride is a multiple of it
 TRANSPOSE_ROWS = 64  # V's rows a program of the transpose moves
@@ -76,49 +76,19 @@ def describe_fp8(t: torch.Tensor, rows: int, columns: int) -> TensorDescriptor:
 
 
 class Fp8TemplateForward(TemplateForward):
-    """The forward template's float8 instance (its launches count as ``TemplateForward``'s)."""
+    """The forward template's float8 instance: q, k and v float8 e4m3, out in its own dtype; ``plugin_args`` hold
+    the descales (QDescale, KDescale, VDescale: (B, Hkv) float32 views). Its launches count as
+    ``TemplateForward``'s."""
 
-    def __call__(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        out: torch.Tensor,
-        lse: torch.Tensor | None,
-        plugin_args: dict[str, Any],
-    ) -> None:
-        """q (B, Hq, Nq, D), k and v (B, Hkv, Nk, D) float8 e4m3 with Nq, Nk >= 1 -> out (B, Hq, Nq, D) in its
-        dtype and, if given, lse (B, Hq, Nq) float32 contiguous, written in place; ``plugin_args``: the plugins'
-        kernel arguments and the descales (QDescale, KDescale, VDescale: (B, Hkv) float32 views)."""
-        B, Hq, Nq, D = q.shape
+    def operands(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> dict[str, Any]:
+        """q's and k's descriptors and v's transposed copy's (``transposed_values``), and the tensors."""
         block_n = self.spec.tiles.block_n
         values = transposed_values(v)
-        args = self.spec.launch.bind(
-            {
-                "q_desc": describe_fp8(q, ROWS.value, D),
-                "k_desc": describe_fp8(k, block_n, D),
-                "v_desc": describe_fp8(values, v.shape[3], block_n),
-                "o_desc": describe(out, ROWS.value),
-                "Q": q,
-                "K": k,
-                "V": values,
-                "Out": out,
-                "Lse": out if lse is None else lse,
-                "Nq": Nq,
-                "N_K": k.shape[2],
-                "HQ": Hq,
-                "GROUP": Hq // k.shape[1],
-                **self._scales,
-                **plugin_args,
-            }
-        )
-        TemplateForward.launches += 1
-        TemplateForward.last_key = self.key
-        self._launcher.launch(
-            (B * Hq, cdiv(Nq, 2 * ROWS.value)),
-            args,
-            self.spec.launch.constexprs({"SAVE_LSE": lse is not None}),
-            num_warps=4,
-            device=q.device,
-            maxnreg=LAUNCH_REGISTERS,
-        )
+        return {
+            "q_desc": describe_fp8(q, ROWS.value, q.shape[3]),
+            "k_desc": describe_fp8(k, block_n, k.shape[3]),
+            "v_desc": describe_fp8(values, v.shape[3], block_n),
+            "Q": q,
+            "K": k,
+            "V": values,
+        }

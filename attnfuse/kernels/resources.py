@@ -111,7 +111,7 @@ def signature(spec: KernelSpec, dtype: str, head_dim: int, save_lse: bool, group
 
 def _launch_types(spec: KernelSpec, dtype: str, head_dim: int, save_lse: bool, group_sum: str) -> dict[str, str]:
     """The types of the template's own parameters of ``spec``, by its kind: TMA descriptors of (1, 1, rows,
-    head_dim) tiles, float32 rows of lse and delta in [DKDV_BLOCK_M] tiles (``HopperLauncher._describe_rows``;
+    head_dim) tiles, float32 rows of lse and delta in [DKDV_BLOCK_M] tiles (``hopper.describe_rows``;
     None, a constexpr, where the dK/dV instance reads none: ``save_lse`` False), and the call's tensors."""
     gluon_dtype, short = DTYPES[dtype]
 

@@ -15,7 +15,7 @@ import torch
 
 from ..kernels.capability import block_list_reason
 from ..kernels.dq_launch import PackedTemplateDq, TemplateDq
-from ..kernels.launch_packed import PackedTemplateDkdv, PackedTemplateForward
+from ..kernels.launch_packed import PackedTemplateDkdv, fits_documents, fits_pack
 from ..kernels.launch import TemplateDkdv
 from ..kernels.verified import chosen, record_key
 from ..plan import InputGradient, Plan
@@ -322,14 +322,14 @@ class BackwardKernels:
                 follows
                 and self.template is not None
                 and self.template.fits(q, k, v, dout, lse, dk, dv)
-                and (kv.packed is None or PackedTemplateDkdv.fits_documents(Hq, Nq, Nk, kv.packed.docs))
+                and (kv.packed is None or fits_documents(Hq, Nq, Nk, kv.packed.docs))
             )
             engine = "template" if served else "generated"
             dq_served = (
                 follows
                 and self.dq_template is not None
                 and self.dq_template.fits(q, k, v, out, dout, lse, dq)
-                and (kv.packed is None or PackedTemplateForward.fits_pack(Nq, kv.packed.docs))
+                and (kv.packed is None or fits_pack(Nq, kv.packed.docs))
             )
             dq_engine = "template" if dq_served else "generated"
             self._dq_then_dkdv(

@@ -12,7 +12,7 @@ import torch
 from ..kernels.capability import block_list_reason
 from ..kernels.launch import TemplateForward
 from ..kernels.launch_fp8 import Fp8TemplateForward
-from ..kernels.launch_packed import PackedTemplateForward
+from ..kernels.launch_packed import PackedTemplateForward, fits_pack
 from ..kernels.verified import chosen, record_key
 from ..plan import Plan
 from .inputs import KVCache, accumulator_dtype, empty_like_layout, even_keys, heads_together, kv_launch_args
@@ -70,7 +70,7 @@ class ForwardKernel:
         float32 (float64 for float64 inputs) or None. ``prepared``: the plugin arguments, if the caller has
         them already. The template's instance runs where it is chosen, TMA addresses the tensors, a listing
         mask's block size is one it follows (``capability.block_list_reason``), a packed call's query blocks fit
-        one grid (``PackedTemplateForward.fits_pack``) and a float8 call's out is bfloat16 (any, with
+        one grid (``launch_packed.fits_pack``) and a float8 call's out is bfloat16 (any, with
         ``ATTNFUSE_TEMPLATES=all``); else the generated kernel."""
         B, Hq, Nq, D = q.shape
         k, v, Nk, DV = kv.k, kv.v, kv.capacity, kv.v.shape[3]
@@ -90,7 +90,7 @@ class ForwardKernel:
         prepared = prepared or self.plugin_args(q, kv, inputs)
         pargs, limit, _ = prepared
         served = self.template is not None and self.template.fits(q, k, v, out) and block_list_reason(limit) is None
-        if served and (kv.packed is None or PackedTemplateForward.fits_pack(Nq, kv.packed.docs)):
+        if served and (kv.packed is None or fits_pack(Nq, kv.packed.docs)):
             launch_args = {**pargs, **kv_launch_args(kv), **dropout_args(kv.dropout), **fp8_args(kv.fp8)}
             self.template(q, k, v, out, lse, launch_args)
             return out, lse

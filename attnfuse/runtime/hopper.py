@@ -18,20 +18,16 @@ DKDV_SPLIT_FILL = 1.5  # its groups' query heads, over the fewest programs that 
 _ROW_LAYOUT = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1)  # lse and delta rows
 
 
-class HopperLauncher:
-    """The dK/dV template's row statistics on Hopper: whether they fit, and their TMA descriptors."""
+def lse_rows_fit(lse: torch.Tensor) -> bool:
+    """Whether the dK/dV template can address lse's (B, Hq, Nq) rows, padded to whole query blocks
+    (``template_rows``), with int32 TMA coordinates (else the caller runs the generated dK/dV kernel)."""
+    B, Hq, Nq = lse.shape
+    return B * Hq * padded_rows(Nq, DKDV_BLOCK_M) < 2**31
 
-    @staticmethod
-    def rows_fit(lse: torch.Tensor) -> bool:
-        """Whether the dK/dV template can address lse's (B, Hq, Nq) rows, padded to whole query blocks
-        (``template_rows``), with int32 TMA coordinates (else the caller runs the generated dK/dV kernel)."""
-        B, Hq, Nq = lse.shape
-        return B * Hq * padded_rows(Nq, DKDV_BLOCK_M) < 2**31
 
-    @staticmethod
-    def _describe_rows(rows: torch.Tensor) -> TensorDescriptor:
-        """The flat float32 rows of ``rows`` read in [DKDV_BLOCK_M] tiles."""
-        return descriptor(rows, [rows.numel()], [1], [DKDV_BLOCK_M], _ROW_LAYOUT)
+def describe_rows(rows: torch.Tensor) -> TensorDescriptor:
+    """The flat float32 rows of ``rows`` read in [DKDV_BLOCK_M] tiles."""
+    return descriptor(rows, [rows.numel()], [1], [DKDV_BLOCK_M], _ROW_LAYOUT)
 
 
 def group_split(
