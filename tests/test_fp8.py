@@ -338,11 +338,14 @@ def test_no_descales_past_the_program_call():
         ("float8_e4m3fn", 128, None),
         ("float8_e4m3fn", 64, None),
         ("float8_e4m3fn", 256, "the forward template takes float8 at head dims 64, 128, not 256"),
-        ("float8_e5m2", 128, "the forward template takes float16, bfloat16, float8_e4m3fn, not float8_e5m2"),
+        ("float8_e5m2", 128, None),
+        ("float8_e5m2", 64, None),
+        ("float8_e5m2", 256, "the forward template takes float8 at head dims 64, 128, not 256"),
     ],
 )
-def test_the_hopper_forward_template_takes_e4m3_and_says_why_not_the_rest(dtype, head_dim, reason):
-    """Its P·V rounds P to e4m3 (kernels/forward_fp8.py): e5m2 calls keep the generated kernel."""
+def test_the_hopper_forward_template_takes_both_float8_types_and_says_why_not_the_rest(dtype, head_dim, reason):
+    """Its P·V rounds P to e4m3 in both (kernels/forward_fp8.py): with e5m2 values, wgmma multiplies e4m3 by
+    e5m2."""
     config = KernelConfig(
         arch="sm90", dtype=dtype, head_dim=head_dim, head_dim_v=head_dim, group=1, save_lse=False,
         fp32_precision="ieee",

@@ -163,7 +163,7 @@ def test_a_verified_instance_runs_by_default(capsys, tmp_path, monkeypatch, empt
     "options, words",
     [
         (("--arch", "sm80"), r"built for sm90 \(Hopper\), not sm80"),
-        (("--arch", "sm90", "--dtype", "float32"), r"takes float16, bfloat16, float8_e4m3fn, not float32"),
+        (("--arch", "sm90", "--dtype", "float32"), r"takes float16, bfloat16, float8_e4m3fn, float8_e5m2, not float32"),
         (("--arch", "interpreter"), r"not interpreter"),
         (("--arch", "sm90", "--head-dim", "48"), r"head dims .*not 48"),
     ],

@@ -686,7 +686,7 @@ def test_record_is_empty_when_nothing_passed():
 def test_cases_cover_every_variant_head_dim_and_dtype():
     found = verify.cases()
     covered = {(c.variant, c.head_dim, c.dtype) for c in found if not c.poison}
-    fp8 = {(v, d, verify.FP8_DTYPE) for v in verify.FP8_VARIANTS for d in capability.FORWARD_FP8_HEAD_DIMS}
+    fp8 = {(v, d, t) for v in verify.FP8_VARIANTS for d in capability.FORWARD_FP8_HEAD_DIMS for t in verify.FP8_DTYPES}
     every = {(v, d, t) for v in verify.FORWARD_VARIANTS for d in verify.HEAD_DIMS for t in verify.DTYPES}
     assert covered == every | fp8
     assert set(verify.HEAD_DIMS) == set(HEAD_DIMS) and set(verify.DTYPES) == set(TEMPLATE_DTYPES)

@@ -25,7 +25,8 @@ from attnfuse.kernels.tiles import SHARED_MEMORY_LIMIT
 CASES = [(v, d, "bfloat16", False) for v in verify.FORWARD_VARIANTS for d in verify.HEAD_DIMS]
 CASES += [(v, 128, "float16", False) for v in verify.FORWARD_VARIANTS]
 CASES += [(v, d, t, True) for v in verify.DROPOUT_VARIANTS for d in FORWARD_DROPOUT_HEAD_DIMS for t in verify.DTYPES]
-CASES += [(v, d, verify.FP8_DTYPE, False) for v in verify.FP8_VARIANTS for d in FORWARD_FP8_HEAD_DIMS]
+CASES += [(v, d, "float8_e4m3fn", False) for v in verify.FP8_VARIANTS for d in FORWARD_FP8_HEAD_DIMS]
+CASES += [("causal", d, "float8_e5m2", False) for d in FORWARD_FP8_HEAD_DIMS]  # the same instance, e5m2 tiles
 DKDV_CASES = [(v, d, "bfloat16", False) for v in verify.FORWARD_VARIANTS for d in verify.DKDV_HEAD_DIMS]
 DKDV_CASES += [(v, d, "bfloat16", True) for v in verify.DROPOUT_VARIANTS for d in verify.DKDV_HEAD_DIMS]
 DQ_CASES = [(v, d, "bfloat16", False) for v in verify.FORWARD_VARIANTS for d in verify.DKDV_HEAD_DIMS]
@@ -42,8 +43,8 @@ FACT_CASES = [
     ("sinks", 64, "float16", "varlen"),
     ("sliding_window", 256, "bfloat16", "varlen"),
     ("additive_bias", 128, "bfloat16", "varlen"),
-    ("causal", 128, verify.FP8_DTYPE, "kv_lens"),
-    ("sliding_window", 64, verify.FP8_DTYPE, "positions"),
+    ("causal", 128, "float8_e4m3fn", "kv_lens"),
+    ("sliding_window", 64, "float8_e4m3fn", "positions"),
 ]
 # The backward instances of packed calls (``verify.backward_cases``, fact "varlen"): masked at both head dims, sinks
 PACKED_BACKWARD_CASES = [("causal", 128, "bfloat16"), ("sinks", 64, "float16"), ("sliding_window", 128, "bfloat16")]
@@ -188,5 +189,6 @@ def test_a_dtype_the_templates_do_not_compile_for_is_refused(dtype):
 
 def test_float8_compiles_for_the_forward_template_only():
     spec = variant_plan("dense", "bfloat16", 64).templates.kernels["dkdv"]
-    with pytest.raises(InputError, match=r"dtype='float8_e4m3fn': .*the forward template for float8_e4m3fn too \(dkdv"):
-        template_resources(spec, "float8_e4m3fn", 64, save_lse=True)
+    for dtype in ("float8_e4m3fn", "float8_e5m2"):
+        with pytest.raises(InputError, match=rf"dtype='{dtype}': .*template for float8_e4m3fn, float8_e5m2 too"):
+            template_resources(spec, dtype, 64, save_lse=True)

@@ -33,6 +33,8 @@ from .cases import (
     DECODE_MODELS,
     DROPOUT_NS,
     DROPOUT_P,
+    FP8_E5M2_NS,
+    FP8_KINDS,
     FP8_NS,
     GEOMETRIES,
     PACKED_VARIANTS,
@@ -272,12 +274,14 @@ def packed_cases():
             yield packed_case, (variant, train)
 
 
-def quantised(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[tuple, tuple, dict]:
-    """q (B, Hq, N, D), k, v (B, Hkv, N, D) float32 -> their float8 (e4m3) values, those values dequantised to
-    bfloat16, and the call's descales: ``q_descale``, ``k_descale``, ``v_descale`` (B, Hkv) float32, each the
-    amax of its kv group's rows over e4m3's largest value (a group's query heads share q's)."""
+def quantised(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fp8: torch.dtype = torch.float8_e4m3fn
+) -> tuple[tuple, tuple, dict]:
+    """q (B, Hq, N, D), k, v (B, Hkv, N, D) float32 -> their float8 values (``fp8``), those values dequantised
+    to bfloat16, and the call's descales: ``q_descale``, ``k_descale``, ``v_descale`` (B, Hkv) float32, each the
+    amax of its kv group's rows over ``fp8``'s largest value (a group's query heads share q's)."""
     B, Hq, N, D = q.shape
-    Hkv, fp8 = k.shape[1], torch.float8_e4m3fn
+    Hkv = k.shape[1]
     grouped = (q.reshape(B, Hkv, Hq // Hkv * N, D), k, v)
     descales = [t.abs().amax((2, 3)) / torch.finfo(fp8).max for t in grouped]
     per_head = (descales[0].repeat_interleave(Hq // Hkv, 1), descales[1], descales[2])
@@ -286,19 +290,21 @@ def quantised(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[tuple,
     return low, dequantised, dict(zip(("q_descale", "k_descale", "v_descale"), descales))
 
 
-def fp8_case(N: int) -> rows.Row:
-    """Llama-3-8B causal forward at N: AttnFuse on float8 (e4m3) q, k, v with per-(batch, kv head) descales,
+def fp8_case(N: int, kind: str) -> rows.Row:
+    """Llama-3-8B causal forward at N: AttnFuse on float8 q, k, v (``kind``: e4m3, e5m2) with per-(batch, kv head)
+    descales,
     against SDPA (cuDNN, FA2) in bfloat16 on the same values dequantised, and FlashAttention-3's float8 forward
     where installed. A GPU other than sm90 runs float8 calls only with ``ATTNFUSE_FP8_ON_GPU=1``
     (``runtime/fp8.py``)."""
     B, Hq, Hkv, D = GEOMETRIES["llama3-8b"]
-    (q8, k8, v8), (qd, kd, vd), scales = quantised(*(torch.randn(B, h, N, D, device="cuda") for h in (Hq, Hkv, Hkv)))
+    raw = (torch.randn(B, h, N, D, device="cuda") for h in (Hq, Hkv, Hkv))
+    (q8, k8, v8), (qd, kd, vd), scales = quantised(*raw, FP8_KINDS[kind])
 
     def ours():
         return PROGRAMS["causal"](q8, k8, v8, **scales)
 
     out = ours()
-    row = rows.fp8_row(N)
+    row = rows.fp8_row(N, kind)
     row.times["attnfuse"] = bench(ours)
     time_sdpa(row, out, bench, lambda name: lambda: sdpa(name, qd, kd, vd, True))
     flash = flash3_fp8()
@@ -314,8 +320,9 @@ def fp8_case(N: int) -> rows.Row:
 
 
 def fp8_cases():
-    for N in FP8_NS:
-        yield fp8_case, (N,)
+    for kind, lengths in (("e4m3", FP8_NS), ("e5m2", FP8_E5M2_NS)):
+        for N in lengths:
+            yield fp8_case, (N, kind)
 
 
 def replayed_error(q, k, v, out, state, p: float) -> float:

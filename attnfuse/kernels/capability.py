@@ -8,7 +8,7 @@ from ..fragment_lint import indices_read
 from ..passes.codegen.common import split
 from ..passes.codegen.loops import listing_mask
 from ..passes.lower import LoweredProgram
-from .forward_fp8 import FP8_TEMPLATE_DTYPE
+from .forward_fp8 import FP8_TEMPLATE_DTYPES
 from .gluon_text import row_rescale
 from .pipeline import ROWS
 from .tiles import DKDV_TILES, DQ_TILES, FORWARD_TILES
@@ -87,14 +87,14 @@ def _index_reader(kernel: LoweredProgram) -> str | None:
 def forward_reason(kernel: LoweredProgram) -> str | None:
     """Why the forward template cannot run ``kernel``, or None when it can."""
     reason = _common_reason(
-        kernel, "forward", FORWARD_TILES, takes=(*_FORWARD_FACTS, "dropout"), dtypes=(FP8_TEMPLATE_DTYPE,)
+        kernel, "forward", FORWARD_TILES, takes=(*_FORWARD_FACTS, "dropout"), dtypes=FP8_TEMPLATE_DTYPES
     )
     if reason is not None:
         return reason
     c = kernel.config
     listing = listing_mask(kernel)
     fact = next((f for f in _FORWARD_FACTS if getattr(c, f)), None)
-    if c.dtype == FP8_TEMPLATE_DTYPE:
+    if c.dtype in FP8_TEMPLATE_DTYPES:
         if c.head_dim not in FORWARD_FP8_HEAD_DIMS:
             dims = ", ".join(map(str, FORWARD_FP8_HEAD_DIMS))
             return f"the forward template takes float8 at head dims {dims}, not {c.head_dim}"

@@ -1,5 +1,5 @@
-"""The forward template's text for float8 (e4m3) q, k, v (``KernelConfig.dtype`` "float8_e4m3fn"); a program of
-another dtype gets the text it always had (``Fp8Text()``), so its instance's source is unchanged.
+"""The forward template's text for float8 q, k, v (``KernelConfig.dtype`` "float8_e4m3fn" or "float8_e5m2"); a
+program of another dtype gets the text it always had (``Fp8Text()``), so its instance's source is unchanged.
 
 q·kᵀ multiplies the float8 tiles as they are (``wgmma`` on float8, float32 scores). The entry multiplies the two
 scales by q_descale · k_descale of its (batch, kv head), so every score the plugins see is the product of the
@@ -19,7 +19,8 @@ from attrs import frozen
 from ..passes.codegen.fp8 import is_fp8
 from ..passes.lower import LoweredProgram
 
-FP8_TEMPLATE_DTYPE = "float8_e4m3fn"  # P rounds to e4m3 for P·V: e5m2 calls run the generated kernel
+# P rounds to e4m3 for P·V in both: with e5m2 values, wgmma multiplies e4m3 by e5m2 (QGMMA...E4M3.E5M2)
+FP8_TEMPLATE_DTYPES = ("float8_e4m3fn", "float8_e5m2")
 
 _LAYOUTS = """\
     BLOCK_M: gl.constexpr = ROWS

@@ -1,4 +1,4 @@
-"""What a float8 (e4m3) instance of the forward template reads differently: float8 ``wgmma`` takes both operands
+"""What a float8 instance (e4m3 or e5m2) of the forward template reads differently: float8 ``wgmma`` takes both operands
 K-major from shared memory, so P·V multiplies by V transposed. The launch (``launch_fp8.py``) makes that copy,
 (B, Hkv, DV, Nk rounded up to KEY_CHUNK), its keys permuted within each chunk as P's columns are
 (``fp8_weights``); the loader streams it in [1, 1, DV, BLOCK_N] tiles, and the careful redo reads V's rows from

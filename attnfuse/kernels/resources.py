@@ -48,12 +48,14 @@ DTYPES = {  # dtype -> (Gluon's, Triton's)
     "float16": (gl.float16, "fp16"),
     "bfloat16": (gl.bfloat16, "bf16"),
     "float8_e4m3fn": (gl.float8e4nv, "fp8e4nv"),  # the forward's; its out is bfloat16
+    "float8_e5m2": (gl.float8e5, "fp8e5"),
 }
 INDEX_LIKE = re.compile(r"(num|idx|index|count|active|lens|order)$")  # a plugin tensor's name read as int32
 _LIST_SIZE = re.compile(r"^\s*list_size = (\w+)\b", re.M)  # the scalar a listing mask's block size names (listed.py)
 SECTION = "template_resources"  # its marked section of docs/benchmarks.md (--markdown-section)
 _CARRIED = {"Q", "K", "V", "Out"}  # the forward's tensors, in the call's dtype; Lse is float32
-FP8_OUT = {"float8_e4m3fn": "bfloat16"}  # a float8 forward's out, compiled as a call's default out_dtype
+# a float8 forward's out, compiled as a call's default out_dtype
+FP8_OUT = {"float8_e4m3fn": "bfloat16", "float8_e5m2": "bfloat16"}
 _FACT_TENSORS = {"KvLens": "*i32", "CuQ": "*i32", "CuK": "*i32"}  # a call's key counts and document offsets
 KERNELS = ("forward", "dkdv", "dq")  # the template kinds compiled here
 GROUP_SUMS = ("none", "last", "atomic")  # how a dK/dV launch sums a GQA group's programs (hopper.group_split)

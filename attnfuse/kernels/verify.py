@@ -45,7 +45,7 @@ from .capability import FORWARD_FP8_HEAD_DIMS
 from .dq_launch import TemplateDq
 from .launch import TemplateDkdv, TemplateForward
 from .verified import MODE_ENV, RECORD, is_verified, record_key
-from .verify_fp8 import FP8_DTYPE, check_fp8
+from .verify_fp8 import FP8_DTYPES, check_fp8
 
 OUT_ENV = "ATTNFUSE_VERIFY_OUT"
 HEAD_DIMS = (64, 128, 256)
@@ -203,19 +203,26 @@ def cases() -> list[Case]:
 
 
 def fp8_cases() -> list[Case]:
-    """The forward template's float8 (e4m3) cases: ``FP8_VARIANTS`` at its float8 head dims (once with a NaN
-    value: the careful redo's), and at head dim 128 with each other out_dtype (float16, float32); and of calls with
-    kv_lens (NaN keys and values past each sequence's length) or given positions, as ``fact_cases``."""
-    found = [Case(v, d, FP8_DTYPE, s, False) for v in FP8_VARIANTS for d in FORWARD_FP8_HEAD_DIMS for s in SHAPES]
-    found += [Case(v, d, FP8_DTYPE, SHAPES[0], True) for v in FP8_VARIANTS for d in FORWARD_FP8_HEAD_DIMS]
+    """The forward template's float8 cases: ``FP8_VARIANTS`` at its float8 head dims in either float8 type (once
+    with a NaN value: the careful redo's); in e4m3 (the same instance, other descriptors), at head dim 128 with
+    each other out_dtype (float16, float32), and of calls with kv_lens (NaN keys and values past each sequence's
+    length) or given positions, as ``fact_cases``."""
+    e4m3 = FP8_DTYPES[0]
+    found = [
+        Case(v, d, dtype, shape, poison)
+        for dtype in FP8_DTYPES
+        for v in FP8_VARIANTS
+        for d in FORWARD_FP8_HEAD_DIMS
+        for shape, poison in ((SHAPES[0], False), (SHAPES[1], False), (SHAPES[0], True))
+    ]
     found += [
-        Case(v, d, FP8_DTYPE, shape, fact == "kv_lens", fact=fact)
+        Case(v, d, e4m3, shape, fact == "kv_lens", fact=fact)
         for fact, shape in (("kv_lens", KV_LENS_SHAPE), ("positions", POSITIONS_SHAPE))
         for v in FP8_VARIANTS
         for d in FORWARD_FP8_HEAD_DIMS
     ]
     return found + [
-        Case(v, 128, FP8_DTYPE, SHAPES[0], False, out_dtype=out) for v in FP8_VARIANTS for out in ("float16", "float32")
+        Case(v, 128, e4m3, SHAPES[0], False, out_dtype=out) for v in FP8_VARIANTS for out in ("float16", "float32")
     ]
 
 
@@ -341,7 +348,7 @@ def check(case: Case, seed: int = 0) -> dict:
         return _check_backward(case, seed)
     program, extra = FORWARD_VARIANTS[case.variant]
     B, Hq, Hkv, Nq, Nk = case.shape
-    if case.dtype == FP8_DTYPE:
+    if case.dtype in FP8_DTYPES:
         _environment(case)
         out_dtype = getattr(torch, case.out_dtype or "bfloat16")
         return check_fp8(
@@ -351,6 +358,7 @@ def check(case: Case, seed: int = 0) -> dict:
             case.head_dim,
             seed,
             case.id,
+            getattr(torch, case.dtype),
             out_dtype,
             poisoned(case),
             fact_arguments(case.fact, torch.device("cuda")),

@@ -1,5 +1,6 @@
-"""The GPU check of a float8 (e4m3) forward instance (``forward_fp8.py``) against the float64 reference of the
-dequantised inputs, at a tolerance derived from what the instance rounds:
+"""The GPU check of a float8 forward instance (``forward_fp8.py``; q, k, v in e4m3 or e5m2) against the float64
+reference of the dequantised inputs, at a tolerance derived from what the instance rounds (the same for both
+types: P rounds to e4m3 in both):
 
 - q·kᵀ: products of two float8 values are exact; ``wgmma`` sums them in an accumulator assumed to keep at least
   13 significant bits (``ACCUMULATOR_BITS``; DeepSeek-V3 measured about 14) through each instruction of 32 terms,
@@ -26,7 +27,7 @@ from ..runtime.fp8 import dequantised
 from ..testing.tolerances import assert_matches_reference
 from .launch import TemplateForward
 
-FP8_DTYPE = "float8_e4m3fn"
+FP8_DTYPES = ("float8_e4m3fn", "float8_e5m2")  # the cases' dtypes
 ACCUMULATOR_BITS = 13
 TERMS_PER_INSTRUCTION = 32  # a float8 wgmma's K
 P_ROUNDOFF = 2.0**-4  # e4m3's unit roundoff
@@ -34,16 +35,17 @@ P_ABSOLUTE = 2.0**-10 / 256  # below e4m3's normal range, in P (fp8_pipeline.P_S
 OUT_ROUNDOFF = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11, torch.float32: 0.0}  # by out_dtype
 
 
-def quantised(x: torch.Tensor, kv_heads: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    """x (B, H, N, D) float32 scaled into e4m3's range and rounded to it, with its (B, kv_heads) descale (a kv
-    group's query heads sharing one), times a random factor in [1, 2) so that no descale is the plain amax / max."""
+def quantised(
+    x: torch.Tensor, kv_heads: int, gen: torch.Generator, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """x (B, H, N, D) float32 scaled into float8 ``dtype``'s range and rounded to it, with its (B, kv_heads) descale
+    (a kv group's query heads sharing one), times a random factor in [1, 2) so that no descale is the plain amax /
+    max."""
     B, H = x.shape[:2]
     amax = x.abs().amax(dim=(2, 3)).view(B, kv_heads, H // kv_heads).amax(-1)
-    descale = (
-        amax / torch.finfo(torch.float8_e4m3fn).max * (1 + torch.rand(amax.shape, device=x.device, generator=gen))
-    ).float()
+    descale = (amax / torch.finfo(dtype).max * (1 + torch.rand(amax.shape, device=x.device, generator=gen))).float()
     scale = descale.repeat_interleave(H // kv_heads, dim=1)[:, :, None, None]
-    return (x / scale).to(torch.float8_e4m3fn), descale
+    return (x / scale).to(dtype), descale
 
 
 def check_fp8(
@@ -53,20 +55,21 @@ def check_fp8(
     head_dim: int,
     seed: int,
     case_id: str,
+    dtype: torch.dtype,
     out_dtype: torch.dtype,
     poison: Callable[[torch.Tensor, torch.Tensor], None] | None = None,
     facts: dict | None = None,
 ) -> dict:
-    """Run ``program`` on fresh float8 q, k, v of ``shape`` (B, Hq, Hkv, Nq, Nk) through its forward instance,
-    with ``out_dtype`` and the call's ``facts`` (kv_lens or positions: ``verify.fact_arguments``; ``poison``, if
-    given, writes NaN values into k and v: ``verify.poisoned``), and compare out and lse with the float64
+    """Run ``program`` on fresh float8 q, k, v (``dtype``) of ``shape`` (B, Hq, Hkv, Nq, Nk) through its forward
+    instance, with ``out_dtype`` and the call's ``facts`` (kv_lens or positions: ``verify.fact_arguments``;
+    ``poison``, if given, writes NaN values into k and v: ``verify.poisoned``), and compare out and lse with the float64
     reference at the module's bounds (AssertionError beyond them, if out is NaN elsewhere than the reference, if
     out is not of ``out_dtype``, or if the template did not run); its result."""
 
     B, Hq, Hkv, Nq, Nk = shape
     gen = torch.Generator(device="cuda").manual_seed(seed)
     raw = [torch.randn(B, h, n, head_dim, device="cuda", generator=gen) for h, n in ((Hq, Nq), (Hkv, Nk), (Hkv, Nk))]
-    (q, qd), (k, kd), (v, vd) = (quantised(t, Hkv, gen) for t in raw)
+    (q, qd), (k, kd), (v, vd) = (quantised(t, Hkv, gen, dtype) for t in raw)
     if poison is not None:
         poison(k, v)
     call = {"q_descale": qd, "k_descale": kd, "v_descale": vd, **(facts or {})}  # the descales and facts
