@@ -405,6 +405,29 @@ def test_on_a_gpu(monkeypatch, name, dtype, per_head):
     check(program, (q, k, v), descales, None, [t.cuda() for t in extra(300)], score_error=score_error)
 
 
+@pytest.mark.parametrize(
+    "device,templates",
+    [("cpu", "off"), *(pytest.param("cuda", mode, marks=requires_cuda) for mode in ("off", "all"))],
+)
+@pytest.mark.parametrize("dtype", FP8, ids=lambda d: str(d)[6:])
+def test_nan_values_and_keys_reach_out_where_the_reference_has_them(monkeypatch, device, templates, dtype):
+    """A NaN value makes out NaN in its column of every row that keeps its key, and a NaN key the whole row, as in
+    the reference, in both float8 types: on a GPU in the generated kernel and (sm90, ``templates`` "all") in the
+    forward template's instance. Triton 3.6 turns e5m2 into bfloat16 by moving its bits, which made NaN and Inf
+    finite (both kernels upcast by float16 since)."""
+    monkeypatch.setenv(fp8_module.GATE.env, "1")
+    monkeypatch.setenv(verified.MODE_ENV, templates)
+    (q, k, v), descales = fp8_inputs(dtype, per_head=True, Nq=150, Nk=150, device=device, head_dim=64)
+    k[:, :, 100, 5] = float("nan")  # rows from 100 on keep key 100: NaN rows
+    v[:, :, 60, ::7] = float("nan")  # rows from 60 on keep key 60: NaN in its columns
+    out = causal_softmax(q, k, v, **descales)
+    ref = causal_softmax.reference(q, k, v, **descales)
+    assert ref.isnan().any() and torch.equal(out.isnan(), ref.isnan()), (
+        f"out is NaN in {int(out.isnan().sum())} elements, the reference in {int(ref.isnan().sum())}"
+    )
+    assert not out.isinf().any()
+
+
 def test_under_torch_compile_an_fp8_call_runs_eagerly():
     """Dynamo leaves a call with descales out of the graph (a graph break) and runs it eagerly."""
     qkv, descales = fp8_inputs(torch.float8_e5m2, per_head=True)

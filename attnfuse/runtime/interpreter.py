@@ -6,7 +6,8 @@ Triton's own library functions (``tl.sum``, ``tl.max``, ``tl.zeros`` ...) are ``
 which refuse to be called outside a compiled kernel unless ``TRITON_INTERPRET=1`` was set before Triton
 was imported, so calls to them go to interpreted copies; and a scalar used as an index (a loop bound)
 converts through ``.item()``, since numpy >= 2.4 refuses ``int()`` of a one-element array
-(triton-lang/triton#9171).
+(triton-lang/triton#9171). A third mends the interpreter's float conversion (its private ``_convert_float``),
+which turns float8 e4m3fn's NaN (bits s1111111) into 480 as if it were finite: it stays NaN.
 
 Every load and store is also bounds-checked: an address outside the storages of the kernel's tensor
 arguments raises ``IndexError`` (on a GPU it would be an illegal memory access, or silent garbage).
@@ -19,6 +20,7 @@ import warnings
 from typing import Any, Callable
 
 import numpy as np
+import triton.language as tl
 import torch
 
 from ..parsing import PARSE_LOCK
@@ -50,6 +52,24 @@ _patch_lang_tensor = interpreter._patch_lang_tensor
 def _patch_lang_tensor_with_item_index(tensor, scope) -> None:
     _patch_lang_tensor(tensor, scope)
     scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.item()))
+
+
+_convert_float = interpreter._convert_float
+
+
+def _convert_float_keeping_e4m3_nan(data: np.ndarray, from_dtype: Any, to_dtype: Any, rounding_mode: Any) -> np.ndarray:
+    """The interpreter's conversion of ``data`` (the bits of ``from_dtype`` values) to ``to_dtype``'s bits, with
+    e4m3fn's NaN converted to NaN."""
+    out = _convert_float(data, from_dtype, to_dtype, rounding_mode)
+    if from_dtype != tl.float8e4nv or to_dtype.primitive_bitwidth <= 8:
+        return out
+    nan = (np.frombuffer(data.tobytes(), dtype=np.uint8).reshape(data.shape) & 0x7F) == 0x7F
+    if not nan.any():
+        return out
+    mantissa = to_dtype.fp_mantissa_width
+    exponent = to_dtype.primitive_bitwidth - mantissa - 1
+    quiet_nan = ((1 << exponent) - 1) << mantissa | 1 << (mantissa - 1)
+    return np.where(nan, np.array(quiet_nan, dtype=out.dtype), out)
 
 
 _builder = interpreter.interpreter_builder
@@ -95,12 +115,14 @@ def _interpreter_patches(args: tuple):
         original_call = JITFunction.__call__
         JITFunction.__call__ = _call_interpreted
         interpreter._patch_lang_tensor = _patch_lang_tensor_with_item_index
+        interpreter._convert_float = _convert_float_keeping_e4m3_nan
         _builder.create_masked_load, _builder.create_masked_store = masked_load, masked_store
         try:
             yield
         finally:
             JITFunction.__call__ = original_call
             interpreter._patch_lang_tensor = _patch_lang_tensor
+            interpreter._convert_float = _convert_float
             _builder.create_masked_load, _builder.create_masked_store = _masked_load, _masked_store
 
 

@@ -78,8 +78,9 @@ def product_keywords(kernel: LoweredProgram) -> str:
 
 
 def value_tile(kernel: LoweredProgram, load: str) -> str:
-    """The v tile: loaded as it is, or (float8) upcast for P·V."""
-    return f"v = {load}.to({UPCAST})\n" if is_fp8(kernel) else f"v = {load}\n"
+    """The v tile: loaded as it is, or (float8) upcast for P·V by float16 (exact on float8): Triton 3.6 turns
+    e5m2 into bfloat16 by moving its bits, which makes NaN and Inf finite; into float16 by a conversion."""
+    return f"v = {load}.to(tl.float16).to({UPCAST})\n" if is_fp8(kernel) else f"v = {load}\n"
 
 
 def weights_dtype(kernel: LoweredProgram) -> str:
