@@ -32,7 +32,7 @@ SUITE_TITLES = {
     "decode": "Decoding (one query per sequence, full cache)",
     "sparse": "Block-sparse (BigBird)",
     "packed": "Packed documents (varlen)",
-    "fp8": "Float8 forward (e4m3, baselines in bfloat16)",
+    "fp8": "Float8 forward (e4m3 and e5m2, baselines in bfloat16)",
     "dropout": "Forward + backward with attention dropout",
     "memory": "Memory",
     "overhead": "Host overhead",
