@@ -23,6 +23,7 @@ from attnfuse.runtime.source_cache import CACHE_ENV
 
 FIGURES = ("registers", "spill_bytes", "shared_bytes")
 HEAD_DIM = 64
+pytestmark = pytest.mark.xdist_group("show_resources")  # under -n, one worker: its compiles are shared
 
 
 @pytest.fixture(autouse=True)

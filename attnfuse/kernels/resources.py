@@ -158,7 +158,19 @@ def template_resources(
     says ("none": one program a group, the launch of a grid that fills the GPU; "last" or "atomic":
     ``hopper.group_split``), or a dQ instance (``["dq"]`` of the training plan), as a call with no dLSE
     launches it. Raises whatever Triton raises on an instance that does not compile, and
-    RuntimeError if ptxas or nvdisasm fails."""
+    RuntimeError if ptxas or nvdisasm fails. One compile per instance and arguments in a process (``_COMPILED``):
+    the figures of a compile do not change."""
+    key = (spec.source, spec.name, tuple(sorted(spec.launch.constants.items())), dtype, head_dim, save_lse, group_sum)
+    if key not in _COMPILED:
+        _COMPILED[key] = _compile_resources(spec, dtype, head_dim, save_lse, group_sum)
+    return _COMPILED[key]
+
+
+_COMPILED: dict[tuple, Resources] = {}
+
+
+def _compile_resources(spec: KernelSpec, dtype: str, head_dim: int, save_lse: bool, group_sum: str) -> Resources:
+    """``template_resources``, compiled."""
     if dtype not in DTYPES or (dtype in FP8_OUT and spec.kind != "forward"):
         raise InputError(
             f"dtype={dtype!r}: the templates compile for float16 and bfloat16, and the forward template for "
