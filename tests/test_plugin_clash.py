@@ -21,6 +21,8 @@ from attnfuse.errors import InputError, PluginError
 from attnfuse.plugin_manager import DISABLE_AUTOLOAD_ENV
 from attnfuse.scaffold import scaffold
 
+pytestmark = pytest.mark.xdist_group("plugin_clash")  # under -n, one worker runs its module fixtures once
+
 KEEP_ALL = textwrap.dedent("""
     import attnfuse
     from attnfuse.combinator import Combinator, MaskFragment, Role

@@ -22,6 +22,8 @@ import attnfuse as af
 from attnfuse import builtin_plugins
 from attnfuse.plugin_manager import BUILTIN_DISTRIBUTION, DISABLE_AUTOLOAD_ENV, plugin_manager
 
+pytestmark = pytest.mark.xdist_group("source_checkout")  # under -n, one worker runs its module fixtures once
+
 ROOT = Path(__file__).resolve().parents[1]
 BUILTIN_PLUGIN_NAMES = {f"{BUILTIN_DISTRIBUTION}:{m}" for m in builtin_plugins.MODULES}
 
