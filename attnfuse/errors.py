@@ -20,6 +20,11 @@ class DeclarationError(PluginError, TypeError, ValueError):
     (Also a TypeError/ValueError, as attrs validators' errors are.)"""
 
 
+class DeclarationViolation(PluginError, AssertionError):
+    """A kernel found a plugin's declaration false as it ran (``NormaliserFragment.unit_weights``, checked where
+    device assertions run). (Also an AssertionError: the conformance kit reports it as a finding.)"""
+
+
 class ProgramError(AttnFuseError, TypeError):
     """An ill-formed attention program, raised while tracing it."""
 

@@ -229,6 +229,13 @@ class NormaliserFragment:
     ``smooth=False``: the weights' derivative jumps (relu at 0), so rounding a score across the jump
     changes a gradient by a whole term; the conformance suite then compares gradients only in float32
     and float64, where that is rare.
+
+    ``unit_weights=True``: every weight ``p`` that ``update`` (and ``scaled_update``) writes is at most 1 in
+    magnitude, or NaN, whatever the scores (softmax's ``exp2(s - running max)``; relu_attention divides by a
+    running maximum). A float8 call's P·V rounds its weights to e4m3, whose range ends near them: the Hopper
+    template runs float8 calls only for normalisers that declare it (the generated float8 kernel takes the
+    others). Checked wherever device assertions run (Triton's interpreter: every CPU call, and the conformance
+    kit's own check on large scores): a weight beyond 1 raises ``DeclarationViolation``.
     """
 
     init: str
@@ -245,6 +252,7 @@ class NormaliserFragment:
     combine: str | None = field(default=None, validator=attrs.validators.in_((None, "logsumexp", "sum")))
     partial: NormaliserFragment | None = field(default=None)
     smooth: bool = True
+    unit_weights: bool = False
 
     @partial.validator
     def _check_partial(self, _, partial) -> None:

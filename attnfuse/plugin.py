@@ -17,7 +17,8 @@ compiler and the runtime into every process that loads the plugin. Nothing here 
   ``rotate_every_two``, ``BlockMask``;
 - parameter checks: ``positive_number``, ``finite_number_or_none``, ``non_negative_int``;
 - the errors a plugin raises: ``InputError`` (a call's inputs), ``DeclarationError`` and ``PluginError``
-  (a declaration), ``ProgramError``, ``UnsupportedError``, and their base ``AttnFuseError``;
+  (a declaration), ``ProgramError``, ``UnsupportedError``, and their base ``AttnFuseError``; and
+  ``DeclarationViolation``, which a run raises when a kernel finds a declaration false;
 - tiles (the ``attnfuse_tile_config`` and ``attnfuse_tile_configs`` hooks): ``TileConfig``, ``TileRule``;
 - for ``examples``: ``random_tensor`` (it needs hypothesis, imported on first use of the name),
   ``create_block_mask``, ``create_block_mask_from_blocks``.
@@ -31,7 +32,15 @@ from .block_mask import BlockMask, create_block_mask, create_block_mask_from_blo
 from .checks import finite_number_or_none, non_negative_int, positive_number
 from .combinator import INPUT, REQUIRED, Combinator, Param, Role, ScalarArg, TensorArg
 from .device_cache import device_cached
-from .errors import AttnFuseError, DeclarationError, InputError, PluginError, ProgramError, UnsupportedError
+from .errors import (
+    AttnFuseError,
+    DeclarationError,
+    DeclarationViolation,
+    InputError,
+    PluginError,
+    ProgramError,
+    UnsupportedError,
+)
 from .fragments import (
     BlockList,
     MaskFragment,
@@ -54,6 +63,7 @@ __all__ = [
     "BlockMask",
     "Combinator",
     "DeclarationError",
+    "DeclarationViolation",
     "InputError",
     "LaunchContext",
     "MaskFragment",

@@ -40,6 +40,7 @@ COMBINATOR = Combinator(
         grad="ds = tl.where(s > 0.0, dp * (1.0 / tl.maximum(Nk, 1)), 0.0)",
         combine="sum",
         smooth=False,
+        unit_weights=True,  # divided by their running maximum, which starts at 1
     ),
 )
 

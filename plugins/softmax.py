@@ -64,6 +64,7 @@ COMBINATOR = Combinator(
         grad="ds = p * (dp - delta[:, None])",
         needs_delta=True,
         combine="logsumexp",
+        unit_weights=True,  # exp2(s - running max)
     ),
 )
 

@@ -113,6 +113,7 @@ COMBINATOR = Combinator(
         needs_delta=True,
         combine="logsumexp",
         partial=SOFTMAX.fragment,  # a partial result over keys alone: the sink left out
+        unit_weights=True,  # exp2(s - running max), the max starting at the sink
     ),
     examples=examples,
     takes_offsets=True,  # its one tensor is read by head, never by position

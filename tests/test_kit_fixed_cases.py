@@ -11,6 +11,7 @@ from attnfuse.testing.fixed_cases import FIXED_CALLS, check_fixed_cases, fixed_p
 from attnfuse.testing.mask_facts import check_mask_facts
 from attnfuse.testing.planted_bugs import PLANTED, is_finding, planted
 from attnfuse.testing.self_check import builtins
+from attnfuse.testing.unit_weights import check_unit_weights
 
 
 def test_fixed_calls_cover_every_axis():
@@ -65,11 +66,13 @@ def _registered(bug: str):
 
 @pytest.mark.parametrize("bug", sorted(PLANTED))
 def test_every_planted_bug_is_caught_without_fuzzing(bug):
-    """The deterministic checks alone (mask facts, fixed cases) catch each planted bug: every run does."""
+    """The deterministic checks alone (mask facts, unit weights, fixed cases) catch each planted bug: every run
+    does."""
     comb = _registered(bug)
     try:
         with pytest.raises(AssertionError) as info:
             check_mask_facts(comb.name)
+            check_unit_weights(comb.name)
             check_fixed_cases(comb.name, "cpu")
         assert is_finding(info.value, comb.name), str(info.value)
     finally:

@@ -477,6 +477,22 @@ def test_the_template_serves_a_third_party_normaliser_by_its_update_s_form(third
     assert f"{RESCALE} = {RESCALE} * (z_i / z_new)" in source and "acc = acc * (z_i / z_new)" not in source
 
 
+def test_float8_takes_the_template_only_for_a_normaliser_that_declares_unit_weights(third_party_normalisers):
+    """Float8 P·V rounds 256 · P to e4m3 with no range check: a normaliser not declaring its weights at most 1
+    runs the generated float8 kernel, by name in the reason; declared, the same normaliser runs the template."""
+    fp8 = attrs.evolve(SM90, dtype="float8_e4m3fn", save_lse=False)
+    reason = capability.forward_reason(lowered(_normalised_by(LINEAR.name), fp8))
+    assert reason is not None and LINEAR.name in reason and "unit_weights" in reason
+    assert capability.forward_reason(lowered(_normalised_by(LINEAR.name), SM90)) is None  # bfloat16 takes it
+    unit = attrs.evolve(LINEAR.fragment, unit_weights=True)
+    declared = attrs.evolve(LINEAR, name="_test_template_unit", fragment=unit)
+    af.register_plugin(_Plugin(declared), name="template-test:unit")
+    try:
+        assert capability.forward_reason(lowered(_normalised_by(declared.name), fp8)) is None
+    finally:
+        af.unregister_plugin("template-test:unit")
+
+
 def test_capability_names_no_combinator(third_party_normalisers):
     """The template serves programs by what their lowered form declares, never by a combinator's name: the
     contrib sigmoid_attention and a third party's normaliser above are served though no code names them."""

@@ -98,6 +98,11 @@ def forward_reason(kernel: LoweredProgram) -> str | None:
         if c.head_dim not in FORWARD_FP8_HEAD_DIMS:
             dims = ", ".join(map(str, FORWARD_FP8_HEAD_DIMS))
             return f"the forward template takes float8 at head dims {dims}, not {c.head_dim}"
+        if not kernel.normaliser.fragment.unit_weights:  # P·V rounds P · 256 to e4m3, whose range ends at 448
+            return (
+                f"{kernel.normaliser.prefix} does not declare unit_weights (weights at most 1), which the forward "
+                "template's float8 P·V needs"
+            )
         if c.varlen:  # Vᵀ's copy permutes each 32 keys from the packed row's first (fp8_pipeline.stored_key)
             return f"the forward template takes float8 only in a call without {_FACTS['varlen']} yet"
         if listing is not None:

@@ -82,7 +82,7 @@ $prologues$init
 $first_key
 $tile
     o_acc = gl.zeros([BLOCK_M, DV], gl.float32, O_LAYOUT)
-${weights_init}    for j in range(1, n_steps):
+    for j in range(1, n_steps):
         stage = j % STAGES
         prev = (j - 1) % STAGES
         mbarrier.wait(k_ready.index(stage), (j // STAGES) & 1)
@@ -90,7 +90,7 @@ ${weights_init}    for j in range(1, n_steps):
         s_next = warpgroup_mma(q, k.permute((1, 0)), no_scores, use_acc=False, is_async=True)
         mbarrier.wait(v_ready.index(prev), ((j - 1) // STAGES) & 1)
         v = v_smem.index(prev)${v_view}
-${weights_loop}        o_acc = warpgroup_mma(gl.convert_layout(${p_weights}, P_LAYOUT), v, o_acc, is_async=True)
+        o_acc = warpgroup_mma(gl.convert_layout(${p_weights}, P_LAYOUT), v, o_acc, is_async=True)
         s, _, _ = warpgroup_mma_wait(1, deps=(s_next, q, k))  # QKᵀ done; P·V may still run
 $step_key
 $loop_tile
@@ -100,9 +100,9 @@ $rescale
     last = (n_steps - 1) % STAGES
     mbarrier.wait(v_ready.index(last), ((n_steps - 1) // STAGES) & 1)
     v = v_smem.index(last)${v_view}
-${weights_last}    o_acc = warpgroup_mma(gl.convert_layout(${p_weights}, P_LAYOUT), v, o_acc)
+    o_acc = warpgroup_mma(gl.convert_layout(${p_weights}, P_LAYOUT), v, o_acc)
     mbarrier.arrive(kv_free.index(last), count=1)
-${weights_verdict}
+
 $state_rows
     if gl.max(gl.max(gl.where(gl.abs(o_acc) < float("inf"), 0, 1), 1), 0) > 0:  # NaN too
         ${name}_careful(
@@ -394,10 +394,6 @@ def generate_forward(kernel: LoweredProgram, name: str, consumer_registers: int,
         store_out=indent(fp8.store_out or facts.store_out, 8).rstrip("\n"),
         p_width=fp8.p_width,
         p_weights=fp8.p_weights,
-        weights_init=indent(fp8.weights_init, 4),
-        weights_loop=indent(fp8.weights_check, 8),
-        weights_last=indent(fp8.weights_check, 4),
-        weights_verdict=indent(fp8.weights_verdict, 4),
         v_view=fp8.v_view,
         warpgroup_layout=fp8.warpgroup_layout,
     )

@@ -39,16 +39,15 @@ def forward_loader_fp8(
         tma.async_copy_global_to_shared(vt_desc, [b, hk, 0, key], v_ready.index(stage), vt_smem.index(stage))
 
 
-E4M3_MAX = gl.constexpr(448.0)  # float8 e4m3fn's largest finite value
-# P·V takes P times this: a softmax's weights (at most 1) then round with e4m3's relative error down to 2⁻¹⁴ (its
-# normal range starts at 2⁻⁶), and weights up to 1.75 stay in range; out is divided by it again
+# P·V takes P times this: weights at most 1 (``NormaliserFragment.unit_weights``) then round with e4m3's relative
+# error down to 2⁻¹⁴ (its normal range starts at 2⁻⁶) and stay within its range (448); out is divided by it again
 P_SCALE = gl.constexpr(256.0)
 KEY_CHUNK = gl.constexpr(32)  # the keys one float8 wgmma sums: P's columns and Vᵀ's are permuted within each chunk
 
 
 @gluon.jit
 def fp8_weights(p):
-    """P · P_SCALE rounded to float8 e4m3 (saturated: ``peak`` tells the rows beyond its range), its columns
+    """P · P_SCALE rounded to float8 e4m3 (saturated, should a weight pass 448 / P_SCALE), its columns
     permuted within each KEY_CHUNK as ``stored_key`` stores V's keys, so that the accumulator's registers are
     already P·V's register operand: a thread holds columns 8·a + 2·c + e of the accumulator and 4·c + e' + 16·a'
     of the operand (c: its lane within a row's four; e, e' < 2 and 4), so the columns 16·a1 + 8·a0 + 2·c + e
@@ -64,26 +63,6 @@ def fp8_weights(p):
 def stored_key(n):
     """The column of Vᵀ's copy that holds key n (``fp8_weights``' permutation; ``launch_fp8.transposed_values``)."""
     return (n & ~15) | ((n & 6) << 1) | ((n & 8) >> 2) | (n & 1)
-
-
-@gluon.jit
-def lane_peaks(p):
-    """The largest |weight| of each row of ``p`` (rows, keys) float32 over the columns each of a row's four
-    lanes holds (rows, 4): the maxima stay in their threads, with no shuffle in the key loop (NaN is left out:
-    a NaN weight makes P·V's accumulator NaN itself)."""
-    M: gl.constexpr = p.shape[0]
-    N: gl.constexpr = p.shape[1]
-    split = gl.abs(p).reshape([M, N // KEY_CHUNK, 2, 2, 4, 2])  # (a1, a0, c, e) of each chunk: c is the lane
-    return gl.max(gl.max(gl.max(gl.max(split, 5), 3), 2), 1)
-
-
-@gluon.jit
-def beyond_range_nan(o_acc, peaks, rows: gl.constexpr):
-    """The accumulator (rows, DV) with the rows whose weights left e4m3's range (``peaks`` (rows, 4), the
-    ``lane_peaks`` of every block, above E4M3_MAX / P_SCALE: ``fp8_weights`` saturated them) made NaN, so that
-    the careful redo (bfloat16) takes them rather than a wrong out; ``rows``: o_acc's row layout."""
-    fits = gl.convert_layout(gl.max(peaks, 1), rows) <= E4M3_MAX / P_SCALE
-    return gl.where(gl.expand_dims(fits, 1), o_acc, float("nan"))
 
 
 @gluon.jit

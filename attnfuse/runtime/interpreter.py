@@ -1,13 +1,16 @@
 """CPU tensors run the generated kernels through Triton's interpreter, with no environment variable.
 
-``InterpretedFunction`` runs a plain kernel function on CPU tensors. Two patches hold while one runs, and
+``InterpretedFunction`` runs a plain kernel function on CPU tensors. Four patches hold while one runs, and
 every patch (ours and Triton's) is undone when it returns:
 Triton's own library functions (``tl.sum``, ``tl.max``, ``tl.zeros`` ...) are ``@triton.jit`` functions,
 which refuse to be called outside a compiled kernel unless ``TRITON_INTERPRET=1`` was set before Triton
-was imported, so calls to them go to interpreted copies; and a scalar used as an index (a loop bound)
+was imported, so calls to them go to interpreted copies; a scalar used as an index (a loop bound)
 converts through ``.item()``, since numpy >= 2.4 refuses ``int()`` of a one-element array
-(triton-lang/triton#9171). A third mends the interpreter's float conversion (its private ``_convert_float``),
-which turns float8 e4m3fn's NaN (bits s1111111) into 480 as if it were finite: it stays NaN.
+(triton-lang/triton#9171); the interpreter's float conversion (its private ``_convert_float``), which turns
+float8 e4m3fn's NaN (bits s1111111) into 480 as if it were finite, keeps it NaN; and ``tl.device_assert``
+runs (the builder's options say debug, without Triton's integer-overflow checks: Philox's products wrap by
+design). The generated kernels assert only plugins' declarations (``passes/codegen/scores.unit_weights_check``):
+a failed one raises ``DeclarationViolation``.
 
 Every load and store is also bounds-checked: an address outside the storages of the kernel's tensor
 arguments raises ``IndexError`` (on a GPU it would be an illegal memory access, or silent garbage).
@@ -23,6 +26,7 @@ import numpy as np
 import triton.language as tl
 import torch
 
+from ..errors import DeclarationViolation
 from ..parsing import PARSE_LOCK
 from ..triton_compat import InterpretedFunction, InterpreterError, JITFunction, interpreter
 
@@ -74,6 +78,8 @@ def _convert_float_keeping_e4m3_nan(data: np.ndarray, from_dtype: Any, to_dtype:
 
 _builder = interpreter.interpreter_builder
 _masked_load, _masked_store = _builder.create_masked_load, _builder.create_masked_store
+_unchecked = _builder.options
+_asserting = interpreter.InterpreterOptions(debug=True, sanitize_overflow=False)  # device assertions run
 
 
 def _check_bounds(ranges: np.ndarray, ptrs: Any, mask: Any, what: str) -> None:
@@ -117,6 +123,7 @@ def _interpreter_patches(args: tuple):
         interpreter._patch_lang_tensor = _patch_lang_tensor_with_item_index
         interpreter._convert_float = _convert_float_keeping_e4m3_nan
         _builder.create_masked_load, _builder.create_masked_store = masked_load, masked_store
+        _builder.options = _asserting
         try:
             yield
         finally:
@@ -124,6 +131,7 @@ def _interpreter_patches(args: tuple):
             interpreter._patch_lang_tensor = _patch_lang_tensor
             interpreter._convert_float = _convert_float
             _builder.create_masked_load, _builder.create_masked_store = _masked_load, _masked_store
+            _builder.options = _unchecked
 
 
 class InterpretedKernel:
@@ -156,4 +164,6 @@ class InterpretedKernel:
             except InterpreterError as exc:
                 if isinstance(exc.__cause__, IndexError):  # an out-of-bounds access: say so plainly
                     raise exc.__cause__ from None
+                if isinstance(exc.__cause__, AssertionError):  # a plugin's declaration found false
+                    raise DeclarationViolation(str(exc.__cause__)) from None
                 raise

@@ -23,6 +23,7 @@ from .mask_facts import check_mask_facts
 from .plan_settings import transforms_hoisted
 from .program_case import add_note, check_program_case, show_extras
 from .strategies import documents, drawable, pool, program_cases, shapes
+from .unit_weights import check_unit_weights
 
 
 # No shrinking: each shrink step reruns (and may recompile) kernels, which under the interpreter turns one
@@ -55,7 +56,8 @@ def check_combinator(
     fixed: bool = True,
 ) -> None:
     """Check combinator ``name`` (every registered one when None): a mask's keep and facts, deterministically
-    over enumerated problems (``mask_facts``); its fixed program on every kind of call (``fixed_cases``);
+    over enumerated problems (``mask_facts``); a normaliser's ``unit_weights`` on large scores
+    (``unit_weights``); its fixed program on every kind of call (``fixed_cases``);
     then, as a property test, programs using it match the float64 reference, forward and, for about half the
     examples, backward; qk transforms run in the kernels or, in about half the examples, hoisted into passes
     (as long calls run them). ``fixed=False`` leaves out the deterministic checks (facts, fixed cases), which
@@ -78,9 +80,9 @@ def check_combinator(
         )
     if name is None or installed:
         _fail_on_broken()
-    for mask in [name] if name is not None else sorted(n for n, r in registry.items() if drawable(r.combinator)):
-        if fixed:
-            check_mask_facts(mask)
+    checked = [name] if name is not None else sorted(n for n, r in registry.items() if drawable(r.combinator))
+    for each in checked if fixed else ():
+        check_mask_facts(each)
     device = device or default_device()
     dtypes = dtypes or default_dtypes(device)
     names = pool(name, installed or name is None)
@@ -125,6 +127,8 @@ def check_combinator(
 
     with temporary_cache():
         try:
+            for each in checked if fixed else ():
+                check_unit_weights(each)
             if name is not None and fixed:
                 check_fixed_cases(name, device)
             conforms()

@@ -110,6 +110,10 @@ PLANTED: dict[str, tuple[str, Callable[[], Combinator]]] = {
         "relu_attention divides by the capacity N_K, not the sequence's length Nk",
         _replaced("relu_attention", "tl.maximum(Nk, 1)", "tl.maximum(N_K, 1)", "update", "recompute", "grad"),
     ),
+    "unit_weights_unkept": (
+        "relu_attention declares unit_weights without dividing by its running maximum (the same out)",
+        _fragment("relu_attention", update="p = tl.maximum(s, 0.0) * (1.0 / tl.maximum(Nk, 1))", finalize="out = acc"),
+    ),
     "softcap_negative_scores": (
         "softcap caps negative scores at -cap/2 (positive ones are right)",
         _replaced("softcap", "tl.where(s < 0.0, -$cap, $cap)", "tl.where(s < 0.0, -0.5 * $cap, $cap)", "body"),

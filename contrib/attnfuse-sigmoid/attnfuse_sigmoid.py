@@ -94,6 +94,7 @@ COMBINATOR = Combinator(
         recompute=_SIGMOID,
         grad="ds = dp * p * (1.0 - p)",  # sigmoid' = sigmoid (1 - sigmoid)
         combine="sum",
+        unit_weights=True,  # a sigmoid
     ),
     examples=examples,
     takes_offsets=True,

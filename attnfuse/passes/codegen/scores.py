@@ -29,7 +29,21 @@ def normaliser_update(kernel: LoweredProgram) -> str:
     norm = kernel.normaliser
     factor = folded_scale(kernel)
     text = norm.fragment.update if factor is None else norm.code(norm.fragment.scaled_update, factor=repr(factor))
-    return f"# {norm.prefix}: normaliser update\n{fragment(text)}\n"
+    return f"# {norm.prefix}: normaliser update\n{fragment(text)}\n{unit_weights_check(kernel)}"
+
+
+def unit_weights_check(kernel: LoweredProgram) -> str:
+    """After the update of a normaliser that declares ``unit_weights``: a device assertion that its weights ``p``
+    are at most 1 in magnitude (or NaN). It runs where assertions run (Triton's interpreter, as
+    ``runtime/interpreter.py`` launches; a GPU compile drops it), raising ``DeclarationViolation`` there."""
+    norm = kernel.normaliser
+    if not norm.fragment.unit_weights:
+        return ""
+    message = (
+        f"normaliser {norm.apply.combinator!r} declares unit_weights=True, but its update wrote a weight above 1 "
+        "in magnitude"
+    )
+    return f"tl.device_assert((tl.abs(p) <= 1.0) | (p != p), {message!r})  # {norm.prefix}: its declaration\n"
 
 
 def scores(
