@@ -128,7 +128,7 @@ def ${name}_careful(
     b = pid_bh // HQ
     h = pid_bh % HQ
     hk = h // GROUP
-    for c0 in gl.static_range(0, DV, CAREFUL_COLUMNS):
+    for c0 in range(0, DV, CAREFUL_COLUMNS):  # not unrolled: one copy of the redo's code
         ${name}_careful_columns(
             Q, K, V, Out, q_desc, k_desc, v_desc, o_desc, Lse, pid_bh, b, h, hk, first, start, n_keys, Nq, N_K,
             HQ, GROUP, sm_scale, qk_scale, ${facts}${plugin_args} SAVE_LSE, c0,
@@ -138,7 +138,7 @@ def ${name}_careful(
 @gluon.jit
 def ${name}_careful_columns(
     Q, K, V, Out, q_desc, k_desc, v_desc, o_desc, Lse, pid_bh, b, h, hk, first, start, n_keys, Nq, N_K, HQ,
-    GROUP, sm_scale, qk_scale, ${facts}${plugin_args} SAVE_LSE: gl.constexpr, C0: gl.constexpr,
+    GROUP, sm_scale, qk_scale, ${facts}${plugin_args} SAVE_LSE: gl.constexpr, C0,
 ):  # fmt: skip
     """Rows first.. (64), out's columns [C0, C0 + CAREFUL_COLUMNS), redone over ${careful_keys},
     16 at a time, with mma.sync in registers: masked keys' non-finite values are kept out of P·V, and
@@ -162,7 +162,7 @@ $prologues$init
     poisoned = gl.zeros([BLOCK_M, CAREFUL_COLUMNS], gl.float32, S_LAYOUT)  # kept keys with a non-finite value
 $careful_loop
         s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, S_LAYOUT)
-        for d0 in gl.static_range(0, D, CAREFUL_COLUMNS):  # q·kᵀ a slice of the head dim at a time
+        for d0 in range(0, D, CAREFUL_COLUMNS):  # q·kᵀ a slice of the head dim at a time (unrolled, q's spilled)
             q = load_rows(Q, q_desc, b, h, ${query_rows}, BLOCK_M, A_OP, d0, CAREFUL_COLUMNS)${upcast}
             s = mma_v2(q, load_rows_t(K, k_desc, b, hk, ${key_rows}, BLOCK_N, B_OP, d0, CAREFUL_COLUMNS)${upcast}, s)
 $careful_tile
