@@ -74,7 +74,8 @@ _GLUON_FP8 = {torch.float8_e4m3fn: gl.float8e4nv, torch.float8_e5m2: gl.float8e5
 
 @functools.lru_cache(maxsize=None)
 def fp8_tile_layout(rows: int, columns: int, dtype: torch.dtype) -> gl.NVMMASharedLayout:
-    """The shared-memory layout of a [1, 1, rows, columns] float8 tile (cached: Gluon builds it in about 40 µs)."""
+    """The shared-memory layout of a [1, 1, rows, columns] float8 tile (cached: a call needs three, and Gluon builds
+    each anew, on the host's critical path)."""
     return gl.NVMMASharedLayout.get_default_for([1, 1, rows, columns], _GLUON_FP8[dtype])
 
 
