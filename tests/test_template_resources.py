@@ -33,7 +33,7 @@ DQ_CASES = [(v, d, "bfloat16", False) for v in verify.FORWARD_VARIANTS for d in 
 DQ_CASES += [(v, 128, "float16", False) for v in verify.VARIANTS]
 DQ_CASES += [(v, d, "bfloat16", True) for v in verify.DROPOUT_VARIANTS for d in verify.DKDV_HEAD_DIMS]
 # Instances of calls with a fact (``verify.fact_cases``): each fact at head dims 64 to 256, with a window's two
-# masked ends, a hoisted transform's rows, a normaliser with sinks
+# masked ends, a hoisted transform's rows, a normaliser with sinks, a bias read at packed rows
 FACT_CASES = [
     ("causal", 128, "bfloat16", "kv_lens"),
     ("sliding_window", 256, "bfloat16", "kv_lens"),
@@ -43,6 +43,7 @@ FACT_CASES = [
     ("sinks", 64, "float16", "varlen"),
     ("sliding_window", 256, "bfloat16", "varlen"),
     ("additive_bias", 128, "bfloat16", "varlen"),
+    ("additive_bias", 256, "bfloat16", "varlen"),
     ("causal", 128, "float8_e4m3fn", "kv_lens"),
     ("sliding_window", 64, "float8_e4m3fn", "positions"),
 ]

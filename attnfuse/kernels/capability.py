@@ -16,10 +16,6 @@ from .tiles import DKDV_TILES, DQ_TILES, FORWARD_TILES
 TEMPLATE_DTYPES = ("float16", "bfloat16")
 FORWARD_DROPOUT_HEAD_DIMS = (64, 128)  # at 256, dropout's Philox rounds made ptxas spill in the key loop
 FORWARD_FP8_HEAD_DIMS = (64, 128)
-# A packed call's program that reads a tensor indexed by query and key at packed rows (an additive bias) holds the
-# document's first rows beside its addresses: at 256 ptxas spilled 16 bytes in the forward's key loop, and 44 (64)
-# and 132 (128) in the dK/dV step loop, so the forward takes it at these head dims and the dK/dV template not yet
-FORWARD_PACKED_READER_HEAD_DIMS = (64, 128)
 
 
 # A call's facts (``KernelConfig``'s), in words
@@ -121,12 +117,6 @@ def forward_reason(kernel: LoweredProgram) -> str | None:
         )
     if c.dropout and fact is not None:  # the template's dropout numbers rows and keys as a plain call's
         return f"the forward template does not take {_FACTS['dropout']} with {_FACTS[fact]} yet"
-    if c.varlen and c.head_dim not in FORWARD_PACKED_READER_HEAD_DIMS and (reader := _index_reader(kernel)):
-        dims = ", ".join(map(str, FORWARD_PACKED_READER_HEAD_DIMS))
-        return (
-            f"{reader} reads q_idx or k_idx (a tensor at packed rows in a packed call), which the forward template "
-            f"takes at head dims {dims}, not {c.head_dim}"
-        )
     if c.dropout and c.head_dim not in FORWARD_DROPOUT_HEAD_DIMS:
         return (
             f"the forward template takes {_FACTS['dropout']} at head dims "
@@ -147,6 +137,8 @@ def dkdv_reason(kernel: LoweredProgram) -> str | None:
     """Why the dK/dV template cannot run ``kernel``, or None when it can (a listing mask's block size is checked
     in the call: ``block_list_reason``)."""
     reason = _backward_template_reason(kernel, "dK/dV", DKDV_TILES)
+    # such a program holds the document's first rows beside its addresses: ptxas spilled 44 (64) and 132 (128)
+    # bytes in the step loop
     if reason is None and kernel.config.varlen and (reader := _index_reader(kernel)):
         return (
             f"{reader} reads q_idx or k_idx (a tensor at packed rows in a packed call), which the dK/dV template "
