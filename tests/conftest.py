@@ -32,8 +32,10 @@ def worker_id() -> str:
 def pytest_configure(config):
     """Generated kernels go to a fresh temporary directory for the session (one per xdist worker), never the
     user's ~/.cache. Under ``-n`` the tests of one ``xdist_group`` share a worker (``--dist loadgroup``, which
-    spreads the others as ``load`` does): a module fixture that spawns processes spawns them once."""
-    if getattr(config.option, "dist", None) == "load":
+    spreads the others as ``load`` does): a module fixture that spawns processes spawns them once. A ``--dist``
+    given on the command line is kept."""
+    chosen = any(arg.startswith("--dist") for arg in config.invocation_params.args)
+    if getattr(config.option, "dist", None) == "load" and not chosen:
         config.option.dist = "loadgroup"
     config._attnfuse_cache = tempfile.mkdtemp(prefix=f"attnfuse-test-kernels-{worker_id()}-")
     os.environ["ATTNFUSE_CACHE_DIR"] = config._attnfuse_cache
