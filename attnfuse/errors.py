@@ -25,6 +25,9 @@ class DeclarationViolation(PluginError, AssertionError):
     device assertions run). (Also an AssertionError: the conformance kit reports it as a finding.)"""
 
 
+DECLARATION_CHECK = "declaration check: "  # how a kernel's device assertion of a declaration starts its message
+
+
 class ProgramError(AttnFuseError, TypeError):
     """An ill-formed attention program, raised while tracing it."""
 

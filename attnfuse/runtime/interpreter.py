@@ -9,8 +9,9 @@ converts through ``.item()``, since numpy >= 2.4 refuses ``int()`` of a one-elem
 (triton-lang/triton#9171); the interpreter's float conversion (its private ``_convert_float``), which turns
 float8 e4m3fn's NaN (bits s1111111) into 480 as if it were finite, keeps it NaN; and ``tl.device_assert``
 runs (the builder's options say debug, without Triton's integer-overflow checks: Philox's products wrap by
-design). The generated kernels assert only plugins' declarations (``passes/codegen/scores.unit_weights_check``):
-a failed one raises ``DeclarationViolation``.
+design). A failed assertion of a plugin's declaration (its message starts with ``errors.DECLARATION_CHECK``:
+``passes/codegen/scores.unit_weights_check``) raises ``DeclarationViolation``; Triton's own assertions stay errors
+of the interpreter.
 
 Every load and store is also bounds-checked: an address outside the storages of the kernel's tensor
 arguments raises ``IndexError`` (on a GPU it would be an illegal memory access, or silent garbage).
@@ -26,7 +27,7 @@ import numpy as np
 import triton.language as tl
 import torch
 
-from ..errors import DeclarationViolation
+from ..errors import DECLARATION_CHECK, DeclarationViolation
 from ..parsing import PARSE_LOCK
 from ..triton_compat import InterpretedFunction, InterpreterError, JITFunction, interpreter
 
@@ -164,6 +165,7 @@ class InterpretedKernel:
             except InterpreterError as exc:
                 if isinstance(exc.__cause__, IndexError):  # an out-of-bounds access: say so plainly
                     raise exc.__cause__ from None
-                if isinstance(exc.__cause__, AssertionError):  # a plugin's declaration found false
-                    raise DeclarationViolation(str(exc.__cause__)) from None
+                message = str(exc.__cause__)
+                if isinstance(exc.__cause__, AssertionError) and message.startswith(DECLARATION_CHECK):
+                    raise DeclarationViolation(message.removeprefix(DECLARATION_CHECK)) from None
                 raise

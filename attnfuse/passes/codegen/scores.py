@@ -3,6 +3,7 @@ normaliser's update, and the guards that keep masked keys' non-finite values out
 
 from __future__ import annotations
 
+from ...errors import DECLARATION_CHECK
 from ..lower import LoweredProgram
 from .common import fragment
 from .text import indent
@@ -40,8 +41,8 @@ def unit_weights_check(kernel: LoweredProgram) -> str:
     if not norm.fragment.unit_weights:
         return ""
     message = (
-        f"normaliser {norm.apply.combinator!r} declares unit_weights=True, but its update wrote a weight above 1 "
-        "in magnitude"
+        f"{DECLARATION_CHECK}normaliser {norm.apply.combinator!r} declares unit_weights=True, but its update wrote "
+        "a weight above 1 in magnitude"
     )
     return f"tl.device_assert((tl.abs(p) <= 1.0) | (p != p), {message!r})  # {norm.prefix}: its declaration\n"
 
