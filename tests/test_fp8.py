@@ -354,18 +354,13 @@ def test_the_hopper_forward_template_takes_both_float8_types_and_says_why_not_th
 
 
 @pytest.mark.parametrize("fact", ["kv_lens", "positions", "varlen"])
-def test_the_hopper_forward_template_takes_float8_with_kv_lens_or_positions_not_packed(fact):
-    """Its copy of V permutes each 32 keys from the tensor's first row, which a packed call's documents do not
-    start at: a packed float8 call keeps the generated kernel."""
+def test_the_hopper_forward_template_takes_float8_with_each_fact(fact):
+    """kv_lens, given positions and packed sequences (V's copy by document: ``document_values``)."""
     config = KernelConfig(
         arch="sm90", dtype="float8_e4m3fn", head_dim=128, head_dim_v=128, group=1, save_lse=False,
         fp32_precision="ieee", **{fact: True},
     )  # fmt: skip
-    reason = forward_reason(lowered(causal_softmax.graph(), config))
-    if fact == "varlen":
-        assert reason == "the forward template takes float8 only in a call without packed sequences (cu_seqlens) yet"
-    else:
-        assert reason is None
+    assert forward_reason(lowered(causal_softmax.graph(), config)) is None
 
 
 def test_a_device_no_gpu_run_has_checked_refuses_fp8_unless_asked(monkeypatch):
@@ -538,6 +533,34 @@ def test_the_float8_instance_reads_v_transposed_with_its_keys_permuted(shape):
     expected[..., stored_key(torch.arange(N))] = v.transpose(2, 3).view(torch.uint8)
     assert torch.equal(got.view(torch.uint8), expected)
     assert sorted(stored_key(torch.arange(padded)).tolist()) == list(range(padded))  # a permutation
+
+
+@pytest.mark.parametrize(
+    "lengths, total",
+    [((5, 0, 1, 37, 64, 3), 110), ((130,), 130), ((7, 70), 90), ((0, 0), 4)],
+    ids=["ragged", "one", "rows-past-the-documents", "empty"],
+)
+def test_a_packed_float8_instance_reads_each_document_from_an_aligned_column(lengths, total):
+    """A packed call's copy of V (kernels/launch_fp8.py: document_values), from documents of ``lengths`` keys in
+    ``total`` packed rows: (1, Hkv, DV, total + 32 (docs + 1) rounded up to 32); document i's key n in column
+    first_i + stored_key(n), first_i = (its first row + 32 i) rounded down to 32 (the instance's v_start), the
+    documents' columns apart, every other column zero (the rows past the last document's too)."""
+    from attnfuse.kernels.launch_fp8 import document_values
+
+    H, DV = 2, 16
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    v = torch.randn(1, total, H, DV).to(torch.float8_e5m2).transpose(1, 2)
+    got = document_values(v, cu, len(lengths))
+    width = -(-(total + 32 * (len(lengths) + 1)) // 32) * 32
+    assert got.shape == (1, H, DV, width) and got.stride(3) == 1 and got.stride(2) % 16 == 0
+    expected = torch.zeros(1, H, DV, width, dtype=torch.uint8)
+    written = []
+    for i, (start, end) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):
+        columns = (start + 32 * i) // 32 * 32 + stored_key(torch.arange(end - start))
+        expected[..., columns] = v[:, :, start:end].transpose(2, 3).view(torch.uint8)
+        written += columns.tolist()
+    assert len(set(written)) == len(written) and max(written, default=0) < width
+    assert torch.equal(got.view(torch.uint8), expected)
 
 
 @requires_cuda

@@ -717,6 +717,7 @@ def test_fp8_cases_cover_the_softmax_variants_the_float8_template_runs():
     """Every variant whose normaliser saves lse and that has no qk transform (a float8 call runs transforms inside
     its kernel), at the float8 head dims; each case's plan runs the forward template."""
     assert {"causal", "dense", "sliding_window", "causal_alibi", "softcap", "sinks"} <= set(verify.FP8_VARIANTS)
+    assert set(verify.LISTED_VARIANTS) <= set(verify.FP8_VARIANTS)  # block lists: the loader reads V's copy
     assert not {"rope_causal", "relu"} & set(verify.FP8_VARIANTS)
     found = verify.fp8_cases()
     for c in found:
@@ -724,9 +725,10 @@ def test_fp8_cases_cover_the_softmax_variants_the_float8_template_runs():
         assert "forward" in plan.templates.kernels, plan.templates.reasons["forward"]
     every = {(v, d) for v in verify.FP8_VARIANTS for d in capability.FORWARD_FP8_HEAD_DIMS}
     assert {(c.variant, c.head_dim) for c in found if c.poison and not c.fact} == every  # the careful redo's rows
-    for fact in ("kv_lens", "positions"):  # kv_lens with NaN keys and values past each sequence's length
+    unlisted = {(v, d) for v, d in every if v in verify.VARIANTS}  # the template follows lists in no call with a fact
+    for fact in ("kv_lens", "positions", "varlen"):  # kv_lens with NaN keys and values past each sequence's length
         assert {(c.variant, c.head_dim, c.poison) for c in found if c.fact == fact} == {
-            (v, d, fact == "kv_lens") for v, d in every
+            (v, d, fact == "kv_lens") for v, d in unlisted if fact != "varlen" or v != "sigmoid"
         }
     assert {(c.variant, c.out_dtype) for c in found if c.out_dtype} == {
         (v, out) for v in verify.FP8_VARIANTS for out in ("float16", "float32")

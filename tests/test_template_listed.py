@@ -201,7 +201,7 @@ def test_the_listed_cases_cover_empty_lists_full_and_partial_blocks_gqa_and_ragg
     listed = [c for c in verify.cases() if c.variant in verify.LISTED_VARIANTS]
     assert {(c.variant, c.head_dim, c.dtype) for c in listed if not c.poison} == {
         (v, d, t) for v in LISTED for d in verify.HEAD_DIMS for t in verify.DTYPES
-    }
+    } | {(v, d, t) for v in LISTED for d in capability.FORWARD_FP8_HEAD_DIMS for t in verify.FP8_DTYPES}
     assert {c.variant for c in listed if c.poison} == set(LISTED)  # NaN values under and inside the lists
     assert any(c.shape[1] > c.shape[2] for c in listed)
     empty = partial = full = ragged = 0

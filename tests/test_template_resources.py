@@ -1,18 +1,19 @@
 """The template instances compiled for sm90 here, with no GPU (Triton, ptxas, nvdisasm:
-``attnfuse/kernels/resources.py``): every variant of ``verify.VARIANTS`` is served by the forward template and
-the dK/dV and dQ templates (the listed ones, ``verify.LISTED_VARIANTS``, too) and compiles within a block's shared
+``attnfuse/kernels/resources.py``): every variant of ``verify.VARIANTS`` is served by the forward template and the
+dK/dV and dQ templates (the listed ones, ``verify.LISTED_VARIANTS``, too) and compiles within a block's shared
 memory, on wgmma and TMA, with one main loop per consumer warpgroup; so do the forward instances of calls with a
-fact (``FACT_CASES``: kv_lens, given positions, packed sequences; float8 ones too), and the dK/dV and dQ
-instances of packed calls (``PACKED_BACKWARD_CASES``, ``PACKED_DQ_CASES``). The forward's careful redo spills
-nothing; its key loop and the dK/dV step loop hold no local memory, except where ``KNOWN_LOOP_SPILLS`` says one
-does today, and there spill no more than it says (the few bytes spilled outside the forward's loop at head dim
-256 are in docs/benchmarks.md's table: not yet none); the dQ template's step loop holds none at all.
+fact (``FACT_CASES``: kv_lens, given positions, packed sequences; float8 ones too), and the dK/dV and dQ instances
+of packed calls (``PACKED_BACKWARD_CASES``, ``PACKED_DQ_CASES``). The forward's careful redo spills nothing but
+where ``KNOWN_CAREFUL_SPILLS`` says it does today (exactly that); its key loop and the dK/dV step loop hold no local
+memory, except where ``KNOWN_LOOP_SPILLS`` says one does today, and there spill no more than it says (the few bytes
+spilled outside the forward's loop at head dim 256 are in docs/benchmarks.md's table: not yet none); the dQ
+template's step loop holds none at all.
 
 Each case is one compile (seconds). Forward: bfloat16 at every head dim, float16 at head dim 128, float8 (e4m3) at
-its head dims for ``verify.FP8_VARIANTS``. dK/dV and dQ: bfloat16 at their head dims (float16's figures are the
-same: docs/benchmarks.md's table has both). The instances with attention dropout (``verify.DROPOUT_VARIANTS``, the
-head dims the templates take it at) likewise. The cases share no state (each compiles in its own temporary
-directory), so pytest-xdist spreads them over its workers."""
+its head dims for ``verify.FP8_VARIANTS`` (the listed ones too). dK/dV and dQ: bfloat16 at their head dims
+(float16's figures are the same: docs/benchmarks.md's table has both). The instances with attention dropout
+(``verify.DROPOUT_VARIANTS``, the head dims the templates take it at) likewise. The cases share no state (each
+compiles in its own temporary directory), so pytest-xdist spreads them over its workers."""
 
 import pytest
 
@@ -46,6 +47,8 @@ FACT_CASES = [
     ("additive_bias", 256, "bfloat16", "varlen"),
     ("causal", 128, "float8_e4m3fn", "kv_lens"),
     ("sliding_window", 64, "float8_e4m3fn", "positions"),
+    ("causal", 128, "float8_e4m3fn", "varlen"),
+    ("sinks", 64, "float8_e5m2", "varlen"),
 ]
 # The backward instances of packed calls (``verify.backward_cases``, fact "varlen"): masked at both head dims, sinks
 PACKED_BACKWARD_CASES = [("causal", 128, "bfloat16"), ("sinks", 64, "float16"), ("sliding_window", 128, "bfloat16")]
@@ -65,6 +68,9 @@ KNOWN_LOOP_SPILLS = {
     ("forward", "block_sparse", 256): 12,
     ("forward", "block_sparse_tokens", 256): 12,
 }
+# and those that spill in their careful redo (a noinline function, run for a block whose out is not finite): with
+# float8 at head dim 64, a token block mask's redo keeps one or two registers in local memory around its key loop
+KNOWN_CAREFUL_SPILLS = {("block_sparse_tokens", 64, "float8_e4m3fn"): 12}
 
 
 def _ids(cases) -> list[str]:
@@ -91,8 +97,11 @@ def _check_forward(plan, what: str, dtype: str, head_dim: int, known: int | None
         pytest.fail(f"{what} falls off the forward template: {plan.templates.reasons['forward']}")
     used = template_resources(spec, dtype, head_dim, plan.config.save_lse)
     problems = _problems(used) + _ratchet(used, "main", known)
-    if used.careful_spill_bytes:
-        problems.append(f"{used.careful_spill_bytes} bytes spilled in the careful redo")
+    careful = KNOWN_CAREFUL_SPILLS.get((what, head_dim, dtype), 0)
+    if used.careful_spill_bytes > careful:
+        problems.append(f"{used.careful_spill_bytes} bytes spilled in the careful redo (today's: {careful})")
+    elif careful and used.careful_spill_bytes < careful:
+        problems.append(f"{used.careful_spill_bytes} bytes spilled in the careful redo: lower KNOWN_CAREFUL_SPILLS")
     assert not problems, f"{spec.name}: " + "; ".join(problems) + f"\n{used}"
 
 

@@ -99,12 +99,6 @@ def forward_reason(kernel: LoweredProgram) -> str | None:
                 f"{kernel.normaliser.prefix} does not declare unit_weights (weights at most 1), which the forward "
                 "template's float8 P·V needs"
             )
-        if c.varlen:  # Vᵀ's copy permutes each 32 keys from the packed row's first (fp8_pipeline.stored_key)
-            return f"the forward template takes float8 only in a call without {_FACTS['varlen']} yet"
-        if listing is not None:
-            return (
-                f"{listing.prefix} lists its blocks, and the forward template does not take block lists with float8 yet"
-            )
     if listing is not None and fact is not None:
         return (
             f"{listing.prefix} lists its blocks, and the forward template follows block lists only in a call "

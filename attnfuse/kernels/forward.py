@@ -166,7 +166,7 @@ $careful_loop
             q = load_rows(Q, q_desc, b, h, ${query_rows}, BLOCK_M, A_OP, d0, CAREFUL_COLUMNS)${upcast}
             s = mma_v2(q, load_rows_t(K, k_desc, b, hk, ${key_rows}, BLOCK_N, B_OP, d0, CAREFUL_COLUMNS)${upcast}, s)
 $careful_tile
-        v = ${load_values}(V, v_desc, b, hk, ${key_rows}, BLOCK_N, B_OP, C0, CAREFUL_COLUMNS)${upcast}
+        v = ${load_values}(V, v_desc, b, hk, ${value_rows}, BLOCK_N, B_OP, C0, CAREFUL_COLUMNS)${upcast}
         finite = gl.abs(v.to(gl.float32)) < float("inf")  # false for NaN too
         poisoned = mma_v2(
             gl.convert_layout(gl.where(keep, 1.0, 0.0).to(dtype), A_OP), gl.where(finite, 0.0, 1.0).to(dtype), poisoned
@@ -406,6 +406,7 @@ def generate_forward(kernel: LoweredProgram, name: str, consumer_registers: int,
         careful_store_lse=indent(_store_lse(kernel, "ROW_LAYOUT", first_columns=True), 4),
         query_rows=facts.query_rows,
         key_rows=facts.key_rows,
+        value_rows=facts.value_rows,
         q_row=facts.out_rows,
         dv_axis=fp8.dv_axis,
         upcast=fp8.upcast,

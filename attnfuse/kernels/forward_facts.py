@@ -9,7 +9,8 @@ sync); from there its lengths are the document's and its indices local to it. Th
 packed rows (``q_start`` and ``k_start`` added); rows and keys it reads past the document's end belong to the
 next one and are masked (``q_ok``, ``k_ok`` from the document's lengths: the block holding its last key is
 always a masked one). Out is stored through TMA only where a consumer's 64 rows are all the document's, else
-through a pointer store of its rows alone; lse by pointer, at the document's rows.
+through a pointer store of its rows alone; lse by pointer, at the document's rows. A float8 call reads V from its
+transposed copy, where each document starts on a column of its own, ``v_start`` (``launch_fp8.document_values``).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from ..launch_spec import Param
 from ..passes.codegen import packed
 from ..passes.codegen.common import kv_params
 from ..passes.codegen.dropout import dropout_params
+from ..passes.codegen.fp8 import is_fp8
 from ..passes.codegen.operands import key_count, key_shift, kv_length, position, query_shift
 from ..passes.lower import LoweredProgram
 
@@ -42,6 +44,10 @@ else:  # the next document's rows follow this one's: store this one's alone
     )"""
 
 
+# a float8 packed call's document's first column in V's transposed copy (``launch_fp8.document_values``)
+_VALUE_START = f"v_start = {packed.padded_start('k_start', 'KEY_CHUNK')}  # float8: the document's first column of V\n"
+
+
 @frozen
 class ForwardFacts:
     """The pieces of a forward instance's text that a call's facts change (see ``forward_facts``)."""
@@ -55,9 +61,11 @@ class ForwardFacts:
     key_position: str  # k_pos of the keys k_idx
     key_count: str  # the keys a program's k holds: k_idx below it exist
     query_rows: str  # load_rows' (first, bound) of q's rows first.. in the careful redo
-    key_rows: str  # and of k's and v's rows start_n..
+    key_rows: str  # and of k's rows start_n..
+    value_rows: str  # and of v's (a float8 call's: of its transposed copy's columns)
     out_rows: str  # the rows of out (and of q) of the queries q_idx
-    loader_rows: str  # the loader's first q row and first key row of the program
+    loader_rows: str  # the loader's first q row and first key row of the program (a float8 call's: and V's copy's
+    # first column)
     store_out: str  # a consumer's store of its out tile
     grid: str  # the launch's grid, in words
 
@@ -86,9 +94,10 @@ def forward_facts(kernel: LoweredProgram) -> ForwardFacts:
     entry = [p.name for p in fact_params(kernel)]
     passed = [n for n in entry if n not in ("CuQ", "CuK", "DOCS", "SEARCH_STEPS")]
     shift = query_shift(kernel)
+    fp8 = is_fp8(kernel)
     if c.varlen:
-        passed = ["q_start", "k_start", "TOTAL_Q", *passed]
-        program = packed_program()
+        passed = ["q_start", "k_start", *(["v_start"] if fp8 else []), "TOTAL_Q", *passed]
+        program = packed_program() + (_VALUE_START if fp8 else "")
     else:
         program = "m0 = (gl.num_programs(1) - 1 - gl.program_id(1)) * BLOCK_M\n"
     program += (
@@ -97,6 +106,7 @@ def forward_facts(kernel: LoweredProgram) -> ForwardFacts:
         + f"q_lo = m0 + {shift}\nq_hi = tl.minimum(m0 + BLOCK_M, Nq) - 1 + {shift}\n"
     )
     q0, k0 = ("q_start + ", "k_start + ") if c.varlen else ("", "")
+    v0 = "v_start + " if c.varlen and fp8 else k0
     tile = _STORE_TILE.format(first=f"{q0}m0 + HALF_ID * BLOCK_M")
     indented = "".join(f"    {line}\n" for line in tile.splitlines()).rstrip("\n")
     return ForwardFacts(
@@ -114,8 +124,9 @@ def forward_facts(kernel: LoweredProgram) -> ForwardFacts:
         key_count=key_count(kernel),
         query_rows=f"{q0}first, {q0}Nq",
         key_rows=f"{k0}start_n, {k0}{key_count(kernel)}",
+        value_rows=f"{v0}start_n, {v0}{key_count(kernel)}",
         out_rows=f"{q0}q_idx",
-        loader_rows=f"{q0}m0, {k0}start",
+        loader_rows=f"{q0}m0, {k0}start" + (f", {v0}start" if fp8 else ""),
         store_out=_STORE_DOCUMENT.format(tile=indented) if c.varlen else tile,
         grid="(HQ, Nq // 128 + DOCS), Nq the packed total" if c.varlen else "(B * HQ, cdiv(Nq, 128))",
     )

@@ -72,7 +72,8 @@ def fp8_text(kernel: LoweredProgram) -> Fp8Text:
     return Fp8Text(
         imports=(
             "from attnfuse.kernels.fp8_pipeline import (\n"
-            "    P_SCALE, forward_loader_fp8, fp8_weights, load_value_rows, warpgroup_layout_fp8,\n"
+            "    KEY_CHUNK, P_SCALE, forward_loader_fp8, fp8_weights, load_key_block_fp8, load_value_rows,\n"
+            "    warpgroup_layout_fp8,\n"
             ")\n"
         ),
         warpgroup_layout="warpgroup_layout_fp8",

@@ -18,6 +18,7 @@ import string
 
 import attrs
 
+from ..passes.codegen.fp8 import is_fp8
 from ..passes.codegen.loops import listing_mask
 from ..passes.lower import Instance, LoweredProgram
 from ..passes.codegen.text import indent
@@ -40,7 +41,7 @@ def ${name}_loader(
 $lists
     for j in range(n_steps):
 $key
-        load_key_block(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, kv_free, b, hk, start_n, j, STAGES)
+        ${load}
 ''')
 
 
@@ -137,6 +138,12 @@ def loader(m: Instance, kernel: LoweredProgram, name: str) -> str:
         list_args=args,
         lists=indent(lists(m, "m0"), 4),
         key=indent(step_keys(m, "j").splitlines()[0], 8),
+        load=(
+            "load_key_block_fp8(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, kv_free, b, hk, start_n, start_n, j, "
+            "STAGES)"  # float8: V's transposed copy, start_n its column
+            if is_fp8(kernel)
+            else "load_key_block(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, kv_free, b, hk, start_n, j, STAGES)"
+        ),
     )
 
 

@@ -107,13 +107,6 @@ def _variants() -> dict[str, tuple[Callable, Callable]]:
 
 
 VARIANTS = _variants()
-# checked with float8 q, k, v: the variants whose normaliser saves lse (weights of at most 1 summing to at least 1,
-# the bound of ``verify_fp8``) and that run the template (a qk transform runs inside a float8 call's kernel)
-FP8_VARIANTS = tuple(
-    v
-    for v, (program, extra) in VARIANTS.items()
-    if not v.startswith("rope") and program.graph(**extra(1, 1, 1, "cpu")).has_lse
-)
 LISTED_BLOCK = 256  # the random block grid's block size: two or four template tiles of keys a listed block
 
 
@@ -162,6 +155,13 @@ def _listed_variants() -> dict[str, tuple[Callable, Callable]]:
 
 LISTED_VARIANTS = _listed_variants()
 FORWARD_VARIANTS = {**VARIANTS, **LISTED_VARIANTS}  # the forward template's: every variant, and the listed ones
+# checked with float8 q, k, v: the variants whose normaliser saves lse (weights of at most 1 summing to at least 1,
+# the bound of ``verify_fp8``) and that run the template (a qk transform runs inside a float8 call's kernel)
+FP8_VARIANTS = tuple(
+    v
+    for v, (program, extra) in FORWARD_VARIANTS.items()
+    if not v.startswith("rope") and program.graph(**extra(1, 1, 1, "cpu")).has_lse
+)
 
 
 @frozen
@@ -206,7 +206,8 @@ def fp8_cases() -> list[Case]:
     """The forward template's float8 cases: ``FP8_VARIANTS`` at its float8 head dims in either float8 type (once
     with a NaN value: the careful redo's); in e4m3 (the same instance, other descriptors), at head dim 128 with
     each other out_dtype (float16, float32), and of calls with kv_lens (NaN keys and values past each sequence's
-    length) or given positions, as ``fact_cases``."""
+    length), given positions or packed sequences, as ``fact_cases`` (not the listed variants: the template follows
+    block lists only in a call with no fact)."""
     e4m3 = FP8_DTYPES[0]
     found = [
         Case(v, d, dtype, shape, poison)
@@ -217,8 +218,9 @@ def fp8_cases() -> list[Case]:
     ]
     found += [
         Case(v, d, e4m3, shape, fact == "kv_lens", fact=fact)
-        for fact, shape in (("kv_lens", KV_LENS_SHAPE), ("positions", POSITIONS_SHAPE))
+        for fact, shape in (("kv_lens", KV_LENS_SHAPE), ("positions", POSITIONS_SHAPE), ("varlen", PACKED_SHAPE))
         for v in FP8_VARIANTS
+        if v in VARIANTS and _takes(v, fact)
         for d in FORWARD_FP8_HEAD_DIMS
     ]
     return found + [
@@ -351,18 +353,19 @@ def check(case: Case, seed: int = 0) -> dict:
     if case.dtype in FP8_DTYPES:
         _environment(case)
         out_dtype = getattr(torch, case.out_dtype or "bfloat16")
-        return check_fp8(
-            program,
-            extra(Hq, Nq, Nk, "cuda"),
-            case.shape,
-            case.head_dim,
-            seed,
-            case.id,
-            getattr(torch, case.dtype),
-            out_dtype,
-            poisoned(case),
-            fact_arguments(case.fact, torch.device("cuda")),
-        )
+        with _packed_on_gpu(case.fact == "varlen"):
+            return check_fp8(
+                program,
+                extra(Hq, Nq, Nk, "cuda"),
+                case.shape,
+                case.head_dim,
+                seed,
+                case.id,
+                getattr(torch, case.dtype),
+                out_dtype,
+                poisoned(case),
+                fact_arguments(case.fact, torch.device("cuda")),
+            )
     dtype = getattr(torch, case.dtype)
     gen = torch.Generator(device="cuda").manual_seed(seed)
     q, k, v = (torch.randn(B, h, n, case.head_dim, device="cuda", dtype=dtype, generator=gen) for h, n in

@@ -11,7 +11,7 @@ import torch
 
 from ..kernels.capability import block_list_reason
 from ..kernels.launch import TemplateForward
-from ..kernels.launch_fp8 import Fp8TemplateForward
+from ..kernels.launch_fp8 import Fp8TemplateForward, PackedFp8TemplateForward
 from ..kernels.launch_packed import PackedTemplateForward, fits_pack
 from ..kernels.verified import chosen, record_key
 from ..plan import Plan
@@ -27,15 +27,17 @@ from .plugin_args import PluginArgs, Prepared
 def template_forward(plan: Plan) -> TemplateForward | None:
     """The forward template's instance of ``plan`` where the templates can run it and ``verified.chosen``
     chooses it (a GPU verified it, or ``ATTNFUSE_TEMPLATES=all``), else None; a packed call's instance launches its
-    own grid (``PackedTemplateForward``), a float8 call's instance reads V transposed (``Fp8TemplateForward``)."""
+    own grid (``PackedTemplateForward``), a float8 call's instance reads V transposed (``Fp8TemplateForward``; both:
+    ``PackedFp8TemplateForward``)."""
     spec = plan.templates.kernels.get("forward")
     if spec is None:
         return None
     key = record_key(spec, plan.config.dtype, plan.config.head_dim)
+    fp8 = plan.config.dtype in FP8_NAMES
     instance = TemplateForward
     if plan.config.varlen:
-        instance = PackedTemplateForward
-    elif plan.config.dtype in FP8_NAMES:
+        instance = PackedFp8TemplateForward if fp8 else PackedTemplateForward
+    elif fp8:
         instance = Fp8TemplateForward
     return instance(spec, plan.templates.scale, plan.templates.qk_scale, key) if chosen(key) else None
 
