@@ -541,11 +541,11 @@ def test_the_float8_instance_reads_v_transposed_with_its_keys_permuted(shape):
     ids=["ragged", "one", "rows-past-the-documents", "empty"],
 )
 def test_a_packed_float8_instance_reads_each_document_from_an_aligned_column(lengths, total):
-    """A packed call's copy of V (kernels/launch_fp8.py: document_values), from documents of ``lengths`` keys in
+    """A packed call's copy of V (kernels/launch_fp8_packed.py: document_values), from documents of ``lengths`` keys in
     ``total`` packed rows: (1, Hkv, DV, total + 32 (docs + 1) rounded up to 32); document i's key n in column
     first_i + stored_key(n), first_i = (its first row + 32 i) rounded down to 32 (the instance's v_start), the
     documents' columns apart, every other column zero (the rows past the last document's too)."""
-    from attnfuse.kernels.launch_fp8 import document_values
+    from attnfuse.kernels.launch_fp8_packed import document_values
 
     H, DV = 2, 16
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)

@@ -10,7 +10,8 @@ packed rows (``q_start`` and ``k_start`` added); rows and keys it reads past the
 next one and are masked (``q_ok``, ``k_ok`` from the document's lengths: the block holding its last key is
 always a masked one). Out is stored through TMA only where a consumer's 64 rows are all the document's, else
 through a pointer store of its rows alone; lse by pointer, at the document's rows. A float8 call reads V from its
-transposed copy, where each document starts on a column of its own, ``v_start`` (``launch_fp8.document_values``).
+transposed copy, where each document starts on a column of its own, ``v_start``
+(``launch_fp8_packed.document_values``).
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ else:  # the next document's rows follow this one's: store this one's alone
     )"""
 
 
-# a float8 packed call's document's first column in V's transposed copy (``launch_fp8.document_values``)
+# a float8 packed call's document's first column in V's transposed copy (``launch_fp8_packed.document_values``)
 _VALUE_START = f"v_start = {packed.padded_start('k_start', 'KEY_CHUNK')}  # float8: the document's first column of V\n"
 
 
@@ -64,8 +65,8 @@ class ForwardFacts:
     key_rows: str  # and of k's rows start_n..
     value_rows: str  # and of v's (a float8 call's: of its transposed copy's columns)
     out_rows: str  # the rows of out (and of q) of the queries q_idx
-    loader_rows: str  # the loader's first q row and first key row of the program (a float8 call's: and V's copy's
-    # first column)
+    loader_rows: str  # the loader's first q row and first key row of the program (a packed float8 call's: and V's
+    # copy's first column)
     store_out: str  # a consumer's store of its out tile
     grid: str  # the launch's grid, in words
 
@@ -126,7 +127,7 @@ def forward_facts(kernel: LoweredProgram) -> ForwardFacts:
         key_rows=f"{k0}start_n, {k0}{key_count(kernel)}",
         value_rows=f"{v0}start_n, {v0}{key_count(kernel)}",
         out_rows=f"{q0}q_idx",
-        loader_rows=f"{q0}m0, {k0}start" + (f", {v0}start" if fp8 else ""),
+        loader_rows=f"{q0}m0, {k0}start" + (f", {v0}start" if c.varlen and fp8 else ""),
         store_out=_STORE_DOCUMENT.format(tile=indented) if c.varlen else tile,
         grid="(HQ, Nq // 128 + DOCS), Nq the packed total" if c.varlen else "(B * HQ, cdiv(Nq, 128))",
     )

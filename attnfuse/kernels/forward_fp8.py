@@ -9,7 +9,9 @@ precision). The normaliser's weights are at most 1 (it declares ``unit_weights``
 of a float8 instance), so P · P_SCALE stays within e4m3's range with no check in the key loop.
 out is multiplied by v_descale / P_SCALE after the normaliser's finalize (every normaliser is linear in v) and
 stored by pointer in the call's ``out_dtype`` (the Q tile, float8, is too narrow to stage it). The careful redo
-computes in bfloat16, where float8 values are exact, and multiplies by v_descale alone.
+computes in bfloat16, where float8 values are exact, and multiplies by v_descale alone. A packed call's copy of V
+starts each document on a column of its own, and a listed program's loader reads it by the lists' blocks: their
+loads are ``fp8_columns``'.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from __future__ import annotations
 from attrs import frozen
 
 from ..passes.codegen.fp8 import is_fp8
+from ..passes.codegen.loops import listing_mask
 from ..passes.lower import LoweredProgram
 
 # P rounds to e4m3 for P·V in both: with e5m2 values, wgmma multiplies e4m3 by e5m2 (QGMMA...E4M3.E5M2)
@@ -61,10 +64,19 @@ class Fp8Text:
     store_out: str | None = None  # a consumer's store of its out (None: the facts')
 
 
+# what a packed or listed program's instance imports besides (``fp8_columns``: V's copy at other columns)
+_COLUMNS_IMPORTS = (
+    "from attnfuse.kernels.fp8_columns import document_loader_fp8, load_key_block_fp8\n"
+    "from attnfuse.kernels.fp8_pipeline import KEY_CHUNK\n"
+    "from attnfuse.kernels.listed_pipeline import load_query_tiles  # fp8_columns' loads call it\n"
+)
+
+
 def fp8_text(kernel: LoweredProgram) -> Fp8Text:
     """``kernel``'s float8 text (its dtype's defaults unless float8)."""
     if not is_fp8(kernel):
         return Fp8Text()
+    columns = kernel.config.varlen or listing_mask(kernel) is not None
 
     def descale(tensor: str, prefix: str) -> str:  # of the program's (batch, kv head)
         return f"gl.load({tensor} + b.to(tl.int64) * stride_{prefix}b + hk.to(tl.int64) * stride_{prefix}h)"
@@ -72,10 +84,10 @@ def fp8_text(kernel: LoweredProgram) -> Fp8Text:
     return Fp8Text(
         imports=(
             "from attnfuse.kernels.fp8_pipeline import (\n"
-            "    KEY_CHUNK, P_SCALE, forward_loader_fp8, fp8_weights, load_key_block_fp8, load_value_rows,\n"
-            "    warpgroup_layout_fp8,\n"
+            "    P_SCALE, forward_loader_fp8, fp8_weights, load_value_rows, warpgroup_layout_fp8,\n"
             ")\n"
-        ),
+        )
+        + (_COLUMNS_IMPORTS if columns else ""),
         warpgroup_layout="warpgroup_layout_fp8",
         layouts=_LAYOUTS,
         p_width="4",
@@ -85,7 +97,7 @@ def fp8_text(kernel: LoweredProgram) -> Fp8Text:
         upcast=".to(gl.float16).to(dtype)",  # by float16: Triton makes e5m2 NaN and Inf finite going to bfloat16
         load_values="load_value_rows",
         out_dtype="Out.dtype.element_ty",
-        loader="forward_loader_fp8",
+        loader="document_loader_fp8" if kernel.config.varlen else "forward_loader_fp8",
         descales=(
             f"qk_descale = {descale('QDescale', 'qds')} * {descale('KDescale', 'kds')}\n"
             "sm_scale = sm_scale * qk_descale  # float8: the scores of the dequantised q and k\n"

@@ -1,9 +1,8 @@
 """What a float8 instance (e4m3 or e5m2) of the forward template reads differently: float8 ``wgmma`` takes both operands
 K-major from shared memory, so P·V multiplies by V transposed. The launch (``launch_fp8.py``) makes that copy,
 (B, Hkv, DV, Nk rounded up to KEY_CHUNK), its keys permuted within each chunk as P's columns are
-(``fp8_weights``); a packed call's copy starts each document on a column of its own (``launch_fp8.document_values``).
-The loader streams it in [1, 1, DV, BLOCK_N] tiles, and the careful redo reads V's rows from it. Q and K stream as
-``pipeline.forward_loader`` streams them."""
+(``fp8_weights``); the loader streams it in [1, 1, DV, BLOCK_N] tiles, and the careful redo reads V's rows from
+it. Q and K stream as ``pipeline.forward_loader`` streams them."""
 
 from __future__ import annotations
 
@@ -19,36 +18,25 @@ def warpgroup_layout_fp8(columns):
 
 
 @gluon.jit
-def load_key_block_fp8(
-    k_desc, vt_desc, k_smem, vt_smem, k_ready, v_ready, kv_free, b, hk, key, column, j, STAGES: gl.constexpr
-):  # fmt: skip
-    """Step ``j``: K's rows key.. and Vᵀ's columns column.. (a multiple of KEY_CHUNK) into stage j % STAGES, once
-    both consumers freed it (``listed_pipeline.load_key_block``'s protocol). TMA fills what lies past a tensor's
-    end with zeros."""
-    stage = j % STAGES
-    mbarrier.wait(kv_free.index(stage), ((j // STAGES) & 1) ^ 1)
-    mbarrier.expect(k_ready.index(stage), k_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(k_desc, [b, hk, key, 0], k_ready.index(stage), k_smem.index(stage))
-    mbarrier.expect(v_ready.index(stage), vt_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(vt_desc, [b, hk, 0, column], v_ready.index(stage), vt_smem.index(stage))
-
-
-@gluon.jit
 def forward_loader_fp8(
-    q_desc, k_desc, vt_desc, q_smem, k_smem, vt_smem, bars, b, h, hk, m0, start, v_start, n_steps,
-    BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+    q_desc, k_desc, vt_desc, q_smem, k_smem, vt_smem, bars, b, h, hk, m0, start, n_steps, BLOCK_N: gl.constexpr,
+    STAGES: gl.constexpr,
 ):  # fmt: skip
-    """One warp: the two Q tiles of rows m0.., then key block j (K's rows start + j * BLOCK_N.., Vᵀ's columns
-    v_start + j * BLOCK_N..) into stage j % STAGES once both consumers freed it."""
+    """One warp: the two Q tiles of rows m0.., then key block j (keys start + j * BLOCK_N..: K's rows, Vᵀ's
+    columns) into stage j % STAGES once both consumers freed it. TMA fills what lies past a tensor's end with
+    zeros."""
     q_ready, k_ready, v_ready, kv_free = bars
     for half in gl.static_range(2):
         mbarrier.expect(q_ready.index(half), q_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(q_desc, [b, h, m0 + half * ROWS, 0], q_ready.index(half), q_smem.index(half))
     for j in range(n_steps):
-        load_key_block_fp8(
-            k_desc, vt_desc, k_smem, vt_smem, k_ready, v_ready, kv_free, b, hk, start + j * BLOCK_N,
-            v_start + j * BLOCK_N, j, STAGES,
-        )  # fmt: skip
+        stage = j % STAGES
+        key = start + j * BLOCK_N
+        mbarrier.wait(kv_free.index(stage), ((j // STAGES) & 1) ^ 1)
+        mbarrier.expect(k_ready.index(stage), k_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(k_desc, [b, hk, key, 0], k_ready.index(stage), k_smem.index(stage))
+        mbarrier.expect(v_ready.index(stage), vt_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(vt_desc, [b, hk, 0, key], v_ready.index(stage), vt_smem.index(stage))
 
 
 # P·V takes P times this: weights at most 1 (``NormaliserFragment.unit_weights``) then round with e4m3's relative

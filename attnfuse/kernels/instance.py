@@ -113,6 +113,7 @@ _LAUNCHED_BY_KIND = {"dq": ("attnfuse.kernels.dq_launch",)}  # and what launches
 # a float8 call's (they hold its descales)
 _PACKED_LAUNCH = "attnfuse.kernels.launch_packed"
 _FP8_LAUNCH = "attnfuse.kernels.launch_fp8"
+_PACKED_FP8_LAUNCH = "attnfuse.kernels.launch_fp8_packed"  # and a packed float8 call's, its copy of V by document
 _IMPORTS = re.compile(r"^from (attnfuse(?:\.\w+)*) import", re.M)
 
 
@@ -122,14 +123,15 @@ def _module_source(module: str) -> str:
 
 
 def _library(spec: KernelSpec) -> str:
-    """The source of the AttnFuse modules the instance's source imports and of those that launch it (an
-    instance of its kind; a packed call's; a float8 call's): a change to them changes the instance, and a module
-    it does not import (a new template's) does not."""
+    """The source of the AttnFuse modules the instance's source imports and of those that launch it (an instance of its
+    kind; a packed call's; a float8 call's; a packed float8 call's): a change to them changes the instance, and a
+    module it does not import (a new template's) does not."""
     imported = sorted(set(_IMPORTS.findall(spec.source)))
     names = {p.name for p in spec.launch.params}
     packed = (_PACKED_LAUNCH,) if "CuQ" in names else ()
     fp8 = (_FP8_LAUNCH,) if "QDescale" in names else ()
-    launched = (*_LAUNCHED_BY, *_LAUNCHED_BY_KIND.get(spec.kind, ()), *packed, *fp8)
+    packed_fp8 = (_PACKED_FP8_LAUNCH,) if packed and fp8 else ()
+    launched = (*_LAUNCHED_BY, *_LAUNCHED_BY_KIND.get(spec.kind, ()), *packed, *fp8, *packed_fp8)
     return "".join(_module_source(m) for m in (*imported, *launched))
 
 

@@ -1,7 +1,6 @@
 """Launching the forward template's float8 instance (e4m3 or e5m2): q and k as they are, V copied transposed (float8
-``wgmma`` reads both operands K-major: ``fp8_pipeline``; a packed call's copy, each document from a column of its
-own: ``document_values``), out in the call's ``out_dtype``, the descales among the arguments
-(``runtime/forward.py``: ``fp8_args``)."""
+``wgmma`` reads both operands K-major: ``fp8_pipeline``), out in the call's ``out_dtype``, the descales among the
+arguments (``runtime/forward.py``: ``fp8_args``)."""
 
 from __future__ import annotations
 
@@ -18,7 +17,6 @@ from ..runtime.launcher import Launcher, cdiv
 from ..triton_compat import TensorDescriptor, gl
 from .descriptors import descriptor
 from .launch import TemplateForward
-from .launch_packed import PackedGrid
 from .fp8_pipeline import KEY_CHUNK
 from .pipeline import ROWS
 
@@ -71,65 +69,6 @@ def transposed_values(v: torch.Tensor) -> torch.Tensor:
     return transposed
 
 
-def _scatter_values(V, VT, Columns, N, svh, svn, sth, std, DV: tl.constexpr, ROWS: tl.constexpr):
-    """VT[0, h, :, Columns[n]] = V[0, h, n, :] for ROWS rows n of V (a unit last stride) a program, but where
-    Columns[n] is negative."""
-    h = tl.program_id(1)
-    n = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
-    d = tl.arange(0, DV)
-    tile = tl.load(
-        V + h.to(tl.int64) * svh + n[:, None].to(tl.int64) * svn + d[None, :], mask=n[:, None] < N, other=0.0
-    )
-    column = tl.load(Columns + n, mask=n < N, other=-1)
-    tl.store(VT + h.to(tl.int64) * sth + d[:, None].to(tl.int64) * std + column[None, :], tl.trans(tile),
-             mask=column[None, :] >= 0)  # fmt: skip
-
-
-SCATTER = LaunchSpec(
-    "_scatter_values",
-    params(TENSOR, "V", "VT", "Columns") + params(INT, "N", "svh", "svn", "sth", "std")
-    + params(CONSTEXPR, "DV", "ROWS"),
-    tiles=(),
-)  # fmt: skip
-_scatter_jitted = Launcher(triton.jit(_scatter_values))
-_scatter_interpreted = InterpretedKernel(_scatter_values)
-
-
-def document_columns(cu_k: torch.Tensor, docs: int, total: int) -> tuple[torch.Tensor, int]:
-    """The columns of a pack's keys in V's transposed copy (``document_values``): key n of document i (keys from
-    ``cu_k[i]``, offsets clamped to [0, total] as the kernels clamp them) in column v_start(i) + stored_key(n),
-    v_start(i) = (cu_k[i] + KEY_CHUNK · i) rounded down to a multiple of KEY_CHUNK (``forward_facts``: the
-    instance's ``v_start``); -1 for a row in no document. Also the copy's column count, which leaves a block of
-    KEY_CHUNK past the last document's keys. (total,) int32 on cu_k's device; torch ops, no host sync."""
-    chunk = KEY_CHUNK.value
-    cu = cu_k.to(torch.int64).clamp(0, total)
-    row = torch.arange(total, device=cu_k.device)
-    doc = (torch.searchsorted(cu, row, right=True) - 1).clamp(0, max(docs - 1, 0))
-    n = row - cu[doc]
-    stored = (n & ~15) | ((n & 6) << 1) | ((n & 8) >> 2) | (n & 1)  # fp8_pipeline.stored_key
-    columns = (cu[doc] + chunk * doc) // chunk * chunk + stored
-    inside = (row >= cu[0]) & (row < cu[docs]) & (n < cu[doc + 1] - cu[doc])
-    return torch.where(inside, columns, -1).to(torch.int32), cdiv(total + chunk * (docs + 1), chunk) * chunk
-
-
-def document_values(v: torch.Tensor, cu_k: torch.Tensor, docs: int) -> torch.Tensor:
-    """A packed call's v (1, Hkv, total_k, DV) float8 with a unit last stride and DV a power of two, its documents
-    from the offsets ``cu_k`` -> the same values transposed, (1, Hkv, DV, columns), each document's keys from a
-    column of their own (``document_columns``), permuted as ``transposed_values`` permutes them from there; the
-    columns of no key zero. A fresh tensor."""
-    _, H, N, DV = v.shape
-    columns, width = document_columns(cu_k, docs, N)
-    transposed = torch.zeros(1, H, DV, width, dtype=v.dtype, device=v.device)
-    strides = dict(zip(("svh", "svn", "sth", "std"), (*v.stride()[1:3], *transposed.stride()[1:3])))
-    (_scatter_jitted if v.is_cuda else _scatter_interpreted).launch(
-        (cdiv(N, TRANSPOSE_ROWS), H),
-        SCATTER.bind({"V": v, "VT": transposed, "Columns": columns, "N": N, **strides}),
-        SCATTER.constexprs({"DV": DV, "ROWS": TRANSPOSE_ROWS}),
-        device=v.device,
-    )
-    return transposed
-
-
 _GLUON_FP8 = {torch.float8_e4m3fn: gl.float8e4nv, torch.float8_e5m2: gl.float8e5}
 
 
@@ -151,41 +90,15 @@ class Fp8TemplateForward(TemplateForward):
     ``plugin_args`` hold the descales (QDescale, KDescale, VDescale: (B, Hkv) float32 views). Its launches count
     as ``TemplateForward``'s."""
 
-    @staticmethod
-    def values(v: torch.Tensor, plugin_args: dict[str, Any]) -> torch.Tensor:
-        """V's transposed copy that the instance reads (``transposed_values``)."""
-        return transposed_values(v)
-
-    def __call__(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        out: torch.Tensor,
-        lse: torch.Tensor | None,
-        plugin_args: dict[str, Any],
-    ) -> None:
-        """``TemplateForward``'s call, reading ``values``."""
-        super().__call__(q, k, self.values(v, plugin_args), out, lse, plugin_args)
-
-    def operands(self, q: torch.Tensor, k: torch.Tensor, values: torch.Tensor) -> dict[str, Any]:
-        """q's and k's descriptors and that of V's copy ``values`` (B, Hkv, DV, columns), and the tensors."""
+    def operands(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> dict[str, Any]:
+        """q's and k's descriptors and v's transposed copy's (``transposed_values``), and the tensors."""
         block_n = self.spec.tiles.block_n
+        values = transposed_values(v)
         return {
             "q_desc": describe_fp8(q, ROWS.value, q.shape[3]),
             "k_desc": describe_fp8(k, block_n, k.shape[3]),
-            "v_desc": describe_fp8(values, values.shape[2], block_n),
+            "v_desc": describe_fp8(values, v.shape[3], block_n),
             "Q": q,
             "K": k,
             "V": values,
         }
-
-
-class PackedFp8TemplateForward(PackedGrid, Fp8TemplateForward):
-    """The float8 instance of a packed call: ``Fp8TemplateForward`` on a pack's grid (``PackedGrid``), reading V's
-    copy with each document from a column of its own (``plugin_args``: the pack's CuK and DOCS)."""
-
-    @staticmethod
-    def values(v: torch.Tensor, plugin_args: dict[str, Any]) -> torch.Tensor:
-        """V's copy, by document: ``document_values``."""
-        return document_values(v, plugin_args["CuK"], plugin_args["DOCS"])

@@ -11,7 +11,8 @@ import torch
 
 from ..kernels.capability import block_list_reason
 from ..kernels.launch import TemplateForward
-from ..kernels.launch_fp8 import Fp8TemplateForward, PackedFp8TemplateForward
+from ..kernels.launch_fp8 import Fp8TemplateForward
+from ..kernels.launch_fp8_packed import PackedFp8TemplateForward
 from ..kernels.launch_packed import PackedTemplateForward, fits_pack
 from ..kernels.verified import chosen, record_key
 from ..plan import Plan
