@@ -37,7 +37,7 @@ _STORE_OUT = """\
 o_rows = gl.convert_layout(q_idx, O_ROWS)
 d_out = gl.expand_dims(gl.arange(0, DV, layout=gl.SliceLayout(0, O_LAYOUT)), 0)
 gl.store(
-    Out + row_offsets(o_desc, b, h, gl.expand_dims(o_rows, 1), d_out),
+    Out + row_offsets(o_desc, b, h, gl.expand_dims({first}o_rows, 1), d_out),
     out.to(Out.dtype.element_ty),
     mask=gl.expand_dims(o_rows < Nq, 1),
 )"""
@@ -105,5 +105,5 @@ def fp8_text(kernel: LoweredProgram) -> Fp8Text:
         ),
         out_descale=f"out = out * ({descale('VDescale', 'vds')} / P_SCALE)  # float8: the dequantised values'\n",
         careful_out_descale=f"out = out * {descale('VDescale', 'vds')}  # float8: the dequantised values'\n",
-        store_out=_STORE_OUT,
+        store_out=_STORE_OUT.format(first="q_start + " if kernel.config.varlen else ""),  # a packed call's rows
     )
