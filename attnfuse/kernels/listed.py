@@ -8,7 +8,8 @@ block size is a multiple of 128), ``list_block``. Step j visits tile j % list_ti
 consumers read it to know each step's keys and whether the block is partial. A listed block runs the other
 masks where their facts do not keep the tile whole, and the listing mask's own keep only where the list calls
 the block partial. Rows whose list is empty visit nothing: the careful redo, following the same (empty) list,
-writes their out and lse.
+writes their out and lse. A float8 instance's loader reads V's transposed copy at the keys' columns
+(``fp8_columns.load_key_block_fp8``).
 """
 
 from __future__ import annotations
