@@ -52,8 +52,9 @@ FACT_CASES = [
 ]
 # The backward instances of packed calls (``verify.backward_cases``, fact "varlen"): masked at both head dims, sinks
 PACKED_BACKWARD_CASES = [("causal", 128, "bfloat16"), ("sinks", 64, "float16"), ("sliding_window", 128, "bfloat16")]
-# and the dQ template's of a packed call reading a tensor at packed rows (the dK/dV template takes none yet)
+# and of a packed call reading a tensor at packed rows: the dQ template's, and the dK/dV template's where it takes one
 PACKED_DQ_CASES = [*PACKED_BACKWARD_CASES, ("additive_bias", 128, "bfloat16")]
+PACKED_BACKWARD_CASES += [("additive_bias", 64, "float16")]
 CONSUMERS = 2  # consumer warpgroups of either template, each running its own key (forward) or step (dK/dV) loop
 
 # A KNOWN DEFECT, to be driven to zero: the instances that hold local memory in their main loop today (ptxas' spill

@@ -8,6 +8,7 @@ from ..fragment_lint import indices_read
 from ..passes.codegen.common import split
 from ..passes.codegen.loops import listing_mask
 from ..passes.lower import LoweredProgram
+from .dkdv_mods import stages_mods
 from .forward_fp8 import FP8_TEMPLATE_DTYPES
 from .gluon_text import row_rescale
 from .pipeline import ROWS
@@ -30,6 +31,10 @@ _FACTS = {
 }
 # Those the forward template takes (``forward_facts.py``), and of them those the backward templates take; all three
 # take dropout (``passes/codegen/dropout.py``), not combined with these nor with block lists
+# where the dK/dV template takes a packed call reading a tensor at packed rows, in its staged score modifications: at
+# head dim 128 such a program (holding the document's first rows beside the addresses) spilled 132 bytes in the
+# step loop, staged or not; a mask reading one (a block mask over the packed row) it does not take
+DKDV_PACKED_READER_HEAD_DIMS = (64,)
 _FORWARD_FACTS = ("kv_lens", "positions", "varlen")
 _BACKWARD_FACTS = ("varlen",)
 
@@ -131,13 +136,16 @@ def dkdv_reason(kernel: LoweredProgram) -> str | None:
     """Why the dK/dV template cannot run ``kernel``, or None when it can (a listing mask's block size is checked
     in the call: ``block_list_reason``)."""
     reason = _backward_template_reason(kernel, "dK/dV", DKDV_TILES)
-    # such a program holds the document's first rows beside its addresses: ptxas spilled 44 (64) and 132 (128)
-    # bytes in the step loop
-    if reason is None and kernel.config.varlen and (reader := _index_reader(kernel)):
-        return (
-            f"{reader} reads q_idx or k_idx (a tensor at packed rows in a packed call), which the dK/dV template "
-            f"does not take yet (ptxas spilled in its step loop)"
-        )
+    c = kernel.config
+    if reason is None and c.varlen and (reader := _index_reader(kernel)):
+        staged = {m.prefix for m in kernel.mods} if stages_mods(kernel) else set()
+        if c.head_dim not in DKDV_PACKED_READER_HEAD_DIMS or reader not in staged:
+            dims = ", ".join(map(str, DKDV_PACKED_READER_HEAD_DIMS))
+            return (
+                f"{reader} reads q_idx or k_idx (a tensor at packed rows in a packed call), which the dK/dV template "
+                f"takes only in a score modification it stages (dkdv_mods) at head dim {dims} (ptxas spilled in "
+                "its step loop)"
+            )
     return reason
 
 

@@ -5,7 +5,8 @@ load address for each of a thread's 32 scores beside the step's S, dK and dV: at
 hundred bytes in the step loop. Such an instance stores the step's scaled scores (float32) in a 64 x 64 tile of
 shared memory per consumer warpgroup, applies the modifications to it 8 rows at a time (a thread holds 4 of the
 scores), and reads it back. Only where every modification's gradient is the identity (its input is not kept for
-the chain) and there is no attention dropout (``stages_mods``).
+the chain) and there is no attention dropout (``stages_mods``). A packed call's modification reads the tensor at
+packed rows, its addresses offset by the document's first rows: such an instance stages them at head dim 64 too.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from . import dkdv_keep
 from .gluon_text import for_template
 
 HEAD_DIMS = (128,)  # where such a program stages them; at head dim 64 its step loop does not spill
+PACKED_HEAD_DIMS = (64, 128)  # and a packed call's (unstaged at head dim 64, its step loop spilled 44 bytes)
 TILE = "s_tile = s_smem.index(HALF_ID)  # this warpgroup's scores, staged for the modifications (dkdv_mods)"
 ALLOCATION = (
     "s_smem = gl.allocate_shared_memory(gl.float32, [2, ROWS, ROWS], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))"
@@ -40,12 +42,13 @@ ${bodies}
 
 def stages_mods(kernel: LoweredProgram) -> bool:
     """Whether ``kernel``'s dK/dV instance stages its score modifications: one reads a tensor per score, every
-    one's gradient is the identity, at a head dim of ``HEAD_DIMS``, without attention dropout."""
+    one's gradient is the identity, at a head dim of ``HEAD_DIMS`` (``PACKED_HEAD_DIMS`` in a packed call),
+    without attention dropout."""
     mods = kernel.mods
     return (
         any("tl.load" in m.fragment.body for m in mods)
         and not any(m.fragment.grad for m in mods)
-        and kernel.config.head_dim in HEAD_DIMS
+        and kernel.config.head_dim in (PACKED_HEAD_DIMS if kernel.config.varlen else HEAD_DIMS)
         and not kernel.config.dropout
     )
 
