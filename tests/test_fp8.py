@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 
 import attrs
 import pytest
@@ -361,6 +362,22 @@ def test_the_hopper_forward_template_takes_float8_with_each_fact(fact):
         fp32_precision="ieee", **{fact: True},
     )  # fmt: skip
     assert forward_reason(lowered(causal_softmax.graph(), config)) is None
+
+
+@pytest.mark.parametrize("dtype", ["float8_e4m3fn", "bfloat16"])
+def test_a_packed_forward_instance_reads_and_writes_each_document_at_its_rows(dtype):
+    """Every row of q, k, v, out and lse that a packed call's forward instance addresses by pointer is offset by its
+    document's first row (q_start, k_start; a float8 instance's V copy by v_start): a float8 instance that stored
+    out at the pack's first rows passed every CPU check and failed on an H100."""
+    from attnfuse.kernels.verify import variant_plan
+
+    source = variant_plan("causal", dtype, 128, "varlen").templates.kernels["forward"].source
+    pointer_rows = re.findall(r"row_offsets\(\w+, b, h, gl\.expand_dims\(([^,]+), 1\)", source)
+    assert pointer_rows and all(r.startswith("q_start + ") for r in pointer_rows), pointer_rows
+    for load in re.findall(r"load_(?:rows|rows_t|value_rows)\((\w+), \w+, b, h\w*, ([^,]+), ([^,]+),", source):
+        start = {"Q": "q_start + ", "K": "k_start + ", "V": "v_start + " if dtype != "bfloat16" else "k_start + "}
+        assert load[1].startswith(start[load[0]]) and load[2].startswith(start[load[0]]), load
+    assert "Lse + pid_bh.to(tl.int64) * TOTAL_Q + q_start + lse_idx" in source
 
 
 def test_a_device_no_gpu_run_has_checked_refuses_fp8_unless_asked(monkeypatch):
