@@ -10,8 +10,8 @@ of a float8 instance), so P · P_SCALE stays within e4m3's range with no check i
 out is multiplied by v_descale / P_SCALE after the normaliser's finalize (every normaliser is linear in v) and
 stored by pointer in the call's ``out_dtype`` (the Q tile, float8, is too narrow to stage it). The careful redo
 computes in bfloat16, where float8 values are exact, and multiplies by v_descale alone. A packed call's copy of V
-starts each document on a column of its own, and a listed program's loader reads it by the lists' blocks: their
-loads are ``fp8_columns``'.
+starts each document on a column of its own, and a listed program's loader reads it by the lists' blocks: those
+loads are in ``fp8_columns``.
 """
 
 from __future__ import annotations
