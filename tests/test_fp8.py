@@ -374,9 +374,11 @@ def test_a_packed_forward_instance_reads_and_writes_each_document_at_its_rows(dt
     source = variant_plan("causal", dtype, 128, "varlen").templates.kernels["forward"].source
     pointer_rows = re.findall(r"row_offsets\(\w+, b, h, gl\.expand_dims\(([^,]+), 1\)", source)
     assert pointer_rows and all(r.startswith("q_start + ") for r in pointer_rows), pointer_rows
-    for load in re.findall(r"load_(?:rows|rows_t|value_rows)\((\w+), \w+, b, h\w*, ([^,]+), ([^,]+),", source):
-        start = {"Q": "q_start + ", "K": "k_start + ", "V": "v_start + " if dtype != "bfloat16" else "k_start + "}
-        assert load[1].startswith(start[load[0]]) and load[2].startswith(start[load[0]]), load
+    start = {"Q": "q_start + ", "K": "k_start + ", "V": "k_start + " if dtype == "bfloat16" else "v_start + "}
+    loads = re.findall(r"load_(?:rows|rows_t|value_rows)\((\w+), \w+, b, h\w*, ([^,]+), ([^,]+),", source)
+    assert {tensor for tensor, _, _ in loads} == {"Q", "K", "V"}, loads
+    for tensor, first, count in loads:
+        assert first.startswith(start[tensor]) and count.startswith(start[tensor]), (tensor, first, count)
     assert "Lse + pid_bh.to(tl.int64) * TOTAL_Q + q_start + lse_idx" in source
 
 

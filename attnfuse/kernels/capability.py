@@ -31,12 +31,12 @@ _FACTS = {
 }
 # Those the forward template takes (``forward_facts.py``), and of them those the backward templates take; all three
 # take dropout (``passes/codegen/dropout.py``), not combined with these nor with block lists
-# where the dK/dV template takes a packed call reading a tensor at packed rows, in its staged score modifications: at
+_FORWARD_FACTS = ("kv_lens", "positions", "varlen")
+_BACKWARD_FACTS = ("varlen",)
+# Where the dK/dV template takes a packed call reading a tensor at packed rows, in its staged score modifications: at
 # head dim 128 such a program (holding the document's first rows beside the addresses) spilled 132 bytes in the
 # step loop, staged or not; a mask reading one (a block mask over the packed row) it does not take
 DKDV_PACKED_READER_HEAD_DIMS = (64,)
-_FORWARD_FACTS = ("kv_lens", "positions", "varlen")
-_BACKWARD_FACTS = ("varlen",)
 
 
 def _common_reason(
