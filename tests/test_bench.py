@@ -134,16 +134,21 @@ def test_packed_row_counts_the_pairs_inside_the_documents():
 
 
 def test_fp8_and_dropout_rows_count_the_work_of_their_variant():
-    fp8 = rows.fp8_row(8192)
+    fp8 = rows.fp8_row("causal", "e4m3", 8192)
     assert (fp8.suite, fp8.case, fp8.work) == (
         "fp8",
         "llama3-8b N8192 causal fp8",
         rows.forward_row("llama3-8b", 8192, "causal").work,
     )
+    dense = rows.fp8_row("dense", "e5m2", 4096)
+    assert (dense.case, dense.work) == (
+        "llama3-8b N4096 dense fp8 e5m2",
+        rows.forward_row("llama3-8b", 4096, "dense").work,
+    )
     dropped = rows.dropout_row(4096, 0.1)
     assert (dropped.suite, dropped.case) == ("dropout", "llama3-8b N4096 causal dropout 0.1 fwd+bwd")
     assert dropped.work == rows.backward_row("llama3-8b", 4096, "causal").work
-    assert run.cases_of("fp8", None)[0] == len(cases.FP8_NS) + len(cases.FP8_E5M2_NS)
+    assert run.cases_of("fp8", None)[0] == len(cases.FP8_CASES)
     assert run.cases_of("dropout", None)[0] == len(cases.DROPOUT_NS)
 
 

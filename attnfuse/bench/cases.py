@@ -65,8 +65,12 @@ PER_TILE = "rope_causal_per_tile"
 FORWARD_VARIANTS = (*PROGRAMS, PER_TILE)
 BACKWARD_VARIANTS = ("causal", "rope_causal", "sliding_window")
 PACKED_VARIANTS = ("causal", "rope_causal")  # causal within each document
-FP8_NS = (4096, 8192, 16384)  # the fp8 suite's sequence lengths (Llama-3-8B geometry, causal forward) in e4m3
-FP8_E5M2_NS = (8192,)  # and in e5m2
+# the fp8 suite's rows (Llama-3-8B geometry, forward): (variant, float8 kind, N)
+FP8_CASES = (
+    *(("causal", "e4m3", N) for N in (4096, 8192, 16384)),
+    ("causal", "e5m2", 8192),
+    *(("dense", "e4m3", N) for N in (8192, 16384)),
+)
 FP8_KINDS = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}  # the float8 types a row names
 DROPOUT_NS = (2048, 4096, 8192)  # the dropout suite's (Llama-3-8B geometry, causal forward + backward)
 DROPOUT_P = 0.1

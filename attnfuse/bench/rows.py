@@ -131,12 +131,12 @@ def packed_row(variant: str, train: bool, lengths: list[int]) -> Row:
     )
 
 
-def fp8_row(N: int, kind: str = "e4m3") -> Row:
-    """Llama-3-8B causal forward at N with float8 q, k, v of ``kind`` (e4m3, e5m2; the baselines: bfloat16, or
-    FlashAttention-3's fp8)."""
-    row = forward_row("llama3-8b", N, "causal")
+def fp8_row(variant: str, kind: str, N: int) -> Row:
+    """Llama-3-8B forward of ``variant`` (causal, dense) at N with float8 q, k, v of ``kind`` (e4m3, e5m2; the
+    baselines: bfloat16, or FlashAttention-3's fp8)."""
+    row = forward_row("llama3-8b", N, variant)
     name = "fp8" if kind == "e4m3" else f"fp8 {kind}"
-    return attrs.evolve(row, suite="fp8", case=f"llama3-8b N{N} causal {name}", variant=f"causal {name}")
+    return attrs.evolve(row, suite="fp8", case=f"llama3-8b N{N} {variant} {name}", variant=f"{variant} {name}")
 
 
 def dropout_row(N: int, p: float) -> Row:

@@ -28,7 +28,7 @@ def cases_of(suite: str, args: argparse.Namespace) -> tuple[int, Iterable]:
     if suite == "packed":
         return 2 * len(suites.PACKED_VARIANTS), suites.packed_cases()
     if suite == "fp8":
-        return len(suites.FP8_NS) + len(suites.FP8_E5M2_NS), suites.fp8_cases()
+        return len(suites.FP8_CASES), suites.fp8_cases()
     if suite == "dropout":
         return len(suites.DROPOUT_NS), suites.dropout_cases()
     return 4, suites.sparse_cases()

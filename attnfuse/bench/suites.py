@@ -33,9 +33,8 @@ from .cases import (
     DECODE_MODELS,
     DROPOUT_NS,
     DROPOUT_P,
-    FP8_E5M2_NS,
+    FP8_CASES,
     FP8_KINDS,
-    FP8_NS,
     GEOMETRIES,
     PACKED_VARIANTS,
     PER_TILE,
@@ -290,39 +289,38 @@ def quantised(
     return low, dequantised, dict(zip(("q_descale", "k_descale", "v_descale"), descales))
 
 
-def fp8_case(N: int, kind: str) -> rows.Row:
-    """Llama-3-8B causal forward at N: AttnFuse on float8 q, k, v (``kind``: e4m3, e5m2) with per-(batch, kv head)
-    descales,
-    against SDPA (cuDNN, FA2) in bfloat16 on the same values dequantised, and FlashAttention-3's float8 forward
-    where installed. A GPU other than sm90 runs float8 calls only with ``ATTNFUSE_FP8_ON_GPU=1``
-    (``runtime/fp8.py``)."""
+def fp8_case(variant: str, kind: str, N: int) -> rows.Row:
+    """Llama-3-8B forward of ``variant`` (causal, dense) at N: AttnFuse on float8 q, k, v (``kind``: e4m3, e5m2)
+    with per-(batch, kv head) descales, against SDPA (cuDNN, FA2) in bfloat16 on the same values dequantised, and
+    FlashAttention-3's float8 forward where installed. A GPU other than sm90 runs float8 calls only with
+    ``ATTNFUSE_FP8_ON_GPU=1`` (``runtime/fp8.py``)."""
     B, Hq, Hkv, D = GEOMETRIES["llama3-8b"]
     raw = (torch.randn(B, h, N, D, device="cuda") for h in (Hq, Hkv, Hkv))
     (q8, k8, v8), (qd, kd, vd), scales = quantised(*raw, FP8_KINDS[kind])
 
     def ours():
-        return PROGRAMS["causal"](q8, k8, v8, **scales)
+        return PROGRAMS[variant](q8, k8, v8, **scales)
 
+    causal = variant == "causal"
     out = ours()
-    row = rows.fp8_row(N, kind)
+    row = rows.fp8_row(variant, kind, N)
     row.times["attnfuse"] = bench(ours)
-    time_sdpa(row, out, bench, lambda name: lambda: sdpa(name, qd, kd, vd, True))
+    time_sdpa(row, out, bench, lambda name: lambda: sdpa(name, qd, kd, vd, causal))
     flash = flash3_fp8()
     if flash is None:
         row.times["fa3_fp8"] = "n/a (flash_attn_interface not installed)"
         return row
     rows_first = [t.transpose(1, 2).contiguous() for t in (q8, k8, v8)]  # FlashAttention's (B, N, H, D)
     try:
-        row.times["fa3_fp8"] = bench(lambda: flash(*rows_first, causal=True, **scales))
+        row.times["fa3_fp8"] = bench(lambda: flash(*rows_first, causal=causal, **scales))
     except RuntimeError as exc:
         row.times["fa3_fp8"] = failure(exc)
     return row
 
 
 def fp8_cases():
-    for kind, lengths in (("e4m3", FP8_NS), ("e5m2", FP8_E5M2_NS)):
-        for N in lengths:
-            yield fp8_case, (N, kind)
+    for case in FP8_CASES:
+        yield fp8_case, case
 
 
 def replayed_error(q, k, v, out, state, p: float) -> float:
