@@ -10,6 +10,7 @@ import re
 from pathlib import Path
 
 from ..launch_spec import LaunchSpec
+from ..passes.codegen.fp8 import is_fp8
 from ..passes.codegen.loops import listing_mask
 from ..passes.lower import LoweredProgram, masked_head
 from ..plan import KernelSpec, TemplatePlan, TileConfig
@@ -20,7 +21,7 @@ from .dkdv import dkdv_params, generate_dkdv
 from .dq import dq_params, generate_dq
 from .forward import forward_params, generate_forward
 from .listed import partial_keep
-from .tiles import DKDV_TILES, DQ_NARROW_TILES, DQ_TILES, FORWARD_TILES, NARROW_TILES
+from .tiles import DKDV_TILES, DQ_NARROW_TILES, DQ_TILES, FORWARD_TILES, FP8_TILES, NARROW_TILES
 
 TEMPLATE_KINDS = ("forward", "dkdv", "dq", "decode")  # the kernels `attnfuse show` reports an engine for
 _NOT_YET = {
@@ -59,7 +60,8 @@ def listing_loads(kernel: LoweredProgram) -> bool:
 
 def _forward_spec(kernel: LoweredProgram) -> KernelSpec:
     narrow = loads_per_score(kernel) or masked_head(kernel.masks) or listing_loads(kernel)
-    tiles = (NARROW_TILES if narrow else FORWARD_TILES)[kernel.config.head_dim]
+    wide = FP8_TILES if is_fp8(kernel) else FORWARD_TILES
+    tiles = (NARROW_TILES if narrow else wide)[kernel.config.head_dim]
     name = f"attnfuse_tfwd_{kernel.signature[:12]}"
     parameters = forward_params(kernel)
     return KernelSpec(
