@@ -63,7 +63,6 @@ CONSUMERS = 2  # consumer warpgroups of either template, each running its own ke
 # docs/benchmarks.md's "Template resources". A ratchet: an instance may spill less, never more; one that no longer
 # holds local memory in its loop leaves the table; an instance not in it may not hold any there.
 KNOWN_LOOP_SPILLS = {
-    ("dkdv", "additive_bias", 128): 44,  # its loads staged through shared memory (dkdv_mods); the invariants reloaded
     # with attention dropout, its mask regenerated into shared memory: softcap's kept input on top
     ("dkdv", "softcap+dropout", 128): 56,
     # bfloat16: a predicate of the second consumer's key loop kept in local memory, reloaded each block

@@ -34,8 +34,8 @@ _FACTS = {
 _FORWARD_FACTS = ("kv_lens", "positions", "varlen")
 _BACKWARD_FACTS = ("varlen",)
 # Where the dK/dV template takes a packed call reading a tensor at packed rows, in its staged score modifications: at
-# head dim 128 such a program (holding the document's first rows beside the addresses) spilled 132 bytes in the
-# step loop, staged or not; a mask reading one (a block mask over the packed row) it does not take
+# head dim 128 such a program (holding the document's first rows beside the addresses) spilled 20 bytes in the
+# step loop staged (132 unstaged); a mask reading one (a block mask over the packed row) it does not take
 DKDV_PACKED_READER_HEAD_DIMS = (64,)
 
 

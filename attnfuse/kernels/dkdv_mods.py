@@ -3,9 +3,12 @@
 A modification that reads a tensor per score (an additive bias), applied on the whole (64 x 64) tile, holds a
 load address for each of a thread's 32 scores beside the step's S, dK and dV: at head dim 128 ptxas spilled a few
 hundred bytes in the step loop. Such an instance stores the step's scaled scores (float32) in a 64 x 64 tile of
-shared memory per consumer warpgroup, applies the modifications to it 8 rows at a time (a thread holds 4 of the
-scores), and reads it back. Only where every modification's gradient is the identity (its input is not kept for
-the chain) and there is no attention dropout (``stages_mods``). A packed call's modification reads the tensor at
+shared memory per consumer warpgroup, applies the modifications to it 2 rows at a time, and reads it back. A part
+of 2 x 64 scores lies across the warpgroup's 128 threads twice over (``_LAYOUTS``: a thread holds 2 scores of one
+key, the two halves of the warpgroup the same ones): of the part shapes compiled (1 to 4 scores a thread, 2 to 64
+rows), the only one whose step loop spills nothing at head dim 128 (8 rows a part, 4 scores a thread: 44 bytes).
+Only where every modification's gradient is the identity (its input is not kept for the chain) and there is no
+attention dropout (``stages_mods``). A packed call's modification reads the tensor at
 packed rows, its addresses offset by the document's first rows: such an instance stages them at head dim 64 too.
 """
 
@@ -26,11 +29,17 @@ ALLOCATION = (
     "  # each consumer's scores (dkdv_mods)"
 )
 
+_LAYOUTS = """\
+    BLOCK_M: gl.constexpr = 2
+    BLOCK_N: gl.constexpr = 64
+    S_LAYOUT: gl.constexpr = gl.BlockedLayout([2, 1], [1, 32], [1, 4], [1, 0])  # 2 x 64, twice over
+    ROW_LAYOUT: gl.constexpr = gl.SliceLayout(1, S_LAYOUT)
+    KEY_LAYOUT: gl.constexpr = gl.SliceLayout(0, S_LAYOUT)"""
 _FUNCTION = string.Template('''
 @gluon.jit
 def ${name}_mods(s_tile, start_m, k0, Nq, Nk, HQ, GROUP, b, h${args}):
     """The score modifications of a step's (64 x 64) scores in s_tile (float32, scaled), rows start_m.. and keys
-    k0.., in place, 8 rows at a time. The fragments' tile is the part (``BLOCK_M``, ``S_LAYOUT``)."""
+    k0.., in place, 2 rows at a time. The fragments' tile is the part (``BLOCK_M``, ``S_LAYOUT``)."""
 ${layouts}${prologues}
     for part in gl.static_range(64 // BLOCK_M):
 ${positions}
@@ -72,7 +81,7 @@ def function(kernel: LoweredProgram, name: str) -> str:
     return _FUNCTION.substitute(
         name=name,
         args=_arguments(kernel),
-        layouts=dkdv_keep.LAYOUTS,
+        layouts=_LAYOUTS,
         prologues="\n" + indent(prologues, 4) if prologues else "",
         positions=dkdv_keep.POSITIONS,
         bodies=indent(bodies, 8),
