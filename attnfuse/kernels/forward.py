@@ -104,7 +104,7 @@ $rescale
     mbarrier.arrive(kv_free.index(last), count=1)
 
 $state_rows
-    if gl.max(gl.max(gl.where(gl.abs(o_acc) < float("inf"), 0, 1), 1), 0) > 0:  # NaN too
+$careful_check
         ${name}_careful(
             Q, K, V, Out, q_desc, k_desc, v_desc, o_desc, Lse, pid_bh, m0 + HALF_ID * BLOCK_M, start,
             n_steps * BLOCK_N, Nq, N_K, HQ, GROUP, sm_scale, qk_scale, ${facts}${plugin_args} SAVE_LSE,
@@ -339,6 +339,18 @@ def forward_params(kernel: LoweredProgram) -> tuple[Param, ...]:
     )
 
 
+# The careful check: whether any of a consumer's rows reached a non-finite out (NaN too). Reduced over the
+# warpgroup's rows as is, Triton's cross-warp step leaves a register unwritten in the lanes that load no partial,
+# and at head dim 256 ptxas carried it from one key block to the next in local memory (4 to 12 bytes): there the
+# rows' flags are first laid out whole in every warp, so that the reduction takes shuffles only (at 64 and 128
+# that form made ptxas spill in the key loop: ALiBi, softcap, sigmoid).
+_CAREFUL_CHECK = '    if gl.max(gl.max(gl.where(gl.abs(o_acc) < float("inf"), 0, 1), 1), 0) > 0:  # NaN too'
+_CAREFUL_CHECK_IN_EVERY_WARP = """\
+    bad_rows = gl.max(gl.where(gl.abs(o_acc) < float("inf"), 0, 1), 1)
+    bad_rows = gl.convert_layout(bad_rows, gl.BlockedLayout([2], [32], [4], [0]))  # every row in every warp
+    if gl.max(bad_rows, 0) > 0:  # NaN too"""
+
+
 def generate_forward(kernel: LoweredProgram, name: str, consumer_registers: int, loader_registers: int) -> str:
     """Gluon source of the forward template's instance for ``kernel`` (its entry point: ``name``)."""
     norm = kernel.normaliser
@@ -389,6 +401,7 @@ def generate_forward(kernel: LoweredProgram, name: str, consumer_registers: int,
         loop_tile=indent(loop_tile, 8),
         rescale=indent(rescale, 8),
         state_rows=indent("\n".join(f"{n} = gl.convert_layout({n}, O_ROWS)" for n in state), 4),
+        careful_check=_CAREFUL_CHECK_IN_EVERY_WARP if kernel.config.head_dim == 256 else _CAREFUL_CHECK,
         finalize=_finalize(kernel, 8, fp8.out_descale),
         store_lse=indent(_store_lse(kernel, "O_ROWS"), 8),
         store_out=indent(fp8.store_out or facts.store_out, 8).rstrip("\n"),
@@ -420,7 +433,7 @@ def generate_forward(kernel: LoweredProgram, name: str, consumer_registers: int,
         given=facts.entry_params,
         program=indent(facts.program + fp8.descales, 4),
         grid=facts.grid,
-        key_range=indent(key_range(listed.without_listing(kernel)), 4),
+        key_range=indent(key_range(listed.without_listing(kernel), floor_last=kernel.config.head_dim == 256), 4),
         steps=_STEPS if m is None else listed.steps(m, name, args),
         loader=_LOADER.format(loader=fp8.loader, firsts=facts.loader_rows)
         if m is None

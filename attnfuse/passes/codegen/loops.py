@@ -160,12 +160,15 @@ def block_range(
     offset: str,
     placeholders: dict[str, str],
     window: tuple[str, str] | None = None,
+    floor_last: bool = False,
 ) -> str:
     """Loop bounds over index space [0, count): ``start``, ``full_start``, ``full_end``, ``hi``.
 
     Blocks in [start, full_start) and [full_end, hi) need the mask; [full_start, full_end) are kept whole.
     The masks' facts are positions; an index is its position minus ``offset``. ``window``: (lo, hi) indices
-    this program is limited to (a split of the keys), block-aligned.
+    this program is limited to (a split of the keys), block-aligned. ``floor_last``: the first index clamped
+    to count before 0 (the same value, count being at least 0, but where lo is 0 the compiler then knows start
+    is: the forward template at head dim 256, whose workers ptxas otherwise gave start from local memory).
     """
     lines = ["lo = 0", f"hi = {count}", "full_lo = 0", f"full_hi = {count}"]
     for m in kernel.masks:
@@ -183,7 +186,9 @@ def block_range(
             lines.append(f"full_hi = 0  # {m.prefix} gives no full blocks")
     narrow = ".to(tl.int32)" if kernel.config.wide_positions else ""  # int64 facts, clamped to [0, count]
     lines += [
-        f"lo = tl.minimum(tl.maximum(lo, 0), {count}){narrow}",
+        f"lo = tl.maximum(tl.minimum(lo, {count}), 0){narrow}"
+        if floor_last
+        else f"lo = tl.minimum(tl.maximum(lo, 0), {count}){narrow}",
         f"hi = tl.maximum(tl.minimum(hi, {count}), lo){narrow}",
     ]
     if window is not None:  # starts block-aligned, so no block is visited by two programs
@@ -203,14 +208,22 @@ def block_range(
     return "\n".join(lines) + "\n"
 
 
-def key_range(kernel: LoweredProgram, window: tuple[str, str] | None = None) -> str:
+def key_range(kernel: LoweredProgram, window: tuple[str, str] | None = None, floor_last: bool = False) -> str:
     """Forward, dQ and decode: which key blocks a query block (positions q_lo .. q_hi) visits, within
-    ``window`` (a decode program's split) when given."""
+    ``window`` (a decode program's split) when given (``floor_last``: ``block_range``'s)."""
     count = key_count(kernel)
     if not has_masks(kernel) and window is None:
         return f"start = 0\nhi = {count}\nfull_start = 0\nfull_end = {count} // BLOCK_N * BLOCK_N\n"
     return block_range(
-        kernel, "kv_range", "full_range", "BLOCK_N", count, key_shift(kernel), {"q_lo": "q_lo", "q_hi": "q_hi"}, window
+        kernel,
+        "kv_range",
+        "full_range",
+        "BLOCK_N",
+        count,
+        key_shift(kernel),
+        {"q_lo": "q_lo", "q_hi": "q_hi"},
+        window,
+        floor_last,
     )
 
 
