@@ -60,9 +60,9 @@ CONSUMERS = 2  # consumer warpgroups of either template, each running its own ke
 # A KNOWN DEFECT, to be driven to zero: the instances that spill today (ptxas' spill stores of the main path, in
 # bytes, per (kernel, whose, head dim, dtype)), listed in docs/benchmarks.md's "Template resources"; every other
 # instance spills nothing. A ratchet: an instance may spill less, never more, and one that spills less is listed
-# with its new figure. All of them spill outside their main loop, but those of ``KNOWN_LOOP_SPILLS``: the dK/dV
-# ones are a worker consumer's thread-index arithmetic, which ptxas (and LLVM's MachineLICM before it) hoists out of
-# Triton's warp-specialize dispatch loop, above the worker's setmaxnreg, and keeps in local memory across it.
+# with its new figure. All of them spill outside their main loop, but those of ``KNOWN_LOOP_SPILLS``: values computed
+# before a consumer warpgroup's setmaxnreg, kept in local memory across it (in ALiBi's dK/dV, thread-index arithmetic
+# that ptxas, and LLVM's MachineLICM before it, hoists out of Triton's warp-specialize dispatch loop).
 KNOWN_SPILLS = {
     ("forward", "dense", 128, "float8_e4m3fn"): 4,
     ("forward", "causal_alibi", 128, "float8_e4m3fn"): 4,
