@@ -5,11 +5,11 @@ load address for each of a thread's 32 scores beside the step's S, dK and dV: at
 hundred bytes in the step loop. Such an instance stores the step's scaled scores (float32) in a 64 x 64 tile of
 shared memory per consumer warpgroup, applies the modifications to it 2 rows at a time, and reads it back. A part
 of 2 x 64 scores lies across the warpgroup's 128 threads twice over (``_LAYOUTS``: a thread holds 2 scores of one
-key, the two halves of the warpgroup the same ones): of the part shapes compiled (1 to 4 scores a thread, 2 to 64
+key, the two halves of the warpgroup the same ones): of the part shapes compiled (1 to 8 scores a thread, 2 to 64
 rows), the only one whose step loop spills nothing at head dim 128 (8 rows a part, 4 scores a thread: 44 bytes).
 Only where every modification's gradient is the identity (its input is not kept for the chain) and there is no
-attention dropout (``stages_mods``). A packed call's modification reads the tensor at
-packed rows, its addresses offset by the document's first rows: such an instance stages them at head dim 64 too.
+attention dropout (``stages_mods``). A packed call's modification reads the tensor at packed rows, its addresses
+offset by the document's first rows: such an instance stages them at head dim 64 too.
 """
 
 from __future__ import annotations

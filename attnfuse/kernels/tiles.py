@@ -27,8 +27,8 @@ FORWARD_TILES = {
     256: ForwardTiles(block_n=64, stages=2),
 }
 FP8_TILES = {  # float8 instances (``forward_fp8``): their K and V tiles take half the bytes, so 4 stages fit at head
-    # dim 128; on an H100, 4 stages against 3 ran dense e4m3 at 16384 keys at 826 TFLOP/s against 733 to 778, causal
-    # alike (head dim 64 not measured yet)
+    # dim 128; on an H100, 4 stages against 3 ran dense e4m3 at 16384 keys at 822 to 832 TFLOP/s against 733 to 778,
+    # causal alike (head dim 64 not measured yet)
     64: FORWARD_TILES[64],
     128: ForwardTiles(block_n=128, stages=4),
 }

@@ -167,8 +167,8 @@ def block_range(
     Blocks in [start, full_start) and [full_end, hi) need the mask; [full_start, full_end) are kept whole.
     The masks' facts are positions; an index is its position minus ``offset``. ``window``: (lo, hi) indices
     this program is limited to (a split of the keys), block-aligned. ``floor_last``: the first index clamped
-    to count before 0 (the same value, count being at least 0, but where lo is 0 the compiler then knows start
-    is: the forward template at head dim 256, whose workers ptxas otherwise gave start from local memory).
+    to count, then to 0 (the same value, count being at least 0; where lo is 0 the compiler then folds start to
+    0: the forward template at head dim 256, whose workers ptxas otherwise read start from local memory).
     """
     lines = ["lo = 0", f"hi = {count}", "full_lo = 0", f"full_hi = {count}"]
     for m in kernel.masks:
