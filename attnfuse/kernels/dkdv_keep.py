@@ -27,14 +27,20 @@ CHAIN_KEEP = "keep = keep_tile.load(S_LAYOUT) != 0  # as the step stored it (dkd
 DOCUMENT_ROWS = ("q_start", "k_start")
 
 
-# The functions that evaluate fragments 8 rows at a time (here, ``dkdv_mods``): a part's tile as the fragments see
-# it (``gluon_text.for_template``'s names), and the positions of part ``part`` of rows start_m.. and keys k0..
-LAYOUTS = """\
-    BLOCK_M: gl.constexpr = 8
+# The functions that evaluate fragments a part of a step's rows at a time (here, and ``dkdv_mods``): a part's tile
+# as the fragments see it (``gluon_text.for_template``'s names), and the positions of part ``part`` of rows
+# start_m.. and keys k0..
+def part_layouts(rows: int, layout: str, what: str) -> str:
+    """The constants of a part of ``rows`` rows and 64 keys laid out as ``layout`` (``what``: how, a comment)."""
+    return f"""\
+    BLOCK_M: gl.constexpr = {rows}
     BLOCK_N: gl.constexpr = 64
-    S_LAYOUT: gl.constexpr = gl.BlockedLayout([1, 4], [2, 16], [4, 1], [1, 0])  # 8 x 64: 4 pairs a thread
+    S_LAYOUT: gl.constexpr = {layout}  # {what}
     ROW_LAYOUT: gl.constexpr = gl.SliceLayout(1, S_LAYOUT)
     KEY_LAYOUT: gl.constexpr = gl.SliceLayout(0, S_LAYOUT)"""
+
+
+LAYOUTS = part_layouts(8, "gl.BlockedLayout([1, 4], [2, 16], [4, 1], [1, 0])", "8 x 64: 4 pairs a thread")
 POSITIONS = """\
         q_idx = start_m + part * BLOCK_M + gl.arange(0, BLOCK_M, layout=ROW_LAYOUT)
         k_idx = k0 + gl.arange(0, BLOCK_N, layout=KEY_LAYOUT)

@@ -29,12 +29,7 @@ ALLOCATION = (
     "  # each consumer's scores (dkdv_mods)"
 )
 
-_LAYOUTS = """\
-    BLOCK_M: gl.constexpr = 2
-    BLOCK_N: gl.constexpr = 64
-    S_LAYOUT: gl.constexpr = gl.BlockedLayout([2, 1], [1, 32], [1, 4], [1, 0])  # 2 x 64, twice over
-    ROW_LAYOUT: gl.constexpr = gl.SliceLayout(1, S_LAYOUT)
-    KEY_LAYOUT: gl.constexpr = gl.SliceLayout(0, S_LAYOUT)"""
+_LAYOUTS = dkdv_keep.part_layouts(2, "gl.BlockedLayout([2, 1], [1, 32], [1, 4], [1, 0])", "2 x 64, twice over")
 _FUNCTION = string.Template('''
 @gluon.jit
 def ${name}_mods(s_tile, start_m, k0, Nq, Nk, HQ, GROUP, b, h${args}):
