@@ -62,13 +62,9 @@ def test_the_dq_template_serves_every_variant(variant, dtype, head_dim):
 )
 @pytest.mark.parametrize("variant", ["causal", "sinks", "additive_bias", "relu"])
 def test_dq_serves_exactly_the_programs_the_dkdv_template_serves(variant, changes):
-    """Same capability checks: where the dK/dV template falls back, the dQ template does, for the same cause (but a
-    packed call reading a tensor at packed rows, which only the dQ template takes: ``test_varlen.py``)."""
+    """Same capability checks: where the dK/dV template falls back, the dQ template does, for the same cause."""
     kernel = lowered(_graph(variant), attrs.evolve(SM90, **changes))
     dkdv, dq = capability.dkdv_reason(kernel), capability.dq_reason(kernel)
-    if variant == "additive_bias" and changes == {"varlen": True}:  # its bias at packed rows
-        assert dq is None and "reads q_idx or k_idx" in dkdv
-        return
     assert (dq is None) == (dkdv is None)
     if dq is not None:
         assert dq == dkdv.replace("dK/dV", "dQ")

@@ -33,10 +33,10 @@ _FACTS = {
 # take dropout (``passes/codegen/dropout.py``), not combined with these nor with block lists
 _FORWARD_FACTS = ("kv_lens", "positions", "varlen")
 _BACKWARD_FACTS = ("varlen",)
-# Where the dK/dV template takes a packed call reading a tensor at packed rows, in its staged score modifications: at
-# head dim 128 such a program (holding the document's first rows beside the addresses) spilled 20 bytes in the
-# step loop staged (132 unstaged); a mask reading one (a block mask over the packed row) it does not take
-DKDV_PACKED_READER_HEAD_DIMS = (64,)
+# Where the dK/dV template takes a packed call reading a tensor at packed rows, in its staged score modifications
+# (unstaged, at head dim 128 such a program spilled 132 bytes in its step loop); a mask reading one (a block mask
+# over the packed row) it does not take
+DKDV_PACKED_READER_HEAD_DIMS = (64, 128)
 
 
 def _common_reason(

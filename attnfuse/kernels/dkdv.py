@@ -72,7 +72,7 @@ _HEADER = '''\
 """
 import triton.language as tl
 from attnfuse.triton_compat import fence_async_shared, gl, gluon, mbarrier, warpgroup_mma, warpgroup_mma_wait
-from attnfuse.kernels.dkdv_pipeline import dkdv_loader, store_program_grads
+from attnfuse.kernels.dkdv_pipeline import dkdv_loader, opaque, program_coordinates, store_program_grads
 from attnfuse.kernels.pipeline import ROWS, ring, warpgroup_layout
 '''
 
@@ -109,6 +109,8 @@ ${keys}    no_scores = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, S_LAYOUT)
     mbarrier.wait(kv_ready.index(HALF_ID), 0)
 $steps
 
+    # read again after the loop (dkdv_pipeline.opaque), not held across it
+    b, h0, hkv = program_coordinates(opaque(gl.program_id(0)), HQ, heads, GROUP)
     key = gl.expand_dims(${k0}n0 + HALF_ID * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, G_LAYOUT)), 1)
     d = gl.expand_dims(gl.arange(0, D, layout=gl.SliceLayout(0, G_LAYOUT)), 0)
     store_program_grads(
@@ -127,7 +129,7 @@ for t in range(n_iter):
     masked = (start_m < full_start) | (start_m >= full_end)
 $step"""
 _ROWS = """\
-q_idx = start_m + gl.arange(0, BLOCK_M, layout=ROW_LAYOUT)
+q_idx = start_m + opaque(gl.arange(0, BLOCK_M, layout=ROW_LAYOUT))  # a thread's rows: computed in the step
 q_pos = q_idx + (Nk - Nq)  # bottom-right aligned: the last query sees the last key
 q_ok = q_idx < Nq"""
 _KEYS = """\
@@ -168,9 +170,7 @@ def ${name}(
     BLOCK_N: gl.constexpr = 2 * ROWS  # the program's keys: the masks' facts bound its query blocks
     pid_bh = gl.program_id(0)
 $program
-    b = pid_bh // (HQ // heads)
-    h0 = pid_bh % (HQ // heads) * heads
-    hkv = h0 // GROUP
+    b, h0, hkv = program_coordinates(pid_bh, HQ, heads, GROUP)
     Nk = N_K
     k_lo = n0
     k_hi = tl.minimum(n0 + BLOCK_N, Nk) - 1  # the facts of the keys below Nk: the others' rows are not stored

@@ -15,6 +15,7 @@ import string
 from ..passes.codegen.dropout import dropout_setup, keep
 from ..passes.lower import LoweredProgram
 from ..plan import DROPOUT_P, DROPOUT_STATE
+from .dkdv_keep import STEP_SCALARS
 
 CHAIN = "drop_keep = drop_tile.load(S_LAYOUT) != 0  # the forward's mask, as the step regenerated it (dkdv_dropout)"
 
@@ -54,6 +55,6 @@ def tile(first: int) -> str:
 def store(name: str) -> str:
     """A consumer's step lines that regenerate the step's mask (rows start_m.., this warpgroup's keys)."""
     return (
-        f"{name}_drop(drop_tile, start_m, n0 + HALF_ID * BLOCK_N, Nq, N_K, HQ, b, h, {DROPOUT_STATE}, {DROPOUT_P})"
+        f"{name}_drop(drop_tile, start_m, {STEP_SCALARS}, HQ, b, h, {DROPOUT_STATE}, {DROPOUT_P})"
         "\ngl.thread_barrier()  # the tile's mask, stored by other threads, before the chain reads it"
     )

@@ -22,6 +22,9 @@ from .gluon_text import for_template
 HEAD_DIMS = (128,)  # where a program with masks stores them; at head dim 64 (no dropout) its loop does not spill
 TILE = "keep_tile = pds_smem.index(4 + HALF_ID)  # this warpgroup's keep of a masked step (dkdv_keep)"
 CHAIN_KEEP = "keep = keep_tile.load(S_LAYOUT) != 0  # as the step stored it (dkdv_keep)"
+# the step's scalars a consumer passes the functions that evaluate it a part at a time (its keys' first, Nq, Nk),
+# each through ``dkdv_pipeline.opaque``: their positions are computed in the step, not held across the loop
+STEP_SCALARS = "opaque(n0 + HALF_ID * BLOCK_N), opaque(Nq), opaque(Nk)"
 # a packed call's first rows of its document, which a fragment reading its tensors at packed rows reads
 # (``passes/lower.py: packed_rows``)
 DOCUMENT_ROWS = ("q_start", "k_start")
@@ -107,7 +110,7 @@ def function(kernel: LoweredProgram, name: str) -> str:
 def store(kernel: LoweredProgram, name: str) -> str:
     """A consumer's step lines that store a masked step's keep (step rows start_m.., this warpgroup's keys)."""
     return (
-        f"if masked:\n    {name}_keep(keep_tile, start_m, n0 + HALF_ID * BLOCK_N, Nq, Nk, HQ, GROUP, b, h"
+        f"if masked:\n    {name}_keep(keep_tile, start_m, {STEP_SCALARS}, HQ, GROUP, b, h"
         f"{_arguments(kernel)})\n    gl.thread_barrier()  # the tile's keep, stored by other threads, before the "
         "chain reads it"
     )

@@ -2,11 +2,13 @@
 
 A modification that reads a tensor per score (an additive bias), applied on the whole (64 x 64) tile, holds a
 load address for each of a thread's 32 scores beside the step's S, dK and dV: at head dim 128 ptxas spilled a few
-hundred bytes in the step loop. Such an instance stores the step's scaled scores (float32) in a 64 x 64 tile of
-shared memory per consumer warpgroup, applies the modifications to it 2 rows at a time, and reads it back. A part
-of 2 x 64 scores lies across the warpgroup's 128 threads twice over (``_LAYOUTS``: a thread holds 2 scores of one
-key, the two halves of the warpgroup the same ones): of the part shapes compiled (1 to 8 scores a thread, 2 to 64
-rows), the only one whose step loop spills nothing at head dim 128 (8 rows a part, 4 scores a thread: 44 bytes).
+hundred bytes in the step loop; one that reads the scores' positions (ALiBi) holds a thread's position offsets
+there, and ptxas spilled 32 to 40 bytes around it. Such an instance stores the step's scaled scores (float32) in a
+64 x 64 tile of shared memory per consumer warpgroup, applies the modifications to it 2 rows at a time, and reads
+it back. A part of 2 x 64 scores lies across the warpgroup's 128 threads twice over (``_LAYOUTS``: a thread holds
+2 scores of one key, the two halves of the warpgroup the same ones): of the part shapes compiled (1 to 8 scores a
+thread, 2 to 64 rows), the only one whose step loop spills nothing at head dim 128 (8 rows a part, 4 scores a
+thread: 44 bytes).
 Only where every modification's gradient is the identity (its input is not kept for the chain) and there is no
 attention dropout (``stages_mods``). A packed call's modification reads the tensor at packed rows, its addresses
 offset by the document's first rows: such an instance stages them at head dim 64 too.
@@ -14,6 +16,7 @@ offset by the document's first rows: such an instance stages them at head dim 64
 
 from __future__ import annotations
 
+import re
 import string
 
 from ..passes.lower import LoweredProgram
@@ -23,6 +26,7 @@ from .gluon_text import for_template
 
 HEAD_DIMS = (128,)  # where such a program stages them; at head dim 64 its step loop does not spill
 PACKED_HEAD_DIMS = (64, 128)  # and a packed call's (unstaged at head dim 64, its step loop spilled 44 bytes)
+_POSITIONS = re.compile(r"\b[qk]_(?:pos|idx)\b")  # a modification that reads the scores' positions (ALiBi)
 TILE = "s_tile = s_smem.index(HALF_ID)  # this warpgroup's scores, staged for the modifications (dkdv_mods)"
 ALLOCATION = (
     "s_smem = gl.allocate_shared_memory(gl.float32, [2, ROWS, ROWS], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))"
@@ -45,15 +49,19 @@ ${bodies}
 
 
 def stages_mods(kernel: LoweredProgram) -> bool:
-    """Whether ``kernel``'s dK/dV instance stages its score modifications: one reads a tensor per score, every
-    one's gradient is the identity, at a head dim of ``HEAD_DIMS`` (``PACKED_HEAD_DIMS`` in a packed call),
-    without attention dropout."""
-    mods = kernel.mods
+    """Whether ``kernel``'s dK/dV instance stages its score modifications: every one's gradient is the identity,
+    without attention dropout, and one reads a tensor per score at a head dim of ``HEAD_DIMS``
+    (``PACKED_HEAD_DIMS`` in a packed call) or the scores' positions at a head dim of ``HEAD_DIMS``."""
+    mods, head_dim = kernel.mods, kernel.config.head_dim
+    loads = any("tl.load" in m.fragment.body for m in mods)
+    positions = any(_POSITIONS.search(m.fragment.body) for m in mods)
     return (
-        any("tl.load" in m.fragment.body for m in mods)
-        and not any(m.fragment.grad for m in mods)
-        and kernel.config.head_dim in (PACKED_HEAD_DIMS if kernel.config.varlen else HEAD_DIMS)
+        not any(m.fragment.grad for m in mods)
         and not kernel.config.dropout
+        and (
+            (loads and head_dim in (PACKED_HEAD_DIMS if kernel.config.varlen else HEAD_DIMS))
+            or (positions and head_dim in HEAD_DIMS)
+        )
     )
 
 
@@ -88,7 +96,7 @@ def apply(kernel: LoweredProgram, name: str) -> str:
     return (
         "s_tile.store(s)\n"
         "gl.thread_barrier()  # every thread's scores in shared memory before the modifications read them\n"
-        f"{name}_mods(s_tile, start_m, n0 + HALF_ID * BLOCK_N, Nq, Nk, HQ, GROUP, b, h{_arguments(kernel)})\n"
+        f"{name}_mods(s_tile, start_m, {dkdv_keep.STEP_SCALARS}, HQ, GROUP, b, h{_arguments(kernel)})\n"
         "gl.thread_barrier()  # the modified scores, stored by other threads, before they are read back\n"
         "s = s_tile.load(S_LAYOUT)"
     )

@@ -14,6 +14,26 @@ from .pipeline import ROWS
 
 
 @gluon.jit
+def program_coordinates(pid_bh, heads_q, heads, group):
+    """A dK/dV program's batch, first query head and kv head, from its index pid_bh in the grid's first axis
+    (B * heads_q / heads programs, each of ``heads`` query heads of a GQA group of ``group``)."""
+    b = pid_bh // (heads_q // heads)
+    h0 = pid_bh % (heads_q // heads) * heads
+    return b, h0, h0 // group
+
+
+@gluon.jit
+def opaque(x):
+    """int32 ``x`` through an inline PTX move that neither LLVM nor ptxas looks through or moves (not pure): what
+    is derived from it is computed where it is used. A consumer passes its step's scalars (first key, Nq, Nk) to
+    the functions that evaluate a step part by part through it, and reads its program's coordinates after the
+    step loop through it; else the compilers hoist the per-thread positions and keep the coordinates from the
+    program's entry, above the partition's ``setmaxnreg``, in registers the step loop needs, and ptxas spilled
+    them at head dim 128 (ALiBi, the block masks)."""
+    return gl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [x], dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
 def dkdv_loader(
     q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem,
     bars, b, h0, hkv, n0, j_lo, n_qblocks, n_iter, q0, k0, r0, row_stride, heads_q, BLOCK_M: gl.constexpr,
