@@ -80,6 +80,10 @@ def scores(
         keeps += [f"({m.fragment.keep})" for m in kernel.masks if m.fragment.keep and m.prefix != implied]
         lines.append(f"keep = {' & '.join(keeps)}")
         for m in _partial_listing(kernel, implied):
+            if kernel.config.dtype == "float32":
+                # every tile: Triton 3.6 fails to lower (for a GPU) the `if` below in a float32 kernel
+                lines.append(f"keep = keep & ({m.fragment.keep})  # {m.prefix}: its keep, in every listed block")
+                continue
             lines += [
                 "keep = tl.broadcast_to(keep, (BLOCK_M, BLOCK_N))",
                 f"if list_partial:  # {m.prefix}: a partial listed block, masked element by element",

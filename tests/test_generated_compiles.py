@@ -1,0 +1,45 @@
+"""The generated kernels compile for an H100/H200 (sm_90a, no GPU needed) at each dtype a GPU runs them in.
+
+The CPU tests run these kernels through Triton's interpreter, which never lowers them: a kernel the interpreter
+runs can still fail in Triton's GPU passes. A float32 block-sparse program did (its partial-block `if`, yielding
+a boolean tile after a load, failed in ConvertTritonGPUToLLVM on an H100), so such programs compile here, every
+kind, at each dtype."""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+
+import attnfuse as af
+from attnfuse.cli.show import RuntimePlaceholder
+from attnfuse.kernels.generated_resources import generated_resources
+from attnfuse.kernels.tiles import SHARED_MEMORY_LIMIT
+from attnfuse.plan import KernelConfig
+from attnfuse.runtime.compiled import compiled
+from attnfuse.runtime.source_cache import CACHE_ENV
+
+
+@af.attention
+def block_sparse(q, k, v, block_mask):
+    return af.softmax(af.block_sparse(af.scaled_dot_product(q, k, scale=0.3), block_mask)) @ v
+
+
+@af.attention
+def composed(q, k, v, bias, block_mask):  # the GPU conformance run's failing program, less its qk transforms
+    s = af.alibi(af.additive_bias(af.scaled_dot_product(q, k), bias))
+    return af.relu_attention(af.block_sparse(s, block_mask)) @ v
+
+
+@pytest.mark.parametrize("kind", ["forward", "dkdv", "dq", "decode"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])  # float16 lowers as bfloat16 does
+@pytest.mark.parametrize("program", [block_sparse, composed], ids=["block_sparse", "composed"])
+def test_a_block_sparse_programs_kernels_compile_for_sm90(tmp_path, monkeypatch, program, dtype, kind):
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "kernels"))
+    runtime_inputs = list(inspect.signature(program.fn).parameters)[3:]  # after q, k, v: block_mask (and bias)
+    graph = program.graph(**{name: RuntimePlaceholder() for name in runtime_inputs})
+    config = KernelConfig(arch="sm90", dtype=dtype, head_dim=64, head_dim_v=64, group=2,
+                          save_lse=graph.has_lse and kind in ("dkdv", "dq"), fp32_precision="ieee")  # fmt: skip
+    plan = compiled(graph, config).plan
+    used = generated_resources(plan, kind, shared_limit=SHARED_MEMORY_LIMIT)  # raises where Triton fails
+    assert used.registers > 0 and used.shared_bytes <= SHARED_MEMORY_LIMIT, f"{plan.kernels[kind].name}: {used}"
