@@ -434,18 +434,32 @@ def test_group_split_sums_the_group_s_parts(monkeypatch, parts, deterministic, w
 
 
 @pytest.mark.parametrize("kind", ["dkdv", "dq"])
-def test_backward_cases_cover_every_smooth_variant_head_dim_and_dtype(kind):
+def test_backward_cases_cover_every_variant_head_dim_and_dtype(kind):
     found = [c for c in verify.backward_cases() if c.kind == kind]
-    smooth = {v for v in verify.FORWARD_VARIANTS if verify.smooth(v)}  # the listed ones included
-    assert "relu" in verify.VARIANTS and "relu" not in smooth  # its low-precision gradients are not compared
+    assert "relu" in verify.VARIANTS and not verify.smooth("relu")  # its cases draw exact scores
     assert {(c.variant, c.head_dim, c.dtype) for c in found} == {
-        (v, d, t) for v in smooth for d in HEAD_DIMS for t in verify.DTYPES
-    }
+        (v, d, t) for v in verify.FORWARD_VARIANTS for d in HEAD_DIMS for t in verify.DTYPES
+    }  # the listed variants included
     assert not any(c.poison for c in found)
     assert {c.kind for c in verify.backward_cases()} == {"dkdv", "dq"}
     ids = [c.id for c in verify.backward_cases() + verify.cases()]
     assert len(set(ids)) == len(ids)
     assert any(c.shape[1] > c.shape[2] for c in found) and any(c.shape[3] % 64 for c in found)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+def test_exact_scores_are_exact_and_never_zero(dtype, head_dim):
+    """``verify.exact_scores``: q and k as the dtype holds them, whose float32 products equal float64's and are
+    never 0, so a kernel keeps every score on relu's side of 0 that the float64 reference keeps it on."""
+    gen = torch.Generator().manual_seed(head_dim)
+    q, k = (torch.randn(2, 3, n, head_dim, generator=gen).to(dtype) for n in (70, 90))
+    q, k = verify.exact_scores(q, k)
+    assert q.dtype == k.dtype == dtype
+    scores32 = q.float() @ k.float().transpose(-1, -2)
+    scores64 = q.double() @ k.double().transpose(-1, -2)
+    assert torch.equal(scores32.double(), scores64) and (scores64.abs() >= 0.5).all()
+    assert len(torch.unique(scores64)) > 100  # spread over many values, not a constant
 
 
 @pytest.mark.parametrize("variant", ["causal", "sinks", "causal_alibi"])

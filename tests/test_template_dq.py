@@ -103,7 +103,7 @@ def test_the_dq_template_takes_a_packed_call_where_the_forward_template_takes_it
     dropout = capability.dq_reason(lowered(_graph(variant), attrs.evolve(SM90, varlen=True, dropout=True)))
     assert dropout is not None and (dq is not None or ("dropout" in dropout and "cu_seqlens" in dropout))
     packed = {c.variant for c in verify.backward_cases() if c.kind == "dq" and c.fact == "varlen"}
-    assert (variant in packed) == (dq is None and verify.smooth(variant) and variant != "sigmoid")
+    assert (variant in packed) == (dq is None and variant != "sigmoid")
 
 
 @pytest.mark.parametrize("head_dim", HEAD_DIMS)

@@ -1,9 +1,9 @@
 """The template instances on the GPU against the float64 reference (``attnfuse/kernels/verify.py``): the
 forward's on every built-in and installed contrib variant, head dims 64/128/256, float16 and bfloat16, GQA,
-ragged lengths, NaN values under the masks; the dK/dV and dQ templates' gradients on every variant with
-smooth weights, head dims 64/128; the forward and dK/dV templates with attention dropout on two variants, against
-the reference replaying the call's mask. With ``ATTNFUSE_VERIFY_OUT`` set, each result is appended there for the
-record."""
+ragged lengths, NaN values under the masks; the dK/dV and dQ templates' gradients on every variant (a
+non-smooth normaliser's on exact scores), head dims 64/128; the forward and dK/dV templates with attention
+dropout on two variants, against the reference replaying the call's mask. With ``ATTNFUSE_VERIFY_OUT`` set,
+each result is appended there for the record."""
 
 import json
 import os

@@ -278,22 +278,34 @@ def _dropout_cases(kind: str) -> list[Case]:
 
 
 def smooth(variant: str) -> bool:
-    """Whether the variant's normaliser has smooth weights: a non-smooth one's (relu) float16 and bfloat16
-    gradients are not compared with the reference (``NormaliserFragment.smooth``), so it has no dK/dV case."""
+    """Whether the variant's normaliser has smooth weights (``NormaliserFragment.smooth``): a non-smooth one's
+    (relu's) backward cases draw q and k whose scores are exact (``exact_scores``)."""
     program, extra = FORWARD_VARIANTS[variant]
     return program.graph(**extra(1, 1, 1, "cpu")).weights.apply.fragment().smooth
 
 
+def exact_scores(q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """q (..., Nq, D) and k (..., Nk, D) of any dtype -> q and k, of that dtype, whose every product q·k is exact
+    in float16 or bfloat16 inputs with float32 sums, and never 0: small integers, q's first column plus 1/2 and k's
+    first column odd, so each q·k is an integer plus an odd number of halves. Where a normaliser's weights jump
+    (relu's at a score of 0), the kernel and the float64 reference then keep every score on the same side, and
+    their gradients are compared as a smooth normaliser's are."""
+    q, k = (x.mul(2).round().clamp(-4, 4) for x in (q, k))
+    q[..., 0] += 0.5
+    k[..., 0] = 2 * k[..., 0].div(2).floor() + 1  # odd, within [-3, 5]
+    return q, k
+
+
 def backward_cases() -> list[Case]:
-    """The dK/dV and dQ templates' cases: each variant with smooth weights, the listed ones (``LISTED_VARIANTS``)
-    included, their head dims, both dtypes, the forward's shapes; both with attention dropout,
-    ``DROPOUT_VARIANTS``; and packed calls (``_packed_backward_cases``). None with NaN values: a masked key's NaN value
-    makes the float64 reference's gradients NaN (its masked weights' dS is 0 · NaN), where the kernels' are 0."""
+    """The dK/dV and dQ templates' cases: each variant (a non-smooth normaliser's on ``exact_scores``), the listed
+    ones (``LISTED_VARIANTS``) included, their head dims, both dtypes, the forward's shapes; both with attention
+    dropout, ``DROPOUT_VARIANTS``; and packed calls (``_packed_backward_cases``). None with NaN values: a masked
+    key's NaN value makes the float64 reference's gradients NaN (its masked weights' dS is 0 · NaN), where the
+    kernels' are 0."""
     return [
         Case(v, d, t, s, False, kind=kind)
         for kind in BACKWARD_TEMPLATES
         for v in FORWARD_VARIANTS
-        if smooth(v)
         for d in DKDV_HEAD_DIMS
         for t in DTYPES
         for s in _shapes(v)
@@ -301,12 +313,12 @@ def backward_cases() -> list[Case]:
 
 
 def _packed_backward_cases(kind: str) -> list[Case]:
-    """``kind``'s cases of packed calls: each variant with smooth weights that the forward template runs packed
+    """``kind``'s cases of packed calls: each variant that the forward template runs packed
     (``_takes``) and the ``kind`` template takes (``_packed_served``), the forward's packed shape."""
     return [
         Case(v, d, t, PACKED_SHAPE, False, kind=kind, fact="varlen")
         for v in VARIANTS
-        if smooth(v) and _takes(v, "varlen")
+        if _takes(v, "varlen")
         for d in DKDV_HEAD_DIMS
         if _packed_served(kind, v, d)
         for t in DTYPES
@@ -471,6 +483,8 @@ def _check_backward(case: Case, seed: int) -> dict:
     q, k, v = (torch.randn(B, h, n, case.head_dim, device="cuda", dtype=dtype, generator=gen) for h, n in
                ((Hq, Nq), (Hkv, Nk), (Hkv, Nk)))  # fmt: skip
     dout = torch.randn(B, Hq, Nq, case.head_dim, device="cuda", dtype=dtype, generator=gen)
+    if not smooth(case.variant):
+        q, k = exact_scores(q, k)
     kwargs = extra(Hq, Nq, Nk, "cuda")
     facts = fact_arguments(case.fact, q.device)
     _environment(case)
