@@ -4,6 +4,7 @@
 #   bench_base: the same benchmark code (this tree's attnfuse/bench) on the kernels in .base (attnfuse/ and
 #   attnfuse_plugins/ of an earlier commit, with this tree's attnfuse/bench copied in:
 #   `bash scripts/base_tree.sh REV`, then carry .base), for before/after tables from one call.
+#   sanitize: every combinator's fixed cases under compute-sanitizer (WORKERS processes at once).
 #   templates: the template instances' GPU check; writes $OUT/verified.json, the record to check in
 #   (TEMPLATES_K: a pytest -k expression choosing some of its cases).
 # Knobs: PROFILE_ARGS (see benchmarks/profile_training.py), HF_ARGS (see benchmarks/hf_layer.py), HF_GEN_ARGS (see benchmarks/hf_generate.py), LAYER_STEPS_ARGS (see benchmarks/layer_steps.py; --timing 8192), SWEEP_ARGS (more sweep_tiles.py arguments), TESTS (pytest paths), WORKERS (pytest-xdist processes; 4), MAXFAIL (failures before pytest stops; 1), FUZZ (examples per combinator), SWEEP_CASES / SWEEP_KERNEL (see
@@ -38,6 +39,9 @@ for step in "$@"; do
       ATTNFUSE_FUZZ_EXAMPLES=${FUZZ:-40} timeout "${STEP_TIMEOUT:-0}" python3 -m pytest -q -rfE -n ${WORKERS:-4} \
         --maxfail=${MAXFAIL:-1} -p no:cacheprovider \
         ${TESTS:-tests/test_gpu.py tests/test_conformance.py} 2>&1 | tee "$OUT/pytest.log" | tail -25 ;;
+    sanitize)
+      # every combinator's fixed cases under compute-sanitizer: a read outside a tensor, even one that does not fault
+      timeout "${STEP_TIMEOUT:-0}" python3 scripts/sanitize_fixed_cases.py 2>&1 | tee "$OUT/sanitize.log" | tail -30 ;;
     templates)
       # every template instance against float64 (tests/test_template_gpu.py), then the record of those that passed
       rm -rf /tmp/attnfuse-verify

@@ -8,6 +8,7 @@ kind, at each dtype."""
 from __future__ import annotations
 
 import inspect
+import re
 
 import pytest
 
@@ -42,3 +43,25 @@ def test_a_block_sparse_programs_kernels_compile_for_sm90(tmp_path, monkeypatch,
                           save_lse=graph.has_lse and kind in ("dkdv", "dq"), fp32_precision="ieee")  # fmt: skip
     # the check is the compile itself: Triton (or ptxas) raises on a kernel it cannot lower
     generated_resources(compiled(graph, config).plan, kind, shared_limit=SHARED_MEMORY_LIMIT)
+
+
+@af.attention
+def causal(q, k, v):
+    return af.softmax(af.causal(af.scaled_dot_product(q, k))) @ v
+
+
+@pytest.mark.parametrize(
+    "program,varlen", [(causal, False), (block_sparse, True)], ids=["causal", "packed_block_sparse"]
+)
+def test_a_gqa_dkdv_loop_never_divides_by_its_step_count(tmp_path, monkeypatch, program, varlen):
+    """The dK/dV kernel's flat (query head, block) loops divide the step by the loop's step count, which is 0 for a
+    loop with nothing to do: LLVM takes a division as proof that its divisor is not 0, and an H100 then faulted in
+    the pipelined prologue of a packed float32 call's kernel. Each division is by at least 1."""
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "kernels"))
+    runtime_inputs = list(inspect.signature(program.fn).parameters)[3:]
+    graph = program.graph(**{name: RuntimePlaceholder() for name in runtime_inputs})
+    config = KernelConfig(arch="sm90", dtype="float32", head_dim=32, head_dim_v=32, group=2, save_lse=True,
+                          varlen=varlen, fp32_precision="ieee")  # fmt: skip
+    source = compiled(graph, config).plan.kernels["dkdv"].source
+    divisions = re.findall(r"\bt // ([^\n]+)", source)
+    assert divisions and all(d == "tl.maximum(steps, 1)" for d in divisions), divisions
