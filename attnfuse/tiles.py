@@ -13,14 +13,21 @@ def _tile_size(_, attribute, value: int) -> None:
         raise ValueError(f"{attribute.name} must be a power of two >= 16, got {value}")
 
 
+def _register_cap(_, attribute, value: int | None) -> None:
+    if value is not None and not 24 <= value <= 255:
+        raise ValueError(f"{attribute.name} must be None or a register count from 24 to 255, got {value}")
+
+
 @frozen(kw_only=True)
 class TileConfig:
-    """Launch shape of one kernel: BLOCK_M query rows by BLOCK_N keys per step."""
+    """Launch shape of one kernel: BLOCK_M query rows by BLOCK_N keys per step; ``max_registers``: the cap on a
+    thread's registers it compiles with on a GPU (Triton's ``maxnreg``), None for ptxas' own choice."""
 
     block_m: int = field(validator=_tile_size)
     block_n: int = field(validator=_tile_size)
     num_warps: int = 4
     num_stages: int = 2
+    max_registers: int | None = field(default=None, validator=_register_cap)
 
 
 @frozen(kw_only=True)

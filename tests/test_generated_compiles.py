@@ -10,12 +10,14 @@ from __future__ import annotations
 import inspect
 import re
 
+import attrs
 import pytest
 
 import attnfuse as af
 from attnfuse.cli.show import RuntimePlaceholder
 from attnfuse.kernels.generated_resources import generated_resources
 from attnfuse.kernels.tiles import SHARED_MEMORY_LIMIT
+from attnfuse.passes.tile import FLOAT32_REGISTER_CAP
 from attnfuse.plan import KernelConfig
 from attnfuse.runtime.compiled import compiled
 from attnfuse.runtime.source_cache import CACHE_ENV
@@ -65,3 +67,19 @@ def test_a_gqa_dkdv_loop_never_divides_by_its_step_count(tmp_path, monkeypatch, 
     source = compiled(graph, config).plan.kernels["dkdv"].source
     divisions = re.findall(r"\bt // ([^\n]+)", source)
     assert divisions and all(d == "tl.maximum(steps, 1)" for d in divisions), divisions
+
+
+def test_a_float32_kernel_gets_the_registers_it_needs(tmp_path, monkeypatch):
+    """A float32 kernel's dots run on FMA units and want more than 255 registers a thread; uncapped, ptxas gave a
+    causal float32 dK/dV at head dim 64 32 registers and 79180 spill bytes. Its tiles cap registers at 255
+    (``passes.tile.FLOAT32_REGISTER_CAP``), which ptxas then uses; a bfloat16 kernel's tiles leave ptxas to choose."""
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "kernels"))
+    graph = causal.graph()
+    config = KernelConfig(arch="sm90", dtype="float32", head_dim=64, head_dim_v=64, group=2, save_lse=True,
+                          fp32_precision="ieee")  # fmt: skip
+    plan = compiled(graph, config).plan
+    assert plan.kernels["dkdv"].tiles.max_registers == FLOAT32_REGISTER_CAP
+    used = generated_resources(plan, "dkdv", shared_limit=SHARED_MEMORY_LIMIT)
+    assert used.registers > 32, used
+    bf16 = compiled(graph, attrs.evolve(config, dtype="bfloat16")).plan
+    assert all(spec.tiles.max_registers is None for spec in bf16.kernels.values())

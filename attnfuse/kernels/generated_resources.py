@@ -121,6 +121,8 @@ def _compile(plan: Plan, kind: str, tiles: TileConfig) -> KernelResources:
     values[UPCAST] = upcast_dtype(interpreted=False)  # a float8 kernel's, as a GPU launch gives it
     values = {k: v for k, v in values.items() if k in fn.arg_names}
     options = dict(num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+    if tiles.max_registers is not None:
+        options["maxnreg"] = tiles.max_registers  # as a launch compiles it (``runtime.kernel``)
     compiled, report = compile_sm90(ASTSource(fn, types, values, attributes), options)
     registers = re.search(r"Used (\d+) registers", report)
     spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", report)

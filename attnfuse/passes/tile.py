@@ -8,6 +8,8 @@ that matches everything.
 
 from __future__ import annotations
 
+import attrs
+
 from ..errors import PluginError
 from ..plugin_manager import tile_config
 from ..tiles import TileConfig, TileRule
@@ -103,8 +105,23 @@ def markdown_table(rules: tuple[TileRule, ...] = TABLE) -> str:
     return "\n".join(lines)
 
 
+# A float32 kernel's dots run on the FMA units (no tensor core takes IEEE float32), and its tiles need more than a
+# thread's 255 registers; left to choose, ptxas gives such a kernel 32 registers and spills 4 to 8 times more (a
+# causal float32 dK/dV at head dim 128 on sm_90a: 126276 spill bytes, against 27316 with the cap). So a GPU
+# compiles float32 kernels with the cap at every register a thread may have, unless the tiles name one.
+FLOAT32_REGISTER_CAP = 255
+
+
 def choose_tiles(arch: str, variant: str, head_dim: int, kernel: str, dtype: str) -> TileConfig:
-    """The tiles plugins choose (``plugin_manager.tile_config``), else the first matching rule's of the table."""
+    """The tiles plugins choose (``plugin_manager.tile_config``), else the first matching rule's of the table; a
+    float32 kernel's on a GPU with ``FLOAT32_REGISTER_CAP`` where they name no register cap."""
+    config = _chosen_tiles(arch, variant, head_dim, kernel, dtype)
+    if dtype == "float32" and arch != "interpreter" and config.max_registers is None:
+        return attrs.evolve(config, max_registers=FLOAT32_REGISTER_CAP)
+    return config
+
+
+def _chosen_tiles(arch: str, variant: str, head_dim: int, kernel: str, dtype: str) -> TileConfig:
     chosen = tile_config(kernel, arch, variant, head_dim, dtype)
     if chosen is not None:
         if not isinstance(chosen, TileConfig):

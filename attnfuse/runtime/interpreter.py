@@ -154,10 +154,11 @@ class InterpretedKernel:
         num_warps: int = 4,
         num_stages: int = 2,
         device: Any = None,
+        maxnreg: int | None = None,
     ) -> None:
-        """Run on ``grid`` (warps, stages and device mean nothing to the interpreter). numpy's floating-point
-        warnings (log(0) = -inf for a masked row, say), and the interpreter's own RuntimeWarnings about them
-        (an all-NaN max of a row that keeps no key), are silenced for the launch, as a GPU raises none."""
+        """Run on ``grid`` (warps, stages, device and a register cap mean nothing to the interpreter). numpy's
+        floating-point warnings (log(0) = -inf for a masked row, say), and the interpreter's own RuntimeWarnings
+        about them (an all-NaN max of a row that keeps no key), are silenced for the launch, as a GPU raises none."""
         with _interpreter_patches(args), np.errstate(all="ignore"), warnings.catch_warnings():
             warnings.filterwarnings("ignore", category=RuntimeWarning, module=r"triton\.runtime\.interpreter")
             try:

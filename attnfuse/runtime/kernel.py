@@ -64,7 +64,9 @@ class CompiledKernel:
             values = {k: v(tiles) if callable(v) else v for k, v in constexprs.items()}
             values["BLOCK_M"], values["BLOCK_N"] = block_m or tiles.block_m, tiles.block_n
             try:
-                self._kernel.launch(grid(tiles), args, values, tiles.num_warps, tiles.num_stages, device)
+                self._kernel.launch(
+                    grid(tiles), args, values, tiles.num_warps, tiles.num_stages, device, maxnreg=tiles.max_registers
+                )
                 return
             except OutOfResources:
                 self.tiles = smaller_tiles(self.tiles)
