@@ -18,7 +18,7 @@ def _register_cap(_, attribute, value: int | None) -> None:
         raise ValueError(f"{attribute.name} must be None or a register count from 24 to 255, got {value}")
 
 
-@frozen(kw_only=True)
+@frozen(kw_only=True, repr=False)
 class TileConfig:
     """Launch shape of one kernel: BLOCK_M query rows by BLOCK_N keys per step; ``max_registers``: the cap on a
     thread's registers it compiles with on a GPU (Triton's ``maxnreg``), None for ptxas' own choice."""
@@ -28,6 +28,15 @@ class TileConfig:
     num_warps: int = 4
     num_stages: int = 2
     max_registers: int | None = field(default=None, validator=_register_cap)
+
+    def __repr__(self) -> str:
+        # the register cap shows only when named: a template instance's digest (``kernels.instance``) hashes this
+        # text, and the GPU record names the instances by digests made before the field
+        cap = "" if self.max_registers is None else f", max_registers={self.max_registers}"
+        return (
+            f"TileConfig(block_m={self.block_m}, block_n={self.block_n}, num_warps={self.num_warps}, "
+            f"num_stages={self.num_stages}{cap})"
+        )
 
 
 @frozen(kw_only=True)

@@ -112,3 +112,27 @@ def test_the_table_gives_float8_forwards_their_own_tiles():
     assert choose_tiles("sm90", "masked", 128, "dq", "float8_e4m3fn") == choose_tiles(
         "sm90", "masked", 128, "dq", "bfloat16"
     )
+
+
+def test_float32_kernels_on_a_gpu_cap_registers_unless_the_tiles_name_a_cap(registered):
+    assert choose_tiles("sm90", "masked", 64, "dkdv", "float32").max_registers == 255
+    assert choose_tiles("sm90", "masked", 64, "dkdv", "bfloat16").max_registers is None
+    assert choose_tiles("interpreter", "masked", 64, "dkdv", "float32").max_registers is None
+
+    class Capped:
+        @hookimpl
+        def attnfuse_tile_configs(self):
+            return [TileRule(arch="sm90", config=TileConfig(block_m=32, block_n=32, max_registers=128))]
+
+    registered(Capped())
+    assert choose_tiles("sm90", "masked", 64, "dkdv", "float32").max_registers == 128
+    with pytest.raises(ValueError, match="max_registers"):
+        TileConfig(block_m=32, block_n=32, max_registers=256)
+
+
+def test_a_tile_config_reads_as_it_did_before_the_register_cap():
+    """Template instances' digests hash their tiles' text, and the GPU record names instances by those digests."""
+    assert repr(TileConfig(block_m=64, block_n=32, num_stages=3)) == (
+        "TileConfig(block_m=64, block_n=32, num_warps=4, num_stages=3)"
+    )
+    assert repr(TileConfig(block_m=64, block_n=32, max_registers=200)).endswith(", max_registers=200)")
