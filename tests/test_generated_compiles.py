@@ -3,7 +3,8 @@
 The CPU tests run these kernels through Triton's interpreter, which never lowers them: a kernel the interpreter
 runs can still fail in Triton's GPU passes. A float32 block-sparse program did (its partial-block `if`, yielding
 a boolean tile after a load, failed in ConvertTritonGPUToLLVM on an H100), so such programs compile here, every
-kind, at each dtype."""
+kind, at each dtype. Beside them, two things of the generated code a GPU found that a CPU can check: the dK/dV
+loops never divide by 0, and float32 kernels get the registers they need."""
 
 from __future__ import annotations
 
@@ -34,13 +35,18 @@ def composed(q, k, v, bias, block_mask):  # the GPU conformance run's failing pr
     return af.relu_attention(af.block_sparse(s, block_mask)) @ v
 
 
+def _graph(program):
+    """``program``'s graph with its runtime inputs (after q, k, v: a block mask, a bias) as placeholders."""
+    runtime_inputs = list(inspect.signature(program.fn).parameters)[3:]
+    return program.graph(**{name: RuntimePlaceholder() for name in runtime_inputs})
+
+
 @pytest.mark.parametrize("kind", ["forward", "dkdv", "dq", "decode"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])  # float16 lowers as bfloat16 does
 @pytest.mark.parametrize("program", [block_sparse, composed], ids=["block_sparse", "composed"])
 def test_a_block_sparse_programs_kernels_compile_for_sm90(tmp_path, monkeypatch, program, dtype, kind):
     monkeypatch.setenv(CACHE_ENV, str(tmp_path / "kernels"))
-    runtime_inputs = list(inspect.signature(program.fn).parameters)[3:]  # after q, k, v: block_mask (and bias)
-    graph = program.graph(**{name: RuntimePlaceholder() for name in runtime_inputs})
+    graph = _graph(program)
     config = KernelConfig(arch="sm90", dtype=dtype, head_dim=64, head_dim_v=64, group=2,
                           save_lse=graph.has_lse and kind in ("dkdv", "dq"), fp32_precision="ieee")  # fmt: skip
     # the check is the compile itself: Triton (or ptxas) raises on a kernel it cannot lower
@@ -57,11 +63,10 @@ def causal(q, k, v):
 )
 def test_a_gqa_dkdv_loop_never_divides_by_its_step_count(tmp_path, monkeypatch, program, varlen):
     """The dK/dV kernel's flat (query head, block) loops divide the step by the loop's step count, which is 0 for a
-    loop with nothing to do: LLVM takes a division as proof that its divisor is not 0, and an H100 then faulted in
-    the pipelined prologue of a packed float32 call's kernel. Each division is by at least 1."""
+    loop with nothing to do: a division by 0 is undefined, and with it an H100 read outside q in a packed float32
+    call's kernel (its pipelined prologue computes the first step's addresses). Each division is by at least 1."""
     monkeypatch.setenv(CACHE_ENV, str(tmp_path / "kernels"))
-    runtime_inputs = list(inspect.signature(program.fn).parameters)[3:]
-    graph = program.graph(**{name: RuntimePlaceholder() for name in runtime_inputs})
+    graph = _graph(program)
     config = KernelConfig(arch="sm90", dtype="float32", head_dim=32, head_dim_v=32, group=2, save_lse=True,
                           varlen=varlen, fp32_precision="ieee")  # fmt: skip
     source = compiled(graph, config).plan.kernels["dkdv"].source
@@ -74,7 +79,7 @@ def test_a_float32_kernel_gets_the_registers_it_needs(tmp_path, monkeypatch):
     causal float32 dK/dV at head dim 64 32 registers and 79180 spill bytes. Its tiles cap registers at 255
     (``passes.tile.FLOAT32_REGISTER_CAP``), which ptxas then uses; a bfloat16 kernel's tiles leave ptxas to choose."""
     monkeypatch.setenv(CACHE_ENV, str(tmp_path / "kernels"))
-    graph = causal.graph()
+    graph = _graph(causal)
     config = KernelConfig(arch="sm90", dtype="float32", head_dim=64, head_dim_v=64, group=2, save_lse=True,
                           fp32_precision="ieee")  # fmt: skip
     plan = compiled(graph, config).plan

@@ -280,9 +280,8 @@ def loops(body, var: str, block: str, has_head: bool, group_setup: str | None = 
     loop: Triton pipelines it across heads, and a loop nest (per head, then per block) would keep about
     twice the registers live and spill. ``split``: only heads ``g_lo`` .. ``g_hi`` (see ``program``)."""
     # the loop's head: the step's index i among the program's heads, and the head g. Never t // 0 (a loop of no
-    # steps): LLVM takes a division as proof that its divisor is not 0, and the software pipeline's prologue
-    # computes the first step's addresses before the bound stops the loop, so its loads went unmasked (an H100
-    # faulted in a packed float32 dK/dV kernel)
+    # steps): a division by 0 is undefined, and the software pipeline's prologue computes the first step's
+    # addresses before the bound stops the loop; with it, an H100 read outside q in a packed float32 dK/dV kernel
     per_head = "t // tl.maximum(steps, 1)"
     heads, i, head = (
         ("(g_hi - g_lo)", "i", f"i = {per_head}\ng = g_lo + i\n") if split else ("GROUP", "g", f"g = {per_head}\n")
