@@ -4,6 +4,7 @@
     python benchmarks/sweep_tiles.py --kernel backward --split-per-sm 0 2 4 8 [--dkdv-tiles ...] [--cases ...]
     python benchmarks/sweep_tiles.py --kernel decode [--cases llama3-70b:1,llama3-8b:8,...]
     python benchmarks/sweep_tiles.py --fp8 [--cases llama3-8b:8192:causal,...]   (the float8 forward's tiles)
+    python benchmarks/sweep_tiles.py --float32 [--kernel backward] [--tiles ...]   (float32 calls' tiles)
 
 Prints the median ms of each configuration per case and the best; the winners go in attnfuse/passes/tile.py
 (decode: also the split count, attnfuse.runtime.decode.PROGRAMS_PER_SM; backward: the GQA dK/dV grid size
@@ -179,7 +180,14 @@ def main() -> None:
         type=int,
         help="backward: values of attnfuse.runtime.backward.SPLIT_PROGRAMS_PER_SM to sweep too (0: no split)",
     )
+    parser.add_argument(
+        "--float32",
+        action="store_true",
+        help="forward or backward: float32 q, k, v (IEEE dots on the FMA units), not bfloat16",
+    )
     args = parser.parse_args()
+    if args.fp8 and args.float32:
+        parser.error("--fp8 and --float32 name two input dtypes: choose one")
     if args.fp8 and args.kernel != "forward":
         parser.error("--fp8 sweeps the forward kernel's tiles: float8 calls have no backward and no split-KV path")
     if args.tiles:
@@ -195,14 +203,13 @@ def main() -> None:
     cases = args.cases or (
         "gpt2:4096:causal,llama3-8b:8192:causal,llama3-8b:8192:rope_causal,llama3-8b:8192:dense,gpt2:4096:rope_causal"
     )
+    dtype = torch.float32 if args.float32 else torch.bfloat16
     for case in cases.split(","):
         geometry, N, variant = case.split(":")
         N = int(N)
         B, Hq, Hkv, D = GEOMETRIES[geometry]
         training = args.kernel != "forward"
-        q, k, v = (
-            torch.randn(B, h, N, D, device="cuda", dtype=torch.bfloat16, requires_grad=training) for h in (Hq, Hkv, Hkv)
-        )
+        q, k, v = (torch.randn(B, h, N, D, device="cuda", dtype=dtype, requires_grad=training) for h in (Hq, Hkv, Hkv))
         if variant == "bigbird":  # block-sparse, Llama-3-8B's block grid of attnfuse bench's sparse suite
             active = bigbird_blocks(B, Hq, N)
             mask = af.BlockMask.from_blocks(active, N, N)
@@ -212,7 +219,7 @@ def main() -> None:
             kept, program = pairs(variant, N), PROGRAMS[variant]
         flops = (3.5 if training else 1.0) * 4 * B * Hq * kept * D
 
-        inputs, descales, label = (q, k, v), {}, case + " fp8" * args.fp8
+        inputs, descales, label = (q, k, v), {}, case + " fp8" * args.fp8 + " float32" * args.float32
         if args.fp8:
             inputs, _, descales = quantised(q.float(), k.float(), v.float())
 
