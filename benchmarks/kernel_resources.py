@@ -6,26 +6,37 @@ on the head dim, 16-divisible sizes and pointers) and reads ptxas' resource repo
 memory decide most tile choices, so candidates can be weeded out here before a sweep on the device.
 
     python benchmarks/kernel_resources.py llama --kernel dkdv --head-dim 128 --group 4 --tiles 64,64,4,2 64,128,8,3
+    python benchmarks/kernel_resources.py gpt2 --dtype float32 --kernel forward --tiles 128,128,8,3 32,32,4,2
+
+Float32 kernels compile with their registers capped as a launch's are (``passes.tile.FLOAT32_REGISTER_CAP``);
+each line gives the compile's seconds too, which spilling float32 tiles stretch to minutes.
 """
 
 from __future__ import annotations
 
 import argparse
+import time
 
 from attnfuse.cli import resolve_program
 from attnfuse.kernels.generated_resources import generated_resources
+from attnfuse.passes.tile import FLOAT32_REGISTER_CAP
 from attnfuse.plan import KERNEL_KINDS, KernelConfig, TileConfig
 from attnfuse.runtime.compiled import compiled
 
 
 def report(plan, kind: str, tiles: tuple[int, int, int, int]) -> str:
     block_m, block_n, warps, stages = tiles
+    cap = FLOAT32_REGISTER_CAP if plan.config.dtype == "float32" else None
+    start = time.perf_counter()
     used = generated_resources(
-        plan, kind, TileConfig(block_m=block_m, block_n=block_n, num_warps=warps, num_stages=stages)
+        plan,
+        kind,
+        TileConfig(block_m=block_m, block_n=block_n, num_warps=warps, num_stages=stages, max_registers=cap),
     )
     return (
         f"BM{block_m} BN{block_n} w{warps} s{stages}: {used.registers} registers, "
-        f"spills {used.spill_bytes} B stored / {used.spill_load_bytes} B loaded, shared memory {used.shared_bytes} B"
+        f"spills {used.spill_bytes} B stored / {used.spill_load_bytes} B loaded, shared memory {used.shared_bytes} B, "
+        f"compiled in {time.perf_counter() - start:.0f} s"
     )
 
 
@@ -35,7 +46,7 @@ def main() -> None:
     parser.add_argument("--kernel", default="forward", choices=KERNEL_KINDS)
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--group", type=int, default=1, help="Hq // Hkv")
-    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     parser.add_argument(
         "--hoisted", action="store_true", help="the kernels a hoisted program runs (q and k transformed by passes)"
     )

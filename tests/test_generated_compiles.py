@@ -4,7 +4,7 @@ The CPU tests run these kernels through Triton's interpreter, which never lowers
 runs can still fail in Triton's GPU passes. A float32 block-sparse program did (its partial-block `if`, yielding
 a boolean tile after a load, failed in ConvertTritonGPUToLLVM on an H100), so such programs compile here, every
 kind, at each dtype. Beside them, two things of the generated code a GPU found that a CPU can check: the dK/dV
-loops never divide by 0, and float32 kernels get the registers they need."""
+loops never divide by 0, and float32 kernels get the registers they need and tiles that fit in them."""
 
 from __future__ import annotations
 
@@ -18,8 +18,8 @@ import attnfuse as af
 from attnfuse.cli.show import RuntimePlaceholder
 from attnfuse.kernels.generated_resources import generated_resources
 from attnfuse.kernels.tiles import SHARED_MEMORY_LIMIT
-from attnfuse.passes.tile import FLOAT32_REGISTER_CAP
-from attnfuse.plan import KernelConfig
+from attnfuse.passes.tile import FLOAT32_FMA_TILES, FLOAT32_FMA_TILES_ENV, FLOAT32_REGISTER_CAP
+from attnfuse.plan import KernelConfig, TileConfig
 from attnfuse.runtime.compiled import compiled
 from attnfuse.runtime.source_cache import CACHE_ENV
 
@@ -75,16 +75,32 @@ def test_a_gqa_dkdv_loop_never_divides_by_its_step_count(tmp_path, monkeypatch, 
 
 
 def test_a_float32_kernel_gets_the_registers_it_needs(tmp_path, monkeypatch):
-    """A float32 kernel's dots run on FMA units and want more than 255 registers a thread; uncapped, ptxas gave a
-    causal float32 dK/dV at head dim 64 32 registers and 79180 spill bytes. Its tiles cap registers at 255
-    (``passes.tile.FLOAT32_REGISTER_CAP``), which ptxas then uses; a bfloat16 kernel's tiles leave ptxas to choose."""
+    """Left to choose, ptxas gave a causal float32 dK/dV at head dim 64 with 64 x 64 tiles 32 registers and 79180
+    spill bytes; float32 tiles on a GPU cap registers at 255 (``passes.tile.FLOAT32_REGISTER_CAP``), a plugin's
+    too, which ptxas then uses. A bfloat16 kernel's tiles leave ptxas to choose."""
     monkeypatch.setenv(CACHE_ENV, str(tmp_path / "kernels"))
     graph = _graph(causal)
     config = KernelConfig(arch="sm90", dtype="float32", head_dim=64, head_dim_v=64, group=2, save_lse=True,
                           fp32_precision="ieee")  # fmt: skip
     plan = compiled(graph, config).plan
-    assert plan.kernels["dkdv"].tiles.max_registers == FLOAT32_REGISTER_CAP
-    used = generated_resources(plan, "dkdv", shared_limit=SHARED_MEMORY_LIMIT)
-    assert used.registers > 32, used
+    assert all(spec.tiles.max_registers == FLOAT32_REGISTER_CAP for spec in plan.kernels.values())
+    tiles = TileConfig(block_m=64, block_n=64, num_warps=4, num_stages=3, max_registers=FLOAT32_REGISTER_CAP)
+    assert generated_resources(plan, "dkdv", tiles=tiles).registers > 32
     bf16 = compiled(graph, attrs.evolve(config, dtype="bfloat16")).plan
     assert all(spec.tiles.max_registers is None for spec in bf16.kernels.values())
+
+
+@pytest.mark.parametrize("kind", ["forward", "dkdv", "dq"])
+def test_float32_kernels_hold_their_tiles_in_registers(tmp_path, monkeypatch, kind):
+    """IEEE float32 dots run on the FMA units: with the table's tensor-core tiles a causal float32 kernel at head dim
+    128 spilled tens of KB a thread (forward 34368 bytes, dK/dV 29412) and compiled for over a minute. With
+    ``FLOAT32_FMA_TILES`` each spills under a KB (GQA dK/dV: 372 bytes)."""
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "kernels"))
+    monkeypatch.setenv(FLOAT32_FMA_TILES_ENV, "1")  # as on a GPU that a run has checked them on
+    graph = _graph(causal)
+    config = KernelConfig(arch="sm90", dtype="float32", head_dim=128, head_dim_v=128, group=2, save_lse=True,
+                          fp32_precision="ieee")  # fmt: skip
+    plan = compiled(graph, config).plan
+    assert plan.kernels[kind].tiles == FLOAT32_FMA_TILES
+    used = generated_resources(plan, kind, shared_limit=SHARED_MEMORY_LIMIT)
+    assert used.spill_bytes < 1024, used

@@ -115,6 +115,49 @@ def test_backward_matches_sdpa(dtype, B, Hq, Hkv, N, bitwise):
         assert_matches_reference(a, b, c, dtype, what=name)
 
 
+@pytest.fixture
+def float32_fma_tiles(monkeypatch):
+    """IEEE float32 dots, with ``passes.tile.FLOAT32_FMA_TILES`` opened on this GPU by their environment variable;
+    the kernels planned with them dropped before and after."""
+    from attnfuse.passes import tile
+    from attnfuse.runtime.launch import clear_cache
+
+    monkeypatch.setenv(tile.FLOAT32_FMA_TILES_ENV, "1")
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
+    clear_cache()
+    yield
+    clear_cache()
+
+
+@pytest.mark.parametrize("D", [64, 128, 256])
+def test_float32_fma_tiles_match_the_reference(float32_fma_tiles, D):
+    """IEEE float32 calls with ``passes.tile.FLOAT32_FMA_TILES``: causal GQA outputs and gradients against float64
+    SDPA, at a length that leaves partial tiles."""
+    from attnfuse.passes import tile
+    from attnfuse.runtime.gpu_gate import device_arch
+
+    arch = device_arch(torch.device("cuda"))
+    for kernel in tile.FMA_TILED_KERNELS:
+        assert tile.choose_tiles(arch, "masked", D, kernel, "float32") == tile.FLOAT32_FMA_TILES
+    B, Hq, Hkv, N = 2, 8, 2, 1000
+    leaves = [torch.randn(B, h, N, D, device="cuda", requires_grad=True) for h in (Hq, Hkv, Hkv)]
+    dout = torch.randn(B, Hq, N, D, device="cuda")
+    out = causal(*leaves)
+    got = (out, *torch.autograd.grad(out, leaves, dout))
+    g = Hq // Hkv
+    args = [t.detach().double() for t in leaves]
+    want_out = torch.nn.functional.scaled_dot_product_attention(
+        args[0], args[1].repeat_interleave(g, 1), args[2].repeat_interleave(g, 1), is_causal=True
+    )
+    want_out32 = torch.nn.functional.scaled_dot_product_attention(
+        leaves[0], leaves[1].repeat_interleave(g, 1), leaves[2].repeat_interleave(g, 1), is_causal=True
+    )
+    want = (want_out, *_causal_sdpa_grads(leaves, dout, g, torch.float64))
+    want32 = (want_out32.detach(), *_causal_sdpa_grads(leaves, dout, g, torch.float32))
+    for name, a, b, c in zip(("out", "dq", "dk", "dv"), got, want, want32):
+        assert_matches_reference(a, b, c, torch.float32, what=name)
+
+
 def test_more_batch_heads_than_a_grid_holds_along_y():
     """B x H = 65600 (batch, head) programs, past CUDA's 65535 along a grid's y: the generated kernels (head
     dim 64) take them over y and z (tests/test_grid.py). Training against float64 SDPA, and split-KV

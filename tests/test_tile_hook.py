@@ -2,13 +2,22 @@
 answers decides) comes before the rules of ``attnfuse_tile_configs``, which come before the built-in table;
 the kernels run with the tiles chosen and still match the reference."""
 
+import attrs
 import pytest
 import torch
 
 import attnfuse as af
 from attnfuse import PluginError
 from attnfuse.hookspecs import hookimpl
-from attnfuse.passes.tile import TileRule, choose_tiles
+from attnfuse.passes.tile import (
+    FLOAT32_FMA_TILES,
+    FLOAT32_FMA_TILES_CHECKED,
+    FLOAT32_FMA_TILES_ENV,
+    FLOAT32_REGISTER_CAP,
+    FMA_TILED_KERNELS,
+    TileRule,
+    choose_tiles,
+)
 from attnfuse.plan import TileConfig
 from attnfuse.runtime.launch import clear_cache
 from attnfuse.testing import assert_matches_reference
@@ -128,6 +137,36 @@ def test_float32_kernels_on_a_gpu_cap_registers_unless_the_tiles_name_a_cap(regi
     assert choose_tiles("sm90", "masked", 64, "dkdv", "float32").max_registers == 128
     with pytest.raises(ValueError, match="max_registers"):
         TileConfig(block_m=32, block_n=32, max_registers=256)
+
+
+def test_ieee_float32_kernels_on_a_gpu_take_fma_tiles_unless_a_plugin_chooses(registered, monkeypatch):
+    """IEEE float32 dots run on the FMA units, where the table's tensor-core tiles spill; TF32 dots (allowed by
+    torch.backends.cuda.matmul.allow_tf32) run on tensor cores and keep the table's tiles. A GPU takes the FMA tiles
+    by default only where a GPU run has checked them, elsewhere only when its environment variable asks."""
+    monkeypatch.delenv(FLOAT32_FMA_TILES_ENV, raising=False)
+    unchecked = next(arch for arch in ("sm90", "sm80", "sm100") if arch not in FLOAT32_FMA_TILES_CHECKED)
+    table = attrs.evolve(choose_tiles(unchecked, "masked", 128, "forward", "bfloat16"), max_registers=255)
+    assert choose_tiles(unchecked, "masked", 128, "forward", "float32") == table
+    monkeypatch.setenv(FLOAT32_FMA_TILES_ENV, "1")
+    for kernel in FMA_TILED_KERNELS:
+        assert choose_tiles("sm90", "masked", 128, kernel, "float32") == FLOAT32_FMA_TILES
+        assert choose_tiles("sm80", "listed", 256, kernel, "float32", "ieee") == FLOAT32_FMA_TILES
+        tf32 = choose_tiles("sm90", "masked", 128, kernel, "float32", "tf32")
+        assert tf32 == attrs.evolve(choose_tiles("sm90", "masked", 128, kernel, "bfloat16"), max_registers=255)
+    assert choose_tiles("sm90", "masked", 128, "decode", "float32").block_m != FLOAT32_FMA_TILES.block_m
+    assert choose_tiles("interpreter", "masked", 64, "dkdv", "float32").num_warps == 1
+    assert choose_tiles("sm90", "masked", 128, "forward", "bfloat16") != FLOAT32_FMA_TILES
+
+    class Chooses:
+        @hookimpl
+        def attnfuse_tile_configs(self):
+            return [TileRule(arch="sm90", kernel="dq", config=TileConfig(block_m=64, block_n=16))]
+
+    registered(Chooses())
+    assert choose_tiles("sm90", "masked", 128, "dq", "float32") == TileConfig(
+        block_m=64, block_n=16, max_registers=FLOAT32_REGISTER_CAP
+    )
+    assert choose_tiles("sm90", "masked", 128, "dkdv", "float32") == FLOAT32_FMA_TILES
 
 
 def test_a_tile_config_reads_as_it_did_before_the_register_cap():

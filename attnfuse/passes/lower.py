@@ -271,7 +271,10 @@ def lower(fused: FusedProgram, config: KernelConfig, listing: str = "") -> Lower
     block_d = _block(config.head_dim)
     block_dv = _block(config.head_dim_v)
     variant, widest = _variant(transforms, masks), max(block_d, block_dv)
-    tiles = {kind: choose_tiles(config.arch, variant, widest, kind, config.dtype) for kind in TILED_KERNELS}
+    tiles = {
+        kind: choose_tiles(config.arch, variant, widest, kind, config.dtype, config.fp32_precision)
+        for kind in TILED_KERNELS
+    }
     scale = _scale(fused.source, normaliser, config.head_dim)
     return LoweredProgram(
         signature=fused.signature,

@@ -8,6 +8,8 @@ that matches everything.
 
 from __future__ import annotations
 
+import os
+
 import attrs
 
 from ..errors import PluginError
@@ -110,26 +112,49 @@ def markdown_table(rules: tuple[TileRule, ...] = TABLE) -> str:
 # causal float32 dK/dV at head dim 128 on sm_90a: 126276 spill bytes, against 27316 with the cap). So a GPU
 # compiles float32 kernels with the cap at every register a thread may have, unless the tiles name one.
 FLOAT32_REGISTER_CAP = 255
+# The table's tiles are tensor cores' (TF32 dots, allowed by torch.backends.cuda.matmul.allow_tf32, use them too).
+# IEEE float32 dots hold their tiles in registers, where those spill tens of KB a thread and compile for minutes
+# (sm_90a, head dim 128: a causal forward at 128 x 128 w8, 34368 spill bytes in 81 s; dK/dV at 64 x 64 w4, 29412 in
+# 88 s); 32 x 32 with 8 warps spills (almost) none to head dim 256, compiled in seconds. `python
+# benchmarks/kernel_resources.py gpt2 --dtype float32 --kernel dkdv --tiles 32,32,8,2 64,64,4,2` shows it. Chosen
+# from compiles, not yet from a GPU sweep (benchmarks/sweep_tiles.py --float32). A GPU takes them by default only on
+# the architectures in FLOAT32_FMA_TILES_CHECKED, where FLOAT32_FMA_TILES_TEST has passed; elsewhere only with
+# FLOAT32_FMA_TILES_ENV=1 (a kernel no GPU has checked is never a user's default path).
+FLOAT32_FMA_TILES = TileConfig(block_m=32, block_n=32, num_warps=8, num_stages=2, max_registers=FLOAT32_REGISTER_CAP)
+FMA_TILED_KERNELS = ("forward", "dkdv", "dq")
+FLOAT32_FMA_TILES_CHECKED: tuple[str, ...] = ()
+FLOAT32_FMA_TILES_ENV = "ATTNFUSE_FLOAT32_FMA_TILES"
+FLOAT32_FMA_TILES_TEST = "tests/test_gpu.py::test_float32_fma_tiles_match_the_reference"
 
 
-def choose_tiles(arch: str, variant: str, head_dim: int, kernel: str, dtype: str) -> TileConfig:
-    """The tiles plugins choose (``plugin_manager.tile_config``), else the first matching rule's of the table; a
-    float32 kernel's on a GPU with ``FLOAT32_REGISTER_CAP`` where they name no register cap."""
-    config = _chosen_tiles(arch, variant, head_dim, kernel, dtype)
-    if dtype == "float32" and arch != "interpreter" and config.max_registers is None:
+def fma_tiles_open(arch: str) -> bool:
+    """Whether a GPU of ``arch`` takes ``FLOAT32_FMA_TILES`` for IEEE float32 kernels."""
+    return arch in FLOAT32_FMA_TILES_CHECKED or os.environ.get(FLOAT32_FMA_TILES_ENV, "").strip() == "1"
+
+
+def choose_tiles(
+    arch: str, variant: str, head_dim: int, kernel: str, dtype: str, fp32_precision: str = "ieee"
+) -> TileConfig:
+    """The tiles plugins choose (``plugin_manager.tile_config``), else ``FLOAT32_FMA_TILES`` for a float32 forward,
+    dK/dV or dQ kernel whose dots are IEEE (``fp32_precision``) on a GPU where ``fma_tiles_open``, else the first
+    matching rule's of the table; a float32 kernel's on a GPU with ``FLOAT32_REGISTER_CAP`` where they name none."""
+    config = tile_config(kernel, arch, variant, head_dim, dtype)
+    if config is not None and not isinstance(config, TileConfig):
+        raise PluginError(
+            f"a plugin chose {config!r} as the tiles of the {kernel} kernel (arch {arch}, variant "
+            f"{variant}, head dim {head_dim}, dtype {dtype}); a tile hook must give an attnfuse.plugin.TileConfig"
+        )
+    on_gpu_float32 = dtype == "float32" and arch != "interpreter"
+    fma = on_gpu_float32 and fp32_precision == "ieee" and kernel in FMA_TILED_KERNELS and fma_tiles_open(arch)
+    if config is None and fma:
+        return FLOAT32_FMA_TILES
+    config = config or _table_tiles(arch, variant, head_dim, kernel, dtype)
+    if on_gpu_float32 and config.max_registers is None:
         return attrs.evolve(config, max_registers=FLOAT32_REGISTER_CAP)
     return config
 
 
-def _chosen_tiles(arch: str, variant: str, head_dim: int, kernel: str, dtype: str) -> TileConfig:
-    chosen = tile_config(kernel, arch, variant, head_dim, dtype)
-    if chosen is not None:
-        if not isinstance(chosen, TileConfig):
-            raise PluginError(
-                f"a plugin chose {chosen!r} as the tiles of the {kernel} kernel (arch {arch}, variant "
-                f"{variant}, head dim {head_dim}, dtype {dtype}); a tile hook must give an attnfuse.plugin.TileConfig"
-            )
-        return chosen
+def _table_tiles(arch: str, variant: str, head_dim: int, kernel: str, dtype: str) -> TileConfig:
     for rule in TABLE:
         if rule.matches(kernel, arch, variant, head_dim, dtype):
             return rule.config
