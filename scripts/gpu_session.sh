@@ -5,6 +5,7 @@
 #   attnfuse_plugins/ of an earlier commit, with this tree's attnfuse/bench copied in:
 #   `bash scripts/base_tree.sh REV`, then carry .base), for before/after tables from one call.
 #   sanitize: every combinator's fixed cases under compute-sanitizer (WORKERS processes at once).
+#   float32: the float32 FMA tiles' GPU test, then their sweep against the table's tiles.
 #   templates: the template instances' GPU check; writes $OUT/verified.json, the record to check in
 #   (TEMPLATES_K: a pytest -k expression choosing some of its cases).
 # Knobs: PROFILE_ARGS (see benchmarks/profile_training.py), HF_ARGS (see benchmarks/hf_layer.py), HF_GEN_ARGS (see benchmarks/hf_generate.py), LAYER_STEPS_ARGS (see benchmarks/layer_steps.py; --timing 8192), SWEEP_ARGS (more sweep_tiles.py arguments), TESTS (pytest paths), WORKERS (pytest-xdist processes; 4), MAXFAIL (failures before pytest stops; 1), FUZZ (examples per combinator), SWEEP_CASES / SWEEP_KERNEL (see
@@ -79,6 +80,19 @@ for step in "$@"; do
           --markdown "$OUT/$step.md" --json "$OUT/$step.json" 2>&1 | tee "$OUT/$step.log"
       else
         echo "$step: the GPU check failed, so the $step suite did not run"
+      fi ;;
+    float32)
+      # IEEE float32's FMA tiles (passes.tile.FLOAT32_FMA_TILES): their GPU test, and only once that passes, a sweep
+      # of them against the table's tiles (forward; then dK/dV and dQ pairs, timing forward+backward)
+      if timeout "${STEP_TIMEOUT:-0}" python3 -m pytest -q -rfE -p no:cacheprovider tests/test_gpu.py -k float32_fma \
+        2>&1 | tee "$OUT/float32_test.log" | tail -5; [ "${PIPESTATUS[0]}" -eq 0 ]; then
+        (cd benchmarks && timeout "${STEP_TIMEOUT:-0}" python3 sweep_tiles.py --float32 \
+          --cases gpt2:4096:causal,llama3-8b:4096:causal --tiles 32,32,8,2 64,64,4,3 128,128,8,3 \
+          && timeout "${STEP_TIMEOUT:-0}" python3 sweep_tiles.py --float32 --kernel backward \
+          --cases gpt2:4096:causal,llama3-8b:4096:causal --dkdv-tiles 32,32,8,2 64,64,4,2 --dq-tiles 32,32,8,2 128,64,8,3) \
+          2>&1 | tee "$OUT/float32_sweep.log" | grep -vi warn
+      else
+        echo "float32: the GPU check failed, so the sweep did not run"
       fi ;;
     bench_base)
       # python -m attnfuse.bench: the old tree's attnfuse.cli has no bench command; third-party plugins
