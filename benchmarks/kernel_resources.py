@@ -6,7 +6,7 @@ on the head dim, 16-divisible sizes and pointers) and reads ptxas' resource repo
 memory decide most tile choices, so candidates can be weeded out here before a sweep on the device.
 
     python benchmarks/kernel_resources.py llama --kernel dkdv --head-dim 128 --group 4 --tiles 64,64,4,2 64,128,8,3
-    python benchmarks/kernel_resources.py gpt2 --dtype float32 --kernel forward --tiles 128,128,8,3 32,32,4,2
+    python benchmarks/kernel_resources.py gpt2 --dtype float32 --kernel forward --tiles 128,128,8,3 32,32,8,2
 
 Float32 kernels compile with their registers capped as a launch's are (``passes.tile.FLOAT32_REGISTER_CAP``);
 each line gives the compile's seconds too, which spilling float32 tiles stretch to minutes.
