@@ -18,7 +18,7 @@ import attnfuse as af
 from attnfuse.cli.show import RuntimePlaceholder
 from attnfuse.kernels.generated_resources import generated_resources
 from attnfuse.kernels.tiles import SHARED_MEMORY_LIMIT
-from attnfuse.passes.tile import FLOAT32_FMA_TILES, FLOAT32_FMA_TILES_ENV, FLOAT32_REGISTER_CAP
+from attnfuse.passes.tile import FLOAT32_FMA_GATE, FLOAT32_FMA_TILES, FLOAT32_REGISTER_CAP
 from attnfuse.plan import KernelConfig, TileConfig
 from attnfuse.runtime.compiled import compiled
 from attnfuse.runtime.source_cache import CACHE_ENV
@@ -96,7 +96,7 @@ def test_float32_kernels_hold_their_tiles_in_registers(tmp_path, monkeypatch, ki
     128 spilled tens of KB a thread (forward 34368 bytes, dK/dV 29412) and compiled for over a minute. With
     ``FLOAT32_FMA_TILES`` each spills under a KB (GQA dK/dV: 372 bytes)."""
     monkeypatch.setenv(CACHE_ENV, str(tmp_path / "kernels"))
-    monkeypatch.setenv(FLOAT32_FMA_TILES_ENV, "1")  # as on a GPU that a run has checked them on
+    monkeypatch.setenv(FLOAT32_FMA_GATE.env, "1")  # as on a GPU that a run has checked them on
     graph = _graph(causal)
     config = KernelConfig(arch="sm90", dtype="float32", head_dim=128, head_dim_v=128, group=2, save_lse=True,
                           fp32_precision="ieee")  # fmt: skip

@@ -122,7 +122,7 @@ def float32_fma_tiles(monkeypatch):
     from attnfuse.passes import tile
     from attnfuse.runtime.launch import clear_cache
 
-    monkeypatch.setenv(tile.FLOAT32_FMA_TILES_ENV, "1")
+    monkeypatch.setenv(tile.FLOAT32_FMA_GATE.env, "1")
     monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
     clear_cache()
     yield

@@ -8,12 +8,11 @@ that matches everything.
 
 from __future__ import annotations
 
-import os
-
 import attrs
 
 from ..errors import PluginError
 from ..plugin_manager import tile_config
+from ..runtime.gpu_gate import Gate
 from ..tiles import TileConfig, TileRule
 
 
@@ -118,25 +117,23 @@ FLOAT32_REGISTER_CAP = 255
 # 88 s); 32 x 32 with 8 warps spills (almost) none to head dim 256, compiled in seconds. `python
 # benchmarks/kernel_resources.py gpt2 --dtype float32 --kernel dkdv --tiles 32,32,8,2 64,64,4,2` shows it. Chosen
 # from compiles, not yet from a GPU sweep (benchmarks/sweep_tiles.py --float32). A GPU takes them by default only on
-# the architectures in FLOAT32_FMA_TILES_CHECKED, where FLOAT32_FMA_TILES_TEST has passed; elsewhere only with
-# FLOAT32_FMA_TILES_ENV=1 (a kernel no GPU has checked is never a user's default path).
+# the architectures its gate has checked, elsewhere only when its environment variable asks (a kernel no GPU has
+# checked is never a user's default path).
 FLOAT32_FMA_TILES = TileConfig(block_m=32, block_n=32, num_warps=8, num_stages=2, max_registers=FLOAT32_REGISTER_CAP)
 FMA_TILED_KERNELS = ("forward", "dkdv", "dq")
-FLOAT32_FMA_TILES_CHECKED: tuple[str, ...] = ()
-FLOAT32_FMA_TILES_ENV = "ATTNFUSE_FLOAT32_FMA_TILES"
-FLOAT32_FMA_TILES_TEST = "tests/test_gpu.py::test_float32_fma_tiles_match_the_reference"
-
-
-def fma_tiles_open(arch: str) -> bool:
-    """Whether a GPU of ``arch`` takes ``FLOAT32_FMA_TILES`` for IEEE float32 kernels."""
-    return arch in FLOAT32_FMA_TILES_CHECKED or os.environ.get(FLOAT32_FMA_TILES_ENV, "").strip() == "1"
+FLOAT32_FMA_GATE = Gate(
+    "float32 FMA tiles",
+    "ATTNFUSE_FLOAT32_FMA_TILES",
+    "tests/test_gpu.py::test_float32_fma_tiles_match_the_reference",
+    checked=(),
+)
 
 
 def choose_tiles(
     arch: str, variant: str, head_dim: int, kernel: str, dtype: str, fp32_precision: str = "ieee"
 ) -> TileConfig:
     """The tiles plugins choose (``plugin_manager.tile_config``), else ``FLOAT32_FMA_TILES`` for a float32 forward,
-    dK/dV or dQ kernel whose dots are IEEE (``fp32_precision``) on a GPU where ``fma_tiles_open``, else the first
+    dK/dV or dQ kernel whose dots are IEEE (``fp32_precision``) on a GPU its gate opens, else the first
     matching rule's of the table; a float32 kernel's on a GPU with ``FLOAT32_REGISTER_CAP`` where they name none."""
     config = tile_config(kernel, arch, variant, head_dim, dtype)
     if config is not None and not isinstance(config, TileConfig):
@@ -145,8 +142,8 @@ def choose_tiles(
             f"{variant}, head dim {head_dim}, dtype {dtype}); a tile hook must give an attnfuse.plugin.TileConfig"
         )
     on_gpu_float32 = dtype == "float32" and arch != "interpreter"
-    fma = on_gpu_float32 and fp32_precision == "ieee" and kernel in FMA_TILED_KERNELS and fma_tiles_open(arch)
-    if config is None and fma:
+    ieee = on_gpu_float32 and fp32_precision == "ieee" and kernel in FMA_TILED_KERNELS
+    if config is None and ieee and FLOAT32_FMA_GATE.opens_on(arch):
         return FLOAT32_FMA_TILES
     config = config or _table_tiles(arch, variant, head_dim, kernel, dtype)
     if on_gpu_float32 and config.max_registers is None:

@@ -40,7 +40,11 @@ class Gate:
 
     def opens(self, device: torch.device) -> bool:
         """Whether the feature runs on ``device``."""
-        return device_arch(device) in self.checked or os.environ.get(self.env, "").strip() == "1"
+        return self.opens_on(device_arch(device))
+
+    def opens_on(self, arch: str) -> bool:
+        """Whether the feature runs on a device of ``arch`` (``device_arch``'s names)."""
+        return arch in self.checked or os.environ.get(self.env, "").strip() == "1"
 
     def check(self, device: torch.device) -> None:
         """An UnsupportedError unless the feature runs on ``device``, saying how to ask for it."""
