@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import attnfuse as af
-from attnfuse.passes.tile import TABLE, TileConfig, TileRule, markdown_table
+from attnfuse.passes.tile import FLOAT32_FMA_TILES, FMA_TILED_KERNELS, TABLE, TileConfig, TileRule, markdown_table
 from attnfuse.plugin_manager import plugin_manager
 from attnfuse.runtime.launch import clear_cache
 
@@ -187,6 +187,19 @@ def test_plugins_page_shows_the_tile_table_of_the_code():
     shown = text[start : text.index("\n\n", start)]
     assert shown == markdown_table()
     assert len(shown.splitlines()) == len(TABLE) + 2
+
+
+def test_plugins_page_shows_the_float32_fma_tiles_of_the_code():
+    text = (ROOT / "docs/plugins.md").read_text()
+    start = text.index("| head dim | forward | dK/dV | dQ |")
+    shown = text[start : text.index("\n\n", start)].splitlines()[2:]
+    want, smallest = [], 1
+    for largest, tiles in FLOAT32_FMA_TILES:
+        cells = [f"{t.block_m} × {t.block_n}, {t.num_warps} warps" for t in map(tiles.get, FMA_TILED_KERNELS)]
+        want.append(f"| {smallest}–{largest} | " + " | ".join(cells) + " |")
+        assert {(t.num_stages, t.max_registers) for t in tiles.values()} == {(2, 255)}, "the page says so"
+        smallest = largest + 1
+    assert shown == want
 
 
 def test_tile_table_rendering():

@@ -18,7 +18,7 @@ import attnfuse as af
 from attnfuse.cli.show import RuntimePlaceholder
 from attnfuse.kernels.generated_resources import generated_resources
 from attnfuse.kernels.tiles import SHARED_MEMORY_LIMIT
-from attnfuse.passes.tile import FLOAT32_FMA_GATE, FLOAT32_FMA_TILES, FLOAT32_REGISTER_CAP
+from attnfuse.passes.tile import FLOAT32_FMA_GATE, FLOAT32_REGISTER_CAP, float32_fma_tiles
 from attnfuse.plan import KernelConfig, TileConfig
 from attnfuse.runtime.compiled import compiled
 from attnfuse.runtime.source_cache import CACHE_ENV
@@ -93,14 +93,15 @@ def test_a_float32_kernel_gets_the_registers_it_needs(tmp_path, monkeypatch):
 @pytest.mark.parametrize("kind", ["forward", "dkdv", "dq"])
 def test_float32_kernels_hold_their_tiles_in_registers(tmp_path, monkeypatch, kind):
     """IEEE float32 dots run on the FMA units: with the table's tensor-core tiles a causal float32 kernel at head dim
-    128 spilled tens of KB a thread (forward 34368 bytes, dK/dV 29412) and compiled for over a minute. With
-    ``FLOAT32_FMA_TILES`` each spills under a KB (GQA dK/dV: 372 bytes)."""
+    128 spilled tens of KB a thread (forward 34368 bytes, dK/dV 29412) and compiled for over a minute.
+    ``FLOAT32_FMA_TILES``' head dim 128 row, an H100 sweep's fastest, spills a few KB (GQA forward 2996 bytes, dK/dV
+    3048): the bound catches a slide back towards tens of KB."""
     monkeypatch.setenv(CACHE_ENV, str(tmp_path / "kernels"))
     monkeypatch.setenv(FLOAT32_FMA_GATE.env, "1")  # as on a GPU that a run has checked them on
     graph = _graph(causal)
     config = KernelConfig(arch="sm90", dtype="float32", head_dim=128, head_dim_v=128, group=2, save_lse=True,
                           fp32_precision="ieee")  # fmt: skip
     plan = compiled(graph, config).plan
-    assert plan.kernels[kind].tiles == FLOAT32_FMA_TILES
+    assert plan.kernels[kind].tiles == float32_fma_tiles(kind, 128)
     used = generated_resources(plan, kind, shared_limit=SHARED_MEMORY_LIMIT)
-    assert used.spill_bytes < 1024, used
+    assert used.spill_bytes < 4096, used

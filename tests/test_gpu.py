@@ -131,14 +131,14 @@ def float32_fma_tiles(monkeypatch):
 
 @pytest.mark.parametrize("D", [64, 128, 256])
 def test_float32_fma_tiles_match_the_reference(float32_fma_tiles, D):
-    """IEEE float32 calls with ``passes.tile.FLOAT32_FMA_TILES``: causal GQA outputs and gradients against float64
-    SDPA, at a length that leaves partial tiles."""
+    """IEEE float32 calls with ``passes.tile.FLOAT32_FMA_TILES`` (a head dim from each row): causal GQA outputs and
+    gradients against float64 SDPA, at a length that leaves partial tiles."""
     from attnfuse.passes import tile
     from attnfuse.runtime.gpu_gate import device_arch
 
     arch = device_arch(torch.device("cuda"))
     for kernel in tile.FMA_TILED_KERNELS:
-        assert tile.choose_tiles(arch, "masked", D, kernel, "float32") == tile.FLOAT32_FMA_TILES
+        assert tile.choose_tiles(arch, "masked", D, kernel, "float32") == tile.float32_fma_tiles(kernel, D)
     B, Hq, Hkv, N = 2, 8, 2, 1000
     leaves = [torch.randn(B, h, N, D, device="cuda", requires_grad=True) for h in (Hq, Hkv, Hkv)]
     dout = torch.randn(B, Hq, N, D, device="cuda")

@@ -16,6 +16,7 @@ from attnfuse.passes.tile import (
     FMA_TILED_KERNELS,
     TileRule,
     choose_tiles,
+    float32_fma_tiles,
 )
 from attnfuse.plan import TileConfig
 from attnfuse.runtime.launch import clear_cache
@@ -148,11 +149,12 @@ def test_ieee_float32_kernels_on_a_gpu_take_fma_tiles_unless_a_plugin_chooses(re
     assert choose_tiles(unchecked, "masked", 128, "forward", "float32") == table
     monkeypatch.setenv(FLOAT32_FMA_GATE.env, "1")
     for kernel in FMA_TILED_KERNELS:
-        assert choose_tiles("sm90", "masked", 128, kernel, "float32") == FLOAT32_FMA_TILES
-        assert choose_tiles("sm80", "listed", 256, kernel, "float32", "ieee") == FLOAT32_FMA_TILES
+        assert choose_tiles("sm90", "masked", 128, kernel, "float32") == float32_fma_tiles(kernel, 128)
+        assert choose_tiles("sm80", "listed", 256, kernel, "float32", "ieee") == float32_fma_tiles(kernel, 256)
         tf32 = choose_tiles("sm90", "masked", 128, kernel, "float32", "tf32")
         assert tf32 == attrs.evolve(choose_tiles("sm90", "masked", 128, kernel, "bfloat16"), max_registers=255)
-    assert choose_tiles("sm90", "masked", 128, "decode", "float32").block_m != FLOAT32_FMA_TILES.block_m
+    decode = attrs.evolve(choose_tiles("sm90", "masked", 128, "decode", "bfloat16"), max_registers=255)
+    assert choose_tiles("sm90", "masked", 128, "decode", "float32") == decode
     assert choose_tiles("interpreter", "masked", 64, "dkdv", "float32").num_warps == 1
 
     class Chooses:
@@ -164,7 +166,20 @@ def test_ieee_float32_kernels_on_a_gpu_take_fma_tiles_unless_a_plugin_chooses(re
     assert choose_tiles("sm90", "masked", 128, "dq", "float32") == TileConfig(
         block_m=64, block_n=16, max_registers=FLOAT32_REGISTER_CAP
     )
-    assert choose_tiles("sm90", "masked", 128, "dkdv", "float32") == FLOAT32_FMA_TILES
+    assert choose_tiles("sm90", "masked", 128, "dkdv", "float32") == float32_fma_tiles("dkdv", 128)
+
+
+@pytest.mark.parametrize("kernel", FMA_TILED_KERNELS)
+def test_float32_fma_tiles_follow_the_head_dim(kernel):
+    """Each head dim from 1 to 256 takes the first row of ``FLOAT32_FMA_TILES`` that covers it, capped."""
+    rows = [(largest, tiles[kernel]) for largest, tiles in FLOAT32_FMA_TILES]
+    assert rows[-1][0] == 256
+    smallest = 1
+    for largest, tiles in rows:
+        for head_dim in (smallest, largest):
+            assert float32_fma_tiles(kernel, head_dim) == tiles
+        assert tiles.max_registers == FLOAT32_REGISTER_CAP
+        smallest = largest + 1
 
 
 def test_a_tile_config_reads_as_it_did_before_the_register_cap():

@@ -114,13 +114,25 @@ FLOAT32_REGISTER_CAP = 255
 # The table's tiles are tensor cores' (TF32 dots, allowed by torch.backends.cuda.matmul.allow_tf32, use them too).
 # IEEE float32 dots hold their tiles in registers, where those spill tens of KB a thread and compile for minutes
 # (sm_90a, head dim 128: a causal forward at 128 x 128 w8, 34368 spill bytes in 81 s; dK/dV at 64 x 64 w4, 29412 in
-# 88 s); 32 x 32 with 8 warps spills (almost) none to head dim 256, compiled in seconds. `python
-# benchmarks/kernel_resources.py gpt2 --dtype float32 --kernel dkdv --tiles 32,32,8,2 64,64,4,2` shows it. Chosen
-# from compiles, not yet from a GPU sweep (benchmarks/sweep_tiles.py --float32). A GPU takes them by default only on
-# the architectures its gate has checked, elsewhere only when its environment variable asks (a kernel no GPU has
-# checked is never a user's default path).
-FLOAT32_FMA_TILES = TileConfig(block_m=32, block_n=32, num_warps=8, num_stages=2, max_registers=FLOAT32_REGISTER_CAP)
+# 88 s). `python benchmarks/kernel_resources.py gpt2 --dtype float32 --kernel dkdv --tiles 32,32,8,2 64,64,4,2`
+# shows it. The rows below are an H100's winners (`python benchmarks/sweep_tiles.py --float32 [--kernel backward]`,
+# causal, N 4096: GPT-2's head dim 64, Llama-3-8B's 128); head dims above 128 take 32 x 32 with 8 warps, which
+# spills nothing at 256 (not timed: no benchmark geometry has it). A GPU takes them by default only on the
+# architectures their gate has checked, elsewhere only when its environment variable asks.
 FMA_TILED_KERNELS = ("forward", "dkdv", "dq")
+
+
+def _fma(block_m: int, block_n: int, num_warps: int) -> TileConfig:
+    return TileConfig(
+        block_m=block_m, block_n=block_n, num_warps=num_warps, num_stages=2, max_registers=FLOAT32_REGISTER_CAP
+    )
+
+
+FLOAT32_FMA_TILES = (  # (largest head dim, {kernel: tiles}), searched in order
+    (64, {"forward": _fma(64, 64, 4), "dkdv": _fma(64, 32, 4), "dq": _fma(64, 64, 4)}),
+    (128, {"forward": _fma(64, 64, 8), "dkdv": _fma(32, 32, 4), "dq": _fma(32, 32, 4)}),
+    (256, dict.fromkeys(FMA_TILED_KERNELS, _fma(32, 32, 8))),
+)
 FLOAT32_FMA_GATE = Gate(
     "float32 FMA tiles",
     "ATTNFUSE_FLOAT32_FMA_TILES",
@@ -132,7 +144,7 @@ FLOAT32_FMA_GATE = Gate(
 def choose_tiles(
     arch: str, variant: str, head_dim: int, kernel: str, dtype: str, fp32_precision: str = "ieee"
 ) -> TileConfig:
-    """The tiles plugins choose (``plugin_manager.tile_config``), else ``FLOAT32_FMA_TILES`` for a float32 forward,
+    """The tiles plugins choose (``plugin_manager.tile_config``), else ``float32_fma_tiles`` for a float32 forward,
     dK/dV or dQ kernel whose dots are IEEE (``fp32_precision``) on a GPU its gate opens, else the first
     matching rule's of the table; a float32 kernel's on a GPU with ``FLOAT32_REGISTER_CAP`` where they name none."""
     config = tile_config(kernel, arch, variant, head_dim, dtype)
@@ -144,11 +156,16 @@ def choose_tiles(
     on_gpu_float32 = dtype == "float32" and arch != "interpreter"
     ieee = on_gpu_float32 and fp32_precision == "ieee" and kernel in FMA_TILED_KERNELS
     if config is None and ieee and FLOAT32_FMA_GATE.opens_on(arch):
-        return FLOAT32_FMA_TILES
+        return float32_fma_tiles(kernel, head_dim)
     config = config or _table_tiles(arch, variant, head_dim, kernel, dtype)
     if on_gpu_float32 and config.max_registers is None:
         return attrs.evolve(config, max_registers=FLOAT32_REGISTER_CAP)
     return config
+
+
+def float32_fma_tiles(kernel: str, head_dim: int) -> TileConfig:
+    """``FLOAT32_FMA_TILES``' tiles of ``kernel`` (one of ``FMA_TILED_KERNELS``) at ``head_dim`` (1 to 256)."""
+    return next(tiles[kernel] for largest, tiles in FLOAT32_FMA_TILES if head_dim <= largest)
 
 
 def _table_tiles(arch: str, variant: str, head_dim: int, kernel: str, dtype: str) -> TileConfig:
