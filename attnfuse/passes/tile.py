@@ -137,7 +137,7 @@ FLOAT32_FMA_GATE = Gate(
     "float32 FMA tiles",
     "ATTNFUSE_FLOAT32_FMA_TILES",
     "tests/test_gpu.py::test_float32_fma_tiles_match_the_reference",
-    checked=(),
+    checked=("sm90",),
 )
 
 
