@@ -86,10 +86,12 @@ for step in "$@"; do
       # of them against the table's tiles (forward; then dK/dV and dQ pairs, timing forward+backward)
       if timeout "${STEP_TIMEOUT:-0}" python3 -m pytest -q -rfE -p no:cacheprovider tests/test_gpu.py -k float32_fma \
         2>&1 | tee "$OUT/float32_test.log" | tail -5; [ "${PIPESTATUS[0]}" -eq 0 ]; then
-        (cd benchmarks && timeout "${STEP_TIMEOUT:-0}" python3 sweep_tiles.py --float32 \
-          --cases gpt2:4096:causal,llama3-8b:4096:causal --tiles 32,32,8,2 64,64,4,3 128,128,8,3 \
-          && timeout "${STEP_TIMEOUT:-0}" python3 sweep_tiles.py --float32 --kernel backward \
-          --cases gpt2:4096:causal,llama3-8b:4096:causal --dkdv-tiles 32,32,8,2 64,64,4,2 --dq-tiles 32,32,8,2 128,64,8,3) \
+        # FLOAT32_FMA_TILES' rows (head dim 64: GPT-2's; 128: Llama-3-8B's) against their neighbours and the table's
+        (cd benchmarks && S="timeout ${STEP_TIMEOUT:-0} python3 sweep_tiles.py --float32" \
+          && $S --cases gpt2:4096:causal --tiles 64,64,4,2 64,64,4,3 32,32,8,2 \
+          && $S --cases llama3-8b:4096:causal --tiles 64,64,8,2 32,32,4,2 64,32,4,2 \
+          && $S --kernel backward --cases gpt2:4096:causal --dkdv-tiles 64,32,4,2 64,64,4,3 --dq-tiles 64,64,4,2 64,64,4,3 \
+          && $S --kernel backward --cases llama3-8b:4096:causal --dkdv-tiles 32,32,4,2 32,32,8,2 --dq-tiles 32,32,4,2 64,32,4,2) \
           2>&1 | tee "$OUT/float32_sweep.log" | grep -vi warn
       else
         echo "float32: the GPU check failed, so the sweep did not run"
