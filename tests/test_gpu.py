@@ -116,7 +116,7 @@ def test_backward_matches_sdpa(dtype, B, Hq, Hkv, N, bitwise):
 
 
 @pytest.fixture
-def float32_fma_tiles(monkeypatch):
+def fma_tiles_opened(monkeypatch):
     """IEEE float32 dots, with ``passes.tile.FLOAT32_FMA_TILES`` opened on this GPU by their environment variable;
     the kernels planned with them dropped before and after."""
     from attnfuse.passes import tile
@@ -130,7 +130,7 @@ def float32_fma_tiles(monkeypatch):
 
 
 @pytest.mark.parametrize("D", [64, 128, 256])
-def test_float32_fma_tiles_match_the_reference(float32_fma_tiles, D):
+def test_float32_fma_tiles_match_the_reference(fma_tiles_opened, D):
     """IEEE float32 calls with ``passes.tile.FLOAT32_FMA_TILES`` (a head dim from each row): causal GQA outputs and
     gradients against float64 SDPA, at a length that leaves partial tiles."""
     from attnfuse.passes import tile

@@ -19,6 +19,7 @@ from attnfuse.passes.tile import (
     float32_fma_tiles,
 )
 from attnfuse.plan import TileConfig
+from attnfuse.runtime.inputs import MAX_HEAD_DIM
 from attnfuse.runtime.launch import clear_cache
 from attnfuse.testing import assert_matches_reference
 
@@ -171,9 +172,10 @@ def test_ieee_float32_kernels_on_a_gpu_take_fma_tiles_unless_a_plugin_chooses(re
 
 @pytest.mark.parametrize("kernel", FMA_TILED_KERNELS)
 def test_float32_fma_tiles_follow_the_head_dim(kernel):
-    """Each head dim from 1 to 256 takes the first row of ``FLOAT32_FMA_TILES`` that covers it, capped."""
+    """Each head dim a call takes (1 to ``MAX_HEAD_DIM``) has a row of ``FLOAT32_FMA_TILES``: the first that covers
+    it, capped."""
     rows = [(largest, tiles[kernel]) for largest, tiles in FLOAT32_FMA_TILES]
-    assert rows[-1][0] == 256
+    assert rows[-1][0] == MAX_HEAD_DIM
     smallest = 1
     for largest, tiles in rows:
         for head_dim in (smallest, largest):
