@@ -138,3 +138,28 @@ def test_interpreter_leaves_triton_language_as_it_found_it():
     with pytest.raises(IndexError):
         InterpretedKernel(row_stats).launch((1,), (x, torch.empty(1), 8), {"BLOCK": 8})
     assert _language_state() == before
+
+
+def test_interpreted_helpers_share_the_kernels_patches(monkeypatch):
+    """A kernel that calls a ``@triton.jit`` helper on every step of a loop patches ``triton.language`` once
+    for itself and once for the modules its helpers see (``tl.core``), not once per call: entering the patches
+    costs milliseconds, and a kernel's helpers are called for every program and step."""
+    from attnfuse.runtime import interpreter
+
+    patches = []
+    original = interpreter._patch_lang
+    monkeypatch.setattr(interpreter, "_patch_lang", lambda fn: patches.append(fn) or original(fn))
+
+    def running_max(X, Y, STEPS: tl.constexpr, BLOCK: tl.constexpr):
+        i = tl.arange(0, BLOCK)
+        best = tl.max(tl.load(X + i), axis=0)
+        for step in range(1, STEPS):
+            best = tl.maximum(best, tl.max(tl.load(X + step * BLOCK + i), axis=0))
+        tl.store(Y + tl.program_id(0), best)
+
+    x, y = torch.randn(6 * 8, generator=torch.Generator().manual_seed(1)), torch.empty(3)
+    before = _language_state()
+    interpreter.InterpretedKernel(running_max).launch((3,), (x, y), {"STEPS": 6, "BLOCK": 8})
+    assert torch.equal(y, x.max().expand(3))
+    assert len(patches) <= 2, [p.__name__ for p in patches]
+    assert _language_state() == before

@@ -13,7 +13,7 @@ import torch
 
 import attnfuse as af
 from attnfuse.runtime import hoisted
-from attnfuse.testing import assert_matches_reference, check_combinator
+from attnfuse.testing import assert_matches_reference
 
 from conftest import hoisted_last_call, plan_setting
 
@@ -136,10 +136,6 @@ def test_hoisted_and_fused_agree_with_reference(which):
         _check_grads(qwen3, q, k, v, *weights)
         assert not hoisted_last_call()
         torch.testing.assert_close(qwen3(q, k, v, *weights), hoisted_out)
-
-
-def test_conforms():
-    check_combinator("qk_norm", max_examples=4, head_dims=(16, 32))
 
 
 @pytest.mark.parametrize(

@@ -1,5 +1,6 @@
-"""The built-in softmax_with_sinks (attention sinks, GPT-OSS): the conformance kit, fixed programs against
-hand-written float64 math (out, lse and gradients), fully masked rows, the input errors and its registration."""
+"""The built-in softmax_with_sinks (attention sinks, GPT-OSS): fixed programs against hand-written float64 math
+(out, lse and gradients), fully masked rows, the input errors and its registration (the conformance kit runs on
+it in tests/test_conformance.py)."""
 
 from __future__ import annotations
 
@@ -18,10 +19,6 @@ if torch.cuda.is_available():
         pytest.param("cuda", dtype, id=f"cuda-{str(dtype)[6:]}")
         for dtype in (torch.float32, torch.float16, torch.bfloat16)
     ]
-
-
-def test_conforms(attnfuse_conformance):
-    attnfuse_conformance("softmax_with_sinks")
 
 
 def test_is_a_builtin():

@@ -4,7 +4,8 @@
 every patch (ours and Triton's) is undone when it returns:
 Triton's own library functions (``tl.sum``, ``tl.max``, ``tl.zeros`` ...) are ``@triton.jit`` functions,
 which refuse to be called outside a compiled kernel unless ``TRITON_INTERPRET=1`` was set before Triton
-was imported, so calls to them go to interpreted copies; a scalar used as an index (a loop bound)
+was imported, so calls to them go to interpreted copies (which share the patched ``triton.language`` of the
+kernel that calls them, rather than patching it again on every call); a scalar used as an index (a loop bound)
 converts through ``.item()``, since numpy >= 2.4 refuses ``int()`` of a one-element array
 (triton-lang/triton#9171); the interpreter's float conversion (its private ``_convert_float``), which turns
 float8 e4m3fn's NaN (bits s1111111) into 480 as if it were finite, keeps it NaN; and ``tl.device_assert``
@@ -35,20 +36,39 @@ _lock = PARSE_LOCK  # every rewrite parses the kernel's source
 _interpreted: dict[Callable, InterpretedFunction] = {}
 
 
+_patch_lang = interpreter._patch_lang
+_patched_languages: set = set()  # the language modules (tl, tl.core) patched for the running launch
+_launch_scopes: list = []  # their patch scopes, undone (last first) when the launch ends
+
+
+class _UndoneWithTheLaunch:
+    def restore(self) -> None:
+        pass
+
+
+def _patch_lang_for_the_launch(fn: Callable) -> _UndoneWithTheLaunch:
+    """Triton's ``_patch_lang(fn)`` (the language modules ``fn`` sees, ``tl`` or ``tl.core``, go to the
+    interpreter), done once per launch: the patches stay until the launch ends, so a helper called for every
+    program and step finds them made. The scope returned leaves them to ``_interpreter_patches``."""
+    languages = {value for value in fn.__globals__.values() if value is tl or value is tl.core}
+    if not languages or not languages <= _patched_languages:
+        _launch_scopes.append(_patch_lang(fn))
+        _patched_languages.update(languages)
+    return _UndoneWithTheLaunch()
+
+
 def _call_interpreted(self: JITFunction, *args: Any, **kwargs: Any) -> Any:
     """A ``@triton.jit`` helper called inside an interpreted kernel. ``InterpretedFunction.__call__``
     patches ``triton.language`` for the helper and never restores it (Triton 3.6), which left later
-    compilations in the process broken; here the helper's patches are undone when it returns."""
+    compilations in the process broken; here the patches are undone when the launch ends."""
     fn = _interpreted.get(self.fn)
     if fn is None:
         fn = _interpreted[self.fn] = InterpretedFunction(self.fn)
-    scope = interpreter._patch_lang(self.fn)
+    _patch_lang_for_the_launch(self.fn)
     try:
         return fn.rewrite()(*args, **kwargs)
     except Exception as exc:
         raise InterpreterError(repr(exc)) from exc
-    finally:
-        scope.restore()
 
 
 _patch_lang_tensor = interpreter._patch_lang_tensor
@@ -121,6 +141,7 @@ def _interpreter_patches(args: tuple):
     with _lock:
         original_call = JITFunction.__call__
         JITFunction.__call__ = _call_interpreted
+        interpreter._patch_lang = _patch_lang_for_the_launch  # the kernel's own, which its helpers then share
         interpreter._patch_lang_tensor = _patch_lang_tensor_with_item_index
         interpreter._convert_float = _convert_float_keeping_e4m3_nan
         _builder.create_masked_load, _builder.create_masked_store = masked_load, masked_store
@@ -128,7 +149,11 @@ def _interpreter_patches(args: tuple):
         try:
             yield
         finally:
+            while _launch_scopes:
+                _launch_scopes.pop().restore()
+            _patched_languages.clear()
             JITFunction.__call__ = original_call
+            interpreter._patch_lang = _patch_lang
             interpreter._patch_lang_tensor = _patch_lang_tensor
             interpreter._convert_float = _convert_float
             _builder.create_masked_load, _builder.create_masked_store = _masked_load, _masked_store
