@@ -39,6 +39,18 @@ def pytest_configure(config):
         config.option.dist = "loadgroup"
     config._attnfuse_cache = tempfile.mkdtemp(prefix=f"attnfuse-test-kernels-{worker_id()}-")
     os.environ["ATTNFUSE_CACHE_DIR"] = config._attnfuse_cache
+    _share_the_cores()
+
+
+def _share_the_cores() -> None:
+    """Under ``-n N`` each worker's torch (and every process a test spawns, through OMP_NUM_THREADS) takes its
+    share of the cores rather than all of them: N workers each running a thread per core would oversubscribe
+    the machine (on CI's two cores, the suite ran about a sixth slower so). A thread count given is kept."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers > 1 and "OMP_NUM_THREADS" not in os.environ:
+        threads = max(1, (os.cpu_count() or 1) // workers)
+        os.environ["OMP_NUM_THREADS"] = str(threads)
+        torch.set_num_threads(threads)
 
 
 def pytest_unconfigure(config):
