@@ -31,15 +31,42 @@ def worker_id() -> str:
 
 def pytest_configure(config):
     """Generated kernels go to a fresh temporary directory for the session (one per xdist worker), never the
-    user's ~/.cache. Under ``-n`` the tests of one ``xdist_group`` share a worker (``--dist loadgroup``, which
-    spreads the others as ``load`` does): a module fixture that spawns processes spawns them once. A ``--dist``
-    given on the command line is kept."""
-    chosen = any(arg.startswith("--dist") for arg in config.invocation_params.args)
-    if getattr(config.option, "dist", None) == "load" and not chosen:
-        config.option.dist = "loadgroup"
+    user's ~/.cache."""
     config._attnfuse_cache = tempfile.mkdtemp(prefix=f"attnfuse-test-kernels-{worker_id()}-")
     os.environ["ATTNFUSE_CACHE_DIR"] = config._attnfuse_cache
     _share_the_cores()
+
+
+# Modules whose tests share costly module fixtures (processes spawned, packages installed, kernels compiled): under
+# ``-n`` each runs whole on one worker, so its fixtures run once; every other test is spread on its own.
+ONE_WORKER_MODULES = frozenset(
+    f"tests/{name}.py"
+    for name in (
+        "test_context_parallel",
+        "test_kit_output",
+        "test_plugin_clash",
+        "test_plugin_isolation",
+        "test_show_resources",
+        "test_source_checkout",
+    )
+)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """``-n``'s scheduler, unless a ``--dist`` is given: tests one by one, as ``load`` does, but
+    ``ONE_WORKER_MODULES`` whole. (xdist's ``--dist loadgroup`` with ``xdist_group`` marks does this by suffixing
+    test ids, which pytest 9.2's ids ignore: pytest-dev/pytest-xdist#1386.)"""
+    if config.getvalue("dist") != "load" or any(a.startswith("--dist") for a in config.invocation_params.args):
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ModulesOnOneWorker(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            module = nodeid.split("::", 1)[0]
+            return module if module in ONE_WORKER_MODULES else nodeid
+
+    return ModulesOnOneWorker(config, log)
 
 
 def _share_the_cores() -> None:

@@ -34,7 +34,7 @@ import attnfuse as af
 from attnfuse.testing import assert_matches_reference
 
 ROOT = Path(__file__).resolve().parents[1]
-pytestmark = pytest.mark.xdist_group("ring")  # under -n, one worker spawns each world's processes, once
+# Under -n one worker spawns each world's processes, once: conftest.ONE_WORKER_MODULES
 
 
 @af.attention

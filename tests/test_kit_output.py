@@ -19,7 +19,7 @@ import attnfuse as af
 from attnfuse.testing.mask_facts import MaskFactError, check_mask_facts
 from attnfuse.testing.planted_bugs import planted
 
-pytestmark = pytest.mark.xdist_group("kit_output")  # under -n, one worker runs its module fixtures once
+# Under -n one worker runs this module's fixtures once: conftest.ONE_WORKER_MODULES
 
 # The planted bugs, plus a bias whose body is wrong unless the head dim is 32: the kit's fixed cases (D=32) pass,
 # so only the fuzzer (Hypothesis) finds it, with a runtime tensor among the drawn inputs.

@@ -21,7 +21,7 @@ from attnfuse.errors import InputError, PluginError
 from attnfuse.plugin_manager import DISABLE_AUTOLOAD_ENV
 from attnfuse.scaffold import scaffold
 
-pytestmark = pytest.mark.xdist_group("plugin_clash")  # under -n, one worker runs its module fixtures once
+# Under -n one worker runs this module's fixtures once: conftest.ONE_WORKER_MODULES
 
 KEEP_ALL = textwrap.dedent("""
     import attnfuse

@@ -21,7 +21,7 @@ from attnfuse.testing.conformance import temporary_cache
 from attnfuse.testing.planted_bugs import planted
 from attnfuse.testing.strategies import pool
 
-pytestmark = pytest.mark.xdist_group("plugin_isolation")  # under -n, one worker runs its module fixtures once
+# Under -n one worker runs this module's fixtures once: conftest.ONE_WORKER_MODULES
 
 ROOT = Path(__file__).resolve().parents[1]
 

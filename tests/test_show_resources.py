@@ -23,7 +23,7 @@ from attnfuse.runtime.source_cache import CACHE_ENV
 
 FIGURES = ("registers", "spill_bytes", "shared_bytes")
 HEAD_DIM = 64
-pytestmark = pytest.mark.xdist_group("show_resources")  # under -n, one worker: its compiles are shared
+# Under -n one worker runs this module, so its compiles are shared: conftest.ONE_WORKER_MODULES
 
 
 @pytest.fixture(autouse=True)

@@ -22,7 +22,7 @@ import attnfuse as af
 from attnfuse import builtin_plugins
 from attnfuse.plugin_manager import BUILTIN_DISTRIBUTION, DISABLE_AUTOLOAD_ENV, plugin_manager
 
-pytestmark = pytest.mark.xdist_group("source_checkout")  # under -n, one worker runs its module fixtures once
+# Under -n one worker runs this module's fixtures once: conftest.ONE_WORKER_MODULES
 
 ROOT = Path(__file__).resolve().parents[1]
 BUILTIN_PLUGIN_NAMES = {f"{BUILTIN_DISTRIBUTION}:{m}" for m in builtin_plugins.MODULES}
