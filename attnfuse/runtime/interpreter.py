@@ -1,6 +1,6 @@
 """CPU tensors run the generated kernels through Triton's interpreter, with no environment variable.
 
-``InterpretedFunction`` runs a plain kernel function on CPU tensors. Four patches hold while one runs, and
+``InterpretedFunction`` runs a plain kernel function on CPU tensors. These patches hold while one runs, and
 every patch (ours and Triton's) is undone when it returns:
 Triton's own library functions (``tl.sum``, ``tl.max``, ``tl.zeros`` ...) are ``@triton.jit`` functions,
 which refuse to be called outside a compiled kernel unless ``TRITON_INTERPRET=1`` was set before Triton
@@ -42,8 +42,13 @@ _launch_scopes: list = []  # their patch scopes, undone (last first) when the la
 
 
 class _UndoneWithTheLaunch:
+    """The scope Triton's launch gets for its kernel's patches: ``_interpreter_patches`` undoes them, not it."""
+
     def restore(self) -> None:
         pass
+
+
+_UNDONE_WITH_THE_LAUNCH = _UndoneWithTheLaunch()
 
 
 def _patch_lang_for_the_launch(fn: Callable) -> _UndoneWithTheLaunch:
@@ -54,7 +59,7 @@ def _patch_lang_for_the_launch(fn: Callable) -> _UndoneWithTheLaunch:
     if not languages or not languages <= _patched_languages:
         _launch_scopes.append(_patch_lang(fn))
         _patched_languages.update(languages)
-    return _UndoneWithTheLaunch()
+    return _UNDONE_WITH_THE_LAUNCH
 
 
 def _call_interpreted(self: JITFunction, *args: Any, **kwargs: Any) -> Any:
